@@ -1,0 +1,416 @@
+"""What is in a catalog: the schema of ``catalog.json``, as frozen dataclasses.
+
+A catalog lists every compiled *variant* (one kernel, one specialization, one tuning config,
+one GPU target) with everything needed to launch it without Triton: the binary's symbol, the
+argument layout, launch parameters, the grid rule and where the image is. ``docs/catalog.md``
+specifies each field. Loading validates everything; an error names the file, the JSON path and
+the offending value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CatalogError
+
+SCHEMA = "aotriton-rt.catalog"
+SCHEMA_VERSION = 1
+CATALOG_FILE = "catalog.json"
+
+_POINTER = re.compile(r"^\*(fp8e4nv|fp8e5|fp16|bf16|fp32|fp64|i1|i8|i16|i32|i64|u8|u16|u32|u64)$")
+#: Scalar argument types and their (size, struct code). Triton passes i1 as a byte.
+SCALAR_TYPES: dict[str, tuple[int, str]] = {
+    "i1": (1, "b"), "i8": (1, "b"), "u8": (1, "B"), "i16": (2, "h"), "u16": (2, "H"),
+    "i32": (4, "i"), "u32": (4, "I"), "i64": (8, "q"), "u64": (8, "Q"),
+    "fp32": (4, "f"), "fp64": (8, "d"),
+}
+BACKENDS = ("cuda", "hip")
+IMAGE_FORMATS = {"cuda": "cubin", "hip": "hsaco"}
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def is_pointer_type(t: str) -> bool:
+    """True for Triton pointer type strings such as ``*fp16``."""
+    return bool(_POINTER.match(t))
+
+
+class _Reader:
+    """Typed access to one JSON object, with errors that name file and JSON path."""
+
+    def __init__(self, obj: Any, path: str, source: str) -> None:
+        if not isinstance(obj, Mapping):
+            raise CatalogError(f"{source}: {path} must be an object, found {_show(obj)}")
+        self.obj, self.path, self.source = obj, path, source
+
+    def _fail(self, key: str, what: str, value: Any) -> CatalogError:
+        return CatalogError(f"{self.source}: {self.path}.{key} must be {what}, found {_show(value)}")
+
+    def get(self, key: str, kind: type | tuple[type, ...], what: str, default: Any = ...) -> Any:
+        if key not in self.obj:
+            if default is not ...:
+                return default
+            raise CatalogError(f"{self.source}: {self.path}.{key} is missing")
+        value = self.obj[key]
+        # bool is an int in Python; a catalog int field must not accept true/false.
+        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+            raise self._fail(key, what, value)
+        return value
+
+    def int(self, key: str, minimum: int = 0, default: Any = ...) -> int:
+        value = self.get(key, int, f"an integer >= {minimum}", default)
+        if value < minimum:
+            raise self._fail(key, f"an integer >= {minimum}", value)
+        return value
+
+    def str(self, key: str, default: Any = ...) -> str:
+        return self.get(key, str, "a string", default)
+
+    def sub(self, key: str, default: Any = ...) -> _Reader:
+        value = self.get(key, Mapping, "an object", default)
+        return _Reader(value, f"{self.path}.{key}", self.source)
+
+    def list(self, key: str, default: Any = ...) -> list:
+        return self.get(key, list, "a list", default)
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, Mapping) else "an object"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _scalars(r: _Reader, key: str) -> dict[str, Any]:
+    obj = r.sub(key, {})
+    for k, v in obj.obj.items():
+        if not isinstance(v, (str, int, float, bool)) or v is None:
+            raise obj._fail(k, "a string, number or boolean", v)
+    return dict(obj.obj)
+
+
+def _strings(r: _Reader, key: str) -> list[str]:
+    items = r.list(key, [])
+    for i, s in enumerate(items):
+        if not isinstance(s, str) or not s:
+            raise r._fail(f"{key}[{i}]", "a non-empty string", s)
+    return items
+
+
+@dataclass(frozen=True)
+class Target:
+    """A GPU target: ``backend`` ("cuda"/"hip"), ``arch`` ("sm90", "gfx942"), ``warp_size``."""
+
+    backend: str
+    arch: str
+    warp_size: int
+
+    @property
+    def name(self) -> str:
+        return self.arch
+
+    @classmethod
+    def from_json(cls, r: _Reader) -> Target:
+        backend = r.str("backend")
+        if backend not in BACKENDS:
+            raise r._fail("backend", f"one of {', '.join(BACKENDS)}", backend)
+        arch = r.str("arch")
+        pattern = r"^sm\d{2,3}a?$" if backend == "cuda" else r"^gfx[0-9a-f]{3,5}$"
+        if not re.match(pattern, arch):
+            raise r._fail("arch", f"a {backend} arch name like {'sm90' if backend == 'cuda' else 'gfx942'}", arch)
+        warp = r.int("warp_size", 1)
+        if warp not in (32, 64):
+            raise r._fail("warp_size", "32 or 64", warp)
+        return cls(backend, arch, warp)
+
+    def to_json(self) -> dict:
+        return {"backend": self.backend, "arch": self.arch, "warp_size": self.warp_size}
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One kernel parameter in launch order: its Triton type and its place in the buffer."""
+
+    name: str
+    type: str
+    offset: int
+    size: int
+    align: int
+    divisibility: int = 1
+
+    @property
+    def is_pointer(self) -> bool:
+        return self.type.startswith("*")
+
+    @classmethod
+    def from_json(cls, r: _Reader) -> Arg:
+        t = r.str("type")
+        if is_pointer_type(t):
+            size = 8
+        elif t in SCALAR_TYPES:
+            size = SCALAR_TYPES[t][0]
+        else:
+            raise r._fail("type", "a Triton type like *fp16, i32, i64 or fp32", t)
+        arg = cls(r.str("name"), t, r.int("offset"), r.int("size", 1), r.int("align", 1),
+                  r.int("divisibility", 1, default=1))
+        if arg.size != size:
+            raise r._fail("size", f"{size} for type {t}", arg.size)
+        if arg.align not in (1, 2, 4, 8) or arg.offset % arg.align:
+            raise r._fail("offset", f"a multiple of align {arg.align}", arg.offset)
+        return arg
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "type": self.type, "offset": self.offset, "size": self.size,
+               "align": self.align}
+        if self.divisibility != 1:
+            out["divisibility"] = self.divisibility
+        return out
+
+
+@dataclass(frozen=True)
+class Image:
+    """Where a variant's binary is, relative to its image folder, and its digests."""
+
+    path: str
+    format: str
+    compression: str
+    sha256: str
+    size: int
+    raw_sha256: str
+    raw_size: int
+
+    @classmethod
+    def from_json(cls, r: _Reader) -> Image:
+        path = r.str("path")
+        parts = path.split("/")
+        if path.startswith("/") or "\\" in path or ":" in path or any(p in ("", ".", "..") for p in parts):
+            raise r._fail("path", "a relative '/'-separated path inside the image folder", path)
+        fmt = r.str("format")
+        if fmt not in ("cubin", "hsaco"):
+            raise r._fail("format", "cubin or hsaco", fmt)
+        comp = r.str("compression")
+        if comp not in ("xz", "none"):
+            raise r._fail("compression", "xz or none", comp)
+        digests = {}
+        for key in ("sha256", "raw_sha256"):
+            digests[key] = r.str(key)
+            if not _HEX64.match(digests[key]):
+                raise r._fail(key, "64 lowercase hex digits", digests[key])
+        return cls(path, fmt, comp, digests["sha256"], r.int("size", 1), digests["raw_sha256"],
+                   r.int("raw_size", 1))
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "format": self.format, "compression": self.compression,
+                "sha256": self.sha256, "size": self.size, "raw_sha256": self.raw_sha256,
+                "raw_size": self.raw_size}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The tuning config a variant was compiled with. ``index`` 0 is the kernel's default."""
+
+    index: int
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, r: _Reader) -> Config:
+        return cls(r.int("index"), _scalars(r, "constexprs"), r.int("num_warps", 1),
+                   r.int("num_stages", 0), _scalars(r, "options"))
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "constexprs": dict(sorted(self.constexprs.items())),
+                "num_warps": self.num_warps, "num_stages": self.num_stages,
+                "options": dict(sorted(self.options.items()))}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled binary and everything needed to launch it."""
+
+    key: str
+    kernel: str
+    symbol: str
+    target: Target
+    spec: dict[str, Any]
+    config: Config
+    args: tuple[Arg, ...]
+    hidden_args: tuple[Arg, ...]
+    param_size: int
+    scratch: dict[str, int]
+    num_warps: int
+    num_ctas: int
+    cluster_dims: tuple[int, int, int]
+    shared: int
+    cooperative: bool
+    pdl: bool
+    grid: tuple[str, str, str]
+    image: Image
+    triton_version: str
+    checks: tuple[str, ...] = ()
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * self.target.warp_size
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """Every named value fixed at compile time: spec axes, then config constexprs."""
+        return {**self.spec, **self.config.constexprs}
+
+    @classmethod
+    def from_json(cls, obj: Any, path: str, source: str) -> Variant:
+        r = _Reader(obj, path, source)
+        key = r.str("key")
+        if not _HEX64.match(key):
+            raise r._fail("key", "64 lowercase hex digits", key)
+        target = Target.from_json(r.sub("target"))
+        args = tuple(Arg.from_json(_Reader(a, f"{path}.args[{i}]", source))
+                     for i, a in enumerate(r.list("args")))
+        hidden = tuple(Arg.from_json(_Reader(a, f"{path}.hidden_args[{i}]", source))
+                       for i, a in enumerate(r.list("hidden_args")))
+        names = [a.name for a in args]
+        if len(set(names)) != len(names):
+            raise r._fail("args", "a list of uniquely named arguments", names)
+        end = 0
+        for i, a in enumerate(args + hidden):
+            if a.offset < end:
+                where = f"args[{i}]" if i < len(args) else f"hidden_args[{i - len(args)}]"
+                raise CatalogError(f"{source}: {path}.{where}.offset {a.offset} overlaps the "
+                                   f"previous argument, which ends at {end}")
+            end = a.offset + a.size
+        param_size = r.int("param_size")
+        if param_size < end:
+            raise r._fail("param_size", f"at least {end}, the end of the last argument", param_size)
+        scratch_r = r.sub("scratch")
+        scratch = {k: scratch_r.int(k, 0 if k.endswith("size") else 1)
+                   for k in ("global_size", "global_align", "profile_size", "profile_align")}
+        cluster = r.list("cluster_dims", [1, 1, 1])
+        if len(cluster) != 3 or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
+                                        for c in cluster):
+            raise r._fail("cluster_dims", "three integers >= 1", cluster)
+        launch = r.sub("launch")
+        grid = r.list("grid")
+        if len(grid) != 3 or not all(isinstance(g, str) and g for g in grid):
+            raise r._fail("grid", "three expression strings", grid)
+        image = Image.from_json(r.sub("image"))
+        if image.format != IMAGE_FORMATS[target.backend]:
+            raise CatalogError(f"{source}: {path}.image.format must be "
+                               f"{IMAGE_FORMATS[target.backend]} for backend {target.backend}, "
+                               f"found {_show(image.format)}")
+        return cls(
+            key=key, kernel=r.str("kernel"), symbol=r.str("symbol"), target=target,
+            spec=_scalars(r, "spec"), config=Config.from_json(r.sub("config")), args=args,
+            hidden_args=hidden, param_size=param_size, scratch=scratch,
+            num_warps=r.int("num_warps", 1), num_ctas=r.int("num_ctas", 1),
+            cluster_dims=tuple(cluster), shared=r.int("shared"),
+            cooperative=launch.get("cooperative", bool, "true or false"),
+            pdl=launch.get("pdl", bool, "true or false"), grid=tuple(grid), image=image,
+            triton_version=r.str("triton_version"), checks=tuple(_strings(r, "checks")))
+
+    def to_json(self) -> dict:
+        return {
+            "key": self.key, "kernel": self.kernel, "symbol": self.symbol,
+            "target": self.target.to_json(), "spec": dict(sorted(self.spec.items())),
+            "config": self.config.to_json(), "args": [a.to_json() for a in self.args],
+            "hidden_args": [a.to_json() for a in self.hidden_args], "param_size": self.param_size,
+            "scratch": dict(self.scratch), "num_warps": self.num_warps, "num_ctas": self.num_ctas,
+            "cluster_dims": list(self.cluster_dims), "shared": self.shared,
+            "launch": {"cooperative": self.cooperative, "pdl": self.pdl},
+            "grid": list(self.grid), "image": self.image.to_json(),
+            "triton_version": self.triton_version, "checks": list(self.checks),
+        }
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """A loaded ``catalog.json``: the variants of one image folder.
+
+    Example::
+
+        cat = Catalog.load("images/catalog.json")
+        [v.kernel for v in cat.variants if v.target.arch == "sm90"]
+    """
+
+    triton_version: str
+    variants: tuple[Variant, ...]
+    tuning: dict[str, Any] = field(default_factory=dict)
+    folder: Path | None = None
+    source: str = "<memory>"
+
+    @classmethod
+    def from_json(cls, obj: Any, *, source: str = "<memory>", folder: Path | None = None) -> Catalog:
+        """Validate a parsed catalog. Raises CatalogError naming the JSON path of a bad value."""
+        r = _Reader(obj, "$", source)
+        schema = r.str("schema")
+        if schema != SCHEMA:
+            raise r._fail("schema", f'"{SCHEMA}"', schema)
+        version = r.int("schema_version", 1)
+        if version != SCHEMA_VERSION:
+            raise CatalogError(
+                f"{source}: catalog schema_version {version} is not understood by this runtime "
+                f"(it reads version {SCHEMA_VERSION}); "
+                + ("upgrade aotriton-rt (pip install -U aotriton-rt)" if version > SCHEMA_VERSION
+                   else "rebuild the images with this version's builder or download them again"))
+        variants = tuple(Variant.from_json(v, f"$.variants[{i}]", source)
+                         for i, v in enumerate(r.list("variants")))
+        seen: dict[str, int] = {}
+        for i, v in enumerate(variants):
+            if v.key in seen:
+                raise CatalogError(f"{source}: $.variants[{i}].key repeats $.variants[{seen[v.key]}].key "
+                                   f"({v.key[:16]}...)")
+            seen[v.key] = i
+        return cls(r.str("triton_version"), variants, dict(r.sub("tuning", {}).obj), folder, source)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Catalog:
+        """Read and validate ``catalog.json`` (or the folder holding it)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / CATALOG_FILE
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise CatalogError(f"cannot read catalog {path}: {e.strerror or e}") from e
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CatalogError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
+        return cls.from_json(obj, source=str(path), folder=path.parent)
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
+                "triton_version": self.triton_version, "tuning": self.tuning,
+                "variants": [v.to_json() for v in sorted(self.variants, key=_order)]}
+
+    def dumps(self) -> str:
+        """Canonical text: sorted variants and keys, so equal catalogs are equal bytes."""
+        return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
+
+    def targets(self) -> list[Target]:
+        return sorted({v.target for v in self.variants}, key=lambda t: (t.backend, t.arch))
+
+
+def _order(v: Variant) -> tuple:
+    return (v.target.backend, v.target.arch, v.kernel, v.key)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and os.replace."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

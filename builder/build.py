@@ -1,0 +1,248 @@
+"""Building an image folder: parallel, bounded, incremental, reproducible.
+
+Jobs run in worker processes (``-j``), each with a per-job timeout: a worker that overruns is
+killed and replaced, and its job is reported as failed by name. Variants whose key is already
+in the output folder's catalog, with an intact image, are reused. Outputs are written atomically
+and the catalog last, in canonical form, so two clean builds give identical bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import lzma
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from pathlib import Path
+
+from aotriton_rt.catalog import CATALOG_FILE, Catalog, write_atomic
+
+from .compile import image_path
+from .registry import Job
+
+PINNED_TRITON = "3.6.0"
+
+
+class BuildError(Exception):
+    pass
+
+
+@dataclass
+class Summary:
+    compiled: int = 0
+    reused: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    raw_bytes: int = 0
+    packed_bytes: int = 0
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        ratio = 100.0 * self.packed_bytes / self.raw_bytes if self.raw_bytes else 0.0
+        out = [f"compiled {self.compiled}, reused {self.reused}, failed {len(self.failed)}; "
+               f"images {self.packed_bytes / 1e6:.2f} MB xz from {self.raw_bytes / 1e6:.2f} MB raw "
+               f"({ratio:.1f}%); {self.seconds:.1f} s"]
+        out += [f"FAILED {label}: {reason}" for label, reason in self.failed]
+        return out
+
+
+def check_triton_version() -> str:
+    import triton
+
+    if triton.__version__ != PINNED_TRITON and not os.environ.get("AOTRITON_BUILDER_ANY_TRITON"):
+        raise BuildError(f"the builder is pinned to triton {PINNED_TRITON} but {triton.__version__} "
+                         f"is installed: pip install triton=={PINNED_TRITON} "
+                         "(or set AOTRITON_BUILDER_ANY_TRITON=1 to build anyway)")
+    return triton.__version__
+
+
+def _worker(conn) -> None:
+    from .compile import compile_job
+
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        try:
+            variant, raw, packed = compile_job(job)
+            from .abi import prove
+
+            prove(variant, raw)
+            conn.send(("ok", (variant, packed)))
+        except BaseException as e:  # noqa: BLE001 - every failure is reported by name
+            detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+            conn.send(("error", detail.splitlines()[-1][:500]))
+
+
+class _Pool:
+    """Worker processes with one job each at a time, killable on timeout."""
+
+    def __init__(self, n: int) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.n = n
+        self.idle: list = []
+
+    def _spawn(self):
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=_worker, args=(child,), daemon=True)
+        proc.start()
+        child.close()
+        return proc, parent
+
+    def run(self, jobs: Sequence[Job], timeout: float, done: Callable[[Job, str, object], None]) -> None:
+        pending = list(reversed(jobs))
+        busy: dict = {}  # conn -> (proc, job, started)
+        try:
+            while pending or busy:
+                while pending and len(busy) < self.n:
+                    proc, conn = self.idle.pop() if self.idle else self._spawn()
+                    job = pending.pop()
+                    conn.send(job)
+                    busy[conn] = (proc, job, time.monotonic())
+                now = time.monotonic()
+                deadline = min(started + timeout for _, _, started in busy.values())
+                ready = wait(list(busy), timeout=max(0.0, deadline - now))
+                for conn in ready:
+                    proc, job, _ = busy.pop(conn)
+                    try:
+                        status, payload = conn.recv()
+                    except EOFError:
+                        status, payload = "error", f"worker died (exit code {proc.exitcode})"
+                        proc.join()
+                    else:
+                        self.idle.append((proc, conn))
+                    done(job, status, payload)
+                now = time.monotonic()
+                for conn, (proc, job, started) in list(busy.items()):
+                    if now - started >= timeout:
+                        proc.kill()
+                        proc.join()
+                        del busy[conn]
+                        done(job, "error", f"timed out after {timeout:g} s")
+        finally:
+            for proc, conn in self.idle:
+                conn.send(None)
+            for proc, _ in self.idle:
+                proc.join(timeout=5)
+            for proc, _, _ in busy.values():
+                proc.kill()
+
+
+def _previous(out: Path) -> dict[str, dict]:
+    """Variants of an earlier build in ``out`` whose image is still intact, by key."""
+    try:
+        catalog = Catalog.load(out / CATALOG_FILE)
+    except Exception:  # noqa: BLE001 - no or unreadable catalog: nothing to reuse
+        return {}
+    keep = {}
+    for v in catalog.variants:
+        path = out / v.image.path
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        if len(data) == v.image.size and hashlib.sha256(data).hexdigest() == v.image.sha256:
+            keep[v.key] = v.to_json()
+    return keep
+
+
+def _progress(total: int, quiet: bool):
+    if quiet or total == 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="variant", dynamic_ncols=True, file=sys.stderr)
+
+
+def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_going: bool,
+          triton_version: str, quiet: bool = False) -> Summary:
+    """Compile ``jobs`` into the image folder ``out``; the catalog lists exactly these jobs."""
+    started = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    previous = _previous(out)
+    summary = Summary()
+    variants: dict[str, dict] = {}
+    todo = []
+    for job in jobs:
+        if job.key in previous:
+            variants[job.key] = previous[job.key]
+            summary.reused += 1
+        else:
+            todo.append(job)
+    bar = _progress(len(todo), quiet)
+
+    def done(job: Job, status: str, payload) -> None:
+        if status == "ok":
+            variant, packed = payload
+            rel = image_path(variant)
+            variant["image"]["path"] = rel
+            path = out / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, packed)
+            variants[job.key] = variant
+            summary.compiled += 1
+        else:
+            summary.failed.append((job.label, str(payload)))
+            if bar is None and not quiet:
+                print(f"FAILED {job.label}: {payload}", file=sys.stderr)
+        if bar is not None:
+            bar.set_postfix_str(f"failed {len(summary.failed)}" if summary.failed else job.kernel)
+            bar.update(1)
+        elif not quiet:
+            n = summary.compiled + len(summary.failed)
+            print(f"[{n}/{len(todo)}] {status:5s} {job.label}", file=sys.stderr)
+
+    if todo:
+        _Pool(max(1, min(workers, len(todo)))).run(todo, timeout, done)
+    if bar is not None:
+        bar.close()
+    if summary.failed and not keep_going:
+        summary.seconds = time.monotonic() - started
+        raise BuildError("\n".join(summary.lines()))
+
+    catalog = Catalog.from_json({"schema": "aotriton-rt.catalog", "schema_version": 1,
+                                 "triton_version": triton_version, "tuning": {},
+                                 "variants": list(variants.values())}, source=str(out / CATALOG_FILE))
+    for v in catalog.variants:
+        summary.packed_bytes += v.image.size
+        summary.raw_bytes += v.image.raw_size
+    write_atomic(out / CATALOG_FILE, catalog.dumps().encode())
+    _remove_stale(out, {v.image.path for v in catalog.variants})
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+def _remove_stale(out: Path, keep: set[str]) -> None:
+    """Delete image files of earlier builds that the new catalog no longer lists."""
+    for backend in ("cuda", "hip"):
+        root = out / backend
+        if not root.is_dir():
+            continue
+        for path in root.rglob("*.xz"):
+            if path.relative_to(out).as_posix() not in keep:
+                path.unlink()
+        for d in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True):
+            if not any(d.iterdir()):
+                d.rmdir()
+
+
+def verify_folder(folder: Path) -> int:
+    """Re-prove the ABI of every image in ``folder``; returns the number checked."""
+    from .abi import prove
+
+    catalog = Catalog.load(folder / CATALOG_FILE)
+    for v in catalog.variants:
+        data = (folder / v.image.path).read_bytes()
+        if hashlib.sha256(data).hexdigest() != v.image.sha256:
+            raise BuildError(f"{v.image.path}: sha256 does not match the catalog")
+        raw = lzma.decompress(data) if v.image.compression == "xz" else data
+        if hashlib.sha256(raw).hexdigest() != v.image.raw_sha256:
+            raise BuildError(f"{v.image.path}: raw sha256 does not match the catalog")
+        prove(v.to_json(), raw)
+    return len(catalog.variants)

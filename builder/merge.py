@@ -1,0 +1,50 @@
+"""Merging shard outputs (``build --shard K/N``) into one image folder and catalog."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+from aotriton_rt.catalog import CATALOG_FILE, Catalog, write_atomic
+
+from .build import BuildError, _remove_stale
+
+
+def merge(inputs: Sequence[Path], out: Path) -> Catalog:
+    """Union the catalogs of ``inputs`` and copy their images into ``out``.
+
+    Shards of one build never disagree; a key present twice with different content, or
+    catalogs from different Triton versions, are errors.
+    """
+    if not inputs:
+        raise BuildError("merge needs at least one input folder")
+    catalogs = [Catalog.load(Path(p) / CATALOG_FILE) for p in inputs]
+    versions = {c.triton_version for c in catalogs}
+    if len(versions) != 1:
+        raise BuildError(f"cannot merge catalogs built with different Triton versions: {sorted(versions)}")
+    variants: dict[str, tuple[dict, Path]] = {}
+    for src, cat in zip(inputs, catalogs):
+        for v in cat.variants:
+            entry = v.to_json()
+            if v.key in variants and variants[v.key][0] != entry:
+                raise BuildError(f"variant {v.key[:16]} ({v.kernel}) differs between "
+                                 f"{variants[v.key][1]} and {src}")
+            variants[v.key] = (entry, Path(src))
+    out.mkdir(parents=True, exist_ok=True)
+    for entry, src in variants.values():
+        rel = entry["image"]["path"]
+        data = (src / rel).read_bytes()
+        if hashlib.sha256(data).hexdigest() != entry["image"]["sha256"]:
+            raise BuildError(f"{src / rel}: sha256 does not match its catalog")
+        dest = out / rel
+        if not (dest.exists() and dest.read_bytes() == data):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(dest, data)
+    merged = Catalog.from_json({"schema": "aotriton-rt.catalog", "schema_version": 1,
+                                "triton_version": versions.pop(), "tuning": {},
+                                "variants": [e for e, _ in variants.values()]},
+                               source=str(out / CATALOG_FILE))
+    write_atomic(out / CATALOG_FILE, merged.dumps().encode())
+    _remove_stale(out, {v.image.path for v in merged.variants})
+    return merged

@@ -1,0 +1,201 @@
+"""What to build: kernel declarations and their expansion into compile jobs.
+
+A kernel file in ``builder/kernels/`` holds a ``@triton.jit`` function and a ``KERNEL`` (or a
+``KERNELS`` list) declaring its signature, specialization axes, tuning configs, exclusions and
+grid rule. ``docs/adding-a-kernel.md`` walks through one.
+
+Expansion is the cross product axes × configs × targets, minus exclusions, filtered by the build
+set. Each job carries everything that determines its binary, and a ``key`` that hashes it: the
+kernel's source (Triton's ``cache_key`` covers the function and the jit functions it calls), the
+resolved signature, constexprs, attributes, compile options, target and Triton version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import itertools
+import json
+import pkgutil
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .targets import Target
+
+SETS = ("default", "full")
+_FIELD = re.compile(r"\{(\w+)\}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A tuning config: block-size constexprs, warps, pipeline stages, backend options.
+
+    ``backends`` limits the config to "cuda" or "hip"; ``options`` go to ``triton.compile``
+    (e.g. HIP's ``waves_per_eu``, ``matrix_instr_nonkdim``).
+    """
+
+    constexprs: Mapping[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 2
+    options: Mapping[str, Any] = field(default_factory=dict)
+    backends: tuple[str, ...] = ("cuda", "hip")
+
+
+SpecFn = Callable[[dict, Target], Any]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel declaration. See the module docstring and docs/adding-a-kernel.md."""
+
+    name: str
+    fn: Any
+    signature: Mapping[str, str]
+    grid: tuple[str, str, str]
+    axes: Mapping[str, Sequence[Any]] = field(default_factory=dict)
+    configs: Sequence[Config] | SpecFn = (Config(),)
+    divisibility: Mapping[str, int] | None = None
+    exclude: SpecFn | None = None
+    sets: Mapping[str, SpecFn] = field(default_factory=dict)
+    checks: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        arg_names = list(getattr(self.fn, "arg_names", []))
+        if list(self.signature) != arg_names:
+            raise ValueError(f"kernel {self.name}: signature names {list(self.signature)} must be "
+                             f"the function's arguments in order: {arg_names}")
+        for axis in self.axes:
+            used = axis in self.signature or any(f"{{{axis}}}" in t for t in self.signature.values())
+            if not used:
+                raise ValueError(f"kernel {self.name}: axis {axis!r} is neither a constexpr "
+                                 "argument nor used as {" + axis + "} in the signature")
+        for name in self.sets:
+            if name not in SETS:
+                raise ValueError(f"kernel {self.name}: unknown set {name!r}; sets: {', '.join(SETS)}")
+
+    def configs_for(self, spec: dict, target: Target) -> list[Config]:
+        configs = self.configs(spec, target) if callable(self.configs) else self.configs
+        return [c for c in configs if target.backend in c.backends]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One variant to compile: a kernel × spec × config × target, fully resolved."""
+
+    kernel: str
+    key: str
+    target: Target
+    spec: dict
+    config_index: int
+    config: Config
+    signature: dict  # name -> Triton type; "constexpr" for constexprs
+    constexprs: dict
+    divisibility: dict  # name -> int, for the non-constexpr args that have it
+    grid: tuple[str, str, str]
+    checks: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        spec = ",".join(f"{k}={v}" for k, v in self.spec.items())
+        return f"{self.kernel}[{spec}]#{self.config_index}@{self.target.arch}"
+
+    def options(self) -> dict:
+        return {"num_warps": self.config.num_warps, "num_stages": self.config.num_stages,
+                **dict(self.config.options)}
+
+
+def load_kernels(package: str = "builder.kernels") -> dict[str, Kernel]:
+    """Import every module of the kernels package and collect its KERNEL / KERNELS."""
+    pkg = importlib.import_module(package)
+    found: dict[str, Kernel] = {}
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{package}.{info.name}")
+        declared = list(getattr(module, "KERNELS", ()))
+        if hasattr(module, "KERNEL"):
+            declared.append(module.KERNEL)
+        for k in declared:
+            if k.name in found:
+                raise ValueError(f"kernel name {k.name!r} is declared twice ({module.__name__})")
+            found[k.name] = k
+    return found
+
+
+def _resolve_signature(kernel: Kernel, spec: dict) -> dict:
+    def sub(t: str) -> str:
+        return _FIELD.sub(lambda m: str(spec[m.group(1)]), t)
+    return {name: sub(t) for name, t in kernel.signature.items()}
+
+
+def expand(kernel: Kernel, targets: Sequence[Target], build_set: str, triton_version: str,
+           source_key: str | None = None) -> list[Job]:
+    """Every job of ``kernel`` for ``targets`` in ``build_set`` ("default" or "full")."""
+    if build_set not in SETS:
+        raise ValueError(f"unknown build set {build_set!r}; sets: {', '.join(SETS)}")
+    source_key = source_key or kernel.fn.cache_key
+    axis_names = list(kernel.axes)
+    jobs = []
+    for target in targets:
+        for values in itertools.product(*(kernel.axes[a] for a in axis_names)):
+            spec = dict(zip(axis_names, values))
+            if kernel.exclude and kernel.exclude(spec, target):
+                continue
+            in_set = kernel.sets.get(build_set)
+            if build_set != "full" and in_set is not None and not in_set(spec, target):
+                continue
+            signature = _resolve_signature(kernel, spec)
+            for index, config in enumerate(kernel.configs_for(spec, target)):
+                constexprs = {n: spec[n] if n in spec else config.constexprs.get(n)
+                              for n, t in signature.items() if t == "constexpr"}
+                missing = [n for n, v in constexprs.items() if v is None]
+                if missing:
+                    raise ValueError(f"kernel {kernel.name}: constexpr {', '.join(missing)} has no "
+                                     f"value in spec {spec} or config #{index}")
+                divisibility = _divisibility(kernel, signature)
+                job = Job(kernel.name, "", target, spec, index, config, signature, constexprs,
+                          divisibility, tuple(kernel.grid), tuple(kernel.checks))
+                jobs.append(_with_key(job, source_key, triton_version))
+    return jobs
+
+
+def _divisibility(kernel: Kernel, signature: dict) -> dict:
+    if kernel.divisibility is None:
+        return {n: 16 for n, t in signature.items() if t.startswith("*")}
+    return {n: d for n, d in kernel.divisibility.items() if signature.get(n, "constexpr") != "constexpr"}
+
+
+def _with_key(job: Job, source_key: str, triton_version: str) -> Job:
+    text = json.dumps({
+        "source": source_key, "kernel": job.kernel, "target": job.target.to_json(),
+        "signature": job.signature, "constexprs": job.constexprs, "divisibility": job.divisibility,
+        "options": job.options(), "grid": job.grid, "checks": job.checks, "triton": triton_version,
+        "spec": job.spec, "config_index": job.config_index,
+    }, sort_keys=True, default=str)
+    key = hashlib.sha256(text.encode()).hexdigest()
+    return Job(**{**job.__dict__, "key": key})
+
+
+def select(kernels: Mapping[str, Kernel], names: str | None) -> list[Kernel]:
+    """``--kernels add,softmax`` → those declarations; unknown names fail with the known ones."""
+    if not names:
+        return [kernels[n] for n in sorted(kernels)]
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in kernels]
+    if unknown:
+        raise ValueError(f"unknown kernel {', '.join(unknown)}; known kernels: {', '.join(sorted(kernels))}")
+    return [kernels[n] for n in sorted(set(wanted))]
+
+
+def shard(jobs: Sequence[Job], spec: str | None) -> list[Job]:
+    """``--shard K/N``: the K-th of N deterministic slices (1-based), balanced round-robin."""
+    ordered = sorted(jobs, key=lambda j: j.key)
+    if not spec:
+        return ordered
+    m = re.fullmatch(r"(\d+)/(\d+)", spec.strip())
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise ValueError(f"--shard must be K/N with 1 <= K <= N, got {spec!r}")
+    k, n = int(m.group(1)), int(m.group(2))
+    return ordered[k - 1::n]
