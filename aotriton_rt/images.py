@@ -1,0 +1,120 @@
+"""Where images come from, and reading one safely.
+
+The search order, first match wins:
+
+1. an explicit path given to :class:`aotriton_rt.Library` (or ``path=``);
+2. the environment variable ``AOTRITON_RT_IMAGES``: one image folder, or several separated by
+   ``os.pathsep``;
+3. the ``images/`` folder of a source checkout, or ``aotriton_rt/images`` inside an installed
+   package;
+4. the per-user cache where ``python -m aotriton_rt download`` installs bundles
+   (``AOTRITON_RT_CACHE`` overrides it), one image folder per bundle.
+
+An image folder is a directory holding ``catalog.json``. Every image is checked against the
+catalog's sha256 (compressed and raw) before its bytes are handed to a driver.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import lzma
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .catalog import CATALOG_FILE, Variant
+from .errors import ImageError, ImageFolderNotFound
+
+ENV_IMAGES = "AOTRITON_RT_IMAGES"
+ENV_CACHE = "AOTRITON_RT_CACHE"
+_HERE = Path(__file__).resolve().parent
+
+
+def cache_root() -> Path:
+    """The per-user folder holding downloaded image folders (``.../aotriton-rt/images``)."""
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE])
+    try:
+        from platformdirs import user_cache_dir
+        base = Path(user_cache_dir("aotriton-rt", appauthor=False))
+    except ImportError:  # the core runtime needs only the standard library
+        if sys.platform == "win32":
+            base = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local")) / "aotriton-rt" / "Cache"
+        elif sys.platform == "darwin":
+            base = Path.home() / "Library" / "Caches" / "aotriton-rt"
+        else:
+            base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aotriton-rt"
+    return base / "images"
+
+
+@dataclass
+class Found:
+    """The image folders chosen, why, and every place looked at on the way."""
+
+    folders: list[Path]
+    reason: str
+    tried: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _is_folder(p: Path) -> bool:
+    return (p / CATALOG_FILE).is_file()
+
+
+def find(path: str | os.PathLike | None = None) -> Found:
+    """Locate image folders along the documented order; raise ImageFolderNotFound if none."""
+    tried: list[tuple[str, str]] = []
+    if path is not None:
+        p = Path(path)
+        if _is_folder(p):
+            return Found([p], "given explicitly", tried)
+        raise ImageFolderNotFound(f"{p} is not an image folder (no {CATALOG_FILE} in it)")
+    env = os.environ.get(ENV_IMAGES)
+    if env:
+        folders = [Path(x) for x in env.split(os.pathsep) if x]
+        bad = [str(f) for f in folders if not _is_folder(f)]
+        if bad:
+            raise ImageFolderNotFound(f"{ENV_IMAGES} names folders without {CATALOG_FILE}: "
+                                      f"{', '.join(bad)}")
+        return Found(folders, f"from ${ENV_IMAGES}", tried)
+    tried.append((f"${ENV_IMAGES}", "not set"))
+    for candidate, why in ((_HERE.parent / "images", "the source checkout's images/ folder"),
+                           (_HERE / "images", "the images packaged with aotriton_rt")):
+        if _is_folder(candidate):
+            return Found([candidate], why, tried)
+        tried.append((str(candidate), f"no {CATALOG_FILE}"))
+    root = cache_root()
+    bundles = sorted(p for p in root.glob("*") if _is_folder(p)) if root.is_dir() else []
+    if bundles:
+        return Found(bundles, f"downloaded bundles in {root}", tried)
+    tried.append((str(root), "no downloaded bundles"))
+    places = "\n".join(f"  {where}: {why}" for where, why in tried)
+    raise ImageFolderNotFound(
+        "no image folder found; looked at:\n" + places + "\nbuild images with "
+        "`python -m builder build`, download them with `python -m aotriton_rt download`, "
+        f"or point ${ENV_IMAGES} at a folder holding {CATALOG_FILE}")
+
+
+def read_image(folder: Path, variant: Variant) -> bytes:
+    """The raw binary of ``variant``, after checking both of its digests."""
+    path = folder / variant.image.path
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ImageError(f"cannot read image {path}: {e.strerror or e}; reinstall the image "
+                         "folder (`python -m aotriton_rt verify` checks one)") from e
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != variant.image.sha256:
+        raise ImageError(f"image {path} is corrupt: sha256 {digest[:16]}... but the catalog says "
+                         f"{variant.image.sha256[:16]}...; it was not loaded. Rebuild or re-download it")
+    if variant.image.compression == "xz":
+        try:
+            raw = lzma.decompress(data, format=lzma.FORMAT_XZ)
+        except lzma.LZMAError as e:
+            raise ImageError(f"image {path} does not decompress: {e}") from e
+    else:
+        raw = data
+    if hashlib.sha256(raw).hexdigest() != variant.image.raw_sha256:
+        raise ImageError(f"image {path} decompresses to bytes whose sha256 does not match the "
+                         "catalog's raw_sha256; it was not loaded")
+    return raw

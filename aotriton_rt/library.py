@@ -1,0 +1,349 @@
+"""How a kernel is launched: a loaded catalog (:class:`Library`) and kernel handles.
+
+Example::
+
+    import aotriton_rt
+    lib = aotriton_rt.Library()                  # finds images (see aotriton_rt.images)
+    add = lib.kernel("add", dtype="fp32")
+    add(x, y, out, x.numel())                    # grid from the catalog's rule
+    add[(blocks,)](x, y, out, x.numel())         # or an explicit grid
+
+Handles are cheap to create and cached; modules load lazily on the first launch on each
+device, once, under a lock. Launches from many threads are safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from . import arch as _arch
+from . import interop
+from .catalog import Catalog, Variant
+from .errors import ArgumentError, DriverError, KernelNotFound, LaunchError
+from .images import find, read_image
+from .pack import Packer, scalar_checker
+from .select import match, select_one
+
+MAX_DEVICES = 64
+_NO_DEVICE = -2  # None and raw integer pointers carry no device
+
+
+def _none_pointer(obj: Any) -> tuple[int, int]:
+    return 0, _NO_DEVICE
+
+
+def _raw_pointer(obj: Any) -> tuple[int, int]:
+    return int(obj), _NO_DEVICE
+
+
+class _DeviceState:
+    """One variant loaded on one device: its launcher, packer and scratch needs."""
+
+    __slots__ = ("variant", "packer", "launcher", "grid_for", "checks", "hidden", "scratch_size")
+
+    def __init__(self, variant: Variant, packer: Packer, launcher: Any) -> None:
+        self.variant = variant
+        self.packer = packer
+        self.launcher = launcher
+        self.grid_for = packer.grid_for
+        self.checks = packer.run_checks if packer.checks else None
+        per_program = variant.scratch["global_size"] * variant.num_ctas
+        self.scratch_size = per_program
+        self.hidden = (0, 0)
+
+
+class Kernel:
+    """A handle on one kernel specialization; launches on whatever device its tensors are on.
+
+    Call it as ``k(*args, stream=None)`` to use the catalog's grid rule, or
+    ``k[grid](*args, stream=None)`` with ``grid`` a tuple of 1–3 ints or a callable taking the
+    variant's compile-time parameters. ``stream`` defaults to the current stream of the
+    framework of the first tensor argument (torch, CuPy), else the legacy default stream.
+    """
+
+    def __init__(self, library: Library, name: str, params: dict[str, Any], candidates: list[Variant],
+                 raw_pointers: bool) -> None:
+        self.library = library
+        self.name = name
+        self.params = params
+        self.candidates = candidates
+        first = candidates[0]
+        for v in candidates[1:]:
+            if [(a.name, a.type, a.divisibility) for a in v.args] != \
+                    [(a.name, a.type, a.divisibility) for a in first.args]:
+                raise KernelNotFound(f"{name}: variants {first.key[:16]} and {v.key[:16]} have different "
+                                     "argument lists; specify more parameters")
+        self.arg_names = [a.name for a in first.args]
+        self._states: list[_DeviceState | None] = [None] * MAX_DEVICES
+        self._raw = raw_pointers
+        self._launch = self._generate(first)
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"<aotriton_rt.Kernel {self.name}({params}) args=({', '.join(self.arg_names)})>"
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        return partial(self._call_grid, grid)
+
+    def __call__(self, *args: Any, stream: int | None = None) -> None:
+        self._launch(None, stream, *args)
+
+    def _call_grid(self, grid: Any, *args: Any, stream: int | None = None) -> None:
+        self._launch(grid, stream, *args)
+
+    def variant(self, device: int = 0) -> Variant:
+        """The variant this handle launches on ``device`` (loading it if needed)."""
+        return self._state(device).variant
+
+    # -- code generation -------------------------------------------------------------------
+    def _generate(self, first: Variant) -> Callable[..., None]:
+        """Write the launch function of this signature: unrolled checks, one pack, one call."""
+        names = self.arg_names
+        env: dict[str, Any] = {
+            "_H": interop._HANDLERS, "_resolve": self._resolve_pointer, "_state": self._state,
+            "_states": self._states, "_n": MAX_DEVICES, "_wrong": _wrong_device,
+            "_misaligned": _misaligned, "_grid": _normalize_grid, "_stream": self._default_stream,
+            "_scratch": self._scratch, "_nodev": self._no_device,
+        }
+        lines = [f"def _launch(grid, stream, {', '.join(names)}):"]
+        ptrs = [a for a in first.args if a.is_pointer]
+        for i, a in enumerate(ptrs):
+            lines += [f"    h = _H.get(type({a.name}))",
+                      f"    p{i}, d{i} = h({a.name}) if h is not None else _resolve({a.name}, {a.name!r})"]
+        if ptrs:
+            lines.append("    dev = d0 if d0 >= 0 else max(" + ", ".join(f"d{i}" for i in range(len(ptrs)))
+                         + ", -2)" if len(ptrs) > 1 else "    dev = d0")
+            lines.append("    if dev < 0: dev = _nodev()")
+            for i, a in enumerate(ptrs[1:], start=1):
+                lines.append(f"    if d{i} != dev and d{i} != -2: _wrong({a.name!r}, d{i}, dev)")
+            for i, a in enumerate(ptrs):
+                if a.divisibility > 1:
+                    lines.append(f"    if p{i} % {a.divisibility}: _misaligned({a.name!r}, p{i}, {a.divisibility})")
+        else:
+            lines.append("    dev = _nodev()")
+        values = []
+        k = 0
+        for a in first.args:
+            if a.is_pointer:
+                values.append(f"p{k}")
+                k += 1
+            else:
+                env[f"_c_{a.name}"] = scalar_checker(a)
+                lines.append(f"    {a.name} = _c_{a.name}({a.name})")
+                values.append(a.name)
+        lines += [
+            "    st = _states[dev] if 0 <= dev < _n else None",
+            "    if st is None: st = _state(dev)",
+            f"    vals = ({', '.join(values)},)",
+            "    if st.checks is not None: st.checks(vals)",
+            "    gx, gy, gz = st.grid_for(vals) if grid is None else _grid(grid, st.variant)",
+            "    if gx * gy * gz == 0: return",
+            f"    if stream is None: stream = _stream({names[0] if ptrs else 'None'}, dev)"
+            if ptrs else "    if stream is None: stream = 0",
+            "    hidden = st.hidden if not st.scratch_size else _scratch(st, dev, gx * gy * gz, stream)",
+            "    st.launcher(gx, gy, gz, stream, vals + hidden)",
+        ]
+        code = "\n".join(lines)
+        exec(compile(code, f"<aotriton_rt launch {self.name}>", "exec"), env)  # noqa: S102 - our own text
+        return env["_launch"]
+
+    # -- slow paths ----------------------------------------------------------------------------
+    def _resolve_pointer(self, obj: Any, name: str) -> tuple[int, int]:
+        if obj is None:
+            return _none_pointer(obj)
+        if isinstance(obj, int) and not isinstance(obj, bool):
+            if not self._raw:
+                raise ArgumentError(f"argument {name} is a plain integer {obj:#x}; raw addresses are "
+                                    f"accepted only from lib.kernel({self.name!r}, raw_pointers=True)")
+            return _raw_pointer(obj)
+        try:
+            return interop.pointer(obj, backend=self.library.backend)
+        except ArgumentError as e:
+            raise ArgumentError(f"argument {name}: {e}") from None
+
+    def _no_device(self) -> int:
+        return self.library.driver.current_device()
+
+    def _default_stream(self, obj: Any, dev: int) -> int:
+        if obj is None or isinstance(obj, int):
+            return 0
+        return interop.stream_of(obj, dev)
+
+    def _state(self, dev: int) -> _DeviceState:
+        if not 0 <= dev < MAX_DEVICES:
+            raise LaunchError(f"device index {dev} is out of range (0..{MAX_DEVICES - 1})")
+        state = self._states[dev]
+        if state is None:
+            state = self.library._load(self, dev)
+            self._states[dev] = state
+        return state
+
+    def _scratch(self, st: _DeviceState, dev: int, programs: int, stream: int) -> tuple[int, int]:
+        ptr = self.library._scratch_buffer(dev, programs * st.scratch_size,
+                                           st.variant.scratch["global_align"], stream)
+        return ptr, 0
+
+
+def _wrong_device(name: str, got: int, want: int) -> None:
+    raise ArgumentError(f"argument {name} is on device {got} but the other arguments are on device "
+                        f"{want}; move it to device {want}")
+
+
+def _misaligned(name: str, ptr: int, align: int) -> None:
+    raise ArgumentError(f"argument {name} address {ptr:#x} is not {align}-byte aligned, which this "
+                        f"kernel was compiled to assume; pass a tensor whose data starts on a "
+                        f"{align}-byte boundary (e.g. .clone() a sliced view)")
+
+
+def _normalize_grid(grid: Any, variant: Variant) -> tuple[int, int, int]:
+    if callable(grid):
+        grid = grid(variant.params)
+    if isinstance(grid, int):
+        grid = (grid,)
+    if not isinstance(grid, (tuple, list)) or not 1 <= len(grid) <= 3:
+        raise ArgumentError(f"grid must be 1 to 3 integers, got {grid!r}")
+    g = [*grid, 1, 1][:3]
+    for i, (value, limit) in enumerate(zip(g, (2**31 - 1, 65535, 65535))):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+            raise ArgumentError(f"grid[{i}] = {value!r} must be an integer in [0, {limit}]")
+    return g[0], g[1], g[2]
+
+
+class Library:
+    """A loaded set of image folders: the catalog(s) and, per device, the loaded modules.
+
+    Arguments:
+        path: an image folder; by default the search of :mod:`aotriton_rt.images`.
+        backend: "cuda" or "hip"; by default the first whose driver loads.
+
+    Raises ImageFolderNotFound when no images are found and CatalogError when one is malformed.
+    """
+
+    def __init__(self, path: str | Path | None = None, *, backend: str | None = None) -> None:
+        found = find(path)
+        self.found = found
+        self.catalogs = [Catalog.load(folder) for folder in found.folders]
+        self.variants: list[Variant] = []
+        self._folder: dict[str, Path] = {}
+        for folder, cat in zip(found.folders, self.catalogs):
+            for v in cat.variants:
+                if v.key not in self._folder:
+                    self._folder[v.key] = folder
+                    self.variants.append(v)
+        self._backend = backend
+        self._driver = None
+        self._lock = threading.RLock()
+        self._modules: dict[tuple[int, str], tuple[Any, Any]] = {}  # (device, key) -> (module, function)
+        self._handles: dict[tuple, Kernel] = {}
+        self._scratch: dict[int, tuple[int, int]] = {}  # device -> (ptr, size)
+
+    def __repr__(self) -> str:
+        return (f"<aotriton_rt.Library {len(self.variants)} variants from "
+                f"{', '.join(str(f) for f in self.found.folders)}>")
+
+    @property
+    def kernels(self) -> list[str]:
+        return sorted({v.kernel for v in self.variants})
+
+    @property
+    def driver(self):
+        if self._driver is None:
+            with self._lock:
+                if self._driver is None:
+                    from .drivers import default_driver, get_driver
+
+                    self._driver = get_driver(self._backend) if self._backend else default_driver()
+        return self._driver
+
+    @property
+    def backend(self) -> str:
+        return self._backend or self.driver.backend
+
+    def kernel(self, name: str, *, raw_pointers: bool = False, **params: Any) -> Kernel:
+        """A launchable handle for kernel ``name`` with the given parameters.
+
+        ``params`` select among variants by spec axes (e.g. ``dtype="fp16"``), config
+        constexprs (``BLOCK=1024``), ``num_warps`` or ``num_stages``. Raises KernelNotFound
+        naming what was rejected and why. ``raw_pointers=True`` accepts integer addresses.
+        """
+        cache_key = (name, raw_pointers, tuple(sorted(params.items())))
+        handle = self._handles.get(cache_key)
+        if handle is None:
+            sel = match(self.variants, name, params)
+            if not sel.accepted:
+                select_one(self.variants, name, params)  # raises with the explanation
+            handle = Kernel(self, name, params, sel.accepted, raw_pointers)
+            self._handles[cache_key] = handle
+        return handle
+
+    def _load(self, handle: Kernel, dev: int) -> _DeviceState:
+        driver = self.driver
+        with self._lock:
+            device_arch = _arch.normalize(driver.backend, driver.device_arch(dev))
+            archs = _arch.compatible(driver.backend, device_arch)
+            usable = [v for v in handle.candidates if v.target.backend == driver.backend]
+            target = _arch.pick_target(driver.backend, device_arch, sorted({v.target.arch for v in usable}))
+            variant = select_one(usable, handle.name, handle.params, [target] if target in archs else archs)
+            packer = Packer(variant)
+            mod_key = (dev, variant.key)
+            if mod_key not in self._modules:
+                raw = read_image(self._folder[variant.key], variant)
+                module = driver.load_module(dev, raw)
+                function = driver.get_function(dev, module, variant.symbol)
+                driver.prepare_function(function, variant.shared)
+                self._modules[mod_key] = (module, function)
+            function = self._modules[mod_key][1]
+            launcher = driver.make_launcher(
+                function, struct=packer.struct, num_threads=variant.num_threads, shared=variant.shared,
+                cooperative=variant.cooperative, pdl=variant.pdl, cluster_dims=variant.cluster_dims)
+            return _DeviceState(variant, packer, launcher)
+
+    def _scratch_buffer(self, dev: int, nbytes: int, align: int, stream: int) -> int:
+        """A per-device global-scratch buffer of at least ``nbytes``, grown (never shrunk) on demand.
+
+        Growing allocates device memory, which CUDA graph capture forbids: launch the kernel
+        once at its largest grid before capturing. Old buffers are kept alive, since a captured
+        graph may still point at them.
+        """
+        ptr, size = self._scratch.get(dev, (0, 0))
+        if size >= nbytes:
+            return ptr
+        with self._lock:
+            ptr, size = self._scratch.get(dev, (0, 0))
+            if size >= nbytes:
+                return ptr
+            if self.driver.is_capturing(stream):
+                raise LaunchError(f"this launch needs {nbytes} bytes of global scratch on device {dev} "
+                                  "but the stream is capturing a CUDA graph, during which memory "
+                                  "cannot be allocated; launch once with the same grid before capture")
+            new_size = max(nbytes, 2 * size, 1 << 20)
+            ptr = self.driver.alloc(dev, new_size + max(align, 128))
+            ptr = -(-ptr // max(align, 128)) * max(align, 128)
+            self._scratch[dev] = (ptr, new_size)
+            return ptr
+
+
+_default: Library | None = None
+_default_lock = threading.Lock()
+
+
+def default_library() -> Library:
+    """The process-wide Library over the default image search (created on first use)."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = Library()
+    return _default
+
+
+def kernel(name: str, **params: Any) -> Kernel:
+    """``default_library().kernel(name, **params)``."""
+    return default_library().kernel(name, **params)
+
+
+__all__ = ["Kernel", "Library", "default_library", "kernel", "DriverError"]
