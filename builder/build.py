@@ -150,14 +150,52 @@ def _previous(out: Path) -> dict[str, dict]:
     return keep
 
 
+class _Lines:
+    """Progress for logs (no terminal): a line at every tenth, with counts and ETA."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.n, self.failed, self.start = total, 0, 0, time.monotonic()
+
+    def update(self, job: Job, ok: bool) -> None:
+        self.n += 1
+        self.failed += not ok
+        if self.n == self.total or self.n % max(1, self.total // 10) == 0:
+            spent = time.monotonic() - self.start
+            eta = spent / self.n * (self.total - self.n)
+            print(f"[{self.n}/{self.total}] failed {self.failed}, {spent:.0f} s, ETA {eta:.0f} s",
+                  file=sys.stderr)
+
+    def close(self) -> None:
+        pass
+
+
+class _Bar:
+    """Progress on a terminal: a tqdm bar with counts and ETA."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="variant", dynamic_ncols=True, file=sys.stderr)
+        self.failed = 0
+
+    def update(self, job: Job, ok: bool) -> None:
+        self.failed += not ok
+        self.bar.set_postfix_str(f"failed {self.failed}" if self.failed else job.kernel, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def _progress(total: int, quiet: bool):
     if quiet or total == 0:
         return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="variant", dynamic_ncols=True, file=sys.stderr)
+    if sys.stderr.isatty():
+        try:
+            return _Bar(total)
+        except ImportError:
+            pass
+    return _Lines(total)
 
 
 def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_going: bool,
@@ -189,14 +227,10 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
             summary.compiled += 1
         else:
             summary.failed.append((job.label, str(payload)))
-            if bar is None and not quiet:
+            if not quiet:
                 print(f"FAILED {job.label}: {payload}", file=sys.stderr)
         if bar is not None:
-            bar.set_postfix_str(f"failed {len(summary.failed)}" if summary.failed else job.kernel)
-            bar.update(1)
-        elif not quiet:
-            n = summary.compiled + len(summary.failed)
-            print(f"[{n}/{len(todo)}] {status:5s} {job.label}", file=sys.stderr)
+            bar.update(job, status == "ok")
 
     if todo:
         _Pool(max(1, min(workers, len(todo)))).run(todo, timeout, done)
