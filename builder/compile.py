@@ -22,9 +22,9 @@ def compile_env() -> dict[str, str]:
     return {"TRITON_DISABLE_LINE_INFO": "1", "TRITON_ALWAYS_COMPILE": "0"}
 
 
-@lru_cache(maxsize=1)
-def _kernels():
-    return load_kernels()
+@lru_cache(maxsize=None)
+def _kernels(package: str):
+    return load_kernels(package)
 
 
 def compile_job(job: Job) -> tuple[dict, bytes, bytes]:
@@ -35,7 +35,7 @@ def compile_job(job: Job) -> tuple[dict, bytes, bytes]:
 
     from .abi import natural_layout
 
-    kernel = _kernels()[job.kernel]
+    kernel = _kernels(job.package)[job.kernel]
     names = list(job.signature)
     attrs = {(names.index(n),): [["tt.divisibility", d]] for n, d in job.divisibility.items()}
     src = ASTSource(fn=kernel.fn, signature=dict(job.signature), constexprs=dict(job.constexprs),

@@ -95,6 +95,7 @@ class Job:
     divisibility: dict  # name -> int, for the non-constexpr args that have it
     grid: tuple[str, str, str]
     checks: tuple[str, ...] = ()
+    package: str = "builder.kernels"  # where workers find the declaration again
 
     @property
     def label(self) -> str:
@@ -131,7 +132,7 @@ def _resolve_signature(kernel: Kernel, spec: dict) -> dict:
 
 
 def expand(kernel: Kernel, targets: Sequence[Target], build_set: str, triton_version: str,
-           source_key: str | None = None) -> list[Job]:
+           source_key: str | None = None, package: str = "builder.kernels") -> list[Job]:
     """Every job of ``kernel`` for ``targets`` in ``build_set`` ("default" or "full")."""
     if build_set not in SETS:
         raise ValueError(f"unknown build set {build_set!r}; sets: {', '.join(SETS)}")
@@ -156,7 +157,7 @@ def expand(kernel: Kernel, targets: Sequence[Target], build_set: str, triton_ver
                                      f"value in spec {spec} or config #{index}")
                 divisibility = _divisibility(kernel, signature)
                 job = Job(kernel.name, "", target, spec, index, config, signature, constexprs,
-                          divisibility, tuple(kernel.grid), tuple(kernel.checks))
+                          divisibility, tuple(kernel.grid), tuple(kernel.checks), package)
                 jobs.append(_with_key(job, source_key, triton_version))
     return jobs
 
