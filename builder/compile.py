@@ -33,7 +33,7 @@ def compile_job(job: Job) -> tuple[dict, bytes, bytes]:
     import triton
     from triton.compiler import ASTSource
 
-    from .abi import natural_layout
+    from .abi import HIDDEN_ARGS, natural_layout
 
     kernel = _kernels(job.package)[job.kernel]
     names = list(job.signature)
@@ -50,7 +50,7 @@ def compile_job(job: Job) -> tuple[dict, bytes, bytes]:
     types = [job.signature[n] for n in runtime_args]
     layout, param_size = natural_layout(types)
     args = []
-    for i, (name, (offset, size, align)) in enumerate(zip(runtime_args + ["global_scratch", "profile_scratch"],
+    for i, (name, (offset, size, align)) in enumerate(zip(runtime_args + list(HIDDEN_ARGS),
                                                            layout)):
         arg = {"name": name, "type": types[i] if i < len(types) else "*i8", "offset": offset,
                "size": size, "align": align}

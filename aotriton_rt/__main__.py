@@ -1,0 +1,95 @@
+"""``python -m aotriton_rt``: ``info`` about GPUs and images; ``download`` and ``verify`` bundles."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+
+def _gpus() -> tuple[list[tuple[str, int, str, str]], list[str]]:
+    """(backend, index, name, arch) of every visible GPU, and why each backend has none."""
+    from .drivers import get_driver
+
+    gpus, notes = [], []
+    for backend in ("cuda", "hip"):
+        try:
+            driver = get_driver(backend)
+            count = driver.device_count()
+        except Exception as e:  # noqa: BLE001 - info reports every failure, it never raises
+            notes.append(f"{backend}: {str(e).splitlines()[0]}")
+            continue
+        if count == 0:
+            notes.append(f"{backend}: driver loaded, no devices")
+        for d in range(count):
+            gpus.append((backend, d, driver.device_name(d), driver.device_arch(d)))
+    return gpus, notes
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from . import __version__
+    from .arch import compatible, normalize
+    from .errors import AotritonError
+    from .library import Library
+
+    print(f"aotriton-rt {__version__}")
+    gpus, notes = _gpus()
+    if gpus:
+        for backend, d, name, raw in gpus:
+            print(f"GPU {backend}:{d}: {name} ({raw} -> {normalize(backend, raw)})")
+    else:
+        print("no GPU found: kernels can be inspected but not launched on this machine")
+    for note in notes:
+        print(f"  {note}")
+    try:
+        lib = Library(args.images)
+    except AotritonError as e:
+        print(f"images: {e}")
+        return 0
+    print(f"images: {', '.join(str(f) for f in lib.found.folders)} ({lib.found.reason})")
+    for where, why in lib.found.tried:
+        print(f"  skipped {where}: {why}")
+    versions = sorted({c.triton_version for c in lib.catalogs})
+    per_target = Counter(f"{v.target.backend}/{v.target.arch}" for v in lib.variants)
+    print(f"catalog: {len(lib.variants)} variants of {len(lib.kernels)} kernels, "
+          f"built with triton {', '.join(versions)}")
+    print("  " + ", ".join(f"{t}: {n}" for t, n in sorted(per_target.items())))
+    for backend, d, _, raw in gpus:
+        archs = compatible(backend, normalize(backend, raw))
+        usable = [v for v in lib.variants if v.target.backend == backend and v.target.arch in archs]
+        kernels = sorted({v.kernel for v in usable})
+        if usable:
+            print(f"GPU {backend}:{d} can run {len(usable)} variants: {', '.join(kernels)}")
+        else:
+            built = sorted({v.target.arch for v in lib.variants if v.target.backend == backend})
+            print(f"GPU {backend}:{d}: no image for {normalize(backend, raw)} (built: "
+                  f"{', '.join(built) or 'none'}); run `python -m aotriton_rt download --arch "
+                  f"{normalize(backend, raw)}`")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m aotriton_rt", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="GPUs seen, image folder chosen and why, catalog statistics")
+    info.add_argument("--images", help="an image folder (default: the documented search)")
+    info.set_defaults(func=cmd_info)
+    from .download import add_cli
+
+    add_cli(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import AotritonError
+
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except AotritonError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

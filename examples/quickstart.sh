@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The main job: set up, build the default images on the CPU, then run the attention example
+# when a GPU is present (and say plainly what was done when there is none).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q -e '.[builder,download]'
+
+echo "== building the default image set for all default targets (CPU only) =="
+start=$(date +%s)
+python -m builder build --set default
+echo "build wall time: $(( $(date +%s) - start )) s"
+
+echo "== checking the images (digests and ABI proof) =="
+python -m builder verify
+
+echo "== runtime =="
+python -m aotriton_rt info
+targets=$(python -c 'from aotriton_rt.arch import detect_targets
+try:
+    print(",".join(detect_targets()))
+except Exception:
+    print("")')
+if [ -z "$targets" ]; then
+  echo "No GPU on this machine: images were built and verified; no kernel was launched."
+  exit 0
+fi
+echo "GPU found ($targets): running the examples"
+if python -c 'import torch' 2>/dev/null; then
+  python examples/add_torch.py
+  if [ -f examples/attention_torch.py ]; then
+    python examples/attention_torch.py
+  fi
+else
+  echo "torch is not installed here: pip install torch to run examples/attention_torch.py"
+fi
