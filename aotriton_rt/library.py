@@ -15,7 +15,7 @@ device, once, under a lock. Launches from many threads are safe.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any

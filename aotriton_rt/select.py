@@ -67,6 +67,8 @@ def match(variants: Iterable[Variant], kernel: str, want: Mapping[str, Any],
             sel.rejected.append((v, why))
         else:
             sel.accepted.append(v)
+    # Rejections for the right arch say more than "wrong arch": list them first.
+    sel.rejected.sort(key=lambda r: r[1].startswith("built for "))
     order = {a: i for i, a in enumerate(archs or [])}
     sel.accepted.sort(key=lambda v: (order.get(v.target.arch, 0), v.config.index, v.key))
     return sel

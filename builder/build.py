@@ -124,7 +124,7 @@ class _Pool:
                         del busy[conn]
                         done(job, "error", f"timed out after {timeout:g} s")
         finally:
-            for proc, conn in self.idle:
+            for _, conn in self.idle:
                 conn.send(None)
             for proc, _ in self.idle:
                 proc.join(timeout=5)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import lzma
 import os
-from functools import lru_cache
+from functools import cache
 
 from .registry import Job, load_kernels
 
@@ -22,7 +22,7 @@ def compile_env() -> dict[str, str]:
     return {"TRITON_DISABLE_LINE_INFO": "1", "TRITON_ALWAYS_COMPILE": "0"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernels(package: str):
     return load_kernels(package)
 

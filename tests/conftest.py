@@ -66,3 +66,13 @@ def gpu_images(tmp_path_factory) -> Path:
                    cwd=ROOT, check=True,
                    env={**os.environ, "AOTRITON_BUILDER_ANY_TRITON": "1"})
     return out
+
+
+@pytest.fixture(scope="session")
+def built_images(tmp_path_factory) -> Path:
+    """A real image folder: add and softmax (default set) for two HIP and two CUDA targets."""
+    out = tmp_path_factory.mktemp("built")
+    subprocess.run([sys.executable, "-m", "builder", "build", "--targets", "gfx942,gfx1100,sm80,sm90",
+                    "--kernels", "add,softmax", "--out", str(out), "-q", "-j", "2"],
+                   cwd=ROOT, check=True)
+    return out
