@@ -24,7 +24,8 @@ def test_selection_matches_config_constexprs_and_warps(variants):
 
 
 def test_no_match_lists_rejected_candidates_and_why(variants):
-    with pytest.raises(KernelNotFound, match=r"(?s)no variant of 'add' matches dtype='fp64'.*dtype='fp16', asked 'fp64'"):
+    expected = r"(?s)no variant of 'add' matches dtype='fp64'.*dtype='fp16', asked 'fp64'"
+    with pytest.raises(KernelNotFound, match=expected):
         select_one(variants, "add", {"dtype": "fp64"}, ["sm90"])
 
 
