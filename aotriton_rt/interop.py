@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import operator
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -264,7 +265,7 @@ def _cai_stream(cai: dict, obj: object) -> int | None:
 def _cai_dict(obj: object) -> dict:
     try:
         cai = obj.__cuda_array_interface__
-    except AttributeError as exc:
+    except Exception as exc:
         raise ArgumentError(f"{_type_name(obj)}.__cuda_array_interface__ is not available: "
                             f"{exc}; {_FIX_UNKNOWN}") from None
     if not isinstance(cai, dict):
@@ -275,10 +276,13 @@ def _cai_dict(obj: object) -> dict:
 
 def _cai_data(cai: dict, obj: object) -> tuple[int, bool]:
     data = cai.get("data")
-    if type(data) is not tuple or len(data) != 2 or not isinstance(data[0], int):
+    try:
+        if not isinstance(data, (tuple, list)) or len(data) != 2:
+            raise TypeError
+        return operator.index(data[0]), bool(data[1])  # some producers give NumPy integers
+    except TypeError:
         raise ArgumentError(f"{_type_name(obj)}.__cuda_array_interface__ has no valid 'data' "
-                            f"entry (expected a (pointer, readonly) tuple), got {data!r}")
-    return data
+                            f"entry (expected a (pointer, readonly) tuple), got {data!r}") from None
 
 
 def _cai_device(ptr: int) -> int:
@@ -288,10 +292,21 @@ def _cai_device(ptr: int) -> int:
 
 
 def _cai_pointer(obj: Any, backend: str, stream: int | None) -> tuple[int, int]:
-    cai = _cai_dict(obj)
-    _cai_stream(cai, obj)
-    ptr = _cai_data(cai, obj)[0]
-    return ptr, _cai_device(ptr)
+    # Inlined happy path (this runs per argument per launch); the helpers explain failures.
+    try:
+        cai = obj.__cuda_array_interface__
+        ptr = cai["data"][0]
+        producer_stream = cai.get("stream")
+    except Exception:
+        cai = _cai_dict(obj)
+        ptr = _cai_data(cai, obj)[0]
+        producer_stream = cai.get("stream")
+    if producer_stream == 0:
+        _cai_stream(cai, obj)
+    if type(ptr) is not int:
+        ptr = _cai_data(cai, obj)[0]
+    resolver = _device_of
+    return ptr, (resolver(ptr) if resolver is not None and ptr else -1)
 
 
 def _cai_describe(obj: Any, backend: str, stream: int | None) -> ArrayInfo:

@@ -299,6 +299,24 @@ def test_cai_with_malformed_data_entry_is_refused():
         pointer(FakeCAI(data=None))
 
 
+def test_cai_pointer_given_as_a_numpy_integer_is_accepted():
+    np = pytest.importorskip("numpy")
+    obj = FakeCAI(data=(np.uint64(FAKE_PTR), np.bool_(False)))
+    assert pointer(obj) == (FAKE_PTR, -1)
+    assert type(describe(obj).ptr) is int
+
+
+def test_cai_property_that_raises_is_reported_as_an_argument_error():
+    class Broken:
+        @property
+        def __cuda_array_interface__(self):
+            raise RuntimeError("array lives on another context")
+
+    with pytest.raises(ArgumentError, match=r"Broken\.__cuda_array_interface__ is not available: "
+                                            r"array lives on another context"):
+        pointer(Broken())
+
+
 def test_cai_set_on_the_instance_is_found():
     class Holder:
         pass
