@@ -1,0 +1,176 @@
+"""GPU drivers behind one small protocol: ``get_driver("cuda" | "hip")``.
+
+A driver loads images into modules, finds functions, and makes *launchers*: callables that
+pack one call's argument values into a preallocated buffer and issue exactly one launch.
+Importing this package (or ``drivers.cuda`` / ``drivers.hip``) opens no library and probes
+no device; the driver of a backend is created on first ``get_driver`` and then shared.
+
+Example::
+
+    drv = get_driver("cuda")
+    module = drv.load_module(0, cubin_bytes)
+    fn = drv.get_function(0, module, "add_kernel")
+    launch = drv.make_launcher(fn, struct=struct.Struct("<QQQiiQQ"), num_threads=128, shared=0)
+    launch(blocks, 1, 1, stream, (x_ptr, y_ptr, out_ptr, n, 0, 0, 0))
+"""
+
+from __future__ import annotations
+
+import re
+import struct as _struct
+import threading
+from typing import Protocol
+
+from aotriton_rt.errors import DriverError, NoDevice, UnsupportedError
+
+__all__ = ["BACKENDS", "COMMON_HINTS", "Driver", "Launcher", "driver_error", "get_driver",
+           "struct_field_offsets"]
+
+#: The backends ``get_driver`` knows.
+BACKENDS = ("cuda", "hip")
+
+_ARCH_HINT = ("image built for another arch: compare the catalog target with "
+              "device_arch() and load the image of this device's arch")
+
+#: Hints for the status codes that CUDA_ERROR_* and hipError_t number alike.
+COMMON_HINTS = {
+    2: "the GPU is out of memory: free tensors (e.g. torch.cuda.empty_cache()) or shrink "
+       "the problem",
+    100: "no GPU is visible to this process",
+    101: "the device index is out of range: see device_count()",
+    200: _ARCH_HINT,
+    201: "make a context current: e.g. import torch and touch the device "
+         "(torch.zeros(1, device='cuda'))",
+    209: _ARCH_HINT,
+    218: _ARCH_HINT,
+    400: "a handle belongs to another device or context: make the kernel's device current "
+         "(e.g. `with torch.cuda.device(i):`)",
+    500: "the image has no kernel of that name: the catalog's symbol does not match the image",
+    700: "a kernel accessed memory it does not own and the context is now unusable: check "
+         "pointer arguments, sizes and strides",
+    701: "the kernel needs more registers, threads or shared memory than the device offers: "
+         "use another config",
+    720: "a cooperative grid must fit on the device at once: use fewer blocks",
+    900: "this call is not allowed while the stream is captured into a graph",
+}
+
+
+class Launcher(Protocol):
+    """Issues one launch of one function; thread-safe; owns its argument buffer."""
+
+    def __call__(self, gx: int, gy: int, gz: int, stream: int, values: tuple) -> None:
+        """Pack ``values`` with the launcher's struct and launch a (gx, gy, gz) grid.
+
+        ``stream`` is the raw stream handle (0: the legacy default stream). An empty grid
+        (any dimension 0) launches nothing. Raises ``DriverError`` when the driver refuses.
+        """
+        ...
+
+
+class Driver(Protocol):
+    """One GPU backend. Device indices are the framework's (0-based, after *_VISIBLE_DEVICES);
+    module and function handles are plain ints."""
+
+    backend: str
+
+    def device_count(self) -> int: ...
+    def current_device(self) -> int: ...
+    def device_arch(self, device: int) -> str: ...
+    def device_name(self, device: int) -> str: ...
+    def load_module(self, device: int, image: bytes) -> int: ...
+    def get_function(self, device: int, module: int, symbol: str) -> int: ...
+    def prepare_function(self, function: int, shared: int) -> None: ...
+    def make_launcher(self, function: int, *, struct: _struct.Struct, num_threads: int,
+                      shared: int, cooperative: bool = False, pdl: bool = False,
+                      cluster_dims: tuple[int, int, int] = (1, 1, 1)) -> Launcher: ...
+    def alloc(self, device: int, nbytes: int) -> int: ...
+    def is_capturing(self, stream: int) -> bool: ...
+    def synchronize(self, device: int) -> None: ...
+
+
+_drivers: dict[str, Driver] = {}
+_drivers_lock = threading.Lock()
+
+
+def get_driver(backend: str) -> Driver:
+    """The process-wide driver of ``backend`` ("cuda" or "hip"), created on first use.
+
+    Creation is thread-safe and happens once; a failed creation (no library, no device) is
+    not cached, so fixing the environment and calling again works.
+
+    Raises ``UnsupportedError`` for an unknown backend, ``LibraryNotFound`` when the driver
+    library cannot be found, ``DriverError`` when initialising it fails.
+    """
+    driver = _drivers.get(backend)
+    if driver is not None:
+        return driver
+    if backend not in BACKENDS:
+        raise UnsupportedError(f"unknown GPU backend {backend!r}; known: {', '.join(BACKENDS)}")
+    with _drivers_lock:
+        driver = _drivers.get(backend)
+        if driver is None:
+            if backend == "cuda":
+                from aotriton_rt.drivers.cuda import CudaDriver
+                driver = CudaDriver()
+            else:
+                from aotriton_rt.drivers.hip import HipDriver
+                driver = HipDriver()
+            _drivers[backend] = driver
+    return driver
+
+
+def driver_error(*, backend: str, call: str, code: int, name: str, explanation: str,
+                 hint: str) -> DriverError:
+    """The one error every failing driver call turns into (``NoDevice`` for code 100).
+
+    The message reads ``cuModuleLoadData failed: CUDA_ERROR_NO_BINARY_FOR_GPU (209): no
+    kernel image is available for execution on the device. Hint: ...``.
+    """
+    text = f"{call} failed: {name or 'unknown error'} ({code})"
+    if explanation:
+        text += f": {explanation}"
+    text += "."
+    if hint:
+        text += f" Hint: {hint}."
+    # 100 is "no device" in both CUDA_ERROR_* and hipError_t numbering.
+    cls = NoDevice if code == 100 else DriverError
+    return cls(text, call=call, code=code, name=name, explanation=explanation)
+
+
+_FORMAT_ITEM = re.compile(r"\s*(\d*)([xcbB?hHiIlLqQnNefdspP])")
+
+
+def struct_field_offsets(layout: _struct.Struct) -> list[int]:
+    """Byte offset of every non-padding item of ``layout``, in order.
+
+    Launch paths that take ``kernelParams`` (an array of pointers, one per kernel
+    parameter) point into the packed buffer at these offsets, so each non-padding item of
+    the struct must be exactly one kernel parameter. ``"<QiQ"`` -> ``[0, 8, 12]``;
+    ``"<Qi4xQ"`` -> ``[0, 8, 16]``.
+    """
+    fmt = layout.format
+    prefix = fmt[0] if fmt and fmt[0] in "@=<>!" else ""
+    body = fmt[len(prefix):]
+    offsets: list[int] = []
+    seen = prefix
+    pos = 0
+    while pos < len(body):
+        match = _FORMAT_ITEM.match(body, pos)
+        if match is None:
+            if body[pos:].strip():
+                raise ValueError(f"cannot read struct format {fmt!r} at {body[pos:]!r}")
+            break
+        count, code = match.groups()
+        n = int(count) if count else 1
+        if code == "x":
+            seen += match.group(0).strip()
+        elif code in "sp":  # one item of n bytes
+            offsets.append(_struct.calcsize(seen + f"{n}{code}") - n)
+            seen += f"{n}{code}"
+        else:
+            for _ in range(n):
+                # calcsize(prefix + item) - size(item) is the item's aligned start.
+                offsets.append(_struct.calcsize(seen + code) - _struct.calcsize(prefix + code))
+                seen += code
+        pos = match.end()
+    return offsets

@@ -1,0 +1,505 @@
+"""The CUDA driver API through ctypes on libcuda.
+
+Contexts: the driver works in the context the caller's framework made current. torch, CuPy
+and JAX all use each device's *primary* context, so where a call is tied to a device
+(loading a module, allocating, synchronising) the driver makes that device's primary context
+current for the call, and when the thread had no context at all it leaves it current, as the
+CUDA runtime does. Launches do no context work (the hot path): a launch from a thread
+without a context gets the function's device primary context bound once, then is retried.
+
+Every failing call goes through ``CudaDriver.check``, which raises ``DriverError`` with
+``cuGetErrorName`` / ``cuGetErrorString`` and a hint.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
+
+from aotriton_rt.drivers import COMMON_HINTS, driver_error, struct_field_offsets
+from aotriton_rt.drivers._loader import LoadedLibrary, load_library
+from aotriton_rt.errors import ArgumentError, DriverError, LaunchError, UnsupportedError
+
+__all__ = ["CUlaunchAttribute", "CUlaunchConfig", "CudaDriver", "CudaLauncher",
+           "CudaLauncherEx"]
+
+# Values from cuda.h (checked against it by tests/runtime/test_driver_cuda.py).
+CU_LAUNCH_PARAM_END = 0
+CU_LAUNCH_PARAM_BUFFER_POINTER = 1
+CU_LAUNCH_PARAM_BUFFER_SIZE = 2
+CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE = 5
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+CU_CLUSTER_SCHEDULING_POLICY_SPREAD = 1
+CUDA_ERROR_INVALID_CONTEXT = 201
+
+# Without an opt-in a block may use at most 48 KiB of dynamic shared memory.
+_SHARED_WITHOUT_OPTIN = 48 * 1024
+# Clusters of more than 8 blocks are "non-portable" and need a per-function opt-in.
+_PORTABLE_CLUSTER = 8
+
+_HINTS = {
+    **COMMON_HINTS,
+    100: "no CUDA GPU is visible: check `nvidia-smi` and CUDA_VISIBLE_DEVICES",
+    101: "the device index is out of range: see device_count() and CUDA_VISIBLE_DEVICES",
+    222: "the image needs a newer NVIDIA driver than the one installed",
+}
+
+
+class _ClusterDim(ctypes.Structure):
+    _fields_ = [("x", c_uint), ("y", c_uint), ("z", c_uint)]
+
+
+class CUlaunchAttributeValue(ctypes.Union):
+    """The 64-byte value union of ``CUlaunchAttribute`` (only the members used here)."""
+
+    _fields_ = [("pad", ctypes.c_char * 64),
+                ("_align", c_void_p),  # the C union holds pointers: 8-byte aligned
+                ("cooperative", c_int),
+                ("clusterDim", _ClusterDim),
+                ("clusterSchedulingPolicyPreference", c_int),
+                ("programmaticStreamSerializationAllowed", c_int)]
+
+
+class CUlaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, and the value union (72 bytes)."""
+
+    _fields_ = [("id", c_int), ("pad", ctypes.c_char * 4), ("value", CUlaunchAttributeValue)]
+
+
+class CUlaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig``, the first argument of ``cuLaunchKernelEx`` (56 bytes)."""
+
+    _fields_ = [("gridDimX", c_uint), ("gridDimY", c_uint), ("gridDimZ", c_uint),
+                ("blockDimX", c_uint), ("blockDimY", c_uint), ("blockDimZ", c_uint),
+                ("sharedMemBytes", c_uint), ("hStream", c_void_p),
+                ("attrs", POINTER(CUlaunchAttribute)), ("numAttrs", c_uint)]
+
+
+_P = POINTER
+# argtypes of every entry point used; restype is CUresult (int) for all of them. The _v2
+# names are the current ABI of those that have one (cuMemAlloc, cuCtxPushCurrent...).
+_SIGNATURES: dict[str, tuple] = {
+    "cuInit": (c_uint,),
+    "cuGetErrorName": (c_int, _P(c_char_p)),
+    "cuGetErrorString": (c_int, _P(c_char_p)),
+    "cuDeviceGetCount": (_P(c_int),),
+    "cuDeviceGet": (_P(c_int), c_int),
+    "cuDeviceGetName": (c_char_p, c_int, c_int),
+    "cuDeviceGetAttribute": (_P(c_int), c_int, c_int),
+    "cuDevicePrimaryCtxRetain": (_P(c_void_p), c_int),
+    "cuCtxGetCurrent": (_P(c_void_p),),
+    "cuCtxSetCurrent": (c_void_p,),
+    "cuCtxGetDevice": (_P(c_int),),
+    "cuCtxSynchronize": (),
+    "cuModuleLoadData": (_P(c_void_p), c_void_p),
+    "cuModuleGetFunction": (_P(c_void_p), c_void_p, c_char_p),
+    "cuFuncSetAttribute": (c_void_p, c_int, c_int),
+    "cuLaunchKernel": (c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint,
+                       c_void_p, _P(c_void_p), _P(c_void_p)),
+    "cuMemAlloc_v2": (_P(c_uint64), c_size_t),
+    "cuStreamIsCapturing": (c_void_p, _P(c_int)),
+}
+# Resolved on first use: cuLaunchKernelEx exists from CUDA 12.0 on.
+_OPTIONAL_SIGNATURES: dict[str, tuple] = {
+    "cuLaunchKernelEx": (_P(CUlaunchConfig), c_void_p, _P(c_void_p), _P(c_void_p)),
+}
+
+
+def _bind(lib: ctypes.CDLL, name: str, argtypes: tuple, path: str) -> ctypes._CFuncPtr:
+    try:
+        fn = getattr(lib, name)
+    except AttributeError:
+        raise DriverError(f"{path} has no {name}: the NVIDIA driver is too old for "
+                          f"aotriton-rt (CUDA 12 or newer is needed)", call=name) from None
+    fn.argtypes = list(argtypes)
+    fn.restype = c_int
+    return fn
+
+
+def _error_text(getter: ctypes._CFuncPtr, status: int) -> str:
+    # cuGetErrorName/String fail (and leave NULL) for codes the driver does not know.
+    text = c_char_p()
+    if getter(status, byref(text)) != 0 or not text.value:
+        return ""
+    return text.value.decode(errors="replace")
+
+
+class CudaDriver:
+    """The CUDA backend (see ``aotriton_rt.drivers.Driver`` for the protocol).
+
+    ``CudaDriver()`` finds libcuda along the documented search (``AOTRITON_RT_CUDA_LIB``
+    first) and calls ``cuInit``; pass ``library`` to use an already opened one. Raises
+    ``LibraryNotFound`` / ``NoDevice`` / ``DriverError``.
+    """
+
+    backend = "cuda"
+
+    def __init__(self, library: LoadedLibrary | None = None) -> None:
+        found = library if library is not None else load_library("cuda")
+        self.library_path = found.path
+        self._lib = found.handle
+        for name, argtypes in _SIGNATURES.items():
+            setattr(self, "_" + name, _bind(found.handle, name, argtypes, found.path))
+        self._lock = threading.RLock()
+        self._primary: dict[int, int] = {}        # device index -> primary context
+        self._function_device: dict[int, int] = {}
+        self._function_symbol: dict[int, str] = {}
+        self._arch: dict[int, str] = {}
+        self._launch_ex: ctypes._CFuncPtr | None = None
+        self.check(self._cuInit(0), "cuInit")
+
+    # ------------------------------------------------------------------ errors
+
+    def check(self, status: int, call: str) -> None:
+        """Raise ``DriverError`` (``NoDevice`` for code 100) when ``status`` is not 0.
+
+        The message names ``call``, the code, the driver's ``cuGetErrorName`` and
+        ``cuGetErrorString``, and a hint for the common codes.
+        """
+        if status == 0:
+            return
+        status = int(status)
+        raise driver_error(backend="cuda", call=call, code=status,
+                           name=_error_text(self._cuGetErrorName, status),
+                           explanation=_error_text(self._cuGetErrorString, status),
+                           hint=_HINTS.get(status, ""))
+
+    # ------------------------------------------------------------------ devices and contexts
+
+    def device_count(self) -> int:
+        """Number of visible CUDA devices."""
+        count = c_int()
+        self.check(self._cuDeviceGetCount(byref(count)), "cuDeviceGetCount")
+        return count.value
+
+    def _device_handle(self, device: int) -> int:
+        handle = c_int()
+        self.check(self._cuDeviceGet(byref(handle), device), f"cuDeviceGet({device})")
+        return handle.value
+
+    def _current_context(self) -> int | None:
+        ctx = c_void_p()
+        self.check(self._cuCtxGetCurrent(byref(ctx)), "cuCtxGetCurrent")
+        return ctx.value
+
+    def _primary_context(self, device: int) -> int:
+        ctx = self._primary.get(device)
+        if ctx is None:
+            with self._lock:
+                ctx = self._primary.get(device)
+                if ctx is None:
+                    handle = c_void_p()
+                    # Retained for the life of the process, like the frameworks do.
+                    self.check(self._cuDevicePrimaryCtxRetain(
+                        byref(handle), self._device_handle(device)),
+                        f"cuDevicePrimaryCtxRetain({device})")
+                    ctx = self._primary[device] = handle.value
+        return ctx
+
+    @contextmanager
+    def _on_device(self, device: int) -> Iterator[None]:
+        """Make ``device``'s primary context current for a block; restore the caller's."""
+        ctx = self._primary_context(device)
+        previous = self._current_context()
+        if previous != ctx:
+            self.check(self._cuCtxSetCurrent(ctx), f"cuCtxSetCurrent(device {device})")
+        try:
+            yield
+        finally:
+            # A thread that had no context keeps this one (the CUDA runtime does the same).
+            if previous is not None and previous != ctx:
+                self.check(self._cuCtxSetCurrent(previous), "cuCtxSetCurrent(restore)")
+
+    def _adopt_primary_context(self, device: int) -> bool:
+        """Bind ``device``'s primary context if this thread has none; True if it did."""
+        if self._current_context() is not None:
+            return False
+        self.check(self._cuCtxSetCurrent(self._primary_context(device)),
+                   f"cuCtxSetCurrent(device {device})")
+        return True
+
+    def current_device(self) -> int:
+        """The device of the current context (the framework's current device), else 0."""
+        if self._current_context() is None:
+            return 0
+        device = c_int()
+        self.check(self._cuCtxGetDevice(byref(device)), "cuCtxGetDevice")
+        return device.value
+
+    def _attribute(self, attribute: int, device: int) -> int:
+        value = c_int()
+        self.check(self._cuDeviceGetAttribute(byref(value), attribute,
+                                              self._device_handle(device)),
+                   f"cuDeviceGetAttribute({attribute}, device {device})")
+        return value.value
+
+    def device_arch(self, device: int) -> str:
+        """The compute capability as a target name: ``"sm90"`` for 9.0, ``"sm80"`` for 8.0."""
+        arch = self._arch.get(device)
+        if arch is None:
+            major = self._attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
+            minor = self._attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device)
+            arch = self._arch[device] = f"sm{major}{minor}"
+        return arch
+
+    def device_name(self, device: int) -> str:
+        """The marketing name, e.g. ``"NVIDIA H200"``."""
+        buf = ctypes.create_string_buffer(256)
+        self.check(self._cuDeviceGetName(buf, len(buf), self._device_handle(device)),
+                   f"cuDeviceGetName({device})")
+        return buf.value.decode(errors="replace")
+
+    # ------------------------------------------------------------------ modules
+
+    def load_module(self, device: int, image: bytes) -> int:
+        """Load a cubin from memory into ``device``'s primary context; returns the module."""
+        module = c_void_p()
+        with self._on_device(device):
+            self.check(self._cuModuleLoadData(byref(module), image),
+                       f"cuModuleLoadData({len(image)} bytes, device {device})")
+        return module.value
+
+    def get_function(self, device: int, module: int, symbol: str) -> int:
+        """The kernel ``symbol`` of ``module``; returns the function handle."""
+        function = c_void_p()
+        with self._on_device(device):
+            self.check(self._cuModuleGetFunction(byref(function), module, symbol.encode()),
+                       f"cuModuleGetFunction({symbol!r})")
+        self._function_device[function.value] = device
+        self._function_symbol[function.value] = symbol
+        return function.value
+
+    def prepare_function(self, function: int, shared: int) -> None:
+        """Opt ``function`` in to ``shared`` bytes of dynamic shared memory when > 48 KiB.
+
+        Raises ``LaunchError`` when the device cannot give that much to one block.
+        """
+        if shared <= _SHARED_WITHOUT_OPTIN:
+            return
+        device = self._function_device.get(function)
+        if device is None:
+            device = self.current_device()
+        limit = self._attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device)
+        symbol = self._function_symbol.get(function, hex(function))
+        if shared > limit:
+            raise LaunchError(
+                f"kernel {symbol} needs {shared} bytes of shared memory per block but device "
+                f"{device} ({self.device_name(device)}, {self.device_arch(device)}) allows at "
+                f"most {limit}: use a config with fewer stages or smaller blocks")
+        self.check(self._cuFuncSetAttribute(function,
+                                            CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                            shared),
+                   f"cuFuncSetAttribute({symbol}, MAX_DYNAMIC_SHARED_SIZE_BYTES={shared})")
+
+    # ------------------------------------------------------------------ launches
+
+    def make_launcher(self, function: int, *, struct: struct.Struct, num_threads: int,
+                      shared: int, cooperative: bool = False, pdl: bool = False,
+                      cluster_dims: tuple[int, int, int] = (1, 1, 1)
+                      ) -> CudaLauncher | CudaLauncherEx:
+        """A launcher for ``function`` with blocks of ``num_threads`` threads.
+
+        Plain launches use ``cuLaunchKernel`` with the packed buffer in ``extra``; a
+        cooperative, PDL or cluster launch uses ``cuLaunchKernelEx`` with launch attributes
+        and per-parameter pointers into the same buffer (one per non-padding struct item).
+        With clusters the grid given to the launcher counts clusters (Triton's programs)
+        and each dimension is multiplied by ``cluster_dims``.
+        """
+        cluster = tuple(int(c) for c in cluster_dims)
+        if not 1 <= num_threads <= 1024 or shared < 0 or len(cluster) != 3 \
+                or min(cluster) < 1:
+            raise LaunchError(f"invalid launch shape: num_threads={num_threads} (1..1024), "
+                              f"shared={shared} (>= 0), cluster_dims={cluster_dims}")
+        device = self._function_device.get(function, 0)
+        symbol = self._function_symbol.get(function, hex(function))
+        if not (cooperative or pdl or cluster != (1, 1, 1)):
+            return CudaLauncher(self, function, symbol, device, struct, num_threads, shared)
+        if cluster[0] * cluster[1] * cluster[2] > _PORTABLE_CLUSTER:
+            self.check(self._cuFuncSetAttribute(
+                function, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                f"cuFuncSetAttribute({symbol}, NON_PORTABLE_CLUSTER_SIZE_ALLOWED)")
+        return CudaLauncherEx(self, self._kernel_ex(), function, symbol, device, struct,
+                              num_threads, shared, cooperative, pdl, cluster)
+
+    def _kernel_ex(self) -> ctypes._CFuncPtr:
+        if self._launch_ex is None:
+            name = "cuLaunchKernelEx"
+            if not hasattr(self._lib, name):
+                raise UnsupportedError("cooperative, PDL and cluster launches need "
+                                       "cuLaunchKernelEx (NVIDIA driver for CUDA 12.0 or newer)")
+            self._launch_ex = _bind(self._lib, name, _OPTIONAL_SIGNATURES[name],
+                                    self.library_path)
+        return self._launch_ex
+
+    # ------------------------------------------------------------------ memory and streams
+
+    def alloc(self, device: int, nbytes: int) -> int:
+        """``nbytes`` of device memory on ``device`` (never freed: scratch lives as long as
+        the kernels that use it). 0 bytes gives the null pointer."""
+        if nbytes == 0:
+            return 0
+        ptr = c_uint64()
+        with self._on_device(device):
+            self.check(self._cuMemAlloc_v2(byref(ptr), nbytes),
+                       f"cuMemAlloc_v2({nbytes} bytes, device {device})")
+        return ptr.value
+
+    def is_capturing(self, stream: int) -> bool:
+        """Whether ``stream`` is being captured into a CUDA graph (active or invalidated)."""
+        status = c_int()
+        self.check(self._cuStreamIsCapturing(stream, byref(status)), "cuStreamIsCapturing")
+        return status.value != 0
+
+    def synchronize(self, device: int) -> None:
+        """Wait for all work on ``device`` (``cuCtxSynchronize`` in its primary context)."""
+        with self._on_device(device):
+            self.check(self._cuCtxSynchronize(), f"cuCtxSynchronize(device {device})")
+
+
+class _LauncherBase:
+    """The argument buffer shared by both CUDA launch paths, allocated once."""
+
+    __slots__ = ("_driver", "_function", "_symbol", "_device", "_struct", "_pack", "_buf",
+                 "_size", "_block", "_shared", "_lock", "__weakref__")
+
+    def __init__(self, driver: CudaDriver, function: int, symbol: str, device: int,
+                 layout: struct.Struct, num_threads: int, shared: int) -> None:
+        self._driver = driver
+        self._function = function
+        self._symbol = symbol
+        self._device = device
+        self._struct = layout
+        self._pack = layout.pack_into
+        # One byte at least: a zero-length ctypes buffer has no stable address.
+        self._buf = ctypes.create_string_buffer(max(layout.size, 1))
+        self._size = c_size_t(layout.size)
+        self._block = num_threads
+        self._shared = shared
+        # The buffer is shared by all callers and ctypes drops the GIL during the call.
+        self._lock = threading.Lock()
+
+    def _bad_values(self, values: tuple, exc: struct.error) -> ArgumentError:
+        return ArgumentError(f"cannot pack the {len(values)} launch arguments of {self._symbol} "
+                             f"with format {self._struct.format!r}: {exc}")
+
+    def _describe(self, gx: int, gy: int, gz: int, stream: int) -> str:
+        return (f"{self._symbol}, grid=({gx}, {gy}, {gz}), block=({self._block}, 1, 1), "
+                f"shared={self._shared}, stream={stream:#x}")
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {self._symbol} device={self._device} "
+                f"block={self._block} shared={self._shared} args={self._struct.format!r}>")
+
+
+class CudaLauncher(_LauncherBase):
+    """``cuLaunchKernel`` with the packed buffer passed through ``extra``."""
+
+    __slots__ = ("_launch", "_extra")
+
+    def __init__(self, driver: CudaDriver, function: int, symbol: str, device: int,
+                 layout: struct.Struct, num_threads: int, shared: int) -> None:
+        super().__init__(driver, function, symbol, device, layout, num_threads, shared)
+        self._launch = driver._cuLaunchKernel
+        self._extra = (c_void_p * 5)(CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(self._buf),
+                                     CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self._size),
+                                     CU_LAUNCH_PARAM_END)
+
+    def __call__(self, gx: int, gy: int, gz: int, stream: int, values: tuple) -> None:
+        """Pack ``values`` and launch a (gx, gy, gz) grid on ``stream``; see ``Launcher``."""
+        if not (gx and gy and gz):
+            return
+        with self._lock:
+            try:
+                self._pack(self._buf, 0, *values)
+            except struct.error as exc:
+                raise self._bad_values(values, exc) from None
+            status = self._launch(self._function, gx, gy, gz, self._block, 1, 1, self._shared,
+                                  stream, None, self._extra)
+        if status:
+            self._failed(status, gx, gy, gz, stream, values)
+
+    def _failed(self, status: int, gx: int, gy: int, gz: int, stream: int,
+                values: tuple) -> None:
+        # A thread that never touched the device has no current context: bind the
+        # function's primary context once and retry, as the CUDA runtime would.
+        if status == CUDA_ERROR_INVALID_CONTEXT and \
+                self._driver._adopt_primary_context(self._device):
+            with self._lock:
+                self._pack(self._buf, 0, *values)
+                status = self._launch(self._function, gx, gy, gz, self._block, 1, 1,
+                                      self._shared, stream, None, self._extra)
+        self._driver.check(status, f"cuLaunchKernel({self._describe(gx, gy, gz, stream)})")
+
+
+class CudaLauncherEx(_LauncherBase):
+    """``cuLaunchKernelEx`` with cooperative / PDL / cluster attributes."""
+
+    __slots__ = ("_launch", "_config", "_attrs", "_params", "_cluster")
+
+    def __init__(self, driver: CudaDriver, launch: ctypes._CFuncPtr, function: int, symbol: str,
+                 device: int, layout: struct.Struct, num_threads: int, shared: int,
+                 cooperative: bool, pdl: bool, cluster: tuple[int, int, int]) -> None:
+        super().__init__(driver, function, symbol, device, layout, num_threads, shared)
+        self._launch = launch
+        self._cluster = cluster
+        attrs: list[CUlaunchAttribute] = []
+        if pdl:
+            attr = CUlaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(attr)
+        if cooperative:
+            attr = CUlaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_COOPERATIVE)
+            attr.value.cooperative = 1
+            attrs.append(attr)
+        if cluster != (1, 1, 1):
+            attr = CUlaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+            attrs.append(attr)
+            attr = CUlaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE)
+            attr.value.clusterSchedulingPolicyPreference = CU_CLUSTER_SCHEDULING_POLICY_SPREAD
+            attrs.append(attr)
+        self._attrs = (CUlaunchAttribute * len(attrs))(*attrs)
+        self._config = CUlaunchConfig(blockDimX=num_threads, blockDimY=1, blockDimZ=1,
+                                      sharedMemBytes=shared, attrs=self._attrs,
+                                      numAttrs=len(attrs))
+        # cuLaunchKernelEx refuses `extra` for cooperative kernels (as cuLaunchCooperativeKernel
+        # has none): pass kernelParams, one pointer per parameter into the packed buffer.
+        base = ctypes.addressof(self._buf)
+        offsets = struct_field_offsets(layout)
+        self._params = (c_void_p * max(len(offsets), 1))(*(base + o for o in offsets))
+
+    def __call__(self, gx: int, gy: int, gz: int, stream: int, values: tuple) -> None:
+        """Pack ``values`` and launch (gx, gy, gz) clusters on ``stream``; see ``Launcher``."""
+        if not (gx and gy and gz):
+            return
+        cx, cy, cz = self._cluster
+        with self._lock:
+            try:
+                self._pack(self._buf, 0, *values)
+            except struct.error as exc:
+                raise self._bad_values(values, exc) from None
+            config = self._config
+            config.gridDimX, config.gridDimY, config.gridDimZ = gx * cx, gy * cy, gz * cz
+            config.hStream = stream
+            status = self._launch(config, self._function, self._params, None)
+        if status:
+            self._failed(status, gx, gy, gz, stream, values)
+
+    def _failed(self, status: int, gx: int, gy: int, gz: int, stream: int,
+                values: tuple) -> None:
+        if status == CUDA_ERROR_INVALID_CONTEXT and \
+                self._driver._adopt_primary_context(self._device):
+            self(gx, gy, gz, stream, values)
+            return
+        self._driver.check(status, f"cuLaunchKernelEx({self._describe(gx, gy, gz, stream)})")

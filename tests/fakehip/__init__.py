@@ -1,0 +1,138 @@
+"""A fake ``libamdhip64`` for CPU-only tests, and helpers to use it.
+
+``build_fake_hip(tmp_path)`` compiles ``fake_amdhip64.c`` with gcc into
+``tmp_path/libamdhip64.so`` and returns that path; ``fake_hip_env(...)`` gives the
+environment that points aotriton-rt (and hip-python) at it and configures the fake GPUs;
+``read_log(path)`` parses what the fake recorded. Typical use, in a subprocess so that the
+environment is in place before anything loads the library::
+
+    lib = build_fake_hip(tmp_path)
+    log = tmp_path / "calls.jsonl"
+    env = {**os.environ, **fake_hip_env(lib, log, arch="gfx942:sramecc+:xnack-")}
+    subprocess.run([sys.executable, "-c", CODE], env=env, check=True)
+    launches = [r for r in read_log(log) if r["call"] == "hipModuleLaunchKernel"]
+    assert launches[0]["args"] == struct.pack("<QQi", 1, 2, 3)
+
+Log records are dicts; every record has ``call`` and ``status``. Launch records carry
+``name grid block shared stream device module_device args_size`` and ``args`` (the bytes of
+the argument buffer); module loads carry ``size fnv1a64 head`` (``head``: first 16 bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("fake_amdhip64.c")
+
+# Fields the fake writes as hex text; read_log turns them back into bytes.
+_HEX_FIELDS = ("args", "head")
+
+# EF_AMDGPU_MACH values (low byte of e_flags) of the targets the fake knows.
+AMDGPU_MACH = {"gfx90a": 0x3F, "gfx942": 0x4C, "gfx950": 0x4F, "gfx1100": 0x41, "gfx1201": 0x4E}
+
+
+def compile_shared(source: Path, out: Path, soname: str) -> Path:
+    """Compile one C file into the shared library ``out`` with the given soname.
+
+    Skips recompiling when ``out`` is newer than ``source``. Raises ``RuntimeError`` with
+    gcc's output when compiling fails, and ``FileNotFoundError`` when gcc is missing.
+    """
+    if out.exists() and out.stat().st_mtime >= source.stat().st_mtime:
+        return out
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        raise FileNotFoundError("gcc is needed to build the fake GPU libraries")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    proc = subprocess.run(
+        [gcc, "-shared", "-fPIC", "-O1", "-Wall", f"-Wl,-soname,{soname}", "-o", str(tmp),
+         str(source)],
+        capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling {source.name} failed:\n{proc.stderr}")
+    os.replace(tmp, out)  # atomic, so parallel builders never see half a library
+    return out
+
+
+def build_fake_hip(directory: Path) -> Path:
+    """Compile the fake HIP runtime into ``directory/libamdhip64.so`` and return its path."""
+    return compile_shared(SOURCE, Path(directory) / "libamdhip64.so", "libamdhip64.so")
+
+
+def fake_hip_env(library: Path, log: Path | None = None, *, arch: str = "gfx942:sramecc+:xnack-",
+                 devices: int = 1, name: str = "Fake AMD Instinct", lds: int = 65536,
+                 backend: str | None = None, fail: str = "", capturing: str = "") -> dict[str, str]:
+    """Environment variables that make aotriton-rt use the fake library with these GPUs.
+
+    ``backend`` sets ``AOTRITON_RT_HIP_BACKEND`` ("ctypes" or "hip-python") when given;
+    ``fail`` is FAKEHIP_FAIL ("call=code,..."); ``capturing`` is FAKEHIP_CAPTURING.
+    """
+    env = {
+        "AOTRITON_RT_HIP_LIB": str(library),
+        "FAKEHIP_ARCH": arch,
+        "FAKEHIP_DEVICES": str(devices),
+        "FAKEHIP_NAME": name,
+        "FAKEHIP_LDS": str(lds),
+        "FAKEHIP_FAIL": fail,
+        "FAKEHIP_CAPTURING": capturing,
+        "FAKEHIP_LOG": str(log) if log is not None else "",
+    }
+    if backend is not None:
+        env["AOTRITON_RT_HIP_BACKEND"] = backend
+    return env
+
+
+def read_log(path: Path) -> list[dict]:
+    """Parse the fake's JSON-lines log; hex fields (``args``, ``head``) become bytes.
+
+    A missing log reads as no calls.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        for field in _HEX_FIELDS:
+            if field in record:
+                record[field] = bytes.fromhex(record[field])
+        records.append(record)
+    return records
+
+
+def fnv1a64(data: bytes) -> str:
+    """The FNV-1a 64-bit digest, as the fake logs it for module images (16 hex digits)."""
+    h = 0xCBF29CE484222325
+    for byte in data:
+        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+def fake_code_object(arch: str, symbols: list[str]) -> bytes:
+    """A minimal AMDGPU ELF64 image for ``arch`` (e.g. "gfx942") naming ``symbols``.
+
+    Enough for the fake (and not for a GPU): an ELF header with EM_AMDGPU and the arch's
+    EF_AMDGPU_MACH, a string table holding the names, and a section header table that ends
+    the file, which is how the fake finds the image's size.
+    """
+    strtab = b"\0" + b"".join(s.encode() + b"\0" for s in symbols)
+    strtab += b"\0" * (-len(strtab) % 8)
+    shoff = 64 + len(strtab)
+    header = bytearray(64)
+    header[0:4] = b"\x7fELF"
+    header[4:7] = bytes([2, 1, 1])           # ELFCLASS64, little endian, version 1
+    header[7] = 64                            # ELFOSABI_AMDGPU_HSA
+    struct.pack_into("<HHI", header, 16, 3, 224, 1)                   # ET_DYN, EM_AMDGPU
+    struct.pack_into("<QQQ", header, 24, 0, 0, shoff)                 # entry, phoff, shoff
+    struct.pack_into("<IHHHHHH", header, 48, AMDGPU_MACH[arch.split(":")[0]], 64, 0, 0,
+                     64, 2, 1)                                        # flags ... shnum, shstrndx
+    null_section = bytes(64)
+    strtab_section = struct.pack("<IIQQQQIIQQ", 0, 3, 0, 0, 64, len(strtab), 0, 0, 1, 0)
+    return bytes(header) + strtab + null_section + strtab_section
