@@ -51,7 +51,7 @@ class ArrayInfo:
     """What an operator needs to know about one device array.
 
     ``dtype`` is a Triton type name (``"fp16"``, ``"bf16"``, ``"fp32"``, ``"i32"``,
-    ``"u8"``, ``"u1"`` for booleans as Triton 3.6 spells them, ``"fp8e4nv"``...), ``strides``
+    ``"u8"``, ``"i1"`` for booleans as the catalog spells them, ``"fp8e4nv"``...), ``strides``
     are in elements, ``device`` is the device ordinal (-1 when unknown: a
     ``__cuda_array_interface__`` pointer with no resolver installed). ``stream`` is the
     producer's stream when the protocol names one (``__cuda_array_interface__`` v3: 1 legacy
@@ -84,7 +84,7 @@ _TYPESTR_DTYPES = {
     "f2": "fp16", "f4": "fp32", "f8": "fp64",
     "i1": "i8", "i2": "i16", "i4": "i32", "i8": "i64",
     "u1": "u8", "u2": "u16", "u4": "u32", "u8": "u64",
-    "b1": "u1",
+    "b1": "i1",
 }
 
 # DLPack (type code, bits) -> Triton name. Codes from dlpack.h (DLDataTypeCode).
@@ -93,7 +93,7 @@ _DLPACK_DTYPES = {
     (1, 8): "u8", (1, 16): "u16", (1, 32): "u32", (1, 64): "u64",
     (2, 16): "fp16", (2, 32): "fp32", (2, 64): "fp64",
     (4, 16): "bf16",
-    (6, 8): "u1",
+    (6, 8): "i1",
     (9, 8): "fp8e4b15", (10, 8): "fp8e4nv", (11, 8): "fp8e4b8",
     (12, 8): "fp8e5", (13, 8): "fp8e5b16",
 }
@@ -105,6 +105,7 @@ _DLPACK_CODE_NAMES = {
 }
 
 # Triton name -> torch dtype attribute name (also the NumPy/CuPy dtype name where one exists).
+# Booleans are "i1" in the catalog; Triton 3.6 itself canonicalises them to "u1", accepted too.
 _TRITON_TO_TORCH = {
     "fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64",
     "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64",
@@ -160,7 +161,7 @@ def _torch_handlers() -> tuple[Callable, Callable]:
     # decides which kernels its pointers can feed.
     torch_backend = "hip" if getattr(torch.version, "hip", None) else "cuda"
     dtypes = {getattr(torch, attr): name for name, attr in _TRITON_TO_TORCH.items()
-              if name != "i1" and hasattr(torch, attr)}
+              if name != "u1" and hasattr(torch, attr)}
 
     def refuse(t: Any, backend: str) -> ArgumentError:
         name = _type_name(t)

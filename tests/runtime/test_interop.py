@@ -276,6 +276,13 @@ def test_cai_without_resolver_reports_unknown_device():
     assert pointer(FakeCAI())[1] == -1
 
 
+@pytest.mark.parametrize(("typestr", "name"), [
+    ("|b1", "i1"), ("|i1", "i8"), ("|u1", "u8"), ("<i2", "i16"), ("<u4", "u32"), ("<i8", "i64"),
+    ("<f8", "fp64")])
+def test_cai_typestrs_map_to_triton_names(typestr, name):
+    assert describe(FakeCAI(typestr=typestr)).dtype == name
+
+
 def test_cai_big_endian_and_complex_typestr_are_refused():
     with pytest.raises(ArgumentError, match=r"has typestr '>f4', which Triton kernels do not take"):
         describe(FakeCAI(typestr=">f4"))
@@ -378,7 +385,7 @@ def test_strided_bf16_tensor_keeps_its_strides_and_dtype():
 
 
 @pytest.mark.parametrize(("code", "bits", "name"), [
-    (0, 8, "i8"), (1, 8, "u8"), (1, 64, "u64"), (2, 16, "fp16"), (2, 64, "fp64"), (6, 8, "u1"),
+    (0, 8, "i8"), (1, 8, "u8"), (1, 64, "u64"), (2, 16, "fp16"), (2, 64, "fp64"), (6, 8, "i1"),
     (10, 8, "fp8e4nv"), (12, 8, "fp8e5"), (11, 8, "fp8e4b8"), (13, 8, "fp8e5b16")])
 def test_dlpack_dtypes_map_to_triton_names(code, bits, name):
     assert describe(FakeGPUArray(code=code, bits=bits)).dtype == name
@@ -615,8 +622,8 @@ def test_torch_gpu_tensor_gives_data_ptr_and_device():
     assert pointer(t, backend=backend) == (t.data_ptr(), t.get_device())
     info = describe(t, backend=backend)
     assert info == ArrayInfo(t.data_ptr(), t.get_device(), "fp16", (5, 4), (1, 6), "torch")
-    assert describe(torch.ones(2, dtype=torch.bfloat16, device="cuda"), backend=backend).dtype \
-        == "bf16"
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.bool, "i1"), (torch.uint8, "u8")):
+        assert describe(torch.ones(2, dtype=dtype, device="cuda"), backend=backend).dtype == name
     other = "cuda" if backend == "hip" else "hip"
     with pytest.raises(ArgumentError, match=rf"but the kernel is for {other.upper()}"):
         pointer(t, backend=other)
