@@ -1,0 +1,428 @@
+"""FlashAttention-2 backward kernels: preprocess (delta), dk/dv, dq.
+
+The split design is deterministic: the dk/dv kernel owns one key block of one key/value head
+and loops over every query head of its GQA group, so the group reduction happens in registers;
+the dq kernel owns one query block. Neither uses atomics. Conventions (layouts, mask band,
+dropout counters) are those of ``attention.py``; see docs/attention.md.
+
+Delta (rowsum(dO * O), fp32) has the layout of LSE and uses LSE's strides.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from builder.kernels.attention import LOG2E, _dropout_keep, _span, _window
+
+
+@triton.jit
+def attn_bwd_preprocess(
+    Out, DO, Delta, cu_seqlens_q,
+    stride_oz, stride_oh, stride_om,
+    stride_doz, stride_doh, stride_dom,
+    stride_lz, stride_lh,
+    batch, num_heads_q, seqlen_q,
+    HEAD_DIM_V: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (fp32).
+
+    Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1).
+    """
+    BLOCK_DV: tl.constexpr = triton.next_power_of_2(HEAD_DIM_V)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // num_heads_q
+    off_h = pid_bh % num_heads_q
+    if VARLEN:
+        q_start = tl.load(cu_seqlens_q + off_b)
+        len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
+        off_bz = off_b.to(tl.int64) * 0
+    else:
+        q_start = 0
+        len_q = seqlen_q
+        off_bz = off_b.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    if start_m >= len_q:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM_V)
+    rows = (q_start + offs_m).to(tl.int64)
+    o = tl.load(Out + off_bz * stride_oz + off_h.to(tl.int64) * stride_oh + rows[:, None] * stride_om
+                + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + off_bz * stride_doz + off_h.to(tl.int64) * stride_doh + rows[:, None] * stride_dom
+                 + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    D_base = Delta + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + q_start
+    tl.store(D_base + offs_m, delta, mask=offs_m < len_q)
+
+
+@triton.jit
+def _load_rows(ptrs, rows, len_rows, offs_d, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """Load a (rows x dim) tile; masks only what the variant and the loop can leave out of range."""
+    BLOCK_D: tl.constexpr = offs_d.shape[0]
+    if MASKED:
+        mask = rows[:, None] < len_rows
+        if HEAD_DIM != BLOCK_D:
+            mask = mask & (offs_d[None, :] < HEAD_DIM)
+        return tl.load(ptrs, mask=mask, other=0.0)
+    elif HEAD_DIM != BLOCK_D:
+        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _dkdv_blocks(
+    dk, dv, k, v, cols,
+    Q_base, DO_base, B_base, DB_base, L_base, D_base,
+    stride_qm, stride_dom, stride_bm, stride_dbm,
+    start, end, offs_m, offs_dk, offs_dv,
+    len_q, len_k, diag, left, right, qk_scale,
+    philox_seed, philox_offset, bh, dropout_p,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
+):
+    """Accumulate dk, dv of one key block over query blocks start, start+BLOCK_M, ... < end.
+
+    Tiles are kept transposed, (keys x queries), so dk and dv come out of the dots directly.
+    """
+    q_ptrs = Q_base + (start + offs_m)[:, None] * stride_qm + offs_dk[None, :]
+    do_ptrs = DO_base + (start + offs_m)[:, None] * stride_dom + offs_dv[None, :]
+    for start_m in range(start, end, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        q = _load_rows(q_ptrs, rows, len_q, offs_dk, HEAD_DIM, MASKED)
+        if MASKED:
+            lse = tl.load(L_base + rows, mask=rows < len_q, other=float("inf"))
+            delta = tl.load(D_base + rows, mask=rows < len_q, other=0.0)
+        else:
+            lse = tl.load(L_base + rows)
+            delta = tl.load(D_base + rows)
+        # Rows that saw no key stored -inf: +inf here makes their probabilities 0, not NaN.
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+        qkT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+        if BIAS != 0:
+            bmask = (rows[None, :] < len_q) & (cols[:, None] < len_k)
+            biasT = tl.load(B_base + rows[None, :] * stride_bm + cols[:, None], mask=bmask, other=0.0)
+            qkT += biasT.to(tl.float32) * LOG2E
+        pT = tl.math.exp2(qkT - lse[None, :])
+        if MASKED:
+            visible = rows[None, :] < len_q
+            if CAUSAL != 0:
+                rel = cols[:, None] - rows[None, :] - diag
+                visible = visible & (rel >= -left) & (rel <= right)
+            pT = tl.where(visible, pT, 0.0)
+        do = _load_rows(do_ptrs, rows, len_q, offs_dv, HEAD_DIM_V, MASKED)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        if DROPOUT != 0:
+            keepT = _dropout_keep(philox_seed, philox_offset, bh, rows[None, :], cols[:, None],
+                                  dropout_p)
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            pdT = tl.where(keepT, pT * inv_keep, 0.0)
+            dv = tl.dot(pdT.to(do.dtype), do, dv, input_precision=PREC)
+            dpT = tl.where(keepT, dpT * inv_keep, 0.0)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        if BIAS == 2:
+            tl.store(DB_base + rows[None, :] * stride_dbm + cols[:, None],
+                     dsT.to(DB_base.dtype.element_ty),
+                     mask=(rows[None, :] < len_q) & (cols[:, None] < len_k))
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+        q_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dom
+    return dk, dv
+
+
+@triton.jit
+def _zero_dbias(DB_base, stride_dbm, cols, start, end, len_q, len_k, offs_m, BLOCK_M: tl.constexpr):
+    """dBias is 0 where the band hides a key; those query blocks are never visited otherwise."""
+    zeros = tl.zeros([BLOCK_M, cols.shape[0]], dtype=DB_base.dtype.element_ty)
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + offs_m
+        tl.store(DB_base + rows[:, None] * stride_dbm + cols[None, :], zeros,
+                 mask=(rows[:, None] < len_q) & (cols[None, :] < len_k))
+
+
+@triton.jit
+def attn_bwd_dkdv(
+    Q, K, V, Bias, DO, DK, DV, DBias, LSE, Delta, cu_seqlens_q, cu_seqlens_k,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_bz, stride_bh, stride_bm,
+    stride_doz, stride_doh, stride_dom,
+    stride_dkz, stride_dkh, stride_dkn,
+    stride_dvz, stride_dvh, stride_dvn,
+    stride_dbz, stride_dbh, stride_dbm,
+    stride_lz, stride_lh,
+    batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK, dV of one key block of one key/value head, summed over its GQA query heads.
+
+    Grid: (cdiv(seqlen_k, BLOCK_N), batch * num_heads_k, 1). BIAS: 0 none, 1 bias, 2 bias and
+    dBias = dS written at DBias[b, h, i, j] (full, unbroadcast; the operator reduces it over
+    broadcast dimensions).
+    """
+    PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
+    BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    BLOCK_DV: tl.constexpr = triton.next_power_of_2(HEAD_DIM_V)
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // num_heads_k
+    off_hk = pid_bh % num_heads_k
+    group = num_heads_q // num_heads_k
+    if VARLEN:
+        q_start = tl.load(cu_seqlens_q + off_b)
+        len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
+        k_start = tl.load(cu_seqlens_k + off_b)
+        len_k = tl.load(cu_seqlens_k + off_b + 1) - k_start
+        off_bz = off_b.to(tl.int64) * 0
+    else:
+        q_start = 0
+        len_q = seqlen_q
+        k_start = 0
+        len_k = seqlen_k
+        off_bz = off_b.to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    if start_n >= len_k:
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = start_n + offs_n
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    krow = (k_start + cols).to(tl.int64)
+    K_base = K + off_bz * stride_kz + off_hk.to(tl.int64) * stride_kh
+    V_base = V + off_bz * stride_vz + off_hk.to(tl.int64) * stride_vh
+    k = _load_rows(K_base + krow[:, None] * stride_kn + offs_dk[None, :], cols, len_k, offs_dk,
+                   HEAD_DIM, True)
+    v = _load_rows(V_base + krow[:, None] * stride_vn + offs_dv[None, :], cols, len_k, offs_dv,
+                   HEAD_DIM_V, True)
+
+    qk_scale = sm_scale * LOG2E
+    diag, left, right = _window(len_q, len_k, window_left, window_right, CAUSAL)
+    # Seen from a key block the band is mirrored: rows i with j - diag - right <= i <= j - diag + left.
+    if CAUSAL != 0:
+        lo, f1, f2, hi = _span(start_n, BLOCK_N, len_q, -diag, right, left, BLOCK_M)
+    else:
+        lo = 0
+        f1 = 0
+        f2 = len_q // BLOCK_M * BLOCK_M
+        hi = len_q
+
+    dk = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    q_row0 = q_start.to(tl.int64)
+    for g in range(0, group):
+        off_h = off_hk * group + g
+        bh = off_b * num_heads_q + off_h
+        Q_base = Q + off_bz * stride_qz + off_h.to(tl.int64) * stride_qh + q_row0 * stride_qm
+        DO_base = DO + off_bz * stride_doz + off_h.to(tl.int64) * stride_doh + q_row0 * stride_dom
+        L_base = LSE + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + q_start
+        D_base = Delta + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + q_start
+        B_base = Bias
+        if BIAS != 0:
+            B_base = Bias + off_b.to(tl.int64) * stride_bz + off_h.to(tl.int64) * stride_bh
+        DB_base = DBias
+        if BIAS == 2:
+            DB_base = DBias + off_b.to(tl.int64) * stride_dbz + off_h.to(tl.int64) * stride_dbh
+        if CAUSAL != 0:
+            dk, dv = _dkdv_blocks(
+                dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base,
+                stride_qm, stride_dom, stride_bm, stride_dbm, lo, f1, offs_m, offs_dk, offs_dv,
+                len_q, len_k, diag, left, right, qk_scale, philox_seed, philox_offset, bh, dropout_p,
+                True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC)
+        dk, dv = _dkdv_blocks(
+            dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base,
+            stride_qm, stride_dom, stride_bm, stride_dbm, f1, f2, offs_m, offs_dk, offs_dv,
+            len_q, len_k, diag, left, right, qk_scale, philox_seed, philox_offset, bh, dropout_p,
+            False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC)
+        dk, dv = _dkdv_blocks(
+            dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base,
+            stride_qm, stride_dom, stride_bm, stride_dbm, f2, hi, offs_m, offs_dk, offs_dv,
+            len_q, len_k, diag, left, right, qk_scale, philox_seed, philox_offset, bh, dropout_p,
+            True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC)
+        if BIAS == 2 and CAUSAL != 0:
+            _zero_dbias(DB_base, stride_dbm, cols, 0, lo, len_q, len_k, offs_m, BLOCK_M)
+            hi_up = (hi + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            _zero_dbias(DB_base, stride_dbm, cols, hi_up, len_q, len_q, len_k, offs_m, BLOCK_M)
+
+    dk = dk * sm_scale
+    kmask = cols[:, None] < len_k
+    dkmask = kmask
+    if HEAD_DIM != BLOCK_DK:
+        dkmask = dkmask & (offs_dk[None, :] < HEAD_DIM)
+    dvmask = kmask
+    if HEAD_DIM_V != BLOCK_DV:
+        dvmask = dvmask & (offs_dv[None, :] < HEAD_DIM_V)
+    DK_base = DK + off_bz * stride_dkz + off_hk.to(tl.int64) * stride_dkh
+    DV_base = DV + off_bz * stride_dvz + off_hk.to(tl.int64) * stride_dvh
+    tl.store(DK_base + krow[:, None] * stride_dkn + offs_dk[None, :], dk.to(DK.dtype.element_ty),
+             mask=dkmask)
+    tl.store(DV_base + krow[:, None] * stride_dvn + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+             mask=dvmask)
+
+
+@triton.jit
+def _dq_blocks(
+    dq, q, do, lse, delta, rows,
+    K_base, V_base, B_base,
+    stride_kn, stride_vn, stride_bm,
+    start, end, offs_n, offs_dk, offs_dv,
+    len_q, len_k, diag, left, right, qk_scale,
+    philox_seed, philox_offset, bh, dropout_p,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    """Accumulate dq of one query block over key blocks start, start+BLOCK_N, ... < end."""
+    k_ptrs = K_base + (start + offs_n)[:, None] * stride_kn + offs_dk[None, :]
+    v_ptrs = V_base + (start + offs_n)[:, None] * stride_vn + offs_dv[None, :]
+    rows_b = tl.minimum(rows, len_q - 1)
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k = _load_rows(k_ptrs, cols, len_k, offs_dk, HEAD_DIM, MASKED)
+        v = _load_rows(v_ptrs, cols, len_k, offs_dv, HEAD_DIM_V, MASKED)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if BIAS != 0:
+            b_ptrs = B_base + rows_b[:, None] * stride_bm + cols[None, :]
+            if MASKED:
+                bias = tl.load(b_ptrs, mask=cols[None, :] < len_k, other=0.0)
+            else:
+                bias = tl.load(b_ptrs)
+            qk += bias.to(tl.float32) * LOG2E
+        p = tl.math.exp2(qk - lse[:, None])
+        if MASKED:
+            visible = cols[None, :] < len_k
+            if CAUSAL != 0:
+                rel = cols[None, :] - rows[:, None] - diag
+                visible = visible & (rel >= -left) & (rel <= right)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        if DROPOUT != 0:
+            keep = _dropout_keep(philox_seed, philox_offset, bh, rows[:, None], cols[None, :],
+                                 dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq(
+    Q, K, V, Bias, DO, DQ, LSE, Delta, cu_seqlens_q, cu_seqlens_k,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_bz, stride_bh, stride_bm,
+    stride_doz, stride_doh, stride_dom,
+    stride_dqz, stride_dqh, stride_dqm,
+    stride_lz, stride_lh,
+    batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ of one query block of one query head.
+
+    Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1). BIAS only matters as 0 / non-0 here.
+    """
+    PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
+    BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    BLOCK_DV: tl.constexpr = triton.next_power_of_2(HEAD_DIM_V)
+    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    if CAUSAL != 0:
+        pid_m = num_m_blocks - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // num_heads_q
+    off_h = pid_bh % num_heads_q
+    off_hk = off_h // (num_heads_q // num_heads_k)
+    if VARLEN:
+        q_start = tl.load(cu_seqlens_q + off_b)
+        len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
+        k_start = tl.load(cu_seqlens_k + off_b)
+        len_k = tl.load(cu_seqlens_k + off_b + 1) - k_start
+        off_bz = off_b.to(tl.int64) * 0
+    else:
+        q_start = 0
+        len_q = seqlen_q
+        k_start = 0
+        len_k = seqlen_k
+        off_bz = off_b.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    if start_m >= len_q:
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = start_m + offs_m
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    qrow = (q_start + rows).to(tl.int64)
+    Q_base = Q + off_bz * stride_qz + off_h.to(tl.int64) * stride_qh
+    DO_base = DO + off_bz * stride_doz + off_h.to(tl.int64) * stride_doh
+    q = _load_rows(Q_base + qrow[:, None] * stride_qm + offs_dk[None, :], rows, len_q, offs_dk,
+                   HEAD_DIM, True)
+    do = _load_rows(DO_base + qrow[:, None] * stride_dom + offs_dv[None, :], rows, len_q, offs_dv,
+                    HEAD_DIM_V, True)
+    L_base = LSE + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + q_start
+    D_base = Delta + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + q_start
+    lse = tl.load(L_base + rows, mask=rows < len_q, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    delta = tl.load(D_base + rows, mask=rows < len_q, other=0.0)
+
+    K_base = K + off_bz * stride_kz + off_hk.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+    V_base = V + off_bz * stride_vz + off_hk.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
+    B_base = Bias
+    if BIAS != 0:
+        B_base = Bias + off_b.to(tl.int64) * stride_bz + off_h.to(tl.int64) * stride_bh
+
+    qk_scale = sm_scale * LOG2E
+    bh = off_b * num_heads_q + off_h
+    diag, left, right = _window(len_q, len_k, window_left, window_right, CAUSAL)
+    if CAUSAL != 0:
+        lo, f1, f2, hi = _span(start_m, BLOCK_M, len_k, diag, left, right, BLOCK_N)
+    else:
+        lo = 0
+        f1 = 0
+        f2 = len_k // BLOCK_N * BLOCK_N
+        hi = len_k
+
+    dq = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
+    if CAUSAL != 0:
+        dq = _dq_blocks(
+            dq, q, do, lse, delta, rows, K_base, V_base, B_base, stride_kn, stride_vn, stride_bm,
+            lo, f1, offs_n, offs_dk, offs_dv, len_q, len_k, diag, left, right, qk_scale,
+            philox_seed, philox_offset, bh, dropout_p,
+            True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC)
+    dq = _dq_blocks(
+        dq, q, do, lse, delta, rows, K_base, V_base, B_base, stride_kn, stride_vn, stride_bm,
+        f1, f2, offs_n, offs_dk, offs_dv, len_q, len_k, diag, left, right, qk_scale,
+        philox_seed, philox_offset, bh, dropout_p,
+        False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC)
+    dq = _dq_blocks(
+        dq, q, do, lse, delta, rows, K_base, V_base, B_base, stride_kn, stride_vn, stride_bm,
+        f2, hi, offs_n, offs_dk, offs_dv, len_q, len_k, diag, left, right, qk_scale,
+        philox_seed, philox_offset, bh, dropout_p,
+        True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC)
+
+    dq = dq * sm_scale
+    dqmask = rows[:, None] < len_q
+    if HEAD_DIM != BLOCK_DK:
+        dqmask = dqmask & (offs_dk[None, :] < HEAD_DIM)
+    DQ_base = DQ + off_bz * stride_dqz + off_h.to(tl.int64) * stride_dqh
+    tl.store(DQ_base + qrow[:, None] * stride_dqm + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
+             mask=dqmask)

@@ -1,0 +1,362 @@
+"""Attention kernels checked under Triton's interpreter against an fp64 reference.
+
+``TRITON_INTERPRET=1`` must be set before triton is imported, so the cases run in subprocesses
+that execute this file as a script (``python test_attention_interpret.py CASE...``) and print one
+JSON line per case; the tests below read those results. The kernels are the real ones from
+``builder/kernels/attention*.py``, launched the way the operator launches them (explicit strides,
+padded head-dim buckets, 0 for unused pointers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# name -> case. Shapes are tiny: the interpreter runs every program in Python.
+# Defaults: B=2, Hq=Hk=2, Sq=37, Sk=53 (primes, not block multiples), D=32, fp32, BHSD,
+# no mask, no bias, no dropout, BLOCK 16x16.
+CASES: dict[str, dict] = {
+    "plain_fp32": {},
+    "plain_fp16": {"dtype": "fp16"},
+    "plain_bf16": {"dtype": "bf16"},
+    "causal_top_left_sq_lt_sk": {"causal": 1},
+    "causal_bottom_right_sq_lt_sk": {"causal": 2},
+    "causal_top_left_sq_gt_sk": {"causal": 1, "Sq": 53, "Sk": 37},
+    "causal_bottom_right_sq_gt_sk_empty_rows": {"causal": 2, "Sq": 53, "Sk": 37},
+    "sliding_window_bottom_right": {"causal": 2, "window": (7, 3)},
+    "sliding_window_top_left_left_only": {"causal": 1, "window": (11, -1)},
+    "blocks_32x16_causal": {"causal": 2, "BM": 32, "BN": 16, "window": (-1, 5)},
+    "blocks_16x32_causal_top_left": {"causal": 1, "BM": 16, "BN": 32},
+    "gqa_4_to_2_bshd": {"Hq": 4, "Hk": 2, "layout": "bshd", "causal": 2},
+    "mqa_3_to_1": {"Hq": 3, "Hk": 1, "dtype": "fp16"},
+    "bias_full_with_dbias": {"bias": "full"},
+    "bias_broadcast_batch_and_heads": {"bias": "row", "causal": 1},
+    "bias_broadcast_batch": {"bias": "heads", "Hq": 4, "Hk": 2},
+    "dropout_fp32": {"dropout": 0.3},
+    "dropout_causal_gqa_bias": {"dropout": 0.25, "causal": 2, "Hq": 4, "Hk": 2, "bias": "full"},
+    "varlen_causal_bottom_right": {"varlen": ((5, 9), (17, 31), (1, 1), (40, 23)), "causal": 2},
+    "varlen_window_dropout_bias": {"varlen": ((19, 19), (33, 7)), "causal": 1, "window": (4, 2),
+                                   "dropout": 0.2, "bias": "full"},
+    "head_dim_48_bucket_fp16": {"D": 48, "dtype": "fp16", "causal": 2},
+    "head_dim_40_padded_to_48": {"D": 40, "pad_to": 48},
+    "head_dim_80_bf16": {"D": 80, "dtype": "bf16", "Sq": 19, "Sk": 23},
+    "qk_32_v_16": {"D": 32, "Dv": 16, "causal": 1},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Subprocess side: runs with TRITON_INTERPRET=1.
+# ---------------------------------------------------------------------------------------------
+
+def _patch_interpreter() -> None:
+    # Triton 3.6's interpreter turns scalars into 1-element arrays and calls int() on them when a
+    # loop bound is a run-time value; numpy >= 2.4 refuses int() of a 1-d array.
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # noqa: ANN001 - interpreter internals
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+    # Its tl.dot multiplies bf16 operands as their uint16 bit patterns; widen them to fp32 first
+    # (exact: a bf16 is the top half of an fp32).
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    create_dot = builder.create_dot
+
+    def widen(h):  # noqa: ANN001, ANN202
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        bits = (h.data.astype(np.uint32) << 16).view(np.float32)
+        return interpreter.TensorHandle(bits, tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = dot
+
+
+def _bucket(d: int) -> int:
+    from builder.kernels.attention import HEAD_DIM_BUCKETS
+    return next(b for b in HEAD_DIM_BUCKETS if b >= d)
+
+
+def run_case(name: str, case: dict) -> dict:
+    """Run one case forward and backward; return max errors and the checks that failed."""
+    import torch
+    import triton
+
+    from builder.kernels.attention import attn_fwd
+    from builder.kernels.attention_bwd import attn_bwd_dkdv, attn_bwd_dq, attn_bwd_preprocess
+
+    c = {"B": 2, "Hq": 2, "Hk": 2, "Sq": 37, "Sk": 53, "D": 32, "dtype": "fp32", "layout": "bhsd",
+         "causal": 0, "window": None, "bias": None, "dropout": 0.0, "varlen": None, "BM": 16,
+         "BN": 16, **case}
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[c["dtype"]]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    B, Hq, Hk, D = c["B"], c["Hq"], c["Hk"], c["D"]
+    Dv = c.get("Dv", D)
+    varlen = c["varlen"]
+    if varlen:
+        B = len(varlen)
+        lens_q = [a for a, _ in varlen]
+        lens_k = [b for _, b in varlen]
+        Sq, Sk = max(lens_q), max(lens_k)
+    else:
+        Sq, Sk = c["Sq"], c["Sk"]
+        lens_q, lens_k = [Sq] * B, [Sk] * B
+    scale = 1.0 / math.sqrt(D)
+    causal = c["causal"]
+    wl, wr = c["window"] if c["window"] else (-1, 0 if causal else -1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    # Logical per-sequence tensors (H, S, D); the kernel sees them packed or batched.
+    qs = [randn(Hq, lq, D) for lq in lens_q]
+    ks = [randn(Hk, lk, D) for lk in lens_k]
+    vs = [randn(Hk, lk, Dv) for lk in lens_k]
+    dos = [randn(Hq, lq, Dv) for lq in lens_q]
+
+    # Operator behaviour for head dims between buckets: zero-pad to the bucket.
+    Dk_b = c.get("pad_to", D)
+    Dv_b = c.get("pad_to", Dv)
+    assert Dk_b == _bucket(Dk_b) and Dv_b == _bucket(Dv_b)
+
+    def pad(t, d):
+        return torch.nn.functional.pad(t, (0, d - t.shape[-1]))
+
+    def pack(ts, d, heads):
+        """Lay out as the kernel expects; returns (tensor, stride_z, stride_h, stride_m)."""
+        ts = [pad(t, d) for t in ts]
+        if varlen:
+            x = torch.cat([t.transpose(0, 1) for t in ts], 0).contiguous()  # (total, H, d)
+            return x, 0, x.stride(1), x.stride(0)
+        if c["layout"] == "bshd":
+            x = torch.stack([t.transpose(0, 1) for t in ts]).contiguous()  # (B, S, H, d)
+            return x, x.stride(0), x.stride(2), x.stride(1)
+        x = torch.stack(ts).contiguous()  # (B, H, S, d)
+        return x, x.stride(0), x.stride(1), x.stride(2)
+
+    def unpack(x, d, lens):
+        if varlen:
+            starts = [0] + list(torch.tensor(lens).cumsum(0)[:-1].tolist())
+            return [x[s:s + n].transpose(0, 1)[..., :d] for s, n in zip(starts, lens)]
+        if c["layout"] == "bshd":
+            return [x[b].transpose(0, 1)[..., :lens[b], :d] for b in range(B)]
+        return [x[b][..., :lens[b], :d] for b in range(B)]
+
+    q, sqz, sqh, sqm = pack(qs, Dk_b, Hq)
+    k, skz, skh, skn = pack(ks, Dk_b, Hk)
+    v, svz, svh, svn = pack(vs, Dv_b, Hk)
+    do, sdoz, sdoh, sdom = pack(dos, Dv_b, Hq)
+    out = torch.full_like(do, float("nan"))
+    dq = torch.full_like(q, float("nan"))
+    dk = torch.full_like(k, float("nan"))
+    dv = torch.full_like(v, float("nan"))
+    _, soz, soh, som = pack(dos, Dv_b, Hq)
+    if varlen:
+        total_q = sum(lens_q)
+        lse = torch.full((Hq, total_q), float("nan"))
+        slz, slh = 0, lse.stride(0)
+        cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0).to(torch.int32)
+    else:
+        lse = torch.full((B, Hq, Sq), float("nan"))
+        slz, slh = lse.stride(0), lse.stride(1)
+        cu_q = cu_k = torch.empty(0, dtype=torch.int32)
+    delta = torch.full_like(lse, float("nan"))
+
+    # Bias: stored broadcast with stride 0 where a dimension is shared.
+    bias_kind = c["bias"]
+    nothing = torch.empty(0, dtype=dtype)
+    if bias_kind:
+        shape = {"full": (B, Hq), "row": (1, 1), "heads": (1, Hq)}[bias_kind]
+        bias_store = torch.randn(*shape, Sq, Sk, generator=gen).to(dtype)
+        bias = bias_store.expand(B, Hq, Sq, Sk)
+        sbz, sbh, sbm = bias.stride()[:3]
+        dbias = torch.full((B, Hq, Sq, Sk), float("nan"), dtype=dtype)
+        sdbz, sdbh, sdbm = dbias.stride()[:3]
+    else:
+        bias = dbias = nothing
+        sbz = sbh = sbm = sdbz = sdbh = sdbm = 0
+    p_drop = c["dropout"]
+    dropout = 2 if p_drop else 0
+    seed, offset = 0x1234_5678_9ABC, 77
+    dmask = torch.zeros(B, Hq, Sq, Sk, dtype=torch.int8) if dropout else torch.empty(0, dtype=torch.int8)
+    sdmz, sdmh, sdmm = dmask.stride()[:3] if dropout else (0, 0, 0)
+
+    flags = {"HEAD_DIM": Dk_b, "HEAD_DIM_V": Dv_b, "CAUSAL": causal, "DROPOUT": dropout,
+             "VARLEN": 1 if varlen else 0}
+    common = (B, Hq, Hk, Sq, Sk, scale, p_drop, seed, offset, wl, wr)
+
+    def forward(out, lse, dmask):
+        attn_fwd[(triton.cdiv(Sq, c["BM"]), B * Hq, 1)](
+            q, k, v, bias, out, lse, dmask, cu_q, cu_k,
+            sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, soz, soh, som, sbz, sbh, sbm, slz, slh,
+            sdmz, sdmh, sdmm, *common, BIAS=1 if bias_kind else 0, BLOCK_M=c["BM"], BLOCK_N=c["BN"],
+            **flags)
+
+    forward(out, lse, dmask)
+    attn_bwd_preprocess[(triton.cdiv(Sq, c["BM"]), B * Hq, 1)](
+        out, do, delta, cu_q, soz, soh, som, sdoz, sdoh, sdom, slz, slh, B, Hq, Sq,
+        HEAD_DIM_V=Dv_b, VARLEN=flags["VARLEN"], BLOCK_M=c["BM"])
+    bias_flag = 2 if bias_kind else 0
+    attn_bwd_dkdv[(triton.cdiv(Sk, c["BN"]), B * Hk, 1)](
+        q, k, v, bias, do, dk, dv, dbias, lse, delta, cu_q, cu_k,
+        sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, sbz, sbh, sbm, sdoz, sdoh, sdom,
+        skz, skh, skn, svz, svh, svn, sdbz, sdbh, sdbm, slz, slh, *common,
+        BIAS=bias_flag, BLOCK_M=c["BM"], BLOCK_N=c["BN"], **flags)
+    attn_bwd_dq[(triton.cdiv(Sq, c["BM"]), B * Hq, 1)](
+        q, k, v, bias, do, dq, lse, delta, cu_q, cu_k,
+        sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, sbz, sbh, sbm, sdoz, sdoh, sdom,
+        sqz, sqh, sqm, slz, slh, *common,
+        BIAS=bias_flag, BLOCK_M=c["BM"], BLOCK_N=c["BN"], **flags)
+
+    errors: dict[str, float] = {}
+    failed: list[str] = []
+    tol = {"fp32": 2e-4, "fp16": 2e-2, "bf16": 8e-2}[c["dtype"]]
+
+    def compare(what, got, ref):
+        ref = ref.to(torch.float64)
+        got = got.to(torch.float64)
+        both_inf = torch.isinf(ref) & torch.isinf(got) & (torch.sign(ref) == torch.sign(got))
+        diff = torch.where(both_inf, 0.0, (got - ref).abs())
+        err = float(diff.max()) if diff.numel() else 0.0
+        scale_ = max(1.0, float(ref[torch.isfinite(ref)].abs().max()) if ref.numel() else 1.0)
+        errors[what] = max(errors.get(what, 0.0), err / scale_)
+        if not err <= tol * scale_:  # also catches NaN
+            failed.append(f"{what}: max error {err:.3g} > {tol * scale_:.3g}")
+
+    if dropout:
+        # Same seed and offset again: the same mask; another offset: a different one.
+        dmask2 = torch.zeros_like(dmask)
+        forward(torch.empty_like(out), torch.empty_like(lse), dmask2)
+        if not torch.equal(dmask, dmask2):
+            failed.append("dropout mask differs between two runs with the same seed and offset")
+        offset += 1
+        common = (B, Hq, Hk, Sq, Sk, scale, p_drop, seed, offset, wl, wr)
+        dmask3 = torch.zeros_like(dmask)
+        forward(torch.empty_like(out), torch.empty_like(lse), dmask3)
+        if torch.equal(dmask, dmask3):
+            failed.append("dropout mask did not change with the Philox offset")
+
+    outs, dqs, dks, dvs = (unpack(out, Dv, lens_q), unpack(dq, D, lens_q), unpack(dk, D, lens_k),
+                           unpack(dv, Dv, lens_k))
+    group = Hq // Hk
+    dbias_ref = torch.zeros(B, Hq, Sq, Sk, dtype=torch.float64)
+    kept = total = 0
+    for b in range(B):
+        lq, lk = lens_q[b], lens_k[b]
+        qr = qs[b].double().requires_grad_()
+        kr = ks[b].double().requires_grad_()
+        vr = vs[b].double().requires_grad_()
+        s = qr @ kr.repeat_interleave(group, 0).transpose(-1, -2) * scale
+        if bias_kind:
+            br = bias[b, :, :lq, :lk].double().requires_grad_()
+            s = s + br
+        i = torch.arange(lq)[:, None]
+        j = torch.arange(lk)[None, :]
+        if causal:
+            diag = 0 if causal == 1 else lk - lq
+            rel = j - i - diag
+            vis = torch.ones(lq, lk, dtype=torch.bool)
+            if wl >= 0:
+                vis &= rel >= -wl
+            if wr >= 0:
+                vis &= rel <= wr
+        else:
+            vis = torch.ones(lq, lk, dtype=torch.bool)
+        s = s.masked_fill(~vis, float("-inf"))
+        row_ok = vis.any(-1)
+        s_safe = torch.where(row_ok[:, None], s, 0.0)
+        p = torch.softmax(s_safe, -1) * row_ok[:, None]
+        lse_ref = torch.where(row_ok, torch.logsumexp(s_safe.detach(), -1), float("-inf"))
+        if dropout:
+            keep = dmask[b, :, :lq, :lk].bool() & vis
+            kept += int(keep.sum())
+            total += int(vis.sum()) * Hq
+            p = p * keep / (1.0 - p_drop)
+        o = p @ vr.repeat_interleave(group, 0)
+        grads = torch.autograd.grad(o, [qr, kr, vr] + ([br] if bias_kind else []), dos[b].double())
+        compare("out", outs[b], o.detach())
+        got_lse = lse[:, cu_q[b]:cu_q[b] + lq] if varlen else lse[b, :, :lq]
+        compare("lse", got_lse, lse_ref)
+        compare("dq", dqs[b], grads[0])
+        compare("dk", dks[b], grads[1])
+        compare("dv", dvs[b], grads[2])
+        if bias_kind:
+            dbias_ref[b, :, :lq, :lk] = grads[3]
+            compare("dbias", dbias[b, :, :lq, :lk], grads[3])
+    if dropout and total:
+        frac = kept / total
+        if abs(frac - (1 - p_drop)) > 0.05:
+            failed.append(f"kept fraction {frac:.3f} is far from 1 - p = {1 - p_drop:.3f}")
+    if bias_kind and bias_kind != "full":
+        # What the operator does for a broadcast bias: sum the full dS over the shared dims.
+        dims = {"row": (0, 1), "heads": (0,)}[bias_kind]
+        got = dbias.double().sum(dims, keepdim=True)
+        compare("dbias_reduced", got, dbias_ref.sum(dims, keepdim=True))
+    return {"name": name, "errors": errors, "failed": failed}
+
+
+def _main(names: list[str]) -> None:
+    _patch_interpreter()
+    for name in names:
+        try:
+            result = run_case(name, CASES[name])
+        except Exception as exc:  # reported to the test, which fails with it
+            result = {"name": name, "errors": {}, "failed": [f"{type(exc).__name__}: {exc}"[:2000]]}
+        print(json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Test side.
+# ---------------------------------------------------------------------------------------------
+
+def _run_interpreted(names: list[str]) -> list[dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__, *names], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or len(results) != len(names):
+        raise RuntimeError(f"interpreter subprocess failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    names = list(CASES)
+    shards = [names[i::2] for i in range(2)]  # CI has 2 cores
+    with ThreadPoolExecutor(len(shards)) as pool:
+        results = [r for part in pool.map(_run_interpreted, shards) for r in part]
+    return {r["name"]: r for r in results}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_attention_matches_fp64_reference_under_interpreter(interpreted: dict, name: str) -> None:
+    result = interpreted[name]
+    assert not result["failed"], f"{name}: {result['failed']} (errors {result['errors']})"
+    expected = {"out", "lse", "dq", "dk", "dv"}
+    if CASES[name].get("bias"):
+        expected.add("dbias")
+    assert expected <= set(result["errors"]), f"{name}: not every output was compared"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    _main(sys.argv[1:])
