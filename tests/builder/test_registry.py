@@ -1,0 +1,304 @@
+"""What to build: kernel declarations, their expansion into jobs, selection, shards, targets.
+
+Nothing here compiles; expansion is pure and fast, so it is checked exhaustively.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="kernel declarations are @triton.jit functions")
+tl = pytest.importorskip("triton.language")
+
+from builder import registry  # noqa: E402 - after the importorskip above
+from builder.registry import Config, Job, Kernel, expand, load_kernels, select, shard  # noqa: E402
+from builder.targets import KNOWN, UnknownTarget, parse_targets  # noqa: E402
+
+FIXTURE = "tests.builder.kernels_fixture"
+GFX942, GFX1100, SM90 = KNOWN["gfx942"], KNOWN["gfx1100"], KNOWN["sm90"]
+
+
+@triton.jit
+def axpy_kernel(x_ptr, y_ptr, n, alpha, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    tl.store(y_ptr + offs, x * alpha + tl.load(y_ptr + offs))
+
+
+@triton.jit
+def other_kernel(x_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, BLOCK), 1.0)
+
+
+def _axpy(**changes) -> Kernel:
+    fields = dict(
+        name="axpy", fn=axpy_kernel,
+        signature={"x_ptr": "*{dtype}", "y_ptr": "*{dtype}", "n": "i32", "alpha": "fp32",
+                   "BLOCK": "constexpr", "EVEN": "constexpr"},
+        axes={"dtype": ("fp16", "bf16", "fp32"), "EVEN": (False, True)},
+        configs=(Config(constexprs={"BLOCK": 256}, num_warps=2, num_stages=1),
+                 Config(constexprs={"BLOCK": 1024}, num_warps=8, num_stages=2,
+                        options={"waves_per_eu": 2}, backends=("hip",))),
+        grid=("cdiv(n, BLOCK)", "1", "1"),
+    )
+    fields.update(changes)
+    return Kernel(**fields)
+
+
+def _expand(kernel: Kernel, tgts=(GFX942, SM90), build_set: str = "full", **kw) -> list[Job]:
+    return expand(kernel, list(tgts), build_set, "3.6.0", **kw)
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+def test_load_kernels_finds_the_builders_own_kernels() -> None:
+    kernels = load_kernels()
+    assert {"add", "softmax", "layernorm", "rmsnorm"} <= set(kernels)
+    assert kernels["add"].name == "add" and kernels["add"].fn.__name__ == "add_kernel"
+
+
+def test_load_kernels_reads_another_package_and_skips_private_modules() -> None:
+    kernels = load_kernels(FIXTURE)
+    # _twice (a private subpackage) would raise if it were imported.
+    assert sorted(kernels) == ["broken", "scale", "slow"]
+
+
+def test_load_kernels_refuses_a_name_declared_twice() -> None:
+    with pytest.raises(ValueError, match=r"^kernel name 'twin' is declared twice "
+                                         r"\(tests\.builder\.kernels_fixture\._twice\.two\)$"):
+        load_kernels(FIXTURE + "._twice")
+
+
+def test_kernel_signature_must_list_the_functions_arguments_in_order() -> None:
+    swapped = {"y_ptr": "*fp32", "x_ptr": "*fp32", "n": "i32", "alpha": "fp32",
+               "BLOCK": "constexpr", "EVEN": "constexpr"}
+    with pytest.raises(ValueError, match=re.escape(
+            "kernel axpy: signature names ['y_ptr', 'x_ptr', 'n', 'alpha', 'BLOCK', 'EVEN'] must be "
+            "the function's arguments in order: ['x_ptr', 'y_ptr', 'n', 'alpha', 'BLOCK', 'EVEN']")):
+        _axpy(signature=swapped)
+
+
+def test_kernel_axis_must_be_a_constexpr_or_a_signature_field() -> None:
+    with pytest.raises(ValueError, match=r"kernel axpy: axis 'layout' is neither a constexpr argument nor "
+                                         r"used as \{layout\} in the signature"):
+        _axpy(axes={"dtype": ("fp16",), "EVEN": (True,), "layout": ("row",)})
+
+
+def test_kernel_refuses_an_unknown_build_set() -> None:
+    with pytest.raises(ValueError, match=r"kernel axpy: unknown set 'small'; sets: default, full"):
+        _axpy(sets={"small": lambda spec, target: True})
+
+
+# --------------------------------------------------------------------------- expansion
+
+
+def test_expand_is_the_cross_product_of_axes_configs_and_targets() -> None:
+    jobs = _expand(_axpy())
+    # 3 dtypes x 2 EVEN x (2 configs on hip, 1 on cuda: the second is hip-only)
+    assert len(jobs) == 3 * 2 * 2 + 3 * 2 * 1
+    seen = {(j.target.arch, j.spec["dtype"], j.spec["EVEN"], j.config_index) for j in jobs}
+    assert len(seen) == len(jobs)
+    assert {j.config_index for j in jobs if j.target.backend == "cuda"} == {0}
+    assert {j.config_index for j in jobs if j.target.backend == "hip"} == {0, 1}
+
+
+def test_expand_resolves_the_signature_and_the_constexprs() -> None:
+    job = next(j for j in _expand(_axpy(), [GFX942])
+               if j.spec == {"dtype": "bf16", "EVEN": True} and j.config_index == 1)
+    assert job.signature == {"x_ptr": "*bf16", "y_ptr": "*bf16", "n": "i32", "alpha": "fp32",
+                             "BLOCK": "constexpr", "EVEN": "constexpr"}
+    # Axis values and config values both become constexprs; the config's BLOCK is index 1's.
+    assert job.constexprs == {"BLOCK": 1024, "EVEN": True}
+    assert job.options() == {"num_warps": 8, "num_stages": 2, "waves_per_eu": 2}
+    assert job.grid == ("cdiv(n, BLOCK)", "1", "1")
+    assert job.label == "axpy[dtype=bf16,EVEN=True]#1@gfx942"
+    assert job.package == "builder.kernels"
+
+
+def test_expand_assumes_16_byte_pointers_unless_told_otherwise() -> None:
+    job = _expand(_axpy(), [SM90])[0]
+    assert job.divisibility == {"x_ptr": 16, "y_ptr": 16}
+    told = _expand(_axpy(divisibility={"x_ptr": 16, "n": 16, "BLOCK": 16}), [SM90])[0]
+    # Constexprs cannot carry an alignment promise; scalars can (n % 16 == 0).
+    assert told.divisibility == {"x_ptr": 16, "n": 16}
+    assert _expand(_axpy(divisibility={}), [SM90])[0].divisibility == {}
+
+
+def test_expand_drops_excluded_specs_per_target() -> None:
+    kernel = _axpy(exclude=lambda spec, t: spec["dtype"] == "bf16" and t.arch == "gfx1100")
+    jobs = _expand(kernel, [GFX1100, SM90])
+    assert not [j for j in jobs if j.target.arch == "gfx1100" and j.spec["dtype"] == "bf16"]
+    assert [j for j in jobs if j.target.arch == "sm90" and j.spec["dtype"] == "bf16"]
+
+
+def test_expand_default_set_keeps_what_the_kernel_chooses_and_full_keeps_all() -> None:
+    kernel = _axpy(sets={"default": lambda spec, t: spec["dtype"] != "bf16" and spec["EVEN"]})
+    default = _expand(kernel, build_set="default")
+    assert {(j.spec["dtype"], j.spec["EVEN"]) for j in default} == {("fp16", True), ("fp32", True)}
+    assert len(_expand(kernel, build_set="full")) == len(_expand(_axpy()))
+    # A kernel that names no default set is built whole in the default set.
+    assert len(_expand(_axpy(), build_set="default")) == len(_expand(_axpy()))
+
+
+def test_expand_takes_configs_chosen_per_spec_and_target() -> None:
+    kernel = _axpy(configs=lambda spec, t: [Config(constexprs={"BLOCK": 64 if t.warp_size == 32 else 128},
+                                                   num_warps=4 if spec["dtype"] == "fp32" else 2)])
+    jobs = _expand(kernel)
+    assert {(j.target.arch, j.constexprs["BLOCK"]) for j in jobs} == {("gfx942", 128), ("sm90", 64)}
+    assert {j.config.num_warps for j in jobs if j.spec["dtype"] == "fp32"} == {4}
+
+
+def test_expand_refuses_a_constexpr_without_a_value() -> None:
+    kernel = _axpy(configs=(Config(num_warps=4),))
+    with pytest.raises(ValueError, match=r"kernel axpy: constexpr BLOCK has no value in spec "
+                                         r"\{'dtype': 'fp16', 'EVEN': False\} or config #0"):
+        _expand(kernel)
+
+
+def test_expand_refuses_an_unknown_build_set() -> None:
+    with pytest.raises(ValueError, match=r"unknown build set 'everything'; sets: default, full"):
+        _expand(_axpy(), build_set="everything")
+
+
+def test_expand_records_the_kernels_package_for_the_workers() -> None:
+    scale = load_kernels(FIXTURE)["scale"]
+    assert {j.package for j in _expand(scale, package=FIXTURE)} == {FIXTURE}
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def test_job_keys_are_sha256_hex_unique_and_stable() -> None:
+    jobs = _expand(_axpy())
+    assert all(re.fullmatch(r"[0-9a-f]{64}", j.key) for j in jobs)
+    assert len({j.key for j in jobs}) == len(jobs)
+    assert [j.key for j in _expand(_axpy())] == [j.key for j in jobs]
+
+
+@pytest.mark.parametrize("change", ["triton", "source", "options", "grid", "checks", "divisibility",
+                                    "target"])
+def test_job_key_changes_with_everything_that_determines_the_binary(change: str) -> None:
+    base = _expand(_axpy(), [GFX942], source_key="src")[0]
+    kernel, tgt, version, source = _axpy(), [GFX942], "3.6.0", "src"
+    if change == "triton":
+        version = "3.6.1"
+    elif change == "source":
+        source = "edited"
+    elif change == "options":
+        kernel = _axpy(configs=(Config(constexprs={"BLOCK": 256}, num_warps=2, num_stages=1,
+                                       options={"waves_per_eu": 1}),))
+    elif change == "grid":
+        kernel = _axpy(grid=("cdiv(n, BLOCK)", "2", "1"))
+    elif change == "checks":
+        kernel = _axpy(checks=("n > 0",))
+    elif change == "divisibility":
+        kernel = _axpy(divisibility={"x_ptr": 16})
+    elif change == "target":
+        tgt = [KNOWN["gfx950"]]
+    other = expand(kernel, tgt, "full", version, source_key=source)[0]
+    assert other.spec == base.spec and other.config_index == base.config_index
+    assert other.key != base.key
+
+
+def test_job_key_follows_the_kernel_source() -> None:
+    # Two functions with the same signature but different bodies give different keys.
+    a = _expand(_axpy(name="k", fn=other_kernel, signature={"x_ptr": "*fp32", "n": "i32",
+                                                           "BLOCK": "constexpr", "EVEN": "constexpr"},
+                      axes={"EVEN": (True,)}), [SM90])
+    assert a[0].key != _expand(_axpy(), [SM90])[0].key
+    assert other_kernel.cache_key != axpy_kernel.cache_key
+
+
+# --------------------------------------------------------------------------- selection and shards
+
+
+def test_select_without_names_takes_every_kernel_by_name() -> None:
+    kernels = load_kernels(FIXTURE)
+    assert [k.name for k in select(kernels, None)] == ["broken", "scale", "slow"]
+    assert [k.name for k in select(kernels, "")] == ["broken", "scale", "slow"]
+
+
+def test_select_takes_the_named_kernels_once_each() -> None:
+    kernels = load_kernels(FIXTURE)
+    assert [k.name for k in select(kernels, " slow, scale ,slow")] == ["scale", "slow"]
+
+
+def test_select_refuses_unknown_names_listing_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"^unknown kernel nope, also; known kernels: broken, scale, slow$"):
+        select(load_kernels(FIXTURE), "scale,nope,also")
+
+
+def test_shards_partition_the_jobs_evenly_whatever_their_order() -> None:
+    jobs = _expand(_axpy())
+    shuffled = list(jobs)
+    random.Random(7).shuffle(shuffled)
+    parts = [shard(jobs, f"{k}/4") for k in range(1, 5)]
+    assert [shard(shuffled, f"{k}/4") for k in range(1, 5)] == parts
+    keys = [j.key for part in parts for j in part]
+    assert sorted(keys) == sorted(j.key for j in jobs)
+    assert len(set(keys)) == len(keys)
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert shard(jobs, None) == sorted(jobs, key=lambda j: j.key)
+
+
+@pytest.mark.parametrize("spec", ["0/4", "5/4", "2", "a/b", "1/0", "-1/4"])
+def test_shard_refuses_a_malformed_spec(spec: str) -> None:
+    with pytest.raises(ValueError, match=rf"^--shard must be K/N with 1 <= K <= N, got '{re.escape(spec)}'$"):
+        shard(_expand(_axpy()), spec)
+
+
+def test_more_shards_than_jobs_leaves_some_empty() -> None:
+    jobs = _expand(_axpy(), [SM90])[:3]
+    parts = [shard(jobs, f"{k}/5") for k in range(1, 6)]
+    assert [len(p) for p in parts] == [1, 1, 1, 0, 0]
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def test_targets_default_to_the_supported_set() -> None:
+    assert [t.arch for t in parse_targets(None)] == ["sm80", "sm90", "gfx1100", "gfx1201", "gfx90a",
+                                                     "gfx942", "gfx950"]
+
+
+def test_targets_accept_aliases_and_cuda_spellings() -> None:
+    assert [t.arch for t in parse_targets("cuda")] == ["sm80", "sm90"]
+    assert {t.backend for t in parse_targets("hip")} == {"hip"}
+    assert parse_targets("sm_90a, SM80 ,gfx942,gfx942") == [KNOWN["sm80"], SM90, GFX942]
+
+
+def test_targets_know_their_wave_size() -> None:
+    assert {t.arch: t.warp_size for t in parse_targets("gfx942,gfx1100,sm90")} == {
+        "gfx942": 64, "gfx1100": 32, "sm90": 32}
+
+
+def test_unknown_target_fails_listing_the_known_ones() -> None:
+    with pytest.raises(UnknownTarget, match=r"^unknown target gfx9999, sm75; known targets: gfx908, gfx90a, "
+                                            r"gfx942, .*, sm90 \(aliases: hip, cuda, default\)$"):
+        parse_targets("gfx942,gfx9999,sm75")
+    assert issubclass(UnknownTarget, ValueError)
+
+
+def test_targets_give_tritons_gpu_target() -> None:
+    from triton.backends.compiler import GPUTarget
+
+    assert GFX942.gpu_target() == GPUTarget("hip", "gfx942", 64)
+    # Capability 90, not "sm90a": Triton picks the arch-specific variant itself.
+    assert SM90.gpu_target() == GPUTarget("cuda", 90, 32)
+
+
+def test_builder_modules_import_without_importing_triton() -> None:
+    # The builder's own modules (not the kernel files) import triton only when they compile, so
+    # the CLI answers argument errors fast and the pure parts test without triton's start-up.
+    code = ("import sys, builder.registry, builder.targets, builder.compile, builder.build, "
+            "builder.merge, builder.abi, builder.__main__; print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(registry.__file__).parent.parent)
+    assert out.stdout.strip() == "False", out.stderr
