@@ -198,7 +198,9 @@ class FaultServer:
         self.stop = threading.Event()
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner = self
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # A short poll interval: shutdown() waits up to one interval, once per test.
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02},
+                                        daemon=True)
 
     def __enter__(self) -> FaultServer:
         self._thread.start()
@@ -223,3 +225,8 @@ class FaultServer:
         """The requests for files whose name ends with ``name_suffix``, in order."""
         with self.lock:
             return [h for h in self.log if h.name.endswith(name_suffix)]
+
+
+def wait_at(barrier) -> None:
+    """Pool initializer: hold every worker until all have started, so that they then contend."""
+    barrier.wait(timeout=60)
