@@ -21,10 +21,10 @@ import struct as _struct
 import threading
 from typing import Protocol
 
-from aotriton_rt.errors import DriverError, NoDevice, UnsupportedError
+from aotriton_rt.errors import AotritonError, DriverError, NoDevice, UnsupportedError
 
-__all__ = ["BACKENDS", "COMMON_HINTS", "Driver", "Launcher", "driver_error", "get_driver",
-           "struct_field_offsets"]
+__all__ = ["BACKENDS", "COMMON_HINTS", "Driver", "Launcher", "available_drivers", "default_driver",
+           "driver_error", "get_driver", "struct_field_offsets"]
 
 #: The backends ``get_driver`` knows.
 BACKENDS = ("cuda", "hip")
@@ -117,6 +117,43 @@ def get_driver(backend: str) -> Driver:
                 driver = HipDriver()
             _drivers[backend] = driver
     return driver
+
+
+def _usable(backend: str) -> tuple[Driver | None, str]:
+    """The backend's driver when it loads and sees at least one device, else why not."""
+    try:
+        driver = get_driver(backend)
+        if driver.device_count() > 0:
+            return driver, ""
+        return None, "no devices"
+    except AotritonError as exc:
+        return None, str(exc).splitlines()[0]
+
+
+def available_drivers() -> list[Driver]:
+    """The drivers that load and see at least one device, CUDA first; [] when none does."""
+    found = []
+    for backend in BACKENDS:
+        driver, _ = _usable(backend)
+        if driver is not None:
+            found.append(driver)
+    return found
+
+
+def default_driver() -> Driver:
+    """The first of CUDA, then HIP, whose driver loads and sees a device.
+
+    Raises ``NoDevice`` with each backend's reason when neither is usable.
+    """
+    reasons = []
+    for backend in BACKENDS:
+        driver, why = _usable(backend)
+        if driver is not None:
+            return driver
+        reasons.append(f"  - {backend}: {why}")
+    raise NoDevice("no GPU backend is usable:\n" + "\n".join(reasons) +
+                   "\nPass backend='cuda' or 'hip' to see the full error, or set "
+                   "AOTRITON_RT_CUDA_LIB / AOTRITON_RT_HIP_LIB to the driver library.")
 
 
 def driver_error(*, backend: str, call: str, code: int, name: str, explanation: str,

@@ -20,12 +20,14 @@ the argument buffer); module loads carry ``size fnv1a64 head`` (``head``: first 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import struct
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 SOURCE = Path(__file__).with_name("fake_amdhip64.c")
 
@@ -136,3 +138,53 @@ def fake_code_object(arch: str, symbols: list[str]) -> bytes:
     null_section = bytes(64)
     strtab_section = struct.pack("<IIQQQQIIQQ", 0, 3, 0, 0, 64, len(strtab), 0, 0, 1, 0)
     return bytes(header) + strtab + null_section + strtab_section
+
+
+_ADD_KERNEL_SOURCE = """\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask)
+    y = tl.load(y_ptr + offsets, mask=mask)
+    tl.store(out_ptr + offsets, x + y, mask=mask)
+"""
+
+
+class CompiledKernel(NamedTuple):
+    """A kernel Triton compiled: the image bytes and the facts a launch needs."""
+
+    image: bytes
+    symbol: str
+    num_warps: int
+    shared: int
+
+
+def triton_add_kernel(backend: str, arch: str | int, warp_size: int, directory: Path,
+                      block: int = 1024) -> CompiledKernel:
+    """Compile ``out = x + y`` (fp32; args x, y, out, n and Triton's two hidden scratch
+    pointers) for one target with the installed Triton, e.g. ``("hip", "gfx942", 64)`` or
+    ``("cuda", 90, 32)``. Imports triton, so call it only from tests that may.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    # @triton.jit reads the function's source file, so the kernel must live in a real file.
+    source = Path(directory) / "aotriton_test_add_kernel.py"
+    source.write_text(_ADD_KERNEL_SOURCE)
+    spec = importlib.util.spec_from_file_location("aotriton_test_add_kernel", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    src = ASTSource(fn=module.add_kernel,
+                    signature={"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32",
+                               "BLOCK": "constexpr"},
+                    constexprs={"BLOCK": block})
+    kernel = triton.compile(src, target=GPUTarget(backend, arch, warp_size))
+    image = kernel.asm["hsaco" if backend == "hip" else "cubin"]
+    return CompiledKernel(image, kernel.metadata.name, kernel.metadata.num_warps,
+                          kernel.metadata.shared)
