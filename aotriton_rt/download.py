@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -953,8 +954,9 @@ def download(arch: str | Sequence[str] = "auto", *, url: str | None = None,
     """
     wanted = _wanted(arch, detect)
     base, index_url = _resolve_url(url, allow_http)
-    if progress is None:
-        progress = sys.stderr is not None and sys.stderr.isatty()
+    if progress is None:  # a bar only for a person at a terminal, and only if tqdm is there
+        progress = (sys.stderr is not None and sys.stderr.isatty()
+                    and importlib.util.find_spec("tqdm") is not None)
     net = _Net(timeout, retries, backoff, allow_http, progress)
     root = images_root(dest)
     with _session() as session:
