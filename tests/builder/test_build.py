@@ -378,6 +378,36 @@ def test_merge_needs_an_input(tmp_path: Path) -> None:
         merge([], tmp_path)
 
 
+# --------------------------------------------------------------------------- the documented example
+
+
+def test_the_example_in_adding_a_kernel_builds_and_proves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "adding-a-kernel.md").read_text()
+    code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    package = tmp_path / "adding_a_kernel_example"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "axpy.py").write_text(code)
+    # Spawned workers start with the parent's sys.path, so they find the package too.
+    monkeypatch.syspath_prepend(str(tmp_path))
+    kernels = load_kernels("adding_a_kernel_example")
+    assert list(kernels) == ["axpy"]
+    full = expand(kernels["axpy"], parse_targets(None), "full", VERSION, package="adding_a_kernel_example")
+    assert len(full) == 42  # what the page says
+    jobs = expand(kernels["axpy"], parse_targets("gfx942,sm90"), "default", VERSION,
+                  package="adding_a_kernel_example")
+    out = tmp_path / "images"
+    summary = _build(jobs, out)
+    assert (summary.compiled, summary.failed) == (8, [])
+    assert verify_folder(out) == 8
+    for v in Catalog.load(out).variants:
+        # The parameter table on the page.
+        assert [(a.name, a.offset, a.size) for a in v.args + v.hidden_args] == [
+            ("x_ptr", 0, 8), ("y_ptr", 8, 8), ("n", 16, 8), ("alpha", 24, 4),
+            ("global_scratch", 32, 8), ("profile_scratch", 40, 8)]
+        assert v.param_size == 48
+
+
 # --------------------------------------------------------------------------- the pinned triton
 
 
