@@ -35,9 +35,10 @@ SUMMARY = re.compile(r"compiled (\d+), reused (\d+), failed (\d+); images (\d+\.
                      r"(\d+\.\d\d) MB raw \((\d+\.\d)%\); (\d+\.\d) s")
 
 
-def cli(*args: str | Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli(*args: str | Path, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m builder ARGS`` from the checkout at ``cwd``, as a user would."""
     env = {k: v for k, v in os.environ.items() if k != "AOTRITON_BUILDER_ANY_TRITON"}
-    return subprocess.run([sys.executable, "-m", "builder", *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "builder", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -86,8 +87,13 @@ def test_build_prints_the_summary_with_counts_bytes_and_ratio(ref) -> None:
 
 
 def test_two_clean_builds_give_byte_identical_catalogs_and_images(ref, tmp_path: Path) -> None:
-    # Each CLI build compiles with its own empty Triton cache, so this is two real compiles.
-    again = cli("build", *SELECT, "--out", tmp_path / "again", "-j", "1", "-q")
+    # The second build runs from a copy of the checkout at another path, as on another CI
+    # machine, with its own empty Triton cache (the CLI makes one per run): a real recompile,
+    # and proof that no source path leaks into keys, catalog or binaries.
+    checkout = tmp_path / "elsewhere"
+    for part in ("builder", "aotriton_rt"):
+        shutil.copytree(ROOT / part, checkout / part, ignore=shutil.ignore_patterns("__pycache__"))
+    again = cli("build", *SELECT, "--out", tmp_path / "again", "-j", "2", "-q", cwd=checkout)
     assert again.returncode == 0, again.stderr
     assert SUMMARY.fullmatch(again.stdout.strip()).group(1, 2) == ("6", "0")
     assert _tree(tmp_path / "again") == _tree(ref[0])
