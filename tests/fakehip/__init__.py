@@ -61,9 +61,15 @@ def compile_shared(source: Path, out: Path, soname: str) -> Path:
     return out
 
 
-def build_fake_hip(directory: Path) -> Path:
-    """Compile the fake HIP runtime into ``directory/libamdhip64.so`` and return its path."""
-    return compile_shared(SOURCE, Path(directory) / "libamdhip64.so", "libamdhip64.so")
+def build_fake_hip(directory: Path, name: str = "libamdhip64.so") -> Path:
+    """Compile the fake HIP runtime into ``directory/name`` and return its path.
+
+    The soname is ``name`` too. Use the default (the real runtime's name) in subprocesses;
+    for a copy loaded into the test process itself pick another name, e.g.
+    ``"libfakeamdhip64.so"``: a library mapped under the real name would be found by any
+    later discovery in that process (``/proc/self/maps``, dlopen by soname).
+    """
+    return compile_shared(SOURCE, Path(directory) / name, name)
 
 
 def fake_hip_env(library: Path, log: Path | None = None, *, arch: str = "gfx942:sramecc+:xnack-",

@@ -244,7 +244,9 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("fakecuda")
     source = directory / "fake_cuda.c"
     source.write_text(FAKE_CUDA_SOURCE)
-    return compile_shared(source, directory / "libcuda.so.1", "libcuda.so.1")
+    # Not "libcuda.so.1": loaded into this process under the real name, the fake would be
+    # found by later discovery here (/proc/self/maps, dlopen by soname).
+    return compile_shared(source, directory / "libfakecuda.so", "libfakecuda.so")
 
 
 @pytest.fixture()

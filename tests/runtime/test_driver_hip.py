@@ -48,9 +48,16 @@ HAVE_HIP_PYTHON = importlib.util.find_spec("hip") is not None
 ADD_STRUCT = struct.Struct("@QQQiQQ")  # x, y, out, n, then Triton's two hidden scratch pointers
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def fake_hip(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_fake_hip(tmp_path_factory.mktemp("fakehip"))
+    """The fake runtime for this process, under a name no real discovery matches."""
+    return build_fake_hip(tmp_path_factory.mktemp("fakehip"), "libfakeamdhip64.so")
+
+
+@pytest.fixture(scope="module")
+def fake_hip_std(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fake runtime under the real name, for subprocesses."""
+    return build_fake_hip(tmp_path_factory.mktemp("fakehip_std"))
 
 
 @pytest.fixture()
@@ -320,11 +327,11 @@ def gfx942_add(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int
         not HAVE_HIP_PYTHON, reason="hip-python is not installed (pip install hip-python)")),
 ])
 def test_a_triton_code_object_loads_and_launches_through_each_backend(
-        backend: str, fake_hip: Path, tmp_path: Path,
+        backend: str, fake_hip_std: Path, tmp_path: Path,
         gfx942_add: tuple[Path, str, int, int]) -> None:
     image_path, symbol, num_warps, shared = gfx942_add
     log = tmp_path / "calls.jsonl"
-    env = {**os.environ, **fake_hip_env(fake_hip, log, devices=2, backend=backend,
+    env = {**os.environ, **fake_hip_env(fake_hip_std, log, devices=2, backend=backend,
                                         capturing=str(0x1234), name="AMD Instinct MI300X")}
     proc = subprocess.run([sys.executable, "-c", SCENARIO, str(image_path), symbol,
                            str(num_warps), str(shared)],
@@ -332,7 +339,7 @@ def test_a_triton_code_object_loads_and_launches_through_each_backend(
     assert proc.returncode == 0, proc.stderr
     facts = json.loads(proc.stdout)
     assert facts["api"] == backend
-    assert facts["library"] == str(fake_hip)
+    assert facts["library"] == str(fake_hip_std)
     assert (facts["count"], facts["current"]) == (2, 0)
     assert facts["arch"] == "gfx942:sramecc+:xnack-"
     assert facts["name"] == "AMD Instinct MI300X"

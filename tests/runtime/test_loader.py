@@ -7,12 +7,14 @@ Windows plan is simulated on Linux.
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def real_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A loadable shared library (the fake HIP runtime)."""
-    return build_fake_hip(tmp_path_factory.mktemp("lib"))
+    """A loadable shared library (the fake HIP runtime, under a name discovery ignores)."""
+    return build_fake_hip(tmp_path_factory.mktemp("lib"), "libfakeamdhip64.so")
 
 
 @pytest.fixture()
@@ -43,10 +45,23 @@ class Recorder:
 
     def __init__(self) -> None:
         self.tried: list[str] = []
+        self.opened: list[ctypes.CDLL] = []
 
     def __call__(self, path: str) -> ctypes.CDLL:
         self.tried.append(path)
-        return ctypes.CDLL(path)
+        handle = ctypes.CDLL(path)
+        self.opened.append(handle)
+        return handle
+
+
+@pytest.fixture()
+def opener() -> Iterator[Recorder]:
+    """A Recorder that unloads what it opened: copies under real names (libamdhip64.so.6)
+    left mapped in this process would be found by later discovery in other tests."""
+    recorder = Recorder()
+    yield recorder
+    for handle in recorder.opened:
+        _ctypes.dlclose(handle._handle)
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -90,8 +105,8 @@ def test_a_plan_without_root_variables_has_no_empty_folders() -> None:
 
 # ---------------------------------------------------------------------------- loading
 
-def test_the_override_variable_wins_and_nothing_else_is_tried(real_lib: Path, no_maps: str) -> None:
-    opener = Recorder()
+def test_the_override_variable_wins_and_nothing_else_is_tried(real_lib: Path, no_maps: str,
+                                                               opener: Recorder) -> None:
     found = load_library("hip", environ={"AOTRITON_RT_HIP_LIB": str(real_lib),
                                          "ROCM_PATH": "/nonexistent"},
                          opener=opener, maps_path=no_maps)
@@ -111,12 +126,11 @@ def test_an_override_that_does_not_open_is_an_error_naming_the_variable(tmp_path
 
 
 def test_rocm_path_is_searched_and_an_unloadable_file_is_skipped(real_lib: Path, tmp_path: Path,
-                                                                 no_maps: str) -> None:
+                                                                 no_maps: str, opener: Recorder) -> None:
     lib = tmp_path / "rocm" / "lib"
     lib.mkdir(parents=True)
     (lib / "libamdhip64.so.7").write_bytes(b"not an ELF file")
     shutil.copy(real_lib, lib / "libamdhip64.so.6")
-    opener = Recorder()
     found = load_library("hip", platform="linux", environ={"ROCM_PATH": str(tmp_path / "rocm")},
                          opener=opener, maps_path=no_maps)
     assert (found.path, found.source) == (str(lib / "libamdhip64.so.6"), "ROCM_PATH")
@@ -124,11 +138,10 @@ def test_rocm_path_is_searched_and_an_unloadable_file_is_skipped(real_lib: Path,
 
 
 def test_simulated_windows_finds_the_dll_under_hip_path_bin(real_lib: Path, tmp_path: Path,
-                                                           no_maps: str) -> None:
+                                                           no_maps: str, opener: Recorder) -> None:
     sdk = tmp_path / "AMD" / "ROCm" / "6.4"
     (sdk / "bin").mkdir(parents=True)
     shutil.copy(real_lib, sdk / "bin" / "amdhip64_6.dll")
-    opener = Recorder()
     found = load_library("hip", platform="win32", environ={"HIP_PATH": str(sdk)}, opener=opener,
                          maps_path=no_maps)
     assert (found.path, found.source) == (str(sdk / "bin" / "amdhip64_6.dll"), "HIP_PATH")
