@@ -75,6 +75,7 @@ DEFAULT_URL: str | None = None
 DEFAULT_MAX_UNPACKED = 8 << 30
 
 _MAX_JSON = 64 << 20
+_MAX_CATALOG = 256 << 20  # the catalog is parsed in memory; real ones are a few MB
 _CHUNK = 1 << 20
 _MAX_BACKOFF = 30.0
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -378,6 +379,9 @@ def _unpack(bundle: Path, into: Path, source: str, cap: int) -> tuple[dict, byte
                                   f"found {name!r}")
             src = tar.extractfile(member)
             if name == CATALOG_FILE:
+                if member.size > _MAX_CATALOG:
+                    raise BundleError(f"{source}: {CATALOG_FILE} is {member.size} bytes, over "
+                                      f"{_MAX_CATALOG}")
                 data = src.read()
                 _check_digest(hashlib.sha256(data).hexdigest(), entry, name, source)
                 _check_catalog(data, f"{source}:{CATALOG_FILE}", listed)

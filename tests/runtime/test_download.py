@@ -18,6 +18,7 @@ import tarfile
 import time
 from pathlib import Path
 
+import filelock
 import pytest
 
 from aotriton_rt import images
@@ -424,6 +425,21 @@ def test_member_larger_than_declared_is_refused_before_it_is_written(releases, v
     assert_intact(dest, before)
 
 
+def test_huge_catalog_is_refused_before_it_is_read(releases, tmp_path):
+    members = read_members(releases["v1"] / f"{NAME}.tar")
+    manifest = json.loads(members[0][1])
+    manifest["files"][0]["size"] = 300 << 20
+    path = tmp_path / "bad.tar"
+    with tarfile.open(path, "w") as tar:
+        info, data = member("bundle.json", json.dumps(manifest).encode())
+        tar.addfile(info, io.BytesIO(data))
+        huge, _ = member("catalog.json")
+        huge.size = 300 << 20
+        tar.addfile(huge)  # the header alone: the refusal must come before any byte is read
+    with pytest.raises(BundleError, match=r"catalog\.json is 314572800 bytes, over 268435456"):
+        install_file(path, dest=tmp_path / "images")
+
+
 def test_tampered_image_fails_its_digest_and_nothing_is_installed(releases, v2_installed, tmp_path):
     dest, before = v2_installed
     members = read_members(releases["v1"] / f"{NAME}.tar")
@@ -583,6 +599,15 @@ def test_failed_swap_restores_the_previous_install(releases, previous, monkeypat
                                             r"previous install, if any, is unchanged"):
         install_file(releases["v2"] / f"{NAME}.tar", dest=dest)
     monkeypatch.setattr(os, "replace", real)
+    assert_intact(dest, before)
+
+
+def test_installer_waiting_too_long_for_the_lock_says_why(releases, previous):
+    dest, before = previous
+    with filelock.FileLock(str(dest / f".{NAME}.lock")):
+        with pytest.raises(DownloadError, match=rf"another installer of {NAME} has held .*\.{NAME}\.lock for "
+                                                r"over 0\.2 s; wait for it to finish"):
+            install_file(releases["v2"] / f"{NAME}.tar", dest=dest, lock_timeout=0.2)
     assert_intact(dest, before)
 
 
