@@ -156,7 +156,7 @@ def default_driver() -> Driver:
                    "AOTRITON_RT_CUDA_LIB / AOTRITON_RT_HIP_LIB to the driver library.")
 
 
-def driver_error(*, backend: str, call: str, code: int, name: str, explanation: str,
+def driver_error(*, call: str, code: int, name: str, explanation: str,
                  hint: str) -> DriverError:
     """The one error every failing driver call turns into (``NoDevice`` for code 100).
 

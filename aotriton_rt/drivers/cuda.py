@@ -170,7 +170,7 @@ class CudaDriver:
         if status == 0:
             return
         status = int(status)
-        raise driver_error(backend="cuda", call=call, code=status,
+        raise driver_error(call=call, code=status,
                            name=_error_text(self._cuGetErrorName, status),
                            explanation=_error_text(self._cuGetErrorString, status),
                            hint=_HINTS.get(status, ""))

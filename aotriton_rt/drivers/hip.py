@@ -349,7 +349,7 @@ class HipDriver:
         if not status:
             return
         code = int(status)
-        raise driver_error(backend="hip", call=call, code=code, name=self._api.error_name(code),
+        raise driver_error(call=call, code=code, name=self._api.error_name(code),
                            explanation=self._api.error_string(code),
                            hint=_HINTS.get(code, ""))
 

@@ -563,6 +563,7 @@ def test_ctypes_layouts_and_constants_match_cuda_h(tmp_path: Path) -> None:
 def gpu_add(tmp_path: Path):
     """torch, the CUDA driver, the current device and add_kernel compiled for its arch."""
     torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")  # compiles the kernel for this GPU's arch
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
     from aotriton_rt.drivers import get_driver

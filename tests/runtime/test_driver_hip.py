@@ -359,3 +359,36 @@ def test_a_triton_code_object_loads_and_launches_through_each_backend(
     assert launch["args"] == struct.pack("@QQQiQQ", 0x7000_0000_0000, 0x7000_0010_0000,
                                          0x7000_0020_0000, 1_000_000, facts["scratch"], 0)
     assert [r["size"] for r in calls(log, "hipMalloc")] == [1 << 16]
+
+
+DEFAULT = r"""
+import json
+from aotriton_rt.drivers import available_drivers, default_driver
+from aotriton_rt.errors import NoDevice
+try:
+    print(json.dumps({"default": default_driver().backend,
+                      "available": [d.backend for d in available_drivers()]}))
+except NoDevice as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+@pytest.mark.parametrize("devices", [1, 0])
+def test_default_driver_falls_back_to_hip_and_explains_when_nothing_is_usable(
+        devices: int, fake_hip_std: Path, tmp_path: Path) -> None:
+    env = {**os.environ, **fake_hip_env(fake_hip_std, None, devices=devices, backend="ctypes"),
+           "AOTRITON_RT_CUDA_LIB": str(tmp_path / "libcuda.so.1")}  # no CUDA, even on a GPU box
+    proc = subprocess.run([sys.executable, "-c", DEFAULT], env=env, cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    facts = json.loads(proc.stdout)
+    if devices:
+        assert facts == {"default": "hip", "available": ["hip"]}
+        return
+    lines = facts["error"].splitlines()
+    assert lines[0] == "no GPU backend is usable:"
+    assert lines[1].startswith("  - cuda: cannot load the CUDA driver library (libcuda) from "
+                               "AOTRITON_RT_CUDA_LIB=")
+    assert lines[2] == ("  - hip: hipGetDeviceCount failed: hipErrorNoDevice (100): no ROCm-capable "
+                        "device is detected. Hint: no AMD GPU is visible: check `rocm-smi` and "
+                        "HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES.")
+    assert lines[3].startswith("Pass backend='cuda' or 'hip' to see the full error")
