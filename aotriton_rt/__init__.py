@@ -38,7 +38,6 @@ _LAZY = {
     "Catalog": ("catalog", "Catalog"),
     "attention": ("ops.attention", "attention"),
     "attention_backward": ("ops.attention", "attention_backward"),
-    "download": ("download", "download"),
 }
 
 

@@ -105,6 +105,7 @@ class Kernel:
         names = self.arg_names
         env: dict[str, Any] = {
             "_H": interop._HANDLERS, "_resolve": self._resolve_pointer, "_state": self._state,
+            "_lib": self.library,
             "_states": self._states, "_n": MAX_DEVICES, "_wrong": _wrong_device,
             "_misaligned": _misaligned, "_grid": _normalize_grid, "_stream": self._default_stream,
             "_scratch": self._scratch, "_nodev": self._no_device,
@@ -113,13 +114,15 @@ class Kernel:
         ptrs = [a for a in first.args if a.is_pointer]
         for i, a in enumerate(ptrs):
             lines += [f"    h = _H.get(type({a.name}))",
-                      f"    p{i}, d{i} = h({a.name}) if h is not None else _resolve({a.name}, {a.name!r})"]
+                      f"    p{i}, d{i} = h({a.name}, _lib.backend_now, stream) if h is not None "
+                      f"else _resolve({a.name}, {a.name!r}, stream)"]
         if ptrs:
             lines.append("    dev = d0 if d0 >= 0 else max(" + ", ".join(f"d{i}" for i in range(len(ptrs)))
                          + ", -2)" if len(ptrs) > 1 else "    dev = d0")
             lines.append("    if dev < 0: dev = _nodev()")
             for i, a in enumerate(ptrs[1:], start=1):
-                lines.append(f"    if d{i} != dev and d{i} != -2: _wrong({a.name!r}, d{i}, dev)")
+                # Negative: no device known (None, raw address, CAI without a resolver).
+                lines.append(f"    if d{i} != dev and d{i} >= 0: _wrong({a.name!r}, d{i}, dev)")
             for i, a in enumerate(ptrs):
                 if a.divisibility > 1:
                     lines.append(f"    if p{i} % {a.divisibility}: _misaligned({a.name!r}, p{i}, {a.divisibility})")
@@ -152,7 +155,7 @@ class Kernel:
         return env["_launch"]
 
     # -- slow paths ----------------------------------------------------------------------------
-    def _resolve_pointer(self, obj: Any, name: str) -> tuple[int, int]:
+    def _resolve_pointer(self, obj: Any, name: str, stream: int | None) -> tuple[int, int]:
         if obj is None:
             return _none_pointer(obj)
         if isinstance(obj, int) and not isinstance(obj, bool):
@@ -161,7 +164,7 @@ class Kernel:
                                     f"accepted only from lib.kernel({self.name!r}, raw_pointers=True)")
             return _raw_pointer(obj)
         try:
-            return interop.pointer(obj, backend=self.library.backend)
+            return interop.pointer(obj, backend=self.library.backend, stream=stream)
         except ArgumentError as e:
             raise ArgumentError(f"argument {name}: {e}") from None
 
@@ -169,9 +172,10 @@ class Kernel:
         return self.library.driver.current_device()
 
     def _default_stream(self, obj: Any, dev: int) -> int:
-        if obj is None or isinstance(obj, int):
-            return 0
-        return interop.stream_of(obj, dev)
+        getter = _STREAM_OF.get(type(obj))
+        if getter is None:
+            getter = _stream_getter(obj)
+        return getter(obj, dev)
 
     def _state(self, dev: int) -> _DeviceState:
         if not 0 <= dev < MAX_DEVICES:
@@ -186,6 +190,31 @@ class Kernel:
         ptr = self.library._scratch_buffer(dev, programs * st.scratch_size,
                                            st.variant.scratch["global_align"], stream)
         return ptr, 0
+
+
+_STREAM_OF: dict[type, Callable[[Any, int], int]] = {}
+
+
+def _stream_getter(obj: Any) -> Callable[[Any, int], int]:
+    """How to find the default stream for arguments of ``type(obj)``, decided once per type.
+
+    torch and CuPy: their current stream on the device. Other ``__cuda_array_interface__`` v3
+    producers: the stream they name (1 and 2 are CUDA's legacy and per-thread handles).
+    Everything else (JAX and other DLPack producers, raw pointers): the legacy default stream,
+    which is also the stream DLPack producers were told the data is consumed on.
+    """
+    module = type(obj).__module__.partition(".")[0]
+    if module in ("torch", "cupy"):
+        fw = module
+        getter = lambda o, dev: interop.current_stream(fw, dev)
+    elif hasattr(type(obj), "__cuda_array_interface__"):
+        def getter(o: Any, dev: int) -> int:
+            s = o.__cuda_array_interface__.get("stream")
+            return s if isinstance(s, int) else 0
+    else:
+        getter = lambda o, dev: 0
+    _STREAM_OF[type(obj)] = getter
+    return getter
 
 
 def _wrong_device(name: str, got: int, want: int) -> None:
@@ -235,6 +264,10 @@ class Library:
                     self._folder[v.key] = folder
                     self.variants.append(v)
         self._backend = backend
+        backends = {v.target.backend for v in self.variants}
+        #: The backend arrays are checked against: the driver's once loaded; before that the
+        #: one asked for, or the only one the images are for.
+        self.backend_now = backend or (backends.pop() if len(backends) == 1 else "cuda")
         self._driver = None
         self._lock = threading.RLock()
         self._modules: dict[tuple[int, str], tuple[Any, Any]] = {}  # (device, key) -> (module, function)
@@ -257,6 +290,7 @@ class Library:
                     from .drivers import default_driver, get_driver
 
                     self._driver = get_driver(self._backend) if self._backend else default_driver()
+                    self.backend_now = self._driver.backend
         return self._driver
 
     @property
