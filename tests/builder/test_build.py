@@ -241,15 +241,17 @@ def test_a_timed_out_compile_is_killed_reported_and_its_worker_replaced(tmp_path
     slow = _jobs("slow", "gfx942")
     scale = [j for j in _jobs("scale", "gfx942") if j.spec["dtype"] == "fp32"]
     broken = _jobs("broken", "gfx942")
+    others = set(multiprocessing.active_children())  # e.g. servers of other test modules
     started = time.monotonic()
     # One worker: the job after the slow one can only run if the killed worker is replaced.
-    summary = _build(slow + scale + broken, tmp_path, workers=1, timeout=5.0, keep_going=True)
+    # The timeout leaves that replacement room for its start-up (importing triton) on slow CI.
+    summary = _build(slow + scale + broken, tmp_path, workers=1, timeout=6.0, keep_going=True)
     assert time.monotonic() - started < 60
-    assert summary.failed == [("slow[]#0@gfx942", "timed out after 5 s"),
+    assert summary.failed == [("slow[]#0@gfx942", "timed out after 6 s"),
                               ("broken[]#0@gfx942", "BLOCK must be a multiple of 3")]
     assert summary.compiled == 1
     # Nothing is left running, and nothing is dropped: the catalog lists exactly what compiled.
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) - others == set()
     assert [v.key for v in Catalog.load(tmp_path).variants] == [scale[0].key]
     assert verify_folder(tmp_path) == 1
 
