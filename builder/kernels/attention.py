@@ -111,7 +111,7 @@ def _dropout_keep(philox_seed, philox_offset, bh, rows, cols, dropout_p):
 @triton.jit
 def _fwd_blocks(
     acc, l_i, m_i, q,
-    K_base, V_base, B_base, DM_base,
+    K_base, V_base, B_base, DM_base, k_desc, v_desc,
     stride_kn, stride_vn, stride_bm, stride_dmm,
     start, end,
     offs_m, rows_b, offs_n, offs_dk, offs_dv,
@@ -119,8 +119,13 @@ def _fwd_blocks(
     philox_seed, philox_offset, bh, dropout_p,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
-    """Online-softmax update of (acc, l_i, m_i) over key blocks start, start+BLOCK_N, ... < end."""
+    """Online-softmax update of (acc, l_i, m_i) over key blocks start, start+BLOCK_N, ... < end.
+
+    With USE_TMA, K and V tiles come through device-side tensor descriptors (Hopper TMA), which
+    zero-fill past the sequence and the head dim, so no load mask is needed.
+    """
     BLOCK_DK: tl.constexpr = q.shape[1]
     BLOCK_DV: tl.constexpr = acc.shape[1]
     # K is read transposed, (dim, keys), so q @ k needs no layout change in registers.
@@ -128,10 +133,12 @@ def _fwd_blocks(
     v_ptrs = V_base + offs_n[:, None] * stride_vn + offs_dv[None, :] + start * stride_vn
     if BIAS != 0:
         b_ptrs = B_base + rows_b[:, None] * stride_bm + offs_n[None, :] + start
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        if MASKED:
+        if USE_TMA:
+            k = k_desc.load([start_n, 0]).T
+        elif MASKED:
             kmask = cols[None, :] < seqlen_k
             if HEAD_DIM != BLOCK_DK:
                 kmask = kmask & (offs_dk[:, None] < HEAD_DIM)
@@ -169,7 +176,9 @@ def _fwd_blocks(
                 tl.store(dm_ptrs, keep.to(tl.int8),
                          mask=(offs_m[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))
             p = tl.where(keep, p, 0.0)
-        if MASKED:
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        elif MASKED:
             vmask = cols[:, None] < seqlen_k
             if HEAD_DIM_V != BLOCK_DV:
                 vmask = vmask & (offs_dv[None, :] < HEAD_DIM_V)
@@ -201,7 +210,7 @@ def attn_fwd(
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Attention forward: Out = softmax(Q K^T * sm_scale + Bias, masked) V and its logsumexp.
 
@@ -210,8 +219,10 @@ def attn_fwd(
     GQA: query head h reads key/value head h // (num_heads_q // num_heads_k). Bias is indexed by
     (b, h, i, j) with unit stride over j (stride 0 broadcasts a dimension). DROPOUT: 0 off, 1 on,
     2 on and the applied keep-mask is written to DropMask (int8, unit stride over j).
+    USE_TMA / WARP_SPEC (tuning, sm90 only): K/V/Q/Out through device-side tensor descriptors, and
+    warp-specialized key loops; descriptors need the runtime's global scratch.
     """
-    PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
+    PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
     BLOCK_DV: tl.constexpr = triton.next_power_of_2(HEAD_DIM_V)
 
@@ -239,8 +250,11 @@ def attn_fwd(
         len_k = seqlen_k
         off_bz = off_b.to(tl.int64)
     start_m = pid_m * BLOCK_M
-    if start_m >= len_q:
-        return
+    if VARLEN:
+        # Only packed batches have programs past their sequence (the grid uses the longest one).
+        # The early return is unstructured control flow, which Hopper warp specialization rejects.
+        if start_m >= len_q:
+            return
 
     Q_base = Q + off_bz * stride_qz + off_h.to(tl.int64) * stride_qh + \
         (q_start + start_m).to(tl.int64) * stride_qm
@@ -262,11 +276,24 @@ def attn_fwd(
     # Bias rows past the sequence are clamped rather than masked so the unmasked loop stays lean.
     rows_b = tl.minimum(offs_m, len_q - 1)
 
-    qmask = offs_m[:, None] < len_q
-    if HEAD_DIM != BLOCK_DK:
-        qmask = qmask & (offs_dk[None, :] < HEAD_DIM)
-    q = tl.load(Q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_dk[None, :], mask=qmask,
-                other=0.0)
+    if USE_TMA:
+        # One descriptor per (sequence, head): its shape clips at this sequence's end and at the
+        # true head dim, so TMA zero-fills every padded row and column.
+        q_desc = tl.make_tensor_descriptor(Q_base, shape=[len_q - start_m, HEAD_DIM], strides=[stride_qm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_DK])
+        k_desc = tl.make_tensor_descriptor(K_base, shape=[len_k, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DK])
+        v_desc = tl.make_tensor_descriptor(V_base, shape=[len_k, HEAD_DIM_V], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+        q = q_desc.load([0, 0])
+    else:
+        k_desc = K_base
+        v_desc = V_base
+        qmask = offs_m[:, None] < len_q
+        if HEAD_DIM != BLOCK_DK:
+            qmask = qmask & (offs_dk[None, :] < HEAD_DIM)
+        q = tl.load(Q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_dk[None, :], mask=qmask,
+                    other=0.0)
 
     qk_scale = sm_scale * LOG2E
     bh = off_b * num_heads_q + off_h
@@ -282,28 +309,43 @@ def attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    if CAUSAL != 0:
+    if WARP_SPEC:
+        # Triton 3.6's Hopper warp specialization accepts one specialized loop and nothing after
+        # it, so the whole band runs as one always-masked loop (the mask is a few ALU ops).
         acc, l_i, m_i = _fwd_blocks(
-            acc, l_i, m_i, q, K_base, V_base, B_base, DM_base,
-            stride_kn, stride_vn, stride_bm, stride_dmm, lo, f1,
+            acc, l_i, m_i, q, K_base, V_base, B_base, DM_base, k_desc, v_desc,
+            stride_kn, stride_vn, stride_bm, stride_dmm, lo, hi,
             offs_m, rows_b, offs_n, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale,
             philox_seed, philox_offset, bh, dropout_p,
-            True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC)
-    acc, l_i, m_i = _fwd_blocks(
-        acc, l_i, m_i, q, K_base, V_base, B_base, DM_base,
-        stride_kn, stride_vn, stride_bm, stride_dmm, f1, f2,
-        offs_m, rows_b, offs_n, offs_dk, offs_dv,
-        len_q, len_k, diag, left, right, qk_scale,
-        philox_seed, philox_offset, bh, dropout_p,
-        False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC)
-    acc, l_i, m_i = _fwd_blocks(
-        acc, l_i, m_i, q, K_base, V_base, B_base, DM_base,
-        stride_kn, stride_vn, stride_bm, stride_dmm, f2, hi,
-        offs_m, rows_b, offs_n, offs_dk, offs_dv,
-        len_q, len_k, diag, left, right, qk_scale,
-        philox_seed, philox_offset, bh, dropout_p,
-        True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC)
+            True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
+            USE_TMA, True)
+    else:
+        if CAUSAL != 0:
+            acc, l_i, m_i = _fwd_blocks(
+                acc, l_i, m_i, q, K_base, V_base, B_base, DM_base, k_desc, v_desc,
+                stride_kn, stride_vn, stride_bm, stride_dmm, lo, f1,
+                offs_m, rows_b, offs_n, offs_dk, offs_dv,
+                len_q, len_k, diag, left, right, qk_scale,
+                philox_seed, philox_offset, bh, dropout_p,
+                True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
+                USE_TMA, False)
+        acc, l_i, m_i = _fwd_blocks(
+            acc, l_i, m_i, q, K_base, V_base, B_base, DM_base, k_desc, v_desc,
+            stride_kn, stride_vn, stride_bm, stride_dmm, f1, f2,
+            offs_m, rows_b, offs_n, offs_dk, offs_dv,
+            len_q, len_k, diag, left, right, qk_scale,
+            philox_seed, philox_offset, bh, dropout_p,
+            False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
+            USE_TMA, False)
+        acc, l_i, m_i = _fwd_blocks(
+            acc, l_i, m_i, q, K_base, V_base, B_base, DM_base, k_desc, v_desc,
+            stride_kn, stride_vn, stride_bm, stride_dmm, f2, hi,
+            offs_m, rows_b, offs_n, offs_dk, offs_dv,
+            len_q, len_k, diag, left, right, qk_scale,
+            philox_seed, philox_offset, bh, dropout_p,
+            True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
+            USE_TMA, False)
 
     # Epilogue: rows that saw no key have l = 0; they output 0 and logsumexp -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -315,8 +357,173 @@ def attn_fwd(
     row_ok = offs_m < len_q
     L_base = LSE + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + q_start
     tl.store(L_base + offs_m, lse, mask=row_ok)
-    omask = row_ok[:, None]
-    if HEAD_DIM_V != BLOCK_DV:
-        omask = omask & (offs_dv[None, :] < HEAD_DIM_V)
-    tl.store(O_base + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_dv[None, :],
-             acc.to(Out.dtype.element_ty), mask=omask)
+    if USE_TMA:
+        o_desc = tl.make_tensor_descriptor(O_base, shape=[len_q - start_m, HEAD_DIM_V], strides=[stride_om, 1],
+                                           block_shape=[BLOCK_M, BLOCK_DV])
+        o_desc.store([0, 0], acc.to(Out.dtype.element_ty))
+    else:
+        omask = row_ok[:, None]
+        if HEAD_DIM_V != BLOCK_DV:
+            omask = omask & (offs_dv[None, :] < HEAD_DIM_V)
+        tl.store(O_base + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_dv[None, :],
+                 acc.to(Out.dtype.element_ty), mask=omask)
+
+
+# --------------------------------------------------------------------------------------------
+# Registry declarations (shared helpers are used by attention_bwd.py too).
+# --------------------------------------------------------------------------------------------
+
+from builder.registry import Config, Kernel  # noqa: E402 - declarations follow the kernels
+
+DTYPES = ("fp16", "bf16", "fp32")
+# Strides of tensors whose rows are 16-element aligned in every contiguous BHSD / BSHD layout
+# with a bucketed head dim (every bucket is a multiple of 16): declaring it lets Triton emit
+# 16-byte vector loads. Bias rows (length seqlen_k) only promise 8, enough for 16-byte fp16
+# vectors; the operator pads a bias whose row stride is not a multiple of 8.
+_ALIGNED_STRIDE = 16
+_BIAS_STRIDE = 8
+# Shared memory per block, bytes: used by the config tables to keep stages within the target.
+SHARED_LIMIT = {"sm80": 166912, "sm90": 232448, "gfx90a": 65536, "gfx942": 65536, "gfx950": 163840,
+                "gfx1100": 65536, "gfx1201": 65536}
+
+
+def signature_of(fn: triton.JITFunction, pointers: dict[str, str]) -> dict[str, str]:
+    """Triton argument types by naming convention.
+
+    ``pointers`` gives every pointer's type; UPPER_CASE names are constexprs; batch and head
+    strides (``stride_*z``, ``stride_*h``) are i64 so large tensors cannot overflow; row strides
+    are i32 (per-tile offsets stay 32-bit); scales are fp32; Philox seed and offset are u64;
+    every other scalar (sizes, window sides) is i32.
+    """
+    sig = {}
+    for name in fn.arg_names:
+        if name in pointers:
+            sig[name] = pointers[name]
+        elif name.isupper():
+            sig[name] = "constexpr"
+        elif name.startswith("stride_"):
+            sig[name] = "i64" if name[-1] in "zh" else "i32"
+        elif name in ("sm_scale", "dropout_p"):
+            sig[name] = "fp32"
+        elif name.startswith("philox_"):
+            sig[name] = "u64"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def divisibility_of(sig: dict[str, str], aligned: tuple[str, ...], bias: tuple[str, ...] = ()) -> dict:
+    """Every pointer 16-byte aligned; the strides of ``aligned`` tensors (stride_<t>z/h/m) 16 and of
+    ``bias`` tensors 8."""
+    div = {n: 16 for n, t in sig.items() if t.startswith("*")}
+    for name in sig:
+        if name.startswith("stride_"):
+            tensor = name[len("stride_"):-1]
+            if tensor in aligned:
+                div[name] = _ALIGNED_STRIDE
+            elif tensor in bias:
+                div[name] = _BIAS_STRIDE
+    return div
+
+
+def stride_checks(div: dict[str, int]) -> tuple[str, ...]:
+    """Run-time checks that mirror the declared stride divisibility, one per tensor."""
+    groups: dict[str, list[str]] = {}
+    for name, d in div.items():
+        if name.startswith("stride_"):
+            groups.setdefault(name[len("stride_"):-1], []).append(f"{name} % {d} == 0")
+    return tuple(" and ".join(parts) for parts in groups.values())
+
+
+def head_dim_excluded(spec: dict, target: object) -> str | None:
+    """Unequal q.k / v head dims are compiled only for the pairs in UNEQUAL_HEAD_DIMS."""
+    dk, dv = spec.get("HEAD_DIM"), spec.get("HEAD_DIM_V")
+    if dk is not None and dv is not None and dk != dv and (dk, dv) not in UNEQUAL_HEAD_DIMS:
+        return f"head dims {dk}/{dv}: unequal pairs are only {UNEQUAL_HEAD_DIMS}"
+    return None
+
+
+def in_default_set(spec: dict, target: object) -> bool:
+    """The small CI set: fp16/bf16, D 64 and 128, no mask or bottom-right causal, no extras."""
+    return (spec.get("dtype") in ("fp16", "bf16")
+            and spec.get("HEAD_DIM", 64) in (64, 128)
+            and spec.get("HEAD_DIM_V", spec.get("HEAD_DIM", 64)) == spec.get("HEAD_DIM", 64)
+            and spec.get("CAUSAL", 0) in (0, 2)
+            and not spec.get("BIAS", 0) and not spec.get("DROPOUT", 0) and not spec.get("VARLEN", 0))
+
+
+def block_d(spec: dict) -> int:
+    """The padded (power-of-two) head-dim extent the kernel computes with."""
+    return next_power_of_2(max(spec.get("HEAD_DIM", 0), spec.get("HEAD_DIM_V", 0)))
+
+
+def _hip_options(target: object, waves: int) -> dict:
+    opts: dict = {"waves_per_eu": waves}
+    if target.arch.startswith("gfx9"):
+        # CDNA: 16x16 MFMA tiles suit the 64-128 wide attention tiles best.
+        opts["matrix_instr_nonkdim"] = 16
+    return opts
+
+
+_NO_TMA = {"USE_TMA": 0, "WARP_SPEC": 0}
+
+
+def fwd_configs(spec: dict, target: object) -> tuple[Config, ...]:
+    """Forward tuning table: (BLOCK_M, BLOCK_N, warps, stages[, options]) by target and head dim.
+
+    fp32 runs IEEE dots (no tensor cores), so it takes small tiles everywhere.
+    """
+    d = block_d(spec)
+    fp32 = spec["dtype"] == "fp32"
+    if target.backend == "cuda":
+        if fp32:
+            bm, bn, w, s = (64, 32, 4, 2) if d <= 64 else (32, 32, 4, 2) if d <= 128 else (32, 16, 4, 1)
+        elif target.arch == "sm90":
+            bm, bn, w, s = (128, 64, 4, 3) if d <= 64 else (128, 64, 8, 3) if d <= 128 else (128, 64, 8, 2)
+        else:
+            bm, bn, w, s = (128, 64, 4, 3) if d <= 64 else (128, 64, 8, 2) if d <= 128 else (64, 32, 4, 2)
+        plain = Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, **_NO_TMA}, num_warps=w, num_stages=s)
+        if target.arch != "sm90" or fp32:
+            return (plain,)
+        # Hopper alternates for bench/attention_jit.py to rank: TMA loads, and TMA with warp
+        # specialization (4 warps become 1 producer + 2 consumer warp groups).
+        tma = Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": 1, "WARP_SPEC": 0},
+                     num_warps=w, num_stages=s)
+        # Warp specialization: not past the early exit of varlen (unstructured control flow), nor
+        # with bias/dropout pointer traffic in the loop, nor D 256 (its buffers exceed 227 KB).
+        if spec["BIAS"] or spec["DROPOUT"] or spec["VARLEN"] or d > 128:
+            return (plain, tma)
+        ws = Config(constexprs={"BLOCK_M": 128, "BLOCK_N": 128, "USE_TMA": 1, "WARP_SPEC": 1},
+                    num_warps=4, num_stages=2)
+        return (plain, tma, ws)
+    rdna = target.arch.startswith("gfx1")
+    if fp32:
+        bm, bn, w = (64, 32, 4) if d <= 64 else (32, 32, 4) if d <= 128 else (32, 16, 4)
+    elif rdna:
+        bm, bn, w = (64, 32, 4) if d <= 128 else (32, 32, 4)
+    else:
+        bm, bn, w = (128, 64, 4) if d <= 128 else (64, 32, 4)
+    return (Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, **_NO_TMA}, num_warps=w, num_stages=1,
+                   options=_hip_options(target, 2)),)
+
+
+_FWD_SIG = signature_of(attn_fwd, {
+    "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Bias": "*{dtype}", "Out": "*{dtype}",
+    "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"})
+_FWD_DIV = divisibility_of(_FWD_SIG, aligned=("q", "k", "v", "o"), bias=("b",))
+# Checks shared by the attention kernels; the GQA ratio must be whole and the head grid fits in y.
+GQA_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0")
+
+KERNELS = [Kernel(
+    name="attn_fwd",
+    fn=attn_fwd,
+    signature=_FWD_SIG,
+    axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS, "HEAD_DIM_V": HEAD_DIM_BUCKETS,
+          "CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1, 2), "VARLEN": (0, 1)},
+    configs=fwd_configs,
+    grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
+    divisibility=_FWD_DIV,
+    exclude=head_dim_excluded,
+    sets={"default": in_default_set},
+    checks=GQA_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1") + stride_checks(_FWD_DIV),
+)]

@@ -13,7 +13,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from builder.kernels.attention import LOG2E, _dropout_keep, _span, _window
+from builder.kernels.attention import (
+    DTYPES,
+    GQA_CHECKS,
+    HEAD_DIM_BUCKETS,
+    LOG2E,
+    _dropout_keep,
+    _hip_options,
+    _span,
+    _window,
+    block_d,
+    divisibility_of,
+    head_dim_excluded,
+    in_default_set,
+    signature_of,
+    stride_checks,
+)
+from builder.registry import Config, Kernel
 
 
 @triton.jit
@@ -170,7 +186,7 @@ def attn_bwd_dkdv(
     dBias = dS written at DBias[b, h, i, j] (full, unbroadcast; the operator reduces it over
     broadcast dimensions).
     """
-    PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
+    PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
     BLOCK_DV: tl.constexpr = triton.next_power_of_2(HEAD_DIM_V)
     pid_n = tl.program_id(0)
@@ -338,7 +354,7 @@ def attn_bwd_dq(
 
     Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1). BIAS only matters as 0 / non-0 here.
     """
-    PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else "tf32"
+    PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
     BLOCK_DV: tl.constexpr = triton.next_power_of_2(HEAD_DIM_V)
     num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
@@ -426,3 +442,103 @@ def attn_bwd_dq(
     DQ_base = DQ + off_bz * stride_dqz + off_h.to(tl.int64) * stride_dqh
     tl.store(DQ_base + qrow[:, None] * stride_dqm + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
              mask=dqmask)
+
+
+# --------------------------------------------------------------------------------------------
+# Registry declarations.
+# --------------------------------------------------------------------------------------------
+
+
+def _bwd_config(target: object, bm: int, bn: int, warps: int, stages: int) -> Config:
+    if target.backend == "cuda":
+        return Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+    return Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=1,
+                  options=_hip_options(target, 1))
+
+
+def dkdv_configs(spec: dict, target: object) -> tuple[Config, ...]:
+    """dK/dV: BLOCK_N keys stay resident (k, v, dk, dv), BLOCK_M queries stream through."""
+    d = block_d(spec)
+    if spec["dtype"] == "fp32":
+        return (_bwd_config(target, 16, 32, 4, 1 if d > 64 else 2),)
+    if target.backend == "cuda":
+        if d <= 64:
+            return (_bwd_config(target, 64, 128, 8, 3 if target.arch == "sm90" else 2),)
+        if d <= 128:
+            return (_bwd_config(target, 64, 128, 8, 2),)
+        return (_bwd_config(target, 32, 64, 8, 2 if target.arch == "sm90" else 1),)
+    if target.arch.startswith("gfx1") or d > 128:
+        return (_bwd_config(target, 32, 32, 4, 1),)
+    return (_bwd_config(target, 32, 64, 4, 1),)
+
+
+def dq_configs(spec: dict, target: object) -> tuple[Config, ...]:
+    """dQ: BLOCK_M queries stay resident (q, dO, dq), BLOCK_N keys stream through."""
+    d = block_d(spec)
+    if spec["dtype"] == "fp32":
+        return (_bwd_config(target, 32, 16, 4, 1 if d > 64 else 2),)
+    if target.backend == "cuda":
+        if d <= 128:
+            return (_bwd_config(target, 128, 64, 8, 3 if target.arch == "sm90" else 2),)
+        return (_bwd_config(target, 64, 32, 8, 2 if target.arch == "sm90" else 1),)
+    if target.arch.startswith("gfx1") or d > 128:
+        return (_bwd_config(target, 32, 32, 4, 1),)
+    return (_bwd_config(target, 64, 32, 4, 1),)
+
+
+def preprocess_configs(spec: dict, target: object) -> tuple[Config, ...]:
+    return (Config(constexprs={"BLOCK_M": 64 if spec["HEAD_DIM_V"] <= 128 else 32}, num_warps=4,
+                   num_stages=1),)
+
+
+_PRE_SIG = signature_of(attn_bwd_preprocess, {"Out": "*{dtype}", "DO": "*{dtype}", "Delta": "*fp32",
+                                              "cu_seqlens_q": "*i32"})
+_PRE_DIV = divisibility_of(_PRE_SIG, aligned=("o", "do"))
+_GRAD_PTRS = {"Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Bias": "*{dtype}", "DO": "*{dtype}",
+              "DQ": "*{dtype}", "DK": "*{dtype}", "DV": "*{dtype}", "DBias": "*{dtype}", "LSE": "*fp32",
+              "Delta": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
+_DKDV_SIG = signature_of(attn_bwd_dkdv, _GRAD_PTRS)
+_DKDV_DIV = divisibility_of(_DKDV_SIG, aligned=("q", "k", "v", "do", "dk", "dv"), bias=("b", "db"))
+_DQ_SIG = signature_of(attn_bwd_dq, _GRAD_PTRS)
+_DQ_DIV = divisibility_of(_DQ_SIG, aligned=("q", "k", "v", "do", "dq"), bias=("b",))
+_HEADS = {"HEAD_DIM": HEAD_DIM_BUCKETS, "HEAD_DIM_V": HEAD_DIM_BUCKETS}
+
+KERNELS = [
+    Kernel(
+        name="attn_bwd_preprocess",
+        fn=attn_bwd_preprocess,
+        signature=_PRE_SIG,
+        axes={"dtype": DTYPES, "HEAD_DIM_V": HEAD_DIM_BUCKETS, "VARLEN": (0, 1)},
+        configs=preprocess_configs,
+        grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
+        divisibility=_PRE_DIV,
+        sets={"default": in_default_set},
+        checks=("batch * num_heads_q <= 65535",) + stride_checks(_PRE_DIV),
+    ),
+    Kernel(
+        name="attn_bwd_dkdv",
+        fn=attn_bwd_dkdv,
+        signature=_DKDV_SIG,
+        axes={"dtype": DTYPES, **_HEADS, "CAUSAL": (0, 1, 2), "BIAS": (0, 1, 2), "DROPOUT": (0, 1),
+              "VARLEN": (0, 1)},
+        configs=dkdv_configs,
+        grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
+        divisibility=_DKDV_DIV,
+        exclude=head_dim_excluded,
+        sets={"default": in_default_set},
+        checks=GQA_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1") + stride_checks(_DKDV_DIV),
+    ),
+    Kernel(
+        name="attn_bwd_dq",
+        fn=attn_bwd_dq,
+        signature=_DQ_SIG,
+        axes={"dtype": DTYPES, **_HEADS, "CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1),
+              "VARLEN": (0, 1)},
+        configs=dq_configs,
+        grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
+        divisibility=_DQ_DIV,
+        exclude=head_dim_excluded,
+        sets={"default": in_default_set},
+        checks=GQA_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1") + stride_checks(_DQ_DIV),
+    ),
+]

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,15 @@ CASES: dict[str, dict] = {
     "head_dim_40_padded_to_48": {"D": 40, "pad_to": 48},
     "head_dim_80_bf16": {"D": 80, "dtype": "bf16", "Sq": 19, "Sk": 23},
     "qk_32_v_16": {"D": 32, "Dv": 16, "causal": 1},
+    # The Hopper path (device-side tensor descriptors): zero-fill must replace every load mask.
+    "tma_varlen_causal_head_dim_48": {"tma": 1, "varlen": ((19, 30), (33, 7)), "causal": 2, "D": 48,
+                                      "dtype": "fp16"},
+    "tma_gqa_bshd_window_bias_dropout": {"tma": 1, "Hq": 4, "Hk": 2, "layout": "bshd", "causal": 1,
+                                         "window": (6, 2), "bias": "full", "dropout": 0.2},
+    # Warp-specialized: one always-masked loop over the band.
+    "tma_ws_causal_bottom_right_empty_rows": {"tma": 1, "ws": 1, "causal": 2, "Sq": 53, "Sk": 37,
+                                              "dtype": "bf16"},
+    "tma_ws_plain_blocks_32x32": {"tma": 1, "ws": 1, "BM": 32, "BN": 32, "Hq": 4, "Hk": 1},
 }
 
 
@@ -209,7 +219,7 @@ def run_case(name: str, case: dict) -> dict:
             q, k, v, bias, out, lse, dmask, cu_q, cu_k,
             sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, soz, soh, som, sbz, sbh, sbm, slz, slh,
             sdmz, sdmh, sdmm, *common, BIAS=1 if bias_kind else 0, BLOCK_M=c["BM"], BLOCK_N=c["BN"],
-            **flags)
+            USE_TMA=c.get("tma", 0), WARP_SPEC=c.get("ws", 0), **flags)
 
     forward(out, lse, dmask)
     attn_bwd_preprocess[(triton.cdiv(Sq, c["BM"]), B * Hq, 1)](
@@ -355,6 +365,73 @@ def test_attention_matches_fp64_reference_under_interpreter(interpreted: dict, n
     if CASES[name].get("bias"):
         expected.add("dbias")
     assert expected <= set(result["errors"]), f"{name}: not every output was compared"
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compiles through the builder (no interpreter in this process).
+# ---------------------------------------------------------------------------------------------
+
+# (kernel, target, spec, config index, what the variant must show)
+COMPILES = [
+    ("attn_fwd", "sm90", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 2}, 0, "wgmma"),
+    ("attn_fwd", "sm90", {"dtype": "bf16", "HEAD_DIM": 64, "CAUSAL": 0}, 2, "warp_specialized"),
+    ("attn_fwd", "gfx942", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 1, "BIAS": 1, "DROPOUT": 2}, 0, ""),
+    ("attn_bwd_dkdv", "gfx1100", {"dtype": "bf16", "HEAD_DIM": 80, "CAUSAL": 2, "BIAS": 2}, 0, ""),
+    ("attn_bwd_dq", "sm90", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 2, "VARLEN": 1}, 0, "wgmma"),
+    ("attn_bwd_preprocess", "gfx942", {"dtype": "fp16", "HEAD_DIM_V": 128}, 0, ""),
+]
+
+
+def _compile(item: tuple) -> dict:
+    from builder.compile import compile_job
+    from builder.registry import expand, load_kernels
+    from builder.targets import parse_targets
+
+    name, arch, want, index, _ = item
+    base = {"HEAD_DIM_V": want.get("HEAD_DIM"), "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+    want = {**{k: v for k, v in base.items() if v is not None}, **want}
+    jobs = [j for j in expand(load_kernels()[name], parse_targets(arch), "full", "3.6.0")
+            if all(j.spec.get(k, v) == v for k, v in want.items()) and j.config_index == index]
+    assert len(jobs) == 1, f"{name} {arch} {want} #{index}: {len(jobs)} jobs"
+    variant, raw, _ = compile_job(jobs[0])
+    assert raw[:4] == b"\x7fELF"  # cubin and hsaco are both ELF
+    return variant
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    # Fresh processes: each compile is independent and CI has 2 cores.
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_compile, COMPILES))
+
+
+@pytest.mark.parametrize("index", range(len(COMPILES)), ids=[f"{c[0]}-{c[1]}-#{c[3]}" for c in COMPILES])
+def test_attention_variant_compiles_ahead_of_time_within_shared_memory(compiled: list, index: int) -> None:
+    from builder.kernels.attention import SHARED_LIMIT
+
+    name, arch, _, _, expect = COMPILES[index]
+    variant = compiled[index]
+    assert variant["kernel"] == name and variant["target"]["arch"] == arch
+    assert 0 < variant["shared"] <= SHARED_LIMIT[arch], f"{variant['shared']} bytes of shared memory"
+    assert variant["image"]["raw_size"] > 1000
+    if expect == "warp_specialized":
+        # 4 declared warps become a producer and two consumer warp groups; descriptors need scratch.
+        assert variant["num_warps"] == 12
+        assert variant["scratch"]["global_size"] > 0
+    else:
+        assert variant["num_warps"] == variant["config"]["num_warps"]
+
+
+def test_bench_argument_lists_match_the_kernels() -> None:
+    sys.path.insert(0, str(ROOT))
+    from bench.attention_jit import KERNELS, Problem
+
+    p = Problem(2, 4, 128, 64, 2, "fp16", materialize=False)
+    for name, fn in KERNELS.items():
+        cfg = {"fwd": ("BLOCK_M", "BLOCK_N", "USE_TMA", "WARP_SPEC"), "pre": ("BLOCK_M",)}.get(
+            name, ("BLOCK_M", "BLOCK_N"))
+        supplied = len(p.args(name, mock=True)) + len(p.flags(name)) + len(cfg)
+        assert supplied == len(fn.arg_names), f"{name}: {supplied} arguments for {len(fn.arg_names)}"
 
 
 if __name__ == "__main__":
