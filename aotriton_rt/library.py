@@ -107,7 +107,7 @@ class Kernel:
             "_H": interop._HANDLERS, "_resolve": self._resolve_pointer, "_state": self._state,
             "_lib": self.library,
             "_states": self._states, "_n": MAX_DEVICES, "_wrong": _wrong_device,
-            "_misaligned": _misaligned, "_grid": _normalize_grid, "_stream": self._default_stream,
+            "_misaligned": _misaligned, "_indivisible": _indivisible, "_grid": _normalize_grid, "_stream": self._default_stream,
             "_scratch": self._scratch, "_nodev": self._no_device,
         }
         lines = [f"def _launch(grid, stream, {', '.join(names)}):"]
@@ -137,6 +137,9 @@ class Kernel:
             else:
                 env[f"_c_{a.name}"] = scalar_checker(a)
                 lines.append(f"    {a.name} = _c_{a.name}({a.name})")
+                if a.divisibility > 1:
+                    lines.append(f"    if {a.name} % {a.divisibility}: _indivisible({a.name!r}, {a.name}, "
+                                 f"{a.divisibility})")
                 values.append(a.name)
         lines += [
             "    st = _states[dev] if 0 <= dev < _n else None",
@@ -226,6 +229,11 @@ def _misaligned(name: str, ptr: int, align: int) -> None:
     raise ArgumentError(f"argument {name} address {ptr:#x} is not {align}-byte aligned, which this "
                         f"kernel was compiled to assume; pass a tensor whose data starts on a "
                         f"{align}-byte boundary (e.g. .clone() a sliced view)")
+
+
+def _indivisible(name: str, value: int, divisor: int) -> None:
+    raise ArgumentError(f"argument {name} = {value} is not a multiple of {divisor}, which this kernel was "
+                        f"compiled to assume; choose a variant compiled without that assumption")
 
 
 def _normalize_grid(grid: Any, variant: Variant) -> tuple[int, int, int]:

@@ -110,13 +110,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from aotriton_rt.errors import AotritonError
+
+    from .abi import AbiError
     from .build import BuildError
     from .targets import UnknownTarget
 
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (BuildError, UnknownTarget, ValueError) as e:
+    except (BuildError, UnknownTarget, ValueError, AbiError, AotritonError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

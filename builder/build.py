@@ -110,7 +110,7 @@ class _Pool:
                     proc, job, _ = busy.pop(conn)
                     try:
                         status, payload = conn.recv()
-                    except EOFError:
+                    except (EOFError, OSError):
                         status, payload = "error", f"worker died (exit code {proc.exitcode})"
                         proc.join()
                     else:
@@ -261,7 +261,7 @@ def _remove_stale(out: Path, keep: set[str]) -> None:
         for path in root.rglob("*.xz"):
             if path.relative_to(out).as_posix() not in keep:
                 path.unlink()
-        for d in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True):
+        for d in [*sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True), root]:
             if not any(d.iterdir()):
                 d.rmdir()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,6 +32,14 @@ def merge(inputs: Sequence[Path], out: Path) -> Catalog:
                 raise BuildError(f"variant {v.key[:16]} ({v.kernel}) differs between "
                                  f"{variants[v.key][1]} and {src}")
             variants[v.key] = (entry, Path(src))
+    seen: dict[str, str] = {}
+    for key, (entry, src) in variants.items():
+        ident = json.dumps([entry["kernel"], entry["target"], entry["spec"], entry["config"]], sort_keys=True)
+        if ident in seen:
+            raise BuildError(f"{entry['kernel']} for {entry['target']['arch']} with {entry['spec']} appears "
+                             f"under two keys ({seen[ident][:16]} and {key[:16]}): were the shards built "
+                             "from different sources? Rebuild them from one commit")
+        seen[ident] = key
     out.mkdir(parents=True, exist_ok=True)
     for entry, src in variants.values():
         rel = entry["image"]["path"]

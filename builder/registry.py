@@ -148,6 +148,7 @@ def expand(kernel: Kernel, targets: Sequence[Target], build_set: str, triton_ver
             if build_set != "full" and in_set is not None and not in_set(spec, target):
                 continue
             signature = _resolve_signature(kernel, spec)
+            _check_types(kernel, signature)
             for index, config in enumerate(kernel.configs_for(spec, target)):
                 constexprs = {n: spec[n] if n in spec else config.constexprs.get(n)
                               for n, t in signature.items() if t == "constexpr"}
@@ -160,6 +161,16 @@ def expand(kernel: Kernel, targets: Sequence[Target], build_set: str, triton_ver
                           divisibility, tuple(kernel.grid), tuple(kernel.checks), package)
                 jobs.append(_with_key(job, source_key, triton_version))
     return jobs
+
+
+def _check_types(kernel: Kernel, signature: dict) -> None:
+    """Refuse, before compiling, argument types the runtime cannot pack."""
+    from aotriton_rt.catalog import SCALAR_TYPES, is_pointer_type
+
+    for name, t in signature.items():
+        if t != "constexpr" and t not in SCALAR_TYPES and not is_pointer_type(t):
+            raise ValueError(f"kernel {kernel.name}: argument {name} has type {t!r}, which the runtime "
+                             f"cannot pass; use a pointer or one of {', '.join(SCALAR_TYPES)}")
 
 
 def _divisibility(kernel: Kernel, signature: dict) -> dict:
