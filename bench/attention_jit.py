@@ -38,6 +38,7 @@ from builder.kernels.attention import attn_fwd, fwd_configs  # noqa: E402
 from builder.kernels.attention_bwd import (  # noqa: E402
     attn_bwd_dkdv,
     attn_bwd_dq,
+    attn_bwd_dq_convert,
     attn_bwd_preprocess,
     dkdv_configs,
     dq_configs,
@@ -47,9 +48,16 @@ from builder.targets import KNOWN  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 DEVICE = "cuda"  # the smoke test in tests/builder runs the argument lists on "cpu" under the interpreter
-KERNELS = {"fwd": attn_fwd, "pre": attn_bwd_preprocess, "dkdv": attn_bwd_dkdv, "dq": attn_bwd_dq}
+# "prea"/"dkdva" are the preprocess and dk/dv kernels with DQ_ATOMIC=1; "conv" casts the fp32 dQ.
+KERNELS = {"fwd": attn_fwd, "pre": attn_bwd_preprocess, "dkdv": attn_bwd_dkdv, "dq": attn_bwd_dq,
+           "prea": attn_bwd_preprocess, "dkdva": attn_bwd_dkdv, "conv": attn_bwd_dq_convert}
 REGISTRY_NAME = {"fwd": "attn_fwd", "pre": "attn_bwd_preprocess", "dkdv": "attn_bwd_dkdv",
-                 "dq": "attn_bwd_dq"}
+                 "dq": "attn_bwd_dq", "prea": "attn_bwd_preprocess", "dkdva": "attn_bwd_dkdv",
+                 "conv": "attn_bwd_dq_convert"}
+CONFIG_TABLE = {"fwd": fwd_configs, "pre": preprocess_configs, "dkdv": dkdv_configs, "dq": dq_configs,
+                "prea": preprocess_configs, "dkdva": dkdv_configs, "conv": preprocess_configs}
+# Backward launch sequences: the deterministic split, and FA2-style atomic dQ.
+BWD = {"split": ("pre", "dkdv", "dq"), "atomic": ("prea", "dkdva", "conv")}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -76,6 +84,8 @@ class Problem:
 
         self.q, self.k, self.v, self.do = bshd(), bshd(), bshd(), bshd()
         self.o, self.dq, self.dk, self.dv = (torch.empty_like(self.q) for _ in range(4))
+        # fp32 dQ accumulator with q's strides.
+        self.dqa = torch.empty(B, N, H, D, device=dev, dtype=torch.float32).transpose(1, 2)
         self.lse = torch.empty(B, H, N, device=dev, dtype=torch.float32)
         self.delta = torch.empty_like(self.lse)
         self.dummy = torch.empty(8, device=dev, dtype=self.tdtype)
@@ -93,10 +103,15 @@ class Problem:
         return f"{self.dtype} B{self.B} H{self.H} N{self.N} D{self.D} {c}"
 
     def spec(self, kernel: str) -> dict:
+        atomic = int(kernel in ("prea", "dkdva"))
+        if kernel in ("pre", "prea"):
+            return {"dtype": self.dtype, "HEAD_DIM": self.D, "HEAD_DIM_V": self.D, "VARLEN": 0, "DQ_ATOMIC": atomic}
+        if kernel == "conv":
+            return {"dtype": self.dtype, "HEAD_DIM": self.D, "VARLEN": 0}
         s = {"dtype": self.dtype, "HEAD_DIM": self.D, "HEAD_DIM_V": self.D, "CAUSAL": self.causal,
              "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
-        if kernel == "pre":
-            return {"dtype": self.dtype, "HEAD_DIM_V": self.D, "VARLEN": 0}
+        if kernel in ("dkdv", "dkdva"):
+            s["DQ_ATOMIC"] = atomic
         return s
 
     def args(self, kernel: str, mock: bool = False) -> list:
@@ -104,41 +119,43 @@ class Problem:
         is what ``JITFunction.warmup`` takes to compile without memory."""
         def t(name: str):
             if mock:
-                return {"lse": torch.float32, "delta": torch.float32, "dummy8": torch.int8,
+                return {"lse": torch.float32, "delta": torch.float32, "dqa": torch.float32, "dummy8": torch.int8,
                         "dummy32": torch.int32}.get(name, self.tdtype)
             return getattr(self, name)
         strides = (self.sz, self.sh, self.sm)
+        none = (0, 0, 0)
+        atomic = kernel in ("prea", "dkdva")
+        dqa, dqa_strides = ("dqa", strides) if atomic else ("dummy", none)
         sizes = (self.B, self.H, self.H, self.N, self.N)
         scal = (1.0 / math.sqrt(self.D), 0.0, 0, 0, -1, 0 if self.causal else -1)
         if kernel == "fwd":
             return [t("q"), t("k"), t("v"), t("dummy"), t("o"), t("lse"), t("dummy8"), t("dummy32"),
-                    t("dummy32"), *strides * 4, 0, 0, 0, self.lz, self.lh, 0, 0, 0, *sizes, *scal]
-        if kernel == "pre":
-            return [t("o"), t("do"), t("delta"), t("dummy32"), *strides * 2, self.lz, self.lh,
-                    self.B, self.H, self.N]
-        if kernel == "dkdv":
-            return [t("q"), t("k"), t("v"), t("dummy"), t("do"), t("dk"), t("dv"), t("dummy"), t("lse"),
-                    t("delta"), t("dummy32"), t("dummy32"), *strides * 3, 0, 0, 0, *strides * 3,
-                    0, 0, 0, self.lz, self.lh, *sizes, *scal]
+                    t("dummy32"), *strides * 4, *none, self.lz, self.lh, *none, *sizes, *scal]
+        if kernel in ("pre", "prea"):
+            return [t("o"), t("do"), t("delta"), t(dqa), t("dummy32"), *strides * 2, *dqa_strides,
+                    self.lz, self.lh, self.B, self.H, self.N]
+        if kernel in ("dkdv", "dkdva"):
+            return [t("q"), t("k"), t("v"), t("dummy"), t("do"), t("dk"), t("dv"), t("dummy"), t(dqa), t("lse"),
+                    t("delta"), t("dummy32"), t("dummy32"), *strides * 3, *none, *strides * 3, *none,
+                    *dqa_strides, self.lz, self.lh, *sizes, *scal]
+        if kernel == "conv":
+            return [t("dqa"), t("dq"), t("dummy32"), *strides * 2, self.B, self.H, self.N]
         return [t("q"), t("k"), t("v"), t("dummy"), t("do"), t("dq"), t("lse"), t("delta"), t("dummy32"),
-                t("dummy32"), *strides * 3, 0, 0, 0, *strides * 2, self.lz, self.lh, *sizes, *scal]
+                t("dummy32"), *strides * 3, *none, *strides * 2, self.lz, self.lh, *sizes, *scal]
 
     def grid(self, kernel: str, cfg: dict) -> tuple[int, int, int]:
-        if kernel == "dkdv":
+        if kernel in ("dkdv", "dkdva"):
             return (triton.cdiv(self.N, cfg["BLOCK_N"]), self.B * self.H, 1)
         return (triton.cdiv(self.N, cfg["BLOCK_M"]), self.B * self.H, 1)
 
     def flags(self, kernel: str) -> dict:
-        f = {"HEAD_DIM_V": self.D, "VARLEN": 0}
-        if kernel != "pre":
-            f.update(HEAD_DIM=self.D, CAUSAL=self.causal, BIAS=0, DROPOUT=0)
-        return f
+        """The spec's constexprs (everything but dtype, which the tensors carry)."""
+        return {k: v for k, v in self.spec(kernel).items() if k != "dtype"}
 
 
 def registry_config(p: Problem, kernel: str, arch: str, index: int = 0) -> dict:
     """The registry's config #index for this problem on ``arch``, flattened to a dict."""
-    fn = {"fwd": fwd_configs, "pre": preprocess_configs, "dkdv": dkdv_configs, "dq": dq_configs}[kernel]
-    configs = fn(p.spec(kernel), KNOWN[arch])
+    configs = CONFIG_TABLE[kernel](p.spec(kernel), KNOWN[arch])
     c = configs[min(index, len(configs) - 1)]
     return {**c.constexprs, "num_warps": c.num_warps, "num_stages": c.num_stages, **c.options}
 
@@ -224,11 +241,7 @@ def sdpa_fns(p: Problem, backend: str):
 
 
 def check(p: Problem, cfgs: dict) -> str:
-    """Ours vs fp32 math SDPA (causal bottom-right == top-left here since N_q == N_k)."""
-    launch(p, "fwd", cfgs["fwd"])
-    for k in ("pre", "dkdv", "dq"):
-        launch(p, k, cfgs[k])
-    torch.cuda.synchronize()
+    """Ours (both backward modes) vs fp32 math SDPA (causal alignments agree: N_q == N_k)."""
     q, k, v = (t.detach().float().requires_grad_() for t in (p.q, p.k, p.v))
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(p.causal))
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), p.do.float())
@@ -238,12 +251,21 @@ def check(p: Problem, cfgs: dict) -> str:
     lse = torch.logsumexp(s, -1)
     tol = 2e-2 if p.dtype == "fp16" else 6e-2
     lines, ok = [], True
-    for name, got, ref in (("out", p.o, o), ("lse", p.lse, lse), ("dq", p.dq, dq), ("dk", p.dk, dk),
-                           ("dv", p.dv, dv)):
-        err = (got.float() - ref).abs().max().item() / max(1.0, ref.abs().max().item())
-        ok &= err <= tol
-        lines.append(f"{name} {err:.2e}")
-    return ("PASS " if ok else "FAIL ") + ", ".join(lines) + f" (tol {tol})"
+    for mode, seq in BWD.items():
+        for t in (p.o, p.dq, p.dk, p.dv):
+            t.fill_(float("nan"))
+        launch(p, "fwd", cfgs["fwd"])
+        for kernel in seq:
+            launch(p, kernel, cfgs[kernel])
+        torch.cuda.synchronize()
+        errs = []
+        for name, got, ref in (("out", p.o, o), ("lse", p.lse, lse), ("dq", p.dq, dq), ("dk", p.dk, dk),
+                               ("dv", p.dv, dv)):
+            err = (got.float() - ref).abs().max().item() / max(1.0, ref.abs().max().item())
+            ok &= err <= tol  # NaN fails too
+            errs.append(f"{name} {err:.1e}")
+        lines.append(f"{mode}: " + ", ".join(errs))
+    return ("PASS " if ok else "FAIL ") + "; ".join(lines) + f" (tol {tol})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -272,7 +294,7 @@ def sweep_candidates(kernel: str, p: Problem, arch: str) -> list[dict]:
             for bn, s in itertools.product((64, 128), (2, 3)):
                 out.append({"BLOCK_M": 128, "BLOCK_N": bn, "USE_TMA": 1, "WARP_SPEC": 1,
                             "num_warps": 4, "num_stages": s})
-    elif kernel == "dkdv":
+    elif kernel in ("dkdv", "dkdva"):
         for bm, bn, w, s in itertools.product((32, 64, 128), (64, 128), (4, 8), (1, 2, 3)):
             out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s})
     elif kernel == "dq":
@@ -285,10 +307,10 @@ def run_sweep(problems: list[Problem], arch: str, workers: int, top: int) -> dic
     results = {}
     for p in problems:
         jobs = [((p.B, p.H, p.N, p.D, p.causal, p.dtype), k, c)
-                for k in ("fwd", "dkdv", "dq") for c in sweep_candidates(k, p, arch)]
+                for k in ("fwd", "dkdv", "dq", "dkdva") for c in sweep_candidates(k, p, arch)]
         errors = precompile(jobs, workers)
         print(f"\n== sweep {p.label}: {len(jobs)} configs, {len(errors)} failed to compile", flush=True)
-        per_kernel: dict[str, list] = {"fwd": [], "dkdv": [], "dq": []}
+        per_kernel: dict[str, list] = {"fwd": [], "dkdv": [], "dq": [], "dkdva": []}
         for i, (_, kernel, cfg) in enumerate(jobs):
             if i in errors:
                 continue
@@ -298,9 +320,10 @@ def run_sweep(problems: list[Problem], arch: str, workers: int, top: int) -> dic
                 print(f"   skip {kernel} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
             per_kernel[kernel].append((ms, cfg))
-        # The backward kernels run together; each gets the fwd-equivalent share of the flop count.
-        pre_cfg = registry_config(p, "pre", arch)
-        pre_ms = bench_ms(lambda p=p, pre_cfg=pre_cfg: launch(p, "pre", pre_cfg))
+        # The small kernels keep their registry config.
+        small = {k: registry_config(p, k, arch) for k in ("pre", "prea", "conv")}
+        small_ms = {k: bench_ms(lambda p=p, k=k, c=c: launch(p, k, c)) for k, c in small.items()}
+        pre_ms = small_ms["pre"]
         best = {}
         for kernel, rows in per_kernel.items():
             rows.sort(key=lambda r: r[0])
@@ -315,29 +338,34 @@ def run_sweep(problems: list[Problem], arch: str, workers: int, top: int) -> dic
             total = pre_ms + best["dkdv"][0] + best["dq"][0]
             print(f"   bwd best: {tflops(2.5 * p.flops_fwd, total):.0f} TFLOP/s "
                   f"(pre {pre_ms:.3f} + dkdv {best['dkdv'][0]:.3f} + dq {best['dq'][0]:.3f} ms)")
+        if "dkdva" in best:
+            total = small_ms["prea"] + best["dkdva"][0] + small_ms["conv"]
+            print(f"   bwd best, atomic dQ: {tflops(2.5 * p.flops_fwd, total):.0f} TFLOP/s "
+                  f"(pre {small_ms['prea']:.3f} + dkdv {best['dkdva'][0]:.3f} + convert {small_ms['conv']:.3f} ms)")
         results[p.label] = {k: {"ms": v[0], "config": v[1]} for k, v in best.items()}
-        results[p.label]["pre_ms"] = pre_ms
+        results[p.label].update({f"{k}_ms": v for k, v in small_ms.items()})
     return results
 
 
 def run_table(problems: list[Problem], arch: str, aot: bool, index: int) -> list[dict]:
     rows = []
     for p in problems:
-        cfgs = {k: registry_config(p, k, arch, index if k == "fwd" else 0) for k in ("fwd", "pre", "dkdv", "dq")}
+        cfgs = {k: registry_config(p, k, arch, index if k == "fwd" else 0) for k in KERNELS}
         row = {"shape": p.label, "fwd_config": cfgs["fwd"]}
         try:
-            fwd_ms = bench_ms(lambda p=p, cfgs=cfgs: launch(p, "fwd", cfgs["fwd"]))
-            bwd_ms = bench_ms(lambda p=p, cfgs=cfgs: [launch(p, k, cfgs[k]) for k in ("pre", "dkdv", "dq")])
+            row["ours_fwd"] = tflops(p.flops_fwd, bench_ms(lambda p=p, cfgs=cfgs: launch(p, "fwd", cfgs["fwd"])))
+            for mode, seq in BWD.items():
+                ms = bench_ms(lambda p=p, cfgs=cfgs, seq=seq: [launch(p, k, cfgs[k]) for k in seq])
+                row["ours_bwd" if mode == "split" else "ours_bwd_atomic"] = tflops(2.5 * p.flops_fwd, ms)
         except Exception as exc:
             print(f"{p.label}: ours failed: {type(exc).__name__}: {str(exc)[:200]}")
             continue
-        row["ours_fwd"], row["ours_bwd"] = tflops(p.flops_fwd, fwd_ms), tflops(2.5 * p.flops_fwd, bwd_ms)
         if aot:
-            fns = {k: aot_launcher(p, k, arch, index if k == "fwd" else 0) for k in ("fwd", "pre", "dkdv", "dq")}
+            fns = {k: aot_launcher(p, k, arch, index if k == "fwd" else 0) for k in ("fwd", *BWD["split"])}
             if all(fns.values()):
                 row["aot_fwd"] = tflops(p.flops_fwd, bench_ms(fns["fwd"]))
                 row["aot_bwd"] = tflops(2.5 * p.flops_fwd,
-                                       bench_ms(lambda fns=fns: [fns[k]() for k in ("pre", "dkdv", "dq")]))
+                                        bench_ms(lambda fns=fns: [fns[k]() for k in BWD["split"]]))
         for be in ("flash", "cudnn"):
             fwd, bwd, err = sdpa_fns(p, be)
             if err:
@@ -351,16 +379,19 @@ def run_table(problems: list[Problem], arch: str, aot: bool, index: int) -> list
 
 
 def print_table(rows: list[dict], aot: bool) -> None:
-    cols = ["ours_fwd"] + (["aot_fwd"] if aot else []) + ["flash_fwd", "cudnn_fwd", "ours_bwd"] + \
-        (["aot_bwd"] if aot else []) + ["flash_bwd", "cudnn_bwd"]
+    cols = ["ours_fwd"] + (["aot_fwd"] if aot else []) + ["flash_fwd", "cudnn_fwd", "ours_bwd", "ours_bwd_atomic"] \
+        + (["aot_bwd"] if aot else []) + ["flash_bwd", "cudnn_bwd"]
     head = f"{'shape':<36}" + "".join(f"{c:>11}" for c in cols) + f"{'fwd/cudnn':>11}{'bwd/cudnn':>11}"
     print("\nTFLOP/s (do_bench median)\n" + head + "\n" + "-" * len(head))
     for r in rows:
         cells = "".join(f"{r[c]:>11.0f}" if r.get(c) is not None else f"{'-':>11}" for c in cols)
-        ratio = "".join(f"{r['ours_' + d] / r['cudnn_' + d]:>11.2f}" if r.get("cudnn_" + d) else f"{'-':>11}"
-                        for d in ("fwd", "bwd"))
+        best_bwd = max(r.get("ours_bwd") or 0, r.get("ours_bwd_atomic") or 0)
+        ratio = "".join(f"{ours / r['cudnn_' + d]:>11.2f}" if r.get("cudnn_" + d) else f"{'-':>11}"
+                        for d, ours in (("fwd", r["ours_fwd"]), ("bwd", best_bwd)))
         print(f"{r['shape']:<36}{cells}{ratio}")
-    print("Floor (issue #4): fwd >= 0.85x cuDNN, bwd >= 0.60x cuDNN at D=128, N >= 4096; AOT within 3% of JIT.")
+    print("ours_bwd: deterministic split (preprocess, dk/dv, dq); ours_bwd_atomic: dQ by fp32 atomics in dk/dv.\n"
+          "bwd/cudnn uses the faster of the two. Floor (issue #4): fwd >= 0.85x cuDNN, bwd >= 0.60x cuDNN at "
+          "D=128, N >= 4096; AOT within 3% of JIT.")
 
 
 def device_arch() -> str:
@@ -399,7 +430,7 @@ def main() -> None:
 
     check_p = Problem(2, 4, 1024, max(args.d), 2, dtypes[0])
     print("check vs fp32 SDPA:", check(check_p, {k: registry_config(check_p, k, arch, args.fwd_config if k == "fwd"
-                                                                      else 0) for k in ("fwd", "pre", "dkdv", "dq")}))
+                                                                      else 0) for k in KERNELS}))
     del check_p
 
     out: dict = {"arch": arch, "device": torch.cuda.get_device_name(0)}

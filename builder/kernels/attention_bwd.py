@@ -34,14 +34,17 @@ from builder.registry import Config, Kernel
 
 @triton.jit
 def attn_bwd_preprocess(
-    Out, DO, Delta, cu_seqlens_q,
+    Out, DO, Delta, DQacc, cu_seqlens_q,
     stride_oz, stride_oh, stride_om,
     stride_doz, stride_doh, stride_dom,
+    stride_dqaz, stride_dqah, stride_dqam,
     stride_lz, stride_lh,
     batch, num_heads_q, seqlen_q,
-    HEAD_DIM_V: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
-    """Delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (fp32).
+    """Delta[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] (fp32); with DQ_ATOMIC also zero the
+    fp32 dQ accumulator that attn_bwd_dkdv adds into (one launch instead of a memset).
 
     Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1).
     """
@@ -72,6 +75,46 @@ def attn_bwd_preprocess(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     D_base = Delta + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + q_start
     tl.store(D_base + offs_m, delta, mask=offs_m < len_q)
+    if DQ_ATOMIC:
+        BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+        offs_dk = tl.arange(0, BLOCK_DK)
+        tl.store(DQacc + off_bz * stride_dqaz + off_h.to(tl.int64) * stride_dqah + rows[:, None] * stride_dqam
+                 + offs_dk[None, :], tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32),
+                 mask=(offs_m[:, None] < len_q) & (offs_dk[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def attn_bwd_dq_convert(
+    DQacc, DQ, cu_seqlens_q,
+    stride_dqaz, stride_dqah, stride_dqam,
+    stride_dqz, stride_dqh, stride_dqm,
+    batch, num_heads_q, seqlen_q,
+    HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """DQ = DQacc cast to DQ's type, after attn_bwd_dkdv with DQ_ATOMIC (already scaled).
+
+    Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1).
+    """
+    BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // num_heads_q
+    off_h = pid_bh % num_heads_q
+    if VARLEN:
+        q_start = tl.load(cu_seqlens_q + off_b)
+        len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
+        off_bz = off_b.to(tl.int64) * 0
+    else:
+        q_start = 0
+        len_q = seqlen_q
+        off_bz = off_b.to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DK)
+    mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM)
+    rows = (q_start + offs_m).to(tl.int64)
+    acc = tl.load(DQacc + off_bz * stride_dqaz + off_h.to(tl.int64) * stride_dqah + rows[:, None] * stride_dqam
+                  + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(DQ + off_bz * stride_dqz + off_h.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqm
+             + offs_d[None, :], acc.to(DQ.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -92,17 +135,20 @@ def _load_rows(ptrs, rows, len_rows, offs_d, HEAD_DIM: tl.constexpr, MASKED: tl.
 @triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, cols,
-    Q_base, DO_base, B_base, DB_base, L_base, D_base,
-    stride_qm, stride_dom, stride_bm, stride_dbm,
+    Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base,
+    stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam,
     start, end, offs_m, offs_dk, offs_dv,
-    len_q, len_k, diag, left, right, qk_scale,
+    len_q, len_k, diag, left, right, qk_scale, sm_scale,
     philox_seed, philox_offset, bh, dropout_p,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
 ):
     """Accumulate dk, dv of one key block over query blocks start, start+BLOCK_M, ... < end.
 
     Tiles are kept transposed, (keys x queries), so dk and dv come out of the dots directly.
+    With DQ_ATOMIC the same dS also yields this block's share of dq, added to the fp32
+    accumulator (FA2's scheme: 5 matmuls per tile instead of 7, at the cost of determinism).
     """
     q_ptrs = Q_base + (start + offs_m)[:, None] * stride_qm + offs_dk[None, :]
     do_ptrs = DO_base + (start + offs_m)[:, None] * stride_dom + offs_dv[None, :]
@@ -146,7 +192,15 @@ def _dkdv_blocks(
             tl.store(DB_base + rows[None, :] * stride_dbm + cols[:, None],
                      dsT.to(DB_base.dtype.element_ty),
                      mask=(rows[None, :] < len_q) & (cols[:, None] < len_k))
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+        dsT = dsT.to(q.dtype)
+        dk = tl.dot(dsT, q, dk, input_precision=PREC)
+        if DQ_ATOMIC:
+            dq = tl.dot(tl.trans(dsT), k, input_precision=PREC) * sm_scale
+            amask = rows[:, None] < len_q
+            if HEAD_DIM != offs_dk.shape[0]:
+                amask = amask & (offs_dk[None, :] < HEAD_DIM)
+            tl.atomic_add(DQA_base + rows[:, None] * stride_dqam + offs_dk[None, :], dq, mask=amask,
+                          sem="relaxed")
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
     return dk, dv
@@ -164,7 +218,7 @@ def _zero_dbias(DB_base, stride_dbm, cols, start, end, len_q, len_k, offs_m, BLO
 
 @triton.jit
 def attn_bwd_dkdv(
-    Q, K, V, Bias, DO, DK, DV, DBias, LSE, Delta, cu_seqlens_q, cu_seqlens_k,
+    Q, K, V, Bias, DO, DK, DV, DBias, DQacc, LSE, Delta, cu_seqlens_q, cu_seqlens_k,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
@@ -173,18 +227,20 @@ def attn_bwd_dkdv(
     stride_dkz, stride_dkh, stride_dkn,
     stride_dvz, stride_dvh, stride_dvn,
     stride_dbz, stride_dbh, stride_dbm,
+    stride_dqaz, stride_dqah, stride_dqam,
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK, dV of one key block of one key/value head, summed over its GQA query heads.
 
     Grid: (cdiv(seqlen_k, BLOCK_N), batch * num_heads_k, 1). BIAS: 0 none, 1 bias, 2 bias and
     dBias = dS written at DBias[b, h, i, j] (full, unbroadcast; the operator reduces it over
-    broadcast dimensions).
+    broadcast dimensions). DQ_ATOMIC: also add dQ (scaled, fp32) into DQacc, which
+    attn_bwd_preprocess zeroed and attn_bwd_dq_convert casts; then attn_bwd_dq is not run.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -250,22 +306,25 @@ def attn_bwd_dkdv(
         DB_base = DBias
         if BIAS == 2:
             DB_base = DBias + off_b.to(tl.int64) * stride_dbz + off_h.to(tl.int64) * stride_dbh
+        DQA_base = DQacc
+        if DQ_ATOMIC:
+            DQA_base = DQacc + off_bz * stride_dqaz + off_h.to(tl.int64) * stride_dqah + q_row0 * stride_dqam
         if CAUSAL != 0:
             dk, dv = _dkdv_blocks(
-                dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base,
-                stride_qm, stride_dom, stride_bm, stride_dbm, lo, f1, offs_m, offs_dk, offs_dv,
-                len_q, len_k, diag, left, right, qk_scale, philox_seed, philox_offset, bh, dropout_p,
-                True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC)
+                dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base,
+                stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam, lo, f1, offs_m, offs_dk, offs_dv,
+                len_q, len_k, diag, left, right, qk_scale, sm_scale, philox_seed, philox_offset, bh,
+                dropout_p, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC)
         dk, dv = _dkdv_blocks(
-            dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base,
-            stride_qm, stride_dom, stride_bm, stride_dbm, f1, f2, offs_m, offs_dk, offs_dv,
-            len_q, len_k, diag, left, right, qk_scale, philox_seed, philox_offset, bh, dropout_p,
-            False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC)
+            dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base,
+            stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam, f1, f2, offs_m, offs_dk, offs_dv,
+            len_q, len_k, diag, left, right, qk_scale, sm_scale, philox_seed, philox_offset, bh,
+            dropout_p, False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC)
         dk, dv = _dkdv_blocks(
-            dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base,
-            stride_qm, stride_dom, stride_bm, stride_dbm, f2, hi, offs_m, offs_dk, offs_dv,
-            len_q, len_k, diag, left, right, qk_scale, philox_seed, philox_offset, bh, dropout_p,
-            True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC)
+            dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base,
+            stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam, f2, hi, offs_m, offs_dk, offs_dv,
+            len_q, len_k, diag, left, right, qk_scale, sm_scale, philox_seed, philox_offset, bh,
+            dropout_p, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC)
         if BIAS == 2 and CAUSAL != 0:
             _zero_dbias(DB_base, stride_dbm, cols, 0, lo, len_q, len_k, offs_m, BLOCK_M)
             hi_up = (hi + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -487,18 +546,21 @@ def dq_configs(spec: dict, target: object) -> tuple[Config, ...]:
 
 
 def preprocess_configs(spec: dict, target: object) -> tuple[Config, ...]:
-    return (Config(constexprs={"BLOCK_M": 64 if spec["HEAD_DIM_V"] <= 128 else 32}, num_warps=4,
+    """Elementwise: one config everywhere."""
+    return (Config(constexprs={"BLOCK_M": 64 if block_d(spec) <= 128 else 32}, num_warps=4,
                    num_stages=1),)
 
 
-_PRE_SIG = signature_of(attn_bwd_preprocess, {"Out": "*{dtype}", "DO": "*{dtype}", "Delta": "*fp32",
-                                              "cu_seqlens_q": "*i32"})
-_PRE_DIV = divisibility_of(_PRE_SIG, aligned=("o", "do"))
 _GRAD_PTRS = {"Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Bias": "*{dtype}", "DO": "*{dtype}",
-              "DQ": "*{dtype}", "DK": "*{dtype}", "DV": "*{dtype}", "DBias": "*{dtype}", "LSE": "*fp32",
-              "Delta": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"}
+              "DQ": "*{dtype}", "DK": "*{dtype}", "DV": "*{dtype}", "DBias": "*{dtype}", "DQacc": "*fp32",
+              "LSE": "*fp32", "Delta": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
+              "Out": "*{dtype}"}
+_PRE_SIG = signature_of(attn_bwd_preprocess, _GRAD_PTRS)
+_PRE_DIV = divisibility_of(_PRE_SIG, aligned=("o", "do", "dqa"))
+_CONVERT_SIG = signature_of(attn_bwd_dq_convert, _GRAD_PTRS)
+_CONVERT_DIV = divisibility_of(_CONVERT_SIG, aligned=("dqa", "dq"))
 _DKDV_SIG = signature_of(attn_bwd_dkdv, _GRAD_PTRS)
-_DKDV_DIV = divisibility_of(_DKDV_SIG, aligned=("q", "k", "v", "do", "dk", "dv"), bias=("b", "db"))
+_DKDV_DIV = divisibility_of(_DKDV_SIG, aligned=("q", "k", "v", "do", "dk", "dv", "dqa"), bias=("b", "db"))
 _DQ_SIG = signature_of(attn_bwd_dq, _GRAD_PTRS)
 _DQ_DIV = divisibility_of(_DQ_SIG, aligned=("q", "k", "v", "do", "dq"), bias=("b",))
 _HEADS = {"HEAD_DIM": HEAD_DIM_BUCKETS, "HEAD_DIM_V": HEAD_DIM_BUCKETS}
@@ -508,19 +570,31 @@ KERNELS = [
         name="attn_bwd_preprocess",
         fn=attn_bwd_preprocess,
         signature=_PRE_SIG,
-        axes={"dtype": DTYPES, "HEAD_DIM_V": HEAD_DIM_BUCKETS, "VARLEN": (0, 1)},
+        axes={"dtype": DTYPES, **_HEADS, "VARLEN": (0, 1), "DQ_ATOMIC": (0, 1)},
         configs=preprocess_configs,
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_PRE_DIV,
+        exclude=head_dim_excluded,
         sets={"default": in_default_set},
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_PRE_DIV),
+    ),
+    Kernel(
+        name="attn_bwd_dq_convert",
+        fn=attn_bwd_dq_convert,
+        signature=_CONVERT_SIG,
+        axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS, "VARLEN": (0, 1)},
+        configs=preprocess_configs,
+        grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
+        divisibility=_CONVERT_DIV,
+        sets={"default": lambda spec, target: False},
+        checks=("batch * num_heads_q <= 65535",) + stride_checks(_CONVERT_DIV),
     ),
     Kernel(
         name="attn_bwd_dkdv",
         fn=attn_bwd_dkdv,
         signature=_DKDV_SIG,
         axes={"dtype": DTYPES, **_HEADS, "CAUSAL": (0, 1, 2), "BIAS": (0, 1, 2), "DROPOUT": (0, 1),
-              "VARLEN": (0, 1)},
+              "VARLEN": (0, 1), "DQ_ATOMIC": (0, 1)},
         configs=dkdv_configs,
         grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
         divisibility=_DKDV_DIV,

@@ -51,6 +51,10 @@ CASES: dict[str, dict] = {
     "head_dim_40_padded_to_48": {"D": 40, "pad_to": 48},
     "head_dim_80_bf16": {"D": 80, "dtype": "bf16", "Sq": 19, "Sk": 23},
     "qk_32_v_16": {"D": 32, "Dv": 16, "causal": 1},
+    # Non-deterministic backward: dQ accumulated with fp32 atomics inside the dk/dv kernel.
+    "atomic_dq_gqa_causal_bshd": {"atomic": 1, "Hq": 4, "Hk": 2, "layout": "bshd", "causal": 2},
+    "atomic_dq_varlen_dropout_padded_head": {"atomic": 1, "varlen": ((13, 29), (30, 17)), "dropout": 0.2,
+                                             "D": 40, "pad_to": 48, "causal": 1, "window": (-1, 4)},
     # The Hopper path (device-side tensor descriptors): zero-fill must replace every load mask.
     "tma_varlen_causal_head_dim_48": {"tma": 1, "varlen": ((19, 30), (33, 7)), "causal": 2, "D": 48,
                                       "dtype": "fp16"},
@@ -111,7 +115,7 @@ def run_case(name: str, case: dict) -> dict:
     import triton
 
     from builder.kernels.attention import attn_fwd
-    from builder.kernels.attention_bwd import attn_bwd_dkdv, attn_bwd_dq, attn_bwd_preprocess
+    from builder.kernels.attention_bwd import attn_bwd_dkdv, attn_bwd_dq, attn_bwd_dq_convert, attn_bwd_preprocess
 
     c = {"B": 2, "Hq": 2, "Hk": 2, "Sq": 37, "Sk": 53, "D": 32, "dtype": "fp32", "layout": "bhsd",
          "causal": 0, "window": None, "bias": None, "dropout": 0.0, "varlen": None, "BM": 16,
@@ -222,20 +226,31 @@ def run_case(name: str, case: dict) -> dict:
             USE_TMA=c.get("tma", 0), WARP_SPEC=c.get("ws", 0), **flags)
 
     forward(out, lse, dmask)
+    atomic = c.get("atomic", 0)
+    # The fp32 dQ accumulator of the atomic path, laid out like q (so it has q's strides);
+    # NaN-filled so that a missed zero-fill shows.
+    dqacc = torch.full(q.shape, float("nan")) if atomic else torch.empty(0)
+    sdqaz, sdqah, sdqam = (sqz, sqh, sqm) if atomic else (0, 0, 0)
     attn_bwd_preprocess[(triton.cdiv(Sq, c["BM"]), B * Hq, 1)](
-        out, do, delta, cu_q, soz, soh, som, sdoz, sdoh, sdom, slz, slh, B, Hq, Sq,
-        HEAD_DIM_V=Dv_b, VARLEN=flags["VARLEN"], BLOCK_M=c["BM"])
+        out, do, delta, dqacc, cu_q, soz, soh, som, sdoz, sdoh, sdom, sdqaz, sdqah, sdqam, slz, slh,
+        B, Hq, Sq, HEAD_DIM=Dk_b, HEAD_DIM_V=Dv_b, VARLEN=flags["VARLEN"], DQ_ATOMIC=atomic,
+        BLOCK_M=c["BM"])
     bias_flag = 2 if bias_kind else 0
     attn_bwd_dkdv[(triton.cdiv(Sk, c["BN"]), B * Hk, 1)](
-        q, k, v, bias, do, dk, dv, dbias, lse, delta, cu_q, cu_k,
+        q, k, v, bias, do, dk, dv, dbias, dqacc, lse, delta, cu_q, cu_k,
         sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, sbz, sbh, sbm, sdoz, sdoh, sdom,
-        skz, skh, skn, svz, svh, svn, sdbz, sdbh, sdbm, slz, slh, *common,
-        BIAS=bias_flag, BLOCK_M=c["BM"], BLOCK_N=c["BN"], **flags)
-    attn_bwd_dq[(triton.cdiv(Sq, c["BM"]), B * Hq, 1)](
-        q, k, v, bias, do, dq, lse, delta, cu_q, cu_k,
-        sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, sbz, sbh, sbm, sdoz, sdoh, sdom,
-        sqz, sqh, sqm, slz, slh, *common,
-        BIAS=bias_flag, BLOCK_M=c["BM"], BLOCK_N=c["BN"], **flags)
+        skz, skh, skn, svz, svh, svn, sdbz, sdbh, sdbm, sdqaz, sdqah, sdqam, slz, slh, *common,
+        BIAS=bias_flag, DQ_ATOMIC=atomic, BLOCK_M=c["BM"], BLOCK_N=c["BN"], **flags)
+    if atomic:
+        attn_bwd_dq_convert[(triton.cdiv(Sq, c["BM"]), B * Hq, 1)](
+            dqacc, dq, cu_q, sdqaz, sdqah, sdqam, sqz, sqh, sqm, B, Hq, Sq,
+            HEAD_DIM=Dk_b, VARLEN=flags["VARLEN"], BLOCK_M=c["BM"])
+    else:
+        attn_bwd_dq[(triton.cdiv(Sq, c["BM"]), B * Hq, 1)](
+            q, k, v, bias, do, dq, lse, delta, cu_q, cu_k,
+            sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, sbz, sbh, sbm, sdoz, sdoh, sdom,
+            sqz, sqh, sqm, slz, slh, *common,
+            BIAS=bias_flag, BLOCK_M=c["BM"], BLOCK_N=c["BN"], **flags)
 
     errors: dict[str, float] = {}
     failed: list[str] = []
@@ -378,7 +393,8 @@ COMPILES = [
     ("attn_fwd", "gfx942", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 1, "BIAS": 1, "DROPOUT": 2}, 0, ""),
     ("attn_bwd_dkdv", "gfx1100", {"dtype": "bf16", "HEAD_DIM": 80, "CAUSAL": 2, "BIAS": 2}, 0, ""),
     ("attn_bwd_dq", "sm90", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 2, "VARLEN": 1}, 0, "wgmma"),
-    ("attn_bwd_preprocess", "gfx942", {"dtype": "fp16", "HEAD_DIM_V": 128}, 0, ""),
+    ("attn_bwd_dkdv", "sm90", {"dtype": "fp16", "HEAD_DIM": 128, "DQ_ATOMIC": 1}, 0, ""),
+    ("attn_bwd_preprocess", "gfx942", {"dtype": "fp16", "HEAD_DIM": 128, "DQ_ATOMIC": 1}, 0, ""),
 ]
 
 
@@ -388,7 +404,7 @@ def _compile(item: tuple) -> dict:
     from builder.targets import parse_targets
 
     name, arch, want, index, _ = item
-    base = {"HEAD_DIM_V": want.get("HEAD_DIM"), "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+    base = {"HEAD_DIM_V": want.get("HEAD_DIM"), "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "DQ_ATOMIC": 0}
     want = {**{k: v for k, v in base.items() if v is not None}, **want}
     jobs = [j for j in expand(load_kernels()[name], parse_targets(arch), "full", "3.6.0")
             if all(j.spec.get(k, v) == v for k, v in want.items()) and j.config_index == index]
@@ -428,8 +444,8 @@ def test_bench_argument_lists_match_the_kernels() -> None:
 
     p = Problem(2, 4, 128, 64, 2, "fp16", materialize=False)
     for name, fn in KERNELS.items():
-        cfg = {"fwd": ("BLOCK_M", "BLOCK_N", "USE_TMA", "WARP_SPEC"), "pre": ("BLOCK_M",)}.get(
-            name, ("BLOCK_M", "BLOCK_N"))
+        cfg = {"fwd": ("BLOCK_M", "BLOCK_N", "USE_TMA", "WARP_SPEC"), "pre": ("BLOCK_M",), "prea": ("BLOCK_M",),
+               "conv": ("BLOCK_M",)}.get(name, ("BLOCK_M", "BLOCK_N"))
         supplied = len(p.args(name, mock=True)) + len(p.flags(name)) + len(cfg)
         assert supplied == len(fn.arg_names), f"{name}: {supplied} arguments for {len(fn.arg_names)}"
 
