@@ -6,7 +6,8 @@ FLASH_ATTENTION and CUDNN_ATTENTION backends. Flops: forward 4·B·H·N²·D (ha
 backward 2.5× forward. Times are ``triton.testing.do_bench`` medians.
 
     python bench/attention_jit.py                      # issue shapes, registry default configs
-    python bench/attention_jit.py --configs            # sweep block/warp/stage/TMA/WS configs
+    python bench/attention_jit.py --configs            # sweep block/warp/stage/TMA/WS configs (D=128)
+    python bench/attention_jit.py --configs --kernels fwd --causal 0   # one slice of the sweep
     python bench/attention_jit.py --aot                # also time the registry's AOT binaries
     python bench/attention_jit.py --n 4096 --d 128 --causal 0 --dtype fp16 --json out.json
 
@@ -303,14 +304,14 @@ def sweep_candidates(kernel: str, p: Problem, arch: str) -> list[dict]:
     return out
 
 
-def run_sweep(problems: list[Problem], arch: str, workers: int, top: int) -> dict:
+def run_sweep(problems: list[Problem], arch: str, workers: int, top: int, kernels: tuple[str, ...]) -> dict:
     results = {}
     for p in problems:
         jobs = [((p.B, p.H, p.N, p.D, p.causal, p.dtype), k, c)
-                for k in ("fwd", "dkdv", "dq", "dkdva") for c in sweep_candidates(k, p, arch)]
+                for k in kernels for c in sweep_candidates(k, p, arch)]
         errors = precompile(jobs, workers)
         print(f"\n== sweep {p.label}: {len(jobs)} configs, {len(errors)} failed to compile", flush=True)
-        per_kernel: dict[str, list] = {"fwd": [], "dkdv": [], "dq": [], "dkdva": []}
+        per_kernel: dict[str, list] = {k: [] for k in kernels}
         for i, (_, kernel, cfg) in enumerate(jobs):
             if i in errors:
                 continue
@@ -411,7 +412,10 @@ def main() -> None:
     ap.add_argument("--h", type=int, default=32)
     ap.add_argument("--n", type=int, nargs="*", default=None, help="sequence lengths (default 1024 4096 16384; "
                     "sweep: 4096)")
-    ap.add_argument("--d", type=int, nargs="*", default=[64, 128])
+    ap.add_argument("--d", type=int, nargs="*", default=None, help="head dims (default 64 128; sweep: 128)")
+    ap.add_argument("--kernels", default="fwd,dkdv,dq,dkdva",
+                    help="sweep only these of fwd, dkdv, dq, dkdva (atomic-dQ dk/dv); one shape of all four "
+                    "takes ~2-3 minutes with 16 compile workers")
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 2], help="0 none, 2 causal (1: top-left)")
     ap.add_argument("--dtype", nargs="*", default=None, help="fp16 bf16 (default both; sweep: fp16)")
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
@@ -426,29 +430,34 @@ def main() -> None:
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     ns = args.n or ([4096] if args.configs else [1024, 4096, 16384])
     dtypes = args.dtype or (["fp16"] if args.configs else ["fp16", "bf16"])
+    ds = args.d or ([128] if args.configs else [64, 128])
+    kernels = tuple(k for k in args.kernels.split(",") if k)
+    unknown = set(kernels) - {"fwd", "dkdv", "dq", "dkdva"}
+    if unknown:
+        sys.exit(f"--kernels: unknown {', '.join(sorted(unknown))}; choose from fwd, dkdv, dq, dkdva")
     print(f"device {torch.cuda.get_device_name(0)} ({arch}), torch {torch.__version__}, triton {triton.__version__}")
 
-    check_p = Problem(2, 4, 1024, max(args.d), 2, dtypes[0])
+    check_p = Problem(2, 4, 1024, max(ds), 2, dtypes[0])
     print("check vs fp32 SDPA:", check(check_p, {k: registry_config(check_p, k, arch, args.fwd_config if k == "fwd"
                                                                       else 0) for k in KERNELS}))
     del check_p
 
     out: dict = {"arch": arch, "device": torch.cuda.get_device_name(0)}
     for dt in dtypes:
-        for d in args.d:
+        for d in ds:
             for n in ns:
                 for c in args.causal:
                     p = Problem(args.b, args.h, n, d, c, dt)
                     if args.configs:
-                        out.setdefault("sweep", {}).update(run_sweep([p], arch, args.workers, args.top))
+                        out.setdefault("sweep", {}).update(run_sweep([p], arch, args.workers, args.top, kernels))
                     else:
                         out.setdefault("table", []).extend(run_table([p], arch, args.aot, args.fwd_config))
                     del p
                     torch.cuda.empty_cache()
+                    if args.json:  # after every shape: a run cut short by a time limit keeps its results
+                        Path(args.json).write_text(json.dumps(out, indent=1))
     if "table" in out:
         print_table(out["table"], args.aot)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
