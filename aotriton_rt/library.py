@@ -25,6 +25,7 @@ from . import interop
 from .catalog import Catalog, Variant
 from .errors import ArgumentError, DriverError, KernelNotFound, LaunchError
 from .images import find, read_image
+from .pack import INT_RANGES as _INT_RANGES
 from .pack import Packer, scalar_checker
 from .select import match, select_one
 
@@ -43,17 +44,15 @@ def _raw_pointer(obj: Any) -> tuple[int, int]:
 class _DeviceState:
     """One variant loaded on one device: its launcher, packer and scratch needs."""
 
-    __slots__ = ("variant", "packer", "launcher", "grid_for", "checks", "hidden", "scratch_size")
+    __slots__ = ("variant", "packer", "launcher", "grid_fn", "checks", "scratch_size")
 
     def __init__(self, variant: Variant, packer: Packer, launcher: Any) -> None:
         self.variant = variant
         self.packer = packer
         self.launcher = launcher
-        self.grid_for = packer.grid_for
+        self.grid_fn = packer.grid_fn
         self.checks = packer.run_checks if packer.checks else None
-        per_program = variant.scratch["global_size"] * variant.num_ctas
-        self.scratch_size = per_program
-        self.hidden = (0, 0)
+        self.scratch_size = variant.scratch["global_size"] * variant.num_ctas
 
 
 class Kernel:
@@ -80,20 +79,20 @@ class Kernel:
         self.arg_names = [a.name for a in first.args]
         self._states: list[_DeviceState | None] = [None] * MAX_DEVICES
         self._raw = raw_pointers
-        self._launch = self._generate(first)
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"<aotriton_rt.Kernel {self.name}({params}) args=({', '.join(self.arg_names)})>"
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
-        return partial(self._call_grid, grid)
+        return partial(self.__call__, grid=grid)
 
-    def __call__(self, *args: Any, stream: int | None = None) -> None:
-        self._launch(None, stream, *args)
-
-    def _call_grid(self, grid: Any, *args: Any, stream: int | None = None) -> None:
-        self._launch(grid, stream, *args)
+    def __call__(self, *args: Any, stream: int | None = None, grid: Any = None) -> None:
+        # The first call writes this handle's launch function and makes it the handle's
+        # __call__ (through a per-handle subclass); later calls go straight to it.
+        fn = self._generate(self.candidates[0])
+        self.__class__ = type(f"Kernel_{self.name}", (Kernel,), {"__call__": fn, "__slots__": ()})
+        return fn(self, *args, stream=stream, grid=grid)
 
     def variant(self, device: int = 0) -> Variant:
         """The variant this handle launches on ``device`` (loading it if needed)."""
@@ -101,21 +100,36 @@ class Kernel:
 
     # -- code generation -------------------------------------------------------------------
     def _generate(self, first: Variant) -> Callable[..., None]:
-        """Write the launch function of this signature: unrolled checks, one pack, one call."""
+        """Write the launch function of this signature: unrolled checks, one pack, one call.
+
+        Exact torch tensors take an inlined path (``data_ptr()``/``get_device()``); other
+        arrays go through interop's per-type handlers. Everything that does not change
+        between calls is folded in as a constant.
+        """
+        import sys
+
         names = self.arg_names
+        torch = sys.modules.get("torch")
+        tensor = getattr(torch, "Tensor", None) if torch is not None else None
+        torch_backend = "hip" if tensor is not None and getattr(torch.version, "hip", None) else "cuda"
+        inline_torch = tensor is not None and torch_backend == self.library.backend_now
         env: dict[str, Any] = {
-            "_H": interop._HANDLERS, "_resolve": self._resolve_pointer, "_state": self._state,
-            "_lib": self.library,
-            "_states": self._states, "_n": MAX_DEVICES, "_wrong": _wrong_device,
-            "_misaligned": _misaligned, "_indivisible": _indivisible, "_grid": _normalize_grid, "_stream": self._default_stream,
-            "_scratch": self._scratch, "_nodev": self._no_device,
+            "_T": tensor if inline_torch else type("_NoTorch", (), {}),
+            "_ptr": self._pointer, "_state": self._state, "_states": self._states, "_n": MAX_DEVICES,
+            "_wrong": _wrong_device, "_misaligned": _misaligned, "_indivisible": _indivisible,
+            "_grid": _normalize_grid, "_stream": self._default_stream, "_scratch": self._scratch,
+            "_nodev": self._no_device,
         }
-        lines = [f"def _launch(grid, stream, {', '.join(names)}):"]
+        if inline_torch:
+            env["_ts"] = interop._torch_stream_getter()
+        lines = [f"def __call__(self, {', '.join(names)}, stream=None, grid=None):"]
         ptrs = [a for a in first.args if a.is_pointer]
         for i, a in enumerate(ptrs):
-            lines += [f"    h = _H.get(type({a.name}))",
-                      f"    p{i}, d{i} = h({a.name}, _lib.backend_now, stream) if h is not None "
-                      f"else _resolve({a.name}, {a.name!r}, stream)"]
+            lines += [f"    if type({a.name}) is _T:",
+                      f"        d{i} = {a.name}.get_device()",
+                      f"        p{i} = {a.name}.data_ptr() if d{i} >= 0 else _ptr({a.name}, {a.name!r}, stream)[0]",
+                      "    else:",
+                      f"        p{i}, d{i} = _ptr({a.name}, {a.name!r}, stream)"]
         if ptrs:
             lines.append("    dev = d0 if d0 >= 0 else max(" + ", ".join(f"d{i}" for i in range(len(ptrs)))
                          + ", -2)" if len(ptrs) > 1 else "    dev = d0")
@@ -134,31 +148,55 @@ class Kernel:
             if a.is_pointer:
                 values.append(f"p{k}")
                 k += 1
+                continue
+            env[f"_c_{a.name}"] = scalar_checker(a)
+            if a.type in _INT_RANGES:
+                lo, hi = _INT_RANGES[a.type]
+                lines.append(f"    if type({a.name}) is not int or not {lo} <= {a.name} <= {hi}: "
+                             f"{a.name} = _c_{a.name}({a.name})")
             else:
-                env[f"_c_{a.name}"] = scalar_checker(a)
-                lines.append(f"    {a.name} = _c_{a.name}({a.name})")
-                if a.divisibility > 1:
-                    lines.append(f"    if {a.name} % {a.divisibility}: _indivisible({a.name!r}, {a.name}, "
-                                 f"{a.divisibility})")
-                values.append(a.name)
+                lines.append(f"    if type({a.name}) is not float: {a.name} = _c_{a.name}({a.name})")
+            if a.divisibility > 1:
+                lines.append(f"    if {a.name} % {a.divisibility}: _indivisible({a.name!r}, {a.name}, "
+                             f"{a.divisibility})")
+            values.append(a.name)
+        no_scratch = all(not v.scratch["global_size"] for v in self.candidates)
+        no_checks = all(not v.checks for v in self.candidates)
+        first_name = names[0] if ptrs else "None"
         lines += [
             "    st = _states[dev] if 0 <= dev < _n else None",
             "    if st is None: st = _state(dev)",
             f"    vals = ({', '.join(values)},)",
-            "    if st.checks is not None: st.checks(vals)",
-            "    gx, gy, gz = st.grid_for(vals) if grid is None else _grid(grid, st.variant)",
-            "    if gx * gy * gz == 0: return",
-            f"    if stream is None: stream = _stream({names[0] if ptrs else 'None'}, dev)"
-            if ptrs else "    if stream is None: stream = 0",
-            "    hidden = st.hidden if not st.scratch_size else _scratch(st, dev, gx * gy * gz, stream)",
-            "    st.launcher(gx, gy, gz, stream, vals + hidden)",
         ]
+        if not no_checks:
+            lines.append("    if st.checks is not None: st.checks(vals)")
+        lines += [
+            "    if grid is None: gx, gy, gz = st.grid_fn(*vals)",
+            "    else: gx, gy, gz = _grid(grid, st.variant)",
+            "    if stream is None:",
+            f"        stream = _ts(dev) if type({first_name}) is _T else _stream({first_name}, dev)"
+            if inline_torch and ptrs else f"        stream = _stream({first_name}, dev)",
+        ]
+        if no_scratch:
+            lines.append("    st.launcher(gx, gy, gz, stream, vals + (0, 0))")
+        else:
+            lines += [
+                "    if not gx * gy * gz: return",
+                "    hidden = (0, 0) if not st.scratch_size else _scratch(st, dev, gx * gy * gz, stream)",
+                "    st.launcher(gx, gy, gz, stream, vals + hidden)",
+            ]
         code = "\n".join(lines)
         exec(compile(code, f"<aotriton_rt launch {self.name}>", "exec"), env)  # noqa: S102 - our own text
-        return env["_launch"]
+        return env["__call__"]
 
     # -- slow paths ----------------------------------------------------------------------------
-    def _resolve_pointer(self, obj: Any, name: str, stream: int | None) -> tuple[int, int]:
+    def _pointer(self, obj: Any, name: str, stream: int | None) -> tuple[int, int]:
+        handler = interop._HANDLERS.get(type(obj))
+        if handler is not None:
+            try:
+                return handler(obj, self.library.backend_now, stream)
+            except ArgumentError as e:
+                raise ArgumentError(f"argument {name}: {e}") from None
         if obj is None:
             return _none_pointer(obj)
         if isinstance(obj, int) and not isinstance(obj, bool):

@@ -22,12 +22,13 @@ _ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Compare, ast.BoolOp, ast
             ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq, ast.And, ast.Or, ast.Not)
 _FUNCS = {"cdiv": lambda a, b: -(-a // b), "min": min, "max": max}
 
-_RANGES = {"i1": (0, 1), "i8": (-2**7, 2**7 - 1), "u8": (0, 2**8 - 1),
+INT_RANGES = {"i1": (0, 1), "i8": (-2**7, 2**7 - 1), "u8": (0, 2**8 - 1),
            "i16": (-2**15, 2**15 - 1), "u16": (0, 2**16 - 1), "i32": (-2**31, 2**31 - 1),
            "u32": (0, 2**32 - 1), "i64": (-2**63, 2**63 - 1), "u64": (0, 2**64 - 1)}
 
 
-def compile_expr(text: str, names: Sequence[str], constants: Mapping[str, Any], what: str) -> Callable:
+def compile_expr(text: str, names: Sequence[str], constants: Mapping[str, Any], what: str,
+                 allow_tuple: bool = False) -> Callable:
     """Compile a rule like ``cdiv(n, BLOCK)`` into ``f(*values_of(names))``.
 
     Only arithmetic, comparisons, ``and``/``or``, integer constants and cdiv/min/max are
@@ -37,8 +38,9 @@ def compile_expr(text: str, names: Sequence[str], constants: Mapping[str, Any], 
         tree = ast.parse(text, mode="eval")
     except SyntaxError as e:
         raise CatalogError(f"{what} {text!r} is not an expression: {e.msg}") from None
+    allowed = _ALLOWED + ((ast.Tuple,) if allow_tuple else ())
     for node in ast.walk(tree):
-        if not isinstance(node, _ALLOWED):
+        if not isinstance(node, allowed):
             raise CatalogError(f"{what} {text!r} uses {type(node).__name__}, which rules may not")
         if isinstance(node, ast.Call) and (not isinstance(node.func, ast.Name) or node.func.id not in _FUNCS
                                            or node.keywords):
@@ -76,14 +78,16 @@ class Packer:
                                f"{self.struct.size} bytes, catalog says param_size {variant.param_size}")
         names = [a.name for a in variant.args]
         self.names = names
-        self.grid = tuple(compile_expr(g, names, variant.params, f"grid rule of {variant.kernel}")
-                          for g in variant.grid)
+        for g in variant.grid:
+            compile_expr(g, names, variant.params, f"grid rule of {variant.kernel}")  # validates each
+        #: One function of the arguments returning the (gx, gy, gz) tuple.
+        self.grid_fn = compile_expr(f"({', '.join(variant.grid)},)", names, variant.params,
+                                    f"grid rule of {variant.kernel}", allow_tuple=True)
         self.checks = tuple((c, compile_expr(c, names, variant.params, f"check of {variant.kernel}"))
                             for c in variant.checks)
 
     def grid_for(self, values: Sequence[Any]) -> tuple[int, int, int]:
-        gx, gy, gz = (int(g(*values)) for g in self.grid)
-        return gx, gy, gz
+        return self.grid_fn(*values)
 
     def run_checks(self, values: Sequence[Any]) -> None:
         for text, fn in self.checks:
@@ -104,7 +108,7 @@ def scalar_checker(arg: Arg) -> Callable[[Any], Any]:
                 raise ArgumentError(f"argument {name} ({t}) must be a real number, got {type(value).__name__}")
             return float(value)
         return to_float
-    lo, hi = _RANGES[t]
+    lo, hi = INT_RANGES[t]
 
     def to_int(value: Any) -> int:
         if isinstance(value, (float, bool, str, bytes)) or not hasattr(value, "__index__"):

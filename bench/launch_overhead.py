@@ -171,6 +171,21 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         results["bare ctypes cuLaunchKernel"] = f"unavailable: {e}"[:120]
 
+    # Where the time goes: the runtime's Python path with the driver call replaced by a no-op,
+    # the launcher alone (pack + one ctypes call), and the torch accessors it relies on.
+    st = add._states[0]
+    real = st.launcher
+    st.launcher = lambda gx, gy, gz, stream, values: None
+    run("breakdown: runtime Python path, no driver call", lambda: add(x, y, out, N_ELEMS))
+    st.launcher = real
+    values = (x.data_ptr(), y.data_ptr(), out.data_ptr(), N_ELEMS, 0, 0)
+    s0 = torch.cuda.current_stream().cuda_stream
+    run("breakdown: launcher alone (pack + cuLaunchKernel)", lambda: real(1, 1, 1, s0, values))
+    run("breakdown: 3x data_ptr + get_device", lambda: (x.data_ptr(), x.get_device(), y.data_ptr(),
+                                                       y.get_device(), out.data_ptr(), out.get_device()))
+    raw_stream = torch._C._cuda_getCurrentRawStream
+    run("breakdown: torch current raw stream", lambda: raw_stream(0))
+
     imp_ms, heavy = import_time_ms()
     results["import aotriton_rt (ms)"] = imp_ms
     results["import pulled in"] = ",".join(heavy) or "nothing heavy"

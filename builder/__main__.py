@@ -18,7 +18,10 @@ def _jobs(args) -> list:
 
     version = check_triton_version()
     chosen = targets.parse_targets(args.targets)
-    kernels = registry.select(registry.load_kernels(), args.kernels)
+    everything = registry.load_kernels()
+    if args.set not in registry.known_sets(everything):
+        raise ValueError(f"unknown build set {args.set!r}; sets: {', '.join(registry.known_sets(everything))}")
+    kernels = registry.select(everything, args.kernels)
     jobs = [j for k in kernels for j in registry.expand(k, chosen, args.set, version)]
     return registry.shard(jobs, getattr(args, "shard", None)), version
 
@@ -72,8 +75,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def selection(sp):
-        sp.add_argument("--set", choices=("default", "full"), default="default",
-                        help="which variants: the small default set or everything (default: default)")
+        sp.add_argument("--set", default="default",
+                        help="which variants: default (small), full (everything), or a set the "
+                             "kernels declare, e.g. gputest (default: default)")
         sp.add_argument("--targets", help="comma list of targets or aliases hip, cuda, default")
         sp.add_argument("--kernels", help="comma list of kernel names (default: all)")
         sp.add_argument("--shard", metavar="K/N", help="build the K-th of N deterministic slices")

@@ -24,6 +24,9 @@ from typing import Any
 
 from .targets import Target
 
+#: Build sets every kernel answers: "default" (small: quickstart, CI) and "full" (everything).
+#: A kernel may declare more (e.g. "gputest"); a kernel that does not declare a set asked for
+#: contributes its default set to it.
 SETS = ("default", "full")
 _FIELD = re.compile(r"\{(\w+)\}")
 
@@ -71,9 +74,8 @@ class Kernel:
             if not used:
                 raise ValueError(f"kernel {self.name}: axis {axis!r} is neither a constexpr "
                                  "argument nor used as {" + axis + "} in the signature")
-        for name in self.sets:
-            if name not in SETS:
-                raise ValueError(f"kernel {self.name}: unknown set {name!r}; sets: {', '.join(SETS)}")
+        if "full" in self.sets:
+            raise ValueError(f"kernel {self.name}: the full set is everything; it takes no predicate")
 
     def configs_for(self, spec: dict, target: Target) -> list[Config]:
         configs = self.configs(spec, target) if callable(self.configs) else self.configs
@@ -134,8 +136,6 @@ def _resolve_signature(kernel: Kernel, spec: dict) -> dict:
 def expand(kernel: Kernel, targets: Sequence[Target], build_set: str, triton_version: str,
            source_key: str | None = None, package: str = "builder.kernels") -> list[Job]:
     """Every job of ``kernel`` for ``targets`` in ``build_set`` ("default" or "full")."""
-    if build_set not in SETS:
-        raise ValueError(f"unknown build set {build_set!r}; sets: {', '.join(SETS)}")
     source_key = source_key or kernel.fn.cache_key
     axis_names = list(kernel.axes)
     jobs = []
@@ -144,7 +144,7 @@ def expand(kernel: Kernel, targets: Sequence[Target], build_set: str, triton_ver
             spec = dict(zip(axis_names, values))
             if kernel.exclude and kernel.exclude(spec, target):
                 continue
-            in_set = kernel.sets.get(build_set)
+            in_set = kernel.sets.get(build_set, kernel.sets.get("default"))
             if build_set != "full" and in_set is not None and not in_set(spec, target):
                 continue
             signature = _resolve_signature(kernel, spec)
@@ -188,6 +188,11 @@ def _with_key(job: Job, source_key: str, triton_version: str) -> Job:
     }, sort_keys=True, default=str)
     key = hashlib.sha256(text.encode()).hexdigest()
     return Job(**{**job.__dict__, "key": key})
+
+
+def known_sets(kernels: Mapping[str, Kernel]) -> list[str]:
+    """Every build set name: the standard ones and those any kernel declares."""
+    return sorted(set(SETS) | {name for k in kernels.values() for name in k.sets})
 
 
 def select(kernels: Mapping[str, Kernel], names: str | None) -> list[Kernel]:

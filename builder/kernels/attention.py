@@ -373,6 +373,7 @@ def attn_fwd(
 # Registry declarations (shared helpers are used by attention_bwd.py too).
 # --------------------------------------------------------------------------------------------
 
+from builder.kernels._attention_sets import in_default_set, in_gputest_set
 from builder.registry import Config, Kernel  # noqa: E402 - declarations follow the kernels
 
 DTYPES = ("fp16", "bf16", "fp32")
@@ -441,17 +442,6 @@ def head_dim_excluded(spec: dict, target: object) -> str | None:
     if dk is not None and dv is not None and dk != dv and (dk, dv) not in UNEQUAL_HEAD_DIMS:
         return f"head dims {dk}/{dv}: unequal pairs are only {UNEQUAL_HEAD_DIMS}"
     return None
-
-
-def in_default_set(spec: dict, target: object) -> bool:
-    """The small CI set: fp16/bf16, D 64 and 128, no mask or bottom-right causal, no extras
-    (deterministic backward only)."""
-    return (spec.get("dtype") in ("fp16", "bf16")
-            and spec.get("HEAD_DIM", 64) in (64, 128)
-            and spec.get("HEAD_DIM_V", spec.get("HEAD_DIM", 64)) == spec.get("HEAD_DIM", 64)
-            and spec.get("CAUSAL", 0) in (0, 2)
-            and not spec.get("BIAS", 0) and not spec.get("DROPOUT", 0) and not spec.get("VARLEN", 0)
-            and not spec.get("DQ_ATOMIC", 0))
 
 
 def block_d(spec: dict) -> int:
@@ -526,6 +516,6 @@ KERNELS = [Kernel(
     grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
     divisibility=_FWD_DIV,
     exclude=head_dim_excluded,
-    sets={"default": in_default_set},
+    sets={"default": in_default_set, "gputest": in_gputest_set},
     checks=GQA_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1") + stride_checks(_FWD_DIV),
 )]

@@ -91,9 +91,9 @@ def test_kernel_axis_must_be_a_constexpr_or_a_signature_field() -> None:
         _axpy(axes={"dtype": ("fp16",), "EVEN": (True,), "layout": ("row",)})
 
 
-def test_kernel_refuses_an_unknown_build_set() -> None:
-    with pytest.raises(ValueError, match=r"kernel axpy: unknown set 'small'; sets: default, full"):
-        _axpy(sets={"small": lambda spec, target: True})
+def test_kernel_refuses_a_predicate_for_the_full_set() -> None:
+    with pytest.raises(ValueError, match=r"kernel axpy: the full set is everything; it takes no predicate"):
+        _axpy(sets={"full": lambda spec, target: True})
 
 
 # --------------------------------------------------------------------------- expansion
@@ -162,9 +162,13 @@ def test_expand_refuses_a_constexpr_without_a_value() -> None:
         _expand(kernel)
 
 
-def test_expand_refuses_an_unknown_build_set() -> None:
-    with pytest.raises(ValueError, match=r"unknown build set 'everything'; sets: default, full"):
-        _expand(_axpy(), build_set="everything")
+def test_a_kernel_without_the_asked_set_contributes_its_default_set() -> None:
+    only_fp16 = _axpy(sets={"default": lambda spec, target: spec["dtype"] == "fp16"})
+    assert {j.spec["dtype"] for j in _expand(only_fp16, build_set="gputest")} == {"fp16"}
+    extra = _axpy(sets={"default": lambda spec, target: spec["dtype"] == "fp16",
+                        "gputest": lambda spec, target: spec["dtype"] != "fp16"})
+    assert "fp16" not in {j.spec["dtype"] for j in _expand(extra, build_set="gputest")}
+    assert registry.known_sets({"axpy": extra}) == ["default", "full", "gputest"]
 
 
 def test_expand_records_the_kernels_package_for_the_workers() -> None:
