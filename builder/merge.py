@@ -33,7 +33,7 @@ def merge(inputs: Sequence[Path], out: Path) -> Catalog:
                                  f"{variants[v.key][1]} and {src}")
             variants[v.key] = (entry, Path(src))
     seen: dict[str, str] = {}
-    for key, (entry, src) in variants.items():
+    for key, (entry, _) in variants.items():
         ident = json.dumps([entry["kernel"], entry["target"], entry["spec"], entry["config"]], sort_keys=True)
         if ident in seen:
             raise BuildError(f"{entry['kernel']} for {entry['target']['arch']} with {entry['spec']} appears "

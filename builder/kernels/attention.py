@@ -373,7 +373,7 @@ def attn_fwd(
 # Registry declarations (shared helpers are used by attention_bwd.py too).
 # --------------------------------------------------------------------------------------------
 
-from builder.kernels._attention_sets import in_default_set, in_gputest_set
+from builder.kernels._attention_sets import in_default_set, in_gputest_set  # noqa: E402
 from builder.registry import Config, Kernel  # noqa: E402 - declarations follow the kernels
 
 DTYPES = ("fp16", "bf16", "fp32")
