@@ -71,13 +71,33 @@ print(first * 1000, second * 1000)
     return float(a), float(b)
 
 
+MODES = {"kernelParams, GIL held (default)": {"AOTRITON_RT_CUDA_LAUNCH": "params", "AOTRITON_RT_CUDA_GIL": "hold"},
+         "kernelParams, GIL released": {"AOTRITON_RT_CUDA_LAUNCH": "params", "AOTRITON_RT_CUDA_GIL": "release"},
+         "extra buffer, GIL released": {"AOTRITON_RT_CUDA_LAUNCH": "extra", "AOTRITON_RT_CUDA_GIL": "release"}}
+
+
+def probe(images: str, launches: int, repeats: int) -> None:
+    """One number: per-launch cost of the runtime from torch tensors, in this process's mode."""
+    import torch
+
+    import aotriton_rt
+
+    add = aotriton_rt.Library(images).kernel("add", dtype="fp32")
+    x = torch.randn(N_ELEMS, device="cuda")
+    out = torch.empty_like(x)
+    print(per_launch_us(lambda: add(x, x, out, N_ELEMS), launches, repeats, torch.cuda.synchronize))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", default=str(ROOT / "images"))
     ap.add_argument("--launches", type=int, default=20000)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", help="also write results here")
+    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.probe:
+        return probe(args.images, args.launches, args.repeats)
 
     import torch
 
@@ -185,6 +205,13 @@ def main() -> None:
                                                        y.get_device(), out.data_ptr(), out.get_device()))
     raw_stream = torch._C._cuda_getCurrentRawStream
     run("breakdown: torch current raw stream", lambda: raw_stream(0))
+
+    for mode, env in MODES.items():
+        proc = subprocess.run([sys.executable, __file__, "--probe", "--images", args.images, "--launches",
+                               str(args.launches), "--repeats", str(args.repeats)],
+                              env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT)
+        results[f"mode: {mode}"] = float(proc.stdout.split()[-1]) if proc.returncode == 0 else \
+            f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
 
     imp_ms, heavy = import_time_ms()
     results["import aotriton_rt (ms)"] = imp_ms

@@ -188,12 +188,18 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
   ENTER("cuLaunchKernel");
   Function *f = fn; int rc = check_launch(f, bx, by, bz, shared); if (rc) return rc;
   size_t offsets[MAXPARAMS], size = layout(f, offsets);
-  if (params || !extra || (uintptr_t)extra[0] != 1 || (uintptr_t)extra[2] != 2 || !extra[3] ||
-      (uintptr_t)extra[4] != 0 || *(size_t *)extra[3] != size) return 1;
-  char hex[8192]; hexify(hex, extra[1], size);
+  unsigned char pbuf[4096] = {0}; const void *args; const char *mode;
+  if (params && !extra) {  /* kernelParams: one pointer per parameter */
+    for (int i = 0; i < f->nparams; i++) memcpy(pbuf + offsets[i], params[i], f->sizes[i]);
+    args = pbuf; mode = "params";
+  } else if (!params && extra && (uintptr_t)extra[0] == 1 && (uintptr_t)extra[2] == 2 && extra[3] &&
+             (uintptr_t)extra[4] == 0 && *(size_t *)extra[3] == size) {
+    args = extra[1]; mode = "extra";
+  } else return 1;
+  char hex[8192]; hexify(hex, args, size);
   logf_("{\"call\":\"cuLaunchKernel\",\"name\":\"%s\",\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],"
-        "\"shared\":%u,\"stream\":%llu,\"args\":\"%s\"}", f->name, gx, gy, gz, bx, by, bz, shared,
-        (unsigned long long)(uintptr_t)stream, hex);
+        "\"shared\":%u,\"stream\":%llu,\"mode\":\"%s\",\"args\":\"%s\"}", f->name, gx, gy, gz, bx, by, bz,
+        shared, (unsigned long long)(uintptr_t)stream, mode, hex);
   return 0;
 }
 CUresult cuLaunchKernelEx(const Config *c, void *fn, void **params, void **extra) {
@@ -313,14 +319,19 @@ def test_load_module_uses_the_devices_primary_context_and_restores_the_callers(
     assert driver.current_device() == 0
 
 
-def test_launcher_passes_the_packed_buffer_through_extra(driver: CudaDriver, log: Path) -> None:
+@pytest.mark.parametrize("mode", ["params", "extra"])
+def test_launcher_passes_the_packed_buffer(fake_libcuda: Path, log: Path, monkeypatch, mode: str) -> None:
+    monkeypatch.setenv("AOTRITON_RT_CUDA_LAUNCH", mode)
+    handle = ctypes.CDLL(str(fake_libcuda))
+    handle.fakecuda_reset()
+    driver = CudaDriver(LoadedLibrary(handle, str(fake_libcuda), "test"))
     module = driver.load_module(0, cubin(ADD))
     function = driver.get_function(0, module, "add_kernel")
     launch = driver.make_launcher(function, struct=ADD_STRUCT, num_threads=128, shared=4096)
     launch(7, 2, 1, 0xABC, ADD_VALUES)
     (record,) = records(log, "cuLaunchKernel")
     assert record["grid"] == [7, 2, 1] and record["block"] == [128, 1, 1]
-    assert record["shared"] == 4096 and record["stream"] == 0xABC
+    assert record["shared"] == 4096 and record["stream"] == 0xABC and record["mode"] == mode
     assert bytes.fromhex(record["args"]) == ADD_STRUCT.pack(*ADD_VALUES)
 
 
