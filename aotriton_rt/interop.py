@@ -237,8 +237,10 @@ def _cupy_handlers() -> tuple[Callable, Callable]:
             raise ArgumentError(
                 f"{_type_name(a)} is a {cupy_backend.upper()} array but the kernel is for "
                 f"{backend.upper()}; use kernels built for {cupy_backend.upper()}")
-        # MemoryPointer.ptr already includes the view's offset.
-        return a.data.ptr, a.device.id
+        # MemoryPointer.ptr already includes the view's offset; its device_id is a plain int
+        # (a.device.id builds a Device object on every call).
+        mem = a.data
+        return mem.ptr, mem.device_id
 
     def cupy_describe(a: Any, backend: str, stream: int | None) -> ArrayInfo:
         ptr, device = cupy_pointer(a, backend, stream)
@@ -727,8 +729,14 @@ def _torch_stream_getter() -> Callable[[int], int]:
 
 def _cupy_stream_getter() -> Callable[[int], int]:
     cupy = importlib.import_module("cupy")
+    try:  # one C call returning the thread's current stream handle on the current device
+        from cupy_backends.cuda.stream import get_current_stream_ptr
+    except ImportError:
+        get_current_stream_ptr = None
 
     def get(device: int) -> int:
+        if get_current_stream_ptr is not None and cupy.cuda.runtime.getDevice() == device:
+            return get_current_stream_ptr()
         try:
             return cupy.cuda.get_current_stream(device).ptr
         except TypeError:  # CuPy without the device_id argument: the current device's stream
