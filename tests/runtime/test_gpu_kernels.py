@@ -192,7 +192,8 @@ def test_every_default_kernel_runs_from_each_framework(lib, framework):
     b = torch.randn(cols, device="cuda")
     torch.cuda.synchronize()
     X, Y, W, B = (_as(framework, t) for t in (x, y, w, b))
-    outs = {name: torch.full((rows, cols), float("nan"), device="cuda") for name in ("add", "softmax", "ln", "rms")}
+    outs = {name: torch.full((rows, cols), float("nan"), device="cuda")
+            for name in ("add", "softmax", "ln", "rms")}
     O = {k: _as("cupy" if framework == "cupy" else "torch", v) for k, v in outs.items()}
     mean = torch.empty(rows, device="cuda")
     rstd = torch.empty(rows, device="cuda")
