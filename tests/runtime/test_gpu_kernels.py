@@ -194,13 +194,13 @@ def test_every_default_kernel_runs_from_each_framework(lib, framework):
     X, Y, W, B = (_as(framework, t) for t in (x, y, w, b))
     outs = {name: torch.full((rows, cols), float("nan"), device="cuda")
             for name in ("add", "softmax", "ln", "rms")}
-    O = {k: _as("cupy" if framework == "cupy" else "torch", v) for k, v in outs.items()}
+    dst = {k: _as("cupy" if framework == "cupy" else "torch", v) for k, v in outs.items()}
     mean = torch.empty(rows, device="cuda")
     rstd = torch.empty(rows, device="cuda")
-    lib.kernel("add", dtype="fp32")(X, Y, O["add"], rows * cols)
-    lib.kernel("softmax", dtype="fp32", BLOCK=1024)(O["softmax"], X, rows, cols, cols, cols)
-    lib.kernel("layernorm", dtype="fp32", BLOCK=1024)(X, O["ln"], W, B, mean, rstd, rows, cols, cols, cols, 1e-5)
-    lib.kernel("rmsnorm", dtype="fp32", BLOCK=1024)(X, O["rms"], W, B, mean, rstd, rows, cols, cols, cols, 1e-5)
+    lib.kernel("add", dtype="fp32")(X, Y, dst["add"], rows * cols)
+    lib.kernel("softmax", dtype="fp32", BLOCK=1024)(dst["softmax"], X, rows, cols, cols, cols)
+    lib.kernel("layernorm", dtype="fp32", BLOCK=1024)(X, dst["ln"], W, B, mean, rstd, rows, cols, cols, cols, 1e-5)
+    lib.kernel("rmsnorm", dtype="fp32", BLOCK=1024)(X, dst["rms"], W, B, mean, rstd, rows, cols, cols, cols, 1e-5)
     torch.cuda.synchronize()
     if framework == "cupy":
         import cupy as cp
