@@ -1,0 +1,130 @@
+"""Every refusal of the launch path, pinned: each is raised before anything reaches the GPU.
+
+Runs the real runtime (Library → generated launch → HIP driver) against the fake
+``libamdhip64`` in a subprocess, so that the driver library is the fake one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fakehip import build_fake_hip, fake_hip_env, read_log
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCENARIOS = r"""
+import json, sys
+import aotriton_rt
+from aotriton_rt.errors import AotritonError
+from tests.runtime.test_interop import FakeGPUArray
+
+lib = aotriton_rt.Library(sys.argv[1], backend="hip")
+add = lib.kernel("add", dtype="fp32", raw_pointers=True)
+add_strict = lib.kernel("add", dtype="fp32")
+softmax = lib.kernel("softmax", dtype="fp16", BLOCK=256, raw_pointers=True)
+P = 0x7F0000000000
+dev0 = lambda: FakeGPUArray(device=(10, 0), ptr=P)
+dev1 = lambda: FakeGPUArray(device=(10, 1), ptr=P)
+cases = {
+    "plain_int": lambda: add_strict(P, P, P, 10),
+    "misaligned": lambda: add(P + 4, P, P, 10),
+    "scalar_range": lambda: add(P, P, P, 2**64),
+    "scalar_type": lambda: add(P, P, P, "10"),
+    "grid_len": lambda: add[(1, 2, 3, 4)](P, P, P, 10),
+    "grid_neg": lambda: add[(-1,)](P, P, P, 10),
+    "grid_type": lambda: add[(1.5,)](P, P, P, 10),
+    "check": lambda: softmax(P, P, 4, 300, 300, 300),
+    "wrong_device": lambda: add(dev0(), dev1(), dev0(), 4),
+    "cuda_array_on_hip": lambda: add(FakeGPUArray(device=(2, 0), ptr=P), dev0(), dev0(), 4),
+    "cpu_array": lambda: add(FakeGPUArray(device=(1, 0), ptr=P), dev0(), dev0(), 4),
+    "device_range": lambda: add(FakeGPUArray(device=(10, 70), ptr=P), P, P, 4),
+    "unknown_kernel": lambda: lib.kernel("addd"),
+}
+out = {}
+for name, fn in cases.items():
+    try:
+        fn()
+        out[name] = "no error"
+    except AotritonError as e:
+        out[name] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+EXPECTED = {
+    "plain_int": r"ArgumentError: argument x_ptr is a plain integer 0x7f0000000000; raw addresses are "
+                 r"accepted only from lib.kernel\('add', raw_pointers=True\)",
+    "misaligned": r"ArgumentError: argument x_ptr address 0x7f0000000004 is not 16-byte aligned, which this "
+                  r"kernel was compiled to assume",
+    "scalar_range": r"ArgumentError: argument n \(i64\) = 18446744073709551616 is out of range",
+    "scalar_type": r"ArgumentError: argument n \(i64\) must be an integer, got str",
+    "grid_len": r"ArgumentError: grid must be 1 to 3 integers, got \(1, 2, 3, 4\)",
+    "grid_neg": r"ArgumentError: grid\[0\] = -1 must be an integer in \[0, 2147483647\]",
+    "grid_type": r"ArgumentError: grid\[0\] = 1.5 must be an integer",
+    "check": r"ArgumentError: softmax: n_cols=300 violates `n_cols <= BLOCK` of this variant \(BLOCK=256\)",
+    "wrong_device": r"ArgumentError: argument y_ptr is on device 1 but the other arguments are on device 0; "
+                    r"move it to device 0",
+    "cuda_array_on_hip": r"ArgumentError: argument x_ptr: .*",
+    "cpu_array": r"ArgumentError: argument x_ptr: .*CPU.*",
+    "device_range": r"LaunchError: device index 70 is out of range \(0\.\.63\)",
+    "unknown_kernel": r"KernelNotFound: no kernel named 'addd' in the catalog; kernels: add, softmax",
+}
+
+
+@pytest.fixture(scope="module")
+def messages(built_images, tmp_path_factory) -> dict:
+    lib = build_fake_hip(tmp_path_factory.mktemp("fakehip"))
+    log = tmp_path_factory.mktemp("log") / "calls.jsonl"
+    env = {**os.environ, **fake_hip_env(lib, log, arch="gfx942:sramecc+:xnack-", devices=2, backend="ctypes"),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", SCENARIOS, str(built_images)], env=env, capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    launches = [r for r in read_log(log) if r["call"] == "hipModuleLaunchKernel"]
+    return {"messages": json.loads(proc.stdout), "launches": launches}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_bad_launch_is_refused_with_a_clear_message(messages, case):
+    import re
+
+    assert re.match(EXPECTED[case], messages["messages"][case]), messages["messages"][case]
+
+
+def test_no_refused_launch_reached_the_driver(messages):
+    assert messages["launches"] == []
+
+
+def test_missing_arch_names_the_built_ones_and_the_fix(built_images, tmp_path):
+    lib = build_fake_hip(tmp_path)
+    env = {**os.environ, **fake_hip_env(lib, None, arch="gfx90a:sramecc+:xnack-", backend="ctypes"),
+           "PYTHONPATH": str(ROOT)}
+    code = ("import aotriton_rt\n"
+            "k = aotriton_rt.Library(__import__('sys').argv[1], backend='hip').kernel('add', dtype='fp32', "
+            "raw_pointers=True)\n"
+            "k(0x7F0000000000, 0x7F0000000000, 0x7F0000000000, 8)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(built_images)], env=env, capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode != 0
+    assert "KernelNotFound: no image for gfx90a; built archs: gfx1100, gfx942 — build it with " \
+           "`python -m builder build --targets gfx90a`" in proc.stderr
+
+
+def test_driver_failure_names_the_call_code_and_hint(built_images, tmp_path):
+    lib = build_fake_hip(tmp_path)
+    env = {**os.environ, **fake_hip_env(lib, None, backend="ctypes", fail="hipModuleLaunchKernel=1"),
+           "PYTHONPATH": str(ROOT)}
+    code = ("import aotriton_rt\n"
+            "k = aotriton_rt.Library(__import__('sys').argv[1], backend='hip').kernel('add', dtype='fp32', "
+            "raw_pointers=True)\n"
+            "k(0x7F0000000000, 0x7F0000000000, 0x7F0000000000, 8)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(built_images)], env=env, capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode != 0
+    assert "DriverError: hipModuleLaunchKernel(add_kernel" in proc.stderr
+    assert "code 1" in proc.stderr or "(1)" in proc.stderr, proc.stderr[-2000:]
