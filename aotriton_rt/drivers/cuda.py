@@ -30,6 +30,7 @@ __all__ = ["CUlaunchAttribute", "CUlaunchConfig", "CudaDriver", "CudaLauncher",
 
 # Values from cuda.h (checked against it by tests/runtime/test_driver_cuda.py).
 CU_LAUNCH_PARAM_END = 0
+CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
 CU_LAUNCH_PARAM_BUFFER_POINTER = 1
 CU_LAUNCH_PARAM_BUFFER_SIZE = 2
 CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
@@ -106,6 +107,7 @@ _SIGNATURES: dict[str, tuple] = {
     "cuModuleLoadData": (_P(c_void_p), c_void_p),
     "cuModuleGetFunction": (_P(c_void_p), c_void_p, c_char_p),
     "cuFuncSetAttribute": (c_void_p, c_int, c_int),
+    "cuFuncGetAttribute": (_P(c_int), c_int, c_void_p),
     "cuLaunchKernel": (c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint,
                        c_void_p, _P(c_void_p), _P(c_void_p)),
     "cuMemAlloc_v2": (_P(c_uint64), c_size_t),
@@ -301,9 +303,13 @@ class CudaDriver:
             device = self.current_device()
         limit = self._attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device)
         symbol = self._function_symbol.get(function, hex(function))
-        if shared > limit:
+        # The binary's static shared memory (1 KiB on sm90 Triton kernels) counts too.
+        static = c_int()
+        self.check(self._cuFuncGetAttribute(byref(static), CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, function),
+                   f"cuFuncGetAttribute({symbol}, SHARED_SIZE_BYTES)")
+        if shared + static.value > limit:
             raise LaunchError(
-                f"kernel {symbol} needs {shared} bytes of shared memory per block but device "
+                f"kernel {symbol} needs {shared} + {static.value} (static) bytes of shared memory per block but device "
                 f"{device} ({self.device_name(device)}, {self.device_arch(device)}) allows at "
                 f"most {limit}: use a config with fewer stages or smaller blocks")
         self.check(self._cuFuncSetAttribute(function,

@@ -155,6 +155,12 @@ CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
   }
   *fn = f; return 0;
 }
+CUresult cuFuncGetAttribute(int *value, int attr, void *fn) {
+  ENTER("cuFuncGetAttribute");
+  if (attr != 1) return 1;  /* only CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES */
+  const char *s = getenv("FAKECUDA_STATIC_SMEM"); *value = s ? atoi(s) : 1024;
+  return 0;
+}
 CUresult cuFuncSetAttribute(void *fn, int attr, int value) {
   Function *f = fn; if (!f || f->magic != 0xF7) return 400;
   if (attr == 8) { if (value > env_int("FAKECUDA_SMEM_OPTIN", 232448)) return 1; f->max_dynamic_shared = value; }
@@ -412,10 +418,13 @@ def test_prepare_function_refuses_more_shared_memory_than_the_device_has(
     monkeypatch.setenv("FAKECUDA_CC", "86")
     function = driver.get_function(0, driver.load_module(0, cubin(ADD, arch="sm86")),
                                    "add_kernel")
-    with pytest.raises(LaunchError, match=r"kernel add_kernel needs 200000 bytes of shared memory "
-                                          r"per block but device 0 \(Fake NVIDIA H200 #0, sm86\) "
+    with pytest.raises(LaunchError, match=r"kernel add_kernel needs 200000 \+ 1024 \(static\) bytes of shared "
+                                          r"memory per block but device 0 \(Fake NVIDIA H200 #0, sm86\) "
                                           r"allows at most 101376"):
         driver.prepare_function(function, 200_000)
+    # The static part counts: dynamic alone would fit, dynamic + static does not.
+    with pytest.raises(LaunchError, match=r"needs 100800 \+ 1024 \(static\)"):
+        driver.prepare_function(function, 100_800)
 
 
 def test_alloc_synchronize_and_capture_status(driver: CudaDriver, log: Path,
