@@ -1,0 +1,226 @@
+"""Attention for torch: ``torch.library`` custom ops with fake implementations, and autograd.
+
+Importing this module imports torch and registers two operators, ``aotriton_rt::attention_fwd``
+and ``aotriton_rt::attention_bwd`` (``torch.ops.aotriton_rt.*``), with shape-only fake
+implementations (so they trace under ``torch.compile`` and ``FakeTensorMode``) and an autograd
+formula (so ``loss.backward()`` works). :func:`attention` is the entry point::
+
+    from aotriton_rt.ops.torch import attention
+    out = attention(q, k, v, causal=True, dropout_p=0.1)     # q, k, v: (B, H, S, D) CUDA tensors
+    out.sum().backward()
+
+Dropout without a ``seed`` draws from torch's generator of the tensors' device the way torch's
+own dropout does: the generator's seed, and its Philox offset advanced by 4 per call. So
+``torch.manual_seed(s)`` makes the masks reproducible, successive calls get fresh masks, and
+the backward replays the forward's mask (the pair is saved for it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import ArgumentError
+from . import attention as _core
+
+__all__ = ["attention", "attention_fwd", "attention_bwd"]
+
+_LIBRARIES: dict[int, Any] = {0: None}
+_I64 = 2**63
+_OFFSET_STEP = 4  # torch advances its Philox offset in multiples of 4 (one 128-bit draw)
+
+
+def _library_key(library: Any) -> int:
+    # Operators take only tensors and scalars: a Library travels as a registry key.
+    if library is None:
+        return 0
+    key = id(library)
+    _LIBRARIES[key] = library
+    return key
+
+
+def _signed(u64: int) -> int:
+    # Schema ints are int64; Philox seeds and offsets are u64, carried as their two's complement.
+    return u64 - 2**64 if u64 >= _I64 else u64
+
+
+def _unsigned(i64: int) -> int:
+    return i64 + 2**64 if i64 < 0 else i64
+
+
+def _window(window_left: int, window_right: int) -> tuple[int, int] | None:
+    return None if window_left == -1 and window_right == -1 else (window_left, window_right)
+
+
+@torch.library.custom_op("aotriton_rt::attention_fwd", mutates_args=())
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_seqlens_q: Tensor | None,
+                  cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                  window_left: int, window_right: int, align: str, dropout_p: float, seed: int, offset: int,
+                  scale: float, layout: str, return_mask: bool, deterministic: bool, library: int
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward: (out, lse, mask); mask is an empty int8 tensor unless ``return_mask``.
+
+    ``max_seqlen_*`` are -1 without cu_seqlens, ``window_*`` -1 for an unbounded side;
+    ``deterministic`` only travels to the backward.
+    """
+    varlen = cu_seqlens_q is not None
+    result = _core.attention(
+        q, k, v, causal=causal, window=_window(window_left, window_right), align=align, bias=bias,
+        dropout_p=dropout_p, seed=_unsigned(seed), offset=_unsigned(offset), scale=scale,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
+        max_seqlen_k=max_seqlen_k if varlen else None, layout=layout, return_mask=return_mask,
+        library=_LIBRARIES[library])
+    if return_mask:
+        return result
+    out, lse = result
+    return out, lse, q.new_empty((0,), dtype=torch.int8)
+
+
+def _lse_shape(q: Tensor, layout: str, varlen: bool) -> tuple[int, ...]:
+    if varlen:
+        return (q.shape[1], q.shape[0])
+    if layout == "bhsd":
+        return (q.shape[0], q.shape[1], q.shape[2])
+    return (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _seqlen(t: Tensor, layout: str) -> int:
+    return t.shape[2] if layout == "bhsd" else t.shape[1]
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_seqlens_q: Tensor | None,
+                        cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                        window_left: int, window_right: int, align: str, dropout_p: float, seed: int, offset: int,
+                        scale: float, layout: str, return_mask: bool, deterministic: bool, library: int
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    varlen = cu_seqlens_q is not None
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_empty(_lse_shape(q, layout, varlen), dtype=torch.float32)
+    if not return_mask:
+        mask = q.new_empty((0,), dtype=torch.int8)
+    elif varlen:
+        mask = q.new_empty((cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q, max_seqlen_k), dtype=torch.int8)
+    else:
+        mask = q.new_empty((q.shape[0], lse.shape[1], _seqlen(q, layout), _seqlen(k, layout)), dtype=torch.int8)
+    return out, lse, mask
+
+
+@torch.library.custom_op("aotriton_rt::attention_bwd", mutates_args=())
+def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Tensor | None,
+                  cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+                  causal: bool, window_left: int, window_right: int, align: str, dropout_p: float, seed: int,
+                  offset: int, scale: float, layout: str, deterministic: bool, bias_grad: bool, library: int
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Backward: (dq, dk, dv, dbias); dbias is an empty tensor without a bias or ``bias_grad``."""
+    varlen = cu_seqlens_q is not None
+    dq, dk, dv, dbias = _core.attention_backward(
+        dout, q, k, v, out, lse, causal=causal, window=_window(window_left, window_right), align=align, bias=bias,
+        dropout_p=dropout_p, seed=_unsigned(seed), offset=_unsigned(offset), scale=scale,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
+        max_seqlen_k=max_seqlen_k if varlen else None, layout=layout, deterministic=deterministic,
+        bias_grad=bias_grad, library=_LIBRARIES[library])
+    if dbias is None:
+        dbias = q.new_empty((0,))
+    return dq, dk, dv, dbias
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        bias: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+                        max_seqlen_q: int, max_seqlen_k: int, causal: bool, window_left: int, window_right: int,
+                        align: str, dropout_p: float, seed: int, offset: int, scale: float, layout: str,
+                        deterministic: bool, bias_grad: bool, library: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dbias = bias.new_empty(bias.shape) if bias is not None and bias_grad else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+_FWD_OPTIONS = ("max_seqlen_q", "max_seqlen_k", "causal", "window_left", "window_right", "align", "dropout_p",
+                "seed", "offset", "scale", "layout", "return_mask", "deterministic", "library")
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, bias, cu_q, cu_k, *options = inputs
+    out, lse, mask = output
+    ctx.save_for_backward(q, k, v, bias, cu_q, cu_k, out, lse)
+    ctx.options = dict(zip(_FWD_OPTIONS, options))
+    ctx.mark_non_differentiable(lse, mask)
+
+
+def _backward(ctx: Any, dout: Tensor, dlse: Tensor | None, dmask: Tensor | None) -> tuple:
+    q, k, v, bias, cu_q, cu_k, out, lse = ctx.saved_tensors
+    o = ctx.options
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = attention_bwd(
+        dout, q, k, v, out, lse, bias, cu_q, cu_k, o["max_seqlen_q"], o["max_seqlen_k"], o["causal"],
+        o["window_left"], o["window_right"], o["align"], o["dropout_p"], o["seed"], o["offset"], o["scale"],
+        o["layout"], o["deterministic"], bias_grad, o["library"])
+    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (2 + len(_FWD_OPTIONS))
+
+
+torch.library.register_autograd("aotriton_rt::attention_fwd", _backward, setup_context=_setup_context)
+
+
+def _dropout_state(device: torch.device) -> tuple[int, int]:
+    """(seed, offset) from torch's generator of ``device``, advancing its Philox offset."""
+    if device.type == "cuda":
+        gen = torch.cuda.default_generators[device.index if device.index is not None else
+                                            torch.cuda.current_device()]
+        offset = gen.get_offset()
+        gen.set_offset(offset + _OFFSET_STEP)
+        return gen.initial_seed() % 2**64, offset
+    # Generators without a Philox offset (CPU): a fresh seed drawn from them.
+    return int(torch.randint(0, _I64 - 1, (), dtype=torch.int64).item()), 0
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: tuple[int, int] | None = None,
+              align: str = "top_left", bias: Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
+              offset: int | None = None, scale: float | None = None, cu_seqlens_q: Tensor | None = None,
+              cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+              layout: str = "bhsd", deterministic: bool = False, return_lse: bool = False,
+              return_mask: bool = False, library: Any = None) -> Tensor | tuple[Tensor, ...]:
+    """Differentiable attention on torch tensors (works under ``torch.compile``).
+
+    Options as :func:`aotriton_rt.ops.attention.attention`; gradients flow to q, k, v and
+    bias. ``seed``/``offset``: the dropout Philox pair, drawn from torch's generator when
+    ``seed`` is None. ``deterministic=True``: the backward runs the bit-reproducible scheme.
+
+    Returns:
+        ``out``; ``(out, lse)`` with ``return_lse``; the dropout keep-mask appended with
+        ``return_mask``.
+
+    Example::
+
+        out = attention(q, k, v, causal=True)
+        out.float().pow(2).mean().backward()
+    """
+    if dropout_p and seed is None:
+        seed, drawn = _dropout_state(q.device)
+        offset = drawn if offset is None else offset
+    seed = 0 if seed is None else seed
+    offset = 0 if offset is None else offset
+    if cu_seqlens_q is not None and cu_seqlens_k is not None:
+        # The schema needs the lengths as numbers (fake tensors have no values to read).
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if len(cu_seqlens_q) > 1 else 0
+        if max_seqlen_k is None:
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item()) if len(cu_seqlens_k) > 1 else 0
+    if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise ArgumentError(f"window must be (left, right), two integers >= -1 (-1: unbounded), got {window!r}")
+    left, right = window if window is not None else (-1, -1)
+    if not 0 <= seed < 2**64 or not 0 <= offset < 2**64:
+        raise ArgumentError(f"seed and offset must be in [0, 2**64), got seed={seed}, offset={offset}")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    out, lse, mask = attention_fwd(
+        q, k, v, bias, cu_seqlens_q, cu_seqlens_k, -1 if max_seqlen_q is None else max_seqlen_q,
+        -1 if max_seqlen_k is None else max_seqlen_k, causal, left, right, align, float(dropout_p), _signed(seed),
+        _signed(offset), float(scale), layout, return_mask, deterministic, _library_key(library))
+    result: tuple = (out,)
+    if return_lse:
+        result += (lse,)
+    if return_mask:
+        result += (mask,)
+    return result[0] if len(result) == 1 else result
