@@ -325,7 +325,8 @@ class CudaDriver:
                       ) -> CudaLauncher | CudaLauncherEx:
         """A launcher for ``function`` with blocks of ``num_threads`` threads.
 
-        Plain launches use ``cuLaunchKernel`` with the packed buffer in ``extra``; a
+        Plain launches use ``cuLaunchKernel`` with ``kernelParams`` pointing into the packed
+        buffer (``extra`` with AOTRITON_RT_CUDA_LAUNCH=extra); a
         cooperative, PDL or cluster launch uses ``cuLaunchKernelEx`` with launch attributes
         and per-parameter pointers into the same buffer (one per non-padding struct item).
         With clusters the grid given to the launcher counts clusters (Triton's programs)
@@ -339,9 +340,8 @@ class CudaDriver:
         device = self._function_device.get(function, 0)
         symbol = self._function_symbol.get(function, hex(function))
         if not (cooperative or pdl or cluster != (1, 1, 1)):
-            if self._launch_mode == "extra":
-                return CudaLauncher(self, function, symbol, device, struct, num_threads, shared)
-            return CudaParamsLauncher(self, function, symbol, device, struct, num_threads, shared)
+            return CudaLauncher(self, function, symbol, device, struct, num_threads, shared,
+                                self._launch_mode)
         if cluster[0] * cluster[1] * cluster[2] > _PORTABLE_CLUSTER:
             self.check(self._cuFuncSetAttribute(
                 function, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
@@ -420,17 +420,30 @@ class _LauncherBase:
 
 
 class CudaLauncher(_LauncherBase):
-    """``cuLaunchKernel`` with the packed buffer passed through ``extra``."""
+    """``cuLaunchKernel`` over the packed buffer: through ``kernelParams`` (the default) or
+    through ``extra``.
 
-    __slots__ = ("_launch", "_extra")
+    ``kernelParams`` is an array of fixed pointers into the buffer (each parameter's place in
+    it never changes), so either way a launch is one pack and one call. The call holds the GIL
+    unless AOTRITON_RT_CUDA_GIL=release; docs/performance.md has the measured difference.
+    """
+
+    __slots__ = ("_launch", "_kernel_params", "_extra")
 
     def __init__(self, driver: CudaDriver, function: int, symbol: str, device: int,
-                 layout: struct.Struct, num_threads: int, shared: int) -> None:
+                 layout: struct.Struct, num_threads: int, shared: int, mode: str = "params") -> None:
         super().__init__(driver, function, symbol, device, layout, num_threads, shared)
-        self._launch = driver._cuLaunchKernel
-        self._extra = (c_void_p * 5)(CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(self._buf),
-                                     CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self._size),
-                                     CU_LAUNCH_PARAM_END)
+        self._launch = driver._cuLaunchKernel_gil
+        base = ctypes.addressof(self._buf)
+        if mode == "extra":
+            self._kernel_params = None
+            self._extra = (c_void_p * 5)(CU_LAUNCH_PARAM_BUFFER_POINTER, base,
+                                         CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(self._size),
+                                         CU_LAUNCH_PARAM_END)
+        else:
+            offsets = struct_field_offsets(layout)
+            self._kernel_params = (c_void_p * max(len(offsets), 1))(*(base + o for o in offsets))
+            self._extra = None
 
     def __call__(self, gx: int, gy: int, gz: int, stream: int, values: tuple) -> None:
         """Pack ``values`` and launch a (gx, gy, gz) grid on ``stream``; see ``Launcher``."""
@@ -442,7 +455,7 @@ class CudaLauncher(_LauncherBase):
             except struct.error as exc:
                 raise self._bad_values(values, exc) from None
             status = self._launch(self._function, gx, gy, gz, self._block, 1, 1, self._shared,
-                                  stream, None, self._extra)
+                                  stream, self._kernel_params, self._extra)
         if status:
             self._failed(status, gx, gy, gz, stream, values)
 
@@ -455,48 +468,7 @@ class CudaLauncher(_LauncherBase):
             with self._lock:
                 self._pack(self._buf, 0, *values)
                 status = self._launch(self._function, gx, gy, gz, self._block, 1, 1,
-                                      self._shared, stream, None, self._extra)
-        self._driver.check(status, f"cuLaunchKernel({self._describe(gx, gy, gz, stream)})")
-
-
-class CudaParamsLauncher(_LauncherBase):
-    """``cuLaunchKernel`` with ``kernelParams``: fixed pointers into the packed buffer.
-
-    The pointer array never changes (each parameter's place in the buffer is fixed), so a
-    launch is one pack and one call; measured cheaper than ``extra`` on an H200 (see
-    docs/performance.md). The call holds the GIL unless AOTRITON_RT_CUDA_GIL=release.
-    """
-
-    __slots__ = ("_launch", "_params")
-
-    def __init__(self, driver: CudaDriver, function: int, symbol: str, device: int,
-                 layout: struct.Struct, num_threads: int, shared: int) -> None:
-        super().__init__(driver, function, symbol, device, layout, num_threads, shared)
-        self._launch = driver._cuLaunchKernel_gil
-        base = ctypes.addressof(self._buf)
-        offsets = struct_field_offsets(layout)
-        self._params = (c_void_p * max(len(offsets), 1))(*(base + o for o in offsets))
-
-    def __call__(self, gx: int, gy: int, gz: int, stream: int, values: tuple) -> None:
-        """Pack ``values`` and launch a (gx, gy, gz) grid on ``stream``; see ``Launcher``."""
-        if not (gx and gy and gz):
-            return
-        with self._lock:
-            try:
-                self._pack(self._buf, 0, *values)
-            except struct.error as exc:
-                raise self._bad_values(values, exc) from None
-            status = self._launch(self._function, gx, gy, gz, self._block, 1, 1, self._shared,
-                                  stream, self._params, None)
-        if status:
-            self._failed(status, gx, gy, gz, stream, values)
-
-    def _failed(self, status: int, gx: int, gy: int, gz: int, stream: int, values: tuple) -> None:
-        if status == CUDA_ERROR_INVALID_CONTEXT and self._driver._adopt_primary_context(self._device):
-            with self._lock:
-                self._pack(self._buf, 0, *values)
-                status = self._launch(self._function, gx, gy, gz, self._block, 1, 1,
-                                      self._shared, stream, self._params, None)
+                                      self._shared, stream, self._kernel_params, self._extra)
         self._driver.check(status, f"cuLaunchKernel({self._describe(gx, gy, gz, stream)})")
 
 

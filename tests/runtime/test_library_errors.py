@@ -100,31 +100,27 @@ def test_no_refused_launch_reached_the_driver(messages):
     assert messages["launches"] == []
 
 
-def test_missing_arch_names_the_built_ones_and_the_fix(built_images, tmp_path):
-    lib = build_fake_hip(tmp_path)
-    env = {**os.environ, **fake_hip_env(lib, None, arch="gfx90a:sramecc+:xnack-", backend="ctypes"),
+LAUNCH_ONE = ("import sys, aotriton_rt\n"
+              "k = aotriton_rt.Library(sys.argv[1], backend='hip').kernel('add', dtype='fp32', raw_pointers=True)\n"
+              "k(0x7F0000000000, 0x7F0000000000, 0x7F0000000000, 8)\n")
+
+
+def _launch_one(images: Path, tmp_path: Path, **fake) -> subprocess.CompletedProcess:
+    env = {**os.environ, **fake_hip_env(build_fake_hip(tmp_path), None, backend="ctypes", **fake),
            "PYTHONPATH": str(ROOT)}
-    code = ("import aotriton_rt\n"
-            "k = aotriton_rt.Library(__import__('sys').argv[1], backend='hip').kernel('add', dtype='fp32', "
-            "raw_pointers=True)\n"
-            "k(0x7F0000000000, 0x7F0000000000, 0x7F0000000000, 8)\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(built_images)], env=env, capture_output=True, text=True,
-                          cwd=ROOT)
+    return subprocess.run([sys.executable, "-c", LAUNCH_ONE, str(images)], env=env, capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def test_missing_arch_names_the_built_ones_and_the_fix(built_images, tmp_path):
+    proc = _launch_one(built_images, tmp_path, arch="gfx90a:sramecc+:xnack-")
     assert proc.returncode != 0
     assert "KernelNotFound: no image for gfx90a; built archs: gfx1100, gfx942 — build it with " \
            "`python -m builder build --targets gfx90a`" in proc.stderr
 
 
 def test_driver_failure_names_the_call_code_and_hint(built_images, tmp_path):
-    lib = build_fake_hip(tmp_path)
-    env = {**os.environ, **fake_hip_env(lib, None, backend="ctypes", fail="hipModuleLaunchKernel=1"),
-           "PYTHONPATH": str(ROOT)}
-    code = ("import aotriton_rt\n"
-            "k = aotriton_rt.Library(__import__('sys').argv[1], backend='hip').kernel('add', dtype='fp32', "
-            "raw_pointers=True)\n"
-            "k(0x7F0000000000, 0x7F0000000000, 0x7F0000000000, 8)\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(built_images)], env=env, capture_output=True, text=True,
-                          cwd=ROOT)
+    proc = _launch_one(built_images, tmp_path, fail="hipModuleLaunchKernel=1")
     assert proc.returncode != 0
     assert "DriverError: hipModuleLaunchKernel(add_kernel" in proc.stderr
     assert "code 1" in proc.stderr or "(1)" in proc.stderr, proc.stderr[-2000:]
