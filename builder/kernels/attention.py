@@ -29,6 +29,8 @@ from triton.language.random import philox as _philox
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+# Causal programs per scheduling group (see _causal_order): about one wave of 2-CTA/SM programs.
+CAUSAL_GROUP_PROGRAMS: tl.constexpr = tl.constexpr(256)
 
 # Head-dim buckets the kernels are compiled for; a head dim between two buckets is zero-padded
 # by the operator to the next one (zero columns change neither q.k nor the visible output).
@@ -109,45 +111,69 @@ def _dropout_keep(philox_seed, philox_offset, bh, rows, cols, dropout_p):
 
 
 @triton.jit
-def _fwd_blocks(
-    acc, l_i, m_i, q,
-    K_base, V_base, B_base, DM_base, k_desc, v_desc,
-    stride_kn, stride_vn, stride_bm, stride_dmm,
-    start, end,
-    offs_m, rows_b, offs_n, offs_dk, offs_dv,
-    seqlen_q, seqlen_k, diag, left, right, qk_scale,
+def _causal_order(num_m_blocks, num_bh):
+    """(query block, batch*head) of this program under a causal mask: longest first.
+
+    The hardware starts programs in linear order (axis 0 fastest). Taken in that order, programs
+    cover groups of heads, and inside a group every head's heaviest query block (the most visible
+    keys) before any lighter one, so the lightest blocks finish the grid (longest-processing-time
+    order; a short tail). Groups hold about CAUSAL_GROUP_PROGRAMS programs, so the heads in flight
+    at once stay few and their K/V stay in L2.
+    """
+    lin = tl.program_id(1).to(tl.int64) * num_m_blocks + tl.program_id(0)
+    heads = tl.maximum(CAUSAL_GROUP_PROGRAMS // num_m_blocks, 1)
+    per_group = heads * num_m_blocks
+    group = lin // per_group
+    first = group * heads
+    size = tl.minimum(heads, num_bh - first)
+    rem = lin - group * per_group
+    pid_m = num_m_blocks - 1 - rem // size
+    pid_bh = first + rem % size
+    return pid_m.to(tl.int32), pid_bh.to(tl.int32)
+
+
+@triton.jit
+def _fwd_block(
+    acc, l_i, m_i, q, start_n, k_ptrs, v_ptrs, b_ptrs, k_desc, v_desc, DM_base, stride_dmm,
+    offs_m, offs_n, offs_dk, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
     philox_seed, philox_offset, bh, dropout_p,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, PREC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Online-softmax update of (acc, l_i, m_i) over key blocks start, start+BLOCK_N, ... < end.
+    """Online-softmax update of (acc, l_i, m_i) by the key block at start_n.
 
-    With USE_TMA, K and V tiles come through device-side tensor descriptors (Hopper TMA), which
-    zero-fill past the sequence and the head dim, so no load mask is needed.
+    m_i is the running row maximum in log2 units (-inf until a row sees a visible key), l_i the
+    running sum of exp2(score - m_i), acc the unnormalised output. k_ptrs / v_ptrs / b_ptrs point
+    at this block; with USE_TMA, K and V come through device-side tensor descriptors (Hopper TMA)
+    instead, which zero-fill past the sequence and the head dim, so no load mask is needed. An
+    unmasked block without bias needs ``qk_scale >= 0`` (attn_fwd sends every block of a negative
+    scale through the masked path).
     """
     BLOCK_DK: tl.constexpr = q.shape[1]
     BLOCK_DV: tl.constexpr = acc.shape[1]
-    # K is read transposed, (dim, keys), so q @ k needs no layout change in registers.
-    k_ptrs = K_base + offs_n[None, :] * stride_kn + offs_dk[:, None] + start * stride_kn
-    v_ptrs = V_base + offs_n[:, None] * stride_vn + offs_dv[None, :] + start * stride_vn
-    if BIAS != 0:
-        b_ptrs = B_base + rows_b[:, None] * stride_bm + offs_n[None, :] + start
-    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPEC):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        if USE_TMA:
-            k = k_desc.load([start_n, 0]).T
-        elif MASKED:
-            kmask = cols[None, :] < seqlen_k
-            if HEAD_DIM != BLOCK_DK:
-                kmask = kmask & (offs_dk[:, None] < HEAD_DIM)
-            k = tl.load(k_ptrs, mask=kmask, other=0.0)
-        elif HEAD_DIM != BLOCK_DK:
-            k = tl.load(k_ptrs, mask=offs_dk[:, None] < HEAD_DIM, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-        qk = tl.dot(q, k, input_precision=PREC) * qk_scale
+    cols = start_n + offs_n
+    if USE_TMA:
+        k = k_desc.load([start_n, 0]).T
+    elif MASKED:
+        kmask = cols[None, :] < seqlen_k
+        if HEAD_DIM != BLOCK_DK:
+            kmask = kmask & (offs_dk[:, None] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=kmask, other=0.0)
+    elif HEAD_DIM != BLOCK_DK:
+        k = tl.load(k_ptrs, mask=offs_dk[:, None] < HEAD_DIM, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    qk = tl.dot(q, k, input_precision=PREC)
+    if MASKED and CAUSAL == 0 and BIAS == 0:
+        # Only the sequence end masks: one FMA per score applies the scale and a per-key -inf.
+        key_bias = tl.where(offs_n < seqlen_k - start_n, 0.0, float("-inf"))
+        qk = qk * qk_scale + key_bias[None, :]
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+    elif MASKED or BIAS != 0:
+        qk = qk * qk_scale
         if BIAS != 0:
             if MASKED:
                 bias = tl.load(b_ptrs, mask=cols[None, :] < seqlen_k, other=0.0)
@@ -161,34 +187,70 @@ def _fwd_blocks(
                 visible = visible & (rel >= -left) & (rel <= right)
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if MASKED or BIAS != 0:
-            # A row that has seen only masked keys keeps m = -inf; subtract 0 instead (no NaN).
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
+        # A row that has seen only masked keys keeps m = -inf and subtracts 0 (no NaN); its p and
+        # l stay 0, and its first visible key sets m exactly.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+    else:
+        # Steady state: the scale goes on the row maximum (exact for a non-negative scale, as
+        # rounding is monotonic), so each score costs one FMA on its way into exp2.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if DROPOUT != 0:
-            keep = _dropout_keep(philox_seed, philox_offset, bh, offs_m[:, None], cols[None, :],
-                                 dropout_p)
-            if DROPOUT == 2:
-                dm_ptrs = DM_base + offs_m[:, None] * stride_dmm + cols[None, :]
-                tl.store(dm_ptrs, keep.to(tl.int8),
-                         mask=(offs_m[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))
-            p = tl.where(keep, p, 0.0)
-        if USE_TMA:
-            v = v_desc.load([start_n, 0])
-        elif MASKED:
-            vmask = cols[:, None] < seqlen_k
-            if HEAD_DIM_V != BLOCK_DV:
-                vmask = vmask & (offs_dv[None, :] < HEAD_DIM_V)
-            v = tl.load(v_ptrs, mask=vmask, other=0.0)
-        elif HEAD_DIM_V != BLOCK_DV:
-            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-        m_i = m_new
+    l_ij = tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if DROPOUT != 0:
+        keep = _dropout_keep(philox_seed, philox_offset, bh, offs_m[:, None], cols[None, :], dropout_p)
+        if DROPOUT == 2:
+            dm_ptrs = DM_base + offs_m[:, None] * stride_dmm + cols[None, :]
+            tl.store(dm_ptrs, keep.to(tl.int8),
+                     mask=(offs_m[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))
+        p = tl.where(keep, p, 0.0)
+    if USE_TMA:
+        v = v_desc.load([start_n, 0])
+    elif MASKED:
+        vmask = cols[:, None] < seqlen_k
+        if HEAD_DIM_V != BLOCK_DV:
+            vmask = vmask & (offs_dv[None, :] < HEAD_DIM_V)
+        v = tl.load(v_ptrs, mask=vmask, other=0.0)
+    elif HEAD_DIM_V != BLOCK_DV:
+        v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    # Updated after the P.V issue: fewer registers live across the dot.
+    l_i = l_i * alpha + l_ij
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_blocks(
+    acc, l_i, m_i, q,
+    K_base, V_base, B_base, DM_base, k_desc, v_desc,
+    stride_kn, stride_vn, stride_bm, stride_dmm,
+    start, end,
+    offs_m, rows_b, offs_n, offs_dk, offs_dv,
+    seqlen_q, seqlen_k, diag, left, right, qk_scale,
+    philox_seed, philox_offset, bh, dropout_p,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+):
+    """_fwd_block over the key blocks start, start+BLOCK_N, ... < end (one loop)."""
+    # K is read transposed, (dim, keys), so q @ k needs no layout change in registers.
+    k_ptrs = K_base + offs_n[None, :] * stride_kn + offs_dk[:, None] + start * stride_kn
+    v_ptrs = V_base + offs_n[:, None] * stride_vn + offs_dv[None, :] + start * stride_vn
+    b_ptrs = B_base
+    if BIAS != 0:
+        b_ptrs = B_base + rows_b[:, None] * stride_bm + offs_n[None, :] + start
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPEC):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        acc, l_i, m_i = _fwd_block(
+            acc, l_i, m_i, q, start_n, k_ptrs, v_ptrs, b_ptrs, k_desc, v_desc, DM_base, stride_dmm,
+            offs_m, offs_n, offs_dk, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
+            philox_seed, philox_offset, bh, dropout_p,
+            MASKED, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, PREC, USE_TMA)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
         if BIAS != 0:
@@ -228,11 +290,11 @@ def attn_fwd(
 
     num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
     if CAUSAL != 0:
-        # Heavier query blocks (more visible keys) start first: a shorter tail under causal.
-        pid_m = num_m_blocks - 1 - tl.program_id(0)
+        pid_m, pid_bh = _causal_order(num_m_blocks, batch * num_heads_q)
     else:
+        # Blocks of one head run side by side and share its K/V in L2.
         pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+        pid_bh = tl.program_id(1)
     off_b = pid_bh // num_heads_q
     off_h = pid_bh % num_heads_q
     off_hk = off_h // (num_heads_q // num_heads_k)
@@ -305,6 +367,10 @@ def attn_fwd(
         f1 = 0
         f2 = len_k // BLOCK_N * BLOCK_N
         hi = len_k
+    # The unmasked loop scales row maxima instead of scores, which needs a non-negative scale; a
+    # negative one (legal, if odd) sends every block through the masked loops instead.
+    f1 = tl.where(sm_scale < 0, lo, f1)
+    f2 = tl.where(sm_scale < 0, lo, f2)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -64,6 +64,15 @@ CASES: dict[str, dict] = {
     "tma_ws_causal_bottom_right_empty_rows": {"tma": 1, "ws": 1, "causal": 2, "Sq": 53, "Sk": 37,
                                               "dtype": "bf16"},
     "tma_ws_plain_blocks_32x32": {"tma": 1, "ws": 1, "BM": 32, "BN": 32, "Hq": 4, "Hk": 1},
+    # The unmasked loop scales row maxima, not scores: a negative scale must take the masked path.
+    "negative_scale_causal_window": {"scale": -5.0, "causal": 2, "window": (9, 4)},
+    "negative_scale_plain_fp16": {"scale": -4.0, "dtype": "fp16", "Sq": 40, "Sk": 64},
+    # Every score far below 0 (q and k point apart): a row whose first block shows it no key must
+    # not keep a running maximum of 0, or exp2 underflows for all of its real keys.
+    "very_negative_scores_left_window": {"shift": 6.0, "causal": 1, "window": (11, -1)},
+    # Causal programs are renumbered longest-first over groups of heads: many heads, 1-row blocks.
+    "causal_program_order_many_heads": {"B": 3, "Hq": 6, "Hk": 3, "Sq": 29, "Sk": 29, "causal": 2,
+                                        "BM": 16, "BN": 16},
 }
 
 
@@ -133,7 +142,7 @@ def run_case(name: str, case: dict) -> dict:
     else:
         Sq, Sk = c["Sq"], c["Sk"]
         lens_q, lens_k = [Sq] * B, [Sk] * B
-    scale = 1.0 / math.sqrt(D)
+    scale = c.get("scale", 1.0 / math.sqrt(D))
     causal = c["causal"]
     wl, wr = c["window"] if c["window"] else (-1, 0 if causal else -1)
 
@@ -141,8 +150,9 @@ def run_case(name: str, case: dict) -> dict:
         return torch.randn(*shape, generator=gen).to(dtype)
 
     # Logical per-sequence tensors (H, S, D); the kernel sees them packed or batched.
-    qs = [randn(Hq, lq, D) for lq in lens_q]
-    ks = [randn(Hk, lk, D) for lk in lens_k]
+    shift = c.get("shift", 0.0)
+    qs = [(randn(Hq, lq, D).float() + shift).to(dtype) for lq in lens_q]
+    ks = [(randn(Hk, lk, D).float() - shift).to(dtype) for lk in lens_k]
     vs = [randn(Hk, lk, Dv) for lk in lens_k]
     dos = [randn(Hq, lq, Dv) for lq in lens_q]
 
