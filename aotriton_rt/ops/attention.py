@@ -231,7 +231,7 @@ def _in_range(value: int, bounds: Any, where: str) -> bool:
     if bounds is None:
         return True
     if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2):
-        raise CatalogError(f"catalog tuning {where} must be [low, high] (high may be null), got {bounds!r}")
+        raise CatalogError(f"catalog {where} must be [low, high] (high may be null), got {bounds!r}")
     lo, hi = bounds
     return (lo is None or value >= lo) and (hi is None or value <= hi)
 
@@ -283,19 +283,21 @@ def _matching_rule(rules: Any, kernel: str, spec: Mapping[str, Any], seqlen_q: i
         where = f"tuning[{kernel!r}][{i}]"
         if not isinstance(rule, dict):
             raise CatalogError(f"catalog {where} must be an object, got {rule!r}")
-        if "arch" in rule:
-            if callable(arch):
-                arch = arch()
-            if rule["arch"] != arch:
-                continue
         want = rule.get("spec", {})
         if not isinstance(want, dict):
             raise CatalogError(f"catalog {where}.spec must be an object, got {want!r}")
         if any(spec.get(key) != value for key, value in want.items()):
             continue
-        if _in_range(seqlen_q, rule.get("seqlen_q"), where + ".seqlen_q") and \
-                _in_range(seqlen_k, rule.get("seqlen_k"), where + ".seqlen_k"):
-            return rule
+        if not (_in_range(seqlen_q, rule.get("seqlen_q"), where + ".seqlen_q")
+                and _in_range(seqlen_k, rule.get("seqlen_k"), where + ".seqlen_k")):
+            continue
+        if "arch" in rule:
+            # Asked last: finding the device's arch may need the driver.
+            if callable(arch):
+                arch = arch()
+            if rule["arch"] != arch:
+                continue
+        return rule
     return None
 
 

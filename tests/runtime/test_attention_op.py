@@ -457,12 +457,490 @@ def _main(names: list[str]) -> None:
     for name in names:
         try:
             result = run_case(name, CASES[name])
-        except Exception as exc:  # reported to the test, which fails with it
+        except Exception:  # reported to the test, which fails with it
             import traceback
 
             result = {"name": name, "errors": {}, "failed": [traceback.format_exc()[-3000:]]}
         result["name"] = name
         print(json.dumps(result), flush=True)
+
+
+
+# =============================================================================================
+# Test side.
+# =============================================================================================
+
+_TYPESTR = {"fp16": ("<f2", 2), "fp32": ("<f4", 4), "i32": ("<i4", 4), "i64": ("<i8", 8)}
+
+
+class Dev:
+    """A GPU array as ``__cuda_array_interface__`` describes it; its memory is never read."""
+
+    def __init__(self, *shape: int, dtype: str = "fp16", strides: tuple[int, ...] | None = None,
+                 ptr: int = 0x7F00_0000_0000, readonly: bool = False) -> None:
+        self.shape, self.dtype, self.ptr, self.readonly = shape, dtype, ptr, readonly
+        typestr, size = _TYPESTR[dtype]
+        self._cai = {"shape": shape, "typestr": typestr, "data": (ptr, readonly), "version": 3,
+                     "strides": None if strides is None else tuple(x * size for x in strides)}
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return self._cai
+
+
+def qkv(B: int = 2, H: int = 4, S: int = 64, D: int = 64, Hk: int | None = None, Sk: int | None = None,
+        dtype: str = "fp16") -> tuple[Dev, Dev, Dev]:
+    Hk, Sk = Hk or H, Sk or S
+    return Dev(B, H, S, D, dtype=dtype), Dev(B, Hk, Sk, D, dtype=dtype), Dev(B, Hk, Sk, D, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch as pure functions.
+# ---------------------------------------------------------------------------------------------
+
+def only(*allowed: tuple[str, dict]):
+    """An availability predicate: these (kernel, partial params) and nothing else."""
+    def available(name: str, params: dict) -> bool:
+        return any(name == n and all(params.get(k) == v for k, v in want.items()) for n, want in allowed)
+    return available
+
+
+def test_forward_params_follow_the_call_with_the_head_dim_bucket() -> None:
+    call = AttentionCall("bf16", 40, 40, causal=2, bias=True, dropout=2, varlen=True)
+    assert forward_params(call) == {"dtype": "bf16", "HEAD_DIM": 48, "HEAD_DIM_V": 48, "CAUSAL": 2, "BIAS": 1,
+                                    "DROPOUT": 2, "VARLEN": 1}
+    plain = AttentionCall("fp32", 64, 64)
+    assert forward_params(plain) == {"dtype": "fp32", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0,
+                                     "DROPOUT": 0, "VARLEN": 0}
+
+
+def test_equal_lengths_run_on_whichever_causal_alignment_the_images_hold() -> None:
+    top_left = AttentionCall("fp16", 64, 64, causal=1, causal_equivalent=True)
+    assert forward_params(top_left)["CAUSAL"] == 2
+    assert forward_params(top_left, only(("attn_fwd", {"CAUSAL": 1})))["CAUSAL"] == 1
+    # Different lengths: the alignment matters and is never swapped.
+    strict = AttentionCall("fp16", 64, 64, causal=1)
+    assert forward_params(strict, only(("attn_fwd", {"CAUSAL": 2})))["CAUSAL"] == 1
+
+
+def test_head_dims_take_the_smallest_bucket_and_unequal_pairs_only_where_compiled() -> None:
+    assert head_dim_buckets(64, 64) == [(64, 64)]
+    assert head_dim_buckets(40, 40) == [(48, 48)]
+    assert head_dim_buckets(1, 1) == [(16, 16)]
+    assert head_dim_buckets(72, 72) == [(80, 80)]
+    assert head_dim_buckets(192, 128) == [(192, 128), (192, 192)]
+    assert head_dim_buckets(180, 100) == [(192, 128), (192, 192)]
+    assert head_dim_buckets(8, 24) == [(32, 32)]
+    assert head_dim_buckets(256, 64) == [(256, 256)]
+    with pytest.raises(UnsupportedError, match=r"head dim 257 exceeds the largest supported head dim 256; "
+                                               r"supported: 1\.\.256 \(compiled buckets 16, 32, 48"):
+        head_dim_buckets(64, 257)
+    call = AttentionCall("fp16", 192, 128)
+    assert forward_params(call)["HEAD_DIM_V"] == 128
+    assert forward_params(call, only(("attn_fwd", {"HEAD_DIM_V": 192})))["HEAD_DIM_V"] == 192
+
+
+def test_backward_prefers_atomic_dq_when_built_and_split_when_deterministic() -> None:
+    call = AttentionCall("fp16", 128, 128, causal=2, bias=True)
+    mode, kernels = backward_params(call)
+    assert mode == "atomic"
+    assert list(kernels) == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq_convert"]
+    assert kernels["attn_bwd_dkdv"] == {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2,
+                                        "DROPOUT": 0, "VARLEN": 0, "BIAS": 2, "DQ_ATOMIC": 1}
+    assert kernels["attn_bwd_dq_convert"] == {"dtype": "fp16", "HEAD_DIM": 128, "VARLEN": 0}
+    mode, kernels = backward_params(call, deterministic=True)
+    assert mode == "split"
+    assert list(kernels) == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    assert kernels["attn_bwd_preprocess"]["DQ_ATOMIC"] == 0 and kernels["attn_bwd_dkdv"]["DQ_ATOMIC"] == 0
+    assert kernels["attn_bwd_dq"]["BIAS"] == 1
+    # Images without the convert kernel: split, whatever the preference.
+    no_convert = lambda name, params: name != "attn_bwd_dq_convert"
+    assert backward_params(call, no_convert)[0] == "split"
+    # A tuning rule may ask for split; it cannot make a deterministic call atomic.
+    assert backward_params(call, mode="split")[0] == "split"
+    assert backward_params(call, mode="atomic", deterministic=True)[0] == "split"
+
+
+def test_backward_writes_dbias_only_when_asked_and_dropout_replays_without_the_mask() -> None:
+    call = AttentionCall("bf16", 64, 64, bias=True, dropout=2)
+    _, kernels = backward_params(call, deterministic=True, dbias=False)
+    assert kernels["attn_bwd_dkdv"]["BIAS"] == 1 and kernels["attn_bwd_dkdv"]["DROPOUT"] == 1
+    assert kernels["attn_bwd_dq"]["DROPOUT"] == 1
+
+
+def test_tuning_rules_pick_the_first_match_by_arch_spec_and_length() -> None:
+    rules = [{"arch": "sm80", "config": 3},
+             {"spec": {"HEAD_DIM": 128}, "seqlen_k": [4096, None], "config": 2},
+             {"spec": {"HEAD_DIM": 128}, "seqlen_q": [None, 100], "config": 1}]
+    spec = {"dtype": "fp16", "HEAD_DIM": 128}
+    pick = lambda **kw: select_config(rules, kernel="attn_fwd", spec=spec, arch="sm90", **kw)
+    assert pick(seqlen_q=8192, seqlen_k=8192) == 2
+    assert pick(seqlen_q=64, seqlen_k=1024) == 1
+    assert pick(seqlen_q=1024, seqlen_k=1024) == 0
+    assert select_config(rules, kernel="attn_fwd", spec=spec, seqlen_q=1, seqlen_k=1, arch="sm80") == 3
+    assert select_config(None, kernel="attn_fwd", spec=spec, seqlen_q=1, seqlen_k=1) == 0
+    asked = []
+    select_config([{"spec": {"HEAD_DIM": 64}, "arch": "sm90", "config": 1}], kernel="attn_fwd", spec=spec,
+                  seqlen_q=1, seqlen_k=1, arch=lambda: asked.append(1) or "sm90")
+    assert asked == [], "the device arch is looked up only when a rule names one"
+    assert select_mode([{"seqlen_k": [None, 2048], "mode": "split"}], spec=spec, seqlen_q=1, seqlen_k=1) == "split"
+
+
+@pytest.mark.parametrize("rules,match", [
+    ({"config": 1}, r"catalog tuning\['attn_fwd'\] must be a list of rules, got dict"),
+    ([3], r"catalog tuning\['attn_fwd'\]\[0\] must be an object, got 3"),
+    ([{"seqlen_k": [1]}], r"catalog tuning\['attn_fwd'\]\[0\]\.seqlen_k must be \[low, high\]"),
+    ([{"config": -1}], r"config must be an integer >= 0"),
+])
+def test_malformed_tuning_rules_are_catalog_errors(rules: Any, match: str) -> None:
+    with pytest.raises(aotriton_rt.CatalogError, match=match):
+        select_config(rules, kernel="attn_fwd", spec={}, seqlen_q=1, seqlen_k=1)
+
+
+def test_head_dim_buckets_mirror_the_builder_declarations() -> None:
+    from builder.kernels import attention as kernels
+
+    assert op.HEAD_DIM_BUCKETS == kernels.HEAD_DIM_BUCKETS
+    assert op.UNEQUAL_HEAD_DIMS == kernels.UNEQUAL_HEAD_DIMS
+    assert op.DTYPES == kernels.DTYPES
+
+
+# ---------------------------------------------------------------------------------------------
+# Through a real Library over a synthetic catalog (no images: handles are made, never launched).
+# ---------------------------------------------------------------------------------------------
+
+def _synthetic_variant(name: str, spec: dict, index: int = 0, arch: str = "sm90") -> dict:
+    import hashlib
+
+    from builder.registry import _divisibility, _resolve_signature, load_kernels
+    from builder.targets import KNOWN
+
+    decl = load_kernels()[name]
+    signature = _resolve_signature(decl, spec)
+    div = _divisibility(decl, signature)
+    args, offset = [], 0
+    for arg, t in signature.items():
+        if t == "constexpr":
+            continue
+        size = 8 if t.startswith("*") or t in ("i64", "u64") else 4
+        offset = -(-offset // size) * size
+        args.append({"name": arg, "type": t, "offset": offset, "size": size, "align": size,
+                     **({"divisibility": div[arg]} if div.get(arg, 1) > 1 else {})})
+        offset += size
+    offset = -(-offset // 8) * 8
+    hidden = [{"name": n, "type": "*i8", "offset": offset + 8 * i, "size": 8, "align": 8}
+              for i, n in enumerate(("global_scratch", "profile_scratch"))]
+    config = decl.configs_for(spec, KNOWN[arch])[index]
+    body = {"kernel": name, "symbol": name, "target": {"backend": "cuda", "arch": arch, "warp_size": 32},
+            "spec": spec, "config": {"index": index, "constexprs": dict(config.constexprs),
+                                     "num_warps": config.num_warps, "num_stages": config.num_stages, "options": {}},
+            "args": args, "hidden_args": hidden, "param_size": offset + 16,
+            "scratch": {"global_size": 0, "global_align": 1, "profile_size": 0, "profile_align": 1},
+            "num_warps": config.num_warps, "num_ctas": 1, "cluster_dims": [1, 1, 1], "shared": 0,
+            "launch": {"cooperative": False, "pdl": False}, "grid": list(decl.grid), "checks": list(decl.checks),
+            "triton_version": "3.6.0"}
+    key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    body["key"] = key
+    body["image"] = {"path": f"cuda/{arch}/{name}/{name}-{key[:16]}.cubin.xz", "format": "cubin",
+                     "compression": "xz", "sha256": "0" * 64, "size": 1, "raw_sha256": "0" * 64, "raw_size": 1}
+    return body
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory) -> aotriton_rt.Library:
+    """fp16 D=64 images: the forward (no mask and bottom-right causal, configs 0 and 1) and the
+    split backward without mask; a tuning rule sends long keys to forward config 1."""
+    folder = tmp_path_factory.mktemp("synthetic")
+    base = {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64}
+    variants = []
+    for causal in (0, 2):
+        for index in (0, 1):
+            variants.append(_synthetic_variant("attn_fwd", {**base, "CAUSAL": causal, "BIAS": 0, "DROPOUT": 0,
+                                                            "VARLEN": 0}, index))
+    variants.append(_synthetic_variant("attn_bwd_preprocess", {**base, "VARLEN": 0, "DQ_ATOMIC": 0}))
+    variants.append(_synthetic_variant("attn_bwd_dkdv", {**base, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
+                                                         "DQ_ATOMIC": 0}))
+    variants.append(_synthetic_variant("attn_bwd_dq", {**base, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}))
+    catalog = {"schema": "aotriton-rt.catalog", "schema_version": 1, "triton_version": "3.6.0",
+               "tuning": {"attn_fwd": [{"arch": "sm90", "spec": {"HEAD_DIM": 64}, "seqlen_k": [4096, None],
+                                        "config": 1}]},
+               "variants": variants}
+    (folder / "catalog.json").write_text(json.dumps(catalog))
+    return aotriton_rt.Library(folder)
+
+
+def test_library_dispatch_reads_the_tuning_table_per_sequence_length(synthetic: aotriton_rt.Library) -> None:
+    short = op.attention_kernels(*qkv(S=1000), causal=True, library=synthetic)["attn_fwd"]
+    long = op.attention_kernels(*qkv(S=5000), causal=True, library=synthetic)["attn_fwd"]
+    assert short.params == {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 2, "BIAS": 0,
+                            "DROPOUT": 0, "VARLEN": 0}
+    assert [v.config.index for v in short.candidates] == [0, 1]  # the lowest index launches
+    assert [v.config.index for v in long.candidates] == [1]
+    assert long.params["BLOCK_M"] == long.candidates[0].config.constexprs["BLOCK_M"]
+
+
+def test_library_dispatch_falls_back_to_the_split_backward_it_holds(synthetic: aotriton_rt.Library) -> None:
+    kernels = op.attention_kernels(*qkv(), backward=True, library=synthetic)
+    assert list(kernels) == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    assert kernels["attn_bwd_dkdv"].params["DQ_ATOMIC"] == 0
+
+
+def test_a_combination_the_images_lack_names_itself_and_the_build_command(synthetic: aotriton_rt.Library) -> None:
+    with pytest.raises(KernelNotFound, match=r"attention \(fp16, head dim 64, causal/window top-left\) needs "
+                                             r"attn_fwd with dtype=fp16, HEAD_DIM=64, HEAD_DIM_V=64, CAUSAL=1, .*"
+                                             r"which these images lack; build it \(`python -m builder build --set "
+                                             r"full --kernels attn_fwd`\)(.|\n)*CAUSAL=0, asked 1"):
+        op.attention_kernels(*qkv(S=64, Sk=96), causal=True, library=synthetic)
+    with pytest.raises(KernelNotFound, match=r"attention \(fp16, head dim 64, causal/window top-left\) needs "
+                                             r"attn_bwd_dkdv with .*CAUSAL=2, DROPOUT=0, VARLEN=0, BIAS=0"):
+        op.attention_kernels(*qkv(), causal=True, backward=True, library=synthetic)
+    with pytest.raises(KernelNotFound, match=r"attention \(fp16, head dim 40, no mask\) needs attn_fwd with "
+                                             r"dtype=fp16, HEAD_DIM=48"):
+        op.attention_kernels(*qkv(D=40), library=synthetic)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: every refusal pinned; nothing is allocated or launched before it.
+# ---------------------------------------------------------------------------------------------
+
+def _fwd(*args: Any, **kw: Any) -> Any:
+    return op.attention(*args, **kw)
+
+
+REFUSALS = [
+    ("layout", lambda: _fwd(*qkv(), layout="sbhd"), ArgumentError,
+     r"layout must be 'bhsd' \(batch, heads, seqlen, head_dim\) or 'bshd' \(batch, seqlen, heads, head_dim\), "
+     r"got 'sbhd'"),
+    ("not_an_array", lambda: _fwd([1.0], *qkv()[1:]), ArgumentError, r"^q: cannot pass list as a GPU array"),
+    ("int_dtype", lambda: _fwd(*qkv(dtype="i32")), UnsupportedError,
+     r"q has dtype i32; attention supports fp16, bf16, fp32"),
+    ("dtype_mismatch", lambda: _fwd(qkv()[0], Dev(2, 4, 64, 64, dtype="fp32"), qkv()[2]), ArgumentError,
+     r"k has dtype fp32 but q has fp16; q, k, v \(and bias\) must share one dtype"),
+    ("3d_dense", lambda: _fwd(Dev(4, 64, 64), *qkv()[1:]), ArgumentError,
+     r"q must be 4-D \(batch, heads, seqlen, head_dim\) for layout='bhsd', got shape \(4, 64, 64\) \(packed "
+     r"varlen arrays need cu_seqlens_q/k\)"),
+    ("3d_bshd", lambda: _fwd(Dev(2, 64, 64), *qkv()[1:], layout="bshd"),
+     ArgumentError, r"q must be 4-D \(batch, seqlen, heads, head_dim\) for layout='bshd'"),
+    ("batch", lambda: _fwd(Dev(3, 4, 64, 64), *qkv()[1:]), ArgumentError, r"k has batch 2 but q has batch 3"),
+    ("kv_len", lambda: _fwd(*qkv()[:2], Dev(2, 4, 65, 64)), ArgumentError,
+     r"v has seqlen 65 but k has 64; k and v hold the same keys"),
+    ("qk_dim", lambda: _fwd(Dev(2, 4, 64, 32), *qkv()[1:]), ArgumentError,
+     r"k has head dim 64 but q has 32; q·k needs equal head dims \(v's may differ\)"),
+    ("dim_too_big", lambda: _fwd(*qkv(D=320)), UnsupportedError,
+     r"the q·k head dim 320 exceeds the largest supported head dim 256; supported: 1\.\.256 \(compiled buckets "
+     r"16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256; others are zero-padded\)"),
+    ("v_dim_too_big", lambda: _fwd(*qkv()[:2], Dev(2, 4, 64, 512)), UnsupportedError,
+     r"the v head dim 512 exceeds the largest supported head dim 256"),
+    ("v_heads", lambda: _fwd(*qkv()[:2], Dev(2, 2, 64, 64)), ArgumentError,
+     r"v has 2 heads but k has 4; k and v share their heads"),
+    ("gqa_ratio", lambda: _fwd(*qkv(H=6, Hk=4)), ArgumentError,
+     r"q has 6 heads, not a multiple of k's 4; grouped-query attention needs num_heads_q % num_heads_k == 0 "
+     r"\(MQA: 1 key/value head\)"),
+    ("grid", lambda: _fwd(*qkv(B=2000, H=40, S=16)), UnsupportedError,
+     r"batch \* heads_q = 2000 \* 40 = 80000 exceeds 65535, the kernels' grid limit; split the batch into chunks "
+     r"of at most 1638"),
+    ("scale", lambda: _fwd(*qkv(), scale=float("nan")), ArgumentError, r"scale must be a finite number, got nan"),
+    ("dropout_p", lambda: _fwd(*qkv(), dropout_p=1.0, seed=1), ArgumentError,
+     r"dropout_p must be a number in \[0, 1\), got 1\.0"),
+    ("dropout_seed", lambda: _fwd(*qkv(), dropout_p=0.1), ArgumentError,
+     r"dropout_p=0\.1 needs seed= \(and offset=\): the backward must replay the forward's mask from the same "
+     r"\(seed, offset\)"),
+    ("seed_range", lambda: _fwd(*qkv(), dropout_p=0.1, seed=-1), ArgumentError,
+     r"seed must be in \[0, 18446744073709551615\], got -1"),
+    ("offset_type", lambda: _fwd(*qkv(), dropout_p=0.1, seed=1, offset=1.5), ArgumentError,
+     r"offset must be an integer, got 1\.5"),
+    ("return_mask", lambda: _fwd(*qkv(), return_mask=True), ArgumentError,
+     r"return_mask=True returns the dropout mask, so it needs dropout_p > 0"),
+    ("causal_type", lambda: _fwd(*qkv(), causal="bottom_right"), ArgumentError,
+     r"causal must be True or False, got 'bottom_right'; choose the diagonal with align='top_left' or "
+     r"'bottom_right'"),
+    ("align", lambda: _fwd(*qkv(), causal=True, align="diagonal"), ArgumentError,
+     r"align must be 'top_left' or 'bottom_right', got 'diagonal'"),
+    ("window_value", lambda: _fwd(*qkv(), window=(3, -2)), ArgumentError,
+     r"window must be \(left, right\), two integers >= -1 \(-1: unbounded\), got \(3, -2\)"),
+    ("window_shape", lambda: _fwd(*qkv(), window=3), ArgumentError, r"window must be \(left, right\)"),
+    ("causal_window", lambda: _fwd(*qkv(), causal=True, window=(8, 4)), ArgumentError,
+     r"causal=True hides every key right of the diagonal, but window=\(8, 4\) asks for 4 keys there; pass "
+     r"window=\(8, 0\) or causal=False"),
+    ("bias_dtype", lambda: _fwd(*qkv(), bias=Dev(64, 64, dtype="fp32")), ArgumentError,
+     r"bias has dtype fp32 but q has fp16"),
+    ("bias_shape", lambda: _fwd(*qkv(), bias=Dev(3, 64, 64)), ArgumentError,
+     r"bias of shape \(3, 64, 64\) does not broadcast to \(batch, heads_q, seqlen_q, seqlen_k\) = \(2, 4, 64, 64\)"),
+    ("bias_5d", lambda: _fwd(*qkv(), bias=Dev(1, 2, 4, 64, 64)), ArgumentError,
+     r"bias of shape \(1, 2, 4, 64, 64\) does not broadcast"),
+    ("out_shape", lambda: _fwd(*qkv(), out=Dev(2, 4, 64, 32)), ArgumentError,
+     r"out must have shape \(2, 4, 64, 64\) and dtype fp16, got \(2, 4, 64, 32\) fp16"),
+    ("out_readonly", lambda: _fwd(*qkv(), out=Dev(2, 4, 64, 64, readonly=True)), ArgumentError,
+     r"out is read-only; pass a writable array"),
+    ("lse_dtype", lambda: _fwd(*qkv(), lse=Dev(2, 4, 64, dtype="fp16")), ArgumentError,
+     r"lse must have shape \(2, 4, 64\) and dtype fp32, got \(2, 4, 64\) fp16"),
+    ("one_cu", lambda: _fwd(Dev(100, 4, 64), Dev(100, 4, 64), Dev(100, 4, 64), cu_seqlens_q=Dev(3, dtype="i32")),
+     ArgumentError, r"variable-length attention needs both cu_seqlens_q and cu_seqlens_k"),
+    ("cu_dtype", lambda: _fwd(Dev(100, 4, 64), Dev(100, 4, 64), Dev(100, 4, 64),
+                              cu_seqlens_q=Dev(3, dtype="i64"), cu_seqlens_k=Dev(3, dtype="i32")), ArgumentError,
+     r"cu_seqlens_q must be int32, got i64; convert it, e\.g\. cu\.to\(torch\.int32\)"),
+    ("cu_lengths", lambda: _fwd(Dev(100, 4, 64), Dev(100, 4, 64), Dev(100, 4, 64), cu_seqlens_q=Dev(3, dtype="i32"),
+                                cu_seqlens_k=Dev(4, dtype="i32"), max_seqlen_q=50, max_seqlen_k=50), ArgumentError,
+     r"cu_seqlens_q has 3 entries but cu_seqlens_k has 4; both are batch \+ 1 long"),
+    ("cu_strided", lambda: _fwd(Dev(100, 4, 64), Dev(100, 4, 64), Dev(100, 4, 64),
+                                cu_seqlens_q=Dev(3, dtype="i32", strides=(2,)), cu_seqlens_k=Dev(3, dtype="i32")),
+     ArgumentError, r"cu_seqlens_q must be contiguous, got stride 2"),
+    ("cu_short", lambda: _fwd(Dev(100, 4, 64), Dev(100, 4, 64), Dev(100, 4, 64), cu_seqlens_q=Dev(1, dtype="i32"),
+                              cu_seqlens_k=Dev(1, dtype="i32")), ArgumentError,
+     r"cu_seqlens_q must be 1-D with batch \+ 1 >= 2 entries, got shape \(1,\)"),
+    ("varlen_4d", lambda: _fwd(*qkv(), cu_seqlens_q=Dev(3, dtype="i32"), cu_seqlens_k=Dev(3, dtype="i32")),
+     ArgumentError, r"q must be 3-D \(total, heads, head_dim\) with cu_seqlens, got shape \(2, 4, 64, 64\)"),
+    ("max_seqlen_dense", lambda: _fwd(*qkv(), max_seqlen_q=64), ArgumentError,
+     r"max_seqlen_q/max_seqlen_k only apply with cu_seqlens_q/cu_seqlens_k"),
+    ("max_seqlen_value", lambda: _fwd(Dev(100, 4, 64), Dev(100, 4, 64), Dev(100, 4, 64),
+                                      cu_seqlens_q=Dev(3, dtype="i32"), cu_seqlens_k=Dev(3, dtype="i32"),
+                                      max_seqlen_q=-5, max_seqlen_k=50), ArgumentError,
+     r"max_seqlen_q must be in \[0, 2147483647\], got -5"),
+]
+
+
+@pytest.mark.parametrize("case", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_forward_refuses_malformed_calls_before_any_launch(case: tuple) -> None:
+    call, exc, match = case
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def _bwd(**kw: Any) -> Any:
+    q, k, v = qkv()
+    args = {"dout": Dev(2, 4, 64, 64), "q": q, "k": k, "v": v, "out": Dev(2, 4, 64, 64),
+            "lse": Dev(2, 4, 64, dtype="fp32")}
+    args.update(kw)
+    return op.attention_backward(args.pop("dout"), args.pop("q"), args.pop("k"), args.pop("v"), args.pop("out"),
+                                 args.pop("lse"), **args)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"dout": Dev(2, 4, 64, 32)}, r"dout must have shape \(2, 4, 64, 64\) and dtype fp16 \(the forward's output\), "
+                                  r"got \(2, 4, 64, 32\) fp16"),
+    ({"out": Dev(2, 4, 64, 64, dtype="fp32")}, r"out must have shape \(2, 4, 64, 64\) and dtype fp16"),
+    ({"lse": Dev(2, 4, 64)}, r"lse must have shape \(2, 4, 64\) and dtype fp32 \(the forward's logsumexp\), got "
+                             r"\(2, 4, 64\) fp16"),
+    ({"deterministic": 1}, r"deterministic must be True or False, got 1"),
+    ({"dq": Dev(2, 4, 64, 64, dtype="fp32")}, r"dq must have shape \(2, 4, 64, 64\) and dtype fp16"),
+    ({"dropout_p": 0.2}, r"dropout_p=0\.2 needs seed="),
+])
+def test_backward_refuses_malformed_calls_before_any_launch(kw: dict, match: str) -> None:
+    with pytest.raises(ArgumentError, match=match):
+        _bwd(**kw)
+
+
+@pytest.fixture
+def two_devices():
+    # CAI pointers at or above 0x2000_0000_0000 "live" on device 1.
+    interop.set_pointer_device_resolver(lambda ptr: 1 if ptr >= 0x2000_0000_0000 else 0)
+    yield
+    interop.set_pointer_device_resolver(None)
+
+
+def test_arrays_on_two_devices_are_refused(two_devices: None) -> None:
+    q, k, v = Dev(2, 4, 64, 64, ptr=0x1000), Dev(2, 4, 64, 64, ptr=0x2000_0000_0000), Dev(2, 4, 64, 64, ptr=0x3000)
+    with pytest.raises(ArgumentError, match=r"k is on device 1 but q is on device 0; every array must be on one GPU"):
+        op.attention(q, k, v)
+    with pytest.raises(ArgumentError, match=r"bias is on device 1 but q is on device 0"):
+        op.attention(q, v, v, bias=Dev(64, 64, ptr=0x2000_0000_1000))
+
+
+# ---------------------------------------------------------------------------------------------
+# torch: fake implementations and the import contract.
+# ---------------------------------------------------------------------------------------------
+
+def test_fake_forward_gives_the_real_output_shapes_for_every_layout() -> None:
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from aotriton_rt.ops import torch as op_torch
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 33, 40, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(2, 2, 50, 40, dtype=torch.bfloat16, device="cuda")
+        v = torch.empty(2, 2, 50, 24, dtype=torch.bfloat16, device="cuda")
+        out, lse, mask = op_torch.attention(q, k, v, causal=True, dropout_p=0.1, seed=7, return_lse=True,
+                                            return_mask=True)
+        assert (out.shape, out.dtype, out.is_contiguous()) == ((2, 8, 33, 24), torch.bfloat16, True)
+        assert (lse.shape, lse.dtype) == ((2, 8, 33), torch.float32)
+        assert (mask.shape, mask.dtype) == ((2, 8, 33, 50), torch.int8)
+        out, lse = op_torch.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout="bshd",
+                                      return_lse=True)
+        assert out.shape == (2, 33, 8, 24) and lse.shape == (2, 8, 33)
+        packed = torch.empty(70, 8, 64, dtype=torch.float16, device="cuda")
+        cu = torch.empty(4, dtype=torch.int32, device="cuda")
+        kv = torch.empty(70, 2, 64, dtype=torch.float16, device="cuda")
+        out, lse, mask = op_torch.attention(packed, kv, kv, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                            max_seqlen_q=30, max_seqlen_k=30, dropout_p=0.5, seed=1,
+                                            return_lse=True, return_mask=True)
+        assert out.shape == (70, 8, 64) and lse.shape == (8, 70) and mask.shape == (3, 8, 30, 30)
+
+
+def test_fake_backward_gives_gradients_shaped_like_their_inputs() -> None:
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import aotriton_rt.ops.torch  # noqa: F401 - registers the ops
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 33, 40, device="cuda").transpose(1, 2)
+        k = torch.empty(2, 2, 50, 40, device="cuda").transpose(1, 2)
+        v = torch.empty(2, 2, 50, 24, device="cuda").transpose(1, 2)
+        out = torch.empty(2, 33, 8, 24, device="cuda")
+        lse = torch.empty(2, 8, 33, device="cuda")
+        bias = torch.empty(8, 1, 50, device="cuda")
+        dq, dk, dv, dbias = torch.ops.aotriton_rt.attention_bwd(
+            out, q, k, v, out, lse, bias, None, None, -1, -1, False, -1, -1, "top_left", 0.0, 0, 0, 0.1, "bshd",
+            False, True, 0)
+        assert (dq.shape, dk.shape, dv.shape, dbias.shape) == ((2, 33, 8, 40), (2, 50, 2, 40), (2, 50, 2, 24),
+                                                               (8, 1, 50))
+        assert dq.is_contiguous() and dk.is_contiguous()
+        *_, none = torch.ops.aotriton_rt.attention_bwd(
+            out, q, k, v, out, lse, bias, None, None, -1, -1, False, -1, -1, "top_left", 0.0, 0, 0, 0.1, "bshd",
+            False, False, 0)
+        assert none.shape == (0,)
+
+
+def test_operator_modules_import_no_framework_and_the_package_maps_its_names() -> None:
+    probe = ("import sys, aotriton_rt, aotriton_rt.ops.attention as m\n"
+             "assert aotriton_rt.attention is m.attention and aotriton_rt.attention_backward is m.attention_backward\n"
+             "print(sorted(x for x in sys.modules if x.split('.')[0] in ('torch', 'cupy', 'jax', 'triton', 'numpy')))")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end under the interpreter.
+# ---------------------------------------------------------------------------------------------
+
+def _run_interpreted(names: list[str]) -> list[dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__, *names], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or len(results) != len(names):
+        raise RuntimeError(f"interpreter subprocess failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    names = list(CASES)
+    shards = [names[i::2] for i in range(2)]  # CI has 2 cores
+    with ThreadPoolExecutor(len(shards)) as pool:
+        results = [r for part in pool.map(_run_interpreted, shards) for r in part]
+    return {r["name"]: r for r in results}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_operator_runs_the_real_kernels_and_matches_fp64_under_the_interpreter(interpreted: dict, name: str) -> None:
+    result = interpreted[name]
+    assert not result["failed"], f"{name}: {result['failed']} (errors {result['errors']})"
+    expected = {"out"} if CASES[name].get("api") == "opcheck" else {"out", "lse", "dq", "dk", "dv"}
+    if CASES[name].get("bias"):
+        expected.add("dbias")
+    assert expected <= set(result["errors"]), f"{name}: not every output was compared"
 
 
 if __name__ == "__main__":
