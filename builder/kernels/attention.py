@@ -181,10 +181,14 @@ def _fwd_block(
                 bias = tl.load(b_ptrs)
             qk += bias.to(tl.float32) * LOG2E
         if MASKED:
-            visible = cols[None, :] < seqlen_k
             if CAUSAL != 0:
+                # The sequence end folds into each row's right edge: j < seqlen_k is
+                # j - i - diag <= seqlen_k - 1 - i - diag.
                 rel = cols[None, :] - offs_m[:, None] - diag
-                visible = visible & (rel >= -left) & (rel <= right)
+                right_i = tl.minimum(right, seqlen_k - 1 - diag - offs_m)
+                visible = (rel >= -left) & (rel <= right_i[:, None])
+            else:
+                visible = offs_n[None, :] < seqlen_k - start_n
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row that has seen only masked keys keeps m = -inf and subtracts 0 (no NaN); its p and
@@ -368,7 +372,7 @@ def attn_fwd(
         f2 = len_k // BLOCK_N * BLOCK_N
         hi = len_k
     # The unmasked loop scales row maxima instead of scores, which needs a non-negative scale; a
-    # negative one (legal, if odd) sends every block through the masked loops instead.
+    # negative one (legal, if odd) sends every block through the first masked loop instead.
     f1 = tl.where(sm_scale < 0, lo, f1)
     f2 = tl.where(sm_scale < 0, lo, f2)
 
@@ -387,6 +391,9 @@ def attn_fwd(
             True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
             USE_TMA, True)
     else:
+        # Boundary blocks first, the unmasked run last (the softmax does not care about the
+        # order of key blocks): what only the masks need is dead by the hot loop, which
+        # keeps its registers (4-warp 128-row tiles run at the 255-register limit).
         if CAUSAL != 0:
             acc, l_i, m_i = _fwd_blocks(
                 acc, l_i, m_i, q, K_base, V_base, B_base, DM_base, k_desc, v_desc,
@@ -398,19 +405,19 @@ def attn_fwd(
                 USE_TMA, False)
         acc, l_i, m_i = _fwd_blocks(
             acc, l_i, m_i, q, K_base, V_base, B_base, DM_base, k_desc, v_desc,
-            stride_kn, stride_vn, stride_bm, stride_dmm, f1, f2,
-            offs_m, rows_b, offs_n, offs_dk, offs_dv,
-            len_q, len_k, diag, left, right, qk_scale,
-            philox_seed, philox_offset, bh, dropout_p,
-            False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
-            USE_TMA, False)
-        acc, l_i, m_i = _fwd_blocks(
-            acc, l_i, m_i, q, K_base, V_base, B_base, DM_base, k_desc, v_desc,
             stride_kn, stride_vn, stride_bm, stride_dmm, f2, hi,
             offs_m, rows_b, offs_n, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale,
             philox_seed, philox_offset, bh, dropout_p,
             True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
+            USE_TMA, False)
+        acc, l_i, m_i = _fwd_blocks(
+            acc, l_i, m_i, q, K_base, V_base, B_base, DM_base, k_desc, v_desc,
+            stride_kn, stride_vn, stride_bm, stride_dmm, f1, f2,
+            offs_m, rows_b, offs_n, offs_dk, offs_dv,
+            len_q, len_k, diag, left, right, qk_scale,
+            philox_seed, philox_offset, bh, dropout_p,
+            False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
             USE_TMA, False)
 
     # Epilogue: rows that saw no key have l = 0; they output 0 and logsumexp -inf.
@@ -423,7 +430,9 @@ def attn_fwd(
     row_ok = offs_m < len_q
     L_base = LSE + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + q_start
     tl.store(L_base + offs_m, lse, mask=row_ok)
-    if USE_TMA:
+    if USE_TMA and not WARP_SPEC:
+        # (Warp-specialized kernels store with plain stores: their TMA store's staging buffer
+        # would not share memory with the K/V ring, and one more K/V stage fits instead.)
         o_desc = tl.make_tensor_descriptor(O_base, shape=[len_q - start_m, HEAD_DIM_V], strides=[stride_om, 1],
                                            block_shape=[BLOCK_M, BLOCK_DV])
         o_desc.store([0, 0], acc.to(Out.dtype.element_ty))
