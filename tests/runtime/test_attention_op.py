@@ -911,6 +911,61 @@ def test_operator_modules_import_no_framework_and_the_package_maps_its_names() -
 
 
 # ---------------------------------------------------------------------------------------------
+# The GPU matrix (tests/runtime/test_attention_gpu.py) against the gputest build set.
+# ---------------------------------------------------------------------------------------------
+
+class _Recorder:
+    """A library that hands out the parameters it is asked for."""
+
+    catalogs: list = []
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, dict]] = []
+
+    def kernel(self, name: str, **params: Any) -> dict:
+        self.asked.append((name, params))
+        return params
+
+
+def test_every_kernel_the_gpu_matrix_dispatches_is_in_the_gputest_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = pytest.importorskip("tests.runtime.test_attention_gpu")
+    from builder.kernels._attention_sets import in_gputest_set
+    from builder.registry import load_kernels
+    from builder.targets import KNOWN
+
+    decls = load_kernels()
+    for name in ("attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"):
+        assert decls[name].sets["gputest"] is in_gputest_set
+    atomic = {"on": False}
+    monkeypatch.setattr(op, "_available", lambda lib, name, params: atomic["on"] or name != "attn_bwd_dq_convert")
+    missing = []
+    for name, case in {**gpu.MATRIX, **gpu.STANDALONE}.items():
+        pl = gpu.plan(case)
+        dtype = pl.dtype if pl.dtype != "bf16" else "fp16"  # CAI has no bf16; the spec's dtype is patched below
+        arrays = [Dev(*shape, dtype=dtype) for shape in (pl.q, pl.k, pl.v)]
+        opts = dict(pl.options)
+        if pl.bias is not None:
+            opts["bias"] = Dev(*pl.bias, dtype=dtype)
+        if pl.varlen:
+            cu_q = Dev(len(pl.lens_q) + 1, dtype="i32")
+            opts.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_q if case.get("self_cu") else Dev(len(pl.lens_k) + 1,
+                                                                                            dtype="i32"))
+        rec = _Recorder()
+        atomic["on"] = bool(case.get("atomic"))
+        for mask in ((False, True) if case.get("dropout") else (False,)):
+            op.attention_kernels(*arrays, **opts, return_mask=mask, library=rec)
+        op.attention_kernels(*arrays, **opts, backward=True, **pl.backward, library=rec)
+        if case.get("atomic"):
+            assert "attn_bwd_dq_convert" in [n for n, _ in rec.asked], f"{name}: the atomic scheme was not chosen"
+        for kernel, params in rec.asked:
+            params = {**params, "dtype": pl.dtype}
+            decl = decls[kernel]
+            if (decl.exclude and decl.exclude(params, KNOWN["sm90"])) or not in_gputest_set(params, KNOWN["sm90"]):
+                missing.append(f"{name}: {kernel}[{params}]")
+    assert not missing, "kernels the GPU matrix needs but the gputest set lacks:\n" + "\n".join(missing)
+
+
+# ---------------------------------------------------------------------------------------------
 # End to end under the interpreter.
 # ---------------------------------------------------------------------------------------------
 
