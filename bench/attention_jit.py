@@ -7,16 +7,21 @@ backward 2.5× forward. Times are ``triton.testing.do_bench`` medians.
 
     python bench/attention_jit.py                      # issue shapes, registry default configs
     python bench/attention_jit.py --configs            # sweep block/warp/stage/TMA/WS configs (D=128)
-    python bench/attention_jit.py --configs --kernels fwd --causal 0   # one slice of the sweep
+    python bench/attention_jit.py --configs --kernels fwd --n 4096 16384 --causal 0 2 --aot
     python bench/attention_jit.py --aot                # also time the registry's AOT binaries
     python bench/attention_jit.py --n 4096 --d 128 --causal 0 --dtype fp16 --json out.json
 
 ``--configs`` precompiles every candidate in parallel worker processes (Triton's disk cache
 carries the binaries to this process), then times each kernel alone: the forward, and the two
 backward kernels separately (dk/dv and dq are independent), and prints the winners per shape as
-config-table entries. ``--aot`` compiles the variants exactly as the builder does (registry
-signature, divisibility, options; no JIT value specialization) and launches the binaries, to
-compare the AOT image with the JIT of the same source.
+config-table entries. Forward candidates are first checked against SDPA's output and
+logsumexp on the same shape; a wrong one is reported and not ranked. On sm90 the forward
+candidates are a short list of plausible tiles (``--wide`` for the full product). A final table
+gives, per shape, cuDNN, the registry's config #0 and the best candidate in TFLOP/s, and with
+``--aot`` the AOT binary of every registry forward config next to the JIT of the same config.
+``--aot`` compiles the variants exactly as the builder does (registry signature, divisibility,
+options; no JIT value specialization) and launches the binaries, to compare the AOT image with
+the JIT of the same source.
 """
 
 from __future__ import annotations
@@ -166,23 +171,31 @@ def launch(p: Problem, kernel: str, cfg: dict) -> None:
 
 
 def warmup(job: tuple) -> str | None:
-    """Worker: compile one (problem, kernel, config) through the JIT into the disk cache."""
+    """Worker: compile one (problem, kernel, config) into the disk cache: through the JIT, or
+    with ``cfg == ("aot", arch, index)`` as the builder compiles registry config #index."""
     shape, kernel, cfg = job
     p = Problem(*shape, materialize=False)
     try:
-        KERNELS[kernel].warmup(*p.args(kernel, mock=True), grid=(1,), **p.flags(kernel), **cfg)
+        if isinstance(cfg, tuple):
+            aot_compile(p, kernel, cfg[1], cfg[2])
+        else:
+            KERNELS[kernel].warmup(*p.args(kernel, mock=True), grid=(1,), **p.flags(kernel), **cfg)
         return None
     except Exception as exc:  # reported, the config is skipped
         return f"{type(exc).__name__}: {str(exc)[-300:]}"
+
+
+_POOL: list = []  # one worker pool for the whole run: each worker imports torch and triton once
 
 
 def precompile(jobs: list[tuple], workers: int) -> dict:
     """Compile in parallel; returns {job index: error} for the ones that failed."""
     if not jobs:
         return {}
-    ctx = __import__("multiprocessing").get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        errors = list(pool.map(warmup, jobs))
+    if not _POOL:
+        ctx = __import__("multiprocessing").get_context("spawn")
+        _POOL.append(ProcessPoolExecutor(workers, mp_context=ctx))
+    errors = list(_POOL[0].map(warmup, jobs))
     return {i: e for i, e in enumerate(errors) if e}
 
 
@@ -190,7 +203,9 @@ def precompile(jobs: list[tuple], workers: int) -> dict:
 # AOT: compile exactly as the builder does, launch the binary.
 # ------------------------------------------------------------------------------------------------
 
-def aot_launcher(p: Problem, kernel: str, arch: str, index: int = 0):
+def aot_compile(p: Problem, kernel: str, arch: str, index: int = 0):
+    """(compiled kernel, registry job) of config #index, compiled as the builder does; None if
+    the registry has no such variant."""
     from triton.compiler import ASTSource
 
     from builder.registry import expand, load_kernels
@@ -206,9 +221,16 @@ def aot_launcher(p: Problem, kernel: str, arch: str, index: int = 0):
     names = list(job.signature)
     attrs = {(names.index(n),): [["tt.divisibility", d]] for n, d in job.divisibility.items()}
     src = ASTSource(fn=decl.fn, signature=dict(job.signature), constexprs=dict(job.constexprs), attrs=attrs)
-    compiled = triton.compile(src, target=job.target.gpu_target(), options=job.options())
-    cfg = {**job.config.constexprs}
-    grid = p.grid(kernel, cfg)
+    return triton.compile(src, target=job.target.gpu_target(), options=job.options()), job
+
+
+def aot_launcher(p: Problem, kernel: str, arch: str, index: int = 0):
+    built = aot_compile(p, kernel, arch, index)
+    if built is None:
+        return None
+    compiled, job = built
+    names = list(job.signature)
+    grid = p.grid(kernel, dict(job.config.constexprs))
     # The launcher takes every argument in order, constexprs included (it skips them).
     values = p.args(kernel) + [job.constexprs[n] for n in names if job.signature[n] == "constexpr"]
     runner = compiled[grid]
@@ -281,10 +303,28 @@ def tflops(flops: float, ms: float | None) -> float | None:
     return None if ms is None else flops / (ms * 1e-3) / 1e12
 
 
-def sweep_candidates(kernel: str, p: Problem, arch: str) -> list[dict]:
-    """Configs to rank: block sizes x warps x stages, and on sm90 the TMA / warp-specialized paths."""
+# sm90 forward tiles worth timing: (BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, warps, stages). Two
+# 4-warp 128x64 programs fit an SM (255 registers, 96 KB of shared memory each); 8 warps or
+# 128-key tiles hold one program per SM; warp specialization turns 4 warps into a producer and
+# two consumer warp groups; the plain 8-warp tile is the pre-TMA default.
+SM90_FWD = ((128, 64, 1, 0, 4, 2), (128, 64, 1, 0, 8, 2), (128, 128, 1, 0, 8, 2), (128, 128, 1, 0, 8, 3),
+            (64, 64, 1, 0, 4, 2), (64, 128, 1, 0, 4, 2), (256, 64, 1, 0, 8, 2), (128, 64, 1, 1, 4, 3),
+            (128, 64, 1, 1, 4, 4), (128, 128, 1, 1, 4, 2), (128, 64, 0, 0, 8, 3))
+
+
+def sweep_candidates(kernel: str, p: Problem, arch: str, wide: bool = False) -> list[dict]:
+    """Configs to rank. Forward on sm90: SM90_FWD and the registry's table (``wide``: the full
+    block x warp x stage x TMA product); elsewhere the product of block sizes, warps, stages."""
     out = []
-    if kernel == "fwd":
+    if kernel == "fwd" and arch == "sm90" and not wide:
+        for bm, bn, tma, ws, w, s in SM90_FWD:
+            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma, "WARP_SPEC": ws, "num_warps": w,
+                        "num_stages": s})
+        for c in CONFIG_TABLE["fwd"](p.spec("fwd"), KNOWN[arch]):
+            cfg = {**c.constexprs, "num_warps": c.num_warps, "num_stages": c.num_stages, **c.options}
+            if cfg not in out:
+                out.append(cfg)
+    elif kernel == "fwd":
         for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
             if bm * bn * p.D > 128 * 128 * 128 and s > 2 or (w == 8 and bm == 64):
                 continue
@@ -304,18 +344,60 @@ def sweep_candidates(kernel: str, p: Problem, arch: str) -> list[dict]:
     return out
 
 
-def run_sweep(problems: list[Problem], arch: str, workers: int, top: int, kernels: tuple[str, ...]) -> dict:
+def fwd_reference(p: Problem) -> tuple:
+    """SDPA's (flash backend) output and natural-log LSE for the problem: what a forward
+    candidate must reproduce before it is ranked. LSE is None where the op is unavailable."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    scale = 1.0 / math.sqrt(p.D)
+    try:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            p.q, p.k, p.v, 0.0, bool(p.causal), False, scale=scale)[:2]
+        return out, lse.float()
+    except Exception:  # an older/newer signature: compare the output alone
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(p.q, p.k, p.v, is_causal=bool(p.causal))
+        return out, None
+
+
+def fwd_error(p: Problem, ref: tuple) -> float:
+    """Largest absolute difference of our output (and LSE) from the reference, after a launch."""
+    out, lse = ref
+    err = (p.o.float() - out.float()).abs().max().item()
+    if lse is not None:
+        err = max(err, (p.lse - lse).abs().max().item())
+    return err
+
+
+FWD_TOL = 5e-3  # absolute, on outputs of magnitude < 1 and on LSE; fp16/bf16 rounding is ~1e-3
+
+
+def run_sweep(problems: list[Problem], arch: str, workers: int, top: int, kernels: tuple[str, ...],
+              aot: bool = False, wide: bool = False) -> dict:
     results = {}
     for p in problems:
-        jobs = [((p.B, p.H, p.N, p.D, p.causal, p.dtype), k, c)
-                for k in kernels for c in sweep_candidates(k, p, arch)]
-        errors = precompile(jobs, workers)
+        shape = (p.B, p.H, p.N, p.D, p.causal, p.dtype)
+        jobs = [(shape, k, c) for k in kernels for c in sweep_candidates(k, p, arch, wide)]
+        n_reg = len(CONFIG_TABLE["fwd"](p.spec("fwd"), KNOWN[arch])) if "fwd" in kernels else 0
+        aot_jobs = [(shape, "fwd", ("aot", arch, i)) for i in range(n_reg)] if aot else []
+        errors = precompile(jobs + aot_jobs, workers)
         print(f"\n== sweep {p.label}: {len(jobs)} configs, {len(errors)} failed to compile", flush=True)
+        for i, e in sorted(errors.items()):
+            print(f"   compile failed: {(jobs + aot_jobs)[i][1:]}: {e[-160:]}")
+        ref = fwd_reference(p) if "fwd" in kernels else None
         per_kernel: dict[str, list] = {k: [] for k in kernels}
         for i, (_, kernel, cfg) in enumerate(jobs):
             if i in errors:
                 continue
             try:
+                if kernel == "fwd":
+                    p.o.fill_(float("nan"))
+                    p.lse.fill_(float("nan"))
+                    launch(p, kernel, cfg)
+                    err = fwd_error(p, ref)
+                    if not err <= FWD_TOL:  # NaN fails too
+                        print(f"   WRONG fwd {cfg}: max error {err:.3g} > {FWD_TOL}")
+                        continue
                 ms = bench_ms(lambda p=p, kernel=kernel, cfg=cfg: launch(p, kernel, cfg))
             except Exception as exc:  # out of resources etc.
                 print(f"   skip {kernel} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
@@ -333,7 +415,11 @@ def run_sweep(problems: list[Problem], arch: str, workers: int, top: int, kernel
                 print(f"   {ms:8.3f} ms  {cfg}")
             if rows:
                 best[kernel] = rows[0]
+        res: dict = {k: {"ms": v[0], "config": v[1]} for k, v in best.items()}
+        res.update({f"{k}_ms": v for k, v in small_ms.items()})
         if "fwd" in best:
+            res["fwd_all"] = [{"ms": ms, "config": cfg} for ms, cfg in per_kernel["fwd"]]
+            res.update(fwd_summary(p, arch, per_kernel["fwd"], aot, n_reg, ref))
             print(f"   fwd best: {tflops(p.flops_fwd, best['fwd'][0]):.0f} TFLOP/s")
         if "dkdv" in best and "dq" in best:
             total = pre_ms + best["dkdv"][0] + best["dq"][0]
@@ -343,9 +429,93 @@ def run_sweep(problems: list[Problem], arch: str, workers: int, top: int, kernel
             total = small_ms["prea"] + best["dkdva"][0] + small_ms["conv"]
             print(f"   bwd best, atomic dQ: {tflops(2.5 * p.flops_fwd, total):.0f} TFLOP/s "
                   f"(pre {small_ms['prea']:.3f} + dkdv {best['dkdva'][0]:.3f} + convert {small_ms['conv']:.3f} ms)")
-        results[p.label] = {k: {"ms": v[0], "config": v[1]} for k, v in best.items()}
-        results[p.label].update({f"{k}_ms": v for k, v in small_ms.items()})
+        results[p.label] = res
     return results
+
+
+def fwd_summary(p: Problem, arch: str, rows: list, aot: bool, n_reg: int, ref: tuple) -> dict:
+    """cuDNN, registry #0 and best forward for one swept shape; AOT vs JIT of each registry config."""
+    out: dict = {}
+    fwd, _, err = sdpa_fns(p, "cudnn")
+    out["cudnn_ms"] = None if err else bench_ms(fwd)
+    timed = {json.dumps(cfg, sort_keys=True): ms for ms, cfg in rows}
+    out["registry"] = []
+    for i in range(n_reg):
+        cfg = registry_config(p, "fwd", arch, i)
+        entry = {"index": i, "config": cfg, "jit_ms": timed.get(json.dumps(cfg, sort_keys=True))}
+        if aot:
+            try:
+                fn = aot_launcher(p, "fwd", arch, i)
+                p.o.fill_(float("nan"))
+                p.lse.fill_(float("nan"))
+                fn()
+                err = fwd_error(p, ref)
+                entry["aot_ms"] = bench_ms(fn) if err <= FWD_TOL else None
+                entry["aot_error"] = err
+            except Exception as exc:
+                entry["aot_failed"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        out["registry"].append(entry)
+    for e in out["registry"]:
+        line = f"   registry #{e['index']}: JIT {e['jit_ms'] or float('nan'):.3f} ms"
+        if aot:
+            line += f", AOT {e.get('aot_ms') or float('nan'):.3f} ms"
+            if e.get("aot_ms") and e.get("jit_ms"):
+                line += f" ({(e['aot_ms'] / e['jit_ms'] - 1) * 100:+.1f}%)"
+            line += f" {e.get('aot_failed', '')}"
+        print(line + f"  {e['config']}")
+    return out
+
+
+def print_sweep_table(sweep: dict) -> None:
+    """One line per swept shape: cuDNN, registry #0, best candidate (TFLOP/s) and their ratios."""
+    rows = [(label, r) for label, r in sweep.items() if "registry" in r]
+    if not rows:
+        return
+    head = (f"{'shape':<34}{'cudnn':>7}{'#0':>7}{'#0/cud':>8}{'aot#0':>7}{'aot/jit':>8}{'best':>7}"
+            f"{'best/cud':>9}  best config")
+    print("\nforward TFLOP/s (do_bench median)\n" + head + "\n" + "-" * (len(head) + 20))
+    for label, r in rows:
+        p = Problem(*problem_of(label), materialize=False)
+        cud = tflops(p.flops_fwd, r.get("cudnn_ms"))
+        reg0 = r["registry"][0] if r["registry"] else {}
+        t0 = tflops(p.flops_fwd, reg0.get("jit_ms"))
+        a0 = tflops(p.flops_fwd, reg0.get("aot_ms"))
+        tb = tflops(p.flops_fwd, r["fwd"]["ms"])
+
+        def f(x, w=7, d=0):
+            return f"{x:>{w}.{d}f}" if x is not None else f"{'-':>{w}}"
+        cfg = r["fwd"]["config"]
+        short = (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+                 f"{' tma' if cfg.get('USE_TMA') else ''}{' ws' if cfg.get('WARP_SPEC') else ''}")
+        print(f"{label:<34}{f(cud)}{f(t0)}{f(t0 / cud if t0 and cud else None, 8, 2)}{f(a0)}"
+              f"{f(a0 / t0 if a0 and t0 else None, 8, 3)}{f(tb)}{f(tb / cud if cud else None, 9, 2)}  {short}")
+    print("Floor (issue #4): forward >= 0.85x cuDNN at D=128, N >= 4096 (causal too); AOT within 3% of JIT.\n"
+          "#0 is the registry's default config (what the operator launches); reorder fwd_configs if 'best' wins.")
+
+
+def problem_of(label: str) -> tuple:
+    """Problem arguments back from a label ("fp16 B4 H32 N4096 D128 causal")."""
+    dtype, b, h, n, d, c = label.split()
+    return int(b[1:]), int(h[1:]), int(n[1:]), int(d[1:]), {"full": 0, "causal-tl": 1, "causal": 2}[c], dtype
+
+
+def precompile_table(problems: list[Problem], arch: str, aot: bool, index: int, workers: int) -> None:
+    """Warm the disk cache with every kernel the table launches (JIT, and AOT with ``aot``)."""
+    jobs, seen = [], set()
+    for p in problems:
+        shape = (p.B, p.H, p.N, p.D, p.causal, p.dtype)
+        for k in KERNELS:
+            cfg = registry_config(p, k, arch, index if k == "fwd" else 0)
+            key = (p.D, p.causal, p.dtype, k, json.dumps(cfg, sort_keys=True))
+            if key not in seen:
+                seen.add(key)
+                jobs.append((shape, k, cfg))
+            if aot and k in ("fwd", *BWD["split"]) and key[:4] + ("aot",) not in seen:
+                seen.add(key[:4] + ("aot",))
+                jobs.append((shape, k, ("aot", arch, index if k == "fwd" else 0)))
+    errors = precompile(jobs, workers)
+    for i, e in sorted(errors.items()):
+        print(f"compile failed: {jobs[i][1:]}: {e[-200:]}")
 
 
 def run_table(problems: list[Problem], arch: str, aot: bool, index: int) -> list[dict]:
@@ -407,7 +577,8 @@ def main() -> None:
     ap.add_argument("--configs", action="store_true", help="sweep configs per shape (tuning mode)")
     ap.add_argument("--aot", action="store_true", help="also time the registry's AOT-compiled binaries")
     ap.add_argument("--fwd-config", type=int, default=0,
-                    help="registry forward config index to time (sm90: 0 plain, 1 TMA, 2 TMA+WS)")
+                    help="registry forward config index to time (sm90 D128: 0 4-warp TMA, 1 warp-specialized, "
+                    "2 8-warp TMA 128x128, 3 plain pointers)")
     ap.add_argument("--b", type=int, default=4)
     ap.add_argument("--h", type=int, default=32)
     ap.add_argument("--n", type=int, nargs="*", default=None, help="sequence lengths (default 1024 4096 16384; "
@@ -420,6 +591,7 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="*", default=None, help="fp16 bf16 (default both; sweep: fp16)")
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
     ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--wide", action="store_true", help="sm90 forward sweep: the full product, not SM90_FWD")
     ap.add_argument("--json", type=str, default=None, help="write the results here")
     args = ap.parse_args()
 
@@ -437,7 +609,13 @@ def main() -> None:
         sys.exit(f"--kernels: unknown {', '.join(sorted(unknown))}; choose from fwd, dkdv, dq, dkdva")
     print(f"device {torch.cuda.get_device_name(0)} ({arch}), torch {torch.__version__}, triton {triton.__version__}")
 
-    check_p = Problem(2, 4, 1024, max(ds), 2, dtypes[0])
+    # Compile in parallel first: the check's kernels, and in table mode everything it launches.
+    check_shape = (2, 4, 1024, max(ds), 2, dtypes[0])
+    table = [] if args.configs else [Problem(args.b, args.h, n, d, c, dt, materialize=False)
+                                     for dt in dtypes for d in ds for n in ns for c in args.causal]
+    precompile_table([Problem(*check_shape, materialize=False), *table], arch, args.aot and not args.configs,
+                     args.fwd_config, args.workers)
+    check_p = Problem(*check_shape)
     print("check vs fp32 SDPA:", check(check_p, {k: registry_config(check_p, k, arch, args.fwd_config if k == "fwd"
                                                                       else 0) for k in KERNELS}))
     del check_p
@@ -449,7 +627,8 @@ def main() -> None:
                 for c in args.causal:
                     p = Problem(args.b, args.h, n, d, c, dt)
                     if args.configs:
-                        out.setdefault("sweep", {}).update(run_sweep([p], arch, args.workers, args.top, kernels))
+                        out.setdefault("sweep", {}).update(
+                            run_sweep([p], arch, args.workers, args.top, kernels, args.aot, args.wide))
                     else:
                         out.setdefault("table", []).extend(run_table([p], arch, args.aot, args.fwd_config))
                     del p
@@ -458,6 +637,8 @@ def main() -> None:
                         Path(args.json).write_text(json.dumps(out, indent=1))
     if "table" in out:
         print_table(out["table"], args.aot)
+    if "sweep" in out:
+        print_sweep_table(out["sweep"])
 
 
 if __name__ == "__main__":
