@@ -64,7 +64,9 @@ for step in range(5):
     optimizer.step()
 
 fwd = aotriton_rt.ops.attention.attention_kernels(ql, kl, vl, causal=True, layout="bshd")["attn_fwd"]
-print(f"{dtype} on {torch.cuda.get_device_name()}: attn_fwd {fwd.params} config {fwd.variant(0).config.index}")
+variant = fwd.variant(torch.cuda.current_device())
+print(f"{dtype} on {torch.cuda.get_device_name()}: attn_fwd {variant.spec}, config #{variant.config.index} "
+      f"{variant.config.constexprs}")
 limit = 3e-2 if dtype == torch.bfloat16 else 5e-3
 assert worst < limit, f"max relative error {worst:.2e} exceeds {limit}"
 print(f"torch: attention matches fp32 SDPA (worst {worst:.2e} < {limit})")

@@ -442,7 +442,8 @@ class _TorchArrays:
     def convert(self, obj: Any, info: interop.ArrayInfo) -> Any:
         torch = self.torch
         if isinstance(obj, torch.Tensor):
-            return obj
+            # The kernels are outside autograd; copies made here must not join the caller's graph.
+            return obj.detach() if obj.requires_grad else obj
         if hasattr(obj, "__dlpack__"):
             return torch.from_dlpack(obj)
         return torch.as_tensor(obj, device=torch.device("cuda", max(info.device, 0)))

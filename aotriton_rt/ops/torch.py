@@ -168,10 +168,13 @@ def _dropout_state(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         gen = torch.cuda.default_generators[device.index if device.index is not None else
                                             torch.cuda.current_device()]
-        offset = gen.get_offset()
-        gen.set_offset(offset + _OFFSET_STEP)
-        return gen.initial_seed() % 2**64, offset
-    # Generators without a Philox offset (CPU): a fresh seed drawn from them.
+        try:
+            offset = gen.get_offset()
+            gen.set_offset(offset + _OFFSET_STEP)
+            return gen.initial_seed() % 2**64, offset
+        except RuntimeError:
+            pass  # a generator that cannot report its offset (e.g. while capturing): draw a seed
+    # Generators without a Philox offset (CPU): a fresh seed drawn from torch's default one.
     return int(torch.randint(0, _I64 - 1, (), dtype=torch.int64).item()), 0
 
 

@@ -131,6 +131,7 @@ MATRIX: dict[str, dict] = {
 # The standalone tests below, as cases: the CPU test checks their kernels are in the set too.
 STANDALONE: dict[str, dict] = {
     "dropout_mask_reproducible": _case(dropout=0.2),
+    "torch_dropout_manual_seed": _case(dropout=0.2),
     "deterministic_backward": _case("bf16", Hq=8, Hk=2, causal=True),
     "atomic_vs_split": _case(causal=True, atomic=True),
     "torch_compile_training": _case("bf16", layout="bshd", causal=True),
@@ -403,6 +404,19 @@ def test_dropout_mask_is_reproducible_and_moves_with_the_offset(lib: Any) -> Non
     assert not torch.equal(first[2], moved[2])
     kept = first[2].float().mean().item()
     assert abs(kept - 0.8) < 0.01, f"kept {kept:.4f} of the elements, expected 0.8"
+
+
+def test_torch_dropout_without_a_seed_follows_torch_manual_seed(lib: Any) -> None:
+    from aotriton_rt.ops import torch as op_torch
+
+    q, k, v = (torch.randn(2, 4, 257, 64, device=DEVICE, dtype=torch.float16) for _ in range(3))
+    torch.manual_seed(1)
+    first = op_torch.attention(q, k, v, dropout_p=0.2, return_mask=True, library=lib)[1]
+    second = op_torch.attention(q, k, v, dropout_p=0.2, return_mask=True, library=lib)[1]
+    torch.manual_seed(1)
+    replay = op_torch.attention(q, k, v, dropout_p=0.2, return_mask=True, library=lib)[1]
+    assert torch.equal(first, replay), "torch.manual_seed did not reproduce the dropout mask"
+    assert not torch.equal(first, second), "two calls drew the same dropout mask"
 
 
 def test_deterministic_backward_is_bitwise_reproducible(lib: Any) -> None:
