@@ -111,25 +111,28 @@ def _dropout_keep(philox_seed, philox_offset, bh, rows, cols, dropout_p):
 
 
 @triton.jit
-def _causal_order(num_m_blocks, num_bh):
-    """(query block, batch*head) of this program under a causal mask: longest first.
+def _causal_order(num_blocks, num_bh, HEAVY_LAST: tl.constexpr):
+    """(block along axis 0, batch*head) of this program under a causal mask: longest first.
 
     The hardware starts programs in linear order (axis 0 fastest). Taken in that order, programs
-    cover groups of heads, and inside a group every head's heaviest query block (the most visible
-    keys) before any lighter one, so the lightest blocks finish the grid (longest-processing-time
-    order; a short tail). Groups hold about CAUSAL_GROUP_PROGRAMS programs, so the heads in flight
-    at once stay few and their K/V stay in L2.
+    cover groups of heads, and inside a group every head's heaviest block before any lighter one,
+    so the lightest blocks finish the grid (longest-processing-time order: a short tail). The
+    heaviest block is the last one (HEAVY_LAST: query blocks see the most keys) or the first (key
+    blocks of the backward see the most queries). Groups hold about CAUSAL_GROUP_PROGRAMS
+    programs, so the heads in flight at once stay few and their K/V stay in L2.
     """
-    lin = tl.program_id(1).to(tl.int64) * num_m_blocks + tl.program_id(0)
-    heads = tl.maximum(CAUSAL_GROUP_PROGRAMS // num_m_blocks, 1)
-    per_group = heads * num_m_blocks
+    lin = tl.program_id(1).to(tl.int64) * num_blocks + tl.program_id(0)
+    heads = tl.maximum(CAUSAL_GROUP_PROGRAMS // num_blocks, 1)
+    per_group = heads * num_blocks
     group = lin // per_group
     first = group * heads
     size = tl.minimum(heads, num_bh - first)
     rem = lin - group * per_group
-    pid_m = num_m_blocks - 1 - rem // size
+    pid = rem // size
+    if HEAVY_LAST:
+        pid = num_blocks - 1 - pid
     pid_bh = first + rem % size
-    return pid_m.to(tl.int32), pid_bh.to(tl.int32)
+    return pid.to(tl.int32), pid_bh.to(tl.int32)
 
 
 @triton.jit
@@ -294,7 +297,7 @@ def attn_fwd(
 
     num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
     if CAUSAL != 0:
-        pid_m, pid_bh = _causal_order(num_m_blocks, batch * num_heads_q)
+        pid_m, pid_bh = _causal_order(num_m_blocks, batch * num_heads_q, True)
     else:
         # Blocks of one head run side by side and share its K/V in L2.
         pid_m = tl.program_id(0)

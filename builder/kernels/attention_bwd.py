@@ -19,6 +19,7 @@ from builder.kernels.attention import (
     GQA_CHECKS,
     HEAD_DIM_BUCKETS,
     LOG2E,
+    _causal_order,
     _dropout_keep,
     _hip_options,
     _span,
@@ -245,8 +246,12 @@ def attn_bwd_dkdv(
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
     BLOCK_DV: tl.constexpr = triton.next_power_of_2(HEAD_DIM_V)
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if CAUSAL != 0:
+        # Key blocks that see the most queries (the first ones) first, over small groups of heads.
+        pid_n, pid_bh = _causal_order(tl.cdiv(seqlen_k, BLOCK_N), batch * num_heads_k, False)
+    else:
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)
     off_b = pid_bh // num_heads_k
     off_hk = pid_bh % num_heads_k
     group = num_heads_q // num_heads_k
@@ -418,10 +423,11 @@ def attn_bwd_dq(
     BLOCK_DV: tl.constexpr = triton.next_power_of_2(HEAD_DIM_V)
     num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
     if CAUSAL != 0:
-        pid_m = num_m_blocks - 1 - tl.program_id(0)
+        # Query blocks that see the most keys first, over small groups of heads.
+        pid_m, pid_bh = _causal_order(num_m_blocks, batch * num_heads_q, True)
     else:
         pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+        pid_bh = tl.program_id(1)
     off_b = pid_bh // num_heads_q
     off_h = pid_bh % num_heads_q
     off_hk = off_h // (num_heads_q // num_heads_k)
