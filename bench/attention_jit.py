@@ -306,10 +306,11 @@ def tflops(flops: float, ms: float | None) -> float | None:
 # sm90 forward tiles worth timing: (BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, warps, stages). Two
 # 4-warp 128x64 programs fit an SM (255 registers, 96 KB of shared memory each); 8 warps or
 # 128-key tiles hold one program per SM; warp specialization turns 4 warps into a producer and
-# two consumer warp groups; the plain 8-warp tile is the pre-TMA default.
+# two consumer warp groups (64 rows each, or 128 with BLOCK_M 256); the plain 8-warp tile is the
+# pre-TMA default.
 SM90_FWD = ((128, 64, 1, 0, 4, 2), (128, 64, 1, 0, 8, 2), (128, 128, 1, 0, 8, 2), (128, 128, 1, 0, 8, 3),
             (64, 64, 1, 0, 4, 2), (64, 128, 1, 0, 4, 2), (256, 64, 1, 0, 8, 2), (128, 64, 1, 1, 4, 3),
-            (128, 64, 1, 1, 4, 4), (128, 128, 1, 1, 4, 2), (128, 64, 0, 0, 8, 3))
+            (128, 64, 1, 1, 4, 4), (128, 128, 1, 1, 4, 2), (256, 64, 1, 1, 4, 2), (128, 64, 0, 0, 8, 3))
 
 
 def sweep_candidates(kernel: str, p: Problem, arch: str, wide: bool = False) -> list[dict]:
