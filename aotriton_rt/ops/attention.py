@@ -244,7 +244,8 @@ def select_config(rules: Any, *, kernel: str, spec: Mapping[str, Any], seqlen_q:
     into the kernel's config table). Conditions, all optional: ``arch`` (catalog arch, e.g.
     ``"sm90"``), ``spec`` (a subset of the variant's spec), ``seqlen_q`` / ``seqlen_k``
     (inclusive ``[low, high]`` ranges, ``null`` for open ends). No rule matching: 0, the
-    kernel's default. For the backward, rules under ``"attn_bwd_mode"`` give ``"mode"``
+    kernel's default. The operator caches its choice per power-of-two length bin, so range
+    bounds should be powers of two. For the backward, rules under ``"attn_bwd_mode"`` give ``"mode"``
     (``"split"`` or ``"atomic"``) instead of ``config`` (see :func:`select_mode`).
 
     Example catalog fragment::
@@ -319,6 +320,7 @@ class _Kernels:
         self.lock = threading.Lock()
         self.available_cache: dict[tuple, bool] = {}
         self.handles: dict[tuple, Any] = {}
+        self.plans: dict[tuple, Any] = {}
         self.arch: dict[int, str] = {}
         tuning: dict[str, Any] = {}
         for cat in getattr(lib, "catalogs", ()):
@@ -348,6 +350,39 @@ class _Kernels:
                 arch = _arch.pick_target(driver.backend, raw, sorted(a for b, a in built if b == driver.backend))
             self.arch[device] = arch
         return arch
+
+    def _call_key(self, call: AttentionCall, device: int, *extra: Any) -> tuple:
+        # Lengths matter only to tuning rules, and to those only through their ranges.
+        tuned = bool(self.tuning)
+        return (call.dtype, call.head_dim, call.head_dim_v, call.causal, call.causal_equivalent, call.bias,
+                call.dropout, call.varlen, _seqlen_bin(call.seqlen_q) if tuned else 0,
+                _seqlen_bin(call.seqlen_k) if tuned else 0, device, *extra)
+
+    def forward(self, call: AttentionCall, device: int) -> tuple[dict[str, Any], Any]:
+        """The forward's spec and kernel handle for a call (cached per call shape)."""
+        key = self._call_key(call, device)
+        hit = self.plans.get(key)
+        if hit is None:
+            spec = forward_params(call, self.available)
+            hit = self.plans[key] = (spec, self.handle(FWD, spec, call, device))
+        return hit
+
+    def backward(self, call: AttentionCall, device: int, deterministic: bool, dbias: bool
+                 ) -> tuple[str, dict[str, dict[str, Any]], dict[str, Any]]:
+        """The backward's scheme, specs and handles for a call (cached per call shape)."""
+        key = self._call_key(call, device, "bwd", deterministic, dbias)
+        hit = self.plans.get(key)
+        if hit is None:
+            mode = None
+            rules = self.tuning.get("attn_bwd_mode")
+            if rules and not deterministic:
+                mode = select_mode(rules, spec={"dtype": call.dtype, "HEAD_DIM": bucket(call.head_dim)},
+                                   seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
+                                   arch=lambda: self.device_arch(device))
+            mode, specs = backward_params(call, self.available, deterministic=deterministic, dbias=dbias, mode=mode)
+            handles = {name: self.handle(name, spec, call, device) for name, spec in specs.items()}
+            hit = self.plans[key] = (mode, specs, handles)
+        return hit
 
     def handle(self, name: str, spec: dict[str, Any], call: AttentionCall, device: int) -> Any:
         rules = self.tuning.get(name)
@@ -966,8 +1001,7 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
     lse_i = _check_output(lse, "lse", p.lse_shape(), "fp32", p)
     ks = _kernels_of(library)
     call = p.call(2 if return_mask else 1 if p.dropout_p else 0)
-    spec = forward_params(call, ks.available)
-    handle = ks.handle(FWD, spec, call, p.device)
+    spec, handle = ks.forward(call, p.device)
     return _forward(p, ks, handle, spec, out, out_i, lse, lse_i, return_mask)
 
 
@@ -1120,13 +1154,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
     ks = _kernels_of(library)
     call = p.call(1 if p.dropout_p else 0)
     want_dbias = bias is not None and bool(bias_grad)
-    mode = None
-    rules = ks.tuning.get("attn_bwd_mode")
-    if rules and not deterministic:
-        mode = select_mode(rules, spec={"dtype": p.dtype, "HEAD_DIM": bucket(p.head_dim)}, seqlen_q=p.seqlen_q,
-                           seqlen_k=p.seqlen_k, arch=lambda: ks.device_arch(p.device))
-    mode, specs = backward_params(call, ks.available, deterministic=deterministic, dbias=want_dbias, mode=mode)
-    handles = {name: ks.handle(name, spec, call, p.device) for name, spec in specs.items()}
+    mode, specs, handles = ks.backward(call, p.device, deterministic, want_dbias)
     return _backward(p, specs, handles, mode, dout, doi, out, oi, lse, li, (dq, dk, dv), outs, want_dbias)
 
 
@@ -1230,11 +1258,7 @@ def attention_kernels(q: Any, k: Any, v: Any, *, backward: bool = False, determi
         raise ArgumentError(f"unknown option(s) {', '.join(sorted(options))}")
     ks = _kernels_of(library)
     if not backward:
-        call = p.call(2 if return_mask else 1 if p.dropout_p else 0)
-        spec = forward_params(call, ks.available)
-        return {FWD: ks.handle(FWD, spec, call, p.device)}
-    call = p.call(1 if p.dropout_p else 0)
-    _, specs = backward_params(call, ks.available, deterministic=deterministic,
-                               dbias=p.bias is not None and bias_grad)
-    return {name: ks.handle(name, spec, call, p.device) for name, spec in specs.items()}
+        return {FWD: ks.forward(p.call(2 if return_mask else 1 if p.dropout_p else 0), p.device)[1]}
+    return dict(ks.backward(p.call(1 if p.dropout_p else 0), p.device, bool(deterministic),
+                            p.bias is not None and bool(bias_grad))[2])
 
