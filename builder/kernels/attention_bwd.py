@@ -592,7 +592,7 @@ KERNELS = [
         configs=preprocess_configs,
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_CONVERT_DIV,
-        sets={"default": lambda spec, target: False},
+        sets={"default": lambda spec, target: False, "gputest": in_gputest_set},
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_CONVERT_DIV),
     ),
     Kernel(
