@@ -403,7 +403,6 @@ def test_attention_matches_fp64_reference_under_interpreter(interpreted: dict, n
 # (kernel, target, spec, config index, what the variant must show)
 COMPILES = [
     ("attn_fwd", "sm90", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 2}, 0, "wgmma"),
-    ("attn_fwd", "sm90", {"dtype": "bf16", "HEAD_DIM": 128, "CAUSAL": 0}, 1, "warp_specialized"),
     ("attn_fwd", "sm90", {"dtype": "fp16", "HEAD_DIM": 64, "CAUSAL": 0, "BIAS": 1, "DROPOUT": 1}, 0, "wgmma"),
     ("attn_fwd", "gfx942", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 1, "BIAS": 1, "DROPOUT": 2}, 0, ""),
     ("attn_bwd_dkdv", "gfx1100", {"dtype": "bf16", "HEAD_DIM": 80, "CAUSAL": 2, "BIAS": 2}, 0, ""),
@@ -488,7 +487,7 @@ def test_attention_variant_compiles_ahead_of_time_within_shared_memory(compiled:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [0, 2])
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(3))
 def test_every_sm90_forward_config_matches_an_fp32_reference_on_the_gpu(index: int, causal: int) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
