@@ -4,12 +4,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+# Use this Python as it is when it already has the builder's pinned needs (e.g. a GPU machine
+# with torch and triton 3.6.0); otherwise set up .venv and install them.
+if "$PY" -c 'import triton, elftools, msgpack, sys; sys.exit(triton.__version__ != "3.6.0")' 2>/dev/null; then
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  python() { "$PY" "$@"; }
+else
+  if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+  fi
+  . .venv/bin/activate
+  python -m pip install -q --upgrade pip
+  python -m pip install -q -e '.[builder,download]'
 fi
-. .venv/bin/activate
-python -m pip install -q --upgrade pip
-python -m pip install -q -e '.[builder,download]'
 
 echo "== building the default image set for all default targets (CPU only) =="
 start=$(date +%s)

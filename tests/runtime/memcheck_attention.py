@@ -16,11 +16,11 @@ torch.manual_seed(0)
 dev = "cuda"
 
 
-def run(name, b=2, hq=4, hk=4, sq=67, sk=93, d=64, dtype=torch.float16, layout="bhsd", **opts):
-    shape = (lambda s, h: (b, h, s, d)) if layout == "bhsd" else (lambda s, h: (b, s, h, d))
-    q = torch.randn(shape(sq, hq), device=dev, dtype=dtype)
-    k = torch.randn(shape(sk, hk), device=dev, dtype=dtype)
-    v = torch.randn(shape(sk, hk), device=dev, dtype=dtype)
+def run(name, b=2, hq=4, hk=4, sq=67, sk=93, d=64, dv=None, dtype=torch.float16, layout="bhsd", **opts):
+    shape = (lambda s, h, d: (b, h, s, d)) if layout == "bhsd" else (lambda s, h, d: (b, s, h, d))
+    q = torch.randn(shape(sq, hq, d), device=dev, dtype=dtype)
+    k = torch.randn(shape(sk, hk, d), device=dev, dtype=dtype)
+    v = torch.randn(shape(sk, hk, dv or d), device=dev, dtype=dtype)
     out, lse = attention(q, k, v, layout=layout, **opts)
     dq, dk, dv, dbias = attention_backward(torch.randn_like(out), q, k, v, out, lse, layout=layout, **opts)
     torch.cuda.synchronize()
@@ -35,7 +35,9 @@ run("window", window=(16, 8))
 run("bias over heads", bias=torch.randn(2, 1, 67, 93, device=dev, dtype=torch.float16))
 run("dropout", dropout_p=0.2, seed=1234)
 run("gqa", hq=8, hk=2)
-run("head dim 80", d=80)
+run("head dim 80", d=80, dtype=torch.bfloat16, causal=True, align="bottom_right")
+run("head dim 40 padded to 48, bias", d=40, bias=torch.randn(2, 4, 67, 93, device=dev, dtype=torch.float16))
+run("head dims 192/128", d=192, dv=128)
 run("bshd", layout="bshd")
 run("fp32", dtype=torch.float32)
 cu = torch.tensor([0, 31, 67], device=dev, dtype=torch.int32)
