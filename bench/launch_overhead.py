@@ -29,6 +29,12 @@ N_ELEMS = 1024
 
 
 def per_launch_us(fn, launches: int, repeats: int, sync) -> float:
+    """Host time per launch in steady state: (time of ``launches`` launches) / launches.
+
+    The GPU runs the launches as they come, as in real use. (Queuing them behind a sleep kernel
+    instead was tried on the H200: every peer got slower, by 2-6 us, so that is not the
+    cheaper "CPU only" figure it looks like.)
+    """
     for _ in range(200):
         fn()
     sync()
@@ -71,33 +77,13 @@ print(first * 1000, second * 1000)
     return float(a), float(b)
 
 
-MODES = {"kernelParams, GIL held (default)": {"AOTRITON_RT_CUDA_LAUNCH": "params", "AOTRITON_RT_CUDA_GIL": "hold"},
-         "kernelParams, GIL released": {"AOTRITON_RT_CUDA_LAUNCH": "params", "AOTRITON_RT_CUDA_GIL": "release"},
-         "extra buffer, GIL released": {"AOTRITON_RT_CUDA_LAUNCH": "extra", "AOTRITON_RT_CUDA_GIL": "release"}}
-
-
-def probe(images: str, launches: int, repeats: int) -> None:
-    """One number: per-launch cost of the runtime from torch tensors, in this process's mode."""
-    import torch
-
-    import aotriton_rt
-
-    add = aotriton_rt.Library(images).kernel("add", dtype="fp32")
-    x = torch.randn(N_ELEMS, device="cuda")
-    out = torch.empty_like(x)
-    print(per_launch_us(lambda: add(x, x, out, N_ELEMS), launches, repeats, torch.cuda.synchronize))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", default=str(ROOT / "images"))
     ap.add_argument("--launches", type=int, default=20000)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", help="also write results here")
-    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.probe:
-        return probe(args.images, args.launches, args.repeats)
 
     import torch
 
@@ -131,7 +117,8 @@ def main() -> None:
 
         cx, cy = cp.asarray(x), cp.asarray(y)
         cout = cp.empty_like(cx)
-        cstream = cp.cuda.Stream(non_blocking=True)
+        # The legacy default stream, like every other peer here (the sleep kernel blocks it).
+        cstream = cp.cuda.Stream.null
         cstream.use()
         add(cx, cy, cout, N_ELEMS)
         run("aotriton_rt (cupy arrays)", lambda: add(cx, cy, cout, N_ELEMS), cstream.synchronize)
@@ -165,11 +152,12 @@ def main() -> None:
             from cuda.core.experimental import Device, LaunchConfig, ObjectCode, launch
         dev = Device(0)
         dev.set_current()
-        stream = dev.create_stream()
+        stream = dev.default_stream
         kern = ObjectCode.from_cubin(cubin).get_kernel(variant.symbol)
         cfg = LaunchConfig(grid=1, block=variant.num_threads)
-        kargs = (ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-                 ctypes.c_int64(N_ELEMS), ctypes.c_void_p(0), ctypes.c_void_p(0))
+        # cuda.core takes ctypes integers (not c_void_p) for raw pointers.
+        kargs = (ctypes.c_uint64(x.data_ptr()), ctypes.c_uint64(y.data_ptr()), ctypes.c_uint64(out.data_ptr()),
+                 ctypes.c_int64(N_ELEMS), ctypes.c_uint64(0), ctypes.c_uint64(0))
         run("cuda.core launch (same cubin)", lambda: launch(stream, cfg, kern, *kargs), stream.sync)
     except Exception as e:  # noqa: BLE001
         results["cuda.core launch (same cubin)"] = f"unavailable: {type(e).__name__}: {e}"[:120]
@@ -206,12 +194,18 @@ def main() -> None:
     raw_stream = torch._C._cuda_getCurrentRawStream
     run("breakdown: torch current raw stream", lambda: raw_stream(0))
 
-    for mode, env in MODES.items():
-        proc = subprocess.run([sys.executable, __file__, "--probe", "--images", args.images, "--launches",
-                               str(args.launches), "--repeats", str(args.repeats)],
-                              env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT)
-        results[f"mode: {mode}"] = float(proc.stdout.split()[-1]) if proc.returncode == 0 else \
-            f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+    # The launcher's modes side by side, in this process: kernelParams or the extra buffer,
+    # with the GIL held through cuLaunchKernel or released (ctypes' default).
+    from aotriton_rt.drivers.cuda import _SIGNATURES, CudaLauncher
+
+    drv = lib.driver
+    hold = ctypes.PYFUNCTYPE(ctypes.c_int, *_SIGNATURES["cuLaunchKernel"])(
+        ctypes.cast(drv._cuLaunchKernel, ctypes.c_void_p).value)
+    for mode, gil in (("params", "held"), ("params", "released"), ("extra", "released")):
+        launcher = CudaLauncher(drv, real._function, real._symbol, real._device, real._struct, real._block,
+                                real._shared, mode)
+        launcher._launch = hold if gil == "held" else drv._cuLaunchKernel
+        run(f"launcher mode: {mode}, GIL {gil}", lambda launcher=launcher: launcher(1, 1, 1, s0, values))
 
     imp_ms, heavy = import_time_ms()
     results["import aotriton_rt (ms)"] = imp_ms
@@ -222,7 +216,7 @@ def main() -> None:
 
     jit_us = results.get("triton JIT (same source)")
     print(f"\nGPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; launches {args.launches} x "
-          f"{args.repeats} repeats; kernel add fp32, {N_ELEMS} elements, 1 block")
+          f"{args.repeats} repeats (median); kernel add fp32, {N_ELEMS} elements, 1 block")
     print(f"{'what':44s} {'us/launch':>10s} {'vs Triton JIT':>14s}")
     for name, value in results.items():
         if isinstance(value, float) and "(ms)" not in name:

@@ -160,10 +160,11 @@ class CudaDriver:
         self._function_symbol: dict[int, str] = {}
         self._arch: dict[int, str] = {}
         self._launch_ex: ctypes._CFuncPtr | None = None
-        # cuLaunchKernel only enqueues: calling it with the GIL held saves the release and
-        # re-acquire around the call (AOTRITON_RT_CUDA_GIL=release restores ctypes' default).
+        # Launch variants, for measuring (docs/performance.md): kernelParams (default) or the
+        # extra buffer; the GIL released around cuLaunchKernel (default, ctypes' way: a launch
+        # that blocks on a full queue must not stall other Python threads) or held.
         self._launch_mode = os.environ.get("AOTRITON_RT_CUDA_LAUNCH", "params")
-        if os.environ.get("AOTRITON_RT_CUDA_GIL", "hold") == "hold":
+        if os.environ.get("AOTRITON_RT_CUDA_GIL", "release") == "hold":
             proto = ctypes.PYFUNCTYPE(c_int, *_SIGNATURES["cuLaunchKernel"])
             self._cuLaunchKernel_gil = proto(ctypes.cast(self._cuLaunchKernel, c_void_p).value)
         else:
@@ -424,8 +425,8 @@ class CudaLauncher(_LauncherBase):
     through ``extra``.
 
     ``kernelParams`` is an array of fixed pointers into the buffer (each parameter's place in
-    it never changes), so either way a launch is one pack and one call. The call holds the GIL
-    unless AOTRITON_RT_CUDA_GIL=release; docs/performance.md has the measured difference.
+    it never changes), so either way a launch is one pack and one call. The call releases the
+    GIL unless AOTRITON_RT_CUDA_GIL=hold; docs/performance.md has the measured difference.
     """
 
     __slots__ = ("_launch", "_kernel_params", "_extra")
