@@ -43,8 +43,8 @@ applied keep-mask (int8, 1 = kept; 0 outside the visible band).
 sliced back; q·k / v pairs 192/128 run unequal, other unequal pairs on the larger bucket), mask
 mode, bias, dropout and varlen. The tuning config comes from the catalog's ``tuning`` table when
 it has rules for the kernel (see :func:`select_config`), else config 0. The backward runs the
-faster atomic-dQ scheme when the images have it, unless ``deterministic=True`` asks for the
-split scheme (bit-reproducible).
+split scheme (preprocess, dk/dv, dq: bit-reproducible, and the faster one on the H200) unless
+``scheme="atomic"`` or a catalog tuning rule asks for atomic dQ, or the images hold only that.
 """
 
 from __future__ import annotations
@@ -192,9 +192,10 @@ def backward_params(call: AttentionCall, available: Available | None = None, *, 
                     dbias: bool = True, mode: str | None = None) -> tuple[str, dict[str, dict[str, Any]]]:
     """The backward scheme and the spec of each kernel it launches, in launch order.
 
-    Returns ``("atomic", {preprocess, dkdv, convert})`` when not ``deterministic`` and the
-    images hold all three atomic-dQ kernels, else ``("split", {preprocess, dkdv, dq})``.
-    ``mode`` ("split"/"atomic", e.g. from the tuning table) overrides the preference unless
+    Returns ``("split", {preprocess, dkdv, dq})`` by default: deterministic, and on the H200
+    also the faster scheme (docs/performance.md: the atomic-dQ dk/dv kernel was 1.1-1.9x slower
+    at D=128). ``("atomic", {preprocess, dkdv, convert})`` when ``mode == "atomic"`` (e.g. from
+    the tuning table) or when the images hold only the atomic kernels; never when
     ``deterministic``. ``dbias``: the dk/dv kernel also writes dBias (its ``BIAS=2``).
     """
     available = available or _everything
@@ -214,16 +215,14 @@ def backward_params(call: AttentionCall, available: Available | None = None, *, 
 
     shapes = [(dk, dv, c) for dk, dv in head_dim_buckets(call.head_dim, call.head_dim_v)
               for c in _causal_modes(call)]
-    prefer_atomic = not deterministic and mode != "split"
-    if prefer_atomic:
+    order = [1, 0] if mode == "atomic" else [0, 1]
+    for atomic in order:
+        if atomic and deterministic:
+            continue
         for dk, dv, c in shapes:
-            kernels = scheme(1, dk, dv, c)
+            kernels = scheme(atomic, dk, dv, c)
             if all(available(n, p) for n, p in kernels.items()):
-                return "atomic", kernels
-    for dk, dv, c in shapes:
-        kernels = scheme(0, dk, dv, c)
-        if all(available(n, p) for n, p in kernels.items()):
-            return "split", kernels
+                return ("atomic" if atomic else "split"), kernels
     return "split", scheme(0, *shapes[0])
 
 
@@ -367,15 +366,15 @@ class _Kernels:
             hit = self.plans[key] = (spec, self.handle(FWD, spec, call, device))
         return hit
 
-    def backward(self, call: AttentionCall, device: int, deterministic: bool, dbias: bool
-                 ) -> tuple[str, dict[str, dict[str, Any]], dict[str, Any]]:
+    def backward(self, call: AttentionCall, device: int, deterministic: bool, dbias: bool,
+                 scheme: str | None = None) -> tuple[str, dict[str, dict[str, Any]], dict[str, Any]]:
         """The backward's scheme, specs and handles for a call (cached per call shape)."""
-        key = self._call_key(call, device, "bwd", deterministic, dbias)
+        key = self._call_key(call, device, "bwd", deterministic, dbias, scheme)
         hit = self.plans.get(key)
         if hit is None:
-            mode = None
+            mode = scheme
             rules = self.tuning.get("attn_bwd_mode")
-            if rules and not deterministic:
+            if rules and not deterministic and scheme is None:
                 mode = select_mode(rules, spec={"dtype": call.dtype, "HEAD_DIM": bucket(call.head_dim)},
                                    seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
                                    arch=lambda: self.device_arch(device))
@@ -1112,14 +1111,15 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
                        dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, scale: float | None = None,
                        cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
                        max_seqlen_k: int | None = None, layout: str = "bhsd", deterministic: bool = False,
-                       bias_grad: bool = True, dq: Any = None, dk: Any = None, dv: Any = None,
-                       library: Any = None) -> tuple:
+                       scheme: str | None = None, bias_grad: bool = True, dq: Any = None, dk: Any = None,
+                       dv: Any = None, library: Any = None) -> tuple:
     """Gradients of :func:`attention` with respect to q, k, v and the bias.
 
     Takes the forward's inputs, its ``out`` and ``lse``, the gradient ``dout`` (shaped like
     ``out``) and the same options (the same ``seed``/``offset`` replay the forward's dropout
-    mask). ``deterministic=True`` forces the split scheme, bit-reproducible run to run;
-    otherwise the faster atomic-dQ scheme runs when the images hold it. ``bias_grad=False``
+    mask). The split scheme runs by default (bit-reproducible; ``deterministic=True`` insists on
+    it); ``scheme="atomic"`` asks for the atomic-dQ scheme (dQ summed with fp32 atomics: dk, dv
+    and dbias stay reproducible, dq does not), as a catalog tuning rule may. ``bias_grad=False``
     skips dbias (saves a ``(B, Hq, Sq, Sk)`` buffer). ``dq``/``dk``/``dv``: preallocated outputs.
 
     Returns:
@@ -1138,6 +1138,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout)
     if not isinstance(deterministic, bool):
         raise ArgumentError(f"deterministic must be True or False, got {deterministic!r}")
+    _check_scheme(scheme, deterministic)
     doi = _describe(dout, "dout")
     oi = _describe(out, "out")
     li = _describe(lse, "lse")
@@ -1154,7 +1155,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
     ks = _kernels_of(library)
     call = p.call(1 if p.dropout_p else 0)
     want_dbias = bias is not None and bool(bias_grad)
-    mode, specs, handles = ks.backward(call, p.device, deterministic, want_dbias)
+    mode, specs, handles = ks.backward(call, p.device, deterministic, want_dbias, scheme)
     return _backward(p, specs, handles, mode, dout, doi, out, oi, lse, li, (dq, dk, dv), outs, want_dbias)
 
 
@@ -1233,12 +1234,12 @@ def _reduce_dbias(xp: Any, p: _Problem, buf: Any) -> Any:
 
 
 def attention_kernels(q: Any, k: Any, v: Any, *, backward: bool = False, deterministic: bool = False,
-                      return_mask: bool = False, bias_grad: bool = True, library: Any = None,
-                      **options: Any) -> dict[str, Any]:
+                      scheme: str | None = None, return_mask: bool = False, bias_grad: bool = True,
+                      library: Any = None, **options: Any) -> dict[str, Any]:
     """The kernel handles a call with these arguments launches, by catalog kernel name.
 
     Takes :func:`attention`'s arguments (and, with ``backward=True``, the backward's
-    ``deterministic``/``bias_grad``); launches nothing. ``handle.variant(device)`` gives the
+    ``deterministic``/``scheme``/``bias_grad``); launches nothing. ``handle.variant(device)`` gives the
     exact variant (spec and tuning config) a launch on ``device`` uses. Benchmarks use it to
     run the Triton JIT of the same source with the same config.
 
@@ -1259,6 +1260,15 @@ def attention_kernels(q: Any, k: Any, v: Any, *, backward: bool = False, determi
     ks = _kernels_of(library)
     if not backward:
         return {FWD: ks.forward(p.call(2 if return_mask else 1 if p.dropout_p else 0), p.device)[1]}
+    _check_scheme(scheme, bool(deterministic))
     return dict(ks.backward(p.call(1 if p.dropout_p else 0), p.device, bool(deterministic),
-                            p.bias is not None and bool(bias_grad))[2])
+                            p.bias is not None and bool(bias_grad), scheme)[2])
+
+
+def _check_scheme(scheme: Any, deterministic: bool) -> None:
+    if scheme not in (None, "split", "atomic"):
+        raise ArgumentError(f"scheme must be None, 'split' or 'atomic', got {scheme!r}")
+    if scheme == "atomic" and deterministic:
+        raise UnsupportedError("scheme='atomic' sums dq with atomics and is not deterministic; "
+                               "drop deterministic=True or use scheme='split'")
 

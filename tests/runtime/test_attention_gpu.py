@@ -183,7 +183,8 @@ def plan(case: dict) -> Plan:
                 "keys": (B, 1, Sq, 1)}[case["bias"]]
     if case.get("dropout"):
         options.update(dropout_p=case["dropout"], seed=0x5EED_0000_1234 + len(str(case)), offset=7)
-    backward = {"deterministic": not case.get("atomic", False), "bias_grad": case.get("bias_grad", True)}
+    backward = {**({"scheme": "atomic"} if case.get("atomic") else {"deterministic": True}),
+                "bias_grad": case.get("bias_grad", True)}
     return Plan(case["dtype"], layout, *shapes, lens_q, lens_k, bias, options, backward, bool(varlen))
 
 
@@ -435,7 +436,7 @@ def test_atomic_and_split_backward_agree(lib: Any) -> None:
     q, k, v, do = (torch.randn(2, 4, 331, 64, device=DEVICE, dtype=torch.float16) for _ in range(4))
     out, lse = op.attention(q, k, v, causal=True, library=lib)
     split = op.attention_backward(do, q, k, v, out, lse, causal=True, deterministic=True, library=lib)
-    atomic = op.attention_backward(do, q, k, v, out, lse, causal=True, library=lib)
+    atomic = op.attention_backward(do, q, k, v, out, lse, causal=True, scheme="atomic", library=lib)
     assert torch.equal(split[1], atomic[1]) and torch.equal(split[2], atomic[2])  # dk, dv: same order
     assert (split[0].float() - atomic[0].float()).abs().max().item() < 2e-3
 

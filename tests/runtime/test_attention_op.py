@@ -205,7 +205,7 @@ CASES: dict[str, dict] = {
                                    "align": "bottom_right"},
     "varlen_window_bias_dropout_gqa": {"varlen": ((19, 19), (33, 7)), "window": (4, 2), "bias": "full",
                                        "dropout": 0.25, "Hq": 4, "Hk": 2},
-    "atomic_dq_when_available": {"available": "atomic", "causal": True, "D": 40, "bias": "full"},
+    "atomic_dq_when_asked": {"available": "atomic", "causal": True, "D": 40, "bias": "full"},
     "deterministic_forces_split": {"available": "atomic", "deterministic": True},
     "unequal_pair_missing_runs_padded": {"D": 192, "Dv": 128, "missing": ("attn_fwd:HEAD_DIM_V=128",
                                                                          "attn_bwd_dq:HEAD_DIM_V=128")},
@@ -314,8 +314,9 @@ def run_case(name: str, case: dict) -> dict:
             if (q_ptr == q.data_ptr()) != (c["views"] == "aligned"):
                 failed.append(f"views={c['views']!r}: q {'was' if q_ptr == q.data_ptr() else 'was not'} read in place")
         lib.launches.clear()
+        scheme = "atomic" if c.get("available") == "atomic" and not c.get("deterministic") else None
         grads = op.attention_backward(dout, q, k, v, out, lse, **opts, deterministic=c.get("deterministic", False),
-                                      library=lib)
+                                      scheme=scheme, library=lib)
     else:
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         if bias is not None:
@@ -540,24 +541,28 @@ def test_head_dims_take_the_smallest_bucket_and_unequal_pairs_only_where_compile
     assert forward_params(call, only(("attn_fwd", {"HEAD_DIM_V": 192})))["HEAD_DIM_V"] == 192
 
 
-def test_backward_prefers_atomic_dq_when_built_and_split_when_deterministic() -> None:
+def test_backward_prefers_split_and_takes_atomic_dq_only_when_asked_or_alone() -> None:
     call = AttentionCall("fp16", 128, 128, causal=2, bias=True)
     mode, kernels = backward_params(call)
+    assert mode == "split"
+    assert list(kernels) == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    assert kernels["attn_bwd_preprocess"]["DQ_ATOMIC"] == 0 and kernels["attn_bwd_dkdv"]["DQ_ATOMIC"] == 0
+    assert kernels["attn_bwd_dq"]["BIAS"] == 1
+    # A tuning rule asks for atomic dQ.
+    mode, kernels = backward_params(call, mode="atomic")
     assert mode == "atomic"
     assert list(kernels) == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq_convert"]
     assert kernels["attn_bwd_dkdv"] == {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2,
                                         "DROPOUT": 0, "VARLEN": 0, "BIAS": 2, "DQ_ATOMIC": 1}
     assert kernels["attn_bwd_dq_convert"] == {"dtype": "fp16", "HEAD_DIM": 128, "VARLEN": 0}
-    mode, kernels = backward_params(call, deterministic=True)
-    assert mode == "split"
-    assert list(kernels) == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
-    assert kernels["attn_bwd_preprocess"]["DQ_ATOMIC"] == 0 and kernels["attn_bwd_dkdv"]["DQ_ATOMIC"] == 0
-    assert kernels["attn_bwd_dq"]["BIAS"] == 1
+    # Images with only the atomic kernels: atomic, unless the call must be deterministic.
+    no_dq = lambda name, params: name != "attn_bwd_dq"
+    assert backward_params(call, no_dq)[0] == "atomic"
+    assert backward_params(call, no_dq, deterministic=True)[0] == "split"
     # Images without the convert kernel: split, whatever the preference.
     no_convert = lambda name, params: name != "attn_bwd_dq_convert"
-    assert backward_params(call, no_convert)[0] == "split"
-    # A tuning rule may ask for split; it cannot make a deterministic call atomic.
-    assert backward_params(call, mode="split")[0] == "split"
+    assert backward_params(call, no_convert, mode="atomic")[0] == "split"
+    # A tuning rule cannot make a deterministic call atomic.
     assert backward_params(call, mode="atomic", deterministic=True)[0] == "split"
 
 
@@ -822,12 +827,19 @@ def _bwd(**kw: Any) -> Any:
     ({"lse": Dev(2, 4, 64)}, r"lse must have shape \(2, 4, 64\) and dtype fp32 \(the forward's logsumexp\), got "
                              r"\(2, 4, 64\) fp16"),
     ({"deterministic": 1}, r"deterministic must be True or False, got 1"),
+    ({"scheme": "fused"}, r"scheme must be None, 'split' or 'atomic', got 'fused'"),
     ({"dq": Dev(2, 4, 64, 64, dtype="fp32")}, r"dq must have shape \(2, 4, 64, 64\) and dtype fp16"),
     ({"dropout_p": 0.2}, r"dropout_p=0\.2 needs seed="),
 ])
 def test_backward_refuses_malformed_calls_before_any_launch(kw: dict, match: str) -> None:
     with pytest.raises(ArgumentError, match=match):
         _bwd(**kw)
+
+
+def test_backward_refuses_an_atomic_scheme_that_must_be_deterministic() -> None:
+    with pytest.raises(UnsupportedError, match=r"scheme='atomic' sums dq with atomics and is not deterministic; "
+                                               r"drop deterministic=True or use scheme='split'"):
+        _bwd(scheme="atomic", deterministic=True)
 
 
 @pytest.fixture
