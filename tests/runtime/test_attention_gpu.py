@@ -381,7 +381,7 @@ def test_attention_matches_the_fp32_reference_within_the_low_precision_error(lib
             assert_padding_untouched(gname, base, view)
         got = {"out": out_v, "lse": lse_v, "dq": dq, "dk": dk, "dv": dv, "dbias": dbias}
         if case.get("atomic"):
-            kernels = op.attention_kernels(q, k, v, **opts, backward=True, library=lib)
+            kernels = op.attention_kernels(q, k, v, **opts, backward=True, scheme="atomic", library=lib)
             assert "attn_bwd_dq_convert" in kernels, f"the atomic scheme did not run: {list(kernels)}"
     if mask is not None:
         kept = mask.float().mean().item()
