@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ from aotriton_rt.ops.attention import (
     select_config,
     select_mode,
 )
+from tests.interpreter import run_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -981,23 +980,9 @@ def test_every_kernel_the_gpu_matrix_dispatches_is_in_the_gputest_set(monkeypatc
 # End to end under the interpreter.
 # ---------------------------------------------------------------------------------------------
 
-def _run_interpreted(names: list[str]) -> list[dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__, *names], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or len(results) != len(names):
-        raise RuntimeError(f"interpreter subprocess failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return results
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict]:
-    names = list(CASES)
-    shards = [names[i::2] for i in range(2)]  # CI has 2 cores
-    with ThreadPoolExecutor(len(shards)) as pool:
-        results = [r for part in pool.map(_run_interpreted, shards) for r in part]
-    return {r["name"]: r for r in results}
+    return run_sharded(__file__, list(CASES))
 
 
 @pytest.mark.parametrize("name", list(CASES))
