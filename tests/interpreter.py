@@ -34,3 +34,36 @@ def run_sharded(script: str | Path, names: list[str], shards: int = 2) -> dict[s
     with ThreadPoolExecutor(len(parts)) as pool:
         results = [r for part in pool.map(lambda p: run_interpreted(script, p), parts) for r in part]
     return {r["name"]: r for r in results}
+
+
+def patch_interpreter() -> None:
+    """Work around two Triton 3.6 interpreter defects; call in the child before running kernels.
+
+    It turns scalars into 1-element arrays and calls int() on them when a loop bound is a
+    run-time value (numpy >= 2.4 refuses int() of a 1-d array), and its tl.dot multiplies bf16
+    operands as their uint16 bit patterns: widen them to fp32 first (exact: a bf16 is the top
+    half of an fp32).
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # noqa: ANN001, ANN202 - interpreter internals
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    builder = interpreter.InterpreterBuilder
+    create_dot = builder.create_dot
+
+    def widen(h):  # noqa: ANN001, ANN202
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = dot

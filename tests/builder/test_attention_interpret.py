@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.interpreter import run_sharded
+from tests.interpreter import patch_interpreter, run_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,39 +81,6 @@ CASES: dict[str, dict] = {
 # ---------------------------------------------------------------------------------------------
 # Subprocess side: runs with TRITON_INTERPRET=1.
 # ---------------------------------------------------------------------------------------------
-
-def _patch_interpreter() -> None:
-    # Triton 3.6's interpreter turns scalars into 1-element arrays and calls int() on them when a
-    # loop bound is a run-time value; numpy >= 2.4 refuses int() of a 1-d array.
-    import numpy as np
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):  # noqa: ANN001 - interpreter internals
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-    # Its tl.dot multiplies bf16 operands as their uint16 bit patterns; widen them to fp32 first
-    # (exact: a bf16 is the top half of an fp32).
-    import triton.language as tl
-
-    builder = interpreter.InterpreterBuilder
-    create_dot = builder.create_dot
-
-    def widen(h):  # noqa: ANN001, ANN202
-        if h.dtype.scalar != tl.bfloat16:
-            return h
-        bits = (h.data.astype(np.uint32) << 16).view(np.float32)
-        return interpreter.TensorHandle(bits, tl.float32)
-
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    builder.create_dot = dot
-
 
 def _bucket(d: int) -> int:
     from builder.kernels.attention import HEAD_DIM_BUCKETS
@@ -355,7 +322,7 @@ def run_case(name: str, case: dict) -> dict:
 
 
 def _main(names: list[str]) -> None:
-    _patch_interpreter()
+    patch_interpreter()
     for name in names:
         try:
             result = run_case(name, CASES[name])

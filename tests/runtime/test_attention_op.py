@@ -35,7 +35,7 @@ from aotriton_rt.ops.attention import (
     select_config,
     select_mode,
 )
-from tests.interpreter import run_sharded
+from tests.interpreter import patch_interpreter, run_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,34 +44,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # Interpreter side (subprocess, TRITON_INTERPRET=1): a Library whose kernels run the Triton
 # source of builder/kernels on CPU tensors, checking what the compiled variants would check.
 # =============================================================================================
-
-def _patch_interpreter() -> None:
-    # Two Triton 3.6 interpreter defects (the same shims as tests/builder/test_attention_interpret.py):
-    # int() of 1-element arrays under numpy >= 2.4, and bf16 dot operands multiplied as bit patterns.
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):  # noqa: ANN001, ANN202
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    builder = interpreter.InterpreterBuilder
-    create_dot = builder.create_dot
-
-    def widen(h):  # noqa: ANN001, ANN202
-        if h.dtype.scalar != tl.bfloat16:
-            return h
-        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    builder.create_dot = dot
-
 
 class InterpretedKernel:
     """A kernel handle (``arg_names``, ``__call__``, ``variant``) launching the Triton source.
@@ -452,7 +424,7 @@ def _opcheck(lib: InterpretedLibrary, q: Any, k: Any, v: Any) -> dict:
 
 
 def _main(names: list[str]) -> None:
-    _patch_interpreter()
+    patch_interpreter()
     _install_cpu_operator()
     for name in names:
         try:
