@@ -13,10 +13,12 @@ bf16) it times, forward and backward:
 
 Flops: forward 4·B·H·N²·D (halved when causal), backward 2.5× that. Tensors hold (B, N, H, D)
 memory seen as (B, H, N, D), which every contender reads in place. JIT kernels are compiled
-up front in parallel worker processes (Triton's disk cache carries them here).
+up front in parallel worker processes (Triton's disk cache carries them here). Each shape times
+all contenders in ``--rounds`` interleaved rounds and reports medians (see :func:`run`).
 
     python bench/attention.py                     # everything (~4-5 minutes on an H200)
     python bench/attention.py --quick             # fp16, D=128, N 1024 and 4096
+    python bench/attention.py --rounds 5          # more interleaved rounds (medians of 5)
     python bench/attention.py --json out.json --no-jit --n 4096 --d 128 --dtype bf16
 """
 
@@ -193,7 +195,14 @@ def sdpa_fns(p: Problem, backend: str) -> tuple[Any, Any, str | None]:
     return fwd, lambda: torch.autograd.grad(o, (q, k, v), p.do, retain_graph=True), None
 
 
-def run(p: Problem, lib: Any, jit: Any, deterministic: bool) -> dict:
+def run(p: Problem, lib: Any, jit: Any, deterministic: bool, rounds: int = 3) -> dict:
+    """One shape: every contender timed in each of ``rounds`` interleaved rounds, medians kept.
+
+    The H200 runs slower as it warms up (clocks fall under sustained load), so a contender timed
+    first on a cool card reads up to ~15% faster than the same kernel a few seconds later.
+    Interleaving the contenders and taking each one's median over the rounds gives every one the
+    same mix of clock states, which is what makes the ratios comparable.
+    """
     causal = {"causal": p.causal}
     fwd = op.attention_kernels(p.q, p.k, p.v, **causal, library=lib)["attn_fwd"]
     bwd = op.attention_kernels(p.q, p.k, p.v, **causal, backward=True, deterministic=deterministic, library=lib)
@@ -203,20 +212,28 @@ def run(p: Problem, lib: Any, jit: Any, deterministic: bool) -> dict:
                            "bwd_kernels": {n: h.variant(0).config.index for n, h in bwd.items()},
                            "bwd_mode": "atomic" if "attn_bwd_dq_convert" in bwd else "split"}
     out, lse = op.attention(p.q, p.k, p.v, **causal, library=lib)
+    fns: dict[str, tuple[float, Any]] = {}  # key -> (flops, callable)
     for name, library in (("ours", lib), ("jit", jit)):
         if library is None:
             continue
-        row[f"{name}_fwd"] = tflops(p.flops_fwd, bench_ms(lambda library=library: op.attention(
-            p.q, p.k, p.v, **causal, library=library)))
-        row[f"{name}_bwd"] = tflops(2.5 * p.flops_fwd, bench_ms(lambda library=library: op.attention_backward(
-            p.do, p.q, p.k, p.v, out, lse, **causal, deterministic=deterministic, library=library)))
+        fns[f"{name}_fwd"] = (p.flops_fwd, lambda library=library: op.attention(p.q, p.k, p.v, **causal,
+                                                                               library=library))
+        fns[f"{name}_bwd"] = (2.5 * p.flops_fwd, lambda library=library: op.attention_backward(
+            p.do, p.q, p.k, p.v, out, lse, **causal, deterministic=deterministic, library=library))
     for be in ("flash", "cudnn"):
         f, b, err = sdpa_fns(p, be)
         if err:
             row[f"{be}_error"] = err
             continue
-        row[f"{be}_fwd"] = tflops(p.flops_fwd, bench_ms(f))
-        row[f"{be}_bwd"] = tflops(2.5 * p.flops_fwd, bench_ms(b))
+        fns[f"{be}_fwd"] = (p.flops_fwd, f)
+        fns[f"{be}_bwd"] = (2.5 * p.flops_fwd, b)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for key, (flops, fn) in fns.items():
+            samples[key].append(tflops(flops, bench_ms(fn)))
+    for key, values in samples.items():
+        row[key] = sorted(values)[len(values) // 2]
+        row[f"{key}_rounds"] = values
     for d in ("fwd", "bwd"):
         ours = row.get(f"ours_{d}")
         for other in ("flash", "cudnn", "jit"):
@@ -250,6 +267,8 @@ def main() -> None:
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--deterministic", action="store_true", help="time the split (bit-reproducible) backward")
     ap.add_argument("--no-jit", action="store_true", help="skip the Triton JIT comparison")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved timing rounds per shape; each contender's median is reported")
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
     ap.add_argument("--json", default=None, help="write the results here (after every shape)")
     args = ap.parse_args()
@@ -280,10 +299,10 @@ def main() -> None:
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": []}
     for dt, d, n, c in itertools.product(dtypes, ds, ns, args.causal):
         p = Problem(args.b, args.h, n, d, bool(c), dt)
-        row = run(p, lib, jit, args.deterministic)
+        row = run(p, lib, jit, args.deterministic, args.rounds)
         results["rows"].append(row)
         print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
-                          if k not in ("fwd_variant",)}), flush=True)
+                          if k != "fwd_variant" and not k.endswith("_rounds")}), flush=True)
         del p
         torch.cuda.empty_cache()
         if args.json:  # after every shape: a run cut short keeps what it measured

@@ -152,6 +152,9 @@ class Problem:
     def grid(self, kernel: str, cfg: dict) -> tuple[int, int, int]:
         if kernel in ("dkdv", "dkdva"):
             return (triton.cdiv(self.N, cfg["BLOCK_N"]), self.B * self.H, 1)
+        if kernel == "fwd" and self.causal and not cfg.get("WARP_SPEC"):
+            # Causal forward programs pair query blocks p and n-1-p (see attn_fwd).
+            return (triton.cdiv(self.N, 2 * cfg["BLOCK_M"]), self.B * self.H, 1)
         return (triton.cdiv(self.N, cfg["BLOCK_M"]), self.B * self.H, 1)
 
     def flags(self, kernel: str) -> dict:
