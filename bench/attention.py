@@ -11,7 +11,8 @@ bf16) it times, forward and backward:
 - ``flash`` and ``cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` under
   ``sdpa_kernel(FLASH_ATTENTION)`` / ``sdpa_kernel(CUDNN_ATTENTION)``.
 
-Flops: forward 4·B·H·N²·D (halved when causal), backward 2.5× that. Tensors hold (B, N, H, D)
+Flops: forward 4·B·H·N²·D (halved when causal), backward 2.5× that. Times are per call of
+back-to-back batches (see :func:`bench_ms`). Tensors hold (B, N, H, D)
 memory seen as (B, H, N, D), which every contender reads in place. JIT kernels are compiled
 up front in parallel worker processes (Triton's disk cache carries them here). Each shape times
 all contenders in ``--rounds`` interleaved rounds and reports medians (see :func:`run`).
@@ -152,9 +153,16 @@ class Problem:
         return f / 2 if self.causal else f
 
 
-def bench_ms(fn: Any, budget_ms: float = 150.0) -> float:
-    """Median milliseconds of ``fn`` by CUDA events: one warm-up call, then as many as fit the budget
-    (at least 2, at most 50)."""
+def bench_ms(fn: Any, budget_ms: float = 150.0, batches: int = 5) -> float:
+    """Milliseconds per call of ``fn``: the median over ``batches`` batches of back-to-back calls,
+    each batch between one pair of CUDA events (calls per batch: what fits budget_ms / batches,
+    1 to 50).
+
+    Back to back, the host enqueues the next call while the GPU runs the current one, so a
+    contender's host-side cost (Python, argument checks, launch) counts only where it exceeds
+    its kernel time, as in a training loop. Timing single calls between events would instead add
+    every contender's host path to its kernel time (tens of microseconds on a 0.3 ms kernel).
+    """
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -163,14 +171,15 @@ def bench_ms(fn: Any, budget_ms: float = 150.0) -> float:
     end.record()
     torch.cuda.synchronize()
     first = start.elapsed_time(end)
-    reps = max(2, min(50, int(budget_ms / max(first, 1e-3))))
+    calls = max(1, min(50, int(budget_ms / batches / max(first, 1e-3))))
     times = []
-    for _ in range(reps):
+    for _ in range(batches):
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return sorted(times)[len(times) // 2]
 
 

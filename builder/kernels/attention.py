@@ -29,7 +29,8 @@ from triton.language.random import philox as _philox
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-# Causal programs per scheduling group (see _causal_order): about one wave of 2-CTA/SM programs.
+# Causal backward programs per scheduling group (see _causal_order): about one wave of 2-CTA/SM
+# programs.
 CAUSAL_GROUP_PROGRAMS: tl.constexpr = tl.constexpr(256)
 
 # Head-dim buckets the kernels are compiled for; a head dim between two buckets is zero-padded
@@ -613,10 +614,12 @@ def _sm90_fwd_configs(spec: dict, d: int) -> tuple[Config, ...]:
     # (2026-11-30: max error 0.53 non-causal, NaN causal, at B2 H3 Sq1000 Sk1111 D128; NaN or
     # 0.2 errors in a minimal one-loop kernel too, and host-side descriptors crash its
     # partitioner), so WARP_SPEC=1 stays a bench candidate only.
+    # One 8-warp 128x128 program per SM with three K/V stages (230 KB): 5-10% faster than two
+    # 4-warp 128x64 programs once V is requested with K (see _fwd_block). Causal programs (two
+    # query blocks each) keep the 4-warp tile: through the operator the two tiles tie, and the
+    # 8-warp causal binary ran 4-5% behind its own JIT build (ptxas allocates 255 registers for
+    # it without the JIT's knowledge that seqlen_k % 16 == 0), the 4-warp one 1-3% ahead.
     if spec["CAUSAL"] == 0:
-        # One 8-warp 128x128 program per SM with three K/V stages (230 KB): 5-10% faster than
-        # two 4-warp programs once V is requested with K (see _fwd_block). Causal grids keep
-        # the 4-warp tile: their programs are short and two per SM hide each other's prologue.
         return (_cfg(128, 128, 8, 3, tma=1), _cfg(128, 64, 4, 2, tma=1), _cfg(128, 64, 8, 3))
     return (_cfg(128, 64, 4, 2, tma=1), _cfg(128, 128, 8, 3, tma=1), _cfg(128, 64, 8, 3))
 

@@ -71,8 +71,8 @@ CASES: dict[str, dict] = {
     # Every score far below 0 (q and k point apart): a row whose first block shows it no key must
     # not keep a running maximum of 0, or exp2 underflows for all of its real keys.
     "very_negative_scores_left_window": {"shift": 6.0, "causal": 1, "window": (11, -1)},
-    # Causal programs are renumbered longest-first over groups of heads (4 heads a group here, the
-    # last group short): every (block, head) must still be computed exactly once.
+    # Causal backward programs are renumbered longest-first over groups of heads (4 heads a group
+    # here, the last group short): every (block, head) must still be computed exactly once.
     "causal_program_order_head_groups": {"B": 3, "Hq": 6, "Hk": 3, "Sq": 29, "Sk": 40, "causal": 2,
                                          "group_programs": 8},
 }
@@ -358,8 +358,10 @@ def test_attention_matches_fp64_reference_under_interpreter(interpreted: dict, n
 
 # (kernel, target, spec, config index, what the variant must show)
 COMPILES = [
+    # 8-warp 128x128, 3 stages, just under the limit: #0 without a mask, #1 causal (two query
+    # blocks per program, inlined twice); the causal #0 is the 4-warp tile at 255 registers.
     ("attn_fwd", "sm90", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 2}, 0, "wgmma"),
-    # The non-causal default: one 8-warp 128x128 program per SM, 3 stages, just under the limit.
+    ("attn_fwd", "sm90", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 2}, 1, "wgmma"),
     ("attn_fwd", "sm90", {"dtype": "bf16", "HEAD_DIM": 128, "CAUSAL": 0}, 0, "wgmma"),
     ("attn_fwd", "sm90", {"dtype": "fp16", "HEAD_DIM": 64, "CAUSAL": 0, "BIAS": 1, "DROPOUT": 1}, 0, "wgmma"),
     ("attn_fwd", "gfx942", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 1, "BIAS": 1, "DROPOUT": 2}, 0, ""),

@@ -40,7 +40,7 @@ run("head dim 40 padded to 48, bias", d=40, bias=torch.randn(2, 4, 67, 93, devic
 run("head dims 192/128", d=192, dv=128)
 run("bshd", layout="bshd")
 run("head dim 128 (sm90: 8-warp 128x128 TMA tile)", d=128)
-run("head dim 128 bshd, bf16, causal (sm90: 4-warp TMA tile)", d=128, layout="bshd", dtype=torch.bfloat16,
+run("head dim 128 bshd, bf16, causal (sm90: paired 4-warp TMA tile)", d=128, layout="bshd", dtype=torch.bfloat16,
     causal=True, align="bottom_right")
 run("fp32", dtype=torch.float32)
 cu = torch.tensor([0, 31, 67], device=dev, dtype=torch.int32)
