@@ -65,6 +65,19 @@ def _window(seqlen_q, seqlen_k, window_left, window_right, CAUSAL: tl.constexpr)
 
 
 @triton.jit
+def _sequence(cu_seqlens, off_b, seqlen, VARLEN: tl.constexpr):
+    """(first row, length) of batch entry off_b: its packed rows from cu_seqlens with VARLEN, else
+    (0, seqlen). With VARLEN the batch stride is ignored: callers scale off_b by (1 - VARLEN)."""
+    if VARLEN:
+        start = tl.load(cu_seqlens + off_b)
+        length = tl.load(cu_seqlens + off_b + 1) - start
+    else:
+        start = 0
+        length = seqlen
+    return start, length
+
+
+@triton.jit
 def _span(a0, A_BLOCK: tl.constexpr, len_b, diag, left, right, B_BLOCK: tl.constexpr):
     """Split the B axis, seen from rows a0..a0+A_BLOCK-1 of the A axis, into three B-block ranges.
 
@@ -432,18 +445,9 @@ def attn_fwd(
     off_h = pid_bh % num_heads_q
     off_hk = off_h // (num_heads_q // num_heads_k)
 
-    if VARLEN:
-        q_start = tl.load(cu_seqlens_q + off_b)
-        len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
-        k_start = tl.load(cu_seqlens_k + off_b)
-        len_k = tl.load(cu_seqlens_k + off_b + 1) - k_start
-        off_bz = off_b.to(tl.int64) * 0
-    else:
-        q_start = 0
-        len_q = seqlen_q
-        k_start = 0
-        len_k = seqlen_k
-        off_bz = off_b.to(tl.int64)
+    q_start, len_q = _sequence(cu_seqlens_q, off_b, seqlen_q, VARLEN)
+    k_start, len_k = _sequence(cu_seqlens_k, off_b, seqlen_k, VARLEN)
+    off_bz = off_b.to(tl.int64) * (1 - VARLEN)
     if VARLEN and not PAIRED:
         # Only packed batches have programs past their sequence (the grid uses the longest one).
         # The early return is unstructured control flow, which Hopper warp specialization rejects.
@@ -476,20 +480,20 @@ def attn_fwd(
         last = tl.cdiv(len_q, BLOCK_M) - 1 - pid_m
         # Two inlined tiles rather than a loop: nothing is live from one to the other but the
         # head's bases, and each tile's TMA store buffer can share memory with its K/V ring.
-        if pid_m <= last:
-            _fwd_tile(
-                pid_m, Q_head, O_head, L_head, K_base, V_base, B_base, DM_base,
-                k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
-                len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, bh,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-                BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, True)
-        if pid_m < last:
-            _fwd_tile(
-                last, Q_head, O_head, L_head, K_base, V_base, B_base, DM_base,
-                k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
-                len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, bh,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-                BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, True)
+        for t in tl.static_range(2):
+            if t == 0:
+                tile = pid_m
+                run = pid_m <= last
+            else:
+                tile = last
+                run = pid_m < last
+            if run:
+                _fwd_tile(
+                    tile, Q_head, O_head, L_head, K_base, V_base, B_base, DM_base,
+                    k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
+                    len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
+                    bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
+                    BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, True)
     else:
         _fwd_tile(
             pid_m, Q_head, O_head, L_head, K_base, V_base, B_base, DM_base,

@@ -22,6 +22,7 @@ from builder.kernels.attention import (
     _causal_order,
     _dropout_keep,
     _hip_options,
+    _sequence,
     _span,
     _window,
     block_d,
@@ -54,14 +55,8 @@ def attn_bwd_preprocess(
     pid_bh = tl.program_id(1)
     off_b = pid_bh // num_heads_q
     off_h = pid_bh % num_heads_q
-    if VARLEN:
-        q_start = tl.load(cu_seqlens_q + off_b)
-        len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
-        off_bz = off_b.to(tl.int64) * 0
-    else:
-        q_start = 0
-        len_q = seqlen_q
-        off_bz = off_b.to(tl.int64)
+    q_start, len_q = _sequence(cu_seqlens_q, off_b, seqlen_q, VARLEN)
+    off_bz = off_b.to(tl.int64) * (1 - VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= len_q:
         return
@@ -100,14 +95,8 @@ def attn_bwd_dq_convert(
     pid_bh = tl.program_id(1)
     off_b = pid_bh // num_heads_q
     off_h = pid_bh % num_heads_q
-    if VARLEN:
-        q_start = tl.load(cu_seqlens_q + off_b)
-        len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
-        off_bz = off_b.to(tl.int64) * 0
-    else:
-        q_start = 0
-        len_q = seqlen_q
-        off_bz = off_b.to(tl.int64)
+    q_start, len_q = _sequence(cu_seqlens_q, off_b, seqlen_q, VARLEN)
+    off_bz = off_b.to(tl.int64) * (1 - VARLEN)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_DK)
     mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM)
@@ -255,18 +244,9 @@ def attn_bwd_dkdv(
     off_b = pid_bh // num_heads_k
     off_hk = pid_bh % num_heads_k
     group = num_heads_q // num_heads_k
-    if VARLEN:
-        q_start = tl.load(cu_seqlens_q + off_b)
-        len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
-        k_start = tl.load(cu_seqlens_k + off_b)
-        len_k = tl.load(cu_seqlens_k + off_b + 1) - k_start
-        off_bz = off_b.to(tl.int64) * 0
-    else:
-        q_start = 0
-        len_q = seqlen_q
-        k_start = 0
-        len_k = seqlen_k
-        off_bz = off_b.to(tl.int64)
+    q_start, len_q = _sequence(cu_seqlens_q, off_b, seqlen_q, VARLEN)
+    k_start, len_k = _sequence(cu_seqlens_k, off_b, seqlen_k, VARLEN)
+    off_bz = off_b.to(tl.int64) * (1 - VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= len_k:
         return
@@ -431,18 +411,9 @@ def attn_bwd_dq(
     off_b = pid_bh // num_heads_q
     off_h = pid_bh % num_heads_q
     off_hk = off_h // (num_heads_q // num_heads_k)
-    if VARLEN:
-        q_start = tl.load(cu_seqlens_q + off_b)
-        len_q = tl.load(cu_seqlens_q + off_b + 1) - q_start
-        k_start = tl.load(cu_seqlens_k + off_b)
-        len_k = tl.load(cu_seqlens_k + off_b + 1) - k_start
-        off_bz = off_b.to(tl.int64) * 0
-    else:
-        q_start = 0
-        len_q = seqlen_q
-        k_start = 0
-        len_k = seqlen_k
-        off_bz = off_b.to(tl.int64)
+    q_start, len_q = _sequence(cu_seqlens_q, off_b, seqlen_q, VARLEN)
+    k_start, len_k = _sequence(cu_seqlens_k, off_b, seqlen_k, VARLEN)
+    off_bz = off_b.to(tl.int64) * (1 - VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= len_q:
         return
