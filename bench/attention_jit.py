@@ -27,6 +27,7 @@ the JIT of the same source.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -150,16 +151,21 @@ class Problem:
                 t("dummy32"), *strides * 3, *none, *strides * 2, self.lz, self.lh, *sizes, *scal]
 
     def grid(self, kernel: str, cfg: dict) -> tuple[int, int, int]:
-        if kernel in ("dkdv", "dkdva"):
-            return (triton.cdiv(self.N, cfg["BLOCK_N"]), self.B * self.H, 1)
-        if kernel == "fwd" and self.causal and not cfg.get("WARP_SPEC"):
-            # Causal forward programs pair query blocks p and n-1-p (see attn_fwd).
-            return (triton.cdiv(self.N, 2 * cfg["BLOCK_M"]), self.B * self.H, 1)
-        return (triton.cdiv(self.N, cfg["BLOCK_M"]), self.B * self.H, 1)
+        """The registry's grid rule (causal forward programs pair query blocks, for one)."""
+        return _declarations()[REGISTRY_NAME[kernel]].grid_of(
+            seqlen_q=self.N, seqlen_k=self.N, batch=self.B, num_heads_q=self.H, num_heads_k=self.H,
+            **self.flags(kernel), **cfg)
 
     def flags(self, kernel: str) -> dict:
         """The spec's constexprs (everything but dtype, which the tensors carry)."""
         return {k: v for k, v in self.spec(kernel).items() if k != "dtype"}
+
+
+@functools.lru_cache(maxsize=1)
+def _declarations() -> dict:
+    from builder.registry import load_kernels
+
+    return load_kernels()
 
 
 def registry_config(p: Problem, kernel: str, arch: str, index: int = 0) -> dict:
@@ -211,10 +217,10 @@ def aot_compile(p: Problem, kernel: str, arch: str, index: int = 0):
     the registry has no such variant."""
     from triton.compiler import ASTSource
 
-    from builder.registry import expand, load_kernels
+    from builder.registry import expand
     from builder.targets import parse_targets
 
-    decl = load_kernels()[REGISTRY_NAME[kernel]]
+    decl = _declarations()[REGISTRY_NAME[kernel]]
     want = p.spec(kernel)
     jobs = [j for j in expand(decl, parse_targets(arch), "full", triton.__version__)
             if j.spec == want and j.config_index == index]

@@ -12,6 +12,7 @@ resolved signature, constexprs, attributes, compile options, target and Triton v
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import itertools
@@ -80,6 +81,20 @@ class Kernel:
     def configs_for(self, spec: dict, target: Target) -> list[Config]:
         configs = self.configs(spec, target) if callable(self.configs) else self.configs
         return [c for c in configs if target.backend in c.backends]
+
+    def grid_of(self, **values: Any) -> tuple[int, int, int]:
+        """The grid rule evaluated for ``values`` (arguments and constexprs by name; extra names
+        are ignored), the way the runtime evaluates it: for callers of the Triton JIT (tests,
+        benchmarks), so they launch the grid the catalog promises rather than a copy of it."""
+        names = tuple(sorted(values))
+        return tuple(_grid_rule(self.grid, self.name, names)(*(values[n] for n in names)))
+
+
+@functools.cache
+def _grid_rule(grid: tuple[str, str, str], name: str, names: tuple[str, ...]) -> Callable:
+    from aotriton_rt.pack import compile_expr
+
+    return compile_expr(f"({', '.join(grid)},)", names, {}, f"grid of {name}", allow_tuple=True)
 
 
 @dataclass(frozen=True)

@@ -201,9 +201,10 @@ def run_case(name: str, case: dict) -> dict:
     common = (B, Hq, Hk, Sq, Sk, scale, p_drop, seed, offset, wl, wr)
 
     def forward(out, lse, dmask):
-        # The registry's grid: causal programs pair query blocks p and n-1-p.
-        pairs = 2 if causal and not c.get("ws", 0) else 1
-        attn_fwd[(triton.cdiv(Sq, c["BM"] * pairs), B * Hq, 1)](
+        # The registry's grid (causal programs pair query blocks p and n-1-p).
+        grid = attention_module.KERNELS[0].grid_of(seqlen_q=Sq, batch=B, num_heads_q=Hq, BLOCK_M=c["BM"],
+                                                   CAUSAL=causal, WARP_SPEC=c.get("ws", 0))
+        attn_fwd[grid](
             q, k, v, bias, out, lse, dmask, cu_q, cu_k,
             sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, soz, soh, som, sbz, sbh, sbm, slz, slh,
             sdmz, sdmh, sdmm, *common, BIAS=1 if bias_kind else 0, BLOCK_M=c["BM"], BLOCK_N=c["BN"],
@@ -455,7 +456,7 @@ def test_every_sm90_forward_config_matches_an_fp32_reference_on_the_gpu(index: i
     import triton
 
     sys.path.insert(0, str(ROOT))
-    from builder.kernels.attention import attn_fwd, fwd_configs
+    from builder.kernels.attention import KERNELS, attn_fwd, fwd_configs
     from builder.targets import KNOWN
 
     spec = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": causal, "BIAS": 0, "DROPOUT": 0,
@@ -477,7 +478,7 @@ def test_every_sm90_forward_config_matches_an_fp32_reference_on_the_gpu(index: i
     lse = torch.full((B, H, Sq), float("nan"), device="cuda")
     none = torch.empty(16, device="cuda", dtype=torch.int8)
     scale = 1 / math.sqrt(D)
-    grid = (triton.cdiv(Sq, cfg.constexprs["BLOCK_M"] * (2 if causal else 1)), B * H, 1)
+    grid = KERNELS[0].grid_of(seqlen_q=Sq, batch=B, num_heads_q=H, CAUSAL=causal, **cfg.constexprs)
     attn_fwd[grid](q, k, v, q, out, lse, none, none, none, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                    *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, H, H, Sq, Sk, scale, 0.0, 0, 0,
                    -1, 0 if causal else -1, HEAD_DIM=D, HEAD_DIM_V=D, CAUSAL=causal, BIAS=0, DROPOUT=0,

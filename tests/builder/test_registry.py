@@ -96,6 +96,20 @@ def test_kernel_refuses_a_predicate_for_the_full_set() -> None:
         _axpy(sets={"full": lambda spec, target: True})
 
 
+def test_grid_of_evaluates_the_rule_as_the_runtime_does_and_ignores_extra_names() -> None:
+    assert _axpy().grid_of(n=1000, BLOCK=256, alpha=2.0, num_warps=4) == (4, 1, 1)
+    assert _axpy(grid=("cdiv(n, BLOCK * (1 + min(EVEN, 1)))", "2", "1")).grid_of(n=1000, BLOCK=256,
+                                                                                EVEN=1) == (2, 2, 1)
+
+
+def test_the_attention_forward_grid_pairs_causal_query_blocks() -> None:
+    fwd = load_kernels()["attn_fwd"]
+    common = {"seqlen_q": 4097, "batch": 3, "num_heads_q": 5, "BLOCK_M": 128, "WARP_SPEC": 0}
+    assert fwd.grid_of(CAUSAL=0, **common) == (33, 15, 1)
+    assert fwd.grid_of(CAUSAL=2, **common) == (17, 15, 1)  # 33 blocks: 16 pairs and the middle one
+    assert fwd.grid_of(CAUSAL=1, **{**common, "WARP_SPEC": 1}) == (33, 15, 1)  # unpaired
+
+
 # --------------------------------------------------------------------------- expansion
 
 
