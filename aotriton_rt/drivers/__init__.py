@@ -174,6 +174,27 @@ def driver_error(*, call: str, code: int, name: str, explanation: str,
     return cls(text, call=call, code=code, name=name, explanation=explanation)
 
 
+class FunctionTable:
+    """The device and kernel name behind each function handle a driver gave out, for
+    shared-memory opt-ins, launchers and error messages (both drivers keep one)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[int, str]] = {}
+
+    def add(self, function: int, device: int, symbol: str) -> None:
+        self._entries[function] = (device, symbol)
+
+    def device(self, function: int, default: int | None = None) -> int | None:
+        """The device ``function`` was loaded on, else ``default`` (a handle from elsewhere)."""
+        entry = self._entries.get(function)
+        return default if entry is None else entry[0]
+
+    def symbol(self, function: int) -> str:
+        """The kernel's name, else the handle in hex."""
+        entry = self._entries.get(function)
+        return hex(function) if entry is None else entry[1]
+
+
 _FORMAT_ITEM = re.compile(r"\s*(\d*)([xcbB?hHiIlLqQnNefdspP])")
 
 

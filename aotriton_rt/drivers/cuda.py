@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
 
-from aotriton_rt.drivers import COMMON_HINTS, driver_error, struct_field_offsets
+from aotriton_rt.drivers import COMMON_HINTS, FunctionTable, driver_error, struct_field_offsets
 from aotriton_rt.drivers._loader import LoadedLibrary, load_library
 from aotriton_rt.errors import ArgumentError, DriverError, LaunchError, UnsupportedError
 
@@ -156,8 +156,7 @@ class CudaDriver:
             setattr(self, "_" + name, _bind(found.handle, name, argtypes, found.path))
         self._lock = threading.RLock()
         self._primary: dict[int, int] = {}        # device index -> primary context
-        self._function_device: dict[int, int] = {}
-        self._function_symbol: dict[int, str] = {}
+        self._functions = FunctionTable()
         self._arch: dict[int, str] = {}
         self._launch_ex: ctypes._CFuncPtr | None = None
         # Launch variants, for measuring (docs/performance.md): kernelParams (default) or the
@@ -288,8 +287,7 @@ class CudaDriver:
         with self._on_device(device):
             self.check(self._cuModuleGetFunction(byref(function), module, symbol.encode()),
                        f"cuModuleGetFunction({symbol!r})")
-        self._function_device[function.value] = device
-        self._function_symbol[function.value] = symbol
+        self._functions.add(function.value, device, symbol)
         return function.value
 
     def prepare_function(self, function: int, shared: int) -> None:
@@ -299,11 +297,11 @@ class CudaDriver:
         """
         if shared <= _SHARED_WITHOUT_OPTIN:
             return
-        device = self._function_device.get(function)
+        device = self._functions.device(function)
         if device is None:
             device = self.current_device()
         limit = self._attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device)
-        symbol = self._function_symbol.get(function, hex(function))
+        symbol = self._functions.symbol(function)
         # The binary's static shared memory (1 KiB on sm90 Triton kernels) counts too.
         static = c_int()
         self.check(self._cuFuncGetAttribute(byref(static), CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, function),
@@ -338,8 +336,8 @@ class CudaDriver:
                 or min(cluster) < 1:
             raise LaunchError(f"invalid launch shape: num_threads={num_threads} (1..1024), "
                               f"shared={shared} (>= 0), cluster_dims={cluster_dims}")
-        device = self._function_device.get(function, 0)
-        symbol = self._function_symbol.get(function, hex(function))
+        device = self._functions.device(function, 0)
+        symbol = self._functions.symbol(function)
         if not (cooperative or pdl or cluster != (1, 1, 1)):
             return CudaLauncher(self, function, symbol, device, struct, num_threads, shared,
                                 self._launch_mode)
@@ -411,6 +409,19 @@ class _LauncherBase:
         return ArgumentError(f"cannot pack the {len(values)} launch arguments of {self._symbol} "
                              f"with format {self._struct.format!r}: {exc}")
 
+    _API = ""  # the driver call a launch failure is reported under (each launcher sets it)
+
+    def _failed(self, status: int, gx: int, gy: int, gz: int, stream: int,
+                values: tuple) -> None:
+        # A thread that never touched the device has no current context: bind the
+        # function's primary context once and launch again, as the CUDA runtime would (the
+        # second failure, if any, finds a context and is reported).
+        if status == CUDA_ERROR_INVALID_CONTEXT and \
+                self._driver._adopt_primary_context(self._device):
+            self(gx, gy, gz, stream, values)
+            return
+        self._driver.check(status, f"{self._API}({self._describe(gx, gy, gz, stream)})")
+
     def _describe(self, gx: int, gy: int, gz: int, stream: int) -> str:
         return (f"{self._symbol}, grid=({gx}, {gy}, {gz}), block=({self._block}, 1, 1), "
                 f"shared={self._shared}, stream={stream:#x}")
@@ -430,6 +441,7 @@ class CudaLauncher(_LauncherBase):
     """
 
     __slots__ = ("_launch", "_kernel_params", "_extra")
+    _API = "cuLaunchKernel"
 
     def __init__(self, driver: CudaDriver, function: int, symbol: str, device: int,
                  layout: struct.Struct, num_threads: int, shared: int, mode: str = "params") -> None:
@@ -460,23 +472,12 @@ class CudaLauncher(_LauncherBase):
         if status:
             self._failed(status, gx, gy, gz, stream, values)
 
-    def _failed(self, status: int, gx: int, gy: int, gz: int, stream: int,
-                values: tuple) -> None:
-        # A thread that never touched the device has no current context: bind the
-        # function's primary context once and retry, as the CUDA runtime would.
-        if status == CUDA_ERROR_INVALID_CONTEXT and \
-                self._driver._adopt_primary_context(self._device):
-            with self._lock:
-                self._pack(self._buf, 0, *values)
-                status = self._launch(self._function, gx, gy, gz, self._block, 1, 1,
-                                      self._shared, stream, self._kernel_params, self._extra)
-        self._driver.check(status, f"cuLaunchKernel({self._describe(gx, gy, gz, stream)})")
-
 
 class CudaLauncherEx(_LauncherBase):
     """``cuLaunchKernelEx`` with cooperative / PDL / cluster attributes."""
 
     __slots__ = ("_launch", "_config", "_attrs", "_params", "_cluster")
+    _API = "cuLaunchKernelEx"
 
     def __init__(self, driver: CudaDriver, launch: ctypes._CFuncPtr, function: int, symbol: str,
                  device: int, layout: struct.Struct, num_threads: int, shared: int,
@@ -527,10 +528,3 @@ class CudaLauncherEx(_LauncherBase):
         if status:
             self._failed(status, gx, gy, gz, stream, values)
 
-    def _failed(self, status: int, gx: int, gy: int, gz: int, stream: int,
-                values: tuple) -> None:
-        if status == CUDA_ERROR_INVALID_CONTEXT and \
-                self._driver._adopt_primary_context(self._device):
-            self(gx, gy, gz, stream, values)
-            return
-        self._driver.check(status, f"cuLaunchKernelEx({self._describe(gx, gy, gz, stream)})")

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
 from dataclasses import dataclass
 
-from aotriton_rt.drivers import COMMON_HINTS, driver_error
+from aotriton_rt.drivers import COMMON_HINTS, FunctionTable, driver_error
 from aotriton_rt.drivers._loader import LoadedLibrary, load_library
 from aotriton_rt.errors import ArgumentError, DriverError, LaunchError, UnsupportedError
 
@@ -333,8 +333,7 @@ class HipDriver:
         self.library_path = self._api.library_path
         self._lock = threading.Lock()
         self._facts: dict[int, _DeviceFacts] = {}
-        self._function_device: dict[int, int] = {}
-        self._function_symbol: dict[int, str] = {}
+        self._functions = FunctionTable()
         # HIP may read a module's image after hipModuleLoadData returns (code objects are
         # loaded per device on first use), so each image lives as long as its module.
         self._images: dict[int, bytes] = {}
@@ -418,8 +417,7 @@ class HipDriver:
         with self._on_device(device):
             status, function = self._api.module_get_function(module, symbol.encode())
             self.check(status, f"hipModuleGetFunction({symbol!r})")
-        self._function_device[function] = device
-        self._function_symbol[function] = symbol
+        self._functions.add(function, device, symbol)
         return function
 
     def prepare_function(self, function: int, shared: int) -> None:
@@ -429,11 +427,11 @@ class HipDriver:
         """
         if shared <= _SHARED_WITHOUT_OPTIN:
             return
-        device = self._function_device.get(function)
+        device = self._functions.device(function)
         if device is None:
             device = self.current_device()
         facts = self._device_facts(device)
-        symbol = self._function_symbol.get(function, hex(function))
+        symbol = self._functions.symbol(function)
         if shared > facts.shared_optin:
             raise LaunchError(
                 f"kernel {symbol} needs {shared} bytes of LDS per workgroup but device {device} "
@@ -460,7 +458,7 @@ class HipDriver:
         if not 1 <= num_threads <= 1024 or shared < 0:
             raise LaunchError(f"invalid launch shape: num_threads={num_threads} (1..1024), "
                               f"shared={shared} (>= 0)")
-        symbol = self._function_symbol.get(function, hex(function))
+        symbol = self._functions.symbol(function)
         return HipLauncher(self, function, symbol, struct, num_threads, shared)
 
     # ------------------------------------------------------------------ memory and streams
