@@ -587,8 +587,8 @@ def main() -> None:
     ap.add_argument("--configs", action="store_true", help="sweep configs per shape (tuning mode)")
     ap.add_argument("--aot", action="store_true", help="also time the registry's AOT-compiled binaries")
     ap.add_argument("--fwd-config", type=int, default=0,
-                    help="registry forward config index to time (sm90 D128: 0 4-warp TMA, 1 warp-specialized, "
-                    "2 8-warp TMA 128x128, 3 plain pointers)")
+                    help="registry forward config index to time (sm90 D128 without a mask: 0 8-warp 128x128 TMA, "
+                    "1 4-warp 128x64 TMA, 2 8-warp plain pointers; causal: 0 and 1 swapped)")
     ap.add_argument("--b", type=int, default=4)
     ap.add_argument("--h", type=int, default=32)
     ap.add_argument("--n", type=int, nargs="*", default=None, help="sequence lengths (default 1024 4096 16384; "
