@@ -187,14 +187,14 @@ class Image:
     raw_size: int
 
     @classmethod
-    def from_json(cls, r: _Reader) -> Image:
+    def from_json(cls, r: _Reader, formats: tuple[str, ...] = ("cubin", "hsaco")) -> Image:
         path = r.str("path")
         parts = path.split("/")
         if path.startswith("/") or "\\" in path or ":" in path or any(p in ("", ".", "..") for p in parts):
             raise r._fail("path", "a relative '/'-separated path inside the image folder", path)
         fmt = r.str("format")
-        if fmt not in ("cubin", "hsaco"):
-            raise r._fail("format", "cubin or hsaco", fmt)
+        if fmt not in formats:
+            raise r._fail("format", " or ".join(formats), fmt)
         comp = r.str("compression")
         if comp not in ("xz", "none"):
             raise r._fail("compression", "xz or none", comp)
@@ -257,6 +257,8 @@ class Variant:
     image: Image
     triton_version: str
     checks: tuple[str, ...] = ()
+    #: CUDA only, optional: the variant's PTX (xz), which jaxlib's Triton custom call needs.
+    ptx: Image | None = None
 
     @property
     def num_threads(self) -> int:
@@ -307,6 +309,13 @@ class Variant:
             raise CatalogError(f"{source}: {path}.image.format must be "
                                f"{IMAGE_FORMATS[target.backend]} for backend {target.backend}, "
                                f"found {_show(image.format)}")
+        ptx = None
+        if "ptx" in r.obj:
+            ptx = Image.from_json(r.sub("ptx"), formats=("ptx",))
+            if target.backend != "cuda":
+                raise CatalogError(f"{source}: {path}.ptx is only for cuda variants, found on {target.backend}")
+            if ptx.path == image.path:
+                raise r._fail("ptx", "a path other than the image's", ptx.path)
         return cls(
             key=key, kernel=r.str("kernel"), symbol=r.str("symbol"), target=target,
             spec=_scalars(r, "spec"), config=Config.from_json(r.sub("config")), args=args,
@@ -315,10 +324,10 @@ class Variant:
             cluster_dims=tuple(cluster), shared=r.int("shared"),
             cooperative=launch.get("cooperative", bool, "true or false"),
             pdl=launch.get("pdl", bool, "true or false"), grid=tuple(grid), image=image,
-            triton_version=r.str("triton_version"), checks=tuple(_strings(r, "checks")))
+            triton_version=r.str("triton_version"), checks=tuple(_strings(r, "checks")), ptx=ptx)
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "key": self.key, "kernel": self.kernel, "symbol": self.symbol,
             "target": self.target.to_json(), "spec": dict(sorted(self.spec.items())),
             "config": self.config.to_json(), "args": [a.to_json() for a in self.args],
@@ -329,6 +338,9 @@ class Variant:
             "grid": list(self.grid), "image": self.image.to_json(),
             "triton_version": self.triton_version, "checks": list(self.checks),
         }
+        if self.ptx is not None:
+            out["ptx"] = self.ptx.to_json()
+        return out
 
 
 @dataclass(frozen=True)

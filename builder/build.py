@@ -22,7 +22,7 @@ from pathlib import Path
 
 from aotriton_rt.catalog import CATALOG_FILE, Catalog, write_atomic
 
-from .compile import image_path
+from .compile import image_path, ptx_path
 from .registry import Job
 
 PINNED_TRITON = "3.6.0"
@@ -68,11 +68,11 @@ def _worker(conn) -> None:
         if job is None:
             return
         try:
-            variant, raw, packed = compile_job(job)
+            variant, raw, packed, ptx = compile_job(job)
             from .abi import prove
 
             prove(variant, raw)
-            conn.send(("ok", (variant, packed)))
+            conn.send(("ok", (variant, packed, ptx)))
         except BaseException as e:  # noqa: BLE001 - every failure is reported by name
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             conn.send(("error", detail.splitlines()[-1][:500]))
@@ -140,14 +140,17 @@ def _previous(out: Path) -> dict[str, dict]:
         return {}
     keep = {}
     for v in catalog.variants:
-        path = out / v.image.path
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        if len(data) == v.image.size and hashlib.sha256(data).hexdigest() == v.image.sha256:
+        if all(_intact(out, image) for image in (v.image, v.ptx) if image is not None):
             keep[v.key] = v.to_json()
     return keep
+
+
+def _intact(out: Path, image) -> bool:
+    try:
+        data = (out / image.path).read_bytes()
+    except OSError:
+        return False
+    return len(data) == image.size and hashlib.sha256(data).hexdigest() == image.sha256
 
 
 class _Lines:
@@ -217,12 +220,15 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
 
     def done(job: Job, status: str, payload) -> None:
         if status == "ok":
-            variant, packed = payload
+            variant, packed, ptx = payload
             rel = image_path(variant)
             variant["image"]["path"] = rel
             path = out / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, packed)
+            if ptx is not None:
+                variant["ptx"]["path"] = ptx_path(variant)
+                write_atomic(out / variant["ptx"]["path"], ptx)
             variants[job.key] = variant
             summary.compiled += 1
         else:
@@ -247,9 +253,14 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
         summary.packed_bytes += v.image.size
         summary.raw_bytes += v.image.raw_size
     write_atomic(out / CATALOG_FILE, catalog.dumps().encode())
-    _remove_stale(out, {v.image.path for v in catalog.variants})
+    _remove_stale(out, catalog_files(catalog))
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def catalog_files(catalog: Catalog) -> set[str]:
+    """Every file a catalog names: each variant's image and, for CUDA, its PTX."""
+    return {image.path for v in catalog.variants for image in (v.image, v.ptx) if image is not None}
 
 
 def _remove_stale(out: Path, keep: set[str]) -> None:

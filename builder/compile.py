@@ -27,8 +27,13 @@ def _kernels(package: str):
     return load_kernels(package)
 
 
-def compile_job(job: Job) -> tuple[dict, bytes, bytes]:
-    """Compile ``job``; return (catalog variant without image path digests filled, raw, xz)."""
+def compile_job(job: Job) -> tuple[dict, bytes, bytes, bytes | None]:
+    """Compile ``job``; return (catalog variant without image paths, raw, xz, xz PTX or None).
+
+    CUDA variants also keep their PTX: jaxlib's Triton custom call (``aotriton_rt.jax``) takes
+    PTX text and assembles it itself; it cannot load a cubin. HIP needs nothing extra: jaxlib's
+    ROCm call reads the HSACO itself from a file path.
+    """
     os.environ.update(compile_env())
     import triton
     from triton.compiler import ASTSource
@@ -45,6 +50,11 @@ def compile_job(job: Job) -> tuple[dict, bytes, bytes]:
     fmt = IMAGE_EXT[job.target.backend]
     raw = compiled.asm[fmt]
     packed = lzma.compress(raw, format=lzma.FORMAT_XZ, preset=XZ_PRESET)
+    ptx_packed = None
+    if job.target.backend == "cuda":
+        ptx = compiled.asm["ptx"]
+        ptx = ptx.encode() if isinstance(ptx, str) else ptx
+        ptx_packed = lzma.compress(ptx, format=lzma.FORMAT_XZ, preset=XZ_PRESET)
 
     runtime_args = [n for n in names if job.signature[n] != "constexpr"]
     types = [job.signature[n] for n in runtime_args]
@@ -81,7 +91,11 @@ def compile_job(job: Job) -> tuple[dict, bytes, bytes]:
                   "raw_sha256": hashlib.sha256(raw).hexdigest(), "raw_size": len(raw)},
         "triton_version": triton.__version__,
     }
-    return variant, raw, packed
+    if ptx_packed is not None:
+        variant["ptx"] = {"format": "ptx", "compression": "xz",
+                          "sha256": hashlib.sha256(ptx_packed).hexdigest(), "size": len(ptx_packed),
+                          "raw_sha256": hashlib.sha256(ptx).hexdigest(), "raw_size": len(ptx)}
+    return variant, raw, packed, ptx_packed
 
 
 def image_path(variant: dict) -> str:
@@ -89,3 +103,8 @@ def image_path(variant: dict) -> str:
     t = variant["target"]
     return (f"{t['backend']}/{t['arch']}/{variant['kernel']}/"
             f"{variant['kernel']}-{variant['key'][:16]}.{variant['image']['format']}.xz")
+
+
+def ptx_path(variant: dict) -> str:
+    """Relative path of a CUDA variant's PTX, beside its cubin: ``...-<key16>.ptx.xz``."""
+    return image_path(variant).removesuffix(f".{variant['image']['format']}.xz") + ".ptx.xz"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aotriton_rt.catalog import CATALOG_FILE, Catalog, write_atomic
 
-from .build import BuildError, _remove_stale
+from .build import BuildError, _remove_stale, catalog_files
 
 
 def merge(inputs: Sequence[Path], out: Path) -> Catalog:
@@ -42,18 +42,21 @@ def merge(inputs: Sequence[Path], out: Path) -> Catalog:
         seen[ident] = key
     out.mkdir(parents=True, exist_ok=True)
     for entry, src in variants.values():
-        rel = entry["image"]["path"]
-        data = (src / rel).read_bytes()
-        if hashlib.sha256(data).hexdigest() != entry["image"]["sha256"]:
-            raise BuildError(f"{src / rel}: sha256 does not match its catalog")
-        dest = out / rel
-        if not (dest.exists() and dest.read_bytes() == data):
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(dest, data)
+        for image in (entry["image"], entry.get("ptx")):
+            if image is None:
+                continue
+            rel = image["path"]
+            data = (src / rel).read_bytes()
+            if hashlib.sha256(data).hexdigest() != image["sha256"]:
+                raise BuildError(f"{src / rel}: sha256 does not match its catalog")
+            dest = out / rel
+            if not (dest.exists() and dest.read_bytes() == data):
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(dest, data)
     merged = Catalog.from_json({"schema": "aotriton-rt.catalog", "schema_version": 1,
                                 "triton_version": versions.pop(), "tuning": {},
                                 "variants": [e for e, _ in variants.values()]},
                                source=str(out / CATALOG_FILE))
     write_atomic(out / CATALOG_FILE, merged.dumps().encode())
-    _remove_stale(out, {v.image.path for v in merged.variants})
+    _remove_stale(out, catalog_files(merged))
     return merged

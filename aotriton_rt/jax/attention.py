@@ -1,0 +1,429 @@
+"""Attention for JAX: the operator's kernels as traced calls, differentiable through ``jax.custom_vjp``.
+
+The eager operator (:mod:`aotriton_rt.ops.attention`) decides everything: arguments are
+validated and kernels chosen by its public :func:`~aotriton_rt.ops.attention.attention_kernels`,
+handed shape-and-dtype stand-ins for the traced arrays, so bad input fails while tracing with
+the eager path's typed errors and messages. This module then lays the arrays out as the eager
+path does (head dims zero-padded to the compiled bucket, contiguous strides, bias rows padded
+to 8 when needed) and launches the same kernels through :mod:`aotriton_rt.jax.kernels`, so the
+outputs under ``jax.jit`` are those of the eager path.
+
+Dropout's ``seed``/``offset`` and every option are static (Python values fixed at trace time):
+jaxlib's Triton call bakes scalar arguments into the compiled program. Varlen batches need
+``max_seqlen_q``/``max_seqlen_k`` (the eager path would read them from the device).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import interop
+from ..errors import ArgumentError
+from ..ops.attention import attention_kernels
+from .kernels import JaxKernel, Out, Update
+
+FWD, PRE, DKDV, DQ, CONVERT = "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_dq_convert"
+_BIAS_ALIGN = 8
+_TRITON = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "int8": "i8",
+           "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "uint32": "u32", "bool": "i1"}
+
+
+class _Standin:
+    """Shape and dtype of a traced array, as the eager validator reads arrays (never a pointer)."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, x: Any, name: str) -> None:
+        dtype = jnp.dtype(x.dtype).name
+        if dtype not in _TRITON:
+            raise ArgumentError(f"{name} has dtype {dtype}, which Triton kernels do not take")
+        self.shape, self.dtype = tuple(int(n) for n in x.shape), _TRITON[dtype]
+
+
+def _describe(obj: _Standin, backend: str, stream: int | None) -> interop.ArrayInfo:
+    strides, step = [], 1
+    for n in reversed(obj.shape):
+        strides.append(step)
+        step *= max(n, 1)
+    # A 256-aligned stand-in address: the validator checks layouts, no memory is read.
+    return interop.ArrayInfo(256, -1, obj.dtype, obj.shape, tuple(reversed(strides)), "jax")
+
+
+def _no_pointer(obj: _Standin, backend: str, stream: int | None) -> tuple[int, int]:
+    raise ArgumentError("a traced JAX array has no device pointer; use aotriton_rt.jax under jax.jit")
+
+
+interop._DESCRIBERS[_Standin] = _describe
+interop._HANDLERS[_Standin] = _no_pointer
+
+
+@dataclass(frozen=True)
+class _Options:
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    align: str = "top_left"
+    dropout_p: float = 0.0
+    seed: int | None = None
+    offset: int = 0
+    scale: float | None = None
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
+    layout: str = "bhsd"
+    deterministic: bool = False
+    scheme: str | None = None
+    library: Any = None
+    arch: str | None = None
+    same_cu: bool = False
+
+    def eager(self) -> dict[str, Any]:
+        return {"causal": self.causal, "window": self.window, "align": self.align, "dropout_p": self.dropout_p,
+                "seed": self.seed, "offset": self.offset, "scale": self.scale, "max_seqlen_q": self.max_seqlen_q,
+                "max_seqlen_k": self.max_seqlen_k, "layout": self.layout}
+
+
+def _options(causal: Any, window: Any, align: Any, dropout_p: Any, seed: Any, offset: Any, scale: Any,
+             max_seqlen_q: Any, max_seqlen_k: Any, layout: Any, deterministic: Any, scheme: Any, library: Any,
+             arch: Any, cu_q: Any, cu_k: Any) -> _Options:
+    for name, value in (("seed", seed), ("offset", offset), ("scale", scale), ("dropout_p", dropout_p),
+                        ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, (jax.core.Tracer, jax.Array)):
+            raise ArgumentError(f"{name} must be a Python number under jax.jit (jaxlib's Triton call fixes kernel "
+                                f"scalars at compile time); mark it static")
+    if (cu_q is not None or cu_k is not None) and (max_seqlen_q is None or max_seqlen_k is None):
+        raise ArgumentError("variable-length attention in JAX needs max_seqlen_q and max_seqlen_k (Python ints): "
+                            "under jax.jit the lengths cannot be read from the device")
+    if isinstance(window, list):
+        window = tuple(window)
+    return _Options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout,
+                    deterministic, scheme, library, arch, cu_q is not None and cu_q is cu_k)
+
+
+def _standin(x: Any, name: str) -> _Standin | None:
+    return None if x is None else _Standin(x, name)
+
+
+def _kernels(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, o: _Options, *, backward: bool = False,
+             return_mask: bool = False) -> dict[str, Any]:
+    """Validation and dispatch by the eager operator: the handles its call would launch."""
+    cq = _standin(cu_q, "cu_seqlens_q")
+    ck = cq if o.same_cu else _standin(cu_k, "cu_seqlens_k")
+    return attention_kernels(_Standin(q, "q"), _Standin(k, "k"), _Standin(v, "v"), backward=backward,
+                             deterministic=o.deterministic, scheme=o.scheme, return_mask=return_mask,
+                             bias_grad=True, library=o.library, bias=_standin(bias, "bias"), cu_seqlens_q=cq,
+                             cu_seqlens_k=ck, **o.eager())
+
+
+@functools.lru_cache(maxsize=256)
+def _jax_kernel(handle: Any, arch: str | None) -> JaxKernel:
+    return JaxKernel(handle, arch)
+
+
+# ---------------------------------------------------------------------------------------------
+# The problem's facts and layouts (as the eager operator computes them).
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Facts:
+    varlen: bool
+    batch: int
+    heads_q: int
+    heads_k: int
+    seqlen_q: int
+    seqlen_k: int
+    rows_q: int
+    rows_k: int
+    head_dim: int
+    head_dim_v: int
+    scalars: tuple
+
+    def lse_shape(self) -> tuple[int, ...]:
+        return (self.heads_q, self.rows_q) if self.varlen else (self.batch, self.heads_q, self.seqlen_q)
+
+    def bias_full(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads_q, self.seqlen_q, self.seqlen_k)
+
+
+def _facts(q: Any, k: Any, v: Any, cu_q: Any, o: _Options) -> _Facts:
+    varlen = cu_q is not None
+    if varlen:
+        batch, (rows_q, heads_q, d), (rows_k, heads_k, _) = cu_q.shape[0] - 1, q.shape, k.shape
+        seqlen_q, seqlen_k = o.max_seqlen_q, o.max_seqlen_k
+    else:
+        (batch, heads_q, seqlen_q), _ = _bhs(q.shape, q.shape, o.layout, False)
+        (_, heads_k, seqlen_k), _ = _bhs(k.shape, k.shape, o.layout, False)
+        rows_q, rows_k, d = seqlen_q, seqlen_k, q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if o.scale is None else float(o.scale)
+    left, right = o.window if o.window is not None else (-1, -1)
+    if o.causal:
+        right = 0
+    seed, offset = (o.seed, o.offset) if o.dropout_p > 0 else (0, 0)
+    scalars = (("batch", batch), ("num_heads_q", heads_q), ("num_heads_k", heads_k), ("seqlen_q", seqlen_q),
+               ("seqlen_k", seqlen_k), ("sm_scale", scale), ("dropout_p", float(o.dropout_p)),
+               ("philox_seed", seed), ("philox_offset", offset), ("window_left", left), ("window_right", right))
+    return _Facts(varlen, batch, heads_q, heads_k, seqlen_q, seqlen_k, rows_q, rows_k, d, v.shape[-1], scalars)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _bhs(shape: tuple, strides: tuple, layout: str, varlen: bool) -> tuple[tuple, tuple]:
+    if varlen:
+        return (1, shape[1], shape[0]), (0, strides[1], strides[0])
+    if layout == "bhsd":
+        return (shape[0], shape[1], shape[2]), (strides[0], strides[1], strides[2])
+    return (shape[0], shape[2], shape[1]), (strides[0], strides[2], strides[1])
+
+
+def _strides(shape: tuple, layout: str, varlen: bool) -> tuple[int, int, int]:
+    """Kernel (batch, head, row) strides of a contiguous array; 0 over axes of extent <= 1."""
+    extents, strides = _bhs(shape, _contiguous(shape), layout, varlen)
+    return tuple(0 if e <= 1 else s for e, s in zip(extents, strides))
+
+
+def _named(prefix: str, row: str, strides: tuple) -> dict[str, int]:
+    return {f"stride_{prefix}z": strides[0], f"stride_{prefix}h": strides[1], f"stride_{prefix}{row}": strides[2]}
+
+
+def _pad(x: Any, width: int) -> Any:
+    extra = width - x.shape[-1]
+    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def _lse_strides(f: _Facts) -> tuple[int, int]:
+    cs = _contiguous(f.lse_shape())
+    return (0, cs[0]) if f.varlen else (cs[0], cs[1])
+
+
+def _bias_operand(bias: Any, f: _Facts) -> tuple[Any, tuple[int, int, int]]:
+    """The bias as the kernels read it: stride 0 over broadcast dims, rows padded to 8 if needed."""
+    extents = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+    full = f.bias_full()
+    if extents[3] == full[3] and full[3] % _BIAS_ALIGN == 0:
+        arr = bias.reshape(extents)
+    else:
+        width = -(-max(full[3], 1) // _BIAS_ALIGN) * _BIAS_ALIGN
+        arr = jnp.zeros(extents[:3] + (width,), bias.dtype)
+        arr = arr.at[..., :full[3]].set(jnp.broadcast_to(bias.reshape(extents), extents[:3] + (full[3],)))
+    cs = _contiguous(arr.shape)
+    return arr, tuple(0 if e == 1 else s for e, s in zip(extents[:3], cs[:3]))
+
+
+def _bias_values(bias: Any, f: _Facts) -> dict[str, Any]:
+    if bias is None:
+        return {"Bias": None, **_named("b", "m", (0, 0, 0))}
+    arr, strides = _bias_operand(bias, f)
+    return {"Bias": arr, **_named("b", "m", strides)}
+
+
+def _empty(f: _Facts) -> bool:
+    return f.batch == 0 or f.heads_q == 0 or f.rows_q == 0 or f.rows_k == 0 or f.seqlen_q == 0 or f.seqlen_k == 0
+
+
+def _launch(handle: Any, o: _Options, values: dict[str, Any]) -> Any:
+    k = _jax_kernel(handle, o.arch)
+    return k(*[values[name] for name in k.arg_names])
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward and backward on traced arrays.
+# ---------------------------------------------------------------------------------------------
+
+def _forward(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, o: _Options, return_mask: bool = False
+             ) -> tuple:
+    handle = _kernels(q, k, v, bias, cu_q, cu_k, o, return_mask=return_mask)[FWD]
+    f = _facts(q, k, v, cu_q, o)
+    wq, wv = handle.params["HEAD_DIM"], handle.params["HEAD_DIM_V"]
+    out_shape = tuple(q.shape[:-1]) + (f.head_dim_v,)
+    mask_shape = (f.batch, f.heads_q, f.seqlen_q, f.seqlen_k)
+    if _empty(f):
+        out = jnp.zeros(out_shape, q.dtype)
+        lse = jnp.full(f.lse_shape(), -jnp.inf, jnp.float32)
+        mask = jnp.zeros(mask_shape, jnp.int8)
+        return (out, lse, mask) if return_mask else (out, lse)
+    qp, kp, vp = _pad(q, wq), _pad(k, wq), _pad(v, wv)
+    padded_out = tuple(q.shape[:-1]) + (wv,)
+    lse_strides = _lse_strides(f)
+    values = {"Q": qp, "K": kp, "V": vp, "Out": Out(padded_out, q.dtype), "LSE": Out(f.lse_shape(), jnp.float32),
+              "DropMask": Out(mask_shape, jnp.int8, zero=True) if return_mask else None,
+              **_named("q", "m", _strides(qp.shape, o.layout, f.varlen)),
+              **_named("k", "n", _strides(kp.shape, o.layout, f.varlen)),
+              **_named("v", "n", _strides(vp.shape, o.layout, f.varlen)),
+              **_named("o", "m", _strides(padded_out, o.layout, f.varlen)),
+              "stride_lz": lse_strides[0], "stride_lh": lse_strides[1], **dict(f.scalars),
+              "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+              **_named("dm", "m", _contiguous(mask_shape)[:3] if return_mask else (0, 0, 0))}
+    values.update(_bias_values(bias, f))
+    results = _launch(handle, o, values)
+    out, lse = results[0], results[1]
+    if wv != f.head_dim_v:
+        out = out[..., :f.head_dim_v]
+    return (out, lse, results[2]) if return_mask else (out, lse)
+
+
+def _backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, bias: Any, cu_q: Any, cu_k: Any,
+              o: _Options) -> tuple:
+    handles = _kernels(q, k, v, bias, cu_q, cu_k, o, backward=True)
+    f = _facts(q, k, v, cu_q, o)
+    for name, x, shape, dtype in (("dout", dout, out.shape, q.dtype), ("out", out, tuple(q.shape[:-1]) +
+                                  (f.head_dim_v,), q.dtype), ("lse", lse, f.lse_shape(), jnp.float32)):
+        if tuple(x.shape) != tuple(shape) or jnp.dtype(x.dtype) != jnp.dtype(dtype):
+            raise ArgumentError(f"{name} must have shape {tuple(shape)} and dtype {jnp.dtype(dtype).name}, got "
+                                f"{tuple(x.shape)} {jnp.dtype(x.dtype).name}")
+    atomic = CONVERT in handles
+    wq, wv = handles[PRE].params["HEAD_DIM"], handles[PRE].params["HEAD_DIM_V"]
+    full = f.bias_full()
+    dbias_shape = full[:3] + (-(-max(full[3], 1) // _BIAS_ALIGN) * _BIAS_ALIGN,)
+    if _empty(f):
+        zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, k, v)]
+        return (*zeros, None if bias is None else jnp.zeros(bias.shape, bias.dtype))
+    qp, kp, vp, dop, op = _pad(q, wq), _pad(k, wq), _pad(v, wv), _pad(dout, wv), _pad(out, wv)
+    dq_shape, dk_shape = tuple(q.shape[:-1]) + (wq,), tuple(k.shape[:-1]) + (wq,)
+    dv_shape = tuple(v.shape[:-1]) + (wv,)
+    lse_strides = _lse_strides(f)
+    lay, vl = o.layout, f.varlen
+    values = {"Q": qp, "K": kp, "V": vp, "DO": dop, "Out": op, "LSE": lse,
+              **_named("q", "m", _strides(qp.shape, lay, vl)), **_named("k", "n", _strides(kp.shape, lay, vl)),
+              **_named("v", "n", _strides(vp.shape, lay, vl)), **_named("do", "m", _strides(dop.shape, lay, vl)),
+              **_named("o", "m", _strides(op.shape, lay, vl)), **_named("dq", "m", _strides(dq_shape, lay, vl)),
+              **_named("dk", "n", _strides(dk_shape, lay, vl)), **_named("dv", "n", _strides(dv_shape, lay, vl)),
+              "stride_lz": lse_strides[0], "stride_lh": lse_strides[1], **dict(f.scalars),
+              "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    values.update(_bias_values(bias, f))
+    if bias is not None:
+        values["DBias"] = Out(dbias_shape, q.dtype, zero=f.varlen)
+        values.update(_named("db", "m", _contiguous(dbias_shape)[:3]))
+    else:
+        values["DBias"] = None
+        values.update(_named("db", "m", (0, 0, 0)))
+    if atomic:
+        values["DQacc"] = Out(dq_shape, jnp.float32)
+        values.update(_named("dqa", "m", _strides(dq_shape, lay, vl)))
+    else:
+        values["DQacc"] = None
+        values.update(_named("dqa", "m", (0, 0, 0)))
+    values["Delta"] = Out(f.lse_shape(), jnp.float32)
+    pre = _launch(handles[PRE], o, values)
+    delta, dqacc = (pre[0], pre[1]) if atomic else (pre, None)
+    values["Delta"] = delta
+    values["DK"], values["DV"] = Out(dk_shape, k.dtype), Out(dv_shape, v.dtype)
+    if atomic:
+        values["DQacc"] = Update(dqacc)
+    got = _launch(handles[DKDV], o, values)
+    dk, dv = got[0], got[1]
+    dbias_buf = got[2] if bias is not None else None
+    if atomic:
+        dqacc = got[-1]
+        values["DQacc"] = dqacc
+        values["DQ"] = Out(dq_shape, q.dtype)
+        dq = _launch(handles[CONVERT], o, values)
+    else:
+        values["DQ"] = Out(dq_shape, q.dtype)
+        dq = _launch(handles[DQ], o, values)
+    dq, dk, dv = dq[..., :f.head_dim], dk[..., :f.head_dim], dv[..., :f.head_dim_v]
+    return dq, dk, dv, _reduce_dbias(dbias_buf, bias, f)
+
+
+def _reduce_dbias(buf: Any, bias: Any, f: _Facts) -> Any:
+    if buf is None:
+        return None
+    full = f.bias_full()
+    extents = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+    grad = buf[..., :full[3]]
+    dims = tuple(i for i in range(4) if extents[i] == 1 and full[i] != 1)
+    if dims:
+        grad = grad.astype(jnp.float32).sum(axis=dims, keepdims=True).astype(bias.dtype)
+    return grad.reshape(bias.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API.
+# ---------------------------------------------------------------------------------------------
+
+def attention_forward(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int, int] | None = None,
+                      align: str = "top_left", bias: Any = None, dropout_p: float = 0.0, seed: int | None = None,
+                      offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
+                      return_mask: bool = False, library: Any = None, arch: str | None = None) -> tuple:
+    """``(out, lse)`` (and the dropout mask with ``return_mask``) of :func:`aotriton_rt.attention`, as JAX
+    arrays, traceable under ``jax.jit``; not differentiable (see :func:`attention`).
+
+    Arguments as :func:`aotriton_rt.attention`; all options are static. ``arch``: the target to
+    lower for without a GPU (e.g. ``"sm90"``). Raises the eager path's ArgumentError /
+    UnsupportedError / KernelNotFound while tracing.
+    """
+    o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout, False,
+                 None, library, arch, cu_seqlens_q, cu_seqlens_k)
+    return _forward(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, o, return_mask)
+
+
+def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
+                       window: tuple[int, int] | None = None, align: str = "top_left", bias: Any = None,
+                       dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, scale: float | None = None,
+                       cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
+                       max_seqlen_k: int | None = None, layout: str = "bhsd", deterministic: bool = False,
+                       scheme: str | None = None, library: Any = None, arch: str | None = None) -> tuple:
+    """``(dq, dk, dv, dbias)`` of :func:`aotriton_rt.attention_backward`, as JAX arrays, under ``jax.jit``."""
+    o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout,
+                 deterministic, scheme, library, arch, cu_seqlens_q, cu_seqlens_k)
+    return _backward(dout, q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, o)
+
+
+@functools.lru_cache(maxsize=256)
+def _differentiable(o: _Options) -> Any:
+    @jax.custom_vjp
+    def attn(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any) -> Any:
+        return _forward(q, k, v, bias, cu_q, cu_k, o)[0]
+
+    def fwd(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any) -> tuple:
+        out, lse = _forward(q, k, v, bias, cu_q, cu_k, o)
+        return out, (q, k, v, bias, cu_q, cu_k, out, lse)
+
+    def bwd(res: tuple, dout: Any) -> tuple:
+        q, k, v, bias, cu_q, cu_k, out, lse = res
+        dq, dk, dv, dbias = _backward(dout.astype(q.dtype), q, k, v, out, lse, bias, cu_q, cu_k, o)
+        return dq, dk, dv, dbias, _int_zero(cu_q), _int_zero(cu_k)
+
+    attn.defvjp(fwd, bwd)
+    return attn
+
+
+def _int_zero(x: Any) -> Any:
+    if x is None:
+        return None
+    import numpy as np
+
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int, int] | None = None,
+              align: str = "top_left", bias: Any = None, dropout_p: float = 0.0, seed: int | None = None,
+              offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
+              deterministic: bool = False, scheme: str | None = None, library: Any = None,
+              arch: str | None = None) -> Any:
+    """Differentiable attention on JAX arrays: ``out`` of :func:`aotriton_rt.attention`, with a
+    ``jax.custom_vjp`` running the operator's backward kernels (gradients for q, k, v and bias).
+
+    Works under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (a vmapped call runs once per mapped
+    element). Options are static Python values; see :func:`aotriton_rt.attention` for their
+    meaning and ``docs/jax.md`` for what differs from the eager path.
+
+    Example::
+
+        loss = lambda q, k, v: aotriton_rt.jax.attention(q, k, v, causal=True).sum()
+        dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    """
+    o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout,
+                 deterministic, scheme, library, arch, cu_seqlens_q, cu_seqlens_k)
+    return _differentiable(o)(q, k, v, bias, cu_seqlens_q, cu_seqlens_k)

@@ -1,0 +1,161 @@
+"""What jaxlib's Triton custom call needs, built from a catalog variant.
+
+jaxlib (``jaxlib.gpu_triton``, from the CUDA or ROCm plugin) launches a compiled Triton kernel
+inside an XLA program through the custom call target ``triton_kernel_call_ffi``; its one
+attribute ``opaque`` is a zlib-compressed ``TritonKernelCall`` protobuf that jaxlib's own
+bindings serialize. Facts this module relies on (jaxlib 0.10.2 and 0.11.2 sources):
+
+* ``TritonKernel(name, num_warps, num_ctas, shared_mem_bytes, binary, ttir, compute_capability
+  [, global_scratch_size, global_scratch_align])``: the last two only in jaxlib > 0.11.0.
+  ``binary`` is PTX text on CUDA (jaxlib assembles it with ptxas for ``compute_capability``,
+  sm_90a features from 9.0 on; it cannot take a cubin), and on ROCm the *path* of an HSACO
+  file, which jaxlib reads and then **deletes** on first launch. The launch block is
+  ``num_warps * 32`` threads on CUDA and ``num_warps * 64`` on ROCm, so a wave32 HIP variant
+  is passed ``num_threads / 64`` "warps".
+* Parameters, in kernel order: ``create_array_parameter(bytes_to_zero, ptr_divisibility)``
+  consumes the next XLA buffer (operands, then results); ``create_scalar_parameter(value,
+  type)`` bakes a scalar in. jaxlib appends the two hidden Triton 3.x pointers (global and
+  profile scratch) itself.
+* Scalars exist as bool/i32/u32/i64/u64/fp32/fp64; the driver copies each parameter with the
+  kernel's own size, so an i8/i16 (u8/u16) scalar passed as i32 (u32) arrives intact on these
+  little-endian GPUs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import lzma
+import os
+import tempfile
+import threading
+import zlib
+from pathlib import Path
+from typing import Any
+
+from ..catalog import Image, Variant
+from ..errors import ImageError, UnsupportedError
+
+#: The custom call target jaxlib registers for CUDA and ROCm.
+TARGET = "triton_kernel_call_ffi"
+#: Threads per "warp" in jaxlib's launch: block size = num_warps * this.
+JAXLIB_WARP = {"cuda": 32, "hip": 64}
+_MAX_PTX = 256 << 20  # bounds the decompressed PTX of one variant
+_SCALAR_AS = {"i1": "i32", "i8": "i32", "i16": "i32", "u8": "u32", "u16": "u32", "i32": "i32", "u32": "u32",
+              "i64": "i64", "u64": "u64", "fp32": "fp32", "fp64": "fp64"}
+
+_ptx_cache: dict[str, str] = {}
+_lock = threading.Lock()
+
+
+def triton_module() -> Any:
+    """jaxlib's ``gpu_triton`` bindings, or UnsupportedError saying what is missing."""
+    try:
+        from jax._src.lib import gpu_triton
+    except ImportError as e:
+        raise UnsupportedError(f"this jaxlib has no Triton custom call (jax._src.lib.gpu_triton: {e}); install a "
+                               "GPU jaxlib: pip install 'jax[cuda13]' (or the ROCm plugin)") from None
+    if not hasattr(gpu_triton, "TritonKernelCall"):
+        raise UnsupportedError("jaxlib's Triton custom call comes with its GPU plugin, and neither "
+                               "jax-cuda13-plugin / jax-cuda12-plugin nor jax-rocm7-plugin is installed; "
+                               "install one (pip install 'jax[cuda13]'), or call aotriton_rt eagerly "
+                               "(aotriton_rt.attention on JAX arrays, through DLPack)")
+    return gpu_triton
+
+
+def scalar_type(t: str) -> str:
+    """The jaxlib scalar type that carries a catalog scalar type."""
+    return _SCALAR_AS[t]
+
+
+def ptx_text(folder: Path, variant: Variant) -> str:
+    """The PTX of a CUDA variant, digest-checked (ImageError when absent or damaged)."""
+    image = variant.ptx
+    if image is None:
+        raise ImageError(f"{variant.kernel} {variant.key[:16]} ({variant.target.arch}) has no PTX in its catalog; "
+                         "jax.jit needs it: rebuild the images with this version's builder "
+                         "(python -m builder build), which keeps the PTX of every CUDA variant")
+    hit = _ptx_cache.get(variant.key)
+    if hit is not None:
+        return hit
+    raw = _read_checked(folder, image, variant)
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise ImageError(f"{folder / image.path}: PTX is not ASCII text") from None
+    with _lock:
+        _ptx_cache[variant.key] = text
+    return text
+
+
+def _read_checked(folder: Path, image: Image, variant: Variant) -> bytes:
+    path = folder / image.path
+    if image.size > _MAX_PTX or image.raw_size > _MAX_PTX:
+        raise ImageError(f"{path}: the catalog gives {max(image.size, image.raw_size)} bytes, over the "
+                         f"{_MAX_PTX} bytes allowed for one PTX")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ImageError(f"cannot read the PTX of {variant.kernel} {variant.key[:16]} at {path}: "
+                         f"{e.strerror or e}; rebuild or re-download the images") from None
+    if len(data) != image.size or hashlib.sha256(data).hexdigest() != image.sha256:
+        raise ImageError(f"{path}: does not match its size/sha256 in the catalog; it was not used. Rebuild it")
+    if image.compression == "xz":
+        d = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+        try:
+            raw = d.decompress(data, max_length=image.raw_size + 1)
+        except lzma.LZMAError as e:
+            raise ImageError(f"{path}: not valid xz ({e})") from None
+    else:
+        raw = data
+    if len(raw) != image.raw_size or hashlib.sha256(raw).hexdigest() != image.raw_sha256:
+        raise ImageError(f"{path}: decompressed PTX does not match raw_size/raw_sha256 in the catalog")
+    return raw
+
+
+def hsaco_file(raw: bytes, variant: Variant) -> str:
+    """A fresh file holding ``raw`` for jaxlib's ROCm call, which deletes it after reading it.
+
+    Written under ``AOTRITON_RT_JAX_HSACO_DIR`` (default: a per-user folder in the system
+    temporary directory), one file per lowering.
+    """
+    folder = Path(os.environ.get("AOTRITON_RT_JAX_HSACO_DIR")
+                  or Path(tempfile.gettempdir()) / f"aotriton-rt-jax-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, name = tempfile.mkstemp(prefix=f"{variant.kernel}-{variant.key[:16]}-", suffix=".hsaco", dir=folder)
+    with os.fdopen(fd, "wb") as f:
+        f.write(raw)
+    return name
+
+
+def kernel_call(variant: Variant, binary: str, grid: tuple[int, int, int], params: list[tuple]) -> bytes:
+    """The ``opaque`` attribute: one zlib-compressed ``TritonKernelCall`` for ``variant``.
+
+    ``params`` are ``("array", bytes_to_zero, divisibility)`` or ``("scalar", value, type)``
+    in kernel order (hidden scratch pointers excluded).
+    """
+    lib = triton_module()
+    backend = variant.target.backend
+    warp = JAXLIB_WARP[backend]
+    if variant.num_threads % warp:
+        raise UnsupportedError(f"{variant.kernel} ({variant.target.arch}) runs {variant.num_threads} threads per "
+                               f"block, which jaxlib's {backend} Triton call cannot launch (it launches "
+                               f"multiples of {warp}); use the eager path")
+    cc = int(variant.target.arch[2:]) if backend == "cuda" else 0
+    args = [variant.symbol, variant.num_threads // warp, variant.num_ctas, variant.shared, binary, "", cc]
+    scratch = variant.scratch["global_size"]
+    if scratch:
+        try:
+            kernel = lib.TritonKernel(*args, scratch, variant.scratch["global_align"])
+        except TypeError:
+            raise UnsupportedError(f"{variant.kernel} needs {scratch} bytes of global scratch per program, which "
+                                   "jaxlib's Triton call provides only from jaxlib 0.11.1 on; upgrade jax") from None
+    else:
+        kernel = lib.TritonKernel(*args)
+    made = []
+    for p in params:
+        if p[0] == "array":
+            made.append(lib.create_array_parameter(p[1], p[2]))
+        else:
+            made.append(lib.create_scalar_parameter(p[1], p[2]))
+    call = lib.TritonKernelCall(kernel, grid[0], grid[1], grid[2], made)
+    return zlib.compress(call.to_proto(variant.symbol, b""))
