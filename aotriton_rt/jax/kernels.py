@@ -314,8 +314,8 @@ mlir.register_lowering(kernel_p, _refuse, platform="cpu")
 # ---------------------------------------------------------------------------------------------
 
 def _batch(args: Any, dims: Any, *, call: _Call) -> tuple[list, list]:
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
-    moved = [batching.moveaxis(a, d, 0) if d is not batching.not_mapped else None for a, d in zip(args, dims)]
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [jnp.moveaxis(a, d, 0) if d is not None else None for a, d in zip(args, dims)]
 
     def one(sliced: list) -> list:
         it = iter(sliced)

@@ -1,0 +1,236 @@
+"""aotriton_rt.jax without a GPU: jitted functions lowered to StableHLO for cuda and rocm on the CPU.
+
+jaxlib's CUDA plugin imports without a GPU, so its own bindings serialize the real
+``TritonKernelCall`` that the custom call carries; these tests decode that protobuf and check
+it against the catalog (and, for ROCm, against the HSACO's own AMDGPU metadata).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import re
+import zlib
+from pathlib import Path
+
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+try:
+    from jax._src.lib import gpu_triton
+except ImportError:
+    gpu_triton = None
+if not hasattr(gpu_triton, "TritonKernelCall"):
+    pytest.skip("jaxlib without a GPU plugin (pip install jax-cuda13-plugin)", allow_module_level=True)
+
+import aotriton_rt  # noqa: E402
+import aotriton_rt.jax as aj  # noqa: E402
+from aotriton_rt import ArgumentError, ImageError, UnsupportedError  # noqa: E402
+
+# -- a protobuf wire-format reader (enough for jaxlib's triton.proto) --------------------------
+
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        c = b[i]
+        i += 1
+        n |= (c & 0x7F) << shift
+        shift += 7
+        if c < 0x80:
+            return n, i
+
+
+def fields(b: bytes) -> list[tuple[int, int, object]]:
+    out, i = [], 0
+    while i < len(b):
+        key, i = _varint(b, i)
+        num, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _varint(b, i)
+        elif wire == 2:
+            n, i = _varint(b, i)
+            value, i = b[i:i + n], i + n
+        elif wire == 5:
+            value, i = b[i:i + 4], i + 4
+        elif wire == 1:
+            value, i = b[i:i + 8], i + 8
+        else:
+            raise AssertionError(f"wire type {wire}")
+        out.append((num, wire, value))
+    return out
+
+
+def kernel_call_of(hlo: str) -> dict:
+    """The decoded TritonKernelCall of the single custom call in ``hlo``."""
+    m = re.search(r'opaque = "((?:[^"\\]|\\.)*)"', hlo)
+    assert m, hlo[:2000]
+    raw = bytes(re.sub(r"\\([0-9A-F]{2})", lambda g: chr(int(g.group(1), 16)), m.group(1))
+                .replace('\\"', '"').replace("\\\\", "\\"), "latin-1")
+    outer = fields(zlib.decompress(raw))
+    call = fields(next(v for n, w, v in outer if w == 2))  # TritonAnyKernelCall.kernel_call
+    kernel = fields(next(v for n, w, v in call if n == 1))
+    params = [fields(v) for n, w, v in call if n == 5]
+    grid = [v for n, w, v in call if n in (2, 3, 4)]
+    strings = [v for n, w, v in kernel if w == 2]
+    ints = {n: v for n, w, v in kernel if w == 0}
+    return {"name": strings[0].decode(), "binary": strings[1], "ints": ints, "grid": grid, "params": params}
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lib(built_images: Path) -> aotriton_rt.Library:
+    return aotriton_rt.Library(built_images)
+
+
+def lower(f, *shapes, platform: str = "cuda") -> str:
+    return jax.jit(f).trace(*shapes).lower(lowering_platforms=(platform,)).as_text()
+
+
+X = jax.ShapeDtypeStruct((1000,), jnp.float32)
+
+
+def test_the_builder_keeps_the_ptx_of_every_cuda_variant_and_the_catalog_its_digests(lib) -> None:
+    cuda = [v for v in lib.variants if v.target.backend == "cuda"]
+    assert cuda and all(v.ptx is not None and v.ptx.path.endswith(".ptx.xz") for v in cuda)
+    assert all(v.ptx is None for v in lib.variants if v.target.backend == "hip")
+    v = cuda[0]
+    data = (lib._folder[v.key] / v.ptx.path).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == v.ptx.sha256
+    assert f".entry {v.symbol}(" in lzma.decompress(data).decode()
+
+
+def test_a_jitted_add_lowers_to_one_triton_custom_call_carrying_the_variants_ptx_and_grid(lib) -> None:
+    add = aj.kernel("add", dtype="fp32", library=lib, arch="sm90")
+    hlo = lower(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size), X, X)
+    assert hlo.count("stablehlo.custom_call @triton_kernel_call_ffi(%arg0, %arg1)") == 1
+    assert "-> tensor<1000xf32>" in hlo
+    call = kernel_call_of(hlo)
+    v = add.handle.library.kernel("add", dtype="fp32").candidates[0]
+    v = next(x for x in add.handle.candidates if x.target.arch == "sm90")
+    assert call["name"] == v.symbol
+    assert call["binary"].decode() == lzma.decompress((lib._folder[v.key] / v.ptx.path).read_bytes()).decode()
+    assert call["ints"][2] == v.num_warps and call["ints"][6] == 90  # num_warps, compute capability
+    block = v.config.constexprs["BLOCK"]
+    assert call["grid"][0] == -(-1000 // block)
+    # x, y, out: three buffers with the catalog's divisibility, then n as a scalar (no hidden args).
+    assert len(call["params"]) == len(v.args) == 4
+    assert [p[0][0] for p in call["params"][:3]] == [1, 1, 1]  # array parameters
+    assert call["params"][3] == [(5, 0, 1000)]  # TritonKernelCall.Parameter.i32
+    assert all(p == [(1, 2, b"\x10\x10")] for p in call["params"][:3])  # array, ptr_divisibility 16
+
+
+def test_an_output_before_an_input_is_a_zeroed_operand_aliased_to_its_result(lib) -> None:
+    softmax = aj.kernel("softmax", dtype="fp32", BLOCK=256, library=lib, arch="sm90")
+    x = jax.ShapeDtypeStruct((4, 100), jnp.float32)
+    hlo = lower(lambda a: softmax(aj.Out(a.shape, a.dtype), a, 4, 100, 100, 100), x)
+    assert "output_operand_aliases" in hlo or "operand_output_alias" in hlo, hlo
+    assert kernel_call_of(hlo)["grid"][0] == 4
+
+
+def test_the_rocm_lowering_passes_an_hsaco_file_matching_its_own_metadata(lib, tmp_path, monkeypatch) -> None:
+    from builder.abi import read_hsaco
+
+    monkeypatch.setenv("AOTRITON_RT_JAX_HSACO_DIR", str(tmp_path))
+    for arch in ("gfx942", "gfx1100"):
+        add = aj.kernel("add", dtype="fp32", library=lib, arch=arch)
+        call = kernel_call_of(lower(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size), X, X,
+                                    platform="rocm"))
+        path = Path(call["binary"].decode())
+        assert path.parent == tmp_path
+        v = next(x for x in add.handle.candidates if x.target.arch == arch)
+        hsaco = path.read_bytes()
+        assert hashlib.sha256(hsaco).hexdigest() == v.image.raw_sha256
+        abi = read_hsaco(hsaco, v.symbol)
+        # jaxlib launches num_warps * 64 threads on ROCm: the count passed must give the HSACO's block.
+        assert call["ints"][2] * 64 == abi.extra["threads"] == v.num_threads
+        # Parameters in kernel order: pointers as buffers, scalars by value; jaxlib appends the
+        # two hidden scratch pointers, which the HSACO lists after them.
+        kinds = ["pointer" if p[0][0] == 1 else "value" for p in call["params"]]
+        assert kinds + ["pointer", "pointer"] == list(abi.extra["kinds"])
+        assert call["ints"].get(6, 0) == 0  # no compute capability on ROCm
+
+
+def test_kernel_calls_refuse_bad_input_while_tracing(lib) -> None:
+    add = aj.kernel("add", dtype="fp32", library=lib, arch="sm90")
+    h = jax.ShapeDtypeStruct((1000,), jnp.float16)
+    with pytest.raises(ArgumentError, match="argument x_ptr must be a float32 array"):
+        jax.jit(lambda x, y: add(x, y, aj.Out(x.shape, jnp.float32), 1000)).trace(h, X)
+    with pytest.raises(ArgumentError, match=r"argument n \(i\d+\) = 18446744073709551616 is out of range"):
+        jax.jit(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), 2**64)).trace(X, X)
+    with pytest.raises(ArgumentError, match="must be a Python number under jax.jit"):
+        jax.jit(lambda x, y, n: add(x, y, aj.Out(x.shape, x.dtype), n)).trace(X, X, 5)
+    with pytest.raises(ArgumentError, match="takes 4 arguments"):
+        jax.jit(lambda x, y: add(x, y, 5)).trace(X, X)
+
+
+def test_lowering_for_the_cpu_or_without_ptx_says_what_is_missing(lib, tmp_path) -> None:
+    add = aj.kernel("add", dtype="fp32", library=lib, arch="sm90")
+    with pytest.raises(UnsupportedError, match=r"run on GPUs \(cuda, rocm\), not on 'cpu'"):
+        lower(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size), X, X, platform="cpu")
+    # A catalog from before this builder (no PTX): the CUDA lowering names the rebuild.
+    cat = json.loads((lib.found.folders[0] / "catalog.json").read_text())
+    for v in cat["variants"]:
+        v.pop("ptx", None)
+    (tmp_path / "catalog.json").write_text(json.dumps(cat))
+    old = aotriton_rt.Library(tmp_path)
+    add = aj.kernel("add", dtype="fp32", library=old, arch="sm90")
+    with pytest.raises(ImageError, match="has no PTX in its catalog; jax.jit needs it"):
+        lower(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size), X, X)
+
+
+def test_the_catalog_refuses_a_ptx_entry_on_a_hip_variant_or_of_another_format(lib) -> None:
+    from aotriton_rt.catalog import Catalog
+    from aotriton_rt.errors import CatalogError
+
+    cat = json.loads((lib.found.folders[0] / "catalog.json").read_text())
+    cuda = next(v for v in cat["variants"] if v["target"]["backend"] == "cuda")
+    hip = next(v for v in cat["variants"] if v["target"]["backend"] == "hip")
+    hip["ptx"] = dict(cuda["ptx"])
+    with pytest.raises(CatalogError, match="ptx is only for cuda variants"):
+        Catalog.from_json(cat)
+    del hip["ptx"]
+    cuda["ptx"]["format"] = "cubin"
+    with pytest.raises(CatalogError, match=r"ptx.format must be ptx"):
+        Catalog.from_json(cat)
+
+
+def test_vmap_of_a_kernel_call_runs_it_once_per_element(lib) -> None:
+    add = aj.kernel("add", dtype="fp32", library=lib, arch="sm90")
+    xs = jax.ShapeDtypeStruct((3, 1000), jnp.float32)
+    f = jax.vmap(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size))
+    hlo = lower(f, xs, xs)
+    assert "triton_kernel_call_ffi" in hlo and "-> tensor<3x1000xf32>" in hlo.replace("(tensor<3x1000xf32>)", "")
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+QKV = jax.ShapeDtypeStruct((2, 4, 128, 64), jnp.bfloat16)
+
+
+def test_attention_refuses_bad_input_at_trace_time_with_the_eager_errors(lib) -> None:
+    f = lambda q, k, v: aj.attention(q, k, v, library=lib, arch="sm90")  # noqa: E731
+    wrong = jax.ShapeDtypeStruct((2, 4, 128, 64), jnp.float16)
+    with pytest.raises(ArgumentError, match="k has dtype fp16 but q has bf16"):
+        jax.jit(f).trace(QKV, wrong, QKV)
+    with pytest.raises(ArgumentError, match="must be 4-D"):
+        jax.jit(f).trace(jax.ShapeDtypeStruct((4, 128, 64), jnp.bfloat16), QKV, QKV)
+    big = jax.ShapeDtypeStruct((2, 4, 128, 300), jnp.bfloat16)
+    with pytest.raises(UnsupportedError, match="exceeds the largest supported head dim 256"):
+        jax.jit(f).trace(big, big, big)
+    with pytest.raises(UnsupportedError, match="q has dtype i8; attention supports fp16, bf16, fp32"):
+        jax.jit(f).trace(*[jax.ShapeDtypeStruct((2, 4, 128, 64), jnp.int8)] * 3)
+    with pytest.raises(ArgumentError, match="needs max_seqlen_q and max_seqlen_k"):
+        cu = jax.ShapeDtypeStruct((3,), jnp.int32)
+        packed = jax.ShapeDtypeStruct((256, 4, 64), jnp.bfloat16)
+        jax.jit(lambda q, k, v, c: aj.attention(q, k, v, cu_seqlens_q=c, cu_seqlens_k=c, library=lib)).trace(
+            packed, packed, packed, cu)
+
+
+def test_attention_names_the_kernel_its_images_lack(lib) -> None:
+    from aotriton_rt import KernelNotFound
+
+    with pytest.raises(KernelNotFound, match="attention .* needs attn_fwd"):
+        jax.jit(lambda q, k, v: aj.attention(q, k, v, library=lib, arch="sm90")).trace(QKV, QKV, QKV)
