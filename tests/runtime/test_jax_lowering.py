@@ -136,7 +136,7 @@ def test_the_rocm_lowering_passes_an_hsaco_file_matching_its_own_metadata(lib, t
     monkeypatch.setenv("AOTRITON_RT_JAX_HSACO_DIR", str(tmp_path))
     for arch in ("gfx942", "gfx1100"):
         add = aj.kernel("add", dtype="fp32", library=lib, arch=arch)
-        call = kernel_call_of(lower(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size), X, X,
+        call = kernel_call_of(lower(lambda x, y, add=add: add(x, y, aj.Out(x.shape, x.dtype), x.size), X, X,
                                     platform="rocm"))
         path = Path(call["binary"].decode())
         assert path.parent == tmp_path
