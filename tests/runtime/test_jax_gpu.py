@@ -1,0 +1,295 @@
+"""aotriton_rt.jax on a CUDA GPU: every catalog kernel under jax.jit, attention identical to the
+eager path, gradients against references, vmap, and a small transformer block training.
+
+Run with prebuilt images (the default set for the GPU's arch) and jax[cuda13]::
+
+    AOTRITON_RT_TEST_IMAGES=.gpu-images python -m pytest -q -m gpu tests/runtime/test_jax_gpu.py
+
+With ``$OUT`` set, a per-case summary (max differences, bitwise identity) is written to
+``$OUT/jax_gpu.json``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch (eager path) shares the GPU
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+np = pytest.importorskip("numpy")
+
+import aotriton_rt  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+SUMMARY: list[dict] = []
+
+
+@atexit.register
+def _write_summary() -> None:
+    if not SUMMARY:
+        return
+    print("\njax gpu summary:")
+    for row in SUMMARY:
+        print("  " + ", ".join(f"{k}={v}" for k, v in row.items()))
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "jax_gpu.json").write_text(json.dumps(SUMMARY, indent=1))
+
+
+@pytest.fixture(scope="module")
+def lib(gpu_images: Path) -> aotriton_rt.Library:
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("jax sees no GPU (pip install 'jax[cuda13]')")
+    return aotriton_rt.Library(gpu_images)
+
+
+@pytest.fixture(scope="module")
+def aj(lib: aotriton_rt.Library) -> Any:
+    import aotriton_rt.jax as module
+
+    return module
+
+
+def _np(x: Any) -> Any:
+    if hasattr(x, "detach"):  # torch (the eager path's outputs)
+        return x.detach().float().cpu().numpy()
+    return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+def _rel(a: Any, b: Any) -> float:
+    a, b = _np(a), _np(b)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6))
+
+
+_JNP = {"fp16": jnp.float16, "bf16": jnp.bfloat16, "fp32": jnp.float32}
+
+
+# -- every catalog kernel in the image folder, under jit --------------------------------------
+
+def _plain_kernel_case(aj: Any, lib: Any, v: Any) -> None:
+    dtype = _JNP[v.spec["dtype"]]
+    key = jax.random.PRNGKey(0)
+    params = {k: v.spec[k] for k in v.spec}
+    k = aj.kernel(v.kernel, library=lib, **params)
+    if v.kernel == "add":
+        x, y = (jax.random.normal(s, (100_003,), dtype) for s in jax.random.split(key))
+        got = jax.jit(lambda x, y: k(x, y, aj.Out(x.shape, x.dtype), x.size))(x, y)
+        ref = x + y
+    elif v.kernel == "softmax":
+        cols = v.spec["BLOCK"] - 3
+        x = jax.random.normal(key, (37, cols), dtype)
+        got = jax.jit(lambda a: k(aj.Out(a.shape, a.dtype), a, 37, cols, cols, cols))(x)
+        ref = jax.nn.softmax(x.astype(jnp.float32), axis=-1)
+    else:  # layernorm / rmsnorm
+        cols = v.spec["BLOCK"] - 5
+        x = jax.random.normal(key, (33, cols), dtype)
+        w = jnp.linspace(0.5, 1.5, cols).astype(dtype)
+        b = jnp.linspace(-0.1, 0.1, cols).astype(dtype)
+        f = lambda x, w, b: k(x, aj.Out(x.shape, x.dtype), w, b, aj.Out((33,), jnp.float32),  # noqa: E731
+                              aj.Out((33,), jnp.float32), 33, cols, cols, cols, 1e-5)
+        got = jax.jit(f)(x, w, b)[0]
+        xf = x.astype(jnp.float32)
+        if v.kernel == "rmsnorm":
+            ref = xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + 1e-5) * w.astype(jnp.float32)
+        else:
+            mu = xf.mean(-1, keepdims=True)
+            ref = (xf - mu) * jax.lax.rsqrt(((xf - mu) ** 2).mean(-1, keepdims=True) + 1e-5) \
+                * w.astype(jnp.float32) + b.astype(jnp.float32)
+    err = _rel(got, ref)
+    SUMMARY.append({"case": f"{v.kernel} {v.spec}", "rel_err": f"{err:.1e}"})
+    assert err < (1e-2 if v.spec["dtype"] != "fp32" else 1e-5), (v.kernel, v.spec, err)
+
+
+def _attention_options(spec: dict) -> tuple[dict, tuple[int, int, int, int, int, int]]:
+    """Options and (B, Hq, Hk, Sq, Sk, D) exercising exactly this attention spec."""
+    causal = spec.get("CAUSAL", 0)
+    opts: dict[str, Any] = {}
+    if causal:
+        opts.update(causal=True, align="top_left" if causal == 1 else "bottom_right")
+    if spec.get("BIAS"):
+        opts["bias"] = True
+    if spec.get("DROPOUT"):
+        opts.update(dropout_p=0.2, seed=1234, offset=7)
+    sq, sk = (200, 333) if causal else (257, 257)
+    return opts, (2, 4, 2, sq, sk, spec["HEAD_DIM"])
+
+
+def _inputs(dtype: Any, b: int, hq: int, hk: int, sq: int, sk: int, d: int, dv: int, bias: bool) -> tuple:
+    keys = jax.random.split(jax.random.PRNGKey(1), 5)
+    q = jax.random.normal(keys[0], (b, hq, sq, d), dtype)
+    k = jax.random.normal(keys[1], (b, hk, sk, d), dtype)
+    v = jax.random.normal(keys[2], (b, hk, sk, dv), dtype)
+    dout = jax.random.normal(keys[3], (b, hq, sq, dv), dtype)
+    bb = jax.random.normal(keys[4], (1, hq, sq, sk), dtype) if bias else None
+    return q, k, v, dout, bb
+
+
+def test_every_catalog_kernel_is_callable_under_jit(lib: Any, aj: Any) -> None:
+    seen = set()
+    from aotriton_rt import arch as _arch
+
+    arch = _arch.normalize("cuda", jax.devices()[0].compute_capability)
+    for v in lib.variants:
+        ident = (v.kernel, tuple(sorted(v.spec.items())))
+        if v.target.arch != arch or ident in seen:
+            continue
+        seen.add(ident)
+        if not v.kernel.startswith("attn_"):
+            _plain_kernel_case(aj, lib, v)
+        elif v.kernel == "attn_fwd" and v.spec.get("VARLEN") == 0:
+            _attention_case(aj, lib, v.spec)
+    assert seen
+
+
+def _attention_case(aj: Any, lib: Any, spec: dict) -> None:
+    import torch  # the eager path's outputs
+
+    opts, (b, hq, hk, sq, sk, d) = _attention_options(spec)
+    dtype = _JNP[spec["dtype"]]
+    q, k, v, dout, bias = _inputs(dtype, b, hq, hk, sq, sk, d, spec["HEAD_DIM_V"], opts.pop("bias", False))
+    ret_mask = spec.get("DROPOUT") == 2
+    f = jax.jit(lambda q, k, v, bias: aj.attention_forward(q, k, v, bias=bias, library=lib, return_mask=ret_mask,
+                                                           **opts))
+    got = f(q, k, v, bias)
+    eager = aotriton_rt.attention(q, k, v, bias=bias, library=lib, return_mask=ret_mask, **opts)
+    torch.cuda.synchronize()
+    same = all(np.array_equal(_np(g), _np(e)) for g, e in zip(got, eager))
+    SUMMARY.append({"case": f"attn_fwd {spec}", "identical_to_eager": same,
+                    "max_diff": max(float(np.abs(_np(g) - _np(e)).max()) for g, e in zip(got, eager))})
+    assert same, f"attn_fwd {spec}: jit differs from the eager path"
+    if ret_mask:
+        return
+    grads = jax.jit(lambda *a: aj.attention_backward(*a, bias=bias, library=lib, **opts))(
+        dout, q, k, v, got[0], got[1])
+    eager_g = aotriton_rt.attention_backward(dout, q, k, v, got[0], got[1], bias=bias, library=lib, **opts)
+    torch.cuda.synchronize()
+    for name, g, e in zip(("dq", "dk", "dv", "dbias"), grads, eager_g):
+        if e is None:
+            assert g is None
+            continue
+        assert np.array_equal(_np(g), _np(e)), f"{name} {spec}: jit differs from the eager path"
+
+
+# -- features, gradients against references ---------------------------------------------------
+
+def _reference(q, k, v, bias=None, causal=False, align="top_left", window=None):
+    qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
+    group = qf.shape[1] // kf.shape[1]
+    kf, vf = jnp.repeat(kf, group, axis=1), jnp.repeat(vf, group, axis=1)
+    s = jnp.einsum("bhqd,bhkd->bhqk", qf, kf) / np.sqrt(q.shape[-1])
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    sq, sk = q.shape[2], k.shape[2]
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    diag = 0 if align == "top_left" else sk - sq
+    keep = np.ones((sq, sk), bool)
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    if right >= 0:
+        keep &= j <= i + diag + right
+    if left >= 0:
+        keep &= j >= i + diag - left
+    s = jnp.where(keep, s, -jnp.inf)
+    p = jnp.where(keep.any(1)[:, None], jax.nn.softmax(s, axis=-1), 0.0)
+    return jnp.einsum("bhqk,bhkd->bhqd", p, vf)
+
+
+CASES = {
+    "causal bottom_right Sq<Sk": dict(causal=True, align="bottom_right"),
+    "window": dict(window=(32, 16)),
+    "bias": dict(bias=True),
+    "gqa": dict(),
+    "head dim 80": dict(d=80),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_grad_under_jit_matches_an_fp32_reference(lib: Any, aj: Any, name: str) -> None:
+    opts = dict(CASES[name])
+    d = opts.pop("d", 64)
+    q, k, v, dout, bias = _inputs(jnp.bfloat16, 2, 4, 2, 200, 333, d, d, opts.pop("bias", False))
+    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
+
+    def loss(q, k, v, bias, fn):
+        return (fn(q, k, v, bias).astype(jnp.float32) * dout.astype(jnp.float32)).sum()
+
+    ours = lambda q, k, v, bias: aj.attention(q, k, v, bias=bias, library=lib, **opts)  # noqa: E731
+    ref = lambda q, k, v, bias: _reference(q, k, v, bias, **opts)  # noqa: E731
+    try:
+        got = jax.jit(jax.grad(lambda *a: loss(*a, ours), argnums=argnums))(q, k, v, bias)
+    except aotriton_rt.KernelNotFound as e:
+        pytest.skip(f"images lack this combination: {e}"[:200])
+    want = jax.grad(lambda *a: loss(*a, ref), argnums=argnums)(q, k, v, bias)
+    errs = [_rel(g, w) for g, w in zip(got, want)]
+    SUMMARY.append({"case": f"grad {name}", "rel_errs": [f"{e:.1e}" for e in errs]})
+    assert max(errs) < 2e-2, errs
+
+
+def test_vmap_of_attention_equals_a_loop(lib: Any, aj: Any) -> None:
+    q, k, v, _, _ = _inputs(jnp.bfloat16, 3, 4, 4, 128, 128, 64, 64, False)
+    f = lambda q, k, v: aj.attention(q[None], k[None], v[None], causal=True, library=lib)[0]  # noqa: E731
+    batched = jax.jit(jax.vmap(f))(q, k, v)
+    looped = jnp.stack([f(q[i], k[i], v[i]) for i in range(3)])
+    assert np.array_equal(_np(batched), _np(looped))
+
+
+# -- a transformer block training under jit ---------------------------------------------------
+
+def _block(params: dict, tokens: Any, attend: Any) -> Any:
+    x = params["embed"][tokens]  # (B, S, E)
+    b, s, e = x.shape
+    h = 4
+    qkv = (x @ params["wqkv"]).reshape(b, s, 3, h, e // h)
+    q, k, v = (qkv[:, :, i] for i in range(3))  # (B, S, H, D)
+    a = attend(q, k, v).reshape(b, s, e)
+    x = x + a @ params["wo"]
+    x = x + jax.nn.gelu(x @ params["w1"]) @ params["w2"]
+    logits = (x @ params["embed"].T).astype(jnp.float32)
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1).mean()
+
+
+def test_a_transformer_block_trains_under_jit_like_jax_dot_product_attention(lib: Any, aj: Any) -> None:
+    vocab, e = 512, 256
+    keys = jax.random.split(jax.random.PRNGKey(2), 6)
+    dt = jnp.bfloat16
+    params = {"embed": jax.random.normal(keys[0], (vocab, e), dt) * 0.05,
+              "wqkv": jax.random.normal(keys[1], (e, 3 * e), dt) * 0.05,
+              "wo": jax.random.normal(keys[2], (e, e), dt) * 0.05,
+              "w1": jax.random.normal(keys[3], (e, 4 * e), dt) * 0.05,
+              "w2": jax.random.normal(keys[4], (4 * e, e), dt) * 0.05}
+    tokens = jax.random.randint(keys[5], (4, 256), 0, vocab)
+    ours = lambda q, k, v: aj.attention(q, k, v, causal=True, layout="bshd", library=lib)  # noqa: E731
+    theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+
+    def trainer(attend):
+        @jax.jit
+        def step(p):
+            loss, g = jax.value_and_grad(_block)(p, tokens, attend)
+            return jax.tree.map(lambda w, gw: (w.astype(jnp.float32) - 0.5 * gw.astype(jnp.float32)).astype(w.dtype),
+                                p, g), loss, g
+        return step
+
+    p1 = p2 = params
+    s1, s2 = trainer(ours), trainer(theirs)
+    losses = []
+    for i in range(5):
+        p1, l1, g1 = s1(p1)
+        p2, l2, g2 = s2(p2)
+        losses.append((float(l1), float(l2)))
+        if i == 0:
+            gerr = {n: _rel(g1[n], g2[n]) for n in g1}
+    SUMMARY.append({"case": "transformer block", "losses ours/jax": losses,
+                    "grad rel err step 0": {n: f"{e:.1e}" for n, e in gerr.items()}})
+    assert losses[-1][0] < losses[0][0], "the loss did not go down"
+    for a, b in losses:
+        assert abs(a - b) <= 2e-2 * abs(b), losses
+    assert max(gerr.values()) < 3e-2, gerr
