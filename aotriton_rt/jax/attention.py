@@ -379,19 +379,92 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
     return _backward(dout, q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, o)
 
 
+# ---------------------------------------------------------------------------------------------
+# vmap: a mapped axis folds into the batch (the kernels' grid already spans batch * heads).
+# ---------------------------------------------------------------------------------------------
+
+def _fold(x: Any, batched: bool, size: int) -> Any:
+    """(V, B, ...) -> (V*B, ...), broadcasting an unmapped array over V first."""
+    if not batched:
+        x = jnp.broadcast_to(x, (size,) + tuple(x.shape))
+    return x.reshape((x.shape[0] * x.shape[1],) + tuple(x.shape[2:]))
+
+
+def _unfold(x: Any, size: int) -> Any:
+    return x.reshape((size, x.shape[0] // size) + tuple(x.shape[1:]))
+
+
+def _fold_bias(bias: Any, batched: bool, size: int, batch: int) -> tuple[Any, tuple]:
+    """The bias as (V*B, h, s, k): mapped or not, every element gets its own (B, ...) slab."""
+    shape = tuple(bias.shape[1:]) if batched else tuple(bias.shape)
+    padded = (1,) * (4 - len(shape)) + shape
+    x = bias.reshape(((size,) if batched else ()) + padded)
+    x = jnp.broadcast_to(x, (size, batch) + padded[1:])
+    return x.reshape((size * batch,) + padded[1:]), shape
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_core(o: _Options, has_bias: bool) -> Any:
+    @jax.custom_batching.custom_vmap
+    def core(q: Any, k: Any, v: Any, *bias: Any) -> tuple:
+        return _forward(q, k, v, bias[0] if has_bias else None, None, None, o)
+
+    @core.def_vmap
+    def rule(size: int, batched: list, q: Any, k: Any, v: Any, *bias: Any) -> tuple:
+        b = q.shape[1] if batched[0] else q.shape[0]
+        folded = [_fold(x, m, size) for x, m in zip((q, k, v), batched)]
+        fb = _fold_bias(bias[0], batched[3], size, b)[0] if has_bias else None
+        out, lse = _forward(*folded, fb, None, None, o)
+        return (_unfold(out, size), _unfold(lse, size)), (True, True)
+
+    return core
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_core(o: _Options, has_bias: bool) -> Any:
+    @jax.custom_batching.custom_vmap
+    def core(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *bias: Any) -> tuple:
+        return _backward(dout, q, k, v, out, lse, bias[0] if has_bias else None, None, None, o)
+
+    @core.def_vmap
+    def rule(size: int, batched: list, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *bias: Any) -> tuple:
+        b = q.shape[1] if batched[1] else q.shape[0]
+        folded = [_fold(x, m, size) for x, m in zip((dout, q, k, v, out, lse), batched)]
+        fb, shape = _fold_bias(bias[0], batched[6], size, b) if has_bias else (None, None)
+        dq, dk, dv, dbias = _backward(*folded, fb, None, None, o)
+        grads = (_unfold(dq, size), _unfold(dk, size), _unfold(dv, size))
+        if dbias is not None:
+            dbias = _unfold(dbias, size)  # (V, B, h, s, k): sum over what the caller's bias broadcast
+            padded = (1,) * (4 - len(shape)) + shape
+            if padded[0] == 1 and dbias.shape[1] != 1:
+                dbias = dbias.astype(jnp.float32).sum(axis=1, keepdims=True).astype(dbias.dtype)
+            dbias = dbias.reshape((size,) + shape)
+        return (*grads, dbias), (True, True, True, None if dbias is None else True)
+
+    return core
+
+
 @functools.lru_cache(maxsize=256)
 def _differentiable(o: _Options) -> Any:
     @jax.custom_vjp
     def attn(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any) -> Any:
-        return _forward(q, k, v, bias, cu_q, cu_k, o)[0]
+        return fwd(q, k, v, bias, cu_q, cu_k)[0]
 
     def fwd(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any) -> tuple:
-        out, lse = _forward(q, k, v, bias, cu_q, cu_k, o)
+        if cu_q is None:
+            out, lse = _forward_core(o, bias is not None)(q, k, v, *([] if bias is None else [bias]))
+        else:
+            out, lse = _forward(q, k, v, bias, cu_q, cu_k, o)
         return out, (q, k, v, bias, cu_q, cu_k, out, lse)
 
     def bwd(res: tuple, dout: Any) -> tuple:
         q, k, v, bias, cu_q, cu_k, out, lse = res
-        dq, dk, dv, dbias = _backward(dout.astype(q.dtype), q, k, v, out, lse, bias, cu_q, cu_k, o)
+        dout = dout.astype(q.dtype)
+        if cu_q is None:
+            dq, dk, dv, dbias = _backward_core(o, bias is not None)(dout, q, k, v, out, lse,
+                                                                    *([] if bias is None else [bias]))
+        else:
+            dq, dk, dv, dbias = _backward(dout, q, k, v, out, lse, bias, cu_q, cu_k, o)
         return dq, dk, dv, dbias, _int_zero(cu_q), _int_zero(cu_k)
 
     attn.defvjp(fwd, bwd)
@@ -415,9 +488,10 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
     """Differentiable attention on JAX arrays: ``out`` of :func:`aotriton_rt.attention`, with a
     ``jax.custom_vjp`` running the operator's backward kernels (gradients for q, k, v and bias).
 
-    Works under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (a vmapped call runs once per mapped
-    element). Options are static Python values; see :func:`aotriton_rt.attention` for their
-    meaning and ``docs/jax.md`` for what differs from the eager path.
+    Works under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (a mapped axis is folded into the
+    batch: one launch per kernel; varlen calls under vmap run once per mapped element).
+    Options are static Python values; see :func:`aotriton_rt.attention` for their meaning and
+    ``docs/jax.md`` for what differs from the eager path.
 
     Example::
 

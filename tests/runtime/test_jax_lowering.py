@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import lzma
-import re
 import zlib
 from pathlib import Path
 
@@ -62,12 +61,28 @@ def fields(b: bytes) -> list[tuple[int, int, object]]:
     return out
 
 
-def kernel_call_of(hlo: str) -> dict:
-    """The decoded TritonKernelCall of the single custom call in ``hlo``."""
-    m = re.search(r'opaque = "((?:[^"\\]|\\.)*)"', hlo)
-    assert m, hlo[:2000]
-    raw = bytes(re.sub(r"\\([0-9A-F]{2})", lambda g: chr(int(g.group(1), 16)), m.group(1))
-                .replace('\\"', '"').replace("\\\\", "\\"), "latin-1")
+def _custom_calls(op, found: list) -> list:
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                if inner.operation.name == "stablehlo.custom_call":
+                    found.append(inner)
+                _custom_calls(inner.operation, found)
+    return found
+
+
+def calls_of(lowered) -> list[dict]:
+    """The decoded TritonKernelCall of every custom call of a lowered function, in program order."""
+    return [decode(op.attributes["mhlo.backend_config"]["opaque"].value_bytes)
+            for op in _custom_calls(lowered.compiler_ir("stablehlo").operation, [])]
+
+
+def kernel_call_of(lowered) -> dict:
+    (call,) = calls_of(lowered)
+    return call
+
+
+def decode(raw: bytes) -> dict:
     outer = fields(zlib.decompress(raw))
     call = fields(next(v for n, w, v in outer if w == 2))  # TritonAnyKernelCall.kernel_call
     kernel = fields(next(v for n, w, v in call if n == 1))
@@ -85,8 +100,8 @@ def lib(built_images: Path) -> aotriton_rt.Library:
     return aotriton_rt.Library(built_images)
 
 
-def lower(f, *shapes, platform: str = "cuda") -> str:
-    return jax.jit(f).trace(*shapes).lower(lowering_platforms=(platform,)).as_text()
+def lower(f, *shapes, platform: str = "cuda"):
+    return jax.jit(f).trace(*shapes).lower(lowering_platforms=(platform,))
 
 
 X = jax.ShapeDtypeStruct((1000,), jnp.float32)
@@ -104,10 +119,11 @@ def test_the_builder_keeps_the_ptx_of_every_cuda_variant_and_the_catalog_its_dig
 
 def test_a_jitted_add_lowers_to_one_triton_custom_call_carrying_the_variants_ptx_and_grid(lib) -> None:
     add = aj.kernel("add", dtype="fp32", library=lib, arch="sm90")
-    hlo = lower(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size), X, X)
+    low = lower(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size), X, X)
+    hlo = low.as_text()
     assert hlo.count("stablehlo.custom_call @triton_kernel_call_ffi(%arg0, %arg1)") == 1
     assert "-> tensor<1000xf32>" in hlo
-    call = kernel_call_of(hlo)
+    call = kernel_call_of(low)
     v = add.handle.library.kernel("add", dtype="fp32").candidates[0]
     v = next(x for x in add.handle.candidates if x.target.arch == "sm90")
     assert call["name"] == v.symbol
@@ -125,9 +141,13 @@ def test_a_jitted_add_lowers_to_one_triton_custom_call_carrying_the_variants_ptx
 def test_an_output_before_an_input_is_a_zeroed_operand_aliased_to_its_result(lib) -> None:
     softmax = aj.kernel("softmax", dtype="fp32", BLOCK=256, library=lib, arch="sm90")
     x = jax.ShapeDtypeStruct((4, 100), jnp.float32)
-    hlo = lower(lambda a: softmax(aj.Out(a.shape, a.dtype), a, 4, 100, 100, 100), x)
-    assert "output_operand_aliases" in hlo or "operand_output_alias" in hlo, hlo
-    assert kernel_call_of(hlo)["grid"][0] == 4
+    low = lower(lambda a: softmax(aj.Out(a.shape, a.dtype), a, 4, 100, 100, 100), x)
+    hlo = low.as_text()
+    # out (a zero-filled operand) is aliased to the call's only result; in_ptr follows it.
+    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [], operand_index = 0" \
+        in hlo, hlo
+    assert "stablehlo.broadcast_in_dim" in hlo or "stablehlo.constant" in hlo
+    assert kernel_call_of(low)["grid"][0] == 4
 
 
 def test_the_rocm_lowering_passes_an_hsaco_file_matching_its_own_metadata(lib, tmp_path, monkeypatch) -> None:
@@ -201,8 +221,9 @@ def test_vmap_of_a_kernel_call_runs_it_once_per_element(lib) -> None:
     add = aj.kernel("add", dtype="fp32", library=lib, arch="sm90")
     xs = jax.ShapeDtypeStruct((3, 1000), jnp.float32)
     f = jax.vmap(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size))
-    hlo = lower(f, xs, xs)
-    assert "triton_kernel_call_ffi" in hlo and "-> tensor<3x1000xf32>" in hlo.replace("(tensor<3x1000xf32>)", "")
+    hlo = lower(f, xs, xs).as_text()
+    assert hlo.count("triton_kernel_call_ffi") == 1 and "stablehlo.while" in hlo  # one launch per element
+    assert "-> (tensor<3x1000xf32>" in hlo or "-> tensor<3x1000xf32>" in hlo
 
 
 # -- attention ---------------------------------------------------------------------------------
@@ -234,3 +255,114 @@ def test_attention_names_the_kernel_its_images_lack(lib) -> None:
 
     with pytest.raises(KernelNotFound, match="attention .* needs attn_fwd"):
         jax.jit(lambda q, k, v: aj.attention(q, k, v, library=lib, arch="sm90")).trace(QKV, QKV, QKV)
+
+
+BUILD_ATTENTION = r"""
+import sys
+from pathlib import Path
+from builder import registry
+from builder.build import build
+from builder.targets import parse_targets
+
+if __name__ == "__main__":
+    base = {"dtype": "bf16", "HEAD_DIM": 64, "HEAD_DIM_V": 64}
+    mask = {"CAUSAL": 2, "DROPOUT": 0, "VARLEN": 0}
+    want = {("attn_fwd", "sm90"): {**base, **mask, "BIAS": 0}, ("attn_fwd", "gfx942"): {**base, **mask, "BIAS": 0},
+            ("attn_bwd_preprocess", "sm90"): {**base, "VARLEN": 0, "DQ_ATOMIC": 0},
+            ("attn_bwd_dkdv", "sm90"): {**base, **mask, "BIAS": 0, "DQ_ATOMIC": 0},
+            ("attn_bwd_dq", "sm90"): {**base, **mask, "BIAS": 0}}
+    kernels = registry.load_kernels()
+    jobs = [j for (name, arch), spec in want.items()
+            for j in registry.expand(kernels[name], parse_targets(arch), "full", "3.6.0")
+            if dict(j.spec) == spec and j.config_index == 0]
+    assert len(jobs) == len(want), [j.label for j in jobs]
+    build(jobs, Path(sys.argv[1]), workers=2, timeout=900, keep_going=False, triton_version="3.6.0", quiet=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def attn_lib(tmp_path_factory) -> aotriton_rt.Library:
+    """Real attention images: bf16 D=64 bottom-right causal forward and split backward (sm90), forward (gfx942)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("attention")
+    subprocess.run([sys.executable, "-c", BUILD_ATTENTION, str(out)], cwd=Path(__file__).resolve().parents[2],
+                   check=True)
+    return aotriton_rt.Library(out)
+
+
+QA = jax.ShapeDtypeStruct((2, 4, 200, 64), jnp.bfloat16)
+KA = jax.ShapeDtypeStruct((2, 2, 333, 64), jnp.bfloat16)
+
+
+def _loss(lib, arch="sm90"):
+    def loss(q, k, v):
+        out = aj.attention(q, k, v, causal=True, align="bottom_right", library=lib, arch=arch)
+        return out.astype(jnp.float32).sum()
+    return loss
+
+
+def _scalars(call: dict, variant) -> dict:
+    """Kernel scalar values by name, decoded from the call's parameters (i32/i64/u64/fp32)."""
+    import struct
+
+    out = {}
+    for a, p in zip(variant.args, call["params"]):
+        num, wire, value = p[0]
+        if a.is_pointer:
+            out[a.name] = "null" if num != 1 else "buffer"
+        elif wire == 5:
+            out[a.name] = struct.unpack("<f", value)[0]
+        else:  # varint: protobuf encodes negative int32/int64 as 64-bit two's complement
+            out[a.name] = value - 2**64 if a.type in ("i32", "i64") and value >= 2**63 else value
+    return out
+
+
+def test_grad_of_attention_under_jit_lowers_to_the_forward_and_the_split_backward(attn_lib) -> None:
+    low = lower(jax.grad(_loss(attn_lib), argnums=(0, 1, 2)), QA, KA, KA)
+    hlo = low.as_text()
+    calls = calls_of(low)  # attn_fwd, then preprocess, dkdv, dq
+    assert [c["name"] for c in calls] == ["attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    fwd = next(v for v in attn_lib.variants if v.kernel == "attn_fwd" and v.target.arch == "sm90")
+    s = _scalars(calls[0], fwd)
+    assert s["Q"] == s["K"] == s["V"] == s["Out"] == s["LSE"] == "buffer"
+    assert s["Bias"] == s["DropMask"] == s["cu_seqlens_q"] == "null"
+    assert (s["batch"], s["num_heads_q"], s["num_heads_k"], s["seqlen_q"], s["seqlen_k"]) == (2, 4, 2, 200, 333)
+    assert (s["window_left"], s["window_right"]) == (-1, 0) and s["sm_scale"] == pytest.approx(0.125)
+    # Contiguous (B, H, S, D) strides as the eager path computes them for contiguous arrays.
+    assert (s["stride_qz"], s["stride_qh"], s["stride_qm"]) == (4 * 200 * 64, 200 * 64, 64)
+    assert (s["stride_kz"], s["stride_kh"], s["stride_kn"]) == (2 * 333 * 64, 333 * 64, 64)
+    assert (s["stride_lz"], s["stride_lh"]) == (4 * 200, 200)
+    block_m = fwd.config.constexprs["BLOCK_M"]
+    from aotriton_rt.pack import Packer
+
+    assert calls[0]["grid"] == list(Packer(fwd).grid_for([s[a.name] if not a.is_pointer else 0 for a in fwd.args]))
+    assert calls[0]["grid"][0] >= -(-200 // block_m) // 2 and calls[0]["grid"][1] == 2 * 4
+    assert "tensor<2x4x200xf32>" in hlo  # lse declared fp32 (B, H, Sq)
+
+
+def test_vmap_of_attention_folds_the_mapped_axis_into_the_batch(attn_lib) -> None:
+    v = jax.ShapeDtypeStruct((3,) + QA.shape, QA.dtype)
+    vk = jax.ShapeDtypeStruct((3,) + KA.shape, KA.dtype)
+    low = lower(jax.vmap(jax.grad(_loss(attn_lib), argnums=(0, 1, 2))), v, vk, vk)
+    hlo = low.as_text()
+    assert hlo.count("triton_kernel_call_ffi") == 4 and "stablehlo.while" not in hlo
+    call = calls_of(low)[0]
+    fwd = next(x for x in attn_lib.variants if x.kernel == "attn_fwd" and x.target.arch == "sm90")
+    assert _scalars(call, fwd)["batch"] == 6
+
+
+def test_the_rocm_attention_forward_matches_its_hsaco_metadata(attn_lib, tmp_path, monkeypatch) -> None:
+    from builder.abi import read_hsaco
+
+    monkeypatch.setenv("AOTRITON_RT_JAX_HSACO_DIR", str(tmp_path))
+    f = lambda q, k, v: aj.attention_forward(q, k, v, causal=True, align="bottom_right", library=attn_lib,  # noqa: E731
+                                             arch="gfx942")
+    call = kernel_call_of(lower(f, QA, KA, KA, platform="rocm"))
+    v = next(x for x in attn_lib.variants if x.kernel == "attn_fwd" and x.target.arch == "gfx942")
+    abi = read_hsaco(Path(call["binary"].decode()).read_bytes(), v.symbol)
+    kinds = ["pointer" if p[0][0] == 1 or a.is_pointer else "value" for a, p in zip(v.args, call["params"])]
+    assert kinds + ["pointer", "pointer"] == list(abi.extra["kinds"])
+    assert call["ints"][2] * 64 == abi.extra["threads"]
+    assert [size for _, size in abi.params[:len(v.args)]] == [a.size for a in v.args]
