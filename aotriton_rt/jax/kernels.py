@@ -17,6 +17,7 @@ kernel's argument list is therefore passed as a zero-filled operand aliased to i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +56,9 @@ class Update:
     array: Any
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class _Call:
-    """Static facts of one bound call (identity-hashed: JAX caches lowerings per instance)."""
+    """Static facts of one bound call; hashable by value, so equal calls share compilations."""
 
     lib: Any
     name: str
@@ -81,8 +82,14 @@ def _abstract(*avals: Any, call: _Call) -> list:
     return results
 
 
+@functools.lru_cache(maxsize=512)
+def _compiled(call: _Call) -> Any:
+    return jax.jit(functools.partial(kernel_p.bind, call=call))
+
+
 def _impl(*args: Any, call: _Call) -> list:
-    return jax.jit(lambda *a: kernel_p.bind(*a, call=call))(*args)
+    # Outside jit: the call as a one-kernel XLA program, compiled once per distinct call.
+    return _compiled(call)(*args)
 
 
 kernel_p.def_impl(_impl)

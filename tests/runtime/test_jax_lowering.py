@@ -366,3 +366,53 @@ def test_the_rocm_attention_forward_matches_its_hsaco_metadata(attn_lib, tmp_pat
     assert kinds + ["pointer", "pointer"] == list(abi.extra["kinds"])
     assert call["ints"][2] * 64 == abi.extra["threads"]
     assert [size for _, size in abi.params[:len(v.args)]] == [a.size for a in v.args]
+
+
+def test_an_updated_array_is_an_operand_aliased_to_the_returned_result(lib) -> None:
+    add = aj.kernel("add", dtype="fp32", library=lib, arch="sm90")
+    low = lower(lambda x, y, z: add(x, y, aj.Update(z), x.size), X, X, X)
+    hlo = low.as_text()
+    assert "triton_kernel_call_ffi(%arg0, %arg1, %arg2)" in hlo
+    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [], operand_index = 2" \
+        in hlo
+    assert len(kernel_call_of(low)["params"]) == 4
+
+
+def test_a_variant_check_fails_when_lowering_with_the_eager_message(lib) -> None:
+    softmax = aj.kernel("softmax", dtype="fp32", BLOCK=256, library=lib, arch="sm90")
+    x = jax.ShapeDtypeStruct((4, 300), jnp.float32)
+    with pytest.raises(ArgumentError, match=r"softmax: n_cols=300 violates `n_cols <= BLOCK`"):
+        lower(lambda a: softmax(aj.Out(a.shape, a.dtype), a, 4, 300, 300, 300), x)
+
+
+def test_a_jaxlib_without_the_gpu_plugin_is_named_when_lowering(lib, monkeypatch) -> None:
+    import types
+
+    import jax._src.lib as jaxlib_bridge
+
+    monkeypatch.setattr(jaxlib_bridge, "gpu_triton", types.SimpleNamespace(), raising=False)
+    add = aj.kernel("add", dtype="fp32", library=lib, arch="sm90")
+    with pytest.raises(UnsupportedError, match="neither jax-cuda13-plugin / jax-cuda12-plugin nor jax-rocm7-plugin"):
+        lower(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size), X, X)
+
+
+def test_equal_calls_share_one_compilation_outside_jit(lib) -> None:
+    from aotriton_rt.jax import kernels
+
+    add = aj.kernel("add", dtype="fp32", library=lib, arch="sm90")
+    x = jnp.zeros((8,), jnp.float32)
+    calls = []
+    original = kernel_p_bind = kernels.kernel_p.bind
+
+    def spy(*args, **params):
+        calls.append(params["call"])
+        return original(*args, **params)
+
+    kernels.kernel_p.bind = spy
+    try:
+        for _ in range(2):
+            with pytest.raises(UnsupportedError, match="not on 'cpu'"):
+                add(x, x, aj.Out(x.shape, x.dtype), 8)
+    finally:
+        kernels.kernel_p.bind = kernel_p_bind
+    assert calls[0] == calls[1] and hash(calls[0]) == hash(calls[1])
