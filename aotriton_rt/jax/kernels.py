@@ -171,7 +171,11 @@ class JaxKernel:
             raise ArgumentError(f"argument {a.name} ({a.type}) must be a Python number under jax.jit: jaxlib's "
                                 "Triton call fixes scalars when the program is compiled (mark it static, e.g. "
                                 "jax.jit(f, static_argnums=...))")
-        return self._scalars[a.name](value)
+        value = self._scalars[a.name](value)
+        if a.divisibility > 1 and value % a.divisibility:
+            raise ArgumentError(f"argument {a.name} = {value} is not a multiple of {a.divisibility}, which this "
+                                "kernel was compiled to assume; choose a variant compiled without that assumption")
+        return value
 
 
 def _is_out(value: Any) -> bool:

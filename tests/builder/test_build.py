@@ -92,7 +92,11 @@ def test_build_writes_one_image_per_variant_at_its_documented_path(built) -> Non
     expected = {f"{v.target.backend}/{v.target.arch}/scale/scale-{v.key[:16]}.{v.image.format}.xz"
                 for v in catalog.variants}
     assert {v.image.path for v in catalog.variants} == expected
-    assert set(_tree(out)) == expected | {CATALOG_FILE}
+    # CUDA variants also keep their PTX beside the cubin (what jaxlib's Triton call takes).
+    ptx = {f"cuda/{v.target.arch}/scale/scale-{v.key[:16]}.ptx.xz" for v in catalog.variants
+           if v.target.backend == "cuda"}
+    assert {v.ptx.path for v in catalog.variants if v.ptx is not None} == ptx
+    assert set(_tree(out)) == expected | ptx | {CATALOG_FILE}
     assert {v.image.format for v in catalog.variants if v.target.backend == "hip"} == {"hsaco"}
     assert {v.image.format for v in catalog.variants if v.target.backend == "cuda"} == {"cubin"}
 

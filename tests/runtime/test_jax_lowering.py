@@ -416,3 +416,13 @@ def test_equal_calls_share_one_compilation_outside_jit(lib) -> None:
     finally:
         kernels.kernel_p.bind = kernel_p_bind
     assert calls[0] == calls[1] and hash(calls[0]) == hash(calls[1])
+
+
+def test_a_scalar_the_variant_assumes_divisible_is_refused_while_tracing(attn_lib) -> None:
+    fwd = aj.kernel("attn_fwd", dtype="bf16", HEAD_DIM=64, HEAD_DIM_V=64, CAUSAL=2, BIAS=0, DROPOUT=0, VARLEN=0,
+                    library=attn_lib, arch="sm90")
+    args = {a.name: 0 for a in fwd.args}
+    args.update(Q=jnp.zeros((1, 1, 8, 64), jnp.bfloat16), stride_qm=24)
+
+    with pytest.raises(ArgumentError, match="argument stride_qm = 24 is not a multiple of 16, which this kernel"):
+        fwd(*[args[n] if not a.is_pointer or n == "Q" else None for a, n in zip(fwd.args, fwd.arg_names)])
