@@ -90,11 +90,12 @@ class _Digesting:
 
 def _images(variants: list[Variant], source: str) -> list[Image]:
     by_path: dict[str, Image] = {}
-    for v in variants:
-        seen = by_path.setdefault(v.image.path, v.image)
-        if (seen.sha256, seen.size) != (v.image.sha256, v.image.size):
-            raise CatalogError(f"{source}: two variants name {v.image.path} with different digests")
-        check_member_name(v.image.path)  # never write a bundle the runtime would refuse
+    # Each variant's image and, for CUDA, its PTX (aotriton_rt.jax's lowering reads it).
+    for image in (i for v in variants for i in (v.image, v.ptx) if i is not None):
+        seen = by_path.setdefault(image.path, image)
+        if (seen.sha256, seen.size) != (image.sha256, image.size):
+            raise CatalogError(f"{source}: two variants name {image.path} with different digests")
+        check_member_name(image.path)  # never write a bundle the runtime would refuse
     return [by_path[p] for p in sorted(by_path)]
 
 

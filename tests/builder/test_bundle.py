@@ -161,3 +161,13 @@ def test_python_dash_m_builder_pack(folder, tmp_path, capsys):
     assert f"wrote 5 bundles and index.json to {out}" in stdout
     assert builder_main(["pack", "--images", str(tmp_path / "nowhere"), "--out", str(out)]) == 1
     assert "error: cannot read catalog" in capsys.readouterr().err
+
+
+def test_a_cuda_bundle_carries_and_installs_the_ptx_beside_each_cubin(built_images, tmp_path):
+    pack(built_images, tmp_path / "out")
+    installed = install_file(tmp_path / "out" / "cuda-sm90.tar", dest=tmp_path / "cache")
+    catalog = Catalog.load(installed.path)
+    assert catalog.variants and all(v.ptx is not None for v in catalog.variants)
+    for v in catalog.variants:
+        assert sha_of(installed.path / v.ptx.path) == v.ptx.sha256
+    assert verify_folder(installed.path).ok
