@@ -426,3 +426,99 @@ def test_a_scalar_the_variant_assumes_divisible_is_refused_while_tracing(attn_li
 
     with pytest.raises(ArgumentError, match="argument stride_qm = 24 is not a multiple of 16, which this kernel"):
         fwd(*[args[n] if not a.is_pointer or n == "Q" else None for a, n in zip(fwd.args, fwd.arg_names)])
+
+
+@pytest.fixture(scope="module")
+def feature_lib(attn_lib, tmp_path_factory) -> aotriton_rt.Library:
+    """attn_lib's sm90 variants cloned under every mask/bias/dropout/varlen/head-dim spec.
+
+    The clones keep the real binaries and argument lists (the attention kernels take the same
+    arguments whatever their constexprs): enough to trace and lower every feature's glue, never
+    to run it.
+    """
+    import copy
+    import itertools
+
+    folder = tmp_path_factory.mktemp("features")
+    shutil_copy = __import__("shutil").copytree
+    shutil_copy(attn_lib.found.folders[0], folder, dirs_exist_ok=True)
+    cat = json.loads((folder / "catalog.json").read_text())
+    axes = {"attn_fwd": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1, 2), "VARLEN": (0, 1)},
+            "attn_bwd_preprocess": {"VARLEN": (0, 1), "DQ_ATOMIC": (0,)},
+            "attn_bwd_dkdv": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1, 2), "DROPOUT": (0, 1), "VARLEN": (0, 1),
+                              "DQ_ATOMIC": (0,)},
+            "attn_bwd_dq": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1), "VARLEN": (0, 1)}}
+    variants = []
+    for v in cat["variants"]:
+        if v["target"]["arch"] != "sm90":
+            continue
+        names = list(axes[v["kernel"]])
+        for d, values in itertools.product((64, 80), itertools.product(*axes[v["kernel"]].values())):
+            clone = copy.deepcopy(v)
+            clone["spec"].update(dict(zip(names, values)), HEAD_DIM=d, HEAD_DIM_V=d)
+            clone["key"] = hashlib.sha256(json.dumps(clone, sort_keys=True).encode()).hexdigest()
+            variants.append(clone)
+    cat["variants"] = variants
+    (folder / "catalog.json").write_text(json.dumps(cat))
+    return aotriton_rt.Library(folder)
+
+
+def _lowers(f, *shapes) -> list[dict]:
+    return calls_of(lower(f, *shapes))
+
+
+def test_every_attention_feature_traces_and_lowers_forward_and_backward(feature_lib) -> None:
+    lib = feature_lib
+    q = jax.ShapeDtypeStruct((2, 4, 100, 72), jnp.bfloat16)  # head dim 72: padded to the 80 bucket
+    k = jax.ShapeDtypeStruct((2, 2, 129, 72), jnp.bfloat16)  # GQA 4/2; 129 keys: bias rows padded to 136
+    bias = jax.ShapeDtypeStruct((1, 4, 1, 129), jnp.bfloat16)
+
+    def grads(**opts):
+        def loss(q, k, v, b):
+            return aj.attention(q, k, v, bias=b, library=lib, arch="sm90", **opts).astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+    calls = _lowers(grads(causal=True, window=(16, 0), align="top_left"), q, k, k, bias)
+    assert [c["name"] for c in calls] == ["attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    fwd = next(v for v in lib.variants if v.kernel == "attn_fwd")
+    s = _scalars(calls[0], fwd)
+    assert s["Bias"] == "buffer" and (s["stride_bz"], s["stride_bh"], s["stride_bm"]) == (0, 136, 0)
+    assert (s["window_left"], s["window_right"], s["stride_qm"]) == (16, 0, 80)
+    dkdv = next(v for v in lib.variants if v.kernel == "attn_bwd_dkdv")
+    assert _scalars(calls[2], dkdv)["DBias"] == "buffer"
+    # The bias's gradient comes back in its own shape; dq/dk/dv in theirs (sliced from the bucket).
+    out = jax.eval_shape(grads(causal=True), q, k, k, bias)
+    assert [tuple(g.shape) for g in out] == [q.shape, k.shape, k.shape, bias.shape]
+    # Dropout: the same (seed, offset) in the forward and the backward.
+    calls = _lowers(grads(dropout_p=0.25, seed=7, offset=3), q, k, k, bias)
+    for c, name in zip(calls, ("attn_fwd", "attn_bwd_dkdv")):
+        v = next(x for x in lib.variants if x.kernel == name)
+        sc = _scalars(c if name == "attn_fwd" else calls[2], v)
+        assert (sc["philox_seed"], sc["philox_offset"]) == (7, 3) and sc["dropout_p"] == pytest.approx(0.25)
+
+
+def test_the_dropout_mask_the_layouts_and_varlen_lower(feature_lib) -> None:
+    lib = feature_lib
+    q = jax.ShapeDtypeStruct((2, 100, 4, 64), jnp.bfloat16)  # bshd
+    f = lambda q, k, v: aj.attention_forward(q, k, v, layout="bshd", dropout_p=0.1, seed=1, return_mask=True,  # noqa: E731
+                                             library=lib, arch="sm90")
+    out, lse, mask = jax.eval_shape(f, q, q, q)
+    assert (out.shape, lse.shape, mask.shape, mask.dtype) == ((2, 100, 4, 64), (2, 4, 100), (2, 4, 100, 100),
+                                                              jnp.int8)
+    (call,) = _lowers(f, q, q, q)
+    s = _scalars(call, next(v for v in lib.variants if v.kernel == "attn_fwd"))
+    assert (s["stride_qz"], s["stride_qh"], s["stride_qm"]) == (100 * 4 * 64, 64, 4 * 64)
+    assert s["DropMask"] == "buffer" and call["params"][6][0][2][:1] == b"\x08"  # zeroed: bytes_to_zero set
+    # Varlen: packed (total, heads, dim) and int32 prefix sums; lengths static.
+    packed = jax.ShapeDtypeStruct((300, 4, 64), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((3,), jnp.int32)
+
+    def loss(q, k, v, cu):
+        out = aj.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200,
+                           causal=True, library=lib, arch="sm90")
+        return out.astype(jnp.float32).sum()
+
+    calls = _lowers(jax.grad(loss, argnums=(0, 1, 2)), packed, packed, packed, cu)
+    s = _scalars(calls[0], next(v for v in lib.variants if v.kernel == "attn_fwd"))
+    assert (s["batch"], s["seqlen_q"], s["cu_seqlens_q"], s["stride_qz"], s["stride_lz"]) == (2, 200, "buffer", 0, 0)
+    assert len(calls) == 4
