@@ -522,3 +522,13 @@ def test_the_dropout_mask_the_layouts_and_varlen_lower(feature_lib) -> None:
     s = _scalars(calls[0], next(v for v in lib.variants if v.kernel == "attn_fwd"))
     assert (s["batch"], s["seqlen_q"], s["cu_seqlens_q"], s["stride_qz"], s["stride_lz"]) == (2, 200, "buffer", 0, 0)
     assert len(calls) == 4
+
+
+def test_a_call_with_no_programs_launches_nothing_and_returns_zeros(lib, feature_lib) -> None:
+    add = aj.kernel("add", dtype="fp32", library=lib, arch="sm90")
+    empty = jax.ShapeDtypeStruct((0,), jnp.float32)
+    hlo = lower(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size), empty, empty).as_text()
+    assert "custom_call" not in hlo and "tensor<0xf32>" in hlo
+    hlo = lower(lambda q: aj.attention(q, q, q, library=feature_lib, arch="sm90"),
+                jax.ShapeDtypeStruct((0, 4, 16, 64), jnp.bfloat16)).as_text()
+    assert "custom_call" not in hlo
