@@ -140,6 +140,8 @@ def _previous(out: Path) -> dict[str, dict]:
         return {}
     keep = {}
     for v in catalog.variants:
+        if v.target.backend == "cuda" and v.ptx is None:
+            continue  # built before the PTX was kept (aotriton_rt.jax needs it): compile again
         if all(_intact(out, image) for image in (v.image, v.ptx) if image is not None):
             keep[v.key] = v.to_json()
     return keep

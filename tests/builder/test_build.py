@@ -182,6 +182,18 @@ def test_summary_prints_counts_sizes_ratio_time_and_each_failure() -> None:
 # --------------------------------------------------------------------------- incremental builds
 
 
+def test_a_cuda_variant_built_without_its_ptx_is_compiled_again(built, copy: Path) -> None:
+    catalog = json.loads((copy / CATALOG_FILE).read_text())
+    for v in catalog["variants"]:
+        if v.pop("ptx", None) is not None:
+            (copy / v["image"]["path"].replace(".cubin.xz", ".ptx.xz")).unlink()
+    (copy / CATALOG_FILE).write_text(json.dumps(catalog))
+    summary = _build(built[2], copy)
+    cuda = sum(v["target"]["backend"] == "cuda" for v in catalog["variants"])
+    assert (summary.compiled, summary.reused) == (cuda, 4 - cuda) and cuda
+    assert _tree(copy) == _tree(built[0])
+
+
 def test_a_second_build_reuses_every_variant_and_rewrites_no_image(built, copy: Path) -> None:
     before = {p: p.stat().st_mtime_ns for p in copy.rglob("*.xz")}
     started = time.monotonic()
