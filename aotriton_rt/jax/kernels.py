@@ -264,7 +264,7 @@ def variant_for(call: _Call, platform: str) -> Any:
     return select_one(usable, call.name, dict(call.params), [target])
 
 
-def lower_call(call: _Call, platform: str, operand_bytes: list[int]) -> tuple[Any, tuple[int, int, int], bytes]:
+def lower_call(call: _Call, platform: str) -> tuple[Any, tuple[int, int, int], bytes]:
     """(variant, grid, opaque) of a call: everything the custom call carries. Pure: no GPU."""
     variant = variant_for(call, platform)
     packer = Packer(variant)
@@ -298,7 +298,7 @@ def lower_call(call: _Call, platform: str, operand_bytes: list[int]) -> tuple[An
 
 def _lowering(ctx: Any, *operands: Any, call: _Call) -> Any:
     platform = ctx.module_context.platforms[0]
-    variant, grid, opaque = lower_call(call, platform, [])
+    variant, grid, opaque = lower_call(call, platform)
     if 0 in grid:
         # No programs: fresh outputs are zeros, updated arrays keep their values.
         def nothing(*ops: Any) -> list:
@@ -325,7 +325,6 @@ mlir.register_lowering(kernel_p, _refuse, platform="cpu")
 # ---------------------------------------------------------------------------------------------
 
 def _batch(args: Any, dims: Any, *, call: _Call) -> tuple[list, list]:
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     moved = [jnp.moveaxis(a, d, 0) if d is not None else None for a, d in zip(args, dims)]
 
     def one(sliced: list) -> list:
@@ -334,7 +333,6 @@ def _batch(args: Any, dims: Any, *, call: _Call) -> tuple[list, list]:
         return kernel_p.bind(*ops, call=call)
 
     results = jax.lax.map(one, [m for m in moved if m is not None])
-    del size
     return list(results), [0] * len(results)
 
 
