@@ -61,14 +61,14 @@ def check_triton_version() -> str:
 
 
 def _worker(conn) -> None:
-    from .compile import compile_job
+    from .compile import compile_job_with_ptx
 
     while True:
         job = conn.recv()
         if job is None:
             return
         try:
-            variant, raw, packed, ptx = compile_job(job)
+            variant, raw, packed, ptx = compile_job_with_ptx(job)
             from .abi import prove
 
             prove(variant, raw)

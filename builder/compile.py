@@ -27,7 +27,14 @@ def _kernels(package: str):
     return load_kernels(package)
 
 
-def compile_job(job: Job) -> tuple[dict, bytes, bytes, bytes | None]:
+def compile_job(job: Job) -> tuple[dict, bytes, bytes]:
+    """Compile ``job``; return (catalog variant without image path, raw binary, xz binary)."""
+    variant, raw, packed, _ = compile_job_with_ptx(job)
+    variant.pop("ptx", None)
+    return variant, raw, packed
+
+
+def compile_job_with_ptx(job: Job) -> tuple[dict, bytes, bytes, bytes | None]:
     """Compile ``job``; return (catalog variant without image paths, raw, xz, xz PTX or None).
 
     CUDA variants also keep their PTX: jaxlib's Triton custom call (``aotriton_rt.jax``) takes
