@@ -10,6 +10,7 @@ launcher's buffer and one driver call.
 from __future__ import annotations
 
 import ast
+import functools
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -126,6 +127,17 @@ def _build(body: list[str], nargs: int, env: dict[str, Any]) -> Callable:
     namespace = {"__builtins__": {}, **_FUNCS, **env}
     exec(compile(source, "<aotriton_rt rule>", "exec"), namespace)  # noqa: S102 - our tokens only
     return namespace["_rule"]
+
+
+def check_rule(text: str, names: Sequence[str], constants: Mapping[str, Any]) -> None:
+    """Raise CatalogError if ``text`` is not a rule over ``names`` and integer ``constants``."""
+    _check_rule_cached(text, tuple(names), tuple(sorted(constants.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_rule_cached(text: str, names: tuple[str, ...], constants: tuple) -> None:
+    tree = _parse_rule(text, "rule")
+    _emit(tree.body, {n: i for i, n in enumerate(names)}, dict(constants), text, "rule")
 
 
 def compile_expr(text: str, names: Sequence[str], constants: Mapping[str, Any], what: str,
