@@ -460,7 +460,7 @@ class Catalog:
         try:
             if path.is_dir():
                 path = path / CATALOG_FILE
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 st = os.fstat(f.fileno())
                 # A FIFO would block a read forever and /dev/zero never ends: regular files only.
                 if not stat.S_ISREG(st.st_mode):
@@ -485,6 +485,14 @@ class Catalog:
 
     def targets(self) -> list[Target]:
         return sorted({v.target for v in self.variants}, key=lambda t: (t.backend, t.arch))
+
+
+def open_regular(path: str | os.PathLike) -> Any:
+    """Open ``path`` for reading without blocking: a FIFO opens at once (then fails the caller's
+    regular-file check) instead of waiting for a writer forever."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+    return os.fdopen(fd, "rb", buffering=0)
 
 
 def parse_json(data: bytes, source: str) -> Any:

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .catalog import CATALOG_FILE, Variant
+from .catalog import CATALOG_FILE, Variant, open_regular
 from .errors import ImageError, ImageFolderNotFound
 
 ENV_IMAGES = "AOTRITON_RT_IMAGES"
@@ -132,7 +132,7 @@ def read_image(folder: Path, variant: Variant) -> bytes:
     path = folder / variant.image.path
     want = variant.image.size
     try:
-        with open(path, "rb", buffering=0) as f:
+        with open_regular(path) as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
                 raise ImageError(f"image {path} is not a regular file; reinstall the image folder "

@@ -88,7 +88,10 @@ def _emit(node: ast.AST, slots: Mapping[str, int], constants: Mapping[str, Any],
         raise CatalogError(f"{what} {text!r} names {node.id!r}, which is neither an argument "
                            f"nor a compile-time value")
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        return f"({sub(node.left)} {_BINARY[type(node.op)]} {sub(node.right)})"
+        right = sub(node.right)
+        if right == "0" and isinstance(node.op, (ast.FloorDiv, ast.Mod)):
+            raise CatalogError(f"{what} {text!r} divides by a compile-time zero")
+        return f"({sub(node.left)} {_BINARY[type(node.op)]} {right})"
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return f"({_UNARY[type(node.op)]}{sub(node.operand)})"
     if isinstance(node, ast.BoolOp) and type(node.op) in _BOOL:
@@ -105,7 +108,10 @@ def _emit(node: ast.AST, slots: Mapping[str, int], constants: Mapping[str, Any],
         name, (lo, hi) = _CALLS[fn]
         if not lo <= len(node.args) <= hi or any(isinstance(a, ast.Starred) for a in node.args):
             raise CatalogError(f"{what} {text!r}: {fn} takes {lo if lo == hi else f'{lo} to {hi}'} arguments")
-        return f"{name}({', '.join(sub(a) for a in node.args)})"
+        args = [sub(a) for a in node.args]
+        if fn == "cdiv" and args[1] == "0":
+            raise CatalogError(f"{what} {text!r} divides by a compile-time zero")
+        return f"{name}({', '.join(args)})"
     kind = type(node.op if isinstance(node, (ast.BinOp, ast.UnaryOp, ast.BoolOp)) else node).__name__
     raise CatalogError(f"{what} {text!r} uses {kind}, which rules may not")
 
@@ -124,7 +130,7 @@ class _RuleFailed:
 def _build(body: list[str], nargs: int, env: dict[str, Any]) -> Callable:
     params = ", ".join(f"a{i}" for i in range(nargs))
     source = "\n".join([f"def _rule({params}):", *body])
-    namespace = {"__builtins__": {}, **_FUNCS, **env}
+    namespace = {"__builtins__": {}, "ZeroDivisionError": ZeroDivisionError, **_FUNCS, **env}
     exec(compile(source, "<aotriton_rt rule>", "exec"), namespace)  # noqa: S102 - our tokens only
     return namespace["_rule"]
 
