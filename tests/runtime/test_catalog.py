@@ -250,7 +250,8 @@ MALFORMED = [
     ("variants[0].launch.pdl", "no", r"\$\.variants\[0\]\.launch\.pdl must be true or false, found \"no\""),
     ("variants[0].grid", ["n", "1"], r"\$\.variants\[0\]\.grid must be three expression strings, "
                                      r"found \[\"n\", \"1\"\]"),
-    ("variants[0].checks", ["n > 0", ""], r"\$\.variants\[0\]\.checks\[1\] must be a non-empty string of at most 1000 characters, "
+    ("variants[0].checks", ["n > 0", ""], r"\$\.variants\[0\]\.checks\[1\] must be a non-empty string of at "
+                                          r"most 1000 characters, "
                                           r"found \"\""),
     ("variants[0].image.path", "../add.cubin.xz", r"\$\.variants\[0\]\.image\.path must be a relative "
                                                   r"'/'-separated path inside the image folder"),
