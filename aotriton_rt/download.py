@@ -660,6 +660,7 @@ def install_file(bundle: str | os.PathLike, *, dest: str | os.PathLike | None = 
     root = images_root(dest)
     with _bundle_lock(root, name, lock_timeout) as staging:
         if not force and _intact(root / name, digest):
+            _remove(staging)  # whatever a killed installer left there is of no use now
             return InstalledBundle(name, root / name, digest, _installed_targets(root / name),
                                    "already installed")
         _reset_staging(staging)
@@ -931,6 +932,7 @@ def _install_from_url(session: Any, entry: dict, url: str, root: Path, net: _Net
                           f"{_bundle_cap(cap)} for max_unpacked_bytes={cap}; refused before downloading")
     with _bundle_lock(root, name, lock_timeout) as staging:
         if not force and _intact(root / name, sha256):
+            _remove(staging)  # whatever a killed installer left there is of no use now
             return InstalledBundle(name, root / name, sha256, tuple(entry["targets"]),
                                    "already installed")
         part_name = f"{sha256[:16]}.part"
