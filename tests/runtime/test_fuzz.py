@@ -33,7 +33,8 @@ FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                        HealthCheck.function_scoped_fixture])
 
-json_scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=12)
+json_scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                | st.text(max_size=12))
 json_values = st.recursive(json_scalars, lambda kids: st.lists(kids, max_size=4)
                            | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
 
@@ -110,9 +111,11 @@ def test_nesting_of_any_depth_is_a_catalog_error(depth, opener):
 
 def _expr(names):
     leaf = st.sampled_from(names) | st.integers(-5, 2000).map(str)
+    def infix(ops):
+        return lambda kid: st.tuples(kid, st.sampled_from(ops), kid).map(lambda t: f"({t[0]} {t[1]} {t[2]})")
+    arith, compare = infix(["+", "-", "*", "//", "%"]), infix(["<", "<=", "==", "!=", ">", ">="])
     return st.recursive(leaf, lambda kid: st.one_of(
-        st.tuples(kid, st.sampled_from(["+", "-", "*", "//", "%"]), kid).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
-        st.tuples(kid, st.sampled_from(["<", "<=", "==", "!=", ">", ">="]), kid).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+        arith(kid), compare(kid),
         st.tuples(st.sampled_from(["cdiv", "min", "max"]), kid, kid).map(lambda t: f"{t[0]}({t[1]}, {t[2]})"),
         kid.map(lambda k: f"(-{k})"),
         st.tuples(kid, st.sampled_from(["and", "or"]), kid).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
