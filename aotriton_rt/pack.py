@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -109,8 +110,10 @@ def _emit(node: ast.AST, slots: Mapping[str, int], constants: Mapping[str, Any],
         if not lo <= len(node.args) <= hi or any(isinstance(a, ast.Starred) for a in node.args):
             raise CatalogError(f"{what} {text!r}: {fn} takes {lo if lo == hi else f'{lo} to {hi}'} arguments")
         args = [sub(a) for a in node.args]
-        if fn == "cdiv" and args[1] == "0":
-            raise CatalogError(f"{what} {text!r} divides by a compile-time zero")
+        if fn == "cdiv":
+            if args[1] == "0":
+                raise CatalogError(f"{what} {text!r} divides by a compile-time zero")
+            return f"(-((-{args[0]}) // {args[1]}))"  # inlined: a call costs more than the division
         return f"{name}({', '.join(args)})"
     kind = type(node.op if isinstance(node, (ast.BinOp, ast.UnaryOp, ast.BoolOp)) else node).__name__
     raise CatalogError(f"{what} {text!r} uses {kind}, which rules may not")
@@ -177,13 +180,23 @@ def compile_grid(rules: Sequence[str], names: Sequence[str], constants: Mapping[
     """
     slots = {n: i for i, n in enumerate(names)}
     exprs = [_emit(_parse_rule(r, what).body, slots, constants, r, what) for r in rules]
-    lx, ly, lz = (int(x) for x in limits)
+    limits = tuple(int(x) for x in limits)
+    # A dimension whose rule folds to a constant (usually "1") is checked now, not per launch.
+    checks = []
+    for i, (e, lim) in enumerate(zip(exprs, limits)):
+        if re.fullmatch(r"-?\d+", e):
+            if not 0 <= int(e) <= lim:
+                raise CatalogError(f"{what} {rules[i]!r} is the constant {e}, outside [0, {lim}]")
+        else:
+            checks.append(f"0 <= g{i} <= {lim}")
     body = ["    try:",
-            f"        g = ({exprs[0]}, {exprs[1]}, {exprs[2]})",
+            f"        g0 = {exprs[0]}; g1 = {exprs[1]}; g2 = {exprs[2]}",
             "    except ZeroDivisionError:",
-            "        _fail()",
-            f"    if not (0 <= g[0] <= {lx} and 0 <= g[1] <= {ly} and 0 <= g[2] <= {lz}): _bad(g)",
-            "    return g"]
+            "        _fail()"]
+    if checks:
+        body.append(f"    if not ({' and '.join(checks)}): _bad((g0, g1, g2))")
+    body.append("    return g0, g1, g2")
+    lx, ly, lz = limits
     text = ", ".join(rules)
 
     def bad(g: tuple) -> None:
