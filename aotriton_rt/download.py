@@ -483,14 +483,17 @@ def images_root(dest: str | os.PathLike | None = None) -> Path:
 def _bundle_lock(root: Path, name: str, timeout: float) -> Iterator[Path]:
     """Hold the installer lock of bundle ``name``; yields its (absent or stale) staging folder."""
     filelock = _need("filelock")
-    root.mkdir(parents=True, exist_ok=True)
     path = root / f".{name}.lock"
     lock = filelock.FileLock(str(path), timeout=timeout)
     try:
+        root.mkdir(parents=True, exist_ok=True)
         lock.acquire()
     except filelock.Timeout as e:
         raise DownloadError(f"another installer of {name} has held {path} for over {timeout:g} s; "
                             "wait for it to finish (the lock is released when it exits)") from e
+    except OSError as e:  # the root is a file, read-only, or its path is too long
+        raise DownloadError(f"cannot install into {str(root)[:300]}: {e.strerror or e}; pass a writable "
+                            "folder with --dest (or set $AOTRITON_RT_CACHE)") from None
     try:
         # Dot-named and without catalog.json at its top: never mistaken for an image folder.
         staging = root / f".{name}.staging"

@@ -881,3 +881,20 @@ def test_deeply_nested_manifest_and_index_are_bundle_errors(tmp_path):
 
     with pytest.raises(BundleError, match="JSON nested too deeply"):
         parse_index(b"[" * 100_000 + b"]" * 100_000, "index.json")
+
+
+def test_images_root_that_is_a_file_is_a_download_error(releases, tmp_path):
+    root = tmp_path / "a-file"
+    root.write_text("x")
+    with pytest.raises(DownloadError, match=r"cannot install into .*a-file: .*pass a writable folder with --dest"):
+        install_file(releases["v1"] / f"{NAME}.tar", dest=root)
+
+
+def test_verify_reports_an_unreadable_image_instead_of_crashing(previous):
+    dest, _ = previous
+    image = next((dest / NAME).rglob("*.xz"))
+    image.unlink()
+    image.mkdir()  # stat works, reading does not: as an unreadable file would be
+    report = verify_folder(dest / NAME)
+    assert not report.ok
+    assert any("not a regular file" in p for p in report.problems), report.problems
