@@ -38,6 +38,7 @@ INT_RANGES = {"i1": (0, 1), "i8": (-2**7, 2**7 - 1), "u8": (0, 2**8 - 1),
               "u32": (0, 2**32 - 1), "i64": (-2**63, 2**63 - 1), "u64": (0, 2**64 - 1)}
 
 
+@functools.lru_cache(maxsize=4096)  # thousands of variants share a few dozen rule texts
 def _parse_rule(text: str, what: str) -> ast.Expression:
     if not isinstance(text, str) or len(text) > MAX_RULE_CHARS:
         raise CatalogError(f"{what} is longer than {MAX_RULE_CHARS} characters")
