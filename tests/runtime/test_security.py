@@ -271,3 +271,14 @@ def test_a_refused_pointer_of_an_int_does_not_poison_raw_pointer_handles():
         interop.pointer(0x1000)
     assert _kernel_stub(True)._pointer(0x1000, "x", None) == (0x1000, -2)
     assert int not in interop._HANDLERS and type(None) not in interop._HANDLERS
+
+
+def test_interpreter_tests_skip_without_torch(monkeypatch):
+    import importlib.util
+
+    from tests.interpreter import require_interpreter
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(pytest.skip.Exception, match="interpreter tests need torch"):
+        require_interpreter()
