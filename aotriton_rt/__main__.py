@@ -17,13 +17,27 @@ def _gpus() -> tuple[list[tuple[str, int, str, str]], list[str]]:
             driver = get_driver(backend)
             count = driver.device_count()
         except Exception as e:  # noqa: BLE001 - info reports every failure, it never raises
-            notes.append(f"{backend}: {str(e).splitlines()[0]}")
+            notes.append(f"{backend}: {_one_line(e)}")
             continue
         if count == 0:
             notes.append(f"{backend}: driver loaded, no devices")
         for d in range(count):
             gpus.append((backend, d, driver.device_name(d), driver.device_arch(d)))
     return gpus, notes
+
+
+def _one_line(e: BaseException) -> str:
+    """A multi-line error as one line: its first line, how many places it lists, and its fix."""
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    head = lines[0]
+    if head.endswith(":") and len(lines) > 1:  # "...; tried, in order:" then a list, then the fix
+        listed = sum(1 for line in lines[1:] if line.lstrip().startswith("- "))
+        head = head.rsplit(";", 1)[0].rstrip(":") + f" ({listed} places tried)"
+        if not lines[-1].lstrip().startswith("- "):
+            head += f"; {lines[-1].strip()}"
+    return head
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -89,6 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     except AotritonError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # the file system said no (read-only, permissions, a name too long)
+        where = f" ({str(e.filename)[:200]})" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}; check that the path exists and is writable by you, or "
+              "pick another with --dest / $AOTRITON_RT_CACHE", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; nothing partial was installed", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI never shows a traceback; this is a bug of ours
+        print(f"error: unexpected {type(e).__name__}: {str(e)[:300]}; this is a bug in aotriton-rt, please "
+              "report it with the command you ran (docs/security.md says how)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ the offending value.
 from __future__ import annotations
 
 import json
+import keyword
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,29 @@ SCALAR_TYPES: dict[str, tuple[int, str]] = {
 BACKENDS = ("cuda", "hip")
 IMAGE_FORMATS = {"cuda": "cubin", "hip": "hsaco"}
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+#: Argument names: plain identifiers, no leading underscore (no dunders, nothing private).
+_ARG_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+#: Names the generated launcher uses itself (``k(*args, stream=, grid=)``).
+_RESERVED_ARGS = frozenset({"self", "stream", "grid", "extra"})
+_KERNEL_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,127}$")
+_SYMBOL = re.compile(r"^[A-Za-z_][A-Za-z0-9_$.]{0,1023}$")
+_PARAM_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+#: Limits on what a catalog may claim; each is far above any real kernel and far below what
+#: would exhaust memory or overflow a driver field.
+MAX_PARAM_SIZE = 32764          # CUDA 12.1+ on Volta and newer: 32764 bytes of kernel parameters
+MAX_ARGS = 1024
+MAX_DIVISIBILITY = 1 << 16
+MAX_SHARED = 1 << 24
+MAX_WARPS = 64                  # num_warps * warp_size <= 1024 threads per block (checked too)
+MAX_THREADS = 1024
+MAX_CTAS = 16
+MAX_IMAGE_BYTES = 1 << 30       # one image, compressed or raw
+MAX_SCRATCH = 1 << 32           # global scratch bytes per program
+MAX_RULES_CHARS = 1000
+MAX_CHECKS = 64
+MAX_STRING = 256                # spec / constexpr / option string values
+MAX_CATALOG_BYTES = 256 << 20   # the catalog is parsed in memory; real ones are a few MB
 
 
 def is_pointer_type(t: str) -> bool:
@@ -62,10 +87,17 @@ class _Reader:
             raise self._fail(key, what, value)
         return value
 
-    def int(self, key: str, minimum: int = 0, default: Any = ...) -> int:
-        value = self.get(key, int, f"an integer >= {minimum}", default)
-        if value < minimum:
-            raise self._fail(key, f"an integer >= {minimum}", value)
+    def int(self, key: str, minimum: int = 0, default: Any = ..., maximum: int = 2**63 - 1) -> int:
+        what = f"an integer >= {minimum}" if maximum == 2**63 - 1 else f"an integer in [{minimum}, {maximum}]"
+        value = self.get(key, int, what, default)
+        if not minimum <= value <= maximum:
+            raise self._fail(key, what, value)
+        return value
+
+    def name(self, key: str, pattern: re.Pattern, what: str) -> str:
+        value = self.str(key)
+        if not pattern.match(value):
+            raise self._fail(key, what, value)
         return value
 
     def str(self, key: str, default: Any = ...) -> str:
@@ -84,23 +116,34 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 
 
 def _show(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, Mapping) else "an object"
+    try:
+        text = json.dumps(value) if not isinstance(value, Mapping) else "an object"
+    except (RecursionError, ValueError):
+        text = f"a deeply nested {type(value).__name__}"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _scalars(r: _Reader, key: str) -> dict[str, Any]:
     obj = r.sub(key, {})
     for k, v in obj.obj.items():
+        if not _PARAM_KEY.match(k):
+            raise CatalogError(f"{obj.source}: {obj.path} has key {_show(k)}, which is not a plain name")
         if not isinstance(v, (str, int, float, bool)) or v is None:
             raise obj._fail(k, "a string, number or boolean", v)
+        if isinstance(v, str) and len(v) > MAX_STRING:
+            raise obj._fail(k, f"a string of at most {MAX_STRING} characters", v)
+        if isinstance(v, int) and not -2**63 <= v < 2**64:
+            raise obj._fail(k, "an integer that fits in 64 bits", v)
     return dict(obj.obj)
 
 
 def _strings(r: _Reader, key: str) -> list[str]:
     items = r.list(key, [])
+    if len(items) > MAX_CHECKS:
+        raise r._fail(key, f"a list of at most {MAX_CHECKS} rules", f"{len(items)} items")
     for i, s in enumerate(items):
-        if not isinstance(s, str) or not s:
-            raise r._fail(f"{key}[{i}]", "a non-empty string", s)
+        if not isinstance(s, str) or not s or len(s) > MAX_RULES_CHARS:
+            raise r._fail(f"{key}[{i}]", f"a non-empty string of at most {MAX_RULES_CHARS} characters", s)
     return items
 
 
@@ -158,8 +201,12 @@ class Arg:
             size = SCALAR_TYPES[t][0]
         else:
             raise r._fail("type", "a Triton type like *fp16, i32, i64 or fp32", t)
-        arg = cls(r.str("name"), t, r.int("offset"), r.int("size", 1), r.int("align", 1),
-                  r.int("divisibility", 1, default=1))
+        name = r.str("name")
+        if not _ARG_NAME.match(name) or keyword.iskeyword(name) or name in _RESERVED_ARGS:
+            raise r._fail("name", "a plain identifier of at most 64 characters (letters, digits, '_', not "
+                          "starting with '_', not a Python keyword nor self/stream/grid/extra)", name)
+        arg = cls(name, t, r.int("offset", maximum=MAX_PARAM_SIZE), r.int("size", 1, maximum=8),
+                  r.int("align", 1, maximum=8), r.int("divisibility", 1, default=1, maximum=MAX_DIVISIBILITY))
         if arg.size != size:
             raise r._fail("size", f"{size} for type {t}", arg.size)
         if arg.align not in (1, 2, 4, 8) or arg.offset % arg.align:
@@ -203,8 +250,10 @@ class Image:
             digests[key] = r.str(key)
             if not _HEX64.match(digests[key]):
                 raise r._fail(key, "64 lowercase hex digits", digests[key])
-        return cls(path, fmt, comp, digests["sha256"], r.int("size", 1), digests["raw_sha256"],
-                   r.int("raw_size", 1))
+        if len(path) > 1024:
+            raise r._fail("path", "a path of at most 1024 characters", path)
+        return cls(path, fmt, comp, digests["sha256"], r.int("size", 1, maximum=MAX_IMAGE_BYTES),
+                   digests["raw_sha256"], r.int("raw_size", 1, maximum=MAX_IMAGE_BYTES))
 
     def to_json(self) -> dict:
         return {"path": self.path, "format": self.format, "compression": self.compression,
@@ -224,8 +273,9 @@ class Config:
 
     @classmethod
     def from_json(cls, r: _Reader) -> Config:
-        return cls(r.int("index"), _scalars(r, "constexprs"), r.int("num_warps", 1),
-                   r.int("num_stages", 0), _scalars(r, "options"))
+        return cls(r.int("index", maximum=1 << 20), _scalars(r, "constexprs"),
+                   r.int("num_warps", 1, maximum=MAX_WARPS), r.int("num_stages", 0, maximum=64),
+                   _scalars(r, "options"))
 
     def to_json(self) -> dict:
         return {"index": self.index, "constexprs": dict(sorted(self.constexprs.items())),
@@ -276,10 +326,20 @@ class Variant:
         if not _HEX64.match(key):
             raise r._fail("key", "64 lowercase hex digits", key)
         target = Target.from_json(r.sub("target"))
+        raw_args, raw_hidden = r.list("args"), r.list("hidden_args")
+        if len(raw_args) > MAX_ARGS:
+            raise r._fail("args", f"a list of at most {MAX_ARGS} arguments", f"{len(raw_args)} items")
         args = tuple(Arg.from_json(_Reader(a, f"{path}.args[{i}]", source))
-                     for i, a in enumerate(r.list("args")))
+                     for i, a in enumerate(raw_args))
+        # The launcher always appends the two scratch pointers Triton adds (global, profile).
+        if len(raw_hidden) != 2:
+            raise r._fail("hidden_args", "the two scratch pointers Triton appends", f"{len(raw_hidden)} items")
         hidden = tuple(Arg.from_json(_Reader(a, f"{path}.hidden_args[{i}]", source))
-                       for i, a in enumerate(r.list("hidden_args")))
+                       for i, a in enumerate(raw_hidden))
+        for i, a in enumerate(hidden):
+            if not a.is_pointer:
+                raise CatalogError(f"{source}: {path}.hidden_args[{i}].type must be a pointer type, "
+                                   f"found {_show(a.type)}")
         names = [a.name for a in args]
         if len(set(names)) != len(names):
             raise r._fail("args", "a list of uniquely named arguments", names)
@@ -290,19 +350,20 @@ class Variant:
                 raise CatalogError(f"{source}: {path}.{where}.offset {a.offset} overlaps the "
                                    f"previous argument, which ends at {end}")
             end = a.offset + a.size
-        param_size = r.int("param_size")
+        param_size = r.int("param_size", maximum=MAX_PARAM_SIZE)
         if param_size < end:
             raise r._fail("param_size", f"at least {end}, the end of the last argument", param_size)
         scratch_r = r.sub("scratch")
-        scratch = {k: scratch_r.int(k, 0 if k.endswith("size") else 1)
+        scratch = {k: scratch_r.int(k, 0 if k.endswith("size") else 1,
+                                    maximum=MAX_SCRATCH if k.endswith("size") else 1 << 16)
                    for k in ("global_size", "global_align", "profile_size", "profile_align")}
         cluster = r.list("cluster_dims", [1, 1, 1])
-        if len(cluster) != 3 or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1
-                                        for c in cluster):
-            raise r._fail("cluster_dims", "three integers >= 1", cluster)
+        if len(cluster) != 3 or not all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= MAX_CTAS
+                                        for c in cluster) or cluster[0] * cluster[1] * cluster[2] > MAX_CTAS:
+            raise r._fail("cluster_dims", f"three integers >= 1 whose product is at most {MAX_CTAS}", cluster)
         launch = r.sub("launch")
         grid = r.list("grid")
-        if len(grid) != 3 or not all(isinstance(g, str) and g for g in grid):
+        if len(grid) != 3 or not all(isinstance(g, str) and g and len(g) <= MAX_RULES_CHARS for g in grid):
             raise r._fail("grid", "three expression strings", grid)
         image = Image.from_json(r.sub("image"))
         if image.format != IMAGE_FORMATS[target.backend]:
@@ -316,15 +377,22 @@ class Variant:
                 raise CatalogError(f"{source}: {path}.ptx is only for cuda variants, found on {target.backend}")
             if ptx.path == image.path:
                 raise r._fail("ptx", "a path other than the image's", ptx.path)
-        return cls(
-            key=key, kernel=r.str("kernel"), symbol=r.str("symbol"), target=target,
-            spec=_scalars(r, "spec"), config=Config.from_json(r.sub("config")), args=args,
+        num_warps = r.int("num_warps", 1, maximum=MAX_WARPS)
+        if num_warps * target.warp_size > MAX_THREADS:
+            raise r._fail("num_warps", f"at most {MAX_THREADS // target.warp_size} ({MAX_THREADS} threads "
+                          f"per block of {target.warp_size}-wide warps)", num_warps)
+        variant = cls(
+            key=key, kernel=r.name("kernel", _KERNEL_NAME, "a kernel name (letters, digits, '_')"),
+            symbol=r.name("symbol", _SYMBOL, "a binary symbol name (letters, digits, '_', '$', '.')"),
+            target=target, spec=_scalars(r, "spec"), config=Config.from_json(r.sub("config")), args=args,
             hidden_args=hidden, param_size=param_size, scratch=scratch,
-            num_warps=r.int("num_warps", 1), num_ctas=r.int("num_ctas", 1),
-            cluster_dims=tuple(cluster), shared=r.int("shared"),
+            num_warps=num_warps, num_ctas=r.int("num_ctas", 1, maximum=MAX_CTAS),
+            cluster_dims=tuple(cluster), shared=r.int("shared", maximum=MAX_SHARED),
             cooperative=launch.get("cooperative", bool, "true or false"),
             pdl=launch.get("pdl", bool, "true or false"), grid=tuple(grid), image=image,
             triton_version=r.str("triton_version"), checks=tuple(_strings(r, "checks")), ptx=ptx)
+        _check_rules(variant, path, source)
+        return variant
 
     def to_json(self) -> dict:
         out = {
@@ -341,6 +409,20 @@ class Variant:
         if self.ptx is not None:
             out["ptx"] = self.ptx.to_json()
         return out
+
+
+def _check_rules(v: Variant, path: str, source: str) -> None:
+    """Parse every grid and check rule of ``v`` now, so that a bad one names its JSON path."""
+    from .pack import check_rule  # the rule language lives with its compiler
+
+    names = tuple(a.name for a in v.args)
+    params = v.params
+    for field_name, rules in (("grid", v.grid), ("checks", v.checks)):
+        for i, text in enumerate(rules):
+            try:
+                check_rule(text, names, params)
+            except CatalogError as e:
+                raise CatalogError(f"{source}: {path}.{field_name}[{i}]: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -387,16 +469,21 @@ class Catalog:
     def load(cls, path: str | os.PathLike) -> Catalog:
         """Read and validate ``catalog.json`` (or the folder holding it)."""
         path = Path(path)
-        if path.is_dir():
-            path = path / CATALOG_FILE
         try:
-            text = path.read_text(encoding="utf-8")
+            if path.is_dir():
+                path = path / CATALOG_FILE
+            with open_regular(path) as f:
+                st = os.fstat(f.fileno())
+                # A FIFO would block a read forever and /dev/zero never ends: regular files only.
+                if not stat.S_ISREG(st.st_mode):
+                    raise CatalogError(f"catalog {path} is not a regular file; reinstall the image folder")
+                if st.st_size > MAX_CATALOG_BYTES:
+                    raise CatalogError(f"catalog {path} is {st.st_size} bytes, over the limit of "
+                                       f"{MAX_CATALOG_BYTES}; it is not a catalog this runtime reads")
+                data = f.read(MAX_CATALOG_BYTES + 1)
         except OSError as e:
             raise CatalogError(f"cannot read catalog {path}: {e.strerror or e}") from e
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CatalogError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
+        obj = parse_json(data, str(path))
         return cls.from_json(obj, source=str(path), folder=path.parent)
 
     def to_json(self) -> dict:
@@ -410,6 +497,31 @@ class Catalog:
 
     def targets(self) -> list[Target]:
         return sorted({v.target for v in self.variants}, key=lambda t: (t.backend, t.arch))
+
+
+def open_regular(path: str | os.PathLike) -> Any:
+    """Open ``path`` for reading without blocking: a FIFO opens at once (then fails the caller's
+    regular-file check) instead of waiting for a writer forever."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def parse_json(data: bytes, source: str) -> Any:
+    """Parse catalog text: UTF-8 JSON, nested no deeper than Python can recurse; else CatalogError."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CatalogError(f"{source}: not UTF-8 text (byte {e.start}); reinstall or rebuild the image "
+                           "folder") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CatalogError(f"{source}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise CatalogError(f"{source}: JSON nested too deeply to be a catalog") from None
+    except ValueError as e:  # e.g. an integer literal too long to convert
+        raise CatalogError(f"{source}: not valid JSON ({e})") from None
 
 
 def _order(v: Variant) -> tuple:

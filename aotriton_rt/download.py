@@ -33,10 +33,11 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import tarfile
-import tempfile
 import time
+import unicodedata
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -46,7 +47,7 @@ from typing import Any, BinaryIO
 from urllib.parse import quote, urlsplit
 
 from . import __version__
-from .catalog import CATALOG_FILE, Catalog
+from .catalog import CATALOG_FILE, Catalog, open_regular, parse_json
 from .catalog import SCHEMA_VERSION as CATALOG_SCHEMA_VERSION
 from .errors import (
     AotritonError,
@@ -78,6 +79,8 @@ _MAX_JSON = 64 << 20
 _MAX_CATALOG = 256 << 20  # the catalog is parsed in memory; real ones are a few MB
 _CHUNK = 1 << 20
 _MAX_BACKOFF = 30.0
+#: Seconds a whole ``download`` call may take, however steadily a server trickles bytes.
+DEFAULT_DEADLINE = 3600.0
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.tar$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -134,7 +137,9 @@ def _load_json(data: bytes, source: str, error: type[AotritonError]) -> Any:
     try:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
-        raise error(f"{source}: not valid JSON ({e})") from e
+        raise error(f"{source}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise error(f"{source}: JSON nested too deeply") from None
 
 
 def _check_schema(obj: Any, schema: str, version: int, what: str, source: str,
@@ -241,6 +246,7 @@ def _parse_manifest(data: bytes, source: str, cap: int) -> dict:
     if not isinstance(files, list) or not files:
         raise BundleError(f"{source}: $.files must be a non-empty list")
     seen: set[str] = set()
+    folded: set[str] = set()
     total = 0
     for i, f in enumerate(files):
         where = f"$.files[{i}]"
@@ -249,10 +255,14 @@ def _parse_manifest(data: bytes, source: str, cap: int) -> dict:
         path = check_member_name(f.get("path"))
         if path in (MANIFEST_FILE, INSTALL_FILE):
             raise BundleError(f"{source}: {where}.path {path!r} is reserved for the installer")
-        # Windows and macOS file systems fold case: two such names would overwrite each other.
-        if path.casefold() in seen:
-            raise BundleError(f"{source}: {where}.path {path!r} repeats another path (ignoring case)")
-        seen.add(path.casefold())
+        # Windows and macOS file systems fold case, and macOS Unicode normalization (NFC/NFD):
+        # two such names would overwrite each other there.
+        key = unicodedata.normalize("NFC", path).casefold()
+        if key in folded:
+            raise BundleError(f"{source}: {where}.path {path!r} repeats another path (ignoring case and "
+                              "Unicode normalization)")
+        folded.add(key)
+        seen.add(path)
         total += _int(f, "size", source, where)
         _sha(f, "sha256", source, where)
     folders = {p.rsplit("/", 1)[0] for p in seen if "/" in p}
@@ -314,10 +324,11 @@ def _open_tar(path: Path, source: str) -> Iterator[tuple[tarfile.TarFile, _Hashi
             reader = _HashingReader(raw)
             with tarfile.open(fileobj=reader, mode="r|", encoding="utf-8", errors="strict") as tar:
                 yield tar, reader
-    except tarfile.TarError as e:
-        raise BundleError(f"{source}: not a readable bundle (an uncompressed tar): {e}") from e
     except UnicodeError as e:
         raise BundleError(f"{source}: a member name is not valid UTF-8") from e
+    except (tarfile.TarError, ValueError, EOFError, OverflowError) as e:
+        # ValueError and friends: malformed headers tarfile does not wrap (e.g. PAX 1.0 sparse maps).
+        raise BundleError(f"{source}: not a readable bundle (an uncompressed tar): {e}") from e
 
 
 def _read_manifest(tar: tarfile.TarFile, source: str, cap: int) -> tuple[dict, bytes]:
@@ -332,8 +343,16 @@ def _read_manifest(tar: tarfile.TarFile, source: str, cap: int) -> tuple[dict, b
     return _parse_manifest(data, f"{source}:{MANIFEST_FILE}", cap), data
 
 
-def _check_catalog(data: bytes, source: str, listed: dict[str, dict]) -> Catalog:
-    catalog = Catalog.from_json(_load_json(data, source, CatalogError), source=source)
+def _check_catalog(data: bytes, source: str, listed: dict[str, dict], manifest: dict | None = None) -> Catalog:
+    catalog = Catalog.from_json(parse_json(data, source), source=source)
+    if manifest is not None:
+        # What the bundle says it is must be what it holds: `download --arch` chose it by these.
+        have = {(v.target.backend, v.target.arch) for v in catalog.variants}
+        said = {(manifest["backend"], t) for t in manifest["targets"]}
+        if have != said:
+            raise BundleError(f"{source}: {MANIFEST_FILE} says {manifest['backend']} "
+                              f"{', '.join(sorted(manifest['targets']))} but the catalog holds "
+                              f"{', '.join(sorted(f'{b} {a}' for b, a in have)) or 'no variants'}; refused")
     for v in catalog.variants:
         entry = listed.get(v.image.path)
         if entry is None:
@@ -384,7 +403,7 @@ def _unpack(bundle: Path, into: Path, source: str, cap: int) -> tuple[dict, byte
                                       f"{_MAX_CATALOG}")
                 data = src.read()
                 _check_digest(hashlib.sha256(data).hexdigest(), entry, name, source)
-                _check_catalog(data, f"{source}:{CATALOG_FILE}", listed)
+                _check_catalog(data, f"{source}:{CATALOG_FILE}", listed, manifest)
                 (into / CATALOG_FILE).write_bytes(data)
             else:
                 _copy(src, into.joinpath(*name.split("/")), entry, name, source)
@@ -464,24 +483,57 @@ def images_root(dest: str | os.PathLike | None = None) -> Path:
 def _bundle_lock(root: Path, name: str, timeout: float) -> Iterator[Path]:
     """Hold the installer lock of bundle ``name``; yields its (absent or stale) staging folder."""
     filelock = _need("filelock")
-    root.mkdir(parents=True, exist_ok=True)
     path = root / f".{name}.lock"
     lock = filelock.FileLock(str(path), timeout=timeout)
     try:
+        root.mkdir(parents=True, exist_ok=True)
         lock.acquire()
     except filelock.Timeout as e:
         raise DownloadError(f"another installer of {name} has held {path} for over {timeout:g} s; "
                             "wait for it to finish (the lock is released when it exits)") from e
+    except OSError as e:  # the root is a file, read-only, or its path is too long
+        raise DownloadError(f"cannot install into {str(root)[:300]}: {e.strerror or e}; pass a writable "
+                            "folder with --dest (or set $AOTRITON_RT_CACHE)") from None
     try:
         # Dot-named and without catalog.json at its top: never mistaken for an image folder.
-        yield root / f".{name}.staging"
+        staging = root / f".{name}.staging"
+        _recover(root / name, staging)
+        yield staging
     finally:
         lock.release()
 
 
+def _recover(final: Path, staging: Path) -> None:
+    """Finish what a killed installer left half-done, under the lock, before anything else.
+
+    The swap renames the install aside into ``staging/old-*`` and then the new folder into
+    place; killed between the two, the install is missing and its copy is in staging: put it
+    back (the previous, verified install) rather than let the staging reset delete it.
+    """
+    if os.path.lexists(final) or not _is_real_dir(staging):
+        return
+    olds = sorted((p for p in staging.iterdir() if p.name.startswith("old-") and _is_real_dir(p)
+                   and (p / INSTALL_FILE).is_file()), key=lambda p: p.stat().st_mtime, reverse=True)
+    if olds:
+        os.replace(olds[0], final)
+
+
+def _is_real_dir(p: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(p).st_mode)
+    except OSError:
+        return False
+
+
 def _reset_staging(staging: Path, keep: str | None = None) -> None:
-    """Empty the staging folder under the lock: whatever is there was left by a dead installer."""
-    if staging.is_dir():
+    """Empty the staging folder under the lock: whatever is there was left by a dead installer.
+
+    A staging path that is not a real folder (a planted symlink, a file) is removed itself,
+    never followed: the installer deletes only what it created.
+    """
+    if os.path.lexists(staging) and not _is_real_dir(staging):
+        staging.unlink()
+    if _is_real_dir(staging):
         for p in staging.iterdir():
             if p.name != keep:
                 _remove(p)
@@ -489,16 +541,26 @@ def _reset_staging(staging: Path, keep: str | None = None) -> None:
 
 
 def _remove(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
+    if _is_real_dir(p):
         shutil.rmtree(p, ignore_errors=True)
     else:
         p.unlink(missing_ok=True)
 
 
+def _intact(folder: Path, sha256: str) -> bool:
+    """Whether bundle ``sha256`` is installed in ``folder`` and still passes :func:`verify_folder`
+    (else the caller reinstalls it: a corrupted install is repaired, never reported as done)."""
+    return _installed_sha(folder) == sha256 and verify_folder(folder).ok
+
+
+def _bundle_cap(cap: int) -> int:
+    """The largest bundle file that can unpack to at most ``cap`` bytes (tar headers and padding)."""
+    return cap + cap // 8 + (16 << 20)
+
+
 def _installed_sha(folder: Path) -> str | None:
-    try:
-        record = json.loads((folder / INSTALL_FILE).read_bytes())
-    except (OSError, ValueError):
+    record = _load_record(folder)
+    if record is None:
         return None
     if not isinstance(record, dict) or record.get("schema") != INSTALL_SCHEMA:
         return None
@@ -524,8 +586,11 @@ def _swap(new: Path, final: Path, staging: Path) -> None:
 
 def _install(bundle: Path, root: Path, staging: Path, *, expect_name: str, sha256: str,
              source: str, cap: int) -> InstalledBundle:
-    unpack = Path(tempfile.mkdtemp(prefix="unpack-", dir=staging))
+    # Not mkdtemp: its 0700 would make the install unreadable to the other users of a shared
+    # images folder. The mode comes from the umask, as for every folder and file below it.
+    unpack = staging / f"unpack-{uuid.uuid4().hex[:12]}"
     try:
+        unpack.mkdir()
         manifest, manifest_bytes, got = _unpack(bundle, unpack, source, cap)
         if manifest["name"] != expect_name:
             raise BundleError(f"{source}: the bundle calls itself {manifest['name']!r}, "
@@ -549,9 +614,19 @@ def _install(bundle: Path, root: Path, staging: Path, *, expect_name: str, sha25
     return InstalledBundle(expect_name, final, sha256, tuple(manifest["targets"]), "installed")
 
 
+def _read_small(path: Path, limit: int) -> bytes:
+    with open_regular(path) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise BundleError(f"{path} is not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise BundleError(f"{path} is over {limit} bytes")
+    return data
+
+
 def _sha256_file(path: Path) -> str:
     hasher = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_CHUNK):
             hasher.update(chunk)
     return hasher.hexdigest()
@@ -559,7 +634,7 @@ def _sha256_file(path: Path) -> str:
 
 def install_file(bundle: str | os.PathLike, *, dest: str | os.PathLike | None = None,
                  sha256: str | None = None, max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED,
-                 lock_timeout: float = 600.0) -> InstalledBundle:
+                 lock_timeout: float = 600.0, force: bool = False) -> InstalledBundle:
     """Install a local bundle file (air-gapped installs), with every check of :func:`download`.
 
     Args:
@@ -568,10 +643,12 @@ def install_file(bundle: str | os.PathLike, *, dest: str | os.PathLike | None = 
         sha256: when given, the digest the file must have (e.g. from ``index.json``).
         max_unpacked_bytes: refuse bundles that unpack to more than this.
         lock_timeout: seconds to wait for another installer of the same bundle.
+        force: install even when the same bundle is installed and intact.
 
-    Returns the :class:`InstalledBundle`; a bundle whose sha256 is already installed is left as
-    it is. Raises BundleError (hostile or malformed bundle), CatalogError (catalog schema not
-    understood), DownloadError (lock, file system).
+    Returns the :class:`InstalledBundle`; a bundle whose sha256 is already installed and passes
+    :func:`verify_folder` is left as it is (one that fails it is reinstalled). Raises BundleError
+    (hostile or malformed bundle), CatalogError (catalog schema not understood), DownloadError
+    (lock, file system).
     """
     source = str(bundle)
     path = _long_path(Path(bundle))
@@ -585,7 +662,8 @@ def install_file(bundle: str | os.PathLike, *, dest: str | os.PathLike | None = 
                           "corrupt or not the bundle you meant")
     root = images_root(dest)
     with _bundle_lock(root, name, lock_timeout) as staging:
-        if _installed_sha(root / name) == digest:
+        if not force and _intact(root / name, digest):
+            _remove(staging)  # whatever a killed installer left there is of no use now
             return InstalledBundle(name, root / name, digest, _installed_targets(root / name),
                                    "already installed")
         _reset_staging(staging)
@@ -599,7 +677,7 @@ def install_file(bundle: str | os.PathLike, *, dest: str | os.PathLike | None = 
 def _installed_targets(folder: Path) -> tuple[str, ...]:
     try:
         targets = json.loads((folder / MANIFEST_FILE).read_bytes()).get("targets", [])
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return ()
     return tuple(t for t in targets if isinstance(t, str)) if isinstance(targets, list) else ()
 
@@ -614,6 +692,14 @@ class _Net:
     backoff: float
     allow_http: bool
     progress: bool
+    #: time.monotonic() after which the whole download gives up, however steadily bytes trickle.
+    deadline: float = float("inf")
+    seconds: float = 0.0  # the deadline as the user gave it, for messages
+
+    def check_deadline(self, url: str) -> None:
+        if time.monotonic() > self.deadline:
+            raise DownloadError(f"{url}: not finished within the deadline of {self.seconds:g} s; the server "
+                                "is too slow. Try again later, or raise --deadline")
 
 
 class _Transient(Exception):
@@ -677,11 +763,18 @@ def _get(session: Any, url: str, net: _Net, headers: dict[str, str]) -> Iterator
         raise DownloadError(f"{url}: {e}") from e
 
 
-def _body(r: Any) -> Iterator[bytes]:
+def _body(r: Any, url: str, net: _Net) -> Iterator[bytes]:
     # Raw reads rather than iter_content: when a connection breaks mid-chunk, urllib3 2
     # discards the bytes it had buffered for that chunk, and those are what a resume keeps.
+    # read1 returns what has arrived (read() would wait for a whole chunk, which a server
+    # trickling a byte a second makes last for days), so the deadline is checked between reads.
     # decode_content=False: the digest is over the stored bytes, whatever a server claims.
-    while chunk := r.raw.read(_CHUNK, decode_content=False):
+    read = getattr(r.raw, "read1", None) or r.raw.read
+    while True:
+        net.check_deadline(url)
+        chunk = read(_CHUNK, decode_content=False)
+        if not chunk:
+            return
         yield chunk
 
 
@@ -701,18 +794,26 @@ def _retrying(url: str, net: _Net, attempt: Callable[[], Any], progress: Callabl
     a connection that keeps dropping still finishes as long as every try gains ground.
     """
     failures = 0
+    best = progress()
     while True:
-        before = progress()
+        net.check_deadline(url)
         try:
             return attempt()
         except _Transient as e:
-            failures = 0 if progress() > before else failures + 1
+            # Only bytes beyond the most ever held count as progress: a server that cuts every
+            # attempt short and then refuses the resume (416, another range) makes a restart
+            # from 0 regain the same bytes over and over, which must not reset the count.
+            if progress() > best:
+                best, failures = progress(), 0
+            else:
+                failures += 1
             if failures > net.retries:
                 raise DownloadError(f"{url}: gave up after {failures} failed attempts in a row; "
                                     f"last: {e}. Check the connection, or raise --retries / "
                                     "--timeout") from e
             if failures:
-                time.sleep(min(net.backoff * 2 ** (failures - 1), _MAX_BACKOFF))
+                pause = min(net.backoff * 2 ** (failures - 1), _MAX_BACKOFF)
+                time.sleep(max(0.0, min(pause, net.deadline - time.monotonic())))
 
 
 def _fetch_bytes(session: Any, url: str, net: _Net, limit: int) -> bytes:
@@ -721,7 +822,7 @@ def _fetch_bytes(session: Any, url: str, net: _Net, limit: int) -> bytes:
             if r.status_code != 200:
                 _status_error(r, url)
             body = bytearray()
-            for chunk in _body(r):
+            for chunk in _body(r, url, net):
                 body += chunk
                 if len(body) > limit:
                     raise DownloadError(f"{url}: more than {limit} bytes; not a bundle index")
@@ -792,7 +893,7 @@ def _fetch_rest(session: Any, url: str, st: _Partial, net: _Net, bar: Any) -> No
             st.restart()
             bar.reset()
         with open(st.path, "ab") as f:
-            for chunk in _body(r):
+            for chunk in _body(r, url, net):
                 if st.have + len(chunk) > st.size:
                     over = True
                     break
@@ -826,10 +927,15 @@ def _fetch_file(session: Any, url: str, part: Path, size: int, sha256: str, net:
 
 
 def _install_from_url(session: Any, entry: dict, url: str, root: Path, net: _Net, *,
-                      keep_partial: bool, cap: int, lock_timeout: float) -> InstalledBundle:
+                      keep_partial: bool, cap: int, lock_timeout: float, force: bool = False) -> InstalledBundle:
     name, sha256 = entry["name"], entry["sha256"]
+    # A bundle is its files plus tar headers (512 bytes each, padded): never more than this.
+    if entry["size"] > _bundle_cap(cap):
+        raise BundleError(f"{url}: the index lists {entry['size']} bytes for bundle {name}, over the limit of "
+                          f"{_bundle_cap(cap)} for max_unpacked_bytes={cap}; refused before downloading")
     with _bundle_lock(root, name, lock_timeout) as staging:
-        if _installed_sha(root / name) == sha256:
+        if not force and _intact(root / name, sha256):
+            _remove(staging)  # whatever a killed installer left there is of no use now
             return InstalledBundle(name, root / name, sha256, tuple(entry["targets"]),
                                    "already installed")
         part_name = f"{sha256[:16]}.part"
@@ -926,7 +1032,8 @@ def download(arch: str | Sequence[str] = "auto", *, url: str | None = None,
              timeout: float = 30.0, retries: int = 4, backoff: float = 0.5,
              progress: bool | None = None, keep_partial: bool = False,
              max_unpacked_bytes: int = DEFAULT_MAX_UNPACKED, lock_timeout: float = 600.0,
-             detect: Callable[[], list[str]] | None = None) -> list[InstalledBundle]:
+             detect: Callable[[], list[str]] | None = None, deadline: float = DEFAULT_DEADLINE,
+             force: bool = False) -> list[InstalledBundle]:
     """Download and install the bundles for ``arch``; afterwards no network is needed.
 
     Args:
@@ -937,6 +1044,8 @@ def download(arch: str | Sequence[str] = "auto", *, url: str | None = None,
         dest: the images root (default :func:`images_root`).
         allow_http: accept ``http://``; only https is accepted otherwise.
         timeout: seconds to connect, and seconds without data before a read gives up.
+        deadline: seconds the whole call may take (index and every bundle) before it gives up,
+            however steadily a slow server sends.
         retries: failed attempts in a row allowed per file before giving up.
         backoff: first pause between attempts; it doubles per failure (capped at 30 s).
         progress: show a progress bar; default when stderr is a terminal.
@@ -946,6 +1055,8 @@ def download(arch: str | Sequence[str] = "auto", *, url: str | None = None,
         lock_timeout: seconds to wait for another installer of the same bundle.
         detect: for ``"auto"``, the function listing this machine's archs (default
             :func:`aotriton_rt.arch.detect_targets`).
+        force: install even when the same bundle is already installed (repairs an install
+            that fails :func:`verify`; one that fails it is repaired without ``force`` too).
 
     Returns one :class:`InstalledBundle` per bundle. Raises DownloadError (network, HTTP,
     digest, no bundle for a target), BundleError (malformed or hostile index or bundle) or
@@ -961,13 +1072,16 @@ def download(arch: str | Sequence[str] = "auto", *, url: str | None = None,
     if progress is None:  # a bar only for a person at a terminal, and only if tqdm is there
         progress = (sys.stderr is not None and sys.stderr.isatty()
                     and importlib.util.find_spec("tqdm") is not None)
-    net = _Net(timeout, retries, backoff, allow_http, progress)
+    if not (0 < timeout <= deadline) or retries < 0 or backoff < 0:
+        raise DownloadError(f"need 0 < timeout <= deadline, retries >= 0 and backoff >= 0; got timeout={timeout}, "
+                            f"deadline={deadline}, retries={retries}, backoff={backoff}")
+    net = _Net(timeout, retries, backoff, allow_http, progress, time.monotonic() + deadline, deadline)
     root = images_root(dest)
     with _session() as session:
         index = parse_index(_fetch_bytes(session, index_url, net, _MAX_JSON), index_url)
         return [_install_from_url(session, entry, base + quote(entry["file"]), root, net,
                                   keep_partial=keep_partial, cap=max_unpacked_bytes,
-                                  lock_timeout=lock_timeout)
+                                  lock_timeout=lock_timeout, force=force)
                 for entry in select_bundles(index, wanted, source=index_url)]
 
 
@@ -996,13 +1110,24 @@ def verify_folder(folder: str | os.PathLike) -> VerifyReport:
     library only.
     """
     folder = Path(folder)
+    try:
+        return _verify_folder(folder)
+    except OSError as e:  # the folder itself cannot be read: a report, not a crash
+        return VerifyReport(folder.name, folder, 0, (f"cannot read {folder}: {e.strerror or e}",))
+
+
+def _verify_folder(folder: Path) -> VerifyReport:
     problems: list[str] = []
     if not (folder / CATALOG_FILE).is_file():
         return VerifyReport(folder.name, folder, 0, (f"{folder} holds no {CATALOG_FILE}",))
     expected: dict[str, tuple[int, str]] = {}
     bundle = (folder / MANIFEST_FILE).is_file()
     if bundle:
-        data = (folder / MANIFEST_FILE).read_bytes()
+        try:
+            data = _read_small(folder / MANIFEST_FILE, _MAX_JSON)
+        except (OSError, BundleError) as e:
+            data = b""
+            problems.append(f"{MANIFEST_FILE} cannot be read: {getattr(e, 'strerror', None) or e}")
         try:
             manifest = _parse_manifest(data, str(folder / MANIFEST_FILE), 1 << 62)
             expected = {f["path"]: (f["size"], f["sha256"]) for f in manifest["files"]}
@@ -1025,12 +1150,18 @@ def verify_folder(folder: str | os.PathLike) -> VerifyReport:
             expected.setdefault(v.image.path, want)
     for rel, (size, sha256) in sorted(expected.items()):
         path = folder.joinpath(*rel.split("/"))
-        if not path.is_file():
+        try:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                problems.append(f"{rel}: not a regular file")
+            elif st.st_size != size:
+                problems.append(f"{rel}: {st.st_size} bytes, expected {size}")
+            elif _sha256_file(path) != sha256:
+                problems.append(f"{rel}: sha256 differs from the catalog (corrupt or modified)")
+        except FileNotFoundError:
             problems.append(f"missing {rel}")
-        elif path.stat().st_size != size:
-            problems.append(f"{rel}: {path.stat().st_size} bytes, expected {size}")
-        elif _sha256_file(path) != sha256:
-            problems.append(f"{rel}: sha256 differs from the catalog (corrupt or modified)")
+        except OSError as e:
+            problems.append(f"{rel}: cannot be read ({e.strerror or e})")
     if bundle:
         known = set(expected) | {MANIFEST_FILE, INSTALL_FILE, CATALOG_FILE}
         for dirpath, _, names in os.walk(folder):
@@ -1043,8 +1174,8 @@ def verify_folder(folder: str | os.PathLike) -> VerifyReport:
 
 def _load_record(folder: Path) -> dict | None:
     try:
-        record = json.loads((folder / INSTALL_FILE).read_bytes())
-    except (OSError, ValueError):
+        record = json.loads(_read_small(folder / INSTALL_FILE, _MAX_JSON))
+    except (OSError, ValueError, RecursionError, BundleError):
         return None
     return record if isinstance(record, dict) and record.get("schema") == INSTALL_SCHEMA else None
 
@@ -1057,6 +1188,10 @@ def verify(dest: str | os.PathLike | None = None,
     """
     root = images_root(dest)
     if names:
+        for n in names:
+            if not isinstance(n, str) or not _NAME.match(n):
+                raise ImageFolderNotFound(f"{n!r} is not a bundle name (lowercase letters, digits, '-', '_'); "
+                                          "name an installed bundle, or use --folder PATH for a folder")
         folders = [root / n for n in names]
     else:
         folders = sorted(p for p in root.iterdir()
@@ -1092,6 +1227,11 @@ def add_cli(subparsers: Any) -> None:
     d.add_argument("--allow-http", action="store_true", help="accept a plain http:// URL")
     d.add_argument("--timeout", type=float, default=30.0, help="seconds (default: 30)")
     d.add_argument("--retries", type=int, default=4, help="attempts in a row (default: 4)")
+    d.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE,
+                   help=f"seconds the whole download may take (default: {DEFAULT_DEADLINE:g})")
+    d.add_argument("--force", action="store_true",
+                   help="reinstall even if the same bundle is installed (an install that fails verify "
+                        "is repaired without it too)")
     d.add_argument("--keep-partial", action="store_true",
                    help="keep a failed download's partial file so a later run resumes it")
     d.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -1108,11 +1248,12 @@ def add_cli(subparsers: Any) -> None:
 def _cli_download(args: argparse.Namespace) -> int:
     try:
         if args.from_file:
-            done = [install_file(f, dest=args.dest, sha256=args.sha256) for f in args.from_file]
+            done = [install_file(f, dest=args.dest, sha256=args.sha256, force=args.force)
+                    for f in args.from_file]
         else:
             done = download(args.arch, url=args.url, dest=args.dest, allow_http=args.allow_http,
-                            timeout=args.timeout, retries=args.retries,
-                            keep_partial=args.keep_partial,
+                            timeout=args.timeout, retries=args.retries, deadline=args.deadline,
+                            keep_partial=args.keep_partial, force=args.force,
                             progress=False if args.no_progress else None)
     except AotritonError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -19,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import lzma
 import os
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .catalog import CATALOG_FILE, Variant
+from .catalog import CATALOG_FILE, Variant, open_regular
 from .errors import ImageError, ImageFolderNotFound
 
 ENV_IMAGES = "AOTRITON_RT_IMAGES"
@@ -32,9 +33,21 @@ _HERE = Path(__file__).resolve().parent
 
 
 def cache_root() -> Path:
-    """The per-user folder holding downloaded image folders (``.../aotriton-rt/images``)."""
+    """The per-user folder holding downloaded image folders (``.../aotriton-rt/images``).
+
+    Raises ImageFolderNotFound when there is no home folder to put it in (e.g. a UID without a
+    passwd entry and no ``$HOME``); set ``$AOTRITON_RT_CACHE`` then.
+    """
     if os.environ.get(ENV_CACHE):
         return Path(os.environ[ENV_CACHE])
+    try:
+        return _default_cache_root()
+    except (RuntimeError, KeyError) as e:  # Path.home() without $HOME nor a passwd entry
+        raise ImageFolderNotFound(f"no per-user cache folder: {e}; set ${ENV_CACHE} to a writable "
+                                  "folder (or pass --dest)") from None
+
+
+def _default_cache_root() -> Path:
     try:
         from platformdirs import user_cache_dir
         base = Path(user_cache_dir("aotriton-rt", appauthor=False))
@@ -58,7 +71,10 @@ class Found:
 
 
 def _is_folder(p: Path) -> bool:
-    return (p / CATALOG_FILE).is_file()
+    try:
+        return (p / CATALOG_FILE).is_file()
+    except (OSError, ValueError):  # a name too long for the OS, a NUL byte: not an image folder
+        return False
 
 
 def find(path: str | os.PathLike | None = None) -> Found:
@@ -68,11 +84,14 @@ def find(path: str | os.PathLike | None = None) -> Found:
         p = Path(path)
         if _is_folder(p):
             return Found([p], "given explicitly", tried)
-        raise ImageFolderNotFound(f"{p} is not an image folder (no {CATALOG_FILE} in it)")
+        raise ImageFolderNotFound(f"{str(p)[:300]} is not an image folder (no {CATALOG_FILE} in it)")
     env = os.environ.get(ENV_IMAGES)
     if env:
         folders = [Path(x) for x in env.split(os.pathsep) if x]
-        bad = [str(f) for f in folders if not _is_folder(f)]
+        if not folders:
+            raise ImageFolderNotFound(f"${ENV_IMAGES} is set to {env!r}, which names no folder; set it to "
+                                      f"an image folder (several separated by {os.pathsep!r}) or unset it")
+        bad = [str(f)[:300] for f in folders if not _is_folder(f)]
         if bad:
             raise ImageFolderNotFound(f"{ENV_IMAGES} names folders without {CATALOG_FILE}: "
                                       f"{', '.join(bad)}")
@@ -84,7 +103,11 @@ def find(path: str | os.PathLike | None = None) -> Found:
             return Found([candidate], why, tried)
         tried.append((str(candidate), f"no {CATALOG_FILE}"))
     root = cache_root()
-    bundles = sorted(p for p in root.glob("*") if _is_folder(p)) if root.is_dir() else []
+    try:
+        bundles = sorted(p for p in root.glob("*") if _is_folder(p)) if root.is_dir() else []
+    except OSError as e:
+        bundles = []
+        tried.append((str(root)[:300], f"unreadable ({e.strerror or e})"))
     if bundles:
         return Found(bundles, f"downloaded bundles in {root}", tried)
     tried.append((str(root), "no downloaded bundles"))
@@ -95,26 +118,49 @@ def find(path: str | os.PathLike | None = None) -> Found:
         f"or point ${ENV_IMAGES} at a folder holding {CATALOG_FILE}")
 
 
+#: xz decoder memory cap: the builder's preset (9e) needs a 64 MiB dictionary.
+XZ_MEMLIMIT = 256 << 20
+
+
 def read_image(folder: Path, variant: Variant) -> bytes:
-    """The raw binary of ``variant``, after checking both of its digests."""
+    """The raw binary of ``variant``, after checking both of its digests.
+
+    Reads at most the catalog's ``size`` bytes of a regular file (never a FIFO or device) and
+    decompresses at most its ``raw_size`` bytes (both capped by the catalog schema), so a
+    hostile image costs no more memory or time than an honest one of the size it claims.
+    """
     path = folder / variant.image.path
+    want = variant.image.size
     try:
-        data = path.read_bytes()
+        with open_regular(path) as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ImageError(f"image {path} is not a regular file; reinstall the image folder "
+                                 "(`python -m aotriton_rt verify` checks one)")
+            if st.st_size != want:
+                raise ImageError(f"image {path} is {st.st_size} bytes but the catalog says {want}; it is "
+                                 "corrupt or modified. Rebuild or re-download it")
+            data = f.read(want + 1)
     except OSError as e:
         raise ImageError(f"cannot read image {path}: {e.strerror or e}; reinstall the image "
                          "folder (`python -m aotriton_rt verify` checks one)") from e
     digest = hashlib.sha256(data).hexdigest()
-    if digest != variant.image.sha256:
+    if len(data) != want or digest != variant.image.sha256:
         raise ImageError(f"image {path} is corrupt: sha256 {digest[:16]}... but the catalog says "
                          f"{variant.image.sha256[:16]}...; it was not loaded. Rebuild or re-download it")
+    raw_size = variant.image.raw_size
     if variant.image.compression == "xz":
         try:
-            raw = lzma.decompress(data, format=lzma.FORMAT_XZ)
+            d = lzma.LZMADecompressor(format=lzma.FORMAT_XZ, memlimit=XZ_MEMLIMIT)
+            raw = d.decompress(data, max_length=raw_size + 1)
         except lzma.LZMAError as e:
             raise ImageError(f"image {path} does not decompress: {e}") from e
+        if len(raw) > raw_size or not d.eof or d.unused_data:
+            raise ImageError(f"image {path} decompresses to more than the catalog's raw_size of {raw_size} "
+                             "bytes (or has trailing data); it was not loaded")
     else:
         raw = data
-    if hashlib.sha256(raw).hexdigest() != variant.image.raw_sha256:
-        raise ImageError(f"image {path} decompresses to bytes whose sha256 does not match the "
-                         "catalog's raw_sha256; it was not loaded")
+    if len(raw) != raw_size or hashlib.sha256(raw).hexdigest() != variant.image.raw_sha256:
+        raise ImageError(f"image {path} decompresses to bytes whose size or sha256 does not match the "
+                         "catalog's raw_size/raw_sha256; it was not loaded")
     return raw

@@ -637,7 +637,10 @@ def _select(obj: object) -> tuple[_Pointer, _Describe]:
     elif hasattr(tp, "__dlpack__"):
         pair = (_dlpack_pointer, _dlpack_describe)
     elif isinstance(obj, int) or hasattr(tp, "__array_interface__") or tp.__module__ == "builtins":
-        pair = (_refuse_pointer, _refuse_describe)
+        # Not cached: the launch path gives None and raw ints their own meaning (an unused
+        # pointer; an address with raw_pointers=True), which one refused describe(None) or
+        # pointer(5) must not overrule for the rest of the process.
+        return _refuse_pointer, _refuse_describe
     else:
         pair = (_probe_pointer, _probe_describe)
     _HANDLERS[tp], _DESCRIBERS[tp] = pair

@@ -104,7 +104,10 @@ class Kernel:
 
         Exact torch tensors take an inlined path (``data_ptr()``/``get_device()``); other
         arrays go through interop's per-type handlers. Everything that does not change
-        between calls is folded in as a constant.
+        between calls is folded in as a constant. No text of the catalog enters the source:
+        arguments are the placeholders ``a0, a1, ...`` (renamed to the catalog's validated
+        names only in the code object, for error messages and keyword calls), their names
+        reach the error helpers as values, and numbers are re-printed by us.
         """
         import sys
 
@@ -118,51 +121,59 @@ class Kernel:
             "_ptr": self._pointer, "_state": self._state, "_states": self._states, "_n": MAX_DEVICES,
             "_wrong": _wrong_device, "_misaligned": _misaligned, "_indivisible": _indivisible,
             "_grid": _normalize_grid, "_stream": self._default_stream, "_scratch": self._scratch,
-            "_nodev": self._no_device,
+            "_nodev": self._no_device, "_extra": self._extra_args, "_stream_arg": _stream_value,
         }
         if inline_torch:
             env["_ts"] = interop._torch_stream_getter()
-        lines = [f"def __call__(self, {', '.join(names)}, stream=None, grid=None):"]
+        slot = {a.name: f"a{i}" for i, a in enumerate(first.args)}
+        for i, a in enumerate(first.args):
+            env[f"_nm{i}"] = a.name
+        label = {a.name: f"_nm{i}" for i, a in enumerate(first.args)}
+        params = "".join(f"{slot[n]}, " for n in names)
+        lines = [f"def __call__(self, {params}*extra, stream=None, grid=None):",
+                 "    if extra: _extra(extra)"]
         ptrs = [a for a in first.args if a.is_pointer]
         for i, a in enumerate(ptrs):
-            lines += [f"    if type({a.name}) is _T:",
-                      f"        d{i} = {a.name}.get_device()",
-                      f"        p{i} = {a.name}.data_ptr() if d{i} >= 0 else _ptr({a.name}, {a.name!r}, stream)[0]",
+            x, nm = slot[a.name], label[a.name]
+            lines += [f"    if type({x}) is _T:",
+                      f"        d{i} = {x}.get_device()",
+                      f"        p{i} = {x}.data_ptr() if d{i} >= 0 else _ptr({x}, {nm}, stream)[0]",
                       "    else:",
-                      f"        p{i}, d{i} = _ptr({a.name}, {a.name!r}, stream)"]
+                      f"        p{i}, d{i} = _ptr({x}, {nm}, stream)"]
         if ptrs:
             lines.append("    dev = d0 if d0 >= 0 else max(" + ", ".join(f"d{i}" for i in range(len(ptrs)))
                          + ", -2)" if len(ptrs) > 1 else "    dev = d0")
             lines.append("    if dev < 0: dev = _nodev()")
             for i, a in enumerate(ptrs[1:], start=1):
                 # Negative: no device known (None, raw address, CAI without a resolver).
-                lines.append(f"    if d{i} != dev and d{i} >= 0: _wrong({a.name!r}, d{i}, dev)")
+                lines.append(f"    if d{i} != dev and d{i} >= 0: _wrong({label[a.name]}, d{i}, dev)")
             for i, a in enumerate(ptrs):
                 if a.divisibility > 1:
-                    lines.append(f"    if p{i} % {a.divisibility}: _misaligned({a.name!r}, p{i}, {a.divisibility})")
+                    div = int(a.divisibility)
+                    lines.append(f"    if p{i} % {div}: _misaligned({label[a.name]}, p{i}, {div})")
         else:
             lines.append("    dev = _nodev()")
         values = []
         k = 0
-        for a in first.args:
+        for i, a in enumerate(first.args):
             if a.is_pointer:
                 values.append(f"p{k}")
                 k += 1
                 continue
-            env[f"_c_{a.name}"] = scalar_checker(a)
+            x = slot[a.name]
+            env[f"_c{i}"] = scalar_checker(a)
             if a.type in _INT_RANGES:
                 lo, hi = _INT_RANGES[a.type]
-                lines.append(f"    if type({a.name}) is not int or not {lo} <= {a.name} <= {hi}: "
-                             f"{a.name} = _c_{a.name}({a.name})")
+                lines.append(f"    if type({x}) is not int or not {lo} <= {x} <= {hi}: {x} = _c{i}({x})")
             else:
-                lines.append(f"    if type({a.name}) is not float: {a.name} = _c_{a.name}({a.name})")
+                lines.append(f"    if type({x}) is not float: {x} = _c{i}({x})")
             if a.divisibility > 1:
-                lines.append(f"    if {a.name} % {a.divisibility}: _indivisible({a.name!r}, {a.name}, "
-                             f"{a.divisibility})")
-            values.append(a.name)
+                div = int(a.divisibility)
+                lines.append(f"    if {x} % {div}: _indivisible({label[a.name]}, {x}, {div})")
+            values.append(x)
         no_scratch = all(not v.scratch["global_size"] for v in self.candidates)
         no_checks = all(not v.checks for v in self.candidates)
-        first_name = names[0] if ptrs else "None"
+        first_arg = slot[names[0]] if ptrs else "None"
         lines += [
             "    st = _states[dev] if 0 <= dev < _n else None",
             "    if st is None: st = _state(dev)",
@@ -172,10 +183,11 @@ class Kernel:
             lines.append("    if st.checks is not None: st.checks(vals)")
         lines += [
             "    if grid is None: gx, gy, gz = st.grid_fn(*vals)",
-            "    else: gx, gy, gz = _grid(grid, st.variant)",
+            "    else: gx, gy, gz = _grid(grid, st)",
             "    if stream is None:",
-            f"        stream = _ts(dev) if type({first_name}) is _T else _stream({first_name}, dev)"
-            if inline_torch and ptrs else f"        stream = _stream({first_name}, dev)",
+            f"        stream = _ts(dev) if type({first_arg}) is _T else _stream({first_arg}, dev)"
+            if inline_torch and ptrs else f"        stream = _stream({first_arg}, dev)",
+            f"    elif type(stream) is not int or not 0 <= stream <= {_MAX_STREAM}: stream = _stream_arg(stream)",
         ]
         if no_scratch:
             lines.append("    st.launcher(gx, gy, gz, stream, vals + (0, 0))")
@@ -185,9 +197,20 @@ class Kernel:
                 "    hidden = (0, 0) if not st.scratch_size else _scratch(st, dev, gx * gy * gz, stream)",
                 "    st.launcher(gx, gy, gz, stream, vals + hidden)",
             ]
-        code = "\n".join(lines)
-        exec(compile(code, f"<aotriton_rt launch {self.name}>", "exec"), env)  # noqa: S102 - our own text
-        return env["__call__"]
+        code = compile("\n".join(lines), "<aotriton_rt launch>", "exec")
+        exec(code, env)  # noqa: S102 - our own tokens only (see the docstring)
+        fn = env["__call__"]
+        # Error messages ("missing argument 'n'") and keyword calls use the catalog's names,
+        # which the catalog validated as plain identifiers; renaming touches no executed text.
+        varnames = list(fn.__code__.co_varnames)
+        varnames[1:1 + len(names)] = names
+        fn.__code__ = fn.__code__.replace(co_varnames=tuple(varnames))
+        return fn
+
+    def _extra_args(self, extra: tuple) -> None:
+        raise ArgumentError(f"{self.name} takes {len(self.arg_names)} arguments "
+                            f"({', '.join(self.arg_names)}) but was given {len(self.arg_names) + len(extra)} "
+                            "positionally; pass stream= and grid= by keyword")
 
     # -- slow paths ----------------------------------------------------------------------------
     def _pointer(self, obj: Any, name: str, stream: int | None) -> tuple[int, int]:
@@ -274,18 +297,51 @@ def _indivisible(name: str, value: int, divisor: int) -> None:
                         f"compiled to assume; choose a variant compiled without that assumption")
 
 
-def _normalize_grid(grid: Any, variant: Variant) -> tuple[int, int, int]:
+def _normalize_grid(grid: Any, st: _DeviceState) -> tuple[int, int, int]:
     if callable(grid):
-        grid = grid(variant.params)
+        grid = grid(st.variant.params)
     if isinstance(grid, int):
         grid = (grid,)
     if not isinstance(grid, (tuple, list)) or not 1 <= len(grid) <= 3:
-        raise ArgumentError(f"grid must be 1 to 3 integers, got {grid!r}")
+        raise ArgumentError(f"grid must be 1 to 3 integers, got {grid!r}"[:300])
     g = [*grid, 1, 1][:3]
-    for i, (value, limit) in enumerate(zip(g, (2**31 - 1, 65535, 65535))):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
-            raise ArgumentError(f"grid[{i}] = {value!r} must be an integer in [0, {limit}]")
+    for i, (value, limit) in enumerate(zip(g, st.packer.grid_limits)):
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise ArgumentError(f"grid[{i}] = {value!r} must be an integer in [0, {limit}]"[:300])
+        g[i] = value = value.__index__()
+        if not 0 <= value <= limit:
+            raise ArgumentError(f"grid[{i}] = {value} must be an integer in [0, {limit}] "
+                                f"on {st.variant.target.backend} with {st.variant.num_threads} threads per block")
     return g[0], g[1], g[2]
+
+
+#: A raw stream handle is a pointer-sized unsigned integer.
+_MAX_STREAM = 2**64 - 1
+
+
+def _stream_value(stream: Any) -> int:
+    """The raw handle of a ``stream=`` that is not a plain in-range int, or ArgumentError.
+
+    Accepts a framework stream object: torch (``cuda_stream``), CuPy (``ptr``), or an object with
+    the CUDA stream protocol ``__cuda_stream__`` (returns ``(version, handle)``).
+    """
+    value = stream
+    if not isinstance(stream, int) or isinstance(stream, bool):
+        if isinstance(stream, (str, bytes, float, bool)) or stream is None:
+            value = None
+        elif hasattr(stream, "__cuda_stream__"):
+            try:
+                value = stream.__cuda_stream__()[1]
+            except Exception:  # noqa: BLE001 - a broken protocol answer is refused below
+                value = None
+        else:
+            value = getattr(stream, "cuda_stream", getattr(stream, "ptr", None))
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ArgumentError(f"stream must be a raw stream handle (an int in [0, 2**64)) or a torch/CuPy "
+                                f"stream object, got {type(stream).__name__} {stream!r}"[:300])
+    if not 0 <= value <= _MAX_STREAM:
+        raise ArgumentError(f"stream {value} is not a stream handle: it must be in [0, 2**64)")
+    return int(value)
 
 
 class Library:
@@ -368,7 +424,7 @@ class Library:
             usable = [v for v in handle.candidates if v.target.backend == driver.backend]
             target = _arch.pick_target(driver.backend, device_arch, sorted({v.target.arch for v in usable}))
             variant = select_one(usable, handle.name, handle.params, [target] if target in archs else archs)
-            packer = Packer(variant)
+            packer = Packer(variant, driver.backend)
             mod_key = (dev, variant.key)
             if mod_key not in self._modules:
                 raw = read_image(self._folder[variant.key], variant)

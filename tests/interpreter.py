@@ -17,8 +17,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def require_interpreter() -> None:
+    """Skip the calling test when torch or triton is missing (the ``test`` extra has neither)."""
+    import importlib.util
+
+    import pytest
+
+    missing = [m for m in ("torch", "triton") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"interpreter tests need {' and '.join(missing)}: pip install torch triton")
+
+
 def run_interpreted(script: str | Path, names: list[str]) -> list[dict]:
     """Run ``script`` with ``names`` under the interpreter; its JSON lines, one per name."""
+    require_interpreter()
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(script), *names], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
@@ -30,6 +42,7 @@ def run_interpreted(script: str | Path, names: list[str]) -> list[dict]:
 
 def run_sharded(script: str | Path, names: list[str], shards: int = 2) -> dict[str, dict]:
     """All ``names`` over ``shards`` children at once; results by case name."""
+    require_interpreter()
     parts = [names[i::shards] for i in range(shards)]
     with ThreadPoolExecutor(len(parts)) as pool:
         results = [r for part in pool.map(lambda p: run_interpreted(script, p), parts) for r in part]

@@ -23,6 +23,7 @@ pytest.importorskip("elftools", reason="the ABI proof reads ELF files with pyelf
 pytest.importorskip("msgpack", reason="the ABI proof reads AMDGPU metadata with msgpack")
 
 from aotriton_rt.catalog import CATALOG_FILE, Catalog  # noqa: E402
+from aotriton_rt.errors import CatalogError  # noqa: E402
 from builder import build as build_mod  # noqa: E402
 from builder.abi import AbiError, prove  # noqa: E402
 from builder.build import BuildError, Summary, build, check_triton_version, verify_folder  # noqa: E402
@@ -303,8 +304,6 @@ TAMPERS = [
      r"args\[2\]\.kind: catalog has 'value', binary has 'pointer' \(catalog type 'i64'\)"),
     ("param_size padded", lambda v: v.update(param_size=56),
      r"param_size: catalog has 56, binary has 48"),
-    ("hidden arg dropped", lambda v: (v["hidden_args"].pop(), v.update(param_size=40)),
-     r"args\+hidden_args \(parameter count\): catalog has 5, binary has 6"),
 ]
 
 
@@ -317,6 +316,13 @@ def test_verify_catches_a_catalog_layout_that_disagrees_with_the_binary(
     where = r"\(hip/gfx942\)" if first is _hip_first else r"\(cuda/sm90\)"
     with pytest.raises(AbiError, match=rf"^ABI mismatch in scale_kernel {where}: {message}"):
         verify_folder(copy)
+
+
+def test_catalog_missing_a_hidden_arg_is_refused_when_it_loads(copy: Path) -> None:
+    # The launcher always appends Triton's two scratch pointers: the catalog must list both.
+    _edit_catalog(copy, lambda obj: (_hip_first(obj)["hidden_args"].pop(), _hip_first(obj).update(param_size=40)))
+    with pytest.raises(CatalogError, match=r"hidden_args must be the two scratch pointers Triton appends"):
+        Catalog.load(copy)
 
 
 def test_verify_catches_a_wrong_block_size(copy: Path) -> None:

@@ -16,6 +16,9 @@ broken     500 every time
 corrupt    one byte flipped in the middle, same length (wrong digest)
 slow       nothing is sent for ``delay`` seconds (longer than the client's timeout)
 oversize   1 KiB of extra bytes after the file
+resume416  every request from the top is cut short; every Range request is answered 416
+wrongrange every request from the top is cut short; a Range request gets 206 from byte 0
+trickle    the body is sent one byte per ``trickle`` seconds (each read gets data in time)
 ========== ==============================================================================
 
 Every request is logged as a :class:`Hit`, so tests can assert what the client asked for.
@@ -35,7 +38,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 FAULTS = ("ok", "norange", "truncate", "drop", "missing", "flaky", "broken", "corrupt", "slow",
-          "oversize")
+          "oversize", "resume416", "wrongrange", "trickle")
 
 TARGETS = (("hip", "gfx942", 64), ("hip", "gfx90a", 64), ("hip", "gfx1100", 32),
            ("cuda", "sm90", 32))
@@ -147,8 +150,18 @@ class _Handler(BaseHTTPRequestHandler):
             data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:]
         if fault_here == "oversize":
             data += bytes(1024)
-        start = 0
         m = re.fullmatch(r"bytes=(\d+)-", asked or "")
+        if fault_here in ("resume416", "wrongrange"):
+            if m and fault_here == "resume416":
+                return self._reply(fs, fault, name, asked, 416)
+            # From the top, cut short every time; a "resume" is served from byte 0 as a 206.
+            cut = int(len(data) * fs.drop_fraction)
+            status = 206 if m else 200
+            return self._reply(fs, fault, name, asked, status, data[:cut], total=len(data),
+                               content_range=f"bytes 0-{len(data) - 1}/{len(data)}" if m else None)
+        if fault_here == "trickle":
+            return self._trickle(fs, fault, name, asked, data)
+        start = 0
         if m and fault_here not in ("norange", "truncate"):
             start = int(m.group(1))
             if start >= len(data):
@@ -162,6 +175,22 @@ class _Handler(BaseHTTPRequestHandler):
         status = 206 if start else 200
         self._reply(fs, fault, name, asked, status, body[:cut], total=len(body),
                     content_range=f"bytes {start}-{len(data) - 1}/{len(data)}" if start else None)
+
+    def _trickle(self, fs: FaultServer, fault: str, name: str, asked: str | None, data: bytes) -> None:
+        with fs.lock:
+            fs.log.append(Hit(fault, name, asked, 200))
+        try:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            for i in range(len(data)):
+                if fs.stop.wait(fs.trickle):
+                    break
+                self.wfile.write(data[i:i + 1])
+                self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        self.close_connection = True
 
     def _reply(self, fs: FaultServer, fault: str, name: str, asked: str | None, status: int,
                body: bytes = b"", *, total: int | None = None,
@@ -190,8 +219,9 @@ class FaultServer:
     """
 
     def __init__(self, root: Path, *, delay: float = 3.0, flaky_failures: int = 2,
-                 drop_fraction: float = 0.4) -> None:
+                 drop_fraction: float = 0.4, trickle: float = 0.05) -> None:
         self.root = Path(root)
+        self.trickle = trickle
         self.delay, self.flaky_failures, self.drop_fraction = delay, flaky_failures, drop_fraction
         self.log: list[Hit] = []
         self.lock = threading.Lock()

@@ -216,7 +216,7 @@ MALFORMED = [
     ("variants[0].target.warp_size", 16, r"\$\.variants\[0\]\.target\.warp_size must be 32 or 64, found 16"),
     ("variants[0].spec.dtype", ["fp32"], r"\$\.variants\[0\]\.spec\.dtype must be a string, number or "
                                          r"boolean, found \[\"fp32\"\]"),
-    ("variants[0].config.num_warps", 0, r"\$\.variants\[0\]\.config\.num_warps must be an integer >= 1, "
+    ("variants[0].config.num_warps", 0, r"\$\.variants\[0\]\.config\.num_warps must be an integer in \[1, 64\], "
                                         r"found 0"),
     ("variants[0].config.options.waves_per_eu", {}, r"\$\.variants\[0\]\.config\.options\.waves_per_eu must "
                                                     r"be a string, number or boolean"),
@@ -227,12 +227,12 @@ MALFORMED = [
                                       r"found 4"),
     ("variants[0].args[2].offset", 0, r"\$\.variants\[0\]\.args\[2\]\.offset 0 overlaps the previous "
                                       r"argument, which ends at 16"),
-    ("variants[0].args[1].offset", -8, r"\$\.variants\[0\]\.args\[1\]\.offset must be an integer >= 0, "
+    ("variants[0].args[1].offset", -8, r"\$\.variants\[0\]\.args\[1\]\.offset must be an integer in \[0, 32764\], "
                                        r"found -8"),
     ("variants[0].args[0].type", "*fp17", r"\$\.variants\[0\]\.args\[0\]\.type must be a Triton type like "
                                           r"\*fp16, i32, i64 or fp32, found \"\*fp17\""),
     ("variants[0].args[0].size", 4, r"\$\.variants\[0\]\.args\[0\]\.size must be 8 for type \*fp32, found 4"),
-    ("variants[0].args[3].size", True, r"\$\.variants\[0\]\.args\[3\]\.size must be an integer >= 1, "
+    ("variants[0].args[3].size", True, r"\$\.variants\[0\]\.args\[3\]\.size must be an integer in \[1, 8\], "
                                        r"found true"),
     ("variants[0].args[1].name", "x_ptr", r"\$\.variants\[0\]\.args must be a list of uniquely named "
                                           r"arguments, found \[\"x_ptr\", \"x_ptr\""),
@@ -241,16 +241,17 @@ MALFORMED = [
     ("variants[0].param_size", 40, r"\$\.variants\[0\]\.param_size must be at least 48, the end of the "
                                    r"last argument, found 40"),
     ("variants[0].scratch.global_align", 0, r"\$\.variants\[0\]\.scratch\.global_align must be an integer "
-                                            r">= 1, found 0"),
+                                            r"in \[1, 65536\], found 0"),
     ("variants[0].scratch", _DELETE, r"\$\.variants\[0\]\.scratch is missing"),
-    ("variants[0].cluster_dims", [1, 1], r"\$\.variants\[0\]\.cluster_dims must be three integers >= 1, "
-                                         r"found \[1, 1\]"),
-    ("variants[0].num_warps", True, r"\$\.variants\[0\]\.num_warps must be an integer >= 1, found true"),
-    ("variants[0].shared", -1, r"\$\.variants\[0\]\.shared must be an integer >= 0, found -1"),
+    ("variants[0].cluster_dims", [1, 1], r"\$\.variants\[0\]\.cluster_dims must be three integers >= 1 "
+                                         r"whose product is at most 16, found \[1, 1\]"),
+    ("variants[0].num_warps", True, r"\$\.variants\[0\]\.num_warps must be an integer in \[1, 64\], found true"),
+    ("variants[0].shared", -1, r"\$\.variants\[0\]\.shared must be an integer in \[0, 16777216\], found -1"),
     ("variants[0].launch.pdl", "no", r"\$\.variants\[0\]\.launch\.pdl must be true or false, found \"no\""),
     ("variants[0].grid", ["n", "1"], r"\$\.variants\[0\]\.grid must be three expression strings, "
                                      r"found \[\"n\", \"1\"\]"),
-    ("variants[0].checks", ["n > 0", ""], r"\$\.variants\[0\]\.checks\[1\] must be a non-empty string, "
+    ("variants[0].checks", ["n > 0", ""], r"\$\.variants\[0\]\.checks\[1\] must be a non-empty string of at "
+                                          r"most 1000 characters, "
                                           r"found \"\""),
     ("variants[0].image.path", "../add.cubin.xz", r"\$\.variants\[0\]\.image\.path must be a relative "
                                                   r"'/'-separated path inside the image folder"),
@@ -264,7 +265,7 @@ MALFORMED = [
                                               r"found \"gzip\""),
     ("variants[0].image.sha256", "A" * 64, r"\$\.variants\[0\]\.image\.sha256 must be 64 lowercase hex "
                                            r"digits"),
-    ("variants[0].image.raw_size", 0, r"\$\.variants\[0\]\.image\.raw_size must be an integer >= 1, "
+    ("variants[0].image.raw_size", 0, r"\$\.variants\[0\]\.image\.raw_size must be an integer in \[1, 1073741824\], "
                                       r"found 0"),
     ("variants[0].triton_version", _DELETE, r"\$\.variants\[0\]\.triton_version is missing"),
 ]

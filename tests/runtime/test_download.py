@@ -81,8 +81,11 @@ def previous(releases, tmp_path) -> tuple[Path, dict[str, str]]:
     return dest, tree(dest / NAME)
 
 
-def assert_intact(dest: Path, before: dict[str, str]) -> None:
-    assert tree(dest / NAME) == before
+def assert_intact(dest: Path, before: dict[str, str], reinstalled: bool = False) -> None:
+    # A reinstall rewrites install.json (it records the source, a file or a URL); nothing else differs.
+    skip = "install.json" if reinstalled else None
+    assert {k: v for k, v in tree(dest / NAME).items() if k != skip} == \
+        {k: v for k, v in before.items() if k != skip}
     assert verify_folder(dest / NAME).ok
     assert leftovers(dest) == []
 
@@ -741,3 +744,157 @@ def test_python_dash_m_aotriton_rt_download_from_file(releases, tmp_path):
     assert f"installed: {NAME}" in done.stdout
     checked = run("verify")
     assert checked.returncode == 0 and f"ok: {NAME}" in checked.stdout
+
+
+# --------------------------------------------------------------------------- issue 9: bounds and repair
+
+
+@pytest.mark.parametrize("fault", ["resume416", "wrongrange"])
+def test_server_refusing_every_resume_gives_up_after_the_retries(fault, previous, releases):
+    # Each restart from 0 regains the same bytes: that is not progress, so --retries bounds it.
+    dest, before = previous
+    with FaultServer(releases["v2"]) as server:
+        with pytest.raises(DownloadError, match=r"gave up after 2 failed attempts in a row"):
+            fetch(server, fault, dest, retries=1)
+        assert len(server.hits()) == 3
+    assert_intact(dest, before)
+
+
+def test_trickling_server_is_given_up_at_the_deadline(previous, releases):
+    dest, before = previous
+    start = time.monotonic()
+    with FaultServer(releases["v2"], trickle=0.02) as server:
+        with pytest.raises(DownloadError, match=r"not finished within the deadline of 1 s; .*raise --deadline"):
+            fetch(server, "trickle", dest, timeout=0.5, deadline=1.0)
+    assert time.monotonic() - start < 4.0
+    assert_intact(dest, before)
+
+
+def test_bundle_listed_larger_than_the_unpack_cap_is_never_downloaded(previous, releases, tmp_path):
+    # The .part file can never outgrow the cap: a bundle listed larger is refused before a byte.
+    dest, before = previous
+    shutil.copytree(releases["v2"], tmp_path / "v2")
+    index = json.loads((tmp_path / "v2" / "index.json").read_text())
+    for b in index["bundles"]:
+        b["size"] = 1 << 40
+    (tmp_path / "v2" / "index.json").write_text(json.dumps(index))
+    with FaultServer(tmp_path / "v2") as server:
+        with pytest.raises(BundleError, match=r"the index lists 1099511627776 bytes for bundle hip-gfx942, over the "
+                                              r"limit of \d+ for max_unpacked_bytes=1048576; refused before "
+                                              r"downloading"):
+            fetch(server, "ok", dest, max_unpacked_bytes=1 << 20)
+        assert server.hits() == []
+    assert_intact(dest, before)
+
+
+def test_bad_network_settings_are_refused_up_front(tmp_path):
+    with pytest.raises(DownloadError, match=r"need 0 < timeout <= deadline, retries >= 0"):
+        download("gfx942", url="http://127.0.0.1:9/", allow_http=True, dest=tmp_path, retries=-1)
+
+
+def test_corrupt_install_is_repaired_by_the_next_download(previous, releases):
+    dest, before = previous
+    image = next((dest / NAME).rglob("*.xz"))
+    image.write_bytes(b"corrupt")
+    assert not verify_folder(dest / NAME).ok
+    with FaultServer(releases["v1"]) as server:
+        assert [b.action for b in fetch(server, "ok", dest)] == ["installed"]
+    assert_intact(dest, before, reinstalled=True)
+
+
+def test_corrupt_install_is_repaired_by_install_file_and_force_reinstalls_an_intact_one(previous, releases):
+    dest, before = previous
+    bundle = releases["v1"] / f"{NAME}.tar"
+    assert install_file(bundle, dest=dest).action == "already installed"
+    assert install_file(bundle, dest=dest, force=True).action == "installed"
+    (dest / NAME / "catalog.json").unlink()
+    assert install_file(bundle, dest=dest).action == "installed"
+    assert_intact(dest, before)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX modes")
+def test_installed_folders_and_files_get_their_modes_from_the_umask(releases, tmp_path):
+    old = os.umask(0o022)
+    try:
+        install_file(releases["v1"] / f"{NAME}.tar", dest=tmp_path / "images")
+    finally:
+        os.umask(old)
+    folder = tmp_path / "images" / NAME
+    for p in [folder, *folder.rglob("*")]:
+        assert p.stat().st_mode & 0o777 == (0o755 if p.is_dir() else 0o644), p
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symlinks")
+def test_planted_staging_link_is_removed_never_followed(releases, tmp_path):
+    dest = tmp_path / "images"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep me")
+    dest.mkdir()
+    (dest / f".{NAME}.staging").symlink_to(victim)
+    install_file(releases["v1"] / f"{NAME}.tar", dest=dest)
+    assert (victim / "precious").read_text() == "keep me"
+    assert verify_folder(dest / NAME).ok and leftovers(dest) == []
+
+
+def test_verify_refuses_a_name_that_leaves_the_destination(previous):
+    dest, _ = previous
+    with pytest.raises(ImageFolderNotFound, match=r"'\.\./\.\.' is not a bundle name"):
+        verify(dest, ["../.."])
+
+
+def test_paths_equal_under_unicode_normalization_are_refused(releases, v2_installed, tmp_path):
+    dest, before = v2_installed
+
+    def edit(m):
+        m["files"] += [{"path": "hip/\u00e9.bin", "size": 1, "sha256": "0" * 64},
+                       {"path": "hip/e\u0301.bin", "size": 1, "sha256": "0" * 64}]
+    bad = forge(releases["v1"] / f"{NAME}.tar", tmp_path / "bad.tar", edit=edit)
+    with pytest.raises(BundleError, match=r"repeats another path \(ignoring case and Unicode normalization\)"):
+        install_file(bad, dest=dest)
+    assert_intact(dest, before)
+
+
+def test_manifest_whose_targets_disagree_with_its_catalog_is_refused(releases, v2_installed, tmp_path):
+    dest, before = v2_installed
+    bad = forge(releases["v1"] / f"{NAME}.tar", tmp_path / "bad.tar",
+                edit=lambda m: m.update(backend="cuda", targets=["sm90"]))
+    with pytest.raises(BundleError, match=r"bundle\.json says cuda sm90 but the catalog holds hip gfx942; refused"):
+        install_file(bad, dest=dest)
+    assert_intact(dest, before)
+
+
+def test_pax_sparse_member_is_a_bundle_error(tmp_path):
+    bad = tmp_path / "sparse.tar"
+    with tarfile.open(bad, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("bundle.json")
+        info.size = 3
+        info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": "bundle.json",
+                            "GNU.sparse.realsize": "10"}
+        tar.addfile(info, io.BytesIO(b"abc"))
+    with pytest.raises(BundleError, match="not a readable bundle"):
+        install_file(bad, dest=tmp_path / "images")
+
+
+def test_deeply_nested_manifest_and_index_are_bundle_errors(tmp_path):
+    from aotriton_rt.download import parse_index
+
+    with pytest.raises(BundleError, match="JSON nested too deeply"):
+        parse_index(b"[" * 100_000 + b"]" * 100_000, "index.json")
+
+
+def test_images_root_that_is_a_file_is_a_download_error(releases, tmp_path):
+    root = tmp_path / "a-file"
+    root.write_text("x")
+    with pytest.raises(DownloadError, match=r"cannot install into .*a-file: .*pass a writable folder with --dest"):
+        install_file(releases["v1"] / f"{NAME}.tar", dest=root)
+
+
+def test_verify_reports_an_unreadable_image_instead_of_crashing(previous):
+    dest, _ = previous
+    image = next((dest / NAME).rglob("*.xz"))
+    image.unlink()
+    image.mkdir()  # stat works, reading does not: as an unreadable file would be
+    report = verify_folder(dest / NAME)
+    assert not report.ok
+    assert any("not a regular file" in p for p in report.problems), report.problems

@@ -45,6 +45,16 @@ cases = {
     "cpu_array": lambda: add(FakeGPUArray(device=(1, 0), ptr=P), dev0(), dev0(), 4),
     "device_range": lambda: add(FakeGPUArray(device=(10, 70), ptr=P), P, P, 4),
     "unknown_kernel": lambda: lib.kernel("addd"),
+    # Issue 9, item 5: launch values are range-checked before the driver sees them.
+    "grid_rule_negative": lambda: add(P, P, P, -2000),
+    "grid_rule_too_many_blocks": lambda: add(P, P, P, 2**32 * 1024 + 2048),
+    "grid_too_many_threads": lambda: add[(2**31 - 1,)](P, P, P, 10),
+    "stream_str": lambda: add(P, P, P, 10, stream="0"),
+    "stream_negative": lambda: add(P, P, P, 10, stream=-1),
+    "stream_too_big": lambda: add(P, P, P, 10, stream=2**70),
+    "stream_bool": lambda: add(P, P, P, 10, stream=True),
+    "fifth_positional": lambda: add(P, P, P, 10, 0),
+    "sixth_positional": lambda: add(P, P, P, 10, 0, (1,)),
 }
 out = {}
 for name, fn in cases.items():
@@ -64,7 +74,7 @@ EXPECTED = {
     "scalar_range": r"ArgumentError: argument n \(i64\) = 18446744073709551616 is out of range",
     "scalar_type": r"ArgumentError: argument n \(i64\) must be an integer, got str",
     "grid_len": r"ArgumentError: grid must be 1 to 3 integers, got \(1, 2, 3, 4\)",
-    "grid_neg": r"ArgumentError: grid\[0\] = -1 must be an integer in \[0, 2147483647\]",
+    "grid_neg": r"ArgumentError: grid\[0\] = -1 must be an integer in \[0, 16777215\] on hip with 256 threads",
     "grid_type": r"ArgumentError: grid\[0\] = 1.5 must be an integer",
     "check": r"ArgumentError: softmax: n_cols=300 violates `n_cols <= BLOCK` of this variant \(BLOCK=256\)",
     "wrong_device": r"ArgumentError: argument y_ptr is on device 1 but the other arguments are on device 0; "
@@ -73,6 +83,18 @@ EXPECTED = {
     "cpu_array": r"ArgumentError: argument x_ptr: .*CPU.*",
     "device_range": r"LaunchError: device index 70 is out of range \(0\.\.63\)",
     "unknown_kernel": r"KernelNotFound: no kernel named 'addd' in the catalog; kernels: add, softmax",
+    "grid_rule_negative": r"LaunchError: grid rule of add \(cdiv\(n, BLOCK\), 1, 1\) gives grid \(-1, 1, 1\) for "
+                          r"these arguments; each size must be in \[0, 16777215\]",
+    "grid_rule_too_many_blocks": r"LaunchError: grid rule of add .* gives grid \(4294967298, 1, 1\)",
+    "grid_too_many_threads": r"ArgumentError: grid\[0\] = 2147483647 must be an integer in \[0, 16777215\]",
+    "stream_str": r"ArgumentError: stream must be a raw stream handle \(an int in \[0, 2\*\*64\)\) or a "
+                  r"torch/CuPy stream object, got str '0'",
+    "stream_negative": r"ArgumentError: stream -1 is not a stream handle: it must be in \[0, 2\*\*64\)",
+    "stream_too_big": r"ArgumentError: stream 1180591620717411303424 is not a stream handle",
+    "stream_bool": r"ArgumentError: stream must be a raw stream handle .* got bool True",
+    "fifth_positional": r"ArgumentError: add takes 4 arguments \(x_ptr, y_ptr, out_ptr, n\) but was given 5 "
+                        r"positionally; pass stream= and grid= by keyword",
+    "sixth_positional": r"ArgumentError: add takes 4 arguments .* but was given 6 positionally",
 }
 
 
