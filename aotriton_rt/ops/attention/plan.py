@@ -64,7 +64,8 @@ class PlanCache:
     """A bounded, thread-safe LRU of plans by call signature.
 
     Lookups take no lock (``OrderedDict`` operations are atomic under the GIL); inserts and
-    evictions do. ``builds`` counts the plans made, for tests and benchmarks.
+    evictions do. ``builds`` counts the plans made since the last :meth:`clear`, for tests and
+    benchmarks.
     """
 
     def __init__(self, capacity: int = PLAN_CACHE_SIZE) -> None:
@@ -94,8 +95,10 @@ class PlanCache:
                 self._plans.popitem(last=False)
 
     def clear(self) -> None:
+        """Forget every plan (and reset ``builds``)."""
         with self._lock:
             self._plans.clear()
+            self.builds = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,8 +366,8 @@ def forward(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: Any, bia
         key = plan = None
         pq = pk = pv = pb = pcq = pck = 0
     if plan is None:
-        ks, plan = _build_forward(library, q, k, v, causal=causal, window=window, align=align, bias=bias, dropout_p=dropout_p,
-                              seed=seed, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
+        ks, plan = _build_forward(library, q, k, v, causal=causal, window=window, align=align, bias=bias,
+                                  dropout_p=dropout_p, seed=seed, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                               layout=layout, out=out, lse=lse, return_mask=return_mask)
         if key is not None:

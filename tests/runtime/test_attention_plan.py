@@ -1,0 +1,269 @@
+"""Attention plans: one per call signature, reused, invalidated, and never a way around a refusal.
+
+CPU torch tensors stand in for GPU arrays (the operator's describe step is widened to accept
+them and to place chosen tensors on "device 1"); the library hands out handles with the real
+argument lists of ``builder/kernels/attention*.py`` that record each launch instead of running
+it. So every test sees exactly which arguments each call would launch with.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from aotriton_rt import ArgumentError, UnsupportedError, interop  # noqa: E402
+from aotriton_rt.ops import attention as op  # noqa: E402
+from aotriton_rt.ops.attention import dispatch, plan, problem  # noqa: E402
+from tests.runtime.test_attention_op import InterpretedKernel, InterpretedLibrary  # noqa: E402
+
+_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+          torch.int8: "i8"}
+
+
+class RecordingKernel(InterpretedKernel):
+    """The real argument list; a launch records its arguments by name and runs nothing."""
+
+    def __call__(self, *args: Any, stream: Any = None) -> None:
+        values = dict(zip(self.arg_names, args, strict=True))
+        with self.lib.lock:
+            self.lib.launches.append((self.name, values))
+
+
+class RecordingLibrary(InterpretedLibrary):
+    def __init__(self) -> None:
+        super().__init__(("attn_bwd_dq_convert",))
+        self.lock = threading.Lock()
+
+    def kernel(self, name: str, **params: Any) -> RecordingKernel:
+        return RecordingKernel(self, name, params)
+
+
+@pytest.fixture(scope="module")
+def lib() -> RecordingLibrary:
+    return RecordingLibrary()
+
+
+ON_DEVICE_1: set[int] = set()  # data pointers that "live" on device 1
+
+
+@pytest.fixture(autouse=True)
+def cpu_arrays(monkeypatch: pytest.MonkeyPatch, lib: RecordingLibrary) -> None:
+    real = problem._describe
+
+    def describe(obj: Any, name: str) -> interop.ArrayInfo:
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            device = 1 if obj.data_ptr() in ON_DEVICE_1 else 0
+            return interop.ArrayInfo(obj.data_ptr(), device, _NAMES[obj.dtype], tuple(obj.shape),
+                                     tuple(obj.stride()), "torch")
+        return real(obj, name)
+
+    monkeypatch.setattr(problem, "_describe", describe)
+    monkeypatch.setattr(dispatch, "_available", lambda library, name, params: library.has(name, params))
+    lib.launches.clear()
+    dispatch.kernels_of(lib).plans.clear()
+    ON_DEVICE_1.clear()
+
+
+def qkv(B: int = 2, H: int = 2, S: int = 24, D: int = 32, dtype: Any = torch.float16) -> list[torch.Tensor]:
+    return [torch.randn(B, H, S, D).to(dtype) for _ in range(3)]
+
+
+def builds(lib: RecordingLibrary) -> int:
+    return dispatch.kernels_of(lib).plans.builds
+
+
+def launched(lib: RecordingLibrary) -> list[tuple[str, dict]]:
+    out = list(lib.launches)
+    lib.launches.clear()
+    return out
+
+
+def test_a_repeated_signature_reuses_its_plan_with_the_new_arrays(lib: RecordingLibrary) -> None:
+    out1, lse1 = op.attention(*qkv(), causal=True, library=lib)
+    q, k, v = qkv()
+    first = launched(lib)
+    out2, lse2 = op.attention(q, k, v, causal=True, library=lib)
+    (name, values), = launched(lib)
+    assert builds(lib) == 1
+    assert name == "attn_fwd"
+    assert values["Q"] is q and values["K"] is k and values["V"] is v
+    assert values["Out"] is out2 and values["LSE"] is lse2 and out2 is not out1
+    assert (out2.shape, out2.dtype, lse2.shape, lse2.dtype) == ((2, 2, 24, 32), torch.float16, (2, 2, 24),
+                                                                 torch.float32)
+    scalars = {n: x for n, x in values.items() if not isinstance(x, torch.Tensor)}
+    assert scalars == {n: x for n, x in first[0][1].items() if not isinstance(x, torch.Tensor)}
+    assert scalars["seqlen_q"] == 24 and scalars["stride_qm"] == 32 and scalars["sm_scale"] == pytest.approx(32 ** -0.5)
+
+
+@pytest.mark.parametrize("change", ["dtype", "stride", "shape", "device", "causal", "scale", "layout", "mask"])
+def test_a_new_dtype_stride_shape_device_or_option_builds_a_new_validated_plan(lib: RecordingLibrary,
+                                                                              change: str) -> None:
+    op.attention(*qkv(), library=lib)
+    assert builds(lib) == 1
+    q, k, v = qkv()
+    options: dict[str, Any] = {}
+    if change == "dtype":
+        q, k, v = qkv(dtype=torch.float32)
+    elif change == "stride":
+        q = torch.randn(2, 24, 2, 32).to(torch.float16).transpose(1, 2)  # same shape, other strides
+    elif change == "shape":
+        q = torch.randn(2, 2, 40, 32).to(torch.float16)
+    elif change == "device":
+        q, k, v = qkv()
+        ON_DEVICE_1.update(t.data_ptr() for t in (q, k, v))
+    elif change == "causal":
+        options["causal"] = True
+    elif change == "scale":
+        options["scale"] = 0.5
+    elif change == "layout":
+        options["layout"] = "bshd"
+    elif change == "mask":
+        options["window"] = (4, 4)
+    op.attention(q, k, v, **options, library=lib)
+    assert builds(lib) == 2
+    values = launched(lib)[-1][1]
+    expect = {"dtype": ("Q", q), "stride": ("stride_qh", q.stride(1)), "shape": ("seqlen_q", 40),
+              "causal": ("window_right", 0), "scale": ("sm_scale", 0.5), "layout": ("num_heads_q", 24),
+              "mask": ("window_left", 4), "device": ("Q", q)}[change]
+    assert values[expect[0]] is expect[1] if isinstance(expect[1], torch.Tensor) else values[expect[0]] == expect[1]
+    op.attention(*qkv(), library=lib)  # the first signature again: its plan, nothing rebuilt
+    assert builds(lib) == 2
+
+
+def test_a_misaligned_address_under_an_equal_signature_takes_the_copying_plan(lib: RecordingLibrary) -> None:
+    q, k, v = qkv()
+    op.attention(q, k, v, library=lib)
+    base = torch.randn(q.numel() + 1).to(torch.float16)
+    shifted = base[1:].view(q.shape)  # same shape and strides, 2 bytes off alignment
+    assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
+    launched(lib)
+    op.attention(shifted, k, v, library=lib)
+    (_, values), = launched(lib)
+    assert builds(lib) == 2
+    assert values["Q"].data_ptr() % 16 == 0 and torch.equal(values["Q"], shifted)  # an aligned copy
+    op.attention(q, k, v, library=lib)
+    assert launched(lib)[0][1]["Q"] is q
+
+
+REPEATED_REFUSALS = [
+    ("causal_int_after_causal_true", {"causal": 1}, ArgumentError, r"causal must be True or False, got 1"),
+    ("dropout_false", {"dropout_p": False}, ArgumentError, r"dropout_p must be a number in \[0, 1\), got False"),
+    ("dropout_without_seed", {"dropout_p": 0.1}, ArgumentError, r"dropout_p=0\.1 needs seed="),
+    ("negative_seed", {"dropout_p": 0.1, "seed": -1}, ArgumentError,
+     r"seed must be in \[0, 18446744073709551615\], got -1"),
+    ("float_offset", {"dropout_p": 0.1, "seed": 3, "offset": 1.5}, ArgumentError,
+     r"offset must be an integer, got 1\.5"),
+    ("window_bool_after_window_ints", {"window": (True, 0)}, ArgumentError,
+     r"window must be \(left, right\), two integers >= -1 \(-1: unbounded\), got \(True, 0\)"),
+    ("window_list", {"window": [3, "x"]}, ArgumentError, r"window must be \(left, right\)"),
+    ("layout", {"layout": "sbhd"}, ArgumentError, r"layout must be 'bhsd'"),
+]
+
+
+@pytest.mark.parametrize("options,exc,match", [r[1:] for r in REPEATED_REFUSALS], ids=[r[0] for r in REPEATED_REFUSALS])
+def test_refusals_repeat_on_every_call_even_next_to_a_cached_plan(lib: RecordingLibrary, options: dict,
+                                                                 exc: Any, match: Any) -> None:
+    q, k, v = qkv()
+    op.attention(q, k, v, causal=True, library=lib)
+    op.attention(q, k, v, dropout_p=0.1, seed=3, library=lib)
+    op.attention(q, k, v, window=(1, 0), library=lib)  # equal to (True, 0), but not the same option
+    before = builds(lib)
+    for _ in range(3):
+        with pytest.raises(exc, match=match):
+            op.attention(q, k, v, **options, library=lib)
+    assert builds(lib) == before
+
+
+def test_arrays_on_two_devices_are_refused_on_every_call(lib: RecordingLibrary) -> None:
+    q, k, v = qkv()
+    op.attention(q, k, v, library=lib)
+    k1 = k.clone()
+    ON_DEVICE_1.add(k1.data_ptr())
+    for _ in range(2):
+        with pytest.raises(ArgumentError, match=r"k is on device 1 but q is on device 0; every array must be on one "
+                                                r"GPU"):
+            op.attention(q, k1, v, library=lib)
+
+
+def test_unsupported_shapes_stay_refused_with_their_type(lib: RecordingLibrary) -> None:
+    for _ in range(2):
+        with pytest.raises(UnsupportedError, match=r"the q·k head dim 320 exceeds"):
+            op.attention(*qkv(D=320), library=lib)
+
+
+def test_dropout_seeds_are_per_call_values_not_part_of_the_plan(lib: RecordingLibrary) -> None:
+    q, k, v = qkv()
+    for seed, offset in ((1, 0), (2**64 - 1, 8), (7, 12)):
+        op.attention(q, k, v, dropout_p=0.2, seed=seed, offset=offset, library=lib)
+        values = launched(lib)[0][1]
+        assert (values["philox_seed"], values["philox_offset"]) == (seed, offset)
+    assert builds(lib) == 1
+
+
+def test_the_backward_plan_is_reused_and_launches_the_split_scheme_with_new_arrays(lib: RecordingLibrary) -> None:
+    q, k, v = qkv()
+    out, lse = op.attention(q, k, v, causal=True, library=lib)
+    dout = torch.randn_like(out)
+    op.attention_backward(dout, q, k, v, out, lse, causal=True, library=lib)
+    q2, k2, v2 = qkv()
+    launched(lib)
+    dq, dk, dv, dbias = op.attention_backward(dout, q2, k2, v2, out, lse, causal=True, library=lib)
+    calls = launched(lib)
+    assert [n for n, _ in calls] == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    assert builds(lib) == 2  # one forward plan, one backward plan
+    dkdv = calls[1][1]
+    assert dkdv["Q"] is q2 and dkdv["DK"] is dk and dkdv["DV"] is dv and calls[2][1]["DQ"] is dq
+    assert calls[0][1]["Delta"] is dkdv["Delta"] is calls[2][1]["Delta"]
+    assert dq.shape == q.shape and dbias is None
+    with pytest.raises(ArgumentError, match=r"dout must have shape \(2, 2, 24, 32\) and dtype fp16"):
+        op.attention_backward(dout[..., :16], q2, k2, v2, out, lse, causal=True, library=lib)
+
+
+def test_padded_head_dims_and_user_outputs_run_the_general_path_from_their_plan(lib: RecordingLibrary) -> None:
+    q, k, v = qkv(D=40)  # bucket 48: padded copies
+    out = torch.empty(2, 2, 24, 40, dtype=torch.float16)
+    for _ in range(2):
+        res, _ = op.attention(q, k, v, out=out, library=lib)
+        assert res is out
+        values = launched(lib)[0][1]
+        assert values["Q"].shape[-1] == 48 and torch.equal(values["Q"][..., :40], q)
+    assert builds(lib) == 1
+
+
+def test_many_threads_with_many_signatures_each_launch_their_own_arguments(lib: RecordingLibrary) -> None:
+    shapes = [(1 + i % 3, 2, 16 + i, 32) for i in range(12)]
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        for r in range(6):
+            B, H, S, D = shapes[(t + r) % len(shapes)]
+            q = torch.randn(B, H, S, D).to(torch.float16)
+            out, lse = op.attention(q, q, q, causal=bool(t % 2), library=lib)
+            if out.shape != (B, H, S, D) or lse.shape != (B, H, S):
+                errors.append(f"thread {t}: {tuple(out.shape)} for {(B, H, S, D)}")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    for _, values in lib.launches:
+        assert values["Out"].shape[2] == values["seqlen_q"] == values["Q"].shape[2]
+        assert values["window_right"] == (0 if values["window_right"] == 0 else -1)
+    assert len(dispatch.kernels_of(lib).plans) == len({(s, c) for s in shapes for c in (0, 1)} & {
+        (shapes[(t + r) % len(shapes)], t % 2) for t in range(8) for r in range(6)})
+
+
+def test_the_plan_cache_is_a_bounded_lru() -> None:
+    cache = plan.PlanCache(capacity=2)
+    cache.put(("a",), 1)
+    cache.put(("b",), 2)
+    assert cache.get(("a",)) == 1  # a is now the most recent
+    cache.put(("c",), 3)
+    assert cache.get(("b",)) is None and cache.get(("a",)) == 1 and cache.get(("c",)) == 3
+    assert len(cache) == 2 and cache.builds == 3
