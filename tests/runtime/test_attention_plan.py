@@ -267,3 +267,54 @@ def test_the_plan_cache_is_a_bounded_lru() -> None:
     cache.put(("c",), 3)
     assert cache.get(("b",)) is None and cache.get(("a",)) == 1 and cache.get(("c",)) == 3
     assert len(cache) == 2 and cache.builds == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel.prepare: the launch a direct plan uses, against a fake HIP driver on real images.
+# ---------------------------------------------------------------------------------------------
+
+PREPARED = r"""
+import json, sys
+import aotriton_rt
+from aotriton_rt.catalog import Catalog
+
+images = sys.argv[1]
+lib = aotriton_rt.Library(images, backend="hip")
+v = next(v for v in Catalog.load(images).variants if v.kernel == "add" and v.target.arch == "gfx942")
+k = lib.kernel("add", raw_pointers=True, num_warps=v.config.num_warps, num_stages=v.config.num_stages, **v.params)
+a, b, c = 0x7F0000001000, 0x7F0000002000, 0x7F0000003000
+k(a, b, c, 5000, stream=0x5000)                       # the handle's own call
+launch = k.prepare(0, (0, 0, 0, 5000))                # scalars checked and grid computed once
+launch(0x5000, (a, b, c, 5000))
+launch(0x6000, (c, b, a, 5000))                       # new addresses, same prepared scalars
+errors = []
+for bad in ((0, 0, 0, "x"), (0, 0, 0, 2**70)):
+    try:
+        k.prepare(0, bad)
+    except aotriton_rt.ArgumentError as e:
+        errors.append(str(e))
+print(json.dumps({"errors": errors}))
+"""
+
+
+def test_a_prepared_launch_hands_the_driver_what_the_handle_would(built_images: Any, tmp_path: Any) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.fakehip import build_fake_hip, fake_hip_env, read_log
+
+    fake = build_fake_hip(tmp_path / "fakehip")
+    log = tmp_path / "calls.jsonl"
+    env = {**os.environ, **fake_hip_env(fake, log, arch="gfx942:sramecc+:xnack-", backend="ctypes"),
+           "PYTHONPATH": str(problem.__file__).rsplit("/aotriton_rt/", 1)[0]}
+    proc = subprocess.run([sys.executable, "-c", PREPARED, str(built_images)], env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    errors = json.loads(proc.stdout)["errors"]
+    assert errors == ["argument n (i64) must be an integer, got str 'x'",
+                      f"argument n (i64) = {2**70} is out of range [{-2**63}, {2**63 - 1}]"]
+    own, prepared, moved = [r for r in read_log(log) if r["call"] == "hipModuleLaunchKernel"]
+    assert prepared["args"] == own["args"] and prepared["grid"] == own["grid"] and prepared["stream"] == 0x5000
+    assert moved["args"] != own["args"] and moved["stream"] == 0x6000 and moved["grid"] == own["grid"]
