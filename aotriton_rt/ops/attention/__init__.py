@@ -129,10 +129,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
 
         out, lse = attention(q, k, v, causal=True, dropout_p=0.1, seed=1234)
     """
-    return _plan.forward(q, k, v, causal=causal, window=window, align=align, bias=bias, dropout_p=dropout_p,
-                         seed=seed, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout, out=out, lse=lse,
-                         return_mask=return_mask, library=library)
+    return _plan.forward(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
+                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library)
 
 
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,

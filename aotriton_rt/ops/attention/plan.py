@@ -27,6 +27,7 @@ lengths from the device each call and are planned anew every time: pass them in 
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 from collections import OrderedDict
@@ -140,6 +141,9 @@ def _described_sig(obj: Any, name: str) -> tuple[Any, int]:
             not info.ptr & 15), info.ptr
 
 
+_NO_LENGTHS = ("no max_seqlen",)
+
+
 def _typed(value: Any) -> tuple:
     # True == 1 == 1.0 hash alike; the type keeps options that validation tells apart apart.
     if type(value) in (tuple, list):
@@ -161,29 +165,36 @@ class _Slot:
 
 
 class _Launch:
-    """One kernel of a direct plan: its argument template, open slots and launch function."""
+    """One kernel of a direct plan: its argument template, open slots and launch function.
 
-    __slots__ = ("handle", "template", "slots", "prepared")
+    Per call the arguments are gathered in C: ``pick(sources + constants)`` with ``pick`` an
+    ``itemgetter`` of each argument's position in that concatenation.
+    """
 
-    def __init__(self, handle: Any, values: dict[str, Any], device: int, fast: bool) -> None:
+    __slots__ = ("handle", "constants", "pick", "prepared")
+
+    def __init__(self, handle: Any, values: dict[str, Any], device: int, fast: bool, sources: int) -> None:
         template = [values[name] for name in handle.arg_names]
-        self.slots = tuple((i, v.index) for i, v in enumerate(template) if isinstance(v, _Slot))
+        constants = [v for v in template if not isinstance(v, _Slot)]
+        positions, c = [], sources
+        for v in template:
+            if isinstance(v, _Slot):
+                positions.append(v.index)
+            else:
+                positions.append(c)
+                c += 1
         self.handle = handle
+        self.constants = tuple(constants)
+        self.pick = operator.itemgetter(*positions) if len(positions) > 1 else lambda t: (t[positions[0]],)
         self.prepared = None
         if fast:
-            self.template = [0 if isinstance(v, _Slot) else v for v in template]
-            self.prepared = handle.prepare(device, self.template)
-        else:
-            self.template = [None if isinstance(v, _Slot) else v for v in template]
+            self.prepared = handle.prepare(device, [0 if isinstance(v, _Slot) else v for v in template])
 
     def __call__(self, src: tuple, stream: int) -> None:
-        vals = self.template.copy()
-        for i, j in self.slots:
-            vals[i] = src[j]
         if self.prepared is not None:
-            self.prepared(stream, tuple(vals))
+            self.prepared(stream, self.pick(src + self.constants))
         else:
-            self.handle(*vals)
+            self.handle(*self.pick(src + self.constants))
 
 
 def _fast_handles(p: Problem, handles: list[Any], arrays: list[Any]) -> bool:
@@ -203,6 +214,8 @@ class _Allocator:
             self.torch = self.xp.torch
             self.device = q.device
             self.dtypes = self.xp.dtypes
+            self.out_dtype = self.dtypes[p.dtype]
+            self.fp32 = self.dtypes["fp32"]
 
     def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
         if self.torch is not None:
@@ -306,7 +319,7 @@ class _DirectForward:
                   **named("dm", "m", contiguous_strides(self.mask_shape)[:3] if return_mask else (0, 0, 0))}
         if p.dropout_p:
             values["philox_seed"], values["philox_offset"] = _Slot(9), _Slot(10)
-        self.launches = (_Launch(handle, values, p.device, fast),)
+        self.launches = (_Launch(handle, values, p.device, fast, 11),)
         self.stream = _stream_getter(p, q) if fast else None
 
     def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, out: Any, lse: Any, ptrs: tuple,
@@ -314,8 +327,13 @@ class _DirectForward:
         if self.dropout_p:
             seed, offset = _philox(seed, offset, self.dropout_p)
         alloc = self.alloc
-        o = alloc.empty(self.out_shape, self.dtype, q)
-        lse_out = alloc.empty(self.lse_shape, "fp32", q)
+        if alloc.torch is not None:
+            empty = alloc.torch.empty
+            o = empty(self.out_shape, dtype=alloc.out_dtype, device=alloc.device)
+            lse_out = empty(self.lse_shape, dtype=alloc.fp32, device=alloc.device)
+        else:
+            o = alloc.empty(self.out_shape, self.dtype, q)
+            lse_out = alloc.empty(self.lse_shape, "fp32", q)
         mask = None
         if self.mask_shape is not None:
             mask = alloc.xp.zeros(self.mask_shape, "i8", q)
@@ -335,7 +353,7 @@ def _stream_getter(p: Problem, q: Any) -> Any:
     return interop._torch_stream_getter()
 
 
-def forward(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: Any, bias: Any, dropout_p: Any, seed: Any,
+def forward(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: Any, dropout_p: Any, seed: Any,
             offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
             layout: Any, out: Any, lse: Any, return_mask: Any, library: Any) -> tuple:
     """:func:`aotriton_rt.attention`: find or build the plan of this call's signature and run it."""
@@ -354,7 +372,8 @@ def forward(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: Any, bia
             extra = (scq, sck, cu_seqlens_q is cu_seqlens_k, _typed(max_seqlen_q), _typed(max_seqlen_k))
         else:
             pcq = pck = 0
-            extra = (_typed(max_seqlen_q), _typed(max_seqlen_k))
+            extra = _NO_LENGTHS if max_seqlen_q is None and max_seqlen_k is None else (_typed(max_seqlen_q),
+                                                                                          _typed(max_seqlen_k))
         if out is not None or lse is not None:
             extra += (_sig(out, "out")[0], _sig(lse, "lse")[0])
         key = ("fwd", sq, sk, sv, sb, causal.__class__, causal, None if window is None else _typed(window), align,
@@ -467,7 +486,7 @@ class _DirectBackward:
         if p.dropout_p:
             values["philox_seed"], values["philox_offset"] = _Slot(14), _Slot(15)
         order = (PRE, DKDV, CONVERT) if mode == "atomic" else (PRE, DKDV, DQ)
-        self.launches = tuple(_Launch(handles[name], values, p.device, fast) for name in order)
+        self.launches = tuple(_Launch(handles[name], values, p.device, fast, 16) for name in order)
         self.stream = _stream_getter(p, q) if fast else None
 
     def run(self, arrays: tuple, grads: tuple, ptrs: tuple, seed: Any, offset: Any) -> tuple:
