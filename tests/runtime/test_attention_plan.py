@@ -318,3 +318,39 @@ def test_a_prepared_launch_hands_the_driver_what_the_handle_would(built_images: 
     own, prepared, moved = [r for r in read_log(log) if r["call"] == "hipModuleLaunchKernel"]
     assert prepared["args"] == own["args"] and prepared["grid"] == own["grid"] and prepared["stream"] == 0x5000
     assert moved["args"] != own["args"] and moved["stream"] == 0x6000 and moved["grid"] == own["grid"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch wrapper: inference calls skip the dispatcher, autograd and modes keep the op.
+# ---------------------------------------------------------------------------------------------
+
+def test_the_torch_wrapper_runs_the_plan_directly_unless_autograd_or_a_mode_needs_the_op(
+        lib: RecordingLibrary, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from aotriton_rt.ops import torch as op_torch
+
+    through_op = []
+    real = op_torch.attention_fwd
+    monkeypatch.setattr(op_torch, "attention_fwd", lambda *a: through_op.append(1) or real(*a))
+    q, k, v = qkv()
+    out = op_torch.attention(q, k, v, causal=True, library=lib)
+    assert through_op == [] and out.shape == q.shape
+    direct = launched(lib)[0][1]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    op_torch.attention(*leaves, causal=True, library=lib)
+    assert through_op == [1]
+    via_op = launched(lib)[0][1]
+    assert {n: x for n, x in direct.items() if not isinstance(x, torch.Tensor)} == \
+        {n: x for n, x in via_op.items() if not isinstance(x, torch.Tensor)}
+    with torch.no_grad():
+        op_torch.attention(*leaves, causal=True, library=lib)
+    assert through_op == [1]
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        op_torch.attention(q, k, v, causal=True, library=lib)
+    assert through_op == [1, 1]
