@@ -285,7 +285,17 @@ def config_params(variants: Sequence[Any], name: str, spec: Mapping[str, Any], i
 def _available(lib: Any, name: str, params: Mapping[str, Any]) -> bool:
     from ...select import match
 
-    return bool(match(lib.variants, name, params).accepted)
+    # Only this kernel's variants: a full image set holds thousands of others.
+    index = _BY_KERNEL.get(id(lib))
+    if index is None or index[0] is not lib:
+        by_kernel: dict[str, list] = {}
+        for v in lib.variants:
+            by_kernel.setdefault(v.kernel, []).append(v)
+        index = _BY_KERNEL[id(lib)] = (lib, by_kernel)
+    return bool(match(index[1].get(name, []), name, params).accepted)
+
+
+_BY_KERNEL: dict[int, tuple[Any, dict[str, list]]] = {}
 
 
 _KERNELS: dict[int, LibraryKernels] = {}
