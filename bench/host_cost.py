@@ -27,6 +27,7 @@ filling). Run it with ``PYTHONPATH`` at another checkout to compare before and a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -47,27 +48,39 @@ if str(ROOT) not in sys.path and "PYTHONPATH" not in os.environ:
 # Timing.
 # ---------------------------------------------------------------------------------------------
 
-def per_call_rounds(contenders: dict[str, Callable[[], Any]], calls: int, rounds: int, sync: Callable[[], None],
+def per_call_rounds(contenders: dict[str, Any], calls: int, rounds: int, sync: Callable[[], None],
                     seed: int = 0) -> dict[str, list[float]]:
-    """µs per call for every contender, ``rounds`` samples each, the order shuffled every round."""
+    """µs per call for every contender, ``rounds`` samples each, the order shuffled every round.
+
+    A contender is a callable, or ``(callable, context factory)`` entered around each batch (e.g.
+    SDPA's backend selection, which should not be timed per call).
+    """
     rng = random.Random(seed)
     names = list(contenders)
+
+    def parts(name: str) -> tuple[Callable[[], Any], Any]:
+        c = contenders[name]
+        return (c[0], c[1]) if isinstance(c, tuple) else (c, contextlib.nullcontext)
+
     for name in names:  # warm up: plans, modules, caches
-        for _ in range(50):
-            contenders[name]()
+        fn, context = parts(name)
+        with context():
+            for _ in range(50):
+                fn()
         sync()
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         order = names[:] if r % 2 == 0 else names[::-1]
         rng.shuffle(order)
         for name in order:
-            fn = contenders[name]
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            t1 = time.perf_counter()
-            sync()
+            fn, context = parts(name)
+            with context():
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                t1 = time.perf_counter()
+                sync()
             samples[name].append((t1 - t0) / calls * 1e6)
     return samples
 
@@ -240,19 +253,16 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
     # Small forward: host time per call.
     q, k, v = (torch.randn(1, 1, 64, 64, device="cuda", dtype=torch.float16) for _ in range(3))
 
-    def sdpa(backend: Any) -> Callable[[], Any]:
+    def sdpa(backend: Any) -> Any:
+        run = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
         if backend is None:
-            return lambda: F.scaled_dot_product_attention(q, k, v)
-        ctx = sdpa_kernel(backend)
-
-        def run() -> Any:
-            with ctx:
-                return F.scaled_dot_product_attention(q, k, v)
+            return run
         try:
-            run()
+            with sdpa_kernel(backend):
+                run()
         except RuntimeError:
-            return None
-        return run
+            return None  # this backend cannot run the shape here
+        return run, lambda: sdpa_kernel(backend)
 
     contenders = {"aotriton_rt.attention": lambda: aotriton_rt.attention(q, k, v, library=lib),
                   "aotriton_rt.ops.torch.attention (custom op)": lambda: op_torch.attention(q, k, v, library=lib)}
@@ -332,10 +342,13 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
     if full is None and args.synth:
         full = synthesise(args.images, args.synth, Path(os.environ.get("OUT", "/tmp")) / "synth_images")
     if full is not None:
-        size = (Path(full) / "catalog.json").stat().st_size
-        fp = fresh_process(Path(full), max(args.fresh // 2, 2))
-        fp["catalog_bytes_per_variant"] = size / max(fp["variants"], 1)
-        results["full_set"] = fp
+        try:
+            size = (Path(full) / "catalog.json").stat().st_size
+            fp = fresh_process(Path(full), max(args.fresh // 2, 2))
+            fp["catalog_bytes_per_variant"] = size / max(fp["variants"], 1)
+            results["full_set"] = fp
+        except (OSError, subprocess.CalledProcessError) as e:
+            results["full_set_error"] = f"{type(e).__name__}: {getattr(e, 'stderr', '') or e}"[-2000:]
     return results
 
 
@@ -368,6 +381,8 @@ def table(results: dict[str, Any]) -> str:
             unit = "MB" if key.endswith("mb") else "ms"
             rows.append(f"| full set ({fs['variants']} variants): {key[:-3]} | {fs[key]['median']:.2f} {unit} | |")
         rows.append(f"| full set: catalog bytes per variant | {fs['catalog_bytes_per_variant']:.0f} B | |")
+    if "full_set_error" in results:
+        rows.append(f"| full set: failed | {results['full_set_error'][-300:]} | |")
     return "\n".join(rows)
 
 

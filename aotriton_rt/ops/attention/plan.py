@@ -200,8 +200,11 @@ class _Launch:
 def _fast_handles(p: Problem, handles: list[Any], arrays: list[Any]) -> bool:
     """Whether launches may take integer addresses: torch tensors on a device, compiled handles."""
     t = _torch_tensor_type()
+    torch = sys.modules.get("torch")
+    backend = "hip" if getattr(getattr(torch, "version", None), "hip", None) else "cuda"
     return (p.qi.framework == "torch" and p.device >= 0 and all(type(a) is t for a in arrays if a is not None)
-            and all(callable(getattr(h, "prepare", None)) for h in handles))
+            and all(callable(getattr(h, "prepare", None)) for h in handles)
+            and all(getattr(getattr(h, "library", None), "backend_now", None) == backend for h in handles))
 
 
 class _Allocator:
@@ -250,8 +253,14 @@ def _fresh_strides(p: Problem, shape: tuple[int, ...]) -> tuple[int, ...]:
     return kernel_strides(extents, strides)
 
 
-def _empty_problem(p: Problem) -> bool:
-    return not (p.batch and p.heads_q and p.rows_q and p.rows_k and p.seqlen_q and p.seqlen_k)
+def _directable(p: Problem) -> bool:
+    """Whether a direct plan may serve: something to compute, cu_seqlens 16-byte aligned (the
+    kernels' promise, checked by the handle on the general path), a framework that allocates."""
+    if not (p.batch and p.heads_q and p.rows_q and p.rows_k and p.seqlen_q and p.seqlen_k):
+        return False
+    if p.varlen and (p.cu_qi.ptr % 16 or p.cu_ki.ptr % 16):
+        return False
+    return p.qi.framework in ("torch", "cupy")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,8 +396,8 @@ def forward(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: 
     if plan is None:
         ks, plan = _build_forward(library, q, k, v, causal=causal, window=window, align=align, bias=bias,
                                   dropout_p=dropout_p, seed=seed, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
-                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                              layout=layout, out=out, lse=lse, return_mask=return_mask)
+                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                  layout=layout, out=out, lse=lse, return_mask=return_mask)
         if key is not None:
             ks.plans.put(key, plan)
         else:
@@ -408,13 +417,14 @@ def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, ou
     lse_i = check_output(lse, "lse", p.lse_shape(), "fp32", p)
     ks = kernels_of(library)  # after validation: a malformed call is refused even without images
     call = p.call(2 if return_mask else 1 if p.dropout_p else 0)
-    # Routing point for other kernel families (e.g. decode kernels for short query lengths, #13):
-    # decide here, from `call` and `p`, before the attn_fwd dispatch below.
+    # THE routing point for other kernel families: decode kernels for short query lengths (#13)
+    # are chosen here, from `call` and `p`, returning their own plan object (anything with this
+    # `run`), before the attn_fwd dispatch below. Nothing else needs to change for a new family.
     spec, handle = ks.forward(call, p.device)
     stripped = replace(p, q=None, k=None, v=None, bias=None, cu_q=None, cu_k=None, seed=0, offset=0)
     strides = None
-    if (out is None and lse is None and p.qi.framework in ("torch", "cupy") and not _empty_problem(p)
-            and spec["HEAD_DIM"] == p.head_dim and spec["HEAD_DIM_V"] == p.head_dim_v):
+    if (out is None and lse is None and _directable(p) and spec["HEAD_DIM"] == p.head_dim
+            and spec["HEAD_DIM_V"] == p.head_dim_v):
         strides = {"q": _in_place_strides(p, p.qi, p.head_dim), "k": _in_place_strides(p, p.ki, p.head_dim),
                    "v": _in_place_strides(p, p.vi, p.head_dim_v), "bias": _bias_in_place(p)}
     if strides is None or None in strides.values():
@@ -572,8 +582,8 @@ def _build_backward(library: Any, arrays: tuple, grads: tuple, deterministic: An
     stripped = replace(p, q=None, k=None, v=None, bias=None, cu_q=None, cu_k=None, seed=0, offset=0)
     strides = None
     lse_ok = li.ptr % 16 == 0 and tuple(li.strides) == contiguous_strides(li.shape)
-    if (all(g is None for g in grads) and not want_dbias and lse_ok and p.qi.framework in ("torch", "cupy")
-            and not _empty_problem(p) and specs[PRE]["HEAD_DIM"] == p.head_dim
+    if (all(g is None for g in grads) and not want_dbias and lse_ok and _directable(p)
+            and specs[PRE]["HEAD_DIM"] == p.head_dim
             and specs[PRE]["HEAD_DIM_V"] == p.head_dim_v):
         strides = {"q": _in_place_strides(p, p.qi, p.head_dim), "k": _in_place_strides(p, p.ki, p.head_dim),
                    "v": _in_place_strides(p, p.vi, p.head_dim_v), "do": _in_place_strides(p, doi, p.head_dim_v),
