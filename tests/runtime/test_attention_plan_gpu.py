@@ -99,3 +99,15 @@ def test_autograd_twice_through_cached_plans_matches_the_reference(lib: aotriton
         reference(*ref, causal=True).backward(grad.float())
         for got, want in zip((q.grad, k.grad, v.grad), (r.grad for r in ref)):
             assert close(got, want, 3e-2)
+
+
+def test_cupy_arrays_reuse_one_plan_and_match_the_torch_path(lib: aotriton_rt.Library) -> None:
+    cupy = pytest.importorskip("cupy")
+    start = builds(lib)
+    for _ in range(3):
+        q, k, v = qkv(1, 2, 70, 64)
+        want, _ = aotriton_rt.attention(q, k, v, library=lib)
+        out, lse = aotriton_rt.attention(*(cupy.from_dlpack(t) for t in (q, k, v)), library=lib)
+        assert isinstance(out, cupy.ndarray) and isinstance(lse, cupy.ndarray)
+        assert torch.equal(torch.from_dlpack(out), want)
+    assert builds(lib) == start + 2  # one plan for torch inputs, one for CuPy inputs
