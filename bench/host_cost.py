@@ -139,9 +139,9 @@ def python_path(calls: int, rounds: int) -> dict[str, Any]:
         real_sig = plan._sig
 
         def sig(obj: Any, name: str) -> Any:
-            if type(obj) is torch.Tensor:
+            if type(obj) is torch.Tensor:  # as plan._sig, with CPU tensors counted as device 0
                 ptr = obj.data_ptr()
-                return (obj.shape, obj.stride(), obj.dtype, obj.get_device() + 1, not ptr & 15), ptr
+                return (obj.shape, obj.stride(), obj.dtype, obj.get_device() + 1 + obj.is_cuda, not ptr & 15), ptr
             return real_sig(obj, name)
 
         plan._sig = sig

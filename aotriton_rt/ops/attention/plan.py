@@ -125,7 +125,7 @@ def _sig(obj: Any, name: str) -> tuple[Any, int]:
     """(signature, address) of one array argument."""
     if type(obj) is _tensor:
         dev = obj.get_device()
-        if dev >= 0:
+        if dev >= 0 and obj.is_cuda:  # other device types (xpu, mps...) are described, and refused
             ptr = obj.data_ptr()
             return (obj.shape, obj.stride(), obj.dtype, dev, not ptr & 15), ptr
     return _described_sig(obj, name)
