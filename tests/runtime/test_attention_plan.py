@@ -354,3 +354,66 @@ def test_the_torch_wrapper_runs_the_plan_directly_unless_autograd_or_a_mode_need
     with Watch():
         op_torch.attention(q, k, v, causal=True, library=lib)
     assert through_op == [1, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The integer-address flavour (torch tensors on a device, compiled handles), driven on the CPU.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def addresses(monkeypatch: pytest.MonkeyPatch, lib: RecordingLibrary) -> list:
+    """Handles with ``prepare``; CPU tensors signed as if on a device. Returns the prepared launches."""
+    prepared: list = []
+
+    def prepare(self: RecordingKernel, device: int, values: list) -> Any:
+        template = dict(zip(self.arg_names, values, strict=True))
+        prepared.append((self.name, template))
+
+        def launch(stream: int, args: tuple) -> None:
+            with self.lib.lock:
+                self.lib.launches.append((self.name, dict(zip(self.arg_names, args, strict=True))))
+        return launch
+
+    def sig(obj: Any, name: str) -> Any:
+        if type(obj) is torch.Tensor:
+            ptr = obj.data_ptr()
+            return (obj.shape, obj.stride(), obj.dtype, 0, not ptr & 15), ptr
+        return plan._described_sig(obj, name)
+
+    monkeypatch.setattr(RecordingKernel, "prepare", prepare, raising=False)
+    monkeypatch.setattr(plan, "_sig", sig)
+    monkeypatch.setattr(plan, "_fast_handles", lambda p, handles, arrays: True)
+    monkeypatch.setattr(plan, "_stream_getter", lambda p, q: (lambda device: 0x77))
+    return prepared
+
+
+def test_the_address_flavour_fills_each_pointer_slot_with_its_own_array(lib: RecordingLibrary,
+                                                                        addresses: list) -> None:
+    q, k, v = qkv()
+    bias = torch.randn(2, 24, 24).to(torch.float16)
+    out, lse, mask = op.attention(q, k, v, bias=bias, dropout_p=0.2, seed=11, offset=4, return_mask=True,
+                                  library=lib)
+    (name, values), = launched(lib)
+    (_, template), = addresses
+    assert values["Q"] == q.data_ptr() and values["K"] == k.data_ptr() and values["V"] == v.data_ptr()
+    assert values["Bias"] == bias.data_ptr() and values["Out"] == out.data_ptr() and values["LSE"] == lse.data_ptr()
+    assert values["DropMask"] == mask.data_ptr() and values["cu_seqlens_q"] is None
+    assert (values["philox_seed"], values["philox_offset"]) == (11, 4)
+    fixed = {n for n, x in template.items() if x != 0 and n not in ("philox_seed", "philox_offset")}
+    assert fixed and all(values[n] == template[n] for n in fixed)  # strides and scalars as prepared
+    assert values["stride_bz"] == 0 and values["stride_bh"] == 24 * 24 and values["stride_qh"] == 24 * 32
+    op.attention(q, k, v, bias=bias, dropout_p=0.2, seed=12, offset=8, return_mask=True, library=lib)
+    assert len(addresses) == 1 and launched(lib)[0][1]["philox_seed"] == 12
+
+
+def test_the_address_flavour_runs_the_backward_kernels_on_shared_scratch(lib: RecordingLibrary,
+                                                                         addresses: list) -> None:
+    q, k, v = qkv()
+    out, lse = op.attention(q, k, v, causal=True, library=lib)
+    dout = torch.randn_like(out)
+    launched(lib)
+    dq, dk, dv, _ = op.attention_backward(dout, q, k, v, out, lse, causal=True, library=lib)
+    pre, dkdv, dqk = (values for _, values in launched(lib))
+    assert pre["DO"] == dout.data_ptr() and pre["Out"] == out.data_ptr() and pre["Delta"] == dkdv["Delta"]
+    assert dkdv["DK"] == dk.data_ptr() and dkdv["DV"] == dv.data_ptr() and dqk["DQ"] == dq.data_ptr()
+    assert dkdv["LSE"] == lse.data_ptr() == dqk["LSE"] and dkdv["stride_dkh"] == 24 * 32
