@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CatalogError
+from .tuning import validate_table as validate_tuning
 
 SCHEMA = "aotriton-rt.catalog"
 SCHEMA_VERSION = 1
@@ -463,7 +464,9 @@ class Catalog:
                 raise CatalogError(f"{source}: $.variants[{i}].key repeats $.variants[{seen[v.key]}].key "
                                    f"({v.key[:16]}...)")
             seen[v.key] = i
-        return cls(r.str("triton_version"), variants, dict(r.sub("tuning", {}).obj), folder, source)
+        # The tuning rules are validated here, at load, by the module that applies them.
+        tuning = validate_tuning(dict(r.sub("tuning", {}).obj), source)
+        return cls(r.str("triton_version"), variants, tuning, folder, source)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Catalog:

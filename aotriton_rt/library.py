@@ -15,7 +15,7 @@ device, once, under a lock. Launches from many threads are safe.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -211,6 +211,49 @@ class Kernel:
         raise ArgumentError(f"{self.name} takes {len(self.arg_names)} arguments "
                             f"({', '.join(self.arg_names)}) but was given {len(self.arg_names) + len(extra)} "
                             "positionally; pass stream= and grid= by keyword")
+
+    # -- prepared launches (operator plans) -----------------------------------------------------
+    def prepare(self, device: int, values: Sequence[Any]) -> Callable[[int, tuple], None] | None:
+        """A launch function for calls on ``device`` that differ from ``values`` only in pointers.
+
+        For callers that validate a call signature once and launch it many times (the attention
+        operator's plans): the scalars in ``values`` are converted and range-checked, their
+        divisibility and the variant's checks verified and the grid computed here, once. The
+        returned ``launch(stream, values)`` takes the same argument tuple with integer addresses
+        in the pointer slots, which the caller has checked (on ``device``, 16-byte aligned), and
+        skips every per-call check. Returns None when the variant promises more than 16-byte
+        pointer alignment (the caller then calls the handle as usual).
+
+        Raises ArgumentError as a call with these scalars would; loads the module on ``device``.
+        """
+        st = self._state(device)
+        vals = list(values)
+        for i, a in enumerate(st.variant.args):
+            if a.is_pointer:
+                if a.divisibility > 16:
+                    return None
+                vals[i] = 0
+                continue
+            vals[i] = scalar_checker(a)(vals[i])
+            if a.divisibility > 1 and vals[i] % a.divisibility:
+                _indivisible(a.name, vals[i], a.divisibility)
+        vals = tuple(vals)
+        if st.checks is not None:
+            st.checks(vals)
+        gx, gy, gz = st.grid_fn(*vals)
+        launcher = st.launcher
+        if not st.scratch_size:
+            hidden = (0, 0)
+
+            def launch(stream: int, args: tuple) -> None:
+                launcher(gx, gy, gz, stream, args + hidden)
+        elif not gx * gy * gz:
+            def launch(stream: int, args: tuple) -> None:
+                return None
+        else:
+            def launch(stream: int, args: tuple) -> None:
+                launcher(gx, gy, gz, stream, args + self._scratch(st, device, gx * gy * gz, stream))
+        return launch
 
     # -- slow paths ----------------------------------------------------------------------------
     def _pointer(self, obj: Any, name: str, stream: int | None) -> tuple[int, int]:

@@ -13,6 +13,11 @@ Dropout without a ``seed`` draws from torch's generator of the tensors' device t
 own dropout does: the generator's seed, and its Philox offset advanced by 4 per call. So
 ``torch.manual_seed(s)`` makes the masks reproducible, successive calls get fresh masks, and
 the backward replays the forward's mask (the pair is saved for it).
+
+A call with nothing for autograd to record (no input needs a gradient, or grad mode is off), on
+plain tensors, with no dispatch/function mode active and no compiler tracing, skips the op
+dispatcher and runs the operator's plan directly: the same kernels and results, without the
+dispatcher's per-call cost.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch import Tensor
 
 from ..errors import ArgumentError
 from . import attention as _core
+from .attention import plan as _core_plan
 
 __all__ = ["attention", "attention_fwd", "attention_bwd"]
 
@@ -178,6 +184,23 @@ def _dropout_state(device: torch.device) -> tuple[int, int]:
     return int(torch.randint(0, _I64 - 1, (), dtype=torch.int64).item()), 0
 
 
+_Tensor = torch.Tensor
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_grad_enabled = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling
+
+
+def _plain(*tensors: Any) -> bool:
+    """Plain tensors (no subclass, e.g. fake or functional), none needing a gradient recorded, and
+    no dispatch or function mode nor a compiler tracing: the op would only add its own overhead."""
+    grad = _grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not _Tensor or (grad and t.requires_grad)):
+            return False
+    return not (_dispatch_modes() or _function_modes() or _compiling())
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: tuple[int, int] | None = None,
               align: str = "top_left", bias: Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
               offset: int | None = None, scale: float | None = None, cu_seqlens_q: Tensor | None = None,
@@ -217,10 +240,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
         raise ArgumentError(f"seed and offset must be in [0, 2**64), got seed={seed}, offset={offset}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    out, lse, mask = attention_fwd(
-        q, k, v, bias, cu_seqlens_q, cu_seqlens_k, -1 if max_seqlen_q is None else max_seqlen_q,
-        -1 if max_seqlen_k is None else max_seqlen_k, causal, left, right, align, float(dropout_p), _signed(seed),
-        _signed(offset), float(scale), layout, return_mask, deterministic, _library_key(library))
+    if _plain(q, k, v, bias, cu_seqlens_q, cu_seqlens_k) and type(causal) is bool and type(return_mask) is bool \
+            and type(deterministic) is bool:
+        # Nothing to record for autograd, no mode or compiler watching: the op's own body, directly
+        # (the same plans; the dispatcher round trip costs more than the whole launch).
+        varlen = cu_seqlens_q is not None
+        result = _core_plan.forward(q, k, v, causal, _window(left, right), align, bias, float(dropout_p), seed, offset,
+                                    float(scale), cu_seqlens_q, cu_seqlens_k, max_seqlen_q if varlen else None,
+                                    max_seqlen_k if varlen else None, layout, None, None, return_mask, library)
+        out, lse = result[:2]
+        mask = result[2] if return_mask else None
+    else:
+        out, lse, mask = attention_fwd(
+            q, k, v, bias, cu_seqlens_q, cu_seqlens_k, -1 if max_seqlen_q is None else max_seqlen_q,
+            -1 if max_seqlen_k is None else max_seqlen_k, causal, left, right, align, float(dropout_p), _signed(seed),
+            _signed(offset), float(scale), layout, return_mask, deterministic, _library_key(library))
     result: tuple = (out,)
     if return_lse:
         result += (lse,)

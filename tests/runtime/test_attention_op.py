@@ -137,7 +137,9 @@ def _install_cpu_operator() -> None:
 
     names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
              torch.int64: "i64", torch.int8: "i8"}
-    describe = op._describe
+    from aotriton_rt.ops.attention import dispatch, problem
+
+    describe = problem._describe
 
     def cpu_describe(obj: Any, name: str) -> interop.ArrayInfo:
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
@@ -145,8 +147,8 @@ def _install_cpu_operator() -> None:
                                      "torch")
         return describe(obj, name)
 
-    op._describe = cpu_describe
-    op._available = lambda lib, name, params: lib.has(name, params)
+    problem._describe = cpu_describe
+    dispatch._available = lambda lib, name, params: lib.has(name, params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -920,7 +922,9 @@ def test_every_kernel_the_gpu_matrix_dispatches_is_in_the_gputest_set(monkeypatc
     for name in ("attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"):
         assert decls[name].sets["gputest"] is in_gputest_set
     atomic = {"on": False}
-    monkeypatch.setattr(op, "_available", lambda lib, name, params: atomic["on"] or name != "attn_bwd_dq_convert")
+    from aotriton_rt.ops.attention import dispatch
+
+    monkeypatch.setattr(dispatch, "_available", lambda lib, name, params: atomic["on"] or name != "attn_bwd_dq_convert")
     missing = []
     for name, case in {**gpu.MATRIX, **gpu.STANDALONE}.items():
         pl = gpu.plan(case)

@@ -1,0 +1,192 @@
+"""The attention operator: FlashAttention-2 forward and backward on any framework's GPU arrays.
+
+Inputs may be torch tensors, CuPy arrays, JAX arrays or any ``__cuda_array_interface__`` /
+DLPack object; they are read in place (zero copy) whenever the kernels can address them.
+Everything is validated before anything is allocated or launched, and every refusal names
+the offending argument, its value and what is supported.
+
+Example::
+
+    out, lse = aotriton_rt.attention(q, k, v, causal=True)            # (B, H, S, D) torch tensors
+    dq, dk, dv, _ = aotriton_rt.attention_backward(dout, q, k, v, out, lse, causal=True)
+
+**Layouts.** ``layout="bhsd"`` (default) takes ``(batch, heads, seqlen, head_dim)``,
+``layout="bshd"`` takes ``(batch, seqlen, heads, head_dim)``; any strides work as long as the
+head dimension is contiguous (otherwise, or when a stride is not a multiple of 16 elements, the
+operand is copied once into a padded contiguous buffer). Variable-length batches
+(``cu_seqlens_q``/``cu_seqlens_k``, int32 prefix sums on the device) take packed
+``(total, heads, head_dim)`` arrays; ``max_seqlen_q``/``max_seqlen_k`` default to the longest
+sequence, which costs a device synchronisation to read.
+
+**Outputs** are allocated in the framework of ``q`` for torch and CuPy, contiguous in the
+caller's layout. Inputs of other frameworks (JAX, plain DLPack or CAI producers) get torch
+tensors back, or CuPy arrays when torch is not installed: wrap them with
+``jax.dlpack.from_dlpack`` (zero copy), or pass preallocated ``out=`` / ``lse=`` arrays.
+
+**Masks.** ``causal=True`` hides keys after the query; ``window=(left, right)`` keeps keys with
+``i + diag - left <= j <= i + diag + right`` (-1: unbounded side); ``align`` places the diagonal
+when ``seqlen_q != seqlen_k``: ``"top_left"`` (``diag = 0``, torch SDPA's ``is_causal``) or
+``"bottom_right"`` (``diag = seqlen_k - seqlen_q``, FlashAttention-2). Rows that see no key
+output 0 and logsumexp ``-inf``.
+
+**Bias** is additive, broadcastable (numpy rules) to ``(batch, heads_q, seqlen_q, seqlen_k)`` in
+that order whatever the layout (varlen: ``(batch, heads_q, max_seqlen_q, max_seqlen_k)``, local
+positions); broadcast dimensions are read with stride 0. The backward returns its gradient in
+the bias's own shape, summed over the broadcast dimensions.
+
+**Dropout** uses counter-based Philox: one ``(seed, offset)`` pair is one mask, the same in the
+forward and the backward, reproducible across runs; ``return_mask=True`` also returns the
+applied keep-mask (int8, 1 = kept; 0 outside the visible band).
+
+**Dispatch.** The kernel variant follows from the call: dtype, head-dim bucket (the smallest of
+16 32 48 64 80 96 128 160 192 224 256 that holds the head dim; narrower dims are zero-padded and
+sliced back; q·k / v pairs 192/128 run unequal, other unequal pairs on the larger bucket), mask
+mode, bias, dropout and varlen. The tuning config comes from the catalog's ``tuning`` table when
+it has rules for the kernel (see :func:`select_config`), else config 0. The backward runs the
+split scheme (preprocess, dk/dv, dq: bit-reproducible, and the faster one on the H200) unless
+``scheme="atomic"`` or a catalog tuning rule asks for atomic dQ, or the images hold only that.
+
+**How a call runs** (read :mod:`.plan` first): the call's signature (shapes, strides, dtypes,
+device, alignment, options) finds a plan, built once per signature: :mod:`.problem` validates,
+:mod:`.dispatch` chooses the kernels (tuning rules: :mod:`aotriton_rt.tuning`), and the plan fixes
+every argument but the addresses. Later calls allocate the outputs and launch. :mod:`.launch` is
+the general path for calls that need copies or padding; :mod:`.arrays` allocates and copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import ArgumentError
+from ...tuning import select_config, select_mode
+from . import plan as _plan
+from .dispatch import (
+    DTYPES,
+    HEAD_DIM_BUCKETS,
+    UNEQUAL_HEAD_DIMS,
+    AttentionCall,
+    backward_params,
+    bucket,
+    config_params,
+    forward_params,
+    head_dim_buckets,
+)
+
+__all__ = [
+    "AttentionCall",
+    "DTYPES",
+    "HEAD_DIM_BUCKETS",
+    "UNEQUAL_HEAD_DIMS",
+    "attention",
+    "attention_backward",
+    "attention_kernels",
+    "backward_params",
+    "bucket",
+    "config_params",
+    "forward_params",
+    "head_dim_buckets",
+    "select_config",
+    "select_mode",
+]
+
+
+def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int, int] | None = None,
+              align: str = "top_left", bias: Any = None, dropout_p: float = 0.0, seed: int | None = None,
+              offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
+              out: Any = None, lse: Any = None, return_mask: bool = False, library: Any = None) -> tuple:
+    """Scaled dot-product attention forward: ``softmax(q kᵀ · scale + bias, masked) v`` and its logsumexp.
+
+    Arguments:
+        q, k, v: GPU arrays of one dtype (fp16, bf16 or fp32), ``(B, H, S, D)`` for
+            ``layout="bhsd"``, ``(B, S, H, D)`` for ``"bshd"``, or packed ``(total, H, D)`` with
+            ``cu_seqlens_*``. k/v may have fewer heads than q (GQA/MQA: a divisor); v's head dim
+            may differ from q's. Head dims 1..256.
+        causal: hide keys right of the diagonal (see ``align``).
+        window: ``(left, right)`` sliding window around the diagonal; -1 leaves a side unbounded.
+        align: ``"top_left"`` or ``"bottom_right"``: where the diagonal lies when the query and key
+            lengths differ.
+        bias: additive, broadcastable to ``(B, Hq, Sq, Sk)``.
+        dropout_p, seed, offset: dropout probability in [0, 1) and its Philox ``(seed, offset)``;
+            the backward needs the same pair.
+        scale: multiplies ``q kᵀ``; default ``1/sqrt(head_dim)``.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: variable-length batches.
+        layout: ``"bhsd"`` or ``"bshd"`` (ignored for packed varlen arrays).
+        out, lse: preallocated outputs (else allocated, see the module docs).
+        return_mask: also return the dropout keep-mask (testing).
+        library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
+
+    Returns:
+        ``(out, lse)``, or ``(out, lse, mask)`` with ``return_mask``. ``out`` has q's layout and
+        v's head dim; ``lse`` is fp32 ``(B, Hq, Sq)``, or ``(Hq, total_q)`` for varlen.
+
+    Raises:
+        ArgumentError: an argument is malformed (shapes, dtypes, devices, values); nothing has run.
+        UnsupportedError: a combination the kernels cannot compute (message lists what they can).
+        KernelNotFound: the images lack the variant this call needs (message names it).
+
+    Example::
+
+        out, lse = attention(q, k, v, causal=True, dropout_p=0.1, seed=1234)
+    """
+    return _plan.forward(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
+                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library)
+
+
+def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
+                       window: tuple[int, int] | None = None, align: str = "top_left", bias: Any = None,
+                       dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, scale: float | None = None,
+                       cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
+                       max_seqlen_k: int | None = None, layout: str = "bhsd", deterministic: bool = False,
+                       scheme: str | None = None, bias_grad: bool = True, dq: Any = None, dk: Any = None,
+                       dv: Any = None, library: Any = None) -> tuple:
+    """Gradients of :func:`attention` with respect to q, k, v and the bias.
+
+    Takes the forward's inputs, its ``out`` and ``lse``, the gradient ``dout`` (shaped like
+    ``out``) and the same options (the same ``seed``/``offset`` replay the forward's dropout
+    mask). The split scheme runs by default (bit-reproducible; ``deterministic=True`` insists on
+    it); ``scheme="atomic"`` asks for the atomic-dQ scheme (dQ summed with fp32 atomics: dk, dv
+    and dbias stay reproducible, dq does not), as a catalog tuning rule may. ``bias_grad=False``
+    skips dbias (saves a ``(B, Hq, Sq, Sk)`` buffer). ``dq``/``dk``/``dv``: preallocated outputs.
+
+    Returns:
+        ``(dq, dk, dv, dbias)``: shaped like q, k, v (dk/dv summed over each GQA group) and like
+        ``bias`` (summed over its broadcast dims); ``dbias`` is None without a bias or with
+        ``bias_grad=False``.
+
+    Raises: as :func:`attention`.
+
+    Example::
+
+        dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, bias=b, causal=True)
+    """
+    return _plan.backward(dout, q, k, v, out, lse, causal=causal, window=window, align=align, bias=bias,
+                          dropout_p=dropout_p, seed=seed, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
+                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                          layout=layout, deterministic=deterministic, scheme=scheme, bias_grad=bias_grad, dq=dq,
+                          dk=dk, dv=dv, library=library)
+
+
+def attention_kernels(q: Any, k: Any, v: Any, *, backward: bool = False, deterministic: bool = False,
+                      scheme: str | None = None, return_mask: bool = False, bias_grad: bool = True,
+                      library: Any = None, **options: Any) -> dict[str, Any]:
+    """The kernel handles a call with these arguments launches, by catalog kernel name.
+
+    Takes :func:`attention`'s arguments (and, with ``backward=True``, the backward's
+    ``deterministic``/``scheme``/``bias_grad``); launches nothing. ``handle.variant(device)`` gives the
+    exact variant (spec and tuning config) a launch on ``device`` uses. Benchmarks use it to
+    run the Triton JIT of the same source with the same config.
+
+    Example::
+
+        fwd = attention_kernels(q, k, v, causal=True)["attn_fwd"]
+        print(fwd.variant(0).config)
+    """
+    names = ("causal", "window", "align", "bias", "dropout_p", "seed", "offset", "scale", "cu_seqlens_q",
+             "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "layout")
+    defaults = {"causal": False, "align": "top_left", "dropout_p": 0.0, "offset": 0, "layout": "bhsd"}
+    chosen = {n: options.pop(n, defaults.get(n)) for n in names}
+    if options:
+        raise ArgumentError(f"unknown option(s) {', '.join(sorted(options))}")
+    return _plan.kernels(q, k, v, backward=backward, deterministic=deterministic, scheme=scheme,
+                         return_mask=return_mask, bias_grad=bias_grad, library=library, options=chosen)

@@ -1,0 +1,249 @@
+"""Arrays: outputs and scratch allocated in the caller's framework (torch or CuPy), and operands
+as the kernels address them (in place when possible, else a padded contiguous copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ... import interop
+from ...errors import UnsupportedError
+from .problem import (
+    ALIGN,
+    BIAS_ALIGN,
+    I32_MAX,
+    Problem,
+    addressable,
+    bhs,
+    contiguous_strides,
+    kernel_strides,
+    round_up,
+)
+
+
+class TorchArrays:
+    framework = "torch"
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+                       "i8": torch.int8, "i32": torch.int32}
+
+    def convert(self, obj: Any, info: interop.ArrayInfo) -> Any:
+        torch = self.torch
+        if isinstance(obj, torch.Tensor):
+            # The kernels are outside autograd; copies made here must not join the caller's graph.
+            return obj.detach() if obj.requires_grad else obj
+        if hasattr(obj, "__dlpack__"):
+            return torch.from_dlpack(obj)
+        return torch.as_tensor(obj, device=torch.device("cuda", max(info.device, 0)))
+
+    def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
+        return self.torch.empty(shape, dtype=self.dtypes[dtype], device=like.device)
+
+    def zeros(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
+        return self.torch.zeros(shape, dtype=self.dtypes[dtype], device=like.device)
+
+    def full(self, shape: tuple[int, ...], value: float, dtype: str, like: Any) -> Any:
+        return self.torch.full(shape, value, dtype=self.dtypes[dtype], device=like.device)
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return x.reshape(shape)
+
+    def sum_keep(self, x: Any, dims: tuple[int, ...], dtype: str) -> Any:
+        return x.sum(dim=dims, keepdim=True, dtype=self.torch.float32).to(self.dtypes[dtype])
+
+    def contiguous(self, x: Any) -> Any:
+        return x.contiguous()
+
+    def max_len(self, cu: Any) -> int:
+        return int((cu[1:] - cu[:-1]).max().item()) if cu.shape[0] > 1 else 0
+
+
+class CupyArrays:
+    framework = "cupy"
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.cupy = cupy
+        self.dtypes = {"fp16": "float16", "fp32": "float32", "i8": "int8", "i32": "int32"}
+
+    def convert(self, obj: Any, info: interop.ArrayInfo) -> Any:
+        cupy = self.cupy
+        if isinstance(obj, cupy.ndarray):
+            return obj
+        with cupy.cuda.Device(max(info.device, 0)):
+            return cupy.from_dlpack(obj) if hasattr(obj, "__dlpack__") else cupy.asarray(obj)
+
+    def _dtype(self, dtype: str) -> str:
+        if dtype not in self.dtypes:
+            raise UnsupportedError(f"CuPy has no {dtype} dtype; pass torch tensors for {dtype} attention")
+        return self.dtypes[dtype]
+
+    def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
+        with like.device:
+            return self.cupy.empty(shape, dtype=self._dtype(dtype))
+
+    def zeros(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
+        with like.device:
+            return self.cupy.zeros(shape, dtype=self._dtype(dtype))
+
+    def full(self, shape: tuple[int, ...], value: float, dtype: str, like: Any) -> Any:
+        with like.device:
+            return self.cupy.full(shape, value, dtype=self._dtype(dtype))
+
+    def reshape(self, x: Any, shape: tuple[int, ...]) -> Any:
+        return x.reshape(shape)
+
+    def sum_keep(self, x: Any, dims: tuple[int, ...], dtype: str) -> Any:
+        return x.sum(axis=dims, keepdims=True, dtype="float32").astype(self._dtype(dtype))
+
+    def contiguous(self, x: Any) -> Any:
+        return self.cupy.ascontiguousarray(x)
+
+    def max_len(self, cu: Any) -> int:
+        return int((cu[1:] - cu[:-1]).max()) if cu.shape[0] > 1 else 0
+
+
+_ARRAYS: dict[str, Any] = {}
+
+
+def arrays_for(framework: str) -> Any:
+    """The framework that allocates outputs: the input's for torch and CuPy, else torch, else CuPy."""
+    xp = _ARRAYS.get(framework)
+    if xp is not None:
+        return xp
+    order = [framework] if framework in ("torch", "cupy") else ["torch", "cupy"]
+    for name in order:
+        try:
+            xp = TorchArrays() if name == "torch" else CupyArrays()
+        except ImportError:
+            continue
+        _ARRAYS[framework] = xp
+        return xp
+    raise UnsupportedError(f"attention on {framework} arrays allocates its outputs and scratch with torch or CuPy, "
+                           f"and neither is installed; install one (pip install torch, or cupy-cuda12x)")
+
+
+@dataclass
+class Operand:
+    """One (batch, heads, rows, dim) tensor as the kernels address it."""
+
+    array: Any
+    strides: tuple[int, int, int]  # batch, head, row (elements)
+
+
+def operand(xp: Any, obj: Any, info: interop.ArrayInfo, layout: str, varlen: bool, width: int) -> Operand:
+    """The array itself when addressable with rows of ``width``, else a zero-padded contiguous copy."""
+    extents, strides = bhs(info.shape, info.strides, layout, varlen)
+    strides = kernel_strides(extents, strides)
+    if addressable(info, strides, width, ALIGN):
+        return Operand(obj, strides)
+    shape = tuple(info.shape[:-1]) + (width,)
+    buf = xp.zeros(shape, info.dtype, obj) if width != info.shape[-1] else xp.empty(shape, info.dtype, obj)
+    buf[..., :info.shape[-1]] = obj
+    extents, strides = bhs(shape, contiguous_strides(shape), layout, varlen)
+    return Operand(buf, kernel_strides(extents, strides))
+
+
+class Output:
+    """An output the kernel writes: the caller's array, a fresh exact one, or a padded buffer
+    copied into the exact one afterwards."""
+
+    def __init__(self, xp: Any, shape: tuple[int, ...], dtype: str, like: Any, layout: str, varlen: bool,
+                 width: int, user: Any = None, user_info: interop.ArrayInfo | None = None,
+                 fill: float | None = None) -> None:
+        self.result = user
+        self.buffer = None
+        if user is not None:
+            extents, strides = bhs(user_info.shape, user_info.strides, layout, varlen)
+            strides = kernel_strides(extents, strides)
+            if addressable(user_info, strides, width, ALIGN):
+                self.array, self.strides = xp.convert(user, user_info), strides
+                return
+            self.target = xp.convert(user, user_info)
+        padded = tuple(shape[:-1]) + (width,)
+        if fill is not None:
+            arr = xp.full(padded, fill, dtype, like)
+        else:
+            arr = xp.empty(padded, dtype, like)
+        extents, strides = bhs(padded, contiguous_strides(padded), layout, varlen)
+        self.array, self.strides = arr, kernel_strides(extents, strides)
+        if user is None and width == shape[-1]:
+            self.result = arr
+        else:
+            self.buffer = arr
+            if user is None:
+                self.target = xp.empty(shape, dtype, like)
+                self.result = self.target
+
+    def finish(self) -> Any:
+        if self.buffer is not None:
+            self.target[...] = self.buffer[..., :self.target.shape[-1]]
+        return self.result
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: every argument checked before anything is allocated or launched.
+# ---------------------------------------------------------------------------------------------
+
+
+class LseOutput:
+    """The fp32 logsumexp (or Delta) buffer and its (batch, head) strides; rows unit-strided."""
+
+    def __init__(self, array: Any, strides: tuple[int, int], target: Any = None) -> None:
+        self.array, self.strides, self.target = array, strides, target
+
+    def finish(self) -> Any:
+        if self.target is None:
+            return self.array
+        self.target[...] = self.array
+        return self.target
+
+
+def lse_strides(p: Problem, info: interop.ArrayInfo) -> tuple[int, int] | None:
+    """Kernel strides of a caller's LSE array, or None when it must be copied."""
+    if p.varlen:
+        ok = info.shape[1] <= 1 or info.strides[1] == 1
+        return (0, 0 if info.shape[0] <= 1 else info.strides[0]) if ok else None
+    ok = info.shape[2] <= 1 or info.strides[2] == 1
+    return (0 if info.shape[0] <= 1 else info.strides[0], 0 if info.shape[1] <= 1 else info.strides[1]) if ok \
+        else None
+
+
+def lse_output(xp: Any, p: Problem, like: Any, user: Any, info: Any) -> LseOutput:
+    if user is not None:
+        strides = lse_strides(p, info)
+        if strides is not None and min(strides) >= 0:
+            return LseOutput(user, strides)
+    shape = p.lse_shape()
+    arr = xp.empty(shape, "fp32", like)
+    cs = contiguous_strides(shape)
+    strides = (0, cs[0]) if p.varlen else (cs[0], cs[1])
+    return LseOutput(arr, strides, None if user is None else xp.convert(user, info))
+
+
+def bias_operand(xp: Any, p: Problem, like: Any) -> tuple[Any, tuple[int, int, int]]:
+    """The bias as the kernels read it: (batch, head, row) strides, unit stride over keys,
+    stride 0 over broadcast dims; copied with rows padded to 8 when it cannot be read in place."""
+    bi = p.bias_info
+    nd = len(bi.shape)
+    extents = (1,) * (4 - nd) + tuple(bi.shape)
+    strides = (0,) * (4 - nd) + tuple(bi.strides)
+    full = p.bias_full_shape()
+    kstrides = tuple(0 if e == 1 else s for e, s in zip(extents[:3], strides[:3]))
+    keys_ok = extents[3] == full[3] and (strides[3] == 1 or full[3] <= 1)
+    if keys_ok and bi.ptr % 16 == 0 and all(s >= 0 and s % BIAS_ALIGN == 0 for s in kstrides) \
+            and kstrides[2] <= I32_MAX:
+        return xp.convert(p.bias, bi), kstrides
+    width = round_up(max(full[3], 1), BIAS_ALIGN)
+    shape = extents[:3] + (width,)
+    buf = xp.zeros(shape, p.dtype, like)
+    buf[..., :full[3]] = xp.reshape(xp.convert(p.bias, bi), extents)
+    cs = contiguous_strides(shape)
+    return buf, tuple(0 if e == 1 else s for e, s in zip(extents[:3], cs[:3]))
+

@@ -1,0 +1,313 @@
+"""Step 2a of a call: which kernels run it. Pure functions of the call's facts and of what the
+images hold, and the per-library cache of kernel handles.
+
+:func:`forward_params` / :func:`backward_params` name the catalog variants a call needs;
+:class:`LibraryKernels` turns them into handles of one :class:`aotriton_rt.Library`, applying
+the catalog's tuning rules (:mod:`aotriton_rt.tuning`) and explaining what is missing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import KernelNotFound, UnsupportedError
+from ...tuning import MODE_RULES, select_config, select_mode, seqlen_bin
+
+# Mirrors builder/kernels/attention.py (the runtime never imports the builder; a test keeps the
+# two equal): the head dims the kernels are compiled for, and the unequal q·k / v pairs.
+HEAD_DIM_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
+UNEQUAL_HEAD_DIMS = ((192, 128),)
+DTYPES = ("fp16", "bf16", "fp32")
+
+FWD = "attn_fwd"
+PRE = "attn_bwd_preprocess"
+DKDV = "attn_bwd_dkdv"
+DQ = "attn_bwd_dq"
+CONVERT = "attn_bwd_dq_convert"
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """The facts of one attention call that decide which kernels run.
+
+    ``causal`` is the kernels' mask mode (0 none, 1 band aligned top-left, 2 bottom-right);
+    ``causal_equivalent`` says the two alignments coincide for this call (equal lengths), so
+    either compiled mode may serve it. ``dropout`` is 0 off, 1 on, 2 on and the mask returned.
+    """
+
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    causal: int = 0
+    causal_equivalent: bool = False
+    bias: bool = False
+    dropout: int = 0
+    varlen: bool = False
+    seqlen_q: int = 0
+    seqlen_k: int = 0
+
+    def describe(self) -> str:
+        """The combination in words, for error messages."""
+        parts = [self.dtype, f"head dim {self.head_dim}" + (f"/{self.head_dim_v}" if self.head_dim_v != self.head_dim
+                                                           else "")]
+        parts.append({0: "no mask", 1: "causal/window top-left", 2: "causal/window bottom-right"}[self.causal])
+        if self.bias:
+            parts.append("bias")
+        if self.dropout:
+            parts.append("dropout" + (" with mask" if self.dropout == 2 else ""))
+        if self.varlen:
+            parts.append("varlen")
+        return ", ".join(parts)
+
+
+Available = Callable[[str, Mapping[str, Any]], bool]
+
+
+def _everything(name: str, params: Mapping[str, Any]) -> bool:
+    return True
+
+
+def bucket(head_dim: int) -> int:
+    """The smallest compiled head-dim bucket holding ``head_dim`` (1..256)."""
+    for b in HEAD_DIM_BUCKETS:
+        if b >= head_dim:
+            return b
+    raise UnsupportedError(f"head dim {head_dim} exceeds the largest supported head dim {HEAD_DIM_BUCKETS[-1]}; "
+                           f"supported: 1..{HEAD_DIM_BUCKETS[-1]} (compiled buckets "
+                           f"{', '.join(map(str, HEAD_DIM_BUCKETS))}; others are zero-padded)")
+
+
+def head_dim_buckets(head_dim: int, head_dim_v: int) -> list[tuple[int, int]]:
+    """Compiled (q·k, v) head-dim pairs able to run these head dims, best first.
+
+    Equal dims use their bucket; an unequal pair runs as such when it is compiled
+    (``UNEQUAL_HEAD_DIMS``), and otherwise on the larger bucket for both (zero padding
+    changes neither the scores nor the kept output columns).
+    """
+    bq, bv = bucket(head_dim), bucket(head_dim_v)
+    if bq == bv:
+        return [(bq, bq)]
+    wide = max(bq, bv)
+    return [(bq, bv), (wide, wide)] if (bq, bv) in UNEQUAL_HEAD_DIMS else [(wide, wide)]
+
+
+def _first(name: str, candidates: list[dict], available: Available) -> dict:
+    # The first candidate the images hold; if none, the first, so that the library's
+    # KernelNotFound explains what is missing.
+    for c in candidates:
+        if available(name, c):
+            return c
+    return candidates[0]
+
+
+def _causal_modes(call: AttentionCall) -> list[int]:
+    if call.causal and call.causal_equivalent:
+        # Equal lengths: both alignments give the same band; the default build has mode 2.
+        return [2, 1]
+    return [call.causal]
+
+
+def forward_params(call: AttentionCall, available: Available | None = None) -> dict[str, Any]:
+    """The ``attn_fwd`` spec (catalog parameters) for a call.
+
+    ``available(kernel, params)`` says whether the images hold such a variant; among
+    equivalent choices (head-dim pairs, causal alignments) the first available is taken.
+    """
+    available = available or _everything
+    candidates = [{"dtype": call.dtype, "HEAD_DIM": dk, "HEAD_DIM_V": dv, "CAUSAL": c, "BIAS": int(call.bias),
+                   "DROPOUT": call.dropout, "VARLEN": int(call.varlen)}
+                  for dk, dv in head_dim_buckets(call.head_dim, call.head_dim_v) for c in _causal_modes(call)]
+    return _first(FWD, candidates, available)
+
+
+def backward_params(call: AttentionCall, available: Available | None = None, *, deterministic: bool = False,
+                    dbias: bool = True, mode: str | None = None) -> tuple[str, dict[str, dict[str, Any]]]:
+    """The backward scheme and the spec of each kernel it launches, in launch order.
+
+    Returns ``("split", {preprocess, dkdv, dq})`` by default: deterministic, and on the H200
+    also the faster scheme (docs/performance.md: the atomic-dQ dk/dv kernel was 1.1-1.9x slower
+    at D=128). ``("atomic", {preprocess, dkdv, convert})`` when ``mode == "atomic"`` (e.g. from
+    the tuning table) or when the images hold only the atomic kernels; never when
+    ``deterministic``. ``dbias``: the dk/dv kernel also writes dBias (its ``BIAS=2``).
+    """
+    available = available or _everything
+    dropout = int(bool(call.dropout))
+    bias_dkdv = (2 if dbias else 1) if call.bias else 0
+
+    def scheme(atomic: int, dk: int, dv: int, causal: int) -> dict[str, dict[str, Any]]:
+        common = {"dtype": call.dtype, "HEAD_DIM": dk, "HEAD_DIM_V": dv}
+        masks = {"CAUSAL": causal, "DROPOUT": dropout, "VARLEN": int(call.varlen)}
+        kernels = {PRE: {**common, "VARLEN": int(call.varlen), "DQ_ATOMIC": atomic},
+                   DKDV: {**common, **masks, "BIAS": bias_dkdv, "DQ_ATOMIC": atomic}}
+        if atomic:
+            kernels[CONVERT] = {"dtype": call.dtype, "HEAD_DIM": dk, "VARLEN": int(call.varlen)}
+        else:
+            kernels[DQ] = {**common, **masks, "BIAS": int(call.bias)}
+        return kernels
+
+    shapes = [(dk, dv, c) for dk, dv in head_dim_buckets(call.head_dim, call.head_dim_v)
+              for c in _causal_modes(call)]
+    order = [1, 0] if mode == "atomic" else [0, 1]
+    for atomic in order:
+        if atomic and deterministic:
+            continue
+        for dk, dv, c in shapes:
+            kernels = scheme(atomic, dk, dv, c)
+            if all(available(n, p) for n, p in kernels.items()):
+                return ("atomic" if atomic else "split"), kernels
+    return "split", scheme(0, *shapes[0])
+
+
+def _default_library() -> Any:
+    from ...library import default_library
+
+    return default_library()
+
+
+class LibraryKernels:
+    """Per-library caches: which variants exist, the tuning table, handles per call shape."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+        self.lock = threading.Lock()
+        self.available_cache: dict[tuple, bool] = {}
+        self.handles: dict[tuple, Any] = {}
+        self.choices: dict[tuple, Any] = {}  # call shape -> (spec, handle) / (mode, specs, handles)
+        from .plan import PlanCache
+
+        self.plans = PlanCache()  # call signature -> Plan (see plan.py)
+        self.arch: dict[int, str] = {}
+        tuning: dict[str, Any] = {}
+        for cat in getattr(lib, "catalogs", ()):
+            for name, rules in (cat.tuning or {}).items():
+                tuning.setdefault(name, rules)  # the first folder's table wins, like its variants
+        self.tuning = tuning
+
+    def available(self, name: str, params: Mapping[str, Any]) -> bool:
+        key = (name, tuple(sorted(params.items())))
+        hit = self.available_cache.get(key)
+        if hit is None:
+            hit = self.available_cache[key] = _available(self.lib, name, params)
+        return hit
+
+    def device_arch(self, device: int) -> str:
+        arch = self.arch.get(device)
+        if arch is None:
+            from ... import arch as _arch
+
+            built = sorted({(v.target.backend, v.target.arch) for v in self.lib.variants})
+            if len(built) == 1:
+                # Images of one arch: the device must run that arch, or the launch will say why.
+                arch = built[0][1]
+            else:
+                driver = self.lib.driver
+                raw = _arch.normalize(driver.backend, driver.device_arch(max(device, 0)))
+                arch = _arch.pick_target(driver.backend, raw, sorted(a for b, a in built if b == driver.backend))
+            self.arch[device] = arch
+        return arch
+
+    def _call_key(self, call: AttentionCall, device: int, *extra: Any) -> tuple:
+        # Lengths matter only to tuning rules, and to those only through their ranges.
+        tuned = bool(self.tuning)
+        return (call.dtype, call.head_dim, call.head_dim_v, call.causal, call.causal_equivalent, call.bias,
+                call.dropout, call.varlen, seqlen_bin(call.seqlen_q) if tuned else 0,
+                seqlen_bin(call.seqlen_k) if tuned else 0, device, *extra)
+
+    def forward(self, call: AttentionCall, device: int) -> tuple[dict[str, Any], Any]:
+        """The forward's spec and kernel handle for a call (cached per call shape)."""
+        key = self._call_key(call, device)
+        hit = self.choices.get(key)
+        if hit is None:
+            spec = forward_params(call, self.available)
+            hit = self.choices[key] = (spec, self.handle(FWD, spec, call, device))
+        return hit
+
+    def backward(self, call: AttentionCall, device: int, deterministic: bool, dbias: bool,
+                 scheme: str | None = None) -> tuple[str, dict[str, dict[str, Any]], dict[str, Any]]:
+        """The backward's scheme, specs and handles for a call (cached per call shape)."""
+        key = self._call_key(call, device, "bwd", deterministic, dbias, scheme)
+        hit = self.choices.get(key)
+        if hit is None:
+            mode = scheme
+            rules = self.tuning.get(MODE_RULES)
+            if rules and not deterministic and scheme is None:
+                mode = select_mode(rules, spec={"dtype": call.dtype, "HEAD_DIM": bucket(call.head_dim)},
+                                   seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
+                                   arch=lambda: self.device_arch(device))
+            mode, specs = backward_params(call, self.available, deterministic=deterministic, dbias=dbias, mode=mode)
+            handles = {name: self.handle(name, spec, call, device) for name, spec in specs.items()}
+            hit = self.choices[key] = (mode, specs, handles)
+        return hit
+
+    def handle(self, name: str, spec: dict[str, Any], call: AttentionCall, device: int) -> Any:
+        rules = self.tuning.get(name)
+        key = (name, tuple(sorted(spec.items())), device,
+               seqlen_bin(call.seqlen_q) if rules else 0, seqlen_bin(call.seqlen_k) if rules else 0)
+        handle = self.handles.get(key)
+        if handle is not None:
+            return handle
+        params = dict(spec)
+        if rules:
+            index = select_config(rules, kernel=name, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
+                                  arch=lambda: self.device_arch(device))
+            if index:
+                params.update(config_params(self.lib.variants, name, spec, index, self.device_arch(device)))
+        try:
+            handle = self.lib.kernel(name, **params)
+        except KernelNotFound as e:
+            raise KernelNotFound(
+                f"attention ({call.describe()}) needs {name} with {_show(spec)}, which these images lack; "
+                f"build it (`python -m builder build --set full --kernels {name}`) or use a supported "
+                f"combination. {e}") from None
+        with self.lock:
+            self.handles[key] = handle
+        return handle
+
+
+def _show(params: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items())
+
+
+def config_params(variants: Sequence[Any], name: str, spec: Mapping[str, Any], index: int,
+                  arch: str) -> dict[str, Any]:
+    """Parameters selecting config ``index`` of ``name``/``spec`` on ``arch``; {} (config 0)
+    when that config was not built."""
+    for v in variants:
+        if v.kernel == name and v.config.index == index and v.target.arch == arch and \
+                all(v.spec.get(k) == val for k, val in spec.items()):
+            return {**v.config.constexprs, "num_warps": v.config.num_warps, "num_stages": v.config.num_stages}
+    return {}
+
+
+def _available(lib: Any, name: str, params: Mapping[str, Any]) -> bool:
+    from ...select import match
+
+    # Only this kernel's variants: a full image set holds thousands of others.
+    index = _BY_KERNEL.get(id(lib))
+    if index is None or index[0] is not lib:
+        by_kernel: dict[str, list] = {}
+        for v in lib.variants:
+            by_kernel.setdefault(v.kernel, []).append(v)
+        index = _BY_KERNEL[id(lib)] = (lib, by_kernel)
+    return bool(match(index[1].get(name, []), name, params).accepted)
+
+
+_BY_KERNEL: dict[int, tuple[Any, dict[str, list]]] = {}
+
+
+_KERNELS: dict[int, LibraryKernels] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def kernels_of(library: Any) -> LibraryKernels:
+    lib = library if library is not None else _default_library()
+    ks = _KERNELS.get(id(lib))
+    if ks is None or ks.lib is not lib:
+        with _KERNELS_LOCK:
+            ks = _KERNELS.get(id(lib))
+            if ks is None or ks.lib is not lib:
+                ks = _KERNELS[id(lib)] = LibraryKernels(lib)
+    return ks

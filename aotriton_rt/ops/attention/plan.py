@@ -1,0 +1,609 @@
+"""How a call becomes a kernel launch: one plan per call signature, built once, run many times.
+
+1. **Signature.** :func:`forward` / :func:`backward` read, for each array argument, what decides a
+   launch except its address: shape, strides, dtype, device, whether the address is 16-byte
+   aligned (exact torch tensors: ``shape``/``stride()``/``dtype``/``get_device()``/``data_ptr()``;
+   anything else: :func:`aotriton_rt.interop.describe`), plus every option (with its type, so that
+   ``causal=1`` never finds the plan of ``causal=True``). That tuple is the plan's key.
+2. **Plan, on the first call of a signature** (:func:`_build_forward`, :func:`_build_backward`):
+   validate everything (:mod:`.problem`; a refusal raises and caches nothing, so it is raised
+   again on every repeat), choose the kernels (:mod:`.dispatch`, tuning rules included), then
+   lay out the arguments. When every operand can be read in place, nothing is padded and the
+   outputs are fresh, the plan is *direct*: output shapes and dtypes, and for each kernel an
+   argument list with its scalars, strides and grid fixed and only the array slots open.
+   Otherwise the plan keeps the validated problem and runs the general path of :mod:`.launch`
+   (copies, padding, empty problems, dBias reduction) without validating or dispatching again.
+3. **Every call**: look the key up in the library's bounded LRU (:class:`PlanCache`), allocate the
+   outputs, fill the array slots (integer addresses for torch tensors on a :class:`Kernel`,
+   whose :meth:`~aotriton_rt.library.Kernel.prepare` checked the scalars and computed the grid
+   once; the arrays themselves for other handles) and launch on the framework's current stream.
+
+What may change under an equal signature is checked per call or is part of the key: addresses
+(alignment is in the key), the dropout ``seed``/``offset`` (per-call values, validated each call
+and never baked into a plan, so CUDA graph capture and ``torch.compile`` see fresh ones), and the
+device (in the key). Variable-length calls without ``max_seqlen_q``/``max_seqlen_k`` read the
+lengths from the device each call and are planned anew every time: pass them in hot loops.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ...errors import ArgumentError
+from . import launch as general
+from . import problem as _problem
+from .arrays import arrays_for
+from .dispatch import CONVERT, DKDV, DQ, FWD, PRE, kernels_of
+from .problem import (
+    ALIGN,
+    BIAS_ALIGN,
+    I32_MAX,
+    U64,
+    Problem,
+    addressable,
+    bhs,
+    check_output,
+    check_scheme,
+    contiguous_strides,
+    int_arg,
+    kernel_strides,
+    named,
+    prepare,
+    same_device,
+)
+
+#: Plans kept per library; the least recently used goes first.
+PLAN_CACHE_SIZE = 1024
+
+
+class PlanCache:
+    """A bounded, thread-safe LRU of plans by call signature.
+
+    Lookups take no lock (``OrderedDict`` operations are atomic under the GIL); inserts and
+    evictions do. ``builds`` counts the plans made since the last :meth:`clear`, for tests and
+    benchmarks.
+    """
+
+    def __init__(self, capacity: int = PLAN_CACHE_SIZE) -> None:
+        self.capacity = capacity
+        self.builds = 0
+        self._plans: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, key: tuple) -> Any:
+        plan = self._plans.get(key)
+        if plan is not None:
+            try:
+                self._plans.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile
+                pass
+        return plan
+
+    def put(self, key: tuple, plan: Any) -> None:
+        with self._lock:
+            self.builds += 1
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
+            while len(self._plans) > self.capacity:
+                self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every plan (and reset ``builds``)."""
+        with self._lock:
+            self._plans.clear()
+            self.builds = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Signatures.
+# ---------------------------------------------------------------------------------------------
+
+class _NoTensor:
+    pass
+
+
+_tensor: type = _NoTensor  # torch.Tensor once torch is imported (never imported from here)
+
+
+def _torch_tensor_type() -> type:
+    global _tensor
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        _tensor = torch.Tensor
+    return _tensor
+
+
+def _sig(obj: Any, name: str) -> tuple[Any, int]:
+    """(signature, address) of one array argument."""
+    if type(obj) is _tensor:
+        dev = obj.get_device()
+        if dev >= 0 and obj.is_cuda:  # other device types (xpu, mps...) are described, and refused
+            ptr = obj.data_ptr()
+            return (obj.shape, obj.stride(), obj.dtype, dev, not ptr & 15), ptr
+    return _described_sig(obj, name)
+
+
+def _described_sig(obj: Any, name: str) -> tuple[Any, int]:
+    if obj is None:
+        return None, 0
+    if _tensor is _NoTensor and _torch_tensor_type() is type(obj):
+        return _sig(obj, name)
+    info = _problem._describe(obj, name)
+    return (type(obj), info.shape, info.strides, info.dtype, info.device, info.framework, info.readonly,
+            not info.ptr & 15), info.ptr
+
+
+_NO_LENGTHS = ("no max_seqlen",)
+
+
+def _typed(value: Any) -> tuple:
+    # True == 1 == 1.0 hash alike; the type keeps options that validation tells apart apart.
+    if type(value) in (tuple, list):
+        return (type(value), *(_typed(v) for v in value))
+    return (type(value), value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct plans: argument lists with the array slots open.
+# ---------------------------------------------------------------------------------------------
+
+class _Slot:
+    """An open argument: filled per call from the call's sources at ``index``."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Launch:
+    """One kernel of a direct plan: its argument template, open slots and launch function.
+
+    Per call the arguments are gathered in C: ``pick(sources + constants)`` with ``pick`` an
+    ``itemgetter`` of each argument's position in that concatenation.
+    """
+
+    __slots__ = ("handle", "constants", "pick", "prepared")
+
+    def __init__(self, handle: Any, values: dict[str, Any], device: int, fast: bool, sources: int) -> None:
+        template = [values[name] for name in handle.arg_names]
+        constants = [v for v in template if not isinstance(v, _Slot)]
+        positions, c = [], sources
+        for v in template:
+            if isinstance(v, _Slot):
+                positions.append(v.index)
+            else:
+                positions.append(c)
+                c += 1
+        self.handle = handle
+        self.constants = tuple(constants)
+        self.pick = operator.itemgetter(*positions) if len(positions) > 1 else lambda t: (t[positions[0]],)
+        self.prepared = None
+        if fast:
+            self.prepared = handle.prepare(device, [0 if isinstance(v, _Slot) else v for v in template])
+
+    def __call__(self, src: tuple, stream: int) -> None:
+        if self.prepared is not None:
+            self.prepared(stream, self.pick(src + self.constants))
+        else:
+            self.handle(*self.pick(src + self.constants))
+
+
+def _fast_handles(p: Problem, handles: list[Any], arrays: list[Any]) -> bool:
+    """Whether launches may take integer addresses: torch tensors on a device, compiled handles."""
+    t = _torch_tensor_type()
+    torch = sys.modules.get("torch")
+    backend = "hip" if getattr(getattr(torch, "version", None), "hip", None) else "cuda"
+    return (p.qi.framework == "torch" and p.device >= 0 and all(type(a) is t for a in arrays if a is not None)
+            and all(callable(getattr(h, "prepare", None)) for h in handles)
+            and all(getattr(getattr(h, "library", None), "backend_now", None) == backend for h in handles))
+
+
+class _Allocator:
+    """Fresh outputs in the framework of q: torch.empty with fixed dtype and device, or CuPy."""
+
+    def __init__(self, p: Problem, q: Any) -> None:
+        self.xp = arrays_for(p.qi.framework)
+        self.torch = None
+        if self.xp.framework == "torch":
+            self.torch = self.xp.torch
+            self.device = q.device
+            self.dtypes = self.xp.dtypes
+            self.out_dtype = self.dtypes[p.dtype]
+            self.fp32 = self.dtypes["fp32"]
+
+    def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
+        if self.torch is not None:
+            return self.torch.empty(shape, dtype=self.dtypes[dtype], device=self.device)
+        return self.xp.empty(shape, dtype, like)
+
+
+def _in_place_strides(p: Problem, info: Any, width: int) -> tuple[int, int, int] | None:
+    extents, strides = bhs(info.shape, info.strides, p.layout, p.varlen)
+    strides = kernel_strides(extents, strides)
+    return strides if addressable(info, strides, width, ALIGN) else None
+
+
+def _bias_in_place(p: Problem) -> tuple[int, int, int] | None:
+    if p.bias_info is None:
+        return (0, 0, 0)
+    bi = p.bias_info
+    nd = len(bi.shape)
+    extents = (1,) * (4 - nd) + tuple(bi.shape)
+    strides = (0,) * (4 - nd) + tuple(bi.strides)
+    full = p.bias_full_shape()
+    kstrides = tuple(0 if e == 1 else s for e, s in zip(extents[:3], strides[:3]))
+    keys_ok = extents[3] == full[3] and (strides[3] == 1 or full[3] <= 1)
+    if keys_ok and bi.ptr % 16 == 0 and all(s >= 0 and s % BIAS_ALIGN == 0 for s in kstrides) \
+            and kstrides[2] <= I32_MAX:
+        return kstrides
+    return None
+
+
+def _fresh_strides(p: Problem, shape: tuple[int, ...]) -> tuple[int, ...]:
+    extents, strides = bhs(shape, contiguous_strides(shape), p.layout, p.varlen)
+    return kernel_strides(extents, strides)
+
+
+def _directable(p: Problem) -> bool:
+    """Whether a direct plan may serve: something to compute, cu_seqlens 16-byte aligned (the
+    kernels' promise, checked by the handle on the general path), a framework that allocates."""
+    if not (p.batch and p.heads_q and p.rows_q and p.rows_k and p.seqlen_q and p.seqlen_k):
+        return False
+    if p.varlen and (p.cu_qi.ptr % 16 or p.cu_ki.ptr % 16):
+        return False
+    return p.qi.framework in ("torch", "cupy")
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _GeneralForward:
+    """A validated problem (its arrays dropped) run through the general path."""
+
+    problem: Problem
+    handle: Any
+    spec: dict
+    out_i: Any
+    lse_i: Any
+    return_mask: bool
+
+    def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, out: Any, lse: Any, ptrs: tuple,
+            seed: Any, offset: Any) -> tuple:
+        p = self.problem
+        if p.dropout_p:
+            seed, offset = _philox(seed, offset, p.dropout_p)
+        else:
+            seed, offset = 0, 0
+        p = replace(p, q=q, k=k, v=v, bias=bias, cu_q=cu_q, cu_k=cu_k, seed=seed, offset=offset)
+        return general.forward(p, self.handle, self.spec, out, self.out_i, lse, self.lse_i, self.return_mask)
+
+
+def _philox(seed: Any, offset: Any, dropout_p: float) -> tuple[int, int]:
+    """The per-call dropout pair, validated like the first call's (never part of a plan)."""
+    if seed is None:
+        raise ArgumentError(f"dropout_p={dropout_p} needs seed= (and offset=): the backward must replay the "
+                            f"forward's mask from the same (seed, offset)")
+    if type(seed) is not int or not 0 <= seed < U64:
+        seed = int_arg(seed, "seed", 0, U64 - 1)
+    if type(offset) is not int or not 0 <= offset < U64:
+        offset = int_arg(offset, "offset", 0, U64 - 1)
+    return seed, offset
+
+
+class _DirectForward:
+    """Outputs allocated fresh, every operand read in place: allocate, fill, launch."""
+
+    # Sources, per call: q, k, v, bias, cu_q, cu_k, out, lse, mask, seed, offset.
+    def __init__(self, p: Problem, q: Any, handle: Any, strides: dict[str, tuple], return_mask: bool,
+                 fast: bool) -> None:
+        self.alloc = _Allocator(p, q)
+        self.dtype = p.dtype
+        self.out_shape = p.out_shape()
+        self.lse_shape = p.lse_shape()
+        self.mask_shape = (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k) if return_mask else None
+        self.dropout_p = p.dropout_p
+        self.fast = fast
+        self.device = p.device
+        self.infos = (p.qi, p.ki, p.vi, p.bias_info, p.cu_qi, p.cu_ki)
+        cs = contiguous_strides(self.lse_shape)
+        lse_strides = (0, cs[0]) if p.varlen else (cs[0], cs[1])
+        values = {"Q": _Slot(0), "K": _Slot(1), "V": _Slot(2), "Out": _Slot(6), "LSE": _Slot(7),
+                  "DropMask": _Slot(8) if return_mask else None,
+                  **named("q", "m", strides["q"]), **named("k", "n", strides["k"]), **named("v", "n", strides["v"]),
+                  **named("o", "m", _fresh_strides(p, self.out_shape)),
+                  "stride_lz": lse_strides[0], "stride_lh": lse_strides[1], **p.scalars(),
+                  "Bias": _Slot(3) if p.bias_info is not None else None, **named("b", "m", strides["bias"]),
+                  "cu_seqlens_q": _Slot(4) if p.varlen else None, "cu_seqlens_k": _Slot(5) if p.varlen else None,
+                  **named("dm", "m", contiguous_strides(self.mask_shape)[:3] if return_mask else (0, 0, 0))}
+        if p.dropout_p:
+            values["philox_seed"], values["philox_offset"] = _Slot(9), _Slot(10)
+        self.launches = (_Launch(handle, values, p.device, fast, 11),)
+        self.stream = _stream_getter(p, q) if fast else None
+
+    def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, out: Any, lse: Any, ptrs: tuple,
+            seed: Any, offset: Any) -> tuple:
+        if self.dropout_p:
+            seed, offset = _philox(seed, offset, self.dropout_p)
+        alloc = self.alloc
+        if alloc.torch is not None:
+            empty = alloc.torch.empty
+            o = empty(self.out_shape, dtype=alloc.out_dtype, device=alloc.device)
+            lse_out = empty(self.lse_shape, dtype=alloc.fp32, device=alloc.device)
+        else:
+            o = alloc.empty(self.out_shape, self.dtype, q)
+            lse_out = alloc.empty(self.lse_shape, "fp32", q)
+        mask = None
+        if self.mask_shape is not None:
+            mask = alloc.xp.zeros(self.mask_shape, "i8", q)
+        if self.fast:
+            src = (*ptrs, o.data_ptr(), lse_out.data_ptr(), 0 if mask is None else mask.data_ptr(), seed, offset)
+            self.launches[0](src, self.stream(self.device))
+        else:
+            xp = alloc.xp
+            arrays = [None if a is None else xp.convert(a, i) for a, i in zip((q, k, v, bias, cu_q, cu_k), self.infos)]
+            self.launches[0]((*arrays, o, lse_out, mask, seed, offset), 0)
+        return (o, lse_out, mask) if self.mask_shape is not None else (o, lse_out)
+
+
+def _stream_getter(p: Problem, q: Any) -> Any:
+    from ... import interop
+
+    return interop._torch_stream_getter()
+
+
+def forward(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: Any, dropout_p: Any, seed: Any,
+            offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
+            layout: Any, out: Any, lse: Any, return_mask: Any, library: Any) -> tuple:
+    """:func:`aotriton_rt.attention`: find or build the plan of this call's signature and run it."""
+    ks = None
+    try:
+        sq, pq = _sig(q, "q")
+        sk, pk = _sig(k, "k")
+        sv, pv = _sig(v, "v")
+        sb, pb = _sig(bias, "bias") if bias is not None else (None, 0)
+        varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+        if varlen:
+            if max_seqlen_q is None or max_seqlen_k is None:
+                raise LookupError  # lengths live on the device: planned per call
+            scq, pcq = _sig(cu_seqlens_q, "cu_seqlens_q")
+            sck, pck = _sig(cu_seqlens_k, "cu_seqlens_k")
+            extra = (scq, sck, cu_seqlens_q is cu_seqlens_k, _typed(max_seqlen_q), _typed(max_seqlen_k))
+        else:
+            pcq = pck = 0
+            extra = _NO_LENGTHS if max_seqlen_q is None and max_seqlen_k is None else (_typed(max_seqlen_q),
+                                                                                          _typed(max_seqlen_k))
+        if out is not None or lse is not None:
+            extra += (_sig(out, "out")[0], _sig(lse, "lse")[0])
+        key = ("fwd", sq, sk, sv, sb, causal.__class__, causal, None if window is None else _typed(window), align,
+               dropout_p.__class__, dropout_p, scale.__class__, scale, layout, return_mask.__class__, return_mask,
+               *extra)
+        ks = kernels_of(library)
+        plan = ks.plans.get(key)
+    except Exception:  # anything odd: the full validation below says what
+        key = plan = None
+        pq = pk = pv = pb = pcq = pck = 0
+    if plan is None:
+        ks, plan = _build_forward(library, q, k, v, causal=causal, window=window, align=align, bias=bias,
+                                  dropout_p=dropout_p, seed=seed, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
+                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                  layout=layout, out=out, lse=lse, return_mask=return_mask)
+        if key is not None:
+            ks.plans.put(key, plan)
+        else:
+            # No signature (e.g. varlen lengths read from the device): addresses from the arrays.
+            pq, pk, pv = (_described_sig(a, n)[1] for a, n in ((q, "q"), (k, "k"), (v, "v")))
+            pb = _described_sig(bias, "bias")[1]
+            pcq, pck = _described_sig(cu_seqlens_q, "cu")[1], _described_sig(cu_seqlens_k, "cu")[1]
+    return plan.run(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, out, lse, (pq, pk, pv, pb, pcq, pck), seed, offset)
+
+
+def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, out: Any, lse: Any,
+                   **options: Any) -> tuple[Any, Any]:
+    p = prepare(q, k, v, **options)
+    if return_mask and p.dropout_p == 0:
+        raise ArgumentError("return_mask=True returns the dropout mask, so it needs dropout_p > 0")
+    out_i = check_output(out, "out", p.out_shape(), p.dtype, p)
+    lse_i = check_output(lse, "lse", p.lse_shape(), "fp32", p)
+    ks = kernels_of(library)  # after validation: a malformed call is refused even without images
+    call = p.call(2 if return_mask else 1 if p.dropout_p else 0)
+    # THE routing point for other kernel families: decode kernels for short query lengths (#13)
+    # are chosen here, from `call` and `p`, returning their own plan object (anything with this
+    # `run`), before the attn_fwd dispatch below. Nothing else needs to change for a new family.
+    spec, handle = ks.forward(call, p.device)
+    stripped = replace(p, q=None, k=None, v=None, bias=None, cu_q=None, cu_k=None, seed=0, offset=0)
+    strides = None
+    if (out is None and lse is None and _directable(p) and spec["HEAD_DIM"] == p.head_dim
+            and spec["HEAD_DIM_V"] == p.head_dim_v):
+        strides = {"q": _in_place_strides(p, p.qi, p.head_dim), "k": _in_place_strides(p, p.ki, p.head_dim),
+                   "v": _in_place_strides(p, p.vi, p.head_dim_v), "bias": _bias_in_place(p)}
+    if strides is None or None in strides.values():
+        return ks, _GeneralForward(stripped, handle, spec, out_i, lse_i, bool(return_mask))
+    fast = _fast_handles(p, [handle], [q, k, v, p.bias, p.cu_q, p.cu_k])
+    direct = _DirectForward(stripped, q, handle, strides, bool(return_mask), fast)
+    if fast and direct.launches[0].prepared is None:
+        direct = _DirectForward(stripped, q, handle, strides, bool(return_mask), False)
+    return ks, direct
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _GeneralBackward:
+    problem: Problem
+    specs: dict
+    handles: dict
+    mode: str
+    infos: tuple  # dout, out, lse
+    grad_infos: list
+    want_dbias: bool
+
+    def run(self, arrays: tuple, grads: tuple, ptrs: tuple, seed: Any, offset: Any) -> tuple:
+        dout, q, k, v, out, lse, bias, cu_q, cu_k = arrays
+        p = self.problem
+        if p.dropout_p:
+            seed, offset = _philox(seed, offset, p.dropout_p)
+        else:
+            seed, offset = 0, 0
+        p = replace(p, q=q, k=k, v=v, bias=bias, cu_q=cu_q, cu_k=cu_k, seed=seed, offset=offset)
+        doi, oi, li = self.infos
+        return general.backward(p, self.specs, self.handles, self.mode, dout, doi, out, oi, lse, li, grads,
+                                self.grad_infos, self.want_dbias)
+
+
+class _DirectBackward:
+    """Gradients allocated fresh, every operand read in place, no dBias: allocate, fill, launch."""
+
+    # Sources, per call: dout, q, k, v, out, lse, bias, cu_q, cu_k, dq, dk, dv, delta, dqacc, seed, offset.
+    def __init__(self, p: Problem, q: Any, mode: str, handles: dict, strides: dict[str, tuple], infos: tuple,
+                 fast: bool) -> None:
+        self.alloc = _Allocator(p, q)
+        self.dtype = p.dtype
+        self.shapes = (tuple(p.qi.shape), tuple(p.ki.shape), tuple(p.vi.shape))
+        self.lse_shape = p.lse_shape()
+        self.dqacc_shape = tuple(p.qi.shape) if mode == "atomic" else None
+        self.dropout_p = p.dropout_p
+        self.fast = fast
+        self.device = p.device
+        self.infos = (infos[0], p.qi, p.ki, p.vi, infos[1], infos[2], p.bias_info, p.cu_qi, p.cu_ki)
+        cs = contiguous_strides(self.lse_shape)
+        lse_strides = (0, cs[0]) if p.varlen else (cs[0], cs[1])
+        values = {"DO": _Slot(0), "Q": _Slot(1), "K": _Slot(2), "V": _Slot(3), "Out": _Slot(4), "LSE": _Slot(5),
+                  "Bias": _Slot(6) if p.bias_info is not None else None,
+                  "cu_seqlens_q": _Slot(7) if p.varlen else None, "cu_seqlens_k": _Slot(8) if p.varlen else None,
+                  "DQ": _Slot(9), "DK": _Slot(10), "DV": _Slot(11), "Delta": _Slot(12),
+                  "DQacc": _Slot(13) if mode == "atomic" else None, "DBias": None,
+                  **named("q", "m", strides["q"]), **named("k", "n", strides["k"]), **named("v", "n", strides["v"]),
+                  **named("do", "m", strides["do"]), **named("o", "m", strides["o"]),
+                  **named("dq", "m", _fresh_strides(p, self.shapes[0])),
+                  **named("dk", "n", _fresh_strides(p, self.shapes[1])),
+                  **named("dv", "n", _fresh_strides(p, self.shapes[2])),
+                  **named("b", "m", strides["bias"]), **named("db", "m", (0, 0, 0)),
+                  **named("dqa", "m", _fresh_strides(p, self.dqacc_shape) if self.dqacc_shape else (0, 0, 0)),
+                  "stride_lz": lse_strides[0], "stride_lh": lse_strides[1], **p.scalars()}
+        if p.dropout_p:
+            values["philox_seed"], values["philox_offset"] = _Slot(14), _Slot(15)
+        order = (PRE, DKDV, CONVERT) if mode == "atomic" else (PRE, DKDV, DQ)
+        self.launches = tuple(_Launch(handles[name], values, p.device, fast, 16) for name in order)
+        self.stream = _stream_getter(p, q) if fast else None
+
+    def run(self, arrays: tuple, grads: tuple, ptrs: tuple, seed: Any, offset: Any) -> tuple:
+        if self.dropout_p:
+            seed, offset = _philox(seed, offset, self.dropout_p)
+        q = arrays[1]
+        alloc = self.alloc
+        dq = alloc.empty(self.shapes[0], self.dtype, q)
+        dk = alloc.empty(self.shapes[1], self.dtype, q)
+        dv = alloc.empty(self.shapes[2], self.dtype, q)
+        delta = alloc.empty(self.lse_shape, "fp32", q)
+        dqacc = None if self.dqacc_shape is None else alloc.empty(self.dqacc_shape, "fp32", q)
+        if self.fast:
+            src = (*ptrs, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), delta.data_ptr(),
+                   0 if dqacc is None else dqacc.data_ptr(), seed, offset)
+            stream = self.stream(self.device)
+        else:
+            xp = alloc.xp
+            src = (*[None if a is None else xp.convert(a, i) for a, i in zip(arrays, self.infos)],
+                   dq, dk, dv, delta, dqacc, seed, offset)
+            stream = 0
+        for launch in self.launches:
+            launch(src, stream)
+        return dq, dk, dv, None
+
+
+def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, deterministic: Any, scheme: Any,
+             bias_grad: Any, dq: Any, dk: Any, dv: Any, library: Any, **options: Any) -> tuple:
+    """:func:`aotriton_rt.attention_backward`: find or build the plan of this call's signature and run it."""
+    arrays = (dout, q, k, v, out, lse, options["bias"], options["cu_seqlens_q"], options["cu_seqlens_k"])
+    grads = (dq, dk, dv)
+    try:
+        if options["cu_seqlens_q"] is not None or options["cu_seqlens_k"] is not None:
+            if options["max_seqlen_q"] is None or options["max_seqlen_k"] is None:
+                raise LookupError
+        names = ("dout", "q", "k", "v", "out", "lse", "bias", "cu_seqlens_q", "cu_seqlens_k")
+        sigs = [_sig(a, n) if a is not None else (None, 0) for a, n in zip(arrays, names)]
+        key = ("bwd", *(s for s, _ in sigs), *(_sig(g, "grad")[0] if g is not None else None for g in grads),
+               options["cu_seqlens_q"] is options["cu_seqlens_k"],
+               *(_typed(options[n]) if n != "window" or options[n] is not None else None for n in _BWD_OPTIONS),
+               _typed(deterministic), _typed(scheme), _typed(bias_grad))
+        ptrs = tuple(p for _, p in sigs)
+        ks = kernels_of(library)
+        plan = ks.plans.get(key)
+    except Exception:
+        key = plan = None
+    if plan is None:
+        ks, plan = _build_backward(library, arrays, grads, deterministic, scheme, bias_grad, options)
+        if key is not None:
+            ks.plans.put(key, plan)
+        else:
+            ptrs = tuple(_described_sig(a, "array")[1] for a in arrays)
+    return plan.run(arrays, grads, ptrs, options["seed"], options["offset"])
+
+
+_BWD_OPTIONS = ("causal", "window", "align", "dropout_p", "scale", "max_seqlen_q", "max_seqlen_k", "layout")
+
+
+def _build_backward(library: Any, arrays: tuple, grads: tuple, deterministic: Any, scheme: Any, bias_grad: Any,
+                    options: dict) -> tuple[Any, Any]:
+    dout, q, k, v, out, lse, bias = arrays[:7]
+    p = prepare(q, k, v, **options)
+    if not isinstance(deterministic, bool):
+        raise ArgumentError(f"deterministic must be True or False, got {deterministic!r}")
+    check_scheme(scheme, deterministic)
+    doi = _problem._describe(dout, "dout")
+    oi = _problem._describe(out, "out")
+    li = _problem._describe(lse, "lse")
+    for name, info in (("dout", doi), ("out", oi)):
+        if tuple(info.shape) != p.out_shape() or info.dtype != p.dtype:
+            raise ArgumentError(f"{name} must have shape {p.out_shape()} and dtype {p.dtype} (the forward's output), "
+                                f"got {tuple(info.shape)} {info.dtype}")
+    if tuple(li.shape) != p.lse_shape() or li.dtype != "fp32":
+        raise ArgumentError(f"lse must have shape {p.lse_shape()} and dtype fp32 (the forward's logsumexp), got "
+                            f"{tuple(li.shape)} {li.dtype}")
+    same_device([("q", p.qi), ("dout", doi), ("out", oi), ("lse", li)])
+    grad_infos = [check_output(g, n, s, p.dtype, p) for g, n, s in
+                  zip(grads, ("dq", "dk", "dv"), (tuple(p.qi.shape), tuple(p.ki.shape), tuple(p.vi.shape)))]
+    ks = kernels_of(library)
+    call = p.call(1 if p.dropout_p else 0)
+    want_dbias = bias is not None and bool(bias_grad)
+    mode, specs, handles = ks.backward(call, p.device, deterministic, want_dbias, scheme)
+    stripped = replace(p, q=None, k=None, v=None, bias=None, cu_q=None, cu_k=None, seed=0, offset=0)
+    strides = None
+    lse_ok = li.ptr % 16 == 0 and tuple(li.strides) == contiguous_strides(li.shape)
+    if (all(g is None for g in grads) and not want_dbias and lse_ok and _directable(p)
+            and specs[PRE]["HEAD_DIM"] == p.head_dim
+            and specs[PRE]["HEAD_DIM_V"] == p.head_dim_v):
+        strides = {"q": _in_place_strides(p, p.qi, p.head_dim), "k": _in_place_strides(p, p.ki, p.head_dim),
+                   "v": _in_place_strides(p, p.vi, p.head_dim_v), "do": _in_place_strides(p, doi, p.head_dim_v),
+                   "o": _in_place_strides(p, oi, p.head_dim_v), "bias": _bias_in_place(p)}
+    if strides is None or None in strides.values():
+        return ks, _GeneralBackward(stripped, specs, handles, mode, (doi, oi, li), grad_infos, want_dbias)
+    fast = _fast_handles(p, list(handles.values()), list(arrays))
+    direct = _DirectBackward(stripped, q, mode, handles, strides, (doi, oi, li), fast)
+    if fast and any(launch.prepared is None for launch in direct.launches):
+        direct = _DirectBackward(stripped, q, mode, handles, strides, (doi, oi, li), False)
+    return ks, direct
+
+
+def kernels(q: Any, k: Any, v: Any, *, backward: bool, deterministic: bool, scheme: Any, return_mask: bool,
+            bias_grad: bool, library: Any, options: dict) -> dict[str, Any]:
+    """The handles a call would launch (validated like a call; nothing is launched or cached)."""
+    p = prepare(q, k, v, **options)
+    ks = kernels_of(library)
+    if not backward:
+        return {FWD: ks.forward(p.call(2 if return_mask else 1 if p.dropout_p else 0), p.device)[1]}
+    check_scheme(scheme, bool(deterministic))
+    return dict(ks.backward(p.call(1 if p.dropout_p else 0), p.device, bool(deterministic),
+                            p.bias is not None and bool(bias_grad), scheme)[2])

@@ -1,0 +1,163 @@
+"""The catalog's tuning rules: which compiled config (or backward scheme) a call should run.
+
+A catalog may carry a ``tuning`` table, kernel name → list of rules. Each rule is an object;
+the first whose conditions all hold decides. Conditions, all optional: ``arch`` (catalog arch,
+e.g. ``"sm90"``), ``spec`` (a subset of the variant's spec), ``seqlen_q`` / ``seqlen_k``
+(inclusive ``[low, high]`` ranges, ``null`` for an open end). The decision: ``config`` (an
+index into the kernel's config table, 0 its default) or, under ``"attn_bwd_mode"``,
+``mode`` (``"split"`` or ``"atomic"``). Example::
+
+    "tuning": {"attn_fwd": [{"arch": "sm90", "spec": {"HEAD_DIM": 128}, "seqlen_k": [4096, null],
+                             "config": 2}],
+               "attn_bwd_mode": [{"spec": {"HEAD_DIM": 64}, "mode": "atomic"}]}
+
+The table is data from an image folder: :func:`validate_table` checks all of it when the
+catalog loads (a bad rule is a :class:`CatalogError` naming the file and the rule, not a
+surprise on some later call), and every count and number is bounded. Operators cache their
+choice per power-of-two length bin (:func:`seqlen_bin`), so range bounds should be powers of two.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import CatalogError
+
+__all__ = ["MODE_RULES", "seqlen_bin", "select_config", "select_mode", "validate_table"]
+
+#: The table entry whose rules pick the attention backward's scheme instead of a config.
+MODE_RULES = "attn_bwd_mode"
+_MODES = ("split", "atomic")
+_RULE_KEYS = {"arch", "spec", "seqlen_q", "seqlen_k", "config", "mode"}
+_MAX_KERNELS = 1024
+_MAX_RULES = 4096
+_MAX_CONFIG = 1 << 16
+_MAX_LENGTH = 2**63 - 1
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+def seqlen_bin(n: int) -> int:
+    """The power-of-two bin of a sequence length, the granularity at which choices are cached."""
+    return max(n, 1).bit_length()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_range(bounds: Any, where: str) -> None:
+    if bounds is None:
+        return
+    if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2):
+        raise CatalogError(f"catalog {where} must be [low, high] (high may be null), got {bounds!r}")
+    for b in bounds:
+        if b is not None and not (_is_int(b) and 0 <= b <= _MAX_LENGTH):
+            raise CatalogError(f"catalog {where} bounds must be integers >= 0 or null, got {bounds!r}")
+
+
+def _check_rule(rule: Any, kernel: str, i: int) -> None:
+    where = f"tuning[{kernel!r}][{i}]"
+    if not isinstance(rule, dict):
+        raise CatalogError(f"catalog {where} must be an object, got {rule!r}"[:300])
+    want = rule.get("spec", {})
+    if not isinstance(want, dict):
+        raise CatalogError(f"catalog {where}.spec must be an object, got {want!r}"[:300])
+    for key, value in want.items():
+        if not isinstance(key, str) or not (value is None or isinstance(value, (str, int, float))):
+            raise CatalogError(f"catalog {where}.spec[{key!r}] must be a string or number, got {value!r}"[:300])
+    _check_range(rule.get("seqlen_q"), where + ".seqlen_q")
+    _check_range(rule.get("seqlen_k"), where + ".seqlen_k")
+    if "arch" in rule and not isinstance(rule["arch"], str):
+        raise CatalogError(f"catalog {where}.arch must be a string, got {rule['arch']!r}"[:300])
+    if kernel == MODE_RULES:
+        if rule.get("mode") not in _MODES:
+            raise CatalogError(f"catalog tuning[{MODE_RULES!r}] rule {rule!r}: mode must be 'split' or 'atomic'"[:400])
+    elif "config" in rule:
+        index = rule["config"]
+        if not _is_int(index) or not 0 <= index <= _MAX_CONFIG:
+            raise CatalogError(f"catalog tuning[{kernel!r}] rule {rule!r}: config must be an integer >= 0"[:400])
+
+
+def _check_rules(rules: Any, kernel: str) -> list:
+    if not isinstance(rules, list):
+        raise CatalogError(f"catalog tuning[{kernel!r}] must be a list of rules, got {type(rules).__name__}")
+    if len(rules) > _MAX_RULES:
+        raise CatalogError(f"catalog tuning[{kernel!r}] has {len(rules)} rules; at most {_MAX_RULES} are read")
+    for i, rule in enumerate(rules):
+        _check_rule(rule, kernel, i)
+    return rules
+
+
+def validate_table(table: Any, source: str = "<memory>") -> dict[str, list]:
+    """Check a whole ``tuning`` table (as :class:`aotriton_rt.Catalog` loads it); returns it.
+
+    Raises:
+        CatalogError: naming ``source`` and the first malformed entry or rule.
+    """
+    if not isinstance(table, dict):
+        raise CatalogError(f"{source}: $.tuning must be an object, got {type(table).__name__}")
+    if len(table) > _MAX_KERNELS:
+        raise CatalogError(f"{source}: $.tuning names {len(table)} kernels; at most {_MAX_KERNELS} are read")
+    for kernel, rules in table.items():
+        if not isinstance(kernel, str) or not _NAME.match(kernel):
+            raise CatalogError(f"{source}: $.tuning key {kernel!r} is not a kernel name"[:300])
+        try:
+            _check_rules(rules, kernel)
+        except CatalogError as e:
+            raise CatalogError(f"{source}: {e}") from None
+    return table
+
+
+def _matching_rule(rules: Any, kernel: str, spec: Mapping[str, Any], seqlen_q: int, seqlen_k: int,
+                   arch: str | Callable[[], str] | None) -> dict | None:
+    if not rules:
+        return None
+    for rule in _check_rules(rules, kernel):
+        want = rule.get("spec", {})
+        if any(spec.get(key) != value for key, value in want.items()):
+            continue
+        if not (_in_range(seqlen_q, rule.get("seqlen_q")) and _in_range(seqlen_k, rule.get("seqlen_k"))):
+            continue
+        if "arch" in rule:
+            # Asked last: finding the device's arch may need the driver.
+            if callable(arch):
+                arch = arch()
+            if rule["arch"] != arch:
+                continue
+        return rule
+    return None
+
+
+def _in_range(value: int, bounds: Any) -> bool:
+    if bounds is None:
+        return True
+    lo, hi = bounds
+    return (lo is None or value >= lo) and (hi is None or value <= hi)
+
+
+def select_config(rules: Any, *, kernel: str, spec: Mapping[str, Any], seqlen_q: int, seqlen_k: int,
+                  arch: str | Callable[[], str] | None = None) -> int:
+    """The tuning config index for a call, from a catalog ``tuning[kernel]`` rule list.
+
+    The first rule whose conditions all hold gives ``config``; no rule matching: 0, the
+    kernel's default. ``arch`` may be a callable, asked only when a rule names an arch.
+
+    Raises:
+        CatalogError: the rules are malformed.
+
+    Example::
+
+        select_config(cat.tuning["attn_fwd"], kernel="attn_fwd", spec={"HEAD_DIM": 128},
+                      seqlen_q=8192, seqlen_k=8192, arch="sm90")
+    """
+    rule = _matching_rule(rules, kernel, spec, seqlen_q, seqlen_k, arch)
+    return 0 if rule is None else rule.get("config", 0)
+
+
+def select_mode(rules: Any, *, spec: Mapping[str, Any], seqlen_q: int, seqlen_k: int,
+                arch: str | Callable[[], str] | None = None) -> str | None:
+    """The backward scheme a ``tuning["attn_bwd_mode"]`` rule asks for, or None."""
+    rule = _matching_rule(rules, MODE_RULES, spec, seqlen_q, seqlen_k, arch)
+    return None if rule is None else rule["mode"]
