@@ -130,19 +130,21 @@ def test_aotriton_launches_every_default_hip_kernel_as_tritons_own_launcher_does
 
 # Each mutation breaks one thing aotriton-rt decides at launch; the differential must see it.
 MUTATIONS = {
+    # A scalar moved into the padding after it: a layout the packer accepts (same size, no
+    # overlap) but not the one the code object reads. Variants without such padding stay as they are.
     "packer offset": (
+        "import dataclasses\n"
         "import aotriton_rt.catalog as c\n"
         "_orig = c.Variant.from_json.__func__\n"
         "def _shifted(cls, *a, **k):\n"
         "    v = _orig(cls, *a, **k)\n"
         "    args = list(v.args)\n"
-        "    i = next(i for i, x in enumerate(args) if not x.is_pointer)\n"
-        "    import dataclasses\n"
-        "    if i + 1 < len(args) and args[i + 1].offset >= args[i].offset + 2 * args[i].size:\n"
-        "        args[i] = dataclasses.replace(args[i], offset=args[i].offset + args[i].size)\n"
-        "    else:\n"
-        "        args[0], args[1] = dataclasses.replace(args[0], offset=args[1].offset), "
-        "dataclasses.replace(args[1], offset=args[0].offset)\n"
+        "    ends = [x.offset for x in args[1:]] + [(v.hidden_args or [v])[0].offset "
+        "if v.hidden_args else v.param_size]\n"
+        "    for i, (x, nxt) in enumerate(zip(args, ends)):\n"
+        "        if not x.is_pointer and nxt >= x.offset + 2 * x.size:\n"
+        "            args[i] = dataclasses.replace(x, offset=x.offset + x.size)\n"
+        "            break\n"
         "    return dataclasses.replace(v, args=tuple(args))\n"
         "c.Variant.from_json = classmethod(_shifted)\n",
         "kernarg"),
