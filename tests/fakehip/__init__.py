@@ -35,7 +35,8 @@ SOURCE = Path(__file__).with_name("fake_amdhip64.c")
 _HEX_FIELDS = ("args", "head")
 
 # EF_AMDGPU_MACH values (low byte of e_flags) of the targets the fake knows.
-AMDGPU_MACH = {"gfx90a": 0x3F, "gfx942": 0x4C, "gfx950": 0x4F, "gfx1100": 0x41, "gfx1201": 0x4E}
+AMDGPU_MACH = {"gfx90a": 0x3F, "gfx942": 0x4C, "gfx950": 0x4F, "gfx1100": 0x41, "gfx1151": 0x4A,
+               "gfx1201": 0x4E, "gfx1250": 0x49}
 
 
 def compile_shared(source: Path, out: Path, soname: str) -> Path:

@@ -14,7 +14,6 @@ No AMD GPU exists here: this proves what reaches ``hipModuleLaunchKernel``, not 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,11 +22,12 @@ from pathlib import Path
 import pytest
 
 from aotriton_rt.catalog import Catalog
+from builder.targets import DEFAULT
 from tests.fakehip import build_fake_hip, fake_hip_env, read_log
 from tests.fakehip.differential import compared_fields, explain_kernarg, records_by_variant
 
 ROOT = Path(__file__).resolve().parents[2]
-HIP_TARGETS = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1201")
+HIP_TARGETS = tuple(sorted((a for a in DEFAULT if a.startswith("gfx")), key=lambda a: (len(a), a)))
 DEVICE_ARCH = {"gfx90a": "gfx90a:sramecc+:xnack-", "gfx942": "gfx942:sramecc+:xnack-",
                "gfx950": "gfx950:sramecc+:xnack-", "gfx1100": "gfx1100", "gfx1151": "gfx1151",
                "gfx1201": "gfx1201", "gfx1250": "gfx1250"}
@@ -48,7 +48,8 @@ def triton_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def compile_env(triton_cache: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(triton_cache),
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path, "TRITON_CACHE_DIR": str(triton_cache),
             "TRITON_DISABLE_LINE_INFO": "1", "TRITON_ALWAYS_COMPILE": "0"}
 
 
@@ -174,7 +175,7 @@ def test_differential_fails_when_our_launch_is_wrong(hip_sample_images: Path, fa
     hook.mkdir()
     # sitecustomize runs at interpreter start-up, before the runner imports aotriton-rt.
     (hook / "sitecustomize.py").write_text(source)
-    env = {"PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(hook), str(ROOT), os.environ.get("PYTHONPATH"))))}
     jit, aot = launch_both(hip_sample_images, "gfx942", fake_lib, tmp_path, triton_cache, env)
     problems = differences(hip_sample_images, "gfx942", jit, aot)
     assert problems, f"the {mutation} mutation went unnoticed"
