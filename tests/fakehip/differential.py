@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,8 @@ def _activate_triton_driver(backend: str) -> None:
             self.get_current_device = lambda: 0
             self.set_current_device = lambda device: None
             self.get_current_stream = lambda device=None: STREAM
+            if backend == "cuda":
+                self.get_device_capability = lambda device=None: divmod(int(os.environ["FAKECUDA_CC"]), 10)
 
     triton.runtime.driver.set_active(Driver())
 
@@ -180,13 +183,18 @@ def records_by_variant(records: list[dict], launch_calls: Sequence[str], load_ca
 
 
 def compared_fields(launch: dict, load: dict | None) -> dict:
-    """The fields of a launch that must be identical between the two launchers."""
-    return {
-        "call": launch["call"], "name": launch["name"], "grid": launch["grid"],
-        "block": launch["block"], "shared": launch["shared"], "stream": launch["stream"],
-        "kernarg": launch["kernarg"],
-        "image": None if load is None else (load["size"], load["fnv1a64"]),
-    }
+    """The fields of a launch that must be identical between the two launchers. HIP records
+    carry the kernarg segment (``kernarg``) and the launch call; CUDA records the parameter
+    bank (``params``) and the launch attributes, but not the call: ``cuLaunchKernel`` and
+    ``cuLaunchKernelEx`` without attributes are the same launch."""
+    fields = {"name": launch["name"], "grid": launch["grid"], "block": launch["block"],
+              "shared": launch["shared"], "stream": launch["stream"],
+              "image": None if load is None else (load["size"], load["fnv1a64"])}
+    if "kernarg" in launch:
+        fields.update(call=launch["call"], kernarg=launch["kernarg"])
+    else:
+        fields.update(attrs=launch["attrs"], kernarg=launch["params"])
+    return fields
 
 
 def explain_kernarg(jit: bytes, aot: bytes, args: Sequence[Any]) -> str:
@@ -219,11 +227,14 @@ def sample_jobs(targets: str, build_set: str = "default", per_kernel: int = 1,
     from builder.targets import parse_targets
 
     chosen = []
-    for t, target in enumerate(parse_targets(targets)):
+    for target in parse_targets(targets):
+        # A stable start per target (not its position in the list), so adding a target does not
+        # change, and recompile, the sample of the others.
+        start = zlib.crc32(target.arch.encode()) * per_kernel
         for kernel in select(load_kernels(), kernels):
             jobs = sorted(expand(kernel, [target], build_set, triton.__version__), key=lambda j: j.label)
             for n in range(min(per_kernel, len(jobs))):
-                chosen.append(jobs[(t * per_kernel + n) % len(jobs)])
+                chosen.append(jobs[(start + n) % len(jobs)])
     return chosen
 
 
