@@ -22,9 +22,14 @@ def build_fake_cuda(directory: Path) -> Path:
     return compile_shared(SOURCE, Path(directory) / "libcuda.so.1", "libcuda.so.1")
 
 
+#: Shared memory per block with opt-in, bytes, of the GPUs the fake plays (A100, H100).
+OPTIN = {80: 166912, 90: 232448}
+
+
 def fake_cuda_env(library: Path, log: Path | None = None, *, capability: int = 90,
-                  optin: int = 232448) -> dict[str, str]:
+                  optin: int | None = None) -> dict[str, str]:
     """Environment for a subprocess whose CUDA is the fake, a device of ``capability``."""
+    optin = OPTIN.get(capability, 49152) if optin is None else optin
     folder = str(Path(library).parent)
     return {
         "AOTRITON_RT_CUDA_LIB": str(library),

@@ -177,6 +177,7 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, int device) {
     case 37: *value = 5120; break;                               /* GLOBAL_MEMORY_BUS_WIDTH */
     case 75: *value = capability() / 10; break;                  /* COMPUTE_CAPABILITY_MAJOR */
     case 76: *value = capability() % 10; break;                  /* COMPUTE_CAPABILITY_MINOR */
+    case 81: *value = env_int("FAKECUDA_OPTIN", 232448) + 1024; break; /* ..._PER_MULTIPROCESSOR */
     case 97: *value = env_int("FAKECUDA_OPTIN", 232448); break;  /* MAX_SHARED_..._OPTIN */
     default: return CUDA_ERROR_INVALID_VALUE;
   }

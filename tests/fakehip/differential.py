@@ -112,6 +112,27 @@ def _activate_triton_driver(backend: str) -> None:
     triton.runtime.driver.set_active(Driver())
 
 
+#: The address Triton's allocator hands out for global scratch in the JIT launches.
+TRITON_SCRATCH = 0x7D00_0000_0000
+
+
+def _set_triton_allocator(log: Path) -> None:
+    """Global scratch for Triton's launcher (kernels that need it refuse to launch without an
+    allocator): a fixed fake address, each request logged as ``{"call": "scratch", "size"}``."""
+    import triton
+
+    class Scratch:
+        def data_ptr(self) -> int:
+            return TRITON_SCRATCH
+
+    def allocate(size: int, align: int, stream: object) -> Scratch:
+        with open(log, "a") as f:
+            f.write(json.dumps({"call": "scratch", "status": 0, "size": size, "align": align}) + "\n")
+        return Scratch()
+
+    triton.set_allocator(allocate)
+
+
 def _mark(log: Path, key: str) -> None:
     with open(log, "a") as f:
         f.write(json.dumps({"call": "variant", "key": key, "status": 0}) + "\n")
@@ -131,6 +152,7 @@ def launch_both(images: Path, arch: str, jit_log: Path, aot_log: Path) -> list[s
     _activate_triton_driver(backend)
 
     os.environ["FAKEHIP_LOG" if backend == "hip" else "FAKECUDA_LOG"] = str(jit_log)
+    _set_triton_allocator(jit_log)
     for v in variants:
         values = argument_values(v.args)
         named = {a.name: x for a, x in zip(v.args, values)}
@@ -164,11 +186,16 @@ def records_by_variant(records: list[dict], launch_calls: Sequence[str], load_ca
     loads: dict[int, dict] = {}
     functions: dict[int, int] = {}
     key = None
+    scratch = 0  # the largest scratch allocation so far: aotriton-rt keeps and grows one buffer
     for r in records:
         call = r["call"]
         if call == "variant":
             key = r["key"]
             out[key] = {}
+        elif call in ("scratch", "cuMemAlloc_v2", "hipMalloc") and not r.get("status"):
+            scratch = max(scratch, r["size"])
+            if call == "scratch" and key is not None:
+                out[key]["scratch_needed"] = r["size"]
         elif r.get("status"):
             if key is not None:
                 out[key].setdefault("failures", []).append(r)
@@ -179,6 +206,7 @@ def records_by_variant(records: list[dict], launch_calls: Sequence[str], load_ca
         elif call in launch_calls and key is not None:
             out[key]["launch"] = r
             out[key]["load"] = loads.get(functions.get(r.get("function")))
+            out[key]["scratch_capacity"] = scratch
     return out
 
 
