@@ -133,6 +133,26 @@ def _set_triton_allocator(log: Path) -> None:
     triton.set_allocator(allocate)
 
 
+def _compiled(fn: Any, v: Any, constexprs: dict, options: dict) -> Any:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types = {a.name: a.type for a in v.args}
+    signature = {n: types.get(n, "constexpr") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(a.name),): [["tt.divisibility", a.divisibility]]
+             for a in v.args if a.divisibility != 1}
+    arch = v.target.arch if v.target.backend == "hip" else int(v.target.arch[2:])
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget(v.target.backend, arch, v.target.warp_size), options=options)
+
+
+def _in_order(fn: Any, v: Any, call: list, constexprs: dict) -> list:
+    """Every argument of ``fn`` in order, as CompiledKernel's launcher takes them."""
+    runtime = dict(zip((a.name for a in v.args), call))
+    return [runtime[n] if n in runtime else constexprs[n] for n in fn.arg_names]
+
+
 def _mark(log: Path, key: str) -> None:
     with open(log, "a") as f:
         f.write(json.dumps({"call": "variant", "key": key, "status": 0}) + "\n")
@@ -160,11 +180,16 @@ def launch_both(images: Path, arch: str, jit_log: Path, aot_log: Path) -> list[s
         call = [FakeTensor(x, a.type) if a.is_pointer else x for a, x in zip(v.args, values)]
         constexprs = dict(v.params)
         fn = kernels[v.kernel].fn
-        # Constexprs the kernel declares but the variant does not name keep their defaults.
         constexprs = {k: c for k, c in constexprs.items() if k in fn.arg_names}
+        options = {"num_warps": v.config.num_warps, "num_stages": v.config.num_stages, **v.config.options}
         _mark(jit_log, v.key)
-        fn[grid](*call, **constexprs, num_warps=v.config.num_warps, num_stages=v.config.num_stages,
-                 **v.config.options)
+        if all(a.divisibility in (1, 16) for a in v.args):
+            fn[grid](*call, **constexprs, **options)
+        else:
+            # The JIT only ever infers divisibility 16; a variant built with another hint (8 for
+            # bias strides) goes through triton.compile with the builder's own hints instead,
+            # then Triton's own loader and launcher, exactly as a JIT launch would.
+            _compiled(fn, v, constexprs, options)[grid](*_in_order(fn, v, call, constexprs), stream=STREAM)
 
     import aotriton_rt
 
