@@ -4,14 +4,17 @@ Triton's HIP and CUDA drivers build their launchers from C (``triton/backends/*/
 and open the GPU library they are pointed at: ``TRITON_LIBHIP_PATH`` for HIP (symbols through
 ``hipGetProcAddress``), ``libcuda.so.1`` by name for CUDA (the fake sits first on
 ``LD_LIBRARY_PATH``). With the fake answering device queries as the target GPU, ``@triton.jit``
-compiles a variant's source with its config and "launches" it; then aotriton-rt launches the
+compiles a variant's source with its config and "launches" it (a variant whose divisibility
+hints the JIT cannot infer goes through ``triton.compile`` with the builder's hints, then the
+same Triton loader and launcher); then aotriton-rt launches the
 image the builder made of the same variant, with the same argument values, on the same fake.
 The fakes record each launch (kernel, grid, block, dynamic shared memory, stream and the
 kernarg bytes the GPU would see, built from the code object's own metadata), so the two
 launches can be compared field by field.
 
 Run as ``python -m tests.fakehip.differential IMAGES ARCH JIT_LOG AOT_LOG`` with the fake's
-environment in place (``fake_env``); it launches every variant of ``ARCH`` in the catalog
+environment in place (``fake_hip_env`` plus ``TRITON_LIBHIP_PATH``, or ``fake_cuda_env``); it
+launches every variant of ``ARCH`` in the catalog
 both ways, JIT first, and writes a ``{"call": "variant", "key": ...}`` line to each log before
 each launch so records can be matched to variants.
 
