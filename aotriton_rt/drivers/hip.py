@@ -253,10 +253,15 @@ class _HipPythonApi:
 
     def device_facts(self, device: int) -> tuple[int, _DeviceFacts | None]:
         props = self._hip.hipDeviceProp_t()
-        status = self._hip.hipGetDeviceProperties(props, device)[0]
+        try:
+            status = self._hip.hipGetDeviceProperties(props, device)[0]
+        except TypeError:
+            # hip-python 10 allocates the struct itself: hipGetDeviceProperties(device) returns
+            # (status, props), and its char arrays read as str rather than bytes.
+            status, props = self._hip.hipGetDeviceProperties(device)
         if status:
             return status, None
-        return status, _DeviceFacts(_text(props.name), _text(props.gcnArchName),
+        return status, _DeviceFacts(_cstr(props.name), _cstr(props.gcnArchName),
                                     int(props.sharedMemPerBlockOptin))
 
     def module_load_data(self, image: bytes) -> tuple[int, int]:

@@ -35,7 +35,8 @@ SOURCE = Path(__file__).with_name("fake_amdhip64.c")
 _HEX_FIELDS = ("args", "head")
 
 # EF_AMDGPU_MACH values (low byte of e_flags) of the targets the fake knows.
-AMDGPU_MACH = {"gfx90a": 0x3F, "gfx942": 0x4C, "gfx950": 0x4F, "gfx1100": 0x41, "gfx1201": 0x4E}
+AMDGPU_MACH = {"gfx90a": 0x3F, "gfx942": 0x4C, "gfx950": 0x4F, "gfx1100": 0x41, "gfx1151": 0x4A,
+               "gfx1201": 0x4E, "gfx1250": 0x49}
 
 
 def compile_shared(source: Path, out: Path, soname: str) -> Path:
@@ -123,16 +124,21 @@ def fnv1a64(data: bytes) -> str:
     return f"{h:016x}"
 
 
-def fake_code_object(arch: str, symbols: list[str]) -> bytes:
+def fake_code_object(arch: str, symbols: list[str], metadata: bytes | None = None) -> bytes:
     """A minimal AMDGPU ELF64 image for ``arch`` (e.g. "gfx942") naming ``symbols``.
 
     Enough for the fake (and not for a GPU): an ELF header with EM_AMDGPU and the arch's
     EF_AMDGPU_MACH, a string table holding the names, and a section header table that ends
-    the file, which is how the fake finds the image's size.
+    the file, which is how the fake finds the image's size. ``metadata`` (msgpack bytes, as in
+    a real code object) is added as the NT_AMDGPU_METADATA note of a SHT_NOTE section.
     """
     strtab = b"\0" + b"".join(s.encode() + b"\0" for s in symbols)
     strtab += b"\0" * (-len(strtab) % 8)
-    shoff = 64 + len(strtab)
+    note = b""
+    if metadata is not None:
+        note = struct.pack("<III", 7, len(metadata), 32) + b"AMDGPU\0\0" + metadata
+        note += b"\0" * (-len(note) % 8)
+    shoff = 64 + len(strtab) + len(note)
     header = bytearray(64)
     header[0:4] = b"\x7fELF"
     header[4:7] = bytes([2, 1, 1])           # ELFCLASS64, little endian, version 1
@@ -140,10 +146,11 @@ def fake_code_object(arch: str, symbols: list[str]) -> bytes:
     struct.pack_into("<HHI", header, 16, 3, 224, 1)                   # ET_DYN, EM_AMDGPU
     struct.pack_into("<QQQ", header, 24, 0, 0, shoff)                 # entry, phoff, shoff
     struct.pack_into("<IHHHHHH", header, 48, AMDGPU_MACH[arch.split(":")[0]], 64, 0, 0,
-                     64, 2, 1)                                        # flags ... shnum, shstrndx
+                     64, 3 if note else 2, 1)                         # flags ... shnum, shstrndx
     null_section = bytes(64)
     strtab_section = struct.pack("<IIQQQQIIQQ", 0, 3, 0, 0, 64, len(strtab), 0, 0, 1, 0)
-    return bytes(header) + strtab + null_section + strtab_section
+    note_section = struct.pack("<IIQQQQIIQQ", 0, 7, 0, 0, 64 + len(strtab), len(note), 0, 0, 4, 0) if note else b""
+    return bytes(header) + strtab + note + null_section + strtab_section + note_section
 
 
 _ADD_KERNEL_SOURCE = """\

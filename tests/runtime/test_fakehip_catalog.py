@@ -79,7 +79,7 @@ def test_every_hip_variant_gets_the_argument_bytes_its_hsaco_declares(built_imag
     log = tmp_path / "calls.jsonl"
     device_arch = {"gfx942": "gfx942:sramecc+:xnack-", "gfx1100": "gfx1100"}[arch]
     env = {**os.environ, **fake_hip_env(fake_lib, log, arch=device_arch, backend=backend),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     proc = subprocess.run([sys.executable, "-c", LAUNCH_ALL, str(built_images), arch], env=env,
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr

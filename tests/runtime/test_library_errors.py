@@ -103,7 +103,7 @@ def messages(built_images, tmp_path_factory) -> dict:
     lib = build_fake_hip(tmp_path_factory.mktemp("fakehip"))
     log = tmp_path_factory.mktemp("log") / "calls.jsonl"
     env = {**os.environ, **fake_hip_env(lib, log, arch="gfx942:sramecc+:xnack-", devices=2, backend="ctypes"),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     proc = subprocess.run([sys.executable, "-c", SCENARIOS, str(built_images)], env=env, capture_output=True,
                           text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -129,7 +129,7 @@ LAUNCH_ONE = ("import sys, aotriton_rt\n"
 
 def _launch_one(images: Path, tmp_path: Path, **fake) -> subprocess.CompletedProcess:
     env = {**os.environ, **fake_hip_env(build_fake_hip(tmp_path), None, backend="ctypes", **fake),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     return subprocess.run([sys.executable, "-c", LAUNCH_ONE, str(images)], env=env, capture_output=True,
                           text=True, cwd=ROOT)
 

@@ -1,0 +1,186 @@
+"""aotriton-rt launches HIP kernels exactly as Triton's own HIP launcher does.
+
+For every kernel of the default set on every default HIP target (one variant each, rotating
+through the variants from target to target, plus a sample of the full set on gfx942), the
+variant is launched twice against the recording fake ``libamdhip64``: once by ``@triton.jit``
+through Triton's own driver and launcher (compiled here from C against the HIP headers in the
+triton wheel, loading the fake through ``TRITON_LIBHIP_PATH``), once by aotriton-rt from the
+image the builder made. The two launches must agree on the code object (size and digest),
+kernel symbol, grid, block, dynamic shared memory, stream and every byte of the kernarg
+segment that the fake builds from the code object's own AMDGPU metadata.
+
+No AMD GPU exists here: this proves what reaches ``hipModuleLaunchKernel``, not execution.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aotriton_rt.catalog import Catalog
+from builder.targets import DEFAULT
+from tests.fakehip import build_fake_hip, fake_hip_env, read_log
+from tests.fakehip.differential import compared_fields, explain_kernarg, records_by_variant
+
+ROOT = Path(__file__).resolve().parents[2]
+HIP_TARGETS = tuple(sorted((a for a in DEFAULT if a.startswith("gfx")), key=lambda a: (len(a), a)))
+DEVICE_ARCH = {"gfx90a": "gfx90a:sramecc+:xnack-", "gfx942": "gfx942:sramecc+:xnack-",
+               "gfx950": "gfx950:sramecc+:xnack-", "gfx1100": "gfx1100", "gfx1151": "gfx1151",
+               "gfx1201": "gfx1201", "gfx1250": "gfx1250"}
+LAUNCHES = ("hipModuleLaunchKernel", "hipModuleLaunchCooperativeKernel")
+
+
+def _python(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def compile_env(triton_cache: Path) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path, "TRITON_CACHE_DIR": str(triton_cache),
+            "TRITON_DISABLE_LINE_INFO": "1", "TRITON_ALWAYS_COMPILE": "0"}
+
+
+@pytest.fixture(scope="session")
+def hip_sample_images(tmp_path_factory: pytest.TempPathFactory, triton_cache: Path) -> Path:
+    """The default set's kernels, one variant each per default HIP target, plus three variants
+    of the full set on gfx942 (bias, dropout, varlen paths of attention), built by the builder."""
+    out = tmp_path_factory.mktemp("diff-hip")
+    env = compile_env(triton_cache)
+    _python(["-m", "tests.fakehip.differential", "build", str(out), ",".join(HIP_TARGETS), "default", "1"], env)
+    full = tmp_path_factory.mktemp("diff-hip-full")
+    _python(["-m", "tests.fakehip.differential", "build", str(full), "gfx942", "full", "1", "attn_fwd,attn_bwd_dq"],
+            env)
+    from builder.merge import merge
+
+    merged = tmp_path_factory.mktemp("diff-hip-merged")
+    merge([out, full], merged)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_fake_hip(tmp_path_factory.mktemp("fakehip"))
+
+
+def launch_both(images: Path, arch: str, fake: Path, tmp: Path, triton_cache: Path,
+                extra_env: dict[str, str] | None = None) -> tuple[dict, dict]:
+    """Run the differential for ``arch``; returns (triton, aotriton-rt) records by variant key."""
+    jit_log, aot_log = tmp / f"triton-{arch}.jsonl", tmp / f"aotriton-{arch}.jsonl"
+    env = {**compile_env(triton_cache), **fake_hip_env(fake, None, arch=DEVICE_ARCH[arch], lds=160 * 1024),
+           "TRITON_LIBHIP_PATH": str(fake), **(extra_env or {})}
+    _python(["-m", "tests.fakehip.differential", str(images), arch, str(jit_log), str(aot_log)], env)
+    jit = records_by_variant(read_log(jit_log), LAUNCHES, "hipModuleLoadData")
+    aot = records_by_variant(read_log(aot_log), LAUNCHES, "hipModuleLoadData")
+    return jit, aot
+
+
+def differences(images: Path, arch: str, jit: dict, aot: dict) -> list[str]:
+    """Human-readable differences between the two launchers' records, one entry per variant."""
+    catalog = Catalog.load(images)
+    problems = []
+    for v in (v for v in catalog.variants if v.target.arch == arch):
+        j, a = jit.get(v.key, {}), aot.get(v.key, {})
+        label = f"{v.kernel} {v.key[:16]}@{arch}"
+        if "launch" not in j or "launch" not in a:
+            problems.append(f"{label}: no launch recorded (triton: {j.get('failures')}, "
+                            f"aotriton-rt: {a.get('failures')})")
+            continue
+        fj, fa = compared_fields(j["launch"], j["load"]), compared_fields(a["launch"], a["load"])
+        if v.hidden_args and v.scratch["global_size"]:
+            # Global scratch lives at different addresses in the two processes: both must pass
+            # one, and ours must be at least as large as what Triton's launcher asked for.
+            at = v.hidden_args[0].offset * 2
+            pj, pa = fj["kernarg"][at:at + 16], fa["kernarg"][at:at + 16]
+            if int(pj or "0", 16) and int(pa or "0", 16):
+                fj["kernarg"] = fj["kernarg"][:at] + "0" * 16 + fj["kernarg"][at + 16:]
+                fa["kernarg"] = fa["kernarg"][:at] + "0" * 16 + fa["kernarg"][at + 16:]
+            if a.get("scratch_capacity", 0) < j.get("scratch_needed", 0):
+                problems.append(f"{label}: aotriton-rt's global scratch holds {a.get('scratch_capacity')} "
+                                f"bytes, Triton's launcher asked for {j.get('scratch_needed')}")
+        if fj != fa:
+            fields = [k for k in fj if fj[k] != fa[k]]
+            detail = "\n".join(f"  {k}: triton {fj[k]} vs aotriton-rt {fa[k]}" for k in fields if k != "kernarg")
+            if "kernarg" in fields:
+                detail += "\n" + explain_kernarg(bytes.fromhex(fj["kernarg"]), bytes.fromhex(fa["kernarg"]),
+                                                 v.args + v.hidden_args)
+            problems.append(f"{label}: {', '.join(fields)} differ\n{detail}")
+        elif "args_size" in a["launch"] and a["launch"]["args_size"] != len(bytes.fromhex(fa["kernarg"])):
+            problems.append(f"{label}: aotriton-rt passed {a['launch']['args_size']} argument bytes for a "
+                            f"{len(bytes.fromhex(fa['kernarg']))}-byte kernarg segment")
+    return problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", HIP_TARGETS)
+def test_aotriton_launches_every_default_hip_kernel_as_tritons_own_launcher_does(
+        hip_sample_images: Path, fake_lib: Path, tmp_path: Path, triton_cache: Path, arch: str) -> None:
+    jit, aot = launch_both(hip_sample_images, arch, fake_lib, tmp_path, triton_cache)
+    catalog = Catalog.load(hip_sample_images)
+    kernels = {v.kernel for v in catalog.variants if v.target.arch == arch}
+    assert {"add", "softmax", "layernorm", "rmsnorm", "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dq",
+            "attn_bwd_dkdv"} <= kernels
+    assert differences(hip_sample_images, arch, jit, aot) == []
+    # Both sides really launched, through the two different argument-passing styles.
+    assert {r["launch"]["via"] for r in jit.values()} == {"kernelParams"}
+    assert {r["launch"]["via"] for r in aot.values()} == {"extra"}
+
+
+# ---------------------------------------------------------------------------- the test can fail
+
+# Each mutation breaks one thing aotriton-rt decides at launch; the differential must see it.
+MUTATIONS = {
+    # A scalar moved into the padding after it: a layout the packer accepts (same size, no
+    # overlap) but not the one the code object reads. Variants without such padding stay as they are.
+    "packer offset": (
+        "import dataclasses\n"
+        "import aotriton_rt.catalog as c\n"
+        "_orig = c.Variant.from_json.__func__\n"
+        "def _shifted(cls, *a, **k):\n"
+        "    v = _orig(cls, *a, **k)\n"
+        "    args = list(v.args)\n"
+        "    ends = [x.offset for x in args[1:]] + [(v.hidden_args or [v])[0].offset "
+        "if v.hidden_args else v.param_size]\n"
+        "    for i, (x, nxt) in enumerate(zip(args, ends)):\n"
+        "        if not x.is_pointer and nxt >= x.offset + 2 * x.size:\n"
+        "            args[i] = dataclasses.replace(x, offset=x.offset + x.size)\n"
+        "            break\n"
+        "    return dataclasses.replace(v, args=tuple(args))\n"
+        "c.Variant.from_json = classmethod(_shifted)\n",
+        "kernarg"),
+    "grid": (
+        "import aotriton_rt.drivers.hip as h\n"
+        "_orig = h.HipLauncher.__call__\n"
+        "def _wrong(self, gx, gy, gz, stream, values):\n"
+        "    return _orig(self, gx + 1, gy, gz, stream, values)\n"
+        "h.HipLauncher.__call__ = _wrong\n",
+        "grid"),
+    "shared memory": (
+        "import aotriton_rt.drivers.hip as h\n"
+        "_orig = h.HipDriver.make_launcher\n"
+        "def _wrong(self, function, *, shared, **k):\n"
+        "    return _orig(self, function, shared=shared + 256, **k)\n"
+        "h.HipDriver.make_launcher = _wrong\n",
+        "shared"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_differential_fails_when_our_launch_is_wrong(hip_sample_images: Path, fake_lib: Path, tmp_path: Path,
+                                                     triton_cache: Path, mutation: str) -> None:
+    source, field = MUTATIONS[mutation]
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    # sitecustomize runs at interpreter start-up, before the runner imports aotriton-rt.
+    (hook / "sitecustomize.py").write_text(source)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(hook), str(ROOT), os.environ.get("PYTHONPATH"))))}
+    jit, aot = launch_both(hip_sample_images, "gfx942", fake_lib, tmp_path, triton_cache, env)
+    problems = differences(hip_sample_images, "gfx942", jit, aot)
+    assert problems, f"the {mutation} mutation went unnoticed"
+    assert all(f"{field}" in p for p in problems), problems
