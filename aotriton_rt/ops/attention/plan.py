@@ -189,6 +189,9 @@ class _Launch:
         self.prepared = None
         if fast:
             self.prepared = handle.prepare(device, [0 if isinstance(v, _Slot) else v for v in template])
+            if self.prepared is not None:
+                # Prepared launches pack integers only: an absent array (no bias, no mask) is address 0.
+                self.constants = tuple(0 if v is None else v for v in constants)
 
     def __call__(self, src: tuple, stream: int) -> None:
         if self.prepared is not None:
