@@ -49,6 +49,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"images: {', '.join(str(f) for f in lib.found.folders)} ({lib.found.reason})")
     for where, why in lib.found.tried:
         print(f"  skipped {where}: {why}")
+    from .sources import summary_lines  # where each folder came from, digests checked
+
+    print("\n".join(summary_lines(lib)))
     versions = sorted({c.triton_version for c in lib.catalogs})
     per_target = Counter(f"{v.target.backend}/{v.target.arch}" for v in lib.variants)
     print(f"catalog: {len(lib.variants)} variants of {len(lib.kernels)} kernels, "
