@@ -134,16 +134,19 @@ def summary_lines(lib) -> list[str]:
     origins = getattr(lib.found, "origins", {}) or {}
     lines = []
     for folder, catalog in zip(lib.found.folders, lib.catalogs):
-        served = [v for v in catalog.variants if lib._folder.get(v.key) == folder]
+        served = sum(lib._folder.get(v.key) == folder for v in catalog.variants)
         bad = []
-        for v in served:
+        for v in catalog.variants:
             try:
                 read_image(folder, v)
             except ImageError as e:
                 bad.append(str(e).splitlines()[0])
-        targets = Counter(v.target.arch for v in served)
+        targets = Counter(v.target.arch for v in catalog.variants)
         state = "digests OK" if not bad else f"{len(bad)} FAILED digest checks (first: {bad[0]})"
         lines.append(f"  {origins.get(str(folder), str(folder))}: {folder}")
-        lines.append(f"    {len(served)} variants ({', '.join(f'{t} {n}' for t, n in sorted(targets.items()))}"
-                     f"), triton {catalog.triton_version}, {state}")
+        per_target = ", ".join(f"{t} {n}" for t, n in sorted(targets.items()))
+        lines.append(f"    {len(catalog.variants)} variants ({per_target}"
+                     + (f"; {len(catalog.variants) - served} also in an earlier folder, used from there"
+                        if served < len(catalog.variants) else "") + "), "
+                     f"triton {catalog.triton_version}, {state}")
     return lines
