@@ -72,7 +72,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="python -m aotriton_rt", description=__doc__)
+    p.add_argument("--version", action="version", version=f"aotriton-rt {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="GPUs seen, image folder chosen and why, catalog statistics")
     info.add_argument("--images", help="an image folder (default: the documented search)")
