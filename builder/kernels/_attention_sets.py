@@ -10,24 +10,35 @@
 #: Gemma 3, DiT/Flux; 256: Gemma 1/2). Other dims run zero-padded on the next compiled bucket:
 #: anything up to 64 on 64 (e.g. 32 or 40), 112 on 128, 160-256 on 256.
 DEFAULT_HEAD_DIMS = (64, 80, 96, 128, 256)
+#: Head dims whose dropout (training) variants are in the default set: the encoders that train
+#: with attention dropout (BERT, ViT: 64) and the common decoder size (128).
+DEFAULT_DROPOUT_HEAD_DIMS = (64, 128)
 
 
 def in_default_set(spec: dict, target: object) -> bool:
-    """The default set, embedded in the runtime wheel: what common models need for inference
-    and training. fp16/bf16, head dims ``DEFAULT_HEAD_DIMS`` (equal q·k and v), no mask or
-    causal aligned either way, dropout (without the returned mask) with no mask or bottom-right
-    causal (equal lengths, the training case), forward and the deterministic backward. Not in
-    it (build ``--set full``): fp32, other head-dim buckets, bias, varlen, top-left causal with
-    dropout, the returned dropout mask, the atomic-dQ backward."""
+    """The default set (forward; see :func:`in_default_backward_set`), embedded in the runtime
+    wheel: what common models need. fp16/bf16, head dims ``DEFAULT_HEAD_DIMS`` (equal q·k and
+    v), no mask or causal aligned either way; dropout (without the returned mask) at
+    ``DEFAULT_DROPOUT_HEAD_DIMS`` with no mask or bottom-right causal (equal lengths, the
+    training case). Not in it (build ``--set full``): fp32, other head-dim buckets, bias,
+    varlen, dropout at other head dims or top-left causal with unequal lengths, the returned
+    dropout mask, the atomic-dQ backward."""
     causal = spec.get("CAUSAL", 0)
     dropout = spec.get("DROPOUT", 0)
+    head_dim = spec.get("HEAD_DIM", 64)
     return (spec.get("dtype") in ("fp16", "bf16")
-            and spec.get("HEAD_DIM", 64) in DEFAULT_HEAD_DIMS
-            and spec.get("HEAD_DIM_V", spec.get("HEAD_DIM", 64)) == spec.get("HEAD_DIM", 64)
+            and head_dim in DEFAULT_HEAD_DIMS
+            and spec.get("HEAD_DIM_V", head_dim) == head_dim
             and causal in (0, 1, 2)
-            and dropout in (0, 1) and not (dropout and causal == 1)
+            and dropout in (0, 1) and not (dropout and (causal == 1 or head_dim not in DEFAULT_DROPOUT_HEAD_DIMS))
             and not spec.get("BIAS", 0) and not spec.get("VARLEN", 0)
             and not spec.get("DQ_ATOMIC", 0))
+
+
+def in_default_backward_set(spec: dict, target: object) -> bool:
+    """The default set's backward kernels: the forward's combinations except top-left causal
+    (unequal lengths are an inference case; equal lengths run bottom-right)."""
+    return in_default_set(spec, target) and spec.get("CAUSAL", 0) != 1
 
 
 # The feature combinations tests/runtime/test_attention_gpu.py launches beyond the default set,
