@@ -1,4 +1,9 @@
-"""``python -m aotriton_rt``: ``info`` about GPUs and images; ``download`` and ``verify`` bundles."""
+"""python -m aotriton_rt: info about GPUs and images; download and verify image bundles.
+
+Commands: info (GPUs seen, image folders chosen and why, where each came from, digests checked),
+download (install per-target image bundles), verify (re-check installed bundles). Run
+`python -m aotriton_rt COMMAND --help` for each command's options.
+"""
 
 from __future__ import annotations
 
@@ -74,7 +79,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(prog="python -m aotriton_rt", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m aotriton_rt", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"aotriton-rt {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="GPUs seen, image folder chosen and why, catalog statistics")

@@ -143,7 +143,7 @@ def summary_lines(lib) -> list[str]:
                 bad.append(str(e).splitlines()[0])
         targets = Counter(v.target.arch for v in catalog.variants)
         state = "digests OK" if not bad else f"{len(bad)} FAILED digest checks (first: {bad[0]})"
-        lines.append(f"  {origins.get(str(folder), str(folder))}: {folder}")
+        lines.append(f"  {origins.get(str(folder), lib.found.reason)}: {folder}")
         per_target = ", ".join(f"{t} {n}" for t, n in sorted(targets.items()))
         lines.append(f"    {len(catalog.variants)} variants ({per_target}"
                      + (f"; {len(catalog.variants) - served} also in an earlier folder, used from there"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -197,3 +198,17 @@ def test_image_wheel_names_are_checked() -> None:
     assert wheels.dist_name(["gfx942", "sm90"], "Full") == "aotriton-rt-images-gfx942-sm90-full"
     with pytest.raises(WheelError, match="is not a valid distribution name"):
         wheels.dist_name(["sm90"], "my set")
+
+
+def test_info_names_the_origin_of_an_explicit_folder_and_both_clis_print_their_version(built_images: Path) -> None:
+    from aotriton_rt import __version__
+
+    env = {k: v for k, v in os.environ.items() if k != "AOTRITON_RT_IMAGES"}
+    run = lambda *a: subprocess.run([sys.executable, "-m", *a], cwd=ROOT, env=env, capture_output=True,
+                                    text=True, check=True).stdout
+    info = run("aotriton_rt", "info", "--images", str(built_images))
+    assert f"  given explicitly: {built_images}\n" in info
+    assert re.search(r"^    36 variants \(gfx1100 9, gfx942 9, sm80 9, sm90 9\), triton 3\.6\.0, digests OK$",
+                     info, re.M)
+    assert run("aotriton_rt", "--version") == f"aotriton-rt {__version__}\n"
+    assert run("builder", "--version") == f"aotriton-rt builder {__version__}\n"
