@@ -35,10 +35,17 @@ def in_default_set(spec: dict, target: object) -> bool:
             and not spec.get("DQ_ATOMIC", 0))
 
 
+#: Head dims whose backward (training) kernels are in the default set; 80 and 96 (Phi-2/3,
+#: Stable Diffusion) are forward-only there, to keep the default build within budget.
+DEFAULT_BACKWARD_HEAD_DIMS = (64, 128, 256)
+
+
 def in_default_backward_set(spec: dict, target: object) -> bool:
-    """The default set's backward kernels: the forward's combinations except top-left causal
-    (unequal lengths are an inference case; equal lengths run bottom-right)."""
-    return in_default_set(spec, target) and spec.get("CAUSAL", 0) != 1
+    """The default set's backward kernels: the forward's combinations at
+    ``DEFAULT_BACKWARD_HEAD_DIMS``, except top-left causal (unequal lengths are an inference
+    case; equal lengths run bottom-right)."""
+    return (in_default_set(spec, target) and spec.get("CAUSAL", 0) != 1
+            and spec.get("HEAD_DIM", 64) in DEFAULT_BACKWARD_HEAD_DIMS)
 
 
 # The feature combinations tests/runtime/test_attention_gpu.py launches beyond the default set,
