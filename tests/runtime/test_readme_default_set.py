@@ -118,7 +118,6 @@ def _missing(call: tuple, libraries: dict[str, _DefaultSetLibrary]) -> list[str]
     arrays = [Dev(*s, dtype=cai_dtype) for s in (sq, sk, sv)]
     missing = []
     for arch, lib in libraries.items():
-        wanted = []
         rec = _Recorder()
         op.attention_kernels(*arrays, **options, library=rec)
         if backward:
