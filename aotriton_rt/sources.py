@@ -56,14 +56,14 @@ def embedded_folder() -> Path | None:
     return path if (path / CATALOG_FILE).is_file() else None
 
 
-def _read_info(folder: Path, dist: str) -> dict:
+def _read_info(folder: Path, dist: str, project: str) -> dict:
     info_path = folder / WHEEL_INFO
     try:
         with open(info_path, "rb") as f:
             data = f.read(_MAX_INFO_BYTES + 1)
     except OSError as e:
         raise CatalogError(f"image wheel {dist}: cannot read {info_path}: {e.strerror or e}; "
-                           f"reinstall it (pip install --force-reinstall {dist})") from e
+                           f"reinstall it (pip install --force-reinstall {project})") from e
     if len(data) > _MAX_INFO_BYTES:
         raise CatalogError(f"image wheel {dist}: {info_path} is larger than {_MAX_INFO_BYTES} bytes")
     try:
@@ -107,7 +107,7 @@ def image_wheels() -> list[Source]:
         if not (folder / CATALOG_FILE).is_file():
             raise CatalogError(f"image wheel {name}: {folder} has no {CATALOG_FILE}; reinstall it "
                                f"(pip install --force-reinstall {dist.metadata['Name']})")
-        check_compatible(_read_info(folder, name), name)
+        check_compatible(_read_info(folder, name, dist.metadata["Name"]), name)
         found.setdefault(str(folder), Source(folder, f"image wheel {name}"))
     return sorted(found.values(), key=lambda s: s.origin)
 

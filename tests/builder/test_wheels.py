@@ -140,7 +140,8 @@ def test_an_image_wheel_without_its_record_is_refused(built_images: Path, site: 
     _install(image_wheel(built_images, tmp_path / "dist", targets=["sm90"], set_name="full", version="0.1.0"), site)
     (site / "aotriton_rt_images_sm90_full" / "image-wheel.json").unlink()
     with pytest.raises(CatalogError, match=r"image wheel aotriton-rt-images-sm90-full 0.1.0: cannot read .*"
-                                           r"image-wheel.json.*pip install --force-reinstall"):
+                                           r"image-wheel.json.*\(pip install --force-reinstall "
+                                           r"aotriton-rt-images-sm90-full\)$"):
         images_mod.find()
 
 
