@@ -213,3 +213,14 @@ def test_info_names_the_origin_of_an_explicit_folder_and_both_clis_print_their_v
                      info, re.M)
     assert run("aotriton_rt", "--version") == f"aotriton-rt {__version__}\n"
     assert run("builder", "--version") == f"aotriton-rt builder {__version__}\n"
+
+
+def test_the_image_extras_name_one_full_image_wheel_per_default_target_at_this_version() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    from aotriton_rt import __version__
+    from builder.targets import DEFAULT
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["version"] == __version__
+    extras = {k: v for k, v in project["optional-dependencies"].items() if k.startswith("images-")}
+    assert extras == {f"images-{t}-full": [f"{wheels.dist_name([t], 'full')}=={__version__}"] for t in DEFAULT}
