@@ -224,3 +224,15 @@ def test_the_image_extras_name_one_full_image_wheel_per_default_target_at_this_v
     assert project["version"] == __version__
     extras = {k: v for k, v in project["optional-dependencies"].items() if k.startswith("images-")}
     assert extras == {f"images-{t}-full": [f"{wheels.dist_name([t], 'full')}=={__version__}"] for t in DEFAULT}
+
+
+def test_a_checkouts_images_come_first_and_are_merged_with_installed_image_wheels(
+        built_images: Path, site: Path, tmp_path: Path) -> None:
+    import shutil
+
+    checkout = tmp_path / "pkg" / "images"
+    shutil.copytree(built_images, checkout)
+    _install(image_wheel(built_images, tmp_path / "dist", targets=["sm90"], set_name="full", version="0.1.0"), site)
+    found = images_mod.find()
+    assert found.folders == [checkout, site / "aotriton_rt_images_sm90_full"]
+    assert found.reason == "the source checkout's images/ folder + image wheel aotriton-rt-images-sm90-full 0.1.0"
