@@ -1,4 +1,9 @@
-"""``python -m aotriton_rt``: ``info`` about GPUs and images; ``download`` and ``verify`` bundles."""
+"""python -m aotriton_rt: info about GPUs and images; download and verify image bundles.
+
+Commands: info (GPUs seen, image folders chosen and why, where each came from, digests checked),
+download (install per-target image bundles), verify (re-check installed bundles). Run
+`python -m aotriton_rt COMMAND --help` for each command's options.
+"""
 
 from __future__ import annotations
 
@@ -63,6 +68,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"images: {', '.join(str(f) for f in lib.found.folders)} ({lib.found.reason})")
     for where, why in lib.found.tried:
         print(f"  skipped {where}: {why}")
+    from .sources import summary_lines  # where each folder came from, digests checked
+
+    print("\n".join(summary_lines(lib)))
     versions = sorted({c.triton_version for c in lib.catalogs})
     per_target = Counter(f"{v.target.backend}/{v.target.arch}" for v in lib.variants)
     print(f"catalog: {len(lib.variants)} variants of {len(lib.kernels)} kernels, "
@@ -83,7 +91,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m aotriton_rt", description=__doc__)
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="python -m aotriton_rt", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"aotriton-rt {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="GPUs seen, image folder chosen and why, catalog statistics")
     info.add_argument("--images", help="an image folder (default: the documented search)")

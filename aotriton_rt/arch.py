@@ -47,7 +47,8 @@ def pick_target(backend: str, device_arch: str, built: list[str]) -> str:
     have = ", ".join(sorted(built)) or "none"
     raise KernelNotFound(
         f"no image for {device_arch}; built archs: {have} — build it with "
-        f"`python -m builder build --targets {device_arch}` or download it with "
+        f"`python -m builder build --targets {device_arch} --add` (keeps the images already there) or "
+        f"download it with "
         f"`python -m aotriton_rt download --arch {device_arch}`")
 
 

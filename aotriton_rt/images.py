@@ -5,8 +5,8 @@ The search order, first match wins:
 1. an explicit path given to :class:`aotriton_rt.Library` (or ``path=``);
 2. the environment variable ``AOTRITON_RT_IMAGES``: one image folder, or several separated by
    ``os.pathsep``;
-3. the ``images/`` folder of a source checkout, or ``aotriton_rt/images`` inside an installed
-   package;
+3. the ``images/`` folder of a source checkout, or ``aotriton_rt/images`` embedded in the
+   runtime wheel, together with every installed image wheel (:mod:`aotriton_rt.sources`);
 4. the per-user cache where ``python -m aotriton_rt download`` installs bundles
    (``AOTRITON_RT_CACHE`` overrides it), one image folder per bundle.
 
@@ -68,6 +68,7 @@ class Found:
     folders: list[Path]
     reason: str
     tried: list[tuple[str, str]] = field(default_factory=list)
+    origins: dict[str, str] = field(default_factory=dict)  # str(folder) -> where it came from
 
 
 def _is_folder(p: Path) -> bool:
@@ -97,11 +98,21 @@ def find(path: str | os.PathLike | None = None) -> Found:
                                       f"{', '.join(bad)}")
         return Found(folders, f"from ${ENV_IMAGES}", tried)
     tried.append((f"${ENV_IMAGES}", "not set"))
-    for candidate, why in ((_HERE.parent / "images", "the source checkout's images/ folder"),
-                           (_HERE / "images", "the images packaged with aotriton_rt")):
-        if _is_folder(candidate):
-            return Found([candidate], why, tried)
-        tried.append((str(candidate), f"no {CATALOG_FILE}"))
+    # Installed images (aotriton_rt.sources): a source checkout's images/ or the ones embedded
+    # in the runtime wheel, merged with every installed image wheel.
+    from .sources import packaged
+
+    checkout = _HERE.parent / "images"
+    if _is_folder(checkout):
+        sources = [(checkout, "the source checkout's images/ folder")]
+        sources += [(s.folder, s.origin) for s in packaged() if s.folder != _HERE / "images"]
+    else:
+        tried.append((str(checkout), f"no {CATALOG_FILE}"))
+        sources = [(s.folder, s.origin) for s in packaged()]
+    if sources:
+        return Found([f for f, _ in sources], " + ".join(o for _, o in sources), tried,
+                     {str(f): o for f, o in sources})
+    tried.append(("installed packages", "no embedded images and no image wheels"))
     root = cache_root()
     try:
         bundles = sorted(p for p in root.glob("*") if _is_folder(p)) if root.is_dir() else []

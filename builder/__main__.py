@@ -1,4 +1,10 @@
-"""``python -m builder``: build, list, merge, verify and pack image folders."""
+"""python -m builder: compile Triton kernels into image folders, and package them.
+
+Commands: build (compile a set of variants into an image folder), list (what a build would
+compile), merge (join shard outputs), verify (re-check digests and argument layouts), pack
+(bundles for download), wheel (the runtime wheel and data-only image wheels). Run
+`python -m builder COMMAND --help` for each command's options and defaults.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,10 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "images"
+_CHECKOUT = Path(__file__).resolve().parent.parent
+# A source checkout builds into its images/ folder (the runtime finds it there); an installed
+# builder into ./images.
+DEFAULT_OUT = _CHECKOUT / "images" if (_CHECKOUT / "pyproject.toml").is_file() else Path("images")
 
 
 def _jobs(args) -> list:
@@ -38,7 +47,8 @@ def cmd_build(args) -> int:
     with tempfile.TemporaryDirectory(prefix="aotriton-build-") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
         summary = build(jobs, out, workers=args.jobs, timeout=args.timeout,
-                        keep_going=args.keep_going, triton_version=version, quiet=args.quiet)
+                        keep_going=args.keep_going, triton_version=version, quiet=args.quiet,
+                        existing="keep" if args.add else "replace" if args.replace else "refuse")
     for line in summary.lines():
         print(line)
     return 0
@@ -71,37 +81,57 @@ def cmd_verify(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m builder", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    from aotriton_rt import __version__
+
+    from .wheels import CliHelp as fmt
+    p = argparse.ArgumentParser(prog="python -m builder", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"aotriton-rt builder {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def selection(sp):
         sp.add_argument("--set", default="default",
-                        help="which variants: default (small), full (everything), or a set the "
-                             "kernels declare, e.g. gputest (default: default)")
-        sp.add_argument("--targets", help="comma list of targets or aliases hip, cuda, default")
-        sp.add_argument("--kernels", help="comma list of kernel names (default: all)")
-        sp.add_argument("--shard", metavar="K/N", help="build the K-th of N deterministic slices")
+                        help="which variants: default (common models), full (everything), or a set "
+                             "the kernels declare, e.g. gputest")
+        sp.add_argument("--targets", default="default",
+                        help="comma list of targets (gfx942,sm90) or the aliases hip, cuda, default")
+        sp.add_argument("--kernels", help="comma list of kernel names (default: all kernels)")
+        sp.add_argument("--shard", metavar="K/N", help="build only the K-th of N deterministic slices")
 
-    b = sub.add_parser("build", help="compile images and write the catalog")
+    b = sub.add_parser("build", help="compile images and write the catalog", formatter_class=fmt,
+                       description="Compile the selected variants into an image folder, in parallel, "
+                                   "reusing unchanged variants. A folder that already holds other "
+                                   "variants is refused unless --add (keep them) or --replace (drop "
+                                   "them) is given.")
     selection(b)
     b.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
-    b.add_argument("--out", default=str(DEFAULT_OUT), help="image folder (default: images/)")
+    b.add_argument("--out", default=str(DEFAULT_OUT), help="image folder")
     b.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per variant")
     b.add_argument("--keep-going", action="store_true", help="write what compiled despite failures")
-    b.add_argument("-q", "--quiet", action="store_true")
+    keep = b.add_mutually_exclusive_group()
+    keep.add_argument("--add", action="store_true",
+                      help="keep the folder's variants that this build does not rebuild")
+    keep.add_argument("--replace", action="store_true",
+                      help="drop the folder's variants that this build does not rebuild")
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     b.set_defaults(func=cmd_build)
 
-    sp = sub.add_parser("list", help="print what would be built, without building")
+    sp = sub.add_parser("list", help="print what would be built, without building", formatter_class=fmt,
+                        description="Print one line per variant a build with these options would compile, "
+                                    "and counts per kernel and target.")
     selection(sp)
     sp.set_defaults(func=cmd_list)
 
-    m = sub.add_parser("merge", help="merge shard outputs into one image folder")
+    m = sub.add_parser("merge", help="merge shard outputs into one image folder", formatter_class=fmt,
+                       description="Merge image folders built with --shard into one folder and catalog.")
     m.add_argument("inputs", nargs="+", help="image folders built with --shard")
-    m.add_argument("--out", required=True)
+    m.add_argument("--out", required=True, help="the merged image folder")
     m.set_defaults(func=cmd_merge)
 
-    v = sub.add_parser("verify", help="re-check digests and the ABI proof of an image folder")
-    v.add_argument("--images", default=str(DEFAULT_OUT))
+    v = sub.add_parser("verify", help="re-check digests and the ABI proof of an image folder", formatter_class=fmt,
+                       description="Re-check both digests of every image and prove its argument layout "
+                                   "against the binary's own metadata.")
+    v.add_argument("--images", default=str(DEFAULT_OUT), help="image folder")
     v.set_defaults(func=cmd_verify)
 
     try:
@@ -110,6 +140,9 @@ def parser() -> argparse.ArgumentParser:
         pass
     else:
         add_cli(sub)
+    from .wheels import add_cli as add_wheel_cli
+
+    add_wheel_cli(sub, DEFAULT_OUT)
     return p
 
 
@@ -119,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     from .abi import AbiError
     from .build import BuildError
     from .targets import UnknownTarget
+    from .wheels import WheelError
 
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (BuildError, UnknownTarget, ValueError, AbiError, AotritonError) as e:
+    except (BuildError, UnknownTarget, ValueError, AbiError, AotritonError, WheelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -40,10 +40,12 @@ class Summary:
     raw_bytes: int = 0
     packed_bytes: int = 0
     seconds: float = 0.0
+    kept: int = 0  # variants of earlier builds kept beside this build's (existing="keep")
 
     def lines(self) -> list[str]:
         ratio = 100.0 * self.packed_bytes / self.raw_bytes if self.raw_bytes else 0.0
-        out = [f"compiled {self.compiled}, reused {self.reused}, failed {len(self.failed)}; "
+        kept = f", kept {self.kept} of earlier builds" if self.kept else ""
+        out = [f"compiled {self.compiled}, reused {self.reused}, failed {len(self.failed)}{kept}; "
                f"images {self.packed_bytes / 1e6:.2f} MB xz from {self.raw_bytes / 1e6:.2f} MB raw "
                f"({ratio:.1f}%); {self.seconds:.1f} s"]
         out += [f"FAILED {label}: {reason}" for label, reason in self.failed]
@@ -132,6 +134,38 @@ class _Pool:
                 proc.kill()
 
 
+#: What a build does with variants already in the output folder that it would not build.
+EXISTING = ("refuse", "keep", "replace")
+
+
+def _identity(kernel: str, arch: str, spec: dict, config_index: int) -> tuple:
+    """What makes two variants the same slot: a rebuild of it (new source, new Triton) replaces it."""
+    return kernel, arch, tuple(sorted((k, repr(v)) for k, v in spec.items())), config_index
+
+
+def _job_identity(job: Job) -> tuple:
+    return _identity(job.kernel, job.target.arch, job.spec, job.config_index)
+
+
+def _variant_identity(v: dict) -> tuple:
+    return _identity(v["kernel"], v["target"]["arch"], v.get("spec", {}), v.get("config", {}).get("index", 0))
+
+
+def _others(previous: dict[str, dict], jobs: Sequence[Job]) -> dict[str, dict]:
+    """Intact variants of earlier builds in the folder that none of ``jobs`` rebuilds."""
+    slots = {_job_identity(j) for j in jobs}
+    keys = {j.key for j in jobs}
+    return {k: v for k, v in previous.items() if k not in keys and _variant_identity(v) not in slots}
+
+
+def _describe_others(others: dict[str, dict]) -> str:
+    from collections import Counter
+
+    per = Counter(f"{v['kernel']}@{v['target']['arch']}" for v in others.values())
+    shown = ", ".join(f"{k}={n}" for k, n in sorted(per.items())[:12])
+    return shown + (f", ... ({len(per)} kernel/target pairs)" if len(per) > 12 else "")
+
+
 def _previous(out: Path) -> dict[str, dict]:
     """Variants of an earlier build in ``out`` whose image is still intact, by key."""
     try:
@@ -204,13 +238,30 @@ def _progress(total: int, quiet: bool):
 
 
 def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_going: bool,
-          triton_version: str, quiet: bool = False) -> Summary:
-    """Compile ``jobs`` into the image folder ``out``; the catalog lists exactly these jobs."""
+          triton_version: str, quiet: bool = False, existing: str = "refuse") -> Summary:
+    """Compile ``jobs`` into the image folder ``out``.
+
+    The folder may already hold variants that ``jobs`` do not rebuild (other kernels, targets
+    or sets). ``existing`` says what happens to them: ``"refuse"`` (the default) raises
+    BuildError before compiling anything, naming them; ``"keep"`` keeps them next to the new
+    ones; ``"replace"`` drops them, so the catalog lists exactly ``jobs``. Earlier builds of
+    the same slots (same kernel, spec, config and target; e.g. from an edited kernel) are
+    always replaced.
+    """
+    if existing not in EXISTING:
+        raise ValueError(f"existing must be one of {', '.join(EXISTING)}, got {existing!r}")
     started = time.monotonic()
-    out.mkdir(parents=True, exist_ok=True)
     previous = _previous(out)
+    others = _others(previous, jobs)
+    if others and existing == "refuse":
+        raise BuildError(
+            f"{out} already holds {len(others)} variants this build would drop ({_describe_others(others)}); "
+            "nothing was built. Pass --add to keep them next to the new ones, --replace to drop them, "
+            "or build into another folder (--out)")
+    out.mkdir(parents=True, exist_ok=True)
     summary = Summary()
-    variants: dict[str, dict] = {}
+    variants: dict[str, dict] = dict(others) if existing == "keep" else {}
+    summary.kept = len(variants)
     todo = []
     for job in jobs:
         if job.key in previous:

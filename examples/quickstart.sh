@@ -20,7 +20,7 @@ fi
 
 echo "== building the default image set for all default targets (CPU only) =="
 start=$(date +%s)
-python -m builder build --set default
+python -m builder build --set default --add   # --add: keep any other variants already there
 echo "build wall time: $(( $(date +%s) - start )) s"
 
 echo "== checking the images (digests and ABI proof) =="

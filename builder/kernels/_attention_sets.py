@@ -1,19 +1,51 @@
 """Which attention variants each build set holds (shared by attention.py and attention_bwd.py).
 
-``default``: the small set the quickstart and CI build. ``gputest``: what the GPU test matrix
-needs (every feature at a few sizes). ``full``: everything (no predicate needed).
+``default``: what common models need (the quickstart builds it; the runtime wheel embeds it).
+``gputest``: what the GPU test matrix needs (every feature at a few sizes). ``full``: everything (no predicate needed).
 """
 
 
+#: Head dims of the default set: those of common open models (64: GPT-2, BERT, ViT, Whisper,
+#: Falcon, TinyLlama, SmolLM; 80: Phi-2, Stable Diffusion; 96: Phi-3; 128: Llama, Mistral, Qwen,
+#: Gemma 3, DiT/Flux; 256: Gemma 1/2). Other dims run zero-padded on the next compiled bucket:
+#: anything up to 64 on 64 (e.g. 32 or 40), 112 on 128, 160-256 on 256.
+DEFAULT_HEAD_DIMS = (64, 80, 96, 128, 256)
+#: Head dims whose dropout (training) variants are in the default set: the encoders that train
+#: with attention dropout (BERT, ViT: 64) and the common decoder size (128).
+DEFAULT_DROPOUT_HEAD_DIMS = (64, 128)
+
+
 def in_default_set(spec: dict, target: object) -> bool:
-    """The small CI set: fp16/bf16, D 64 and 128, no mask or bottom-right causal, no extras
-    (deterministic backward only)."""
+    """The default set (forward; see :func:`in_default_backward_set`), embedded in the runtime
+    wheel: what common models need. fp16/bf16, head dims ``DEFAULT_HEAD_DIMS`` (equal q·k and
+    v), no mask or causal aligned either way; dropout (without the returned mask) at
+    ``DEFAULT_DROPOUT_HEAD_DIMS`` with no mask or bottom-right causal (equal lengths, the
+    training case). Not in it (build ``--set full``): fp32, other head-dim buckets, bias,
+    varlen, dropout at other head dims or top-left causal with unequal lengths, the returned
+    dropout mask, the atomic-dQ backward."""
+    causal = spec.get("CAUSAL", 0)
+    dropout = spec.get("DROPOUT", 0)
+    head_dim = spec.get("HEAD_DIM", 64)
     return (spec.get("dtype") in ("fp16", "bf16")
-            and spec.get("HEAD_DIM", 64) in (64, 128)
-            and spec.get("HEAD_DIM_V", spec.get("HEAD_DIM", 64)) == spec.get("HEAD_DIM", 64)
-            and spec.get("CAUSAL", 0) in (0, 2)
-            and not spec.get("BIAS", 0) and not spec.get("DROPOUT", 0) and not spec.get("VARLEN", 0)
+            and head_dim in DEFAULT_HEAD_DIMS
+            and spec.get("HEAD_DIM_V", head_dim) == head_dim
+            and causal in (0, 1, 2)
+            and dropout in (0, 1) and not (dropout and (causal == 1 or head_dim not in DEFAULT_DROPOUT_HEAD_DIMS))
+            and not spec.get("BIAS", 0) and not spec.get("VARLEN", 0)
             and not spec.get("DQ_ATOMIC", 0))
+
+
+#: Head dims whose backward (training) kernels are in the default set; 80 and 96 (Phi-2/3,
+#: Stable Diffusion) are forward-only there, to keep the default build within budget.
+DEFAULT_BACKWARD_HEAD_DIMS = (64, 128, 256)
+
+
+def in_default_backward_set(spec: dict, target: object) -> bool:
+    """The default set's backward kernels: the forward's combinations at
+    ``DEFAULT_BACKWARD_HEAD_DIMS``, except top-left causal (unequal lengths are an inference
+    case; equal lengths run bottom-right)."""
+    return (in_default_set(spec, target) and spec.get("CAUSAL", 0) != 1
+            and spec.get("HEAD_DIM", 64) in DEFAULT_BACKWARD_HEAD_DIMS)
 
 
 # The feature combinations tests/runtime/test_attention_gpu.py launches beyond the default set,

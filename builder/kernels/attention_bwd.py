@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from builder.kernels._attention_sets import in_default_set, in_gputest_set
+from builder.kernels._attention_sets import in_default_backward_set, in_gputest_set
 from builder.kernels.attention import (
     DTYPES,
     GQA_CHECKS,
@@ -552,7 +552,7 @@ KERNELS = [
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_PRE_DIV,
         exclude=head_dim_excluded,
-        sets={"default": in_default_set, "gputest": in_gputest_set},
+        sets={"default": in_default_backward_set, "gputest": in_gputest_set},
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_PRE_DIV),
     ),
     Kernel(
@@ -576,7 +576,7 @@ KERNELS = [
         grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
         divisibility=_DKDV_DIV,
         exclude=head_dim_excluded,
-        sets={"default": in_default_set, "gputest": in_gputest_set},
+        sets={"default": in_default_backward_set, "gputest": in_gputest_set},
         checks=GQA_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1") + stride_checks(_DKDV_DIV),
     ),
     Kernel(
@@ -589,7 +589,7 @@ KERNELS = [
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_DQ_DIV,
         exclude=head_dim_excluded,
-        sets={"default": in_default_set, "gputest": in_gputest_set},
+        sets={"default": in_default_backward_set, "gputest": in_gputest_set},
         checks=GQA_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1") + stride_checks(_DQ_DIV),
     ),
 ]

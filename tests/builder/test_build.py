@@ -216,12 +216,45 @@ def test_a_build_recompiles_only_missing_and_corrupt_images(built, copy: Path) -
 
 
 def test_a_build_removes_the_images_its_catalog_no_longer_lists(built, copy: Path) -> None:
-    summary = _build([j for j in built[2] if j.target.backend == "hip"], copy)
+    summary = _build([j for j in built[2] if j.target.backend == "hip"], copy, existing="replace")
     assert (summary.compiled, summary.reused) == (0, 2)
     assert not [p for p in (copy / "cuda").rglob("*") if p.is_file()]
     assert not (copy / "cuda" / "sm90").exists()
     assert {v.target.arch for v in Catalog.load(copy).variants} == {"gfx942"}
     assert len(list(copy.rglob("*.xz"))) == 2
+
+
+def test_a_build_that_would_drop_other_variants_refuses_and_leaves_the_folder_alone(built, copy: Path) -> None:
+    before = _tree(copy)
+    with pytest.raises(BuildError, match=r"already holds 2 variants this build would drop \(scale@sm90=2\); "
+                                         r"nothing was built. Pass --add to keep them.*--replace to drop them"):
+        _build([j for j in built[2] if j.target.backend == "hip"], copy)
+    assert _tree(copy) == before
+
+
+def test_a_build_with_add_keeps_the_other_variants_beside_its_own(built, copy: Path) -> None:
+    hip = [j for j in built[2] if j.target.backend == "hip"]
+    _build(hip, copy, existing="replace")
+    summary = _build([j for j in built[2] if j.target.backend == "cuda"], copy, existing="keep")
+    assert (summary.compiled, summary.reused, summary.kept) == (2, 0, 2)
+    assert "kept 2 of earlier builds" in summary.lines()[0]
+    assert _tree(copy) == _tree(built[0])
+
+
+def test_a_rebuild_of_the_same_slots_replaces_them_without_asking(built, copy: Path) -> None:
+    # An edited kernel gets new keys for the same kernel/spec/config/target: not "other" variants.
+    def rekey(obj: dict) -> None:
+        for v in obj["variants"]:
+            v["key"] = "0" * 48 + v["key"][48:]
+    _edit_catalog(copy, rekey)
+    summary = _build(built[2], copy)
+    assert (summary.compiled, summary.reused, summary.kept) == (4, 0, 0)
+    assert _tree(copy) == _tree(built[0])
+
+
+def test_an_unknown_existing_policy_is_refused(built, copy: Path) -> None:
+    with pytest.raises(ValueError, match="existing must be one of refuse, keep, replace, got 'merge'"):
+        _build(built[2], copy, existing="merge")
 
 
 def test_a_build_ignores_an_unreadable_previous_catalog(built, copy: Path) -> None:

@@ -238,7 +238,21 @@ def test_a_malformed_shard_fails_with_the_expected_form() -> None:
 def test_a_command_is_required() -> None:
     done = cli()
     assert done.returncode == 2
-    assert "the following arguments are required: command" in done.stderr
+    assert "the following arguments are required: COMMAND" in done.stderr
+
+
+def test_version_and_help_say_what_each_command_does_and_its_defaults() -> None:
+    from aotriton_rt import __version__
+
+    assert cli("--version").stdout == f"aotriton-rt builder {__version__}\n"
+    top = cli("--help").stdout
+    assert "``" not in top, "the top-level help is plain text, not reStructuredText"
+    for command in ("build", "list", "merge", "verify", "pack", "wheel"):
+        assert re.search(rf"^    {command} +\S", top, re.M), f"{command} has no description in --help"
+    build = cli("build", "--help").stdout
+    for option, default in (("--set", "default"), ("--targets", "default"), ("--timeout", "600.0")):
+        assert re.search(rf"{option} .*\(default:\s+{re.escape(default)}\)", build, re.S), option
+    assert "--add" in build and "--replace" in build
 
 
 # --------------------------------------------------------------------------- failures (in-process)

@@ -15,6 +15,10 @@ def clean_env(monkeypatch, tmp_path):
     monkeypatch.setenv(images.ENV_CACHE, str(tmp_path / "cache"))
     # Hide the checkout's own images/ folder so the search goes on to the cache.
     monkeypatch.setattr(images, "_HERE", tmp_path / "pkg" / "aotriton_rt")
+    # ...and any images embedded in an installed runtime (image wheels: none are installed here).
+    from aotriton_rt import sources
+
+    monkeypatch.setattr(sources, "embedded_folder", lambda: None)
     return tmp_path
 
 
@@ -40,7 +44,7 @@ def test_download_cache_bundles_are_found_last(built_images, clean_env):
     shutil.copytree(built_images, clean_env / "cache" / "bundle-sm90")
     found = images.find()
     assert found.folders == [clean_env / "cache" / "bundle-sm90"]
-    assert [why for _, why in found.tried] == ["not set", "no catalog.json", "no catalog.json"]
+    assert [why for _, why in found.tried] == ["not set", "no catalog.json", "no embedded images and no image wheels"]
 
 
 def test_nothing_found_lists_every_place_and_the_fixes(clean_env):

@@ -138,7 +138,7 @@ def test_missing_arch_names_the_built_ones_and_the_fix(built_images, tmp_path):
     proc = _launch_one(built_images, tmp_path, arch="gfx90a:sramecc+:xnack-")
     assert proc.returncode != 0
     assert "KernelNotFound: no image for gfx90a; built archs: gfx1100, gfx942 — build it with " \
-           "`python -m builder build --targets gfx90a`" in proc.stderr
+           "`python -m builder build --targets gfx90a --add` (keeps the images already there)" in proc.stderr
 
 
 def test_driver_failure_names_the_call_code_and_hint(built_images, tmp_path):

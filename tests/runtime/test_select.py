@@ -65,5 +65,6 @@ def test_cuda_binary_compatibility_follows_major_versions():
 
 def test_missing_arch_error_lists_built_archs_and_the_fix():
     with pytest.raises(KernelNotFound, match=r"no image for gfx1201; built archs: gfx90a, gfx942 — build it with "
-                                             r"`python -m builder build --targets gfx1201`"):
+                                             r"`python -m builder build --targets gfx1201 --add` "
+                                             r"\(keeps the images already there\)"):
         pick_target("hip", "gfx1201", ["gfx942", "gfx90a"])

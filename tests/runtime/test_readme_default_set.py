@@ -1,0 +1,191 @@
+"""Every attention call the README and the examples make is served by the default image set.
+
+The README's Python blocks that call attention are executed on the CPU with the attention
+functions replaced by recorders (tensors on "cpu" instead of "cuda"); each recorded call is
+then dispatched by :func:`aotriton_rt.ops.attention.attention_kernels` (dispatch only, nothing
+launches) against a library whose variants are exactly what ``python -m builder build --set
+default`` compiles, for every default target. The examples' calls are listed by hand below,
+next to the file they come from; a test checks that those lines are still in the files.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from aotriton_rt.errors import KernelNotFound
+from aotriton_rt.ops import attention as op
+from aotriton_rt.select import match
+from tests.runtime.test_attention_op import Dev
+
+torch = pytest.importorskip("torch", reason="the README's snippets build torch tensors")
+pytest.importorskip("triton", reason="the default set is what the builder's declarations expand to")
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+#: (file, a line it must contain, the call: shape of q, k, v as (B, H, S, D) or BSHD per layout,
+#: dtype, options, whether the backward runs).
+EXAMPLES = [
+    ("examples/attention_torch.py", 'out = attention(ql, kl, vl, causal=True, layout="bshd")',
+     ((4, 509, 8, 64), (4, 509, 2, 64), (4, 509, 2, 64)), "bf16", {"causal": True, "layout": "bshd"}, True),
+    ("examples/attention_torch.py", "dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16",
+     ((4, 509, 8, 64), (4, 509, 2, 64), (4, 509, 2, 64)), "fp16", {"causal": True, "layout": "bshd"}, True),
+    ("examples/attention_jax.py", "out, lse = aotriton_rt.attention(q, k, v, causal=True)",
+     None, "fp16", {"causal": True}, True),
+]
+
+
+class _DefaultSetLibrary:
+    """What a library over the default set's catalog for one target answers, without images."""
+
+    catalogs: list = []
+
+    def __init__(self, variants: list[Any]) -> None:
+        self.variants = variants
+
+    def kernel(self, name: str, **params: Any) -> Any:
+        sel = match(self.variants, name, params)
+        if not sel.accepted:
+            raise KernelNotFound(f"{name} {params}")
+        return sel.accepted[0]
+
+
+@pytest.fixture(scope="module")
+def default_set() -> dict[str, _DefaultSetLibrary]:
+    from builder.registry import expand, load_kernels
+    from builder.targets import DEFAULT, parse_targets
+
+    kernels = load_kernels()
+    per_arch: dict[str, list] = {a: [] for a in DEFAULT}
+    for kernel in kernels.values():
+        if not kernel.name.startswith("attn_"):
+            continue
+        for job in expand(kernel, parse_targets("default"), "default", "3.6.0"):
+            config = SimpleNamespace(index=job.config_index, num_warps=job.config.num_warps,
+                                     num_stages=job.config.num_stages, constexprs={})
+            per_arch[job.target.arch].append(SimpleNamespace(
+                kernel=job.kernel, key=job.key, target=job.target, config=config, params=dict(job.spec)))
+    return {arch: _DefaultSetLibrary(vs) for arch, vs in per_arch.items()}
+
+
+def _readme_blocks() -> list[str]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "attention(" in b]
+
+
+def _record_readme(block: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Run a README block on the CPU; return each attention call as (q, k, v, dtype, options, backward)."""
+    import aotriton_rt
+    import aotriton_rt.ops.torch as op_torch
+
+    calls: list[tuple] = []
+
+    def shape(t: Any) -> tuple:
+        return tuple(t.shape)
+
+    def torch_op(q, k, v, **options):
+        calls.append(((shape(q), shape(k), shape(v)), _DTYPES[q.dtype], options, q.requires_grad))
+        return q * 1
+
+    def forward(q, k, v, **options):
+        calls.append(((shape(q), shape(k), shape(v)), _DTYPES[q.dtype], options, False))
+        return q.detach() * 1, torch.zeros(q.shape[:-1])
+
+    def backward(dout, q, k, v, out, lse, **options):
+        calls.append(((shape(q), shape(k), shape(v)), _DTYPES[q.dtype], options, True))
+        return q, k, v, None
+
+    monkeypatch.setattr(op_torch, "attention", torch_op)
+    monkeypatch.setattr(aotriton_rt, "attention", forward, raising=False)
+    monkeypatch.setattr(aotriton_rt, "attention_backward", backward, raising=False)
+    source = block.replace('device="cuda"', 'device="cpu"')
+    exec(compile(source, "<README.md>", "exec"), {"__name__": "readme"})  # noqa: S102 - the project's own README
+    return calls
+
+
+def _missing(call: tuple, libraries: dict[str, _DefaultSetLibrary]) -> list[str]:
+    (sq, sk, sv), dtype, options, backward = call
+    options = dict(options)
+    options.pop("library", None)
+    for name in ("return_lse", "deterministic"):
+        options.pop(name, None)
+    cai_dtype = "fp16" if dtype == "bf16" else dtype  # CAI has no bf16; the dtype is patched into the specs
+    arrays = [Dev(*s, dtype=cai_dtype) for s in (sq, sk, sv)]
+    missing = []
+    for arch, lib in libraries.items():
+        rec = _Recorder()
+        op.attention_kernels(*arrays, **options, library=rec)
+        if backward:
+            op.attention_kernels(*arrays, **options, backward=True, library=rec)
+        wanted = [(n, {**p, "dtype": dtype}) for n, p in rec.asked]
+        for name, params in wanted:
+            try:
+                lib.kernel(name, **params)
+            except KernelNotFound:
+                missing.append(f"{arch}: {name} {params}")
+    return missing
+
+
+class _Recorder:
+    """A library that holds every variant and records which ones dispatch asks for."""
+
+    catalogs: list = []
+    variants: list = []
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, dict]] = []
+
+    def kernel(self, name: str, **params: Any) -> dict:
+        self.asked.append((name, params))
+        return params
+
+
+@pytest.fixture
+def dispatch_as_the_default_set(monkeypatch: pytest.MonkeyPatch, default_set) -> None:
+    # Where the call has a choice (causal alignment for equal lengths), dispatch takes what the
+    # default set holds: availability comes from the sm90 default set (the same on every target).
+    monkeypatch.setattr(op, "_available", lambda lib, name, params: bool(
+        match(default_set["sm90"].variants, name, {k: v for k, v in params.items() if k != "dtype"}).accepted))
+
+
+def test_the_readme_has_attention_snippets_to_check() -> None:
+    blocks = _readme_blocks()
+    assert blocks and any("dropout_p" in b for b in blocks) and any("backward" in b for b in blocks)
+
+
+@pytest.mark.parametrize("index", range(len(_readme_blocks())))
+def test_every_readme_attention_call_runs_on_the_default_set_of_every_default_target(
+        index: int, monkeypatch: pytest.MonkeyPatch, default_set, dispatch_as_the_default_set) -> None:
+    calls = _record_readme(_readme_blocks()[index], monkeypatch)
+    assert calls, "the README block made no attention call"
+    missing = [m for call in calls for m in _missing(call, default_set)]
+    assert not missing, "README attention calls the default set cannot serve:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: e[0])
+def test_every_example_attention_call_runs_on_the_default_set_of_every_default_target(
+        example: tuple, default_set, dispatch_as_the_default_set) -> None:
+    path, line, shapes, dtype, options, backward = example
+    assert line in (ROOT / path).read_text(encoding="utf-8"), f"{path} changed: update EXAMPLES"
+    if shapes is None:  # attention_jax.py: (B, H, S, D) from its constants
+        text = (ROOT / path).read_text(encoding="utf-8")
+        b, h, s, d = (int(x) for x in re.search(r"B, H, S, D = (\d+), (\d+), (\d+), (\d+)", text).groups())
+        shapes = ((b, h, s, d),) * 3
+    missing = _missing((shapes, dtype, options, backward), default_set)
+    assert not missing, f"{path} needs kernels the default set lacks:\n" + "\n".join(missing)
+
+
+def test_the_check_itself_catches_a_call_the_default_set_lacks(default_set, dispatch_as_the_default_set) -> None:
+    # fp32 and a bias are outside the default set: the same machinery must report them.
+    shapes = ((2, 4, 128, 64),) * 3
+    assert _missing((shapes, "fp32", {"causal": True}, False), default_set)
+    assert _missing((shapes, "fp16", {"causal": True, "align": "top_left", "dropout_p": 0.1, "seed": 1},
+                     False), {"sm90": default_set["sm90"]}) == []  # equal lengths: bottom-right serves it
+    lopsided = ((2, 4, 128, 64), (2, 4, 256, 64), (2, 4, 256, 64))
+    assert _missing((lopsided, "fp16", {"causal": True, "dropout_p": 0.1, "seed": 1}, True),
+                    {"sm90": default_set["sm90"]})
