@@ -19,6 +19,7 @@ import pytest
 
 from aotriton_rt.errors import KernelNotFound
 from aotriton_rt.ops import attention as op
+from aotriton_rt.ops.attention import dispatch
 from aotriton_rt.select import match
 from tests.runtime.test_attention_op import Dev
 
@@ -35,8 +36,8 @@ EXAMPLES = [
      ((4, 509, 8, 64), (4, 509, 2, 64), (4, 509, 2, 64)), "bf16", {"causal": True, "layout": "bshd"}, True),
     ("examples/attention_torch.py", "dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16",
      ((4, 509, 8, 64), (4, 509, 2, 64), (4, 509, 2, 64)), "fp16", {"causal": True, "layout": "bshd"}, True),
-    ("examples/attention_jax.py", "out, lse = aotriton_rt.attention(q, k, v, causal=True)",
-     None, "fp16", {"causal": True}, True),
+    ("examples/attention_jax.py", 'return aj.attention(q, k, v, causal=True, layout="bshd")',
+     None, "bf16", {"causal": True, "layout": "bshd"}, True),
 ]
 
 
@@ -75,7 +76,9 @@ def default_set() -> dict[str, _DefaultSetLibrary]:
 
 def _readme_blocks() -> list[str]:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    return [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "attention(" in b]
+    # The JAX block (aotriton_rt.jax) needs jax to run; its call is the torch block's
+    # (causal=True), and examples/attention_jax.py is checked below through EXAMPLES.
+    return [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "attention(" in b and "import jax" not in b]
 
 
 def _record_readme(block: str, monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
@@ -149,7 +152,7 @@ class _Recorder:
 def dispatch_as_the_default_set(monkeypatch: pytest.MonkeyPatch, default_set) -> None:
     # Where the call has a choice (causal alignment for equal lengths), dispatch takes what the
     # default set holds: availability comes from the sm90 default set (the same on every target).
-    monkeypatch.setattr(op, "_available", lambda lib, name, params: bool(
+    monkeypatch.setattr(dispatch, "_available", lambda lib, name, params: bool(
         match(default_set["sm90"].variants, name, {k: v for k, v in params.items() if k != "dtype"}).accepted))
 
 
@@ -172,10 +175,10 @@ def test_every_example_attention_call_runs_on_the_default_set_of_every_default_t
         example: tuple, default_set, dispatch_as_the_default_set) -> None:
     path, line, shapes, dtype, options, backward = example
     assert line in (ROOT / path).read_text(encoding="utf-8"), f"{path} changed: update EXAMPLES"
-    if shapes is None:  # attention_jax.py: (B, H, S, D) from its constants
+    if shapes is None:  # attention_jax.py: (B, S, H, D) from its constants
         text = (ROOT / path).read_text(encoding="utf-8")
-        b, h, s, d = (int(x) for x in re.search(r"B, H, S, D = (\d+), (\d+), (\d+), (\d+)", text).groups())
-        shapes = ((b, h, s, d),) * 3
+        b, s, h, d = (int(x) for x in re.search(r"B, S, H, D = (\d+), (\d+), (\d+), (\d+)", text).groups())
+        shapes = ((b, s, h, d),) * 3
     missing = _missing((shapes, dtype, options, backward), default_set)
     assert not missing, f"{path} needs kernels the default set lacks:\n" + "\n".join(missing)
 
