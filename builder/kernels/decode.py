@@ -1,0 +1,382 @@
+"""Split-KV decode attention over contiguous or paged KV caches (flash-decoding), ahead of time.
+
+Three kernels, launched by ``aotriton_rt/ops/decode.py`` (see docs/attention.md, "Decode"):
+
+- ``attn_decode_append`` writes ``seqlen_new`` new key/value rows per sequence into the cache at
+  positions ``cache_seqlens[b] + i`` (through the block table when ``PAGED``).
+- ``attn_decode`` computes attention of ``seqlen_q`` (1..16) query rows per sequence against the
+  first ``cache_seqlens[b] + seqlen_new`` cache rows. One program per (query-row block, split,
+  batch * kv head): the rows of its tile are the GQA group's query heads times the query rows
+  (``row = g * seqlen_q + i``), so every K/V tile is read once for the whole group. The visible
+  keys of the sequence are cut into ``num_splits`` equal runs of whole key blocks; each program
+  writes its run's normalised partial output and logsumexp (fp32) to scratch, or, with one
+  split, the final output directly.
+- ``attn_decode_combine`` merges the splits' partials per (kv head group row, batch * kv head).
+
+Masks are bottom-right aligned (the queries are the sequence's last ``seqlen_q`` rows): key ``j``
+is visible from query ``i`` when ``i + diag - window_left <= j <= i + diag + window_right`` with
+``diag = len_k - seqlen_q``; a negative side is unbounded, causal is ``window_right = 0``.
+
+Cache layouts (explicit strides, head dim contiguous): contiguous ``K + b*stride_kz +
+h*stride_kh + n*stride_kn`` (e.g. ``(B, S_cache, H_kv, D)``); paged ``K + page*stride_kz +
+h*stride_kh + (n % page_size)*stride_kn`` with ``page = BlockTable[b, n // page_size]`` (e.g.
+``(num_pages, page_size, H_kv, D)``). Cache contents and block-table entries are the caller's
+contract; lengths are clamped to ``capacity`` and page indices to ``[0, num_pages)`` so that bad
+values give wrong numbers, never an out-of-bounds access (the runtime's debug mode checks them).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from builder.kernels.attention import (
+    LN2,
+    LOG2E,
+    SHARED_LIMIT,
+    divisibility_of,
+    next_power_of_2,
+    signature_of,
+    stride_checks,
+)
+from builder.registry import Config, Kernel
+
+# Head dims the decode kernels are compiled for: the attention buckets (the cache is read in
+# place, so its head dim must be one of them).
+HEAD_DIM_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
+# Longest query run per sequence (speculative decoding drafts): 16.
+MAX_SEQLEN_Q = 16
+
+
+@triton.jit
+def _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_z, stride_n, PAGED: tl.constexpr):
+    """Element offsets (int64) of cache rows ``cols`` of one sequence and head."""
+    if PAGED:
+        page = tl.load(bt_row + cols // page_size, mask=col_ok, other=0)
+        # Block-table entries are the caller's contract; clamping keeps a bad one in bounds.
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+        return page.to(tl.int64) * stride_z + (cols % page_size) * stride_n
+    return cols.to(tl.int64) * stride_n
+
+
+@triton.jit
+def _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity):
+    """Keys visible to this sequence's queries: cached rows plus the appended ones, clamped."""
+    len_k = tl.load(CacheSeqlens + off_b) + seqlen_new
+    return tl.minimum(tl.maximum(len_k, 0), capacity)
+
+
+@triton.jit
+def attn_decode(
+    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_oz, stride_oh, stride_om,
+    stride_lz, stride_lh,
+    stride_btz,
+    batch, num_heads_q, num_heads_k, seqlen_q, seqlen_new, capacity, num_pages, page_size, num_splits,
+    sm_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Split-KV attention of seqlen_q query rows per sequence against its KV cache.
+
+    Grid: (cdiv(group * seqlen_q, BLOCK_M), num_splits, batch * num_heads_k) with group =
+    num_heads_q // num_heads_k. Q and Out are addressed (b, query head, row); LSE at
+    ``b*stride_lz + h*stride_lh + row``. With num_splits > 1 the program writes its split's
+    normalised output and logsumexp to PartO / PartL (fp32, rows ``((bk*num_splits + split) *
+    group*seqlen_q + tile row)``, PartO rows HEAD_DIM wide) for attn_decode_combine.
+    """
+    PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
+    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_bk = tl.program_id(2)
+    off_b = pid_bk // num_heads_k
+    off_hk = pid_bk % num_heads_k
+    group = num_heads_q // num_heads_k
+    rows_total = group * seqlen_q
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < rows_total
+    qi = rows % seqlen_q
+    heads = off_hk * group + rows // seqlen_q
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+
+    q_ptrs = (Q + off_b.to(tl.int64) * stride_qz + heads.to(tl.int64)[:, None] * stride_qh
+              + qi[:, None] * stride_qm + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    len_k = _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity)
+    diag = len_k - seqlen_q
+    unbounded = capacity + seqlen_q
+    left = tl.where(window_left < 0, unbounded, window_left)
+    right = tl.where(window_right < 0, unbounded, window_right)
+    # Keys any row of the tile may see (rows 0..seqlen_q-1), cut into num_splits runs of blocks.
+    lo = tl.maximum(diag - left, 0)
+    hi = tl.minimum(seqlen_q + diag + right, len_k)
+    hi = tl.maximum(hi, lo)
+    lo = lo // BLOCK_N * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
+    start = lo + pid_s * per_split
+    end = tl.minimum(start + per_split, hi)
+
+    K_head = K + off_hk.to(tl.int64) * stride_kh
+    V_head = V + off_hk.to(tl.int64) * stride_vh
+    if not PAGED:
+        K_head += off_b.to(tl.int64) * stride_kz
+        V_head += off_b.to(tl.int64) * stride_vz
+    bt_row = BlockTable + off_b.to(tl.int64) * stride_btz
+
+    qk_scale = sm_scale * LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < len_k
+        k_off = _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn, PAGED)
+        v_off = _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_vz, stride_vn, PAGED)
+        # K as (dim, keys): loads run along the contiguous head dim.
+        k = tl.load(K_head + k_off[None, :] + offs_d[:, None], mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(V_head + v_off[:, None] + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        qk = tl.dot(q, k, input_precision=PREC)
+        rel = cols[None, :] - qi[:, None] - diag
+        visible = (rel >= -left) & (rel <= right) & col_ok[None, :]
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # Rows that have seen no visible key keep m = -inf and subtract 0 (no NaN).
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    if num_splits == 1:
+        o_ptrs = (Out + off_b.to(tl.int64) * stride_oz + heads.to(tl.int64)[:, None] * stride_oh
+                  + qi[:, None] * stride_om + offs_d[None, :])
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + off_b.to(tl.int64) * stride_lz + heads.to(tl.int64) * stride_lh + qi, lse, mask=row_ok)
+    else:
+        part = (pid_bk.to(tl.int64) * num_splits + pid_s) * rows_total + rows
+        tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PartL + part, lse, mask=row_ok)
+
+
+@triton.jit
+def attn_decode_combine(
+    Out, LSE, PartO, PartL,
+    stride_oz, stride_oh, stride_om,
+    stride_lz, stride_lh,
+    batch, num_heads_q, num_heads_k, seqlen_q, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge attn_decode's split partials: out = sum_s exp(lse_s - lse) * out_s.
+
+    Grid: (group * seqlen_q, batch * num_heads_k, 1), one program per output row. Splits that saw
+    no key have lse -inf and weigh 0; a row no split saw outputs 0 and lse -inf.
+    """
+    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    row = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    off_b = pid_bk // num_heads_k
+    off_hk = pid_bk % num_heads_k
+    group = num_heads_q // num_heads_k
+    rows_total = group * seqlen_q
+    head = off_hk * group + row // seqlen_q
+    qi = row % seqlen_q
+    base = pid_bk.to(tl.int64) * num_splits * rows_total + row
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    m_vec = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + offs_s
+        m_vec = tl.maximum(m_vec, tl.load(PartL + base + s.to(tl.int64) * rows_total, mask=s < num_splits,
+                                          other=float("-inf")))
+    m = tl.max(m_vec, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    den = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + offs_s
+        s_ok = s < num_splits
+        idx = base + s.to(tl.int64) * rows_total
+        w = tl.math.exp2((tl.load(PartL + idx, mask=s_ok, other=float("-inf")) - m_sub) * LOG2E)
+        o = tl.load(PartO + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        acc += w[:, None] * o
+        den += w
+    total = tl.sum(den, 0)
+    safe = tl.where(total == 0.0, 1.0, total)
+    out = tl.sum(acc, 0) / safe
+    lse = tl.where(total == 0.0, float("-inf"), m_sub + tl.log(safe))
+    o_ptrs = Out + off_b.to(tl.int64) * stride_oz + head.to(tl.int64) * stride_oh + qi * stride_om + offs_d
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
+    tl.store(LSE + off_b.to(tl.int64) * stride_lz + head.to(tl.int64) * stride_lh + qi, lse)
+
+
+@triton.jit
+def attn_decode_append(
+    KNew, VNew, K, V, BlockTable, CacheSeqlens,
+    stride_knz, stride_knh, stride_knm,
+    stride_vnz, stride_vnh, stride_vnm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_btz,
+    batch, num_heads_k, seqlen_new, capacity, num_pages, page_size,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Write new rows (b, h, i) of KNew / VNew to cache row ``cache_seqlens[b] + i`` of head h.
+
+    Grid: (cdiv(seqlen_new, BLOCK_R), batch * num_heads_k, 1). Rows at or past ``capacity`` are
+    not written (the runtime refuses such calls when it knows the lengths; see the module doc).
+    """
+    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    pid_r = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    off_b = pid_bk // num_heads_k
+    off_hk = pid_bk % num_heads_k
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    pos = tl.load(CacheSeqlens + off_b) + rows
+    ok = (rows < seqlen_new) & (pos >= 0) & (pos < capacity)
+    pos = tl.where(ok, pos, 0)
+    bt_row = BlockTable + off_b.to(tl.int64) * stride_btz
+    k_off = _kv_offsets(bt_row, pos, ok, page_size, num_pages, stride_kz, stride_kn, PAGED)
+    v_off = _kv_offsets(bt_row, pos, ok, page_size, num_pages, stride_vz, stride_vn, PAGED)
+    K_head = K + off_hk.to(tl.int64) * stride_kh
+    V_head = V + off_hk.to(tl.int64) * stride_vh
+    if not PAGED:
+        K_head += off_b.to(tl.int64) * stride_kz
+        V_head += off_b.to(tl.int64) * stride_vz
+    mask = ok[:, None] & d_ok[None, :]
+    src = off_b.to(tl.int64) * stride_knz + off_hk.to(tl.int64) * stride_knh + rows[:, None] * stride_knm
+    kn = tl.load(KNew + src + offs_d[None, :], mask=mask, other=0.0)
+    src = off_b.to(tl.int64) * stride_vnz + off_hk.to(tl.int64) * stride_vnh + rows[:, None] * stride_vnm
+    vn = tl.load(VNew + src + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(K_head + k_off[:, None] + offs_d[None, :], kn, mask=mask)
+    tl.store(V_head + v_off[:, None] + offs_d[None, :], vn, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Registry declarations.
+# --------------------------------------------------------------------------------------------
+
+DTYPES = ("fp16", "bf16", "fp32")
+# What the default build holds: what most decoders run (fp16/bf16 at head dims 64 and 128).
+DEFAULT_HEAD_DIMS = (64, 128)
+# Beyond the default set, what tests/runtime/test_decode_gpu.py launches: (dtype, HEAD_DIM).
+GPUTEST = (("fp32", 64), ("fp32", 128), ("fp16", 80), ("bf16", 256), ("fp16", 32))
+
+
+def in_decode_default_set(spec: dict, target: object) -> bool:
+    """fp16/bf16 at head dims 64 and 128, contiguous and paged caches."""
+    return spec["dtype"] in ("fp16", "bf16") and spec["HEAD_DIM"] in DEFAULT_HEAD_DIMS
+
+
+def in_decode_gputest_set(spec: dict, target: object) -> bool:
+    """The default set plus the (dtype, head dim) pairs the GPU tests launch."""
+    return in_decode_default_set(spec, target) or (spec["dtype"], spec["HEAD_DIM"]) in GPUTEST
+
+
+def _cfg(bm: int, bn: int, warps: int, stages: int, options: dict | None = None) -> Config:
+    return Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages,
+                  options=options or {})
+
+
+def decode_configs(spec: dict, target: object) -> tuple[Config, ...]:
+    """Decode tiles by target and head dim, the expected fastest first (config 0 is launched).
+
+    Decoding is bound by reading K/V: the tile is 16 query rows (a GQA group times the query
+    rows, padded) by BLOCK_N keys, and the pipeline stages keep several K/V tiles in flight per
+    program. The sm90 alternates are for ``bench/decode.py --config``: 128-key steps (half the
+    loop overhead, twice the bytes per stage) and an 8-warp variant (more loads in flight).
+    """
+    d = next_power_of_2(spec["HEAD_DIM"])
+    if spec["dtype"] == "fp32":
+        return (_cfg(16, 32, 4, 2 if target.backend == "cuda" else 1),)
+    if target.backend == "hip":
+        opts = {"waves_per_eu": 2}
+        if target.arch.startswith("gfx9"):
+            opts["matrix_instr_nonkdim"] = 16
+        return (_cfg(16, 64 if d <= 128 else 32, 4, 1, opts),)
+    bn = 64 if d <= 128 else 32
+    # K and V tiles per stage: 2 * bn * d * 2 bytes; keep the ring within the target.
+    limit = SHARED_LIMIT.get(target.arch, 99 * 1024)
+    stages = max(2, min(4, limit // (4 * bn * d) - 1))
+    if target.arch == "sm90":
+        return (_cfg(16, bn, 4, stages), _cfg(16, 2 * bn, 4, max(2, stages - 1)), _cfg(16, bn, 8, stages))
+    return (_cfg(16, bn, 4, min(stages, 3)),)
+
+
+def combine_configs(spec: dict, target: object) -> tuple[Config, ...]:
+    """Eight splits at a time; one stage (the loop is two short passes)."""
+    return (Config(constexprs={"BLOCK_S": 8}, num_warps=4, num_stages=1),)
+
+
+def append_configs(spec: dict, target: object) -> tuple[Config, ...]:
+    return (Config(constexprs={"BLOCK_R": 16}, num_warps=4, num_stages=1),)
+
+
+_DECODE_SIG = signature_of(attn_decode, {
+    "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
+    "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32"})
+_DECODE_DIV = {**divisibility_of(_DECODE_SIG, aligned=("q", "k", "v", "o")), "page_size": 16}
+_COMBINE_SIG = signature_of(attn_decode_combine, {"Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
+                                                  "PartL": "*fp32"})
+_COMBINE_DIV = divisibility_of(_COMBINE_SIG, aligned=("o",))
+_APPEND_SIG = signature_of(attn_decode_append, {
+    "KNew": "*{dtype}", "VNew": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "BlockTable": "*i32",
+    "CacheSeqlens": "*i32"})
+_APPEND_DIV = {**divisibility_of(_APPEND_SIG, aligned=("kn", "vn", "k", "v")), "page_size": 16}
+_SHAPE_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0", "seqlen_q >= 1",
+                 f"seqlen_q <= {MAX_SEQLEN_Q}", "batch * num_heads_k <= 65535")
+_PAGE_CHECKS = ("page_size >= 16", "page_size % 16 == 0", "num_pages >= 1", "capacity >= 0")
+_SETS = {"default": in_decode_default_set, "gputest": in_decode_gputest_set}
+
+KERNELS = [
+    Kernel(
+        name="attn_decode",
+        fn=attn_decode,
+        signature=_DECODE_SIG,
+        axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS, "PAGED": (0, 1)},
+        configs=decode_configs,
+        grid=("cdiv(num_heads_q // num_heads_k * seqlen_q, BLOCK_M)", "num_splits", "batch * num_heads_k"),
+        divisibility=_DECODE_DIV,
+        sets=_SETS,
+        checks=_SHAPE_CHECKS + _PAGE_CHECKS + ("num_splits >= 1", "num_splits <= 65535", "seqlen_new >= 0")
+        + stride_checks(_DECODE_DIV),
+    ),
+    Kernel(
+        name="attn_decode_combine",
+        fn=attn_decode_combine,
+        signature=_COMBINE_SIG,
+        axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS},
+        configs=combine_configs,
+        grid=("num_heads_q // num_heads_k * seqlen_q", "batch * num_heads_k", "1"),
+        divisibility=_COMBINE_DIV,
+        sets=_SETS,
+        checks=_SHAPE_CHECKS + ("num_splits >= 1",) + stride_checks(_COMBINE_DIV),
+    ),
+    Kernel(
+        name="attn_decode_append",
+        fn=attn_decode_append,
+        signature=_APPEND_SIG,
+        axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS, "PAGED": (0, 1)},
+        configs=append_configs,
+        grid=("cdiv(seqlen_new, BLOCK_R)", "batch * num_heads_k", "1"),
+        divisibility=_APPEND_DIV,
+        sets=_SETS,
+        checks=("num_heads_k >= 1", "batch * num_heads_k <= 65535", "seqlen_new >= 1") + _PAGE_CHECKS
+        + stride_checks(_APPEND_DIV),
+    ),
+]
