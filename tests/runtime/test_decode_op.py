@@ -1,0 +1,424 @@
+"""Decode attention without a GPU.
+
+- End to end under Triton's interpreter (subprocesses, ``TRITON_INTERPRET=1``): the operator's
+  real argument lists drive the real kernels of ``builder/kernels/decode.py`` on CPU tensors,
+  compared with an fp64 reference: contiguous and paged caches, random block tables, pages the
+  sequences do not reference filled with NaN, ``cache_seqlens`` 0, 1 and not multiples of the
+  page, appends that cross page boundaries, 1..16 query rows, GQA tiles taller than one block,
+  causal, sliding windows, several splits merged by the combine kernel.
+- Refusals before any launch (arrays are ``__cuda_array_interface__`` descriptions of memory
+  that is never touched): lengths past what the cache or block table can address, page sizes
+  that are not multiples of 16, and the debug-mode checks of device lengths and block tables.
+- The split rule and its catalog overrides as pure functions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aotriton_rt import ArgumentError, CatalogError, UnsupportedError
+from aotriton_rt.ops import decode as op
+from aotriton_rt.ops.decode import SplitRule, num_splits_for, split_rule
+from tests.interpreter import patch_interpreter, run_sharded
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Defaults: B=3, Hq=4, Hk=2, Sq=1, D=32, fp32, contiguous cache of 80 rows, lengths (37, 0, 80).
+CASES: dict[str, dict] = {
+    "contiguous_one_split": {"splits": 1},
+    "contiguous_three_splits_gqa": {"splits": 3, "Hq": 8, "Hk": 2},
+    "contiguous_bhsd_cache_fp16": {"cache_layout": "bhsd", "dtype": "fp16", "splits": 2},
+    "lengths_zero_and_one_bf16": {"lens": (0, 1, 17), "dtype": "bf16", "splits": 2},
+    "paged_random_table_nan_pages": {"paged": 16, "lens": (37, 1, 16, 0), "splits": 3},
+    "paged_32_rows_speculative_causal": {"paged": 32, "Sq": 4, "causal": True, "lens": (45, 70, 5), "splits": 2},
+    "paged_append_across_page_boundaries": {"paged": 16, "new": 3, "lens": (14, 16, 31, 0), "Sq": 3,
+                                            "causal": True, "splits": 2},
+    "contiguous_append_one_row": {"new": 1, "lens": (20, 0, 79), "causal": True, "splits": 4},
+    "sixteen_rows_group_of_four_taller_than_a_tile": {"Sq": 16, "Hq": 8, "Hk": 2, "causal": True,
+                                                      "lens": (40, 60, 20), "splits": 2},
+    "sliding_window_paged": {"paged": 16, "Sq": 2, "causal": True, "window": (9, 0), "lens": (50, 7, 33),
+                             "splits": 3},
+    "window_both_sides_no_causal": {"Sq": 3, "window": (5, 1), "splits": 1},
+    "head_dim_80_split_rule_default": {"D": 80, "Hq": 2, "Hk": 1, "dtype": "fp16"},
+    "mqa_all_heads_one_tile": {"Hq": 6, "Hk": 1, "Sq": 2, "causal": True, "paged": 16, "splits": 2},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpreter side (subprocess).
+# ---------------------------------------------------------------------------------------------
+
+class _Handle:
+    """A kernel handle that launches the Triton source like a compiled variant (checks, grid)."""
+
+    def __init__(self, decl: Any, spec: dict) -> None:
+        from builder.registry import _divisibility, _resolve_signature
+        from builder.targets import KNOWN
+
+        self.decl, self.spec = decl, spec
+        config = decl.configs_for(spec, KNOWN["sm90"])[0]
+        self.constexprs = {n: spec.get(n, config.constexprs.get(n)) for n, t in decl.signature.items()
+                           if t == "constexpr"}
+        if "BLOCK_N" in self.constexprs:
+            self.constexprs["BLOCK_N"] = 16  # short sequences still span several blocks
+        self.signature = _resolve_signature(decl, spec)
+        self.divisibility = _divisibility(decl, self.signature)
+        self.arg_names = [n for n, t in self.signature.items() if t != "constexpr"]
+
+    def variant(self, device: int = 0) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(config=SimpleNamespace(constexprs={k: v for k, v in self.constexprs.items()
+                                                                  if k.startswith("BLOCK")}))
+
+    def __call__(self, *args: Any) -> None:
+        import torch
+
+        from aotriton_rt.pack import compile_expr
+
+        values = dict(zip(self.arg_names, args, strict=True))
+        for name, value in values.items():
+            t = self.signature[name]
+            if t.startswith("*"):
+                if value is None:
+                    values[name] = torch.empty(0, dtype=torch.float32 if "fp" in t else torch.int32)
+                    continue
+                assert value.data_ptr() % 16 == 0, f"{name} misaligned"
+            else:
+                div = self.divisibility.get(name)
+                assert not div or value % div == 0, f"{self.decl.name}.{name}={value} not a multiple of {div}"
+        names = list(values)
+        vals = [0 if self.signature[n].startswith("*") else values[n] for n in names]
+        for check in self.decl.checks:
+            assert compile_expr(check, names, self.constexprs, "check")(*vals), f"{self.decl.name}: {check}"
+        grid = tuple(compile_expr(g, names, self.constexprs, "grid")(*vals) for g in self.decl.grid)
+        LAUNCHES.append((self.decl.name, grid))
+        self.decl.fn[grid](*values.values(), **self.constexprs)
+
+
+LAUNCHES: list = []
+
+
+class _Library:
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        from builder.registry import load_kernels
+
+        self.decls = load_kernels()
+        self.catalogs: list = []
+        self.variants = [SimpleNamespace(target=SimpleNamespace(backend="cuda", arch="sm90"))]
+
+    def kernel(self, name: str, **params: Any) -> _Handle:
+        return _Handle(self.decls[name], params)
+
+
+def _install_cpu() -> None:
+    import torch
+
+    from aotriton_rt import interop
+
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+    describe = op._describe
+
+    def cpu_describe(obj: Any, name: str) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            return interop.ArrayInfo(obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()),
+                                     "torch")
+        return describe(obj, name)
+
+    op._describe = cpu_describe
+
+
+def run_case(name: str, case: dict) -> dict:
+    import torch
+
+    c = {"B": 3, "Hq": 4, "Hk": 2, "Sq": 1, "D": 32, "dtype": "fp32", "cap": 80, "lens": (37, 0, 80),
+         "paged": 0, "new": 0, "causal": False, "window": None, "cache_layout": "bshd", "splits": None, **case}
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[c["dtype"]]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    lens = list(c["lens"])
+    B, Hq, Hk, Sq, D, new = len(lens), c["Hq"], c["Hk"], c["Sq"], c["D"], c["new"]
+    total = [n + new for n in lens]
+    cap = max(c["cap"], max(total))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    # The logical sequences: keys/values of every row each sequence will hold after the append.
+    keys = [randn(n, Hk, D) for n in total]
+    vals = [randn(n, Hk, D) for n in total]
+    q = randn(B, Sq, Hq, D)
+    nan = float("nan")
+    if c["paged"]:
+        ps = c["paged"]
+        max_blocks = -(-cap // ps)
+        pages_needed = sum(-(-n // ps) for n in total)
+        num_pages = pages_needed + 5
+        perm = torch.randperm(num_pages, generator=gen).tolist()
+        table = torch.full((B, max_blocks), -7, dtype=torch.int32)  # unreferenced entries: invalid pages
+        k_cache = torch.full((num_pages, ps, Hk, D), nan, dtype=dtype)
+        v_cache = torch.full((num_pages, ps, Hk, D), nan, dtype=dtype)
+        it = iter(perm)
+        for b, n in enumerate(total):
+            for j in range(-(-n // ps)):
+                table[b, j] = next(it)
+            for r in range(lens[b]):  # only the cached rows; the new ones come through the append
+                k_cache[table[b, r // ps], r % ps] = keys[b][r]
+                v_cache[table[b, r // ps], r % ps] = vals[b][r]
+    else:
+        table = None
+        k_cache = torch.full((B, cap, Hk, D), nan, dtype=dtype)
+        v_cache = torch.full((B, cap, Hk, D), nan, dtype=dtype)
+        for b in range(B):
+            k_cache[b, :lens[b]] = keys[b][:lens[b]]
+            v_cache[b, :lens[b]] = vals[b][:lens[b]]
+        if c["cache_layout"] == "bhsd":
+            k_cache = k_cache.transpose(1, 2).contiguous()
+            v_cache = v_cache.transpose(1, 2).contiguous()
+    k_new = v_new = None
+    if new:
+        k_new = torch.stack([keys[b][lens[b]:] for b in range(B)])
+        v_new = torch.stack([vals[b][lens[b]:] for b in range(B)])
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    LAUNCHES.clear()
+    out, lse = op.decode_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, k_new=k_new,
+                                   v_new=v_new, causal=c["causal"], window=c["window"], num_splits=c["splits"],
+                                   cache_layout=c["cache_layout"], check=True, library=_Library())
+    errors: dict[str, float] = {}
+    failed: list[str] = []
+    tol = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 4e-2}[c["dtype"]]
+    scale = 1 / math.sqrt(D)
+    left, right = c["window"] if c["window"] else (-1, -1)
+    if c["causal"]:
+        right = 0
+    group = Hq // Hk
+    for b in range(B):
+        n = total[b]
+        kk = keys[b].double().transpose(0, 1).repeat_interleave(group, 0)  # (Hq, n, D)
+        vv = vals[b].double().transpose(0, 1).repeat_interleave(group, 0)
+        qq = q[b].double().transpose(0, 1)  # (Hq, Sq, D)
+        s = qq @ kk.transpose(-1, -2) * scale
+        i = torch.arange(Sq)[:, None]
+        j = torch.arange(n)[None, :]
+        rel = j - i - (n - Sq)
+        vis = torch.ones(Sq, n, dtype=torch.bool)
+        if left >= 0:
+            vis &= rel >= -left
+        if right >= 0:
+            vis &= rel <= right
+        s = s.masked_fill(~vis, float("-inf"))
+        row_ok = vis.any(-1)
+        s_safe = torch.where(row_ok[:, None], s, 0.0)
+        p = torch.softmax(s_safe, -1) * row_ok[:, None]
+        ref = (p @ vv).transpose(0, 1)  # (Sq, Hq, D)
+        ref_lse = torch.where(row_ok, torch.logsumexp(s_safe, -1), float("-inf"))
+        got = out[b].double()
+        err = (got - ref).abs().max().item() if n else got.abs().max().item()
+        errors[f"out{b}"] = err
+        if not err <= tol:
+            failed.append(f"out[{b}] (length {n}) error {err}")
+        gl = lse[b].double()
+        both_inf = torch.isinf(gl) & torch.isinf(ref_lse)
+        lerr = torch.where(both_inf, 0.0, (gl - ref_lse).abs()).max().item()
+        errors[f"lse{b}"] = lerr
+        if not lerr <= tol * 10:
+            failed.append(f"lse[{b}] error {lerr}")
+    if new:
+        # The cache now holds the appended rows where the block table (or the batch) says.
+        for b in range(B):
+            for r in range(lens[b], total[b]):
+                if table is not None:
+                    got_k = k_cache[table[b, r // c["paged"]], r % c["paged"]]
+                else:
+                    got_k = k_cache[b, r]
+                if not torch.equal(got_k, keys[b][r]):
+                    failed.append(f"appended row {r} of sequence {b} is not in the cache")
+    kernels = [name for name, _ in LAUNCHES]
+    want_combine = (c["splits"] or 1) > 1
+    if c["splits"] is not None and want_combine != ("attn_decode_combine" in kernels):
+        failed.append(f"launches {kernels} for {c['splits']} splits")
+    if new and "attn_decode_append" not in kernels:
+        failed.append("no append launched")
+    return {"name": name, "errors": errors, "failed": failed, "launches": LAUNCHES[:]}
+
+
+def _main(names: list[str]) -> None:
+    patch_interpreter()
+    _install_cpu()
+    for name in names:
+        try:
+            result = run_case(name, CASES[name])
+        except Exception as exc:  # reported to the test
+            import traceback
+
+            result = {"name": name, "errors": {}, "failed": [f"{type(exc).__name__}: {exc}"[:1500],
+                                                             traceback.format_exc()[-1500:]]}
+        print(json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Test side.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    return run_sharded(__file__, list(CASES))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_operator_runs_the_real_kernels_and_matches_fp64_under_the_interpreter(interpreted: dict,
+                                                                                       name: str) -> None:
+    result = interpreted[name]
+    assert not result["failed"], f"{name}: {result['failed']}"
+    assert any(k.startswith("out") for k in result["errors"])
+
+
+_TYPESTR = {"fp16": ("<f2", 2), "bf16": ("<V2", 2), "fp32": ("<f4", 4), "i32": ("<i4", 4), "i64": ("<i8", 8)}
+
+
+class Dev:
+    """A GPU array as ``__cuda_array_interface__`` describes it; its memory is never read."""
+
+    def __init__(self, *shape: int, dtype: str = "fp16", strides: tuple[int, ...] | None = None,
+                 ptr: int = 0x7F00_0000_0000) -> None:
+        typestr, size = _TYPESTR[dtype]
+        self._cai = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 3,
+                     "strides": None if strides is None else tuple(x * size for x in strides)}
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return self._cai
+
+
+def _dec(q: Any = None, k: Any = None, v: Any = None, **kw: Any) -> Any:
+    q = q if q is not None else Dev(2, 1, 8, 64)
+    k = k if k is not None else Dev(2, 256, 2, 64)
+    v = v if v is not None else Dev(*k._cai["shape"], dtype=_dtype_of(k))
+    return op.decode_attention(q, k, v, **kw)
+
+
+def _dtype_of(d: Dev) -> str:
+    return {v[0]: k for k, v in _TYPESTR.items()}[d._cai["typestr"]]
+
+
+REFUSALS = [
+    ("too_many_query_rows", lambda: _dec(Dev(2, 17, 8, 64)), ArgumentError,
+     r"q has 17 query rows per sequence; decode attention takes 1\.\.16 \(use aotriton_rt\.attention for prefill\)"),
+    ("page_size_not_multiple_of_16", lambda: _dec(k=Dev(10, 24, 2, 64), block_table=Dev(2, 4, dtype="i32")),
+     ArgumentError, r"page size 24 \(k_cache\.shape\[1\]\) is not a multiple of 16"),
+    ("length_beyond_block_table", lambda: _dec(k=Dev(10, 16, 2, 64), block_table=Dev(2, 4, dtype="i32"),
+                                               cache_seqlens=60, k_new=Dev(2, 5, 2, 64), v_new=Dev(2, 5, 2, 64)),
+     ArgumentError, r"cache_seqlens=60 plus 5 new rows exceeds the 64 rows the block table can address"),
+    ("length_beyond_contiguous_cache", lambda: _dec(cache_seqlens=257), ArgumentError,
+     r"cache_seqlens=257 plus 0 new rows exceeds the 256 rows the cache holds"),
+    ("append_longer_than_the_cache", lambda: _dec(k=Dev(2, 16, 2, 64), cache_seqlens=0, k_new=Dev(2, 17, 2, 64),
+                                                  v_new=Dev(2, 17, 2, 64)), ArgumentError,
+     r"appending 17 rows exceeds the cache's capacity of 16 rows per sequence"),
+    ("max_seqlen_beyond_capacity", lambda: _dec(max_seqlen_k=300), ArgumentError,
+     r"max_seqlen_k must be in \[0, 256\], got 300"),
+    ("block_table_dtype", lambda: _dec(k=Dev(10, 16, 2, 64), block_table=Dev(2, 4, dtype="i64")), ArgumentError,
+     r"block_table must be int32, got i64"),
+    ("block_table_batch", lambda: _dec(k=Dev(10, 16, 2, 64), block_table=Dev(3, 4, dtype="i32")), ArgumentError,
+     r"block_table must be \(batch, max_blocks\) = \(2, \.\.\.\), got shape \(3, 4\)"),
+    ("append_without_lengths", lambda: _dec(k_new=Dev(2, 1, 2, 64), v_new=Dev(2, 1, 2, 64)), ArgumentError,
+     r"appending k_new needs cache_seqlens"),
+    ("k_new_alone", lambda: _dec(k_new=Dev(2, 1, 2, 64), cache_seqlens=3), ArgumentError,
+     r"k_new and v_new come together"),
+    ("k_new_heads", lambda: _dec(cache_seqlens=3, k_new=Dev(2, 1, 8, 64), v_new=Dev(2, 1, 8, 64)), ArgumentError,
+     r"k_new must hold \(batch, rows, kv heads, head dim\) = \(2, n, 2, 64\)"),
+    ("head_dim_not_a_bucket", lambda: _dec(Dev(2, 1, 8, 72), Dev(2, 256, 2, 72)), UnsupportedError,
+     r"head dim 72: the cache is read in place, so its head dim must be one of 16, 32, 48"),
+    ("gqa_ratio", lambda: _dec(Dev(2, 1, 6, 64), Dev(2, 256, 4, 64)), ArgumentError,
+     r"q has 6 heads, not a multiple of the cache's 4 KV heads"),
+    ("cache_batch", lambda: _dec(k=Dev(3, 256, 2, 64)), ArgumentError,
+     r"k_cache has batch 3 but q has batch 2 \(a paged cache needs block_table\)"),
+    ("cache_strides", lambda: _dec(k=Dev(2, 256, 2, 64, strides=(256 * 2 * 72, 2 * 72, 72, 1))), ArgumentError,
+     r"k_cache must have a contiguous head dim, a 16-byte aligned address and strides that are multiples of 16"),
+    ("dtype_mismatch", lambda: _dec(k=Dev(2, 256, 2, 64, dtype="bf16"), v=Dev(2, 256, 2, 64)), ArgumentError,
+     r"k_cache has dtype bf16 but q has fp16"),
+    ("cache_seqlens_shape", lambda: _dec(cache_seqlens=Dev(3, dtype="i32")), ArgumentError,
+     r"cache_seqlens must be a contiguous int32 array of shape \(2,\), got i32 \(3,\)"),
+    ("causal_window", lambda: _dec(causal=True, window=(4, 2)), ArgumentError,
+     r"causal=True hides every key right of the diagonal, but window=\(4, 2\) asks for 2 keys there"),
+    ("num_splits", lambda: _dec(num_splits=0), ArgumentError, r"num_splits must be in \[1, 1024\], got 0"),
+    ("negative_length", lambda: _dec(cache_seqlens=-1), ArgumentError, r"cache_seqlens must be >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("case", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_decode_refuses_malformed_calls_before_any_launch(case: tuple) -> None:
+    call, exc, match = case
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_debug_mode_reads_lengths_and_pages_back_and_refuses_bad_ones() -> None:
+    torch = pytest.importorskip("torch")
+    from aotriton_rt.ops.decode import DecodePlan, _Arrays, _check_contents
+
+    xp = _Arrays("torch")
+    plan = DecodePlan("fp16", 64, 2, 8, 2, 1, 2, 64, True, 16, 10, 64, (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0),
+                      (0, 0, 0), 4, -1, 0, 0.125, 0, False)
+    table = torch.tensor([[1, 2, 3, 4], [5, 6, 99, -1]], dtype=torch.int32)
+    _check_contents(xp, plan, torch.tensor([30, 14], dtype=torch.int32), table)  # 32 and 16 rows: pages in range
+    with pytest.raises(ArgumentError, match=r"block_table\[1, 2\] = 99 is not a page of the cache \(0\.\.9\); "
+                                            r"sequence 1 has 33 rows"):
+        _check_contents(xp, plan, torch.tensor([30, 31], dtype=torch.int32), table)
+    with pytest.raises(ArgumentError, match=r"cache_seqlens\[0\] = 63 plus 2 new rows is outside the 64 rows the "
+                                            r"block table can address"):
+        _check_contents(xp, plan, torch.tensor([63, 0], dtype=torch.int32), table)
+
+
+def test_splits_fill_the_gpu_but_stay_several_blocks_long() -> None:
+    rule = SplitRule(waves=2, min_blocks=4, max_splits=64)
+    # B=1, 8 KV heads, 4096 keys: 264 programs wanted, 33 splits, 64 blocks allow 16.
+    assert num_splits_for(1, 8, 1, 4096, 64, 132, rule) == 16
+    assert num_splits_for(8, 8, 1, 4096, 64, 132, rule) == 5  # cdiv(264, 64)
+    assert num_splits_for(64, 8, 1, 8192, 64, 132, rule) == 1  # the batch fills the GPU
+    assert num_splits_for(1, 8, 1, 100, 64, 132, rule) == 1  # too short to split
+    assert num_splits_for(1, 1, 1, 10**6, 64, 132, SplitRule(2, 1, 64)) == 64
+
+
+def test_catalog_split_rules_override_the_default_per_arch() -> None:
+    rules = [{"arch": "gfx942", "splits": {"waves": 1}}, {"arch": "sm90", "splits": {"min_blocks": 8}, "config": 2}]
+    assert split_rule(rules, "sm90") == (SplitRule(2, 8, 64), 2)
+    assert split_rule(rules, "gfx942")[0].waves == 1
+    assert split_rule(rules, "sm80") == (SplitRule(2, 4, 64), 0)
+    with pytest.raises(CatalogError, match=r"splits\.waves must be an integer in \[1, 64\], got 0"):
+        split_rule([{"splits": {"waves": 0}}], "sm90")
+    with pytest.raises(CatalogError, match=r"splits must be an object with waves, min_blocks, max_splits"):
+        split_rule([{"splits": {"blocks": 3}}], "sm90")
+    with pytest.raises(CatalogError, match=r"must be a list of rules"):
+        split_rule({"sm90": 1}, "sm90")
+
+
+def test_decode_head_dims_and_limits_mirror_the_builder() -> None:
+    from builder.kernels import decode as kernels
+
+    assert op.HEAD_DIM_BUCKETS == kernels.HEAD_DIM_BUCKETS
+    assert op.MAX_SEQLEN_Q == kernels.MAX_SEQLEN_Q
+
+
+def test_decode_kernels_are_in_the_default_and_gputest_sets() -> None:
+    from builder.kernels import decode as kernels
+    from builder.targets import KNOWN
+
+    for k in kernels.KERNELS:
+        for dtype in ("fp16", "bf16"):
+            for d in (64, 128):
+                spec = {"dtype": dtype, "HEAD_DIM": d, "PAGED": 1}
+                assert k.sets["default"](spec, KNOWN["sm90"]) and k.sets["gputest"](spec, KNOWN["gfx942"])
+        assert k.sets["gputest"]({"dtype": "fp32", "HEAD_DIM": 128}, KNOWN["sm90"])
+        assert not k.sets["default"]({"dtype": "fp32", "HEAD_DIM": 128}, KNOWN["sm90"])
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    _main(sys.argv[1:])
