@@ -991,6 +991,16 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
 
         out, lse = attention(q, k, v, causal=True, dropout_p=0.1, seed=1234)
     """
+    # Issue #13: 1..16 query rows (decoding) run on the split-KV decode kernels when the call
+    # allows it (dense, no bias/dropout/out/lse, bottom-right or no mask); None: not taken.
+    from .decode import route_from_attention
+
+    routed = route_from_attention(q, k, v, causal=causal, window=window, align=align, bias=bias,
+                                  dropout_p=dropout_p, scale=scale, cu_seqlens_q=cu_seqlens_q,
+                                  cu_seqlens_k=cu_seqlens_k, layout=layout, out=out, lse=lse,
+                                  return_mask=return_mask, library=library)
+    if routed is not None:
+        return routed
     p = _prepare(q, k, v, causal=causal, window=window, align=align, bias=bias, dropout_p=dropout_p, seed=seed,
                  offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout)

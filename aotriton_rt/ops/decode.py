@@ -46,7 +46,8 @@ from typing import Any
 from .. import interop
 from ..errors import ArgumentError, CatalogError, KernelNotFound, UnsupportedError
 
-__all__ = ["DEFAULT_SPLIT_RULES", "DecodePlan", "SplitRule", "decode_attention", "decode_kernels", "num_splits_for"]
+__all__ = ["DEFAULT_SPLIT_RULES", "DecodePlan", "SplitRule", "decode_attention", "decode_kernels", "num_splits_for",
+           "route_from_attention", "split_rule"]
 
 DECODE = "attn_decode"
 COMBINE = "attn_decode_combine"
@@ -448,11 +449,22 @@ class _Kernels:
         self.handles: dict[tuple, Any] = {}
         self.arch: dict[int, str] = {}
         self.sms: dict[int, int] = {}
+        self.available: dict[tuple, bool] = {}
         self.rules = None
         for cat in getattr(lib, "catalogs", ()):
             if (cat.tuning or {}).get(DECODE) is not None:
                 self.rules = cat.tuning[DECODE]
                 break
+
+    def has(self, name: str, params: Mapping[str, Any]) -> bool:
+        """Whether the images hold ``name`` with ``params`` (cached)."""
+        key = (name, tuple(sorted(params.items())))
+        hit = self.available.get(key)
+        if hit is None:
+            from ..select import match
+
+            hit = self.available[key] = bool(match(getattr(self.lib, "variants", ()), name, dict(params)).accepted)
+        return hit
 
     def device_arch(self, device: int) -> str:
         arch = self.arch.get(device)
@@ -688,3 +700,55 @@ def decode_kernels(q: Any, k_cache: Any, v_cache: Any, *, library: Any = None, *
     if p.seqlen_new:
         handles[APPEND] = ks.handle(APPEND, {**spec, "PAGED": int(p.paged)}, 0, p.device)
     return handles
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing from aotriton_rt.attention (issue #13): short query runs go to the decode kernels.
+# ---------------------------------------------------------------------------------------------
+
+def route_from_attention(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: Any, bias: Any,
+                         dropout_p: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, layout: Any, out: Any,
+                         lse: Any, return_mask: Any, library: Any) -> tuple[Any, Any] | None:
+    """``(out, lse)`` from the decode kernels when an ``attention()`` call can run there, else None.
+
+    Taken: dense (no cu_seqlens) forward calls with 1..16 query rows, no bias, no dropout, no
+    preallocated ``out``/``lse``, equal q/k/v head dims that are a compiled bucket, K/V readable
+    in place, and a mask the decode kernels express: none, or causal/window aligned bottom-right
+    (or top-left with equal lengths, where the alignments coincide). The results equal the
+    prefill kernel's (same ``out`` layout, ``lse`` fp32 ``(B, Hq, Sq)``), so the backward is
+    unchanged. Anything else, any refusal, or images without the decode kernels: None, and
+    ``attention()`` runs as before (its own validation reports malformed calls).
+    """
+    if (bias is not None or dropout_p or cu_seqlens_q is not None or cu_seqlens_k is not None or out is not None
+            or lse is not None or return_mask or layout not in _LAYOUTS):
+        return None
+    try:
+        qi = interop.describe(q)
+        if len(qi.shape) != 4:
+            return None
+        seqlen_q = qi.shape[2] if layout == "bhsd" else qi.shape[1]
+        if not 1 <= seqlen_q <= MAX_SEQLEN_Q or qi.shape[3] not in HEAD_DIM_BUCKETS:
+            return None
+        ki = interop.describe(k)
+        if len(ki.shape) != 4:
+            return None
+        seqlen_k = ki.shape[2] if layout == "bhsd" else ki.shape[1]
+        if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2):
+            return None
+        wl, wr = (-1, -1) if window is None else (window[0], window[1])
+        if not all(isinstance(w, int) for w in (wl, wr)):
+            return None
+        masked = causal is True or wl >= 0 or wr >= 0
+        if masked and align != "bottom_right" and seqlen_q != seqlen_k:
+            return None
+        if interop.describe(v).shape[-1] != qi.shape[3]:
+            return None
+        ks = _kernels_of(library)
+        spec = {"dtype": qi.dtype, "HEAD_DIM": qi.shape[3]}
+        for name, params in ((DECODE, {**spec, "PAGED": 0}), (COMBINE, spec)):
+            if not ks.has(name, params):
+                return None
+        return decode_attention(q, k, v, causal=causal is True, window=window, scale=scale, layout=layout,
+                                cache_layout=layout, library=library)
+    except (ArgumentError, UnsupportedError, KernelNotFound):
+        return None

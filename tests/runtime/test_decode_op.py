@@ -280,7 +280,7 @@ def test_decode_operator_runs_the_real_kernels_and_matches_fp64_under_the_interp
     assert any(k.startswith("out") for k in result["errors"])
 
 
-_TYPESTR = {"fp16": ("<f2", 2), "bf16": ("<V2", 2), "fp32": ("<f4", 4), "i32": ("<i4", 4), "i64": ("<i8", 8)}
+_TYPESTR = {"fp16": ("<f2", 2), "fp32": ("<f4", 4), "i32": ("<i4", 4), "i64": ("<i8", 8)}
 
 
 class Dev:
@@ -341,8 +341,8 @@ REFUSALS = [
      r"k_cache has batch 3 but q has batch 2 \(a paged cache needs block_table\)"),
     ("cache_strides", lambda: _dec(k=Dev(2, 256, 2, 64, strides=(256 * 2 * 72, 2 * 72, 72, 1))), ArgumentError,
      r"k_cache must have a contiguous head dim, a 16-byte aligned address and strides that are multiples of 16"),
-    ("dtype_mismatch", lambda: _dec(k=Dev(2, 256, 2, 64, dtype="bf16"), v=Dev(2, 256, 2, 64)), ArgumentError,
-     r"k_cache has dtype bf16 but q has fp16"),
+    ("dtype_mismatch", lambda: _dec(k=Dev(2, 256, 2, 64, dtype="fp32"), v=Dev(2, 256, 2, 64)), ArgumentError,
+     r"k_cache has dtype fp32 but q has fp16"),
     ("cache_seqlens_shape", lambda: _dec(cache_seqlens=Dev(3, dtype="i32")), ArgumentError,
      r"cache_seqlens must be a contiguous int32 array of shape \(2,\), got i32 \(3,\)"),
     ("causal_window", lambda: _dec(causal=True, window=(4, 2)), ArgumentError,
