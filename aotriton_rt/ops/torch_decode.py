@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import decode as _core
-from .torch import _library_key, _LIBRARIES
+from .torch import _LIBRARIES, _library_key
 
 __all__ = ["decode_attention", "decode_attention_op", "decode_attention_append_op"]
 
