@@ -49,7 +49,7 @@ import torch  # noqa: E402
 import aotriton_rt  # noqa: E402
 from aotriton_rt.ops import decode as dec  # noqa: E402
 
-SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")  # math only when the others refuse
 
 
 def _sdpa_backend(name: str) -> Any:
@@ -122,94 +122,100 @@ def _rule(args: argparse.Namespace, config: int) -> list:
 
 def kernel_table(args: argparse.Namespace, lib: Any) -> list[dict]:
     rows = []
-    dtype = torch.bfloat16
-    D, Hkv = args.d, args.hkv
-    ks = dec._kernels_of(lib)
     for B in args.b:
         for S in args.cache:
             for ratio in args.gqa:
-                Hq = Hkv * ratio
-                gen = torch.Generator(device="cuda").manual_seed(B * 131 + S + ratio)
-                q = torch.randn(B, 1, Hq, D, device="cuda", dtype=dtype, generator=gen)
-                kc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
-                vc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
-                page = args.page
-                blocks = S // page
-                perm = torch.randperm(B * blocks, device="cuda")
-                table = perm.view(B, blocks).to(torch.int32)
-                kp = torch.empty(B * blocks, page, Hkv, D, device="cuda", dtype=dtype)
-                vp = torch.empty_like(kp)
-                kp[perm] = kc.view(B * blocks, page, Hkv, D)
-                vp[perm] = vc.view(B * blocks, page, Hkv, D)
-                # SDPA's layout: (B, H, S, D) views of the same memory.
-                qs, ks_, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
-                ref = torch.nn.functional.scaled_dot_product_attention(qs.float(), ks_.float(), vs.float(),
-                                                                       enable_gqa=True).transpose(1, 2)
-                contenders: dict[str, Any] = {}
-                for be in SDPA_BACKENDS:
-                    def sdpa(be: str = be) -> Any:
-                        from torch.nn.attention import sdpa_kernel
-
-                        with sdpa_kernel(_sdpa_backend(be)):
-                            return torch.nn.functional.scaled_dot_product_attention(qs, ks_, vs, enable_gqa=True)
-                    try:
-                        out = sdpa().transpose(1, 2)
-                        torch.cuda.synchronize()
-                    except RuntimeError:
-                        continue
-                    if (out.float() - ref).abs().max().item() > 5e-2:
-                        continue
-                    contenders[f"sdpa:{be}"] = sdpa
-                for cfg in args.config:
-                    tag = "" if cfg == 0 and args.waves is None and args.min_blocks is None else f"#{cfg}"
-                    rule = _rule(args, cfg)
-
-                    def ours(rule: list = rule) -> Any:
-                        ks.rules = rule
-                        return dec.decode_attention(q, kc, vc, causal=True, library=lib)[0]
-
-                    def paged(rule: list = rule) -> Any:
-                        ks.rules = rule
-                        return dec.decode_attention(q, kp, vp, block_table=table, causal=True, library=lib)[0]
-
-                    for name, fn in ((f"ours{tag}", ours), (f"paged{tag}", paged)):
-                        err = (fn().float() - ref).abs().max().item()
-                        if err > 5e-2:
-                            print(f"  {name} B={B} S={S} gqa={ratio}: wrong (max error {err:.3g}); skipped")
-                            continue
-                        contenders[name] = fn
-                graphs = {}
-                for name, fn in contenders.items():
-                    try:
-                        graphs[name] = Graphed(fn)
-                    except RuntimeError as e:  # a backend that cannot be captured: eager only
-                        print(f"  {name}: no CUDA graph ({str(e)[:80]})")
-                eager = {n: [] for n in contenders}
-                graph = {n: [] for n in graphs}
-                order = list(contenders)
-                for r in range(args.rounds):
-                    random.Random(r).shuffle(order)
-                    for name in order:
-                        eager[name].append(eager_ms(contenders[name]))
-                        if name in graphs:
-                            graph[name].append(graphs[name].ms())
-                kv_bytes = 2 * B * S * Hkv * D * 2
-                row = {"B": B, "cache": S, "gqa": ratio, "Hq": Hq, "Hkv": Hkv, "D": D, "page": page,
-                       "kv_bytes": kv_bytes, "eager": {n: _stats(v) for n, v in eager.items()},
-                       "graph": {n: _stats(v) for n, v in graph.items() if v}}
-                for mode in ("eager", "graph"):
-                    sd = {n: s["median_us"] for n, s in row[mode].items() if n.startswith("sdpa")}
-                    if sd:
-                        best = min(sd, key=sd.get)
-                        row[f"{mode}_sdpa_best"] = best
-                        for n, s in row[mode].items():
-                            s["vs_sdpa"] = sd[best] / s["median_us"]
-                            s["bw_pct"] = kv_bytes / (s["median_us"] * 1e-6) / (args.peak_tbs * 1e12) * 100
-                rows.append(row)
-                _print_row(row)
-                del kc, vc, kp, vp
+                rows.append(one_shape(args, lib, B, S, ratio))
+                _print_row(rows[-1])
                 torch.cuda.empty_cache()
     return rows
+
+
+def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int) -> dict:
+    """Time every contender at one shape (see the module docs)."""
+    dtype = torch.bfloat16
+    D, Hkv = args.d, args.hkv
+    ks = dec._kernels_of(lib)
+    Hq = Hkv * ratio
+    gen = torch.Generator(device="cuda").manual_seed(B * 131 + S + ratio)
+    q = torch.randn(B, 1, Hq, D, device="cuda", dtype=dtype, generator=gen)
+    kc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
+    vc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
+    page = args.page
+    blocks = S // page
+    perm = torch.randperm(B * blocks, device="cuda")
+    table = perm.view(B, blocks).to(torch.int32)
+    kp = torch.empty(B * blocks, page, Hkv, D, device="cuda", dtype=dtype)
+    vp = torch.empty_like(kp)
+    kp[perm] = kc.view(B * blocks, page, Hkv, D)
+    vp[perm] = vc.view(B * blocks, page, Hkv, D)
+    # SDPA's layout: (B, H, S, D) views of the same memory.
+    qs, ks_, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+    ref = torch.nn.functional.scaled_dot_product_attention(qs.float(), ks_.float(), vs.float(),
+                                                           enable_gqa=True).transpose(1, 2)
+    contenders: dict[str, Any] = {}
+    for be in SDPA_BACKENDS:
+        if be == "math" and contenders:
+            continue  # the reference path (it repeats K/V per query head): only when nothing else runs
+        def sdpa(be: str = be) -> Any:
+            from torch.nn.attention import sdpa_kernel
+
+            with sdpa_kernel(_sdpa_backend(be)):
+                return torch.nn.functional.scaled_dot_product_attention(qs, ks_, vs, enable_gqa=True)
+        try:
+            out = sdpa().transpose(1, 2)
+            torch.cuda.synchronize()
+        except RuntimeError:
+            continue
+        if (out.float() - ref).abs().max().item() > 5e-2:
+            continue
+        contenders[f"sdpa:{be}"] = sdpa
+    for cfg in args.config:
+        tag = "" if cfg == 0 and args.waves is None and args.min_blocks is None else f"#{cfg}"
+        rule = _rule(args, cfg)
+
+        def ours(rule: list = rule) -> Any:
+            ks.rules = rule
+            return dec.decode_attention(q, kc, vc, causal=True, library=lib)[0]
+
+        def paged(rule: list = rule) -> Any:
+            ks.rules = rule
+            return dec.decode_attention(q, kp, vp, block_table=table, causal=True, library=lib)[0]
+
+        for name, fn in ((f"ours{tag}", ours), (f"paged{tag}", paged)):
+            err = (fn().float() - ref).abs().max().item()
+            if err > 5e-2:
+                print(f"  {name} B={B} S={S} gqa={ratio}: wrong (max error {err:.3g}); skipped")
+                continue
+            contenders[name] = fn
+    graphs = {}
+    for name, fn in contenders.items():
+        try:
+            graphs[name] = Graphed(fn)
+        except RuntimeError as e:  # a backend that cannot be captured: eager only
+            print(f"  {name}: no CUDA graph ({str(e)[:80]})")
+    eager = {n: [] for n in contenders}
+    graph = {n: [] for n in graphs}
+    order = list(contenders)
+    for r in range(args.rounds):
+        random.Random(r).shuffle(order)
+        for name in order:
+            eager[name].append(eager_ms(contenders[name]))
+            if name in graphs:
+                graph[name].append(graphs[name].ms())
+    kv_bytes = 2 * B * S * Hkv * D * 2
+    row = {"B": B, "cache": S, "gqa": ratio, "Hq": Hq, "Hkv": Hkv, "D": D, "page": page,
+           "kv_bytes": kv_bytes, "eager": {n: _stats(v) for n, v in eager.items()},
+           "graph": {n: _stats(v) for n, v in graph.items() if v}}
+    for mode in ("eager", "graph"):
+        sd = {n: s["median_us"] for n, s in row[mode].items() if n.startswith("sdpa")}
+        if sd:
+            best = min(sd, key=sd.get)
+            row[f"{mode}_sdpa_best"] = best
+            for s in row[mode].values():
+                s["vs_sdpa"] = sd[best] / s["median_us"]
+                s["bw_pct"] = kv_bytes / (s["median_us"] * 1e-6) / (args.peak_tbs * 1e12) * 100
+    return row
 
 
 def _print_row(row: dict) -> None:
