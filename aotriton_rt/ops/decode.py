@@ -195,11 +195,12 @@ class _Arrays:
     def host(self, x: Any) -> list:
         return x.tolist() if self.name == "torch" else self.mod.asnumpy(x).tolist()
 
-    def sm_count(self, like: Any) -> int | None:
+    def sm_count_of(self, device: int) -> int | None:
+        """Multiprocessors (CUs) of ``device``, or None when the framework cannot tell."""
         try:
             if self.name == "torch":
-                return int(self.mod.cuda.get_device_properties(like.device).multi_processor_count)
-            return int(like.device.attributes["MultiProcessorCount"])
+                return int(self.mod.cuda.get_device_properties(max(device, 0)).multi_processor_count)
+            return int(self.mod.cuda.Device(max(device, 0)).attributes["MultiProcessorCount"])
         except Exception:  # noqa: BLE001 - a framework without the property: the arch's table
             return None
 
@@ -600,82 +601,146 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         UnsupportedError: a head dim that is not a compiled bucket, sizes past the grid.
         KernelNotFound: the images lack the decode kernels for this dtype / head dim.
     """
+    debug = _debug(check)
+    key = None if debug else _torch_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, causal,
+                                        window, scale, num_splits, max_seqlen_k, layout, cache_layout, library)
+    if key is not None:
+        launch = _LAUNCHES.get(key)
+        if launch is not None:
+            return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
     p, infos = _plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                      v_new=v_new, causal=causal, window=window, scale=scale, max_seqlen_k=max_seqlen_k,
                      layout=layout, cache_layout=cache_layout)
     if num_splits is not None:
         num_splits = _int(num_splits, "num_splits", 1, 1024)
-    debug = _debug(check)
-    out_i = None
     if out is not None:
         out_i = _describe(out, "out")
         if tuple(out_i.shape) != tuple(infos["q"].shape) or out_i.dtype != p.dtype:
             raise ArgumentError(f"out must have shape {tuple(infos['q'].shape)} and dtype {p.dtype}, got "
                                 f"{tuple(out_i.shape)} {out_i.dtype}")
-    ks = _kernels_of(library)
-    spec = {"dtype": p.dtype, "HEAD_DIM": p.head_dim}
-    rule, config = split_rule(ks.rules, ks.device_arch(p.device)) if ks.rules else \
-        (DEFAULT_SPLIT_RULES.get(ks.device_arch(p.device), SplitRule()), 0)
-    decode = ks.handle(DECODE, {**spec, "PAGED": int(p.paged)}, config, p.device)
-    xp = _arrays(infos["q"].framework)
-    qa = xp.convert(q, infos["q"])
-    if p.q_copy:
-        qa = qa.contiguous() if xp.name == "torch" else xp.mod.ascontiguousarray(qa)
-        p.q_strides = _effective((p.batch, p.heads_q, p.seqlen_q),
-                                 _bshd(_describe(qa, "q"), layout)[1])
-    ka, va = xp.convert(k_cache, infos["k_cache"]), xp.convert(v_cache, infos["v_cache"])
-    if out is not None:
-        o = xp.convert(out, out_i)
-        o_info = out_i
-    else:
-        o = xp.empty(tuple(infos["q"].shape), p.dtype, qa)
-        o_info = _describe(o, "out")
-    o_strides = _effective((p.batch, p.heads_q, p.seqlen_q), _bshd(o_info, layout)[1])
-    if not _aligned(o_info, o_strides):
-        raise ArgumentError(f"out must have a contiguous head dim, a 16-byte aligned address and strides that are "
-                            f"multiples of 16 elements, got strides {tuple(o_info.strides)}")
-    lse = xp.empty((p.batch, p.heads_q, p.seqlen_q), "fp32", qa)
-    if cache_seqlens is None:
-        seqlens = xp.full((p.batch,), p.capacity, "i32", qa)
-    elif "cache_seqlens" in infos:
-        seqlens = xp.convert(cache_seqlens, infos["cache_seqlens"])
-    else:
-        seqlens = xp.full((p.batch,), cache_seqlens, "i32", qa)
-    table = xp.convert(block_table, infos["block_table"]) if p.paged else None
+        infos["out"] = out_i
+    launch = _Launch(p, infos, _kernels_of(library), layout, num_splits, cache_seqlens)
+    xp = launch.xp
     if debug:
+        seqlens = launch.seqlens(xp.convert(q, infos["q"]), cache_seqlens, infos)
+        table = xp.convert(block_table, infos["block_table"]) if p.paged else None
         _check_contents(xp, p, seqlens, table)
-    if p.batch == 0 or p.heads_q == 0:
+    if key is not None and not p.q_copy:
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = launch
+    return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos)
+
+
+# Launch plans of recent torch calls, by everything that decides them (shapes, strides, dtypes,
+# devices, alignment, options): a repeated decode step skips validation and planning.
+_LAUNCHES: dict[tuple, _Launch] = {}
+_MAX_LAUNCHES = 256
+
+
+def _torch_key(q: Any, k: Any, v: Any, lens: Any, table: Any, kn: Any, vn: Any, out: Any, *options: Any
+               ) -> tuple | None:
+    """A key for the launch cache when every array is a torch tensor (else None: full checks)."""
+    if type(q).__name__ != "Tensor" or type(q).__module__ != "torch":
+        return None
+    parts: list = [id(options[-1]) if options[-1] is not None else 0, *options[:-1]]
+    for t in (q, k, v, lens, table, kn, vn, out):
+        if t is None or (isinstance(t, int) and not isinstance(t, bool)):
+            parts.append(t)
+        elif type(t) is type(q):
+            parts.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0))
+        else:
+            return None
+    try:
+        return tuple(parts) if hash(tuple(parts)) is not None else None
+    except TypeError:  # an unhashable option (a list window): no caching
+        return None
+
+
+class _Launch:
+    """Everything one call shape launches: handles, split count, scalar arguments."""
+
+    def __init__(self, p: DecodePlan, infos: dict, ks: _Kernels, layout: str, num_splits: int | None,
+                 cache_seqlens: Any) -> None:
+        self.p, self.layout = p, layout
+        self.xp = xp = _arrays(infos["q"].framework)
+        spec = {"dtype": p.dtype, "HEAD_DIM": p.head_dim}
+        arch = ks.device_arch(p.device)
+        rule, config = split_rule(ks.rules, arch)
+        self.decode = ks.handle(DECODE, {**spec, "PAGED": int(p.paged)}, config, p.device)
+        self.append = ks.handle(APPEND, {**spec, "PAGED": int(p.paged)}, 0, p.device) if p.seqlen_new else None
+        row_blocks = -(-p.group_rows // _block_m(self.decode, p.device))
+        if num_splits is None:
+            sm = ks.sms.get(p.device)
+            if sm is None:
+                sm = ks.sms[p.device] = xp.sm_count_of(p.device) or _SM_COUNTS.get(arch, 100)
+            num_splits = num_splits_for(p.batch, p.heads_k, row_blocks, p.seqlen_k_hint,
+                                        _block_n(self.decode, p.device), sm, rule)
+        self.num_splits = num_splits
+        self.combine = ks.handle(COMBINE, spec, 0, p.device) if num_splits > 1 else None
+        q_shape = tuple(infos["q"].shape)
+        self.q_shape = q_shape
+        self.lse_shape = (p.batch, p.heads_q, p.seqlen_q)
+        self.part_rows = p.batch * p.heads_k * num_splits * p.group_rows
+        oi = infos.get("out")
+        o_strides = _bshd(oi, layout)[1] if oi is not None else _bshd_contiguous(q_shape, layout)
+        o_strides = _effective((p.batch, p.heads_q, p.seqlen_q), o_strides)
+        if oi is not None and not _aligned(oi, o_strides):
+            raise ArgumentError(f"out must have a contiguous head dim, a 16-byte aligned address and strides that "
+                                f"are multiples of 16 elements, got strides {tuple(oi.strides)}")
+        self.lens_mode = "full" if cache_seqlens is None else "int" if isinstance(cache_seqlens, int) else "array"
+        self.base = {"stride_btz": p.bt_stride, "batch": p.batch, "num_heads_q": p.heads_q,
+                     "num_heads_k": p.heads_k, "seqlen_q": p.seqlen_q, "seqlen_new": p.seqlen_new,
+                     "capacity": p.capacity, "num_pages": p.num_pages, "page_size": p.page_size, "sm_scale": p.scale,
+                     "window_left": p.window_left, "window_right": p.window_right, "num_splits": num_splits,
+                     **_named("q", "m", p.q_strides), **_named("k", "n", p.k_strides),
+                     **_named("v", "n", p.v_strides), **_named("o", "m", o_strides),
+                     **_named("kn", "m", p.kn_strides), **_named("vn", "m", p.vn_strides),
+                     "stride_lz": p.heads_q * p.seqlen_q, "stride_lh": p.seqlen_q}
+
+    def seqlens(self, like: Any, cache_seqlens: Any, infos: dict | None = None) -> Any:
+        if self.lens_mode == "full":
+            return self.xp.full((self.p.batch,), self.p.capacity, "i32", like)
+        if self.lens_mode == "int":
+            return self.xp.full((self.p.batch,), cache_seqlens, "i32", like)
+        return cache_seqlens if infos is None else self.xp.convert(cache_seqlens, infos["cache_seqlens"])
+
+    def run(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any,
+            infos: dict | None = None) -> tuple[Any, Any]:
+        xp, p = self.xp, self.p
+        if infos is not None:  # first call: any framework, converted once
+            q, k, v = (xp.convert(a, infos[n]) for a, n in ((q, "q"), (k, "k_cache"), (v, "v_cache")))
+            if p.q_copy:
+                q = q.contiguous() if xp.name == "torch" else xp.mod.ascontiguousarray(q)
+                p.q_strides = _effective((p.batch, p.heads_q, p.seqlen_q), _bshd(_describe(q, "q"), self.layout)[1])
+                self.base.update(_named("q", "m", p.q_strides))
+            block_table = xp.convert(block_table, infos["block_table"]) if p.paged else None
+            if k_new is not None:
+                k_new, v_new = xp.convert(k_new, infos["k_new"]), xp.convert(v_new, infos["v_new"])
+            if out is not None:
+                out = xp.convert(out, infos["out"])
+        o = out if out is not None else xp.empty(self.q_shape, p.dtype, q)
+        lse = xp.empty(self.lse_shape, "fp32", q)
+        if p.batch == 0 or p.heads_q == 0:
+            return o, lse
+        values = {**self.base, "Q": q, "K": k, "V": v, "Out": o, "LSE": lse, "BlockTable": block_table,
+                  "CacheSeqlens": self.seqlens(q, cache_seqlens, infos), "KNew": k_new, "VNew": v_new,
+                  "PartO": None, "PartL": None}
+        if self.append is not None:
+            self.append(*[values[n] for n in self.append.arg_names])
+        if self.combine is not None:
+            values["PartO"] = xp.empty((self.part_rows, p.head_dim), "fp32", q)
+            values["PartL"] = xp.empty((self.part_rows,), "fp32", q)
+        self.decode(*[values[n] for n in self.decode.arg_names])
+        if self.combine is not None:
+            self.combine(*[values[n] for n in self.combine.arg_names])
         return o, lse
-    common = {"BlockTable": table, "CacheSeqlens": seqlens, "stride_btz": p.bt_stride, "batch": p.batch,
-              "num_heads_q": p.heads_q, "num_heads_k": p.heads_k, "seqlen_q": p.seqlen_q,
-              "seqlen_new": p.seqlen_new, "capacity": p.capacity, "num_pages": p.num_pages, "page_size": p.page_size,
-              "sm_scale": p.scale, "window_left": p.window_left, "window_right": p.window_right,
-              **_named("q", "m", p.q_strides), **_named("k", "n", p.k_strides), **_named("v", "n", p.v_strides),
-              **_named("o", "m", o_strides), "stride_lz": p.heads_q * p.seqlen_q, "stride_lh": p.seqlen_q,
-              "Q": qa, "K": ka, "V": va, "Out": o, "LSE": lse}
-    if p.seqlen_new:
-        append = ks.handle(APPEND, {**spec, "PAGED": int(p.paged)}, 0, p.device)
-        values = {**common, "KNew": xp.convert(k_new, infos["k_new"]), "VNew": xp.convert(v_new, infos["v_new"]),
-                  **_named("kn", "m", p.kn_strides), **_named("vn", "m", p.vn_strides)}
-        append(*[values[n] for n in append.arg_names])
-    row_blocks = -(-p.group_rows // _block_m(decode, p.device))
-    if num_splits is None:
-        sm = ks.sms.get(p.device)
-        if sm is None:
-            sm = ks.sms[p.device] = xp.sm_count(qa) or _SM_COUNTS.get(ks.device_arch(p.device), 100)
-        num_splits = num_splits_for(p.batch, p.heads_k, row_blocks, p.seqlen_k_hint, _block_n(decode, p.device), sm,
-                                    rule)
-    part_o = part_l = None
-    if num_splits > 1:
-        rows = p.batch * p.heads_k * num_splits * p.group_rows
-        part_o = xp.empty((rows, p.head_dim), "fp32", qa)
-        part_l = xp.empty((rows,), "fp32", qa)
-    values = {**common, "PartO": part_o, "PartL": part_l, "num_splits": num_splits}
-    decode(*[values[n] for n in decode.arg_names])
-    if num_splits > 1:
-        combine = ks.handle(COMBINE, spec, 0, p.device)
-        combine(*[values[n] for n in combine.arg_names])
-    return o, lse
+
+
+def _bshd_contiguous(shape: tuple, layout: str) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a contiguous array of ``shape`` in ``layout``."""
+    b, x, y, d = shape
+    return (x * y * d, d, y * d) if layout == "bshd" else (x * y * d, y * d, d)
 
 
 def _named(prefix: str, row: str, strides: Sequence[int]) -> dict[str, int]:

@@ -47,6 +47,8 @@ CASES: dict[str, dict] = {
     "window_both_sides_no_causal": {"Sq": 3, "window": (5, 1), "splits": 1},
     "head_dim_80_split_rule_default": {"D": 80, "Hq": 2, "Hk": 1, "dtype": "fp16"},
     "mqa_all_heads_one_tile": {"Hq": 6, "Hk": 1, "Sq": 2, "causal": True, "paged": 16, "splits": 2},
+    # A repeated call takes the cached launch plan (no checks, no planning) and computes the same.
+    "repeated_call_takes_the_cached_plan": {"paged": 16, "lens": (37, 1, 16), "splits": 2, "repeat": True},
 }
 
 
@@ -188,11 +190,22 @@ def run_case(name: str, case: dict) -> dict:
         v_new = torch.stack([vals[b][lens[b]:] for b in range(B)])
     seqlens = torch.tensor(lens, dtype=torch.int32)
     LAUNCHES.clear()
+    lib = _Library()
     out, lse = op.decode_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, k_new=k_new,
                                    v_new=v_new, causal=c["causal"], window=c["window"], num_splits=c["splits"],
-                                   cache_layout=c["cache_layout"], check=True, library=_Library())
+                                   cache_layout=c["cache_layout"], check=True, library=lib)
     errors: dict[str, float] = {}
     failed: list[str] = []
+    if c.get("repeat"):
+        op._LAUNCHES.clear()
+        again = [op.decode_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                     causal=c["causal"], num_splits=c["splits"], check=False, library=lib)
+                 for _ in range(2)]
+        if len(op._LAUNCHES) != 1:
+            failed.append(f"{len(op._LAUNCHES)} cached launch plans after two equal calls")
+        for o2, l2 in again:
+            if not (torch.equal(o2, out) and torch.equal(l2, lse)):
+                failed.append("a repeated call computed something else")
     tol = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 4e-2}[c["dtype"]]
     scale = 1 / math.sqrt(D)
     left, right = c["window"] if c["window"] else (-1, -1)
