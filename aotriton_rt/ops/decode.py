@@ -64,8 +64,8 @@ _LAYOUTS = ("bshd", "bhsd")
 
 @dataclass(frozen=True)
 class SplitRule:
-    """How many splits a call gets: ``waves`` programs per SM at least, splits of at least
-    ``min_blocks`` key blocks, at most ``max_splits``."""
+    """How many splits a call gets: ``waves`` resident programs per SM to fill (the decode
+    tile's occupancy), splits of at least ``min_blocks`` key blocks, at most ``max_splits``."""
 
     waves: int = 2
     min_blocks: int = 4
@@ -80,13 +80,22 @@ _SM_COUNTS = {"sm80": 108, "sm86": 84, "sm89": 128, "sm90": 132, "gfx90a": 110, 
 
 def num_splits_for(batch: int, heads_k: int, row_blocks: int, seqlen_k: int, block_n: int, sm_count: int,
                    rule: SplitRule) -> int:
-    """Splits per (batch, KV head): fill ``rule.waves`` programs per SM, each split at least
-    ``rule.min_blocks`` key blocks long, at most ``rule.max_splits``; 1 when the batch alone
-    fills the GPU."""
+    """Splits per (batch, KV head), FlashAttention's way: 1 when the programs already fill
+    ``rule.waves`` programs per SM (80% of them), else the fewest splits whose last wave is
+    nearly as full (85% of the best efficiency) as any split count allows, each split at least
+    ``rule.min_blocks`` key blocks long and at most ``rule.max_splits`` of them."""
     base = max(batch * heads_k * row_blocks, 1)
-    want = -(-rule.waves * sm_count // base)
+    slots = max(rule.waves * sm_count, 1)
+    if base * 5 >= slots * 4:
+        return 1
     blocks = -(-max(seqlen_k, 1) // block_n)
-    return max(1, min(want, blocks // max(rule.min_blocks, 1), rule.max_splits))
+    limit = max(1, min(blocks // max(rule.min_blocks, 1), rule.max_splits))
+    effs = []
+    for s in range(1, limit + 1):
+        waves = base * s / slots
+        effs.append(waves / math.ceil(waves))
+    best = max(effs)
+    return next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
 
 
 def split_rule(rules: Any, arch: str) -> tuple[SplitRule, int]:

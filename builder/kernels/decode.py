@@ -298,8 +298,9 @@ def decode_configs(spec: dict, target: object) -> tuple[Config, ...]:
 
     Decoding is bound by reading K/V: the tile is 16 query rows (a GQA group times the query
     rows, padded) by BLOCK_N keys, and the pipeline stages keep several K/V tiles in flight per
-    program. The sm90 alternates are for ``bench/decode.py --config``: 128-key steps (half the
-    loop overhead, twice the bytes per stage) and an 8-warp variant (more loads in flight).
+    program. The sm90 alternates are for ``bench/decode.py --config``: #1 128-key steps with 8
+    warps (half the loop overhead, twice the bytes per stage, one program per SM), #2 four
+    stages (more bytes in flight, one program per SM).
     """
     d = next_power_of_2(spec["HEAD_DIM"])
     if spec["dtype"] == "fp32":
@@ -310,12 +311,14 @@ def decode_configs(spec: dict, target: object) -> tuple[Config, ...]:
             opts["matrix_instr_nonkdim"] = 16
         return (_cfg(16, 64 if d <= 128 else 32, 4, 1, opts),)
     bn = 64 if d <= 128 else 32
-    # K and V tiles per stage: 2 * bn * d * 2 bytes; keep the ring within the target.
+    # K and V tiles per stage: 2 * bn * d * 2 bytes. Config 0 keeps two programs per SM (one's
+    # softmax and dots overlap the other's loads); the others trade that for more bytes in flight.
+    stage = 4 * bn * d
     limit = SHARED_LIMIT.get(target.arch, 99 * 1024)
-    stages = max(2, min(4, limit // (4 * bn * d) - 1))
+    two_per_sm = max(2, min(3, limit // 2 // stage))
     if target.arch == "sm90":
-        return (_cfg(16, bn, 4, stages), _cfg(16, 2 * bn, 4, max(2, stages - 1)), _cfg(16, bn, 8, stages))
-    return (_cfg(16, bn, 4, min(stages, 3)),)
+        return (_cfg(16, bn, 4, two_per_sm), _cfg(16, 2 * bn, 8, 2), _cfg(16, bn, 4, 4))
+    return (_cfg(16, bn, 4, two_per_sm),)
 
 
 def combine_configs(spec: dict, target: object) -> tuple[Config, ...]:
