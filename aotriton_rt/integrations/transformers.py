@@ -64,9 +64,28 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         else:
             bias = mask.to(query.dtype)
     # (B, H, S, D) views read as BSHD: the output comes back (B, S, H, D), contiguous, as transformers wants it.
-    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
-                    align="bottom_right", bias=bias, dropout_p=float(dropout) if module.training else 0.0,
-                    scale=scaling, layout="bshd", library=_LIBRARY["library"])
+    q, k, v = query.transpose(1, 2), key.transpose(1,2), value.transpose(1, 2)
+    dropout_p = float(dropout) if module.training else 0.0
+    lib = _LIBRARY["library"]
+    inference = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    if inference and not torch.compiler.is_compiling():
+        # Generation: the core operators directly, without the autograd op's dispatch. Decoding
+        # steps (no mask, 1..16 query rows) go straight to the decode kernels' cached launch plan.
+        from ..errors import ArgumentError, KernelNotFound
+        from ..ops import attention as core
+        from ..ops.decode import MAX_SEQLEN_Q, decode_attention
+
+        if bias is None and q_len <= MAX_SEQLEN_Q:
+            try:
+                return decode_attention(q, k, v, causal=causal, scale=scaling, layout="bshd", cache_layout="bshd",
+                                        library=lib)[0], None
+            except (ArgumentError, UnsupportedError, KernelNotFound):
+                pass  # not a decode shape for these images: the general path below
+        if dropout_p == 0.0:
+            return core.attention(q, k, v, causal=causal, align="bottom_right", bias=bias, scale=scaling,
+                                  layout="bshd", library=lib)[0], None
+    out = attention(q, k, v, causal=causal, align="bottom_right", bias=bias, dropout_p=dropout_p, scale=scaling,
+                    layout="bshd", library=lib)
     return out, None
 
 

@@ -333,14 +333,18 @@ def append_configs(spec: dict, target: object) -> tuple[Config, ...]:
 _DECODE_SIG = signature_of(attn_decode, {
     "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
     "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32"})
-_DECODE_DIV = {**divisibility_of(_DECODE_SIG, aligned=("q", "k", "v", "o")), "page_size": 16}
+# Lengths and block tables may be any int32 views (e.g. a slice of a longer lengths array).
+_INDEX_POINTERS = ("BlockTable", "CacheSeqlens")
+_DECODE_DIV = {**{n: d for n, d in divisibility_of(_DECODE_SIG, aligned=("q", "k", "v", "o")).items()
+                  if n not in _INDEX_POINTERS}, "page_size": 16}
 _COMBINE_SIG = signature_of(attn_decode_combine, {"Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
                                                   "PartL": "*fp32"})
 _COMBINE_DIV = divisibility_of(_COMBINE_SIG, aligned=("o",))
 _APPEND_SIG = signature_of(attn_decode_append, {
     "KNew": "*{dtype}", "VNew": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "BlockTable": "*i32",
     "CacheSeqlens": "*i32"})
-_APPEND_DIV = {**divisibility_of(_APPEND_SIG, aligned=("kn", "vn", "k", "v")), "page_size": 16}
+_APPEND_DIV = {**{n: d for n, d in divisibility_of(_APPEND_SIG, aligned=("kn", "vn", "k", "v")).items()
+                  if n not in _INDEX_POINTERS}, "page_size": 16}
 _SHAPE_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0", "seqlen_q >= 1",
                  f"seqlen_q <= {MAX_SEQLEN_Q}", "batch * num_heads_k <= 65535")
 _PAGE_CHECKS = ("page_size >= 16", "page_size % 16 == 0", "num_pages >= 1", "capacity >= 0")

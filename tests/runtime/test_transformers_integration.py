@@ -24,10 +24,10 @@ CALLS: list[dict] = []
 
 
 def _reference(q: Any, k: Any, v: Any, *, causal: bool, align: str, bias: Any, dropout_p: float, scale: Any,
-               layout: str, library: Any) -> Any:
+               layout: str, library: Any, path: str = "autograd") -> Any:
     assert layout == "bshd" and align == "bottom_right" and dropout_p == 0.0
     CALLS.append({"q_len": q.shape[1], "k_len": k.shape[1], "causal": causal, "bias": bias is not None,
-                  "heads": (q.shape[2], k.shape[2])})
+                  "heads": (q.shape[2], k.shape[2]), "path": path})
     qd, kd, vd = (t.transpose(1, 2).double() for t in (q, k, v))
     group = qd.shape[1] // kd.shape[1]
     kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
@@ -47,9 +47,22 @@ def _reference(q: Any, k: Any, v: Any, *, causal: bool, align: str, bias: Any, d
 @pytest.fixture
 def models(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
     import aotriton_rt.integrations.transformers as hf
+    import aotriton_rt.ops.attention as op_core
+    import aotriton_rt.ops.decode as op_decode
     import aotriton_rt.ops.torch as op_torch
 
+    def core(q: Any, k: Any, v: Any, **kw: Any) -> tuple:
+        return _reference(q, k, v, dropout_p=0.0, path="core", **kw), None
+
+    def decode(q: Any, k: Any, v: Any, *, causal: bool, scale: Any, layout: str, cache_layout: str,
+               library: Any) -> tuple:
+        assert cache_layout == "bshd"
+        return _reference(q, k, v, causal=causal, align="bottom_right", bias=None, dropout_p=0.0, scale=scale,
+                          layout=layout, library=library, path="decode"), None
+
     monkeypatch.setattr(op_torch, "attention", _reference)
+    monkeypatch.setattr(op_core, "attention", core)
+    monkeypatch.setattr(op_decode, "decode_attention", decode)
     name = hf.register()
     config = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -67,12 +80,13 @@ def models(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
 
 def test_causal_prefill_logits_match_sdpa_with_gqa_and_no_mask(models: tuple) -> None:
     sdpa, ours = models
-    ids = torch.randint(1, 101, (2, 11), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, 101, (2, 23), generator=torch.Generator().manual_seed(1))  # > 16 rows: prefill
     with torch.no_grad():
         want = sdpa(ids).logits
         got = ours(ids).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert CALLS and all(c["causal"] and not c["bias"] and c["heads"] == (4, 2) for c in CALLS)
+    assert {c["path"] for c in CALLS} == {"core"}  # inference skips the autograd op
 
 
 def test_left_padded_batch_matches_sdpa_on_the_real_tokens(models: tuple) -> None:
@@ -100,8 +114,8 @@ def test_greedy_generation_with_the_cache_matches_sdpa_and_decodes_one_row_at_a_
     assert torch.equal(got, want)
     decode = [c for c in CALLS if c["q_len"] == 1]
     assert decode, "no decoding step reached aotriton"
-    # One query row, no mask, every cached key: the shape aotriton_rt.attention routes to decode.
-    assert all(not c["causal"] and not c["bias"] for c in decode)
+    # One query row, no mask, every cached key: straight to the decode kernels.
+    assert all(not c["causal"] and not c["bias"] and c["path"] == "decode" for c in decode)
     assert max(c["k_len"] for c in decode) == 7 + 6 - 1
 
 
@@ -116,6 +130,14 @@ def test_padded_generation_matches_sdpa(models: tuple) -> None:
         want = sdpa.generate(ids, attention_mask=mask, **kw)
         got = ours.generate(ids, attention_mask=mask, **kw)
     assert torch.equal(got, want)
+
+
+def test_training_goes_through_the_autograd_op(models: tuple) -> None:
+    _, ours = models
+    ours.train()
+    ids = torch.randint(1, 101, (2, 9), generator=torch.Generator().manual_seed(5))
+    ours(ids).logits.float().pow(2).mean().backward()
+    assert CALLS and {c["path"] for c in CALLS} == {"autograd"}
 
 
 def test_softcap_is_refused_with_a_clear_error() -> None:
