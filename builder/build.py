@@ -199,8 +199,9 @@ def _progress(total: int, quiet: bool):
 
 
 def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_going: bool,
-          triton_version: str, quiet: bool = False) -> Summary:
-    """Compile ``jobs`` into the image folder ``out``; the catalog lists exactly these jobs."""
+          triton_version: str, quiet: bool = False, tuning: dict | None = None) -> Summary:
+    """Compile ``jobs`` into the image folder ``out``; the catalog lists exactly these jobs and
+    the ``tuning`` table (``registry.tuning_of``; default empty)."""
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     previous = _previous(out)
@@ -241,7 +242,7 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
         raise BuildError("\n".join(summary.lines()))
 
     catalog = Catalog.from_json({"schema": "aotriton-rt.catalog", "schema_version": 1,
-                                 "triton_version": triton_version, "tuning": {},
+                                 "triton_version": triton_version, "tuning": tuning or {},
                                  "variants": list(variants.values())}, source=str(out / CATALOG_FILE))
     for v in catalog.variants:
         summary.packed_bytes += v.image.size

@@ -321,6 +321,14 @@ def decode_configs(spec: dict, target: object) -> tuple[Config, ...]:
     return (_cfg(16, bn, 4, two_per_sm),)
 
 
+def decode_tuning(target: object) -> list[dict]:
+    """The catalog's split rule for ``target`` (see aotriton_rt/ops/decode.py, ``split_rule``):
+    fill ``waves`` resident programs per SM (config 0's occupancy: two on sm80/sm90, whose
+    shared memory holds two 3-stage rings; two on CDNA/RDNA, one stage), splits of at least 4 key
+    blocks, at most 64."""
+    return [{"splits": {"waves": 2, "min_blocks": 4, "max_splits": 64}}]
+
+
 def combine_configs(spec: dict, target: object) -> tuple[Config, ...]:
     """Eight splits at a time; one stage (the loop is two short passes)."""
     return (Config(constexprs={"BLOCK_S": 8}, num_warps=4, num_stages=1),)
@@ -360,6 +368,7 @@ KERNELS = [
         grid=("cdiv(num_heads_q // num_heads_k * seqlen_q, BLOCK_M)", "num_splits", "batch * num_heads_k"),
         divisibility=_DECODE_DIV,
         sets=_SETS,
+        tuning=decode_tuning,
         checks=_SHAPE_CHECKS + _PAGE_CHECKS + ("num_splits >= 1", "num_splits <= 65535", "seqlen_new >= 0")
         + stride_checks(_DECODE_DIV),
     ),

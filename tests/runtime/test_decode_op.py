@@ -415,6 +415,30 @@ def test_catalog_split_rules_override_the_default_per_arch() -> None:
         split_rule({"sm90": 1}, "sm90")
 
 
+def test_the_build_puts_the_decode_split_rule_of_each_target_in_the_catalog(tmp_path: Path) -> None:
+    from aotriton_rt.catalog import Catalog
+    from builder import registry
+    from builder.merge import merge
+    from builder.targets import parse_targets
+
+    kernels = registry.load_kernels()
+    jobs = [j for name in ("attn_decode", "attn_decode_combine")
+            for j in registry.expand(kernels[name], parse_targets("sm90,gfx942"), "default", "3.6.0")]
+    table = registry.tuning_of(kernels, jobs)
+    assert set(table) == {"attn_decode"}
+    assert sorted(r["arch"] for r in table["attn_decode"]) == ["gfx942", "sm90"]
+    assert split_rule(table["attn_decode"], "gfx942") == (SplitRule(2, 4, 64), 0)
+    # Shards built from one commit repeat the rules; merging keeps each once.
+    for shard in ("a", "b"):
+        (tmp_path / shard).mkdir()
+        (tmp_path / shard / "catalog.json").write_text(json.dumps(
+            {"schema": "aotriton-rt.catalog", "schema_version": 1, "triton_version": "3.6.0", "tuning": table,
+             "variants": []}))
+    merged = merge([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    assert merged.tuning == table
+    assert Catalog.load(tmp_path / "out" / "catalog.json").tuning == table
+
+
 def test_decode_head_dims_and_limits_mirror_the_builder() -> None:
     from builder.kernels import decode as kernels
 
