@@ -439,6 +439,17 @@ def test_the_build_puts_the_decode_split_rule_of_each_target_in_the_catalog(tmp_
     assert Catalog.load(tmp_path / "out" / "catalog.json").tuning == table
 
 
+def test_decode_modules_import_no_framework_and_the_package_maps_the_name() -> None:
+    import subprocess
+
+    probe = ("import sys, aotriton_rt, aotriton_rt.ops.decode as m, aotriton_rt.integrations.transformers\n"
+             "assert aotriton_rt.decode_attention is m.decode_attention\n"
+             "print(sorted(x for x in sys.modules if x.split('.')[0] in "
+             "('torch', 'cupy', 'jax', 'triton', 'numpy', 'transformers')))")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
 def test_decode_head_dims_and_limits_mirror_the_builder() -> None:
     from builder.kernels import decode as kernels
 
