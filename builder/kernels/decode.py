@@ -49,14 +49,31 @@ MAX_SEQLEN_Q = 16
 
 
 @triton.jit
-def _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_z, stride_n, PAGED: tl.constexpr):
-    """Element offsets (int64) of cache rows ``cols`` of one sequence and head."""
+def _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn,
+                PAGED: tl.constexpr):
+    """Element offsets (int64) of K and V rows ``cols`` of one sequence and head; a paged cache
+    looks each row's page up once for both."""
     if PAGED:
         page = tl.load(bt_row + cols // page_size, mask=col_ok, other=0)
         # Block-table entries are the caller's contract; clamping keeps a bad one in bounds.
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        return page.to(tl.int64) * stride_z + (cols % page_size) * stride_n
-    return cols.to(tl.int64) * stride_n
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        row = cols % page_size
+        return page * stride_kz + row * stride_kn, page * stride_vz + row * stride_vn
+    rows = cols.to(tl.int64)
+    return rows * stride_kn, rows * stride_vn
+
+
+@triton.jit
+def _and_dim(mask, offs_d, HEAD_DIM: tl.constexpr, DIM_AXIS: tl.constexpr):
+    """``mask`` and the head-dim bound along DIM_AXIS of a 2-D tile. A power-of-two head dim
+    needs no bound, and gets none: Triton cannot prove ``arange(0, D) < D`` true, and a mask
+    that varies along the contiguous axis would cost the loads their 16-byte vectors."""
+    if HEAD_DIM != triton.next_power_of_2(HEAD_DIM):
+        if DIM_AXIS == 0:
+            mask = mask & (offs_d < HEAD_DIM)[:, None]
+        else:
+            mask = mask & (offs_d < HEAD_DIM)[None, :]
+    return mask
 
 
 @triton.jit
@@ -103,11 +120,11 @@ def attn_decode(
     heads = off_hk * group + rows // seqlen_q
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    d_ok = offs_d < HEAD_DIM
+    row_mask = _and_dim(row_ok[:, None], offs_d, HEAD_DIM, 1)
 
     q_ptrs = (Q + off_b.to(tl.int64) * stride_qz + heads.to(tl.int64)[:, None] * stride_qh
               + qi[:, None] * stride_qm + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(q_ptrs, mask=row_mask, other=0.0)
 
     len_k = _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity)
     diag = len_k - seqlen_q
@@ -137,11 +154,13 @@ def attn_decode(
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < len_k
-        k_off = _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn, PAGED)
-        v_off = _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_vz, stride_vn, PAGED)
+        k_off, v_off = _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn, stride_vz,
+                                   stride_vn, PAGED)
         # K as (dim, keys): loads run along the contiguous head dim.
-        k = tl.load(K_head + k_off[None, :] + offs_d[:, None], mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(V_head + v_off[:, None] + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(K_head + k_off[None, :] + offs_d[:, None], mask=_and_dim(col_ok[None, :], offs_d, HEAD_DIM, 0),
+                    other=0.0)
+        v = tl.load(V_head + v_off[:, None] + offs_d[None, :], mask=_and_dim(col_ok[:, None], offs_d, HEAD_DIM, 1),
+                    other=0.0)
         qk = tl.dot(q, k, input_precision=PREC)
         rel = cols[None, :] - qi[:, None] - diag
         visible = (rel >= -left) & (rel <= right) & col_ok[None, :]
@@ -161,11 +180,11 @@ def attn_decode(
     if num_splits == 1:
         o_ptrs = (Out + off_b.to(tl.int64) * stride_oz + heads.to(tl.int64)[:, None] * stride_oh
                   + qi[:, None] * stride_om + offs_d[None, :])
-        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_mask)
         tl.store(LSE + off_b.to(tl.int64) * stride_lz + heads.to(tl.int64) * stride_lh + qi, lse, mask=row_ok)
     else:
         part = (pid_bk.to(tl.int64) * num_splits + pid_s) * rows_total + rows
-        tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask)
         tl.store(PartL + part, lse, mask=row_ok)
 
 
@@ -194,7 +213,6 @@ def attn_decode_combine(
     base = pid_bk.to(tl.int64) * num_splits * rows_total + row
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
 
     m_vec = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
@@ -210,8 +228,8 @@ def attn_decode_combine(
         s_ok = s < num_splits
         idx = base + s.to(tl.int64) * rows_total
         w = tl.math.exp2((tl.load(PartL + idx, mask=s_ok, other=float("-inf")) - m_sub) * LOG2E)
-        o = tl.load(PartO + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+        o_mask = _and_dim(s_ok[:, None], offs_d, HEAD_DIM, 1)
+        o = tl.load(PartO + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)
         acc += w[:, None] * o
         den += w
     total = tl.sum(den, 0)
@@ -219,7 +237,10 @@ def attn_decode_combine(
     out = tl.sum(acc, 0) / safe
     lse = tl.where(total == 0.0, float("-inf"), m_sub + tl.log(safe))
     o_ptrs = Out + off_b.to(tl.int64) * stride_oz + head.to(tl.int64) * stride_oh + qi * stride_om + offs_d
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=d_ok)
+    if HEAD_DIM != BLOCK_D:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    else:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty))
     tl.store(LSE + off_b.to(tl.int64) * stride_lz + head.to(tl.int64) * stride_lh + qi, lse)
 
 
@@ -246,19 +267,18 @@ def attn_decode_append(
     off_hk = pid_bk % num_heads_k
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
     pos = tl.load(CacheSeqlens + off_b) + rows
     ok = (rows < seqlen_new) & (pos >= 0) & (pos < capacity)
     pos = tl.where(ok, pos, 0)
     bt_row = BlockTable + off_b.to(tl.int64) * stride_btz
-    k_off = _kv_offsets(bt_row, pos, ok, page_size, num_pages, stride_kz, stride_kn, PAGED)
-    v_off = _kv_offsets(bt_row, pos, ok, page_size, num_pages, stride_vz, stride_vn, PAGED)
+    k_off, v_off = _kv_offsets(bt_row, pos, ok, page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn,
+                               PAGED)
     K_head = K + off_hk.to(tl.int64) * stride_kh
     V_head = V + off_hk.to(tl.int64) * stride_vh
     if not PAGED:
         K_head += off_b.to(tl.int64) * stride_kz
         V_head += off_b.to(tl.int64) * stride_vz
-    mask = ok[:, None] & d_ok[None, :]
+    mask = _and_dim(ok[:, None], offs_d, HEAD_DIM, 1)
     src = off_b.to(tl.int64) * stride_knz + off_hk.to(tl.int64) * stride_knh + rows[:, None] * stride_knm
     kn = tl.load(KNew + src + offs_d[None, :], mask=mask, other=0.0)
     src = off_b.to(tl.int64) * stride_vnz + off_hk.to(tl.int64) * stride_vnh + rows[:, None] * stride_vnm
