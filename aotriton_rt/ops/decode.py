@@ -611,8 +611,11 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         KernelNotFound: the images lack the decode kernels for this dtype / head dim.
     """
     debug = _debug(check)
+    ks = _kernels_of(library)
+    # The tuning rules are part of the key: replacing them (a benchmark comparing configs) replans.
     key = None if debug else _torch_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, causal,
-                                        window, scale, num_splits, max_seqlen_k, layout, cache_layout, library)
+                                        window, scale, num_splits, max_seqlen_k, layout, cache_layout,
+                                        id(ks.rules), library)
     if key is not None:
         launch = _LAUNCHES.get(key)
         if launch is not None:
@@ -628,7 +631,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             raise ArgumentError(f"out must have shape {tuple(infos['q'].shape)} and dtype {p.dtype}, got "
                                 f"{tuple(out_i.shape)} {out_i.dtype}")
         infos["out"] = out_i
-    launch = _Launch(p, infos, _kernels_of(library), layout, num_splits, cache_seqlens)
+    launch = _Launch(p, infos, ks, layout, num_splits, cache_seqlens)
     xp = launch.xp
     if debug:
         seqlens = launch.seqlens(xp.convert(q, infos["q"]), cache_seqlens, infos)
