@@ -65,9 +65,8 @@ def _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn
 
 @triton.jit
 def _and_dim(mask, offs_d, HEAD_DIM: tl.constexpr, DIM_AXIS: tl.constexpr):
-    """``mask`` and the head-dim bound along DIM_AXIS of a 2-D tile. A power-of-two head dim
-    needs no bound, and gets none: Triton cannot prove ``arange(0, D) < D`` true, and a mask
-    that varies along the contiguous axis would cost the loads their 16-byte vectors."""
+    """``mask`` and the head-dim bound along DIM_AXIS of a 2-D tile; a power-of-two head dim
+    (the tile's own width) needs no bound and gets none."""
     if HEAD_DIM != triton.next_power_of_2(HEAD_DIM):
         if DIM_AXIS == 0:
             mask = mask & (offs_d < HEAD_DIM)[:, None]
