@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import interop
-from ..errors import ArgumentError, CatalogError, KernelNotFound, UnsupportedError
+from ..errors import AotritonError, ArgumentError, CatalogError, KernelNotFound, UnsupportedError
 
 __all__ = ["DEFAULT_SPLIT_RULES", "DecodePlan", "SplitRule", "decode_attention", "decode_kernels", "num_splits_for",
            "route_from_attention", "split_rule"]
@@ -820,11 +820,13 @@ def route_from_attention(q: Any, k: Any, v: Any, *, causal: Any, window: Any, al
             return None
         if interop.describe(v).shape[-1] != qi.shape[3]:
             return None
-        ks = _kernels_of(library)
         spec = {"dtype": qi.dtype, "HEAD_DIM": qi.shape[3]}
-        for name, params in ((DECODE, {**spec, "PAGED": 0}), (COMBINE, spec)):
-            if not ks.has(name, params):
+        try:
+            ks = _kernels_of(library)
+            if not all(ks.has(name, params) for name, params in ((DECODE, {**spec, "PAGED": 0}), (COMBINE, spec))):
                 return None
+        except AotritonError:
+            return None  # no images (yet): attention() validates the call first, then reports that
         return decode_attention(q, k, v, causal=causal is True, window=window, scale=scale, layout=layout,
                                 cache_layout=layout, library=library)
     except (ArgumentError, UnsupportedError, KernelNotFound):

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+import aotriton_rt
 from aotriton_rt import ArgumentError, CatalogError, UnsupportedError
 from aotriton_rt.ops import decode as op
 from aotriton_rt.ops.decode import SplitRule, num_splits_for, split_rule
@@ -370,6 +371,28 @@ def test_decode_refuses_malformed_calls_before_any_launch(case: tuple) -> None:
     call, exc, match = case
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_attention_routes_only_calls_the_decode_kernels_express() -> None:
+    from types import SimpleNamespace
+
+    from aotriton_rt.ops.decode import route_from_attention
+
+    lacking = SimpleNamespace(variants=[], catalogs=[])  # images without the decode kernels
+    q, k = Dev(2, 8, 1, 64), Dev(2, 2, 300, 64)
+    base = {"causal": True, "window": None, "align": "bottom_right", "bias": None, "dropout_p": 0.0, "scale": None,
+            "cu_seqlens_q": None, "cu_seqlens_k": None, "layout": "bhsd", "out": None, "lse": None,
+            "return_mask": False, "library": lacking}
+    for change in ({"bias": Dev(300)}, {"dropout_p": 0.1}, {"align": "top_left"}, {"out": q}, {"return_mask": True},
+                   {"window": 3}, {}):
+        assert route_from_attention(q, k, k, **{**base, **change}) is None, change
+    assert route_from_attention(Dev(2, 8, 17, 64), k, k, **base) is None  # 17 query rows: prefill
+
+
+def test_a_decode_shaped_attention_call_is_validated_before_images_are_looked_for(monkeypatch) -> None:
+    monkeypatch.setenv("AOTRITON_RT_IMAGES", "/nonexistent-aotriton-images")
+    with pytest.raises(ArgumentError, match=r"scale must be a finite number, got nan"):
+        aotriton_rt.attention(Dev(2, 8, 1, 64), Dev(2, 2, 300, 64), Dev(2, 2, 300, 64), scale=float("nan"))
 
 
 def test_debug_mode_reads_lengths_and_pages_back_and_refuses_bad_ones() -> None:
