@@ -611,14 +611,12 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         KernelNotFound: the images lack the decode kernels for this dtype / head dim.
     """
     debug = _debug(check)
-    ks = _kernels_of(library)
-    # The tuning rules are part of the key: replacing them (a benchmark comparing configs) replans.
     key = None if debug else _torch_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, causal,
-                                        window, scale, num_splits, max_seqlen_k, layout, cache_layout,
-                                        id(ks.rules), library)
+                                        window, scale, num_splits, max_seqlen_k, layout, cache_layout, library)
     if key is not None:
         launch = _LAUNCHES.get(key)
-        if launch is not None:
+        # A plan holds while its library's tuning rules do (a benchmark comparing configs swaps them).
+        if launch is not None and launch.ks.rules is launch.rules:
             return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
     p, infos = _plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                      v_new=v_new, causal=causal, window=window, scale=scale, max_seqlen_k=max_seqlen_k,
@@ -631,7 +629,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             raise ArgumentError(f"out must have shape {tuple(infos['q'].shape)} and dtype {p.dtype}, got "
                                 f"{tuple(out_i.shape)} {out_i.dtype}")
         infos["out"] = out_i
-    launch = _Launch(p, infos, ks, layout, num_splits, cache_seqlens)
+    launch = _Launch(p, infos, _kernels_of(library), layout, num_splits, cache_seqlens)
     xp = launch.xp
     if debug:
         seqlens = launch.seqlens(xp.convert(q, infos["q"]), cache_seqlens, infos)
@@ -674,7 +672,7 @@ class _Launch:
 
     def __init__(self, p: DecodePlan, infos: dict, ks: _Kernels, layout: str, num_splits: int | None,
                  cache_seqlens: Any) -> None:
-        self.p, self.layout = p, layout
+        self.p, self.layout, self.ks, self.rules = p, layout, ks, ks.rules
         self.xp = xp = _arrays(infos["q"].framework)
         spec = {"dtype": p.dtype, "HEAD_DIM": p.head_dim}
         arch = ks.device_arch(p.device)
