@@ -7,15 +7,19 @@ Kernel benchmark (default): one query row per sequence, bf16, D=128, 8 KV heads 
 - ``sdpa``: ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` under each backend that
   accepts the call (flash, cuDNN, efficient, math); the fastest backend's median is the peer;
 - ``ours``: ``decode_attention`` on a contiguous cache ``(B, S, Hkv, D)``;
-- ``paged``: the same cache as ``(num_pages, page, Hkv, D)`` pages in a shuffled block table;
-- ``ours#i`` / ``paged#i``: with ``--config i ...`` (tuning config i of the images, e.g. the sm90
-  alternates: #1 128-key steps, #2 8 warps) and ``--waves/--min-blocks`` split-rule overrides.
+- ``p16``, ``p256`` (``--page``): the same cache as ``(num_pages, page, Hkv, D)`` pages in a
+  shuffled block table (vLLM's page size 16, FlashAttention's 256);
+- ``ours#i`` / ``p16#i``: with ``--config i ...`` (tuning config i forced, e.g. the sm90
+  alternates: #1 128-key steps with 8 warps, #2 four stages) and ``--waves/--min-blocks``
+  split-rule overrides; without ``#``: the runtime's own choice from the catalog's tuning rules.
 
 Each contender is timed two ways: ``eager`` (back-to-back calls between CUDA events, so host
 cost counts where it exceeds the kernel's) and ``graph`` (the same calls captured in a CUDA
 graph and replayed: kernel time). Reported: medians over ``--rounds`` rounds, spread
 (max-min)/median, ratio vs SDPA's best backend, and K/V bandwidth (bytes of the visible K and V
-/ time) as % of ``--peak-tbs``. Outputs are checked against SDPA before timing.
+/ time) as % of ``--peak-tbs``. Outputs are checked before timing against an fp32 reference of
+at most four sequences, computed one sequence at a time (a whole-batch fp32 reference with K/V
+repeated per query head would be 64 GiB at B=64, 32k cache, GQA 8:1).
 
 ``--llama``: the issue's generation benchmark: a randomly initialised Llama-style model (16
 layers, hidden 2048, 16 query / 4 KV heads, head dim 128, bf16; no download) generating 128
@@ -120,19 +124,46 @@ def _rule(args: argparse.Namespace, config: int) -> list:
     return [{"config": config, **({"splits": splits} if splits else {})}]
 
 
+def _checked_sequences(batch: int, most: int = 4) -> list[int]:
+    """The sequences whose outputs are checked: first, last and a few between (at most ``most``)."""
+    if batch <= most:
+        return list(range(batch))
+    return sorted({round(i * (batch - 1) / (most - 1)) for i in range(most)})
+
+
+def _reference(qs: Any, ks: Any, vs: Any, checked: list[int]) -> Any:
+    """fp32 attention of the ``checked`` sequences, one at a time, as (len(checked), 1, Hq, D).
+
+    A whole-batch fp32 reference with K/V repeated per query head is B * Hq * S * D * 4 bytes per
+    tensor (64 GiB at B=64, 32k cache, GQA 8:1); one sequence is Hq * S * D * 4 (1 GiB there)."""
+    outs = []
+    for b in checked:
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            qs[b:b + 1].float(), ks[b:b + 1].float(), vs[b:b + 1].float(), enable_gqa=True))
+        torch.cuda.synchronize()
+    return torch.cat(outs).transpose(1, 2)
+
+
+def _max_error(out: Any, ref: Any, checked: list[int]) -> float:
+    """Largest |out - ref| over the checked sequences of a (B, 1, Hq, D) output."""
+    return (out[checked].float() - ref).abs().max().item()
+
+
 def kernel_table(args: argparse.Namespace, lib: Any) -> list[dict]:
     rows = []
+    default_rules = dec._kernels_of(lib).rules
     for B in args.b:
         for S in args.cache:
             for ratio in args.gqa:
-                rows.append(one_shape(args, lib, B, S, ratio))
+                rows.append(one_shape(args, lib, B, S, ratio, default_rules))
                 _print_row(rows[-1])
                 torch.cuda.empty_cache()
     return rows
 
 
-def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int) -> dict:
-    """Time every contender at one shape (see the module docs)."""
+def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, default_rules: Any) -> dict:
+    """Time every contender at one shape (see the module docs); ``default_rules``: the images' own
+    tuning rules (what a plain call uses)."""
     dtype = torch.bfloat16
     D, Hkv = args.d, args.hkv
     ks = dec._kernels_of(lib)
@@ -141,18 +172,22 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int) ->
     q = torch.randn(B, 1, Hq, D, device="cuda", dtype=dtype, generator=gen)
     kc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
     vc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
-    page = args.page
-    blocks = S // page
-    perm = torch.randperm(B * blocks, device="cuda")
-    table = perm.view(B, blocks).to(torch.int32)
-    kp = torch.empty(B * blocks, page, Hkv, D, device="cuda", dtype=dtype)
-    vp = torch.empty_like(kp)
-    kp[perm] = kc.view(B * blocks, page, Hkv, D)
-    vp[perm] = vc.view(B * blocks, page, Hkv, D)
+    # One shuffled-page copy of the cache per page size: (num_pages, page, Hkv, D) and its table.
+    paged_caches = {}
+    for page in args.page:
+        if S % page:
+            continue
+        blocks = S // page
+        perm = torch.randperm(B * blocks, device="cuda", generator=gen)
+        kp = torch.empty(B * blocks, page, Hkv, D, device="cuda", dtype=dtype)
+        vp = torch.empty_like(kp)
+        kp[perm] = kc.view(B * blocks, page, Hkv, D)
+        vp[perm] = vc.view(B * blocks, page, Hkv, D)
+        paged_caches[page] = (kp, vp, perm.view(B, blocks).to(torch.int32))
     # SDPA's layout: (B, H, S, D) views of the same memory.
     qs, ks_, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
-    ref = torch.nn.functional.scaled_dot_product_attention(qs.float(), ks_.float(), vs.float(),
-                                                           enable_gqa=True).transpose(1, 2)
+    checked = _checked_sequences(B)
+    ref = _reference(qs, ks_, vs, checked)
     contenders: dict[str, Any] = {}
     for be in SDPA_BACKENDS:
         if be == "math" and contenders:
@@ -167,23 +202,24 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int) ->
             torch.cuda.synchronize()
         except RuntimeError:
             continue
-        if (out.float() - ref).abs().max().item() > 5e-2:
+        if _max_error(out, ref, checked) > 5e-2:
             continue
         contenders[f"sdpa:{be}"] = sdpa
-    for cfg in args.config:
-        tag = "" if cfg == 0 and args.waves is None and args.min_blocks is None else f"#{cfg}"
-        rule = _rule(args, cfg)
-
-        def ours(rule: list = rule) -> Any:
-            ks.rules = rule
+    # "ours" / "p<page>": the runtime's own choice (the catalog's tuning rules); "#i": config i forced.
+    variants = [("", default_rules)] + [(f"#{cfg}", _rule(args, cfg)) for cfg in args.config]
+    for tag, rules in variants:
+        def ours(rules: Any = rules) -> Any:
+            ks.rules = rules
             return dec.decode_attention(q, kc, vc, causal=True, library=lib)[0]
 
-        def paged(rule: list = rule) -> Any:
-            ks.rules = rule
-            return dec.decode_attention(q, kp, vp, block_table=table, causal=True, library=lib)[0]
-
-        for name, fn in ((f"ours{tag}", ours), (f"paged{tag}", paged)):
-            err = (fn().float() - ref).abs().max().item()
+        todo = [(f"ours{tag}", ours)]
+        for page, (kp, vp, table) in paged_caches.items():
+            def paged(rules: Any = rules, kp: Any = kp, vp: Any = vp, table: Any = table) -> Any:
+                ks.rules = rules
+                return dec.decode_attention(q, kp, vp, block_table=table, causal=True, library=lib)[0]
+            todo.append((f"p{page}{tag}", paged))
+        for name, fn in todo:
+            err = _max_error(fn(), ref, checked)
             if err > 5e-2:
                 print(f"  {name} B={B} S={S} gqa={ratio}: wrong (max error {err:.3g}); skipped")
                 continue
@@ -204,7 +240,7 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int) ->
             if name in graphs:
                 graph[name].append(graphs[name].ms())
     kv_bytes = 2 * B * S * Hkv * D * 2
-    row = {"B": B, "cache": S, "gqa": ratio, "Hq": Hq, "Hkv": Hkv, "D": D, "page": page,
+    row = {"B": B, "cache": S, "gqa": ratio, "Hq": Hq, "Hkv": Hkv, "D": D, "pages": list(paged_caches),
            "kv_bytes": kv_bytes, "eager": {n: _stats(v) for n, v in eager.items()},
            "graph": {n: _stats(v) for n, v in graph.items() if v}}
     for mode in ("eager", "graph"):
@@ -235,20 +271,33 @@ def _print_row(row: dict) -> None:
 
 
 def summary(rows: list[dict]) -> None:
-    print("\nSUMMARY (graph replay = kernel time; ratio = SDPA best / ours; bw = K/V bytes / time / peak)")
-    print(f"{'B':>3} {'cache':>6} {'gqa':>4} {'sdpa best':>16} {'us':>8} | {'ours us':>8} {'x':>5} {'bw%':>4} | "
-          f"{'paged us':>8} {'x':>5} {'paged/contig':>12} | {'eager ours x':>12}")
+    """The compact final table: per shape SDPA's best backend, ours (the runtime's default choice)
+    and each paged cache, as time, ratio vs SDPA (x, >1 = faster), % of peak bandwidth, and the
+    paged/contiguous speed ratio (/c)."""
+    nan = float("nan")
+    pages = sorted({p for r in rows for p in r.get("pages", [])})
+    print("\nSUMMARY (CUDA-graph replay = kernel time; x = SDPA best time / ours; bw = K/V bytes / time / peak; "
+          "/c = contiguous time / paged time)")
+    head = f"{'B':>3} {'cache':>6} {'gqa':>4} | {'sdpa best':>15} {'us':>8} | {'ours us':>8} {'x':>5} {'bw%':>4}"
+    for page in pages:
+        head += f" | {'p' + str(page) + ' us':>8} {'x':>5} {'bw%':>4} {'/c':>5}"
+    print(head + f" | {'eager x':>7}")
     for r in rows:
         g, e = r.get("graph", {}), r.get("eager", {})
         best = r.get("graph_sdpa_best")
-        o, p = g.get("ours"), g.get("paged")
+        o = g.get("ours")
         if not (best and o):
             continue
-        pc = o["median_us"] / p["median_us"] if p else float("nan")
-        print(f"{r['B']:>3} {r['cache']:>6} {r['gqa']:>3}:1 {best:>16} {g[best]['median_us']:>8.1f} | "
-              f"{o['median_us']:>8.1f} {o['vs_sdpa']:>5.2f} {o['bw_pct']:>4.0f} | "
-              f"{p['median_us'] if p else float('nan'):>8.1f} {p['vs_sdpa'] if p else float('nan'):>5.2f} "
-              f"{pc:>12.2f} | {e.get('ours', {}).get('vs_sdpa', float('nan')):>12.2f}")
+        line = (f"{r['B']:>3} {r['cache']:>6} {r['gqa']:>3}:1 | {best:>15} {g[best]['median_us']:>8.1f} | "
+                f"{o['median_us']:>8.1f} {o['vs_sdpa']:>5.2f} {o['bw_pct']:>4.0f}")
+        for page in pages:
+            p = g.get(f"p{page}")
+            if p:
+                line += (f" | {p['median_us']:>8.1f} {p['vs_sdpa']:>5.2f} {p['bw_pct']:>4.0f} "
+                         f"{o['median_us'] / p['median_us']:>5.2f}")
+            else:
+                line += f" | {'-':>8} {'-':>5} {'-':>4} {'-':>5}"
+        print(line + f" | {e.get('ours', {}).get('vs_sdpa', nan):>7.2f}")
     extra = sorted({n for r in rows for n in r.get("graph", {}) if "#" in n})
     for n in extra:
         vals = [f"{r['B']}/{r['cache']}/{r['gqa']}:1 x{r['graph'][n]['vs_sdpa']:.2f}" for r in rows
@@ -364,8 +413,10 @@ def main() -> None:
     ap.add_argument("--gqa", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--page", type=int, default=16, help="page size of the paged contender (multiple of 16)")
-    ap.add_argument("--config", type=int, nargs="+", default=[0], help="tuning config indices to time")
+    ap.add_argument("--page", type=int, nargs="+", default=[16, 256],
+                    help="page sizes of the paged contenders (multiples of 16; vLLM 16, FlashAttention 256)")
+    ap.add_argument("--config", type=int, nargs="*", default=[],
+                    help="tuning config indices to time besides the runtime's own choice")
     ap.add_argument("--waves", type=int, default=None, help="split rule: programs per SM to aim for")
     ap.add_argument("--min-blocks", type=int, default=None, help="split rule: key blocks per split at least")
     ap.add_argument("--rounds", type=int, default=5)
