@@ -323,7 +323,7 @@ def decode_configs(spec: dict, target: object) -> tuple[Config, ...]:
     """
     d = next_power_of_2(spec["HEAD_DIM"])
     if spec["dtype"] == "fp32":
-        return (_cfg(16, 32, 4, 2 if target.backend == "cuda" else 1),)
+        return (_cfg(16, 32, 4, _stages(2, spec, target) if target.backend == "cuda" else 1),)
     if target.backend == "hip":
         opts = {"waves_per_eu": 2}
         if target.arch.startswith("gfx9"):
@@ -336,16 +336,42 @@ def decode_configs(spec: dict, target: object) -> tuple[Config, ...]:
     limit = SHARED_LIMIT.get(target.arch, 99 * 1024)
     two_per_sm = max(2, min(3, limit // 2 // stage))
     if target.arch == "sm90":
-        return (_cfg(16, bn, 4, two_per_sm), _cfg(16, 2 * bn, 8, 2), _cfg(16, bn, 4, 4))
-    return (_cfg(16, bn, 4, two_per_sm),)
+        return (_cfg(16, bn, 4, _stages(two_per_sm, spec, target)), _cfg(16, 2 * bn, 8, _stages(2, spec, target)),
+                _cfg(16, bn, 4, _stages(4, spec, target)))
+    return (_cfg(16, bn, 4, _stages(two_per_sm, spec, target)),)
+
+
+def _stages(stages: int, spec: dict, target: object) -> int:
+    """``num_stages`` that gives a paged cache on CUDA the K/V copies in flight that ``stages``
+    gives a contiguous one.
+
+    Triton's software pipeliner (3.6) gives a direct load ``num_stages - 1`` shared-memory
+    buffers but a load whose address comes from another load of the loop (K/V rows through the
+    block table) only ``(num_stages - 1) // 2``: the page-id copy takes its own stages. At 3
+    stages the paged kernel kept one K/V buffer and waited for every copy (``async_wait num =
+    0``; 39 KB of shared memory against 70 KB contiguous: 0.65-0.7x the contiguous speed on an
+    H200). ``2 * stages - 1`` gives it the contiguous ring (tests/builder/test_decode_compile.py
+    pins equal buffer counts)."""
+    return 2 * stages - 1 if spec.get("PAGED") and target.backend == "cuda" else stages
+
+
+# sm90: from this many (sequence, KV head) pairs on, the call fills the GPU without splits (two
+# programs on each of the H200's 132 SMs, 80% full) and is a pure stream of K/V; there config #2
+# (4 stages, 3 K/V tiles in flight per program, still two programs per SM at D=128) measured
+# 0.97-1.00x cuDNN where config #0 got 0.87-0.88x (B=64, 8 KV heads, 2k-32k cache). Below it the
+# splits already give every SM work and the two measured within 2%.
+SM90_DEEP_FROM = 212
 
 
 def decode_tuning(target: object) -> list[dict]:
-    """The catalog's split rule for ``target`` (see aotriton_rt/ops/decode.py, ``split_rule``):
-    fill ``waves`` resident programs per SM (config 0's occupancy: two on sm80/sm90, whose
-    shared memory holds two 3-stage rings; two on CDNA/RDNA, one stage), splits of at least 4 key
-    blocks, at most 64."""
-    return [{"splits": {"waves": 2, "min_blocks": 4, "max_splits": 64}}]
+    """The catalog's rules for ``target`` (see aotriton_rt/ops/decode.py, ``split_rule``): on
+    sm90, config #2 (the deeper pipeline) for calls of at least ``SM90_DEEP_FROM`` (sequence, KV
+    head) pairs; everywhere the split rule: fill ``waves`` resident programs per SM (config 0's
+    occupancy: two on sm80/sm90, whose shared memory holds two 3-stage rings; two on CDNA/RDNA,
+    one stage), splits of at least 4 key blocks, at most 64."""
+    splits = {"waves": 2, "min_blocks": 4, "max_splits": 64}
+    deep = [{"min_batch_heads": SM90_DEEP_FROM, "config": 2, "splits": splits}] if target.arch == "sm90" else []
+    return deep + [{"splits": splits}]
 
 
 def combine_configs(spec: dict, target: object) -> tuple[Config, ...]:
