@@ -31,7 +31,8 @@ hides keys after each query, ``window=(left, right)`` is a sliding window (-1 un
 are cut into ``num_splits`` runs merged by a combine kernel. Default: enough programs for
 ``waves`` per SM, each split at least ``min_blocks`` key blocks, from the catalog's
 ``tuning["attn_decode"]`` rules (``{"arch": "sm90", "splits": {"waves": 2, "min_blocks": 4,
-"max_splits": 64}}``; a rule may also pick a ``config``), else :data:`DEFAULT_SPLIT_RULES`.
+"max_splits": 64}}``; a rule may also pick a ``config`` and apply only from a work size on,
+``min_batch_heads``, or to one cache kind, ``paged``), else :data:`DEFAULT_SPLIT_RULES`.
 """
 
 from __future__ import annotations
@@ -98,11 +99,14 @@ def num_splits_for(batch: int, heads_k: int, row_blocks: int, seqlen_k: int, blo
     return next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
 
 
-def split_rule(rules: Any, arch: str) -> tuple[SplitRule, int]:
+def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = False) -> tuple[SplitRule, int]:
     """(split rule, config index) from catalog ``tuning["attn_decode"]`` rules for ``arch``.
 
-    Rules are objects, the first whose ``arch`` (optional) matches wins; ``splits`` (optional)
-    overrides fields of the default rule, ``config`` (optional) picks a tuning config.
+    Rules are objects, the first that matches wins: ``arch`` (optional) the target,
+    ``min_batch_heads`` (optional) at least that many (sequence, KV head) pairs in the call
+    (``batch_heads``: the work size before splitting), ``paged`` (optional) the cache kind.
+    ``splits`` (optional) overrides fields of the default rule, ``config`` (optional) picks a
+    tuning config.
     """
     base = DEFAULT_SPLIT_RULES.get(arch, SplitRule())
     if not rules:
@@ -114,6 +118,14 @@ def split_rule(rules: Any, arch: str) -> tuple[SplitRule, int]:
         if not isinstance(rule, dict):
             raise CatalogError(f"{where} must be an object, got {rule!r}")
         if "arch" in rule and rule["arch"] != arch:
+            continue
+        least = rule.get("min_batch_heads", 0)
+        if isinstance(least, bool) or not isinstance(least, int) or not 0 <= least <= 2**31:
+            raise CatalogError(f"{where}.min_batch_heads must be an integer in [0, 2**31], got {least!r}")
+        kind = rule.get("paged")
+        if kind is not None and not isinstance(kind, bool):
+            raise CatalogError(f"{where}.paged must be true or false, got {kind!r}")
+        if batch_heads < least or (kind is not None and kind != bool(paged)):
             continue
         splits = rule.get("splits", {})
         if not isinstance(splits, dict) or set(splits) - {"waves", "min_blocks", "max_splits"}:
@@ -676,7 +688,7 @@ class _Launch:
         self.xp = xp = _arrays(infos["q"].framework)
         spec = {"dtype": p.dtype, "HEAD_DIM": p.head_dim}
         arch = ks.device_arch(p.device)
-        rule, config = split_rule(ks.rules, arch)
+        rule, config = split_rule(ks.rules, arch, batch_heads=p.batch * p.heads_k, paged=p.paged)
         self.decode = ks.handle(DECODE, {**spec, "PAGED": int(p.paged)}, config, p.device)
         self.append = ks.handle(APPEND, {**spec, "PAGED": int(p.paged)}, 0, p.device) if p.seqlen_new else None
         row_blocks = -(-p.group_rows // _block_m(self.decode, p.device))
