@@ -84,7 +84,8 @@ def num_splits_for(batch: int, heads_k: int, row_blocks: int, seqlen_k: int, blo
     """Splits per (batch, KV head), FlashAttention's way: 1 when the programs already fill
     ``rule.waves`` programs per SM (80% of them), else the fewest splits whose last wave is
     nearly as full (85% of the best efficiency) as any split count allows, each split at least
-    ``rule.min_blocks`` key blocks long and at most ``rule.max_splits`` of them."""
+    ``rule.min_blocks`` key blocks long and at most ``rule.max_splits`` of them; no split left
+    without keys."""
     base = max(batch * heads_k * row_blocks, 1)
     slots = max(rule.waves * sm_count, 1)
     if base * 5 >= slots * 4:
@@ -96,7 +97,10 @@ def num_splits_for(batch: int, heads_k: int, row_blocks: int, seqlen_k: int, blo
         waves = base * s / slots
         effs.append(waves / math.ceil(waves))
     best = max(effs)
-    return next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
+    splits = next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
+    # The kernel gives every split cdiv(blocks, splits) blocks: drop the splits that would be left
+    # empty (each still launches a program and adds a partial for the combine to read).
+    return -(-blocks // -(-blocks // splits))
 
 
 def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = False) -> tuple[SplitRule, int]:

@@ -416,13 +416,23 @@ def test_splits_fill_the_last_wave_but_stay_several_blocks_long() -> None:
     rule = SplitRule(waves=2, min_blocks=4, max_splits=64)
     # 264 slots. B=1, 8 KV heads, 64 key blocks: at most 16 splits (4 blocks each); 14 is the
     # fewest within 85% of the best (16: 128 of 264 slots).
-    assert num_splits_for(1, 8, 1, 4096, 64, 132, rule) == 14
+    # 14 splits by efficiency, but 64 blocks in runs of cdiv(64, 14) = 5 fill only 13: no empty 14th.
+    assert num_splits_for(1, 8, 1, 4096, 64, 132, rule) == 13
     assert num_splits_for(8, 8, 1, 4096, 64, 132, rule) == 4  # 256 of 264 slots
     assert num_splits_for(64, 8, 1, 8192, 64, 132, rule) == 1  # the batch fills the GPU
     assert num_splits_for(27, 8, 1, 8192, 64, 132, rule) == 1  # 216 >= 80% of 264
     assert num_splits_for(26, 8, 1, 8192, 64, 132, rule) == 5  # 208 < 211: 1040 of 1056 slots
     assert num_splits_for(1, 8, 1, 100, 64, 132, rule) == 1  # too short to split
     assert num_splits_for(1, 1, 1, 10**6, 64, 132, SplitRule(2, 1, 64)) == 55
+
+
+def test_every_split_the_rule_picks_gets_keys() -> None:
+    for batch, heads, seqlen in [(1, 1, 64 * 37), (1, 8, 2048), (2, 4, 100_000), (1, 2, 64 * 130), (3, 8, 999)]:
+        for min_blocks in (1, 2, 4):
+            splits = num_splits_for(batch, heads, 1, seqlen, 64, 132, SplitRule(2, min_blocks, 64))
+            blocks = -(-seqlen // 64)
+            per = -(-blocks // splits)
+            assert (splits - 1) * per < blocks, (batch, heads, seqlen, min_blocks, splits)
 
 
 def test_catalog_split_rules_override_the_default_per_arch() -> None:
