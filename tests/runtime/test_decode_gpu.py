@@ -157,6 +157,33 @@ def test_decode_matches_an_fp32_reference(lib: aotriton_rt.Library, name: str) -
                 assert torch.equal(row, c["keys"][b][r]), f"appended row {r} of sequence {b}"
 
 
+@pytest.mark.parametrize("page", [None, 16, 256])
+@pytest.mark.parametrize("config", [0, 1, 2])
+def test_every_tuning_config_matches_the_reference_on_paged_and_contiguous_caches(lib: aotriton_rt.Library,
+                                                                                  config: int, page: Any) -> None:
+    """The configs the catalog's rules may pick (sm90: #2 for large batches; paged binaries
+    with their own stage counts) each give the same answer, with and without splits."""
+    from aotriton_rt.ops import decode as dec
+
+    ks = dec._kernels_of(lib)
+    saved = ks.rules
+    gen = torch.Generator(device="cuda").manual_seed(100 + config)
+    lens = [3000, 1, 700, 256]
+    c = _cache(lens, 1, 8, 128, torch.bfloat16, page, gen, "bshd")
+    q = torch.randn(len(lens), 1, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    ref_hi, _ = _reference(q, c["keys"], c["vals"], True, None, torch.float32)
+    ref_lo, _ = _reference(q, c["keys"], c["vals"], True, None, torch.bfloat16)
+    try:
+        ks.rules = [{"config": config}]
+        for splits in (1, 5):
+            kv = (c["k"].clone(), c["v"].clone())
+            out, _ = decode_attention(q, *kv, cache_seqlens=c["lens"], block_table=c["table"], k_new=c["k_new"],
+                                      v_new=c["v_new"], causal=True, num_splits=splits, check=True, library=lib)
+            _close(f"out (config {config}, {splits} splits)", out, ref_hi, ref_lo, EPS["bf16"])
+    finally:
+        ks.rules = saved
+
+
 def test_attention_routes_decoding_to_the_decode_kernels_and_matches_prefill(lib: aotriton_rt.Library) -> None:
     gen = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(4, 32, 1, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
