@@ -115,13 +115,20 @@ def _stats(values: list[float]) -> dict:
             "runs": [v * 1e3 for v in values]}
 
 
-def _rule(args: argparse.Namespace, config: int) -> list:
-    splits = {}
-    if args.waves is not None:
-        splits["waves"] = args.waves
-    if args.min_blocks is not None:
-        splits["min_blocks"] = args.min_blocks
-    return [{"config": config, **({"splits": splits} if splits else {})}]
+def _variants(args: argparse.Namespace) -> list[tuple[str, list]]:
+    """(tag, tuning rules) of the forced contenders: each ``--config`` with each ``--min-blocks``
+    (tag ``#2`` or ``#0mb1``) and the ``--waves`` override."""
+    out = []
+    for config in args.config:
+        for mb in args.min_blocks or [None]:
+            splits = {}
+            if args.waves is not None:
+                splits["waves"] = args.waves
+            if mb is not None:
+                splits["min_blocks"] = mb
+            tag = f"#{config}" + (f"mb{mb}" if mb is not None else "") + (f"w{args.waves}" if args.waves else "")
+            out.append((tag, [{"config": config, **({"splits": splits} if splits else {})}]))
+    return out
 
 
 def _checked_sequences(batch: int, most: int = 4) -> list[int]:
@@ -206,7 +213,7 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
             continue
         contenders[f"sdpa:{be}"] = sdpa
     # "ours" / "p<page>": the runtime's own choice (the catalog's tuning rules); "#i": config i forced.
-    variants = [("", default_rules)] + [(f"#{cfg}", _rule(args, cfg)) for cfg in args.config]
+    variants = [("", default_rules), *_variants(args)]
     for tag, rules in variants:
         def ours(rules: Any = rules) -> Any:
             ks.rules = rules
@@ -418,7 +425,8 @@ def main() -> None:
     ap.add_argument("--config", type=int, nargs="*", default=[],
                     help="tuning config indices to time besides the runtime's own choice")
     ap.add_argument("--waves", type=int, default=None, help="split rule: programs per SM to aim for")
-    ap.add_argument("--min-blocks", type=int, default=None, help="split rule: key blocks per split at least")
+    ap.add_argument("--min-blocks", type=int, nargs="*", default=[],
+                    help="split rule: key blocks per split at least (one forced contender per value and --config)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--peak-tbs", type=float, default=4.8, help="memory bandwidth for the %% column (H200: 4.8)")
     ap.add_argument("--llama", action="store_true", help="the generation benchmark instead of the kernel table")
