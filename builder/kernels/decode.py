@@ -317,9 +317,11 @@ def decode_configs(spec: dict, target: object) -> tuple[Config, ...]:
 
     Decoding is bound by reading K/V: the tile is 16 query rows (a GQA group times the query
     rows, padded) by BLOCK_N keys, and the pipeline stages keep several K/V tiles in flight per
-    program. The sm90 alternates are for ``bench/decode.py --config``: #1 128-key steps with 8
-    warps (half the loop overhead, twice the bytes per stage, one program per SM), #2 four
-    stages (more bytes in flight, one program per SM).
+    program. sm90 alternates: #1 128-key steps with 8 warps (half the loop overhead, twice the
+    bytes per stage), #2 four stages (three K/V tiles in flight, still two programs per SM at
+    D=128), which the catalog rule (``decode_tuning``) picks for batches that fill the GPU
+    without splits; ``bench/decode.py --config`` forces any. Paged caches get more stages for
+    the same ring (``_stages``).
     """
     d = next_power_of_2(spec["HEAD_DIM"])
     if spec["dtype"] == "fp32":
