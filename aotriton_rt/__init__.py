@@ -38,6 +38,7 @@ _LAZY = {
     "Catalog": ("catalog", "Catalog"),
     "attention": ("ops.attention", "attention"),
     "attention_backward": ("ops.attention", "attention_backward"),
+    "decode_attention": ("ops.decode", "decode_attention"),
 }
 
 

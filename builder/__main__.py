@@ -36,9 +36,11 @@ def _jobs(args) -> list:
 
 
 def cmd_build(args) -> int:
+    from . import registry
     from .build import build
 
     jobs, version = _jobs(args)
+    tuning = registry.tuning_of(registry.load_kernels(), jobs)
     out = Path(args.out)
     print(f"building {len(jobs)} variants ({args.set} set"
           f"{', shard ' + args.shard if args.shard else ''}) into {out} with {args.jobs} workers",
@@ -47,7 +49,7 @@ def cmd_build(args) -> int:
     with tempfile.TemporaryDirectory(prefix="aotriton-build-") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
         summary = build(jobs, out, workers=args.jobs, timeout=args.timeout,
-                        keep_going=args.keep_going, triton_version=version, quiet=args.quiet,
+                        keep_going=args.keep_going, triton_version=version, quiet=args.quiet, tuning=tuning,
                         existing="keep" if args.add else "replace" if args.replace else "refuse")
     for line in summary.lines():
         print(line)

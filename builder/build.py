@@ -181,6 +181,13 @@ def _previous(out: Path) -> dict[str, dict]:
     return keep
 
 
+def _previous_tuning(out: Path) -> dict[str, list]:
+    try:
+        return {name: list(rules) for name, rules in Catalog.load(out / CATALOG_FILE).tuning.items()}
+    except Exception:  # noqa: BLE001 - no or unreadable catalog: no rules to keep
+        return {}
+
+
 def _intact(out: Path, image) -> bool:
     try:
         data = (out / image.path).read_bytes()
@@ -238,8 +245,9 @@ def _progress(total: int, quiet: bool):
 
 
 def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_going: bool,
-          triton_version: str, quiet: bool = False, existing: str = "refuse") -> Summary:
-    """Compile ``jobs`` into the image folder ``out``.
+          triton_version: str, quiet: bool = False, existing: str = "refuse", tuning: dict | None = None) -> Summary:
+    """Compile ``jobs`` into the image folder ``out``, with the ``tuning`` table
+    (``registry.tuning_of``; default empty).
 
     The folder may already hold variants that ``jobs`` do not rebuild (other kernels, targets
     or sets). ``existing`` says what happens to them: ``"refuse"`` (the default) raises
@@ -299,8 +307,13 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
         summary.seconds = time.monotonic() - started
         raise BuildError("\n".join(summary.lines()))
 
+    tuning = dict(tuning or {})
+    if existing == "keep":  # the kept variants' rules stay too (each rule once)
+        for name, rules in _previous_tuning(out).items():
+            have = tuning.setdefault(name, [])
+            have.extend(r for r in rules if r not in have)
     catalog = Catalog.from_json({"schema": "aotriton-rt.catalog", "schema_version": 1,
-                                 "triton_version": triton_version, "tuning": {},
+                                 "triton_version": triton_version, "tuning": tuning,
                                  "variants": list(variants.values())}, source=str(out / CATALOG_FILE))
     for v in catalog.variants:
         summary.packed_bytes += v.image.size

@@ -53,8 +53,13 @@ def merge(inputs: Sequence[Path], out: Path) -> Catalog:
             if not (dest.exists() and dest.read_bytes() == data):
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(dest, data)
+    tuning: dict[str, list] = {}
+    for cat in catalogs:  # the shards' rules, each once (shards of one build repeat them)
+        for name, rules in (cat.tuning or {}).items():
+            have = tuning.setdefault(name, [])
+            have.extend(r for r in rules if r not in have)
     merged = Catalog.from_json({"schema": "aotriton-rt.catalog", "schema_version": 1,
-                                "triton_version": versions.pop(), "tuning": {},
+                                "triton_version": versions.pop(), "tuning": tuning,
                                 "variants": [e for e, _ in variants.values()]},
                                source=str(out / CATALOG_FILE))
     write_atomic(out / CATALOG_FILE, merged.dumps().encode())

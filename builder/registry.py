@@ -64,6 +64,9 @@ class Kernel:
     exclude: SpecFn | None = None
     sets: Mapping[str, SpecFn] = field(default_factory=dict)
     checks: tuple[str, ...] = ()
+    # Catalog tuning rules for one target (``tuning[name]`` in the catalog; the builder adds
+    # ``"arch"``): e.g. the decode kernels' split rule. None: no rules.
+    tuning: Callable[[Target], list[dict]] | None = None
 
     def __post_init__(self) -> None:
         arg_names = list(getattr(self.fn, "arg_names", []))
@@ -140,6 +143,20 @@ def load_kernels(package: str = "builder.kernels") -> dict[str, Kernel]:
                 raise ValueError(f"kernel name {k.name!r} is declared twice ({module.__name__})")
             found[k.name] = k
     return found
+
+
+def tuning_of(kernels: Mapping[str, Kernel], jobs: Sequence[Job]) -> dict[str, list[dict]]:
+    """The catalog ``tuning`` table for ``jobs``: each built kernel's declared rules for each
+    target it is built for, tagged with the target's arch."""
+    table: dict[str, list[dict]] = {}
+    seen: set[tuple[str, str]] = set()
+    for job in jobs:
+        kernel = kernels.get(job.kernel)
+        if kernel is None or kernel.tuning is None or (job.kernel, job.target.arch) in seen:
+            continue
+        seen.add((job.kernel, job.target.arch))
+        table.setdefault(job.kernel, []).extend({"arch": job.target.arch, **rule} for rule in kernel.tuning(job.target))
+    return table
 
 
 def _resolve_signature(kernel: Kernel, spec: dict) -> dict:

@@ -292,6 +292,19 @@ class _GeneralForward:
         return general.forward(p, self.handle, self.spec, out, self.out_i, lse, self.lse_i, self.return_mask)
 
 
+class _DecodeForward:
+    """A call the decode kernels serve (:func:`aotriton_rt.ops.decode.route_options`)."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+
+    def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, out: Any, lse: Any, ptrs: tuple,
+            seed: Any, offset: Any) -> tuple:
+        from ..decode import decode_attention
+
+        return decode_attention(q, k, v, **self.options)
+
+
 def _philox(seed: Any, offset: Any, dropout_p: float) -> tuple[int, int]:
     """The per-call dropout pair, validated like the first call's (never part of a plan)."""
     if seed is None:
@@ -420,9 +433,18 @@ def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, ou
     lse_i = check_output(lse, "lse", p.lse_shape(), "fp32", p)
     ks = kernels_of(library)  # after validation: a malformed call is refused even without images
     call = p.call(2 if return_mask else 1 if p.dropout_p else 0)
-    # THE routing point for other kernel families: decode kernels for short query lengths (#13)
-    # are chosen here, from `call` and `p`, returning their own plan object (anything with this
-    # `run`), before the attn_fwd dispatch below. Nothing else needs to change for a new family.
+    # THE routing point for other kernel families: 1..16 query rows without bias, dropout or
+    # preallocated outputs run on the split-KV decode kernels when the images hold them (their
+    # out/lse equal the prefill's, so the backward is unchanged). A family returns its own plan
+    # object (anything with this `run`) before the attn_fwd dispatch below.
+    if p.rows_q <= 16:
+        from ..decode import route_options
+
+        opts = route_options(q, k, v, out=out, lse=lse, return_mask=return_mask, library=library,
+                             **{n: options[n] for n in ("causal", "window", "align", "bias", "dropout_p", "scale",
+                                                       "cu_seqlens_q", "cu_seqlens_k", "layout")})
+        if opts is not None:
+            return ks, _DecodeForward(opts)
     spec, handle = ks.forward(call, p.device)
     stripped = replace(p, q=None, k=None, v=None, bias=None, cu_q=None, cu_k=None, seed=0, offset=0)
     strides = None

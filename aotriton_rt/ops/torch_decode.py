@@ -1,0 +1,122 @@
+"""Decode attention for torch: ``torch.library`` custom ops with fake implementations.
+
+Importing this module imports torch and registers ``aotriton_rt::decode_attention`` (reads the
+caches) and ``aotriton_rt::decode_attention_append`` (writes ``k_new``/``v_new`` into them, so
+it declares the caches mutated), each with a shape-only fake implementation: they trace under
+``torch.compile`` and ``FakeTensorMode``, and they capture into CUDA graphs (no host
+synchronisation: lengths stay on the device, outputs and split scratch come from torch's
+allocator). :func:`decode_attention` picks the op::
+
+    from aotriton_rt.ops.torch_decode import decode_attention
+    out = decode_attention(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                           k_new=k, v_new=v, causal=True)
+
+Decoding is inference: there is no autograd formula (train through ``aotriton_rt.ops.torch``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import decode as _core
+from .torch import _LIBRARIES, _library_key
+
+__all__ = ["decode_attention", "decode_attention_op", "decode_attention_append_op"]
+
+
+def _call(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
+          block_table: Tensor | None, k_new: Tensor | None, v_new: Tensor | None, causal: bool, window_left: int,
+          window_right: int, scale: float, num_splits: int, max_seqlen_k: int, layout: str, cache_layout: str,
+          library: int) -> tuple[Tensor, Tensor]:
+    lens: Any = cache_seqlens if cache_seqlens is not None else (cache_len if cache_len >= 0 else None)
+    window = None if window_left == -1 and window_right == -1 else (window_left, window_right)
+    return _core.decode_attention(
+        q, k_cache, v_cache, cache_seqlens=lens, block_table=block_table, k_new=k_new, v_new=v_new, causal=causal,
+        window=window, scale=scale, num_splits=num_splits or None, max_seqlen_k=None if max_seqlen_k < 0
+        else max_seqlen_k, layout=layout, cache_layout=cache_layout, library=_LIBRARIES[library])
+
+
+def _fake(q: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    b, s, h = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bshd" else (q.shape[0], q.shape[2], q.shape[1])
+    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.custom_op("aotriton_rt::decode_attention", mutates_args=())
+def decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
+                        block_table: Tensor | None, causal: bool, window_left: int, window_right: int, scale: float,
+                        num_splits: int, max_seqlen_k: int, layout: str, cache_layout: str, library: int
+                        ) -> tuple[Tensor, Tensor]:
+    """(out, lse) of q against the caches (nothing appended). ``cache_len`` is a host length
+    for every sequence (-1: use ``cache_seqlens``, or the whole cache when that is None)."""
+    return _call(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, None, None, causal, window_left,
+                 window_right, scale, num_splits, max_seqlen_k, layout, cache_layout, library)
+
+
+@decode_attention_op.register_fake
+def _decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
+                 block_table: Tensor | None, causal: bool, window_left: int, window_right: int, scale: float,
+                 num_splits: int, max_seqlen_k: int, layout: str, cache_layout: str, library: int
+                 ) -> tuple[Tensor, Tensor]:
+    return _fake(q, layout)
+
+
+@torch.library.custom_op("aotriton_rt::decode_attention_append", mutates_args=("k_cache", "v_cache"))
+def decode_attention_append_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None,
+                               cache_len: int, block_table: Tensor | None, k_new: Tensor, v_new: Tensor, causal: bool,
+                               window_left: int, window_right: int, scale: float, num_splits: int, max_seqlen_k: int,
+                               layout: str, cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
+    """As ``decode_attention`` after writing k_new/v_new at ``cache_seqlens[b] + i``."""
+    return _call(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, k_new, v_new, causal, window_left,
+                 window_right, scale, num_splits, max_seqlen_k, layout, cache_layout, library)
+
+
+@decode_attention_append_op.register_fake
+def _append_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
+                 block_table: Tensor | None, k_new: Tensor, v_new: Tensor, causal: bool, window_left: int,
+                 window_right: int, scale: float, num_splits: int, max_seqlen_k: int, layout: str, cache_layout: str,
+                 library: int) -> tuple[Tensor, Tensor]:
+    return _fake(q, layout)
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Tensor | int | None = None,
+                     block_table: Tensor | None = None, k_new: Tensor | None = None, v_new: Tensor | None = None,
+                     causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
+                     num_splits: int | None = None, max_seqlen_k: int | None = None, layout: str = "bshd",
+                     cache_layout: str = "bshd", return_lse: bool = False, library: Any = None
+                     ) -> Tensor | tuple[Tensor, Tensor]:
+    """Decode attention on torch tensors through the custom ops (see
+    :func:`aotriton_rt.ops.decode.decode_attention` for the arguments).
+
+    Returns:
+        ``out`` shaped like q; ``(out, lse)`` with ``return_lse``.
+
+    Example::
+
+        out = decode_attention(q, k_cache, v_cache, cache_seqlens=lens, k_new=k, v_new=v, causal=True)
+        lens += 1   # the caller advances the lengths
+    """
+    if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2):
+        from ..errors import ArgumentError
+
+        raise ArgumentError(f"window must be (left, right), two integers >= -1 (-1: unbounded), got {window!r}")
+    if (k_new is None) != (v_new is None):
+        from ..errors import ArgumentError
+
+        raise ArgumentError("k_new and v_new come together (the rows to append to both caches)")
+    left, right = window if window is not None else (-1, -1)
+    cache_len = -1
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_len, cache_seqlens = cache_seqlens, None
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    common = (causal, left, right, float(scale), int(num_splits or 0), -1 if max_seqlen_k is None else max_seqlen_k,
+              layout, cache_layout, _library_key(library))
+    if k_new is None and v_new is None:
+        out, lse = decode_attention_op(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, *common)
+    else:
+        out, lse = decode_attention_append_op(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, k_new,
+                                              v_new, *common)
+    return (out, lse) if return_lse else out

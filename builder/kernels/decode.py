@@ -1,0 +1,445 @@
+"""Split-KV decode attention over contiguous or paged KV caches (flash-decoding), ahead of time.
+
+Three kernels, launched by ``aotriton_rt/ops/decode.py`` (see docs/attention.md, "Decode"):
+
+- ``attn_decode_append`` writes ``seqlen_new`` new key/value rows per sequence into the cache at
+  positions ``cache_seqlens[b] + i`` (through the block table when ``PAGED``).
+- ``attn_decode`` computes attention of ``seqlen_q`` (1..16) query rows per sequence against the
+  first ``cache_seqlens[b] + seqlen_new`` cache rows. One program per (query-row block, split,
+  batch * kv head): the rows of its tile are the GQA group's query heads times the query rows
+  (``row = g * seqlen_q + i``), so every K/V tile is read once for the whole group. The visible
+  keys of the sequence are cut into ``num_splits`` equal runs of whole key blocks; each program
+  writes its run's normalised partial output and logsumexp (fp32) to scratch, or, with one
+  split, the final output directly.
+- ``attn_decode_combine`` merges the splits' partials per (kv head group row, batch * kv head).
+
+Masks are bottom-right aligned (the queries are the sequence's last ``seqlen_q`` rows): key ``j``
+is visible from query ``i`` when ``i + diag - window_left <= j <= i + diag + window_right`` with
+``diag = len_k - seqlen_q``; a negative side is unbounded, causal is ``window_right = 0``.
+
+Cache layouts (explicit strides, head dim contiguous): contiguous ``K + b*stride_kz +
+h*stride_kh + n*stride_kn`` (e.g. ``(B, S_cache, H_kv, D)``); paged ``K + page*stride_kz +
+h*stride_kh + (n % page_size)*stride_kn`` with ``page = BlockTable[b, n // page_size]`` (e.g.
+``(num_pages, page_size, H_kv, D)``). Cache contents and block-table entries are the caller's
+contract; lengths are clamped to ``capacity`` and page indices to ``[0, num_pages)`` so that bad
+values give wrong numbers, never an out-of-bounds access (the runtime's debug mode checks them).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from builder.kernels.attention import (
+    LN2,
+    LOG2E,
+    SHARED_LIMIT,
+    divisibility_of,
+    next_power_of_2,
+    signature_of,
+    stride_checks,
+)
+from builder.registry import Config, Kernel
+
+# Head dims the decode kernels are compiled for: the attention buckets (the cache is read in
+# place, so its head dim must be one of them).
+HEAD_DIM_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
+# Longest query run per sequence (speculative decoding drafts): 16.
+MAX_SEQLEN_Q = 16
+
+
+@triton.jit
+def _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn,
+                PAGED: tl.constexpr):
+    """Element offsets (int64) of K and V rows ``cols`` of one sequence and head; a paged cache
+    looks each row's page up once for both."""
+    if PAGED:
+        page = tl.load(bt_row + cols // page_size, mask=col_ok, other=0)
+        # Block-table entries are the caller's contract; clamping keeps a bad one in bounds.
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        row = cols % page_size
+        return page * stride_kz + row * stride_kn, page * stride_vz + row * stride_vn
+    rows = cols.to(tl.int64)
+    return rows * stride_kn, rows * stride_vn
+
+
+@triton.jit
+def _and_dim(mask, offs_d, HEAD_DIM: tl.constexpr, DIM_AXIS: tl.constexpr):
+    """``mask`` and the head-dim bound along DIM_AXIS of a 2-D tile; a power-of-two head dim
+    (the tile's own width) needs no bound and gets none."""
+    if HEAD_DIM != triton.next_power_of_2(HEAD_DIM):
+        if DIM_AXIS == 0:
+            mask = mask & (offs_d < HEAD_DIM)[:, None]
+        else:
+            mask = mask & (offs_d < HEAD_DIM)[None, :]
+    return mask
+
+
+@triton.jit
+def _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity):
+    """Keys visible to this sequence's queries: cached rows plus the appended ones, clamped."""
+    len_k = tl.load(CacheSeqlens + off_b) + seqlen_new
+    return tl.minimum(tl.maximum(len_k, 0), capacity)
+
+
+@triton.jit
+def attn_decode(
+    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_oz, stride_oh, stride_om,
+    stride_lz, stride_lh,
+    stride_btz,
+    batch, num_heads_q, num_heads_k, seqlen_q, seqlen_new, capacity, num_pages, page_size, num_splits,
+    sm_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Split-KV attention of seqlen_q query rows per sequence against its KV cache.
+
+    Grid: (cdiv(group * seqlen_q, BLOCK_M), num_splits, batch * num_heads_k) with group =
+    num_heads_q // num_heads_k. Q and Out are addressed (b, query head, row); LSE at
+    ``b*stride_lz + h*stride_lh + row``. With num_splits > 1 the program writes its split's
+    normalised output and logsumexp to PartO / PartL (fp32, rows ``((bk*num_splits + split) *
+    group*seqlen_q + tile row)``, PartO rows HEAD_DIM wide) for attn_decode_combine.
+    """
+    PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
+    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_bk = tl.program_id(2)
+    off_b = pid_bk // num_heads_k
+    off_hk = pid_bk % num_heads_k
+    group = num_heads_q // num_heads_k
+    rows_total = group * seqlen_q
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < rows_total
+    qi = rows % seqlen_q
+    heads = off_hk * group + rows // seqlen_q
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_mask = _and_dim(row_ok[:, None], offs_d, HEAD_DIM, 1)
+
+    q_ptrs = (Q + off_b.to(tl.int64) * stride_qz + heads.to(tl.int64)[:, None] * stride_qh
+              + qi[:, None] * stride_qm + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=row_mask, other=0.0)
+
+    len_k = _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity)
+    diag = len_k - seqlen_q
+    unbounded = capacity + seqlen_q
+    left = tl.where(window_left < 0, unbounded, window_left)
+    right = tl.where(window_right < 0, unbounded, window_right)
+    # Keys any row of the tile may see (rows 0..seqlen_q-1), cut into num_splits runs of blocks.
+    lo = tl.maximum(diag - left, 0)
+    hi = tl.minimum(seqlen_q + diag + right, len_k)
+    hi = tl.maximum(hi, lo)
+    lo = lo // BLOCK_N * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
+    start = lo + pid_s * per_split
+    end = tl.minimum(start + per_split, hi)
+
+    K_head = K + off_hk.to(tl.int64) * stride_kh
+    V_head = V + off_hk.to(tl.int64) * stride_vh
+    if not PAGED:
+        K_head += off_b.to(tl.int64) * stride_kz
+        V_head += off_b.to(tl.int64) * stride_vz
+    bt_row = BlockTable + off_b.to(tl.int64) * stride_btz
+
+    qk_scale = sm_scale * LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < len_k
+        k_off, v_off = _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn, stride_vz,
+                                   stride_vn, PAGED)
+        # K as (dim, keys): loads run along the contiguous head dim.
+        k = tl.load(K_head + k_off[None, :] + offs_d[:, None], mask=_and_dim(col_ok[None, :], offs_d, HEAD_DIM, 0),
+                    other=0.0)
+        v = tl.load(V_head + v_off[:, None] + offs_d[None, :], mask=_and_dim(col_ok[:, None], offs_d, HEAD_DIM, 1),
+                    other=0.0)
+        qk = tl.dot(q, k, input_precision=PREC)
+        rel = cols[None, :] - qi[:, None] - diag
+        visible = (rel >= -left) & (rel <= right) & col_ok[None, :]
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # Rows that have seen no visible key keep m = -inf and subtract 0 (no NaN).
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    if num_splits == 1:
+        o_ptrs = (Out + off_b.to(tl.int64) * stride_oz + heads.to(tl.int64)[:, None] * stride_oh
+                  + qi[:, None] * stride_om + offs_d[None, :])
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_mask)
+        tl.store(LSE + off_b.to(tl.int64) * stride_lz + heads.to(tl.int64) * stride_lh + qi, lse, mask=row_ok)
+    else:
+        part = (pid_bk.to(tl.int64) * num_splits + pid_s) * rows_total + rows
+        tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask)
+        tl.store(PartL + part, lse, mask=row_ok)
+
+
+@triton.jit
+def attn_decode_combine(
+    Out, LSE, PartO, PartL,
+    stride_oz, stride_oh, stride_om,
+    stride_lz, stride_lh,
+    batch, num_heads_q, num_heads_k, seqlen_q, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge attn_decode's split partials: out = sum_s exp(lse_s - lse) * out_s.
+
+    Grid: (group * seqlen_q, batch * num_heads_k, 1), one program per output row. Splits that saw
+    no key have lse -inf and weigh 0; a row no split saw outputs 0 and lse -inf.
+    """
+    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    row = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    off_b = pid_bk // num_heads_k
+    off_hk = pid_bk % num_heads_k
+    group = num_heads_q // num_heads_k
+    rows_total = group * seqlen_q
+    head = off_hk * group + row // seqlen_q
+    qi = row % seqlen_q
+    base = pid_bk.to(tl.int64) * num_splits * rows_total + row
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    m_vec = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + offs_s
+        m_vec = tl.maximum(m_vec, tl.load(PartL + base + s.to(tl.int64) * rows_total, mask=s < num_splits,
+                                          other=float("-inf")))
+    m = tl.max(m_vec, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    den = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + offs_s
+        s_ok = s < num_splits
+        idx = base + s.to(tl.int64) * rows_total
+        w = tl.math.exp2((tl.load(PartL + idx, mask=s_ok, other=float("-inf")) - m_sub) * LOG2E)
+        o_mask = _and_dim(s_ok[:, None], offs_d, HEAD_DIM, 1)
+        o = tl.load(PartO + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)
+        acc += w[:, None] * o
+        den += w
+    total = tl.sum(den, 0)
+    safe = tl.where(total == 0.0, 1.0, total)
+    out = tl.sum(acc, 0) / safe
+    lse = tl.where(total == 0.0, float("-inf"), m_sub + tl.log(safe))
+    o_ptrs = Out + off_b.to(tl.int64) * stride_oz + head.to(tl.int64) * stride_oh + qi * stride_om + offs_d
+    if HEAD_DIM != BLOCK_D:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    else:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty))
+    tl.store(LSE + off_b.to(tl.int64) * stride_lz + head.to(tl.int64) * stride_lh + qi, lse)
+
+
+@triton.jit
+def attn_decode_append(
+    KNew, VNew, K, V, BlockTable, CacheSeqlens,
+    stride_knz, stride_knh, stride_knm,
+    stride_vnz, stride_vnh, stride_vnm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_btz,
+    batch, num_heads_k, seqlen_new, capacity, num_pages, page_size,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Write new rows (b, h, i) of KNew / VNew to cache row ``cache_seqlens[b] + i`` of head h.
+
+    Grid: (cdiv(seqlen_new, BLOCK_R), batch * num_heads_k, 1). Rows at or past ``capacity`` are
+    not written (the runtime refuses such calls when it knows the lengths; see the module doc).
+    """
+    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    pid_r = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    off_b = pid_bk // num_heads_k
+    off_hk = pid_bk % num_heads_k
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = tl.load(CacheSeqlens + off_b) + rows
+    ok = (rows < seqlen_new) & (pos >= 0) & (pos < capacity)
+    pos = tl.where(ok, pos, 0)
+    bt_row = BlockTable + off_b.to(tl.int64) * stride_btz
+    k_off, v_off = _kv_offsets(bt_row, pos, ok, page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn,
+                               PAGED)
+    K_head = K + off_hk.to(tl.int64) * stride_kh
+    V_head = V + off_hk.to(tl.int64) * stride_vh
+    if not PAGED:
+        K_head += off_b.to(tl.int64) * stride_kz
+        V_head += off_b.to(tl.int64) * stride_vz
+    mask = _and_dim(ok[:, None], offs_d, HEAD_DIM, 1)
+    src = off_b.to(tl.int64) * stride_knz + off_hk.to(tl.int64) * stride_knh + rows[:, None] * stride_knm
+    kn = tl.load(KNew + src + offs_d[None, :], mask=mask, other=0.0)
+    src = off_b.to(tl.int64) * stride_vnz + off_hk.to(tl.int64) * stride_vnh + rows[:, None] * stride_vnm
+    vn = tl.load(VNew + src + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(K_head + k_off[:, None] + offs_d[None, :], kn, mask=mask)
+    tl.store(V_head + v_off[:, None] + offs_d[None, :], vn, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Registry declarations.
+# --------------------------------------------------------------------------------------------
+
+DTYPES = ("fp16", "bf16", "fp32")
+# What the default build holds: what most decoders run (fp16/bf16 at head dims 64 and 128).
+DEFAULT_HEAD_DIMS = (64, 128)
+# Beyond the default set, what tests/runtime/test_decode_gpu.py launches: (dtype, HEAD_DIM).
+GPUTEST = (("fp32", 64), ("fp32", 128), ("fp16", 80), ("bf16", 256), ("fp16", 32))
+
+
+def in_decode_default_set(spec: dict, target: object) -> bool:
+    """fp16/bf16 at head dims 64 and 128, contiguous and paged caches."""
+    return spec["dtype"] in ("fp16", "bf16") and spec["HEAD_DIM"] in DEFAULT_HEAD_DIMS
+
+
+def in_decode_gputest_set(spec: dict, target: object) -> bool:
+    """The default set plus the (dtype, head dim) pairs the GPU tests launch."""
+    return in_decode_default_set(spec, target) or (spec["dtype"], spec["HEAD_DIM"]) in GPUTEST
+
+
+def _cfg(bm: int, bn: int, warps: int, stages: int, options: dict | None = None) -> Config:
+    return Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages,
+                  options=options or {})
+
+
+def decode_configs(spec: dict, target: object) -> tuple[Config, ...]:
+    """Decode tiles by target and head dim, the expected fastest first (config 0 is launched).
+
+    Decoding is bound by reading K/V: the tile is 16 query rows (a GQA group times the query
+    rows, padded) by BLOCK_N keys, and the pipeline stages keep several K/V tiles in flight per
+    program. sm90 alternates: #1 128-key steps with 8 warps (half the loop overhead, twice the
+    bytes per stage), #2 four stages (three K/V tiles in flight, still two programs per SM at
+    D=128), which the catalog rule (``decode_tuning``) picks for batches that fill the GPU
+    without splits; ``bench/decode.py --config`` forces any. Paged caches get more stages for
+    the same ring (``_stages``).
+    """
+    d = next_power_of_2(spec["HEAD_DIM"])
+    if spec["dtype"] == "fp32":
+        return (_cfg(16, 32, 4, _stages(2, spec, target) if target.backend == "cuda" else 1),)
+    if target.backend == "hip":
+        opts = {"waves_per_eu": 2}
+        if target.arch.startswith("gfx9"):
+            opts["matrix_instr_nonkdim"] = 16
+        return (_cfg(16, 64 if d <= 128 else 32, 4, 1, opts),)
+    bn = 64 if d <= 128 else 32
+    # K and V tiles per stage: 2 * bn * d * 2 bytes. Config 0 keeps two programs per SM (one's
+    # softmax and dots overlap the other's loads); the others trade that for more bytes in flight.
+    stage = 4 * bn * d
+    limit = SHARED_LIMIT.get(target.arch, 99 * 1024)
+    two_per_sm = max(2, min(3, limit // 2 // stage))
+    if target.arch == "sm90":
+        return (_cfg(16, bn, 4, _stages(two_per_sm, spec, target)), _cfg(16, 2 * bn, 8, _stages(2, spec, target)),
+                _cfg(16, bn, 4, _stages(4, spec, target)))
+    return (_cfg(16, bn, 4, _stages(two_per_sm, spec, target)),)
+
+
+def _stages(stages: int, spec: dict, target: object) -> int:
+    """``num_stages`` that gives a paged cache on CUDA the K/V copies in flight that ``stages``
+    gives a contiguous one.
+
+    Triton's software pipeliner (3.6) gives a direct load ``num_stages - 1`` shared-memory
+    buffers but a load whose address comes from another load of the loop (K/V rows through the
+    block table) only ``(num_stages - 1) // 2``: the page-id copy takes its own stages. At 3
+    stages the paged kernel kept one K/V buffer and waited for every copy (``async_wait num =
+    0``; 39 KB of shared memory against 70 KB contiguous: 0.65-0.7x the contiguous speed on an
+    H200). ``2 * stages - 1`` gives it the contiguous ring (tests/builder/test_decode_compile.py
+    pins equal buffer counts)."""
+    return 2 * stages - 1 if spec.get("PAGED") and target.backend == "cuda" else stages
+
+
+# sm90: from this many (sequence, KV head) pairs on, the call fills the GPU without splits (two
+# programs on each of the H200's 132 SMs, 80% full) and is a pure stream of K/V; there config #2
+# (4 stages, 3 K/V tiles in flight per program, still two programs per SM at D=128) measured
+# 0.97-1.00x cuDNN where config #0 got 0.87-0.88x (B=64, 8 KV heads, 2k-32k cache). Below it the
+# splits already give every SM work and the two measured within 2%.
+SM90_DEEP_FROM = 212
+
+
+def decode_tuning(target: object) -> list[dict]:
+    """The catalog's rules for ``target`` (see aotriton_rt/ops/decode.py, ``split_rule``): on
+    sm90, config #2 (the deeper pipeline) for calls of at least ``SM90_DEEP_FROM`` (sequence, KV
+    head) pairs; everywhere the split rule: fill ``waves`` resident programs per SM (config 0's
+    occupancy: two on sm80/sm90, whose shared memory holds two 3-stage rings; two on CDNA/RDNA,
+    one stage), splits of at least 4 key blocks, at most 64."""
+    splits = {"waves": 2, "min_blocks": 4, "max_splits": 64}
+    deep = [{"min_batch_heads": SM90_DEEP_FROM, "config": 2, "splits": splits}] if target.arch == "sm90" else []
+    return deep + [{"splits": splits}]
+
+
+def combine_configs(spec: dict, target: object) -> tuple[Config, ...]:
+    """Eight splits at a time; one stage (the loop is two short passes)."""
+    return (Config(constexprs={"BLOCK_S": 8}, num_warps=4, num_stages=1),)
+
+
+def append_configs(spec: dict, target: object) -> tuple[Config, ...]:
+    return (Config(constexprs={"BLOCK_R": 16}, num_warps=4, num_stages=1),)
+
+
+_DECODE_SIG = signature_of(attn_decode, {
+    "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
+    "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32"})
+# Lengths and block tables may be any int32 views (e.g. a slice of a longer lengths array).
+_INDEX_POINTERS = ("BlockTable", "CacheSeqlens")
+_DECODE_DIV = {**{n: d for n, d in divisibility_of(_DECODE_SIG, aligned=("q", "k", "v", "o")).items()
+                  if n not in _INDEX_POINTERS}, "page_size": 16}
+_COMBINE_SIG = signature_of(attn_decode_combine, {"Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
+                                                  "PartL": "*fp32"})
+_COMBINE_DIV = divisibility_of(_COMBINE_SIG, aligned=("o",))
+_APPEND_SIG = signature_of(attn_decode_append, {
+    "KNew": "*{dtype}", "VNew": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "BlockTable": "*i32",
+    "CacheSeqlens": "*i32"})
+_APPEND_DIV = {**{n: d for n, d in divisibility_of(_APPEND_SIG, aligned=("kn", "vn", "k", "v")).items()
+                  if n not in _INDEX_POINTERS}, "page_size": 16}
+_SHAPE_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0", "seqlen_q >= 1",
+                 f"seqlen_q <= {MAX_SEQLEN_Q}", "batch * num_heads_k <= 65535")
+_PAGE_CHECKS = ("page_size >= 16", "page_size % 16 == 0", "num_pages >= 1", "capacity >= 0")
+_SETS = {"default": in_decode_default_set, "gputest": in_decode_gputest_set}
+
+KERNELS = [
+    Kernel(
+        name="attn_decode",
+        fn=attn_decode,
+        signature=_DECODE_SIG,
+        axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS, "PAGED": (0, 1)},
+        configs=decode_configs,
+        grid=("cdiv(num_heads_q // num_heads_k * seqlen_q, BLOCK_M)", "num_splits", "batch * num_heads_k"),
+        divisibility=_DECODE_DIV,
+        sets=_SETS,
+        tuning=decode_tuning,
+        checks=_SHAPE_CHECKS + _PAGE_CHECKS + ("num_splits >= 1", "num_splits <= 65535", "seqlen_new >= 0")
+        + stride_checks(_DECODE_DIV),
+    ),
+    Kernel(
+        name="attn_decode_combine",
+        fn=attn_decode_combine,
+        signature=_COMBINE_SIG,
+        axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS},
+        configs=combine_configs,
+        grid=("num_heads_q // num_heads_k * seqlen_q", "batch * num_heads_k", "1"),
+        divisibility=_COMBINE_DIV,
+        sets=_SETS,
+        checks=_SHAPE_CHECKS + ("num_splits >= 1",) + stride_checks(_COMBINE_DIV),
+    ),
+    Kernel(
+        name="attn_decode_append",
+        fn=attn_decode_append,
+        signature=_APPEND_SIG,
+        axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS, "PAGED": (0, 1)},
+        configs=append_configs,
+        grid=("cdiv(seqlen_new, BLOCK_R)", "batch * num_heads_k", "1"),
+        divisibility=_APPEND_DIV,
+        sets=_SETS,
+        checks=("num_heads_k >= 1", "batch * num_heads_k <= 65535", "seqlen_new >= 1") + _PAGE_CHECKS
+        + stride_checks(_APPEND_DIV),
+    ),
+]

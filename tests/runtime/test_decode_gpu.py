@@ -1,0 +1,317 @@
+"""Decode attention on a GPU against an fp32 reference (marker ``gpu``).
+
+Caches are NaN-filled before the sequences' rows are written, so a read of any row or page a
+sequence does not own poisons its output; block tables are random permutations with spare
+pages. Bound (AOTriton's rule): ``|ours - ref_hi| <= 3 |ref_lo - ref_hi| + eps * max(1, |ref_hi|)``
+where ref_lo is the same reference computed in the input precision.
+
+Images: ``AOTRITON_RT_TEST_IMAGES`` pointing at ``python -m builder build --set gputest
+--targets sm90`` (decode kernels for fp16/bf16 at D 64/128, fp32 at 64/128, fp16 D 32/80,
+bf16 D 256; the attention kernels for the transformers model test).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import aotriton_rt  # noqa: E402
+from aotriton_rt import ArgumentError  # noqa: E402
+from aotriton_rt.ops.decode import decode_attention  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+EPS = {"fp16": 2e-4, "bf16": 2e-3, "fp32": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def lib(gpu_images: Any) -> aotriton_rt.Library:
+    library = aotriton_rt.Library(gpu_images)
+    if "attn_decode" not in library.kernels:
+        pytest.skip(f"the images at {gpu_images} have no decode kernels; build them with `python -m builder build "
+                    f"--set gputest --targets sm90` and set AOTRITON_RT_TEST_IMAGES")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return library
+
+
+def _reference(q: Any, keys: list, vals: list, causal: bool, window: Any, dtype: Any) -> tuple[Any, Any]:
+    """(out (B, Sq, Hq, D), lse (B, Hq, Sq)) per sequence in ``dtype``; keys[b]: (n, Hk, D)."""
+    outs, lses = [], []
+    B, Sq, Hq, D = q.shape
+    left, right = window if window else (-1, -1)
+    if causal:
+        right = 0
+    for b in range(B):
+        n = keys[b].shape[0]
+        group = Hq // keys[b].shape[1]
+        kk = keys[b].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
+        vv = vals[b].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
+        s = q[b].to(dtype).transpose(0, 1) @ kk.transpose(-1, -2) / math.sqrt(D)
+        rel = torch.arange(n, device=q.device)[None, :] - torch.arange(Sq, device=q.device)[:, None] - (n - Sq)
+        vis = torch.ones_like(rel, dtype=torch.bool)
+        if left >= 0:
+            vis &= rel >= -left
+        if right >= 0:
+            vis &= rel <= right
+        s = s.masked_fill(~vis, float("-inf"))
+        seen = vis.any(-1)
+        p = torch.softmax(torch.where(seen[:, None], s, 0.0), -1) * seen[:, None]
+        outs.append((p @ vv).transpose(0, 1))
+        lses.append(torch.where(seen, torch.logsumexp(torch.where(seen[:, None], s, 0.0), -1), float("-inf")))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _close(name: str, got: Any, hi: Any, lo: Any, eps: float) -> None:
+    got, hi, lo = got.double(), hi.double(), lo.double()
+    inf = torch.isinf(hi)
+    assert torch.equal(torch.isinf(got), inf), f"{name}: -inf where the reference has none (or the other way)"
+    got, hi, lo = (torch.where(inf, 0.0, t) for t in (got, hi, lo))
+    err = (got - hi).abs().max().item()
+    bound = 3 * (lo - hi).abs().max().item() + eps * max(1.0, hi.abs().max().item())
+    assert err <= bound, f"{name}: error {err:.3g} > bound {bound:.3g}"
+
+
+def _cache(lens: list, new: int, Hk: int, D: int, dtype: Any, page: int | None, gen: Any, layout: str = "bshd"
+           ) -> dict:
+    total = [n + new for n in lens]
+    cap = max(total) + 19
+    keys = [torch.randn(n, Hk, D, device="cuda", generator=gen).to(dtype) for n in total]
+    vals = [torch.randn(n, Hk, D, device="cuda", generator=gen).to(dtype) for n in total]
+    B = len(lens)
+    table = None
+    if page:
+        max_blocks = -(-cap // page)
+        num_pages = sum(-(-n // page) for n in total) + 7
+        perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(len(lens))).tolist()
+        table = torch.full((B, max_blocks), num_pages + 1000, dtype=torch.int32)
+        kc = torch.full((num_pages, page, Hk, D), float("nan"), device="cuda", dtype=dtype)
+        vc = torch.full_like(kc, float("nan"))
+        it = iter(perm)
+        for b, n in enumerate(total):
+            for j in range(-(-n // page)):
+                table[b, j] = next(it)
+            rows = torch.arange(lens[b])
+            pages = table[b, rows // page].long().cuda()
+            kc[pages, (rows % page).cuda()] = keys[b][:lens[b]]
+            vc[pages, (rows % page).cuda()] = vals[b][:lens[b]]
+        table = table.cuda()
+    else:
+        kc = torch.full((B, cap, Hk, D), float("nan"), device="cuda", dtype=dtype)
+        vc = torch.full_like(kc, float("nan"))
+        for b in range(B):
+            kc[b, :lens[b]] = keys[b][:lens[b]]
+            vc[b, :lens[b]] = vals[b][:lens[b]]
+        if layout == "bhsd":
+            kc, vc = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+    k_new = torch.stack([keys[b][lens[b]:] for b in range(B)]) if new else None
+    v_new = torch.stack([vals[b][lens[b]:] for b in range(B)]) if new else None
+    return {"k": kc, "v": vc, "table": table, "keys": keys, "vals": vals, "k_new": k_new, "v_new": v_new,
+            "lens": torch.tensor(lens, dtype=torch.int32, device="cuda")}
+
+
+CASES = {
+    # name: dtype, D, Hq, Hk, Sq, lens, new, page, causal, window, splits
+    "fp16_d128_gqa4_paged16_split_auto": ("fp16", 128, 32, 8, 1, [1000, 0, 1, 513], 0, 16, True, None, None),
+    "bf16_d128_gqa8_contiguous_forced_splits": ("bf16", 128, 64, 8, 1, [4099, 37, 2048], 0, None, True, None, 7),
+    "bf16_d64_paged64_append_at_page_edges": ("bf16", 64, 16, 4, 1, [63, 64, 127, 0], 1, 64, True, None, None),
+    "fp16_d64_speculative_4_rows_append": ("fp16", 64, 8, 2, 4, [100, 31, 5], 4, 32, True, None, 3),
+    "fp16_d128_16_rows_group_4": ("fp16", 128, 8, 2, 16, [300, 16, 17], 0, None, True, None, 2),
+    "bf16_d128_sliding_window_paged": ("bf16", 128, 16, 2, 2, [900, 40, 3], 0, 16, True, (255, 0), None),
+    "fp32_d64_window_both_sides": ("fp32", 64, 4, 4, 3, [77, 200], 0, None, False, (20, 1), 2),
+    "fp32_d128_mqa_paged": ("fp32", 128, 8, 1, 1, [333, 1], 2, 48, True, None, None),
+    "fp16_d80_bucket_not_power_of_two": ("fp16", 80, 8, 2, 1, [500, 129], 0, 16, True, None, None),
+    "bf16_d256_paged": ("bf16", 256, 4, 1, 2, [700, 2], 1, 32, True, None, None),
+    "fp16_d32_no_mask_lengths_0_1": ("fp16", 32, 4, 2, 1, [0, 1, 45], 0, None, False, None, 3),
+    "fp16_d64_bhsd_cache": ("fp16", 64, 8, 2, 1, [301, 5], 0, "bhsd", True, None, None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_matches_an_fp32_reference(lib: aotriton_rt.Library, name: str) -> None:
+    dtype_name, D, Hq, Hk, Sq, lens, new, page, causal, window, splits = CASES[name]
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(sum(map(ord, name)))
+    layout = "bhsd" if page == "bhsd" else "bshd"
+    c = _cache(lens, new, Hk, D, dtype, page if isinstance(page, int) else None, gen, layout)
+    q = torch.randn(len(lens), Sq, Hq, D, device="cuda", generator=gen).to(dtype)
+    out, lse = decode_attention(q, c["k"], c["v"], cache_seqlens=c["lens"], block_table=c["table"],
+                                k_new=c["k_new"], v_new=c["v_new"], causal=causal, window=window, num_splits=splits,
+                                cache_layout=layout, check=True, library=lib)
+    hi_t = torch.float64 if dtype == torch.float32 else torch.float32
+    ref_hi, lse_hi = _reference(q, c["keys"], c["vals"], causal, window, hi_t)
+    ref_lo, lse_lo = _reference(q, c["keys"], c["vals"], causal, window, dtype)
+    _close("out", out, ref_hi, ref_lo, EPS[dtype_name])
+    _close("lse", lse, lse_hi, lse_lo, EPS[dtype_name])
+    if new:
+        for b, n in enumerate(lens):
+            for r in range(n, n + new):
+                if c["table"] is not None:
+                    row = c["k"][c["table"][b, r // c["k"].shape[1]], r % c["k"].shape[1]]
+                else:
+                    row = c["k"][b, r]
+                assert torch.equal(row, c["keys"][b][r]), f"appended row {r} of sequence {b}"
+
+
+@pytest.mark.parametrize("page", [None, 16, 256])
+@pytest.mark.parametrize("config", [0, 1, 2])
+def test_every_tuning_config_matches_the_reference_on_paged_and_contiguous_caches(lib: aotriton_rt.Library,
+                                                                                  config: int, page: Any) -> None:
+    """The configs the catalog's rules may pick (sm90: #2 for large batches; paged binaries
+    with their own stage counts) each give the same answer, with and without splits."""
+    from aotriton_rt.ops import decode as dec
+
+    ks = dec._kernels_of(lib)
+    saved = ks.rules
+    gen = torch.Generator(device="cuda").manual_seed(100 + config)
+    lens = [3000, 1, 700, 256]
+    c = _cache(lens, 1, 8, 128, torch.bfloat16, page, gen, "bshd")
+    q = torch.randn(len(lens), 1, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    ref_hi, _ = _reference(q, c["keys"], c["vals"], True, None, torch.float32)
+    ref_lo, _ = _reference(q, c["keys"], c["vals"], True, None, torch.bfloat16)
+    try:
+        ks.rules = [{"config": config}]
+        for splits in (1, 5):
+            kv = (c["k"].clone(), c["v"].clone())
+            out, _ = decode_attention(q, *kv, cache_seqlens=c["lens"], block_table=c["table"], k_new=c["k_new"],
+                                      v_new=c["v_new"], causal=True, num_splits=splits, check=True, library=lib)
+            _close(f"out (config {config}, {splits} splits)", out, ref_hi, ref_lo, EPS["bf16"])
+    finally:
+        ks.rules = saved
+
+
+def test_attention_routes_decoding_to_the_decode_kernels_and_matches_prefill(lib: aotriton_rt.Library) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(4, 32, 1, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(4, 8, 3001, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    launched = []
+    original = aotriton_rt.ops.decode.decode_attention
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        launched.append(kw.get("cache_layout"))
+        return original(*a, **kw)
+
+    aotriton_rt.ops.decode.decode_attention = spy
+    try:
+        out, lse = aotriton_rt.attention(q, k, v, causal=True, align="bottom_right", library=lib)
+    finally:
+        aotriton_rt.ops.decode.decode_attention = original
+    assert launched == ["bhsd"]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    assert (out.float() - ref).abs().max().item() < 2e-2
+    assert lse.shape == (4, 32, 1) and lse.dtype == torch.float32
+
+
+def test_decode_step_replays_in_a_cuda_graph_with_new_lengths(lib: aotriton_rt.Library) -> None:
+    from aotriton_rt.ops.torch_decode import decode_attention as op
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    B, Hq, Hk, D, page = 8, 16, 4, 128, 16
+    c = _cache([500, 900, 17, 0, 64, 65, 1000, 3], 1, Hk, D, torch.bfloat16, page, gen)
+    q = torch.randn(B, 1, Hq, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    lens = c["lens"].clone()
+    kn, vn = c["k_new"].clone(), c["v_new"].clone()
+    op(q, c["k"], c["v"], cache_seqlens=lens, block_table=c["table"], k_new=kn, v_new=vn, causal=True, library=lib)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(q, c["k"], c["v"], cache_seqlens=lens, block_table=c["table"], k_new=kn, v_new=vn, causal=True,
+                 library=lib)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = _reference(q, c["keys"], c["vals"], True, None, torch.float32)
+    assert (out.float() - ref).abs().max().item() < 3e-2
+    # Shorter sequences and new queries on replay: the graph reads lengths and data from the device.
+    n = [int(x) for x in c["lens"].tolist()]
+    lens.copy_(torch.tensor([max(x - 1, 0) for x in n], dtype=torch.int32))
+    q.copy_(torch.randn(q.shape, device="cuda", generator=gen).to(q.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    # The new row now lands at n-1 (over the last cached row): each sequence holds its first n-1
+    # rows and the new one.
+    keys = [torch.cat([c["keys"][b][:max(x - 1, 0)], c["keys"][b][x:]]) for b, x in enumerate(n)]
+    vals = [torch.cat([c["vals"][b][:max(x - 1, 0)], c["vals"][b][x:]]) for b, x in enumerate(n)]
+    ref, _ = _reference(q, keys, vals, True, None, torch.float32)
+    assert (out.float() - ref).abs().max().item() < 3e-2
+
+
+def test_custom_op_passes_opcheck(lib: aotriton_rt.Library) -> None:
+    from aotriton_rt.ops.torch import _library_key
+    from aotriton_rt.ops.torch_decode import decode_attention_op
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    c = _cache([100, 37], 0, 2, 64, torch.float16, 16, gen)
+    q = torch.randn(2, 1, 8, 64, device="cuda", generator=gen, dtype=torch.float16)
+    torch.library.opcheck(decode_attention_op, (q, c["k"], c["v"], c["lens"], -1, c["table"], True, -1, 0, 0.125, 0,
+                                                -1, "bshd", "bshd", _library_key(lib)),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_paged_lengths_past_the_block_table_are_refused_in_debug_mode(lib: aotriton_rt.Library) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    c = _cache([40, 10], 0, 2, 64, torch.float16, 16, gen)
+    q = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.float16)
+    too_long = torch.tensor([40, 10_000], dtype=torch.int32, device="cuda")
+    with pytest.raises(ArgumentError, match=r"cache_seqlens\[1\] = 10000 plus 0 new rows is outside the"):
+        decode_attention(q, c["k"], c["v"], cache_seqlens=too_long, block_table=c["table"], check=True, library=lib)
+    # Without the check the kernels clamp: no fault, finite numbers.
+    out, _ = decode_attention(q, c["k"], c["v"], cache_seqlens=too_long, block_table=c["table"], check=False,
+                              library=lib)
+    torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# The transformers integration: a small randomly initialised Llama.
+# ---------------------------------------------------------------------------------------------
+
+def _llama(name: str, dtype: Any) -> Any:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                      max_position_embeddings=1024, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(copy.deepcopy(config)).to("cuda", dtype)
+    model.set_attn_implementation(name)
+    return model
+
+
+def test_llama_logits_gradients_and_generation_match_sdpa_within_sdpa_vs_eager(lib: aotriton_rt.Library) -> None:
+    import aotriton_rt.integrations.transformers as hf
+
+    name = hf.register(library=lib)
+    models = {}
+    for impl in ("sdpa", "eager", name):
+        models[impl] = _llama(impl, torch.float16)
+        if impl != "sdpa":
+            models[impl].load_state_dict(models["sdpa"].state_dict())
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    ids = torch.randint(1, 512, (3, 77), device="cuda", generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :13] = 0  # a left-padded row
+    ids = ids.masked_fill(mask == 0, 0)
+    logits, grads = {}, {}
+    for impl, model in models.items():
+        model.zero_grad()
+        out = model(ids, attention_mask=mask)
+        real = mask.bool()
+        logits[impl] = out.logits[real].float()
+        out.logits[real].float().pow(2).mean().backward()
+        grads[impl] = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+    for what, values in (("logits", logits), ("gradients", grads)):
+        eager = (values["eager"] - values["sdpa"]).abs().max().item()
+        ours = (values[name] - values["sdpa"]).abs().max().item()
+        assert ours <= 2 * eager + 1e-3 * values["sdpa"].abs().max().item(), \
+            f"{what}: aotriton-vs-sdpa {ours:.3g}, eager-vs-sdpa {eager:.3g}"
+    prompt = torch.randint(1, 512, (4, 40), device="cuda", generator=gen)
+    kw = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0, "attention_mask": torch.ones_like(prompt)}
+    with torch.no_grad():
+        seqs = {impl: m.generate(prompt, **kw)[:, 40:] for impl, m in models.items()}
+    agree_eager = (seqs["eager"] == seqs["sdpa"]).float().mean().item()
+    agree_ours = (seqs[name] == seqs["sdpa"]).float().mean().item()
+    assert agree_ours >= min(agree_eager, 0.9) - 0.05, f"greedy tokens equal to sdpa's: ours {agree_ours:.2f}, " \
+                                                        f"eager {agree_eager:.2f}"

@@ -1,0 +1,575 @@
+"""Decode attention without a GPU.
+
+- End to end under Triton's interpreter (subprocesses, ``TRITON_INTERPRET=1``): the operator's
+  real argument lists drive the real kernels of ``builder/kernels/decode.py`` on CPU tensors,
+  compared with an fp64 reference: contiguous and paged caches, random block tables, pages the
+  sequences do not reference filled with NaN, ``cache_seqlens`` 0, 1 and not multiples of the
+  page, appends that cross page boundaries, 1..16 query rows, GQA tiles taller than one block,
+  causal, sliding windows, several splits merged by the combine kernel.
+- Refusals before any launch (arrays are ``__cuda_array_interface__`` descriptions of memory
+  that is never touched): lengths past what the cache or block table can address, page sizes
+  that are not multiples of 16, and the debug-mode checks of device lengths and block tables.
+- The split rule and its catalog overrides as pure functions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import aotriton_rt
+from aotriton_rt import ArgumentError, CatalogError, UnsupportedError
+from aotriton_rt.ops import decode as op
+from aotriton_rt.ops.decode import SplitRule, num_splits_for, split_rule
+from tests.interpreter import patch_interpreter, run_sharded
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Defaults: B=3, Hq=4, Hk=2, Sq=1, D=32, fp32, contiguous cache of 80 rows, lengths (37, 0, 80).
+CASES: dict[str, dict] = {
+    "contiguous_one_split": {"splits": 1},
+    "contiguous_three_splits_gqa": {"splits": 3, "Hq": 8, "Hk": 2},
+    "contiguous_bhsd_cache_fp16": {"cache_layout": "bhsd", "dtype": "fp16", "splits": 2},
+    "lengths_zero_and_one_bf16": {"lens": (0, 1, 17), "dtype": "bf16", "splits": 2},
+    "paged_random_table_nan_pages": {"paged": 16, "lens": (37, 1, 16, 0), "splits": 3},
+    "paged_32_rows_speculative_causal": {"paged": 32, "Sq": 4, "causal": True, "lens": (45, 70, 5), "splits": 2},
+    "paged_append_across_page_boundaries": {"paged": 16, "new": 3, "lens": (14, 16, 31, 0), "Sq": 3,
+                                            "causal": True, "splits": 2},
+    "contiguous_append_one_row": {"new": 1, "lens": (20, 0, 79), "causal": True, "splits": 4},
+    "sixteen_rows_group_of_four_taller_than_a_tile": {"Sq": 16, "Hq": 8, "Hk": 2, "causal": True,
+                                                      "lens": (40, 60, 20), "splits": 2},
+    "sliding_window_paged": {"paged": 16, "Sq": 2, "causal": True, "window": (9, 0), "lens": (50, 7, 33),
+                             "splits": 3},
+    "window_both_sides_no_causal": {"Sq": 3, "window": (5, 1), "splits": 1},
+    "head_dim_80_split_rule_default": {"D": 80, "Hq": 2, "Hk": 1, "dtype": "fp16"},
+    "mqa_all_heads_one_tile": {"Hq": 6, "Hk": 1, "Sq": 2, "causal": True, "paged": 16, "splits": 2},
+    # A repeated call takes the cached launch plan (no checks, no planning) and computes the same.
+    "repeated_call_takes_the_cached_plan": {"paged": 16, "lens": (37, 1, 16), "splits": 2, "repeat": True},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Interpreter side (subprocess).
+# ---------------------------------------------------------------------------------------------
+
+class _Handle:
+    """A kernel handle that launches the Triton source like a compiled variant (checks, grid)."""
+
+    def __init__(self, decl: Any, spec: dict) -> None:
+        from builder.registry import _divisibility, _resolve_signature
+        from builder.targets import KNOWN
+
+        self.decl, self.spec = decl, spec
+        config = decl.configs_for(spec, KNOWN["sm90"])[0]
+        self.constexprs = {n: spec.get(n, config.constexprs.get(n)) for n, t in decl.signature.items()
+                           if t == "constexpr"}
+        if "BLOCK_N" in self.constexprs:
+            self.constexprs["BLOCK_N"] = 16  # short sequences still span several blocks
+        self.signature = _resolve_signature(decl, spec)
+        self.divisibility = _divisibility(decl, self.signature)
+        self.arg_names = [n for n, t in self.signature.items() if t != "constexpr"]
+
+    def variant(self, device: int = 0) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(config=SimpleNamespace(constexprs={k: v for k, v in self.constexprs.items()
+                                                                  if k.startswith("BLOCK")}))
+
+    def __call__(self, *args: Any) -> None:
+        import torch
+
+        from aotriton_rt.pack import compile_expr
+
+        values = dict(zip(self.arg_names, args, strict=True))
+        for name, value in values.items():
+            t = self.signature[name]
+            if t.startswith("*"):
+                if value is None:
+                    values[name] = torch.empty(0, dtype=torch.float32 if "fp" in t else torch.int32)
+                    continue
+                assert value.data_ptr() % 16 == 0, f"{name} misaligned"
+            else:
+                div = self.divisibility.get(name)
+                assert not div or value % div == 0, f"{self.decl.name}.{name}={value} not a multiple of {div}"
+        names = list(values)
+        vals = [0 if self.signature[n].startswith("*") else values[n] for n in names]
+        for check in self.decl.checks:
+            assert compile_expr(check, names, self.constexprs, "check")(*vals), f"{self.decl.name}: {check}"
+        grid = tuple(compile_expr(g, names, self.constexprs, "grid")(*vals) for g in self.decl.grid)
+        LAUNCHES.append((self.decl.name, grid))
+        self.decl.fn[grid](*values.values(), **self.constexprs)
+
+
+LAUNCHES: list = []
+
+
+class _Library:
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        from builder.registry import load_kernels
+
+        self.decls = load_kernels()
+        self.catalogs: list = []
+        self.variants = [SimpleNamespace(target=SimpleNamespace(backend="cuda", arch="sm90"))]
+
+    def kernel(self, name: str, **params: Any) -> _Handle:
+        return _Handle(self.decls[name], params)
+
+
+def _install_cpu() -> None:
+    import torch
+
+    from aotriton_rt import interop
+
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+    describe = op._describe
+
+    def cpu_describe(obj: Any, name: str) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            return interop.ArrayInfo(obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()),
+                                     "torch")
+        return describe(obj, name)
+
+    op._describe = cpu_describe
+
+
+def run_case(name: str, case: dict) -> dict:
+    import torch
+
+    c = {"B": 3, "Hq": 4, "Hk": 2, "Sq": 1, "D": 32, "dtype": "fp32", "cap": 80, "lens": (37, 0, 80),
+         "paged": 0, "new": 0, "causal": False, "window": None, "cache_layout": "bshd", "splits": None, **case}
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[c["dtype"]]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    lens = list(c["lens"])
+    B, Hq, Hk, Sq, D, new = len(lens), c["Hq"], c["Hk"], c["Sq"], c["D"], c["new"]
+    total = [n + new for n in lens]
+    cap = max(c["cap"], max(total))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    # The logical sequences: keys/values of every row each sequence will hold after the append.
+    keys = [randn(n, Hk, D) for n in total]
+    vals = [randn(n, Hk, D) for n in total]
+    q = randn(B, Sq, Hq, D)
+    nan = float("nan")
+    if c["paged"]:
+        ps = c["paged"]
+        max_blocks = -(-cap // ps)
+        pages_needed = sum(-(-n // ps) for n in total)
+        num_pages = pages_needed + 5
+        perm = torch.randperm(num_pages, generator=gen).tolist()
+        table = torch.full((B, max_blocks), -7, dtype=torch.int32)  # unreferenced entries: invalid pages
+        k_cache = torch.full((num_pages, ps, Hk, D), nan, dtype=dtype)
+        v_cache = torch.full((num_pages, ps, Hk, D), nan, dtype=dtype)
+        it = iter(perm)
+        for b, n in enumerate(total):
+            for j in range(-(-n // ps)):
+                table[b, j] = next(it)
+            for r in range(lens[b]):  # only the cached rows; the new ones come through the append
+                k_cache[table[b, r // ps], r % ps] = keys[b][r]
+                v_cache[table[b, r // ps], r % ps] = vals[b][r]
+    else:
+        table = None
+        k_cache = torch.full((B, cap, Hk, D), nan, dtype=dtype)
+        v_cache = torch.full((B, cap, Hk, D), nan, dtype=dtype)
+        for b in range(B):
+            k_cache[b, :lens[b]] = keys[b][:lens[b]]
+            v_cache[b, :lens[b]] = vals[b][:lens[b]]
+        if c["cache_layout"] == "bhsd":
+            k_cache = k_cache.transpose(1, 2).contiguous()
+            v_cache = v_cache.transpose(1, 2).contiguous()
+    k_new = v_new = None
+    if new:
+        k_new = torch.stack([keys[b][lens[b]:] for b in range(B)])
+        v_new = torch.stack([vals[b][lens[b]:] for b in range(B)])
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    LAUNCHES.clear()
+    lib = _Library()
+    out, lse = op.decode_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, k_new=k_new,
+                                   v_new=v_new, causal=c["causal"], window=c["window"], num_splits=c["splits"],
+                                   cache_layout=c["cache_layout"], check=True, library=lib)
+    errors: dict[str, float] = {}
+    failed: list[str] = []
+    if c.get("repeat"):
+        op._LAUNCHES.clear()
+        again = [op.decode_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                     causal=c["causal"], num_splits=c["splits"], check=False, library=lib)
+                 for _ in range(2)]
+        if len(op._LAUNCHES) != 1:
+            failed.append(f"{len(op._LAUNCHES)} cached launch plans after two equal calls")
+        for o2, l2 in again:
+            if not (torch.equal(o2, out) and torch.equal(l2, lse)):
+                failed.append("a repeated call computed something else")
+    tol = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 4e-2}[c["dtype"]]
+    scale = 1 / math.sqrt(D)
+    left, right = c["window"] if c["window"] else (-1, -1)
+    if c["causal"]:
+        right = 0
+    group = Hq // Hk
+    for b in range(B):
+        n = total[b]
+        kk = keys[b].double().transpose(0, 1).repeat_interleave(group, 0)  # (Hq, n, D)
+        vv = vals[b].double().transpose(0, 1).repeat_interleave(group, 0)
+        qq = q[b].double().transpose(0, 1)  # (Hq, Sq, D)
+        s = qq @ kk.transpose(-1, -2) * scale
+        i = torch.arange(Sq)[:, None]
+        j = torch.arange(n)[None, :]
+        rel = j - i - (n - Sq)
+        vis = torch.ones(Sq, n, dtype=torch.bool)
+        if left >= 0:
+            vis &= rel >= -left
+        if right >= 0:
+            vis &= rel <= right
+        s = s.masked_fill(~vis, float("-inf"))
+        row_ok = vis.any(-1)
+        s_safe = torch.where(row_ok[:, None], s, 0.0)
+        p = torch.softmax(s_safe, -1) * row_ok[:, None]
+        ref = (p @ vv).transpose(0, 1)  # (Sq, Hq, D)
+        ref_lse = torch.where(row_ok, torch.logsumexp(s_safe, -1), float("-inf"))
+        got = out[b].double()
+        err = (got - ref).abs().max().item() if n else got.abs().max().item()
+        errors[f"out{b}"] = err
+        if not err <= tol:
+            failed.append(f"out[{b}] (length {n}) error {err}")
+        gl = lse[b].double()
+        both_inf = torch.isinf(gl) & torch.isinf(ref_lse)
+        lerr = torch.where(both_inf, 0.0, (gl - ref_lse).abs()).max().item()
+        errors[f"lse{b}"] = lerr
+        if not lerr <= tol * 10:
+            failed.append(f"lse[{b}] error {lerr}")
+    if new:
+        # The cache now holds the appended rows where the block table (or the batch) says.
+        for b in range(B):
+            for r in range(lens[b], total[b]):
+                if table is not None:
+                    got_k = k_cache[table[b, r // c["paged"]], r % c["paged"]]
+                else:
+                    got_k = k_cache[b, r]
+                if not torch.equal(got_k, keys[b][r]):
+                    failed.append(f"appended row {r} of sequence {b} is not in the cache")
+    kernels = [name for name, _ in LAUNCHES]
+    want_combine = (c["splits"] or 1) > 1
+    if c["splits"] is not None and want_combine != ("attn_decode_combine" in kernels):
+        failed.append(f"launches {kernels} for {c['splits']} splits")
+    if new and "attn_decode_append" not in kernels:
+        failed.append("no append launched")
+    return {"name": name, "errors": errors, "failed": failed, "launches": LAUNCHES[:]}
+
+
+def _main(names: list[str]) -> None:
+    patch_interpreter()
+    _install_cpu()
+    for name in names:
+        try:
+            result = run_case(name, CASES[name])
+        except Exception as exc:  # reported to the test
+            import traceback
+
+            result = {"name": name, "errors": {}, "failed": [f"{type(exc).__name__}: {exc}"[:1500],
+                                                             traceback.format_exc()[-1500:]]}
+        print(json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Test side.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    return run_sharded(__file__, list(CASES))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_operator_runs_the_real_kernels_and_matches_fp64_under_the_interpreter(interpreted: dict,
+                                                                                       name: str) -> None:
+    result = interpreted[name]
+    assert not result["failed"], f"{name}: {result['failed']}"
+    assert any(k.startswith("out") for k in result["errors"])
+
+
+_TYPESTR = {"fp16": ("<f2", 2), "fp32": ("<f4", 4), "i32": ("<i4", 4), "i64": ("<i8", 8)}
+
+
+class Dev:
+    """A GPU array as ``__cuda_array_interface__`` describes it; its memory is never read."""
+
+    def __init__(self, *shape: int, dtype: str = "fp16", strides: tuple[int, ...] | None = None,
+                 ptr: int = 0x7F00_0000_0000) -> None:
+        typestr, size = _TYPESTR[dtype]
+        self._cai = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 3,
+                     "strides": None if strides is None else tuple(x * size for x in strides)}
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return self._cai
+
+
+def _dec(q: Any = None, k: Any = None, v: Any = None, **kw: Any) -> Any:
+    q = q if q is not None else Dev(2, 1, 8, 64)
+    k = k if k is not None else Dev(2, 256, 2, 64)
+    v = v if v is not None else Dev(*k._cai["shape"], dtype=_dtype_of(k))
+    return op.decode_attention(q, k, v, **kw)
+
+
+def _dtype_of(d: Dev) -> str:
+    return {v[0]: k for k, v in _TYPESTR.items()}[d._cai["typestr"]]
+
+
+REFUSALS = [
+    ("too_many_query_rows", lambda: _dec(Dev(2, 17, 8, 64)), ArgumentError,
+     r"q has 17 query rows per sequence; decode attention takes 1\.\.16 \(use aotriton_rt\.attention for prefill\)"),
+    ("page_size_not_multiple_of_16", lambda: _dec(k=Dev(10, 24, 2, 64), block_table=Dev(2, 4, dtype="i32")),
+     ArgumentError, r"page size 24 \(k_cache\.shape\[1\]\) is not a multiple of 16"),
+    ("length_beyond_block_table", lambda: _dec(k=Dev(10, 16, 2, 64), block_table=Dev(2, 4, dtype="i32"),
+                                               cache_seqlens=60, k_new=Dev(2, 5, 2, 64), v_new=Dev(2, 5, 2, 64)),
+     ArgumentError, r"cache_seqlens=60 plus 5 new rows exceeds the 64 rows the block table can address"),
+    ("length_beyond_contiguous_cache", lambda: _dec(cache_seqlens=257), ArgumentError,
+     r"cache_seqlens=257 plus 0 new rows exceeds the 256 rows the cache holds"),
+    ("append_longer_than_the_cache", lambda: _dec(k=Dev(2, 16, 2, 64), cache_seqlens=0, k_new=Dev(2, 17, 2, 64),
+                                                  v_new=Dev(2, 17, 2, 64)), ArgumentError,
+     r"appending 17 rows exceeds the cache's capacity of 16 rows per sequence"),
+    ("max_seqlen_beyond_capacity", lambda: _dec(max_seqlen_k=300), ArgumentError,
+     r"max_seqlen_k must be in \[0, 256\], got 300"),
+    ("block_table_dtype", lambda: _dec(k=Dev(10, 16, 2, 64), block_table=Dev(2, 4, dtype="i64")), ArgumentError,
+     r"block_table must be int32, got i64"),
+    ("block_table_batch", lambda: _dec(k=Dev(10, 16, 2, 64), block_table=Dev(3, 4, dtype="i32")), ArgumentError,
+     r"block_table must be \(batch, max_blocks\) = \(2, \.\.\.\), got shape \(3, 4\)"),
+    ("append_without_lengths", lambda: _dec(k_new=Dev(2, 1, 2, 64), v_new=Dev(2, 1, 2, 64)), ArgumentError,
+     r"appending k_new needs cache_seqlens"),
+    ("k_new_alone", lambda: _dec(k_new=Dev(2, 1, 2, 64), cache_seqlens=3), ArgumentError,
+     r"k_new and v_new come together"),
+    ("k_new_heads", lambda: _dec(cache_seqlens=3, k_new=Dev(2, 1, 8, 64), v_new=Dev(2, 1, 8, 64)), ArgumentError,
+     r"k_new must hold \(batch, rows, kv heads, head dim\) = \(2, n, 2, 64\)"),
+    ("head_dim_not_a_bucket", lambda: _dec(Dev(2, 1, 8, 72), Dev(2, 256, 2, 72)), UnsupportedError,
+     r"head dim 72: the cache is read in place, so its head dim must be one of 16, 32, 48"),
+    ("gqa_ratio", lambda: _dec(Dev(2, 1, 6, 64), Dev(2, 256, 4, 64)), ArgumentError,
+     r"q has 6 heads, not a multiple of the cache's 4 KV heads"),
+    ("cache_batch", lambda: _dec(k=Dev(3, 256, 2, 64)), ArgumentError,
+     r"k_cache has batch 3 but q has batch 2 \(a paged cache needs block_table\)"),
+    ("cache_strides", lambda: _dec(k=Dev(2, 256, 2, 64, strides=(256 * 2 * 72, 2 * 72, 72, 1))), ArgumentError,
+     r"k_cache must have a contiguous head dim, a 16-byte aligned address and strides that are multiples of 16"),
+    ("dtype_mismatch", lambda: _dec(k=Dev(2, 256, 2, 64, dtype="fp32"), v=Dev(2, 256, 2, 64)), ArgumentError,
+     r"k_cache has dtype fp32 but q has fp16"),
+    ("cache_seqlens_shape", lambda: _dec(cache_seqlens=Dev(3, dtype="i32")), ArgumentError,
+     r"cache_seqlens must be a contiguous int32 array of shape \(2,\), got i32 \(3,\)"),
+    ("causal_window", lambda: _dec(causal=True, window=(4, 2)), ArgumentError,
+     r"causal=True hides every key right of the diagonal, but window=\(4, 2\) asks for 2 keys there"),
+    ("num_splits", lambda: _dec(num_splits=0), ArgumentError, r"num_splits must be in \[1, 1024\], got 0"),
+    ("negative_length", lambda: _dec(cache_seqlens=-1), ArgumentError, r"cache_seqlens must be >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("case", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_decode_refuses_malformed_calls_before_any_launch(case: tuple) -> None:
+    call, exc, match = case
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_attention_routes_only_calls_the_decode_kernels_express() -> None:
+    from types import SimpleNamespace
+
+    from aotriton_rt.ops.decode import route_from_attention
+
+    lacking = SimpleNamespace(variants=[], catalogs=[])  # images without the decode kernels
+    q, k = Dev(2, 8, 1, 64), Dev(2, 2, 300, 64)
+    base = {"causal": True, "window": None, "align": "bottom_right", "bias": None, "dropout_p": 0.0, "scale": None,
+            "cu_seqlens_q": None, "cu_seqlens_k": None, "layout": "bhsd", "out": None, "lse": None,
+            "return_mask": False, "library": lacking}
+    for change in ({"bias": Dev(300)}, {"dropout_p": 0.1}, {"align": "top_left"}, {"out": q}, {"return_mask": True},
+                   {"window": 3}, {}):
+        assert route_from_attention(q, k, k, **{**base, **change}) is None, change
+    assert route_from_attention(Dev(2, 8, 17, 64), k, k, **base) is None  # 17 query rows: prefill
+
+
+def test_a_decode_shaped_attention_call_is_validated_before_images_are_looked_for(monkeypatch) -> None:
+    monkeypatch.setenv("AOTRITON_RT_IMAGES", "/nonexistent-aotriton-images")
+    with pytest.raises(ArgumentError, match=r"scale must be a finite number, got nan"):
+        aotriton_rt.attention(Dev(2, 8, 1, 64), Dev(2, 2, 300, 64), Dev(2, 2, 300, 64), scale=float("nan"))
+
+
+def test_debug_mode_reads_lengths_and_pages_back_and_refuses_bad_ones() -> None:
+    torch = pytest.importorskip("torch")
+    from aotriton_rt.ops.decode import DecodePlan, _Arrays, _check_contents
+
+    xp = _Arrays("torch")
+    plan = DecodePlan("fp16", 64, 2, 8, 2, 1, 2, 64, True, 16, 10, 64, (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0),
+                      (0, 0, 0), 4, -1, 0, 0.125, 0, False)
+    table = torch.tensor([[1, 2, 3, 4], [5, 6, 99, -1]], dtype=torch.int32)
+    _check_contents(xp, plan, torch.tensor([30, 14], dtype=torch.int32), table)  # 32 and 16 rows: pages in range
+    with pytest.raises(ArgumentError, match=r"block_table\[1, 2\] = 99 is not a page of the cache \(0\.\.9\); "
+                                            r"sequence 1 has 33 rows"):
+        _check_contents(xp, plan, torch.tensor([30, 31], dtype=torch.int32), table)
+    with pytest.raises(ArgumentError, match=r"cache_seqlens\[0\] = 63 plus 2 new rows is outside the 64 rows the "
+                                            r"block table can address"):
+        _check_contents(xp, plan, torch.tensor([63, 0], dtype=torch.int32), table)
+
+
+def test_splits_fill_the_last_wave_but_stay_several_blocks_long() -> None:
+    rule = SplitRule(waves=2, min_blocks=4, max_splits=64)
+    # 264 slots. B=1, 8 KV heads, 64 key blocks: at most 16 splits (4 blocks each); 14 is the
+    # fewest within 85% of the best (16: 128 of 264 slots).
+    # 14 splits by efficiency, but 64 blocks in runs of cdiv(64, 14) = 5 fill only 13: no empty 14th.
+    assert num_splits_for(1, 8, 1, 4096, 64, 132, rule) == 13
+    assert num_splits_for(8, 8, 1, 4096, 64, 132, rule) == 4  # 256 of 264 slots
+    assert num_splits_for(64, 8, 1, 8192, 64, 132, rule) == 1  # the batch fills the GPU
+    assert num_splits_for(27, 8, 1, 8192, 64, 132, rule) == 1  # 216 >= 80% of 264
+    assert num_splits_for(26, 8, 1, 8192, 64, 132, rule) == 5  # 208 < 211: 1040 of 1056 slots
+    assert num_splits_for(1, 8, 1, 100, 64, 132, rule) == 1  # too short to split
+    assert num_splits_for(1, 1, 1, 10**6, 64, 132, SplitRule(2, 1, 64)) == 55
+
+
+def test_every_split_the_rule_picks_gets_keys() -> None:
+    for batch, heads, seqlen in [(1, 1, 64 * 37), (1, 8, 2048), (2, 4, 100_000), (1, 2, 64 * 130), (3, 8, 999)]:
+        for min_blocks in (1, 2, 4):
+            splits = num_splits_for(batch, heads, 1, seqlen, 64, 132, SplitRule(2, min_blocks, 64))
+            blocks = -(-seqlen // 64)
+            per = -(-blocks // splits)
+            assert (splits - 1) * per < blocks, (batch, heads, seqlen, min_blocks, splits)
+
+
+def test_catalog_split_rules_override_the_default_per_arch() -> None:
+    rules = [{"arch": "gfx942", "splits": {"waves": 1}}, {"arch": "sm90", "splits": {"min_blocks": 8}, "config": 2}]
+    assert split_rule(rules, "sm90") == (SplitRule(2, 8, 64), 2)
+    assert split_rule(rules, "gfx942")[0].waves == 1
+    assert split_rule(rules, "sm80") == (SplitRule(2, 4, 64), 0)
+    with pytest.raises(CatalogError, match=r"splits\.waves must be an integer in \[1, 64\], got 0"):
+        split_rule([{"splits": {"waves": 0}}], "sm90")
+    with pytest.raises(CatalogError, match=r"splits must be an object with waves, min_blocks, max_splits"):
+        split_rule([{"splits": {"blocks": 3}}], "sm90")
+    with pytest.raises(CatalogError, match=r"must be a list of rules"):
+        split_rule({"sm90": 1}, "sm90")
+
+
+def test_a_catalog_rule_can_pick_a_config_from_a_work_size_on_and_per_cache_kind() -> None:
+    rules = [{"arch": "sm90", "min_batch_heads": 212, "config": 2}, {"arch": "sm90", "paged": True, "config": 1},
+             {"splits": {"waves": 1}}]
+    assert split_rule(rules, "sm90", batch_heads=512) == (SplitRule(2, 4, 64), 2)
+    assert split_rule(rules, "sm90", batch_heads=512, paged=True)[1] == 2
+    assert split_rule(rules, "sm90", batch_heads=211, paged=True) == (SplitRule(2, 4, 64), 1)
+    assert split_rule(rules, "sm90", batch_heads=64) == (SplitRule(1, 4, 64), 0)
+    with pytest.raises(CatalogError, match=r"\[0\]\.min_batch_heads must be an integer in \[0, 2\*\*31\], got -1"):
+        split_rule([{"min_batch_heads": -1}], "sm90")
+    with pytest.raises(CatalogError, match=r"\[0\]\.paged must be true or false, got 1"):
+        split_rule([{"paged": 1}], "sm90")
+
+
+def test_the_build_puts_the_decode_split_rule_of_each_target_in_the_catalog(tmp_path: Path) -> None:
+    from aotriton_rt.catalog import Catalog
+    from builder import registry
+    from builder.merge import merge
+    from builder.targets import parse_targets
+
+    kernels = registry.load_kernels()
+    jobs = [j for name in ("attn_decode", "attn_decode_combine")
+            for j in registry.expand(kernels[name], parse_targets("sm90,gfx942"), "default", "3.6.0")]
+    table = registry.tuning_of(kernels, jobs)
+    assert set(table) == {"attn_decode"}
+    assert sorted(r["arch"] for r in table["attn_decode"]) == ["gfx942", "sm90", "sm90"]
+    assert split_rule(table["attn_decode"], "gfx942") == (SplitRule(2, 4, 64), 0)
+    # sm90: the deeper pipeline (config #2) once the call fills the GPU without splits.
+    assert split_rule(table["attn_decode"], "sm90", batch_heads=64 * 8) == (SplitRule(2, 4, 64), 2)
+    assert split_rule(table["attn_decode"], "sm90", batch_heads=8 * 8) == (SplitRule(2, 4, 64), 0)
+    # Shards built from one commit repeat the rules; merging keeps each once.
+    for shard in ("a", "b"):
+        (tmp_path / shard).mkdir()
+        (tmp_path / shard / "catalog.json").write_text(json.dumps(
+            {"schema": "aotriton-rt.catalog", "schema_version": 1, "triton_version": "3.6.0", "tuning": table,
+             "variants": []}))
+    merged = merge([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    assert merged.tuning == table
+    assert Catalog.load(tmp_path / "out" / "catalog.json").tuning == table
+
+
+def test_decode_modules_import_no_framework_and_the_package_maps_the_name() -> None:
+    import subprocess
+
+    probe = ("import sys, aotriton_rt, aotriton_rt.ops.decode as m, aotriton_rt.integrations.transformers\n"
+             "assert aotriton_rt.decode_attention is m.decode_attention\n"
+             "print(sorted(x for x in sys.modules if x.split('.')[0] in "
+             "('torch', 'cupy', 'jax', 'triton', 'numpy', 'transformers')))")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("arch,paged", [("sm90", 1), ("sm90", 0), ("gfx942", 1)])
+def test_decode_kernel_compiles_ahead_of_time_with_vector_cache_loads(arch: str, paged: int) -> None:
+    """K/V must arrive in 16-byte pieces (on sm90: cp.async into the pipeline's ring). Without
+    the declared stride divisibility (or with a mask varying along the head dim) the loads fall
+    to 2 bytes: no 16-byte cp.async at all, a silent 8x loss on a memory-bound kernel."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    from builder.compile import compile_job
+    from builder.kernels.attention import SHARED_LIMIT
+    from builder.registry import expand, load_kernels
+    from builder.targets import parse_targets
+
+    want = {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": paged}
+    jobs = [j for j in expand(load_kernels()["attn_decode"], parse_targets(arch), "default", "3.6.0")
+            if j.spec == want and j.config_index == 0]
+    variant, raw, _ = compile_job(jobs[0])
+    assert raw[:4] == b"\x7fELF" and 0 < variant["shared"] <= SHARED_LIMIT[arch]
+    if arch.startswith("sm"):
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(raw)
+            f.flush()
+            sass = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)
+        assert ops.count("LDGSTS.E.BYPASS.128") >= 32, "K/V tiles are not loaded with 16-byte cp.async"
+        assert not any(op.startswith("LDGSTS.E.BYPASS.") and not op.endswith(".128") for op in ops)
+        assert any(op.startswith("HMMA") for op in ops)
+
+
+@pytest.mark.parametrize("config", [0, 2])
+def test_a_paged_cache_keeps_as_many_kv_tiles_in_flight_as_a_contiguous_one(config: int) -> None:
+    """Triton's pipeliner gives loads addressed through the block table half the shared-memory
+    ring of direct loads; the paged configs' extra stages must buy it back. At equal stages the
+    paged sm90 binary held one K/V buffer (39 KB against 70 KB) and ran at 0.65-0.7x."""
+    from builder.compile import compile_job
+    from builder.registry import expand, load_kernels
+    from builder.targets import parse_targets
+
+    jobs = {j.spec["PAGED"]: j for j in expand(load_kernels()["attn_decode"], parse_targets("sm90"), "default",
+                                               "3.6.0")
+            if j.spec["dtype"] == "bf16" and j.spec["HEAD_DIM"] == 128 and j.config_index == config}
+    contiguous, paged = compile_job(jobs[0])[0]["shared"], compile_job(jobs[1])[0]["shared"]
+    tile = 2 * 64 * 128 * 2  # one K and one V tile of 64 keys
+    assert contiguous >= 2 * tile
+    assert contiguous <= paged < contiguous + tile // 4, (contiguous, paged)
+
+
+def test_decode_head_dims_and_limits_mirror_the_builder() -> None:
+    from builder.kernels import decode as kernels
+
+    assert op.HEAD_DIM_BUCKETS == kernels.HEAD_DIM_BUCKETS
+    assert op.MAX_SEQLEN_Q == kernels.MAX_SEQLEN_Q
+
+
+def test_decode_kernels_are_in_the_default_and_gputest_sets() -> None:
+    from builder.kernels import decode as kernels
+    from builder.targets import KNOWN
+
+    for k in kernels.KERNELS:
+        for dtype in ("fp16", "bf16"):
+            for d in (64, 128):
+                spec = {"dtype": dtype, "HEAD_DIM": d, "PAGED": 1}
+                assert k.sets["default"](spec, KNOWN["sm90"]) and k.sets["gputest"](spec, KNOWN["gfx942"])
+        assert k.sets["gputest"]({"dtype": "fp32", "HEAD_DIM": 128}, KNOWN["sm90"])
+        assert not k.sets["default"]({"dtype": "fp32", "HEAD_DIM": 128}, KNOWN["sm90"])
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    _main(sys.argv[1:])
