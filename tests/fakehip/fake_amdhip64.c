@@ -466,6 +466,8 @@ hipError_t hipModuleLaunchKernel(void *function, unsigned gx, unsigned gy, unsig
   if (code) return code;
   FakeFunction *f = function;
   if (!f || f->magic != FUNCTION_MAGIC) return hipErrorInvalidHandle;
+  /* A function runs on the device its module was loaded on: that device must be current. */
+  if (f->module->device != current_device) return hipErrorInvalidDevice;
   if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 ||
       (unsigned long long)bx * by * bz > 1024)
     return hipErrorInvalidConfiguration;
