@@ -217,8 +217,8 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
   } else return 1;
   char hex[8192]; hexify(hex, args, size);
   logf_("{\"call\":\"cuLaunchKernel\",\"device\":%d,\"name\":\"%s\",\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],"
-        "\"shared\":%u,\"stream\":%llu,\"mode\":\"%s\",\"args\":\"%s\"}", current->device, f->name, gx, gy, gz, bx, by, bz,
-        shared, (unsigned long long)(uintptr_t)stream, mode, hex);
+        "\"shared\":%u,\"stream\":%llu,\"mode\":\"%s\",\"args\":\"%s\"}", current->device, f->name,
+        gx, gy, gz, bx, by, bz, shared, (unsigned long long)(uintptr_t)stream, mode, hex);
   return 0;
 }
 CUresult cuLaunchKernelEx(const Config *c, void *fn, void **params, void **extra) {
