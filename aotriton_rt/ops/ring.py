@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..errors import ArgumentError
 
-__all__ = ["DistributedRing", "Ring", "merge", "ring_attention", "ring_backward", "ring_forward"]
+__all__ = ["DistributedRing", "Ring", "aotriton_blocks", "merge", "ring_attention", "ring_backward", "ring_forward"]
 
 #: ``attend(q, k, v, causal, scale) -> (out, lse)``: one block's forward; lse fp32 natural log.
 Attend = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
@@ -152,19 +152,20 @@ class DistributedRing:
 # The algorithm
 # ---------------------------------------------------------------------------------------------
 
-def _aotriton_attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    from .attention import attention
+def aotriton_blocks(library: Any = None) -> tuple[Attend, AttendBackward]:
+    """The block kernels of the attention operator (on ``library``, default the process-wide one)."""
+    from .attention import attention, attention_backward
 
-    out, lse = attention(q, k, v, causal=causal, scale=scale)
-    return out, lse
+    def attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        out, lse = attention(q, k, v, causal=causal, scale=scale, library=library)
+        return out, lse
 
+    def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, library=library)
+        return dq, dk, dv
 
-def _aotriton_attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                              causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    from .attention import attention_backward
-
-    dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
-    return dq, dk, dv
+    return attend, attend_backward
 
 
 def _block_mode(rank: int, source: int, causal: bool) -> bool | None:
@@ -197,7 +198,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: Ring, *, causal: bool = 
     chunk's transfer overlaps the current block's attention.
     """
     _check(q, k, v)
-    attend = attend or _aotriton_attend
+    attend = attend or aotriton_blocks()[0]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out = lse = None
     kv = [k, v]
@@ -228,7 +229,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     full turn.
     """
     _check(q, k, v)
-    attend_backward = attend_backward or _aotriton_attend_backward
+    attend_backward = attend_backward or aotriton_blocks()[1]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = lse.to(torch.float32) if wide == torch.float32 else lse
@@ -273,7 +274,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
-                   group: Any = None, ring: Ring | None = None, return_lse: bool = False,
+                   group: Any = None, ring: Ring | None = None, return_lse: bool = False, library: Any = None,
                    attend: Attend | None = None, attend_backward: AttendBackward | None = None
                    ) -> Tensor | tuple[Tensor, Tensor]:
     """Differentiable context-parallel attention: this rank's output chunk (and its lse with ``return_lse``).
@@ -284,7 +285,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sca
         causal: the decoder mask over the whole sequence.
         scale: multiplies ``q kᵀ``; default ``1/sqrt(D)``.
         group: the ``torch.distributed`` process group (default: the world); ``ring`` replaces it.
-        attend, attend_backward: the block kernels (default: aotriton-rt's attention).
+        return_lse: also return the fp32 ``(B, H, S/W)`` log-sum-exp of this rank's rows.
+        library: the :class:`aotriton_rt.Library` of the default block kernels.
+        attend, attend_backward: other block kernels (default: aotriton-rt's attention).
 
     Example::
 
@@ -293,5 +296,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sca
     """
     if ring is None:
         ring = DistributedRing(group)
+    if attend is None or attend_backward is None:
+        default_attend, default_backward = aotriton_blocks(library)
+        attend, attend_backward = attend or default_attend, attend_backward or default_backward
     out, lse = _RingAttention.apply(q, k, v, ring, causal, scale, attend, attend_backward)
     return (out, lse) if return_lse else out
