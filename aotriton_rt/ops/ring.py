@@ -22,8 +22,8 @@ per GPU under ``torchrun``::
     out.float().pow(2).sum().backward()
 
 The communication is pluggable (:class:`Ring`): :class:`DistributedRing` sends with
-``torch.distributed`` point-to-point operations (NCCL, or gloo for CPU tensors), and the tests
-run the same algorithm with ranks simulated by threads (``tests/runtime/test_ring.py``). The
+``torch.distributed`` point-to-point operations (NCCL, or gloo for CPU tensors), and
+:class:`LocalRing` simulates the ranks with threads of one process (tests, one GPU). The
 block kernels are pluggable too (``attend``/``attend_backward``): by default the attention
 operator's forward and backward.
 """
@@ -38,7 +38,8 @@ from torch import Tensor
 
 from ..errors import ArgumentError
 
-__all__ = ["DistributedRing", "Ring", "aotriton_blocks", "merge", "ring_attention", "ring_backward", "ring_forward"]
+__all__ = ["DistributedRing", "LocalRing", "Ring", "aotriton_blocks", "merge", "ring_attention", "ring_backward",
+           "ring_forward", "run_local"]
 
 #: ``attend(q, k, v, causal, scale) -> (out, lse)``: one block's forward; lse fp32 natural log.
 Attend = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
@@ -146,6 +147,84 @@ class DistributedRing:
         ops = [dist.P2POp(dist.isend, t, self._next, self.group) for t in sent]
         ops += [dist.P2POp(dist.irecv, t, self._previous, self.group) for t in received]
         return _Requests(dist.batch_isend_irecv(ops), received)
+
+
+class LocalRing:
+    """Ranks simulated by threads of one process: ``LocalRing.create(world)`` gives one ring per
+    rank, to be driven from ``world`` threads at once (each ``shift`` is a barrier across them).
+
+    For tests and for running the algorithm on one device; the transfer is a copy (``clone``).
+    Do not mix with autograd on CUDA tensors: torch runs CUDA backward work on one engine thread
+    per device, which serialises the ranks; call :func:`ring_forward`/:func:`ring_backward`.
+    """
+
+    def __init__(self, board: _Board, rank: int) -> None:
+        self._board = board
+        self.rank = rank
+        self.world = board.world
+
+    @classmethod
+    def create(cls, world: int, timeout: float = 300.0) -> list[LocalRing]:
+        board = _Board(world, timeout)
+        return [cls(board, rank) for rank in range(world)]
+
+    @property
+    def shifts(self) -> int:
+        """How many shifts this rank has made."""
+        return self._board.shifts[self.rank]
+
+    def abort(self) -> None:
+        """Break the barrier, so that the other ranks fail instead of waiting (call on an error)."""
+        self._board.barrier.abort()
+
+    def shift(self, tensors: Sequence[Tensor]) -> Pending:
+        return _Done(self._board.exchange(self.rank, tensors))
+
+
+class _Board:
+    def __init__(self, world: int, timeout: float) -> None:
+        import threading
+
+        self.world = world
+        self.slots: list[list[Tensor]] = [[] for _ in range(world)]
+        self.shifts = [0] * world
+        self.barrier = threading.Barrier(world, timeout=timeout)
+
+    def exchange(self, rank: int, tensors: Sequence[Tensor]) -> list[Tensor]:
+        self.slots[rank] = [t.clone() for t in tensors]
+        self.shifts[rank] += 1
+        self.barrier.wait()
+        got = self.slots[(rank - 1) % self.world]
+        self.barrier.wait()
+        return got
+
+
+def run_local(world: int, body: Callable[[int, LocalRing], Any], timeout: float = 300.0) -> list[Any]:
+    """``body(rank, ring)`` on ``world`` threads over a :class:`LocalRing`; results in rank order.
+
+    The first error of any rank is raised (the others are released from the barrier).
+    """
+    import threading
+
+    rings = LocalRing.create(world, timeout)
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = body(rank, rings[rank])
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+            rings[rank].abort()
+
+    threads = [threading.Thread(target=target, args=(rank,), name=f"ring-rank-{rank}") for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Several GPUs (marker ``gpu``): launches on any device whatever device is current, and ring attention.
 
 The two-device tests skip, saying so, on a machine with one GPU. The ring test runs on one GPU:
-its ranks are threads that share the device (``tests/runtime/test_ring.py``'s simulated ring),
+its ranks are threads that share the device (``aotriton_rt.ops.ring.LocalRing``),
 so the merge, the block rule and the travelling gradients run through the real kernels and are
 checked against the fp32 reference within the operator's error bound.
 
@@ -19,8 +19,7 @@ torch = pytest.importorskip("torch")
 
 import aotriton_rt  # noqa: E402
 from aotriton_rt import ArgumentError  # noqa: E402
-from aotriton_rt.ops.ring import aotriton_blocks, ring_backward, ring_forward  # noqa: E402
-from tests.runtime.test_ring import run_ranks  # noqa: E402
+from aotriton_rt.ops.ring import aotriton_blocks, ring_backward, ring_forward, run_local  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -146,7 +145,7 @@ def test_simulated_ring_through_the_real_kernels_matches_the_fp32_reference(
         torch.cuda.synchronize()
         return out, dq, dk, dv
 
-    results, _ = run_ranks(world, body)
+    results = run_local(world, body)
     got = [torch.cat([r[i] for r in results], dim=2) for i in range(4)]
     for i, name in enumerate(("out", "dq", "dk", "dv")):
         ok, err, bound = _within(got[i], hi[i], lo[i], *BOUNDS[name])

@@ -1,6 +1,6 @@
 """Ring (context-parallel) attention on CPU: the LSE merge, and the whole ring algorithm with simulated ranks.
 
-The ranks are threads exchanging tensors through a barrier-synchronised board, and the block
+The ranks are threads exchanging tensors through a barrier (``LocalRing``), and the block
 kernels are an fp64 reference that computes what the attention kernels compute (the backward takes
 the given, merged ``out``/``lse`` as the kernels do). So the algorithm of
 ``aotriton_rt.ops.ring`` (which block is attended how, the merge, the travelling dk/dv, the
@@ -9,14 +9,12 @@ autograd wiring) is proven against plain full-sequence attention without a GPU.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from aotriton_rt.errors import ArgumentError  # noqa: E402
-from aotriton_rt.ops.ring import merge, ring_attention, ring_backward, ring_forward  # noqa: E402
+from aotriton_rt.ops.ring import LocalRing, merge, ring_attention, ring_backward, ring_forward, run_local  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # An fp64 reference of the block kernels.
@@ -64,60 +62,16 @@ def full_attention(q, k, v, causal, scale):
 # Simulated ranks.
 # ---------------------------------------------------------------------------------------------
 
-class _Now:
-    def __init__(self, tensors):
-        self._tensors = tensors
-
-    def wait(self):
-        return self._tensors
-
-
-class Board:
-    """W slots and a barrier: ``exchange`` is one ring shift for all ranks at once."""
-
-    def __init__(self, world):
-        self.world = world
-        self.slots = [None] * world
-        self.barrier = threading.Barrier(world, timeout=60)
-        self.shifts = [0] * world
-
-    def exchange(self, rank, tensors):
-        self.slots[rank] = [t.clone() for t in tensors]  # a transfer copies
-        self.shifts[rank] += 1
-        self.barrier.wait()
-        got = self.slots[(rank - 1) % self.world]
-        self.barrier.wait()
-        return got
-
-
-class ThreadRing:
-    def __init__(self, board, rank):
-        self.board, self.rank, self.world = board, rank, board.world
-
-    def shift(self, tensors):
-        return _Now(self.board.exchange(self.rank, tensors))
-
-
 def run_ranks(world, body):
-    """``body(rank, ring)`` on ``world`` threads; their results in rank order (errors re-raised)."""
-    board = Board(world)
-    results, errors = [None] * world, []
+    """``body(rank, ring)`` on ``world`` threads; their results in rank order, and the rings."""
+    rings = []
 
-    def target(rank):
-        try:
-            results[rank] = body(rank, ThreadRing(board, rank))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(exc)
-            board.barrier.abort()
+    def wrapped(rank, ring):
+        rings.append(ring)
+        return body(rank, ring)
 
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results, board
+    results = run_local(world, wrapped, timeout=60)
+    return results, sorted(rings, key=lambda r: r.rank)
 
 
 def problem(world, causal, heads_kv=4, seed=0):
@@ -203,14 +157,14 @@ def test_ring_attention_equals_full_attention_forward_and_gradients(world, causa
         out.backward(dout.chunk(world, dim=2)[rank])
         return out.detach(), lse, ql.grad, kl.grad, vl.grad
 
-    results, board = run_ranks(world, body)
+    results, rings = run_ranks(world, body)
     got = [torch.cat([r[i] for r in results], dim=2) for i in range(5)]
     assert torch.allclose(got[0], want, atol=1e-10)
     assert torch.allclose(got[1], want_lse, atol=1e-10)
     for name, g, w in zip(("dq", "dk", "dv"), got[2:], (qf.grad, kf.grad, vf.grad)):
         assert torch.allclose(g, w, atol=1e-10), name
     # forward: W-1 key/value shifts; backward: W-1 key/value shifts and W dk/dv shifts
-    assert board.shifts == [(world - 1) * 2 + world] * world
+    assert [r.shifts for r in rings] == [(world - 1) * 2 + world] * world
 
 
 def test_ring_with_grouped_query_heads_equals_full_attention():
@@ -246,9 +200,9 @@ def test_a_wrong_block_rule_would_be_caught():
 def test_ring_refuses_chunks_of_different_lengths():
     q = torch.zeros(1, 2, 8, 16)
     with pytest.raises(ArgumentError, match=r"the local query chunk has 8 positions but the key chunk 4"):
-        ring_forward(q, torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16), ThreadRing(Board(1), 0))
+        ring_forward(q, torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16), LocalRing.create(1)[0])
     with pytest.raises(ArgumentError, match=r"ring attention takes \(B, H, S, D\) chunks"):
-        ring_forward(torch.zeros(2, 8, 16), q, q, ThreadRing(Board(1), 0))
+        ring_forward(torch.zeros(2, 8, 16), q, q, LocalRing.create(1)[0])
 
 
 def test_distributed_ring_without_an_initialised_process_group_says_so():
