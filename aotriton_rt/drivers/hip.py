@@ -531,7 +531,7 @@ class HipLauncher:
                     f"cannot pack the {len(values)} launch arguments of {self._symbol} with "
                     f"format {self._struct.format!r}: {exc}") from None
             current_status, current = self._get_device()
-            if current_status == 0 and current == self._device:
+            if not current_status and current == self._device:
                 status = self._launch(self._function, gx, gy, gz, self._block, 1, 1, self._shared,
                                       stream, None, self._extra_arg)
             else:
