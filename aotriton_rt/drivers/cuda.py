@@ -4,8 +4,11 @@ Contexts: the driver works in the context the caller's framework made current. t
 and JAX all use each device's *primary* context, so where a call is tied to a device
 (loading a module, allocating, synchronising) the driver makes that device's primary context
 current for the call, and when the thread had no context at all it leaves it current, as the
-CUDA runtime does. Launches do no context work (the hot path): a launch from a thread
-without a context gets the function's device primary context bound once, then is retried.
+CUDA runtime does. A launch runs in the primary context of its function's device whatever the
+caller's current context is: the launcher compares the current context with that one (one
+``cuCtxGetCurrent``, the only context work on the common path) and, when they differ, pushes
+the function's context around the launch and pops it after; a thread with no context at all
+keeps the one it was given.
 
 Every failing call goes through ``CudaDriver.check``, which raises ``DriverError`` with
 ``cuGetErrorName`` / ``cuGetErrorString`` and a hint.
@@ -102,6 +105,8 @@ _SIGNATURES: dict[str, tuple] = {
     "cuDevicePrimaryCtxRetain": (_P(c_void_p), c_int),
     "cuCtxGetCurrent": (_P(c_void_p),),
     "cuCtxSetCurrent": (c_void_p,),
+    "cuCtxPushCurrent_v2": (c_void_p,),
+    "cuCtxPopCurrent_v2": (_P(c_void_p),),
     "cuCtxGetDevice": (_P(c_int),),
     "cuCtxSynchronize": (),
     "cuModuleLoadData": (_P(c_void_p), c_void_p),
@@ -231,14 +236,6 @@ class CudaDriver:
             # A thread that had no context keeps this one (the CUDA runtime does the same).
             if previous is not None and previous != ctx:
                 self.check(self._cuCtxSetCurrent(previous), "cuCtxSetCurrent(restore)")
-
-    def _adopt_primary_context(self, device: int) -> bool:
-        """Bind ``device``'s primary context if this thread has none; True if it did."""
-        if self._current_context() is not None:
-            return False
-        self.check(self._cuCtxSetCurrent(self._primary_context(device)),
-                   f"cuCtxSetCurrent(device {device})")
-        return True
 
     def current_device(self) -> int:
         """The device of the current context (the framework's current device), else 0."""
@@ -387,7 +384,8 @@ class _LauncherBase:
     """The argument buffer shared by both CUDA launch paths, allocated once."""
 
     __slots__ = ("_driver", "_function", "_symbol", "_device", "_struct", "_pack", "_buf",
-                 "_size", "_block", "_shared", "_lock", "__weakref__")
+                 "_size", "_block", "_shared", "_lock", "_context", "_current", "_current_ref",
+                 "_get_current", "__weakref__")
 
     def __init__(self, driver: CudaDriver, function: int, symbol: str, device: int,
                  layout: struct.Struct, num_threads: int, shared: int) -> None:
@@ -404,6 +402,30 @@ class _LauncherBase:
         self._shared = shared
         # The buffer is shared by all callers and ctypes drops the GIL during the call.
         self._lock = threading.Lock()
+        # The context the function lives in, and a preallocated slot (used under the lock)
+        # for the thread's current one: the common-path check is one call and one compare.
+        self._context = driver._primary_context(device)
+        self._current = c_void_p()
+        self._current_ref = ctypes.pointer(self._current)
+        self._get_current = driver._cuCtxGetCurrent
+
+    def _in_context(self, launch: ctypes._CFuncPtr, *args: object) -> int:
+        """``launch(*args)`` with the function's context current; the caller's restored after.
+
+        Called under the lock when the current context is not the function's: another
+        device's (``torch.cuda.set_device(0)`` with tensors on ``cuda:1``) is pushed aside
+        for the launch and popped back; a thread without a context keeps the function's.
+        """
+        driver = self._driver
+        if self._current.value is None:
+            driver.check(driver._cuCtxSetCurrent(self._context), f"cuCtxSetCurrent(device {self._device})")
+            return launch(*args)
+        driver.check(driver._cuCtxPushCurrent_v2(self._context), f"cuCtxPushCurrent(device {self._device})")
+        try:
+            return launch(*args)
+        finally:
+            popped = c_void_p()
+            driver.check(driver._cuCtxPopCurrent_v2(byref(popped)), f"cuCtxPopCurrent(device {self._device})")
 
     def _bad_values(self, values: tuple, exc: struct.error) -> ArgumentError:
         return ArgumentError(f"cannot pack the {len(values)} launch arguments of {self._symbol} "
@@ -413,13 +435,6 @@ class _LauncherBase:
 
     def _failed(self, status: int, gx: int, gy: int, gz: int, stream: int,
                 values: tuple) -> None:
-        # A thread that never touched the device has no current context: bind the
-        # function's primary context once and launch again, as the CUDA runtime would (the
-        # second failure, if any, finds a context and is reported).
-        if status == CUDA_ERROR_INVALID_CONTEXT and \
-                self._driver._adopt_primary_context(self._device):
-            self(gx, gy, gz, stream, values)
-            return
         self._driver.check(status, f"{self._API}({self._describe(gx, gy, gz, stream)})")
 
     def _describe(self, gx: int, gy: int, gz: int, stream: int) -> str:
@@ -467,8 +482,13 @@ class CudaLauncher(_LauncherBase):
                 self._pack(self._buf, 0, *values)
             except struct.error as exc:
                 raise self._bad_values(values, exc) from None
-            status = self._launch(self._function, gx, gy, gz, self._block, 1, 1, self._shared,
-                                  stream, self._kernel_params, self._extra)
+            self._get_current(self._current_ref)
+            if self._current.value == self._context:
+                status = self._launch(self._function, gx, gy, gz, self._block, 1, 1, self._shared,
+                                      stream, self._kernel_params, self._extra)
+            else:
+                status = self._in_context(self._launch, self._function, gx, gy, gz, self._block, 1, 1,
+                                          self._shared, stream, self._kernel_params, self._extra)
         if status:
             self._failed(status, gx, gy, gz, stream, values)
 
@@ -524,7 +544,11 @@ class CudaLauncherEx(_LauncherBase):
             config = self._config
             config.gridDimX, config.gridDimY, config.gridDimZ = gx * cx, gy * cy, gz * cz
             config.hStream = stream
-            status = self._launch(config, self._function, self._params, None)
+            self._get_current(self._current_ref)
+            if self._current.value == self._context:
+                status = self._launch(config, self._function, self._params, None)
+            else:
+                status = self._in_context(self._launch, config, self._function, self._params, None)
         if status:
             self._failed(status, gx, gy, gz, stream, values)
 

@@ -464,7 +464,8 @@ class HipDriver:
             raise LaunchError(f"invalid launch shape: num_threads={num_threads} (1..1024), "
                               f"shared={shared} (>= 0)")
         symbol = self._functions.symbol(function)
-        return HipLauncher(self, function, symbol, struct, num_threads, shared)
+        device = self._functions.device(function, 0)
+        return HipLauncher(self, function, symbol, device, struct, num_threads, shared)
 
     # ------------------------------------------------------------------ memory and streams
 
@@ -490,16 +491,24 @@ class HipDriver:
 
 
 class HipLauncher:
-    """``hipModuleLaunchKernel`` with the packed buffer passed through ``extra``."""
+    """``hipModuleLaunchKernel`` with the packed buffer passed through ``extra``.
 
-    __slots__ = ("_driver", "_function", "_symbol", "_struct", "_pack", "_buf", "_size",
-                 "_extra", "_extra_arg", "_launch", "_block", "_shared", "_lock", "__weakref__")
+    The launch runs with the function's device current whatever the calling thread's device
+    is: one ``hipGetDevice`` per launch, and ``hipSetDevice`` to the function's device and
+    back to the caller's only when they differ.
+    """
 
-    def __init__(self, driver: HipDriver, function: int, symbol: str, layout: struct.Struct,
-                 num_threads: int, shared: int) -> None:
+    __slots__ = ("_driver", "_function", "_symbol", "_device", "_struct", "_pack", "_buf", "_size",
+                 "_extra", "_extra_arg", "_launch", "_get_device", "_block", "_shared", "_lock",
+                 "__weakref__")
+
+    def __init__(self, driver: HipDriver, function: int, symbol: str, device: int,
+                 layout: struct.Struct, num_threads: int, shared: int) -> None:
         self._driver = driver
         self._function = function
         self._symbol = symbol
+        self._device = device
+        self._get_device = driver._api.get_device
         self._struct = layout
         self._pack = layout.pack_into
         # One byte at least: a zero-length ctypes buffer has no stable address.
@@ -526,13 +535,28 @@ class HipLauncher:
                 raise ArgumentError(
                     f"cannot pack the {len(values)} launch arguments of {self._symbol} with "
                     f"format {self._struct.format!r}: {exc}") from None
-            status = self._launch(self._function, gx, gy, gz, self._block, 1, 1, self._shared,
-                                  stream, None, self._extra_arg)
+            current_status, current = self._get_device()
+            if not current_status and current == self._device:
+                status = self._launch(self._function, gx, gy, gz, self._block, 1, 1, self._shared,
+                                      stream, None, self._extra_arg)
+            else:
+                self._driver.check(current_status, "hipGetDevice")
+                status = self._on_own_device(gx, gy, gz, stream, current)
         if status:
             self._driver.check(status, f"hipModuleLaunchKernel({self._symbol}, "
                                        f"grid=({gx}, {gy}, {gz}), block=({self._block}, 1, 1), "
                                        f"shared={self._shared}, stream={stream:#x})")
 
+    def _on_own_device(self, gx: int, gy: int, gz: int, stream: int, previous: int) -> int:
+        """The launch with this function's device made current, and ``previous`` restored after."""
+        driver = self._driver
+        driver.check(driver._api.set_device(self._device), f"hipSetDevice({self._device})")
+        try:
+            return self._launch(self._function, gx, gy, gz, self._block, 1, 1, self._shared,
+                                stream, None, self._extra_arg)
+        finally:
+            driver.check(driver._api.set_device(previous), f"hipSetDevice({previous})")
+
     def __repr__(self) -> str:
-        return (f"<HipLauncher {self._symbol} block={self._block} shared={self._shared} "
+        return (f"<HipLauncher {self._symbol} device={self._device} block={self._block} shared={self._shared} "
                 f"args={self._struct.format!r}>")

@@ -768,6 +768,8 @@ hipError_t hipFuncGetAttribute(int *value, int attr, void *function) {
   FakeFunction *f = function;
   if (!value) return hipErrorInvalidValue;
   if (!f || f->magic != FUNCTION_MAGIC) return hipErrorInvalidHandle;
+  /* A function runs on the device its module was loaded on: that device must be current. */
+  if (f->module->device != current_device) return hipErrorInvalidDevice;
   const KernelInfo *k = f->info;
   switch (attr) {
     case HIP_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK:
@@ -831,6 +833,8 @@ static int launch(const char *call, void *function, const unsigned g[3], const u
   if (code) return code;
   FakeFunction *f = function;
   if (!f || f->magic != FUNCTION_MAGIC) return hipErrorInvalidHandle;
+  /* A function runs on the device its module was loaded on: that device must be current. */
+  if (f->module->device != current_device) return hipErrorInvalidDevice;
   const KernelInfo *k = f->info;
   unsigned long long threads = (unsigned long long)b[0] * b[1] * b[2];
   if (g[0] == 0 || g[1] == 0 || g[2] == 0 || threads == 0 || threads > 1024 ||

@@ -74,7 +74,8 @@ static int injected(const char *call) {
 }
 #define ENTER(name) do { int c_ = injected(name); if (c_) return c_; } while (0)
 
-void fakecuda_reset(void) { current = NULL; memset(primaries, 0, sizeof primaries); }
+static __thread int depth;
+void fakecuda_reset(void) { current = NULL; depth = 0; memset(primaries, 0, sizeof primaries); }
 
 static const struct { int code; const char *name, *text; } errs[] = {
   {0, "CUDA_SUCCESS", "no error"}, {1, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
@@ -125,6 +126,18 @@ CUresult cuCtxGetCurrent(void **ctx) { *ctx = current; return 0; }
 CUresult cuCtxSetCurrent(void *ctx) {
   Ctx *c = ctx; if (c && c->magic != 0xC7) return 201; current = c;
   logf_("{\"call\":\"cuCtxSetCurrent\",\"device\":%d}", c ? c->device : -1);
+  return 0;
+}
+static __thread Ctx *pushed[16];
+CUresult cuCtxPushCurrent_v2(void *ctx) {
+  ENTER("cuCtxPushCurrent_v2"); Ctx *c = ctx; if (!c || c->magic != 0xC7) return 201; if (depth == 16) return 1;
+  pushed[depth++] = current; current = c;
+  logf_("{\"call\":\"cuCtxPushCurrent_v2\",\"device\":%d}", c->device);
+  return 0;
+}
+CUresult cuCtxPopCurrent_v2(void **ctx) {
+  if (!current || !depth) return 201; if (ctx) *ctx = current; current = pushed[--depth];
+  logf_("{\"call\":\"cuCtxPopCurrent_v2\",\"device\":%d}", current ? current->device : -1);
   return 0;
 }
 CUresult cuCtxGetDevice(int *d) { if (!current) return 201; *d = current->device; return 0; }
@@ -203,9 +216,9 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
     args = extra[1]; mode = "extra";
   } else return 1;
   char hex[8192]; hexify(hex, args, size);
-  logf_("{\"call\":\"cuLaunchKernel\",\"name\":\"%s\",\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],"
-        "\"shared\":%u,\"stream\":%llu,\"mode\":\"%s\",\"args\":\"%s\"}", f->name, gx, gy, gz, bx, by, bz,
-        shared, (unsigned long long)(uintptr_t)stream, mode, hex);
+  logf_("{\"call\":\"cuLaunchKernel\",\"device\":%d,\"name\":\"%s\",\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],"
+        "\"shared\":%u,\"stream\":%llu,\"mode\":\"%s\",\"args\":\"%s\"}", current->device, f->name,
+        gx, gy, gz, bx, by, bz, shared, (unsigned long long)(uintptr_t)stream, mode, hex);
   return 0;
 }
 CUresult cuLaunchKernelEx(const Config *c, void *fn, void **params, void **extra) {
@@ -220,8 +233,8 @@ CUresult cuLaunchKernelEx(const Config *c, void *fn, void **params, void **extra
   for (unsigned i = 0; i < c->nattrs; i++)
     used += snprintf(attrs + used, sizeof attrs - used, "%s[%d,%u,%u,%u]", i ? "," : "", a[i].id,
                      a[i].v.dim[0], a[i].v.dim[1], a[i].v.dim[2]);
-  logf_("{\"call\":\"cuLaunchKernelEx\",\"name\":\"%s\",\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],"
-        "\"shared\":%u,\"stream\":%llu,\"attrs\":[%s],\"args\":\"%s\"}", f->name, c->x, c->y, c->z,
+  logf_("{\"call\":\"cuLaunchKernelEx\",\"device\":%d,\"name\":\"%s\",\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],"
+        "\"shared\":%u,\"stream\":%llu,\"attrs\":[%s],\"args\":\"%s\"}", current->device, f->name, c->x, c->y, c->z,
         c->bx, c->by, c->bz, c->shared, (unsigned long long)(uintptr_t)c->stream, attrs, hex);
   return 0;
 }
@@ -356,15 +369,17 @@ def test_launcher_refuses_values_that_do_not_fit_its_struct(driver: CudaDriver) 
         launch(1, 1, 1, 0, (1, 2))
 
 
-def test_launch_from_a_thread_without_context_binds_the_primary_context_and_retries(
+def test_launch_from_a_thread_without_context_binds_the_primary_context_and_keeps_it(
         driver: CudaDriver, log: Path) -> None:
     function = driver.get_function(0, driver.load_module(0, cubin(ADD)), "add_kernel")
     launch = driver.make_launcher(function, struct=ADD_STRUCT, num_threads=64, shared=0)
     errors: list[BaseException] = []
+    after: list[int] = []
 
     def worker() -> None:
         try:
             launch(3, 1, 1, 0, ADD_VALUES)
+            after.append(driver.current_device() if driver._current_context() is not None else -1)
         except BaseException as exc:  # noqa: BLE001 - reported to the main thread
             errors.append(exc)
 
@@ -372,7 +387,45 @@ def test_launch_from_a_thread_without_context_binds_the_primary_context_and_retr
     thread.start()
     thread.join()
     assert errors == []
-    assert len(records(log, "cuLaunchKernel")) == 1
+    assert [r["device"] for r in records(log, "cuLaunchKernel")] == [0]
+    assert after == [0]  # as the CUDA runtime does, the thread keeps the context it was given
+    assert records(log, "cuCtxPushCurrent_v2") == []
+
+
+@pytest.mark.parametrize("extended", [False, True], ids=["cuLaunchKernel", "cuLaunchKernelEx"])
+def test_launch_on_device_1_while_device_0_is_current_runs_in_device_1s_context_and_restores_0(
+        driver: CudaDriver, log: Path, monkeypatch: pytest.MonkeyPatch, extended: bool) -> None:
+    monkeypatch.setenv("FAKECUDA_DEVICES", "2")
+    driver.load_module(0, cubin(ADD))  # the caller works on device 0 (its context is current)
+    function = driver.get_function(1, driver.load_module(1, cubin(ADD)), "add_kernel")
+    launch = driver.make_launcher(function, struct=ADD_STRUCT, num_threads=64, shared=0, cooperative=extended)
+    call = "cuLaunchKernelEx" if extended else "cuLaunchKernel"
+    assert driver.current_device() == 0
+    launch(2, 1, 1, 0, ADD_VALUES)
+    launch(2, 1, 1, 0, ADD_VALUES)
+    # the fake refuses (400) a launch whose function is not in the current context
+    assert [r["device"] for r in records(log, call)] == [1, 1]
+    assert [r["device"] for r in records(log, "cuCtxPushCurrent_v2")] == [1, 1]
+    assert [r["device"] for r in records(log, "cuCtxPopCurrent_v2")] == [0, 0]
+    assert driver.current_device() == 0
+    # with device 1 current already, a launch does no context work (the common path)
+    driver._cuCtxSetCurrent(driver._primary_context(1))
+    launch(2, 1, 1, 0, ADD_VALUES)
+    assert len(records(log, "cuCtxPushCurrent_v2")) == 2 and len(records(log, call)) == 3
+    assert driver.current_device() == 1
+
+
+def test_a_failed_context_switch_is_reported_and_launches_nothing(
+        driver: CudaDriver, log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKECUDA_DEVICES", "2")
+    driver.load_module(0, cubin(ADD))
+    function = driver.get_function(1, driver.load_module(1, cubin(ADD)), "add_kernel")
+    launch = driver.make_launcher(function, struct=ADD_STRUCT, num_threads=64, shared=0)
+    monkeypatch.setenv("FAKECUDA_FAIL", "cuCtxPushCurrent_v2=201")
+    with pytest.raises(DriverError, match=r"^cuCtxPushCurrent\(device 1\) failed: CUDA_ERROR_INVALID_CONTEXT"):
+        launch(2, 1, 1, 0, ADD_VALUES)
+    assert records(log, "cuLaunchKernel") == []
+    assert driver.current_device() == 0
 
 
 def test_cooperative_cluster_and_pdl_launches_use_launch_kernel_ex(driver: CudaDriver,

@@ -121,6 +121,38 @@ def test_launcher_sends_the_packed_buffer_grid_block_shared_and_stream(driver: H
     assert record["args"] == ADD_STRUCT.pack(*values)
 
 
+def test_launch_on_device_1_while_device_0_is_current_runs_with_device_1_current_and_restores_0(
+        driver: HipDriver, log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKEHIP_DEVICES", "2")
+    driver._api.set_device(0)  # the fake's current device is per thread and outlives a test
+    launch = driver.make_launcher(loaded_add(driver, device=1), struct=ADD_STRUCT, num_threads=64, shared=0)
+    assert driver.current_device() == 0
+    launch(2, 1, 1, 0, (1, 2, 3, 4, 0, 0))
+    launch(2, 1, 1, 0, (1, 2, 3, 4, 0, 0))
+    # the fake refuses a launch unless the function's device is current
+    assert [(r["device"], r["module_device"]) for r in calls(log, "hipModuleLaunchKernel")] == [(1, 1), (1, 1)]
+    assert driver.current_device() == 0
+    # with device 1 current already, the launch does not touch the device (hipSetDevice would fail)
+    driver._api.set_device(1)
+    monkeypatch.setenv("FAKEHIP_FAIL", "hipSetDevice=101")
+    launch(2, 1, 1, 0, (1, 2, 3, 4, 0, 0))
+    assert len(calls(log, "hipModuleLaunchKernel")) == 3 and driver.current_device() == 1
+    monkeypatch.delenv("FAKEHIP_FAIL")
+    driver._api.set_device(0)
+
+
+def test_a_failed_device_switch_is_reported_and_launches_nothing(
+        driver: HipDriver, log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKEHIP_DEVICES", "2")
+    driver._api.set_device(0)  # the fake's current device is per thread and outlives a test
+    launch = driver.make_launcher(loaded_add(driver, device=1), struct=ADD_STRUCT, num_threads=64, shared=0)
+    monkeypatch.setenv("FAKEHIP_FAIL", "hipSetDevice=101")
+    with pytest.raises(DriverError, match=r"^hipSetDevice\(1\) failed: hipErrorInvalidDevice \(101\)"):
+        launch(2, 1, 1, 0, (1, 2, 3, 4, 0, 0))
+    assert calls(log, "hipModuleLaunchKernel") == []
+    assert driver.current_device() == 0
+
+
 def test_launcher_skips_an_empty_grid_and_refuses_values_that_do_not_fit(driver: HipDriver,
                                                                          log: Path) -> None:
     launch = driver.make_launcher(loaded_add(driver), struct=ADD_STRUCT, num_threads=64, shared=0)
@@ -354,7 +386,7 @@ def test_a_triton_code_object_loads_and_launches_through_each_backend(
     assert (load["device"], load["size"], load["fnv1a64"]) == (1, len(image), fnv1a64(image))
     (launch,) = calls(log, "hipModuleLaunchKernel")
     assert launch["name"] == symbol == "add_kernel"
-    assert launch["module_device"] == 1
+    assert (launch["device"], launch["module_device"]) == (1, 1)  # launched with device 1 current
     assert launch["grid"] == [977, 1, 1] and launch["block"] == [64 * num_warps, 1, 1]
     assert launch["shared"] == shared and launch["stream"] == 0x1234
     assert launch["args"] == struct.pack("@QQQiQQ", 0x7000_0000_0000, 0x7000_0010_0000,
