@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from aotriton_rt.catalog import CATALOG_FILE, Catalog, write_atomic
+from aotriton_rt.catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION, Catalog, write_atomic
 
 from .build import BuildError, _remove_stale, catalog_files
 
@@ -53,10 +53,10 @@ def merge(inputs: Sequence[Path], out: Path) -> Catalog:
             if not (dest.exists() and dest.read_bytes() == data):
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(dest, data)
-    merged = Catalog.from_json({"schema": "aotriton-rt.catalog", "schema_version": 1,
+    merged = Catalog.from_json({"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
                                 "triton_version": versions.pop(), "tuning": {},
                                 "variants": [e for e, _ in variants.values()]},
                                source=str(out / CATALOG_FILE))
-    write_atomic(out / CATALOG_FILE, merged.dumps().encode())
-    _remove_stale(out, catalog_files(merged))
+    written = merged.write(out)  # the shards, then catalog.json last
+    _remove_stale(out, catalog_files(merged) | written)
     return merged
