@@ -712,9 +712,7 @@ class Catalog:
             path = shard_path(target, key[2])
             out[path] = data
             refs.append(ShardRef(target, key[2], path, hashlib.sha256(data).hexdigest(), len(data), len(variants)))
-        index = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "triton_version": self.triton_version,
-                 "tuning": self.tuning, "shards": [ref.to_json() for ref in refs]}
-        out[CATALOG_FILE] = json.dumps(index, indent=1, sort_keys=True).encode() + b"\n"
+        out[CATALOG_FILE] = index_bytes(self.triton_version, self.tuning, refs)
         return out
 
     def write(self, folder: str | os.PathLike) -> set[str]:
@@ -728,6 +726,13 @@ class Catalog:
             if not (dest.is_file() and dest.stat().st_size == len(data) and dest.read_bytes() == data):
                 write_atomic(dest, data)
         return set(files)
+
+
+def index_bytes(triton_version: str, tuning: dict[str, Any], refs: Any) -> bytes:
+    """Canonical ``catalog.json`` text of an index listing ``refs`` (:class:`ShardRef`)."""
+    index = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "triton_version": triton_version,
+             "tuning": tuning, "shards": [ref.to_json() for ref in refs]}
+    return json.dumps(index, indent=1, sort_keys=True).encode() + b"\n"
 
 
 def canonical_bytes(obj: Any) -> bytes:

@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton", reason="the builder compiles with triton"
 pytest.importorskip("elftools", reason="the ABI proof reads ELF files with pyelftools")
 pytest.importorskip("msgpack", reason="the ABI proof reads AMDGPU metadata with msgpack")
 
-from aotriton_rt.catalog import CATALOG_FILE, Catalog  # noqa: E402
+from aotriton_rt.catalog import CATALOG_FILE, SHARD_FILE, Catalog  # noqa: E402
 from aotriton_rt.errors import CatalogError  # noqa: E402
 from builder import build as build_mod  # noqa: E402
 from builder.abi import AbiError, prove  # noqa: E402
@@ -97,7 +97,9 @@ def test_build_writes_one_image_per_variant_at_its_documented_path(built) -> Non
     ptx = {f"cuda/{v.target.arch}/scale/scale-{v.key[:16]}.ptx.xz" for v in catalog.variants
            if v.target.backend == "cuda"}
     assert {v.ptx.path for v in catalog.variants if v.ptx is not None} == ptx
-    assert set(_tree(out)) == expected | ptx | {CATALOG_FILE}
+    # One shard per target and kernel, beside its images (docs/catalog.md).
+    shards = {f"{t.backend}/{t.arch}/scale/{SHARD_FILE}" for t in catalog.targets()}
+    assert set(_tree(out)) == expected | ptx | shards | {CATALOG_FILE}
     assert {v.image.format for v in catalog.variants if v.target.backend == "hip"} == {"hsaco"}
     assert {v.image.format for v in catalog.variants if v.target.backend == "cuda"} == {"cubin"}
 
