@@ -354,15 +354,11 @@ class Variant:
             target, kernel, triton_version = shared.target, shared.kernel, shared.triton_version
             args, hidden, param_size = shared.layouts[r.int("layout", maximum=len(shared.layouts) - 1)]
             grid, checks = shared.rules[r.int("rules", maximum=len(shared.rules) - 1)]
-        scratch_r = r.sub("scratch")
-        scratch = {k: scratch_r.int(k, 0 if k.endswith("size") else 1,
-                                    maximum=MAX_SCRATCH if k.endswith("size") else 1 << 16)
-                   for k in ("global_size", "global_align", "profile_size", "profile_align")}
-        cluster = r.list("cluster_dims", [1, 1, 1])
-        if len(cluster) != 3 or not all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= MAX_CTAS
-                                        for c in cluster) or cluster[0] * cluster[1] * cluster[2] > MAX_CTAS:
-            raise r._fail("cluster_dims", f"three integers >= 1 whose product is at most {MAX_CTAS}", cluster)
-        launch = r.sub("launch")
+        if shared is None:
+            launch = _launch_from_json(r, target)
+        else:
+            launch = shared.launches[r.int("launch_params", maximum=len(shared.launches) - 1)]
+        scratch, num_warps, num_ctas, cluster, shared_bytes, cooperative, pdl = launch
         image = Image.from_json(r.sub("image"))
         if image.format != IMAGE_FORMATS[target.backend]:
             raise CatalogError(f"{source}: {path}.image.format must be "
@@ -375,19 +371,13 @@ class Variant:
                 raise CatalogError(f"{source}: {path}.ptx is only for cuda variants, found on {target.backend}")
             if ptx.path == image.path:
                 raise r._fail("ptx", "a path other than the image's", ptx.path)
-        num_warps = r.int("num_warps", 1, maximum=MAX_WARPS)
-        if num_warps * target.warp_size > MAX_THREADS:
-            raise r._fail("num_warps", f"at most {MAX_THREADS // target.warp_size} ({MAX_THREADS} threads "
-                          f"per block of {target.warp_size}-wide warps)", num_warps)
         variant = cls(
             key=key, kernel=kernel,
             symbol=r.name("symbol", _SYMBOL, "a binary symbol name (letters, digits, '_', '$', '.')"),
             target=target, spec=_scalars(r, "spec"), config=Config.from_json(r.sub("config")), args=args,
             hidden_args=hidden, param_size=param_size, scratch=scratch,
-            num_warps=num_warps, num_ctas=r.int("num_ctas", 1, maximum=MAX_CTAS),
-            cluster_dims=tuple(cluster), shared=r.int("shared", maximum=MAX_SHARED),
-            cooperative=launch.get("cooperative", bool, "true or false"),
-            pdl=launch.get("pdl", bool, "true or false"), grid=grid, image=image,
+            num_warps=num_warps, num_ctas=num_ctas, cluster_dims=cluster, shared=shared_bytes,
+            cooperative=cooperative, pdl=pdl, grid=grid, image=image,
             triton_version=triton_version, checks=checks, ptx=ptx)
         _check_rules(variant, path, source)
         return variant
@@ -441,6 +431,30 @@ def _layout_from_json(r: _Reader) -> tuple[tuple[Arg, ...], tuple[Arg, ...], int
     return args, hidden, param_size
 
 
+_LAUNCH_FIELDS = ("scratch", "num_warps", "num_ctas", "cluster_dims", "shared", "launch")
+
+
+def _launch_from_json(r: _Reader, target: Target) -> tuple:
+    """(scratch, num_warps, num_ctas, cluster_dims, shared, cooperative, pdl) of a variant or of
+    a shard's ``launch_params`` table."""
+    scratch_r = r.sub("scratch")
+    scratch = {k: scratch_r.int(k, 0 if k.endswith("size") else 1,
+                                maximum=MAX_SCRATCH if k.endswith("size") else 1 << 16)
+               for k in ("global_size", "global_align", "profile_size", "profile_align")}
+    cluster = r.list("cluster_dims", [1, 1, 1])
+    if len(cluster) != 3 or not all(isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= MAX_CTAS
+                                    for c in cluster) or cluster[0] * cluster[1] * cluster[2] > MAX_CTAS:
+        raise r._fail("cluster_dims", f"three integers >= 1 whose product is at most {MAX_CTAS}", cluster)
+    launch = r.sub("launch")
+    num_warps = r.int("num_warps", 1, maximum=MAX_WARPS)
+    if num_warps * target.warp_size > MAX_THREADS:
+        raise r._fail("num_warps", f"at most {MAX_THREADS // target.warp_size} ({MAX_THREADS} threads "
+                      f"per block of {target.warp_size}-wide warps)", num_warps)
+    return (scratch, num_warps, r.int("num_ctas", 1, maximum=MAX_CTAS), tuple(cluster),
+            r.int("shared", maximum=MAX_SHARED), launch.get("cooperative", bool, "true or false"),
+            launch.get("pdl", bool, "true or false"))
+
+
 def _rules_from_json(r: _Reader) -> tuple[tuple[str, str, str], tuple[str, ...]]:
     """``grid`` and ``checks`` (their form; each variant parses them against its own params)."""
     grid = r.list("grid")
@@ -458,6 +472,7 @@ class _Shared:
     triton_version: str
     layouts: tuple[tuple[tuple[Arg, ...], tuple[Arg, ...], int], ...]
     rules: tuple[tuple[tuple[str, str, str], tuple[str, ...]], ...]
+    launches: tuple[tuple, ...]
 
 
 def _check_rules(v: Variant, path: str, source: str) -> None:
@@ -615,7 +630,7 @@ class Catalog:
             raise CatalogError(f"{source}: holds {kernel} for {target.backend} {target.arch}, but {self.source} "
                                f"lists it for {ref.kernel} on {ref.target.backend} {ref.target.arch}")
         tables = {}
-        for name in ("layouts", "rules", "variants"):
+        for name in ("layouts", "rules", "launch_params", "variants"):
             tables[name] = r.list(name)
             if not 1 <= len(tables[name]) <= MAX_SHARD_VARIANTS:
                 raise r._fail(name, f"a list of 1 to {MAX_SHARD_VARIANTS} entries", f"{len(tables[name])} items")
@@ -625,7 +640,9 @@ class Catalog:
         shared = _Shared(
             target, kernel, r.str("triton_version"),
             tuple(_layout_from_json(_Reader(e, f"$.layouts[{i}]", source)) for i, e in enumerate(tables["layouts"])),
-            tuple(_rules_from_json(_Reader(e, f"$.rules[{i}]", source)) for i, e in enumerate(tables["rules"])))
+            tuple(_rules_from_json(_Reader(e, f"$.rules[{i}]", source)) for i, e in enumerate(tables["rules"])),
+            tuple(_launch_from_json(_Reader(e, f"$.launch_params[{i}]", source), target)
+                  for i, e in enumerate(tables["launch_params"])))
         variants = tuple(Variant.from_json(v, f"$.variants[{i}]", source, shared=shared)
                          for i, v in enumerate(tables["variants"]))
         _unique_keys(variants, source, "$.variants")
@@ -694,6 +711,7 @@ class Catalog:
             target = variants[0].target
             layouts: dict[str, int] = {}
             rules: dict[str, int] = {}
+            launches: dict[str, int] = {}
             entries = []
             for v in variants:
                 entry = v.to_json()
@@ -703,10 +721,13 @@ class Catalog:
                     del entry[k]
                 entry["layout"] = layouts.setdefault(layout, len(layouts))
                 entry["rules"] = rules.setdefault(rule, len(rules))
+                launch = json.dumps({k: entry.pop(k) for k in _LAUNCH_FIELDS}, sort_keys=True)
+                entry["launch_params"] = launches.setdefault(launch, len(launches))
                 entries.append(entry)
             shard = {"schema": SHARD_SCHEMA, "schema_version": SCHEMA_VERSION, "target": target.to_json(),
                      "kernel": key[2], "triton_version": variants[0].triton_version,
                      "layouts": [json.loads(t) for t in layouts], "rules": [json.loads(t) for t in rules],
+                     "launch_params": [json.loads(t) for t in launches],
                      "variants": entries}
             data = canonical_bytes(shard)
             path = shard_path(target, key[2])

@@ -25,19 +25,23 @@ DEFAULT_TARGETS = (("hip", "gfx90a", 64), ("hip", "gfx942", 64), ("hip", "gfx950
                    ("hip", "gfx1201", 32), ("cuda", "sm80", 32), ("cuda", "sm90", 32))
 
 
-def synthesise(images: Path, into: Path, variants: int, *, copies: int = 4,
+def synthesise(images: Path, into: Path, variants: int, *, kernels: int = 40,
                targets: tuple[tuple[str, str, int], ...] = DEFAULT_TARGETS) -> Path:
-    """Write a catalog of about ``variants`` entries into ``into`` (see the module doc)."""
+    """Write a catalog of about ``variants`` entries into ``into`` (see the module doc):
+    ``kernels`` shards per target, each of about ``variants / len(targets) / kernels`` entries."""
     images, into = Path(images), Path(into)
     base = Catalog.load(images)
-    base.variants  # noqa: B018 - read and check every shard before copying any
     refs = [r for r in base._groups.values() if isinstance(r, ShardRef)]
+    base.variants  # noqa: B018 - read and check every shard before copying any
     if not refs:
         raise ValueError(f"{images}: not a sharded catalog")
-    real = min({(r.target.backend, r.target.arch) for r in refs}, key=lambda t: (t[0] != "cuda", t[1] != "sm90"))
+    real = min({(r.target.backend, r.target.arch) for r in refs}, key=lambda t: (t[0] != "cuda", t[1] != "sm90", t))
     shards = {r.kernel: json.loads((images / r.path).read_bytes()) for r in refs
               if (r.target.backend, r.target.arch) == real}
-    per_target = max(1, variants // len(targets))
+    size = max(1, variants // len(targets) // max(kernels, len(shards)))
+    names = sorted(shards)
+    plan = [(k, k) for k in names]
+    plan += [(names[i % len(names)], f"{names[i % len(names)]}_synth{i}") for i in range(max(kernels, len(names)) - len(names))]
     into.mkdir(parents=True, exist_ok=True)
     for entry in images.iterdir():
         if entry.name != CATALOG_FILE and not (into / entry.name).exists():
@@ -45,38 +49,33 @@ def synthesise(images: Path, into: Path, variants: int, *, copies: int = 4,
     out_refs = []
     for backend, arch, warp in targets:
         target = Target(backend, arch, warp)
-        count, n = 0, 0
-        plan = [(k, k, copies) for k in sorted(shards)]
-        while count < per_target:
-            for kernel, name, times in plan:
-                shard = _copy(shards[kernel], target, name, times, keep=(backend, arch) == real and name == kernel)
-                count += len(shard["variants"])
-                out_refs.append(_write(into, target, name, shard))
-                if count >= per_target:
-                    break
-            n += 1
-            plan = [(k, f"{k}_synth{n}", 1) for k in sorted(shards)]
+        for kernel, name in plan:
+            shard = _copy(shards[kernel], target, name, size, keep=(backend, arch) == real and name == kernel)
+            out_refs.append(_write(into, target, name, shard))
     (into / CATALOG_FILE).unlink(missing_ok=True)
     (into / CATALOG_FILE).write_bytes(index_bytes(base.triton_version, base.tuning, out_refs))
     return into
 
 
-def _copy(shard: dict, target: Target, name: str, times: int, keep: bool) -> dict:
-    out = copy.deepcopy(shard)
-    out["target"], out["kernel"] = target.to_json(), name
+def _copy(shard: dict, target: Target, name: str, size: int, keep: bool) -> dict:
+    """``shard`` for ``target`` under ``name`` with its variants repeated to ``size`` entries (the
+    real ones first, under their own keys when ``keep``)."""
+    out = dict(shard, target=target.to_json(), kernel=name)
+    base = shard["variants"]
     entries = []
-    for v in shard["variants"]:
-        for j in range(times):
-            e = copy.deepcopy(v)
-            if not (keep and j == 0):
-                e["key"] = hashlib.sha256(f"{v['key']}:{target.arch}:{name}:{j}".encode()).hexdigest()
-                e["config"]["index"] += 1000 * (j + 1)
-            if target.backend == "hip":
-                e.pop("ptx", None)
-                e["image"]["format"] = "hsaco"
-                e["num_warps"] = min(e["num_warps"], 1024 // target.warp_size)
-            entries.append(e)
+    for i in range(max(size, len(base) if keep else 1)):
+        v, j = base[i % len(base)], i // len(base)
+        e = copy.deepcopy(v)
+        if not (keep and j == 0):
+            e["key"] = hashlib.sha256(f"{v['key']}:{target.arch}:{name}:{j}".encode()).hexdigest()
+            e["config"]["index"] += 1000 * (j + 1)
+        if target.backend == "hip":
+            e.pop("ptx", None)
+            e["image"]["format"] = "hsaco"
+        entries.append(e)
     out["variants"] = entries
+    out["launch_params"] = [dict(p, num_warps=min(p["num_warps"], 1024 // target.warp_size))
+                            for p in shard["launch_params"]]
     return out
 
 

@@ -63,10 +63,10 @@ def _tree(folder: Path) -> dict[str, bytes]:
 
 
 def _edit_catalog(folder: Path, edit) -> None:
-    path = folder / CATALOG_FILE
-    obj = json.loads(path.read_text())
+    """Edit the catalog in its inline form (every variant in full) and write that form back."""
+    obj = Catalog.load(folder).to_json()
     edit(obj)
-    path.write_text(json.dumps(obj))
+    (folder / CATALOG_FILE).write_text(json.dumps(obj))
 
 
 @pytest.fixture(scope="module")
@@ -157,10 +157,15 @@ def test_catalog_records_what_the_kernel_declared(built) -> None:
 
 def test_catalog_file_is_written_in_canonical_form(built) -> None:
     out = built[0]
-    text = (out / CATALOG_FILE).read_text()
-    assert Catalog.load(out).dumps() == text
-    arches = [v["target"]["arch"] for v in json.loads(text)["variants"]]
-    assert arches == ["sm90", "sm90", "gfx942", "gfx942"]
+    files = Catalog.load(out).files()
+    assert files == {rel: (out / rel).read_bytes() for rel in files}
+    index = json.loads(files[CATALOG_FILE])
+    assert [(e["backend"], e["arch"], e["kernel"]) for e in index["shards"]] == [
+        ("cuda", "sm90", "scale"), ("hip", "gfx942", "scale")]
+    # Shards are compact: what variants share (here the grid rule) is stored once per shard.
+    shard = json.loads(files[f"cuda/sm90/scale/{SHARD_FILE}"])
+    assert len(shard["variants"]) == 2 and shard["rules"] == [{"checks": [], "grid": ["cdiv(n, BLOCK)", "1", "1"]}]
+    assert all(set(v) >= {"layout", "rules", "launch_params"} and "args" not in v for v in shard["variants"])
 
 
 def test_summary_counts_variants_and_bytes(built) -> None:
@@ -186,7 +191,7 @@ def test_summary_prints_counts_sizes_ratio_time_and_each_failure() -> None:
 
 
 def test_a_cuda_variant_built_without_its_ptx_is_compiled_again(built, copy: Path) -> None:
-    catalog = json.loads((copy / CATALOG_FILE).read_text())
+    catalog = Catalog.load(copy).to_json()
     for v in catalog["variants"]:
         if v.pop("ptx", None) is not None:
             (copy / v["image"]["path"].replace(".cubin.xz", ".ptx.xz")).unlink()
