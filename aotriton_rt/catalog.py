@@ -790,11 +790,13 @@ def _read_bounded(path: Path, limit: int, what: str) -> bytes:
             if st.st_size > limit:
                 raise CatalogError(f"{what} {path} is {st.st_size} bytes, over the limit of "
                                    f"{limit}; it is not a catalog this runtime reads")
-            data = f.read(limit + 1)
+            # At most what fstat said, plus one byte to notice growth: a read of ``limit`` bytes
+            # would allocate that much up front however small the file is.
+            data = f.read(st.st_size + 1)
     except OSError as e:
         raise CatalogError(f"cannot read {what} {path}: {e.strerror or e}") from e
-    if len(data) > limit:
-        raise CatalogError(f"{what} {path} is over the limit of {limit} bytes")
+    if len(data) > min(st.st_size, limit):
+        raise CatalogError(f"{what} {path} changed while it was read; reinstall the image folder")
     return data
 
 
