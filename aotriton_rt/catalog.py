@@ -20,10 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import keyword
-import threading
 import os
 import re
 import stat
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path

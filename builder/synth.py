@@ -41,7 +41,8 @@ def synthesise(images: Path, into: Path, variants: int, *, kernels: int = 40,
     size = max(1, variants // len(targets) // max(kernels, len(shards)))
     names = sorted(shards)
     plan = [(k, k) for k in names]
-    plan += [(names[i % len(names)], f"{names[i % len(names)]}_synth{i}") for i in range(max(kernels, len(names)) - len(names))]
+    for i in range(max(kernels, len(names)) - len(names)):
+        plan.append((names[i % len(names)], f"{names[i % len(names)]}_synth{i}"))
     into.mkdir(parents=True, exist_ok=True)
     for entry in images.iterdir():
         if entry.name != CATALOG_FILE and not (into / entry.name).exists():

@@ -287,3 +287,18 @@ def _available(lib: Any, name: str, params: Mapping[str, Any]) -> bool:
 
     # Only this kernel's variants (one shard per target): a full image set holds thousands of others.
     return bool(match(lib.variants_of(name), name, params).accepted)
+
+
+_KERNELS: dict[int, LibraryKernels] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def kernels_of(library: Any) -> LibraryKernels:
+    lib = library if library is not None else _default_library()
+    ks = _KERNELS.get(id(lib))
+    if ks is None or ks.lib is not lib:
+        with _KERNELS_LOCK:
+            ks = _KERNELS.get(id(lib))
+            if ks is None or ks.lib is not lib:
+                ks = _KERNELS[id(lib)] = LibraryKernels(lib)
+    return ks
