@@ -684,6 +684,15 @@ class Catalog:
         """The targets the catalog has variants for, from the index alone."""
         return [self._warp[k] for k in sorted(self._warp)]
 
+    @property
+    def count(self) -> int:
+        """How many variants the catalog lists (from the index alone)."""
+        return sum(g.variants if isinstance(g, ShardRef) else len(g) for g in self._groups.values())
+
+    def shard_refs(self) -> list[ShardRef]:
+        """The index entries of the shards not read yet."""
+        return [g for g in self._groups.values() if isinstance(g, ShardRef)]
+
     def target_kernels(self) -> list[tuple[str, str, str]]:
         """(backend, arch, kernel) of every shard, from the index alone."""
         return sorted(self._groups)
