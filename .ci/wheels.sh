@@ -49,14 +49,14 @@ for name, data in files.items():
     data = data.replace(b"aotriton_rt_images_sm90_full", b"aotriton_rt_images_sm90_future")
     data = data.replace(b"aotriton-rt-images-sm90-full", b"aotriton-rt-images-sm90-future").replace(b"sm90-full =", b"sm90-future =")
     if name.endswith("image-wheel.json"):
-        data = json.dumps({**json.loads(data), "catalog_schema_version": 2}).encode()
+        data = json.dumps({**json.loads(data), "catalog_schema_version": 3}).encode()
     renamed[name] = data
 write_wheel(out / "aotriton_rt_images_sm90_future-0.1.0-py3-none-any.whl", renamed,
             "aotriton_rt_images_sm90_future-0.1.0.dist-info")
 PY
 "$W/venv/bin/python" -m pip install -q --no-index --no-deps "$W"/future/*.whl
 info=$(run -m aotriton_rt info)
-grep -q "image wheel aotriton-rt-images-sm90-future 0.1.0 holds a catalog of schema 'aotriton-rt.catalog' version 2" \
+grep -q "image wheel aotriton-rt-images-sm90-future 0.1.0 holds a catalog of schema 'aotriton-rt.catalog' version 3" \
   <<<"$info" || { echo "$info"; fail "the incompatible image wheel was not refused by name"; }
 run -c 'import aotriton_rt
 try:

@@ -400,16 +400,14 @@ class Library:
     def __init__(self, path: str | Path | None = None, *, backend: str | None = None) -> None:
         found = find(path)
         self.found = found
+        # Only the catalogs' indexes are read here; a kernel's shards are read at its first use.
         self.catalogs = [Catalog.load(folder) for folder in found.folders]
-        self.variants: list[Variant] = []
         self._folder: dict[str, Path] = {}
-        for folder, cat in zip(found.folders, self.catalogs):
-            for v in cat.variants:
-                if v.key not in self._folder:
-                    self._folder[v.key] = folder
-                    self.variants.append(v)
+        self._by_kernel: dict[str, tuple[Variant, ...]] = {}
+        self._all: list[Variant] | None = None
+        self._device_targets: Any = ...
         self._backend = backend
-        backends = {v.target.backend for v in self.variants}
+        backends = {b for b, _ in self.targets()}
         #: The backend arrays are checked against: the driver's once loaded; before that the
         #: one asked for, or the only one the images are for.
         self.backend_now = backend or (backends.pop() if len(backends) == 1 else "cuda")
@@ -420,12 +418,70 @@ class Library:
         self._scratch: dict[int, tuple[int, int]] = {}  # device -> (ptr, size)
 
     def __repr__(self) -> str:
-        return (f"<aotriton_rt.Library {len(self.variants)} variants from "
-                f"{', '.join(str(f) for f in self.found.folders)}>")
+        return (f"<aotriton_rt.Library {sum(len(c.target_kernels()) for c in self.catalogs)} kernel/target "
+                f"shards from {', '.join(str(f) for f in self.found.folders)}>")
+
+    @property
+    def variants(self) -> list[Variant]:
+        """Every variant of every folder (the first folder wins a repeated key). Reads every
+        shard: for tools such as ``info``; launches read only the kernels they use."""
+        if self._all is None:
+            with self._lock:
+                if self._all is None:
+                    self._all = self._merge(cat.variants for cat in self.catalogs)
+        return self._all
+
+    def _merge(self, groups: Any) -> list[Variant]:
+        out: list[Variant] = []
+        seen: set[str] = set()
+        for folder, variants in zip(self.found.folders, groups):
+            for v in variants:
+                if v.key not in seen:
+                    seen.add(v.key)
+                    self._folder.setdefault(v.key, folder)
+                    out.append(v)
+        return out
+
+    def variants_of(self, name: str) -> tuple[Variant, ...]:
+        """The variants of kernel ``name`` on the targets this machine's GPUs can run (every
+        target when that is unknown or none is built); reads only those shards."""
+        hit = self._by_kernel.get(name)
+        if hit is None:
+            with self._lock:
+                hit = self._by_kernel.get(name)
+                if hit is None:
+                    built = {(b, a) for cat in self.catalogs for b, a, k in cat.target_kernels() if k == name}
+                    wanted = self._targets_here(built)
+                    if wanted is not None and not built & wanted:
+                        wanted = None  # nothing runs here: read all, so the error can list them
+                    hit = self._by_kernel[name] = tuple(
+                        self._merge(cat.variants_of(name, wanted) for cat in self.catalogs))
+        return hit
+
+    def _targets_here(self, built: set[tuple[str, str]]) -> set[tuple[str, str]] | None:
+        """(backend, arch) pairs the visible devices run, or None (read every target)."""
+        if len(built) <= 1:
+            return None
+        if self._device_targets is ...:
+            wanted: set[tuple[str, str]] | None = None
+            try:
+                driver = self.driver
+                wanted = set()
+                for dev in range(driver.device_count()):
+                    arch = _arch.normalize(driver.backend, driver.device_arch(dev))
+                    wanted.update((driver.backend, a) for a in _arch.compatible(driver.backend, arch))
+            except Exception:  # noqa: BLE001 - no driver or no device: every target is a candidate
+                wanted = None
+            self._device_targets = wanted
+        return self._device_targets
+
+    def targets(self) -> list[tuple[str, str]]:
+        """(backend, arch) of every target the catalogs hold, from their indexes alone."""
+        return sorted({(t.backend, t.arch) for cat in self.catalogs for t in cat.targets()})
 
     @property
     def kernels(self) -> list[str]:
-        return sorted({v.kernel for v in self.variants})
+        return sorted({k for cat in self.catalogs for k in cat.kernels})
 
     @property
     def driver(self):
@@ -452,9 +508,10 @@ class Library:
         cache_key = (name, raw_pointers, tuple(sorted(params.items())))
         handle = self._handles.get(cache_key)
         if handle is None:
-            sel = match(self.variants, name, params)
+            candidates = self.variants_of(name)
+            sel = match(candidates, name, params)
             if not sel.accepted:
-                select_one(self.variants, name, params)  # raises with the explanation
+                select_one(candidates, name, params, known_kernels=self.kernels)  # raises with the explanation
             handle = Kernel(self, name, params, sel.accepted, raw_pointers)
             self._handles[cache_key] = handle
         return handle

@@ -34,6 +34,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -190,7 +191,9 @@ t4 = time.perf_counter()
 rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"import_ms": (t1 - t0) * 1e3, "open_ms": (t2 - t1) * 1e3, "first_call_ms": (t3 - t2) * 1e3,
                   "second_call_ms": (t4 - t3) * 1e3, "open_plus_first_ms": (t3 - t1) * 1e3,
-                  "added_mb": (rss1 - rss0) / 1024, "variants": len(lib.variants)}))
+                  "added_mb": (rss1 - rss0) / 1024, "variants": sum(c.count for c in lib.catalogs),
+                  "shards": sum(len(c.target_kernels()) for c in lib.catalogs),
+                  "shards_read": sum(len(c.target_kernels()) - len(c.shard_refs()) for c in lib.catalogs)}))
 """
 
 IMPORT = ("import sys, time; t = time.perf_counter(); import aotriton_rt; d = time.perf_counter() - t; "
@@ -209,33 +212,32 @@ def fresh_process(images: Path, repeats: int = 5) -> dict[str, Any]:
         ms, heavy = subprocess.run([sys.executable, "-c", IMPORT], capture_output=True, text=True, cwd=ROOT,
                                    check=True).stdout.split()
         imports.append(float(ms))
-    result = {key: summary([r[key] for r in runs]) for key in runs[0] if key != "variants"}
-    result["variants"] = runs[0]["variants"]
+    counts = ("variants", "shards", "shards_read")
+    result = {key: summary([r[key] for r in runs]) for key in runs[0] if key not in counts}
+    result.update({key: runs[0][key] for key in counts})
     result["import_alone_ms"] = summary(imports)
     result["import_heavy_modules"] = heavy
     return result
 
 
 def synthesise(images: Path, variants: int, into: Path) -> Path:
-    """A catalog of ``variants`` entries made by repeating DIR's (new keys, same images)."""
-    import hashlib
+    """A catalog of ``variants`` entries over the seven default targets, made from DIR's real
+    shards (``builder/synth.py``: new keys, same images; only DIR's own variants are chosen)."""
+    from builder.synth import synthesise as synth
 
-    cat = json.loads((images / "catalog.json").read_text())
-    base = cat["variants"]
-    out = []
-    for i in range(variants):
-        v = json.loads(json.dumps(base[i % len(base)]))
-        if i >= len(base):
-            v["key"] = hashlib.sha256(f"{v['key']}:{i}".encode()).hexdigest()
-            v["config"]["index"] = v["config"]["index"] + 1000 + i  # never chosen over the real ones
-        out.append(v)
-    cat["variants"] = out
-    into.mkdir(parents=True, exist_ok=True)
-    for entry in images.iterdir():
-        if entry.name != "catalog.json" and not (into / entry.name).exists():
-            (into / entry.name).symlink_to(entry.resolve())
-    (into / "catalog.json").write_text(json.dumps(cat))
-    return into
+    if into.exists():
+        import shutil
+
+        shutil.rmtree(into)
+    return synth(images, into, variants)
+
+
+def catalog_bytes(folder: Path) -> int:
+    """Bytes of a folder's catalog: ``catalog.json`` and every shard it lists."""
+    from aotriton_rt.catalog import Catalog
+
+    cat = Catalog.load(folder)
+    return (folder / "catalog.json").stat().st_size + sum(r.size for r in cat.shard_refs())
 
 
 def gpu(args: argparse.Namespace) -> dict[str, Any]:
@@ -340,10 +342,10 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
     results["fresh_process"] = fresh_process(args.images, args.fresh)
     full = args.full_images
     if full is None and args.synth:
-        full = synthesise(args.images, args.synth, Path(os.environ.get("OUT", "/tmp")) / "synth_images")
+        full = synthesise(args.images, args.synth, Path(tempfile.gettempdir()) / "aotriton_rt_synth_images")
     if full is not None:
         try:
-            size = (Path(full) / "catalog.json").stat().st_size
+            size = catalog_bytes(Path(full))
             fp = fresh_process(Path(full), max(args.fresh // 2, 2))
             fp["catalog_bytes_per_variant"] = size / max(fp["variants"], 1)
             results["full_set"] = fp
@@ -381,6 +383,7 @@ def table(results: dict[str, Any]) -> str:
             unit = "MB" if key.endswith("mb") else "ms"
             rows.append(f"| full set ({fs['variants']} variants): {key[:-3]} | {fs[key]['median']:.2f} {unit} | |")
         rows.append(f"| full set: catalog bytes per variant | {fs['catalog_bytes_per_variant']:.0f} B | |")
+        rows.append(f"| full set: shards read by open + first call | {fs['shards_read']} of {fs['shards']} | |")
     if "full_set_error" in results:
         rows.append(f"| full set: failed | {results['full_set_error'][-300:]} | |")
     return "\n".join(rows)
@@ -390,7 +393,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--images", type=Path, help="gputest images for this GPU (sm90)")
     ap.add_argument("--full-images", type=Path, help="an image folder with the full set, for the catalog rows")
-    ap.add_argument("--synth", type=int, default=6189,
+    ap.add_argument("--synth", type=int, default=43000,
                     help="without --full-images: synthesise a catalog of this many variants (0: skip)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=2000)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from aotriton_rt.catalog import CATALOG_FILE, Catalog, write_atomic
+from aotriton_rt.catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION, SHARD_FILE, Catalog, write_atomic
 
 from .compile import image_path, ptx_path
 from .registry import Job
@@ -312,14 +312,14 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
         for name, rules in _previous_tuning(out).items():
             have = tuning.setdefault(name, [])
             have.extend(r for r in rules if r not in have)
-    catalog = Catalog.from_json({"schema": "aotriton-rt.catalog", "schema_version": 1,
+    catalog = Catalog.from_json({"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
                                  "triton_version": triton_version, "tuning": tuning,
                                  "variants": list(variants.values())}, source=str(out / CATALOG_FILE))
     for v in catalog.variants:
         summary.packed_bytes += v.image.size
         summary.raw_bytes += v.image.raw_size
-    write_atomic(out / CATALOG_FILE, catalog.dumps().encode())
-    _remove_stale(out, catalog_files(catalog))
+    written = catalog.write(out)  # the shards, then catalog.json last
+    _remove_stale(out, catalog_files(catalog) | written)
     summary.seconds = time.monotonic() - started
     return summary
 
@@ -330,12 +330,12 @@ def catalog_files(catalog: Catalog) -> set[str]:
 
 
 def _remove_stale(out: Path, keep: set[str]) -> None:
-    """Delete image files of earlier builds that the new catalog no longer lists."""
+    """Delete image and shard files of earlier builds that the new catalog no longer lists."""
     for backend in ("cuda", "hip"):
         root = out / backend
         if not root.is_dir():
             continue
-        for path in root.rglob("*.xz"):
+        for path in [*root.rglob("*.xz"), *root.rglob(SHARD_FILE)]:
             if path.relative_to(out).as_posix() not in keep:
                 path.unlink()
         for d in [*sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True), root]:

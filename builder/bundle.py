@@ -11,7 +11,6 @@ runtime side is :mod:`aotriton_rt.download`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import io
 import json
@@ -166,7 +165,8 @@ def pack(images: str | os.PathLike, out: str | os.PathLike, *, by: str = "target
     entries = []
     for name in sorted(groups):
         variants = groups[name]
-        sub = dataclasses.replace(catalog, variants=tuple(variants))
+        # A bundle carries its catalog inline (one member the downloader checks before any image).
+        sub = Catalog(catalog.triton_version, variants, catalog.tuning, source=catalog.source)
         catalog_bytes = sub.dumps().encode("utf-8")
         bundle_images = _images(variants, catalog.source)
         targets = sorted({v.target.arch for v in variants})

@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from aotriton_rt.catalog import CATALOG_FILE, Catalog, write_atomic
+from aotriton_rt.catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION, Catalog, write_atomic
 
 from .build import BuildError, _remove_stale, catalog_files
 
@@ -58,10 +58,10 @@ def merge(inputs: Sequence[Path], out: Path) -> Catalog:
         for name, rules in (cat.tuning or {}).items():
             have = tuning.setdefault(name, [])
             have.extend(r for r in rules if r not in have)
-    merged = Catalog.from_json({"schema": "aotriton-rt.catalog", "schema_version": 1,
+    merged = Catalog.from_json({"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
                                 "triton_version": versions.pop(), "tuning": tuning,
                                 "variants": [e for e, _ in variants.values()]},
                                source=str(out / CATALOG_FILE))
-    write_atomic(out / CATALOG_FILE, merged.dumps().encode())
-    _remove_stale(out, catalog_files(merged))
+    written = merged.write(out)  # the shards, then catalog.json last
+    _remove_stale(out, catalog_files(merged) | written)
     return merged

@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton", reason="the builder compiles with triton"
 pytest.importorskip("elftools", reason="the ABI proof reads ELF files with pyelftools")
 pytest.importorskip("msgpack", reason="the ABI proof reads AMDGPU metadata with msgpack")
 
-from aotriton_rt.catalog import CATALOG_FILE, Catalog  # noqa: E402
+from aotriton_rt.catalog import CATALOG_FILE, SHARD_FILE, Catalog  # noqa: E402
 from aotriton_rt.errors import CatalogError  # noqa: E402
 from builder import build as build_mod  # noqa: E402
 from builder.abi import AbiError, prove  # noqa: E402
@@ -63,10 +63,10 @@ def _tree(folder: Path) -> dict[str, bytes]:
 
 
 def _edit_catalog(folder: Path, edit) -> None:
-    path = folder / CATALOG_FILE
-    obj = json.loads(path.read_text())
+    """Edit the catalog in its inline form (every variant in full) and write that form back."""
+    obj = Catalog.load(folder).to_json()
     edit(obj)
-    path.write_text(json.dumps(obj))
+    (folder / CATALOG_FILE).write_text(json.dumps(obj))
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,9 @@ def test_build_writes_one_image_per_variant_at_its_documented_path(built) -> Non
     ptx = {f"cuda/{v.target.arch}/scale/scale-{v.key[:16]}.ptx.xz" for v in catalog.variants
            if v.target.backend == "cuda"}
     assert {v.ptx.path for v in catalog.variants if v.ptx is not None} == ptx
-    assert set(_tree(out)) == expected | ptx | {CATALOG_FILE}
+    # One shard per target and kernel, beside its images (docs/catalog.md).
+    shards = {f"{t.backend}/{t.arch}/scale/{SHARD_FILE}" for t in catalog.targets()}
+    assert set(_tree(out)) == expected | ptx | shards | {CATALOG_FILE}
     assert {v.image.format for v in catalog.variants if v.target.backend == "hip"} == {"hsaco"}
     assert {v.image.format for v in catalog.variants if v.target.backend == "cuda"} == {"cubin"}
 
@@ -155,10 +157,15 @@ def test_catalog_records_what_the_kernel_declared(built) -> None:
 
 def test_catalog_file_is_written_in_canonical_form(built) -> None:
     out = built[0]
-    text = (out / CATALOG_FILE).read_text()
-    assert Catalog.load(out).dumps() == text
-    arches = [v["target"]["arch"] for v in json.loads(text)["variants"]]
-    assert arches == ["sm90", "sm90", "gfx942", "gfx942"]
+    files = Catalog.load(out).files()
+    assert files == {rel: (out / rel).read_bytes() for rel in files}
+    index = json.loads(files[CATALOG_FILE])
+    assert [(e["backend"], e["arch"], e["kernel"]) for e in index["shards"]] == [
+        ("cuda", "sm90", "scale"), ("hip", "gfx942", "scale")]
+    # Shards are compact: what variants share (here the grid rule) is stored once per shard.
+    shard = json.loads(files[f"cuda/sm90/scale/{SHARD_FILE}"])
+    assert len(shard["variants"]) == 2 and shard["rules"] == [{"checks": [], "grid": ["cdiv(n, BLOCK)", "1", "1"]}]
+    assert all(set(v) >= {"layout", "rules", "launch_params"} and "args" not in v for v in shard["variants"])
 
 
 def test_summary_counts_variants_and_bytes(built) -> None:
@@ -184,7 +191,7 @@ def test_summary_prints_counts_sizes_ratio_time_and_each_failure() -> None:
 
 
 def test_a_cuda_variant_built_without_its_ptx_is_compiled_again(built, copy: Path) -> None:
-    catalog = json.loads((copy / CATALOG_FILE).read_text())
+    catalog = Catalog.load(copy).to_json()
     for v in catalog["variants"]:
         if v.pop("ptx", None) is not None:
             (copy / v["image"]["path"].replace(".cubin.xz", ".ptx.xz")).unlink()

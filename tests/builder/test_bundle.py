@@ -38,7 +38,7 @@ def test_pack_writes_one_bundle_per_target_and_an_index(folder, tmp_path):
     assert {k: index[k] for k in ("schema", "schema_version", "bundle_schema_version", "catalog_schema_version",
                                   "triton_version", "grouping")} == {
         "schema": "aotriton-rt.bundle-index", "schema_version": 1, "bundle_schema_version": 1,
-        "catalog_schema_version": 1, "triton_version": "3.6.0", "grouping": "target"}
+        "catalog_schema_version": 2, "triton_version": "3.6.0", "grouping": "target"}
     names = [b["name"] for b in index["bundles"]]
     assert names == ["cuda-sm80", "cuda-sm90", "hip-gfx1100", "hip-gfx1201", "hip-gfx90a", "hip-gfx942",
                      "hip-gfx950"]
@@ -141,9 +141,9 @@ def test_pack_refuses_a_missing_or_resized_image(folder, tmp_path):
 
 def test_pack_refuses_a_catalog_of_unknown_schema(folder, tmp_path):
     catalog = json.loads((folder / "catalog.json").read_text())
-    catalog["schema_version"] = 2
+    catalog["schema_version"] = 3
     (folder / "catalog.json").write_text(json.dumps(catalog))
-    with pytest.raises(CatalogError, match=r"catalog schema_version 2 is not understood"):
+    with pytest.raises(CatalogError, match=r"catalog schema_version 3 is not understood"):
         pack(folder, tmp_path / "out")
 
 

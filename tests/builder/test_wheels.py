@@ -128,9 +128,9 @@ def test_an_image_wheel_of_another_catalog_schema_is_refused_by_name(built_image
     _install(image_wheel(built_images, tmp_path / "dist", targets=["sm90"], set_name="full", version="0.1.0"), site)
     info_path = site / "aotriton_rt_images_sm90_full" / "image-wheel.json"
     info = json.loads(info_path.read_text())
-    info_path.write_text(json.dumps({**info, "catalog_schema_version": 2}))
+    info_path.write_text(json.dumps({**info, "catalog_schema_version": 3}))
     with pytest.raises(CatalogError, match=r"image wheel aotriton-rt-images-sm90-full 0.1.0 holds a catalog of "
-                                           r"schema 'aotriton-rt.catalog' version 2, but aotriton-rt .* reads "
+                                           r"schema 'aotriton-rt.catalog' version 3, but aotriton-rt .* reads "
                                            r"'aotriton-rt.catalog' version 1; its images were not used. "
                                            r"To fix: upgrade the runtime: pip install -U aotriton-rt"):
         images_mod.find()

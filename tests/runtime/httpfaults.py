@@ -93,7 +93,7 @@ def make_image_folder(root: Path, *, targets=TARGETS, kernels=("add", "softmax")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(xz)
             variants.append(v)
-    catalog = {"schema": "aotriton-rt.catalog", "schema_version": 1, "triton_version": "3.6.0",
+    catalog = {"schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0",
                "tuning": {}, "variants": variants}
     root.mkdir(parents=True, exist_ok=True)
     (root / "catalog.json").write_text(json.dumps(catalog, indent=1), encoding="utf-8")

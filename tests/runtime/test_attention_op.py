@@ -639,7 +639,7 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> aotriton_rt.Library:
     variants.append(_synthetic_variant("attn_bwd_dkdv", {**base, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
                                                          "DQ_ATOMIC": 0}))
     variants.append(_synthetic_variant("attn_bwd_dq", {**base, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}))
-    catalog = {"schema": "aotriton-rt.catalog", "schema_version": 1, "triton_version": "3.6.0",
+    catalog = {"schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0",
                "tuning": {"attn_fwd": [{"arch": "sm90", "spec": {"HEAD_DIM": 64}, "seqlen_k": [4096, None],
                                         "config": 1}]},
                "variants": variants}

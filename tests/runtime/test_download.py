@@ -553,9 +553,9 @@ def test_index_of_a_newer_schema_is_refused_with_the_fix(releases, tmp_path):
 
 
 def test_index_of_unknown_catalogs_is_refused_before_downloading(releases, tmp_path):
-    with FaultServer(republish(releases["v1"], tmp_path / "pub", catalog_schema_version=2)) as server:
-        with pytest.raises(CatalogError, match=r"its catalogs are schema_version 2, this aotriton-rt .* reads "
-                                               r"version 1; upgrade it: pip install -U aotriton-rt"):
+    with FaultServer(republish(releases["v1"], tmp_path / "pub", catalog_schema_version=3)) as server:
+        with pytest.raises(CatalogError, match=r"its catalogs are schema_version 3, this aotriton-rt .* reads "
+                                               r"version 2; upgrade it: pip install -U aotriton-rt"):
             fetch(server, "ok", tmp_path / "images")
         assert server.hits() == []
 
@@ -577,10 +577,10 @@ def test_bundle_of_a_newer_format_is_refused_with_the_fix(releases, v2_installed
 def test_bundle_whose_catalog_schema_is_unknown_is_refused_with_the_fix(releases, v2_installed, tmp_path):
     dest, before = v2_installed
     catalog = json.loads(read_members(releases["v1"] / f"{NAME}.tar")[1][1])
-    catalog["schema_version"] = 2
+    catalog["schema_version"] = 3
     bad = forge(releases["v1"] / f"{NAME}.tar", tmp_path / "bad.tar",
                 replace={"catalog.json": json.dumps(catalog).encode()})
-    with pytest.raises(CatalogError, match=r"catalog schema_version 2 is not understood .*pip install -U aotriton-rt"):
+    with pytest.raises(CatalogError, match=r"catalog schema_version 3 is not understood .*pip install -U aotriton-rt"):
         install_file(bad, dest=dest)
     assert_intact(dest, before)
 

@@ -161,11 +161,11 @@ def test_any_rule_text_compiles_or_raises_a_catalog_error(text):
 # --------------------------------------------------------------------------- index, manifest, member names
 
 _INDEX = {"schema": "aotriton-rt.bundle-index", "schema_version": 1, "bundle_schema_version": 1,
-          "catalog_schema_version": 1,
+          "catalog_schema_version": 2,
           "bundles": [{"name": "hip-gfx942", "file": "hip-gfx942.tar", "backend": "hip", "targets": ["gfx942"],
                        "size": 100, "sha256": "a" * 64}]}
 _MANIFEST = {"schema": "aotriton-rt.bundle", "schema_version": 1, "name": "hip-gfx942", "backend": "hip",
-             "targets": ["gfx942"], "catalog_schema_version": 1,
+             "targets": ["gfx942"], "catalog_schema_version": 2,
              "files": [{"path": "catalog.json", "size": 10, "sha256": "b" * 64},
                        {"path": "hip/gfx942/add/add.hsaco.xz", "size": 10, "sha256": "c" * 64}]}
 

@@ -198,7 +198,7 @@ class LibraryKernels:
         if arch is None:
             from ... import arch as _arch
 
-            built = sorted({(v.target.backend, v.target.arch) for v in self.lib.variants})
+            built = self.lib.targets()  # from the catalog indexes: no shard is read
             if len(built) == 1:
                 # Images of one arch: the device must run that arch, or the launch will say why.
                 arch = built[0][1]
@@ -254,7 +254,7 @@ class LibraryKernels:
             index = select_config(rules, kernel=name, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
                                   arch=lambda: self.device_arch(device))
             if index:
-                params.update(config_params(self.lib.variants, name, spec, index, self.device_arch(device)))
+                params.update(config_params(self.lib.variants_of(name), name, spec, index, self.device_arch(device)))
         try:
             handle = self.lib.kernel(name, **params)
         except KernelNotFound as e:
@@ -285,17 +285,8 @@ def config_params(variants: Sequence[Any], name: str, spec: Mapping[str, Any], i
 def _available(lib: Any, name: str, params: Mapping[str, Any]) -> bool:
     from ...select import match
 
-    # Only this kernel's variants: a full image set holds thousands of others.
-    index = _BY_KERNEL.get(id(lib))
-    if index is None or index[0] is not lib:
-        by_kernel: dict[str, list] = {}
-        for v in lib.variants:
-            by_kernel.setdefault(v.kernel, []).append(v)
-        index = _BY_KERNEL[id(lib)] = (lib, by_kernel)
-    return bool(match(index[1].get(name, []), name, params).accepted)
-
-
-_BY_KERNEL: dict[int, tuple[Any, dict[str, list]]] = {}
+    # Only this kernel's variants (one shard per target): a full image set holds thousands of others.
+    return bool(match(lib.variants_of(name), name, params).accepted)
 
 
 _KERNELS: dict[int, LibraryKernels] = {}
