@@ -481,7 +481,7 @@ def test_the_build_puts_the_decode_split_rule_of_each_target_in_the_catalog(tmp_
     for shard in ("a", "b"):
         (tmp_path / shard).mkdir()
         (tmp_path / shard / "catalog.json").write_text(json.dumps(
-            {"schema": "aotriton-rt.catalog", "schema_version": 1, "triton_version": "3.6.0", "tuning": table,
+            {"schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0", "tuning": table,
              "variants": []}))
     merged = merge([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
     assert merged.tuning == table
