@@ -132,6 +132,7 @@ def summary_lines(lib) -> list[str]:
     from .images import read_image
 
     origins = getattr(lib.found, "origins", {}) or {}
+    _ = lib.variants  # reads every folder's shards and records which folder serves each key
     lines = []
     for folder, catalog in zip(lib.found.folders, lib.catalogs):
         served = sum(lib._folder.get(v.key) == folder for v in catalog.variants)

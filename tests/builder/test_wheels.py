@@ -21,7 +21,7 @@ import pytest
 
 from aotriton_rt import images as images_mod
 from aotriton_rt import sources
-from aotriton_rt.catalog import CATALOG_FILE, Catalog
+from aotriton_rt.catalog import CATALOG_FILE, SCHEMA_VERSION, Catalog
 from aotriton_rt.errors import CatalogError
 from builder import wheels
 from builder.wheels import WheelError, image_wheel, image_wheels, normalize_wheel, runtime_wheel
@@ -85,7 +85,7 @@ def test_an_image_wheel_holds_its_targets_variants_a_record_and_an_entry_point(b
             assert hashlib.sha256(zf.read(f"aotriton_rt_images_sm80_sm90_full/{v.image.path}")).hexdigest() == \
                 v.image.sha256
     assert {v.target.arch for v in catalog.variants} == {"sm80", "sm90"}
-    assert info["targets"] == ["sm80", "sm90"] and info["catalog_schema_version"] == 1
+    assert info["targets"] == ["sm80", "sm90"] and info["catalog_schema_version"] == SCHEMA_VERSION
     assert info["triton_version"] == catalog.triton_version and info["set"] == "full"
     assert entry == "[aotriton_rt.images]\nsm80-sm90-full = aotriton_rt_images_sm80_sm90_full\n"
     assert len(record.splitlines()) == len(names)
@@ -131,7 +131,7 @@ def test_an_image_wheel_of_another_catalog_schema_is_refused_by_name(built_image
     info_path.write_text(json.dumps({**info, "catalog_schema_version": 3}))
     with pytest.raises(CatalogError, match=r"image wheel aotriton-rt-images-sm90-full 0.1.0 holds a catalog of "
                                            r"schema 'aotriton-rt.catalog' version 3, but aotriton-rt .* reads "
-                                           r"'aotriton-rt.catalog' version 1; its images were not used. "
+                                           r"'aotriton-rt.catalog' version 2; its images were not used. "
                                            r"To fix: upgrade the runtime: pip install -U aotriton-rt"):
         images_mod.find()
 

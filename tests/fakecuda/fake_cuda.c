@@ -205,6 +205,25 @@ CUresult cuCtxSetCurrent(void *context) {
   return CUDA_SUCCESS;
 }
 
+/* A small per-process stack is enough here: the differential launches from one thread. */
+static void *pushed[16];
+static int npushed;
+
+CUresult cuCtxPushCurrent_v2(void *context) {
+  if (!context) return CUDA_ERROR_INVALID_VALUE;
+  if (npushed == (int)(sizeof pushed / sizeof pushed[0])) return CUDA_ERROR_INVALID_VALUE;
+  pushed[npushed++] = current_context;
+  current_context = context;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuCtxPopCurrent_v2(void **context) {
+  if (npushed == 0) return CUDA_ERROR_INVALID_CONTEXT;
+  if (context) *context = current_context;
+  current_context = pushed[--npushed];
+  return CUDA_SUCCESS;
+}
+
 CUresult cuCtxGetDevice(int *device) {
   if (!device) return CUDA_ERROR_INVALID_VALUE;
   if (!current_context) return CUDA_ERROR_INVALID_CONTEXT;

@@ -191,7 +191,7 @@ def test_lowering_for_the_cpu_or_without_ptx_says_what_is_missing(lib, tmp_path)
     with pytest.raises(UnsupportedError, match=r"run on GPUs \(cuda, rocm\), not on 'cpu'"):
         lower(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size), X, X, platform="cpu")
     # A catalog from before this builder (no PTX): the CUDA lowering names the rebuild.
-    cat = json.loads((lib.found.folders[0] / "catalog.json").read_text())
+    cat = _inline(lib.found.folders[0])
     for v in cat["variants"]:
         v.pop("ptx", None)
     (tmp_path / "catalog.json").write_text(json.dumps(cat))
@@ -205,7 +205,7 @@ def test_the_catalog_refuses_a_ptx_entry_on_a_hip_variant_or_of_another_format(l
     from aotriton_rt.catalog import Catalog
     from aotriton_rt.errors import CatalogError
 
-    cat = json.loads((lib.found.folders[0] / "catalog.json").read_text())
+    cat = _inline(lib.found.folders[0])
     cuda = next(v for v in cat["variants"] if v["target"]["backend"] == "cuda")
     hip = next(v for v in cat["variants"] if v["target"]["backend"] == "hip")
     hip["ptx"] = dict(cuda["ptx"])
@@ -442,7 +442,7 @@ def feature_lib(attn_lib, tmp_path_factory) -> aotriton_rt.Library:
     folder = tmp_path_factory.mktemp("features")
     shutil_copy = __import__("shutil").copytree
     shutil_copy(attn_lib.found.folders[0], folder, dirs_exist_ok=True)
-    cat = json.loads((folder / "catalog.json").read_text())
+    cat = _inline(folder)
     axes = {"attn_fwd": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1, 2), "VARLEN": (0, 1)},
             "attn_bwd_preprocess": {"VARLEN": (0, 1), "DQ_ATOMIC": (0,)},
             "attn_bwd_dkdv": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1, 2), "DROPOUT": (0, 1), "VARLEN": (0, 1),
@@ -461,6 +461,13 @@ def feature_lib(attn_lib, tmp_path_factory) -> aotriton_rt.Library:
     cat["variants"] = variants
     (folder / "catalog.json").write_text(json.dumps(cat))
     return aotriton_rt.Library(folder)
+
+
+def _inline(folder) -> dict:
+    """The folder's catalog in the inline form (every variant in full), which catalog.json may hold too."""
+    from aotriton_rt.catalog import Catalog
+
+    return Catalog.load(folder / "catalog.json").to_json()
 
 
 def _lowers(f, *shapes) -> list[dict]:
