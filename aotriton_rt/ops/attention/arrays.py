@@ -227,19 +227,35 @@ def lse_output(xp: Any, p: Problem, like: Any, user: Any, info: Any) -> LseOutpu
     return LseOutput(arr, strides, None if user is None else xp.convert(user, info))
 
 
-def bias_operand(xp: Any, p: Problem, like: Any) -> tuple[Any, tuple[int, int, int]]:
-    """The bias as the kernels read it: (batch, head, row) strides, unit stride over keys,
-    stride 0 over broadcast dims; copied with rows padded to 8 when it cannot be read in place."""
+def _bias_extents(p: Problem) -> tuple[tuple[int, ...], tuple[int, ...]]:
     bi = p.bias_info
     nd = len(bi.shape)
-    extents = (1,) * (4 - nd) + tuple(bi.shape)
-    strides = (0,) * (4 - nd) + tuple(bi.strides)
+    return (1,) * (4 - nd) + tuple(bi.shape), (0,) * (4 - nd) + tuple(bi.strides)
+
+
+def bias_strides_in_place(p: Problem) -> tuple[int, int, int] | None:
+    """The (batch, head, row) strides at which the kernels can read the bias where it is (stride 0
+    over broadcast dims, unit stride over keys, aligned), or None when it must be copied."""
+    bi = p.bias_info
+    extents, strides = _bias_extents(p)
     full = p.bias_full_shape()
     kstrides = tuple(0 if e == 1 else s for e, s in zip(extents[:3], strides[:3]))
     keys_ok = extents[3] == full[3] and (strides[3] == 1 or full[3] <= 1)
     if keys_ok and bi.ptr % 16 == 0 and all(s >= 0 and s % BIAS_ALIGN == 0 for s in kstrides) \
             and kstrides[2] <= I32_MAX:
+        return kstrides
+    return None
+
+
+def bias_operand(xp: Any, p: Problem, like: Any) -> tuple[Any, tuple[int, int, int]]:
+    """The bias as the kernels read it: (batch, head, row) strides, unit stride over keys,
+    stride 0 over broadcast dims; copied with rows padded to 8 when it cannot be read in place."""
+    bi = p.bias_info
+    kstrides = bias_strides_in_place(p)
+    if kstrides is not None:
         return xp.convert(p.bias, bi), kstrides
+    extents, _ = _bias_extents(p)
+    full = p.bias_full_shape()
     width = round_up(max(full[3], 1), BIAS_ALIGN)
     shape = extents[:3] + (width,)
     buf = xp.zeros(shape, p.dtype, like)

@@ -37,12 +37,10 @@ from typing import Any
 from ...errors import ArgumentError
 from . import launch as general
 from . import problem as _problem
-from .arrays import arrays_for
+from .arrays import arrays_for, bias_strides_in_place
 from .dispatch import CONVERT, DKDV, DQ, FWD, PRE, kernels_of
 from .problem import (
     ALIGN,
-    BIAS_ALIGN,
-    I32_MAX,
     U64,
     Problem,
     addressable,
@@ -236,19 +234,7 @@ def _in_place_strides(p: Problem, info: Any, width: int) -> tuple[int, int, int]
 
 
 def _bias_in_place(p: Problem) -> tuple[int, int, int] | None:
-    if p.bias_info is None:
-        return (0, 0, 0)
-    bi = p.bias_info
-    nd = len(bi.shape)
-    extents = (1,) * (4 - nd) + tuple(bi.shape)
-    strides = (0,) * (4 - nd) + tuple(bi.strides)
-    full = p.bias_full_shape()
-    kstrides = tuple(0 if e == 1 else s for e, s in zip(extents[:3], strides[:3]))
-    keys_ok = extents[3] == full[3] and (strides[3] == 1 or full[3] <= 1)
-    if keys_ok and bi.ptr % 16 == 0 and all(s >= 0 and s % BIAS_ALIGN == 0 for s in kstrides) \
-            and kstrides[2] <= I32_MAX:
-        return kstrides
-    return None
+    return (0, 0, 0) if p.bias_info is None else bias_strides_in_place(p)
 
 
 def _fresh_strides(p: Problem, shape: tuple[int, ...]) -> tuple[int, ...]:
