@@ -495,16 +495,9 @@ class _Kernels:
     def device_arch(self, device: int) -> str:
         arch = self.arch.get(device)
         if arch is None:
-            from .. import arch as _arch
+            from .attention.dispatch import target_arch
 
-            built = sorted({(v.target.backend, v.target.arch) for v in self.lib.variants})
-            if len(built) == 1:
-                arch = built[0][1]
-            else:
-                driver = self.lib.driver
-                raw = _arch.normalize(driver.backend, driver.device_arch(max(device, 0)))
-                arch = _arch.pick_target(driver.backend, raw, sorted(a for b, a in built if b == driver.backend))
-            self.arch[device] = arch
+            arch = self.arch[device] = target_arch(self.lib, device)
         return arch
 
     def handle(self, name: str, spec: Mapping[str, Any], config: int, device: int) -> Any:

@@ -118,6 +118,9 @@ class _Library:
         self.catalogs: list = []
         self.variants = [SimpleNamespace(target=SimpleNamespace(backend="cuda", arch="sm90"))]
 
+    def targets(self) -> list[tuple[str, str]]:
+        return sorted({(v.target.backend, v.target.arch) for v in self.variants})
+
     def kernel(self, name: str, **params: Any) -> _Handle:
         return _Handle(self.decls[name], params)
 

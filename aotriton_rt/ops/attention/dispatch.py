@@ -196,17 +196,7 @@ class LibraryKernels:
     def device_arch(self, device: int) -> str:
         arch = self.arch.get(device)
         if arch is None:
-            from ... import arch as _arch
-
-            built = self.lib.targets()  # from the catalog indexes: no shard is read
-            if len(built) == 1:
-                # Images of one arch: the device must run that arch, or the launch will say why.
-                arch = built[0][1]
-            else:
-                driver = self.lib.driver
-                raw = _arch.normalize(driver.backend, driver.device_arch(max(device, 0)))
-                arch = _arch.pick_target(driver.backend, raw, sorted(a for b, a in built if b == driver.backend))
-            self.arch[device] = arch
+            arch = self.arch[device] = target_arch(self.lib, device)
         return arch
 
     def _call_key(self, call: AttentionCall, device: int, *extra: Any) -> tuple:
@@ -280,6 +270,19 @@ def config_params(variants: Sequence[Any], name: str, spec: Mapping[str, Any], i
                 all(v.spec.get(k) == val for k, val in spec.items()):
             return {**v.config.constexprs, "num_warps": v.config.num_warps, "num_stages": v.config.num_stages}
     return {}
+
+
+def target_arch(lib: Any, device: int) -> str:
+    """The built arch whose images run on ``device`` (from the catalog indexes: no shard is read)."""
+    from ... import arch as _arch
+
+    built = lib.targets()
+    if len(built) == 1:
+        # Images of one arch: the device must run that arch, or the launch will say why.
+        return built[0][1]
+    driver = lib.driver
+    raw = _arch.normalize(driver.backend, driver.device_arch(max(device, 0)))
+    return _arch.pick_target(driver.backend, raw, sorted(a for b, a in built if b == driver.backend))
 
 
 def _available(lib: Any, name: str, params: Mapping[str, Any]) -> bool:
