@@ -127,11 +127,19 @@ def hsaco_file(raw: bytes, variant: Variant) -> str:
     return name
 
 
+def scratch_bytes(variant: Variant, grid: tuple[int, int, int]) -> int:
+    """Bytes of global scratch one launch of ``variant`` over ``grid`` needs (0: none)."""
+    per_program = variant.scratch["global_size"]
+    if not per_program or not variant.hidden_args:
+        return 0
+    return grid[0] * grid[1] * grid[2] * variant.num_ctas * per_program
+
+
 def kernel_call(variant: Variant, binary: str, grid: tuple[int, int, int], params: list[tuple]) -> bytes:
     """The ``opaque`` attribute: one zlib-compressed ``TritonKernelCall`` for ``variant``.
 
     ``params`` are ``("array", bytes_to_zero, divisibility)`` or ``("scalar", value, type)``
-    in kernel order (hidden scratch pointers excluded).
+    in kernel order; for a variant with global scratch, the last is its scratch array.
     """
     lib = triton_module()
     backend = variant.target.backend
@@ -141,16 +149,12 @@ def kernel_call(variant: Variant, binary: str, grid: tuple[int, int, int], param
                                f"block, which jaxlib's {backend} Triton call cannot launch (it launches "
                                f"multiples of {warp}); use the eager path")
     cc = int(variant.target.arch[2:]) if backend == "cuda" else 0
-    args = [variant.symbol, variant.num_threads // warp, variant.num_ctas, variant.shared, binary, "", cc]
-    scratch = variant.scratch["global_size"]
-    if scratch:
-        try:
-            kernel = lib.TritonKernel(*args, scratch, variant.scratch["global_align"])
-        except TypeError:
-            raise UnsupportedError(f"{variant.kernel} needs {scratch} bytes of global scratch per program, which "
-                                   "jaxlib's Triton call provides only from jaxlib 0.11.1 on; upgrade jax") from None
-    else:
-        kernel = lib.TritonKernel(*args)
+    # Global scratch (e.g. device-side TMA descriptors) is never left to jaxlib: it would
+    # cuMemAllocAsync/cuMemFreeAsync it around every launch, and memory nodes cannot live in
+    # the child graph XLA's command buffers (CUDA graphs) capture a custom call into
+    # (CUDA_ERROR_NOT_SUPPORTED). The caller passes the scratch as one more XLA buffer instead.
+    kernel = lib.TritonKernel(variant.symbol, variant.num_threads // warp, variant.num_ctas, variant.shared,
+                              binary, "", cc)
     made = []
     for p in params:
         if p[0] == "array":

@@ -289,6 +289,10 @@ def lower_call(call: _Call, platform: str) -> tuple[Any, tuple[int, int, int], b
         packer.run_checks(values)
     grid = call.grid if call.grid is not None else packer.grid_for(values)
     grid = _grid(tuple(int(g) for g in grid))
+    if jaxlib_triton.scratch_bytes(variant, grid):
+        # The global scratch, as one more XLA result that only the kernel sees (_lowering).
+        align = variant.scratch["global_align"]
+        params.append(("array", 0, align if align > 1 else 0))
     if variant.target.backend == "cuda":
         binary = jaxlib_triton.ptx_text(call.lib._folder[variant.key], variant)
     else:
@@ -306,7 +310,12 @@ def _lowering(ctx: Any, *operands: Any, call: _Call) -> Any:
         return mlir.lower_fun(nothing, multiple_results=True)(ctx, *operands)
     rule = jax.ffi.ffi_lowering(jaxlib_triton.TARGET, operand_output_aliases=dict(call.aliases),
                                 has_side_effect=False)
-    return rule(ctx, *operands, opaque=opaque)
+    scratch = jaxlib_triton.scratch_bytes(variant, grid)
+    if not scratch:
+        return rule(ctx, *operands, opaque=opaque)
+    # XLA allocates the scratch like any result (inside a command buffer too) and drops it after.
+    with_scratch = ctx.replace(avals_out=[*ctx.avals_out, jax.core.ShapedArray((scratch,), jnp.uint8)])
+    return list(rule(with_scratch, *operands, opaque=opaque))[:-1]
 
 
 mlir.register_lowering(kernel_p, _lowering, platform="cuda")

@@ -319,3 +319,46 @@ def test_a_transformer_block_trains_under_jit_like_jax_dot_product_attention(lib
     for a, b in losses:
         assert abs(a - b) <= 2e-2 * abs(b), losses
     assert max(gerr.values()) < 3e-2, gerr
+
+
+COMMAND_BUFFER_SCRIPT = r"""
+import sys
+import jax, jax.numpy as jnp
+import aotriton_rt, aotriton_rt.jax as aj
+
+lib = aotriton_rt.Library(sys.argv[1])
+key = jax.random.split(jax.random.PRNGKey(0), 3)
+# D=128 bf16 on sm90 runs a TMA forward, whose global scratch XLA's command buffers must capture.
+q, k, v = (jax.random.normal(s, (2, 4, 512, 128), jnp.bfloat16) for s in key)
+worst = 0.0
+for causal in (False, True):
+    def loss(q, k, v, fn):
+        return (fn(q, k, v).astype(jnp.float32) ** 2).mean()
+    ours = lambda q, k, v: aj.attention(q, k, v, causal=causal, library=lib)
+    ref = lambda q, k, v: jax.nn.dot_product_attention(
+        q.transpose(0, 2, 1, 3).astype(jnp.float32), k.transpose(0, 2, 1, 3).astype(jnp.float32),
+        v.transpose(0, 2, 1, 3).astype(jnp.float32), is_causal=causal).transpose(0, 2, 1, 3)
+    step = jax.jit(jax.value_and_grad(lambda *a: loss(*a, ours), argnums=(0, 1, 2)))
+    for _ in range(3):  # the first run records the command buffer, later ones replay it
+        got = step(q, k, v)
+    want = jax.value_and_grad(lambda *a: loss(*a, ref), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = g.astype(jnp.float32), w.astype(jnp.float32)
+        worst = max(worst, float(jnp.abs(g - w).max() / (jnp.abs(w).max() + 1e-6)))
+print(f"worst {worst:.2e}")
+assert worst < 2e-2, worst
+"""
+
+
+def test_attention_runs_inside_xla_command_buffers(gpu_images: Path) -> None:
+    # XLA records jitted programs into CUDA graphs ("command buffers"); force them on for custom
+    # calls and for programs of any size, in a fresh process (flags are read once per process).
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUBLAS,CUBLASLT "
+               "--xla_gpu_graph_min_graph_size=1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    done = subprocess.run([sys.executable, "-c", COMMAND_BUFFER_SCRIPT, str(gpu_images)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    SUMMARY.append({"case": "command buffers", "rc": done.returncode, "out": done.stdout.strip()[-80:]})
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -138,6 +138,31 @@ def test_a_jitted_add_lowers_to_one_triton_custom_call_carrying_the_variants_ptx
     assert all(p == [(1, 2, b"\x10\x10")] for p in call["params"][:3])  # array, ptr_divisibility 16
 
 
+def test_global_scratch_is_one_more_xla_result_so_command_buffers_can_capture_the_call(lib, monkeypatch) -> None:
+    # jaxlib would cuMemAllocAsync a kernel's global scratch around each launch, which XLA's
+    # command buffers (CUDA graphs) cannot capture; the lowering hands it an XLA buffer instead.
+    import dataclasses
+
+    from aotriton_rt.jax import kernels
+
+    add = aj.kernel("add", dtype="fp32", library=lib, arch="sm90")
+    f = lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size)  # noqa: E731
+    plain = kernel_call_of(lower(f, X, X))
+    real = kernels.variant_for
+    monkeypatch.setattr(kernels, "variant_for", lambda call, platform: dataclasses.replace(
+        real(call, platform), scratch={"global_size": 384, "global_align": 128}))
+    low = lower(lambda x, y: add(x, y, aj.Out(x.shape, x.dtype), x.size), X, X)  # a new function: no cached lowering
+    call = kernel_call_of(low)
+    programs = call["grid"][0]
+    hlo = low.as_text()
+    assert f"-> (tensor<1000xf32>, tensor<{programs * 384}xui8>)" in hlo, hlo
+    assert [o.shape for o in jax.tree.leaves(low.out_info)] == [(1000,)]  # the caller never sees the scratch
+    # x, y, out, n, then the scratch: an array parameter aligned as the kernel asks ...
+    assert len(call["params"]) == 5 and call["params"][4] == [(1, 2, b"\x10\x80\x01")]
+    # ... and the kernel itself declares no scratch, so jaxlib allocates none.
+    assert call["ints"] == plain["ints"] and call["params"][:4] == plain["params"]
+
+
 def test_an_output_before_an_input_is_a_zeroed_operand_aliased_to_its_result(lib) -> None:
     softmax = aj.kernel("softmax", dtype="fp32", BLOCK=256, library=lib, arch="sm90")
     x = jax.ShapeDtypeStruct((4, 100), jnp.float32)
