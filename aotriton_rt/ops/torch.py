@@ -14,10 +14,12 @@ own dropout does: the generator's seed, and its Philox offset advanced by 4 per 
 ``torch.manual_seed(s)`` makes the masks reproducible, successive calls get fresh masks, and
 the backward replays the forward's mask (the pair is saved for it).
 
-A call with nothing for autograd to record (no input needs a gradient, or grad mode is off), on
-plain tensors, with no dispatch/function mode active and no compiler tracing, skips the op
-dispatcher and runs the operator's plan directly: the same kernels and results, without the
-dispatcher's per-call cost.
+A call on plain tensors, with no dispatch/function mode active and no compiler tracing, skips the
+op dispatcher: with nothing for autograd to record (no input needs a gradient, or grad mode is
+off) it runs the operator's plan directly, else an ``autograd.Function`` around the same forward
+and backward plans records the graph node. Same kernels and results, without the dispatcher's
+per-call cost (several times a small attention's launches); ``torch.compile``, fake tensors and
+subclasses go through the custom ops.
 """
 
 from __future__ import annotations
@@ -191,14 +193,61 @@ _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
 
 
-def _plain(*tensors: Any) -> bool:
-    """Plain tensors (no subclass, e.g. fake or functional), none needing a gradient recorded, and
-    no dispatch or function mode nor a compiler tracing: the op would only add its own overhead."""
-    grad = _grad_enabled()
+#: What :func:`_eager` finds: run the plan directly (no gradient to record), run it under
+#: :class:`_EagerAttention` (eager autograd), or go through the custom op.
+_DIRECT, _AUTOGRAD, _OP = 0, 1, 2
+
+
+def _eager(*tensors: Any) -> int:
+    """How a call may skip the dispatcher: plain tensors (no subclass, e.g. fake or functional) and
+    no dispatch or function mode nor a compiler tracing, with (``_AUTOGRAD``) or without
+    (``_DIRECT``) a gradient to record; anything else (``_OP``) takes the custom op."""
+    grad = False
     for t in tensors:
-        if t is not None and (type(t) is not _Tensor or (grad and t.requires_grad)):
-            return False
-    return not (_dispatch_modes() or _function_modes() or _compiling())
+        if t is not None:
+            if type(t) is not _Tensor:
+                return _OP
+            grad = grad or t.requires_grad
+    if _compiling() or _dispatch_modes() or _function_modes():  # is_compiling first: dynamo folds it
+        return _OP
+    return _AUTOGRAD if grad and _grad_enabled() else _DIRECT
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom op's forward and backward for eager autograd, without the dispatcher.
+
+    ``torch.library`` ops pay for schema parsing and dispatch twice per training step (forward
+    and backward op), several times the cost of a small attention's launches; an
+    ``autograd.Function`` records the same graph node. ``torch.compile`` and subclasses still
+    see the custom op.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_q: Tensor | None,
+                cu_k: Tensor | None, options: dict) -> tuple:
+        o = options
+        result = _core_plan.forward(q, k, v, o["causal"], o["window"], o["align"], bias, o["dropout_p"], o["seed"],
+                                    o["offset"], o["scale"], cu_q, cu_k, o["max_seqlen_q"], o["max_seqlen_k"],
+                                    o["layout"], None, None, o["return_mask"], o["library"])
+        out, lse = result[:2]
+        ctx.save_for_backward(q, k, v, bias, cu_q, cu_k, out, lse)
+        ctx.options = o
+        ctx.mark_non_differentiable(*result[1:])
+        return tuple(result)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dout: Tensor, *unused: Any) -> tuple:
+        q, k, v, bias, cu_q, cu_k, out, lse = ctx.saved_tensors
+        o = ctx.options
+        bias_grad = bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = _core_plan.backward(
+            dout, q, k, v, out, lse, deterministic=o["deterministic"], scheme=None, bias_grad=bias_grad, dq=None,
+            dk=None, dv=None, library=o["library"], causal=o["causal"], window=o["window"], align=o["align"],
+            bias=bias, dropout_p=o["dropout_p"], seed=o["seed"], offset=o["offset"], scale=o["scale"],
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=o["max_seqlen_q"], max_seqlen_k=o["max_seqlen_k"],
+            layout=o["layout"])
+        return dq, dk, dv, dbias if bias_grad else None, None, None, None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: tuple[int, int] | None = None,
@@ -240,14 +289,23 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
         raise ArgumentError(f"seed and offset must be in [0, 2**64), got seed={seed}, offset={offset}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if _plain(q, k, v, bias, cu_seqlens_q, cu_seqlens_k) and type(causal) is bool and type(return_mask) is bool \
-            and type(deterministic) is bool:
-        # Nothing to record for autograd, no mode or compiler watching: the op's own body, directly
-        # (the same plans; the dispatcher round trip costs more than the whole launch).
+    route = _eager(q, k, v, bias, cu_seqlens_q, cu_seqlens_k)
+    if route != _OP and type(causal) is bool and type(return_mask) is bool and type(deterministic) is bool:
+        # No mode or compiler watching: the op's own body directly (the same plans; the
+        # dispatcher round trip costs more than the whole launch), under an autograd.Function
+        # when a gradient is to be recorded.
         varlen = cu_seqlens_q is not None
-        result = _core_plan.forward(q, k, v, causal, _window(left, right), align, bias, float(dropout_p), seed, offset,
-                                    float(scale), cu_seqlens_q, cu_seqlens_k, max_seqlen_q if varlen else None,
-                                    max_seqlen_k if varlen else None, layout, None, None, return_mask, library)
+        options = {"causal": causal, "window": _window(left, right), "align": align, "dropout_p": float(dropout_p),
+                   "seed": seed, "offset": offset, "scale": float(scale),
+                   "max_seqlen_q": max_seqlen_q if varlen else None, "max_seqlen_k": max_seqlen_k if varlen else None,
+                   "layout": layout, "return_mask": return_mask, "deterministic": deterministic, "library": library}
+        if route == _AUTOGRAD:
+            result = _EagerAttention.apply(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, options)
+        else:
+            o = options
+            result = _core_plan.forward(q, k, v, causal, o["window"], align, bias, o["dropout_p"], seed, offset,
+                                        o["scale"], cu_seqlens_q, cu_seqlens_k, o["max_seqlen_q"], o["max_seqlen_k"],
+                                        layout, None, None, return_mask, library)
         out, lse = result[:2]
         mask = result[2] if return_mask else None
     else:

@@ -321,10 +321,10 @@ def test_a_prepared_launch_hands_the_driver_what_the_handle_would(built_images: 
 
 
 # ---------------------------------------------------------------------------------------------
-# The torch wrapper: inference calls skip the dispatcher, autograd and modes keep the op.
+# The torch wrapper: eager calls skip the dispatcher (autograd through a Function), modes keep the op.
 # ---------------------------------------------------------------------------------------------
 
-def test_the_torch_wrapper_runs_the_plan_directly_unless_autograd_or_a_mode_needs_the_op(
+def test_the_torch_wrapper_runs_the_plan_directly_unless_a_mode_needs_the_op(
         lib: RecordingLibrary, monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -335,17 +335,32 @@ def test_the_torch_wrapper_runs_the_plan_directly_unless_autograd_or_a_mode_need
     monkeypatch.setattr(op_torch, "attention_fwd", lambda *a: through_op.append(1) or real(*a))
     q, k, v = qkv()
     out = op_torch.attention(q, k, v, causal=True, library=lib)
-    assert through_op == [] and out.shape == q.shape
+    assert through_op == [] and out.shape == q.shape and out.grad_fn is None
     direct = launched(lib)[0][1]
+    # Eager autograd: the same plan under an autograd.Function, no dispatcher round trip.
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    op_torch.attention(*leaves, causal=True, library=lib)
-    assert through_op == [1]
-    via_op = launched(lib)[0][1]
+    out_fn = op_torch.attention(*leaves, causal=True, library=lib)
+    assert through_op == [] and type(out_fn.grad_fn).__name__ == "_EagerAttentionBackward"
+    via_fn = launched(lib)[0][1]
     assert {n: x for n, x in direct.items() if not isinstance(x, torch.Tensor)} == \
-        {n: x for n, x in via_op.items() if not isinstance(x, torch.Tensor)}
+        {n: x for n, x in via_fn.items() if not isinstance(x, torch.Tensor)}
+    grad = torch.randn_like(out_fn)
+    out_fn.backward(grad)
+    bwd_fn = launched(lib)
+    assert [name for name, _ in bwd_fn] == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
+    # The custom op's autograd formula (what torch.compile records) launches the same kernels.
+    op_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_op = real(*op_leaves, None, None, None, -1, -1, True, -1, -1, "top_left", 0.0, 0, 0, q.shape[-1] ** -0.5,
+                  "bhsd", False, False, op_torch._library_key(lib))[0]
+    out_op.backward(grad)
+    scalars = [(name, {n: x for n, x in values.items() if not isinstance(x, torch.Tensor)}) for name, values in
+               launched(lib)]
+    assert scalars == [(name, {n: x for n, x in values.items() if not isinstance(x, torch.Tensor)})
+                       for name, values in [("attn_fwd", via_fn), *bwd_fn]]
     with torch.no_grad():
         op_torch.attention(*leaves, causal=True, library=lib)
-    assert through_op == [1]
+    assert through_op == []
 
     class Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
@@ -353,7 +368,7 @@ def test_the_torch_wrapper_runs_the_plan_directly_unless_autograd_or_a_mode_need
 
     with Watch():
         op_torch.attention(q, k, v, causal=True, library=lib)
-    assert through_op == [1, 1]
+    assert through_op == [1]
 
 
 # ---------------------------------------------------------------------------------------------
