@@ -626,6 +626,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         launch = _LAUNCHES.get(key)
         # A plan holds while its library's tuning rules do (a benchmark comparing configs swaps them).
         if launch is not None and launch.ks.rules is launch.rules:
+            if launch.fast is not None:
+                return launch.run_fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
             return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
     p, infos = _plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                      v_new=v_new, causal=causal, window=window, scale=scale, max_seqlen_k=max_seqlen_k,
@@ -650,6 +652,9 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         _LAUNCHES[key] = launch
     return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos)
 
+
+#: The array arguments of the decode kernels, in the order run_fast gathers their addresses.
+_POINTERS = ("Q", "K", "V", "Out", "LSE", "BlockTable", "CacheSeqlens", "KNew", "VNew", "PartO", "PartL")
 
 # Launch plans of recent torch calls, by everything that decides them (shapes, strides, dtypes,
 # devices, alignment, options): a repeated decode step skips validation and planning.
@@ -716,6 +721,70 @@ class _Launch:
                      **_named("v", "n", p.v_strides), **_named("o", "m", o_strides),
                      **_named("kn", "m", p.kn_strides), **_named("vn", "m", p.vn_strides),
                      "stride_lz": p.heads_q * p.seqlen_q, "stride_lh": p.seqlen_q}
+        self.fast = self._prepare() if xp.name == "torch" and p.device >= 0 and not p.q_copy else None
+        self.lens = None  # the constant lengths array of "full"/"int" calls, made on the first fast call
+
+    def _prepare(self) -> list | None:
+        """Integer-address launches for torch tensors (as the attention plans do): per kernel,
+        ``(launch, template, pointer slots)``, the scalars checked and the grid computed once.
+        None when a handle cannot take them (the per-call handle path then serves)."""
+        import sys
+
+        torch = sys.modules["torch"]
+        backend = "hip" if getattr(torch.version, "hip", None) else "cuda"
+        values = {**self.base, **dict.fromkeys(_POINTERS, 0)}
+        prepared = []
+        for handle in (self.append, self.decode, self.combine):
+            if handle is None:
+                continue
+            if not callable(getattr(handle, "prepare", None)) or \
+                    getattr(getattr(handle, "library", None), "backend_now", None) != backend:
+                return None
+            template = [values[n] for n in handle.arg_names]
+            launch = handle.prepare(self.p.device, template)
+            if launch is None:
+                return None
+            slots = tuple((i, _POINTERS.index(n)) for i, n in enumerate(handle.arg_names) if n in _POINTERS)
+            prepared.append((launch, template, slots))
+        self.torch = torch
+        self.stream = interop._torch_stream_getter()
+        self.tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[self.p.dtype]
+        return prepared
+
+    def run_fast(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
+                 out: Any) -> tuple[Any, Any]:
+        """A repeated torch call: allocate, fill the address slots, launch (no per-call checks)."""
+        torch, p, dev = self.torch, self.p, q.device
+        o = out if out is not None else torch.empty(self.q_shape, dtype=self.tdtype, device=dev)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
+        if p.batch == 0 or p.heads_q == 0:
+            return o, lse
+        if self.lens_mode == "array":
+            lens = cache_seqlens
+        else:
+            lens = self.lens
+            if lens is None:
+                lens = self.seqlens(q, cache_seqlens)
+                # Kept only when made outside a CUDA graph capture (a captured fill never ran).
+                if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    self.lens = lens
+        if self.combine is not None:
+            part_o = torch.empty((self.part_rows, p.head_dim), dtype=torch.float32, device=dev).data_ptr()
+            part_l = torch.empty((self.part_rows,), dtype=torch.float32, device=dev).data_ptr()
+        else:
+            part_o = part_l = 0
+        # In _POINTERS order.
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                     block_table.data_ptr() if block_table is not None else 0, lens.data_ptr(),
+                     k_new.data_ptr() if k_new is not None else 0, v_new.data_ptr() if v_new is not None else 0,
+                     part_o, part_l)
+        stream = self.stream(p.device)
+        for launch, template, slots in self.fast:
+            args = list(template)
+            for i, j in slots:
+                args[i] = addresses[j]
+            launch(stream, tuple(args))
+        return o, lse
 
     def seqlens(self, like: Any, cache_seqlens: Any, infos: dict | None = None) -> Any:
         if self.lens_mode == "full":

@@ -576,3 +576,69 @@ def test_decode_kernels_are_in_the_default_and_gputest_sets() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     _main(sys.argv[1:])
+
+
+class _AddressHandle(_Handle):
+    """Records each launch by argument name, arrays as their addresses; prepared launches too."""
+
+    library = type("Lib", (), {"backend_now": "cuda"})()
+
+    def __call__(self, *args: Any) -> None:
+        LAUNCHES.append(("call", self.decl.name, {n: a.data_ptr() if hasattr(a, "data_ptr") else (0 if a is None
+                                                  else a) for n, a in zip(self.arg_names, args, strict=True)}))
+
+    def prepare(self, device: int, values: list) -> Any:
+        assert device == 0
+        def launch(stream: int, args: tuple) -> None:
+            assert stream == 0x77
+            LAUNCHES.append(("prepared", self.decl.name, dict(zip(self.arg_names, args, strict=True))))
+        return launch
+
+
+@pytest.mark.parametrize("paged,lens", [(0, "array"), (16, "array"), (0, "full"), (0, "int")])
+def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_arguments(
+        monkeypatch: pytest.MonkeyPatch, paged: int, lens: str) -> None:
+    import torch
+
+    from aotriton_rt import interop
+
+    names = {torch.float16: "fp16", torch.int32: "i32"}
+    monkeypatch.setattr(op, "_describe", lambda obj, name: interop.ArrayInfo(
+        obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()), "torch"))
+    monkeypatch.setattr(interop, "_torch_stream_getter", lambda: (lambda device: 0x77))
+    lib = _Library()
+    monkeypatch.setattr(lib, "kernel", lambda name, **params: _AddressHandle(lib.decls[name], params))
+    B, Hk, D = 2, 2, 64
+    q = torch.randn(B, 1, 8, D).half()
+    if paged:
+        k = torch.randn(8, paged, Hk, D).half()
+        table = torch.arange(8, dtype=torch.int32).reshape(B, 4)
+    else:
+        k, table = torch.randn(B, 256, Hk, D).half(), None
+    v = torch.randn_like(k)
+    kn, vn = torch.randn(B, 1, Hk, D).half(), torch.randn(B, 1, Hk, D).half()
+    seqlens = {"array": torch.tensor([37, 60], dtype=torch.int32), "full": None, "int": 50}[lens]
+    new = {"k_new": kn, "v_new": vn} if lens != "full" else {}
+    op._LAUNCHES.clear()
+    LAUNCHES.clear()
+    outs = [op.decode_attention(q, k, v, cache_seqlens=seqlens, block_table=table, num_splits=3, causal=True,
+                                check=False, library=lib, **new) for _ in range(3)]
+    kernels = (["attn_decode_append"] if new else []) + ["attn_decode", "attn_decode_combine"]
+    n = len(kernels)
+    first, second, third = LAUNCHES[:n], LAUNCHES[n:2 * n], LAUNCHES[2 * n:]
+    assert [(w, n) for w, n, _ in first] == [("call", n) for n in kernels]
+    assert [(w, n) for w, n, _ in second] == [(w, n) for w, n, _ in third] == [("prepared", n) for n in kernels]
+    fresh = {"Out", "LSE", "PartO", "PartL", "CacheSeqlens"}  # new arrays each call (lengths: made once)
+    for (_, _, a), (_, _, b), (_, _, c) in zip(first, second, third):
+        assert {n: x for n, x in a.items() if n not in fresh} == {n: x for n, x in b.items() if n not in fresh}
+        if "Out" in b:
+            assert b["Out"] == outs[1][0].data_ptr() and b["LSE"] == outs[1][1].data_ptr()
+        if "PartO" in b:
+            assert b["PartO"] and b["PartL"] and b["PartO"] != b["PartL"]
+        if "CacheSeqlens" not in b:
+            continue
+        if lens == "array":
+            assert a["CacheSeqlens"] == b["CacheSeqlens"] == seqlens.data_ptr()
+        else:  # the constant lengths array is made once per plan and reused
+            assert b["CacheSeqlens"] == c["CacheSeqlens"] != 0
+    assert op._LAUNCHES and all(launch.fast is not None for launch in op._LAUNCHES.values())
