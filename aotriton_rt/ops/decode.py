@@ -662,6 +662,20 @@ _LAUNCHES: dict[tuple, _Launch] = {}
 _MAX_LAUNCHES = 256
 
 
+def cached_launch(q: Any, k_cache: Any, v_cache: Any, *, causal: bool = False, window: Any = None,
+                  scale: Any = None, layout: str = "bshd", cache_layout: str = "bshd", library: Any = None) -> Any:
+    """The launch plan a :func:`decode_attention` call with these arguments (no lengths, table,
+    append or ``out``) made and cached, when it runs repeated calls with integer addresses; else None.
+
+    For the attention operator's plans, whose own key already pins everything this plan depends
+    on: they keep it and call ``run_fast(q, k, v, None, None, None, None, None)`` directly.
+    """
+    key = _torch_key(q, k_cache, v_cache, None, None, None, None, None, causal, window, scale, None, None, layout,
+                     cache_layout, library)
+    launch = _LAUNCHES.get(key) if key is not None else None
+    return launch if launch is not None and launch.fast is not None else None
+
+
 def _torch_key(q: Any, k: Any, v: Any, lens: Any, table: Any, kn: Any, vn: Any, out: Any, *options: Any
                ) -> tuple | None:
     """A key for the launch cache when every array is a torch tensor (else None: full checks)."""
@@ -768,9 +782,9 @@ class _Launch:
                 # Kept only when made outside a CUDA graph capture (a captured fill never ran).
                 if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                     self.lens = lens
-        if self.combine is not None:
-            part_o = torch.empty((self.part_rows, p.head_dim), dtype=torch.float32, device=dev).data_ptr()
-            part_l = torch.empty((self.part_rows,), dtype=torch.float32, device=dev).data_ptr()
+        if self.combine is not None:  # one allocation: the partial outputs, then their logsumexps
+            part_o = torch.empty((self.part_rows * (p.head_dim + 1),), dtype=torch.float32, device=dev).data_ptr()
+            part_l = part_o + self.part_rows * p.head_dim * 4
         else:
             part_o = part_l = 0
         # In _POINTERS order.

@@ -199,12 +199,21 @@ def test_attention_routes_decoding_to_the_decode_kernels_and_matches_prefill(lib
     aotriton_rt.ops.decode.decode_attention = spy
     try:
         out, lse = aotriton_rt.attention(q, k, v, causal=True, align="bottom_right", library=lib)
+        # Repeated calls of the signature run the kept decode plan (integer addresses), on new data.
+        repeats = []
+        for _ in range(2):
+            q2, k2 = torch.randn_like(q), torch.randn_like(k)
+            repeats.append((q2, k2, aotriton_rt.attention(q2, k2, v, causal=True, align="bottom_right",
+                                                          library=lib)[0]))
     finally:
         aotriton_rt.ops.decode.decode_attention = original
     assert launched == ["bhsd"]
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
     assert (out.float() - ref).abs().max().item() < 2e-2
     assert lse.shape == (4, 32, 1) and lse.dtype == torch.float32
+    for q2, k2, out2 in repeats:
+        ref = torch.nn.functional.scaled_dot_product_attention(q2.float(), k2.float(), v.float(), enable_gqa=True)
+        assert (out2.float() - ref).abs().max().item() < 2e-2
 
 
 def test_decode_step_replays_in_a_cuda_graph_with_new_lengths(lib: aotriton_rt.Library) -> None:
