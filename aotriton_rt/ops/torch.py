@@ -40,8 +40,11 @@ _I64 = 2**63
 _OFFSET_STEP = 4  # torch advances its Philox offset in multiples of 4 (one 128-bit draw)
 
 
+@torch.compiler.assume_constant_result
 def _library_key(library: Any) -> int:
-    # Operators take only tensors and scalars: a Library travels as a registry key.
+    # Operators take only tensors and scalars: a Library travels as a registry key. Under
+    # torch.compile this runs while tracing (a constant of the graph): traced, the registration
+    # would be a side effect replayed only after the graph, whose op would not find the key.
     if library is None:
         return 0
     key = id(library)

@@ -392,6 +392,8 @@ def run_case(name: str, case: dict) -> dict:
 
 def _opcheck(lib: InterpretedLibrary, q: Any, k: Any, v: Any) -> dict:
     """torch.library.opcheck on both ops, and a torch.compile training step (aot_eager)."""
+    import copy
+
     import torch
 
     from aotriton_rt.ops import torch as op_torch
@@ -409,8 +411,12 @@ def _opcheck(lib: InterpretedLibrary, q: Any, k: Any, v: Any) -> dict:
     except Exception as exc:  # reported to the test
         failed.append(f"opcheck: {type(exc).__name__}: {str(exc)[:1500]}")
 
+    # A library the ops have never seen: compiled code must register it while tracing, not as a
+    # side effect replayed after the graph (whose op then looked it up in vain).
+    fresh = copy.copy(lib)
+
     def step(q: Any, k: Any, v: Any) -> Any:
-        return op_torch.attention(q, k, v, causal=True, library=lib).float().square().mean()
+        return op_torch.attention(q, k, v, causal=True, library=fresh).float().square().mean()
 
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
