@@ -308,14 +308,23 @@ def _lowering(ctx: Any, *operands: Any, call: _Call) -> Any:
         def nothing(*ops: Any) -> list:
             return [jnp.zeros(s, d) for s, d, _ in call.outs] + [ops[i] for i, _ in call.aliases]
         return mlir.lower_fun(nothing, multiple_results=True)(ctx, *operands)
-    rule = jax.ffi.ffi_lowering(jaxlib_triton.TARGET, operand_output_aliases=dict(call.aliases),
-                                has_side_effect=False)
     scratch = jaxlib_triton.scratch_bytes(variant, grid)
     if not scratch:
+        rule = jax.ffi.ffi_lowering(jaxlib_triton.TARGET, operand_output_aliases=dict(call.aliases),
+                                    has_side_effect=False)
         return rule(ctx, *operands, opaque=opaque)
-    # XLA allocates the scratch like any result (inside a command buffer too) and drops it after.
-    with_scratch = ctx.replace(avals_out=[*ctx.avals_out, jax.core.ShapedArray((scratch,), jnp.uint8)])
-    return list(rule(with_scratch, *operands, opaque=opaque))[:-1]
+    # The scratch is one more result, which XLA allocates like any other (inside a command buffer
+    # too) and the caller never sees. jaxlib hands buffers to array parameters in order, operands
+    # then results, so it sits right after the fresh results that parameters consume and before
+    # the aliased results that none does (their memory is their operand's).
+    fresh = len(call.outs)
+    avals = list(ctx.avals_out)
+    with_scratch = ctx.replace(avals_out=[*avals[:fresh], jax.core.ShapedArray((scratch,), jnp.uint8),
+                                          *avals[fresh:]])
+    rule = jax.ffi.ffi_lowering(jaxlib_triton.TARGET, has_side_effect=False,
+                                operand_output_aliases={op: res + 1 for op, res in call.aliases})
+    results = list(rule(with_scratch, *operands, opaque=opaque))
+    return results[:fresh] + results[fresh + 1:]
 
 
 mlir.register_lowering(kernel_p, _lowering, platform="cuda")

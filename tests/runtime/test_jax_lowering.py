@@ -161,6 +161,15 @@ def test_global_scratch_is_one_more_xla_result_so_command_buffers_can_capture_th
     assert len(call["params"]) == 5 and call["params"][4] == [(1, 2, b"\x10\x80\x01")]
     # ... and the kernel itself declares no scratch, so jaxlib allocates none.
     assert call["ints"] == plain["ints"] and call["params"][:4] == plain["params"]
+    # An output before an input is an aliased operand whose result no parameter consumes: the
+    # scratch goes before it, right after what the parameters take (operands, fresh results).
+    softmax = aj.kernel("softmax", dtype="fp32", BLOCK=256, library=lib, arch="sm90")
+    x = jax.ShapeDtypeStruct((4, 100), jnp.float32)
+    low = lower(lambda a: softmax(aj.Out(a.shape, a.dtype), a, 4, 100, 100, 100), x)
+    hlo = low.as_text()
+    assert "-> (tensor<1536xui8>, tensor<4x100xf32>)" in hlo, hlo  # 4 programs x 384 bytes
+    assert "output_operand_alias<output_tuple_indices = [1], operand_index = 0" in hlo, hlo
+    assert [o.shape for o in jax.tree.leaves(low.out_info)] == [(4, 100)]
 
 
 def test_an_output_before_an_input_is_a_zeroed_operand_aliased_to_its_result(lib) -> None:
