@@ -199,7 +199,7 @@ class Choice:
 
     @property
     def reason(self) -> str:
-        """One line: ``tuned (rule #i of tuning['attn_fwd'], from ..., seqlen_q bin [a, b])`` or
+        """One line: ``tuned (rule #i of tuning['attn_fwd'], from ..., seqlen_q in [a, b])`` or
         ``untuned (heuristic: ...)``."""
         if self.rule is None:
             return f"untuned (no rule of tuning[{self.kernel!r}] matches; heuristic: {UNTUNED_HEURISTIC})"
@@ -210,7 +210,7 @@ class Choice:
             bounds = self.rule.get(axis)
             if bounds is not None:
                 lo, hi = bounds
-                where.append(f"{axis} bin [{lo if lo is not None else 0}, {hi if hi is not None else 'inf'}]")
+                where.append(f"{axis} in [{lo if lo is not None else 0}, {hi if hi is not None else 'inf'}]")
         if "arch" in self.rule:
             where.append(f"arch {self.rule['arch']}")
         return "tuned (" + ", ".join(where) + ")"
@@ -226,7 +226,7 @@ def explain_config(rules: Any, *, kernel: str, spec: Mapping[str, Any], seqlen_q
     Example::
 
         choice = explain_config(rules, kernel="attn_fwd", spec=spec, seqlen_q=4096, seqlen_k=4096, arch="sm90")
-        print(choice.config, choice.reason)   # 1 tuned (rule #3 of tuning['attn_fwd'], from ..., seqlen_q bin ...)
+        print(choice.config, choice.reason)   # 1 tuned (rule #3 of tuning['attn_fwd'], from ..., seqlen_q in ...)
     """
     hit = _matching_rule(rules, kernel, spec, seqlen_q, seqlen_k, arch)
     if hit is None:

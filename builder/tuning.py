@@ -134,7 +134,7 @@ def decide(entries: Iterable[Entry], arch: str, source: str, tolerance: float = 
             high = None if i == len(runs) - 1 else runs[i + 1][0] - 1
             rules.setdefault(kernel, []).append({
                 "arch": arch, "spec": dict(specs[key]), axis: [low, high], "config": t.index,
-                "source": f"{source}, {axis} bins {lo}..{hi}", "expect": dict(t.params)})
+                "source": f"{source}, measured at {axis} {lo}..{hi}", "expect": dict(t.params)})
     return rules
 
 

@@ -24,8 +24,9 @@ def _params(spec: dict, index: int, arch: str = "sm90") -> dict:
 
 
 def _entry(n: int, times: list[float | None], spec: dict = FWD, kernel: str = "attn_fwd") -> Entry:
-    return Entry(kernel, spec, n, {"batch": max(1, (1 << 19) // (n * 32)), "heads": 32, "seqlen_q": n, "seqlen_k": n},
-                 tuple(Timing(i, _params(spec, i) if kernel == "attn_fwd" else {"i": i}, t) for i, t in enumerate(times)))
+    shape = {"batch": max(1, (1 << 19) // (n * 32)), "heads": 32, "seqlen_q": n, "seqlen_k": n}
+    return Entry(kernel, spec, n, shape, tuple(Timing(i, _params(spec, i) if kernel == "attn_fwd" else {"i": i}, t)
+                                               for i, t in enumerate(times)))
 
 
 def test_an_exact_tie_goes_to_the_lowest_config_index() -> None:
@@ -50,7 +51,7 @@ def test_consecutive_bins_with_one_winner_become_one_range_open_at_both_ends() -
     rules = tuning.decide(entries, "sm90", "db")["attn_fwd"]
     assert [(r["seqlen_q"], r["config"]) for r in rules] == [([None, 4095], 0), ([4096, 16383], 1),
                                                               ([16384, None], 2)]
-    assert rules[1]["source"] == "db, seqlen_q bins 4096..8192"
+    assert rules[1]["source"] == "db, measured at seqlen_q 4096..8192"
     assert rules[1]["expect"] == _params(FWD, 1) and rules[1]["spec"] == FWD and rules[1]["arch"] == "sm90"
 
 
@@ -58,7 +59,7 @@ def test_the_dkdv_kernel_is_binned_on_the_key_length() -> None:
     spec = {"dtype": "fp16", "HEAD_DIM": 64}
     rules = tuning.decide([_entry(1024, [1, 2], spec, "attn_bwd_dkdv")], "sm90", "db")["attn_bwd_dkdv"]
     assert rules == [{"arch": "sm90", "spec": spec, "seqlen_k": [None, None], "config": 0, "source":
-                      "db, seqlen_k bins 1024..1024", "expect": {"i": 0}}]
+                      "db, measured at seqlen_k 1024..1024", "expect": {"i": 0}}]
 
 
 def test_the_same_measurements_give_the_same_bytes_in_any_order() -> None:
@@ -127,7 +128,7 @@ def test_fold_keeps_rules_whose_config_the_build_holds_as_measured_and_strips_ex
     assert notes == ["sm90.json: 2 rules folded, 0 dropped"]
     assert [r["config"] for r in table["attn_fwd"]] == [0, 1]
     assert all("expect" not in r for r in table["attn_fwd"])
-    assert table["attn_fwd"][1]["source"] == "tuning database sm90 (H200), seqlen_q bins 4096..4096"
+    assert table["attn_fwd"][1]["source"] == "tuning database sm90 (H200), measured at seqlen_q 4096..4096"
     assert table["attn_decode"] == [{"arch": "sm90", "config": 0}]  # the kernels' own rules follow
 
 
@@ -137,7 +138,8 @@ def test_fold_drops_a_rule_whose_config_changed_since_it_was_measured() -> None:
     table, notes = tuning.fold([("old.json", db)], _jobs())
     assert table == {}
     assert notes[0] == "old.json: 0 rules folded, 1 dropped"
-    assert "config #1 is now" in notes[1] and "measured" in notes[1] and "run `python -m builder tune` again" in notes[1]
+    assert "config #1 is now" in notes[1] and "measured" in notes[1]
+    assert notes[1].endswith("run `python -m builder tune` again")
 
 
 def test_fold_drops_a_rule_for_a_variant_not_built_and_ignores_other_archs() -> None:
@@ -153,7 +155,8 @@ def test_a_build_folds_a_database_given_on_the_command_line_into_its_catalog(tmp
 
     add = {"dtype": "fp32"}
     good = Entry("add", add, 1024, {}, (Timing(0, {"BLOCK": 1024, "num_warps": 4, "num_stages": 1}, 3.0),))
-    stale = Entry("add", {"dtype": "fp16"}, 1024, {}, (Timing(0, {"BLOCK": 512, "num_warps": 4, "num_stages": 1}, 3.0),))
+    stale = Entry("add", {"dtype": "fp16"}, 1024, {},
+                  (Timing(0, {"BLOCK": 512, "num_warps": 4, "num_stages": 1}, 3.0),))
     _write_db(tmp_path / "sm90.json", [good, stale])
     run = subprocess.run([sys.executable, "-m", "builder", "build", "--targets", "sm90", "--kernels", "add", "-q",
                           "-j", "1", "--out", str(tmp_path / "img"), "--tuning-db", str(tmp_path / "sm90.json")],
@@ -163,7 +166,7 @@ def test_a_build_folds_a_database_given_on_the_command_line_into_its_catalog(tmp
     assert "config #0 is now {'BLOCK': 1024, 'num_warps': 4, 'num_stages': 1}" in run.stderr
     rules = Catalog.load(tmp_path / "img").tuning["add"]
     assert rules == [{"arch": "sm90", "spec": add, "seqlen_q": [None, None], "config": 0,
-                      "source": "tuning database sm90 (NVIDIA H200), seqlen_q bins 1024..1024"}]
+                      "source": "tuning database sm90 (NVIDIA H200), measured at seqlen_q 1024..1024"}]
 
 
 def test_checked_in_databases_are_found_by_arch(tmp_path: Path) -> None:

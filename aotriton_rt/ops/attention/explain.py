@@ -99,7 +99,8 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
     Returns:
         an :class:`Explanation`; ``str()`` of it prints one line per kernel, e.g.
         ``attn_fwd[...] config #1 (BLOCK_M=128 ...): tuned (rule #4 of tuning['attn_fwd'], from
-        tuning database sm90 (NVIDIA H200), seqlen_q bin [4096, 8191], arch sm90)``.
+        tuning database sm90 (NVIDIA H200), measured at seqlen_q 4096..8192, seqlen_q in [4096, inf],
+        arch sm90)``.
 
     Raises:
         ArgumentError: a malformed fact, or an ``arch`` the images do not hold.
