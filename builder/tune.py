@@ -1,7 +1,8 @@
 """``python -m builder tune``: time every built config of the attention kernels on this GPU, through
 the runtime, into a tuning database (:mod:`builder.tuning` owns its format and decisions).
 
-For each kernel asked (``attn_fwd``, ``attn_bwd_dkdv``, ``attn_bwd_dq``), each combination of
+For each kernel asked (default ``attn_fwd``, ``attn_bwd_dkdv``, ``attn_bwd_dq``; any kernel that an
+attention forward or deterministic backward call launches on this arch), each combination of
 dtype, head dim and causal mask asked, and each sequence-length bin (powers of two), it finds the
 spec the operator dispatches for that call and every config the image folder holds for it on this
 GPU's arch. Kernels with one config are skipped. Each config is then run *by the runtime*: the
@@ -115,18 +116,26 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
             causals: Sequence[bool], bins: Sequence[int], *, heads: int = 32, tokens: int = 1 << 19,
             rounds: int = 5, seed: int = 0, flush_l2: bool = False, log=print) -> list[tuning.Entry]:
     """Every entry of the database (GPU; see the module docs)."""
+    from aotriton_rt.errors import KernelNotFound
     from aotriton_rt.ops.attention import explain
 
     views: dict[tuple[str, int], ForcedConfig] = {}
     entries: list[tuning.Entry] = []
     for dtype, d, causal in itertools.product(dtypes, head_dims, causals):
-        for kernel in kernels:
-            backward = kernel != "attn_fwd"
-            picks = explain(dtype=dtype, head_dim=d, seqlen_q=1024, causal=causal, backward=backward, arch=arch,
-                            deterministic=backward, library=lib).kernels
-            spec = next((p.spec for p in picks if p.kernel == kernel), None)
-            if spec is None:
+        # The kernels a forward and a (deterministic) backward call launch, with their specs.
+        launched = {}
+        for backward in (False, True):
+            try:
+                picks = explain(dtype=dtype, head_dim=d, seqlen_q=1024, causal=causal, backward=backward, arch=arch,
+                                deterministic=True, library=lib).kernels
+            except KernelNotFound:  # e.g. images without the backward: its kernels are not asked for
                 continue
+            launched.update({pick.kernel: (pick.spec, backward) for pick in picks})
+        for kernel in kernels:
+            if kernel not in launched:
+                log(f"{kernel}: not launched by {dtype} D{d} {'causal' if causal else 'full'} calls on {arch}")
+                continue
+            spec, backward = launched[kernel]
             configs = configs_of(lib, kernel, spec, arch)
             label = f"{kernel} {dtype} D{d} {'causal' if causal else 'full'}"
             if len(configs) < 2:
@@ -135,7 +144,8 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
             for index, _ in configs:
                 views.setdefault((kernel, index), ForcedConfig(lib, kernel, index))
             for n in bins:
-                entry = _measure_bin(lib, views, kernel, spec, configs, dtype, d, causal, shape_of(n, heads, tokens),
+                entry = _measure_bin(lib, views, kernel, backward, spec, configs, dtype, d, causal,
+                                     shape_of(n, heads, tokens),
                                      rounds=rounds, seed=seed, flush_l2=flush_l2,
                                      log=lambda m, where=f"{label} N{n}": log(f"  {where}: config {m}"))
                 entries.append(entry)
@@ -146,8 +156,8 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
     return entries
 
 
-def _measure_bin(lib: Any, views: dict, kernel: str, spec: dict, configs: list[tuple[int, dict]], dtype: str,
-                 d: int, causal: bool, shape: dict[str, int], *, rounds: int, seed: int, flush_l2: bool,
+def _measure_bin(lib: Any, views: dict, kernel: str, backward: bool, spec: dict, configs: list[tuple[int, dict]],
+                 dtype: str, d: int, causal: bool, shape: dict[str, int], *, rounds: int, seed: int, flush_l2: bool,
                  log) -> tuning.Entry:
     """One entry: every config of ``kernel``/``spec`` checked against config 0, then timed."""
     import torch
@@ -165,7 +175,7 @@ def _measure_bin(lib: Any, views: dict, kernel: str, spec: dict, configs: list[t
     out, lse = aotriton_rt.attention(q, k, v, causal=causal, library=lib)
 
     def call(view: Any) -> Any:
-        if kernel == "attn_fwd":
+        if not backward:
             return aotriton_rt.attention(q, k, v, causal=causal, library=view)
         return aotriton_rt.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=True, library=view)
 
@@ -228,9 +238,6 @@ def main(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise tuning.TuningError("tune needs a GPU (torch sees none); --recompute works without one")
         kernels = [k.strip() for k in (args.kernels or ("attn_fwd" if args.quick else ",".join(TUNABLE))).split(",")]
-        unknown = [k for k in kernels if k not in TUNABLE]
-        if unknown:
-            raise tuning.TuningError(f"--kernels: cannot tune {', '.join(unknown)}; tunable: {', '.join(TUNABLE)}")
         bins = parse_bins(args.bins) if args.bins else (QUICK_BINS if args.quick else DEFAULT_BINS)
         rounds = args.rounds or (3 if args.quick else 5)
         lib = aotriton_rt.Library(args.images)
@@ -267,8 +274,8 @@ def add_cli(sub: Any) -> None:
     t.add_argument("--images", default=None, help="image folder built with every config of the kernels to tune "
                    "(e.g. `build --set gputest --targets sm90 --kernels attn_fwd,...`); default: the documented search")
     t.add_argument("--out", required=True, help="the tuning database to write")
-    t.add_argument("--kernels", default=None, help=f"comma list of {', '.join(TUNABLE)} (default: all; --quick: "
-                   "attn_fwd)")
+    t.add_argument("--kernels", default=None, help="comma list of kernels that attention calls launch (default: "
+                   f"{','.join(TUNABLE)}; --quick: attn_fwd)")
     t.add_argument("--bins", default=None, help="sequence-length bins, powers of two (default "
                    f"{','.join(map(str, DEFAULT_BINS))}; --quick: {','.join(map(str, QUICK_BINS))})")
     t.add_argument("--dtypes", default="fp16,bf16")
