@@ -59,7 +59,7 @@ def cmd_build(args) -> int:
 
 def _tuning_table(args, jobs: list, declared: dict) -> dict:
     """The build's catalog tuning table: the tuning databases' rules (--tuning-db, else the
-    checked-in builder/tuning/<arch>.json of the archs built), then the kernels' own rules."""
+    checked-in builder/tuning_db/<arch>.json of the archs built), then the kernels' own rules."""
     from . import tuning
 
     if args.no_tuning_db:
@@ -138,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
     dbs = b.add_mutually_exclusive_group()
     dbs.add_argument("--tuning-db", action="append", metavar="FILE",
                      help="fold this tuning database (from `tune`) into the catalog's rules; repeatable, the "
-                          "first wins (default: builder/tuning/<arch>.json of each arch built, if present)")
+                          "first wins (default: builder/tuning_db/<arch>.json of each arch built, if present)")
     dbs.add_argument("--no-tuning-db", action="store_true", help="fold no tuning database (untuned build)")
     b.set_defaults(func=cmd_build)
 

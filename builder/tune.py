@@ -20,7 +20,7 @@ rounds in shuffled order, medians). A backward kernel's configs are compared thr
 backward, the other kernels fixed at their own choice, which ranks the configs the same way.
 
     python -m builder tune --images .gpu-images --out tuning.json --quick     # ~1 minute on an H200
-    python -m builder tune --images .gpu-images --out builder/tuning/sm90.json
+    python -m builder tune --images .gpu-images --out builder/tuning_db/sm90.json
     python -m builder tune --recompute tuning.json --tolerance 0.02 --out tuning.json   # no GPU
 """
 
@@ -270,7 +270,7 @@ def add_cli(sub: Any) -> None:
 
     t = sub.add_parser("tune", help="time every built config on this GPU into a tuning database",
                        formatter_class=CliHelp, description=__doc__.split("\n\n")[0] + " Fold the result into "
-                       "a build with `build --tuning-db FILE`, or check it in as builder/tuning/<arch>.json.")
+                       "a build with `build --tuning-db FILE`, or check it in as builder/tuning_db/<arch>.json.")
     t.add_argument("--images", default=None, help="image folder built with every config of the kernels to tune "
                    "(e.g. `build --set gputest --targets sm90 --kernels attn_fwd,...`); default: the documented search")
     t.add_argument("--out", required=True, help="the tuning database to write")

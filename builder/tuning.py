@@ -19,7 +19,7 @@ every decision, as pure functions (tested on the CPU with synthetic timings):
   table that changed since the measurement drops the rule with a reason instead of pointing it
   at another config.
 
-A database for a target checked in as ``builder/tuning/<arch>.json`` is folded into every build
+A database for a target checked in as ``builder/tuning_db/<arch>.json`` is folded into every build
 of that target; ``python -m builder build --tuning-db FILE`` names others (docs/tuning.md).
 """
 
@@ -35,8 +35,8 @@ SCHEMA = "aotriton-rt-tuning"
 SCHEMA_VERSION = 1
 #: The length whose bins a kernel's rules are keyed on: the one that sizes its grid.
 LENGTH_AXIS = {"attn_fwd": "seqlen_q", "attn_bwd_dq": "seqlen_q", "attn_bwd_dkdv": "seqlen_k"}
-#: Checked-in databases, one per arch: ``builder/tuning/<arch>.json``.
-CHECKED_IN = Path(__file__).resolve().parent / "tuning"
+#: Checked-in databases, one per arch: ``builder/tuning_db/<arch>.json``.
+CHECKED_IN = Path(__file__).resolve().parent / "tuning_db"
 DEFAULT_TOLERANCE = 0.01
 _MAX_BYTES = 16 << 20
 _MAX_ENTRIES = 100_000
