@@ -268,11 +268,15 @@ def run(p: Problem, lib: Any, jit: Any, args: argparse.Namespace) -> dict:
         flops = CONTENDERS[name] * p.flops_fwd
         row["contenders"][name] = {**s.to_json(), "tflops": tflops(flops, s.median),
                                    "tflops_min": tflops(flops, s.high), "tflops_max": tflops(flops, s.low)}
-    row["ratios"] = {}
-    for ratio, (a, b) in RATIOS.items():
-        if a in stats and b in stats:
-            row["ratios"][ratio] = stats[b].median / stats[a].median  # speed ratio: ours / other
+    row["ratios"] = ratios({name: s.median for name, s in stats.items()})
     return row
+
+
+def ratios(median_ms: dict[str, float]) -> dict[str, float]:
+    """Speed ratios ours / other (> 1: ours is faster) from median milliseconds per call; the two
+    sides of each ratio do the same work, so it is their inverse time ratio."""
+    return {name: median_ms[other] / median_ms[ours] for name, (ours, other) in RATIOS.items()
+            if ours in median_ms and other in median_ms}
 
 
 def print_tables(rows: list[dict]) -> None:
