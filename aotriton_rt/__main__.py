@@ -77,6 +77,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"catalog: {len(lib.variants)} variants of {len(lib.kernels)} kernels, "
           f"built with triton {', '.join(versions)}")
     print("  " + ", ".join(f"{t}: {n}" for t, n in sorted(per_target.items())))
+    print(_tuning_line(lib))
     for backend, d, _, raw in gpus:
         archs = compatible(backend, normalize(backend, raw))
         usable = [v for v in lib.variants if v.target.backend == backend and v.target.arch in archs]
@@ -102,6 +103,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
                       dropout=args.dropout, varlen=args.varlen, backward=backward,
                       deterministic=args.deterministic, arch=args.arch, library=lib))
     return 0
+
+
+def _tuning_line(lib) -> str:
+    """Which kernels have tuning rules and where they came from (the rest run config 0, untuned)."""
+    table: dict = {}
+    for cat in lib.catalogs:
+        for name, rules in (cat.tuning or {}).items():
+            table.setdefault(name, rules)  # the first folder's table wins, as at run time
+    if not table:
+        return "tuning: no rules (every kernel untuned: config 0, docs/tuning.md)"
+    parts = []
+    for name, rules in sorted(table.items()):
+        sources = sorted({str(r.get("source", "declared by the kernel")).split(", measured at")[0] for r in rules})
+        parts.append(f"{name} {len(rules)} rules ({'; '.join(sources)})")
+    return "tuning: " + ", ".join(parts) + "; other kernels untuned (`explain attention` says per call)"
 
 
 def parser() -> argparse.ArgumentParser:

@@ -251,6 +251,9 @@ def main(args: argparse.Namespace) -> int:
         entries = measure(lib, arch, kernels, dtypes, head_dims, causals, bins, heads=args.heads,
                           tokens=args.tokens, rounds=rounds, seed=args.seed, flush_l2=args.flush_l2,
                           log=lambda m: print(m, flush=True))
+        if not entries:
+            raise tuning.TuningError(f"nothing to tune: no kernel of {', '.join(kernels)} has two configs built for "
+                                     f"these calls on {arch} in {', '.join(map(str, lib.found.folders))}")
         method = {"rounds": rounds, "seed": args.seed, "order": "shuffle", "heads": args.heads, "tokens": args.tokens,
                   "flush_l2": args.flush_l2, "timing": "CUDA events per call, median per round, median of rounds"}
         db = tuning.database(entries, arch=arch, machine=machine, method=method, tolerance=args.tolerance)

@@ -207,3 +207,13 @@ def test_a_bin_is_measured_at_the_benchmark_shapes() -> None:
     from builder.tune import shape_of
 
     assert [shape_of(n, 32, 1 << 19)["batch"] for n in (512, 1024, 4096, 16384, 32768)] == [32, 16, 4, 1, 1]
+
+
+def test_tune_without_a_gpu_says_so_and_names_the_way_that_needs_none(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: tests/runtime/test_tune_gpu.py runs tune")
+    run = subprocess.run([sys.executable, "-m", "builder", "tune", "--out", str(tmp_path / "t.json")], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and not (tmp_path / "t.json").exists()
+    assert run.stderr.strip() == "error: tune needs a GPU (torch sees none); --recompute works without one"

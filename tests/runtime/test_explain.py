@@ -145,3 +145,16 @@ def test_the_explain_command_prints_the_pick_without_a_gpu(tuned: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "aotriton_rt", "explain", "attention", "--images", str(tuned),
                           "--arch", "gfx942", "--seqlen", "64"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.strip() == "error: arch 'gfx942' has no images here; built: sm90"
+
+
+def test_info_names_the_tuned_kernels_and_their_database(tuned: Path, tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "aotriton_rt", "info", "--images", str(tuned)], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert ("tuning: attn_fwd 2 rules (tuning database sm90 (NVIDIA H200)); other kernels untuned "
+            "(`explain attention` says per call)") in run.stdout.splitlines()
+    (tmp_path / "catalog.json").write_text(json.dumps({**json.loads((tuned / "catalog.json").read_text()),
+                                                       "tuning": {}}))
+    bare = subprocess.run([sys.executable, "-m", "aotriton_rt", "info", "--images", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert "tuning: no rules (every kernel untuned: config 0, docs/tuning.md)" in bare.stdout
