@@ -115,6 +115,8 @@ def test_explain_refuses_bad_facts_and_names_what_is_missing(tuned: Path) -> Non
         op.explain(dtype="fp16", head_dim=128, seqlen_q=64, arch="sm80", library=lib)
     with pytest.raises(ArgumentError, match=r"dtype must be one of fp16, bf16, fp32, got 'int8'"):
         op.explain(dtype="int8", head_dim=128, seqlen_q=64, library=lib)
+    with pytest.raises(ArgumentError, match=r"scheme must be None, 'split' or 'atomic', got 'fused'"):
+        op.explain(dtype="fp16", head_dim=128, seqlen_q=64, backward=True, scheme="fused", library=lib)
     with pytest.raises(ArgumentError, match=r"seqlen_q must be an integer in \[1, 2\*\*31 - 1\], got 0"):
         op.explain(dtype="fp16", head_dim=128, seqlen_q=0, library=lib)
     with pytest.raises(KernelNotFound, match=r"needs attn_fwd with dtype=bf16, .* on sm90, which these images lack"):

@@ -118,7 +118,10 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
     seqlen_q = _length(seqlen_q, "seqlen_q")
     seqlen_k = _length(seqlen_q if seqlen_k is None else seqlen_k, "seqlen_k")
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    bucket(head_dim), bucket(head_dim_v)  # noqa: B018 - refuses head dims past the largest bucket
+    for d in (head_dim, head_dim_v):
+        bucket(d)  # refuses head dims past the largest bucket, as the call would
+    if scheme not in (None, "split", "atomic"):
+        raise ArgumentError(f"scheme must be None, 'split' or 'atomic', got {scheme!r}")
     call = AttentionCall(dtype, head_dim, head_dim_v, (1 if align == "top_left" else 2) if causal else 0,
                          bool(causal) and seqlen_q == seqlen_k, bool(bias), int(bool(dropout)), bool(varlen),
                          seqlen_q, seqlen_k)
