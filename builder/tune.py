@@ -99,8 +99,16 @@ def _machine(arch: str, lib: Any) -> dict:
 
         version = ctypes.c_int()
         ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
-        machine["driver"] = f"{version.value // 1000}.{version.value % 1000 // 10}"
+        machine["driver_api"] = f"{version.value // 1000}.{version.value % 1000 // 10}"
     except OSError:
+        machine["driver_api"] = "unknown"
+    try:
+        import subprocess
+
+        query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i",
+                                str(torch.cuda.current_device())], capture_output=True, text=True, timeout=20)
+        machine["driver"] = query.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
         machine["driver"] = "unknown"
     return machine
 
