@@ -88,6 +88,7 @@ def test_an_unmeasured_call_says_untuned_and_runs_the_heuristic_config_0(tuned: 
         "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
     assert "default: the deterministic split scheme" in backward.scheme_reason
     assert all(k.choice.reason.startswith("untuned") for k in backward.kernels)
+    assert [k.note for k in backward.kernels] == ["the only config built"] * 3 and ex.kernels[0].note == ""
 
 
 @pytest.mark.parametrize("seqlen", [100, 1000, 4096, 5000, 20000])

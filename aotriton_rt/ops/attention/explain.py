@@ -171,6 +171,8 @@ def _pick(ks: Any, name: str, spec: dict[str, Any], call: AttentionCall, arch: s
         # What dispatch does too (config_params gives {}): the lowest config built runs.
         variant = found[0]
         note = f"config #{choice.config} is not in these images, so #{variant.config.index} runs"
+    elif len(by_index) == 1 and not choice.tuned:
+        note = "the only config built"
     params = {**variant.config.constexprs, "num_warps": variant.config.num_warps,
               "num_stages": variant.config.num_stages}
     return KernelPick(name, dict(spec), variant.config.index, params, choice, variant.key, note)
