@@ -122,8 +122,10 @@ def _same(a: Any, b: Any) -> bool:
 
 def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], head_dims: Sequence[int],
             causals: Sequence[bool], bins: Sequence[int], *, heads: int = 32, tokens: int = 1 << 19,
-            rounds: int = 5, seed: int = 0, flush_l2: bool = False, log=print) -> list[tuning.Entry]:
-    """Every entry of the database (GPU; see the module docs)."""
+            rounds: int = 5, seed: int = 0, flush_l2: bool = False, log=print, device: str = "cuda",
+            clock: Any = None) -> list[tuning.Entry]:
+    """Every entry of the database (GPU; see the module docs). ``device``/``clock``: where the inputs
+    live and what times the calls (:class:`builder.gputime.CudaClock` by default); tests pass CPU ones."""
     from aotriton_rt.errors import KernelNotFound
     from aotriton_rt.ops.attention import explain
 
@@ -154,7 +156,7 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
             for n in bins:
                 entry = _measure_bin(lib, views, kernel, backward, spec, configs, dtype, d, causal,
                                      shape_of(n, heads, tokens),
-                                     rounds=rounds, seed=seed, flush_l2=flush_l2,
+                                     rounds=rounds, seed=seed, flush_l2=flush_l2, device=device, clock=clock,
                                      log=lambda m, where=f"{label} N{n}": log(f"  {where}: config {m}"))
                 entries.append(entry)
                 best = tuning.winner(entry.timings)
@@ -166,7 +168,7 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
 
 def _measure_bin(lib: Any, views: dict, kernel: str, backward: bool, spec: dict, configs: list[tuple[int, dict]],
                  dtype: str, d: int, causal: bool, shape: dict[str, int], *, rounds: int, seed: int, flush_l2: bool,
-                 log) -> tuning.Entry:
+                 log, device: str = "cuda", clock: Any = None) -> tuning.Entry:
     """One entry: every config of ``kernel``/``spec`` checked against config 0, then timed."""
     import torch
 
@@ -176,9 +178,9 @@ def _measure_bin(lib: Any, views: dict, kernel: str, backward: bool, spec: dict,
 
     b, h, n = shape["batch"], shape["heads"], shape["seqlen_q"]
     tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     # (B, N, H, D) memory seen as (B, H, N, D): the layout models hold, read in place.
-    q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=tdtype, generator=gen).transpose(1, 2)
+    q, k, v, do = (torch.randn(b, n, h, d, device=device, dtype=tdtype, generator=gen).transpose(1, 2)
                    for _ in range(4))
     out, lse = aotriton_rt.attention(q, k, v, causal=causal, library=lib)
 
@@ -195,7 +197,8 @@ def _measure_bin(lib: Any, views: dict, kernel: str, backward: bool, spec: dict,
             fns[str(index)] = lambda view=view: call(view)
         except Exception as exc:  # noqa: BLE001 - recorded; the config is never chosen
             notes[index] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     first = configs[0][0]
     for index in list(results):
         ref = results.get(first)
@@ -203,7 +206,7 @@ def _measure_bin(lib: Any, views: dict, kernel: str, backward: bool, spec: dict,
         if index != first and ref is not None and not all(_same(a, r) for a, r in pairs):
             notes[index] = f"wrong result: differs from config #{first}"
             del fns[str(index)]
-    stats = time_rounds(fns, rounds=rounds, seed=seed, flush_l2=flush_l2, log=log)
+    stats = time_rounds(fns, rounds=rounds, seed=seed, flush_l2=flush_l2, log=log, clock=clock)
     timings = []
     for index, params in configs:
         st = stats.get(str(index))
