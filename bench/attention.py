@@ -28,7 +28,7 @@ Default shapes (``--shapes``; the issue's acceptance grid), each fp16 and bf16, 
 unless said: ``d128`` B4 H32 N4096 D128; ``d64`` B4 H32 N4096 D64; ``n1024`` B16 H32 N1024 D128;
 ``n16384`` B4 H32 N16384 D128 causal. ``--n/--d/--b/--h`` give a grid of their own instead.
 
-    python bench/attention.py --images DIR --json out.json        # the acceptance grid, ~3-4 min on an H200
+    python bench/attention.py --images DIR --json out.json        # the acceptance grid, estimated 4-5 min
     python bench/attention.py --images DIR --shapes d128 --rounds 8
     python bench/attention.py --images DIR --n 4096 --d 128 --dtype bf16 --causal 1 --no-jit
 """

@@ -19,7 +19,7 @@ format has no batch×heads condition. Timing: :func:`builder.gputime.time_rounds
 rounds in shuffled order, medians). A backward kernel's configs are compared through the whole
 backward, the other kernels fixed at their own choice, which ranks the configs the same way.
 
-    python -m builder tune --images .gpu-images --out tuning.json --quick     # ~1 minute on an H200
+    python -m builder tune --images .gpu-images --out tuning.json --quick     # estimated < 1 min on an H200
     python -m builder tune --images .gpu-images --out builder/tuning_db/sm90.json
     python -m builder tune --recompute tuning.json --tolerance 0.02 --out tuning.json   # no GPU
 """
