@@ -339,7 +339,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seeds the shuffled order")
     ap.add_argument("--flush-l2", action="store_true", help="zero a 2x-L2 buffer before every timed call")
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
-    ap.add_argument("--json", default=None, help="write the results here (after every shape)")
+    ap.add_argument("--json", default=None, help="write the results here after every shape (also "
+                    "$OUT/bench-attention.json when $OUT is set)")
     args = ap.parse_args()
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
 
@@ -371,6 +372,9 @@ def main() -> None:
                                "seed": args.seed, "flush_l2": args.flush_l2, "images": [str(f) for f in
                                                                                         lib.found.folders],
                                "rows": []}
+    outputs = [Path(args.json)] if args.json else []
+    if os.environ.get("OUT"):
+        outputs.append(Path(os.environ["OUT"], "bench-attention.json"))
     for shape in shapes:
         p = Problem(*shape)
         row = run(p, lib, jit, args)
@@ -379,11 +383,9 @@ def main() -> None:
               + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)
         del p
         torch.cuda.empty_cache()
-        if args.json:  # after every shape: a run cut short keeps what it measured
-            Path(args.json).write_text(json.dumps(results, indent=1))
+        for path in outputs:  # after every shape: a run cut short keeps what it measured
+            path.write_text(json.dumps(results, indent=1))
     print_tables(results["rows"])
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "bench-attention.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
