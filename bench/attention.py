@@ -254,7 +254,10 @@ def run(p: Problem, lib: Any, jit: Any, args: argparse.Namespace) -> dict:
     fns: dict[str, Any] = {}
     fns.update(operator_contenders(p, lib, "ours", args.deterministic))
     if jit is not None:
-        fns.update(operator_contenders(p, jit, "jit", args.deterministic))
+        try:
+            fns.update(operator_contenders(p, jit, "jit", args.deterministic))
+        except Exception as exc:  # noqa: BLE001 - e.g. a kernel the JIT cannot launch; the others still run
+            row["errors"]["jit"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     for backend, name in (("cudnn", "cudnn"), ("flash", "fa2")):
         got, err = sdpa_contenders(p, backend, name)
         if err:
