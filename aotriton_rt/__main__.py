@@ -1,7 +1,8 @@
 """python -m aotriton_rt: info about GPUs and images; download and verify image bundles.
 
 Commands: info (GPUs seen, image folders chosen and why, where each came from, digests checked),
-download (install per-target image bundles), verify (re-check installed bundles). Run
+explain (which variant and tuning config an attention call runs, and why), download (install
+per-target image bundles), verify (re-check installed bundles). Run
 `python -m aotriton_rt COMMAND --help` for each command's options.
 """
 
@@ -76,6 +77,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"catalog: {len(lib.variants)} variants of {len(lib.kernels)} kernels, "
           f"built with triton {', '.join(versions)}")
     print("  " + ", ".join(f"{t}: {n}" for t, n in sorted(per_target.items())))
+    print(_tuning_line(lib))
     for backend, d, _, raw in gpus:
         archs = compatible(backend, normalize(backend, raw))
         usable = [v for v in lib.variants if v.target.backend == backend and v.target.arch in archs]
@@ -90,6 +92,34 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .library import Library
+    from .ops.attention import explain
+
+    lib = Library(args.images) if args.images else None
+    for backward in (False, True) if args.backward else (False,):
+        print(explain(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim_v, seqlen_q=args.seqlen,
+                      seqlen_k=args.seqlen_k, causal=args.causal, align=args.align, bias=args.bias,
+                      dropout=args.dropout, varlen=args.varlen, backward=backward,
+                      deterministic=args.deterministic, arch=args.arch, library=lib))
+    return 0
+
+
+def _tuning_line(lib) -> str:
+    """Which kernels have tuning rules and where they came from (the rest run config 0, untuned)."""
+    table: dict = {}
+    for cat in lib.catalogs:
+        for name, rules in (cat.tuning or {}).items():
+            table.setdefault(name, rules)  # the first folder's table wins, as at run time
+    if not table:
+        return "tuning: no rules (every kernel untuned: config 0, docs/tuning.md)"
+    parts = []
+    for name, rules in sorted(table.items()):
+        sources = sorted({str(r.get("source", "declared by the kernel")).split(", measured at")[0] for r in rules})
+        parts.append(f"{name} {len(rules)} rules ({'; '.join(sources)})")
+    return "tuning: " + ", ".join(parts) + "; other kernels untuned (`explain attention` says per call)"
+
+
 def parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -100,6 +130,27 @@ def parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="GPUs seen, image folder chosen and why, catalog statistics")
     info.add_argument("--images", help="an image folder (default: the documented search)")
     info.set_defaults(func=cmd_info)
+    ex = sub.add_parser("explain", help="which variant and tuning config an operator call runs, and why",
+                        description="Print, for each kernel an attention call launches, its spec, the config "
+                                    "index and parameters, and why: 'tuned' (the catalog rule, the tuning "
+                                    "database it came from, the length bin) or 'untuned' (the heuristic). "
+                                    "Launches nothing; with --arch no GPU is needed.")
+    ex.add_argument("op", choices=["attention"], help="the operator")
+    ex.add_argument("--dtype", default="fp16", help="fp16, bf16 or fp32 (default fp16)")
+    ex.add_argument("--head-dim", type=int, default=128, help="q·k head dim (default 128)")
+    ex.add_argument("--head-dim-v", type=int, default=None, help="v head dim (default: --head-dim)")
+    ex.add_argument("--seqlen", type=int, required=True, help="query length")
+    ex.add_argument("--seqlen-k", type=int, default=None, help="key length (default: --seqlen)")
+    ex.add_argument("--causal", action="store_true")
+    ex.add_argument("--align", default="top_left", help="top_left or bottom_right")
+    ex.add_argument("--bias", action="store_true")
+    ex.add_argument("--dropout", action="store_true")
+    ex.add_argument("--varlen", action="store_true")
+    ex.add_argument("--backward", action="store_true", help="also explain the backward's kernels and scheme")
+    ex.add_argument("--deterministic", action="store_true", help="backward: the bit-reproducible scheme only")
+    ex.add_argument("--arch", help="catalog arch, e.g. sm90 (default: the one GPU 0 runs)")
+    ex.add_argument("--images", help="an image folder (default: the documented search)")
+    ex.set_defaults(func=cmd_explain)
     from .download import add_cli
 
     add_cli(sub)

@@ -5,11 +5,17 @@ the first whose conditions all hold decides. Conditions, all optional: ``arch`` 
 e.g. ``"sm90"``), ``spec`` (a subset of the variant's spec), ``seqlen_q`` / ``seqlen_k``
 (inclusive ``[low, high]`` ranges, ``null`` for an open end). The decision: ``config`` (an
 index into the kernel's config table, 0 its default) or, under ``"attn_bwd_mode"``,
-``mode`` (``"split"`` or ``"atomic"``). Example::
+``mode`` (``"split"`` or ``"atomic"``). A rule may say where it came from in ``source`` (a string,
+e.g. the tuning database and GPU that measured it; ``python -m builder tune`` writes it), which
+:func:`explain_config` repeats. Example::
 
     "tuning": {"attn_fwd": [{"arch": "sm90", "spec": {"HEAD_DIM": 128}, "seqlen_k": [4096, null],
                              "config": 2}],
                "attn_bwd_mode": [{"spec": {"HEAD_DIM": 64}, "mode": "atomic"}]}
+
+Without a matching rule a kernel runs config 0, the documented heuristic: every kernel's config
+table lists the config expected to be fastest first (see docs/tuning.md), so an untuned target
+still runs a sensible config, and :func:`explain_config` says "untuned".
 
 The table is data from an image folder: :func:`validate_table` checks all of it when the
 catalog loads (a bad rule is a :class:`CatalogError` naming the file and the rule, not a
@@ -21,16 +27,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import CatalogError
 
-__all__ = ["MODE_RULES", "seqlen_bin", "select_config", "select_mode", "validate_table"]
+__all__ = ["MODE_RULES", "Choice", "explain_config", "seqlen_bin", "select_config", "select_mode", "validate_table"]
 
 #: The table entry whose rules pick the attention backward's scheme instead of a config.
 MODE_RULES = "attn_bwd_mode"
 _MODES = ("split", "atomic")
-_RULE_KEYS = {"arch", "spec", "seqlen_q", "seqlen_k", "config", "mode"}
+_RULE_KEYS = {"arch", "spec", "seqlen_q", "seqlen_k", "config", "mode", "source"}
+_MAX_SOURCE = 300
 _MAX_KERNELS = 1024
 _MAX_RULES = 4096
 _MAX_CONFIG = 1 << 16
@@ -71,6 +79,11 @@ def _check_rule(rule: Any, kernel: str, i: int) -> None:
     _check_range(rule.get("seqlen_k"), where + ".seqlen_k")
     if "arch" in rule and not isinstance(rule["arch"], str):
         raise CatalogError(f"catalog {where}.arch must be a string, got {rule['arch']!r}"[:300])
+    source = rule.get("source")
+    if source is not None and not (isinstance(source, str) and len(source) <= _MAX_SOURCE
+                                   and source.isprintable()):
+        raise CatalogError(f"catalog {where}.source must be a printable string of at most {_MAX_SOURCE} "
+                           f"characters, got {source!r}"[:400])
     if kernel == MODE_RULES:
         if rule.get("mode") not in _MODES:
             raise CatalogError(f"catalog tuning[{MODE_RULES!r}] rule {rule!r}: mode must be 'split' or 'atomic'"[:400])
@@ -111,10 +124,10 @@ def validate_table(table: Any, source: str = "<memory>") -> dict[str, list]:
 
 
 def _matching_rule(rules: Any, kernel: str, spec: Mapping[str, Any], seqlen_q: int, seqlen_k: int,
-                   arch: str | Callable[[], str] | None) -> dict | None:
+                   arch: str | Callable[[], str] | None) -> tuple[int, dict] | None:
     if not rules:
         return None
-    for rule in _check_rules(rules, kernel):
+    for i, rule in enumerate(_check_rules(rules, kernel)):
         want = rule.get("spec", {})
         if any(spec.get(key) != value for key, value in want.items()):
             continue
@@ -126,7 +139,7 @@ def _matching_rule(rules: Any, kernel: str, spec: Mapping[str, Any], seqlen_q: i
                 arch = arch()
             if rule["arch"] != arch:
                 continue
-        return rule
+        return i, rule
     return None
 
 
@@ -152,12 +165,70 @@ def select_config(rules: Any, *, kernel: str, spec: Mapping[str, Any], seqlen_q:
         select_config(cat.tuning["attn_fwd"], kernel="attn_fwd", spec={"HEAD_DIM": 128},
                       seqlen_q=8192, seqlen_k=8192, arch="sm90")
     """
-    rule = _matching_rule(rules, kernel, spec, seqlen_q, seqlen_k, arch)
-    return 0 if rule is None else rule.get("config", 0)
+    hit = _matching_rule(rules, kernel, spec, seqlen_q, seqlen_k, arch)
+    return 0 if hit is None else hit[1].get("config", 0)
 
 
 def select_mode(rules: Any, *, spec: Mapping[str, Any], seqlen_q: int, seqlen_k: int,
                 arch: str | Callable[[], str] | None = None) -> str | None:
     """The backward scheme a ``tuning["attn_bwd_mode"]`` rule asks for, or None."""
-    rule = _matching_rule(rules, MODE_RULES, spec, seqlen_q, seqlen_k, arch)
-    return None if rule is None else rule["mode"]
+    hit = _matching_rule(rules, MODE_RULES, spec, seqlen_q, seqlen_k, arch)
+    return None if hit is None else hit[1]["mode"]
+
+
+#: What an untuned kernel runs, in words (docs/tuning.md).
+UNTUNED_HEURISTIC = "config 0, the first of the kernel's config table, which lists the expected fastest first"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which config a tuning table gives a call, and why (see :func:`explain_config`).
+
+    ``rule_index`` / ``rule``: the first matching rule of ``tuning[kernel]``, None when none
+    matched (the call is *untuned*).
+    """
+
+    kernel: str
+    config: int
+    rule_index: int | None = None
+    rule: dict | None = None
+
+    @property
+    def tuned(self) -> bool:
+        return self.rule is not None
+
+    @property
+    def reason(self) -> str:
+        """One line: ``tuned (rule #i of tuning['attn_fwd'], from ..., seqlen_q in [a, b])`` or
+        ``untuned (heuristic: ...)``."""
+        if self.rule is None:
+            return f"untuned (no rule of tuning[{self.kernel!r}] matches; heuristic: {UNTUNED_HEURISTIC})"
+        where = [f"rule #{self.rule_index} of tuning[{self.kernel!r}]"]
+        if self.rule.get("source"):
+            where.append(f"from {self.rule['source']}")
+        for axis in ("seqlen_q", "seqlen_k"):
+            bounds = self.rule.get(axis)
+            if bounds is not None:
+                lo, hi = bounds
+                where.append(f"{axis} in [{lo if lo is not None else 0}, {hi if hi is not None else 'inf'}]")
+        if "arch" in self.rule:
+            where.append(f"arch {self.rule['arch']}")
+        return "tuned (" + ", ".join(where) + ")"
+
+
+def explain_config(rules: Any, *, kernel: str, spec: Mapping[str, Any], seqlen_q: int, seqlen_k: int,
+                   arch: str | Callable[[], str] | None = None) -> Choice:
+    """:func:`select_config` with its reason: the config index and the rule that gave it, if any.
+
+    Raises:
+        CatalogError: the rules are malformed.
+
+    Example::
+
+        choice = explain_config(rules, kernel="attn_fwd", spec=spec, seqlen_q=4096, seqlen_k=4096, arch="sm90")
+        print(choice.config, choice.reason)   # 1 tuned (rule #3 of tuning['attn_fwd'], from ..., seqlen_q in ...)
+    """
+    hit = _matching_rule(rules, kernel, spec, seqlen_q, seqlen_k, arch)
+    if hit is None:
+        return Choice(kernel, 0)
+    return Choice(kernel, hit[1].get("config", 0), hit[0], hit[1])

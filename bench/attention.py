@@ -1,31 +1,42 @@
-"""The attention operator's speed: TFLOP/s next to torch SDPA and the Triton JIT of the same source.
+"""The attention operator's speed next to torch SDPA (cuDNN and FlashAttention-2) and the Triton JIT of
+the same kernel source, all measured in one run, the contenders' order changing every round.
 
-For every shape (B=4, H=32, D in {64, 128}, N in {1024, 4096, 16384}, causal or not, fp16 and
-bf16) it times, forward and backward:
+Contenders, per shape (TFLOP/s; forward 4·B·H·N²·D flops, halved when causal; backward 2.5× that;
+forward+backward 3.5×):
 
-- ``ours``: ``aotriton_rt.attention`` / ``attention_backward`` (the AOT images, the runtime's
-  dispatch, tuning config and backward scheme, Python overhead included);
-- ``jit``: the same operator calls, but each kernel launched through the Triton JIT of
-  ``builder/kernels/attention*.py`` with exactly the config of the AOT variant the runtime
-  chose (``handle.variant(device).config``): same arguments, same constexprs, warps, stages;
-- ``flash`` and ``cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` under
-  ``sdpa_kernel(FLASH_ATTENTION)`` / ``sdpa_kernel(CUDNN_ATTENTION)``.
+- ``ours``: ``aotriton_rt.attention`` / ``attention_backward`` (the AOT images through the
+  operator: its dispatch, tuning config and backward scheme, Python included): ``fwd``, ``bwd``,
+  ``fwd+bwd``. The operator's forward always writes the logsumexp, so inference and training
+  forwards are the same call.
+- ``jit``: the same operator calls, each kernel launched through the Triton JIT of
+  ``builder/kernels/`` with exactly the config of the AOT variant the runtime chose
+  (:class:`JitLibrary`): ``fwd``, ``bwd``. The AOT image should be within 3% of it.
+- ``cudnn-inf``: ``scaled_dot_product_attention`` under ``sdpa_kernel(CUDNN_ATTENTION)`` with
+  inputs that do not require grad (inference; cuDNN then skips saving softmax statistics): ``fwd``.
+- ``cudnn-train``: the same with inputs that require grad: ``fwd`` (timed alone, statistics
+  saved), ``bwd`` (``torch.autograd.grad`` of one forward's output, graph retained), ``fwd+bwd``.
+- ``fa2-inf`` / ``fa2-train``: the same for ``sdpa_kernel(FLASH_ATTENTION)``, torch's
+  FlashAttention-2 backend.
 
-Flops: forward 4·B·H·N²·D (halved when causal), backward 2.5× that. Times are per call of
-back-to-back batches (see :func:`bench_ms`). Tensors hold (B, N, H, D)
-memory seen as (B, H, N, D), which every contender reads in place. JIT kernels are compiled
-up front in parallel worker processes (Triton's disk cache carries them here). Each shape times
-all contenders in ``--rounds`` interleaved rounds and reports medians (see :func:`run`).
+Timing (:mod:`builder.gputime`): every contender is warmed up and calibrated, then each of
+``--rounds`` rounds runs all of them in a seeded shuffled order (``--order alternate``: forward,
+then reversed), each for ~25 ms of back-to-back calls between per-call CUDA events; a round's
+value is the median call, a contender's result the median over rounds with the rounds' min and
+max. Tensors hold (B, N, H, D) memory seen as (B, H, N, D), read in place by every contender.
 
-    python bench/attention.py                     # everything (~4-5 minutes on an H200)
-    python bench/attention.py --quick             # fp16, D=128, N 1024 and 4096
-    python bench/attention.py --rounds 5          # more interleaved rounds (medians of 5)
-    python bench/attention.py --json out.json --no-jit --n 4096 --d 128 --dtype bf16
+Default shapes (``--shapes``; the issue's acceptance grid), each fp16 and bf16, causal and not
+unless said: ``d128`` B4 H32 N4096 D128; ``d64`` B4 H32 N4096 D64; ``n1024`` B16 H32 N1024 D128;
+``n16384`` B4 H32 N16384 D128 causal. ``--n/--d/--b/--h`` give a grid of their own instead.
+
+    python bench/attention.py --images DIR --json out.json        # the acceptance grid, estimated 4-5 min
+    python bench/attention.py --images DIR --shapes d128 --rounds 8
+    python bench/attention.py --images DIR --n 4096 --d 128 --dtype bf16 --causal 1 --no-jit
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -41,18 +52,34 @@ import torch  # noqa: E402
 import aotriton_rt  # noqa: E402
 from aotriton_rt.ops import attention as op  # noqa: E402
 from aotriton_rt.pack import compile_expr  # noqa: E402
+from builder.gputime import ORDERS, time_rounds  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "i8": torch.int8,
           "i32": torch.int32}
-JIT_MODULES = {"attn_fwd": "builder.kernels.attention", "attn_bwd_preprocess": "builder.kernels.attention_bwd",
-               "attn_bwd_dkdv": "builder.kernels.attention_bwd", "attn_bwd_dq": "builder.kernels.attention_bwd",
-               "attn_bwd_dq_convert": "builder.kernels.attention_bwd"}
+#: name: (B, H, N, D, causal values); dtypes fp16 and bf16.
+SHAPES = {"d128": (4, 32, 4096, 128, (0, 1)), "d64": (4, 32, 4096, 64, (0, 1)),
+          "n1024": (16, 32, 1024, 128, (0, 1)), "n16384": (4, 32, 16384, 128, (1,))}
+#: contender -> (what it times, flops multiple of the forward).
+CONTENDERS = {
+    "ours fwd": 1.0, "ours bwd": 2.5, "ours fwd+bwd": 3.5, "jit fwd": 1.0, "jit bwd": 2.5,
+    "cudnn-inf fwd": 1.0, "cudnn-train fwd": 1.0, "cudnn-train bwd": 2.5, "cudnn-train fwd+bwd": 3.5,
+    "fa2-inf fwd": 1.0, "fa2-train fwd": 1.0, "fa2-train bwd": 2.5, "fa2-train fwd+bwd": 3.5,
+}
+#: ratio name -> (ours, other).
+RATIOS = {
+    "fwd/cudnn-inf": ("ours fwd", "cudnn-inf fwd"), "fwd/cudnn-train": ("ours fwd", "cudnn-train fwd"),
+    "bwd/cudnn": ("ours bwd", "cudnn-train bwd"), "f+b/cudnn": ("ours fwd+bwd", "cudnn-train fwd+bwd"),
+    "fwd/jit": ("ours fwd", "jit fwd"), "bwd/jit": ("ours bwd", "jit bwd"),
+    "fwd/fa2": ("ours fwd", "fa2-inf fwd"), "bwd/fa2": ("ours bwd", "fa2-train bwd"),
+}
 
 
+@functools.cache
 def jit_function(name: str) -> Any:
-    import importlib
+    """The ``@triton.jit`` function the builder compiles for catalog kernel ``name``."""
+    from builder.registry import load_kernels
 
-    return getattr(importlib.import_module(JIT_MODULES[name]), name)
+    return load_kernels()[name].fn
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,7 +157,7 @@ def precompile(jobs: list, workers: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Problems and timing.
+# Problems and contenders.
 # ------------------------------------------------------------------------------------------------
 
 class Problem:
@@ -153,170 +180,218 @@ class Problem:
         return f / 2 if self.causal else f
 
 
-def bench_ms(fn: Any, budget_ms: float = 150.0, batches: int = 5) -> float:
-    """Milliseconds per call of ``fn``: the median over ``batches`` batches of back-to-back calls,
-    each batch between one pair of CUDA events (calls per batch: what fits budget_ms / batches,
-    1 to 50).
-
-    Back to back, the host enqueues the next call while the GPU runs the current one, so a
-    contender's host-side cost (Python, argument checks, launch) counts only where it exceeds
-    its kernel time, as in a training loop. Timing single calls between events would instead add
-    every contender's host path to its kernel time (tens of microseconds on a 0.3 ms kernel).
-    """
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    first = start.elapsed_time(end)
-    calls = max(1, min(50, int(budget_ms / batches / max(first, 1e-3))))
-    times = []
-    for _ in range(batches):
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
-
-
-def tflops(flops: float, ms: float | None) -> float | None:
-    return None if ms is None else flops / (ms * 1e-3) / 1e12
-
-
-def sdpa_fns(p: Problem, backend: str) -> tuple[Any, Any, str | None]:
+def sdpa_contenders(p: Problem, backend: str, name: str) -> tuple[dict[str, Any], str | None]:
+    """``{name}-inf fwd``, ``{name}-train fwd/bwd/fwd+bwd`` for one SDPA backend; or the error."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-    q, k, v = (t.detach().requires_grad_() for t in (p.q, p.k, p.v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    qg, kg, vg = (t.detach().requires_grad_() for t in (p.q, p.k, p.v))
 
-    def fwd() -> Any:
+    def inf() -> Any:
         with sdpa_kernel(be):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=p.causal)
+            return sdpa(p.q, p.k, p.v, is_causal=p.causal)
+
+    def train() -> Any:
+        with sdpa_kernel(be):
+            return sdpa(qg, kg, vg, is_causal=p.causal)
 
     try:
-        o = fwd()
+        with torch.no_grad():
+            inf()
+        o = train()
     except RuntimeError as exc:
-        return None, None, str(exc).splitlines()[0][:200]
-    return fwd, lambda: torch.autograd.grad(o, (q, k, v), p.do, retain_graph=True), None
+        return {}, str(exc).splitlines()[0][:200]
+
+    def bwd() -> Any:
+        return torch.autograd.grad(o, (qg, kg, vg), p.do, retain_graph=True)
+
+    def both() -> Any:
+        return torch.autograd.grad(train(), (qg, kg, vg), p.do)
+
+    return {f"{name}-inf fwd": inf, f"{name}-train fwd": train, f"{name}-train bwd": bwd,
+            f"{name}-train fwd+bwd": both}, None
 
 
-def run(p: Problem, lib: Any, jit: Any, deterministic: bool, rounds: int = 3) -> dict:
-    """One shape: every contender timed in each of ``rounds`` interleaved rounds, medians kept.
-
-    The H200 runs slower as it warms up (clocks fall under sustained load), so a contender timed
-    first on a cool card reads up to ~15% faster than the same kernel a few seconds later.
-    Interleaving the contenders and taking each one's median over the rounds gives every one the
-    same mix of clock states, which is what makes the ratios comparable.
-    """
+def operator_contenders(p: Problem, library: Any, name: str, deterministic: bool) -> dict[str, Any]:
     causal = {"causal": p.causal}
-    fwd = op.attention_kernels(p.q, p.k, p.v, **causal, library=lib)["attn_fwd"]
-    bwd = op.attention_kernels(p.q, p.k, p.v, **causal, backward=True, deterministic=deterministic, library=lib)
-    row: dict[str, Any] = {"shape": p.label, "fwd_variant": {**fwd.variant(0).params,
-                                                             "num_warps": fwd.variant(0).config.num_warps,
-                                                             "config": fwd.variant(0).config.index},
-                           "bwd_kernels": {n: h.variant(0).config.index for n, h in bwd.items()},
-                           "bwd_mode": "atomic" if "attn_bwd_dq_convert" in bwd else "split"}
-    out, lse = op.attention(p.q, p.k, p.v, **causal, library=lib)
-    fns: dict[str, tuple[float, Any]] = {}  # key -> (flops, callable)
-    for name, library in (("ours", lib), ("jit", jit)):
-        if library is None:
-            continue
-        fns[f"{name}_fwd"] = (p.flops_fwd, lambda library=library: op.attention(p.q, p.k, p.v, **causal,
-                                                                               library=library))
-        fns[f"{name}_bwd"] = (2.5 * p.flops_fwd, lambda library=library: op.attention_backward(
-            p.do, p.q, p.k, p.v, out, lse, **causal, deterministic=deterministic, library=library))
-    for be in ("flash", "cudnn"):
-        f, b, err = sdpa_fns(p, be)
+    out, lse = op.attention(p.q, p.k, p.v, **causal, library=library)
+
+    def fwd() -> Any:
+        return op.attention(p.q, p.k, p.v, **causal, library=library)
+
+    def bwd() -> Any:
+        return op.attention_backward(p.do, p.q, p.k, p.v, out, lse, **causal, deterministic=deterministic,
+                                     library=library)
+
+    def both() -> Any:
+        o, s = op.attention(p.q, p.k, p.v, **causal, library=library)
+        return op.attention_backward(p.do, p.q, p.k, p.v, o, s, **causal, deterministic=deterministic,
+                                     library=library)
+
+    fns = {f"{name} fwd": fwd, f"{name} bwd": bwd}
+    if name == "ours":
+        fns[f"{name} fwd+bwd"] = both
+    return fns
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    return None if not ms else flops / (ms * 1e-3) / 1e12
+
+
+def run(p: Problem, lib: Any, jit: Any, args: argparse.Namespace) -> dict:
+    """One shape: every contender in ``args.rounds`` rounds of changing order (see the module docs)."""
+    causal = {"causal": p.causal}
+    try:  # which variants and configs run, and whether a tuning rule chose them
+        explained = [str(op.explain(dtype=p.dtype, head_dim=p.D, seqlen_q=p.N, causal=p.causal, backward=b,
+                                    deterministic=args.deterministic, library=lib)) for b in (False, True)]
+    except Exception as exc:  # noqa: BLE001 - the timings do not depend on it
+        explained = [f"explain failed: {type(exc).__name__}: {str(exc)[:300]}"]
+    bwd = op.attention_kernels(p.q, p.k, p.v, **causal, backward=True, deterministic=args.deterministic, library=lib)
+    row: dict[str, Any] = {"shape": p.label, "B": p.B, "H": p.H, "N": p.N, "D": p.D, "causal": p.causal,
+                           "dtype": p.dtype, "explain": explained,
+                           "bwd_mode": "atomic" if "attn_bwd_dq_convert" in bwd else "split", "errors": {}}
+    fns: dict[str, Any] = {}
+    fns.update(operator_contenders(p, lib, "ours", args.deterministic))
+    if jit is not None:
+        try:
+            fns.update(operator_contenders(p, jit, "jit", args.deterministic))
+        except Exception as exc:  # noqa: BLE001 - e.g. a kernel the JIT cannot launch; the others still run
+            row["errors"]["jit"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    for backend, name in (("cudnn", "cudnn"), ("flash", "fa2")):
+        got, err = sdpa_contenders(p, backend, name)
         if err:
-            row[f"{be}_error"] = err
-            continue
-        fns[f"{be}_fwd"] = (p.flops_fwd, f)
-        fns[f"{be}_bwd"] = (2.5 * p.flops_fwd, b)
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for key, (flops, fn) in fns.items():
-            samples[key].append(tflops(flops, bench_ms(fn)))
-    for key, values in samples.items():
-        row[key] = sorted(values)[len(values) // 2]
-        row[f"{key}_rounds"] = values
-    for d in ("fwd", "bwd"):
-        ours = row.get(f"ours_{d}")
-        for other in ("flash", "cudnn", "jit"):
-            if ours and row.get(f"{other}_{d}"):
-                row[f"{d}_vs_{other}"] = ours / row[f"{other}_{d}"]
+            row["errors"][name] = err
+        fns.update(got)
+    fns = {k: f for k, f in fns.items() if k not in args.skip}
+    stats = time_rounds(fns, rounds=args.rounds, seed=args.seed, order=args.order, flush_l2=args.flush_l2,
+                        log=lambda m: row["errors"].setdefault("timing", []).append(m))
+    row["contenders"] = {}
+    for name, s in stats.items():
+        flops = CONTENDERS[name] * p.flops_fwd
+        row["contenders"][name] = {**s.to_json(), "tflops": tflops(flops, s.median),
+                                   "tflops_min": tflops(flops, s.high), "tflops_max": tflops(flops, s.low)}
+    row["ratios"] = ratios({name: s.median for name, s in stats.items()})
     return row
 
 
-def print_table(rows: list[dict]) -> None:
-    cols = ["ours_fwd", "jit_fwd", "flash_fwd", "cudnn_fwd", "ours_bwd", "jit_bwd", "flash_bwd", "cudnn_bwd"]
-    ratios = ["fwd_vs_cudnn", "bwd_vs_cudnn", "fwd_vs_flash", "bwd_vs_flash", "fwd_vs_jit", "bwd_vs_jit"]
-    head = f"{'shape':<34}" + "".join(f"{c:>10}" for c in cols) + "".join(f"{r:>13}" for r in ratios)
-    print("\nTFLOP/s (CUDA-event medians) and ratios ours / other\n" + head + "\n" + "-" * len(head))
+def ratios(median_ms: dict[str, float]) -> dict[str, float]:
+    """Speed ratios ours / other (> 1: ours is faster) from median milliseconds per call; the two
+    sides of each ratio do the same work, so it is their inverse time ratio."""
+    return {name: median_ms[other] / median_ms[ours] for name, (ours, other) in RATIOS.items()
+            if ours in median_ms and other in median_ms}
+
+
+def print_tables(rows: list[dict]) -> None:
+    """TFLOP/s medians with their spread, then the ratios, one line per shape."""
+    names = [c for c in CONTENDERS if any(c in r["contenders"] for r in rows)]
+    short = {c: c.replace("cudnn-", "cud-").replace("-train", "-tr").replace("fwd+bwd", "f+b") for c in names}
+    width = max(12, *(len(s) + 1 for s in short.values()))
+    head = f"{'shape':<32}" + "".join(f"{short[c]:>{width}}" for c in names)
+    print("\nTFLOP/s: median over rounds (spread: (max - min) / median, in %)\n" + head + "\n" + "-" * len(head))
     for r in rows:
-        cells = "".join(f"{r[c]:>10.0f}" if r.get(c) else f"{'-':>10}" for c in cols)
-        cells += "".join(f"{r[c]:>13.2f}" if r.get(c) else f"{'-':>13}" for c in ratios)
-        print(f"{r['shape']:<34}{cells}")
-    print("ours: AOT images through the operator (bwd scheme: the dispatcher's, see bwd_mode in --json);"
-          " jit: the same calls on the Triton JIT with the AOT variant's config.")
+        cells = []
+        for c in names:
+            s = r["contenders"].get(c)
+            spread = 0.0 if not s else (s["max_ms"] - s["min_ms"]) / s["median_ms"] * 100
+            text = f"{s['tflops']:.0f} ({spread:.1f})" if s else "-"
+            cells.append(f"{text:>{width}}")
+        print(f"{r['shape']:<32}" + "".join(cells))
+    head = f"{'shape':<32}" + "".join(f"{k:>16}" for k in RATIOS)
+    print("\nSpeed ratios, ours / other (> 1: ours is faster)\n" + head + "\n" + "-" * len(head))
+    for r in rows:
+        print(f"{r['shape']:<32}" + "".join(f"{r['ratios'][k]:>16.2f}" if k in r["ratios"] else f"{'-':>16}"
+                                             for k in RATIOS))
+    print("ours: AOT images through the operator; jit: the same calls on the Triton JIT with the AOT variant's "
+          "config; cud-inf / fa2-inf: inputs without grad; -tr: inputs with grad (fwd alone, bwd alone, f+b); "
+          "fa2: torch SDPA's FlashAttention-2 backend.")
+
+
+def problems(args: argparse.Namespace) -> list[tuple[int, int, int, int, bool, str]]:
+    """(B, H, N, D, causal, dtype) of every shape asked for, in order."""
+    dtypes = args.dtype or ["fp16", "bf16"]
+    if args.n or args.d:
+        causals = args.causal if args.causal is not None else [0, 1]
+        return [(args.b, args.h, n, d, bool(c), dt) for dt, d, n, c in
+                itertools.product(dtypes, args.d or [128], args.n or [4096], causals)]
+    out = []
+    for name in args.shapes.split(","):
+        if name not in SHAPES:
+            sys.exit(f"--shapes: unknown {name!r}; choose from {', '.join(SHAPES)}")
+        b, h, n, d, causals = SHAPES[name]
+        causals = [c for c in causals if args.causal is None or c in args.causal]
+        out += [(b, h, n, d, bool(c), dt) for dt in dtypes for c in causals]
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fp16, D=128, N 1024 and 4096 only")
     ap.add_argument("--images", default=None, help="image folder (default: the default search)")
-    ap.add_argument("--b", type=int, default=4)
-    ap.add_argument("--h", type=int, default=32)
-    ap.add_argument("--n", type=int, nargs="*", default=None)
-    ap.add_argument("--d", type=int, nargs="*", default=None)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)} (default: all)")
+    ap.add_argument("--n", type=int, nargs="*", default=None, help="own grid: sequence lengths (replaces --shapes)")
+    ap.add_argument("--d", type=int, nargs="*", default=None, help="own grid: head dims (replaces --shapes)")
+    ap.add_argument("--b", type=int, default=4, help="own grid: batch")
+    ap.add_argument("--h", type=int, default=32, help="own grid: heads")
     ap.add_argument("--dtype", nargs="*", default=None, choices=["fp16", "bf16"])
-    ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
+    ap.add_argument("--causal", type=int, nargs="*", default=None, help="0 and/or 1 (default: the shape's)")
     ap.add_argument("--deterministic", action="store_true", help="time the split (bit-reproducible) backward")
-    ap.add_argument("--no-jit", action="store_true", help="skip the Triton JIT comparison")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="interleaved timing rounds per shape; each contender's median is reported")
+    ap.add_argument("--no-jit", action="store_true", help="skip the Triton JIT contenders")
+    ap.add_argument("--skip", default="", help="comma list of contenders to leave out, e.g. 'fa2-train fwd+bwd'")
+    ap.add_argument("--rounds", type=int, default=8, help="timing rounds per shape (medians over them)")
+    ap.add_argument("--order", default="shuffle", choices=ORDERS, help="the contenders' order, per round")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the shuffled order")
+    ap.add_argument("--flush-l2", action="store_true", help="zero a 2x-L2 buffer before every timed call")
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
-    ap.add_argument("--json", default=None, help="write the results here (after every shape)")
+    ap.add_argument("--json", default=None, help="write the results here after every shape (also "
+                    "$OUT/bench-attention.json when $OUT is set)")
     args = ap.parse_args()
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
 
-    ns = args.n or ([1024, 4096] if args.quick else [1024, 4096, 16384])
-    ds = args.d or ([128] if args.quick else [64, 128])
-    dtypes = args.dtype or (["fp16"] if args.quick else ["fp16", "bf16"])
+    shapes = problems(args)
     lib = aotriton_rt.Library(args.images) if args.images else aotriton_rt.default_library()
-    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, images {lib.found.folders}")
+    import triton
+
+    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"images {lib.found.folders}, {len(shapes)} shapes, {args.rounds} rounds, order {args.order} "
+          f"(seed {args.seed})", flush=True)
     jit = None
     if not args.no_jit:
-        import triton
-
         # Device-side tensor descriptors (the TMA configs) need Triton's global scratch allocator.
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
         jobs: list = []
         recorder = JitLibrary(lib, jobs)
-        for dt, d, c in itertools.product(dtypes, ds, args.causal):
+        for b, h, d, c, dt in sorted({(b, h, d, c, dt) for b, h, _, d, c, dt in shapes}):
             # The JIT specializes integers on divisibility by 16 and equality to 1, not on their
             # values: the real batch and heads with N=256 compile the kernels every N uses.
-            p = Problem(args.b, args.h, 256, d, bool(c), dt)
-            out, lse = op.attention(p.q, p.k, p.v, causal=p.causal, library=lib)
-            op.attention(p.q, p.k, p.v, causal=p.causal, library=recorder)
-            op.attention_backward(p.do, p.q, p.k, p.v, out, lse, causal=p.causal,
-                                  deterministic=args.deterministic, library=recorder)
+            p = Problem(b, h, 256, d, c, dt)
+            try:
+                out, lse = op.attention(p.q, p.k, p.v, causal=p.causal, library=lib)
+                op.attention(p.q, p.k, p.v, causal=p.causal, library=recorder)
+                op.attention_backward(p.do, p.q, p.k, p.v, out, lse, causal=p.causal,
+                                      deterministic=args.deterministic, library=recorder)
+            except Exception as exc:  # noqa: BLE001 - reported again, per shape, when timed
+                print(f"  JIT compile jobs of {p.label}: {type(exc).__name__}: {str(exc)[:200]}")
         precompile(jobs, args.workers)
         jit = JitLibrary(lib)
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": []}
-    for dt, d, n, c in itertools.product(dtypes, ds, ns, args.causal):
-        p = Problem(args.b, args.h, n, d, bool(c), dt)
-        row = run(p, lib, jit, args.deterministic, args.rounds)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                               "triton": triton.__version__, "rounds": args.rounds, "order": args.order,
+                               "seed": args.seed, "flush_l2": args.flush_l2, "images": [str(f) for f in
+                                                                                        lib.found.folders],
+                               "rows": []}
+    outputs = [Path(args.json)] if args.json else []
+    if os.environ.get("OUT"):
+        outputs.append(Path(os.environ["OUT"], "bench-attention.json"))
+    for shape in shapes:
+        p = Problem(*shape)
+        row = run(p, lib, jit, args)
         results["rows"].append(row)
-        print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
-                          if k != "fwd_variant" and not k.endswith("_rounds")}), flush=True)
+        print(f"{row['shape']}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items())
+              + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)
         del p
         torch.cuda.empty_cache()
-        if args.json:  # after every shape: a run cut short keeps what it measured
-            Path(args.json).write_text(json.dumps(results, indent=1))
-    print_table(results["rows"])
+        for path in outputs:  # after every shape: a run cut short keeps what it measured
+            path.write_text(json.dumps(results, indent=1))
+    print_tables(results["rows"])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """python -m builder: compile Triton kernels into image folders, and package them.
 
 Commands: build (compile a set of variants into an image folder), list (what a build would
-compile), merge (join shard outputs), verify (re-check digests and argument layouts), pack
-(bundles for download), wheel (the runtime wheel and data-only image wheels). Run
+compile), merge (join shard outputs), verify (re-check digests and argument layouts), tune
+(measure every config on a GPU into a tuning database), pack (bundles for download), wheel (the
+runtime wheel and data-only image wheels). Run
 `python -m builder COMMAND --help` for each command's options and defaults.
 """
 
@@ -40,7 +41,7 @@ def cmd_build(args) -> int:
     from .build import build
 
     jobs, version = _jobs(args)
-    tuning = registry.tuning_of(registry.load_kernels(), jobs)
+    tuning = _tuning_table(args, jobs, registry.tuning_of(registry.load_kernels(), jobs))
     out = Path(args.out)
     print(f"building {len(jobs)} variants ({args.set} set"
           f"{', shard ' + args.shard if args.shard else ''}) into {out} with {args.jobs} workers",
@@ -54,6 +55,24 @@ def cmd_build(args) -> int:
     for line in summary.lines():
         print(line)
     return 0
+
+
+def _tuning_table(args, jobs: list, declared: dict) -> dict:
+    """The build's catalog tuning table: the tuning databases' rules (--tuning-db, else the
+    checked-in builder/tuning_db/<arch>.json of the archs built), then the kernels' own rules."""
+    from . import tuning
+
+    if args.no_tuning_db:
+        paths = []
+    elif args.tuning_db:
+        paths = [Path(p) for p in args.tuning_db]
+    else:
+        paths = tuning.checked_in({j.target.arch for j in jobs})
+    databases = [(p.name, tuning.load(p)) for p in paths]
+    table, notes = tuning.fold(databases, jobs, declared)
+    for note in notes:
+        print(f"tuning database {note}", file=sys.stderr)
+    return table
 
 
 def cmd_list(args) -> int:
@@ -116,6 +135,11 @@ def parser() -> argparse.ArgumentParser:
     keep.add_argument("--replace", action="store_true",
                       help="drop the folder's variants that this build does not rebuild")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    dbs = b.add_mutually_exclusive_group()
+    dbs.add_argument("--tuning-db", action="append", metavar="FILE",
+                     help="fold this tuning database (from `tune`) into the catalog's rules; repeatable, the "
+                          "first wins (default: builder/tuning_db/<arch>.json of each arch built, if present)")
+    dbs.add_argument("--no-tuning-db", action="store_true", help="fold no tuning database (untuned build)")
     b.set_defaults(func=cmd_build)
 
     sp = sub.add_parser("list", help="print what would be built, without building", formatter_class=fmt,
@@ -136,6 +160,9 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--images", default=str(DEFAULT_OUT), help="image folder")
     v.set_defaults(func=cmd_verify)
 
+    from .tune import add_cli as add_tune_cli
+
+    add_tune_cli(sub)
     try:
         from .bundle import add_cli
     except ImportError:
@@ -154,12 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     from .abi import AbiError
     from .build import BuildError
     from .targets import UnknownTarget
+    from .tuning import TuningError
     from .wheels import WheelError
 
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (BuildError, UnknownTarget, ValueError, AbiError, AotritonError, WheelError) as e:
+    except (BuildError, UnknownTarget, ValueError, AbiError, AotritonError, WheelError, TuningError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

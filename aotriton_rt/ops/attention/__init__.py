@@ -42,7 +42,8 @@ applied keep-mask (int8, 1 = kept; 0 outside the visible band).
 16 32 48 64 80 96 128 160 192 224 256 that holds the head dim; narrower dims are zero-padded and
 sliced back; q·k / v pairs 192/128 run unequal, other unequal pairs on the larger bucket), mask
 mode, bias, dropout and varlen. The tuning config comes from the catalog's ``tuning`` table when
-it has rules for the kernel (see :func:`select_config`), else config 0. The backward runs the
+it has rules for the kernel (see :func:`select_config`), else config 0; :func:`explain` says which
+variant and config a call runs and why (tuned by which rule, or untuned). The backward runs the
 split scheme (preprocess, dk/dv, dq: bit-reproducible, and the faster one on the H200) unless
 ``scheme="atomic"`` or a catalog tuning rule asks for atomic dQ, or the images hold only that.
 
@@ -71,10 +72,12 @@ from .dispatch import (
     forward_params,
     head_dim_buckets,
 )
+from .explain import Explanation, KernelPick, explain
 
 __all__ = [
     "AttentionCall",
     "DTYPES",
+    "Explanation",
     "HEAD_DIM_BUCKETS",
     "UNEQUAL_HEAD_DIMS",
     "attention",
@@ -83,8 +86,10 @@ __all__ = [
     "backward_params",
     "bucket",
     "config_params",
+    "explain",
     "forward_params",
     "head_dim_buckets",
+    "KernelPick",
     "select_config",
     "select_mode",
 ]

@@ -1,0 +1,178 @@
+"""Why an attention call runs the kernels it runs: variant, tuning config and backward scheme.
+
+:func:`explain` answers from the call's facts alone (dtype, head dims, lengths, mask, ...): it
+takes the same decisions as the operator (:mod:`.dispatch`'s spec choice, the catalog's tuning
+rules through :func:`aotriton_rt.tuning.explain_config`) and says for each kernel whether its
+config is *tuned* (a rule matched: which rule, from which database, which length bin) or
+*untuned* (no rule: the documented heuristic, config 0). It launches nothing and needs no GPU
+when ``arch`` is given. ``python -m aotriton_rt explain attention ...`` prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import ArgumentError, KernelNotFound
+from ...tuning import MODE_RULES, Choice, explain_config
+from .dispatch import DTYPES, AttentionCall, backward_params, bucket, forward_params, kernels_of
+
+__all__ = ["Explanation", "KernelPick", "explain"]
+
+
+@dataclass(frozen=True)
+class KernelPick:
+    """One kernel of the call: its spec, the config launched and why.
+
+    ``config`` is the config index that runs; ``choice`` what the tuning table asked (its
+    ``config`` differs from ``config`` only when that config is not in the images, which
+    ``note`` then says). ``params``: the launched variant's config constexprs, warps and stages.
+    """
+
+    kernel: str
+    spec: dict[str, Any]
+    config: int
+    params: dict[str, Any]
+    choice: Choice
+    variant_key: str = ""
+    note: str = ""
+
+    @property
+    def tuned(self) -> bool:
+        return self.choice.tuned and self.config == self.choice.config
+
+    def line(self) -> str:
+        spec = ", ".join(f"{k}={v}" for k, v in self.spec.items())
+        params = " ".join(f"{k}={v}" for k, v in self.params.items())
+        text = f"{self.kernel}[{spec}] config #{self.config} ({params}): {self.choice.reason}"
+        return text + (f"; {self.note}" if self.note else "")
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What :func:`explain` found: the call, the arch, the kernels in launch order and, for a
+    backward, its scheme and why."""
+
+    call: AttentionCall
+    arch: str
+    kernels: list[KernelPick] = field(default_factory=list)
+    scheme: str | None = None
+    scheme_reason: str = ""
+
+    @property
+    def tuned(self) -> bool:
+        """Every kernel's config came from a tuning rule."""
+        return all(k.tuned for k in self.kernels)
+
+    def __str__(self) -> str:
+        head = (f"attention {'backward' if self.scheme else 'forward'} on {self.arch}: {self.call.describe()}, "
+                f"seqlen_q {self.call.seqlen_q}, seqlen_k {self.call.seqlen_k}")
+        lines = [head]
+        if self.scheme:
+            lines.append(f"  scheme {self.scheme}: {self.scheme_reason}")
+        lines.extend(f"  {k.line()}" for k in self.kernels)
+        return "\n".join(lines)
+
+
+def _length(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**31 - 1:
+        raise ArgumentError(f"{name} must be an integer in [1, 2**31 - 1], got {value!r}")
+    return value
+
+
+def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = None, head_dim_v: int | None = None,
+            causal: bool = False, align: str = "top_left", bias: bool = False, dropout: bool = False,
+            varlen: bool = False, backward: bool = False, deterministic: bool = False, scheme: str | None = None,
+            arch: str | None = None, library: Any = None) -> Explanation:
+    """Which variants and configs an attention call with these facts runs, and why.
+
+    Arguments:
+        dtype: "fp16", "bf16" or "fp32".
+        head_dim, head_dim_v: q·k and v head dims (``head_dim_v`` defaults to ``head_dim``).
+        seqlen_q, seqlen_k: the lengths (``seqlen_k`` defaults to ``seqlen_q``); with varlen, the maxima.
+        causal, align, bias, dropout, varlen: as for :func:`aotriton_rt.attention` (bias/dropout: present or not).
+        backward, deterministic, scheme: explain the backward's kernels (and its scheme) instead.
+        arch: the catalog arch to explain for (e.g. "sm90"); default: the one device 0 runs
+            (no driver is needed when the images hold one arch).
+        library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
+
+    Returns:
+        an :class:`Explanation`; ``str()`` of it prints one line per kernel, e.g.
+        ``attn_fwd[...] config #1 (BLOCK_M=128 ...): tuned (rule #4 of tuning['attn_fwd'], from
+        tuning database sm90 (NVIDIA H200), measured at seqlen_q 4096..8192, seqlen_q in [4096, inf],
+        arch sm90)``.
+
+    Raises:
+        ArgumentError: a malformed fact, or an ``arch`` the images do not hold.
+        UnsupportedError: a head dim beyond the largest bucket.
+        KernelNotFound: the images lack a kernel the call needs (as the call itself would).
+
+    Example::
+
+        print(explain(dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, arch="sm90"))
+    """
+    if dtype not in DTYPES:
+        raise ArgumentError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if align not in ("top_left", "bottom_right"):
+        raise ArgumentError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    seqlen_q = _length(seqlen_q, "seqlen_q")
+    seqlen_k = _length(seqlen_q if seqlen_k is None else seqlen_k, "seqlen_k")
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    for d in (head_dim, head_dim_v):
+        bucket(d)  # refuses head dims past the largest bucket, as the call would
+    if scheme not in (None, "split", "atomic"):
+        raise ArgumentError(f"scheme must be None, 'split' or 'atomic', got {scheme!r}")
+    call = AttentionCall(dtype, head_dim, head_dim_v, (1 if align == "top_left" else 2) if causal else 0,
+                         bool(causal) and seqlen_q == seqlen_k, bool(bias), int(bool(dropout)), bool(varlen),
+                         seqlen_q, seqlen_k)
+    ks = kernels_of(library)
+    built = sorted({a for _, a in ks.lib.targets()})
+    if arch is None:
+        arch = ks.device_arch(0)
+    elif arch not in built:
+        raise ArgumentError(f"arch {arch!r} has no images here; built: {', '.join(built) or 'none'}")
+    if not backward:
+        spec = forward_params(call, ks.available)
+        return Explanation(call, arch, [_pick(ks, "attn_fwd", spec, call, arch)])
+    mode, reason = scheme, f"asked for (scheme={scheme!r})"
+    rules = ks.tuning.get(MODE_RULES)
+    if scheme is None:
+        reason = "default: the deterministic split scheme (bit-reproducible, and the faster one on the H200)"
+        if deterministic:
+            reason = "deterministic=True"
+        elif rules:
+            choice = explain_config(rules, kernel=MODE_RULES, spec={"dtype": dtype, "HEAD_DIM": bucket(head_dim)},
+                                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, arch=arch)
+            if choice.rule is not None:
+                mode, reason = choice.rule["mode"], choice.reason
+    got, specs = backward_params(call, ks.available, deterministic=deterministic, mode=mode)
+    if mode is not None and got != mode:
+        reason += f"; the images lack the {mode} kernels, so {got} runs"
+    elif mode is None and got == "atomic":
+        reason = "the images hold only the atomic-dQ kernels"
+    picks = [_pick(ks, name, spec, call, arch) for name, spec in specs.items()]
+    return Explanation(call, arch, picks, got, reason)
+
+
+def _pick(ks: Any, name: str, spec: dict[str, Any], call: AttentionCall, arch: str) -> KernelPick:
+    from ...select import match
+
+    rules = ks.tuning.get(name)
+    choice = explain_config(rules, kernel=name, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
+                            arch=arch) if rules else Choice(name, 0)
+    found = match(ks.lib.variants_of(name), name, spec, [arch]).accepted
+    if not found:
+        raise KernelNotFound(f"attention ({call.describe()}) needs {name} with "
+                             f"{', '.join(f'{k}={v}' for k, v in spec.items())} on {arch}, which these images lack")
+    by_index = {v.config.index: v for v in reversed(found)}
+    note = ""
+    variant = by_index.get(choice.config)
+    if variant is None:
+        # What dispatch does too (config_params gives {}): the lowest config built runs.
+        variant = found[0]
+        note = f"config #{choice.config} is not in these images, so #{variant.config.index} runs"
+    elif len(by_index) == 1 and not choice.tuned:
+        note = "the only config built"
+    params = {**variant.config.constexprs, "num_warps": variant.config.num_warps,
+              "num_stages": variant.config.num_stages}
+    return KernelPick(name, dict(spec), variant.config.index, params, choice, variant.key, note)

@@ -1,0 +1,308 @@
+"""``python -m builder tune``: time every built config of the attention kernels on this GPU, through
+the runtime, into a tuning database (:mod:`builder.tuning` owns its format and decisions).
+
+For each kernel asked (default ``attn_fwd``, ``attn_bwd_dkdv``, ``attn_bwd_dq``; any kernel that an
+attention forward or deterministic backward call launches on this arch), each combination of
+dtype, head dim and causal mask asked, and each sequence-length bin (powers of two), it finds the
+spec the operator dispatches for that call and every config the image folder holds for it on this
+GPU's arch. Kernels with one config are skipped. Each config is then run *by the runtime*: the
+ordinary ``aotriton_rt.attention`` / ``attention_backward`` call on a library view whose tuning
+table forces that config (:class:`ForcedConfig`), so what is timed is what a user's call
+launches, images, packing and launch path included — never the JIT. Before timing, every
+config's result is compared with config 0's; a config that disagrees is recorded as wrong and
+never chosen.
+
+Shapes: each bin ``N`` runs ``seqlen_q = seqlen_k = N`` with ``heads`` heads (default 32) and
+``batch = max(1, tokens / (N * heads))`` (default tokens 2**19: B=4 at N=4096, B=16 at N=1024,
+B=1 at N=16384, the issue's benchmark shapes), so every bin fills the GPU the same way; the rule
+format has no batch×heads condition. Timing: :func:`builder.gputime.time_rounds` (CUDA events,
+rounds in shuffled order, medians). A backward kernel's configs are compared through the whole
+backward, the other kernels fixed at their own choice, which ranks the configs the same way.
+
+    python -m builder tune --images .gpu-images --out tuning.json --quick     # estimated < 1 min on an H200
+    python -m builder tune --images .gpu-images --out builder/tuning_db/sm90.json
+    python -m builder tune --recompute tuning.json --tolerance 0.02 --out tuning.json   # no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from . import tuning
+
+TUNABLE = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
+DEFAULT_BINS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_BINS = (1024, 2048, 4096, 8192, 16384)
+
+
+class ForcedConfig:
+    """A view of a :class:`aotriton_rt.Library` whose tuning table sends every call of ``kernel`` to
+    config ``index`` (other kernels keep the library's rules): everything else (variants, images,
+    driver) is the library's own, so calls through it launch the library's images."""
+
+    def __init__(self, lib: Any, kernel: str, index: int) -> None:
+        self._lib = lib
+        table: dict[str, Any] = {}
+        for cat in lib.catalogs:
+            for name, rules in (cat.tuning or {}).items():
+                table.setdefault(name, rules)
+        self.catalogs = [SimpleNamespace(tuning={**table, kernel: [{"config": index}]})]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+
+def parse_bins(text: str) -> tuple[int, ...]:
+    """``"512,1024"`` → (512, 1024); every bin a power of two >= 16, as the runtime caches choices
+    per power-of-two length."""
+    try:
+        bins = tuple(sorted({int(b) for b in text.split(",") if b.strip()}))
+    except ValueError:
+        raise tuning.TuningError(f"--bins must be a comma list of integers, got {text!r}") from None
+    bad = [b for b in bins if b < 16 or b & (b - 1)]
+    if not bins or bad:
+        raise tuning.TuningError(f"--bins must be powers of two >= 16, got {text!r}")
+    return bins
+
+
+def shape_of(n: int, heads: int, tokens: int) -> dict[str, int]:
+    """The (batch, heads, seqlen_q, seqlen_k) a bin is measured at (see the module docs)."""
+    return {"batch": max(1, tokens // (n * heads)), "heads": heads, "seqlen_q": n, "seqlen_k": n}
+
+
+def configs_of(lib: Any, kernel: str, spec: dict, arch: str) -> list[tuple[int, dict]]:
+    """(index, parameters) of every config the library holds for ``kernel``/``spec`` on ``arch``."""
+    from aotriton_rt.select import match
+
+    found = {}
+    for v in match(lib.variants_of(kernel), kernel, spec, [arch]).accepted:
+        if v.spec == spec:
+            found.setdefault(v.config.index, {**v.config.constexprs, "num_warps": v.config.num_warps,
+                                              "num_stages": v.config.num_stages})
+    return sorted(found.items())
+
+
+def _machine(arch: str, lib: Any) -> dict:
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    machine = {"gpu": props.name, "arch": arch, "sms": props.multi_processor_count,
+               "torch": torch.__version__, "cuda": torch.version.cuda,
+               "images_triton": sorted({c.triton_version for c in lib.catalogs})}
+    try:
+        import ctypes
+
+        version = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+        machine["driver_api"] = f"{version.value // 1000}.{version.value % 1000 // 10}"
+    except OSError:
+        machine["driver_api"] = "unknown"
+    try:
+        import subprocess
+
+        query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i",
+                                str(torch.cuda.current_device())], capture_output=True, text=True, timeout=20)
+        machine["driver"] = query.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        machine["driver"] = "unknown"
+    return machine
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    a, b = a.float(), b.float()
+    return bool(torch.isfinite(a).all()) and float((a - b).abs().max()) <= 2e-2 * max(1.0, float(b.abs().max()))
+
+
+def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], head_dims: Sequence[int],
+            causals: Sequence[bool], bins: Sequence[int], *, heads: int = 32, tokens: int = 1 << 19,
+            rounds: int = 5, seed: int = 0, flush_l2: bool = False, log=print, device: str = "cuda",
+            clock: Any = None) -> list[tuning.Entry]:
+    """Every entry of the database (GPU; see the module docs). ``device``/``clock``: where the inputs
+    live and what times the calls (:class:`builder.gputime.CudaClock` by default); tests pass CPU ones."""
+    from aotriton_rt.errors import KernelNotFound
+    from aotriton_rt.ops.attention import explain
+
+    views: dict[tuple[str, int], ForcedConfig] = {}
+    entries: list[tuning.Entry] = []
+    for dtype, d, causal in itertools.product(dtypes, head_dims, causals):
+        # The kernels a forward and a (deterministic) backward call launch, with their specs.
+        launched = {}
+        for backward in (False, True):
+            try:
+                picks = explain(dtype=dtype, head_dim=d, seqlen_q=1024, causal=causal, backward=backward, arch=arch,
+                                deterministic=True, library=lib).kernels
+            except KernelNotFound:  # e.g. images without the backward: its kernels are not asked for
+                continue
+            launched.update({pick.kernel: (pick.spec, backward) for pick in picks})
+        for kernel in kernels:
+            if kernel not in launched:
+                log(f"{kernel}: not launched by {dtype} D{d} {'causal' if causal else 'full'} calls on {arch}")
+                continue
+            spec, backward = launched[kernel]
+            configs = configs_of(lib, kernel, spec, arch)
+            label = f"{kernel} {dtype} D{d} {'causal' if causal else 'full'}"
+            if len(configs) < 2:
+                log(f"{label}: {len(configs)} config built, nothing to choose")
+                continue
+            for index, _ in configs:
+                views.setdefault((kernel, index), ForcedConfig(lib, kernel, index))
+            for n in bins:
+                entry = _measure_bin(lib, views, kernel, backward, spec, configs, dtype, d, causal,
+                                     shape_of(n, heads, tokens),
+                                     rounds=rounds, seed=seed, flush_l2=flush_l2, device=device, clock=clock,
+                                     log=lambda m, where=f"{label} N{n}": log(f"  {where}: config {m}"))
+                entries.append(entry)
+                best = tuning.winner(entry.timings)
+                log(f"{label} N{n} B{entry.shape['batch']}: " + "  ".join(
+                    f"#{t.index} {t.us:.1f}us" if t.us is not None else f"#{t.index} -" for t in entry.timings)
+                    + f"  -> #{best.index if best else '-'}")
+    return entries
+
+
+def _measure_bin(lib: Any, views: dict, kernel: str, backward: bool, spec: dict, configs: list[tuple[int, dict]],
+                 dtype: str, d: int, causal: bool, shape: dict[str, int], *, rounds: int, seed: int, flush_l2: bool,
+                 log, device: str = "cuda", clock: Any = None) -> tuning.Entry:
+    """One entry: every config of ``kernel``/``spec`` checked against config 0, then timed."""
+    import torch
+
+    import aotriton_rt
+
+    from .gputime import time_rounds
+
+    b, h, n = shape["batch"], shape["heads"], shape["seqlen_q"]
+    tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    # (B, N, H, D) memory seen as (B, H, N, D): the layout models hold, read in place.
+    q, k, v, do = (torch.randn(b, n, h, d, device=device, dtype=tdtype, generator=gen).transpose(1, 2)
+                   for _ in range(4))
+    out, lse = aotriton_rt.attention(q, k, v, causal=causal, library=lib)
+
+    def call(view: Any) -> Any:
+        if not backward:
+            return aotriton_rt.attention(q, k, v, causal=causal, library=view)
+        return aotriton_rt.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=True, library=view)
+
+    fns, results, notes = {}, {}, {}
+    for index, _ in configs:
+        view = views[(kernel, index)]
+        try:
+            results[index] = call(view)
+            fns[str(index)] = lambda view=view: call(view)
+        except Exception as exc:  # noqa: BLE001 - recorded; the config is never chosen
+            notes[index] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+    if device == "cuda":
+        torch.cuda.synchronize()
+    first = configs[0][0]
+    for index in list(results):
+        ref = results.get(first)
+        pairs = [(a, r) for a, r in zip(results[index], ref or ()) if a is not None and r is not None]
+        if index != first and ref is not None and not all(_same(a, r) for a, r in pairs):
+            notes[index] = f"wrong result: differs from config #{first}"
+            del fns[str(index)]
+    stats = time_rounds(fns, rounds=rounds, seed=seed, flush_l2=flush_l2, log=log, clock=clock)
+    timings = []
+    for index, params in configs:
+        st = stats.get(str(index))
+        timings.append(tuning.Timing(index, params, None if st is None else st.median * 1e3,
+                                     None if st is None else (st.low * 1e3, st.high * 1e3),
+                                     notes.get(index, "" if st is not None else "failed while timed")))
+    return tuning.Entry(kernel, spec, n, shape, tuple(timings))
+
+
+def _summary(db: dict) -> list[str]:
+    """One line per (kernel, spec): the winner per bin."""
+    rows: dict[str, list[str]] = {}
+    for e in db["entries"]:
+        s = e["spec"]
+        key = (f"{e['kernel']:<14} {s.get('dtype')} D{s.get('HEAD_DIM')} "
+               f"{'causal' if s.get('CAUSAL') else 'full':<6}")
+        rows.setdefault(key, []).append(f"{e['bin']}:#{e['winner'] if e['winner'] is not None else '-'}")
+    return [f"{k}  {' '.join(v)}" for k, v in sorted(rows.items())]
+
+
+def main(args: argparse.Namespace) -> int:
+    """The ``tune`` command (see :func:`add_cli`)."""
+    import json
+    import os
+
+    from aotriton_rt.catalog import write_atomic
+
+    out = Path(args.out)
+    if args.recompute:
+        old = tuning.load(args.recompute)
+        entries = tuning.entries_of(old, args.recompute)
+        db = tuning.database(entries, arch=old["arch"], machine=old.get("machine", {}), method=old.get("method", {}),
+                             tolerance=args.tolerance)
+    else:
+        import torch
+
+        import aotriton_rt
+        from aotriton_rt.ops.attention.dispatch import target_arch
+
+        if not torch.cuda.is_available():
+            raise tuning.TuningError("tune needs a GPU (torch sees none); --recompute works without one")
+        kernels = [k.strip() for k in (args.kernels or ("attn_fwd" if args.quick else ",".join(TUNABLE))).split(",")]
+        bins = parse_bins(args.bins) if args.bins else (QUICK_BINS if args.quick else DEFAULT_BINS)
+        rounds = args.rounds or (3 if args.quick else 5)
+        lib = aotriton_rt.Library(args.images)
+        arch = target_arch(lib, torch.cuda.current_device())
+        dtypes = [d.strip() for d in args.dtypes.split(",")]
+        head_dims = [int(d) for d in args.head_dims.split(",")]
+        causals = [bool(int(c)) for c in args.causal.split(",")]
+        machine = _machine(arch, lib)
+        print(f"tuning {', '.join(kernels)} on {machine['gpu']} ({arch}), images {lib.found.folders}, bins "
+              f"{', '.join(map(str, bins))}, {rounds} rounds", flush=True)
+        entries = measure(lib, arch, kernels, dtypes, head_dims, causals, bins, heads=args.heads,
+                          tokens=args.tokens, rounds=rounds, seed=args.seed, flush_l2=args.flush_l2,
+                          log=lambda m: print(m, flush=True))
+        if not entries:
+            raise tuning.TuningError(f"nothing to tune: no kernel of {', '.join(kernels)} has two configs built for "
+                                     f"these calls on {arch} in {', '.join(map(str, lib.found.folders))}")
+        method = {"rounds": rounds, "seed": args.seed, "order": "shuffle", "heads": args.heads, "tokens": args.tokens,
+                  "flush_l2": args.flush_l2, "timing": "CUDA events per call, median per round, median of rounds"}
+        db = tuning.database(entries, arch=arch, machine=machine, method=method, tolerance=args.tolerance)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, tuning.dumps(db))
+    print("\n".join(_summary(db)))
+    print(f"wrote {out}: {len(db['entries'])} entries, {sum(map(len, db['rules'].values()))} rules")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], out.name).write_bytes(tuning.dumps(db))
+        Path(os.environ["OUT"], "tune-summary.json").write_text(json.dumps(_summary(db), indent=1))
+    return 0
+
+
+def add_cli(sub: Any) -> None:
+    """Register ``tune`` on the builder's command parser."""
+    from .wheels import CliHelp
+
+    t = sub.add_parser("tune", help="time every built config on this GPU into a tuning database",
+                       formatter_class=CliHelp, description=__doc__.split("\n\n")[0] + " Fold the result into "
+                       "a build with `build --tuning-db FILE`, or check it in as builder/tuning_db/<arch>.json.")
+    t.add_argument("--images", default=None, help="image folder built with every config of the kernels to tune "
+                   "(e.g. `build --set gputest --targets sm90 --kernels attn_fwd,...`); default: the documented search")
+    t.add_argument("--out", required=True, help="the tuning database to write")
+    t.add_argument("--kernels", default=None, help="comma list of kernels that attention calls launch (default: "
+                   f"{','.join(TUNABLE)}; --quick: attn_fwd)")
+    t.add_argument("--bins", default=None, help="sequence-length bins, powers of two (default "
+                   f"{','.join(map(str, DEFAULT_BINS))}; --quick: {','.join(map(str, QUICK_BINS))})")
+    t.add_argument("--dtypes", default="fp16,bf16")
+    t.add_argument("--head-dims", default="64,128")
+    t.add_argument("--causal", default="0,1", help="0 no mask, 1 causal")
+    t.add_argument("--heads", type=int, default=32)
+    t.add_argument("--tokens", type=int, default=1 << 19, help="batch = max(1, tokens / (N * heads)) per bin")
+    t.add_argument("--rounds", type=int, default=None, help="timing rounds (default 5; --quick: 3)")
+    t.add_argument("--seed", type=int, default=0, help="seeds the inputs and the contenders' shuffled order")
+    t.add_argument("--tolerance", type=float, default=tuning.DEFAULT_TOLERANCE,
+                   help="a config beats a lower index only when faster by more than this fraction")
+    t.add_argument("--flush-l2", action="store_true", help="zero a 2x-L2 buffer before every timed call")
+    t.add_argument("--quick", action="store_true", help="attn_fwd only, 5 bins 1024..16384, 3 rounds")
+    t.add_argument("--recompute", metavar="FILE", help="no GPU: decide the rules again from FILE's measurements "
+                   "(e.g. with another --tolerance)")
+    t.set_defaults(func=main)

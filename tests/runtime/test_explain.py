@@ -1,0 +1,163 @@
+"""explain: which variant and config an attention call runs and why, agreeing with the dispatcher."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import aotriton_rt
+from aotriton_rt import ArgumentError, KernelNotFound
+from aotriton_rt.ops import attention as op
+from aotriton_rt.tuning import explain_config
+from builder import tuning
+from builder.registry import expand, load_kernels
+from builder.targets import KNOWN
+from tests.runtime.test_attention_op import _synthetic_variant, qkv
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+CAUSAL = {**BASE, "CAUSAL": 2}
+
+
+def _database() -> dict:
+    """A measured database: causal fp16 D=128 forward, config 1 wins from 4096 on; nothing at D=64."""
+    decl = load_kernels()["attn_fwd"]
+
+    def params(i: int) -> dict:
+        c = decl.configs_for(CAUSAL, KNOWN["sm90"])[i]
+        return {**c.constexprs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+
+    entries = [tuning.Entry("attn_fwd", CAUSAL, n, {}, (tuning.Timing(0, params(0), n * 1.0),
+                                                         tuning.Timing(1, params(1), n * (1.1 if n < 4096 else 0.8))))
+               for n in (1024, 2048, 4096, 8192)]
+    return tuning.database(entries, arch="sm90", machine={"gpu": "NVIDIA H200"}, method={})
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """sm90 images (synthetic, never launched): fp16 forward at D=64 and D=128, configs 0 and 1, no
+    mask and causal, and the split backward at D=128; the tuning table folded from _database()."""
+    jobs = [j for j in expand(load_kernels()["attn_fwd"], [KNOWN["sm90"]], "default", "3.6.0")
+            if j.spec["dtype"] == "fp16" and j.spec["HEAD_DIM"] in (64, 128) and j.config_index < 2]
+    table, notes = tuning.fold([("sm90.json", _database())], jobs)
+    assert notes == ["sm90.json: 2 rules folded, 0 dropped"]
+    variants = [_synthetic_variant("attn_fwd", {**BASE, "HEAD_DIM": d, "HEAD_DIM_V": d, "CAUSAL": c}, i)
+                for d in (64, 128) for c in (0, 2) for i in (0, 1)]
+    variants.append(_synthetic_variant("attn_bwd_preprocess", {**{k: BASE[k] for k in ("dtype", "HEAD_DIM",
+                                                                                        "HEAD_DIM_V", "VARLEN")},
+                                                               "DQ_ATOMIC": 0}))
+    variants.append(_synthetic_variant("attn_bwd_dkdv", {**CAUSAL, "DQ_ATOMIC": 0}))
+    variants.append(_synthetic_variant("attn_bwd_dq", CAUSAL))
+    folder = tmp_path_factory.mktemp("tuned")
+    (folder / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                     "triton_version": "3.6.0", "tuning": table,
+                                                     "variants": variants}))
+    return folder
+
+
+def test_a_measured_call_is_tuned_naming_the_database_and_the_bin(tuned: Path) -> None:
+    lib = aotriton_rt.Library(tuned)
+    long = op.explain(dtype="fp16", head_dim=128, seqlen_q=8000, causal=True, arch="sm90", library=lib)
+    (pick,) = long.kernels
+    assert long.tuned and pick.config == 1 and pick.spec == CAUSAL
+    assert pick.choice.reason == ("tuned (rule #1 of tuning['attn_fwd'], from tuning database sm90 (NVIDIA H200), "
+                                  "measured at seqlen_q 4096..8192, seqlen_q in [4096, inf], arch sm90)")
+    assert pick.params == {**_synthetic_params(CAUSAL, 1)}
+    short = op.explain(dtype="fp16", head_dim=128, seqlen_q=100, causal=True, arch="sm90", library=lib).kernels[0]
+    assert short.tuned and short.config == 0 and "seqlen_q in [0, 4095]" in short.choice.reason
+
+
+def _synthetic_params(spec: dict, index: int) -> dict:
+    c = load_kernels()["attn_fwd"].configs_for(spec, KNOWN["sm90"])[index]
+    return {**c.constexprs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+
+
+def test_an_unmeasured_call_says_untuned_and_runs_the_heuristic_config_0(tuned: Path) -> None:
+    lib = aotriton_rt.Library(tuned)
+    ex = op.explain(dtype="fp16", head_dim=64, seqlen_q=8000, arch="sm90", library=lib)
+    assert not ex.tuned and ex.kernels[0].config == 0
+    assert ex.kernels[0].choice.reason.startswith("untuned (no rule of tuning['attn_fwd'] matches; heuristic: "
+                                                  "config 0, the first of the kernel's config table")
+    backward = op.explain(dtype="fp16", head_dim=128, seqlen_q=8000, causal=True, backward=True, arch="sm90",
+                          library=lib)
+    assert backward.scheme == "split" and [k.kernel for k in backward.kernels] == [
+        "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    assert "default: the deterministic split scheme" in backward.scheme_reason
+    assert all(k.choice.reason.startswith("untuned") for k in backward.kernels)
+    assert [k.note for k in backward.kernels] == ["the only config built"] * 3 and ex.kernels[0].note == ""
+
+
+@pytest.mark.parametrize("seqlen", [100, 1000, 4096, 5000, 20000])
+def test_explain_agrees_with_the_kernels_the_dispatcher_picks(tuned: Path, seqlen: int) -> None:
+    lib = aotriton_rt.Library(tuned)
+    handle = op.attention_kernels(*qkv(S=seqlen, D=128), causal=True, library=lib)["attn_fwd"]
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=seqlen, causal=True, arch="sm90", library=lib)
+    assert handle.candidates[0].config.index == ex.kernels[0].config
+    assert handle.candidates[0].key == ex.kernels[0].variant_key
+
+
+def test_a_rule_asking_for_a_config_not_built_says_which_runs(tmp_path: Path) -> None:
+    variants = [_synthetic_variant("attn_fwd", {**BASE, "CAUSAL": 0}, 0)]
+    (tmp_path / "catalog.json").write_text(json.dumps({
+        "schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0",
+        "tuning": {"attn_fwd": [{"config": 2}]}, "variants": variants}))
+    pick = op.explain(dtype="fp16", head_dim=128, seqlen_q=64, library=aotriton_rt.Library(tmp_path)).kernels[0]
+    assert pick.config == 0 and not pick.tuned
+    assert pick.note == "config #2 is not in these images, so #0 runs"
+
+
+def test_explain_refuses_bad_facts_and_names_what_is_missing(tuned: Path) -> None:
+    lib = aotriton_rt.Library(tuned)
+    with pytest.raises(ArgumentError, match=r"arch 'sm80' has no images here; built: sm90"):
+        op.explain(dtype="fp16", head_dim=128, seqlen_q=64, arch="sm80", library=lib)
+    with pytest.raises(ArgumentError, match=r"dtype must be one of fp16, bf16, fp32, got 'int8'"):
+        op.explain(dtype="int8", head_dim=128, seqlen_q=64, library=lib)
+    with pytest.raises(ArgumentError, match=r"scheme must be None, 'split' or 'atomic', got 'fused'"):
+        op.explain(dtype="fp16", head_dim=128, seqlen_q=64, backward=True, scheme="fused", library=lib)
+    with pytest.raises(ArgumentError, match=r"seqlen_q must be an integer in \[1, 2\*\*31 - 1\], got 0"):
+        op.explain(dtype="fp16", head_dim=128, seqlen_q=0, library=lib)
+    with pytest.raises(KernelNotFound, match=r"needs attn_fwd with dtype=bf16, .* on sm90, which these images lack"):
+        op.explain(dtype="bf16", head_dim=128, seqlen_q=64, arch="sm90", library=lib)
+
+
+def test_explain_config_reports_the_rule_it_used() -> None:
+    rules = [{"spec": {"HEAD_DIM": 64}, "config": 1}, {"arch": "sm90", "seqlen_k": [1024, 2047], "config": 3,
+                                                       "source": "db"}]
+    hit = explain_config(rules, kernel="k", spec={"HEAD_DIM": 128}, seqlen_q=1, seqlen_k=1500, arch="sm90")
+    assert (hit.config, hit.rule_index, hit.tuned) == (3, 1, True)
+    assert hit.reason == "tuned (rule #1 of tuning['k'], from db, seqlen_k in [1024, 2047], arch sm90)"
+    miss = explain_config(rules, kernel="k", spec={"HEAD_DIM": 128}, seqlen_q=1, seqlen_k=1500, arch="sm80")
+    assert (miss.config, miss.tuned) == (0, False)
+
+
+def test_the_explain_command_prints_the_pick_without_a_gpu(tuned: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "aotriton_rt", "explain", "attention", "--images", str(tuned),
+                          "--arch", "sm90", "--seqlen", "8192", "--causal", "--backward"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == ("attention forward on sm90: fp16, head dim 128, causal/window top-left, seqlen_q 8192, "
+                        "seqlen_k 8192")
+    assert lines[1].startswith("  attn_fwd[dtype=fp16, HEAD_DIM=128, HEAD_DIM_V=128, CAUSAL=2, BIAS=0, DROPOUT=0, "
+                               "VARLEN=0] config #1 (") and "tuned (rule #1 of tuning['attn_fwd']" in lines[1]
+    assert lines[2].startswith("attention backward on sm90") and lines[3].startswith("  scheme split: ")
+    bad = subprocess.run([sys.executable, "-m", "aotriton_rt", "explain", "attention", "--images", str(tuned),
+                          "--arch", "gfx942", "--seqlen", "64"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.strip() == "error: arch 'gfx942' has no images here; built: sm90"
+
+
+def test_info_names_the_tuned_kernels_and_their_database(tuned: Path, tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "aotriton_rt", "info", "--images", str(tuned)], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert ("tuning: attn_fwd 2 rules (tuning database sm90 (NVIDIA H200)); other kernels untuned "
+            "(`explain attention` says per call)") in run.stdout.splitlines()
+    (tmp_path / "catalog.json").write_text(json.dumps({**json.loads((tuned / "catalog.json").read_text()),
+                                                       "tuning": {}}))
+    bare = subprocess.run([sys.executable, "-m", "aotriton_rt", "info", "--images", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert "tuning: no rules (every kernel untuned: config 0, docs/tuning.md)" in bare.stdout

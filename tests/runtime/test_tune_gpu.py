@@ -1,0 +1,63 @@
+"""GPU: `python -m builder tune` times the built forward configs through the runtime, writes a database
+that loads and folds into a catalog without a dropped rule, and explain then says "tuned".
+
+Needs an image folder with every sm90 attn_fwd config of fp16 D=128 (``AOTRITON_RT_TEST_IMAGES``,
+e.g. ``python -m builder build --set gputest --targets sm90 --out .gpu-images``); about 20 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.gpu
+
+
+def test_tune_writes_a_database_the_build_folds_and_explain_reports(gpu_images: Path, tmp_path: Path) -> None:
+    import triton
+
+    import aotriton_rt
+    from aotriton_rt.ops import attention as op
+    from builder import tuning
+    from builder.registry import expand, load_kernels
+    from builder.targets import KNOWN
+
+    if "attn_fwd" not in aotriton_rt.Library(gpu_images).kernels:
+        pytest.skip(f"{gpu_images} has no attn_fwd: set AOTRITON_RT_TEST_IMAGES to a folder built with it "
+                    "(python -m builder build --set gputest --targets sm90 --out .gpu-images)")
+    out = tmp_path / "tuning.json"
+    run = subprocess.run([sys.executable, "-m", "builder", "tune", "--images", str(gpu_images), "--out", str(out),
+                          "--kernels", "attn_fwd", "--bins", "1024,4096", "--dtypes", "fp16", "--head-dims", "128",
+                          "--causal", "0,1", "--rounds", "2"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OUT": ""})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    db = tuning.load(out)
+    assert db["machine"]["gpu"] and db["arch"] in KNOWN
+    assert len(db["entries"]) == 4, run.stdout  # 2 masks x 2 bins
+    for e in db["entries"]:
+        times = [c["us"] for c in e["configs"]]
+        assert len(times) >= 2 and all(t is None or t > 0 for t in times)
+        assert not any("wrong result" in c.get("note", "") for c in e["configs"]), e
+        assert e["winner"] == tuning.winner(tuning.entries_of({"entries": [e]})[0].timings).index
+    jobs = expand(load_kernels()["attn_fwd"], [KNOWN[db["arch"]]], "full", triton.__version__)
+    table, notes = tuning.fold([("tuning.json", db)], jobs)
+    assert notes[0].endswith(" 0 dropped"), notes
+    # The runtime on the folded table: the catalog's own rules replaced, as a build would write them.
+    lib = aotriton_rt.Library(gpu_images)
+    for cat in lib.catalogs:
+        cat.tuning = table
+    for n in (1000, 5000):
+        ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=n, causal=True, library=lib)
+        assert ex.tuned, str(ex)
+        assert "from tuning database" in ex.kernels[0].choice.reason
+    # Same measurements, same bytes.
+    again = tuning.database(tuning.entries_of(db), arch=db["arch"], machine=db["machine"], method=db["method"],
+                            tolerance=db["method"]["tolerance"])
+    assert tuning.dumps(again) == out.read_bytes()
+    print(json.dumps(db["rules"], indent=1))
