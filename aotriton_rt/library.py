@@ -15,6 +15,7 @@ device, once, under a lock. Launches from many threads are safe.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -387,6 +388,17 @@ def _stream_value(stream: Any) -> int:
     return int(value)
 
 
+#: Every live Library by ``id()``: the torch ops carry a library as that integer (their schema
+#: takes tensors and scalars only), and code compiled by torch.compile must find it without
+#: having registered it while tracing.
+_LIVE: weakref.WeakValueDictionary[int, Library] = weakref.WeakValueDictionary()
+
+
+def live_library(key: int) -> Library | None:
+    """The live :class:`Library` whose ``id()`` is ``key``, or None."""
+    return _LIVE.get(key)
+
+
 class Library:
     """A loaded set of image folders: the catalog(s) and, per device, the loaded modules.
 
@@ -416,6 +428,7 @@ class Library:
         self._modules: dict[tuple[int, str], tuple[Any, Any]] = {}  # (device, key) -> (module, function)
         self._handles: dict[tuple, Kernel] = {}
         self._scratch: dict[int, tuple[int, int]] = {}  # device -> (ptr, size)
+        _LIVE[id(self)] = self
 
     def __repr__(self) -> str:
         return (f"<aotriton_rt.Library {sum(len(c.target_kernels()) for c in self.catalogs)} kernel/target "

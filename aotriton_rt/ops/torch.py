@@ -30,26 +30,49 @@ import torch
 from torch import Tensor
 
 from ..errors import ArgumentError
+from ..library import live_library
 from . import attention as _core
 from .attention import plan as _core_plan
 
-__all__ = ["attention", "attention_fwd", "attention_bwd"]
+__all__ = ["attention", "attention_bwd", "attention_fwd", "register_library"]
 
 _LIBRARIES: dict[int, Any] = {0: None}
 _I64 = 2**63
 _OFFSET_STEP = 4  # torch advances its Philox offset in multiples of 4 (one 128-bit draw)
 
 
-@torch.compiler.assume_constant_result
 def _library_key(library: Any) -> int:
-    # Operators take only tensors and scalars: a Library travels as a registry key. Under
-    # torch.compile this runs while tracing (a constant of the graph): traced, the registration
-    # would be a side effect replayed only after the graph, whose op would not find the key.
+    # Operators take only tensors and scalars: a Library travels as its id(). Nothing is
+    # registered while torch.compile traces (a traced registration would be a side effect
+    # replayed after the graph, whose op would not find it): Libraries are found through
+    # aotriton_rt.library.live_library, other library objects once an eager call (or
+    # register_library) has registered them.
     if library is None:
         return 0
     key = id(library)
+    if not _compiling():
+        _LIBRARIES[key] = library
+    return key
+
+
+def register_library(library: Any) -> int:
+    """Make a library object that is not an :class:`aotriton_rt.Library` (a wrapper, a test
+    double) usable by the ops from code torch.compile traces; returns its key. Libraries need
+    nothing: every live one is found by its ``id()``."""
+    key = id(library)
     _LIBRARIES[key] = library
     return key
+
+
+def _library(key: int) -> Any:
+    if key in _LIBRARIES:
+        return _LIBRARIES[key]
+    found = live_library(key)
+    if found is None:
+        raise ArgumentError("the library passed to aotriton_rt's torch ops is neither an aotriton_rt.Library nor "
+                            "registered: call aotriton_rt.ops.torch.register_library(library) before torch.compile "
+                            "first traces a call with it")
+    return found
 
 
 def _signed(u64: int) -> int:
@@ -82,7 +105,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_seqle
         dropout_p=dropout_p, seed=_unsigned(seed), offset=_unsigned(offset), scale=scale,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
         max_seqlen_k=max_seqlen_k if varlen else None, layout=layout, return_mask=return_mask,
-        library=_LIBRARIES[library])
+        library=_library(library))
     if return_mask:
         return result
     out, lse = result
@@ -132,7 +155,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         dropout_p=dropout_p, seed=_unsigned(seed), offset=_unsigned(offset), scale=scale,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
         max_seqlen_k=max_seqlen_k if varlen else None, layout=layout, deterministic=deterministic,
-        bias_grad=bias_grad, library=_LIBRARIES[library])
+        bias_grad=bias_grad, library=_library(library))
     if dbias is None:
         dbias = q.new_empty((0,))
     return dq, dk, dv, dbias

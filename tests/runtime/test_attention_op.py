@@ -411,9 +411,10 @@ def _opcheck(lib: InterpretedLibrary, q: Any, k: Any, v: Any) -> dict:
     except Exception as exc:  # reported to the test
         failed.append(f"opcheck: {type(exc).__name__}: {str(exc)[:1500]}")
 
-    # A library the ops have never seen: compiled code must register it while tracing, not as a
-    # side effect replayed after the graph (whose op then looked it up in vain).
+    # A library object no eager call has registered: compiled code finds it through
+    # register_library (aotriton_rt.Library objects need not even that: live_library).
     fresh = copy.copy(lib)
+    op_torch.register_library(fresh)
 
     def step(q: Any, k: Any, v: Any) -> Any:
         return op_torch.attention(q, k, v, causal=True, library=fresh).float().square().mean()

@@ -432,3 +432,17 @@ def test_the_address_flavour_runs_the_backward_kernels_on_shared_scratch(lib: Re
     assert pre["DO"] == dout.data_ptr() and pre["Out"] == out.data_ptr() and pre["Delta"] == dkdv["Delta"]
     assert dkdv["DK"] == dk.data_ptr() and dkdv["DV"] == dv.data_ptr() and dqk["DQ"] == dq.data_ptr()
     assert dkdv["LSE"] == lse.data_ptr() == dqk["LSE"] and dkdv["stride_dkh"] == 24 * 32
+
+
+def test_the_torch_ops_find_a_library_by_its_id_without_registering_it(built_images: Any) -> None:
+    # torch.compile traces the key without registering anything (a traced registration would run
+    # after the graph); every live Library is found by id(), other objects must be registered.
+    import aotriton_rt
+    from aotriton_rt.ops import torch as op_torch
+
+    lib = aotriton_rt.Library(built_images)
+    assert id(lib) not in op_torch._LIBRARIES and op_torch._library(id(lib)) is lib
+    double = object()
+    with pytest.raises(aotriton_rt.ArgumentError, match=r"register_library\(library\) before torch.compile"):
+        op_torch._library(id(double))
+    assert op_torch._library(op_torch.register_library(double)) is double
