@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..catalog import CATALOG_FILE, Catalog, open_regular
-from ..errors import AotritonError, BundleError, CatalogError, ImageFolderNotFound
+from ..catalog import CATALOG_FILE, Catalog, check_file, open_regular
+from ..errors import AotritonError, BundleError, CatalogError, ImageFolderNotFound, ImageMismatch
 from .format import (
     BUNDLE_NAME,
     CHUNK,
@@ -88,19 +88,10 @@ def _verify_folder(folder: Path) -> VerifyReport:
                 problems.append(f"{v.image.path}: {MANIFEST_FILE} and {CATALOG_FILE} disagree")
             expected.setdefault(v.image.path, want)
     for rel, (size, sha256) in sorted(expected.items()):
-        path = folder.joinpath(*rel.split("/"))
         try:
-            st = os.stat(path)
-            if not stat.S_ISREG(st.st_mode):
-                problems.append(f"{rel}: not a regular file")
-            elif st.st_size != size:
-                problems.append(f"{rel}: {st.st_size} bytes, expected {size}")
-            elif sha256_file(path) != sha256:
-                problems.append(f"{rel}: sha256 differs from the catalog (corrupt or modified)")
-        except FileNotFoundError:
-            problems.append(f"missing {rel}")
-        except OSError as e:
-            problems.append(f"{rel}: cannot be read ({e.strerror or e})")
+            check_file(folder.joinpath(*rel.split("/")), size, sha256, keep=False)
+        except ImageMismatch as e:
+            problems.append(_PROBLEMS[e.problem].format(rel=rel, size=size, detail=e.detail))
     if bundle:
         known = set(expected) | {MANIFEST_FILE, INSTALL_FILE, CATALOG_FILE}
         for dirpath, _, names in os.walk(folder):
@@ -109,6 +100,16 @@ def _verify_folder(folder: Path) -> VerifyReport:
                 if rel not in known:
                     problems.append(f"unexpected file {rel}")
     return VerifyReport(folder.name, folder, len(expected), tuple(problems))
+
+
+#: How a report words what :func:`aotriton_rt.catalog.check_file` found wrong.
+_PROBLEMS = {
+    "missing": "missing {rel}",
+    "unreadable": "{rel}: cannot be read ({detail})",
+    "not regular": "{rel}: not a regular file",
+    "size": "{rel}: {detail} bytes, expected {size}",
+    "sha256": "{rel}: sha256 differs from the catalog (corrupt or modified)",
+}
 
 
 def load_record(folder: Path) -> dict | None:

@@ -522,7 +522,7 @@ def test_decode_kernel_compiles_ahead_of_time_with_vector_cache_loads(arch: str,
     jobs = [j for j in expand(load_kernels()["attn_decode"], parse_targets(arch), "default", "3.6.0")
             if j.spec == want and j.config_index == 0]
     variant, raw, _ = compile_job(jobs[0])
-    assert raw[:4] == b"\x7fELF" and 0 < variant["shared"] <= SHARED_LIMIT[arch]
+    assert raw[:4] == b"\x7fELF" and 0 < variant.shared <= SHARED_LIMIT[arch]
     if arch.startswith("sm"):
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -547,7 +547,7 @@ def test_a_paged_cache_keeps_as_many_kv_tiles_in_flight_as_a_contiguous_one(conf
     jobs = {j.spec["PAGED"]: j for j in expand(load_kernels()["attn_decode"], parse_targets("sm90"), "default",
                                                "3.6.0")
             if j.spec["dtype"] == "bf16" and j.spec["HEAD_DIM"] == 128 and j.config_index == config}
-    contiguous, paged = compile_job(jobs[0])[0]["shared"], compile_job(jobs[1])[0]["shared"]
+    contiguous, paged = compile_job(jobs[0])[0].shared, compile_job(jobs[1])[0].shared
     tile = 2 * 64 * 128 * 2  # one K and one V tile of 64 keys
     assert contiguous >= 2 * tile
     assert contiguous <= paged < contiguous + tile // 4, (contiguous, paged)
