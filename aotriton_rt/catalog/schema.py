@@ -471,7 +471,7 @@ class _Shared:
 
 def _check_rules(v: Variant, path: str, source: str) -> None:
     """Parse every grid and check rule of ``v`` now, so that a bad one names its JSON path."""
-    from ..pack import check_rule  # the rule language lives with its compiler
+    from ..arguments import check_rule  # the rule language lives with its compiler
 
     names = tuple(a.name for a in v.args)
     params = v.params

@@ -76,7 +76,7 @@ class InterpretedKernel:
     def __call__(self, *args: Any, stream: Any = None) -> None:
         import torch
 
-        from aotriton_rt.pack import compile_expr
+        from aotriton_rt.arguments import compile_expr
 
         dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "i8": torch.int8,
                   "i32": torch.int32}

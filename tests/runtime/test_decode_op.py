@@ -83,7 +83,7 @@ class _Handle:
     def __call__(self, *args: Any) -> None:
         import torch
 
-        from aotriton_rt.pack import compile_expr
+        from aotriton_rt.arguments import compile_expr
 
         values = dict(zip(self.arg_names, args, strict=True))
         for name, value in values.items():

@@ -20,10 +20,10 @@ from types import SimpleNamespace
 import pytest
 
 from aotriton_rt import images, interop
+from aotriton_rt.arguments import compile_expr, compile_grid, grid_limits
 from aotriton_rt.catalog import Catalog
 from aotriton_rt.errors import ArgumentError, CatalogError, ImageError, ImageFolderNotFound, LaunchError
 from aotriton_rt.library import Kernel, Library
-from aotriton_rt.pack import compile_expr, compile_grid, grid_limits
 from tests.runtime.httpfaults import make_image_folder
 
 
