@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.interpreter import patch_interpreter, run_sharded
+from tests.helpers.interpreter import patch_interpreter, run_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -35,7 +35,7 @@ from aotriton_rt.ops.attention import (
     select_config,
     select_mode,
 )
-from tests.interpreter import patch_interpreter, run_sharded
+from tests.helpers.interpreter import patch_interpreter, run_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 

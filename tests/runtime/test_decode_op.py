@@ -26,7 +26,7 @@ import aotriton_rt
 from aotriton_rt import ArgumentError, CatalogError, UnsupportedError
 from aotriton_rt.ops import decode as op
 from aotriton_rt.ops.decode import SplitRule, num_splits_for, split_rule
-from tests.interpreter import patch_interpreter, run_sharded
+from tests.helpers.interpreter import patch_interpreter, run_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -36,7 +36,7 @@ from aotriton_rt.download import (
 )
 from aotriton_rt.errors import BundleError, CatalogError, DownloadError, ImageFolderNotFound, NoDevice
 from builder.bundle import pack
-from tests.runtime.httpfaults import FaultServer, make_image_folder, wait_at
+from tests.helpers.httpfaults import FaultServer, make_image_folder, wait_at
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "hip-gfx942"

@@ -17,7 +17,7 @@ import pytest
 
 from aotriton_rt.download import install_file, verify_folder
 from builder.bundle import pack
-from tests.runtime.httpfaults import make_image_folder
+from tests.helpers.httpfaults import make_image_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "hip-gfx942"
