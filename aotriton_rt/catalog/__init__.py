@@ -3,7 +3,8 @@ and written. ``docs/catalog.md`` specifies every field.
 
 - :mod:`.schema`: what a catalog may hold, as frozen dataclasses with ``from_json``/``to_json``
   (``Variant``, ``Target``, ``Arg``, ``Config``, ``Image``, ``ShardRef``), the limits, the one
-  table of scalar types, and the file layout of an image folder.
+  table of scalar types, the file layout of an image folder, and the shapes of the index and
+  shard files. (:mod:`.reader`: its typed JSON access, whose errors name file and JSON path.)
 - :mod:`.store`: :class:`Catalog`, a whole catalog: the index read at once, the shards on demand;
   :meth:`Catalog.new` (what the builder makes), :meth:`Catalog.write`.
 - :mod:`.files`: safe reads and atomic writes, and :func:`check_image`, the one check of an image

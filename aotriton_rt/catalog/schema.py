@@ -7,7 +7,9 @@ specifies each field; this file is its executable form. Every ``from_json`` vali
 error names the file, the JSON path and the offending value; every ``to_json`` writes the form
 ``from_json`` reads. The builder constructs these same objects (``builder/compile.py``).
 
-Reading and writing whole catalogs (the index and its shards) is :mod:`.store`.
+The shapes of the two files, the index (``catalog.json``) and a shard, are here too
+(:func:`index_from_json`, :func:`shard_from_json`, and their inverses); reading them from disk,
+lazily and digest-checked, is :mod:`.store`.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from __future__ import annotations
 import json
 import keyword
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CatalogError
+from ..tuning import validate_table as validate_tuning
+from .reader import _Reader, _show
 
 SCHEMA = "aotriton-rt.catalog"
 SHARD_SCHEMA = "aotriton-rt.catalog-shard"
@@ -78,64 +81,6 @@ MAX_SHARD_VARIANTS = 1 << 16    # variants (and shared tables) in one shard
 def is_pointer_type(t: str) -> bool:
     """True for Triton pointer type strings such as ``*fp16``."""
     return bool(_POINTER.match(t))
-
-
-class _Reader:
-    """Typed access to one JSON object, with errors that name file and JSON path."""
-
-    def __init__(self, obj: Any, path: str, source: str) -> None:
-        if not isinstance(obj, Mapping):
-            raise CatalogError(f"{source}: {path} must be an object, found {_show(obj)}")
-        self.obj, self.path, self.source = obj, path, source
-
-    def _fail(self, key: str, what: str, value: Any) -> CatalogError:
-        return CatalogError(f"{self.source}: {self.path}.{key} must be {what}, found {_show(value)}")
-
-    def get(self, key: str, kind: type | tuple[type, ...], what: str, default: Any = ...) -> Any:
-        if key not in self.obj:
-            if default is not ...:
-                return default
-            raise CatalogError(f"{self.source}: {self.path}.{key} is missing")
-        value = self.obj[key]
-        # bool is an int in Python; a catalog int field must not accept true/false.
-        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-            raise self._fail(key, what, value)
-        return value
-
-    def int(self, key: str, minimum: int = 0, default: Any = ..., maximum: int = 2**63 - 1) -> int:
-        what = f"an integer >= {minimum}" if maximum == 2**63 - 1 else f"an integer in [{minimum}, {maximum}]"
-        value = self.get(key, int, what, default)
-        if not minimum <= value <= maximum:
-            raise self._fail(key, what, value)
-        return value
-
-    def name(self, key: str, pattern: re.Pattern, what: str) -> str:
-        value = self.str(key)
-        if not pattern.match(value):
-            raise self._fail(key, what, value)
-        return value
-
-    def str(self, key: str, default: Any = ...) -> str:
-        return self.get(key, str, "a string", default)
-
-    def sub(self, key: str, default: Any = ...) -> _Reader:
-        value = self.get(key, Mapping, "an object", default)
-        return _Reader(value, f"{self.path}.{key}", self.source)
-
-    def list(self, key: str, default: Any = ...) -> list:
-        return self.get(key, list, "a list", default)
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _show(value: Any) -> str:
-    try:
-        text = json.dumps(value) if not isinstance(value, Mapping) else "an object"
-    except (RecursionError, ValueError):
-        text = f"a deeply nested {type(value).__name__}"
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _scalars(r: _Reader, key: str) -> dict[str, Any]:
@@ -528,6 +473,116 @@ def image_path(target: Target, kernel: str, key: str, fmt: str) -> str:
     """Where the builder puts an image: ``<backend>/<arch>/<kernel>/<kernel>-<key16>.<fmt>.xz``
     (a CUDA variant's PTX beside its cubin, ``fmt`` "ptx")."""
     return f"{target.backend}/{target.arch}/{kernel}/{kernel}-{key[:16]}.{fmt}.xz"
+
+
+# --------------------------------------------------------------------------- whole files
+
+
+def index_from_json(obj: Any, source: str) -> tuple[str, dict[str, Any], tuple[ShardRef, ...] | None,
+                                                   tuple[Variant, ...]]:
+    """Validate a parsed ``catalog.json``: (triton_version, tuning, shard entries, variants).
+
+    The index form gives its shard entries (and no variants); the inline form, whose
+    ``variants`` list every variant in full, gives None and the variants. Raises CatalogError
+    naming the JSON path of a bad value.
+    """
+    r = _Reader(obj, "$", source)
+    schema = r.str("schema")
+    if schema != SCHEMA:
+        raise r._fail("schema", f'"{SCHEMA}"', schema)
+    _check_version(r, source)
+    # The tuning rules are validated here, at load, by the module that applies them.
+    tuning = validate_tuning(dict(r.sub("tuning", {}).obj), source)
+    triton_version = r.str("triton_version")
+    if "shards" in r.obj:
+        if "variants" in r.obj:
+            raise CatalogError(f"{source}: $ has both shards and variants; a catalog lists one or the other")
+        raw = r.list("shards")
+        if len(raw) > MAX_SHARDS:
+            raise r._fail("shards", f"a list of at most {MAX_SHARDS} entries", f"{len(raw)} items")
+        refs = tuple(ShardRef.from_json(_Reader(e, f"$.shards[{i}]", source)) for i, e in enumerate(raw))
+        seen: dict[Any, int] = {}
+        for i, ref in enumerate(refs):
+            for what, ident in (("target and kernel", (ref.target.backend, ref.target.arch, ref.kernel)),
+                                ("path", ref.path)):
+                if ident in seen:
+                    raise CatalogError(f"{source}: $.shards[{i}] repeats the {what} of "
+                                       f"$.shards[{seen[ident]}]")
+                seen[ident] = i
+        return triton_version, tuning, refs, ()
+    raw = r.list("variants")
+    if len(raw) > MAX_SHARDS * 4:
+        raise r._fail("variants", "an inline list of at most 262144 variants", f"{len(raw)} items")
+    variants = tuple(Variant.from_json(v, f"$.variants[{i}]", source) for i, v in enumerate(raw))
+    _unique_keys(variants, source, "$.variants")
+    return triton_version, tuning, None, variants
+
+
+def index_to_json(triton_version: str, tuning: dict[str, Any], refs: Any) -> dict:
+    """The ``catalog.json`` index listing ``refs`` (:class:`ShardRef`)."""
+    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "triton_version": triton_version,
+            "tuning": tuning, "shards": [ref.to_json() for ref in refs]}
+
+
+def shard_from_json(obj: Any, ref: ShardRef, source: str, index: str) -> tuple[Variant, ...]:
+    """Validate a parsed shard file against its entry ``ref`` in the index ``index``; its variants
+    in order.
+    Raises CatalogError naming the file and JSON path of a bad value."""
+    r = _Reader(obj, "$", source)
+    if r.str("schema") != SHARD_SCHEMA:
+        raise r._fail("schema", f'"{SHARD_SCHEMA}"', r.obj["schema"])
+    _check_version(r, source)
+    target = Target.from_json(r.sub("target"))
+    kernel = r.name("kernel", _KERNEL_NAME, "a kernel name (letters, digits, '_')")
+    if target != ref.target or kernel != ref.kernel:
+        raise CatalogError(f"{source}: holds {kernel} for {target.backend} {target.arch}, but {index} "
+                           f"lists it for {ref.kernel} on {ref.target.backend} {ref.target.arch}")
+    tables = {}
+    for name in ("layouts", "rules", "launch_params", "variants"):
+        tables[name] = r.list(name)
+        if not 1 <= len(tables[name]) <= MAX_SHARD_VARIANTS:
+            raise r._fail(name, f"a list of 1 to {MAX_SHARD_VARIANTS} entries", f"{len(tables[name])} items")
+    if len(tables["variants"]) != ref.variants:
+        raise r._fail("variants", f"the {ref.variants} entries the index counts",
+                      f"{len(tables['variants'])} items")
+    shared = _Shared(
+        target, kernel, r.str("triton_version"),
+        tuple(_layout_from_json(_Reader(e, f"$.layouts[{i}]", source)) for i, e in enumerate(tables["layouts"])),
+        tuple(_rules_from_json(_Reader(e, f"$.rules[{i}]", source)) for i, e in enumerate(tables["rules"])),
+        tuple(_launch_from_json(_Reader(e, f"$.launch_params[{i}]", source), target)
+              for i, e in enumerate(tables["launch_params"])))
+    variants = tuple(Variant.from_json(v, f"$.variants[{i}]", source, shared=shared)
+                     for i, v in enumerate(tables["variants"]))
+    _unique_keys(variants, source, "$.variants")
+    return variants
+
+
+def shard_to_json(kernel: str, variants: Any) -> dict:
+    """The shard file of ``kernel``'s ``variants`` on one target: what they share stored once
+    (target, kernel, Triton version; the ``layouts``, ``rules`` and ``launch_params`` tables),
+    each variant pointing into the tables by position, tables in order of first use."""
+    target = variants[0].target
+    layouts: dict[str, int] = {}
+    rules: dict[str, int] = {}
+    launches: dict[str, int] = {}
+    entries = []
+    for v in variants:
+        entry = v.to_json()
+        layout = json.dumps({k: entry.pop(k) for k in ("args", "hidden_args", "param_size")}, sort_keys=True)
+        rule = json.dumps({k: entry.pop(k) for k in ("grid", "checks")}, sort_keys=True)
+        for k in ("target", "kernel", "triton_version"):
+            del entry[k]
+        entry["layout"] = layouts.setdefault(layout, len(layouts))
+        entry["rules"] = rules.setdefault(rule, len(rules))
+        launch = json.dumps({k: entry.pop(k) for k in _LAUNCH_FIELDS}, sort_keys=True)
+        entry["launch_params"] = launches.setdefault(launch, len(launches))
+        entries.append(entry)
+    shard = {"schema": SHARD_SCHEMA, "schema_version": SCHEMA_VERSION, "target": target.to_json(),
+             "kernel": kernel, "triton_version": variants[0].triton_version,
+             "layouts": [json.loads(t) for t in layouts], "rules": [json.loads(t) for t in rules],
+             "launch_params": [json.loads(t) for t in launches],
+             "variants": entries}
+    return shard
 
 
 def _check_version(r: _Reader, source: str) -> None:

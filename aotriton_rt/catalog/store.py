@@ -20,30 +20,22 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CatalogError
-from ..tuning import validate_table as validate_tuning
 from .files import canonical_bytes, parse_json, read_bounded, write_atomic
 from .schema import (
-    _KERNEL_NAME,
-    _LAUNCH_FIELDS,
     CATALOG_FILE,
     MAX_CATALOG_BYTES,
     MAX_SHARD_BYTES,
-    MAX_SHARD_VARIANTS,
-    MAX_SHARDS,
     SCHEMA,
     SCHEMA_VERSION,
-    SHARD_SCHEMA,
     ShardRef,
     Target,
     Variant,
-    _check_version,
-    _launch_from_json,
-    _layout_from_json,
-    _Reader,
-    _rules_from_json,
-    _Shared,
     _unique_keys,
+    index_from_json,
+    index_to_json,
+    shard_from_json,
     shard_path,
+    shard_to_json,
 )
 
 
@@ -100,35 +92,9 @@ class Catalog:
         """Validate a parsed ``catalog.json``: an index of shards (read later from ``folder``)
         or the inline form, whose ``variants`` list every variant in full (what
         :meth:`to_json` returns). Raises CatalogError naming the JSON path of a bad value."""
-        r = _Reader(obj, "$", source)
-        schema = r.str("schema")
-        if schema != SCHEMA:
-            raise r._fail("schema", f'"{SCHEMA}"', schema)
-        _check_version(r, source)
-        # The tuning rules are validated here, at load, by the module that applies them.
-        tuning = validate_tuning(dict(r.sub("tuning", {}).obj), source)
-        triton_version = r.str("triton_version")
-        if "shards" in r.obj:
-            if "variants" in r.obj:
-                raise CatalogError(f"{source}: $ has both shards and variants; a catalog lists one or the other")
-            raw = r.list("shards")
-            if len(raw) > MAX_SHARDS:
-                raise r._fail("shards", f"a list of at most {MAX_SHARDS} entries", f"{len(raw)} items")
-            refs = tuple(ShardRef.from_json(_Reader(e, f"$.shards[{i}]", source)) for i, e in enumerate(raw))
-            seen: dict[Any, int] = {}
-            for i, ref in enumerate(refs):
-                for what, ident in (("target and kernel", (ref.target.backend, ref.target.arch, ref.kernel)),
-                                    ("path", ref.path)):
-                    if ident in seen:
-                        raise CatalogError(f"{source}: $.shards[{i}] repeats the {what} of "
-                                           f"$.shards[{seen[ident]}]")
-                    seen[ident] = i
+        triton_version, tuning, refs, variants = index_from_json(obj, source)
+        if refs is not None:
             return cls(triton_version, (), tuning, folder, source, shards=refs)
-        raw = r.list("variants")
-        if len(raw) > MAX_SHARDS * 4:
-            raise r._fail("variants", "an inline list of at most 262144 variants", f"{len(raw)} items")
-        variants = tuple(Variant.from_json(v, f"$.variants[{i}]", source) for i, v in enumerate(raw))
-        _unique_keys(variants, source, "$.variants")
         return cls(triton_version, variants, tuning, folder, source)
 
     @classmethod
@@ -149,33 +115,7 @@ class Catalog:
         if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
             raise CatalogError(f"{source}: does not match its entry in {self.source} (size {len(data)}, "
                                f"index says {ref.size}, or sha256 differs); reinstall or rebuild the image folder")
-        r = _Reader(parse_json(data, source), "$", source)
-        if r.str("schema") != SHARD_SCHEMA:
-            raise r._fail("schema", f'"{SHARD_SCHEMA}"', r.obj["schema"])
-        _check_version(r, source)
-        target = Target.from_json(r.sub("target"))
-        kernel = r.name("kernel", _KERNEL_NAME, "a kernel name (letters, digits, '_')")
-        if target != ref.target or kernel != ref.kernel:
-            raise CatalogError(f"{source}: holds {kernel} for {target.backend} {target.arch}, but {self.source} "
-                               f"lists it for {ref.kernel} on {ref.target.backend} {ref.target.arch}")
-        tables = {}
-        for name in ("layouts", "rules", "launch_params", "variants"):
-            tables[name] = r.list(name)
-            if not 1 <= len(tables[name]) <= MAX_SHARD_VARIANTS:
-                raise r._fail(name, f"a list of 1 to {MAX_SHARD_VARIANTS} entries", f"{len(tables[name])} items")
-        if len(tables["variants"]) != ref.variants:
-            raise r._fail("variants", f"the {ref.variants} entries the index counts",
-                          f"{len(tables['variants'])} items")
-        shared = _Shared(
-            target, kernel, r.str("triton_version"),
-            tuple(_layout_from_json(_Reader(e, f"$.layouts[{i}]", source)) for i, e in enumerate(tables["layouts"])),
-            tuple(_rules_from_json(_Reader(e, f"$.rules[{i}]", source)) for i, e in enumerate(tables["rules"])),
-            tuple(_launch_from_json(_Reader(e, f"$.launch_params[{i}]", source), target)
-                  for i, e in enumerate(tables["launch_params"])))
-        variants = tuple(Variant.from_json(v, f"$.variants[{i}]", source, shared=shared)
-                         for i, v in enumerate(tables["variants"]))
-        _unique_keys(variants, source, "$.variants")
-        return variants
+        return shard_from_json(parse_json(data, source), ref, source, self.source)
 
     def _group(self, key: tuple[str, str, str]) -> tuple[Variant, ...]:
         got = self._groups[key]
@@ -247,26 +187,7 @@ class Catalog:
         for key in sorted(self._groups):
             variants = self._group(key)
             target = variants[0].target
-            layouts: dict[str, int] = {}
-            rules: dict[str, int] = {}
-            launches: dict[str, int] = {}
-            entries = []
-            for v in variants:
-                entry = v.to_json()
-                layout = json.dumps({k: entry.pop(k) for k in ("args", "hidden_args", "param_size")}, sort_keys=True)
-                rule = json.dumps({k: entry.pop(k) for k in ("grid", "checks")}, sort_keys=True)
-                for k in ("target", "kernel", "triton_version"):
-                    del entry[k]
-                entry["layout"] = layouts.setdefault(layout, len(layouts))
-                entry["rules"] = rules.setdefault(rule, len(rules))
-                launch = json.dumps({k: entry.pop(k) for k in _LAUNCH_FIELDS}, sort_keys=True)
-                entry["launch_params"] = launches.setdefault(launch, len(launches))
-                entries.append(entry)
-            shard = {"schema": SHARD_SCHEMA, "schema_version": SCHEMA_VERSION, "target": target.to_json(),
-                     "kernel": key[2], "triton_version": variants[0].triton_version,
-                     "layouts": [json.loads(t) for t in layouts], "rules": [json.loads(t) for t in rules],
-                     "launch_params": [json.loads(t) for t in launches],
-                     "variants": entries}
+            shard = shard_to_json(key[2], variants)
             data = canonical_bytes(shard)
             path = shard_path(target, key[2])
             out[path] = data
@@ -289,9 +210,7 @@ class Catalog:
 
 def index_bytes(triton_version: str, tuning: dict[str, Any], refs: Any) -> bytes:
     """Canonical ``catalog.json`` text of an index listing ``refs`` (:class:`ShardRef`)."""
-    index = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "triton_version": triton_version,
-             "tuning": tuning, "shards": [ref.to_json() for ref in refs]}
-    return json.dumps(index, indent=1, sort_keys=True).encode() + b"\n"
+    return json.dumps(index_to_json(triton_version, tuning, refs), indent=1, sort_keys=True).encode() + b"\n"
 
 
 def _order(v: Variant) -> tuple:
