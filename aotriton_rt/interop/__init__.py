@@ -226,15 +226,13 @@ def describe(obj: Any, *, backend: str = "cuda", stream: int | None = None) -> A
     return handler(obj, backend, stream)
 
 
-def pointer_reader(tp: type) -> Callable[[Any, str, int | None], tuple[int, int]] | None:
-    """The reader :func:`pointer` uses for arrays of exact type ``tp``, once one has been seen
-    (None before, and for the types never cached: ints, None, host arrays).
-
-    It is called as ``reader(obj, backend, stream)`` and returns ``(pointer, device)`` or raises
-    ArgumentError, exactly as :func:`pointer` does. The launch path caches it per type to skip
-    the lookup; anyone else should call :func:`pointer`.
-    """
-    return _HANDLERS.get(tp)
+#: ``pointer_reader(tp)``: the reader :func:`pointer` uses for arrays of exact type ``tp``, once one
+#: has been seen (None before, and for the types never cached: ints, None, host arrays). It is
+#: called as ``reader(obj, backend, stream)`` and returns ``(pointer, device)`` or raises
+#: ArgumentError, exactly as :func:`pointer` does. The launch path calls it per argument of a type
+#: it does not inline, so it is the cache's own lookup, with no call of ours around it; anyone
+#: else should call :func:`pointer`.
+pointer_reader: Callable[[type], Callable[[Any, str, int | None], tuple[int, int]] | None] = _HANDLERS.get
 
 
 def register_type(tp: type, pointer_fn: Callable[[Any, str, int | None], tuple[int, int]],
