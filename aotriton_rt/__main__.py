@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
+from typing import Any
+
+from .bundles.fetch import DEFAULT_DEADLINE, ENV_URL
+from .bundles.format import INDEX_FILE
 
 
 def _gpus() -> tuple[list[tuple[str, int, str, str]], list[str]]:
@@ -120,6 +124,85 @@ def _tuning_line(lib) -> str:
     return "tuning: " + ", ".join(parts) + "; other kernels untuned (`explain attention` says per call)"
 
 
+def add_bundle_commands(subparsers: Any) -> None:
+    """Add the ``download`` and ``verify`` subcommands (see ``docs/noimage.md``).
+
+    Each sets ``func``: call ``args.func(args)``, which returns the exit status.
+    """
+    d = subparsers.add_parser(
+        "download", help="fetch and install image bundles for your GPUs",
+        description="Fetch, verify and install image bundles, or install one from a file.")
+    d.add_argument("--arch", default="auto",
+                   help="auto (the GPUs of this machine, the default) or a comma list of archs "
+                        "or bundle names: gfx942,sm90")
+    d.add_argument("--url", help=f"the published folder holding {INDEX_FILE} "
+                                 f"(default: ${ENV_URL})")
+    d.add_argument("--dest", help="images folder to install into (default: the per-user cache, "
+                                  "or $AOTRITON_RT_CACHE)")
+    d.add_argument("--from-file", metavar="BUNDLE", action="append",
+                   help="install a local bundle file instead of downloading (repeatable)")
+    d.add_argument("--sha256", help="with --from-file: the digest the bundle must have")
+    d.add_argument("--allow-http", action="store_true", help="accept a plain http:// URL")
+    d.add_argument("--timeout", type=float, default=30.0, help="seconds (default: 30)")
+    d.add_argument("--retries", type=int, default=4, help="attempts in a row (default: 4)")
+    d.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE,
+                   help=f"seconds the whole download may take (default: {DEFAULT_DEADLINE:g})")
+    d.add_argument("--force", action="store_true",
+                   help="reinstall even if the same bundle is installed (an install that fails verify "
+                        "is repaired without it too)")
+    d.add_argument("--keep-partial", action="store_true",
+                   help="keep a failed download's partial file so a later run resumes it")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d.set_defaults(func=cmd_download)
+
+    v = subparsers.add_parser("verify", help="re-check installed image folders",
+                              description="Re-check the digests of installed image folders.")
+    v.add_argument("names", nargs="*", help="bundle names (default: all installed)")
+    v.add_argument("--dest", help="images folder (default: the per-user cache)")
+    v.add_argument("--folder", help="check this image folder instead")
+    v.set_defaults(func=cmd_verify)
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from .download import download, install_file
+    from .errors import AotritonError
+
+    try:
+        if args.from_file:
+            done = [install_file(f, dest=args.dest, sha256=args.sha256, force=args.force)
+                    for f in args.from_file]
+        else:
+            done = download(args.arch, url=args.url, dest=args.dest, allow_http=args.allow_http,
+                            timeout=args.timeout, retries=args.retries, deadline=args.deadline,
+                            keep_partial=args.keep_partial, force=args.force,
+                            progress=False if args.no_progress else None)
+    except AotritonError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for b in done:
+        print(f"{b.action}: {b.name} ({', '.join(b.targets)}) in {b.path}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .download import verify, verify_folder
+    from .errors import AotritonError
+
+    try:
+        reports = [verify_folder(args.folder)] if args.folder else verify(args.dest, args.names)
+    except AotritonError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for r in reports:
+        print(f"{'ok' if r.ok else 'FAILED'}: {r.name} ({r.files} files) in {r.path}")
+        for p in r.problems:
+            print(f"  {p}")
+    if not all(r.ok for r in reports):
+        print("reinstall with `python -m aotriton_rt download` (or --from-file)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -151,9 +234,7 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--arch", help="catalog arch, e.g. sm90 (default: the one GPU 0 runs)")
     ex.add_argument("--images", help="an image folder (default: the documented search)")
     ex.set_defaults(func=cmd_explain)
-    from .download import add_cli
-
-    add_cli(sub)
+    add_bundle_commands(sub)
     return p
 
 

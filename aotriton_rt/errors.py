@@ -44,6 +44,19 @@ class ImageError(AotritonError):
     """An image file is missing, corrupt, or fails its digest check."""
 
 
+class ImageMismatch(ImageError):
+    """A file of an image folder is not what its catalog says.
+
+    ``problem`` says how, for callers that report it their own way: ``"missing"``,
+    ``"unreadable"``, ``"not regular"``, ``"size"``, ``"sha256"``, ``"decompress"``,
+    ``"raw_size"`` or ``"raw_sha256"``; ``detail`` is the OS's reason or the size found.
+    """
+
+    def __init__(self, message: str, *, path: object, problem: str, detail: object = None) -> None:
+        super().__init__(message)
+        self.path, self.problem, self.detail = path, problem, detail
+
+
 class ImageFolderNotFound(ImageError):
     """No image folder could be found along the documented search order."""
 

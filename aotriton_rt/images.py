@@ -16,16 +16,13 @@ catalog's sha256 (compressed and raw) before its bytes are handed to a driver.
 
 from __future__ import annotations
 
-import hashlib
-import lzma
 import os
-import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .catalog import CATALOG_FILE, Variant, open_regular
-from .errors import ImageError, ImageFolderNotFound
+from .catalog import CATALOG_FILE, Variant, check_image
+from .errors import ImageFolderNotFound
 
 ENV_IMAGES = "AOTRITON_RT_IMAGES"
 ENV_CACHE = "AOTRITON_RT_CACHE"
@@ -129,49 +126,8 @@ def find(path: str | os.PathLike | None = None) -> Found:
         f"or point ${ENV_IMAGES} at a folder holding {CATALOG_FILE}")
 
 
-#: xz decoder memory cap: the builder's preset (9e) needs a 64 MiB dictionary.
-XZ_MEMLIMIT = 256 << 20
-
-
 def read_image(folder: Path, variant: Variant) -> bytes:
-    """The raw binary of ``variant``, after checking both of its digests.
-
-    Reads at most the catalog's ``size`` bytes of a regular file (never a FIFO or device) and
-    decompresses at most its ``raw_size`` bytes (both capped by the catalog schema), so a
-    hostile image costs no more memory or time than an honest one of the size it claims.
-    """
-    path = folder / variant.image.path
-    want = variant.image.size
-    try:
-        with open_regular(path) as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise ImageError(f"image {path} is not a regular file; reinstall the image folder "
-                                 "(`python -m aotriton_rt verify` checks one)")
-            if st.st_size != want:
-                raise ImageError(f"image {path} is {st.st_size} bytes but the catalog says {want}; it is "
-                                 "corrupt or modified. Rebuild or re-download it")
-            data = f.read(want + 1)
-    except OSError as e:
-        raise ImageError(f"cannot read image {path}: {e.strerror or e}; reinstall the image "
-                         "folder (`python -m aotriton_rt verify` checks one)") from e
-    digest = hashlib.sha256(data).hexdigest()
-    if len(data) != want or digest != variant.image.sha256:
-        raise ImageError(f"image {path} is corrupt: sha256 {digest[:16]}... but the catalog says "
-                         f"{variant.image.sha256[:16]}...; it was not loaded. Rebuild or re-download it")
-    raw_size = variant.image.raw_size
-    if variant.image.compression == "xz":
-        try:
-            d = lzma.LZMADecompressor(format=lzma.FORMAT_XZ, memlimit=XZ_MEMLIMIT)
-            raw = d.decompress(data, max_length=raw_size + 1)
-        except lzma.LZMAError as e:
-            raise ImageError(f"image {path} does not decompress: {e}") from e
-        if len(raw) > raw_size or not d.eof or d.unused_data:
-            raise ImageError(f"image {path} decompresses to more than the catalog's raw_size of {raw_size} "
-                             "bytes (or has trailing data); it was not loaded")
-    else:
-        raw = data
-    if len(raw) != raw_size or hashlib.sha256(raw).hexdigest() != variant.image.raw_sha256:
-        raise ImageError(f"image {path} decompresses to bytes whose size or sha256 does not match the "
-                         "catalog's raw_size/raw_sha256; it was not loaded")
-    return raw
+    """The raw binary of ``variant``, after checking both of its digests
+    (:func:`aotriton_rt.catalog.check_image`: bounded reads of a regular file, bounded
+    decompression). Raises ImageError."""
+    return check_image(folder, variant.image)

@@ -23,11 +23,11 @@ from typing import Any
 
 from . import arch as _arch
 from . import interop
+from .arguments import INT_RANGES as _INT_RANGES
+from .arguments import Packer, scalar_checker
 from .catalog import Catalog, Variant
 from .errors import ArgumentError, DriverError, KernelNotFound, LaunchError
 from .images import find, read_image
-from .pack import INT_RANGES as _INT_RANGES
-from .pack import Packer, scalar_checker
 from .select import match, select_one
 
 MAX_DEVICES = 64
@@ -125,7 +125,7 @@ class Kernel:
             "_nodev": self._no_device, "_extra": self._extra_args, "_stream_arg": _stream_value,
         }
         if inline_torch:
-            env["_ts"] = interop._torch_stream_getter()
+            env["_ts"] = interop.stream_getter("torch")
         slot = {a.name: f"a{i}" for i, a in enumerate(first.args)}
         for i, a in enumerate(first.args):
             env[f"_nm{i}"] = a.name
@@ -258,7 +258,7 @@ class Kernel:
 
     # -- slow paths ----------------------------------------------------------------------------
     def _pointer(self, obj: Any, name: str, stream: int | None) -> tuple[int, int]:
-        handler = interop._HANDLERS.get(type(obj))
+        handler = interop.pointer_reader(type(obj))
         if handler is not None:
             try:
                 return handler(obj, self.library.backend_now, stream)
@@ -420,8 +420,9 @@ class Library:
         self._device_targets: Any = ...
         self._backend = backend
         backends = {b for b, _ in self.targets()}
-        #: The backend arrays are checked against: the driver's once loaded; before that the
-        #: one asked for, or the only one the images are for.
+        #: The backend arrays are checked against, known without loading a driver: the one asked
+        #: for, else the only one the images are for (else "cuda"); once the driver is loaded,
+        #: its backend. Launch paths read this; :attr:`backend` may load the driver to answer.
         self.backend_now = backend or (backends.pop() if len(backends) == 1 else "cuda")
         self._driver = None
         self._lock = threading.RLock()
@@ -509,6 +510,8 @@ class Library:
 
     @property
     def backend(self) -> str:
+        """The backend this library launches on: the one asked for, else the default driver's
+        (loading it to find out; :attr:`backend_now` answers without loading one)."""
         return self._backend or self.driver.backend
 
     def kernel(self, name: str, *, raw_pointers: bool = False, **params: Any) -> Kernel:

@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import aotriton_rt  # noqa: E402
+from aotriton_rt.arguments import compile_expr  # noqa: E402
 from aotriton_rt.ops import attention as op  # noqa: E402
-from aotriton_rt.pack import compile_expr  # noqa: E402
 from builder.gputime import ORDERS, time_rounds  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "i8": torch.int8,

@@ -226,7 +226,7 @@ def aot_compile(p: Problem, kernel: str, arch: str, index: int = 0):
     from triton.compiler import ASTSource
 
     from builder.registry import expand
-    from builder.targets import parse_targets
+    from builder.targets import gpu_target, parse_targets
 
     decl = _declarations()[REGISTRY_NAME[kernel]]
     want = p.spec(kernel)
@@ -238,7 +238,7 @@ def aot_compile(p: Problem, kernel: str, arch: str, index: int = 0):
     names = list(job.signature)
     attrs = {(names.index(n),): [["tt.divisibility", d]] for n, d in job.divisibility.items()}
     src = ASTSource(fn=decl.fn, signature=dict(job.signature), constexprs=dict(job.constexprs), attrs=attrs)
-    return triton.compile(src, target=job.target.gpu_target(), options=job.options()), job
+    return triton.compile(src, target=gpu_target(job.target), options=job.options()), job
 
 
 def aot_launcher(p: Problem, kernel: str, arch: str, index: int = 0):

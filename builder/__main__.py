@@ -94,9 +94,9 @@ def cmd_merge(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .build import verify_folder
+    from .build import prove_folder
 
-    n = verify_folder(Path(args.images))
+    n = prove_folder(Path(args.images))
     print(f"ABI proof passed for {n} images in {args.images}")
     return 0
 

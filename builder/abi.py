@@ -38,18 +38,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aotriton_rt.catalog import POINTER_SIZE, TRITON_SCALARS, Variant
+
 #: The two 8-byte pointers Triton 3.x appends after the declared arguments, in order.
 HIDDEN_ARGS = ("global_scratch", "profile_scratch")
 
-# Scalar sizes as Triton 3.6 passes them (its launchers use int8_t for i1/u1); a scalar is
-# aligned to its size. Every pointer ("*fp16", "*i8", ...) is 8 bytes.
-_SCALAR_SIZES = {
-    "i1": 1, "u1": 1, "i8": 1, "u8": 1,
-    "i16": 2, "u16": 2, "fp16": 2, "bf16": 2,
-    "i32": 4, "u32": 4, "fp32": 4, "f32": 4,
-    "i64": 8, "u64": 8, "fp64": 8,
-}
-_POINTER_SIZE = 8
+# Scalar sizes as Triton 3.6 passes them: the catalog's one table (a scalar is aligned to its
+# size; every pointer, "*fp16", "*i8", ..., is 8 bytes).
+_SCALAR_SIZES = {t: size for t, (size, _) in TRITON_SCALARS.items()}
 
 # AMDGPU code object metadata note (msgpack), see the LLVM AMDGPUUsage document.
 _NT_AMDGPU_METADATA = 32
@@ -133,7 +129,7 @@ def natural_layout(types: Sequence[str]) -> tuple[list[tuple[int, int, int]], in
     widest = 1
     for ty in [*types, *["*i8"] * len(HIDDEN_ARGS)]:
         if ty.startswith("*"):
-            size = _POINTER_SIZE
+            size = POINTER_SIZE
         elif ty in _SCALAR_SIZES:
             size = _SCALAR_SIZES[ty]
         else:
@@ -405,8 +401,9 @@ def _cubin_registers(elf, symbol: str) -> int | None:
 # --------------------------------------------------------------------------- proving
 
 
-def prove(variant: dict, raw: bytes) -> BinaryAbi:
-    """Prove that ``raw`` is the binary ``variant`` (one catalog variant, JSON form) describes.
+def prove(variant: Variant | dict, raw: bytes) -> BinaryAbi:
+    """Prove that ``raw`` is the binary ``variant`` (a catalog :class:`Variant`, or its JSON form
+    as tests write it by hand) describes.
 
     Compares, from the binary's own metadata: every parameter's offset and size against
     ``args`` + ``hidden_args`` and whether it is a pointer; ``param_size``; the architecture;
@@ -422,6 +419,8 @@ def prove(variant: dict, raw: bytes) -> BinaryAbi:
     >>> prove(variant, lzma.decompress(image_bytes))  # doctest: +SKIP
     BinaryAbi(format='cubin', symbol='add_kernel', params=((0, 8), ...), param_size=48, ...)
     """
+    if isinstance(variant, Variant):
+        variant = variant.to_json()
     symbol = _need(variant, "symbol", "?")
     target = _need(variant, "target", symbol)
     backend, arch = target.get("backend"), target.get("arch")

@@ -8,8 +8,6 @@ and the catalog last, in canonical form, so two clean builds give identical byte
 
 from __future__ import annotations
 
-import hashlib
-import lzma
 import multiprocessing as mp
 import os
 import sys
@@ -20,9 +18,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from aotriton_rt.catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION, SHARD_FILE, Catalog, write_atomic
+from aotriton_rt.catalog import CATALOG_FILE, SHARD_FILE, Catalog, Variant, check_image, write_atomic
+from aotriton_rt.errors import ImageMismatch
 
-from .compile import image_path, ptx_path
 from .registry import Job
 
 PINNED_TRITON = "3.6.0"
@@ -147,26 +145,26 @@ def _job_identity(job: Job) -> tuple:
     return _identity(job.kernel, job.target.arch, job.spec, job.config_index)
 
 
-def _variant_identity(v: dict) -> tuple:
-    return _identity(v["kernel"], v["target"]["arch"], v.get("spec", {}), v.get("config", {}).get("index", 0))
+def _variant_identity(v: Variant) -> tuple:
+    return _identity(v.kernel, v.target.arch, v.spec, v.config.index)
 
 
-def _others(previous: dict[str, dict], jobs: Sequence[Job]) -> dict[str, dict]:
+def _others(previous: dict[str, Variant], jobs: Sequence[Job]) -> dict[str, Variant]:
     """Intact variants of earlier builds in the folder that none of ``jobs`` rebuilds."""
     slots = {_job_identity(j) for j in jobs}
     keys = {j.key for j in jobs}
     return {k: v for k, v in previous.items() if k not in keys and _variant_identity(v) not in slots}
 
 
-def _describe_others(others: dict[str, dict]) -> str:
+def _describe_others(others: dict[str, Variant]) -> str:
     from collections import Counter
 
-    per = Counter(f"{v['kernel']}@{v['target']['arch']}" for v in others.values())
+    per = Counter(f"{v.kernel}@{v.target.arch}" for v in others.values())
     shown = ", ".join(f"{k}={n}" for k, n in sorted(per.items())[:12])
     return shown + (f", ... ({len(per)} kernel/target pairs)" if len(per) > 12 else "")
 
 
-def _previous(out: Path) -> dict[str, dict]:
+def _previous(out: Path) -> dict[str, Variant]:
     """Variants of an earlier build in ``out`` whose image is still intact, by key."""
     try:
         catalog = Catalog.load(out / CATALOG_FILE)
@@ -177,7 +175,7 @@ def _previous(out: Path) -> dict[str, dict]:
         if v.target.backend == "cuda" and v.ptx is None:
             continue  # built before the PTX was kept (aotriton_rt.jax needs it): compile again
         if all(_intact(out, image) for image in (v.image, v.ptx) if image is not None):
-            keep[v.key] = v.to_json()
+            keep[v.key] = v
     return keep
 
 
@@ -190,10 +188,10 @@ def _previous_tuning(out: Path) -> dict[str, list]:
 
 def _intact(out: Path, image) -> bool:
     try:
-        data = (out / image.path).read_bytes()
-    except OSError:
+        check_image(out, image, decompress=False)
+    except ImageMismatch:
         return False
-    return len(data) == image.size and hashlib.sha256(data).hexdigest() == image.sha256
+    return True
 
 
 class _Lines:
@@ -268,7 +266,7 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
             "or build into another folder (--out)")
     out.mkdir(parents=True, exist_ok=True)
     summary = Summary()
-    variants: dict[str, dict] = dict(others) if existing == "keep" else {}
+    variants: dict[str, Variant] = dict(others) if existing == "keep" else {}
     summary.kept = len(variants)
     todo = []
     for job in jobs:
@@ -282,14 +280,11 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
     def done(job: Job, status: str, payload) -> None:
         if status == "ok":
             variant, packed, ptx = payload
-            rel = image_path(variant)
-            variant["image"]["path"] = rel
-            path = out / rel
+            path = out / variant.image.path
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, packed)
             if ptx is not None:
-                variant["ptx"]["path"] = ptx_path(variant)
-                write_atomic(out / variant["ptx"]["path"], ptx)
+                write_atomic(out / variant.ptx.path, ptx)
             variants[job.key] = variant
             summary.compiled += 1
         else:
@@ -312,9 +307,7 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
         for name, rules in _previous_tuning(out).items():
             have = tuning.setdefault(name, [])
             have.extend(r for r in rules if r not in have)
-    catalog = Catalog.from_json({"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
-                                 "triton_version": triton_version, "tuning": tuning,
-                                 "variants": list(variants.values())}, source=str(out / CATALOG_FILE))
+    catalog = Catalog.new(triton_version, variants.values(), tuning, source=str(out / CATALOG_FILE))
     for v in catalog.variants:
         summary.packed_bytes += v.image.size
         summary.raw_bytes += v.image.raw_size
@@ -343,17 +336,27 @@ def _remove_stale(out: Path, keep: set[str]) -> None:
                 d.rmdir()
 
 
-def verify_folder(folder: Path) -> int:
-    """Re-prove the ABI of every image in ``folder``; returns the number checked."""
+#: How ``prove_folder`` names what :func:`aotriton_rt.catalog.check_image` found wrong.
+_MISMATCH = {"sha256": "sha256", "size": "sha256", "raw_sha256": "raw sha256", "raw_size": "raw sha256",
+             "decompress": "xz stream"}
+
+
+def prove_folder(folder: Path) -> int:
+    """Re-prove every image of the image folder ``folder``: its digests, then its ABI against
+    the catalog (:func:`builder.abi.prove`); returns the number checked. ``python -m builder
+    verify`` runs it (the installed-bundle check is :func:`aotriton_rt.download.verify_folder`).
+
+    Raises BuildError for a file that does not match the catalog, AbiError for a binary that
+    disagrees with its entry.
+    """
     from .abi import prove
 
     catalog = Catalog.load(folder / CATALOG_FILE)
     for v in catalog.variants:
-        data = (folder / v.image.path).read_bytes()
-        if hashlib.sha256(data).hexdigest() != v.image.sha256:
-            raise BuildError(f"{v.image.path}: sha256 does not match the catalog")
-        raw = lzma.decompress(data) if v.image.compression == "xz" else data
-        if hashlib.sha256(raw).hexdigest() != v.image.raw_sha256:
-            raise BuildError(f"{v.image.path}: raw sha256 does not match the catalog")
-        prove(v.to_json(), raw)
+        try:
+            raw = check_image(folder, v.image)
+        except ImageMismatch as e:
+            what = _MISMATCH.get(e.problem)
+            raise BuildError(f"{v.image.path}: {what} does not match the catalog" if what else str(e)) from None
+        prove(v, raw)
     return len(catalog.variants)

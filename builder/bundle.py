@@ -5,7 +5,7 @@ A bundle is an uncompressed tar (the images inside are xz already) holding, in t
 ``catalog.json`` (the folder's catalog restricted to the bundle's targets), then the images at
 their catalog paths, sorted. Member metadata is fixed (mtime, owner, mode), so equal image
 folders give byte-identical bundles and index. ``docs/noimage.md`` specifies the formats; the
-runtime side is :mod:`aotriton_rt.download`.
+runtime side is :mod:`aotriton_rt.bundles` (this module imports its format only).
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ import tarfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from aotriton_rt.catalog import CATALOG_FILE, Catalog, Image, Target, Variant, write_atomic
-from aotriton_rt.catalog import SCHEMA_VERSION as CATALOG_SCHEMA_VERSION
-from aotriton_rt.download import (
+from aotriton_rt.bundles.format import (
     BUNDLE_SCHEMA,
     BUNDLE_SCHEMA_VERSION,
     INDEX_FILE,
@@ -32,6 +30,8 @@ from aotriton_rt.download import (
     MANIFEST_FILE,
     check_member_name,
 )
+from aotriton_rt.catalog import CATALOG_FILE, Catalog, Image, Target, Variant, write_atomic
+from aotriton_rt.catalog import SCHEMA_VERSION as CATALOG_SCHEMA_VERSION
 from aotriton_rt.errors import AotritonError, CatalogError, ImageError
 
 GROUPINGS = ("target", "family")

@@ -1,20 +1,23 @@
-"""Compiling one variant: a Job in, a compressed image and its catalog entry out.
+"""Compiling one variant: a Job in, a compressed image and its catalog :class:`Variant` out.
 
 Runs inside worker processes (see build.py). Only this module and the kernel files import triton.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import lzma
 import os
 from functools import cache
 
+from aotriton_rt.catalog import IMAGE_FORMATS, Arg, Image, Variant, image_path
+from aotriton_rt.catalog import Config as CatalogConfig
+
 from .registry import Job, load_kernels
 
 #: xz with the extreme preset: AOTriton measured LZMA at ~7% of raw size on its images.
 XZ_PRESET = 9 | lzma.PRESET_EXTREME
-IMAGE_EXT = {"cuda": "cubin", "hip": "hsaco"}
 
 
 def compile_env() -> dict[str, str]:
@@ -27,15 +30,18 @@ def _kernels(package: str):
     return load_kernels(package)
 
 
-def compile_job(job: Job) -> tuple[dict, bytes, bytes]:
-    """Compile ``job``; return (catalog variant without image path, raw binary, xz binary)."""
+def compile_job(job: Job) -> tuple[Variant, bytes, bytes]:
+    """Compile ``job``; return (its catalog variant, raw binary, xz binary)."""
     variant, raw, packed, _ = compile_job_with_ptx(job)
-    variant.pop("ptx", None)
-    return variant, raw, packed
+    return dataclasses.replace(variant, ptx=None), raw, packed
 
 
-def compile_job_with_ptx(job: Job) -> tuple[dict, bytes, bytes, bytes | None]:
-    """Compile ``job``; return (catalog variant without image paths, raw, xz, xz PTX or None).
+def compile_job_with_ptx(job: Job) -> tuple[Variant, bytes, bytes, bytes | None]:
+    """Compile ``job``; return (its catalog variant, raw, xz, xz PTX or None).
+
+    The variant is the runtime's own :class:`aotriton_rt.catalog.Variant`, with its image
+    paths (:func:`aotriton_rt.catalog.image_path`) and digests filled in; it is validated when
+    the build puts it into a catalog (:meth:`aotriton_rt.catalog.Catalog.new`).
 
     CUDA variants also keep their PTX: jaxlib's Triton custom call (``aotriton_rt.jax``) takes
     PTX text and assembles it itself; it cannot load a cubin. HIP needs nothing extra: jaxlib's
@@ -46,18 +52,19 @@ def compile_job_with_ptx(job: Job) -> tuple[dict, bytes, bytes, bytes | None]:
     from triton.compiler import ASTSource
 
     from .abi import HIDDEN_ARGS, natural_layout
+    from .targets import gpu_target
 
     kernel = _kernels(job.package)[job.kernel]
     names = list(job.signature)
     attrs = {(names.index(n),): [["tt.divisibility", d]] for n, d in job.divisibility.items()}
     src = ASTSource(fn=kernel.fn, signature=dict(job.signature), constexprs=dict(job.constexprs),
                     attrs=attrs)
-    compiled = triton.compile(src, target=job.target.gpu_target(), options=job.options())
+    compiled = triton.compile(src, target=gpu_target(job.target), options=job.options())
     md = compiled.metadata
-    fmt = IMAGE_EXT[job.target.backend]
+    fmt = IMAGE_FORMATS[job.target.backend]
     raw = compiled.asm[fmt]
     packed = lzma.compress(raw, format=lzma.FORMAT_XZ, preset=XZ_PRESET)
-    ptx_packed = None
+    ptx_packed = ptx = None
     if job.target.backend == "cuda":
         ptx = compiled.asm["ptx"]
         ptx = ptx.encode() if isinstance(ptx, str) else ptx
@@ -66,52 +73,28 @@ def compile_job_with_ptx(job: Job) -> tuple[dict, bytes, bytes, bytes | None]:
     runtime_args = [n for n in names if job.signature[n] != "constexpr"]
     types = [job.signature[n] for n in runtime_args]
     layout, param_size = natural_layout(types)
-    args = []
-    for i, (name, (offset, size, align)) in enumerate(zip(runtime_args + list(HIDDEN_ARGS),
-                                                           layout)):
-        arg = {"name": name, "type": types[i] if i < len(types) else "*i8", "offset": offset,
-               "size": size, "align": align}
-        if job.divisibility.get(name, 1) != 1:
-            arg["divisibility"] = job.divisibility[name]
-        args.append(arg)
+    args = tuple(Arg(name, types[i] if i < len(types) else "*i8", offset, size, align,
+                     job.divisibility.get(name, 1))
+                 for i, (name, (offset, size, align)) in enumerate(zip(runtime_args + list(HIDDEN_ARGS), layout)))
     num_ctas = getattr(md, "num_ctas", 1)
-    variant = {
-        "key": job.key, "kernel": job.kernel, "symbol": md.name,
-        "target": job.target.to_json(), "spec": dict(job.spec),
-        "config": {"index": job.config_index, "constexprs": dict(job.config.constexprs),
-                   "num_warps": job.config.num_warps, "num_stages": job.config.num_stages,
-                   "options": dict(job.config.options)},
-        "args": args[:len(runtime_args)], "hidden_args": args[len(runtime_args):],
-        "param_size": param_size,
-        "scratch": {"global_size": getattr(md, "global_scratch_size", 0) or 0,
-                    "global_align": getattr(md, "global_scratch_align", 1) or 1,
-                    "profile_size": getattr(md, "profile_scratch_size", 0) or 0,
-                    "profile_align": getattr(md, "profile_scratch_align", 1) or 1},
+
+    def image(fmt: str, data: bytes, raw: bytes) -> Image:
+        return Image(image_path(job.target, job.kernel, job.key, fmt), fmt, "xz", hashlib.sha256(data).hexdigest(),
+                     len(data), hashlib.sha256(raw).hexdigest(), len(raw))
+
+    variant = Variant(
+        key=job.key, kernel=job.kernel, symbol=md.name, target=job.target, spec=dict(job.spec),
+        config=CatalogConfig(job.config_index, dict(job.config.constexprs), job.config.num_warps,
+                             job.config.num_stages, dict(job.config.options)),
+        args=args[:len(runtime_args)], hidden_args=args[len(runtime_args):], param_size=param_size,
+        scratch={"global_size": getattr(md, "global_scratch_size", 0) or 0,
+                 "global_align": getattr(md, "global_scratch_align", 1) or 1,
+                 "profile_size": getattr(md, "profile_scratch_size", 0) or 0,
+                 "profile_align": getattr(md, "profile_scratch_align", 1) or 1},
         # Warp specialization can change the warp count: the metadata's is the launch's.
-        "num_warps": md.num_warps, "num_ctas": num_ctas,
-        "cluster_dims": [num_ctas, 1, 1], "shared": md.shared,
-        "launch": {"cooperative": bool(getattr(md, "launch_cooperative_grid", False)),
-                   "pdl": bool(getattr(md, "launch_pdl", False))},
-        "grid": list(job.grid), "checks": list(job.checks),
-        "image": {"format": fmt, "compression": "xz",
-                  "sha256": hashlib.sha256(packed).hexdigest(), "size": len(packed),
-                  "raw_sha256": hashlib.sha256(raw).hexdigest(), "raw_size": len(raw)},
-        "triton_version": triton.__version__,
-    }
-    if ptx_packed is not None:
-        variant["ptx"] = {"format": "ptx", "compression": "xz",
-                          "sha256": hashlib.sha256(ptx_packed).hexdigest(), "size": len(ptx_packed),
-                          "raw_sha256": hashlib.sha256(ptx).hexdigest(), "raw_size": len(ptx)}
+        num_warps=md.num_warps, num_ctas=num_ctas, cluster_dims=(num_ctas, 1, 1), shared=md.shared,
+        cooperative=bool(getattr(md, "launch_cooperative_grid", False)),
+        pdl=bool(getattr(md, "launch_pdl", False)),
+        grid=tuple(job.grid), image=image(fmt, packed, raw), triton_version=triton.__version__,
+        checks=tuple(job.checks), ptx=image("ptx", ptx_packed, ptx) if ptx_packed is not None else None)
     return variant, raw, packed, ptx_packed
-
-
-def image_path(variant: dict) -> str:
-    """Relative image path: ``<backend>/<arch>/<kernel>/<kernel>-<key16>.<fmt>.xz``."""
-    t = variant["target"]
-    return (f"{t['backend']}/{t['arch']}/{variant['kernel']}/"
-            f"{variant['kernel']}-{variant['key'][:16]}.{variant['image']['format']}.xz")
-
-
-def ptx_path(variant: dict) -> str:
-    """Relative path of a CUDA variant's PTX, beside its cubin: ``...-<key16>.ptx.xz``."""
-    return image_path(variant).removesuffix(f".{variant['image']['format']}.xz") + ".ptx.xz"

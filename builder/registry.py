@@ -95,7 +95,7 @@ class Kernel:
 
 @functools.cache
 def _grid_rule(grid: tuple[str, str, str], name: str, names: tuple[str, ...]) -> Callable:
-    from aotriton_rt.pack import compile_expr
+    from aotriton_rt.arguments import compile_expr
 
     return compile_expr(f"({', '.join(grid)},)", names, {}, f"grid of {name}", allow_tuple=True)
 

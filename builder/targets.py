@@ -1,29 +1,26 @@
-"""The GPU targets the builder knows, and parsing of ``--targets``."""
+"""The GPU targets the builder knows, and parsing of ``--targets``.
+
+A target is the catalog's own :class:`aotriton_rt.catalog.Target` (backend, arch as the catalog
+names it, warp size): the builder compiles for exactly what the catalog will say.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from aotriton_rt.catalog import Target
 
 
-@dataclass(frozen=True, order=True)
-class Target:
-    """A compile target. ``arch`` is the catalog name ("gfx942", "sm90")."""
+def gpu_target(target: Target):
+    """The ``triton.backends.compiler.GPUTarget`` for ``target`` (imports triton)."""
+    from triton.backends.compiler import GPUTarget
 
-    backend: str
-    arch: str
-    warp_size: int
+    if target.backend == "cuda":
+        # Triton turns capability 90 into sm_90a itself (wgmma, setmaxnreg).
+        return GPUTarget("cuda", int(target.arch[2:]), target.warp_size)
+    return GPUTarget("hip", target.arch, target.warp_size)
 
-    def gpu_target(self):
-        """The ``triton.backends.compiler.GPUTarget`` for this target (imports triton)."""
-        from triton.backends.compiler import GPUTarget
 
-        if self.backend == "cuda":
-            # Triton turns capability 90 into sm_90a itself (wgmma, setmaxnreg).
-            return GPUTarget("cuda", int(self.arch[2:]), self.warp_size)
-        return GPUTarget("hip", self.arch, self.warp_size)
-
-    def to_json(self) -> dict:
-        return {"backend": self.backend, "arch": self.arch, "warp_size": self.warp_size}
+def _order(target: Target) -> tuple:
+    return target.backend, target.arch, target.warp_size
 
 
 KNOWN: dict[str, Target] = {t.arch: t for t in (
@@ -72,4 +69,4 @@ def parse_targets(text: str | None) -> list[Target]:
     if unknown:
         raise UnknownTarget(f"unknown target {', '.join(unknown)}; known targets: "
                             f"{', '.join(KNOWN)} (aliases: {', '.join(ALIASES)})")
-    return sorted({KNOWN[n] for n in names})
+    return sorted({KNOWN[n] for n in names}, key=_order)

@@ -59,8 +59,7 @@ def _no_pointer(obj: _Standin, backend: str, stream: int | None) -> tuple[int, i
     raise ArgumentError("a traced JAX array has no device pointer; use aotriton_rt.jax under jax.jit")
 
 
-interop._DESCRIBERS[_Standin] = _describe
-interop._HANDLERS[_Standin] = _no_pointer
+interop.register_type(_Standin, _no_pointer, _describe)
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from .. import arch as _arch
+from ..arguments import Packer, scalar_checker
 from ..errors import ArgumentError, KernelNotFound, UnsupportedError
 from ..images import read_image
-from ..pack import Packer, scalar_checker
 from ..select import select_one
 from . import jaxlib_triton
 

@@ -761,7 +761,7 @@ class _Launch:
             slots = tuple((i, _POINTERS.index(n)) for i, n in enumerate(handle.arg_names) if n in _POINTERS)
             prepared.append((launch, template, slots))
         self.torch = torch
-        self.stream = interop._torch_stream_getter()
+        self.stream = interop.stream_getter("torch")
         self.tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[self.p.dtype]
         return prepared
 

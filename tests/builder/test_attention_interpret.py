@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.interpreter import patch_interpreter, run_sharded
+from tests.helpers.interpreter import patch_interpreter, run_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -384,7 +384,8 @@ def _compile(item: tuple) -> dict:
     jobs = [j for j in expand(load_kernels()[name], parse_targets(arch), "full", "3.6.0")
             if all(j.spec.get(k, v) == v for k, v in want.items()) and j.config_index == index]
     assert len(jobs) == 1, f"{name} {arch} {want} #{index}: {len(jobs)} jobs"
-    variant, raw, _ = compile_job(jobs[0])
+    compiled, raw, _ = compile_job(jobs[0])
+    variant = compiled.to_json()
     assert raw[:4] == b"\x7fELF"  # cubin and hsaco are both ELF
     if arch.startswith("sm"):
         variant["sass_ops"] = _sass_ops(raw)

@@ -26,7 +26,7 @@ from aotriton_rt.catalog import CATALOG_FILE, SHARD_FILE, Catalog  # noqa: E402
 from aotriton_rt.errors import CatalogError  # noqa: E402
 from builder import build as build_mod  # noqa: E402
 from builder.abi import AbiError, prove  # noqa: E402
-from builder.build import BuildError, Summary, build, check_triton_version, verify_folder  # noqa: E402
+from builder.build import BuildError, Summary, build, check_triton_version, prove_folder  # noqa: E402
 from builder.merge import merge  # noqa: E402
 from builder.registry import Job, expand, load_kernels  # noqa: E402
 from builder.targets import parse_targets  # noqa: E402
@@ -134,7 +134,7 @@ def test_catalog_layout_is_what_the_binaries_themselves_record(built) -> None:
         abi = prove(v.to_json(), raw)
         assert abi.params == ((0, 8), (8, 4), (16, 8), (24, 4), (32, 8), (40, 8))
         assert abi.extra["arch"] == v.target.arch
-    assert verify_folder(out) == len(catalog.variants) == 4
+    assert prove_folder(out) == len(catalog.variants) == 4
 
 
 def test_catalog_records_what_the_kernel_declared(built) -> None:
@@ -310,7 +310,7 @@ def test_a_timed_out_compile_is_killed_reported_and_its_worker_replaced(tmp_path
     # Nothing is left running, and nothing is dropped: the catalog lists exactly what compiled.
     assert set(multiprocessing.active_children()) - others == set()
     assert [v.key for v in Catalog.load(tmp_path).variants] == [scale[0].key]
-    assert verify_folder(tmp_path) == 1
+    assert prove_folder(tmp_path) == 1
 
 
 def test_keep_going_prints_each_failure_as_it_happens(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -355,7 +355,7 @@ def test_verify_catches_a_catalog_layout_that_disagrees_with_the_binary(
     Catalog.load(copy)  # the tampered catalog is well formed: only the binary can tell
     where = r"\(hip/gfx942\)" if first is _hip_first else r"\(cuda/sm90\)"
     with pytest.raises(AbiError, match=rf"^ABI mismatch in scale_kernel {where}: {message}"):
-        verify_folder(copy)
+        prove_folder(copy)
 
 
 def test_catalog_missing_a_hidden_arg_is_refused_when_it_loads(copy: Path) -> None:
@@ -368,13 +368,13 @@ def test_catalog_missing_a_hidden_arg_is_refused_when_it_loads(copy: Path) -> No
 def test_verify_catches_a_wrong_block_size(copy: Path) -> None:
     _edit_catalog(copy, lambda obj: _hip_first(obj).update(num_warps=4))
     with pytest.raises(AbiError, match=r"num_warps \(threads per block\): catalog has 256, binary has 128"):
-        verify_folder(copy)
+        prove_folder(copy)
 
 
 def test_verify_catches_an_image_labelled_with_the_wrong_arch(copy: Path) -> None:
     _edit_catalog(copy, lambda obj: _hip_first(obj)["target"].update(arch="gfx90a"))
     with pytest.raises(AbiError, match=r"target\.arch: catalog has 'gfx90a', binary has 'gfx942'"):
-        verify_folder(copy)
+        prove_folder(copy)
 
 
 def test_verify_catches_a_changed_image(copy: Path) -> None:
@@ -382,7 +382,7 @@ def test_verify_catches_a_changed_image(copy: Path) -> None:
     image.write_bytes(image.read_bytes()[:-1] + b"\0")
     with pytest.raises(BuildError, match=rf"^{re.escape(image.relative_to(copy).as_posix())}: sha256 "
                                          r"does not match the catalog$"):
-        verify_folder(copy)
+        prove_folder(copy)
 
 
 def test_verify_catches_an_entry_pointing_at_another_backends_image(copy: Path) -> None:
@@ -395,7 +395,7 @@ def test_verify_catches_an_entry_pointing_at_another_backends_image(copy: Path) 
     _edit_catalog(copy, swap)
     with pytest.raises(AbiError, match=r"scale_kernel: image\.format: catalog says hsaco \(EM_AMDGPU\), "
                                        r"binary is EM_CUDA"):
-        verify_folder(copy)
+        prove_folder(copy)
 
 
 def test_a_build_reruns_the_proof_only_for_what_it_compiles(built, copy: Path) -> None:
@@ -404,7 +404,7 @@ def test_a_build_reruns_the_proof_only_for_what_it_compiles(built, copy: Path) -
     _edit_catalog(copy, lambda obj: _hip_first(obj)["args"][3].update(offset=28))
     assert _build(built[2], copy).reused == 4
     with pytest.raises(AbiError):
-        verify_folder(copy)
+        prove_folder(copy)
 
 
 # --------------------------------------------------------------------------- merge
@@ -437,6 +437,19 @@ def test_merge_refuses_an_image_that_does_not_match_its_catalog(copy: Path, tmp_
         merge([copy], tmp_path / "merged")
 
 
+def test_merge_keeps_every_tuning_rule_of_its_inputs_once(built, copy: Path, tmp_path: Path) -> None:
+    shared = {"arch": "sm90", "spec": {"dtype": "fp32"}, "config": 1}
+    first = tmp_path / "first"
+    shutil.copytree(built[0], first)
+    _edit_catalog(first, lambda obj: obj.update(tuning={"scale": [shared]}))
+    _edit_catalog(copy, lambda obj: obj.update(tuning={"scale": [shared, {"seqlen_k": [0, 64], "config": 0}],
+                                                       "attn_bwd_mode": [{"mode": "atomic"}]}))
+    merged = merge([first, copy], tmp_path / "merged")
+    want = {"scale": [shared, {"seqlen_k": [0, 64], "config": 0}], "attn_bwd_mode": [{"mode": "atomic"}]}
+    assert merged.tuning == want
+    assert Catalog.load(tmp_path / "merged").tuning == want
+
+
 def test_merge_needs_an_input(tmp_path: Path) -> None:
     with pytest.raises(BuildError, match=r"^merge needs at least one input folder$"):
         merge([], tmp_path)
@@ -463,7 +476,7 @@ def test_the_example_in_adding_a_kernel_builds_and_proves(tmp_path: Path, monkey
     out = tmp_path / "images"
     summary = _build(jobs, out)
     assert (summary.compiled, summary.failed) == (8, [])
-    assert verify_folder(out) == 8
+    assert prove_folder(out) == 8
     for v in Catalog.load(out).variants:
         # The parameter table on the page.
         assert [(a.name, a.offset, a.size) for a in v.args + v.hidden_args] == [

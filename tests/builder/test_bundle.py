@@ -17,7 +17,7 @@ from aotriton_rt.download import install_file, verify_folder
 from aotriton_rt.errors import CatalogError, ImageError
 from builder.__main__ import main as builder_main
 from builder.bundle import bundle_name, family, pack
-from tests.runtime.httpfaults import make_image_folder
+from tests.helpers.httpfaults import make_image_folder
 
 ALL = (("hip", "gfx90a", 64), ("hip", "gfx942", 64), ("hip", "gfx950", 64), ("hip", "gfx1100", 32),
        ("hip", "gfx1201", 32), ("cuda", "sm80", 32), ("cuda", "sm90", 32))

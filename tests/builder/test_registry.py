@@ -307,9 +307,11 @@ def test_unknown_target_fails_listing_the_known_ones() -> None:
 def test_targets_give_tritons_gpu_target() -> None:
     from triton.backends.compiler import GPUTarget
 
-    assert GFX942.gpu_target() == GPUTarget("hip", "gfx942", 64)
+    from builder.targets import gpu_target
+
+    assert gpu_target(GFX942) == GPUTarget("hip", "gfx942", 64)
     # Capability 90, not "sm90a": Triton picks the arch-specific variant itself.
-    assert SM90.gpu_target() == GPUTarget("cuda", 90, 32)
+    assert gpu_target(SM90) == GPUTarget("cuda", 90, 32)
 
 
 def test_builder_modules_import_without_importing_triton() -> None:

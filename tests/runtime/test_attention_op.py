@@ -35,7 +35,7 @@ from aotriton_rt.ops.attention import (
     select_config,
     select_mode,
 )
-from tests.interpreter import patch_interpreter, run_sharded
+from tests.helpers.interpreter import patch_interpreter, run_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,7 +76,7 @@ class InterpretedKernel:
     def __call__(self, *args: Any, stream: Any = None) -> None:
         import torch
 
-        from aotriton_rt.pack import compile_expr
+        from aotriton_rt.arguments import compile_expr
 
         dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "i8": torch.int8,
                   "i32": torch.int32}

@@ -296,3 +296,25 @@ def test_catalog_rejects_a_hip_arch_spelled_like_a_cuda_one() -> None:
     with pytest.raises(CatalogError, match=r"\$\.variants\[0\]\.target\.arch must be a hip arch name like "
                                            r"gfx942, found \"sm90\""):
         Catalog.from_json(_catalog(v), source="x.json")
+
+
+# --------------------------------------------------------------------------- Catalog.new (what the builder makes)
+
+
+def test_a_catalog_made_from_variants_in_memory_writes_what_loading_reads(tmp_path: Path) -> None:
+    made = [Variant.from_json(_variant(key=k), "$", "<test>") for k in ("2" * 64, "1" * 64)]
+    tuning = {"add": [{"arch": "sm90", "config": 0}]}
+    cat = Catalog.new("3.6.0", made, tuning, source="<built>")
+    cat.write(tmp_path)
+    back = Catalog.load(tmp_path)
+    assert back.variants == tuple(sorted(made, key=lambda v: v.key)) and back.tuning == tuning
+
+
+def test_a_catalog_made_in_memory_is_validated_like_a_loaded_one() -> None:
+    import dataclasses
+
+    good = Variant.from_json(_variant(), "$", "<test>")
+    bad = dataclasses.replace(good, args=(dataclasses.replace(good.args[0], offset=3),) + good.args[1:])
+    with pytest.raises(CatalogError, match=r"<built>: \$\.variants\[0\]\.args\[0\]\.offset must be a multiple of "
+                                           r"align 8, found 3"):
+        Catalog.new("3.6.0", [bad], source="<built>")

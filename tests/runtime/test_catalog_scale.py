@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from aotriton_rt import catalog as catalog_module
 from aotriton_rt.catalog import CATALOG_FILE, SHARD_FILE, Catalog, canonical_bytes
+from aotriton_rt.catalog import store as catalog_module
 from aotriton_rt.errors import CatalogError
 from aotriton_rt.library import Library
 from builder.synth import synthesise
@@ -44,14 +44,14 @@ def full(real, tmp_path_factory) -> Path:
 def reads(monkeypatch) -> list[tuple[str, int]]:
     """Every catalog file read (path relative to nothing, bytes), in order."""
     seen: list[tuple[str, int]] = []
-    real_read = catalog_module._read_bounded
+    real_read = catalog_module.read_bounded
 
     def spy(path, limit, what):
         data = real_read(path, limit, what)
         seen.append((Path(path).as_posix(), len(data)))
         return data
 
-    monkeypatch.setattr(catalog_module, "_read_bounded", spy)
+    monkeypatch.setattr(catalog_module, "read_bounded", spy)
     return seen
 
 

@@ -53,11 +53,11 @@ def test_bad_input_gives_one_error_line_and_a_nonzero_status(case, tmp_path, cap
 
 
 def test_unexpected_exception_is_reported_as_a_bug_in_one_line(monkeypatch, capsys):
-    import aotriton_rt.download as d
+    import aotriton_rt.__main__ as d
 
     def boom(args):
         raise KeyError("surprise")
-    monkeypatch.setattr(d, "_cli_verify", boom)
+    monkeypatch.setattr(d, "cmd_verify", boom)
     rc = main(["verify"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1

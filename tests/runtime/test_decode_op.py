@@ -26,7 +26,7 @@ import aotriton_rt
 from aotriton_rt import ArgumentError, CatalogError, UnsupportedError
 from aotriton_rt.ops import decode as op
 from aotriton_rt.ops.decode import SplitRule, num_splits_for, split_rule
-from tests.interpreter import patch_interpreter, run_sharded
+from tests.helpers.interpreter import patch_interpreter, run_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ class _Handle:
     def __call__(self, *args: Any) -> None:
         import torch
 
-        from aotriton_rt.pack import compile_expr
+        from aotriton_rt.arguments import compile_expr
 
         values = dict(zip(self.arg_names, args, strict=True))
         for name, value in values.items():
@@ -522,7 +522,7 @@ def test_decode_kernel_compiles_ahead_of_time_with_vector_cache_loads(arch: str,
     jobs = [j for j in expand(load_kernels()["attn_decode"], parse_targets(arch), "default", "3.6.0")
             if j.spec == want and j.config_index == 0]
     variant, raw, _ = compile_job(jobs[0])
-    assert raw[:4] == b"\x7fELF" and 0 < variant["shared"] <= SHARED_LIMIT[arch]
+    assert raw[:4] == b"\x7fELF" and 0 < variant.shared <= SHARED_LIMIT[arch]
     if arch.startswith("sm"):
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -547,7 +547,7 @@ def test_a_paged_cache_keeps_as_many_kv_tiles_in_flight_as_a_contiguous_one(conf
     jobs = {j.spec["PAGED"]: j for j in expand(load_kernels()["attn_decode"], parse_targets("sm90"), "default",
                                                "3.6.0")
             if j.spec["dtype"] == "bf16" and j.spec["HEAD_DIM"] == 128 and j.config_index == config}
-    contiguous, paged = compile_job(jobs[0])[0]["shared"], compile_job(jobs[1])[0]["shared"]
+    contiguous, paged = compile_job(jobs[0])[0].shared, compile_job(jobs[1])[0].shared
     tile = 2 * 64 * 128 * 2  # one K and one V tile of 64 keys
     assert contiguous >= 2 * tile
     assert contiguous <= paged < contiguous + tile // 4, (contiguous, paged)
@@ -605,7 +605,7 @@ def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_ar
     names = {torch.float16: "fp16", torch.int32: "i32"}
     monkeypatch.setattr(op, "_describe", lambda obj, name: interop.ArrayInfo(
         obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()), "torch"))
-    monkeypatch.setattr(interop, "_torch_stream_getter", lambda: (lambda device: 0x77))
+    monkeypatch.setattr(interop, "stream_getter", lambda framework: (lambda device: 0x77))
     lib = _Library()
     monkeypatch.setattr(lib, "kernel", lambda name, **params: _AddressHandle(lib.decls[name], params))
     B, Hk, D = 2, 2, 64

@@ -22,10 +22,10 @@ import filelock
 import pytest
 
 from aotriton_rt import images
+from aotriton_rt.__main__ import add_bundle_commands
 from aotriton_rt.catalog import Catalog
 from aotriton_rt.download import (
     ENV_URL,
-    add_cli,
     check_member_name,
     download,
     images_root,
@@ -36,7 +36,7 @@ from aotriton_rt.download import (
 )
 from aotriton_rt.errors import BundleError, CatalogError, DownloadError, ImageFolderNotFound, NoDevice
 from builder.bundle import pack
-from tests.runtime.httpfaults import FaultServer, make_image_folder, wait_at
+from tests.helpers.httpfaults import FaultServer, make_image_folder, wait_at
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "hip-gfx942"
@@ -712,7 +712,7 @@ def test_verify_checks_a_plain_image_folder_against_its_catalog(tmp_path):
 
 def cli(*argv: str) -> int:
     p = argparse.ArgumentParser()
-    add_cli(p.add_subparsers(dest="command", required=True))
+    add_bundle_commands(p.add_subparsers(dest="command", required=True))
     args = p.parse_args(argv)
     return args.func(args)
 

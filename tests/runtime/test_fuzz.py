@@ -22,10 +22,11 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from aotriton_rt.arguments import Packer, compile_expr  # noqa: E402
+from aotriton_rt.bundles.format import parse_manifest  # noqa: E402
 from aotriton_rt.catalog import Catalog, parse_json  # noqa: E402
-from aotriton_rt.download import _parse_manifest, check_member_name, install_file, parse_index  # noqa: E402
+from aotriton_rt.download import check_member_name, install_file, parse_index  # noqa: E402
 from aotriton_rt.errors import AotritonError, BundleError, CatalogError, LaunchError  # noqa: E402
-from aotriton_rt.pack import Packer, compile_expr  # noqa: E402
 from tests.runtime.test_catalog import _catalog, _variant  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,7 +186,7 @@ def test_mutated_index_parses_or_raises_a_typed_error(data):
 def test_mutated_manifest_parses_or_raises_a_typed_error(data):
     raw = json.dumps(_mutate(_MANIFEST, data)).encode()
     try:
-        _parse_manifest(raw, "bundle.json", 1 << 30)
+        parse_manifest(raw, "bundle.json", 1 << 30)
     except (BundleError, CatalogError):
         pass
 

@@ -17,7 +17,7 @@ import pytest
 
 from aotriton_rt.download import install_file, verify_folder
 from builder.bundle import pack
-from tests.runtime.httpfaults import make_image_folder
+from tests.helpers.httpfaults import make_image_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "hip-gfx942"
@@ -25,10 +25,11 @@ NAME = "hip-gfx942"
 CRASH = r"""
 import os, shutil, sys
 from pathlib import Path
+import aotriton_rt.bundles.unpack as u
 import aotriton_rt.download as d
 
 step = sys.argv[3]
-real_replace, real_rmtree, real_copy = os.replace, shutil.rmtree, d._copy
+real_replace, real_rmtree, real_copy = os.replace, shutil.rmtree, u._copy
 replaces = []
 
 def replace(src, dst):
@@ -54,7 +55,7 @@ def copy(*args):
         os._exit(9)
     real_copy(*args)
 
-os.replace, shutil.rmtree, d._copy = replace, rmtree, copy
+os.replace, shutil.rmtree, u._copy = replace, rmtree, copy
 d.install_file(sys.argv[1], dest=sys.argv[2])
 os._exit(0)
 """

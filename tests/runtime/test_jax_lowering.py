@@ -369,7 +369,7 @@ def test_grad_of_attention_under_jit_lowers_to_the_forward_and_the_split_backwar
     assert (s["stride_kz"], s["stride_kh"], s["stride_kn"]) == (2 * 333 * 64, 333 * 64, 64)
     assert (s["stride_lz"], s["stride_lh"]) == (4 * 200, 200)
     block_m = fwd.config.constexprs["BLOCK_M"]
-    from aotriton_rt.pack import Packer
+    from aotriton_rt.arguments import Packer
 
     assert calls[0]["grid"] == list(Packer(fwd).grid_for([s[a.name] if not a.is_pointer else 0 for a in fwd.args]))
     assert calls[0]["grid"][0] >= -(-200 // block_m) // 2 and calls[0]["grid"][1] == 2 * 4

@@ -368,7 +368,7 @@ class _DirectForward:
 def _stream_getter(p: Problem, q: Any) -> Any:
     from ... import interop
 
-    return interop._torch_stream_getter()
+    return interop.stream_getter("torch")
 
 
 def forward(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: Any, dropout_p: Any, seed: Any,

@@ -1,20 +1,30 @@
-"""Every refusal of the launch path, pinned: each is raised before anything reaches the GPU.
+"""Library and its Kernel handles: what a launch does and every refusal of the launch path.
 
-Runs the real runtime (Library → generated launch → HIP driver) against the fake
-``libamdhip64`` in a subprocess, so that the driver library is the fake one.
+Most tests run the real runtime (Library → generated launch → HIP driver) against the fake
+``libamdhip64`` in a subprocess, so that the driver library is the fake one: each refusal is
+raised before anything reaches the GPU; launches run on their arguments' device, whatever device
+is current. The rest build a Kernel in memory: the generated launcher holds no catalog text and
+the slow path's refusals are not cached.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from aotriton_rt import interop
+from aotriton_rt.catalog import Catalog
+from aotriton_rt.errors import ArgumentError
+from aotriton_rt.library import Kernel
 from tests.fakehip import build_fake_hip, fake_hip_env, read_log
+from tests.helpers.httpfaults import make_image_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -146,3 +156,110 @@ def test_driver_failure_names_the_call_code_and_hint(built_images, tmp_path):
     assert proc.returncode != 0
     assert "DriverError: hipModuleLaunchKernel(add_kernel" in proc.stderr
     assert "code 1" in proc.stderr or "(1)" in proc.stderr, proc.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- several devices
+
+MULTI_DEVICE_SCENARIO = r"""
+import json, sys
+import aotriton_rt
+from aotriton_rt.errors import ArgumentError
+from tests.runtime.test_interop import FakeGPUArray
+
+lib = aotriton_rt.Library(sys.argv[1], backend="hip")
+add = lib.kernel("add", dtype="fp32")
+drv = lib.driver
+P = 0x7F0000000000
+on = lambda device: FakeGPUArray(device=(10, device), ptr=P)
+seen = []
+add(on(1), on(1), on(1), 8)          # device 0 current, arguments on device 1
+seen.append(drv.current_device())
+add(on(0), on(0), on(0), 8)          # and on device 0
+seen.append(drv.current_device())
+drv._api.set_device(1)               # device 1 current, arguments on device 0
+add(on(0), on(0), on(0), 8)
+seen.append(drv.current_device())
+try:
+    add(on(0), on(1), on(0), 8)
+    refused = "no error"
+except ArgumentError as e:
+    refused = str(e)
+print(json.dumps({"current_after": seen, "refused": refused}))
+"""
+
+
+@pytest.fixture(scope="module")
+def multi_device(built_images, tmp_path_factory) -> dict:
+    lib = build_fake_hip(tmp_path_factory.mktemp("fakehip"))
+    log = tmp_path_factory.mktemp("log") / "calls.jsonl"
+    env = {**os.environ, **fake_hip_env(lib, log, arch="gfx942:sramecc+:xnack-", devices=2, backend="ctypes"),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", MULTI_DEVICE_SCENARIO, str(built_images)], env=env,
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return {"out": json.loads(proc.stdout), "log": read_log(log)}
+
+
+def test_each_launch_runs_with_its_arguments_device_current(multi_device):
+    launches = [(r["device"], r["module_device"]) for r in multi_device["log"] if r["call"] == "hipModuleLaunchKernel"]
+    assert launches == [(1, 1), (0, 0), (0, 0)]
+
+
+def test_the_callers_current_device_is_restored_after_each_launch(multi_device):
+    assert multi_device["out"]["current_after"] == [0, 0, 1]
+
+
+def test_each_device_gets_its_own_module_loaded_once(multi_device):
+    loads = [r["device"] for r in multi_device["log"] if r["call"] == "hipModuleLoadData"]
+    assert loads == [1, 0]
+
+
+def test_arguments_on_two_devices_in_one_call_are_refused_before_the_driver(multi_device):
+    assert multi_device["out"]["refused"] == ("argument y_ptr is on device 1 but the other arguments are on device 0; "
+                                     "move it to device 0")
+    assert len([r for r in multi_device["log"] if r["call"] == "hipModuleLaunchKernel"]) == 3
+
+
+# --------------------------------------------------------------------------- the generated launcher
+
+
+def _folder(tmp_path: Path) -> Path:
+    return make_image_folder(tmp_path / "imgs", targets=(("cuda", "sm90", 32),), kernels=("add",))
+
+
+def test_launcher_source_holds_no_catalog_text_even_if_validation_were_bypassed(tmp_path):
+    # Defence in depth: a Variant built in memory skips the schema; the generated launcher still
+    # uses placeholders, so a hostile name is only a label.
+    marker = tmp_path / "PWNED"
+    v = Catalog.load(_folder(tmp_path)).variants[0]
+    hostile = f"n=open({str(marker)!r}, 'w')"
+    v = dataclasses.replace(v, args=(v.args[0], dataclasses.replace(v.args[1], name=hostile)))
+    lib = SimpleNamespace(backend_now="cuda")
+    k = Kernel.__new__(Kernel)
+    k.library, k.name, k.params, k.candidates, k._raw = lib, "add", {}, [v], True
+    k.arg_names, k._states = [a.name for a in v.args], [None] * 64
+    fn = k._generate(v)
+    assert not marker.exists()
+    assert fn.__code__.co_varnames[:3] == ("self", "x_ptr", hostile)
+    assert all(c is None or hostile not in str(c) for c in fn.__code__.co_consts)
+
+
+def _kernel_stub(raw: bool) -> Kernel:
+    k = Kernel.__new__(Kernel)
+    k.library, k.name, k._raw = SimpleNamespace(backend_now="cuda", backend="cuda"), "k", raw
+    return k
+
+
+def test_a_refused_describe_of_none_does_not_poison_later_launches():
+    with pytest.raises(ArgumentError):
+        interop.describe(None)
+    with pytest.raises(ArgumentError):
+        interop.pointer(None)
+    assert _kernel_stub(False)._pointer(None, "bias", None) == (0, -2)
+
+
+def test_a_refused_pointer_of_an_int_does_not_poison_raw_pointer_handles():
+    with pytest.raises(ArgumentError):
+        interop.pointer(0x1000)
+    assert _kernel_stub(True)._pointer(0x1000, "x", None) == (0x1000, -2)
+    assert interop.pointer_reader(int) is None and interop.pointer_reader(type(None)) is None

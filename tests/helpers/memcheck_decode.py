@@ -1,7 +1,7 @@
 """A representative decode subset to run under compute-sanitizer (not collected by pytest).
 
     AOTRITON_RT_IMAGES=.gpu-images compute-sanitizer --tool memcheck --error-exitcode 9 \\
-        python tests/runtime/memcheck_decode.py
+        python tests/helpers/memcheck_decode.py
 
 Contiguous and paged caches (page sizes 16 and 48, a block table whose unused entries point
 far outside the cache, lengths 0, 1 and past a page edge), appends across page edges,

@@ -1,36 +1,28 @@
-"""What is in a catalog: the schema of ``catalog.json``, as frozen dataclasses.
+"""The catalog schema: what a ``catalog.json`` and its shards may hold, as frozen dataclasses.
 
 A catalog lists every compiled *variant* (one kernel, one specialization, one tuning config,
 one GPU target) with everything needed to launch it without Triton: the binary's symbol, the
 argument layout, launch parameters, the grid rule and where the image is. ``docs/catalog.md``
-specifies each field. Loading validates everything; an error names the file, the JSON path and
-the offending value.
+specifies each field; this file is its executable form. Every ``from_json`` validates, and an
+error names the file, the JSON path and the offending value; every ``to_json`` writes the form
+``from_json`` reads. The builder constructs these same objects (``builder/compile.py``).
 
-On disk a catalog is an *index* (``catalog.json``: the tuning table and one entry per (backend,
-arch, kernel) *shard* with the shard's path, size and sha256) plus the shard files, each holding
-one kernel's variants on one target with what they share (argument layouts, grid rules, checks)
-stored once and referenced by position. :meth:`Catalog.load` reads only the index; a shard is
-read, digest-checked and validated the first time something asks for its variants, so opening a
-full image set costs the index alone. This module is the one writer (:meth:`Catalog.write`) and
-reader of that format.
+The shapes of the two files, the index (``catalog.json``) and a shard, are here too
+(:func:`index_from_json`, :func:`shard_from_json`, and their inverses); reading them from disk,
+lazily and digest-checked, is :mod:`.store`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import keyword
-import os
 import re
-import stat
-import threading
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from .errors import CatalogError
-from .tuning import validate_table as validate_tuning
+from ..errors import CatalogError
+from ..tuning import validate_table as validate_tuning
+from .reader import _Reader, _show
 
 SCHEMA = "aotriton-rt.catalog"
 SHARD_SCHEMA = "aotriton-rt.catalog-shard"
@@ -40,12 +32,21 @@ CATALOG_FILE = "catalog.json"
 SHARD_FILE = "variants.json"
 
 _POINTER = re.compile(r"^\*(fp8e4nv|fp8e5|fp16|bf16|fp32|fp64|i1|i8|i16|i32|i64|u8|u16|u32|u64)$")
-#: Scalar argument types and their (size, struct code). Triton passes i1 as a byte.
-SCALAR_TYPES: dict[str, tuple[int, str]] = {
-    "i1": (1, "b"), "i8": (1, "b"), "u8": (1, "B"), "i16": (2, "h"), "u16": (2, "H"),
-    "i32": (4, "i"), "u32": (4, "I"), "i64": (8, "q"), "u64": (8, "Q"),
-    "fp32": (4, "f"), "fp64": (8, "d"),
+#: Every scalar type Triton 3.6 passes by value: (size in bytes, struct code the runtime packs it
+#: with). A scalar is aligned to its size; i1 and u1 travel as a byte (Triton's launchers use
+#: int8_t). The struct code is None for the types the runtime does not pack (no catalog may
+#: hold them; the builder refuses a kernel declaring one). The one table of scalar types: the
+#: builder's layout (``builder/abi.py``), this schema and the argument packer read it.
+TRITON_SCALARS: dict[str, tuple[int, str | None]] = {
+    "i1": (1, "b"), "u1": (1, None), "i8": (1, "b"), "u8": (1, "B"), "i16": (2, "h"), "u16": (2, "H"),
+    "fp16": (2, None), "bf16": (2, None), "i32": (4, "i"), "u32": (4, "I"), "i64": (8, "q"), "u64": (8, "Q"),
+    "fp32": (4, "f"), "f32": (4, None), "fp64": (8, "d"),
 }
+#: The scalar argument types a catalog may hold, with their (size, struct code).
+SCALAR_TYPES: dict[str, tuple[int, str]] = {t: (size, code) for t, (size, code) in TRITON_SCALARS.items()
+                                            if code is not None}
+#: Every pointer is 8 bytes.
+POINTER_SIZE = 8
 BACKENDS = ("cuda", "hip")
 IMAGE_FORMATS = {"cuda": "cubin", "hip": "hsaco"}
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -82,64 +83,6 @@ def is_pointer_type(t: str) -> bool:
     return bool(_POINTER.match(t))
 
 
-class _Reader:
-    """Typed access to one JSON object, with errors that name file and JSON path."""
-
-    def __init__(self, obj: Any, path: str, source: str) -> None:
-        if not isinstance(obj, Mapping):
-            raise CatalogError(f"{source}: {path} must be an object, found {_show(obj)}")
-        self.obj, self.path, self.source = obj, path, source
-
-    def _fail(self, key: str, what: str, value: Any) -> CatalogError:
-        return CatalogError(f"{self.source}: {self.path}.{key} must be {what}, found {_show(value)}")
-
-    def get(self, key: str, kind: type | tuple[type, ...], what: str, default: Any = ...) -> Any:
-        if key not in self.obj:
-            if default is not ...:
-                return default
-            raise CatalogError(f"{self.source}: {self.path}.{key} is missing")
-        value = self.obj[key]
-        # bool is an int in Python; a catalog int field must not accept true/false.
-        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-            raise self._fail(key, what, value)
-        return value
-
-    def int(self, key: str, minimum: int = 0, default: Any = ..., maximum: int = 2**63 - 1) -> int:
-        what = f"an integer >= {minimum}" if maximum == 2**63 - 1 else f"an integer in [{minimum}, {maximum}]"
-        value = self.get(key, int, what, default)
-        if not minimum <= value <= maximum:
-            raise self._fail(key, what, value)
-        return value
-
-    def name(self, key: str, pattern: re.Pattern, what: str) -> str:
-        value = self.str(key)
-        if not pattern.match(value):
-            raise self._fail(key, what, value)
-        return value
-
-    def str(self, key: str, default: Any = ...) -> str:
-        return self.get(key, str, "a string", default)
-
-    def sub(self, key: str, default: Any = ...) -> _Reader:
-        value = self.get(key, Mapping, "an object", default)
-        return _Reader(value, f"{self.path}.{key}", self.source)
-
-    def list(self, key: str, default: Any = ...) -> list:
-        return self.get(key, list, "a list", default)
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _show(value: Any) -> str:
-    try:
-        text = json.dumps(value) if not isinstance(value, Mapping) else "an object"
-    except (RecursionError, ValueError):
-        text = f"a deeply nested {type(value).__name__}"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _scalars(r: _Reader, key: str) -> dict[str, Any]:
     obj = r.sub(key, {})
     for k, v in obj.obj.items():
@@ -171,10 +114,6 @@ class Target:
     backend: str
     arch: str
     warp_size: int
-
-    @property
-    def name(self) -> str:
-        return self.arch
 
     @classmethod
     def from_json(cls, r: _Reader) -> Target:
@@ -213,7 +152,7 @@ class Arg:
     def from_json(cls, r: _Reader) -> Arg:
         t = r.str("type")
         if is_pointer_type(t):
-            size = 8
+            size = POINTER_SIZE
         elif t in SCALAR_TYPES:
             size = SCALAR_TYPES[t][0]
         else:
@@ -477,7 +416,7 @@ class _Shared:
 
 def _check_rules(v: Variant, path: str, source: str) -> None:
     """Parse every grid and check rule of ``v`` now, so that a bad one names its JSON path."""
-    from .pack import check_rule  # the rule language lives with its compiler
+    from ..arguments import check_rule  # the rule language lives with its compiler
 
     names = tuple(a.name for a in v.args)
     params = v.params
@@ -530,244 +469,120 @@ def shard_path(target: Target, kernel: str) -> str:
     return f"{target.backend}/{target.arch}/{kernel}/{SHARD_FILE}"
 
 
-class Catalog:
-    """A catalog: the variants of one image folder, read shard by shard as they are asked for.
+def image_path(target: Target, kernel: str, key: str, fmt: str) -> str:
+    """Where the builder puts an image: ``<backend>/<arch>/<kernel>/<kernel>-<key16>.<fmt>.xz``
+    (a CUDA variant's PTX beside its cubin, ``fmt`` "ptx")."""
+    return f"{target.backend}/{target.arch}/{kernel}/{kernel}-{key[:16]}.{fmt}.xz"
 
-    Example::
 
-        cat = Catalog.load("images")                         # reads catalog.json only
-        cat.variants_of("add", targets={("cuda", "sm90")})   # reads and checks one shard
-        [v.kernel for v in cat.variants]                     # reads every shard
+# --------------------------------------------------------------------------- whole files
+
+
+def index_from_json(obj: Any, source: str) -> tuple[str, dict[str, Any], tuple[ShardRef, ...] | None,
+                                                   tuple[Variant, ...]]:
+    """Validate a parsed ``catalog.json``: (triton_version, tuning, shard entries, variants).
+
+    The index form gives its shard entries (and no variants); the inline form, whose
+    ``variants`` list every variant in full, gives None and the variants. Raises CatalogError
+    naming the JSON path of a bad value.
     """
-
-    def __init__(self, triton_version: str, variants: Any = (), tuning: dict[str, Any] | None = None,
-                 folder: Path | None = None, source: str = "<memory>", *,
-                 shards: tuple[ShardRef, ...] = ()) -> None:
-        self.triton_version = triton_version
-        self.tuning = tuning if tuning is not None else {}
-        self.folder = folder
-        self.source = source
-        self._lock = threading.Lock()
-        #: (backend, arch, kernel) -> its variants once read, or its index entry before.
-        self._groups: dict[tuple[str, str, str], tuple[Variant, ...] | ShardRef] = {}
-        self._warp: dict[tuple[str, str], Target] = {}
-        for ref in shards:
-            self._groups[(ref.target.backend, ref.target.arch, ref.kernel)] = ref
-            self._warp[(ref.target.backend, ref.target.arch)] = ref.target
-        grouped: dict[tuple[str, str, str], list[Variant]] = {}
-        for v in variants:
-            grouped.setdefault((v.target.backend, v.target.arch, v.kernel), []).append(v)
-            self._warp[(v.target.backend, v.target.arch)] = v.target
-        for k, vs in grouped.items():
-            self._groups[k] = tuple(sorted(vs, key=_order))
-        self._all: tuple[Variant, ...] | None = None
-
-    def __repr__(self) -> str:
-        return f"<aotriton_rt.Catalog {self.source}: {len(self._groups)} kernel/target groups>"
-
-    # -- reading ---------------------------------------------------------------------------
-    @classmethod
-    def from_json(cls, obj: Any, *, source: str = "<memory>", folder: Path | None = None) -> Catalog:
-        """Validate a parsed ``catalog.json``: an index of shards (read later from ``folder``)
-        or the inline form, whose ``variants`` list every variant in full (what
-        :meth:`to_json` returns). Raises CatalogError naming the JSON path of a bad value."""
-        r = _Reader(obj, "$", source)
-        schema = r.str("schema")
-        if schema != SCHEMA:
-            raise r._fail("schema", f'"{SCHEMA}"', schema)
-        _check_version(r, source)
-        # The tuning rules are validated here, at load, by the module that applies them.
-        tuning = validate_tuning(dict(r.sub("tuning", {}).obj), source)
-        triton_version = r.str("triton_version")
-        if "shards" in r.obj:
-            if "variants" in r.obj:
-                raise CatalogError(f"{source}: $ has both shards and variants; a catalog lists one or the other")
-            raw = r.list("shards")
-            if len(raw) > MAX_SHARDS:
-                raise r._fail("shards", f"a list of at most {MAX_SHARDS} entries", f"{len(raw)} items")
-            refs = tuple(ShardRef.from_json(_Reader(e, f"$.shards[{i}]", source)) for i, e in enumerate(raw))
-            seen: dict[Any, int] = {}
-            for i, ref in enumerate(refs):
-                for what, ident in (("target and kernel", (ref.target.backend, ref.target.arch, ref.kernel)),
-                                    ("path", ref.path)):
-                    if ident in seen:
-                        raise CatalogError(f"{source}: $.shards[{i}] repeats the {what} of "
-                                           f"$.shards[{seen[ident]}]")
-                    seen[ident] = i
-            return cls(triton_version, (), tuning, folder, source, shards=refs)
-        raw = r.list("variants")
-        if len(raw) > MAX_SHARDS * 4:
-            raise r._fail("variants", "an inline list of at most 262144 variants", f"{len(raw)} items")
-        variants = tuple(Variant.from_json(v, f"$.variants[{i}]", source) for i, v in enumerate(raw))
-        _unique_keys(variants, source, "$.variants")
-        return cls(triton_version, variants, tuning, folder, source)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> Catalog:
-        """Read and validate ``catalog.json`` (or the folder holding it); shards are read later."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / CATALOG_FILE
-        data = _read_bounded(path, MAX_CATALOG_BYTES, "catalog")
-        return cls.from_json(parse_json(data, str(path)), source=str(path), folder=path.parent)
-
-    def _read_shard(self, ref: ShardRef) -> tuple[Variant, ...]:
-        if self.folder is None:
-            raise CatalogError(f"{self.source}: shard {ref.path} cannot be read: the catalog has no folder")
-        file = self.folder.joinpath(*ref.path.split("/"))
-        source = str(file)
-        data = _read_bounded(file, MAX_SHARD_BYTES, "catalog shard")
-        if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
-            raise CatalogError(f"{source}: does not match its entry in {self.source} (size {len(data)}, "
-                               f"index says {ref.size}, or sha256 differs); reinstall or rebuild the image folder")
-        r = _Reader(parse_json(data, source), "$", source)
-        if r.str("schema") != SHARD_SCHEMA:
-            raise r._fail("schema", f'"{SHARD_SCHEMA}"', r.obj["schema"])
-        _check_version(r, source)
-        target = Target.from_json(r.sub("target"))
-        kernel = r.name("kernel", _KERNEL_NAME, "a kernel name (letters, digits, '_')")
-        if target != ref.target or kernel != ref.kernel:
-            raise CatalogError(f"{source}: holds {kernel} for {target.backend} {target.arch}, but {self.source} "
-                               f"lists it for {ref.kernel} on {ref.target.backend} {ref.target.arch}")
-        tables = {}
-        for name in ("layouts", "rules", "launch_params", "variants"):
-            tables[name] = r.list(name)
-            if not 1 <= len(tables[name]) <= MAX_SHARD_VARIANTS:
-                raise r._fail(name, f"a list of 1 to {MAX_SHARD_VARIANTS} entries", f"{len(tables[name])} items")
-        if len(tables["variants"]) != ref.variants:
-            raise r._fail("variants", f"the {ref.variants} entries the index counts",
-                          f"{len(tables['variants'])} items")
-        shared = _Shared(
-            target, kernel, r.str("triton_version"),
-            tuple(_layout_from_json(_Reader(e, f"$.layouts[{i}]", source)) for i, e in enumerate(tables["layouts"])),
-            tuple(_rules_from_json(_Reader(e, f"$.rules[{i}]", source)) for i, e in enumerate(tables["rules"])),
-            tuple(_launch_from_json(_Reader(e, f"$.launch_params[{i}]", source), target)
-                  for i, e in enumerate(tables["launch_params"])))
-        variants = tuple(Variant.from_json(v, f"$.variants[{i}]", source, shared=shared)
-                         for i, v in enumerate(tables["variants"]))
-        _unique_keys(variants, source, "$.variants")
-        return variants
-
-    def _group(self, key: tuple[str, str, str]) -> tuple[Variant, ...]:
-        got = self._groups[key]
-        if isinstance(got, ShardRef):
-            with self._lock:
-                got = self._groups[key]
-                if isinstance(got, ShardRef):
-                    got = self._groups[key] = self._read_shard(got)
-        return got
-
-    def variants_of(self, kernel: str, targets: Any = None) -> tuple[Variant, ...]:
-        """The variants of ``kernel``, on ``targets`` ((backend, arch) pairs) or every target;
-        reads (and checks) only those shards."""
-        out: list[Variant] = []
-        for key in sorted(self._groups):
-            if key[2] == kernel and (targets is None or key[:2] in targets):
-                out.extend(self._group(key))
-        return tuple(out)
-
-    @property
-    def variants(self) -> tuple[Variant, ...]:
-        """Every variant, in canonical order (reads every shard: for tools, not for launches)."""
-        if self._all is None:
-            everything = tuple(v for key in sorted(self._groups) for v in self._group(key))
-            _unique_keys(everything, self.source, "variants")
-            self._all = everything
-        return self._all
-
-    @property
-    def kernels(self) -> list[str]:
-        """Kernel names, from the index alone."""
-        return sorted({k for _, _, k in self._groups})
-
-    def targets(self) -> list[Target]:
-        """The targets the catalog has variants for, from the index alone."""
-        return [self._warp[k] for k in sorted(self._warp)]
-
-    @property
-    def count(self) -> int:
-        """How many variants the catalog lists (from the index alone)."""
-        return sum(g.variants if isinstance(g, ShardRef) else len(g) for g in self._groups.values())
-
-    def shard_refs(self) -> list[ShardRef]:
-        """The index entries of the shards not read yet."""
-        return [g for g in self._groups.values() if isinstance(g, ShardRef)]
-
-    def target_kernels(self) -> list[tuple[str, str, str]]:
-        """(backend, arch, kernel) of every shard, from the index alone."""
-        return sorted(self._groups)
-
-    # -- writing ---------------------------------------------------------------------------
-    def to_json(self) -> dict:
-        """The inline form: every variant in full (what tools print and compare)."""
-        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
-                "triton_version": self.triton_version, "tuning": self.tuning,
-                "variants": [v.to_json() for v in self.variants]}
-
-    def dumps(self) -> str:
-        """Canonical text of the inline form: equal catalogs are equal bytes."""
-        return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
-
-    def files(self) -> dict[str, bytes]:
-        """The sharded form as files (relative path -> bytes), ``catalog.json`` last.
-
-        Canonical: keys sorted, compact separators, shards and their variants in a fixed order,
-        so equal catalogs give equal bytes."""
-        out: dict[str, bytes] = {}
-        refs = []
-        for key in sorted(self._groups):
-            variants = self._group(key)
-            target = variants[0].target
-            layouts: dict[str, int] = {}
-            rules: dict[str, int] = {}
-            launches: dict[str, int] = {}
-            entries = []
-            for v in variants:
-                entry = v.to_json()
-                layout = json.dumps({k: entry.pop(k) for k in ("args", "hidden_args", "param_size")}, sort_keys=True)
-                rule = json.dumps({k: entry.pop(k) for k in ("grid", "checks")}, sort_keys=True)
-                for k in ("target", "kernel", "triton_version"):
-                    del entry[k]
-                entry["layout"] = layouts.setdefault(layout, len(layouts))
-                entry["rules"] = rules.setdefault(rule, len(rules))
-                launch = json.dumps({k: entry.pop(k) for k in _LAUNCH_FIELDS}, sort_keys=True)
-                entry["launch_params"] = launches.setdefault(launch, len(launches))
-                entries.append(entry)
-            shard = {"schema": SHARD_SCHEMA, "schema_version": SCHEMA_VERSION, "target": target.to_json(),
-                     "kernel": key[2], "triton_version": variants[0].triton_version,
-                     "layouts": [json.loads(t) for t in layouts], "rules": [json.loads(t) for t in rules],
-                     "launch_params": [json.loads(t) for t in launches],
-                     "variants": entries}
-            data = canonical_bytes(shard)
-            path = shard_path(target, key[2])
-            out[path] = data
-            refs.append(ShardRef(target, key[2], path, hashlib.sha256(data).hexdigest(), len(data), len(variants)))
-        out[CATALOG_FILE] = index_bytes(self.triton_version, self.tuning, refs)
-        return out
-
-    def write(self, folder: str | os.PathLike) -> set[str]:
-        """Write the sharded form into ``folder``: each shard atomically, then ``catalog.json``.
-        Returns the relative paths written."""
-        folder = Path(folder)
-        files = self.files()
-        for rel, data in files.items():
-            dest = folder.joinpath(*rel.split("/"))
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if not (dest.is_file() and dest.stat().st_size == len(data) and dest.read_bytes() == data):
-                write_atomic(dest, data)
-        return set(files)
+    r = _Reader(obj, "$", source)
+    schema = r.str("schema")
+    if schema != SCHEMA:
+        raise r._fail("schema", f'"{SCHEMA}"', schema)
+    _check_version(r, source)
+    # The tuning rules are validated here, at load, by the module that applies them.
+    tuning = validate_tuning(dict(r.sub("tuning", {}).obj), source)
+    triton_version = r.str("triton_version")
+    if "shards" in r.obj:
+        if "variants" in r.obj:
+            raise CatalogError(f"{source}: $ has both shards and variants; a catalog lists one or the other")
+        raw = r.list("shards")
+        if len(raw) > MAX_SHARDS:
+            raise r._fail("shards", f"a list of at most {MAX_SHARDS} entries", f"{len(raw)} items")
+        refs = tuple(ShardRef.from_json(_Reader(e, f"$.shards[{i}]", source)) for i, e in enumerate(raw))
+        seen: dict[Any, int] = {}
+        for i, ref in enumerate(refs):
+            for what, ident in (("target and kernel", (ref.target.backend, ref.target.arch, ref.kernel)),
+                                ("path", ref.path)):
+                if ident in seen:
+                    raise CatalogError(f"{source}: $.shards[{i}] repeats the {what} of "
+                                       f"$.shards[{seen[ident]}]")
+                seen[ident] = i
+        return triton_version, tuning, refs, ()
+    raw = r.list("variants")
+    if len(raw) > MAX_SHARDS * 4:
+        raise r._fail("variants", "an inline list of at most 262144 variants", f"{len(raw)} items")
+    variants = tuple(Variant.from_json(v, f"$.variants[{i}]", source) for i, v in enumerate(raw))
+    _unique_keys(variants, source, "$.variants")
+    return triton_version, tuning, None, variants
 
 
-def index_bytes(triton_version: str, tuning: dict[str, Any], refs: Any) -> bytes:
-    """Canonical ``catalog.json`` text of an index listing ``refs`` (:class:`ShardRef`)."""
-    index = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "triton_version": triton_version,
-             "tuning": tuning, "shards": [ref.to_json() for ref in refs]}
-    return json.dumps(index, indent=1, sort_keys=True).encode() + b"\n"
+def index_to_json(triton_version: str, tuning: dict[str, Any], refs: Any) -> dict:
+    """The ``catalog.json`` index listing ``refs`` (:class:`ShardRef`)."""
+    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "triton_version": triton_version,
+            "tuning": tuning, "shards": [ref.to_json() for ref in refs]}
 
 
-def canonical_bytes(obj: Any) -> bytes:
-    """Compact canonical JSON (sorted keys, no spaces), as shards are written."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+def shard_from_json(obj: Any, ref: ShardRef, source: str, index: str) -> tuple[Variant, ...]:
+    """Validate a parsed shard file against its entry ``ref`` in the index ``index``; its variants
+    in order.
+    Raises CatalogError naming the file and JSON path of a bad value."""
+    r = _Reader(obj, "$", source)
+    if r.str("schema") != SHARD_SCHEMA:
+        raise r._fail("schema", f'"{SHARD_SCHEMA}"', r.obj["schema"])
+    _check_version(r, source)
+    target = Target.from_json(r.sub("target"))
+    kernel = r.name("kernel", _KERNEL_NAME, "a kernel name (letters, digits, '_')")
+    if target != ref.target or kernel != ref.kernel:
+        raise CatalogError(f"{source}: holds {kernel} for {target.backend} {target.arch}, but {index} "
+                           f"lists it for {ref.kernel} on {ref.target.backend} {ref.target.arch}")
+    tables = {}
+    for name in ("layouts", "rules", "launch_params", "variants"):
+        tables[name] = r.list(name)
+        if not 1 <= len(tables[name]) <= MAX_SHARD_VARIANTS:
+            raise r._fail(name, f"a list of 1 to {MAX_SHARD_VARIANTS} entries", f"{len(tables[name])} items")
+    if len(tables["variants"]) != ref.variants:
+        raise r._fail("variants", f"the {ref.variants} entries the index counts",
+                      f"{len(tables['variants'])} items")
+    shared = _Shared(
+        target, kernel, r.str("triton_version"),
+        tuple(_layout_from_json(_Reader(e, f"$.layouts[{i}]", source)) for i, e in enumerate(tables["layouts"])),
+        tuple(_rules_from_json(_Reader(e, f"$.rules[{i}]", source)) for i, e in enumerate(tables["rules"])),
+        tuple(_launch_from_json(_Reader(e, f"$.launch_params[{i}]", source), target)
+              for i, e in enumerate(tables["launch_params"])))
+    variants = tuple(Variant.from_json(v, f"$.variants[{i}]", source, shared=shared)
+                     for i, v in enumerate(tables["variants"]))
+    _unique_keys(variants, source, "$.variants")
+    return variants
+
+
+def shard_to_json(kernel: str, variants: Any) -> dict:
+    """The shard file of ``kernel``'s ``variants`` on one target: what they share stored once
+    (target, kernel, Triton version; the ``layouts``, ``rules`` and ``launch_params`` tables),
+    each variant pointing into the tables by position, tables in order of first use."""
+    target = variants[0].target
+    layouts: dict[str, int] = {}
+    rules: dict[str, int] = {}
+    launches: dict[str, int] = {}
+    entries = []
+    for v in variants:
+        entry = v.to_json()
+        layout = json.dumps({k: entry.pop(k) for k in ("args", "hidden_args", "param_size")}, sort_keys=True)
+        rule = json.dumps({k: entry.pop(k) for k in ("grid", "checks")}, sort_keys=True)
+        for k in ("target", "kernel", "triton_version"):
+            del entry[k]
+        entry["layout"] = layouts.setdefault(layout, len(layouts))
+        entry["rules"] = rules.setdefault(rule, len(rules))
+        launch = json.dumps({k: entry.pop(k) for k in _LAUNCH_FIELDS}, sort_keys=True)
+        entry["launch_params"] = launches.setdefault(launch, len(launches))
+        entries.append(entry)
+    shard = {"schema": SHARD_SCHEMA, "schema_version": SCHEMA_VERSION, "target": target.to_json(),
+             "kernel": kernel, "triton_version": variants[0].triton_version,
+             "layouts": [json.loads(t) for t in layouts], "rules": [json.loads(t) for t in rules],
+             "launch_params": [json.loads(t) for t in launches],
+             "variants": entries}
+    return shard
 
 
 def _check_version(r: _Reader, source: str) -> None:
@@ -787,64 +602,3 @@ def _unique_keys(variants: tuple[Variant, ...], source: str, where: str) -> None
             raise CatalogError(f"{source}: {where}[{i}].key repeats {where}[{seen[v.key]}].key "
                                f"({v.key[:16]}...)")
         seen[v.key] = i
-
-
-def _read_bounded(path: Path, limit: int, what: str) -> bytes:
-    try:
-        with open_regular(path) as f:
-            st = os.fstat(f.fileno())
-            # A FIFO would block a read forever and /dev/zero never ends: regular files only.
-            if not stat.S_ISREG(st.st_mode):
-                raise CatalogError(f"{what} {path} is not a regular file; reinstall the image folder")
-            if st.st_size > limit:
-                raise CatalogError(f"{what} {path} is {st.st_size} bytes, over the limit of "
-                                   f"{limit}; it is not a catalog this runtime reads")
-            # At most what fstat said, plus one byte to notice growth: a read of ``limit`` bytes
-            # would allocate that much up front however small the file is.
-            data = f.read(st.st_size + 1)
-    except OSError as e:
-        raise CatalogError(f"cannot read {what} {path}: {e.strerror or e}") from e
-    if len(data) > min(st.st_size, limit):
-        raise CatalogError(f"{what} {path} changed while it was read; reinstall the image folder")
-    return data
-
-
-def open_regular(path: str | os.PathLike) -> Any:
-    """Open ``path`` for reading without blocking: a FIFO opens at once (then fails the caller's
-    regular-file check) instead of waiting for a writer forever."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
-                 | getattr(os, "O_CLOEXEC", 0))
-    return os.fdopen(fd, "rb", buffering=0)
-
-
-def parse_json(data: bytes, source: str) -> Any:
-    """Parse catalog text: UTF-8 JSON, nested no deeper than Python can recurse; else CatalogError."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise CatalogError(f"{source}: not UTF-8 text (byte {e.start}); reinstall or rebuild the image "
-                           "folder") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CatalogError(f"{source}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    except RecursionError:
-        raise CatalogError(f"{source}: JSON nested too deeply to be a catalog") from None
-    except ValueError as e:  # e.g. an integer literal too long to convert
-        raise CatalogError(f"{source}: not valid JSON ({e})") from None
-
-
-def _order(v: Variant) -> tuple:
-    return (v.target.backend, v.target.arch, v.kernel, v.key)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and os.replace."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()

@@ -4,9 +4,9 @@ import struct
 
 import pytest
 
+from aotriton_rt.arguments import Packer, compile_expr, scalar_checker
 from aotriton_rt.catalog import Arg, Catalog
 from aotriton_rt.errors import ArgumentError, CatalogError
-from aotriton_rt.pack import Packer, compile_expr, scalar_checker
 
 
 @pytest.fixture(scope="module")

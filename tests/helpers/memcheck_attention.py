@@ -1,6 +1,6 @@
 """A representative attention subset to run under compute-sanitizer (not collected by pytest).
 
-    compute-sanitizer --tool memcheck --error-exitcode 9 python tests/runtime/memcheck_attention.py
+    compute-sanitizer --tool memcheck --error-exitcode 9 python tests/helpers/memcheck_attention.py
 
 Forward and backward through the operator for: plain, causal (both alignments) with
 seqlen_q != seqlen_k, sliding window, bias broadcast over heads, dropout, GQA, varlen, a head

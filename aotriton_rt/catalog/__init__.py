@@ -1,0 +1,59 @@
+"""The catalog format: the one definition of ``catalog.json``, its shards, and how they are read
+and written. ``docs/catalog.md`` specifies every field.
+
+- :mod:`.schema`: what a catalog may hold, as frozen dataclasses with ``from_json``/``to_json``
+  (``Variant``, ``Target``, ``Arg``, ``Config``, ``Image``, ``ShardRef``), the limits, the one
+  table of scalar types, the file layout of an image folder, and the shapes of the index and
+  shard files. (:mod:`.reader`: its typed JSON access, whose errors name file and JSON path.)
+- :mod:`.store`: :class:`Catalog`, a whole catalog: the index read at once, the shards on demand;
+  :meth:`Catalog.new` (what the builder makes), :meth:`Catalog.write`.
+- :mod:`.files`: safe reads and atomic writes, and :func:`check_image`, the one check of an image
+  against its catalog entry.
+
+Every name is importable from here: ``from aotriton_rt.catalog import Catalog, Variant``.
+"""
+
+from __future__ import annotations
+
+from .files import (
+    XZ_MEMLIMIT,
+    canonical_bytes,
+    check_file,
+    check_image,
+    open_regular,
+    parse_json,
+    read_bounded,
+    write_atomic,
+)
+from .schema import (
+    BACKENDS,
+    CATALOG_FILE,
+    IMAGE_FORMATS,
+    MAX_CATALOG_BYTES,
+    MAX_SHARD_BYTES,
+    POINTER_SIZE,
+    SCALAR_TYPES,
+    SCHEMA,
+    SCHEMA_VERSION,
+    SHARD_FILE,
+    SHARD_SCHEMA,
+    TRITON_SCALARS,
+    Arg,
+    Config,
+    Image,
+    ShardRef,
+    Target,
+    Variant,
+    image_path,
+    is_pointer_type,
+    shard_path,
+)
+from .store import Catalog, index_bytes
+
+__all__ = [
+    "BACKENDS", "CATALOG_FILE", "IMAGE_FORMATS", "MAX_CATALOG_BYTES", "MAX_SHARD_BYTES", "POINTER_SIZE",
+    "SCALAR_TYPES", "SCHEMA", "SCHEMA_VERSION", "SHARD_FILE", "SHARD_SCHEMA", "TRITON_SCALARS", "XZ_MEMLIMIT",
+    "Arg", "Catalog", "Config", "Image", "ShardRef", "Target", "Variant", "canonical_bytes", "check_file",
+    "check_image", "image_path", "index_bytes", "is_pointer_type", "open_regular", "parse_json",
+    "read_bounded", "shard_path", "write_atomic",
+]

@@ -1,0 +1,68 @@
+"""Typed access to parsed JSON whose errors name the file, the JSON path and the bad value."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import CatalogError
+
+
+class _Reader:
+    """Typed access to one JSON object, with errors that name file and JSON path."""
+
+    def __init__(self, obj: Any, path: str, source: str) -> None:
+        if not isinstance(obj, Mapping):
+            raise CatalogError(f"{source}: {path} must be an object, found {_show(obj)}")
+        self.obj, self.path, self.source = obj, path, source
+
+    def _fail(self, key: str, what: str, value: Any) -> CatalogError:
+        return CatalogError(f"{self.source}: {self.path}.{key} must be {what}, found {_show(value)}")
+
+    def get(self, key: str, kind: type | tuple[type, ...], what: str, default: Any = ...) -> Any:
+        if key not in self.obj:
+            if default is not ...:
+                return default
+            raise CatalogError(f"{self.source}: {self.path}.{key} is missing")
+        value = self.obj[key]
+        # bool is an int in Python; a catalog int field must not accept true/false.
+        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+            raise self._fail(key, what, value)
+        return value
+
+    def int(self, key: str, minimum: int = 0, default: Any = ..., maximum: int = 2**63 - 1) -> int:
+        what = f"an integer >= {minimum}" if maximum == 2**63 - 1 else f"an integer in [{minimum}, {maximum}]"
+        value = self.get(key, int, what, default)
+        if not minimum <= value <= maximum:
+            raise self._fail(key, what, value)
+        return value
+
+    def name(self, key: str, pattern: re.Pattern, what: str) -> str:
+        value = self.str(key)
+        if not pattern.match(value):
+            raise self._fail(key, what, value)
+        return value
+
+    def str(self, key: str, default: Any = ...) -> str:
+        return self.get(key, str, "a string", default)
+
+    def sub(self, key: str, default: Any = ...) -> _Reader:
+        value = self.get(key, Mapping, "an object", default)
+        return _Reader(value, f"{self.path}.{key}", self.source)
+
+    def list(self, key: str, default: Any = ...) -> list:
+        return self.get(key, list, "a list", default)
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _show(value: Any) -> str:
+    try:
+        text = json.dumps(value) if not isinstance(value, Mapping) else "an object"
+    except (RecursionError, ValueError):
+        text = f"a deeply nested {type(value).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
