@@ -131,7 +131,9 @@ def _install_cpu() -> None:
     from aotriton_rt import interop
 
     names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
-    describe = op._describe
+    from aotriton_rt.ops.decode import validate
+
+    describe = validate._describe
 
     def cpu_describe(obj: Any, name: str) -> Any:
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
@@ -139,7 +141,7 @@ def _install_cpu() -> None:
                                      "torch")
         return describe(obj, name)
 
-    op._describe = cpu_describe
+    validate._describe = cpu_describe
 
 
 def run_case(name: str, case: dict) -> dict:
@@ -400,7 +402,8 @@ def test_a_decode_shaped_attention_call_is_validated_before_images_are_looked_fo
 
 def test_debug_mode_reads_lengths_and_pages_back_and_refuses_bad_ones() -> None:
     torch = pytest.importorskip("torch")
-    from aotriton_rt.ops.decode import DecodePlan, _Arrays, _check_contents
+    from aotriton_rt.ops.decode.launch import _Arrays
+    from aotriton_rt.ops.decode.validate import DecodePlan, _check_contents
 
     xp = _Arrays("torch")
     plan = DecodePlan("fp16", 64, 2, 8, 2, 1, 2, 64, True, 16, 10, 64, (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0),
@@ -603,7 +606,9 @@ def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_ar
     from aotriton_rt import interop
 
     names = {torch.float16: "fp16", torch.int32: "i32"}
-    monkeypatch.setattr(op, "_describe", lambda obj, name: interop.ArrayInfo(
+    from aotriton_rt.ops.decode import validate
+
+    monkeypatch.setattr(validate, "_describe", lambda obj, name: interop.ArrayInfo(
         obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()), "torch"))
     monkeypatch.setattr(interop, "stream_getter", lambda framework: (lambda device: 0x77))
     lib = _Library()

@@ -1,0 +1,267 @@
+"""Decode attention over a KV cache: split-KV kernels, contiguous and paged caches.
+
+In the spirit of FlashAttention's ``flash_attn_with_kvcache``: a few query rows per sequence
+(1..16: one generated token, or a speculative draft) attend to that sequence's cached keys and
+values, optionally after appending new ones to the cache in the same call::
+
+    out, lse = aotriton_rt.ops.decode.decode_attention(
+        q, k_cache, v_cache, cache_seqlens=lens, k_new=k, v_new=v, causal=True)
+
+**Shapes.** ``q``: ``(B, Sq, Hq, D)`` (``layout="bshd"``, the default) or ``(B, Hq, Sq, D)``
+(``"bhsd"``). Contiguous caches: ``(B, S_cache, Hkv, D)`` (``cache_layout="bshd"``) or
+``(B, Hkv, S_cache, D)`` (``"bhsd"``), any strides with a contiguous head dim. Paged caches:
+``(num_pages, page_size, Hkv, D)`` with ``block_table`` int32 ``(B, max_blocks)``: row ``n`` of
+sequence ``b`` is row ``n % page_size`` of page ``block_table[b, n // page_size]``; the page size
+must be a multiple of 16. ``k_new``/``v_new``: ``(B, Sn, Hkv, D)`` (or ``(B, Hkv, Sn, D)`` with
+``layout="bhsd"``).
+
+**Lengths.** ``cache_seqlens`` (an int, or an int32 ``(B,)`` device array) counts the rows
+already in the cache; new rows are written at ``cache_seqlens[b] + i`` and the queries see
+``cache_seqlens[b] + Sn`` keys. The caller advances ``cache_seqlens`` afterwards (as with
+FlashAttention). ``None``: every sequence fills its whole cache (``S_cache`` or ``max_blocks *
+page_size`` rows), no append. Lengths known on the host are checked before launch; device
+arrays are the caller's contract (kernels clamp lengths and page indices so bad values cannot
+fault, they give wrong numbers): ``check=True`` or ``AOTRITON_RT_DEBUG=1`` reads them back and
+checks every length and referenced page (a device synchronisation).
+
+**Masks.** Bottom-right aligned (the queries are the sequence's last ``Sq`` rows): ``causal``
+hides keys after each query, ``window=(left, right)`` is a sliding window (-1 unbounded).
+
+**Splits.** One program per (GQA group tile, split, batch x KV head); the keys of each sequence
+are cut into ``num_splits`` runs merged by a combine kernel. Default: enough programs for
+``waves`` per SM, each split at least ``min_blocks`` key blocks, from the catalog's
+``tuning["attn_decode"]`` rules (``{"arch": "sm90", "splits": {"waves": 2, "min_blocks": 4,
+"max_splits": 64}}``; a rule may also pick a ``config`` and apply only from a work size on,
+``min_batch_heads``, or to one cache kind, ``paged``), else :data:`DEFAULT_SPLIT_RULES`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ... import interop
+from ...errors import AotritonError, ArgumentError, KernelNotFound, UnsupportedError
+from .launch import _kernels_of, _Launch
+from .splits import DEFAULT_SPLIT_RULES, SplitRule, num_splits_for, split_rule
+from .validate import (
+    _LAYOUTS,
+    APPEND,
+    COMBINE,
+    DECODE,
+    HEAD_DIM_BUCKETS,
+    MAX_SEQLEN_Q,
+    DecodePlan,
+    _check_contents,
+    _debug,
+    _describe,
+    _int,
+    _plan,
+)
+
+__all__ = ["DEFAULT_SPLIT_RULES", "HEAD_DIM_BUCKETS", "MAX_SEQLEN_Q", "DecodePlan", "SplitRule", "cached_launch",
+           "decode_attention", "decode_kernels", "num_splits_for", "route_from_attention", "route_options",
+           "split_rule"]
+
+
+def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None, block_table: Any = None,
+                     k_new: Any = None, v_new: Any = None, causal: bool = False,
+                     window: tuple[int, int] | None = None, scale: float | None = None,
+                     num_splits: int | None = None, max_seqlen_k: int | None = None, layout: str = "bshd",
+                     cache_layout: str = "bshd", out: Any = None, check: bool | None = None,
+                     library: Any = None) -> tuple[Any, Any]:
+    """Attention of 1..16 query rows per sequence against a (contiguous or paged) KV cache.
+
+    Arguments:
+        q: ``(B, Sq, Hq, D)`` (``layout="bshd"``) or ``(B, Hq, Sq, D)``; fp16, bf16 or fp32.
+        k_cache, v_cache: ``(B, S_cache, Hkv, D)`` (``cache_layout`` as for q), or paged
+            ``(num_pages, page_size, Hkv, D)`` with ``block_table``. Read (and appended to) in place.
+        cache_seqlens: rows already cached per sequence: an int or int32 ``(B,)`` device array;
+            None: the whole cache.
+        block_table: int32 ``(B, max_blocks)`` page indices (a paged cache).
+        k_new, v_new: rows to write at ``cache_seqlens[b] + i`` before attending, shaped like q
+            with Hkv heads.
+        causal, window: bottom-right aligned causal mask and sliding window ``(left, right)``.
+        scale: default ``1/sqrt(D)``.
+        num_splits: override the split count (default: the catalog's rule, see the module docs).
+        max_seqlen_k: an upper bound of the keys any sequence sees, for the split count only
+            (default: ``cache_seqlens + Sn`` when an int, else the capacity).
+        out: preallocated output shaped like q.
+        check: read lengths and block table back and check them (default: ``AOTRITON_RT_DEBUG``).
+        library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
+
+    Returns:
+        ``(out, lse)``: out shaped like q; lse fp32 ``(B, Hq, Sq)`` (natural log; -inf for rows
+        that see no key, whose output is 0).
+
+    Raises:
+        ArgumentError: malformed shapes, dtypes, strides, lengths the cache cannot hold, a page
+            size that is not a multiple of 16; nothing has run.
+        UnsupportedError: a head dim that is not a compiled bucket, sizes past the grid.
+        KernelNotFound: the images lack the decode kernels for this dtype / head dim.
+    """
+    debug = _debug(check)
+    key = None if debug else _torch_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, causal,
+                                        window, scale, num_splits, max_seqlen_k, layout, cache_layout, library)
+    if key is not None:
+        launch = _LAUNCHES.get(key)
+        # A plan holds while its library's tuning rules do (a benchmark comparing configs swaps them).
+        if launch is not None and launch.ks.rules is launch.rules:
+            if launch.fast is not None:
+                return launch.run_fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
+            return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
+    p, infos = _plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
+                     v_new=v_new, causal=causal, window=window, scale=scale, max_seqlen_k=max_seqlen_k,
+                     layout=layout, cache_layout=cache_layout)
+    if num_splits is not None:
+        num_splits = _int(num_splits, "num_splits", 1, 1024)
+    if out is not None:
+        out_i = _describe(out, "out")
+        if tuple(out_i.shape) != tuple(infos["q"].shape) or out_i.dtype != p.dtype:
+            raise ArgumentError(f"out must have shape {tuple(infos['q'].shape)} and dtype {p.dtype}, got "
+                                f"{tuple(out_i.shape)} {out_i.dtype}")
+        infos["out"] = out_i
+    launch = _Launch(p, infos, _kernels_of(library), layout, num_splits, cache_seqlens)
+    xp = launch.xp
+    if debug:
+        seqlens = launch.seqlens(xp.convert(q, infos["q"]), cache_seqlens, infos)
+        table = xp.convert(block_table, infos["block_table"]) if p.paged else None
+        _check_contents(xp, p, seqlens, table)
+    if key is not None and not p.q_copy:
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = launch
+    return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos)
+
+
+
+# Launch plans of recent torch calls, by everything that decides them (shapes, strides, dtypes,
+# devices, alignment, options): a repeated decode step skips validation and planning.
+_LAUNCHES: dict[tuple, _Launch] = {}
+_MAX_LAUNCHES = 256
+
+
+def cached_launch(q: Any, k_cache: Any, v_cache: Any, *, causal: bool = False, window: Any = None,
+                  scale: Any = None, layout: str = "bshd", cache_layout: str = "bshd", library: Any = None) -> Any:
+    """The launch plan a :func:`decode_attention` call with these arguments (no lengths, table,
+    append or ``out``) made and cached, when it runs repeated calls with integer addresses; else None.
+
+    For the attention operator's plans, whose own key already pins everything this plan depends
+    on: they keep it and call ``run_fast(q, k, v, None, None, None, None, None)`` directly.
+    """
+    key = _torch_key(q, k_cache, v_cache, None, None, None, None, None, causal, window, scale, None, None, layout,
+                     cache_layout, library)
+    launch = _LAUNCHES.get(key) if key is not None else None
+    return launch if launch is not None and launch.fast is not None else None
+
+
+def _torch_key(q: Any, k: Any, v: Any, lens: Any, table: Any, kn: Any, vn: Any, out: Any, *options: Any
+               ) -> tuple | None:
+    """A key for the launch cache when every array is a torch tensor (else None: full checks)."""
+    if type(q).__name__ != "Tensor" or type(q).__module__ != "torch":
+        return None
+    parts: list = [id(options[-1]) if options[-1] is not None else 0, *options[:-1]]
+    for t in (q, k, v, lens, table, kn, vn, out):
+        if t is None or (isinstance(t, int) and not isinstance(t, bool)):
+            parts.append(t)
+        elif type(t) is type(q):
+            parts.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0))
+        else:
+            return None
+    try:
+        return tuple(parts) if hash(tuple(parts)) is not None else None
+    except TypeError:  # an unhashable option (a list window): no caching
+        return None
+
+
+
+def decode_kernels(q: Any, k_cache: Any, v_cache: Any, *, library: Any = None, **options: Any) -> dict[str, Any]:
+    """The kernel handles :func:`decode_attention` with these arguments launches (nothing runs);
+    for benchmarks that time the exact binaries or report their configs."""
+    p, _ = _plan(q, k_cache, v_cache, cache_seqlens=options.pop("cache_seqlens", None),
+                 block_table=options.pop("block_table", None), k_new=options.pop("k_new", None),
+                 v_new=options.pop("v_new", None), causal=options.pop("causal", False),
+                 window=options.pop("window", None), scale=options.pop("scale", None),
+                 max_seqlen_k=options.pop("max_seqlen_k", None), layout=options.pop("layout", "bshd"),
+                 cache_layout=options.pop("cache_layout", "bshd"))
+    if options:
+        raise ArgumentError(f"unknown option(s) {', '.join(sorted(options))}")
+    ks = _kernels_of(library)
+    spec = {"dtype": p.dtype, "HEAD_DIM": p.head_dim}
+    handles = {DECODE: ks.handle(DECODE, {**spec, "PAGED": int(p.paged)}, 0, p.device),
+               COMBINE: ks.handle(COMBINE, spec, 0, p.device)}
+    if p.seqlen_new:
+        handles[APPEND] = ks.handle(APPEND, {**spec, "PAGED": int(p.paged)}, 0, p.device)
+    return handles
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing from aotriton_rt.attention (issue #13): short query runs go to the decode kernels.
+# ---------------------------------------------------------------------------------------------
+
+def route_from_attention(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: Any, bias: Any,
+                         dropout_p: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, layout: Any, out: Any,
+                         lse: Any, return_mask: Any, library: Any) -> tuple[Any, Any] | None:
+    """``(out, lse)`` from the decode kernels when an ``attention()`` call can run there, else None.
+
+    :func:`route_options` decides; the attention operator's plans call it once per call
+    signature and then :func:`decode_attention` with its answer.
+    """
+    opts = route_options(q, k, v, causal=causal, window=window, align=align, bias=bias, dropout_p=dropout_p,
+                         scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, layout=layout, out=out,
+                         lse=lse, return_mask=return_mask, library=library)
+    if opts is None:
+        return None
+    try:
+        return decode_attention(q, k, v, **opts)
+    except (ArgumentError, UnsupportedError, KernelNotFound):
+        return None
+
+
+def route_options(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: Any, bias: Any,
+                  dropout_p: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, layout: Any, out: Any,
+                  lse: Any, return_mask: Any, library: Any) -> dict[str, Any] | None:
+    """The :func:`decode_attention` options of an ``attention()`` call that can run there, else None.
+
+    Taken: dense (no cu_seqlens) forward calls with 1..16 query rows, no bias, no dropout, no
+    preallocated ``out``/``lse``, equal q/k/v head dims that are a compiled bucket, K/V readable
+    in place, and a mask the decode kernels express: none, or causal/window aligned bottom-right
+    (or top-left with equal lengths, where the alignments coincide). The results equal the
+    prefill kernel's (same ``out`` layout, ``lse`` fp32 ``(B, Hq, Sq)``), so the backward is
+    unchanged. Anything else, any refusal, or images without the decode kernels: None, and
+    ``attention()`` runs as before (its own validation reports malformed calls).
+    """
+    if (bias is not None or dropout_p or cu_seqlens_q is not None or cu_seqlens_k is not None or out is not None
+            or lse is not None or return_mask or layout not in _LAYOUTS):
+        return None
+    try:
+        qi = interop.describe(q)
+        if len(qi.shape) != 4:
+            return None
+        seqlen_q = qi.shape[2] if layout == "bhsd" else qi.shape[1]
+        if not 1 <= seqlen_q <= MAX_SEQLEN_Q or qi.shape[3] not in HEAD_DIM_BUCKETS:
+            return None
+        ki = interop.describe(k)
+        if len(ki.shape) != 4:
+            return None
+        seqlen_k = ki.shape[2] if layout == "bhsd" else ki.shape[1]
+        if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2):
+            return None
+        wl, wr = (-1, -1) if window is None else (window[0], window[1])
+        if not all(isinstance(w, int) for w in (wl, wr)):
+            return None
+        masked = causal is True or wl >= 0 or wr >= 0
+        if masked and align != "bottom_right" and seqlen_q != seqlen_k:
+            return None
+        if interop.describe(v).shape[-1] != qi.shape[3]:
+            return None
+        spec = {"dtype": qi.dtype, "HEAD_DIM": qi.shape[3]}
+        try:
+            ks = _kernels_of(library)
+            if not all(ks.has(name, params) for name, params in ((DECODE, {**spec, "PAGED": 0}), (COMBINE, spec))):
+                return None
+        except AotritonError:
+            return None  # no images (yet): attention() validates the call first, then reports that
+        return {"causal": causal is True, "window": window, "scale": scale, "layout": layout,
+                "cache_layout": layout, "library": library}
+    except (ArgumentError, UnsupportedError, KernelNotFound):
+        return None

@@ -1,0 +1,340 @@
+"""Decode launches: kernel handles per library, allocation, and the per-signature launch plan."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ... import interop
+from ...errors import ArgumentError, KernelNotFound, UnsupportedError
+from .splits import _SM_COUNTS, num_splits_for, split_rule
+from .validate import APPEND, COMBINE, DECODE, DecodePlan, _aligned, _bshd, _describe, _effective
+
+
+class _Arrays:
+    """Allocation in the inputs' framework (torch; CuPy for CuPy inputs; torch, else CuPy, for
+    other DLPack / CAI inputs)."""
+
+    def __init__(self, framework: str) -> None:
+        order = [framework] if framework in ("torch", "cupy") else ["torch", "cupy"]
+        for name in order:
+            try:
+                if name == "torch":
+                    import torch
+
+                    self.mod, self.name = torch, "torch"
+                    self.dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+                                   "i32": torch.int32}
+                else:
+                    import cupy
+
+                    self.mod, self.name = cupy, "cupy"
+                    self.dtypes = {"fp16": "float16", "fp32": "float32", "i32": "int32"}
+                return
+            except ImportError:
+                continue
+        raise UnsupportedError(f"decode attention on {framework} arrays allocates its outputs with torch or CuPy, "
+                               f"and neither is installed")
+
+    def convert(self, obj: Any, info: interop.ArrayInfo) -> Any:
+        if self.name == "torch":
+            torch = self.mod
+            if isinstance(obj, torch.Tensor):
+                return obj.detach() if obj.requires_grad else obj
+            if hasattr(obj, "__dlpack__"):
+                return torch.from_dlpack(obj)
+            return torch.as_tensor(obj, device=torch.device("cuda", max(info.device, 0)))
+        cupy = self.mod
+        if isinstance(obj, cupy.ndarray):
+            return obj
+        with cupy.cuda.Device(max(info.device, 0)):
+            return cupy.from_dlpack(obj) if hasattr(obj, "__dlpack__") else cupy.asarray(obj)
+
+    def _dtype(self, dtype: str) -> Any:
+        if dtype not in self.dtypes:
+            raise UnsupportedError(f"CuPy has no {dtype} dtype; pass torch tensors for {dtype} decode attention")
+        return self.dtypes[dtype]
+
+    def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
+        if self.name == "torch":
+            return self.mod.empty(shape, dtype=self._dtype(dtype), device=like.device)
+        with like.device:
+            return self.mod.empty(shape, dtype=self._dtype(dtype))
+
+    def full(self, shape: tuple[int, ...], value: float, dtype: str, like: Any) -> Any:
+        if self.name == "torch":
+            return self.mod.full(shape, value, dtype=self._dtype(dtype), device=like.device)
+        with like.device:
+            return self.mod.full(shape, value, dtype=self._dtype(dtype))
+
+    def host(self, x: Any) -> list:
+        return x.tolist() if self.name == "torch" else self.mod.asnumpy(x).tolist()
+
+    def sm_count_of(self, device: int) -> int | None:
+        """Multiprocessors (CUs) of ``device``, or None when the framework cannot tell."""
+        try:
+            if self.name == "torch":
+                return int(self.mod.cuda.get_device_properties(max(device, 0)).multi_processor_count)
+            return int(self.mod.cuda.Device(max(device, 0)).attributes["MultiProcessorCount"])
+        except Exception:  # noqa: BLE001 - a framework without the property: the arch's table
+            return None
+
+
+_ARRAYS: dict[str, _Arrays] = {}
+
+
+def _arrays(framework: str) -> _Arrays:
+    xp = _ARRAYS.get(framework)
+    if xp is None:
+        xp = _ARRAYS[framework] = _Arrays(framework)
+    return xp
+
+
+
+class _Kernels:
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+        self.lock = threading.Lock()
+        self.handles: dict[tuple, Any] = {}
+        self.arch: dict[int, str] = {}
+        self.sms: dict[int, int] = {}
+        self.available: dict[tuple, bool] = {}
+        self.rules = None
+        for cat in getattr(lib, "catalogs", ()):
+            if (cat.tuning or {}).get(DECODE) is not None:
+                self.rules = cat.tuning[DECODE]
+                break
+
+    def has(self, name: str, params: Mapping[str, Any]) -> bool:
+        """Whether the images hold ``name`` with ``params`` (cached)."""
+        key = (name, tuple(sorted(params.items())))
+        hit = self.available.get(key)
+        if hit is None:
+            from ...select import match
+
+            hit = self.available[key] = bool(match(getattr(self.lib, "variants", ()), name, dict(params)).accepted)
+        return hit
+
+    def device_arch(self, device: int) -> str:
+        arch = self.arch.get(device)
+        if arch is None:
+            from ..attention.dispatch import target_arch
+
+            arch = self.arch[device] = target_arch(self.lib, device)
+        return arch
+
+    def handle(self, name: str, spec: Mapping[str, Any], config: int, device: int) -> Any:
+        key = (name, tuple(sorted(spec.items())), config, device)
+        hit = self.handles.get(key)
+        if hit is not None:
+            return hit
+        params = dict(spec)
+        if config:
+            arch = self.device_arch(device)
+            for v in self.lib.variants:
+                if v.kernel == name and v.config.index == config and v.target.arch == arch and \
+                        all(v.spec.get(k) == val for k, val in spec.items()):
+                    params.update({**v.config.constexprs, "num_warps": v.config.num_warps,
+                                   "num_stages": v.config.num_stages})
+                    break
+        try:
+            hit = self.lib.kernel(name, **params)
+        except KernelNotFound as e:
+            shown = ", ".join(f"{k}={v}" for k, v in spec.items())
+            raise KernelNotFound(f"decode attention needs {name} with {shown}, which these images lack; build it "
+                                 f"(`python -m builder build --set full --kernels {name}`). {e}") from None
+        with self.lock:
+            self.handles[key] = hit
+        return hit
+
+
+_KERNELS: dict[int, _Kernels] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def _kernels_of(library: Any) -> _Kernels:
+    if library is None:
+        from ...library import default_library
+
+        library = default_library()
+    ks = _KERNELS.get(id(library))
+    if ks is None or ks.lib is not library:
+        with _KERNELS_LOCK:
+            ks = _KERNELS[id(library)] = _Kernels(library)
+    return ks
+
+
+def _block_n(handle: Any, device: int) -> int:
+    try:
+        return int(handle.variant(max(device, 0)).config.constexprs.get("BLOCK_N", 64))
+    except Exception:  # noqa: BLE001 - handles without variants (tests): the usual tile
+        return 64
+
+
+def _block_m(handle: Any, device: int) -> int:
+    try:
+        return int(handle.variant(max(device, 0)).config.constexprs.get("BLOCK_M", 16))
+    except Exception:  # noqa: BLE001
+        return 16
+
+
+
+#: The array arguments of the decode kernels, in the order run_fast gathers their addresses.
+_POINTERS = ("Q", "K", "V", "Out", "LSE", "BlockTable", "CacheSeqlens", "KNew", "VNew", "PartO", "PartL")
+
+
+class _Launch:
+    """Everything one call shape launches: handles, split count, scalar arguments."""
+
+    def __init__(self, p: DecodePlan, infos: dict, ks: _Kernels, layout: str, num_splits: int | None,
+                 cache_seqlens: Any) -> None:
+        self.p, self.layout, self.ks, self.rules = p, layout, ks, ks.rules
+        self.xp = xp = _arrays(infos["q"].framework)
+        spec = {"dtype": p.dtype, "HEAD_DIM": p.head_dim}
+        arch = ks.device_arch(p.device)
+        rule, config = split_rule(ks.rules, arch, batch_heads=p.batch * p.heads_k, paged=p.paged)
+        self.decode = ks.handle(DECODE, {**spec, "PAGED": int(p.paged)}, config, p.device)
+        self.append = ks.handle(APPEND, {**spec, "PAGED": int(p.paged)}, 0, p.device) if p.seqlen_new else None
+        row_blocks = -(-p.group_rows // _block_m(self.decode, p.device))
+        if num_splits is None:
+            sm = ks.sms.get(p.device)
+            if sm is None:
+                sm = ks.sms[p.device] = xp.sm_count_of(p.device) or _SM_COUNTS.get(arch, 100)
+            num_splits = num_splits_for(p.batch, p.heads_k, row_blocks, p.seqlen_k_hint,
+                                        _block_n(self.decode, p.device), sm, rule)
+        self.num_splits = num_splits
+        self.combine = ks.handle(COMBINE, spec, 0, p.device) if num_splits > 1 else None
+        q_shape = tuple(infos["q"].shape)
+        self.q_shape = q_shape
+        self.lse_shape = (p.batch, p.heads_q, p.seqlen_q)
+        self.part_rows = p.batch * p.heads_k * num_splits * p.group_rows
+        oi = infos.get("out")
+        o_strides = _bshd(oi, layout)[1] if oi is not None else _bshd_contiguous(q_shape, layout)
+        o_strides = _effective((p.batch, p.heads_q, p.seqlen_q), o_strides)
+        if oi is not None and not _aligned(oi, o_strides):
+            raise ArgumentError(f"out must have a contiguous head dim, a 16-byte aligned address and strides that "
+                                f"are multiples of 16 elements, got strides {tuple(oi.strides)}")
+        self.lens_mode = "full" if cache_seqlens is None else "int" if isinstance(cache_seqlens, int) else "array"
+        self.base = {"stride_btz": p.bt_stride, "batch": p.batch, "num_heads_q": p.heads_q,
+                     "num_heads_k": p.heads_k, "seqlen_q": p.seqlen_q, "seqlen_new": p.seqlen_new,
+                     "capacity": p.capacity, "num_pages": p.num_pages, "page_size": p.page_size, "sm_scale": p.scale,
+                     "window_left": p.window_left, "window_right": p.window_right, "num_splits": num_splits,
+                     **_named("q", "m", p.q_strides), **_named("k", "n", p.k_strides),
+                     **_named("v", "n", p.v_strides), **_named("o", "m", o_strides),
+                     **_named("kn", "m", p.kn_strides), **_named("vn", "m", p.vn_strides),
+                     "stride_lz": p.heads_q * p.seqlen_q, "stride_lh": p.seqlen_q}
+        self.fast = self._prepare() if xp.name == "torch" and p.device >= 0 and not p.q_copy else None
+        self.lens = None  # the constant lengths array of "full"/"int" calls, made on the first fast call
+
+    def _prepare(self) -> list | None:
+        """Integer-address launches for torch tensors (as the attention plans do): per kernel,
+        ``(launch, template, pointer slots)``, the scalars checked and the grid computed once.
+        None when a handle cannot take them (the per-call handle path then serves)."""
+        import sys
+
+        torch = sys.modules["torch"]
+        backend = "hip" if getattr(torch.version, "hip", None) else "cuda"
+        values = {**self.base, **dict.fromkeys(_POINTERS, 0)}
+        prepared = []
+        for handle in (self.append, self.decode, self.combine):
+            if handle is None:
+                continue
+            if not callable(getattr(handle, "prepare", None)) or \
+                    getattr(getattr(handle, "library", None), "backend_now", None) != backend:
+                return None
+            template = [values[n] for n in handle.arg_names]
+            launch = handle.prepare(self.p.device, template)
+            if launch is None:
+                return None
+            slots = tuple((i, _POINTERS.index(n)) for i, n in enumerate(handle.arg_names) if n in _POINTERS)
+            prepared.append((launch, template, slots))
+        self.torch = torch
+        self.stream = interop.stream_getter("torch")
+        self.tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[self.p.dtype]
+        return prepared
+
+    def run_fast(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
+                 out: Any) -> tuple[Any, Any]:
+        """A repeated torch call: allocate, fill the address slots, launch (no per-call checks)."""
+        torch, p, dev = self.torch, self.p, q.device
+        o = out if out is not None else torch.empty(self.q_shape, dtype=self.tdtype, device=dev)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
+        if p.batch == 0 or p.heads_q == 0:
+            return o, lse
+        if self.lens_mode == "array":
+            lens = cache_seqlens
+        else:
+            lens = self.lens
+            if lens is None:
+                lens = self.seqlens(q, cache_seqlens)
+                # Kept only when made outside a CUDA graph capture (a captured fill never ran).
+                if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    self.lens = lens
+        if self.combine is not None:  # one allocation: the partial outputs, then their logsumexps
+            part_o = torch.empty((self.part_rows * (p.head_dim + 1),), dtype=torch.float32, device=dev).data_ptr()
+            part_l = part_o + self.part_rows * p.head_dim * 4
+        else:
+            part_o = part_l = 0
+        # In _POINTERS order.
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                     block_table.data_ptr() if block_table is not None else 0, lens.data_ptr(),
+                     k_new.data_ptr() if k_new is not None else 0, v_new.data_ptr() if v_new is not None else 0,
+                     part_o, part_l)
+        stream = self.stream(p.device)
+        for launch, template, slots in self.fast:
+            args = list(template)
+            for i, j in slots:
+                args[i] = addresses[j]
+            launch(stream, tuple(args))
+        return o, lse
+
+    def seqlens(self, like: Any, cache_seqlens: Any, infos: dict | None = None) -> Any:
+        if self.lens_mode == "full":
+            return self.xp.full((self.p.batch,), self.p.capacity, "i32", like)
+        if self.lens_mode == "int":
+            return self.xp.full((self.p.batch,), cache_seqlens, "i32", like)
+        return cache_seqlens if infos is None else self.xp.convert(cache_seqlens, infos["cache_seqlens"])
+
+    def run(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any,
+            infos: dict | None = None) -> tuple[Any, Any]:
+        xp, p = self.xp, self.p
+        if infos is not None:  # first call: any framework, converted once
+            q, k, v = (xp.convert(a, infos[n]) for a, n in ((q, "q"), (k, "k_cache"), (v, "v_cache")))
+            if p.q_copy:
+                q = q.contiguous() if xp.name == "torch" else xp.mod.ascontiguousarray(q)
+                p.q_strides = _effective((p.batch, p.heads_q, p.seqlen_q), _bshd(_describe(q, "q"), self.layout)[1])
+                self.base.update(_named("q", "m", p.q_strides))
+            block_table = xp.convert(block_table, infos["block_table"]) if p.paged else None
+            if k_new is not None:
+                k_new, v_new = xp.convert(k_new, infos["k_new"]), xp.convert(v_new, infos["v_new"])
+            if out is not None:
+                out = xp.convert(out, infos["out"])
+        o = out if out is not None else xp.empty(self.q_shape, p.dtype, q)
+        lse = xp.empty(self.lse_shape, "fp32", q)
+        if p.batch == 0 or p.heads_q == 0:
+            return o, lse
+        values = {**self.base, "Q": q, "K": k, "V": v, "Out": o, "LSE": lse, "BlockTable": block_table,
+                  "CacheSeqlens": self.seqlens(q, cache_seqlens, infos), "KNew": k_new, "VNew": v_new,
+                  "PartO": None, "PartL": None}
+        if self.append is not None:
+            self.append(*[values[n] for n in self.append.arg_names])
+        if self.combine is not None:
+            values["PartO"] = xp.empty((self.part_rows, p.head_dim), "fp32", q)
+            values["PartL"] = xp.empty((self.part_rows,), "fp32", q)
+        self.decode(*[values[n] for n in self.decode.arg_names])
+        if self.combine is not None:
+            self.combine(*[values[n] for n in self.combine.arg_names])
+        return o, lse
+
+
+def _bshd_contiguous(shape: tuple, layout: str) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a contiguous array of ``shape`` in ``layout``."""
+    b, x, y, d = shape
+    return (x * y * d, d, y * d) if layout == "bshd" else (x * y * d, y * d, d)
+
+
+def _named(prefix: str, row: str, strides: Sequence[int]) -> dict[str, int]:
+    return {f"stride_{prefix}z": strides[0], f"stride_{prefix}h": strides[1], f"stride_{prefix}{row}": strides[2]}
+
+

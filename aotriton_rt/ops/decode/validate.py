@@ -1,0 +1,281 @@
+"""Decode call validation: shapes, strides, dtypes, lengths and pages, refused before any launch."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ... import interop
+from ...errors import ArgumentError, UnsupportedError
+
+DECODE = "attn_decode"
+COMBINE = "attn_decode_combine"
+APPEND = "attn_decode_append"
+# Mirrors builder/kernels/decode.py (the runtime never imports the builder; a test keeps them equal).
+HEAD_DIM_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
+MAX_SEQLEN_Q = 16
+DTYPES = ("fp16", "bf16", "fp32")
+_ALIGN = 16
+_GRID = 65535
+_MAX_CAPACITY = 2**28  # lengths + windows stay far inside int32 in the kernels
+_LAYOUTS = ("bshd", "bhsd")
+
+
+def _describe(obj: Any, name: str) -> interop.ArrayInfo:
+    try:
+        return interop.describe(obj)
+    except ArgumentError as e:
+        raise ArgumentError(f"{name}: {e}") from None
+    except UnsupportedError as e:
+        raise UnsupportedError(f"{name}: {e}") from None
+
+
+
+@dataclass
+class DecodePlan:
+    """A validated decode call: sizes, strides (elements) and which kernels it needs."""
+
+    dtype: str
+    head_dim: int
+    batch: int
+    heads_q: int
+    heads_k: int
+    seqlen_q: int
+    seqlen_new: int
+    capacity: int
+    paged: bool
+    page_size: int
+    num_pages: int
+    seqlen_k_hint: int
+    q_strides: tuple[int, int, int]
+    k_strides: tuple[int, int, int]
+    v_strides: tuple[int, int, int]
+    kn_strides: tuple[int, int, int]
+    vn_strides: tuple[int, int, int]
+    bt_stride: int
+    window_left: int
+    window_right: int
+    scale: float
+    device: int
+    q_copy: bool
+
+    @property
+    def group_rows(self) -> int:
+        return self.heads_q // self.heads_k * self.seqlen_q
+
+
+def _int(value: Any, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ArgumentError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _bshd(info: interop.ArrayInfo, layout: str) -> tuple[tuple[int, int, int, int], tuple[int, int, int]]:
+    """((batch, rows, heads, dim), (batch, head, row) strides) of a 4-D array in ``layout``."""
+    s = info.strides
+    if layout == "bshd":
+        b, n, h, d = info.shape
+        return (b, n, h, d), (s[0], s[2], s[1])
+    b, h, n, d = info.shape
+    return (b, n, h, d), (s[0], s[1], s[2])
+
+
+def _aligned(info: interop.ArrayInfo, strides: Sequence[int]) -> bool:
+    dim_ok = info.strides[-1] == 1 or info.shape[-1] <= 1
+    return dim_ok and info.ptr % 16 == 0 and all(s >= 0 and s % _ALIGN == 0 for s in strides)
+
+
+def _effective(extents: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
+    # An axis of extent 1 is never stepped over: 0 meets any divisibility.
+    return tuple(0 if e <= 1 else s for e, s in zip(extents, strides))
+
+
+def _check_dtype(info: interop.ArrayInfo, name: str, dtype: str) -> None:
+    if info.dtype != dtype:
+        raise ArgumentError(f"{name} has dtype {info.dtype} but q has {dtype}; q, the caches and k_new/v_new "
+                            f"share one dtype")
+
+
+def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
+          causal: bool, window: Any, scale: Any, max_seqlen_k: Any, layout: str, cache_layout: str
+          ) -> tuple[DecodePlan, dict[str, Any]]:
+    if layout not in _LAYOUTS:
+        raise ArgumentError(f"layout must be 'bshd' (batch, seqlen, heads, head_dim) or 'bhsd', got {layout!r}")
+    if cache_layout not in _LAYOUTS:
+        raise ArgumentError(f"cache_layout must be 'bshd' or 'bhsd', got {cache_layout!r}")
+    qi, ki, vi = _describe(q, "q"), _describe(k_cache, "k_cache"), _describe(v_cache, "v_cache")
+    if qi.dtype not in DTYPES:
+        raise UnsupportedError(f"q has dtype {qi.dtype}; decode attention supports {', '.join(DTYPES)}")
+    infos: dict[str, Any] = {"q": qi, "k_cache": ki, "v_cache": vi}
+    for name in ("k_cache", "v_cache"):
+        _check_dtype(infos[name], name, qi.dtype)
+    for name, info in infos.items():
+        if len(info.shape) != 4:
+            raise ArgumentError(f"{name} must be 4-D, got shape {tuple(info.shape)}")
+    if tuple(ki.shape) != tuple(vi.shape):
+        raise ArgumentError(f"v_cache has shape {tuple(vi.shape)} but k_cache has {tuple(ki.shape)}; they hold the "
+                            f"same rows")
+    (batch, seqlen_q, heads_q, d), q_strides = _bshd(qi, layout)
+    if not 1 <= seqlen_q <= MAX_SEQLEN_Q:
+        raise ArgumentError(f"q has {seqlen_q} query rows per sequence; decode attention takes 1..{MAX_SEQLEN_Q} "
+                            f"(use aotriton_rt.attention for prefill)")
+    paged = block_table is not None
+    if paged:
+        num_pages, page_size, heads_k, dk = ki.shape
+        k_strides = (ki.strides[0], ki.strides[2], ki.strides[1])
+        v_strides = (vi.strides[0], vi.strides[2], vi.strides[1])
+        bti = _describe(block_table, "block_table")
+        infos["block_table"] = bti
+        if bti.dtype != "i32":
+            raise ArgumentError(f"block_table must be int32, got {bti.dtype}")
+        if len(bti.shape) != 2 or bti.shape[0] != batch:
+            raise ArgumentError(f"block_table must be (batch, max_blocks) = ({batch}, ...), got shape "
+                                f"{tuple(bti.shape)}")
+        if bti.shape[1] > 1 and bti.strides[1] != 1:
+            raise ArgumentError(f"block_table rows must be contiguous, got strides {tuple(bti.strides)}")
+        if page_size < 16 or page_size % 16:
+            raise ArgumentError(f"page size {page_size} (k_cache.shape[1]) is not a multiple of 16; paged caches "
+                                f"need pages of 16, 32, 48, ... rows")
+        if num_pages < 1:
+            raise ArgumentError("a paged cache needs at least one page")
+        capacity = bti.shape[1] * page_size
+        bt_stride = bti.strides[0] if batch > 1 else 0
+    else:
+        (kb, capacity, heads_k, dk), k_strides = _bshd(ki, cache_layout)
+        _, v_strides = _bshd(vi, cache_layout)
+        if kb != batch:
+            raise ArgumentError(f"k_cache has batch {kb} but q has batch {batch} (a paged cache needs block_table)")
+        num_pages, page_size, bt_stride = 1, 16, 0
+        k_strides = _effective((batch, heads_k, capacity), k_strides)
+        v_strides = _effective((batch, heads_k, capacity), v_strides)
+    if dk != d:
+        raise ArgumentError(f"k_cache has head dim {dk} but q has {d}")
+    if d not in HEAD_DIM_BUCKETS:
+        raise UnsupportedError(f"head dim {d}: the cache is read in place, so its head dim must be one of "
+                               f"{', '.join(map(str, HEAD_DIM_BUCKETS))}; allocate the cache padded to the next one")
+    if heads_k < 1 or heads_q % heads_k:
+        raise ArgumentError(f"q has {heads_q} heads, not a multiple of the cache's {heads_k} KV heads")
+    if batch * heads_k > _GRID:
+        raise UnsupportedError(f"batch * kv heads = {batch * heads_k} exceeds {_GRID}, the kernels' grid limit")
+    if capacity > _MAX_CAPACITY:
+        raise UnsupportedError(f"a cache of {capacity} rows per sequence exceeds {_MAX_CAPACITY}")
+    for name, info, strides in (("k_cache", ki, k_strides), ("v_cache", vi, v_strides)):
+        if not _aligned(info, strides):
+            raise ArgumentError(f"{name} must have a contiguous head dim, a 16-byte aligned address and strides "
+                                f"that are multiples of 16 elements (it is read and written in place), got "
+                                f"strides {tuple(info.strides)}")
+    q_strides = _effective((batch, heads_q, seqlen_q), q_strides)
+    q_copy = not _aligned(qi, q_strides)
+
+    seqlen_new = 0
+    kn_strides = vn_strides = (0, 0, 0)
+    if (k_new is None) != (v_new is None):
+        raise ArgumentError("k_new and v_new come together (the rows to append to both caches)")
+    if k_new is not None:
+        kni, vni = _describe(k_new, "k_new"), _describe(v_new, "v_new")
+        infos.update(k_new=kni, v_new=vni)
+        for name, info in (("k_new", kni), ("v_new", vni)):
+            _check_dtype(info, name, qi.dtype)
+            if len(info.shape) != 4:
+                raise ArgumentError(f"{name} must be 4-D, got shape {tuple(info.shape)}")
+        if tuple(kni.shape) != tuple(vni.shape):
+            raise ArgumentError(f"v_new has shape {tuple(vni.shape)} but k_new has {tuple(kni.shape)}")
+        (nb, seqlen_new, nh, nd), kn_strides = _bshd(kni, layout)
+        _, vn_strides = _bshd(vni, layout)
+        if (nb, nh, nd) != (batch, heads_k, d):
+            raise ArgumentError(f"k_new must hold (batch, rows, kv heads, head dim) = ({batch}, n, {heads_k}, {d}) "
+                                f"in layout {layout!r}, got shape {tuple(kni.shape)}")
+        if seqlen_new < 1:
+            raise ArgumentError("k_new has no rows; pass k_new=None to append nothing")
+        if cache_seqlens is None:
+            raise ArgumentError("appending k_new needs cache_seqlens (where each sequence's new rows go)")
+        kn_strides = _effective((batch, heads_k, seqlen_new), kn_strides)
+        vn_strides = _effective((batch, heads_k, seqlen_new), vn_strides)
+        for name, info, strides in (("k_new", kni, kn_strides), ("v_new", vni, vn_strides)):
+            if not _aligned(info, strides):
+                raise ArgumentError(f"{name} must have a contiguous head dim, a 16-byte aligned address and strides "
+                                    f"that are multiples of 16 elements, got strides {tuple(info.strides)}")
+    if seqlen_new > capacity:
+        raise ArgumentError(f"appending {seqlen_new} rows exceeds the cache's capacity of {capacity} rows per "
+                            f"sequence")
+
+    hint = capacity
+    if cache_seqlens is not None and not isinstance(cache_seqlens, int) or isinstance(cache_seqlens, bool):
+        ci = _describe(cache_seqlens, "cache_seqlens")
+        infos["cache_seqlens"] = ci
+        if ci.dtype != "i32" or tuple(ci.shape) != (batch,) or (batch > 1 and ci.strides[0] != 1):
+            raise ArgumentError(f"cache_seqlens must be a contiguous int32 array of shape ({batch},), got "
+                                f"{ci.dtype} {tuple(ci.shape)}")
+    elif cache_seqlens is not None:
+        if not 0 <= cache_seqlens <= capacity - seqlen_new:
+            what = "the block table can address" if paged else "the cache holds"
+            raise ArgumentError(f"cache_seqlens={cache_seqlens} plus {seqlen_new} new rows exceeds the {capacity} rows "
+                                f"{what} per sequence" if cache_seqlens >= 0
+                                else f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        hint = cache_seqlens + seqlen_new
+    if max_seqlen_k is not None:
+        hint = _int(max_seqlen_k, "max_seqlen_k", 0, capacity)
+
+    if not isinstance(causal, bool):
+        raise ArgumentError(f"causal must be True or False, got {causal!r}")
+    left, right = -1, -1
+    if window is not None:
+        ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
+            isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)
+        if not ok:
+            raise ArgumentError(f"window must be (left, right), two integers >= -1 (-1: unbounded), got {window!r}")
+        left, right = window
+    if causal:
+        if right not in (-1, 0):
+            raise ArgumentError(f"causal=True hides every key right of the diagonal, but window={tuple(window)} asks "
+                                f"for {right} keys there; pass window=({left}, 0) or causal=False")
+        right = 0
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ArgumentError(f"scale must be a finite number, got {scale!r}")
+    device = -1
+    for name, info in infos.items():
+        if info.device < 0:
+            continue
+        if device < 0:
+            device = info.device
+        elif info.device != device:
+            raise ArgumentError(f"{name} is on device {info.device} but q is on device {device}; every array must "
+                                f"be on one GPU")
+    plan = DecodePlan(qi.dtype, d, batch, heads_q, heads_k, seqlen_q, seqlen_new, capacity, paged, page_size,
+                      num_pages, hint, q_strides, k_strides, v_strides, kn_strides, vn_strides, bt_stride, left, right,
+                      float(scale), device, q_copy)
+    return plan, infos
+
+
+
+def _debug(check: Any) -> bool:
+    if check is None:
+        return os.environ.get("AOTRITON_RT_DEBUG", "") not in ("", "0")
+    if not isinstance(check, bool):
+        raise ArgumentError(f"check must be True, False or None, got {check!r}")
+    return check
+
+
+def _check_contents(xp: Any, p: DecodePlan, seqlens: Any, table: Any) -> None:
+    """Debug mode: every length within capacity and every referenced page in [0, num_pages)."""
+    lens = xp.host(seqlens)
+    rows = xp.host(table) if table is not None else None
+    for b, n in enumerate(lens):
+        total = n + p.seqlen_new
+        if n < 0 or total > p.capacity:
+            raise ArgumentError(f"cache_seqlens[{b}] = {n} plus {p.seqlen_new} new rows is outside the {p.capacity} "
+                                f"rows the {'block table can address' if p.paged else 'cache holds'}")
+        if rows is not None:
+            for j, page in enumerate(rows[b][:-(-total // p.page_size)]):
+                if not 0 <= page < p.num_pages:
+                    raise ArgumentError(f"block_table[{b}, {j}] = {page} is not a page of the cache "
+                                        f"(0..{p.num_pages - 1}); sequence {b} has {total} rows")
+
+
