@@ -303,9 +303,10 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
         if status == "ok":
             variant, packed, ptx, cost = payload
             if record is not None:
-                record.write(json.dumps({"key": job.key, "kernel": job.kernel, "arch": job.target.arch, "spec": job.spec,
-                                         "config": job.config_index, **cost, "xz_bytes": len(packed),
-                                         "raw_bytes": variant["image"]["raw_size"]}, sort_keys=True) + "\n")
+                record.write(json.dumps({"key": job.key, "kernel": job.kernel, "arch": job.target.arch,
+                                         "spec": job.spec, "config": job.config_index, **cost,
+                                         "xz_bytes": len(packed), "raw_bytes": variant["image"]["raw_size"]},
+                                        sort_keys=True) + "\n")
                 record.flush()
             rel = image_path(variant)
             variant["image"]["path"] = rel

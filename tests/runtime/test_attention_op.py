@@ -530,8 +530,9 @@ def test_head_dims_whose_bucket_the_images_lack_run_zero_padded_on_the_next_buck
     assert forward_params(AttentionCall("fp16", 160, 160), held)["HEAD_DIM"] == 256
     assert forward_params(AttentionCall("fp16", 192, 128), held)["HEAD_DIM_V"] == 256
     # Images holding none of them: the call's own bucket, so that KernelNotFound names what is missing.
-    assert forward_params(AttentionCall("fp16", 80, 80), lambda name, params: False)["HEAD_DIM"] == 80
-    assert backward_params(AttentionCall("fp16", 80, 80), lambda name, params: False)[1]["attn_bwd_dq"]["HEAD_DIM"] == 80
+    none = lambda name, params: False
+    assert forward_params(AttentionCall("fp16", 80, 80), none)["HEAD_DIM"] == 80
+    assert backward_params(AttentionCall("fp16", 80, 80), none)[1]["attn_bwd_dq"]["HEAD_DIM"] == 80
 
 
 def test_backward_prefers_split_and_takes_atomic_dq_only_when_asked_or_alone() -> None:

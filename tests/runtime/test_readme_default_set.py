@@ -256,13 +256,15 @@ def test_every_example_decode_call_runs_on_the_default_set_of_every_default_targ
         except KernelNotFound as e:
             missing.append(f"{arch}: {e}")
         else:
-            assert set(kernels) == {"attn_decode", "attn_decode_combine"} | ({"attn_decode_append"} if append else set())
+            wanted = {"attn_decode", "attn_decode_combine"} | ({"attn_decode_append"} if append else set())
+            assert set(kernels) == wanted
     assert not missing, f"{path} needs decode kernels the default set lacks:\n" + "\n".join(missing)
 
 
 def test_the_decode_check_catches_a_head_dim_the_default_set_lacks(default_set) -> None:
     from aotriton_rt.ops import decode
 
-    with pytest.raises(KernelNotFound, match=r"attn_decode with dtype=fp16, HEAD_DIM=80, PAGED=0, which these images lack.*'dtype': 'bf16'"):
-        decode.decode_kernels(Dev(2, 1, 8, 80), Dev(2, 64, 2, 80), Dev(2, 64, 2, 80), cache_seqlens=Dev(2, dtype="i32"),
-                              library=_AsDtype(default_set["sm90"], "bf16"))
+    lacks = r"attn_decode with dtype=fp16, HEAD_DIM=80, PAGED=0, which these images lack.*'dtype': 'bf16'"
+    with pytest.raises(KernelNotFound, match=lacks):
+        decode.decode_kernels(Dev(2, 1, 8, 80), Dev(2, 64, 2, 80), Dev(2, 64, 2, 80),
+                              cache_seqlens=Dev(2, dtype="i32"), library=_AsDtype(default_set["sm90"], "bf16"))
