@@ -4,14 +4,16 @@
     python bench/build_cost.py estimate --set default --timings T.jsonl [--workers 2]
 
 ``sample`` compiles a random sample of the set (``--per-cell`` variants of every kernel x target
-x head dim, seeded; variants already in ``--timings`` are skipped) with one worker and appends a
+x head dim, or with ``--by class`` of every kernel x target x (causal, dropout), seeded; cells
+already timed in ``--timings`` as often are skipped) with one worker and appends a
 record per variant to ``--timings`` (``python -m builder build --timings`` writes the same
 records): CPU seconds of the worker and of its compiler subprocesses (ptxas, ld.lld), which a
 machine shared with other work inflates far less than wall time.
 
 ``estimate`` prices every variant of a set at the mean CPU seconds of the most specific group of
-timed variants that has data (kernel, target, head dim, causal, dropout, config; then kernel,
-target, head dim; then kernel, backend, head dim; then kernel, head dim; then kernel), prints
+timed variants that has data (kernel, target, head dim, mask and config; then kernel, target,
+head dim, whether causal, whether dropout; then without the head dim; then the same for the
+target's family, CUDA, CDNA or RDNA; then kernel and target; then kernel), prints
 the total per kernel and per target, and the wall time it predicts for ``--workers`` workers on
 an otherwise idle machine with that many cores: CPU seconds / workers, plus each worker's
 start (importing Triton and the kernels, from the records of workers' first jobs).
@@ -48,12 +50,27 @@ def _head_dim(spec: dict) -> object:
     return spec.get("HEAD_DIM", "-")
 
 
+def _family(arch: str) -> str:
+    return "cuda" if arch.startswith("sm") else "cdna" if arch.startswith("gfx9") else "rdna"
+
+
+def _mask_class(spec: dict) -> tuple[bool, bool]:
+    """(causal or windowed, dropout): what multiplies an attention kernel's code (and compile) size."""
+    return bool(spec.get("CAUSAL")), bool(spec.get("DROPOUT"))
+
+
+def _cell(kernel: str, arch: str, spec: dict, by: str) -> tuple:
+    if by == "class":
+        return (kernel, arch, *_mask_class(spec))
+    return (kernel, arch, _head_dim(spec))
+
+
 def _groups(kernel: str, arch: str, spec: dict, config: int) -> list[tuple]:
     """The groups a variant belongs to, most specific first."""
-    backend = "cuda" if arch.startswith("sm") else "hip"
-    hd = _head_dim(spec)
-    return [(kernel, arch, hd, spec.get("CAUSAL"), spec.get("DROPOUT"), config), (kernel, arch, hd),
-            (kernel, backend, hd), (kernel, hd), (kernel,)]
+    hd, cls = _head_dim(spec), _mask_class(spec)
+    return [(kernel, arch, hd, spec.get("CAUSAL"), spec.get("DROPOUT"), config), (kernel, arch, hd, *cls),
+            (kernel, arch, *cls), (kernel, _family(arch), hd, *cls), (kernel, _family(arch), *cls),
+            (kernel, arch), (kernel,)]
 
 
 def _records(path: Path) -> list[dict]:
@@ -67,15 +84,19 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from builder.build import build, check_triton_version
 
     timings = Path(args.timings)
-    done = {r["key"] for r in _records(timings)}
+    records = _records(timings)
+    done = {r["key"] for r in records}
+    have: dict[tuple, int] = defaultdict(int)
+    for r in records:
+        have[_cell(r["kernel"], r["arch"], r["spec"], args.by)] += 1
     cells: dict[tuple, list] = defaultdict(list)
     for job in _jobs(args.set, args.targets, args.kernels):
-        cells[(job.kernel, job.target.arch, _head_dim(job.spec))].append(job)
+        cells[_cell(job.kernel, job.target.arch, job.spec, args.by)].append(job)
     rng = random.Random(args.seed)
     chosen = []
     for cell in sorted(cells, key=str):
-        jobs = sorted(cells[cell], key=lambda j: j.key)
-        chosen += [j for j in rng.sample(jobs, min(args.per_cell, len(jobs))) if j.key not in done]
+        jobs = sorted((j for j in cells[cell] if j.key not in done), key=lambda j: j.key)
+        chosen += rng.sample(jobs, max(0, min(args.per_cell - have[cell], len(jobs))))
     print(f"sampling {len(chosen)} variants of {sum(map(len, cells.values()))} in {len(cells)} cells", file=sys.stderr)
     if not chosen:
         return 0
@@ -112,7 +133,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     means, start = _price(records)
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     per_arch: dict[str, float] = defaultdict(float)
-    levels = [0] * 5
+    levels = [0] * 7
     unpriced = []
     for job in _jobs(args.set, args.targets, args.kernels):
         groups = _groups(job.kernel, job.target.arch, job.spec, job.config_index)
@@ -151,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--timings", required=True, help="JSON lines, one per compiled variant")
         sp.set_defaults(func=fn)
         if name == "sample":
-            sp.add_argument("--per-cell", type=int, default=1)
+            sp.add_argument("--per-cell", type=int, default=1, help="timed variants wanted per cell")
+            sp.add_argument("--by", choices=("hd", "class"), default="hd",
+                            help="cells: kernel x target x head dim, or kernel x target x (causal, dropout)")
             sp.add_argument("--seed", type=int, default=0)
             sp.add_argument("-j", "--jobs", type=int, default=1)
         else:

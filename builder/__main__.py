@@ -119,7 +119,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     b.add_argument("--timings", metavar="FILE",
                    help="append one JSON line per compiled variant to FILE: kernel, target, spec, config, "
-                        "CPU seconds (worker and compiler subprocesses), wall seconds, image sizes")
+                        "CPU seconds (worker and compiler subprocesses), wall seconds, image and PTX sizes")
     b.set_defaults(func=cmd_build)
 
     sp = sub.add_parser("list", help="print what would be built, without building", formatter_class=fmt,

@@ -305,7 +305,8 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
             if record is not None:
                 record.write(json.dumps({"key": job.key, "kernel": job.kernel, "arch": job.target.arch,
                                          "spec": job.spec, "config": job.config_index, **cost,
-                                         "xz_bytes": len(packed), "raw_bytes": variant["image"]["raw_size"]},
+                                         "xz_bytes": len(packed), "raw_bytes": variant["image"]["raw_size"],
+                                         "ptx_xz_bytes": len(ptx) if ptx is not None else 0},
                                         sort_keys=True) + "\n")
                 record.flush()
             rel = image_path(variant)

@@ -5,11 +5,13 @@
 """
 
 
-#: Head dims of the default set: those of common open models (64: GPT-2, BERT, ViT, Whisper,
-#: Falcon, TinyLlama, SmolLM; 80: Phi-2, Stable Diffusion; 96: Phi-3; 128: Llama, Mistral, Qwen,
-#: Gemma 3, DiT/Flux; 256: Gemma 1/2). Other dims run zero-padded on the next compiled bucket:
-#: anything up to 64 on 64 (e.g. 32 or 40), 112 on 128, 160-256 on 256.
-DEFAULT_HEAD_DIMS = (64, 80, 96, 128, 256)
+#: Head dims compiled in the default set. Common open models use 64 (GPT-2, BERT, ViT, Whisper,
+#: Falcon, TinyLlama, SmolLM), 80 (Phi-2, Stable Diffusion), 96 (Phi-3), 128 (Llama, Mistral,
+#: Qwen, Gemma 3, DiT/Flux) and 256 (Gemma 1/2). 80 and 96 are not compiled: the operator runs
+#: them zero-padded on 128 (``aotriton_rt.ops.attention.dispatch.head_dim_buckets``), as it runs
+#: any dim on the next bucket the images hold (up to 64 on 64, 65-128 on 128, 129-256 on 256).
+#: Their compile time would not fit the quickstart's budget (docs/performance.md).
+DEFAULT_HEAD_DIMS = (64, 128, 256)
 #: Head dims whose dropout (training) variants are in the default set: the encoders that train
 #: with attention dropout (BERT, ViT: 64) and the common decoder size (128).
 DEFAULT_DROPOUT_HEAD_DIMS = (64, 128)
@@ -35,8 +37,7 @@ def in_default_set(spec: dict, target: object) -> bool:
             and not spec.get("DQ_ATOMIC", 0))
 
 
-#: Head dims whose backward (training) kernels are in the default set; 80 and 96 (Phi-2/3,
-#: Stable Diffusion) are forward-only there, to keep the default build within budget.
+#: Head dims whose backward (training) kernels are in the default set (80 and 96 train on 128).
 DEFAULT_BACKWARD_HEAD_DIMS = (64, 128, 256)
 
 
