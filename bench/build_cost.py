@@ -16,7 +16,8 @@ head dim, whether causal, whether dropout; then without the head dim; then the s
 target's family, CUDA, CDNA or RDNA; then kernel and target; then kernel), prints
 the total per kernel and per target, and the wall time it predicts for ``--workers`` workers on
 an otherwise idle machine with that many cores: CPU seconds / workers, plus each worker's
-start (importing Triton and the kernels, from the records of workers' first jobs).
+start (importing Triton and the kernels, from the records of workers' first jobs). It
+estimates the images' size the same way (xz bytes of images and of CUDA PTX).
 """
 
 from __future__ import annotations
@@ -109,14 +110,19 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
-def _price(records: list[dict]) -> tuple[dict[tuple, float], float]:
-    """Mean CPU seconds per group (workers' first jobs left out), and a worker's start cost."""
+def _means(records: list[dict], metric: str) -> dict[tuple, float]:
+    """Mean of ``metric`` per group, over the records that have it."""
     sums: dict[tuple, list[float]] = defaultdict(list)
     for r in records:
-        if not r.get("first"):
+        if metric in r:
             for g in _groups(r["kernel"], r["arch"], r["spec"], r["config"]):
-                sums[g].append(r["cpu_s"])
-    means = {g: statistics.fmean(v) for g, v in sums.items()}
+                sums[g].append(r[metric])
+    return {g: statistics.fmean(v) for g, v in sums.items()}
+
+
+def _price(records: list[dict]) -> tuple[dict[tuple, float], float]:
+    """Mean CPU seconds per group (workers' first jobs left out), and a worker's start cost."""
+    means = _means([r for r in records if not r.get("first")], "cpu_s")
     starts = []
     for r in records:
         if r.get("first"):
@@ -124,6 +130,11 @@ def _price(records: list[dict]) -> tuple[dict[tuple, float], float]:
             if base is not None:
                 starts.append(max(0.0, r["cpu_s"] - base))
     return means, (statistics.median(starts) if starts else 0.0)
+
+
+def _lookup(means: dict[tuple, float], job) -> float | None:
+    return next((means[g] for g in _groups(job.kernel, job.target.arch, job.spec, job.config_index) if g in means),
+                None)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -146,6 +157,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         per_kernel[job.kernel][0] += 1
         per_kernel[job.kernel][1] += cost
         per_arch[job.target.arch] += cost
+    sizes = {m: _means(records, m) for m in ("xz_bytes", "ptx_xz_bytes")}
+    image_bytes = sum(_lookup(sizes["xz_bytes"], j) or 0 for j in _jobs(args.set, args.targets, args.kernels))
+    ptx_bytes = sum(_lookup(sizes["ptx_xz_bytes"], j) or 0 for j in _jobs(args.set, args.targets, args.kernels)
+                    if j.target.backend == "cuda")
     total = sum(c for _, c in per_kernel.values())
     count = sum(n for n, _ in per_kernel.values())
     print(f"{'kernel':<22}{'variants':>9}{'CPU s':>9}{'s/variant':>10}")
@@ -156,6 +171,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print(f"{args.set}: {count} variants priced from {len(records)} timed "
           f"(by group level {levels}); {total:.0f} CPU s; worker start {start:.1f} s; "
           f"idle wall on {args.workers} cores ~ {wall:.0f} s = {wall / 60:.1f} min")
+    print(f"size: images ~{image_bytes / 1e6:.1f} MB xz, CUDA PTX ~{ptx_bytes / 1e6:.1f} MB xz "
+          "(from the timed variants' mean sizes)")
     if unpriced:
         print(f"{len(unpriced)} variants have no timed group, e.g. {unpriced[0]}")
     return 0
