@@ -693,9 +693,16 @@ def test_a_combination_the_images_lack_names_itself_and_the_build_command(synthe
     with pytest.raises(KernelNotFound, match=r"attention \(fp16, head dim 64, causal/window top-left\) needs "
                                              r"attn_bwd_dkdv with .*CAUSAL=2, DROPOUT=0, VARLEN=0, BIAS=0"):
         op.attention_kernels(*qkv(), causal=True, backward=True, library=synthetic)
-    with pytest.raises(KernelNotFound, match=r"attention \(fp16, head dim 40, no mask\) needs attn_fwd with "
-                                             r"dtype=fp16, HEAD_DIM=48"):
-        op.attention_kernels(*qkv(D=40), library=synthetic)
+    with pytest.raises(KernelNotFound, match=r"attention \(fp16, head dim 80, no mask\) needs attn_fwd with "
+                                             r"dtype=fp16, HEAD_DIM=80"):
+        op.attention_kernels(*qkv(D=80), library=synthetic)
+
+
+def test_a_head_dim_below_the_images_bucket_runs_zero_padded_on_it(synthetic: aotriton_rt.Library) -> None:
+    # The images hold head dim 64 only: 40 (bucket 48) runs on 64, forward and backward.
+    kernels = op.attention_kernels(*qkv(D=40), backward=True, library=synthetic)
+    assert {h.params["HEAD_DIM"] for h in kernels.values()} == {64}
+    assert op.attention_kernels(*qkv(D=40), library=synthetic)["attn_fwd"].params["HEAD_DIM_V"] == 64
 
 
 # ---------------------------------------------------------------------------------------------
