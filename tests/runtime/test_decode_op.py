@@ -549,7 +549,7 @@ def test_a_paged_cache_keeps_as_many_kv_tiles_in_flight_as_a_contiguous_one(conf
     from builder.registry import expand, load_kernels
     from builder.targets import parse_targets
 
-    jobs = {j.spec["PAGED"]: j for j in expand(load_kernels()["attn_decode"], parse_targets("sm90"), "default",
+    jobs = {j.spec["PAGED"]: j for j in expand(load_kernels()["attn_decode"], parse_targets("sm90"), "gputest",
                                                "3.6.0")
             if j.spec["dtype"] == "bf16" and j.spec["HEAD_DIM"] == 128 and j.config_index == config}
     contiguous, paged = compile_job(jobs[0])[0]["shared"], compile_job(jobs[1])[0]["shared"]
