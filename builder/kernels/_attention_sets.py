@@ -22,7 +22,8 @@ def in_default_set(spec: dict, target: object) -> bool:
     wheel: what common models need. fp16/bf16, head dims ``DEFAULT_HEAD_DIMS`` (equal q·k and
     v), no mask or causal aligned either way; dropout (without the returned mask) at
     ``DEFAULT_DROPOUT_HEAD_DIMS`` with no mask or bottom-right causal (equal lengths, the
-    training case). Not in it (build ``--set full``): fp32, other head-dim buckets, bias,
+    training case). Not in it (build ``--set full``): fp32, other head-dim buckets (calls at
+    those dims run zero-padded on the next compiled one), bias,
     varlen, dropout at other head dims or top-left causal with unequal lengths, the returned
     dropout mask, the atomic-dQ backward."""
     causal = spec.get("CAUSAL", 0)
