@@ -678,6 +678,18 @@ def test_library_dispatch_reads_the_tuning_table_per_sequence_length(synthetic: 
     assert long.params["BLOCK_M"] == long.candidates[0].config.constexprs["BLOCK_M"]
 
 
+def test_a_tuning_rule_naming_a_config_the_images_lack_runs_config_0(tmp_path: Path) -> None:
+    # The default set builds config #0 only; a catalog rule (e.g. merged from another build) may
+    # still name an alternate: dispatch must run config 0, not fail.
+    spec = {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+    catalog = {"schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0",
+               "tuning": {"attn_fwd": [{"arch": "sm90", "config": 2}]},
+               "variants": [_synthetic_variant("attn_fwd", spec, 0)]}
+    (tmp_path / "catalog.json").write_text(json.dumps(catalog))
+    handle = op.attention_kernels(*qkv(), library=aotriton_rt.Library(tmp_path))["attn_fwd"]
+    assert handle.params == spec and [v.config.index for v in handle.candidates] == [0]
+
+
 def test_library_dispatch_falls_back_to_the_split_backward_it_holds(synthetic: aotriton_rt.Library) -> None:
     kernels = op.attention_kernels(*qkv(), backward=True, library=synthetic)
     assert list(kernels) == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
