@@ -51,7 +51,8 @@ def cmd_build(args) -> int:
         os.environ["TRITON_CACHE_DIR"] = cache
         summary = build(jobs, out, workers=args.jobs, timeout=args.timeout,
                         keep_going=args.keep_going, triton_version=version, quiet=args.quiet, tuning=tuning,
-                        existing="keep" if args.add else "replace" if args.replace else "refuse")
+                        existing="keep" if args.add else "replace" if args.replace else "refuse",
+                        timings=Path(args.timings) if args.timings else None)
     for line in summary.lines():
         print(line)
     return 0
@@ -140,6 +141,9 @@ def parser() -> argparse.ArgumentParser:
                      help="fold this tuning database (from `tune`) into the catalog's rules; repeatable, the "
                           "first wins (default: builder/tuning_db/<arch>.json of each arch built, if present)")
     dbs.add_argument("--no-tuning-db", action="store_true", help="fold no tuning database (untuned build)")
+    b.add_argument("--timings", metavar="FILE",
+                   help="append one JSON line per compiled variant to FILE: kernel, target, spec, config, "
+                        "CPU seconds (worker and compiler subprocesses), wall seconds, image and PTX sizes")
     b.set_defaults(func=cmd_build)
 
     sp = sub.add_parser("list", help="print what would be built, without building", formatter_class=fmt,

@@ -8,8 +8,10 @@ and the catalog last, in canonical form, so two clean builds give identical byte
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import resource
 import sys
 import time
 import traceback
@@ -60,22 +62,33 @@ def check_triton_version() -> str:
     return triton.__version__
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its waited-for children (ptxas, ld.lld)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def _worker(conn) -> None:
     from .compile import compile_job_with_ptx
 
+    first = True
     while True:
         job = conn.recv()
         if job is None:
             return
         try:
+            cpu, wall = cpu_seconds(), time.monotonic()
             variant, raw, packed, ptx = compile_job_with_ptx(job)
             from .abi import prove
 
             prove(variant, raw)
-            conn.send(("ok", (variant, packed, ptx)))
+            cost = {"cpu_s": round(cpu_seconds() - cpu, 3), "wall_s": round(time.monotonic() - wall, 3),
+                    "first": first}  # a worker's first job also imports Triton and the kernels
+            conn.send(("ok", (variant, packed, ptx, cost)))
         except BaseException as e:  # noqa: BLE001 - every failure is reported by name
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             conn.send(("error", detail.splitlines()[-1][:500]))
+        first = False
 
 
 class _Pool:
@@ -243,9 +256,15 @@ def _progress(total: int, quiet: bool):
 
 
 def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_going: bool,
-          triton_version: str, quiet: bool = False, existing: str = "refuse", tuning: dict | None = None) -> Summary:
+          triton_version: str, quiet: bool = False, existing: str = "refuse", tuning: dict | None = None,
+          timings: Path | None = None) -> Summary:
     """Compile ``jobs`` into the image folder ``out``, with the ``tuning`` table
     (``registry.tuning_of``; default empty).
+
+    ``timings``: a file to which one JSON line per compiled variant is appended (kernel, target,
+    spec, config index, CPU seconds of the worker and its compiler subprocesses, wall seconds,
+    image sizes): the cost model of docs/performance.md is summed from such records. A worker's
+    first job also pays for importing Triton and the kernels.
 
     The folder may already hold variants that ``jobs`` do not rebuild (other kernels, targets
     or sets). ``existing`` says what happens to them: ``"refuse"`` (the default) raises
@@ -276,10 +295,18 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
         else:
             todo.append(job)
     bar = _progress(len(todo), quiet)
+    record = timings.open("a", encoding="utf-8") if timings is not None else None
 
     def done(job: Job, status: str, payload) -> None:
         if status == "ok":
-            variant, packed, ptx = payload
+            variant, packed, ptx, cost = payload
+            if record is not None:
+                record.write(json.dumps({"key": job.key, "kernel": job.kernel, "arch": job.target.arch,
+                                         "spec": job.spec, "config": job.config_index, **cost,
+                                         "xz_bytes": len(packed), "raw_bytes": variant.image.raw_size,
+                                         "ptx_xz_bytes": len(ptx) if ptx is not None else 0},
+                                        sort_keys=True) + "\n")
+                record.flush()
             path = out / variant.image.path
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, packed)
@@ -294,8 +321,12 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
         if bar is not None:
             bar.update(job, status == "ok")
 
-    if todo:
-        _Pool(max(1, min(workers, len(todo)))).run(todo, timeout, done)
+    try:
+        if todo:
+            _Pool(max(1, min(workers, len(todo)))).run(todo, timeout, done)
+    finally:
+        if record is not None:
+            record.close()
     if bar is not None:
         bar.close()
     if summary.failed and not keep_going:

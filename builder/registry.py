@@ -67,6 +67,9 @@ class Kernel:
     # Catalog tuning rules for one target (``tuning[name]`` in the catalog; the builder adds
     # ``"arch"``): e.g. the decode kernels' split rule. None: no rules.
     tuning: Callable[[Target], list[dict]] | None = None
+    # How many configs (the first ones; #0 is what the operators launch) a build set keeps, by
+    # set name: e.g. {"default": 1} leaves a target's alternates to the other sets.
+    set_configs: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         arg_names = list(getattr(self.fn, "arg_names", []))
@@ -147,15 +150,21 @@ def load_kernels(package: str = "builder.kernels") -> dict[str, Kernel]:
 
 def tuning_of(kernels: Mapping[str, Kernel], jobs: Sequence[Job]) -> dict[str, list[dict]]:
     """The catalog ``tuning`` table for ``jobs``: each built kernel's declared rules for each
-    target it is built for, tagged with the target's arch."""
+    target it is built for, tagged with the target's arch. A rule that picks a config none of
+    ``jobs`` builds for that kernel and target (a set without the alternates) is left out."""
     table: dict[str, list[dict]] = {}
+    built: dict[tuple[str, str], set[int]] = {}
+    for job in jobs:
+        built.setdefault((job.kernel, job.target.arch), set()).add(job.config_index)
     seen: set[tuple[str, str]] = set()
     for job in jobs:
         kernel = kernels.get(job.kernel)
         if kernel is None or kernel.tuning is None or (job.kernel, job.target.arch) in seen:
             continue
         seen.add((job.kernel, job.target.arch))
-        table.setdefault(job.kernel, []).extend({"arch": job.target.arch, **rule} for rule in kernel.tuning(job.target))
+        configs = built[(job.kernel, job.target.arch)]
+        table.setdefault(job.kernel, []).extend({"arch": job.target.arch, **rule} for rule in kernel.tuning(job.target)
+                                                if rule.get("config", 0) in configs)
     return table
 
 
@@ -181,7 +190,10 @@ def expand(kernel: Kernel, targets: Sequence[Target], build_set: str, triton_ver
                 continue
             signature = _resolve_signature(kernel, spec)
             _check_types(kernel, signature)
-            for index, config in enumerate(kernel.configs_for(spec, target)):
+            configs = kernel.configs_for(spec, target)
+            if build_set in kernel.set_configs:
+                configs = configs[:kernel.set_configs[build_set]]
+            for index, config in enumerate(configs):
                 constexprs = {n: spec[n] if n in spec else config.constexprs.get(n)
                               for n, t in signature.items() if t == "constexpr"}
                 missing = [n for n, v in constexprs.items() if v is None]

@@ -415,6 +415,9 @@ KERNELS = [
         grid=("cdiv(num_heads_q // num_heads_k * seqlen_q, BLOCK_M)", "num_splits", "batch * num_heads_k"),
         divisibility=_DECODE_DIV,
         sets=_SETS,
+        # sm90's deeper-pipeline config (#2, picked by decode_tuning for calls that fill the GPU)
+        # and #1 only in gputest and full: the default build leaves out that rule with them.
+        set_configs={"default": 1},
         tuning=decode_tuning,
         checks=_SHAPE_CHECKS + _PAGE_CHECKS + ("num_splits >= 1", "num_splits <= 65535", "seqlen_new >= 0")
         + stride_checks(_DECODE_DIV),

@@ -498,3 +498,23 @@ def test_the_builder_refuses_another_triton_unless_told(monkeypatch: pytest.Monk
         check_triton_version()
     monkeypatch.setenv("AOTRITON_BUILDER_ANY_TRITON", "1")
     assert check_triton_version() == "3.5.1"
+
+
+def test_timings_record_the_cpu_seconds_and_sizes_of_each_compiled_variant(tmp_path: Path) -> None:
+    jobs = _jobs("scale")
+    timings = tmp_path / "timings.jsonl"
+    _build(jobs, tmp_path / "images", workers=1, timings=timings)
+    records = [json.loads(line) for line in timings.read_text().splitlines()]
+    assert sorted(r["key"] for r in records) == sorted(j.key for j in jobs)
+    catalog = {v.key: v for v in Catalog.load(tmp_path / "images").variants}
+    for r in records:
+        v = catalog[r["key"]]
+        assert (r["kernel"], r["arch"], r["spec"], r["config"]) == (v.kernel, v.target.arch, dict(v.spec), 0)
+        assert r["xz_bytes"] == v.image.size and r["raw_bytes"] == v.image.raw_size
+        assert r["ptx_xz_bytes"] == (v.ptx.size if v.ptx is not None else 0)
+        assert 0 < r["cpu_s"] < 600 and 0 < r["wall_s"] < 600
+    # One worker: its first job also paid for importing Triton, and only that one is marked.
+    assert [r["first"] for r in records] == [True] + [False] * (len(records) - 1)
+    # A rebuild compiles nothing, so it appends nothing.
+    _build(jobs, tmp_path / "images", workers=1, timings=timings)
+    assert len(timings.read_text().splitlines()) == len(records)

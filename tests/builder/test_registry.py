@@ -161,6 +161,25 @@ def test_expand_default_set_keeps_what_the_kernel_chooses_and_full_keeps_all() -
     assert len(_expand(_axpy(), build_set="default")) == len(_expand(_axpy()))
 
 
+def test_a_set_may_keep_only_the_first_configs_and_the_others_keep_all() -> None:
+    kernel = _axpy(set_configs={"default": 1})
+    default = _expand(kernel, build_set="default")
+    assert {(j.target.arch, j.config_index) for j in default} == {("gfx942", 0), ("sm90", 0)}
+    assert {j.config_index for j in _expand(kernel, build_set="full") if j.target.arch == "gfx942"} == {0, 1}
+    # Config 0 is the same variant in every set: the same key.
+    full_keys = {j.key for j in _expand(kernel, build_set="full")}
+    assert {j.key for j in default} <= full_keys
+
+
+def test_tuning_rules_naming_a_config_the_build_leaves_out_are_dropped() -> None:
+    rules = lambda target: [{"min": 1, "config": 1}, {"config": 0}, {"other": True}]
+    kernel = _axpy(tuning=rules, set_configs={"default": 1})
+    table = registry.tuning_of({"axpy": kernel}, _expand(kernel, [GFX942], build_set="default"))
+    assert table == {"axpy": [{"arch": "gfx942", "config": 0}, {"arch": "gfx942", "other": True}]}
+    table = registry.tuning_of({"axpy": kernel}, _expand(kernel, [GFX942], build_set="full"))
+    assert table["axpy"][0] == {"arch": "gfx942", "min": 1, "config": 1}
+
+
 def test_expand_takes_configs_chosen_per_spec_and_target() -> None:
     kernel = _axpy(configs=lambda spec, t: [Config(constexprs={"BLOCK": 64 if t.warp_size == 32 else 128},
                                                    num_warps=4 if spec["dtype"] == "fp32" else 2)])

@@ -117,7 +117,7 @@ def test_a_missing_database_says_it_cannot_be_read(tmp_path: Path) -> None:
 
 
 def _jobs(arch: str = "sm90") -> list:
-    return [j for j in expand(load_kernels()["attn_fwd"], [KNOWN[arch]], "default", "3.6.0")
+    return [j for j in expand(load_kernels()["attn_fwd"], [KNOWN[arch]], "gputest", "3.6.0")
             if j.spec["dtype"] == "fp16" and j.spec["HEAD_DIM"] in (64, 128)]
 
 

@@ -528,3 +528,49 @@ def test_jax_arrays_get_torch_outputs_that_wrap_back_without_copy(lib: Any) -> N
     assert torch.equal(out, want)
     back = jax.dlpack.from_dlpack(out)
     assert back.shape == (2, 4, 131, 64)
+
+
+@pytest.fixture(scope="module")
+def lib_without_80_and_96(gpu_images: Any, tmp_path_factory: pytest.TempPathFactory) -> aotriton_rt.Library:
+    """The images with every head-dim 80 and 96 variant taken out, as the default set has them."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from aotriton_rt.catalog import CATALOG_FILE, Catalog
+
+    catalog = Catalog.load(Path(gpu_images) / CATALOG_FILE)
+    if not any(v.kernel == "attn_fwd" and v.spec.get("HEAD_DIM") == 128 for v in catalog.variants):
+        pytest.skip(f"the images at {gpu_images} have no head-dim 128 attention kernels")
+    out = tmp_path_factory.mktemp("without-80-96")
+    kept = [v for v in catalog.variants if v.spec.get("HEAD_DIM") not in (80, 96)]
+    for v in kept:
+        for image in (v.image, v.ptx):
+            if image is not None:
+                (out / image.path).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(Path(gpu_images) / image.path, out / image.path)
+    obj = catalog.to_json()
+    obj["variants"] = [v.to_json() for v in kept]
+    (out / CATALOG_FILE).write_text(json.dumps(obj))
+    return aotriton_rt.Library(out)
+
+
+@pytest.mark.parametrize("dtype,D,causal", [("bf16", 80, True), ("fp16", 96, False), ("bf16", 96, True)])
+def test_head_dims_without_a_compiled_bucket_run_zero_padded_on_128_forward_and_backward(
+        lib_without_80_and_96: Any, dtype: str, D: int, causal: bool) -> None:
+    lib = lib_without_80_and_96
+    case = _case(dtype, D=D, causal=causal, S=197)
+    pl = plan(case)
+    gen = torch.Generator(device=DEVICE).manual_seed(D)
+    t = _inputs(pl, case, gen)
+    q, k, v, dout = t["q"], t["k"], t["v"], t["dout"]
+    kernels = op.attention_kernels(q, k, v, **pl.options, backward=True, library=lib)
+    assert {h.variant(0).spec["HEAD_DIM"] for h in kernels.values()} == {128}, "not run on the 128 bucket"
+    out, lse = op.attention(q, k, v, **pl.options, library=lib)
+    dq, dk, dv, _ = op.attention_backward(dout, q, k, v, out, lse, **pl.options, **pl.backward, library=lib)
+    torch.cuda.synchronize()
+    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    hi = reference(pl, case, q, k, v, dout, None, None, HIGH[dtype])
+    lo = reference(pl, case, q, k, v, dout, None, None, DTYPES[dtype])
+    summary = [check(name, got[name], hi[name], lo[name], dtype) for name in got]
+    print(f"{dtype} D={D} causal={causal} on the 128 bucket:", "; ".join(summary))

@@ -505,20 +505,41 @@ def test_equal_lengths_run_on_whichever_causal_alignment_the_images_hold() -> No
 
 
 def test_head_dims_take_the_smallest_bucket_and_unequal_pairs_only_where_compiled() -> None:
-    assert head_dim_buckets(64, 64) == [(64, 64)]
-    assert head_dim_buckets(40, 40) == [(48, 48)]
-    assert head_dim_buckets(1, 1) == [(16, 16)]
-    assert head_dim_buckets(72, 72) == [(80, 80)]
-    assert head_dim_buckets(192, 128) == [(192, 128), (192, 192)]
-    assert head_dim_buckets(180, 100) == [(192, 128), (192, 192)]
-    assert head_dim_buckets(8, 24) == [(32, 32)]
+    first = lambda dk, dv: head_dim_buckets(dk, dv)[0]
+    assert first(64, 64) == (64, 64)
+    assert first(40, 40) == (48, 48)
+    assert first(1, 1) == (16, 16)
+    assert first(72, 72) == (80, 80)
+    assert head_dim_buckets(192, 128)[:2] == [(192, 128), (192, 192)]
+    assert head_dim_buckets(180, 100)[:2] == [(192, 128), (192, 192)]
+    assert first(8, 24) == (32, 32)
     assert head_dim_buckets(256, 64) == [(256, 256)]
+    # Then every wider bucket, narrowest first: images without a bucket run on the next they hold.
+    assert head_dim_buckets(80, 80) == [(80, 80), (96, 96), (128, 128), (160, 160), (192, 192), (224, 224),
+                                        (256, 256)]
+    assert head_dim_buckets(192, 128) == [(192, 128), (192, 192), (224, 224), (256, 256)]
     with pytest.raises(UnsupportedError, match=r"head dim 257 exceeds the largest supported head dim 256; "
                                                r"supported: 1\.\.256 \(compiled buckets 16, 32, 48"):
         head_dim_buckets(64, 257)
     call = AttentionCall("fp16", 192, 128)
     assert forward_params(call)["HEAD_DIM_V"] == 128
     assert forward_params(call, only(("attn_fwd", {"HEAD_DIM_V": 192})))["HEAD_DIM_V"] == 192
+
+
+def test_head_dims_whose_bucket_the_images_lack_run_zero_padded_on_the_next_bucket_they_hold() -> None:
+    # The default set compiles 64, 128 and 256: Phi-3's 96 and Phi-2's 80 run on 128, forward and backward.
+    held = lambda name, params: params["HEAD_DIM"] in (64, 128, 256)
+    for d in (80, 96, 112):
+        call = AttentionCall("bf16", d, d, causal=2, dropout=1)
+        assert forward_params(call, held)["HEAD_DIM"] == 128 and forward_params(call, held)["HEAD_DIM_V"] == 128
+        mode, kernels = backward_params(call, held)
+        assert mode == "split" and {p["HEAD_DIM"] for p in kernels.values()} == {128}
+    assert forward_params(AttentionCall("fp16", 160, 160), held)["HEAD_DIM"] == 256
+    assert forward_params(AttentionCall("fp16", 192, 128), held)["HEAD_DIM_V"] == 256
+    # Images holding none of them: the call's own bucket, so that KernelNotFound names what is missing.
+    none = lambda name, params: False
+    assert forward_params(AttentionCall("fp16", 80, 80), none)["HEAD_DIM"] == 80
+    assert backward_params(AttentionCall("fp16", 80, 80), none)[1]["attn_bwd_dq"]["HEAD_DIM"] == 80
 
 
 def test_backward_prefers_split_and_takes_atomic_dq_only_when_asked_or_alone() -> None:
@@ -664,6 +685,18 @@ def test_library_dispatch_reads_the_tuning_table_per_sequence_length(synthetic: 
     assert long.params["BLOCK_M"] == long.candidates[0].config.constexprs["BLOCK_M"]
 
 
+def test_a_tuning_rule_naming_a_config_the_images_lack_runs_config_0(tmp_path: Path) -> None:
+    # The default set builds config #0 only; a catalog rule (e.g. merged from another build) may
+    # still name an alternate: dispatch must run config 0, not fail.
+    spec = {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+    catalog = {"schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0",
+               "tuning": {"attn_fwd": [{"arch": "sm90", "config": 2}]},
+               "variants": [_synthetic_variant("attn_fwd", spec, 0)]}
+    (tmp_path / "catalog.json").write_text(json.dumps(catalog))
+    handle = op.attention_kernels(*qkv(), library=aotriton_rt.Library(tmp_path))["attn_fwd"]
+    assert handle.params == spec and [v.config.index for v in handle.candidates] == [0]
+
+
 def test_library_dispatch_falls_back_to_the_split_backward_it_holds(synthetic: aotriton_rt.Library) -> None:
     kernels = op.attention_kernels(*qkv(), backward=True, library=synthetic)
     assert list(kernels) == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
@@ -679,9 +712,16 @@ def test_a_combination_the_images_lack_names_itself_and_the_build_command(synthe
     with pytest.raises(KernelNotFound, match=r"attention \(fp16, head dim 64, causal/window top-left\) needs "
                                              r"attn_bwd_dkdv with .*CAUSAL=2, DROPOUT=0, VARLEN=0, BIAS=0"):
         op.attention_kernels(*qkv(), causal=True, backward=True, library=synthetic)
-    with pytest.raises(KernelNotFound, match=r"attention \(fp16, head dim 40, no mask\) needs attn_fwd with "
-                                             r"dtype=fp16, HEAD_DIM=48"):
-        op.attention_kernels(*qkv(D=40), library=synthetic)
+    with pytest.raises(KernelNotFound, match=r"attention \(fp16, head dim 80, no mask\) needs attn_fwd with "
+                                             r"dtype=fp16, HEAD_DIM=80"):
+        op.attention_kernels(*qkv(D=80), library=synthetic)
+
+
+def test_a_head_dim_below_the_images_bucket_runs_zero_padded_on_it(synthetic: aotriton_rt.Library) -> None:
+    # The images hold head dim 64 only: 40 (bucket 48) runs on 64, forward and backward.
+    kernels = op.attention_kernels(*qkv(D=40), backward=True, library=synthetic)
+    assert {h.params["HEAD_DIM"] for h in kernels.values()} == {64}
+    assert op.attention_kernels(*qkv(D=40), library=synthetic)["attn_fwd"].params["HEAD_DIM_V"] == 64
 
 
 # ---------------------------------------------------------------------------------------------

@@ -475,7 +475,7 @@ def test_the_build_puts_the_decode_split_rule_of_each_target_in_the_catalog(tmp_
 
     kernels = registry.load_kernels()
     jobs = [j for name in ("attn_decode", "attn_decode_combine")
-            for j in registry.expand(kernels[name], parse_targets("sm90,gfx942"), "default", "3.6.0")]
+            for j in registry.expand(kernels[name], parse_targets("sm90,gfx942"), "gputest", "3.6.0")]
     table = registry.tuning_of(kernels, jobs)
     assert set(table) == {"attn_decode"}
     assert sorted(r["arch"] for r in table["attn_decode"]) == ["gfx942", "sm90", "sm90"]
@@ -483,6 +483,11 @@ def test_the_build_puts_the_decode_split_rule_of_each_target_in_the_catalog(tmp_
     # sm90: the deeper pipeline (config #2) once the call fills the GPU without splits.
     assert split_rule(table["attn_decode"], "sm90", batch_heads=64 * 8) == (SplitRule(2, 4, 64), 2)
     assert split_rule(table["attn_decode"], "sm90", batch_heads=8 * 8) == (SplitRule(2, 4, 64), 0)
+    # The default set builds config #0 only: its catalog has the split rule without the config rule.
+    default = registry.expand(kernels["attn_decode"], parse_targets("sm90"), "default", "3.6.0")
+    assert {j.config_index for j in default} == {0}
+    assert registry.tuning_of(kernels, default) == {"attn_decode": [
+        {"arch": "sm90", "splits": {"waves": 2, "min_blocks": 4, "max_splits": 64}}]}
     # Shards built from one commit repeat the rules; merging keeps each once.
     for shard in ("a", "b"):
         (tmp_path / shard).mkdir()
@@ -547,7 +552,7 @@ def test_a_paged_cache_keeps_as_many_kv_tiles_in_flight_as_a_contiguous_one(conf
     from builder.registry import expand, load_kernels
     from builder.targets import parse_targets
 
-    jobs = {j.spec["PAGED"]: j for j in expand(load_kernels()["attn_decode"], parse_targets("sm90"), "default",
+    jobs = {j.spec["PAGED"]: j for j in expand(load_kernels()["attn_decode"], parse_targets("sm90"), "gputest",
                                                "3.6.0")
             if j.spec["dtype"] == "bf16" and j.spec["HEAD_DIM"] == 128 and j.config_index == config}
     contiguous, paged = compile_job(jobs[0])[0].shared, compile_job(jobs[1])[0].shared

@@ -38,6 +38,31 @@ EXAMPLES = [
      ((4, 509, 8, 64), (4, 509, 2, 64), (4, 509, 2, 64)), "fp16", {"causal": True, "layout": "bshd"}, True),
     ("examples/attention_jax.py", 'return aj.attention(q, k, v, causal=True, layout="bshd")',
      None, "bf16", {"causal": True, "layout": "bshd"}, True),
+    # Training: width 256 over 4 heads (D=64), batch 32 on one rank, bf16 q/k/v.
+    ("examples/ddp_train.py", 'a = attention(q, k, v, causal=True, layout="bshd", library=self.library)',
+     ((32, 512, 4, 64),) * 3, "bf16", {"causal": True, "layout": "bshd"}, True),
+    # The ring's blocks (ops/ring.py: aotriton_blocks) at the example's defaults, 2 ranks: the own
+    # chunk causally, an earlier rank's fully; and the whole sequence on one GPU for comparison.
+    ("examples/context_parallel.py", 'parser.add_argument("--dim", type=int, default=128)',
+     ((2, 8, 4096, 128),) * 3, "bf16", {"causal": True}, True),
+    ("examples/context_parallel.py", 'parser.add_argument("--seqlen", type=int, default=8192',
+     ((2, 8, 4096, 128),) * 3, "bf16", {"causal": False}, True),
+    ("examples/context_parallel.py", "out = attention(*leaves, causal=args.causal, library=library)",
+     ((2, 8, 8192, 128),) * 3, "bf16", {"causal": True}, True),
+    # A Llama with head_dim=64 prefilling a 256-token prompt (the integration's bottom-right causal call).
+    ("examples/transformers_llama.py", "num_attention_heads=16, num_key_value_heads=4, head_dim=64",
+     ((4, 256, 16, 64), (4, 256, 4, 64), (4, 256, 4, 64)), "bf16",
+     {"causal": True, "align": "bottom_right", "layout": "bshd"}, False),
+]
+
+#: The decode calls of the examples: (file, a line it must contain, q (B, Sq, Hq, D), cache (B or pages,
+#: S or page size, Hk, D), dtype, paged, appends new keys).
+DECODE_EXAMPLES = [
+    ("examples/decode_torch.py", "B, HQ, HK, D, PAGE, STEPS = 8, 32, 8, 128, 16, 20",
+     (8, 1, 32, 128), (8 * 66, 16, 8, 128), "bf16", True, True),
+    # Generation steps of the Llama (integrations/transformers.py): one query row on the contiguous cache.
+    ("examples/transformers_llama.py", "num_attention_heads=16, num_key_value_heads=4, head_dim=64",
+     (4, 1, 16, 64), (4, 300, 4, 64), "bf16", False, False),
 ]
 
 
@@ -195,3 +220,51 @@ def test_the_check_itself_catches_a_call_the_default_set_lacks(default_set, disp
     lopsided = ((2, 4, 128, 64), (2, 4, 256, 64), (2, 4, 256, 64))
     assert _missing((lopsided, "fp16", {"causal": True, "dropout_p": 0.1, "seed": 1}, True),
                     {"sm90": default_set["sm90"]})
+
+
+class _AsDtype:
+    """A library answering as ``lib`` for the variants of ``dtype`` (the test arrays can only be fp16)."""
+
+    catalogs: list = []
+    variants: list = []
+
+    def __init__(self, lib: _DefaultSetLibrary, dtype: str) -> None:
+        self.lib, self.dtype = lib, dtype
+
+    def kernel(self, name: str, **params: Any) -> Any:
+        return self.lib.kernel(name, **{**params, "dtype": self.dtype})
+
+
+@pytest.mark.parametrize("example", DECODE_EXAMPLES, ids=lambda e: e[0])
+def test_every_example_decode_call_runs_on_the_default_set_of_every_default_target(example: tuple, default_set) -> None:
+    from aotriton_rt.ops import decode
+
+    path, line, q_shape, cache_shape, dtype, paged, append = example
+    assert line in (ROOT / path).read_text(encoding="utf-8"), f"{path} changed: update DECODE_EXAMPLES"
+    b, _, _, d = q_shape
+    hk = cache_shape[2]
+    options: dict[str, Any] = {"cache_seqlens": Dev(b, dtype="i32"), "causal": True}
+    if paged:
+        options["block_table"] = Dev(b, cache_shape[0] // b, dtype="i32")
+    if append:
+        options["k_new"] = options["v_new"] = Dev(b, 1, hk, d)
+    missing = []
+    for arch, lib in default_set.items():
+        try:
+            kernels = decode.decode_kernels(Dev(*q_shape), Dev(*cache_shape), Dev(*cache_shape),
+                                            library=_AsDtype(lib, dtype), **options)
+        except KernelNotFound as e:
+            missing.append(f"{arch}: {e}")
+        else:
+            wanted = {"attn_decode", "attn_decode_combine"} | ({"attn_decode_append"} if append else set())
+            assert set(kernels) == wanted
+    assert not missing, f"{path} needs decode kernels the default set lacks:\n" + "\n".join(missing)
+
+
+def test_the_decode_check_catches_a_head_dim_the_default_set_lacks(default_set) -> None:
+    from aotriton_rt.ops import decode
+
+    lacks = r"attn_decode with dtype=fp16, HEAD_DIM=80, PAGED=0, which these images lack.*'dtype': 'bf16'"
+    with pytest.raises(KernelNotFound, match=lacks):
+        decode.decode_kernels(Dev(2, 1, 8, 80), Dev(2, 64, 2, 80), Dev(2, 64, 2, 80),
+                              cache_seqlens=Dev(2, dtype="i32"), library=_AsDtype(default_set["sm90"], "bf16"))

@@ -85,13 +85,14 @@ def head_dim_buckets(head_dim: int, head_dim_v: int) -> list[tuple[int, int]]:
 
     Equal dims use their bucket; an unequal pair runs as such when it is compiled
     (``UNEQUAL_HEAD_DIMS``), and otherwise on the larger bucket for both (zero padding
-    changes neither the scores nor the kept output columns).
+    changes neither the scores nor the kept output columns). After those come the wider
+    equal buckets, narrowest first: images that lack a bucket (the default set has no 80 or
+    96) run the call zero-padded on the next one they hold (80 and 96 on 128).
     """
     bq, bv = bucket(head_dim), bucket(head_dim_v)
-    if bq == bv:
-        return [(bq, bq)]
     wide = max(bq, bv)
-    return [(bq, bv), (wide, wide)] if (bq, bv) in UNEQUAL_HEAD_DIMS else [(wide, wide)]
+    first = [(bq, bv), (wide, wide)] if (bq, bv) in UNEQUAL_HEAD_DIMS else [(wide, wide)]
+    return first + [(b, b) for b in HEAD_DIM_BUCKETS if b > wide]
 
 
 def _first(name: str, candidates: list[dict], available: Available) -> dict:
