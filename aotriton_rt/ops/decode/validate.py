@@ -10,6 +10,7 @@ from typing import Any
 
 from ... import interop
 from ...errors import ArgumentError, UnsupportedError
+from ..attention.problem import _describe  # one array description, its errors naming the argument
 
 DECODE = "attn_decode"
 COMBINE = "attn_decode_combine"
@@ -24,13 +25,6 @@ _MAX_CAPACITY = 2**28  # lengths + windows stay far inside int32 in the kernels
 _LAYOUTS = ("bshd", "bhsd")
 
 
-def _describe(obj: Any, name: str) -> interop.ArrayInfo:
-    try:
-        return interop.describe(obj)
-    except ArgumentError as e:
-        raise ArgumentError(f"{name}: {e}") from None
-    except UnsupportedError as e:
-        raise UnsupportedError(f"{name}: {e}") from None
 
 
 
