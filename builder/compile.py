@@ -43,15 +43,14 @@ def compile_job_with_ptx(job: Job) -> tuple[dict, bytes, bytes, bytes | None]:
     """
     os.environ.update(compile_env())
     import triton
-    from triton.compiler import ASTSource
 
     from .abi import HIDDEN_ARGS, natural_layout
 
     kernel = _kernels(job.package)[job.kernel]
     names = list(job.signature)
     attrs = {(names.index(n),): [["tt.divisibility", d]] for n, d in job.divisibility.items()}
-    src = ASTSource(fn=kernel.fn, signature=dict(job.signature), constexprs=dict(job.constexprs),
-                    attrs=attrs)
+    src = source_class(kernel.fn)(fn=kernel.fn, signature=dict(job.signature), constexprs=dict(job.constexprs),
+                                  attrs=attrs)
     compiled = triton.compile(src, target=job.target.gpu_target(), options=job.options())
     md = compiled.metadata
     fmt = IMAGE_EXT[job.target.backend]
@@ -103,6 +102,20 @@ def compile_job_with_ptx(job: Job) -> tuple[dict, bytes, bytes, bytes | None]:
                           "sha256": hashlib.sha256(ptx_packed).hexdigest(), "size": len(ptx_packed),
                           "raw_sha256": hashlib.sha256(ptx).hexdigest(), "raw_size": len(ptx)}
     return variant, raw, packed, ptx_packed
+
+
+def source_class(fn) -> type:
+    """The Triton source wrapper that compiles ``fn``: Gluon kernels (``@gluon.jit``, per-architecture
+    kernels with explicit layouts) parse through ``GluonASTSource``, every other kernel through
+    ``ASTSource``. Both take the same signature, constexprs and attributes."""
+    is_gluon = getattr(fn, "is_gluon", None)
+    if callable(is_gluon) and is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource
+    from triton.compiler import ASTSource
+
+    return ASTSource
 
 
 def image_path(variant: dict) -> str:
