@@ -95,10 +95,31 @@ def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free,
+def _take_turn(turn, k, c: gl.constexpr, PINGPONG: gl.constexpr):
+    """With PINGPONG, wait until consumer c may issue its k-th group of matmuls (FA3's inter-warpgroup
+    schedule: the consumers take turns, so one's softmax runs while the other's matmuls do).
+
+    turn[c] completes a phase each time the other consumer passes the turn. Consumer 0 goes first:
+    its k-th wait is on parity (k & 1) ^ 1, which a fresh barrier counts as complete for k = 0;
+    consumer 1 waits on parity k & 1, completed by consumer 0's k-th pass. Both issue the same
+    number of groups (the same key blocks), so the alternation never waits on a missing pass.
+    """
+    if PINGPONG:
+        mbarrier.wait(turn.index(c), (k & 1) ^ (1 - c))
+
+
+@gluon.jit
+def _pass_turn(turn, c: gl.constexpr, PINGPONG: gl.constexpr):
+    """With PINGPONG, hand the matmul turn to the other consumer (after issuing, not finishing)."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - c), count=1)
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn,
               O_head, L_head, stride_om, start_m, len_q, len_k, qk_scale, diag, left, right,
               lo, f1, f2, n1, n2, n,
-              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warp group c: rows start_m + c*HALF ... of the program's tile, the whole key loop."""
     HALF: gl.constexpr = q_smem.shape[1]
     BLOCK_D: gl.constexpr = q_smem.shape[2]
@@ -123,8 +144,10 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     p = gl.zeros([HALF, BLOCK_N], dtype, p_layout)
     if n > 0:
         k0 = k_smem.index(0).permute((1, 0))
+        _take_turn(turn, 0, c, PINGPONG)
         mbarrier.wait(k_ready.index(0), 0)
         s_acc = warpgroup_mma(q, k0, s_zero, use_acc=False, is_async=True)
+        _pass_turn(turn, c, PINGPONG)
         s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
         start0 = _key_block(0, lo, f1, f2, n1, n2, BLOCK_N)
         p32, m_i, alpha = _softmax(s_acc, m_i, start0, rows, cols, len_k, diag, left, right, qk_scale,
@@ -136,20 +159,22 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     # while P.V runs, then rescale O and free slot j-1.
     masked_end = gl.maximum(n1 + n2, 1)
     for idx in range(1, masked_end):
-        acc, p, l_i, m_i = _step(idx, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, s_zero,
-                                 rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
-                                 True, CAUSAL, BLOCK_N, STAGES, p_layout, o_layout)
+        acc, p, l_i, m_i = _step(idx, c, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn,
+                                 s_zero, rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
+                                 True, CAUSAL, BLOCK_N, STAGES, PINGPONG, p_layout, o_layout)
     for idx in range(masked_end, n):
-        acc, p, l_i, m_i = _step(idx, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, s_zero,
-                                 rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
-                                 False, CAUSAL, BLOCK_N, STAGES, p_layout, o_layout)
+        acc, p, l_i, m_i = _step(idx, c, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn,
+                                 s_zero, rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
+                                 False, CAUSAL, BLOCK_N, STAGES, PINGPONG, p_layout, o_layout)
     # Epilogue: the last block's P.V.
     if n > 0:
         last = n - 1
         s = last % STAGES
         v = v_smem.index(s)
+        _take_turn(turn, n, c, PINGPONG)
         mbarrier.wait(v_ready.index(s), (last // STAGES) & 1)
         acc = warpgroup_mma(p, v, acc, is_async=True)
+        _pass_turn(turn, c, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(kv_free.index(s), count=1)
 
@@ -166,19 +191,21 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
 
 
 @gluon.jit
-def _step(idx, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, s_zero,
+def _step(idx, c: gl.constexpr, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn, s_zero,
           rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
           MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          p_layout: gl.constexpr, o_layout: gl.constexpr):
-    """One pipelined key block idx >= 1 of a consumer (see _consumer)."""
+          PINGPONG: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One pipelined key block idx >= 1 of consumer c (see _consumer)."""
     s = idx % STAGES
     prev = (idx + STAGES - 1) % STAGES
     k = k_smem.index(s).permute((1, 0))
     v = v_smem.index(prev)
+    _take_turn(turn, idx, c, PINGPONG)
     mbarrier.wait(k_ready.index(s), (idx // STAGES) & 1)
     s_acc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(prev), ((idx - 1) // STAGES) & 1)
     acc = warpgroup_mma(p, v, acc, is_async=True)
+    _pass_turn(turn, c, PINGPONG)
     # Groups retire in order: one outstanding means S_j is done and P.V may still run.
     s_acc = warpgroup_mma_wait(1, deps=(s_acc,))
     start_n = _key_block(idx, lo, f1, f2, n1, n2, BLOCK_N)
@@ -206,14 +233,16 @@ def attn_fwd_sm90(
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """Attention forward (see attn_fwd): Out = softmax(Q K^T * sm_scale, masked) V and its logsumexp.
 
     Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1). Bias, DropMask, cu_seqlens_* and the
     dropout arguments are accepted (attn_fwd's argument list) and ignored: BIAS, DROPOUT and VARLEN
-    are 0. HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). CONSUMER_REGS: registers per thread
-    of the second consumer warp group (the loader warp gets 24).
+    are 0. HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). STAGES: K/V slots in the ring.
+    PINGPONG: the two consumers take turns issuing their matmuls (see _take_turn). CONSUMER_REGS:
+    registers per thread of the second consumer warp group (the loader warp gets 24).
     """
     gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0, "attn_fwd_sm90: no bias, dropout or varlen")
     gl.static_assert(HEAD_DIM == HEAD_DIM_V, "attn_fwd_sm90: equal q.k and v head dims")
@@ -286,20 +315,22 @@ def attn_fwd_sm90(
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(kv_free.index(s), count=2)
 
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, O_head, L_head, stride_om,
-                     start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                     CAUSAL, BLOCK_N, STAGES)),
-        (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, O_head, L_head, stride_om,
-                     start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                     CAUSAL, BLOCK_N, STAGES)),
+        (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
+                     stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                     CAUSAL, BLOCK_N, STAGES, PINGPONG)),
+        (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
+                     stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                     CAUSAL, BLOCK_N, STAGES, PINGPONG)),
         (_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free,
                    start_m, lo, f1, f2, n1, n2, n, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -314,12 +345,13 @@ from builder.registry import Config, Kernel  # noqa: E402 - declarations follow 
 
 #: Head dims compiled: the ones whose portable sm90 forward trails cuDNN most (docs/performance.md).
 HEAD_DIMS = (64, 128)
-#: (BLOCK_M, BLOCK_N, STAGES) per head dim, the expected fastest first. Shared memory: the two
-#: consumers' Q tiles plus STAGES K and V blocks (D=128, BLOCK_N=128: 32 KB + 64 KB a stage; three
-#: stages are the most that fit sm90's 227 KB). Two stages leave the loader no slot to fill while
-#: a consumer holds block j-1 (P.V) and j (S); they are there to measure that.
-TILES = {128: ((128, 128, 3), (128, 64, 4), (128, 128, 2)),
-         64: ((128, 128, 4), (128, 64, 4), (128, 128, 2))}
+#: (BLOCK_M, BLOCK_N, STAGES, PINGPONG) per head dim, the expected fastest first (unmeasured:
+#: bench/sm90_levers.py ranks them). Shared memory: the two consumers' Q tiles plus STAGES K and V
+#: blocks (D=128, BLOCK_N=128: 32 KB + 64 KB a stage; three stages are the most that fit sm90's
+#: 227 KB). Two stages leave the loader no slot to fill while a consumer holds block j-1 (P.V) and
+#: j (S); they are there to measure that.
+TILES = {128: ((128, 128, 3, 1), (128, 128, 3, 0), (128, 64, 4, 1), (128, 128, 2, 0)),
+         64: ((128, 128, 4, 1), (128, 128, 4, 0), (128, 64, 4, 1))}
 #: Registers per thread of each consumer warp group (setmaxnreg); the loader warp takes 24.
 CONSUMER_REGS = 240
 
@@ -328,9 +360,10 @@ def sm90_fwd_configs(spec: dict, target: object) -> tuple[Config, ...]:
     """The tile table for a head dim. num_warps is the default partition's (consumer 0); the
     compiled kernel runs 12 warps (two consumer groups and the loader's group), which the
     catalog records from the binary."""
-    return tuple(Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": st, "CONSUMER_REGS": CONSUMER_REGS},
+    return tuple(Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": st, "PINGPONG": pp,
+                                    "CONSUMER_REGS": CONSUMER_REGS},
                         num_warps=4, num_stages=1, backends=("cuda",))
-                 for bm, bn, st in TILES[spec["HEAD_DIM"]])
+                 for bm, bn, st, pp in TILES[spec["HEAD_DIM"]])
 
 
 def _excluded(spec: dict, target: object) -> str | None:
