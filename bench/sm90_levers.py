@@ -92,7 +92,10 @@ def lever_jobs(lever: str, specs: list[dict], version: str) -> list:
         extra = tuple(Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma, "WARP_SPEC": 0},
                              num_warps=w, num_stages=s, options=opts)
                       for bm, bn, w, s, tma, opts in SWEEP)
-        kernel = dataclasses.replace(kernels["attn_fwd"], configs=extra)
+        table = kernels["attn_fwd"].configs_for
+        # Per spec, the sweep configs the registry's own table does not already hold.
+        kernel = dataclasses.replace(kernels["attn_fwd"], configs=lambda spec, target: tuple(
+            c for c in extra if c not in table(spec, target)))
     elif lever == "ws":
         extra = tuple(Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": 1, "WARP_SPEC": 1},
                              num_warps=w, num_stages=s)
@@ -177,7 +180,7 @@ class Contender:
         extra = ",".join(f"{n}={v}" for n, v in cfg.constexprs.items() if n not in ("BLOCK_M", "BLOCK_N"))
         opts = ",".join(f"{n}={v}" for n, v in cfg.options.items())
         self.label = (f"{lever}#{cfg.index} {tile} w{cfg.num_warps}s{cfg.num_stages} {extra}"
-                      + (f" {opts}" if opts else "") + f" t{variant.triton_version}")
+                      + (f" {opts}" if opts else ""))
 
     def __call__(self, args: list) -> None:
         self.handle(*args)

@@ -7,6 +7,7 @@ by name), and no other target builds it.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -115,6 +116,51 @@ def test_a_catalog_that_lies_about_the_gluon_binary_fails_the_abi_proof(built: P
     args[-1]["offset"] += 4  # window_right moved
     with pytest.raises(AbiError, match=r"ABI mismatch in attn_fwd_sm90 .*args\[\d+\]\.offset"):
         prove({**variant.to_json(), "args": args}, raw)
+
+
+class _Shaped:
+    """Stands in for a tensor where only shape and strides are read (launch_args)."""
+
+    def __init__(self, *shape: int) -> None:
+        self.shape = shape
+
+    def stride(self) -> tuple:
+        out, acc = [], 1
+        for n in reversed(self.shape):
+            out.insert(0, acc)
+            acc *= n
+        return tuple(out)
+
+
+def test_the_levers_bench_loads_the_built_variant_with_attn_fwds_argument_list(built: Path) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import sm90_levers
+
+    (contender,) = sm90_levers.contenders_of({"gluon-test": str(built)})
+    assert contender.label.startswith("gluon-test#0 128x128 w4s1 ")
+    q = _Shaped(2, 3, 100, 64)
+    args = sm90_levers.launch_args(q, q, q, q, _Shaped(2, 3, 100), causal=2, scale=0.125)
+    assert len(args) == len(contender.handle.arg_names)
+    named = dict(zip(contender.handle.arg_names, args))
+    assert (named["seqlen_q"], named["window_left"], named["window_right"], named["stride_lh"]) == (100, -1, 0, 100)
+
+
+def test_every_lever_expands_to_sm90_jobs_of_the_benchmarked_specs() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import sm90_levers
+
+    specs = sm90_levers.bench_specs(sm90_levers.SHAPES)
+    kernels = {"ours": "attn_fwd", "sweep": "attn_fwd", "ws": "attn_fwd", "gluon": "attn_fwd_sm90"}
+    for lever in sm90_levers.LEVERS:
+        jobs = sm90_levers.lever_jobs(lever, specs, "3.6.0")
+        assert jobs, lever
+        assert {j.kernel for j in jobs} == {kernels[lever]} and {j.target.arch for j in jobs} == {"sm90"}
+        assert {json.dumps(j.spec, sort_keys=True) for j in jobs} == {json.dumps(s, sort_keys=True) for s in specs}
+        if lever == "sweep":  # per spec, only configs the registry's table lacks
+            table = _kernels()["attn_fwd"].configs_for
+            assert not [j.label for j in jobs if j.config in table(j.spec, j.target)]
+    with pytest.raises(ValueError, match="unknown lever 'fast'; levers: ours, sweep, gluon, ws"):
+        sm90_levers.lever_jobs("fast", specs, "3.6.0")
 
 
 if __name__ == "__main__":
