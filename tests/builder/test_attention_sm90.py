@@ -118,6 +118,35 @@ def test_a_catalog_that_lies_about_the_gluon_binary_fails_the_abi_proof(built: P
         prove({**variant.to_json(), "args": args}, raw)
 
 
+def test_ptxas_keeps_the_gluon_wgmmas_asynchronous_and_spills_nothing(built: Path) -> None:
+    """ptxas serializes wgmma (a fence and a wait around each instruction) when it cannot prove
+    in-flight operand registers safe, a silent 2x loss; P stays in registers across its P.V here."""
+    import lzma
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    from aotriton_rt.catalog import Catalog
+
+    (variant,) = Catalog.load(built / "catalog.json").variants
+    raw = lzma.decompress((built / variant.image.path).read_bytes())
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(raw)
+        f.flush()
+        sass = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ops: dict[str, int] = {}
+    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass):
+        ops[op] = ops.get(op, 0) + 1
+    hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
+    fences = ops.get("WARPGROUP.ARRIVE", 0)
+    # D=64, 128-key blocks: 4 k-steps for Q.K^T and 8 for P.V per issue site.
+    assert hgmma >= 4 * fences > 0, f"wgmma serialized by ptxas: {hgmma} HGMMA, {fences} fences"
+    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, "register spills"
+
+
 class _Shaped:
     """Stands in for a tensor where only shape and strides are read (launch_args)."""
 
