@@ -303,8 +303,94 @@ def print_table(results: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Main
+# Child processes: a kernel that hangs (an mbarrier waited for forever) cannot be stopped from its
+# own process, so checks and timing run in children with time limits; dying with its process
+# takes the hung kernel's CUDA context with it.
 # ------------------------------------------------------------------------------------------------
+
+def child_check(folders: dict, start: int, result: Path) -> None:
+    """Check contenders start, start+1, ... (in contenders_of order), appending each result to
+    ``result`` (JSON lines) as soon as it is known."""
+    import torch
+
+    contenders = contenders_of(folders)
+    for i, c in enumerate(contenders[start:], start):
+        try:
+            res = check(torch, c)
+        except Exception as exc:
+            res = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                   "trace": traceback.format_exc()[-1500:]}
+        res.update(index=i, label=c.label, key=c.variant.key, spec=c.variant.spec)
+        with result.open("a") as f:
+            f.write(json.dumps(res, default=str) + "\n")
+
+
+def child_time(folders: dict, keys: list[str], shapes: tuple, rounds: int, launches: int, budget: float,
+               result: Path) -> None:
+    """Time the contenders whose variant keys are ``keys`` per shape against cuDNN, appending each
+    shape's result to ``result`` (JSON lines)."""
+    import torch
+
+    contenders = [c for c in contenders_of(folders) if c.variant.key in set(keys)]
+    deadline = time.monotonic() + budget
+    rng = random.Random(0)
+    for shape in shapes:
+        dtype, D, causal = shape[:3]
+        mine = [c for c in contenders if c.variant.spec == {"dtype": dtype, "HEAD_DIM": D, "HEAD_DIM_V": D,
+                                                             "CAUSAL": causal, **SPEC_BASE}]
+        if time.monotonic() > deadline:
+            res = {"shape": shape, "rows": {}, "errors": {"_budget": "time budget spent before this shape"}}
+        else:
+            try:
+                res = time_shape(torch, shape, mine, rounds, launches, deadline, rng)
+            except Exception as exc:
+                res = {"shape": shape, "rows": {}, "errors": {"_shape": f"{type(exc).__name__}: {str(exc)[:300]}"}}
+        with result.open("a") as f:
+            f.write(json.dumps(res, default=str) + "\n")
+
+
+def _run_child(argv: list[str], timeout: float) -> str | None:
+    """Run this script as a child; None if it finished, else why not."""
+    import subprocess
+
+    try:
+        proc = subprocess.run([sys.executable, __file__, *argv], timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s"
+    return None if proc.returncode == 0 else f"exit status {proc.returncode}"
+
+
+def _read_lines(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_checks(folders: dict, timeout: float, work: Path) -> list[dict]:
+    """Every contender's check, a child process at a time; a child that hangs or dies is killed,
+    the variant it was on is recorded as failed, and a new child carries on after it."""
+    import aotriton_rt  # noqa: F401 - fail here, not in every child, if the runtime is missing
+
+    total = len(contenders_of(folders))
+    path = work / "checks.jsonl"
+    path.unlink(missing_ok=True)
+    start = 0
+    while start < total:
+        why = _run_child(["--child-check", json.dumps(folders), "--start", str(start), "--result", str(path)],
+                         timeout)
+        done = _read_lines(path)
+        nxt = max([r["index"] for r in done], default=start - 1) + 1
+        if why is None and nxt >= total:
+            break
+        if why is None:
+            why = "the checking process stopped early"
+        log(f"[check] variant #{nxt}: {why}; counted as failed")
+        with path.open("a") as f:
+            f.write(json.dumps({"index": nxt, "ok": False, "error": why, "label": f"#{nxt}", "key": None,
+                                "spec": {}}) + "\n")
+        start = nxt + 1
+    return _read_lines(path)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -316,16 +402,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds allowed per variant's compile")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--no-build", action="store_true", help="use the folders already under --images")
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--launches", type=int, default=10, help="launches per timing sample")
-    ap.add_argument("--budget", type=float, default=150.0, help="seconds for checks and timing together")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--launches", type=int, default=20, help="launches per timing sample")
+    ap.add_argument("--check-timeout", type=float, default=90.0, help="seconds allowed per checking process")
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds for the timing rounds")
     ap.add_argument("--shapes", default="all", help="'all' or comma indices into SHAPES")
+    ap.add_argument("--child-check", help=argparse.SUPPRESS)
+    ap.add_argument("--child-time", help=argparse.SUPPRESS)
+    ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--keys", default="[]", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     shapes = SHAPES if args.shapes == "all" else tuple(SHAPES[int(i)] for i in args.shapes.split(","))
+    if args.child_check:
+        child_check(json.loads(args.child_check), args.start, Path(args.result))
+        return 0
+    if args.child_time:
+        child_time(json.loads(args.child_time), json.loads(args.keys), shapes, args.rounds, args.launches,
+                   args.budget, Path(args.result))
+        return 0
+
+    started = time.monotonic()
     levers = [x for x in args.levers.split(",") if x]
     images = Path(args.images)
-    details: dict = {"shapes": shapes, "levers": levers, "build": {}, "checks": {}, "timing": []}
+    details: dict = {"shapes": shapes, "levers": levers, "build": {}, "checks": [], "timing": []}
     folders: dict[str, str] = {}
     if not args.no_build:
         details["build"] = build_levers(levers, bench_specs(shapes), images, args.jobs, args.timeout)
@@ -339,43 +440,29 @@ def main(argv: list[str] | None = None) -> int:
         write_details(details)
         return 0
 
-    import torch
+    import tempfile
 
-    deadline = time.monotonic() + args.budget
-    contenders = contenders_of(folders)
-    log(f"[check] {len(contenders)} variants from {', '.join(folders) or 'no folders'}")
-    passing = []
-    for c in contenders:
-        try:
-            res = check(torch, c)
-        except Exception as exc:
-            res = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
-                   "trace": traceback.format_exc()[-1500:]}
-            torch.cuda.synchronize()
-        details["checks"][c.label + " " + json.dumps(c.variant.spec, sort_keys=True)] = res
-        status = "PASS" if res["ok"] else "FAIL"
-        log(f"[check] {status} {c.label} {c.variant.spec['dtype']} D{c.variant.spec['HEAD_DIM']} "
-            f"causal{c.variant.spec['CAUSAL']}: " + (res.get("error") or
-                                                    f"out {res['err_out']:.2e} lse {res['err_lse']:.2e}"))
-        if res["ok"]:
-            passing.append(c)
-
-    rng = random.Random(0)
-    results = []
-    for shape in shapes:
-        dtype, D, causal = shape[:3]
-        mine = [c for c in passing if c.variant.spec == {"dtype": dtype, "HEAD_DIM": D, "HEAD_DIM_V": D,
-                                                          "CAUSAL": causal, **SPEC_BASE}]
-        if time.monotonic() > deadline:
-            log(f"[time] budget spent before {shape}")
-            break
-        try:
-            res = time_shape(torch, shape, mine, args.rounds, args.launches, deadline, rng)
-        except Exception as exc:
-            res = {"shape": shape, "rows": {}, "errors": {"_shape": f"{type(exc).__name__}: {str(exc)[:300]}"}}
-        results.append(res)
-        details["timing"].append(res)
+    with tempfile.TemporaryDirectory(prefix="sm90-levers-") as tmp:
+        work = Path(os.environ.get("OUT") or tmp)
+        checks = run_checks(folders, args.check_timeout, work)
+        details["checks"] = checks
+        for r in checks:
+            spec = r.get("spec") or {}
+            what = r.get("error") or f"out {r.get('err_out', math.nan):.2e} lse {r.get('err_lse', math.nan):.2e}"
+            log(f"[check] {'PASS' if r['ok'] else 'FAIL'} {r['label']} {spec.get('dtype', '')} "
+                f"D{spec.get('HEAD_DIM', '')} causal{spec.get('CAUSAL', '')}: {what}")
+        keys = [r["key"] for r in checks if r["ok"]]
+        path = work / "timing.jsonl"
+        path.unlink(missing_ok=True)
+        why = _run_child(["--child-time", json.dumps(folders), "--keys", json.dumps(keys), "--shapes", args.shapes,
+                          "--rounds", str(args.rounds), "--launches", str(args.launches),
+                          "--budget", str(args.budget), "--result", str(path)], args.budget + 120)
+        results = _read_lines(path)
+        if why:
+            log(f"[time] the timing process: {why}; {len(results)} of {len(shapes)} shapes measured")
+    details["timing"] = results
     print_table(results)
+    log(f"\ntotal {time.monotonic() - started:.0f} s")
     write_details(details)
     return 0
 
