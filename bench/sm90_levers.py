@@ -12,13 +12,15 @@ through ``aotriton_rt.Library`` exactly as the operator launches its kernels):
   the CPU: ``--levers ws --build-only`` under that Triton) and passed with ``--prebuilt``.
 
 Every variant is first checked against an fp32 reference on a problem with ragged lengths
-(seqlen_q 1000, seqlen_k 1111, memory past the sequences NaN) in its mask mode; a wrong or failing
-one is reported and not timed. Then, per shape, every passing variant and SDPA's cuDNN backend
-(inputs without grad) are timed in rounds whose order is shuffled each round (CUDA events, a fixed
-number of launches per sample); the table gives median TFLOP/s, the spread (min-max over rounds)
-and the ratio to cuDNN's median of the same run. A failing lever never stops the others: builds
-run with --keep-going and a per-variant timeout, each check and timing is guarded, and the whole
-timing phase stops at ``--budget`` seconds (what was measured is reported).
+(seqlen_q 1000, seqlen_k 1111, memory past the sequences NaN) in its mask mode, in a child
+process with a time limit (a kernel that hangs costs its variant; checks resume after it); a
+wrong one is reported with where it is wrong and not timed. Then, per shape, every passing
+variant and SDPA's cuDNN backend (inputs without grad: "cudnn"; with grad, the training forward:
+"cudnn-train") are timed in rounds whose order is shuffled each round (CUDA events, a fixed
+number of launches per sample), in one child process with a time limit. The table gives median
+TFLOP/s, the spread (min-max over rounds) and the ratio to "cudnn"'s median of the same run.
+Builds run with --keep-going and a per-variant timeout: a lever that fails to compile does not
+stop the others.
 
     python bench/sm90_levers.py -j16                                  # build here, check, time
     python bench/sm90_levers.py --levers ws --build-only --images DIR # build one lever only (CPU ok)
@@ -219,7 +221,28 @@ def check(torch, c: Contender, seed: int = 0) -> dict:
     err_lse = (lse - ref_lse).abs().max().item()
     tol_out = 1e-2 if spec["dtype"] == "fp16" else 3e-2
     ok = err_out <= tol_out and err_lse <= 1e-3  # NaN compares False: fails
-    return {"ok": ok, "err_out": err_out, "err_lse": err_lse, "tol_out": tol_out}
+    res = {"ok": ok, "err_out": err_out, "err_lse": err_lse, "tol_out": tol_out}
+    if not ok:
+        res["diagnosis"] = diagnose(torch, out, lse, ref, ref_lse, tol_out)
+    return res
+
+
+def diagnose(torch, out, lse, ref, ref_lse, tol: float) -> dict:
+    """Where a wrong result is wrong: which query rows (and their position in a 128-row tile: the
+    Gluon kernel's consumers own rows 0-63 and 64-127), NaN or not, LSE rows with the wrong -inf."""
+    bad = ((out.float() - ref).abs() > tol) | out.isnan()
+    rows = bad.any(-1).any(0).any(0)  # (Sq,)
+    idx = rows.nonzero().flatten()
+    in_tile = idx % 128
+    finite = torch.isfinite(ref_lse)
+    return {
+        "bad_rows": int(rows.sum()), "rows": int(rows.numel()),
+        "first_bad_rows": idx[:8].tolist(), "last_bad_rows": idx[-4:].tolist(),
+        "bad_rows_in_tile_half_0_1": [int((in_tile < 64).sum()), int((in_tile >= 64).sum())],
+        "nan_out": int(out.isnan().sum()), "nan_lse": int(lse.isnan().sum()),
+        "lse_inf_rows_disagree": int((torch.isfinite(lse) != finite).sum()),
+        "bad_heads": bad.any(-1).any(-1).sum(0).tolist(),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,7 +275,13 @@ def time_shape(torch, shape: tuple, contenders: list, rounds: int, launches: int
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal), scale=scale)
 
-    fns = {"cudnn": cudnn}
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def cudnn_train():  # inputs that require grad: the training forward (it also keeps the LSE)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=bool(causal), scale=scale)
+
+    fns = {"cudnn": cudnn, "cudnn-train": cudnn_train}
     for c in contenders:
         fns[c.label] = (lambda c=c: c(args))
     samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -449,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in checks:
             spec = r.get("spec") or {}
             what = r.get("error") or f"out {r.get('err_out', math.nan):.2e} lse {r.get('err_lse', math.nan):.2e}"
+            if r.get("diagnosis"):
+                what += " " + json.dumps(r["diagnosis"])
             log(f"[check] {'PASS' if r['ok'] else 'FAIL'} {r['label']} {spec.get('dtype', '')} "
                 f"D{spec.get('HEAD_DIM', '')} causal{spec.get('CAUSAL', '')}: {what}")
         keys = [r["key"] for r in checks if r["ok"]]

@@ -55,3 +55,19 @@ def test_a_hang_on_the_last_variant_ends_the_checks(levers, monkeypatch, tmp_pat
 def test_a_child_that_times_out_is_reported_not_raised(levers) -> None:
     why = levers._run_child(["--child-check", "{}", "--start", "0", "--result", "/dev/null"], timeout=0.01)
     assert why == "timed out after 0 s"
+
+
+def test_a_wrong_result_is_located_by_rows_tile_half_and_nan(levers) -> None:
+    torch = pytest.importorskip("torch")
+    ref = torch.zeros(2, 3, 300, 8)
+    out = ref.clone()
+    out[1, 2, 200] = 1.0  # row 200: second half of its 128-row tile
+    out[0, 0, 10, 3] = float("nan")  # row 10: first half
+    ref_lse = torch.zeros(2, 3, 300)
+    lse = ref_lse.clone()
+    lse[0, 1, 299] = float("-inf")
+    d = levers.diagnose(torch, out, lse, ref, ref_lse, 1e-2)
+    assert d["bad_rows"] == 2 and d["first_bad_rows"] == [10, 200]
+    assert d["bad_rows_in_tile_half_0_1"] == [1, 1]
+    assert d["nan_out"] == 1 and d["nan_lse"] == 0 and d["lse_inf_rows_disagree"] == 1
+    assert d["bad_heads"] == [1, 0, 1]
