@@ -251,6 +251,10 @@ def attn_fwd_sm90(
     dtype: gl.constexpr = Q.dtype.element_ty
 
     pid_m = gl.program_id(0)
+    if CAUSAL != 0:
+        # Heaviest query tile first (it sees the most keys, in either alignment): one program per
+        # SM runs in launch order, so the light tiles fill the end of the grid (a shorter tail).
+        pid_m = gl.num_programs(0) - 1 - pid_m
     pid_bh = gl.program_id(1)
     off_b = pid_bh // num_heads_q
     off_h = pid_bh % num_heads_q
