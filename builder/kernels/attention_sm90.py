@@ -53,15 +53,23 @@ def _loader(k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [start_m + c * HALF, 0], q_bar.index(c), q_smem.index(c))
     for idx in range(n):
-        s = idx % STAGES
-        # A fresh barrier counts as having completed the phase before its first: the first pass
-        # over the ring does not wait.
-        mbarrier.wait(kv_free.index(s), ((idx // STAGES) & 1) ^ 1)
-        start_n = _key_block(idx, lo, f1, f2, n1, n2, BLOCK_N)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(s), k_smem.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(s), v_smem.index(s))
+        _load_block(idx, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, lo, f1, f2, n1, n2,
+                    BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _load_block(idx, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, lo, f1, f2, n1, n2,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of the idx-th visited K and V blocks into slot idx % STAGES, once it is free."""
+    s = idx % STAGES
+    # A fresh barrier counts as having completed the phase before its first: the first pass over
+    # the ring does not wait.
+    mbarrier.wait(kv_free.index(s), ((idx // STAGES) & 1) ^ 1)
+    start_n = _key_block(idx, lo, f1, f2, n1, n2, BLOCK_N)
+    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(s), k_smem.index(s))
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
@@ -118,9 +126,14 @@ def _pass_turn(turn, c: gl.constexpr, PINGPONG: gl.constexpr):
 @gluon.jit
 def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn,
               O_head, L_head, stride_om, start_m, len_q, len_k, qk_scale, diag, left, right,
-              lo, f1, f2, n1, n2, n,
-              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    """Consumer warp group c: rows start_m + c*HALF ... of the program's tile, the whole key loop."""
+              lo, f1, f2, n1, n2, n, q_desc, k_desc, v_desc,
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+              INLINE: gl.constexpr):
+    """Consumer warp group c: rows start_m + c*HALF ... of the program's tile, the whole key loop.
+
+    INLINE (no loader warp): the consumer issues the TMA loads itself: Q and the first STAGES
+    blocks up front, then block j-1+STAGES into the slot block j-1 frees.
+    """
     HALF: gl.constexpr = q_smem.shape[1]
     BLOCK_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
@@ -138,6 +151,12 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     acc = gl.zeros([HALF, BLOCK_D], gl.float32, o_layout)
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
     q = q_smem.index(c)
+    if INLINE:
+        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [start_m + c * HALF, 0], q_bar.index(c), q)
+        for j in range(0, gl.minimum(n, STAGES)):
+            _load_block(j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, lo, f1, f2, n1, n2,
+                        BLOCK_N, STAGES)
     mbarrier.wait(q_bar.index(c), 0)
 
     # Prologue: S_0 and its softmax; P_0 waits for the loop's first P.V.
@@ -161,11 +180,13 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     for idx in range(1, masked_end):
         acc, p, l_i, m_i = _step(idx, c, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn,
                                  s_zero, rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
-                                 True, CAUSAL, BLOCK_N, STAGES, PINGPONG, p_layout, o_layout)
+                                 n, k_desc, v_desc, True, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE,
+                                 p_layout, o_layout)
     for idx in range(masked_end, n):
         acc, p, l_i, m_i = _step(idx, c, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn,
                                  s_zero, rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
-                                 False, CAUSAL, BLOCK_N, STAGES, PINGPONG, p_layout, o_layout)
+                                 n, k_desc, v_desc, False, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE,
+                                 p_layout, o_layout)
     # Epilogue: the last block's P.V.
     if n > 0:
         last = n - 1
@@ -192,9 +213,9 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
 
 @gluon.jit
 def _step(idx, c: gl.constexpr, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn, s_zero,
-          rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
+          rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2, n, k_desc, v_desc,
           MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          PINGPONG: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
+          PINGPONG: gl.constexpr, INLINE: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
     """One pipelined key block idx >= 1 of consumer c (see _consumer)."""
     s = idx % STAGES
     prev = (idx + STAGES - 1) % STAGES
@@ -215,6 +236,11 @@ def _step(idx, c: gl.constexpr, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_
     p = gl.convert_layout(p32.to(p.dtype), p_layout)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(kv_free.index(prev), count=1)
+    if INLINE:
+        # The slot block idx-1 just freed takes block idx-1+STAGES (its wait passes at once).
+        if idx - 1 + STAGES < n:
+            _load_block(idx - 1 + STAGES, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free,
+                        lo, f1, f2, n1, n2, BLOCK_N, STAGES)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     return acc, p, l_i, m_i
 
@@ -234,7 +260,7 @@ def attn_fwd_sm90(
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    WARP_SPECIALIZE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Attention forward (see attn_fwd): Out = softmax(Q K^T * sm_scale, masked) V and its logsumexp.
 
@@ -243,10 +269,14 @@ def attn_fwd_sm90(
     are 0. HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). STAGES: K/V slots in the ring.
     PINGPONG: the two consumers take turns issuing their matmuls (see _take_turn). CONSUMER_REGS:
     registers per thread of the second consumer warp group (the loader warp gets 24).
+    WARP_SPECIALIZE 0: no loader warp and one consumer of BLOCK_M rows (4 warps) that issues its
+    own TMA loads (a fallback, and small enough for two programs per SM with short key blocks).
     """
     gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0, "attn_fwd_sm90: no bias, dropout or varlen")
     gl.static_assert(HEAD_DIM == HEAD_DIM_V, "attn_fwd_sm90: equal q.k and v head dims")
-    HALF: gl.constexpr = BLOCK_M // 2
+    gl.static_assert(PINGPONG <= WARP_SPECIALIZE, "attn_fwd_sm90: PINGPONG needs two consumers")
+    CONSUMERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
+    HALF: gl.constexpr = BLOCK_M // CONSUMERS
     BLOCK_D: gl.constexpr = HEAD_DIM
     dtype: gl.constexpr = Q.dtype.element_ty
 
@@ -312,7 +342,7 @@ def attn_fwd_sm90(
     n2 = (hi - f2 + BLOCK_N - 1) // BLOCK_N
     n = n1 + n2 + (f2 - f1) // BLOCK_N
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF, BLOCK_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -326,18 +356,23 @@ def attn_fwd_sm90(
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(kv_free.index(s), count=2)
+        mbarrier.init(kv_free.index(s), count=CONSUMERS)
 
-    gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
-                     stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                     CAUSAL, BLOCK_N, STAGES, PINGPONG)),
-        (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
-                     stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                     CAUSAL, BLOCK_N, STAGES, PINGPONG)),
-        (_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free,
-                   start_m, lo, f1, f2, n1, n2, n, BLOCK_N, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if WARP_SPECIALIZE:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
+                         stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                         q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, PINGPONG, False)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
+                         stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                         q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, PINGPONG, False)),
+            (_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free,
+                       start_m, lo, f1, f2, n1, n2, n, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        _consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
+                  stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                  q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, 0, True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,13 +384,15 @@ from builder.registry import Config, Kernel  # noqa: E402 - declarations follow 
 
 #: Head dims compiled: the ones whose portable sm90 forward trails cuDNN most (docs/performance.md).
 HEAD_DIMS = (64, 128)
-#: (BLOCK_M, BLOCK_N, STAGES, PINGPONG) per head dim, the expected fastest first (unmeasured:
+#: (BLOCK_M, BLOCK_N, STAGES, PINGPONG, WARP_SPECIALIZE) per head dim, the expected fastest first (unmeasured:
 #: bench/sm90_levers.py ranks them). Shared memory: the two consumers' Q tiles plus STAGES K and V
 #: blocks (D=128, BLOCK_N=128: 32 KB + 64 KB a stage; three stages are the most that fit sm90's
 #: 227 KB). Two stages leave the loader no slot to fill while a consumer holds block j-1 (P.V) and
-#: j (S); they are there to measure that.
-TILES = {128: ((128, 128, 3, 1), (128, 128, 3, 0), (128, 64, 4, 1), (128, 128, 2, 0)),
-         64: ((128, 128, 4, 1), (128, 128, 4, 0), (128, 64, 4, 1))}
+#: j (S); they are there to measure that. WARP_SPECIALIZE 0 (one 64-row consumer, its own loads):
+#: 64-key blocks in three stages take 112 KB, two programs per SM.
+TILES = {128: ((128, 128, 3, 1, 1), (128, 128, 3, 0, 1), (128, 64, 4, 1, 1), (128, 128, 2, 0, 1),
+               (64, 64, 3, 0, 0), (64, 128, 2, 0, 0)),
+         64: ((128, 128, 4, 1, 1), (128, 128, 4, 0, 1), (128, 64, 4, 1, 1), (64, 64, 4, 0, 0))}
 #: Registers per thread of each consumer warp group (setmaxnreg); the loader warp takes 24.
 CONSUMER_REGS = 240
 
@@ -365,9 +402,9 @@ def sm90_fwd_configs(spec: dict, target: object) -> tuple[Config, ...]:
     compiled kernel runs 12 warps (two consumer groups and the loader's group), which the
     catalog records from the binary."""
     return tuple(Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": st, "PINGPONG": pp,
-                                    "CONSUMER_REGS": CONSUMER_REGS},
+                                    "WARP_SPECIALIZE": ws, "CONSUMER_REGS": CONSUMER_REGS},
                         num_warps=4, num_stages=1, backends=("cuda",))
-                 for bm, bn, st, pp in TILES[spec["HEAD_DIM"]])
+                 for bm, bn, st, pp, ws in TILES[spec["HEAD_DIM"]])
 
 
 def _excluded(spec: dict, target: object) -> str | None:

@@ -66,28 +66,35 @@ def test_the_builder_picks_gluons_source_class_for_gluon_kernels_only() -> None:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One variant (bf16 D=64 bottom-right causal, config #0) built by the builder, proof included."""
+    """Two variants of bf16 D=64 bottom-right causal built by the builder, proof included: config #0
+    (loader warp, two consumer warp groups) and #3 (one consumer issuing its own loads)."""
     from builder.build import build
     from builder.registry import expand
     from builder.targets import parse_targets
 
     want = {"dtype": "bf16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 2, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
     jobs = [j for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "full", "3.6.0")
-            if j.spec == want and j.config_index == 0]
-    assert len(jobs) == 1
+            if j.spec == want and j.config_index in (0, 3)]
+    assert len(jobs) == 2 and [j.config.constexprs["WARP_SPECIALIZE"] for j in jobs] == [1, 0]
     out = tmp_path_factory.mktemp("gluon")
     summary = build(jobs, out, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
-    assert summary.failed == [] and summary.compiled == 1
+    assert summary.failed == [] and summary.compiled == 2
     return out
 
 
-def test_an_sm90_gluon_variant_compiles_and_its_binary_proves_the_catalog_layout(built: Path) -> None:
+def _variant(built: Path, index: int):
     from aotriton_rt.catalog import Catalog
+
+    (variant,) = [v for v in Catalog.load(built / "catalog.json").variants if v.config.index == index]
+    return variant
+
+
+def test_sm90_gluon_variants_compile_and_their_binaries_prove_the_catalog_layout(built: Path) -> None:
     from builder.build import verify_folder
     from builder.kernels.attention_sm90 import CONSUMER_REGS
 
-    assert verify_folder(built) == 1
-    (variant,) = Catalog.load(built / "catalog.json").variants
+    assert verify_folder(built) == 2
+    variant = _variant(built, 0)
     assert variant.kernel == "attn_fwd_sm90" and variant.target.arch == "sm90"
     # Two consumer warp groups and the loader's group (its one warp padded to a group).
     assert variant.num_warps == 12 and variant.config.num_warps == 4
@@ -98,15 +105,19 @@ def test_an_sm90_gluon_variant_compiles_and_its_binary_proves_the_catalog_layout
     assert [a.name for a in variant.args] == [n for n, t in _kernels()["attn_fwd"].signature.items()
                                               if t != "constexpr"]
     assert variant.shared <= 232448
+    # Without the loader warp: one 4-warp consumer of 64 rows, small enough for two programs per SM.
+    inline = _variant(built, 3)
+    assert inline.num_warps == 4 and inline.config.constexprs["BLOCK_M"] == 64
+    assert [a.name for a in inline.args] == [a.name for a in variant.args]
+    assert 2 * (inline.shared + 1024) <= 233472
 
 
 def test_a_catalog_that_lies_about_the_gluon_binary_fails_the_abi_proof(built: Path) -> None:
     import lzma
 
-    from aotriton_rt.catalog import Catalog
     from builder.abi import AbiError, prove
 
-    (variant,) = Catalog.load(built / "catalog.json").variants
+    variant = _variant(built, 0)
     raw = lzma.decompress((built / variant.image.path).read_bytes())
     prove(variant.to_json(), raw)
     wrong_warps = {**variant.to_json(), "num_warps": 4}  # the binary requires 12 warps (384 threads)
@@ -118,7 +129,8 @@ def test_a_catalog_that_lies_about_the_gluon_binary_fails_the_abi_proof(built: P
         prove({**variant.to_json(), "args": args}, raw)
 
 
-def test_ptxas_keeps_the_gluon_wgmmas_asynchronous_and_spills_nothing(built: Path) -> None:
+@pytest.mark.parametrize("index", [0, 3])
+def test_ptxas_keeps_the_gluon_wgmmas_asynchronous_and_spills_nothing(built: Path, index: int) -> None:
     """ptxas serializes wgmma (a fence and a wait around each instruction) when it cannot prove
     in-flight operand registers safe, a silent 2x loss; P stays in registers across its P.V here."""
     import lzma
@@ -128,9 +140,7 @@ def test_ptxas_keeps_the_gluon_wgmmas_asynchronous_and_spills_nothing(built: Pat
 
     import triton
 
-    from aotriton_rt.catalog import Catalog
-
-    (variant,) = Catalog.load(built / "catalog.json").variants
+    variant = _variant(built, index)
     raw = lzma.decompress((built / variant.image.path).read_bytes())
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -142,7 +152,7 @@ def test_ptxas_keeps_the_gluon_wgmmas_asynchronous_and_spills_nothing(built: Pat
         ops[op] = ops.get(op, 0) + 1
     hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
     fences = ops.get("WARPGROUP.ARRIVE", 0)
-    # D=64, 128-key blocks: 4 k-steps for Q.K^T and 8 for P.V per issue site.
+    # D=64: 4 k-steps for Q.K^T, and 8 (128-key blocks) or 4 (64-key blocks) for P.V per issue site.
     assert hgmma >= 4 * fences > 0, f"wgmma serialized by ptxas: {hgmma} HGMMA, {fences} fences"
     assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, "register spills"
 
@@ -165,7 +175,9 @@ def test_the_levers_bench_loads_the_built_variant_with_attn_fwds_argument_list(b
     sys.path.insert(0, str(ROOT / "bench"))
     import sm90_levers
 
-    (contender,) = sm90_levers.contenders_of({"gluon-test": str(built)})
+    contenders = sm90_levers.contenders_of({"gluon-test": str(built)})
+    assert sorted(c.label.split()[0] for c in contenders) == ["gluon-test#0", "gluon-test#3"]
+    contender = next(c for c in contenders if c.index == 0)
     assert contender.label.startswith("gluon-test#0 128x128 w4s1 ")
     q = _Shaped(2, 3, 100, 64)
     args = sm90_levers.launch_args(q, q, q, q, _Shaped(2, 3, 100), causal=2, scale=0.125)
