@@ -49,7 +49,6 @@ def compile_job_with_ptx(job: Job) -> tuple[Variant, bytes, bytes, bytes | None]
     """
     os.environ.update(compile_env())
     import triton
-    from triton.compiler import ASTSource
 
     from .abi import HIDDEN_ARGS, natural_layout
     from .targets import gpu_target
@@ -57,8 +56,8 @@ def compile_job_with_ptx(job: Job) -> tuple[Variant, bytes, bytes, bytes | None]
     kernel = _kernels(job.package)[job.kernel]
     names = list(job.signature)
     attrs = {(names.index(n),): [["tt.divisibility", d]] for n, d in job.divisibility.items()}
-    src = ASTSource(fn=kernel.fn, signature=dict(job.signature), constexprs=dict(job.constexprs),
-                    attrs=attrs)
+    src = source_class(kernel.fn)(fn=kernel.fn, signature=dict(job.signature), constexprs=dict(job.constexprs),
+                                  attrs=attrs)
     compiled = triton.compile(src, target=gpu_target(job.target), options=job.options())
     md = compiled.metadata
     fmt = IMAGE_FORMATS[job.target.backend]
@@ -98,3 +97,17 @@ def compile_job_with_ptx(job: Job) -> tuple[Variant, bytes, bytes, bytes | None]
         grid=tuple(job.grid), image=image(fmt, packed, raw), triton_version=triton.__version__,
         checks=tuple(job.checks), ptx=image("ptx", ptx_packed, ptx) if ptx_packed is not None else None)
     return variant, raw, packed, ptx_packed
+
+
+def source_class(fn) -> type:
+    """The Triton source wrapper that compiles ``fn``: Gluon kernels (``@gluon.jit``, per-architecture
+    kernels with explicit layouts) parse through ``GluonASTSource``, every other kernel through
+    ``ASTSource``. Both take the same signature, constexprs and attributes."""
+    is_gluon = getattr(fn, "is_gluon", None)
+    if callable(is_gluon) and is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource
+    from triton.compiler import ASTSource
+
+    return ASTSource

@@ -1,0 +1,450 @@
+"""Hopper (sm90) attention forward in Gluon, FlashAttention-3 style.
+
+Same arguments, conventions and results as ``attn_fwd`` in ``attention.py`` (strides, mask modes,
+LSE layout, GQA, scale), for the cases the portable kernel spends most time on: fp16/bf16, head
+dim 64 or 128, no bias, no dropout, fixed lengths. Every other case and every other target keeps
+the portable kernel; this one is compiled for sm90 only (Gluon kernels are per architecture).
+
+What Gluon lets this kernel do that the Triton compiler does not do for ``attn_fwd`` on sm90:
+
+- One program owns ``BLOCK_M`` query rows split between two *consumer* warp groups of 4 warps
+  (``BLOCK_M // 2`` rows each, the wgmma M tile), and one *loader* warp (``warp_specialize``) that
+  streams K and V blocks with TMA into a ring of ``STAGES`` shared-memory slots, each slot with its
+  own K-ready, V-ready and slot-free mbarriers. Both consumers read every slot; it is handed back
+  when both have arrived on its free barrier.
+- Each consumer overlaps its softmax with the previous block's P·V matmul (FA3's intra-warpgroup
+  pipelining): block j's S = Q·Kᵀ and block j-1's O += P·V are issued as asynchronous wgmma,
+  the softmax of S_j runs while P·V still executes, and O is rescaled once P·V has retired. P
+  stays in registers as the A operand of the P·V wgmma.
+
+Key blocks are visited in the order of ``attn_fwd``: the ones that need a mask (band edges, the
+sequence end) first, the unmasked run last, so the hot loop carries no mask code. The very first
+block always goes through the masked path (it starts the software pipeline).
+
+Device-side TMA descriptors (made in the kernel, 128 bytes each) live in the runtime's global
+scratch, as for ``attn_fwd``'s ``USE_TMA`` configs.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _key_block(idx, lo, f1, f2, n1, n2, BLOCK_N: gl.constexpr):
+    """First key of the idx-th visited block: [lo, f1) and [f2, hi) (masked) first, [f1, f2) last."""
+    start = lo + idx * BLOCK_N
+    start = gl.where(idx >= n1, f2 + (idx - n1) * BLOCK_N, start)
+    start = gl.where(idx >= n1 + n2, f1 + (idx - n1 - n2) * BLOCK_N, start)
+    return start
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free,
+            start_m, lo, f1, f2, n1, n2, n, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Loader warp: both consumers' Q tiles, then every visited K/V block into the slot ring."""
+    HALF: gl.constexpr = q_smem.shape[1]
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [start_m + c * HALF, 0], q_bar.index(c), q_smem.index(c))
+    for idx in range(n):
+        _load_block(idx, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, lo, f1, f2, n1, n2,
+                    BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _load_block(idx, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, lo, f1, f2, n1, n2,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of the idx-th visited K and V blocks into slot idx % STAGES, once it is free."""
+    s = idx % STAGES
+    # A fresh barrier counts as having completed the phase before its first: the first pass over
+    # the ring does not wait.
+    mbarrier.wait(kv_free.index(s), ((idx // STAGES) & 1) ^ 1)
+    start_n = _key_block(idx, lo, f1, f2, n1, n2, BLOCK_N)
+    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(s), k_smem.index(s))
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale,
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """(p, new row maximum, rescale factor) of one S block; m is in log2 units (scaled scores).
+
+    Unmasked blocks fold the scale into the exponent (needs qk_scale >= 0: a negative scale sends
+    every block through the masked path, see attn_fwd_sm90). Rows that have seen no visible key
+    keep m = -inf and subtract 0 (no NaN); their p stays 0.
+    """
+    if MASKED:
+        qk = s_acc * qk_scale
+        keys = start_n + cols
+        if CAUSAL != 0:
+            rel = keys[None, :] - rows[:, None] - diag
+            right_i = gl.minimum(right, len_k - 1 - diag - rows)
+            visible = (rel >= -left) & (rel <= right_i[:, None])
+        else:
+            visible = (keys < len_k)[None, :] & (rows >= 0)[:, None]
+        qk = gl.where(visible, qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(qk - m_sub[:, None])
+        alpha = gl.exp2(m_i - m_sub)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s_acc, 1) * qk_scale)
+        p = gl.exp2(s_acc * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+    return p, m_new, alpha
+
+
+@gluon.jit
+def _take_turn(turn, k, c: gl.constexpr, PINGPONG: gl.constexpr):
+    """With PINGPONG, wait until consumer c may issue its k-th group of matmuls (FA3's inter-warpgroup
+    schedule: the consumers take turns, so one's softmax runs while the other's matmuls do).
+
+    turn[c] completes a phase each time the other consumer passes the turn. Consumer 0 goes first:
+    its k-th wait is on parity (k & 1) ^ 1, which a fresh barrier counts as complete for k = 0;
+    consumer 1 waits on parity k & 1, completed by consumer 0's k-th pass. Both issue the same
+    number of groups (the same key blocks), so the alternation never waits on a missing pass.
+    """
+    if PINGPONG:
+        mbarrier.wait(turn.index(c), (k & 1) ^ (1 - c))
+
+
+@gluon.jit
+def _pass_turn(turn, c: gl.constexpr, PINGPONG: gl.constexpr):
+    """With PINGPONG, hand the matmul turn to the other consumer (after issuing, not finishing)."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - c), count=1)
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn,
+              O_head, L_head, stride_om, start_m, len_q, len_k, qk_scale, diag, left, right,
+              lo, f1, f2, n1, n2, n, q_desc, k_desc, v_desc,
+              CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+              INLINE: gl.constexpr):
+    """Consumer warp group c: rows start_m + c*HALF ... of the program's tile, the whole key loop.
+
+    INLINE (no loader warp): the consumer issues the TMA loads itself: Q and the first STAGES
+    blocks up front, then block j-1+STAGES into the slot block j-1 frees.
+    """
+    HALF: gl.constexpr = q_smem.shape[1]
+    BLOCK_D: gl.constexpr = q_smem.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    rows = start_m + c * HALF + gl.arange(0, HALF, layout=row_layout)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([HALF], gl.float32, row_layout)
+    acc = gl.zeros([HALF, BLOCK_D], gl.float32, o_layout)
+    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+    q = q_smem.index(c)
+    if INLINE:
+        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [start_m + c * HALF, 0], q_bar.index(c), q)
+        for j in range(0, gl.minimum(n, STAGES)):
+            _load_block(j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, lo, f1, f2, n1, n2,
+                        BLOCK_N, STAGES)
+    mbarrier.wait(q_bar.index(c), 0)
+
+    # Prologue: S_0 and its softmax; P_0 waits for the loop's first P.V.
+    p = gl.zeros([HALF, BLOCK_N], dtype, p_layout)
+    if n > 0:
+        k0 = k_smem.index(0).permute((1, 0))
+        _take_turn(turn, 0, c, PINGPONG)
+        mbarrier.wait(k_ready.index(0), 0)
+        s_acc = warpgroup_mma(q, k0, s_zero, use_acc=False, is_async=True)
+        _pass_turn(turn, c, PINGPONG)
+        s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
+        start0 = _key_block(0, lo, f1, f2, n1, n2, BLOCK_N)
+        p32, m_i, alpha = _softmax(s_acc, m_i, start0, rows, cols, len_k, diag, left, right, qk_scale,
+                                   True, CAUSAL)
+        l_i = gl.sum(p32, 1)
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+
+    # Steady state, masked blocks then unmasked ones: issue S_j and P_{j-1}.V_{j-1}, softmax S_j
+    # while P.V runs, then rescale O and free slot j-1.
+    masked_end = gl.maximum(n1 + n2, 1)
+    for idx in range(1, masked_end):
+        acc, p, l_i, m_i = _step(idx, c, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn,
+                                 s_zero, rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
+                                 n, k_desc, v_desc, True, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE,
+                                 p_layout, o_layout)
+    for idx in range(masked_end, n):
+        acc, p, l_i, m_i = _step(idx, c, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn,
+                                 s_zero, rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
+                                 n, k_desc, v_desc, False, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE,
+                                 p_layout, o_layout)
+    # Epilogue: the last block's P.V.
+    if n > 0:
+        last = n - 1
+        s = last % STAGES
+        v = v_smem.index(s)
+        _take_turn(turn, n, c, PINGPONG)
+        mbarrier.wait(v_ready.index(s), (last // STAGES) & 1)
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        _pass_turn(turn, c, PINGPONG)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(kv_free.index(s), count=1)
+
+    # Rows that saw no key have l = 0: output 0, logsumexp -inf.
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+    gl.store(L_head + rows, lse, mask=rows < len_q)
+    inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+    out = (acc * inv_l[:, None]).to(dtype)
+    o_rows = start_m + c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = O_head + o_rows.to(gl.int64)[:, None] * stride_om + o_cols[None, :]
+    gl.store(o_ptrs, out, mask=(o_rows < len_q)[:, None] & (o_cols >= 0)[None, :])
+
+
+@gluon.jit
+def _step(idx, c: gl.constexpr, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn, s_zero,
+          rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2, n, k_desc, v_desc,
+          MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+          PINGPONG: gl.constexpr, INLINE: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One pipelined key block idx >= 1 of consumer c (see _consumer)."""
+    s = idx % STAGES
+    prev = (idx + STAGES - 1) % STAGES
+    k = k_smem.index(s).permute((1, 0))
+    v = v_smem.index(prev)
+    _take_turn(turn, idx, c, PINGPONG)
+    mbarrier.wait(k_ready.index(s), (idx // STAGES) & 1)
+    s_acc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((idx - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p, v, acc, is_async=True)
+    _pass_turn(turn, c, PINGPONG)
+    # Groups retire in order: one outstanding means S_j is done and P.V may still run.
+    s_acc = warpgroup_mma_wait(1, deps=(s_acc,))
+    start_n = _key_block(idx, lo, f1, f2, n1, n2, BLOCK_N)
+    p32, m_i, alpha = _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale,
+                               MASKED, CAUSAL)
+    l_i = l_i * alpha + gl.sum(p32, 1)
+    p = gl.convert_layout(p32.to(p.dtype), p_layout)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(kv_free.index(prev), count=1)
+    if INLINE:
+        # The slot block idx-1 just freed takes block idx-1+STAGES (its wait passes at once).
+        if idx - 1 + STAGES < n:
+            _load_block(idx - 1 + STAGES, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free,
+                        lo, f1, f2, n1, n2, BLOCK_N, STAGES)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return acc, p, l_i, m_i
+
+
+@gluon.jit
+def attn_fwd_sm90(
+    Q, K, V, Bias, Out, LSE, DropMask, cu_seqlens_q, cu_seqlens_k,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_oz, stride_oh, stride_om,
+    stride_bz, stride_bh, stride_bm,
+    stride_lz, stride_lh,
+    stride_dmz, stride_dmh, stride_dmm,
+    batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
+    HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+    WARP_SPECIALIZE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """Attention forward (see attn_fwd): Out = softmax(Q K^T * sm_scale, masked) V and its logsumexp.
+
+    Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1). Bias, DropMask, cu_seqlens_* and the
+    dropout arguments are accepted (attn_fwd's argument list) and ignored: BIAS, DROPOUT and VARLEN
+    are 0. HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). STAGES: K/V slots in the ring.
+    PINGPONG: the two consumers take turns issuing their matmuls (see _take_turn). CONSUMER_REGS:
+    registers per thread of the second consumer warp group (the loader warp gets 24).
+    WARP_SPECIALIZE 0: no loader warp and one consumer of BLOCK_M rows (4 warps) that issues its
+    own TMA loads (a fallback, and small enough for two programs per SM with short key blocks).
+    """
+    gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0, "attn_fwd_sm90: no bias, dropout or varlen")
+    gl.static_assert(HEAD_DIM == HEAD_DIM_V, "attn_fwd_sm90: equal q.k and v head dims")
+    gl.static_assert(PINGPONG <= WARP_SPECIALIZE, "attn_fwd_sm90: PINGPONG needs two consumers")
+    CONSUMERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
+    HALF: gl.constexpr = BLOCK_M // CONSUMERS
+    BLOCK_D: gl.constexpr = HEAD_DIM
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    pid_m = gl.program_id(0)
+    if CAUSAL != 0:
+        # Heaviest query tile first (it sees the most keys, in either alignment): one program per
+        # SM runs in launch order, so the light tiles fill the end of the grid (a shorter tail).
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    off_b = pid_bh // num_heads_q
+    off_h = pid_bh % num_heads_q
+    off_hk = off_h // (num_heads_q // num_heads_k)
+    start_m = pid_m * BLOCK_M
+    len_q = seqlen_q
+    len_k = seqlen_k
+
+    Q_head = Q + off_b.to(gl.int64) * stride_qz + off_h.to(gl.int64) * stride_qh
+    K_base = K + off_b.to(gl.int64) * stride_kz + off_hk.to(gl.int64) * stride_kh
+    V_base = V + off_b.to(gl.int64) * stride_vz + off_hk.to(gl.int64) * stride_vh
+    O_head = Out + off_b.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+    L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+    q_desc = tma.make_tensor_descriptor(Q_head, shape=[len_q, HEAD_DIM], strides=[stride_qm, 1],
+                                        block_shape=[HALF, BLOCK_D], layout=q_layout)
+    k_desc = tma.make_tensor_descriptor(K_base, shape=[len_k, HEAD_DIM], strides=[stride_kn, 1],
+                                        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(V_base, shape=[len_k, HEAD_DIM], strides=[stride_vn, 1],
+                                        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+
+    # The band of visible keys (attn_fwd's _window / _span, for the whole BLOCK_M tile): blocks
+    # [lo, f1) and [f2, hi) need a mask, [f1, f2) do not.
+    qk_scale = sm_scale * LOG2E
+    unbounded = len_q + len_k
+    if CAUSAL == 2:
+        diag = len_k - len_q
+    else:
+        diag = len_k * 0
+    left = gl.where(window_left < 0, unbounded, window_left)
+    right = gl.where(window_right < 0, unbounded, window_right)
+    if CAUSAL != 0:
+        lo = gl.maximum(start_m + diag - left, 0)
+        lo = lo // BLOCK_N * BLOCK_N
+        hi = gl.minimum(start_m + BLOCK_M + diag + right, len_k)
+        hi = gl.maximum(hi, lo)
+        hi_up = (hi + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        full_lo = gl.maximum(start_m + BLOCK_M - 1 + diag - left, 0)
+        full_lo = (full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        full_hi = gl.minimum(start_m + diag + right + 1, len_k)
+        full_hi = gl.maximum(full_hi, 0) // BLOCK_N * BLOCK_N
+        f1 = gl.minimum(gl.maximum(full_lo, lo), hi_up)
+        f2 = gl.minimum(gl.maximum(full_hi, f1), hi_up)
+    else:
+        lo = len_k * 0
+        f1 = lo
+        f2 = len_k // BLOCK_N * BLOCK_N
+        hi = len_k
+    # The unmasked path scales row maxima, which needs a non-negative scale.
+    f1 = gl.where(sm_scale < 0, lo, f1)
+    f2 = gl.where(sm_scale < 0, lo, f2)
+    n1 = (f1 - lo) // BLOCK_N
+    n2 = (hi - f2 + BLOCK_N - 1) // BLOCK_N
+    n = n1 + n2 + (f2 - f1) // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF, BLOCK_D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(kv_free.index(s), count=CONSUMERS)
+
+    if WARP_SPECIALIZE:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
+                         stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                         q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, PINGPONG, False)),
+            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
+                         stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                         q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, PINGPONG, False)),
+            (_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free,
+                       start_m, lo, f1, f2, n1, n2, n, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        _consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
+                  stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                  q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, 0, True)
+
+
+# --------------------------------------------------------------------------------------------
+# Registry declaration.
+# --------------------------------------------------------------------------------------------
+
+from builder.kernels.attention import GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
+from builder.registry import Config, Kernel  # noqa: E402 - declarations follow the kernel
+
+#: Head dims compiled: the ones whose portable sm90 forward trails cuDNN most (docs/performance.md).
+HEAD_DIMS = (64, 128)
+#: (BLOCK_M, BLOCK_N, STAGES, PINGPONG, WARP_SPECIALIZE) per head dim, the expected fastest first (unmeasured:
+#: bench/sm90_levers.py ranks them). Shared memory: the two consumers' Q tiles plus STAGES K and V
+#: blocks (D=128, BLOCK_N=128: 32 KB + 64 KB a stage; three stages are the most that fit sm90's
+#: 227 KB). Two stages leave the loader no slot to fill while a consumer holds block j-1 (P.V) and
+#: j (S); they are there to measure that. WARP_SPECIALIZE 0 (one 64-row consumer, its own loads):
+#: 64-key blocks in three stages take 112 KB, two programs per SM.
+TILES = {128: ((128, 128, 3, 1, 1), (128, 128, 3, 0, 1), (128, 64, 4, 1, 1), (128, 128, 2, 0, 1),
+               (64, 64, 3, 0, 0), (64, 128, 2, 0, 0)),
+         64: ((128, 128, 4, 1, 1), (128, 128, 4, 0, 1), (128, 64, 4, 1, 1), (64, 64, 4, 0, 0))}
+#: Registers per thread of each consumer warp group (setmaxnreg); the loader warp takes 24.
+CONSUMER_REGS = 240
+
+
+def sm90_fwd_configs(spec: dict, target: object) -> tuple[Config, ...]:
+    """The tile table for a head dim. num_warps is the default partition's (consumer 0); the
+    compiled kernel runs 12 warps (two consumer groups and the loader's group), which the
+    catalog records from the binary."""
+    return tuple(Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": st, "PINGPONG": pp,
+                                    "WARP_SPECIALIZE": ws, "CONSUMER_REGS": CONSUMER_REGS},
+                        num_warps=4, num_stages=1, backends=("cuda",))
+                 for bm, bn, st, pp, ws in TILES[spec["HEAD_DIM"]])
+
+
+def _excluded(spec: dict, target: object) -> str | None:
+    if target.backend != "cuda" or target.arch != "sm90":
+        return f"{target.arch}: a Gluon kernel for sm90 only (other targets run attn_fwd)"
+    if spec["HEAD_DIM"] != spec["HEAD_DIM_V"]:
+        return "unequal q.k and v head dims run attn_fwd"
+    return None
+
+
+def in_levers_set(spec: dict, target: object) -> bool:
+    """The set ``bench/sm90_levers.py`` measures: D=128 without mask and bottom-right causal in both
+    dtypes, D=64 without mask in fp16."""
+    d, causal = spec["HEAD_DIM"], spec["CAUSAL"]
+    return (d == 128 and causal in (0, 2)) or (d == 64 and causal == 0 and spec["dtype"] == "fp16")
+
+
+def in_gputest_set(spec: dict, target: object) -> bool:
+    """The GPU tests' variants: fp16 D=128 in every mask mode, bf16 D=64 bottom-right causal."""
+    return ((spec["dtype"] == "fp16" and spec["HEAD_DIM"] == 128)
+            or (spec["dtype"] == "bf16" and spec["HEAD_DIM"] == 64 and spec["CAUSAL"] == 2))
+
+
+_SIG = signature_of(attn_fwd_sm90, {
+    "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Bias": "*{dtype}", "Out": "*{dtype}",
+    "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"})
+_DIV = divisibility_of(_SIG, aligned=("q", "k", "v", "o"), bias=("b",))
+
+KERNEL = Kernel(
+    name="attn_fwd_sm90",
+    fn=attn_fwd_sm90,
+    signature=_SIG,
+    axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
+          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,)},
+    configs=sm90_fwd_configs,
+    grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
+    divisibility=_DIV,
+    exclude=_excluded,
+    # Not in the default set (nor the wheels) until measured; "full" builds it for sm90.
+    sets={"default": lambda spec, target: False, "gputest": in_gputest_set, "levers": in_levers_set},
+    # TMA descriptors need a non-empty extent in every dimension.
+    checks=GQA_CHECKS + ("batch * num_heads_q <= 65535", "seqlen_q >= 1", "seqlen_k >= 1") + stride_checks(_DIV),
+)

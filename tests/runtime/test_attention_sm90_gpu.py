@@ -1,0 +1,112 @@
+"""The Gluon sm90 forward (``attn_fwd_sm90``) on an H100/H200 against an fp32 reference (marker ``gpu``).
+
+Every built variant (each tile config) runs ragged problems in its mask mode: lengths that are
+no block multiple, seqlen_q below and above seqlen_k, a sliding window, GQA. Inputs live in
+NaN-filled buffers (rows past each sequence are NaN), so a read past a sequence poisons the
+result; outputs are views of NaN-filled buffers whose padding must stay NaN.
+
+Images: ``AOTRITON_RT_TEST_IMAGES`` pointing at ``python -m builder build --set gputest --targets
+sm90`` (attn_fwd_sm90 declares its gputest variants in builder/kernels/attention_sm90.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import aotriton_rt  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# (Sq, Sk, window_left, window_right, heads_q, heads_k); a window side -1 is unbounded.
+PROBLEMS = {
+    "ragged": (1000, 1111, -1, -1, 3, 3),
+    "more_queries": (1111, 1000, -1, -1, 2, 2),
+    "window_gqa": (777, 900, 100, 20, 4, 2),
+    "short": (33, 70, -1, -1, 2, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def variants() -> list:
+    folder = os.environ.get("AOTRITON_RT_TEST_IMAGES")
+    if not folder:
+        pytest.skip("set AOTRITON_RT_TEST_IMAGES to images built with --set gputest --targets sm90")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU visible to torch")
+    lib = aotriton_rt.Library(folder)
+    found = [(lib, v) for v in lib.variants_of("attn_fwd_sm90")]
+    if not found:
+        pytest.skip("these images hold no attn_fwd_sm90: build with --set gputest --targets sm90")
+    return found
+
+
+def _padded(B: int, n: int, H: int, D: int, dtype, gen, fill: bool = True):
+    full = torch.full((B, n + 37, H, D + 64), float("nan"), device="cuda", dtype=dtype)
+    view = full[:, :n, :, :D]
+    if fill:
+        view.copy_(torch.randn(B, n, H, D, device="cuda", dtype=dtype, generator=gen))
+    return full, view.transpose(1, 2)
+
+
+def _reference(q, k, v, causal: int, left: int, right: int, scale: float):
+    Sq, Sk = q.shape[2], k.shape[2]
+    rep = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(rep, 1)
+    vf = v.float().repeat_interleave(rep, 1)
+    s = (q.float() @ kf.transpose(-1, -2)) * scale
+    if causal:
+        diag = Sk - Sq if causal == 2 else 0
+        rel = torch.arange(Sk, device="cuda")[None, :] - torch.arange(Sq, device="cuda")[:, None] - diag
+        visible = torch.ones_like(rel, dtype=torch.bool)
+        if left >= 0:
+            visible &= rel >= -left
+        visible &= rel <= (right if right >= 0 else Sq + Sk)
+        s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)  # rows that see no key: output 0
+    return p @ vf, lse
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+def test_every_gluon_forward_variant_matches_an_fp32_reference(variants, problem: str) -> None:
+    Sq, Sk, left, right, Hq, Hk = PROBLEMS[problem]
+    failures = []
+    for lib, v in variants:
+        causal, D = v.spec["CAUSAL"], v.spec["HEAD_DIM"]
+        if causal == 0 and (left >= 0 or right >= 0):
+            continue  # windows are a band: mask modes 1 and 2
+        win_left, win_right = (left, right) if causal else (-1, -1)
+        if causal and left < 0:
+            win_right = 0  # plain causal
+        dtype = DTYPES[v.spec["dtype"]]
+        gen = torch.Generator(device="cuda").manual_seed(v.config.index)
+        B = 2
+        _, q = _padded(B, Sq, Hq, D, dtype, gen)
+        _, k = _padded(B, Sk, Hk, D, dtype, gen)
+        _, vv = _padded(B, Sk, Hk, D, dtype, gen)
+        out_full, out = _padded(B, Sq, Hq, D, dtype, gen, fill=False)
+        lse = torch.full((B, Hq, Sq + 5), float("nan"), device="cuda")[:, :, :Sq]
+        scale = 1 / math.sqrt(D)
+        handle = lib.kernel("attn_fwd_sm90", **v.spec, **v.config.constexprs, num_warps=v.config.num_warps,
+                            num_stages=v.config.num_stages)
+        handle(q, k, vv, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *vv.stride()[:3],
+               *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, Hq, Hk, Sq, Sk, scale, 0.0, 0, 0,
+               win_left, win_right)
+        torch.cuda.synchronize()
+        ref, ref_lse = _reference(q, k, vv, causal, win_left, win_right, scale)
+        tol = 1e-2 if v.spec["dtype"] == "fp16" else 3e-2
+        err = (out.float() - ref).abs().max().item()
+        finite = torch.isfinite(ref_lse)
+        lse_ok = torch.equal(torch.isfinite(lse), finite)
+        err_lse = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+        pad_ok = bool(out_full[:, Sq:].isnan().all()) and bool(out_full[..., D:].isnan().all())
+        if not (err <= tol and err_lse <= 1e-3 and lse_ok and pad_ok):
+            failures.append(f"{v.spec} #{v.config.index} {v.config.constexprs}: out {err:.3g} lse {err_lse:.3g} "
+                            f"lse-inf-rows-agree {lse_ok} padding-untouched {pad_ok}")
+    assert not failures, "\n".join(failures)
