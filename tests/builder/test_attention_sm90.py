@@ -90,10 +90,10 @@ def _variant(built: Path, index: int):
 
 
 def test_sm90_gluon_variants_compile_and_their_binaries_prove_the_catalog_layout(built: Path) -> None:
-    from builder.build import verify_folder
+    from builder.build import prove_folder
     from builder.kernels.attention_sm90 import CONSUMER_REGS
 
-    assert verify_folder(built) == 2
+    assert prove_folder(built) == 2
     variant = _variant(built, 0)
     assert variant.kernel == "attn_fwd_sm90" and variant.target.arch == "sm90"
     # Two consumer warp groups and the loader's group (its one warp padded to a group).
