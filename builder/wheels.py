@@ -33,7 +33,8 @@ import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from aotriton_rt.catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION, Catalog
+from aotriton_rt.catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION, Catalog, check_file
+from aotriton_rt.errors import ImageMismatch
 from aotriton_rt.sources import ENTRY_POINT_GROUP, WHEEL_INFO, WHEEL_INFO_SCHEMA
 
 #: Zip timestamps when SOURCE_DATE_EPOCH is unset: 2026-01-01T00:00:00Z.
@@ -105,14 +106,17 @@ def normalize_wheel(path: Path) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 def _folder_files(images: Path, catalog: Catalog) -> dict[str, bytes]:
-    """Every image the catalog lists, read and digest-checked."""
+    """Every file the catalog lists, read and digest-checked: each variant's image and, for CUDA
+    variants, the PTX that ``aotriton_rt.jax`` hands to jaxlib under ``jax.jit``."""
     out = {}
     for v in catalog.variants:
-        data = (images / v.image.path).read_bytes()
-        if hashlib.sha256(data).hexdigest() != v.image.sha256:
-            raise WheelError(f"{images / v.image.path}: sha256 does not match the catalog; rebuild the "
-                             "folder (python -m builder build) before packing it")
-        out[v.image.path] = data
+        for image in (v.image, v.ptx):
+            if image is None:
+                continue
+            try:
+                out[image.path] = check_file(images / image.path, image.size, image.sha256)
+            except ImageMismatch as e:
+                raise WheelError(f"{e}; rebuild the folder (python -m builder build) before packing it") from None
     return out
 
 

@@ -84,6 +84,8 @@ def test_an_image_wheel_holds_its_targets_variants_a_record_and_an_entry_point(b
         for v in catalog.variants:
             assert hashlib.sha256(zf.read(f"aotriton_rt_images_sm80_sm90_full/{v.image.path}")).hexdigest() == \
                 v.image.sha256
+            assert hashlib.sha256(zf.read(f"aotriton_rt_images_sm80_sm90_full/{v.ptx.path}")).hexdigest() == \
+                v.ptx.sha256
     assert {v.target.arch for v in catalog.variants} == {"sm80", "sm90"}
     assert info["targets"] == ["sm80", "sm90"] and info["catalog_schema_version"] == SCHEMA_VERSION
     assert info["triton_version"] == catalog.triton_version and info["set"] == "full"
@@ -115,7 +117,8 @@ def test_an_installed_image_wheel_is_found_and_merged_with_its_origin(built_imag
 
 def test_info_reports_an_image_that_fails_its_digest(built_images: Path, site: Path, tmp_path: Path) -> None:
     _install(image_wheel(built_images, tmp_path / "dist", targets=["sm90"], set_name="full", version="0.1.0"), site)
-    victim = next((site / "aotriton_rt_images_sm90_full" / "cuda").rglob("*.xz"))
+    victim = next(p for p in (site / "aotriton_rt_images_sm90_full" / "cuda").rglob("*.xz")
+                  if not p.name.endswith(".ptx.xz"))  # a kernel image (info checks those)
     victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
     from aotriton_rt.library import Library
 
@@ -176,6 +179,9 @@ def test_the_runtime_wheel_embeds_the_images_and_builds_byte_identically(built_i
         names = set(zf.namelist())
         embedded = Catalog.from_json(json.loads(zf.read(f"aotriton_rt/images/{CATALOG_FILE}")))
     assert {f"aotriton_rt/images/{v.image.path}" for v in embedded.variants} <= names
+    # CUDA variants carry their PTX too: aotriton_rt.jax hands it to jaxlib under jax.jit.
+    ptx = {f"aotriton_rt/images/{v.ptx.path}" for v in embedded.variants if v.target.backend == "cuda"}
+    assert ptx and ptx <= names
     assert embedded.variants == Catalog.load(built_images).variants
     assert {"aotriton_rt/sources.py", "builder/wheels.py", "builder/kernels/attention.py"} <= names
     # Installed, with no checkout on the path: the runtime finds the embedded images itself.
