@@ -41,7 +41,7 @@ def _database() -> dict:
 def tuned(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """sm90 images (synthetic, never launched): fp16 forward at D=64 and D=128, configs 0 and 1, no
     mask and causal, and the split backward at D=128; the tuning table folded from _database()."""
-    jobs = [j for j in expand(load_kernels()["attn_fwd"], [KNOWN["sm90"]], "default", "3.6.0")
+    jobs = [j for j in expand(load_kernels()["attn_fwd"], [KNOWN["sm90"]], "gputest", "3.6.0")
             if j.spec["dtype"] == "fp16" and j.spec["HEAD_DIM"] in (64, 128) and j.config_index < 2]
     table, notes = tuning.fold([("sm90.json", _database())], jobs)
     assert notes == ["sm90.json: 2 rules folded, 0 dropped"]
