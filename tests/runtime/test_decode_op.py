@@ -383,7 +383,7 @@ def test_attention_routes_only_calls_the_decode_kernels_express() -> None:
 
     from aotriton_rt.ops.decode import route_from_attention
 
-    lacking = SimpleNamespace(variants=[], catalogs=[])  # images without the decode kernels
+    lacking = SimpleNamespace(variants=[], catalogs=[], variants_of=lambda name: [])  # no decode kernels
     q, k = Dev(2, 8, 1, 64), Dev(2, 2, 300, 64)
     base = {"causal": True, "window": None, "align": "bottom_right", "bias": None, "dropout_p": 0.0, "scale": None,
             "cu_seqlens_q": None, "cu_seqlens_k": None, "layout": "bhsd", "out": None, "lse": None,

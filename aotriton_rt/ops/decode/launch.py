@@ -93,36 +93,26 @@ def _arrays(framework: str) -> _Arrays:
 
 
 class _Kernels:
+    """Decode handles per library. Which variants exist and the device's arch come from the
+    attention operator's per-library caches (one kernel's shards read per question), the split
+    rules from its tuning table; ``rules`` stays settable (benchmarks swap it)."""
+
     def __init__(self, lib: Any) -> None:
+        from ..attention.dispatch import kernels_of
+
         self.lib = lib
         self.lock = threading.Lock()
         self.handles: dict[tuple, Any] = {}
-        self.arch: dict[int, str] = {}
         self.sms: dict[int, int] = {}
-        self.available: dict[tuple, bool] = {}
-        self.rules = None
-        for cat in getattr(lib, "catalogs", ()):
-            if (cat.tuning or {}).get(DECODE) is not None:
-                self.rules = cat.tuning[DECODE]
-                break
+        self.shared = kernels_of(lib)
+        self.rules = self.shared.tuning.get(DECODE)
 
     def has(self, name: str, params: Mapping[str, Any]) -> bool:
         """Whether the images hold ``name`` with ``params`` (cached)."""
-        key = (name, tuple(sorted(params.items())))
-        hit = self.available.get(key)
-        if hit is None:
-            from ...select import match
-
-            hit = self.available[key] = bool(match(getattr(self.lib, "variants", ()), name, dict(params)).accepted)
-        return hit
+        return self.shared.available(name, params)
 
     def device_arch(self, device: int) -> str:
-        arch = self.arch.get(device)
-        if arch is None:
-            from ..attention.dispatch import target_arch
-
-            arch = self.arch[device] = target_arch(self.lib, device)
-        return arch
+        return self.shared.device_arch(device)
 
     def handle(self, name: str, spec: Mapping[str, Any], config: int, device: int) -> Any:
         key = (name, tuple(sorted(spec.items())), config, device)
