@@ -270,10 +270,7 @@ class _GeneralForward:
     def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, out: Any, lse: Any, ptrs: tuple,
             seed: Any, offset: Any) -> tuple:
         p = self.problem
-        if p.dropout_p:
-            seed, offset = _philox(seed, offset, p.dropout_p)
-        else:
-            seed, offset = 0, 0
+        seed, offset = _philox(seed, offset, p.dropout_p) if p.dropout_p else (0, 0)
         p = replace(p, q=q, k=k, v=v, bias=bias, cu_q=cu_q, cu_k=cu_k, seed=seed, offset=offset)
         return general.forward(p, self.handle, self.spec, out, self.out_i, lse, self.lse_i, self.return_mask)
 
@@ -471,10 +468,7 @@ class _GeneralBackward:
     def run(self, arrays: tuple, grads: tuple, ptrs: tuple, seed: Any, offset: Any) -> tuple:
         dout, q, k, v, out, lse, bias, cu_q, cu_k = arrays
         p = self.problem
-        if p.dropout_p:
-            seed, offset = _philox(seed, offset, p.dropout_p)
-        else:
-            seed, offset = 0, 0
+        seed, offset = _philox(seed, offset, p.dropout_p) if p.dropout_p else (0, 0)
         p = replace(p, q=q, k=k, v=v, bias=bias, cu_q=cu_q, cu_k=cu_k, seed=seed, offset=offset)
         doi, oi, li = self.infos
         return general.backward(p, self.specs, self.handles, self.mode, dout, doi, out, oi, lse, li, grads,

@@ -134,14 +134,10 @@ def same_device(infos: Sequence[tuple[str, interop.ArrayInfo]]) -> int:
     return device
 
 
-def mask_mode(causal: Any, window: Any, align: str, seqlen_q: int, seqlen_k: int, varlen: bool, same_cu: bool
-          ) -> tuple[int, bool, int, int]:
-    """(CAUSAL mode, alignments equivalent, window_left, window_right) from the user's options."""
-    if not isinstance(causal, bool):
-        raise ArgumentError(f"causal must be True or False, got {causal!r}; choose the diagonal with "
-                            f"align='top_left' or 'bottom_right'")
-    if align not in ALIGNS:
-        raise ArgumentError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+def window_sides(causal: bool, window: Any) -> tuple[int, int]:
+    """(left, right): the keys a query sees either side of its diagonal (-1: unbounded), from
+    ``causal`` and ``window`` (attention and decode alike). ArgumentError for a malformed window or
+    one that contradicts ``causal``."""
     if window is not None:
         ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
             isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)
@@ -155,7 +151,19 @@ def mask_mode(causal: Any, window: Any, align: str, seqlen_q: int, seqlen_k: int
             raise ArgumentError(f"causal=True hides every key right of the diagonal, but window={tuple(window)} asks "
                                 f"for {right} keys there; pass window=({left}, 0) or causal=False")
         right = 0
-    elif left < 0 and right < 0:
+    return left, right
+
+
+def mask_mode(causal: Any, window: Any, align: str, seqlen_q: int, seqlen_k: int, varlen: bool, same_cu: bool
+          ) -> tuple[int, bool, int, int]:
+    """(CAUSAL mode, alignments equivalent, window_left, window_right) from the user's options."""
+    if not isinstance(causal, bool):
+        raise ArgumentError(f"causal must be True or False, got {causal!r}; choose the diagonal with "
+                            f"align='top_left' or 'bottom_right'")
+    if align not in ALIGNS:
+        raise ArgumentError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    left, right = window_sides(causal, window)
+    if not causal and left < 0 and right < 0:
         return 0, False, -1, -1
     equivalent = (not varlen and seqlen_q == seqlen_k) or (varlen and same_cu)
     return (1 if align == "top_left" else 2), equivalent, left, right

@@ -10,7 +10,7 @@ from typing import Any
 
 from ... import interop
 from ...errors import ArgumentError, UnsupportedError
-from ..attention.problem import _describe  # one array description, its errors naming the argument
+from ..attention.problem import _describe, window_sides  # shared with the attention operator
 
 DECODE = "attn_decode"
 COMBINE = "attn_decode_combine"
@@ -217,18 +217,7 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
 
     if not isinstance(causal, bool):
         raise ArgumentError(f"causal must be True or False, got {causal!r}")
-    left, right = -1, -1
-    if window is not None:
-        ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
-            isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)
-        if not ok:
-            raise ArgumentError(f"window must be (left, right), two integers >= -1 (-1: unbounded), got {window!r}")
-        left, right = window
-    if causal:
-        if right not in (-1, 0):
-            raise ArgumentError(f"causal=True hides every key right of the diagonal, but window={tuple(window)} asks "
-                                f"for {right} keys there; pass window=({left}, 0) or causal=False")
-        right = 0
+    left, right = window_sides(causal, window)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
