@@ -402,10 +402,10 @@ def test_a_decode_shaped_attention_call_is_validated_before_images_are_looked_fo
 
 def test_debug_mode_reads_lengths_and_pages_back_and_refuses_bad_ones() -> None:
     torch = pytest.importorskip("torch")
-    from aotriton_rt.ops.decode.launch import _Arrays
+    from aotriton_rt.ops.attention.arrays import arrays_for
     from aotriton_rt.ops.decode.validate import DecodePlan, _check_contents
 
-    xp = _Arrays("torch")
+    xp = arrays_for("torch")
     plan = DecodePlan("fp16", 64, 2, 8, 2, 1, 2, 64, True, 16, 10, 64, (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0),
                       (0, 0, 0), 4, -1, 0, 0.125, 0, False)
     table = torch.tensor([[1, 2, 3, 4], [5, 6, 99, -1]], dtype=torch.int32)

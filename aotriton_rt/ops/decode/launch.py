@@ -7,89 +7,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ... import interop
-from ...errors import ArgumentError, KernelNotFound, UnsupportedError
+from ...errors import ArgumentError, KernelNotFound
+from ..attention.arrays import arrays_for
 from .splits import _SM_COUNTS, num_splits_for, split_rule
 from .validate import APPEND, COMBINE, DECODE, DecodePlan, _aligned, _bshd, _describe, _effective
 
 
-class _Arrays:
-    """Allocation in the inputs' framework (torch; CuPy for CuPy inputs; torch, else CuPy, for
-    other DLPack / CAI inputs)."""
-
-    def __init__(self, framework: str) -> None:
-        order = [framework] if framework in ("torch", "cupy") else ["torch", "cupy"]
-        for name in order:
-            try:
-                if name == "torch":
-                    import torch
-
-                    self.mod, self.name = torch, "torch"
-                    self.dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
-                                   "i32": torch.int32}
-                else:
-                    import cupy
-
-                    self.mod, self.name = cupy, "cupy"
-                    self.dtypes = {"fp16": "float16", "fp32": "float32", "i32": "int32"}
-                return
-            except ImportError:
-                continue
-        raise UnsupportedError(f"decode attention on {framework} arrays allocates its outputs with torch or CuPy, "
-                               f"and neither is installed")
-
-    def convert(self, obj: Any, info: interop.ArrayInfo) -> Any:
-        if self.name == "torch":
-            torch = self.mod
-            if isinstance(obj, torch.Tensor):
-                return obj.detach() if obj.requires_grad else obj
-            if hasattr(obj, "__dlpack__"):
-                return torch.from_dlpack(obj)
-            return torch.as_tensor(obj, device=torch.device("cuda", max(info.device, 0)))
-        cupy = self.mod
-        if isinstance(obj, cupy.ndarray):
-            return obj
-        with cupy.cuda.Device(max(info.device, 0)):
-            return cupy.from_dlpack(obj) if hasattr(obj, "__dlpack__") else cupy.asarray(obj)
-
-    def _dtype(self, dtype: str) -> Any:
-        if dtype not in self.dtypes:
-            raise UnsupportedError(f"CuPy has no {dtype} dtype; pass torch tensors for {dtype} decode attention")
-        return self.dtypes[dtype]
-
-    def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
-        if self.name == "torch":
-            return self.mod.empty(shape, dtype=self._dtype(dtype), device=like.device)
-        with like.device:
-            return self.mod.empty(shape, dtype=self._dtype(dtype))
-
-    def full(self, shape: tuple[int, ...], value: float, dtype: str, like: Any) -> Any:
-        if self.name == "torch":
-            return self.mod.full(shape, value, dtype=self._dtype(dtype), device=like.device)
-        with like.device:
-            return self.mod.full(shape, value, dtype=self._dtype(dtype))
-
-    def host(self, x: Any) -> list:
-        return x.tolist() if self.name == "torch" else self.mod.asnumpy(x).tolist()
-
-    def sm_count_of(self, device: int) -> int | None:
-        """Multiprocessors (CUs) of ``device``, or None when the framework cannot tell."""
-        try:
-            if self.name == "torch":
-                return int(self.mod.cuda.get_device_properties(max(device, 0)).multi_processor_count)
-            return int(self.mod.cuda.Device(max(device, 0)).attributes["MultiProcessorCount"])
-        except Exception:  # noqa: BLE001 - a framework without the property: the arch's table
-            return None
-
-
-_ARRAYS: dict[str, _Arrays] = {}
-
-
-def _arrays(framework: str) -> _Arrays:
-    xp = _ARRAYS.get(framework)
-    if xp is None:
-        xp = _ARRAYS[framework] = _Arrays(framework)
-    return xp
-
+def _sm_count(xp: Any, device: int) -> int | None:
+    """Multiprocessors (CUs) of ``device``, or None when the framework cannot tell."""
+    try:
+        if xp.framework == "torch":
+            return int(xp.torch.cuda.get_device_properties(max(device, 0)).multi_processor_count)
+        return int(xp.cupy.cuda.Device(max(device, 0)).attributes["MultiProcessorCount"])
+    except Exception:  # noqa: BLE001 - a framework without the property: the arch's table
+        return None
 
 
 class _Kernels:
@@ -180,7 +111,7 @@ class _Launch:
     def __init__(self, p: DecodePlan, infos: dict, ks: _Kernels, layout: str, num_splits: int | None,
                  cache_seqlens: Any) -> None:
         self.p, self.layout, self.ks, self.rules = p, layout, ks, ks.rules
-        self.xp = xp = _arrays(infos["q"].framework)
+        self.xp = xp = arrays_for(infos["q"].framework)
         spec = {"dtype": p.dtype, "HEAD_DIM": p.head_dim}
         arch = ks.device_arch(p.device)
         rule, config = split_rule(ks.rules, arch, batch_heads=p.batch * p.heads_k, paged=p.paged)
@@ -190,7 +121,7 @@ class _Launch:
         if num_splits is None:
             sm = ks.sms.get(p.device)
             if sm is None:
-                sm = ks.sms[p.device] = xp.sm_count_of(p.device) or _SM_COUNTS.get(arch, 100)
+                sm = ks.sms[p.device] = _sm_count(xp, p.device) or _SM_COUNTS.get(arch, 100)
             num_splits = num_splits_for(p.batch, p.heads_k, row_blocks, p.seqlen_k_hint,
                                         _block_n(self.decode, p.device), sm, rule)
         self.num_splits = num_splits
@@ -214,7 +145,7 @@ class _Launch:
                      **_named("v", "n", p.v_strides), **_named("o", "m", o_strides),
                      **_named("kn", "m", p.kn_strides), **_named("vn", "m", p.vn_strides),
                      "stride_lz": p.heads_q * p.seqlen_q, "stride_lh": p.seqlen_q}
-        self.fast = self._prepare() if xp.name == "torch" and p.device >= 0 and not p.q_copy else None
+        self.fast = self._prepare() if xp.framework == "torch" and p.device >= 0 and not p.q_copy else None
         self.lens = None  # the constant lengths array of "full"/"int" calls, made on the first fast call
 
     def _prepare(self) -> list | None:
@@ -292,7 +223,7 @@ class _Launch:
         if infos is not None:  # first call: any framework, converted once
             q, k, v = (xp.convert(a, infos[n]) for a, n in ((q, "q"), (k, "k_cache"), (v, "v_cache")))
             if p.q_copy:
-                q = q.contiguous() if xp.name == "torch" else xp.mod.ascontiguousarray(q)
+                q = xp.contiguous(q)
                 p.q_strides = _effective((p.batch, p.heads_q, p.seqlen_q), _bshd(_describe(q, "q"), self.layout)[1])
                 self.base.update(_named("q", "m", p.q_strides))
             block_table = xp.convert(block_table, infos["block_table"]) if p.paged else None

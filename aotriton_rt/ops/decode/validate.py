@@ -246,10 +246,14 @@ def _debug(check: Any) -> bool:
     return check
 
 
+def _host(xp: Any, x: Any) -> list:
+    return x.tolist() if xp.framework == "torch" else xp.cupy.asnumpy(x).tolist()
+
+
 def _check_contents(xp: Any, p: DecodePlan, seqlens: Any, table: Any) -> None:
     """Debug mode: every length within capacity and every referenced page in [0, num_pages)."""
-    lens = xp.host(seqlens)
-    rows = xp.host(table) if table is not None else None
+    lens = _host(xp, seqlens)
+    rows = _host(xp, table) if table is not None else None
     for b, n in enumerate(lens):
         total = n + p.seqlen_new
         if n < 0 or total > p.capacity:
