@@ -49,10 +49,7 @@ def _library_key(library: Any) -> int:
     # register_library) has registered them.
     if library is None:
         return 0
-    key = id(library)
-    if not _compiling():
-        _LIBRARIES[key] = library
-    return key
+    return id(library) if _compiling() else register_library(library)
 
 
 def register_library(library: Any) -> int:
@@ -239,6 +236,14 @@ def _eager(*tensors: Any) -> int:
     return _AUTOGRAD if grad and _grad_enabled() else _DIRECT
 
 
+def _forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_q: Tensor | None, cu_k: Tensor | None,
+                  o: dict) -> tuple:
+    """The operator's forward plan for the options :func:`attention` gathered (no dispatcher)."""
+    return _core_plan.forward(q, k, v, o["causal"], o["window"], o["align"], bias, o["dropout_p"], o["seed"],
+                              o["offset"], o["scale"], cu_q, cu_k, o["max_seqlen_q"], o["max_seqlen_k"], o["layout"],
+                              None, None, o["return_mask"], o["library"])
+
+
 class _EagerAttention(torch.autograd.Function):
     """The custom op's forward and backward for eager autograd, without the dispatcher.
 
@@ -251,13 +256,10 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_q: Tensor | None,
                 cu_k: Tensor | None, options: dict) -> tuple:
-        o = options
-        result = _core_plan.forward(q, k, v, o["causal"], o["window"], o["align"], bias, o["dropout_p"], o["seed"],
-                                    o["offset"], o["scale"], cu_q, cu_k, o["max_seqlen_q"], o["max_seqlen_k"],
-                                    o["layout"], None, None, o["return_mask"], o["library"])
+        result = _forward_plan(q, k, v, bias, cu_q, cu_k, options)
         out, lse = result[:2]
         ctx.save_for_backward(q, k, v, bias, cu_q, cu_k, out, lse)
-        ctx.options = o
+        ctx.options = options
         ctx.mark_non_differentiable(*result[1:])
         return tuple(result)
 
@@ -328,10 +330,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
         if route == _AUTOGRAD:
             result = _EagerAttention.apply(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, options)
         else:
-            o = options
-            result = _core_plan.forward(q, k, v, causal, o["window"], align, bias, o["dropout_p"], seed, offset,
-                                        o["scale"], cu_seqlens_q, cu_seqlens_k, o["max_seqlen_q"], o["max_seqlen_k"],
-                                        layout, None, None, return_mask, library)
+            result = _forward_plan(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, options)
         out, lse = result[:2]
         mask = result[2] if return_mask else None
     else:
