@@ -142,11 +142,118 @@ def test_every_catalog_kernel_is_callable_under_jit(lib: Any, aj: Any) -> None:
         if v.target.arch != arch or ident in seen:
             continue
         seen.add(ident)
-        if not v.kernel.startswith("attn_"):
+        if v.kernel in _PLAIN_KERNELS:
             _plain_kernel_case(aj, lib, v)
         elif v.kernel == "attn_fwd":
-            _attention_case(aj, lib, v.spec)
+            _attention_case(aj, lib, v.spec)  # and the backward kernels it implies
+        elif v.kernel == "attn_decode":
+            _decode_case(aj, lib, v.spec)  # with attn_decode_append and attn_decode_combine
+        elif v.kernel not in _COVERED_BY_OTHERS:
+            pytest.fail(f"no jit case for catalog kernel {v.kernel}: add one to this test")
     assert seen
+
+
+_PLAIN_KERNELS = ("add", "softmax", "layernorm", "rmsnorm")
+# Launched by the cases above: the backward by _attention_case, append and combine by _decode_case.
+_COVERED_BY_OTHERS = ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_dq_convert",
+                      "attn_decode_append", "attn_decode_combine")
+
+
+def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
+    """attn_decode_append, attn_decode (two splits) and attn_decode_combine as one jitted program,
+    against an fp32 reference: two sequences with different cached lengths, two new rows each,
+    GQA 2:1, bottom-right causal; a paged spec reads a shuffled block table of 16-row pages."""
+    dtype, d, paged = _JNP[spec["dtype"]], spec["HEAD_DIM"], spec["PAGED"]
+    b, hq, hk, sq, splits, page, blocks = 2, 4, 2, 2, 2, 16, 6
+    capacity, group = page * blocks, hq // hk
+    lens = np.array([37, 80], np.int32)  # rows cached before the append
+    keys = jax.random.split(jax.random.PRNGKey(5), 5)
+    rng = np.random.default_rng(0)
+    if paged:
+        num_pages = b * blocks + 3  # three pages no sequence references
+        table = rng.permutation(num_pages)[: b * blocks].reshape(b, blocks).astype(np.int32)
+        cache_shape = (num_pages, page, hk, d)
+    else:
+        num_pages, table, cache_shape = 1, None, (b, capacity, hk, d)
+    # Rows past each sequence's keys, and pages no sequence references, hold NaN: a read of
+    # them poisons the output.
+    kc_np, vc_np = (np.asarray(jax.random.normal(s, cache_shape, jnp.float32)) for s in keys[:2])
+    for z in range(b):
+        for row in range(lens[z] + sq, capacity):
+            where = (table[z, row // page], row % page) if paged else (z, row)
+            kc_np[where] = vc_np[where] = np.nan
+    if paged:
+        unused = sorted(set(range(num_pages)) - set(table.ravel().tolist()))
+        kc_np[unused] = vc_np[unused] = np.nan
+    kc, vc = jnp.asarray(kc_np, dtype), jnp.asarray(vc_np, dtype)
+    q = jax.random.normal(keys[2], (b, sq, hq, d), dtype)
+    kn, vn = (jax.random.normal(s, (b, sq, hk, d), dtype) for s in keys[3:5])
+    cache_rows = cache_shape[1] * hk * d
+    part_rows = b * hk * splits * group * sq
+    values = {"stride_qz": sq * hq * d, "stride_qh": d, "stride_qm": hq * d,
+              "stride_oz": sq * hq * d, "stride_oh": d, "stride_om": hq * d,
+              "stride_kz": cache_rows, "stride_kh": d, "stride_kn": hk * d,
+              "stride_vz": cache_rows, "stride_vh": d, "stride_vn": hk * d,
+              "stride_knz": sq * hk * d, "stride_knh": d, "stride_knm": hk * d,
+              "stride_vnz": sq * hk * d, "stride_vnh": d, "stride_vnm": hk * d,
+              "stride_lz": hq * sq, "stride_lh": sq, "stride_btz": blocks if paged else 0,
+              "batch": b, "num_heads_q": hq, "num_heads_k": hk, "seqlen_q": sq, "seqlen_new": sq,
+              "capacity": capacity, "num_pages": num_pages, "page_size": page, "sm_scale": d ** -0.5,
+              "window_left": -1, "window_right": 0, "num_splits": splits}
+    params = {"dtype": spec["dtype"], "HEAD_DIM": d}
+    append = aj.kernel("attn_decode_append", library=lib, **params, PAGED=paged)
+    decode = aj.kernel("attn_decode", library=lib, **params, PAGED=paged)
+    combine = aj.kernel("attn_decode_combine", library=lib, **params)
+
+    def call(kernel: Any, **arrays: Any) -> Any:
+        return kernel(*[arrays[n] if n in arrays else values[n] for n in kernel.arg_names])
+
+    def step(q: Any, kc: Any, vc: Any, kn: Any, vn: Any, lens: Any, table: Any) -> tuple:
+        kc, vc = call(append, KNew=kn, VNew=vn, K=aj.Update(kc), V=aj.Update(vc), BlockTable=table,
+                      CacheSeqlens=lens)
+        _, _, part_o, part_l = call(decode, Q=q, K=kc, V=vc, Out=aj.Out(q.shape, q.dtype),
+                                    LSE=aj.Out((b, hq, sq), jnp.float32), PartO=aj.Out((part_rows, d), jnp.float32),
+                                    PartL=aj.Out((part_rows,), jnp.float32), BlockTable=table, CacheSeqlens=lens)
+        out, lse = call(combine, Out=aj.Out(q.shape, q.dtype), LSE=aj.Out((b, hq, sq), jnp.float32), PartO=part_o,
+                        PartL=part_l)
+        return out, lse, kc, vc
+
+    got_out, got_lse, got_k, got_v = jax.jit(step)(q, kc, vc, kn, vn, jnp.asarray(lens),
+                                                    None if table is None else jnp.asarray(table))
+    # Reference: the appended caches, then causal attention of each query row over its sequence.
+    f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))  # noqa: E731
+    k_all, v_all = f32(kc).copy(), f32(vc).copy()
+    seq_k = np.zeros((b, capacity, hk, d), np.float32)
+    seq_v = np.zeros_like(seq_k)
+    for z in range(b):
+        for i in range(sq):
+            row = lens[z] + i
+            where = (table[z, row // page], row % page) if paged else (z, row)
+            k_all[where], v_all[where] = f32(kn)[z, i], f32(vn)[z, i]
+        for row in range(capacity):
+            where = (table[z, row // page], row % page) if paged else (z, row)
+            seq_k[z, row], seq_v[z, row] = k_all[where], v_all[where]
+    ref = np.zeros((b, sq, hq, d), np.float32)
+    ref_lse = np.zeros((b, hq, sq), np.float32)
+    qf = f32(q)
+    for z in range(b):
+        len_k = lens[z] + sq
+        for h in range(hq):
+            kk, vv = seq_k[z, :len_k, h // group], seq_v[z, :len_k, h // group]
+            for i in range(sq):
+                s = (kk @ qf[z, i, h]) * d ** -0.5
+                s[len_k - sq + i + 1:] = -np.inf
+                m = s.max()
+                p = np.exp(s - m)
+                ref[z, i, h] = p @ vv / p.sum()
+                ref_lse[z, h, i] = m + np.log(p.sum())
+    assert np.array_equal(f32(got_k), k_all, equal_nan=True) and np.array_equal(f32(got_v), v_all, equal_nan=True), \
+        "append wrote wrong cache rows"
+    err, lse_err = _rel(got_out, ref), float(np.abs(f32(got_lse) - ref_lse).max())
+    SUMMARY.append({"case": f"attn_decode append+decode+combine {spec}", "rel_err": f"{err:.1e}",
+                    "lse_err": f"{lse_err:.1e}"})
+    tol = 1e-5 if spec["dtype"] == "fp32" else 2e-2
+    assert err < tol and lse_err < 10 * tol, (spec, err, lse_err)
 
 
 def _attention_case(aj: Any, lib: Any, spec: dict) -> None:
