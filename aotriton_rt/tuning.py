@@ -5,7 +5,10 @@ the first whose conditions all hold decides. Conditions, all optional: ``arch`` 
 e.g. ``"sm90"``), ``spec`` (a subset of the variant's spec), ``seqlen_q`` / ``seqlen_k``
 (inclusive ``[low, high]`` ranges, ``null`` for an open end). The decision: ``config`` (an
 index into the kernel's config table, 0 its default) or, under ``"attn_bwd_mode"``,
-``mode`` (``"split"`` or ``"atomic"``). A rule may say where it came from in ``source`` (a string,
+``mode`` (``"split"`` or ``"atomic"``), or, under ``"attn_fwd_kernel"``, ``kernel``: which
+forward kernel serves the call (``"attn_fwd"``, the portable one, or a per-architecture forward
+such as ``"attn_fwd_sm90"`` that the images hold for the call's spec; without a rule the
+per-architecture one is preferred where it exists). A rule may say where it came from in ``source`` (a string,
 e.g. the tuning database and GPU that measured it; ``python -m builder tune`` writes it), which
 :func:`explain_config` repeats. Example::
 
@@ -32,12 +35,15 @@ from typing import Any
 
 from .errors import CatalogError
 
-__all__ = ["MODE_RULES", "Choice", "explain_config", "seqlen_bin", "select_config", "select_mode", "validate_table"]
+__all__ = ["KERNEL_RULES", "MODE_RULES", "Choice", "explain_config", "seqlen_bin", "select_config", "select_kernel",
+           "select_mode", "validate_table"]
 
 #: The table entry whose rules pick the attention backward's scheme instead of a config.
 MODE_RULES = "attn_bwd_mode"
+#: The table entry whose rules pick which forward kernel serves an attention call.
+KERNEL_RULES = "attn_fwd_kernel"
 _MODES = ("split", "atomic")
-_RULE_KEYS = {"arch", "spec", "seqlen_q", "seqlen_k", "config", "mode", "source"}
+_RULE_KEYS = {"arch", "spec", "seqlen_q", "seqlen_k", "config", "mode", "kernel", "source"}
 _MAX_SOURCE = 300
 _MAX_KERNELS = 1024
 _MAX_RULES = 4096
@@ -87,6 +93,10 @@ def _check_rule(rule: Any, kernel: str, i: int) -> None:
     if kernel == MODE_RULES:
         if rule.get("mode") not in _MODES:
             raise CatalogError(f"catalog tuning[{MODE_RULES!r}] rule {rule!r}: mode must be 'split' or 'atomic'"[:400])
+    elif kernel == KERNEL_RULES:
+        name = rule.get("kernel")
+        if not (isinstance(name, str) and _NAME.match(name)):
+            raise CatalogError(f"catalog tuning[{KERNEL_RULES!r}] rule {rule!r}: kernel must be a kernel name"[:400])
     elif "config" in rule:
         index = rule["config"]
         if not _is_int(index) or not 0 <= index <= _MAX_CONFIG:
@@ -174,6 +184,14 @@ def select_mode(rules: Any, *, spec: Mapping[str, Any], seqlen_q: int, seqlen_k:
     """The backward scheme a ``tuning["attn_bwd_mode"]`` rule asks for, or None."""
     hit = _matching_rule(rules, MODE_RULES, spec, seqlen_q, seqlen_k, arch)
     return None if hit is None else hit[1]["mode"]
+
+
+def select_kernel(rules: Any, *, spec: Mapping[str, Any], seqlen_q: int, seqlen_k: int,
+                  arch: str | Callable[[], str] | None = None) -> Choice | None:
+    """The ``tuning["attn_fwd_kernel"]`` rule that names the forward kernel of a call (its
+    ``rule["kernel"]``), as a :class:`Choice` for its reason; None when no rule matches."""
+    hit = _matching_rule(rules, KERNEL_RULES, spec, seqlen_q, seqlen_k, arch)
+    return None if hit is None else Choice(KERNEL_RULES, 0, hit[0], hit[1])
 
 
 #: What an untuned kernel runs, in words (docs/tuning.md).

@@ -8,6 +8,8 @@ forward+backward 3.5×):
   operator: its dispatch, tuning config and backward scheme, Python included): ``fwd``, ``bwd``,
   ``fwd+bwd``. The operator's forward always writes the logsumexp, so inference and training
   forwards are the same call.
+- ``portable``: where an arch's own forward serves the call (``attn_fwd_sm90`` on sm90), the
+  same forward call on the portable ``attn_fwd`` (a tuning override): ``fwd``.
 - ``jit``: the same operator calls, each kernel launched through the Triton JIT of
   ``builder/kernels/`` with exactly the config of the AOT variant the runtime chose
   (:class:`JitLibrary`): ``fwd``, ``bwd``. The AOT image should be within 3% of it.
@@ -52,6 +54,7 @@ import torch  # noqa: E402
 import aotriton_rt  # noqa: E402
 from aotriton_rt.arguments import compile_expr  # noqa: E402
 from aotriton_rt.ops import attention as op  # noqa: E402
+from aotriton_rt.tuning import KERNEL_RULES  # noqa: E402
 from builder.gputime import ORDERS, time_rounds  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "i8": torch.int8,
@@ -61,7 +64,7 @@ SHAPES = {"d128": (4, 32, 4096, 128, (0, 1)), "d64": (4, 32, 4096, 64, (0, 1)),
           "n1024": (16, 32, 1024, 128, (0, 1)), "n16384": (4, 32, 16384, 128, (1,))}
 #: contender -> (what it times, flops multiple of the forward).
 CONTENDERS = {
-    "ours fwd": 1.0, "ours bwd": 2.5, "ours fwd+bwd": 3.5, "jit fwd": 1.0, "jit bwd": 2.5,
+    "ours fwd": 1.0, "ours bwd": 2.5, "ours fwd+bwd": 3.5, "portable fwd": 1.0, "jit fwd": 1.0, "jit bwd": 2.5,
     "cudnn-inf fwd": 1.0, "cudnn-train fwd": 1.0, "cudnn-train bwd": 2.5, "cudnn-train fwd+bwd": 3.5,
     "fa2-inf fwd": 1.0, "fa2-train fwd": 1.0, "fa2-train bwd": 2.5, "fa2-train fwd+bwd": 3.5,
 }
@@ -71,6 +74,7 @@ RATIOS = {
     "bwd/cudnn": ("ours bwd", "cudnn-train bwd"), "f+b/cudnn": ("ours fwd+bwd", "cudnn-train fwd+bwd"),
     "fwd/jit": ("ours fwd", "jit fwd"), "bwd/jit": ("ours bwd", "jit bwd"),
     "fwd/fa2": ("ours fwd", "fa2-inf fwd"), "bwd/fa2": ("ours bwd", "fa2-train bwd"),
+    "fwd/portable": ("ours fwd", "portable fwd"),
 }
 
 
@@ -253,6 +257,13 @@ def run(p: Problem, lib: Any, jit: Any, args: argparse.Namespace) -> dict:
                            "bwd_mode": "atomic" if "attn_bwd_dq_convert" in bwd else "split", "errors": {}}
     fns: dict[str, Any] = {}
     fns.update(operator_contenders(p, lib, "ours", args.deterministic))
+    forward = op.attention_kernels(p.q, p.k, p.v, **causal, library=lib)["attn_fwd"].name
+    row["fwd_kernel"] = forward
+    if forward != "attn_fwd":  # an arch's own forward serves the call: time the portable one too
+        from builder.tune import TuningOverride
+
+        portable = TuningOverride(lib, {KERNEL_RULES: [{"kernel": "attn_fwd"}]})
+        fns["portable fwd"] = operator_contenders(p, portable, "portable", args.deterministic)["portable fwd"]
     if jit is not None:
         try:
             fns.update(operator_contenders(p, jit, "jit", args.deterministic))

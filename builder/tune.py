@@ -33,28 +33,46 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from aotriton_rt.ops.attention.dispatch import ARCH_FORWARDS
+from aotriton_rt.tuning import KERNEL_RULES
+
 from . import tuning
 
-TUNABLE = ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")
+#: The forward kernels an attention call may run: the portable one and each arch's own.
+FORWARDS = ("attn_fwd", *dict.fromkeys(ARCH_FORWARDS.values()))
+TUNABLE = ("attn_fwd", "attn_fwd_sm90", "attn_bwd_dkdv", "attn_bwd_dq")
 DEFAULT_BINS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_BINS = (1024, 2048, 4096, 8192, 16384)
 
 
-class ForcedConfig:
-    """A view of a :class:`aotriton_rt.Library` whose tuning table sends every call of ``kernel`` to
-    config ``index`` (other kernels keep the library's rules): everything else (variants, images,
-    driver) is the library's own, so calls through it launch the library's images."""
+class TuningOverride:
+    """A view of a :class:`aotriton_rt.Library` whose tuning table has ``rules`` (kernel name ->
+    rule list) in place of the library's rules for those names (other kernels keep theirs):
+    everything else (variants, images, driver) is the library's own, so calls through it launch
+    the library's images. E.g. ``TuningOverride(lib, {"attn_fwd_kernel": [{"kernel": "attn_fwd"}]})``
+    runs the portable forward where the sm90 one would serve."""
 
-    def __init__(self, lib: Any, kernel: str, index: int) -> None:
+    def __init__(self, lib: Any, rules: dict[str, list]) -> None:
         self._lib = lib
         table: dict[str, Any] = {}
         for cat in lib.catalogs:
-            for name, rules in (cat.tuning or {}).items():
-                table.setdefault(name, rules)
-        self.catalogs = [SimpleNamespace(tuning={**table, kernel: [{"config": index}]})]
+            for name, kernel_rules in (cat.tuning or {}).items():
+                table.setdefault(name, kernel_rules)
+        self.catalogs = [SimpleNamespace(tuning={**table, **rules})]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._lib, name)
+
+
+class ForcedConfig(TuningOverride):
+    """A :class:`TuningOverride` sending every call of ``kernel`` to config ``index`` (and, for a
+    forward kernel, every forward call to that kernel)."""
+
+    def __init__(self, lib: Any, kernel: str, index: int) -> None:
+        rules = {kernel: [{"config": index}]}
+        if kernel in FORWARDS:
+            rules[KERNEL_RULES] = [{"kernel": kernel}]
+        super().__init__(lib, rules)
 
 
 def parse_bins(text: str) -> tuple[int, ...]:
@@ -134,10 +152,13 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
     for dtype, d, causal in itertools.product(dtypes, head_dims, causals):
         # The kernels a forward and a (deterministic) backward call launch, with their specs.
         launched = {}
-        for backward in (False, True):
+        # Every forward kernel that could serve the call (the portable one and the arch's own), then
+        # the backward.
+        asks = [(False, TuningOverride(lib, {KERNEL_RULES: [{"kernel": f}]})) for f in FORWARDS] + [(True, lib)]
+        for backward, view in asks:
             try:
                 picks = explain(dtype=dtype, head_dim=d, seqlen_q=1024, causal=causal, backward=backward, arch=arch,
-                                deterministic=True, library=lib).kernels
+                                deterministic=True, library=view).kernels
             except KernelNotFound:  # e.g. images without the backward: its kernels are not asked for
                 continue
             launched.update({pick.kernel: (pick.spec, backward) for pick in picks})
@@ -248,7 +269,8 @@ def main(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise tuning.TuningError("tune needs a GPU (torch sees none); --recompute works without one")
-        kernels = [k.strip() for k in (args.kernels or ("attn_fwd" if args.quick else ",".join(TUNABLE))).split(",")]
+        asked = args.kernels or ",".join(FORWARDS if args.quick else TUNABLE)
+        kernels = [k.strip() for k in asked.split(",")]
         bins = parse_bins(args.bins) if args.bins else (QUICK_BINS if args.quick else DEFAULT_BINS)
         rounds = args.rounds or (3 if args.quick else 5)
         lib = aotriton_rt.Library(args.images)
@@ -289,7 +311,7 @@ def add_cli(sub: Any) -> None:
                    "(e.g. `build --set gputest --targets sm90 --kernels attn_fwd,...`); default: the documented search")
     t.add_argument("--out", required=True, help="the tuning database to write")
     t.add_argument("--kernels", default=None, help="comma list of kernels that attention calls launch (default: "
-                   f"{','.join(TUNABLE)}; --quick: attn_fwd)")
+                   f"{','.join(TUNABLE)}; --quick: the forwards, {','.join(FORWARDS)})")
     t.add_argument("--bins", default=None, help="sequence-length bins, powers of two (default "
                    f"{','.join(map(str, DEFAULT_BINS))}; --quick: {','.join(map(str, QUICK_BINS))})")
     t.add_argument("--dtypes", default="fp16,bf16")
@@ -302,7 +324,7 @@ def add_cli(sub: Any) -> None:
     t.add_argument("--tolerance", type=float, default=tuning.DEFAULT_TOLERANCE,
                    help="a config beats a lower index only when faster by more than this fraction")
     t.add_argument("--flush-l2", action="store_true", help="zero a 2x-L2 buffer before every timed call")
-    t.add_argument("--quick", action="store_true", help="attn_fwd only, 5 bins 1024..16384, 3 rounds")
+    t.add_argument("--quick", action="store_true", help="the forward kernels only, 5 bins 1024..16384, 3 rounds")
     t.add_argument("--recompute", metavar="FILE", help="no GPU: decide the rules again from FILE's measurements "
                    "(e.g. with another --tolerance)")
     t.set_defaults(func=main)

@@ -336,8 +336,12 @@ def _inputs(pl: Plan, case: dict, gen: Any) -> dict:
     return tensors
 
 
+@pytest.mark.parametrize("forward", ["dispatched", "portable"])
 @pytest.mark.parametrize("name", list(MATRIX))
-def test_attention_matches_the_fp32_reference_within_the_low_precision_error(lib: Any, name: str) -> None:
+def test_attention_matches_the_fp32_reference_within_the_low_precision_error(lib: Any, name: str,
+                                                                             forward: str) -> None:
+    """Every case as dispatched (on sm90 the Gluon forward where the images hold its spec) and,
+    where that is not the portable attn_fwd, once more on attn_fwd (a tuning override)."""
     case = MATRIX[name]
     pl = plan(case)
     if case.get("atomic") and "attn_bwd_dq_convert" not in lib.kernels:
@@ -347,6 +351,13 @@ def test_attention_matches_the_fp32_reference_within_the_low_precision_error(lib
     t = _inputs(pl, case, gen)
     q, k, v, dout, bias = t["q"], t["k"], t["v"], t["dout"], t["bias"]
     opts = {**pl.options, **t["cu"], "bias": bias}
+    kernel = op.attention_kernels(q, k, v, **opts, return_mask=bool(case.get("dropout")), library=lib)["attn_fwd"]
+    if forward == "portable":
+        if kernel.name == "attn_fwd":
+            pytest.skip("the dispatched forward is the portable one already")
+        from builder.tune import TuningOverride
+
+        lib = TuningOverride(lib, {"attn_fwd_kernel": [{"kernel": "attn_fwd"}]})
     dtype = DTYPES[pl.dtype]
     summary = []
     if case.get("api") == "torch":
@@ -393,7 +404,7 @@ def test_attention_matches_the_fp32_reference_within_the_low_precision_error(lib
             assert got["dbias"] is None or case.get("api") == "torch"
             continue
         summary.append(check(what, got[what], hi[what], lo[what], pl.dtype))
-    print(name, "; ".join(summary))
+    print(name, forward, kernel.name if forward == "dispatched" else "attn_fwd", "; ".join(summary))
 
 
 def test_dropout_mask_is_reproducible_and_moves_with_the_offset(lib: Any) -> None:

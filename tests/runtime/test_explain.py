@@ -161,3 +161,61 @@ def test_info_names_the_tuned_kernels_and_their_database(tuned: Path, tmp_path: 
     bare = subprocess.run([sys.executable, "-m", "aotriton_rt", "info", "--images", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True)
     assert "tuning: no rules (every kernel untuned: config 0, docs/tuning.md)" in bare.stdout
+
+
+def _images_with_the_sm90_forward(folder: Path, tuning_table: dict | None = None, archs=("sm90",)) -> Path:
+    """Synthetic images (never launched): attn_fwd and attn_fwd_sm90 for fp16 D=128 causal on each
+    of ``archs`` (attn_fwd_sm90 on sm90 only), and attn_fwd with a bias."""
+    variants = []
+    for arch in archs:
+        variants.append(_synthetic_variant("attn_fwd", CAUSAL, 0, arch=arch))
+        variants.append(_synthetic_variant("attn_fwd", {**CAUSAL, "BIAS": 1}, 0, arch=arch))
+    variants.append(_synthetic_variant("attn_fwd_sm90", CAUSAL, 0))
+    variants.append(_synthetic_variant("attn_fwd_sm90", CAUSAL, 1))
+    (folder / "catalog.json").write_text(json.dumps({
+        "schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0",
+        "tuning": tuning_table or {}, "variants": variants}))
+    return folder
+
+
+def test_the_sm90_forward_serves_the_specs_it_holds_and_the_portable_one_the_rest(tmp_path: Path) -> None:
+    lib = aotriton_rt.Library(_images_with_the_sm90_forward(tmp_path))
+    q, k, v = qkv(S=300, D=128)
+    handle = op.attention_kernels(q, k, v, causal=True, library=lib)["attn_fwd"]
+    assert handle.name == "attn_fwd_sm90"
+    pick = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, arch="sm90", library=lib).kernels[0]
+    assert pick.kernel == "attn_fwd_sm90"
+    assert "kernel: sm90's own forward, preferred where the images hold it" in pick.line()
+    # A bias is not in attn_fwd_sm90's specs: the portable forward, and nothing to explain about it.
+    biased = op.attention_kernels(q, k, v, causal=True, bias=qkv(S=300, D=300)[0], library=lib)["attn_fwd"]
+    assert biased.name == "attn_fwd"
+    plain = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, bias=True, arch="sm90", library=lib)
+    assert plain.kernels[0].kernel == "attn_fwd" and "kernel:" not in str(plain)
+
+
+def test_a_kernel_rule_sends_its_lengths_to_the_portable_forward(tmp_path: Path) -> None:
+    table = {"attn_fwd_kernel": [{"arch": "sm90", "spec": CAUSAL, "seqlen_q": [None, 1023], "kernel": "attn_fwd",
+                                  "source": "db"}],
+             "attn_fwd_sm90": [{"arch": "sm90", "spec": CAUSAL, "seqlen_q": [4096, None], "config": 1}]}
+    lib = aotriton_rt.Library(_images_with_the_sm90_forward(tmp_path, table))
+    short = op.attention_kernels(*qkv(S=1000, D=128), causal=True, library=lib)["attn_fwd"]
+    long = op.attention_kernels(*qkv(S=5000, D=128), causal=True, library=lib)["attn_fwd"]
+    assert (short.name, long.name) == ("attn_fwd", "attn_fwd_sm90")
+    assert long.candidates[0].config.index == 1  # the arch forward's own config rules apply
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=1000, causal=True, arch="sm90", library=lib)
+    assert ex.kernels[0].kernel_reason == ("tuned (rule #0 of tuning['attn_fwd_kernel'], from db, seqlen_q in "
+                                           "[0, 1023], arch sm90)")
+
+
+def test_a_malformed_kernel_rule_is_refused_when_the_catalog_loads(tmp_path: Path) -> None:
+    _images_with_the_sm90_forward(tmp_path, {"attn_fwd_kernel": [{"kernel": "attn fwd; rm"}]})
+    with pytest.raises(aotriton_rt.CatalogError, match=r"tuning\['attn_fwd_kernel'\] rule .*kernel must be a kernel"):
+        aotriton_rt.Library(tmp_path).variants_of("attn_fwd")
+
+
+def test_images_of_another_arch_keep_the_portable_forward(tmp_path: Path) -> None:
+    lib = aotriton_rt.Library(_images_with_the_sm90_forward(tmp_path, archs=("sm80", "sm90")))
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, arch="sm80", library=lib)
+    assert ex.kernels[0].kernel == "attn_fwd"
+    assert ex.kernels[0].kernel_reason == "the portable forward (sm80 has no per-architecture forward for this " \
+                                          "spec here)"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import KernelNotFound, UnsupportedError
-from ...tuning import MODE_RULES, select_config, select_mode, seqlen_bin
+from ...tuning import KERNEL_RULES, MODE_RULES, Choice, select_config, select_kernel, select_mode, seqlen_bin
 
 # Mirrors builder/kernels/attention.py (the runtime never imports the builder; a test keeps the
 # two equal): the head dims the kernels are compiled for, and the unequal q·k / v pairs.
@@ -27,6 +27,11 @@ PRE = "attn_bwd_preprocess"
 DKDV = "attn_bwd_dkdv"
 DQ = "attn_bwd_dq"
 CONVERT = "attn_bwd_dq_convert"
+#: Per-architecture forwards: same arguments, mask modes, LSE and results as ``attn_fwd`` for the
+#: specs they are compiled for (builder/kernels/attention_sm90.py: fp16/bf16, head dim 64/128, no
+#: bias, dropout or varlen). Preferred on their arch when the images hold the call's spec, unless a
+#: ``tuning["attn_fwd_kernel"]`` rule names another kernel.
+ARCH_FORWARDS = {"sm90": "attn_fwd_sm90"}
 
 
 @dataclass(frozen=True)
@@ -213,7 +218,8 @@ class LibraryKernels:
         hit = self.choices.get(key)
         if hit is None:
             spec = forward_params(call, self.available)
-            hit = self.choices[key] = (spec, self.handle(FWD, spec, call, device))
+            name = forward_kernel(self, call, spec, lambda: self.device_arch(device))[0]
+            hit = self.choices[key] = (spec, self.handle(name, spec, call, device))
         return hit
 
     def backward(self, call: AttentionCall, device: int, deterministic: bool, dbias: bool,
@@ -256,6 +262,34 @@ class LibraryKernels:
         with self.lock:
             self.handles[key] = handle
         return handle
+
+
+def forward_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any],
+                   arch: str | Callable[[], str]) -> tuple[str, str]:
+    """(kernel name, reason): which forward kernel runs ``spec`` on ``arch`` (a callable is asked
+    only when the images hold a per-architecture forward for the spec; the reason is "" then).
+
+    ``attn_fwd`` unless the images hold the arch's own forward (:data:`ARCH_FORWARDS`) for this
+    spec; then that one, unless a ``tuning["attn_fwd_kernel"]`` rule names another kernel the
+    images hold for the spec.
+    """
+    candidates = [name for name in dict.fromkeys(ARCH_FORWARDS.values()) if ks.available(name, spec)]
+    if not candidates:
+        return FWD, ""  # nothing to choose
+    if callable(arch):
+        arch = arch()
+    own = ARCH_FORWARDS.get(arch)
+    if own not in candidates:
+        return FWD, f"the portable forward ({arch} has no per-architecture forward for this spec here)"
+    rules = ks.tuning.get(KERNEL_RULES)
+    choice: Choice | None = select_kernel(rules, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
+                                          arch=arch) if rules else None
+    if choice is not None:
+        name = choice.rule["kernel"]
+        if name == FWD or name == own:
+            return name, choice.reason
+        return own, f"{choice.reason} names {name!r}, which does not serve this spec on {arch}; {own} runs"
+    return own, f"{arch}'s own forward, preferred where the images hold it (no tuning['{KERNEL_RULES}'] rule)"
 
 
 def _show(params: Mapping[str, Any]) -> str:

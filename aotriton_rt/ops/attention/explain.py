@@ -10,12 +10,12 @@ when ``arch`` is given. ``python -m aotriton_rt explain attention ...`` prints i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...errors import ArgumentError, KernelNotFound
 from ...tuning import MODE_RULES, Choice, explain_config
-from .dispatch import DTYPES, AttentionCall, backward_params, bucket, forward_params, kernels_of
+from .dispatch import DTYPES, AttentionCall, backward_params, bucket, forward_kernel, forward_params, kernels_of
 
 __all__ = ["Explanation", "KernelPick", "explain"]
 
@@ -36,6 +36,8 @@ class KernelPick:
     choice: Choice
     variant_key: str = ""
     note: str = ""
+    #: Why this kernel serves the call where another could (the portable forward or an arch's own).
+    kernel_reason: str = ""
 
     @property
     def tuned(self) -> bool:
@@ -45,7 +47,8 @@ class KernelPick:
         spec = ", ".join(f"{k}={v}" for k, v in self.spec.items())
         params = " ".join(f"{k}={v}" for k, v in self.params.items())
         text = f"{self.kernel}[{spec}] config #{self.config} ({params}): {self.choice.reason}"
-        return text + (f"; {self.note}" if self.note else "")
+        return text + (f"; {self.note}" if self.note else "") + (f"; kernel: {self.kernel_reason}"
+                                                                 if self.kernel_reason else "")
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,8 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
         raise ArgumentError(f"arch {arch!r} has no images here; built: {', '.join(built) or 'none'}")
     if not backward:
         spec = forward_params(call, ks.available)
-        return Explanation(call, arch, [_pick(ks, "attn_fwd", spec, call, arch)])
+        name, why = forward_kernel(ks, call, spec, arch)
+        return Explanation(call, arch, [replace(_pick(ks, name, spec, call, arch), kernel_reason=why)])
     mode, reason = scheme, f"asked for (scheme={scheme!r})"
     rules = ks.tuning.get(MODE_RULES)
     if scheme is None:
