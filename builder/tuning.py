@@ -10,7 +10,11 @@ every decision, as pure functions (tested on the CPU with synthetic timings):
   index: config 0 is the kernel's documented heuristic, so it is kept unless beaten clearly);
 - :func:`decide` turns the entries into rules: per (kernel, spec), consecutive bins with the same
   winner become one ``[low, high]`` range of the length that sets the kernel's grid
-  (``LENGTH_AXIS``), the first open below and the last open above;
+  (``LENGTH_AXIS``), the first open below and the last open above; where an arch's own forward
+  (``attn_fwd_sm90``) and the portable ``attn_fwd`` were both measured for a spec and bin, the
+  faster one's winning time decides which kernel serves the bin (``tuning["attn_fwd_kernel"]``
+  rules, ranges made the same way; the arch's own is kept unless the portable one is faster by
+  more than the tolerance);
 - :func:`dumps` writes the database with sorted keys and rounded times, so the same measurements
   give the same bytes; where and on what it was measured (``machine``) is kept apart from the
   decisions (``rules``), and no date is recorded;
@@ -34,7 +38,12 @@ from typing import Any
 SCHEMA = "aotriton-rt-tuning"
 SCHEMA_VERSION = 1
 #: The length whose bins a kernel's rules are keyed on: the one that sizes its grid.
-LENGTH_AXIS = {"attn_fwd": "seqlen_q", "attn_bwd_dq": "seqlen_q", "attn_bwd_dkdv": "seqlen_k"}
+LENGTH_AXIS = {"attn_fwd": "seqlen_q", "attn_fwd_sm90": "seqlen_q", "attn_bwd_dq": "seqlen_q",
+               "attn_bwd_dkdv": "seqlen_k"}
+#: The rule list that picks the forward kernel (aotriton_rt.tuning.KERNEL_RULES), and per arch
+#: forward the portable kernel it stands in for.
+KERNEL_RULES = "attn_fwd_kernel"
+STANDS_IN_FOR = {"attn_fwd_sm90": "attn_fwd"}
 #: Checked-in databases, one per arch: ``builder/tuning_db/<arch>.json``.
 CHECKED_IN = Path(__file__).resolve().parent / "tuning_db"
 DEFAULT_TOLERANCE = 0.01
@@ -123,19 +132,43 @@ def decide(entries: Iterable[Entry], arch: str, source: str, tolerance: float = 
         bins.sort(key=lambda b: b[0])
         if len({b for b, _ in bins}) != len(bins):
             raise TuningError(f"{kernel} {key}: bin measured twice")
-        runs: list[list] = []  # [first bin, last bin, timing]
-        for b, t in bins:
-            if runs and runs[-1][2].index == t.index:
-                runs[-1][1] = b
-            else:
-                runs.append([b, b, t])
-        for i, (lo, hi, t) in enumerate(runs):
-            low = None if i == 0 else lo
-            high = None if i == len(runs) - 1 else runs[i + 1][0] - 1
+        for low, high, lo, hi, t in _runs(bins, lambda t: t.index):
             rules.setdefault(kernel, []).append({
                 "arch": arch, "spec": dict(specs[key]), axis: [low, high], "config": t.index,
                 "source": f"{source}, measured at {axis} {lo}..{hi}", "expect": dict(t.params)})
+    # Which forward serves each bin where an arch's own forward and the portable one were both timed.
+    for own, portable in sorted(STANDS_IN_FOR.items()):
+        for (kernel, key), bins in sorted(groups.items()):
+            if kernel != own:
+                continue
+            theirs = dict(groups.get((portable, key), []))
+            picks = []
+            for b, t in sorted(bins, key=lambda b: b[0]):
+                other = theirs.get(b)
+                if other is None:
+                    continue
+                faster = _round(other.us) * (1.0 + tolerance) < _round(t.us)
+                picks.append((b, portable if faster else own))
+            axis = LENGTH_AXIS[own]
+            for low, high, lo, hi, name in _runs(picks, lambda name: name):
+                rules.setdefault(KERNEL_RULES, []).append({
+                    "arch": arch, "spec": dict(specs[key]), axis: [low, high], "kernel": name,
+                    "source": f"{source}, {own} vs {portable} measured at {axis} {lo}..{hi}"})
     return rules
+
+
+def _runs(bins: list[tuple[int, Any]], same: Any) -> list[tuple]:
+    """Consecutive bins with the same decision as ``(low, high, first bin, last bin, decision)``:
+    ranges from the first bin to the next run's first bin - 1, the first open below and the
+    last open above."""
+    runs: list[list] = []  # [first bin, last bin, decision]
+    for b, d in bins:
+        if runs and same(runs[-1][2]) == same(d):
+            runs[-1][1] = b
+        else:
+            runs.append([b, b, d])
+    return [(None if i == 0 else lo, None if i == len(runs) - 1 else runs[i + 1][0] - 1, lo, hi, d)
+            for i, (lo, hi, d) in enumerate(runs)]
 
 
 def database(entries: Sequence[Entry], *, arch: str, machine: Mapping[str, Any], method: Mapping[str, Any],
@@ -205,6 +238,8 @@ def load(path: str | Path) -> dict:
         raise TuningError(str(e)) from None
     for kernel, rules in db["rules"].items():
         for i, rule in enumerate(rules):
+            if kernel == KERNEL_RULES and rule.get("arch") == db["arch"]:
+                continue  # its kernel name was checked by validate_table
             if rule.get("arch") != db["arch"] or not isinstance(rule.get("expect"), dict) or "config" not in rule:
                 raise TuningError(f"{path}: rules[{kernel!r}][{i}] needs arch {db['arch']!r}, a config and the "
                                   f"measured parameters ('expect')")
@@ -233,8 +268,10 @@ def fold(databases: Sequence[tuple[str, Mapping[str, Any]]], jobs: Sequence[Any]
     """
     built: dict[tuple, dict] = {}
     archs: set[tuple[str, str]] = set()
+    specs: set[tuple[str, str, str]] = set()
     for job in jobs:
         archs.add((job.kernel, job.target.arch))
+        specs.add((job.kernel, job.target.arch, _spec_key(job.spec)))
         built[(job.kernel, job.target.arch, _spec_key(job.spec), job.config_index)] = _job_params(job)
     table: dict[str, list] = {}
     notes: list[str] = []
@@ -243,6 +280,13 @@ def fold(databases: Sequence[tuple[str, Mapping[str, Any]]], jobs: Sequence[Any]
         for kernel, rules in sorted(db.get("rules", {}).items()):
             for i, rule in enumerate(rules):
                 arch = rule.get("arch")
+                if kernel == KERNEL_RULES:
+                    # A choice between two forwards means something only where the build holds both.
+                    key = _spec_key(rule.get("spec", {}))
+                    if any((own, arch, key) in specs and (portable, arch, key) in specs
+                           for own, portable in STANDS_IN_FOR.items()) and rule not in table.get(kernel, []):
+                        table.setdefault(kernel, []).append(dict(rule))
+                    continue
                 if (kernel, arch) not in archs:
                     continue
                 where = f"{name}: {kernel} rule #{i} ({_spec_key(rule.get('spec', {}))}, config #{rule['config']})"

@@ -35,11 +35,14 @@ def test_the_gluon_forward_is_built_for_sm90_only() -> None:
     assert all(j.spec["HEAD_DIM"] == j.spec["HEAD_DIM_V"] for j in jobs)
 
 
-def test_the_gluon_forward_is_not_in_the_default_set() -> None:
+def test_the_default_set_holds_its_first_config_at_head_dim_128_in_every_mask_mode() -> None:
     from builder.registry import expand
     from builder.targets import parse_targets
 
-    assert expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "default", "3.6.0") == []
+    jobs = expand(_kernels()["attn_fwd_sm90"], parse_targets("sm80,sm90,gfx942"), "default", "3.6.0")
+    assert sorted((j.spec["dtype"], j.spec["CAUSAL"]) for j in jobs) == [
+        (dt, c) for dt in ("bf16", "fp16") for c in (0, 1, 2)]
+    assert {(j.target.arch, j.spec["HEAD_DIM"], j.config_index) for j in jobs} == {("sm90", 128, 0)}
 
 
 def test_its_runtime_arguments_are_attn_fwds_in_order_and_type() -> None:

@@ -132,6 +132,40 @@ def test_fold_keeps_rules_whose_config_the_build_holds_as_measured_and_strips_ex
     assert table["attn_decode"] == [{"arch": "sm90", "config": 0}]  # the kernels' own rules follow
 
 
+def test_the_faster_forward_serves_each_bin_and_the_arch_one_keeps_ties() -> None:
+    own = "attn_fwd_sm90"
+    entries = [_entry(1024, [100, 95]), _entry(1024, [110, 104], kernel=own),    # portable by > 1%
+               _entry(2048, [200, 190]), _entry(2048, [191, 199], kernel=own),    # a tie within 1%: own
+               _entry(4096, [400, 420]), _entry(4096, [330, 350], kernel=own),
+               _entry(8192, [800, 790]), _entry(8192, [700, 690], kernel=own)]
+    rules = tuning.decide(entries, "sm90", "db")
+    assert [(r["seqlen_q"], r["kernel"]) for r in rules["attn_fwd_kernel"]] == [([None, 2047], "attn_fwd"),
+                                                                                 ([2048, None], own)]
+    assert rules["attn_fwd_kernel"][0]["source"] == "db, attn_fwd_sm90 vs attn_fwd measured at seqlen_q 1024..1024"
+    assert rules["attn_fwd_kernel"][1]["spec"] == FWD and rules["attn_fwd_kernel"][1]["arch"] == "sm90"
+    # A bin only one of them was timed in decides nothing.
+    assert "attn_fwd_kernel" not in tuning.decide([_entry(1024, [1, 2], kernel=own)], "sm90", "db")
+
+
+def test_fold_keeps_a_forward_choice_only_where_the_build_holds_both_forwards() -> None:
+    db = tuning.database([_entry(1024, [100]), _entry(1024, [120], kernel="attn_fwd_sm90")], arch="sm90",
+                         machine={"gpu": "H200"}, method={})
+    gluon = [j for j in expand(load_kernels()["attn_fwd_sm90"], [KNOWN["sm90"]], "gputest", "3.6.0")
+             if j.spec == FWD]
+    assert gluon
+    table, _ = tuning.fold([("sm90.json", db)], _jobs() + gluon)
+    assert [(r["kernel"], r["seqlen_q"]) for r in table["attn_fwd_kernel"]] == [("attn_fwd", [None, None])]
+    assert "attn_fwd_kernel" not in tuning.fold([("sm90.json", db)], _jobs())[0]
+
+
+def test_a_database_with_forward_choices_round_trips(tmp_path: Path) -> None:
+    db = tuning.database([_entry(1024, [100]), _entry(1024, [120], kernel="attn_fwd_sm90")], arch="sm90",
+                         machine={"gpu": "H200"}, method={})
+    path = tmp_path / "sm90.json"
+    path.write_bytes(tuning.dumps(db))
+    assert tuning.load(path)["rules"]["attn_fwd_kernel"] == db["rules"]["attn_fwd_kernel"]
+
+
 def test_fold_drops_a_rule_whose_config_changed_since_it_was_measured() -> None:
     db = tuning.database([_entry(1024, [10, 8])], arch="sm90", machine={}, method={})
     db["rules"]["attn_fwd"][0]["expect"] = {**db["rules"]["attn_fwd"][0]["expect"], "num_warps": 16}

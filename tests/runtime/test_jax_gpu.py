@@ -177,7 +177,7 @@ def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
         num_pages, table, cache_shape = 1, None, (b, capacity, hk, d)
     # Rows past each sequence's keys, and pages no sequence references, hold NaN: a read of
     # them poisons the output.
-    kc_np, vc_np = (np.asarray(jax.random.normal(s, cache_shape, jnp.float32)) for s in keys[:2])
+    kc_np, vc_np = (np.array(jax.random.normal(s, cache_shape, jnp.float32)) for s in keys[:2])
     for z in range(b):
         for row in range(lens[z] + sq, capacity):
             where = (table[z, row // page], row % page) if paged else (z, row)
