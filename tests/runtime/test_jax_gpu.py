@@ -146,6 +146,12 @@ def test_every_catalog_kernel_is_callable_under_jit(lib: Any, aj: Any) -> None:
             _plain_kernel_case(aj, lib, v)
         elif v.kernel == "attn_fwd":
             _attention_case(aj, lib, v.spec)  # and the backward kernels it implies
+        elif v.kernel in _ARCH_FORWARDS:
+            # The same calls on the arch's own forward (where the tuning rules might send them elsewhere).
+            from builder.tune import TuningOverride
+
+            _attention_case(aj, TuningOverride(lib, {"attn_fwd_kernel": [{"kernel": v.kernel}]}), v.spec,
+                            expect_kernel=v.kernel)
         elif v.kernel == "attn_decode":
             _decode_case(aj, lib, v.spec)  # with attn_decode_append and attn_decode_combine
         elif v.kernel not in _COVERED_BY_OTHERS:
@@ -154,6 +160,7 @@ def test_every_catalog_kernel_is_callable_under_jit(lib: Any, aj: Any) -> None:
 
 
 _PLAIN_KERNELS = ("add", "softmax", "layernorm", "rmsnorm")
+_ARCH_FORWARDS = ("attn_fwd_sm90",)
 # Launched by the cases above: the backward by _attention_case, append and combine by _decode_case.
 _COVERED_BY_OTHERS = ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_dq_convert",
                       "attn_decode_append", "attn_decode_combine")
@@ -256,7 +263,7 @@ def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
     assert err < tol and lse_err < 10 * tol, (spec, err, lse_err)
 
 
-def _attention_case(aj: Any, lib: Any, spec: dict) -> None:
+def _attention_case(aj: Any, lib: Any, spec: dict, expect_kernel: str | None = None) -> None:
     """One forward spec (and the backward it implies) under jit, against the eager path, bitwise."""
     import torch  # the eager path's outputs
 
@@ -277,6 +284,11 @@ def _attention_case(aj: Any, lib: Any, spec: dict) -> None:
             bias = jax.random.normal(keys[3], (1, hq, max(lq), max(lk)), dtype)
         opts.update(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(lq), max_seqlen_k=max(lk))
     ret_mask = spec.get("DROPOUT") == 2
+    if expect_kernel is not None:
+        from aotriton_rt.ops.attention import attention_kernels
+
+        ran = attention_kernels(q, k, v, bias=bias, library=lib, return_mask=ret_mask, **opts)["attn_fwd"]
+        assert ran.name == expect_kernel, f"{expect_kernel} {spec}: the call ran {ran.name}"
     f = jax.jit(lambda q, k, v, bias: aj.attention_forward(q, k, v, bias=bias, library=lib, return_mask=ret_mask,
                                                            **opts))
     got = f(q, k, v, bias)
