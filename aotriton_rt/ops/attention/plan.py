@@ -16,7 +16,7 @@
    (copies, padding, empty problems, dBias reduction) without validating or dispatching again.
 3. **Every call**: look the key up in the library's bounded LRU (:class:`.signature.PlanCache`),
    allocate the outputs, fill the array slots (integer addresses for torch tensors on a :class:`Kernel`,
-   whose :meth:`~aotriton_rt.library.Kernel.prepare` checked the scalars and computed the grid
+   whose :meth:`~aotriton_rt.launch.Kernel.prepare` checked the scalars and computed the grid
    once; the arrays themselves for other handles) and launch on the framework's current stream.
 
 What may change under an equal signature is checked per call or is part of the key: addresses
