@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Library": ("library", "Library"),
-    "Kernel": ("library", "Kernel"),
+    "Kernel": ("launch", "Kernel"),
     "kernel": ("library", "kernel"),
     "default_library": ("library", "default_library"),
     "Catalog": ("catalog", "Catalog"),

@@ -140,13 +140,14 @@ def python_path(calls: int, rounds: int) -> dict[str, Any]:
         real_sig = plan._sig
 
         def sig(obj: Any, name: str) -> Any:
-            if type(obj) is torch.Tensor:  # as plan._sig, with CPU tensors counted as device 0
+            if type(obj) is torch.Tensor:  # as signature._sig, with CPU tensors counted as device 0
                 ptr = obj.data_ptr()
                 return (obj.shape, obj.stride(), obj.dtype, obj.get_device() + 1 + obj.is_cuda, not ptr & 15), ptr
             return real_sig(obj, name)
 
-        plan._sig = sig
-        plan._tensor = torch.Tensor
+        plan._sig = sig  # plan.forward/backward look _sig up in plan's namespace
+        # Where the signature helpers live: plan.py before they moved to signature.py.
+        sys.modules.get("aotriton_rt.ops.attention.signature", plan)._tensor = torch.Tensor
         plan._fast_handles = lambda p, handles, arrays: True
         plan._stream_getter = lambda p, q: (lambda device: 0)
     else:

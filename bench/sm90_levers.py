@@ -81,7 +81,7 @@ def bench_specs(shapes) -> list[dict]:
 
 def lever_jobs(lever: str, specs: list[dict], version: str) -> list:
     """The registry jobs of one lever for these specs on sm90."""
-    from builder.registry import Config, expand, load_kernels
+    from builder.registry import ConfigDecl, expand, load_kernels
     from builder.targets import parse_targets
 
     kernels = load_kernels()
@@ -91,7 +91,7 @@ def lever_jobs(lever: str, specs: list[dict], version: str) -> list:
     elif lever == "ours":
         kernel = kernels["attn_fwd"]
     elif lever == "sweep":
-        extra = tuple(Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma, "WARP_SPEC": 0},
+        extra = tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma, "WARP_SPEC": 0},
                              num_warps=w, num_stages=s, options=opts)
                       for bm, bn, w, s, tma, opts in SWEEP)
         table = kernels["attn_fwd"].configs_for
@@ -99,7 +99,7 @@ def lever_jobs(lever: str, specs: list[dict], version: str) -> list:
         kernel = dataclasses.replace(kernels["attn_fwd"], configs=lambda spec, target: tuple(
             c for c in extra if c not in table(spec, target)))
     elif lever == "ws":
-        extra = tuple(Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": 1, "WARP_SPEC": 1},
+        extra = tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": 1, "WARP_SPEC": 1},
                              num_warps=w, num_stages=s)
                       for bm, bn, w, s in WS)
         kernel = dataclasses.replace(kernels["attn_fwd"], configs=extra)

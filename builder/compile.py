@@ -11,8 +11,7 @@ import lzma
 import os
 from functools import cache
 
-from aotriton_rt.catalog import IMAGE_FORMATS, Arg, Image, Variant, image_path
-from aotriton_rt.catalog import Config as CatalogConfig
+from aotriton_rt.catalog import IMAGE_FORMATS, Arg, Config, Image, Variant, image_path
 
 from .registry import Job, load_kernels
 
@@ -83,7 +82,7 @@ def compile_job_with_ptx(job: Job) -> tuple[Variant, bytes, bytes, bytes | None]
 
     variant = Variant(
         key=job.key, kernel=job.kernel, symbol=md.name, target=job.target, spec=dict(job.spec),
-        config=CatalogConfig(job.config_index, dict(job.config.constexprs), job.config.num_warps,
+        config=Config(job.config_index, dict(job.config.constexprs), job.config.num_warps,
                              job.config.num_stages, dict(job.config.options)),
         args=args[:len(runtime_args)], hidden_args=args[len(runtime_args):], param_size=param_size,
         scratch={"global_size": getattr(md, "global_scratch_size", 0) or 0,

@@ -1,8 +1,11 @@
 """What to build: kernel declarations and their expansion into compile jobs.
 
 A kernel file in ``builder/kernels/`` holds a ``@triton.jit`` function and a ``KERNEL`` (or a
-``KERNELS`` list) declaring its signature, specialization axes, tuning configs, exclusions and
-grid rule. ``docs/adding-a-kernel.md`` walks through one.
+``KERNELS`` list) of :class:`KernelDecl` declaring its signature, specialization axes, tuning
+configs (:class:`ConfigDecl`), exclusions and grid rule. ``docs/adding-a-kernel.md`` walks
+through one. The ``Decl`` suffix keeps them apart from what they become: the catalog's
+``Variant`` and ``Config`` (what was compiled, ``aotriton_rt.catalog``) and the runtime's
+``Kernel`` (a launch handle, ``aotriton_rt.launch``).
 
 Expansion is the cross product axes × configs × targets, minus exclusions, filtered by the build
 set. Each job carries everything that determines its binary, and a ``key`` that hashes it: the
@@ -33,8 +36,8 @@ _FIELD = re.compile(r"\{(\w+)\}")
 
 
 @dataclass(frozen=True)
-class Config:
-    """A tuning config: block-size constexprs, warps, pipeline stages, backend options.
+class ConfigDecl:
+    """A declared tuning config: block-size constexprs, warps, pipeline stages, backend options.
 
     ``backends`` limits the config to "cuda" or "hip"; ``options`` go to ``triton.compile``
     (e.g. HIP's ``waves_per_eu``, ``matrix_instr_nonkdim``).
@@ -51,7 +54,7 @@ SpecFn = Callable[[dict, Target], Any]
 
 
 @dataclass(frozen=True)
-class Kernel:
+class KernelDecl:
     """A kernel declaration. See the module docstring and docs/adding-a-kernel.md."""
 
     name: str
@@ -59,7 +62,7 @@ class Kernel:
     signature: Mapping[str, str]
     grid: tuple[str, str, str]
     axes: Mapping[str, Sequence[Any]] = field(default_factory=dict)
-    configs: Sequence[Config] | SpecFn = (Config(),)
+    configs: Sequence[ConfigDecl] | SpecFn = (ConfigDecl(),)
     divisibility: Mapping[str, int] | None = None
     exclude: SpecFn | None = None
     sets: Mapping[str, SpecFn] = field(default_factory=dict)
@@ -84,7 +87,7 @@ class Kernel:
         if "full" in self.sets:
             raise ValueError(f"kernel {self.name}: the full set is everything; it takes no predicate")
 
-    def configs_for(self, spec: dict, target: Target) -> list[Config]:
+    def configs_for(self, spec: dict, target: Target) -> list[ConfigDecl]:
         configs = self.configs(spec, target) if callable(self.configs) else self.configs
         return [c for c in configs if target.backend in c.backends]
 
@@ -112,7 +115,7 @@ class Job:
     target: Target
     spec: dict
     config_index: int
-    config: Config
+    config: ConfigDecl
     signature: dict  # name -> Triton type; "constexpr" for constexprs
     constexprs: dict
     divisibility: dict  # name -> int, for the non-constexpr args that have it
@@ -130,10 +133,10 @@ class Job:
                 **dict(self.config.options)}
 
 
-def load_kernels(package: str = "builder.kernels") -> dict[str, Kernel]:
+def load_kernels(package: str = "builder.kernels") -> dict[str, KernelDecl]:
     """Import every module of the kernels package and collect its KERNEL / KERNELS."""
     pkg = importlib.import_module(package)
-    found: dict[str, Kernel] = {}
+    found: dict[str, KernelDecl] = {}
     for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
             continue
@@ -148,7 +151,7 @@ def load_kernels(package: str = "builder.kernels") -> dict[str, Kernel]:
     return found
 
 
-def tuning_of(kernels: Mapping[str, Kernel], jobs: Sequence[Job]) -> dict[str, list[dict]]:
+def tuning_of(kernels: Mapping[str, KernelDecl], jobs: Sequence[Job]) -> dict[str, list[dict]]:
     """The catalog ``tuning`` table for ``jobs``: each built kernel's declared rules for each
     target it is built for, tagged with the target's arch. A rule that picks a config none of
     ``jobs`` builds for that kernel and target (a set without the alternates) is left out."""
@@ -168,13 +171,13 @@ def tuning_of(kernels: Mapping[str, Kernel], jobs: Sequence[Job]) -> dict[str, l
     return table
 
 
-def _resolve_signature(kernel: Kernel, spec: dict) -> dict:
+def _resolve_signature(kernel: KernelDecl, spec: dict) -> dict:
     def sub(t: str) -> str:
         return _FIELD.sub(lambda m: str(spec[m.group(1)]), t)
     return {name: sub(t) for name, t in kernel.signature.items()}
 
 
-def expand(kernel: Kernel, targets: Sequence[Target], build_set: str, triton_version: str,
+def expand(kernel: KernelDecl, targets: Sequence[Target], build_set: str, triton_version: str,
            source_key: str | None = None, package: str = "builder.kernels") -> list[Job]:
     """Every job of ``kernel`` for ``targets`` in ``build_set`` ("default" or "full")."""
     source_key = source_key or kernel.fn.cache_key
@@ -207,7 +210,7 @@ def expand(kernel: Kernel, targets: Sequence[Target], build_set: str, triton_ver
     return jobs
 
 
-def _check_types(kernel: Kernel, signature: dict) -> None:
+def _check_types(kernel: KernelDecl, signature: dict) -> None:
     """Refuse, before compiling, argument types the runtime cannot pack."""
     from aotriton_rt.catalog import SCALAR_TYPES, is_pointer_type
 
@@ -217,7 +220,7 @@ def _check_types(kernel: Kernel, signature: dict) -> None:
                              f"cannot pass; use a pointer or one of {', '.join(SCALAR_TYPES)}")
 
 
-def _divisibility(kernel: Kernel, signature: dict) -> dict:
+def _divisibility(kernel: KernelDecl, signature: dict) -> dict:
     if kernel.divisibility is None:
         return {n: 16 for n, t in signature.items() if t.startswith("*")}
     return {n: d for n, d in kernel.divisibility.items() if signature.get(n, "constexpr") != "constexpr"}
@@ -234,12 +237,12 @@ def _with_key(job: Job, source_key: str, triton_version: str) -> Job:
     return Job(**{**job.__dict__, "key": key})
 
 
-def known_sets(kernels: Mapping[str, Kernel]) -> list[str]:
+def known_sets(kernels: Mapping[str, KernelDecl]) -> list[str]:
     """Every build set name: the standard ones and those any kernel declares."""
     return sorted(set(SETS) | {name for k in kernels.values() for name in k.sets})
 
 
-def select(kernels: Mapping[str, Kernel], names: str | None) -> list[Kernel]:
+def select(kernels: Mapping[str, KernelDecl], names: str | None) -> list[KernelDecl]:
     """``--kernels add,softmax`` → those declarations; unknown names fail with the known ones."""
     if not names:
         return [kernels[n] for n in sorted(kernels)]

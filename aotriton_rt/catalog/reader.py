@@ -55,6 +55,22 @@ class _Reader:
     def list(self, key: str, default: Any = ...) -> list:
         return self.get(key, list, "a list", default)
 
+    def scalars(self, key: str, names: re.Pattern, max_string: int) -> dict[str, Any]:
+        """The object at ``key`` (default empty) as a dict of scalars: keys matching ``names``,
+        values strings of at most ``max_string`` characters, booleans, floats, or integers that
+        fit in 64 bits."""
+        obj = self.sub(key, {})
+        for k, v in obj.obj.items():
+            if not names.match(k):
+                raise CatalogError(f"{obj.source}: {obj.path} has key {_show(k)}, which is not a plain name")
+            if not isinstance(v, (str, int, float, bool)) or v is None:
+                raise obj._fail(k, "a string, number or boolean", v)
+            if isinstance(v, str) and len(v) > max_string:
+                raise obj._fail(k, f"a string of at most {max_string} characters", v)
+            if isinstance(v, int) and not -2**63 <= v < 2**64:
+                raise obj._fail(k, "an integer that fits in 64 bits", v)
+        return dict(obj.obj)
+
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)

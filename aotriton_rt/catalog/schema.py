@@ -83,30 +83,6 @@ def is_pointer_type(t: str) -> bool:
     return bool(_POINTER.match(t))
 
 
-def _scalars(r: _Reader, key: str) -> dict[str, Any]:
-    obj = r.sub(key, {})
-    for k, v in obj.obj.items():
-        if not _PARAM_KEY.match(k):
-            raise CatalogError(f"{obj.source}: {obj.path} has key {_show(k)}, which is not a plain name")
-        if not isinstance(v, (str, int, float, bool)) or v is None:
-            raise obj._fail(k, "a string, number or boolean", v)
-        if isinstance(v, str) and len(v) > MAX_STRING:
-            raise obj._fail(k, f"a string of at most {MAX_STRING} characters", v)
-        if isinstance(v, int) and not -2**63 <= v < 2**64:
-            raise obj._fail(k, "an integer that fits in 64 bits", v)
-    return dict(obj.obj)
-
-
-def _strings(r: _Reader, key: str) -> list[str]:
-    items = r.list(key, [])
-    if len(items) > MAX_CHECKS:
-        raise r._fail(key, f"a list of at most {MAX_CHECKS} rules", f"{len(items)} items")
-    for i, s in enumerate(items):
-        if not isinstance(s, str) or not s or len(s) > MAX_RULES_CHARS:
-            raise r._fail(f"{key}[{i}]", f"a non-empty string of at most {MAX_RULES_CHARS} characters", s)
-    return items
-
-
 @dataclass(frozen=True)
 class Target:
     """A GPU target: ``backend`` ("cuda"/"hip"), ``arch`` ("sm90", "gfx942"), ``warp_size``."""
@@ -191,25 +167,15 @@ class Image:
 
     @classmethod
     def from_json(cls, r: _Reader, formats: tuple[str, ...] = ("cubin", "hsaco")) -> Image:
-        path = r.str("path")
-        parts = path.split("/")
-        if path.startswith("/") or "\\" in path or ":" in path or any(p in ("", ".", "..") for p in parts):
-            raise r._fail("path", "a relative '/'-separated path inside the image folder", path)
+        path = _relative_path(r, "path")
         fmt = r.str("format")
         if fmt not in formats:
             raise r._fail("format", " or ".join(formats), fmt)
         comp = r.str("compression")
         if comp not in ("xz", "none"):
             raise r._fail("compression", "xz or none", comp)
-        digests = {}
-        for key in ("sha256", "raw_sha256"):
-            digests[key] = r.str(key)
-            if not _HEX64.match(digests[key]):
-                raise r._fail(key, "64 lowercase hex digits", digests[key])
-        if len(path) > 1024:
-            raise r._fail("path", "a path of at most 1024 characters", path)
-        return cls(path, fmt, comp, digests["sha256"], r.int("size", 1, maximum=MAX_IMAGE_BYTES),
-                   digests["raw_sha256"], r.int("raw_size", 1, maximum=MAX_IMAGE_BYTES))
+        return cls(path, fmt, comp, _sha256(r, "sha256"), r.int("size", 1, maximum=MAX_IMAGE_BYTES),
+                   _sha256(r, "raw_sha256"), r.int("raw_size", 1, maximum=MAX_IMAGE_BYTES))
 
     def to_json(self) -> dict:
         return {"path": self.path, "format": self.format, "compression": self.compression,
@@ -229,9 +195,9 @@ class Config:
 
     @classmethod
     def from_json(cls, r: _Reader) -> Config:
-        return cls(r.int("index", maximum=1 << 20), _scalars(r, "constexprs"),
+        return cls(r.int("index", maximum=1 << 20), r.scalars("constexprs", _PARAM_KEY, MAX_STRING),
                    r.int("num_warps", 1, maximum=MAX_WARPS), r.int("num_stages", 0, maximum=64),
-                   _scalars(r, "options"))
+                   r.scalars("options", _PARAM_KEY, MAX_STRING))
 
     def to_json(self) -> dict:
         return {"index": self.index, "constexprs": dict(sorted(self.constexprs.items())),
@@ -280,22 +246,18 @@ class Variant:
         """Validate one variant. ``shared`` (a shard's) supplies its target, kernel, Triton
         version, and the tables its ``layout``/``rules`` indices point into."""
         r = _Reader(obj, path, source)
-        key = r.str("key")
-        if not _HEX64.match(key):
-            raise r._fail("key", "64 lowercase hex digits", key)
+        key = _sha256(r, "key")
         if shared is None:
             target = Target.from_json(r.sub("target"))
             kernel = r.name("kernel", _KERNEL_NAME, "a kernel name (letters, digits, '_')")
             triton_version = r.str("triton_version")
             args, hidden, param_size = _layout_from_json(r)
             grid, checks = _rules_from_json(r)
+            launch = _launch_from_json(r, target)
         else:
             target, kernel, triton_version = shared.target, shared.kernel, shared.triton_version
             args, hidden, param_size = shared.layouts[r.int("layout", maximum=len(shared.layouts) - 1)]
             grid, checks = shared.rules[r.int("rules", maximum=len(shared.rules) - 1)]
-        if shared is None:
-            launch = _launch_from_json(r, target)
-        else:
             launch = shared.launches[r.int("launch_params", maximum=len(shared.launches) - 1)]
         scratch, num_warps, num_ctas, cluster, shared_bytes, cooperative, pdl = launch
         image = Image.from_json(r.sub("image"))
@@ -313,8 +275,8 @@ class Variant:
         variant = cls(
             key=key, kernel=kernel,
             symbol=r.name("symbol", _SYMBOL, "a binary symbol name (letters, digits, '_', '$', '.')"),
-            target=target, spec=_scalars(r, "spec"), config=Config.from_json(r.sub("config")), args=args,
-            hidden_args=hidden, param_size=param_size, scratch=scratch,
+            target=target, spec=r.scalars("spec", _PARAM_KEY, MAX_STRING), config=Config.from_json(r.sub("config")),
+            args=args, hidden_args=hidden, param_size=param_size, scratch=scratch,
             num_warps=num_warps, num_ctas=num_ctas, cluster_dims=cluster, shared=shared_bytes,
             cooperative=cooperative, pdl=pdl, grid=grid, image=image,
             triton_version=triton_version, checks=checks, ptx=ptx)
@@ -399,7 +361,13 @@ def _rules_from_json(r: _Reader) -> tuple[tuple[str, str, str], tuple[str, ...]]
     grid = r.list("grid")
     if len(grid) != 3 or not all(isinstance(g, str) and g and len(g) <= MAX_RULES_CHARS for g in grid):
         raise r._fail("grid", "three expression strings", grid)
-    return tuple(grid), tuple(_strings(r, "checks"))
+    checks = r.list("checks", [])
+    if len(checks) > MAX_CHECKS:
+        raise r._fail("checks", f"a list of at most {MAX_CHECKS} rules", f"{len(checks)} items")
+    for i, text in enumerate(checks):
+        if not isinstance(text, str) or not text or len(text) > MAX_RULES_CHARS:
+            raise r._fail(f"checks[{i}]", f"a non-empty string of at most {MAX_RULES_CHARS} characters", text)
+    return tuple(grid), tuple(checks)
 
 
 @dataclass(frozen=True)
@@ -444,10 +412,7 @@ class ShardRef:
         target = Target.from_json(r)
         kernel = r.name("kernel", _KERNEL_NAME, "a kernel name (letters, digits, '_')")
         path = _relative_path(r, "path")
-        sha = r.str("sha256")
-        if not _HEX64.match(sha):
-            raise r._fail("sha256", "64 lowercase hex digits", sha)
-        return cls(target, kernel, path, sha, r.int("size", 1, maximum=MAX_SHARD_BYTES),
+        return cls(target, kernel, path, _sha256(r, "sha256"), r.int("size", 1, maximum=MAX_SHARD_BYTES),
                    r.int("variants", 1, maximum=MAX_SHARD_VARIANTS))
 
     def to_json(self) -> dict:
@@ -456,12 +421,17 @@ class ShardRef:
 
 
 def _relative_path(r: _Reader, key: str) -> str:
+    """An image's or a shard's path: relative to the image folder, '/'-separated, no '..'."""
     path = r.str(key)
-    parts = path.split("/")
-    if (path.startswith("/") or "\\" in path or ":" in path or len(path) > 1024
-            or any(p in ("", ".", "..") for p in parts)):
+    if path.startswith("/") or "\\" in path or ":" in path or any(p in ("", ".", "..") for p in path.split("/")):
         raise r._fail(key, "a relative '/'-separated path inside the image folder", path)
+    if len(path) > 1024:
+        raise r._fail(key, "a path of at most 1024 characters", path)
     return path
+
+
+def _sha256(r: _Reader, key: str) -> str:
+    return r.name(key, _HEX64, "64 lowercase hex digits")
 
 
 def shard_path(target: Target, kernel: str) -> str:

@@ -11,7 +11,7 @@ lookup. Objects are recognised in this order:
    arrays always take this path.
 
 Operators call :func:`describe` for dtype, shape and strides and :func:`current_stream` for
-the framework's stream. The launch path (``aotriton_rt/library.py``) uses two seams made for it:
+the framework's stream. The launch path (``aotriton_rt/launch.py``) uses two seams made for it:
 :func:`pointer_reader` (the cached reader of one exact type, to inline it) and
 :func:`stream_getter` (a framework's current-stream function, asked once).
 

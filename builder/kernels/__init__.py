@@ -1,1 +1,1 @@
-"""Kernel declarations: one module per kernel family, each with KERNEL or KERNELS."""
+"""Kernel declarations (``KernelDecl``): one module per kernel family, each with KERNEL or KERNELS."""

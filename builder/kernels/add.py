@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from builder.registry import Config, Kernel
+from builder.registry import ConfigDecl, KernelDecl
 
 
 @triton.jit
@@ -16,13 +16,13 @@ def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, x + y, mask=mask)
 
 
-KERNEL = Kernel(
+KERNEL = KernelDecl(
     name="add",
     fn=add_kernel,
     signature={"x_ptr": "*{dtype}", "y_ptr": "*{dtype}", "out_ptr": "*{dtype}", "n": "i64",
                "BLOCK": "constexpr"},
     axes={"dtype": ("fp16", "bf16", "fp32")},
-    configs=(Config(constexprs={"BLOCK": 1024}, num_warps=4, num_stages=1),),
+    configs=(ConfigDecl(constexprs={"BLOCK": 1024}, num_warps=4, num_stages=1),),
     grid=("cdiv(n, BLOCK)", "1", "1"),
     sets={"default": lambda spec, target: True},
 )

@@ -508,7 +508,7 @@ def attn_fwd(
 # --------------------------------------------------------------------------------------------
 
 from builder.kernels._attention_sets import in_default_set, in_gputest_set  # noqa: E402
-from builder.registry import Config, Kernel  # noqa: E402 - declarations follow the kernels
+from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernels
 
 DTYPES = ("fp16", "bf16", "fp32")
 # Strides of tensors whose rows are 16-element aligned in every contiguous BHSD / BSHD layout
@@ -594,12 +594,12 @@ def _hip_options(target: object, waves: int) -> dict:
 _NO_TMA = {"USE_TMA": 0, "WARP_SPEC": 0}
 
 
-def _cfg(bm: int, bn: int, warps: int, stages: int, tma: int = 0, ws: int = 0) -> Config:
-    return Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma, "WARP_SPEC": ws},
+def _cfg(bm: int, bn: int, warps: int, stages: int, tma: int = 0, ws: int = 0) -> ConfigDecl:
+    return ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma, "WARP_SPEC": ws},
                   num_warps=warps, num_stages=stages)
 
 
-def _sm90_fwd_configs(spec: dict, d: int) -> tuple[Config, ...]:
+def _sm90_fwd_configs(spec: dict, d: int) -> tuple[ConfigDecl, ...]:
     """Hopper fp16/bf16 forward configs, the expected fastest first (the operator's default).
 
     Ranked on the H200 with ``bench/attention_jit.py --configs --kernels fwd`` (B4 H32 D128).
@@ -628,7 +628,7 @@ def _sm90_fwd_configs(spec: dict, d: int) -> tuple[Config, ...]:
     return (_cfg(128, 64, 4, 2, tma=1), _cfg(128, 128, 8, 3, tma=1), _cfg(128, 64, 8, 3))
 
 
-def fwd_configs(spec: dict, target: object) -> tuple[Config, ...]:
+def fwd_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """Forward tuning table by target and head dim; index 0 is what the operator launches.
 
     fp32 runs IEEE dots (no tensor cores), so it takes small tiles everywhere. On sm90 the
@@ -651,7 +651,7 @@ def fwd_configs(spec: dict, target: object) -> tuple[Config, ...]:
         bm, bn, w = (64, 32, 4) if d <= 128 else (32, 32, 4)
     else:
         bm, bn, w = (128, 64, 4) if d <= 128 else (64, 32, 4)
-    return (Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, **_NO_TMA}, num_warps=w, num_stages=1,
+    return (ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, **_NO_TMA}, num_warps=w, num_stages=1,
                    options=_hip_options(target, 2)),)
 
 
@@ -662,7 +662,7 @@ _FWD_DIV = divisibility_of(_FWD_SIG, aligned=("q", "k", "v", "o"), bias=("b",))
 # Checks shared by the attention kernels; the GQA ratio must be whole and the head grid fits in y.
 GQA_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0")
 
-KERNELS = [Kernel(
+KERNELS = [KernelDecl(
     name="attn_fwd",
     fn=attn_fwd,
     signature=_FWD_SIG,

@@ -31,7 +31,7 @@ from builder.kernels.attention import (
     signature_of,
     stride_checks,
 )
-from builder.registry import Config, Kernel
+from builder.registry import ConfigDecl, KernelDecl
 
 
 @triton.jit
@@ -485,14 +485,14 @@ def attn_bwd_dq(
 # --------------------------------------------------------------------------------------------
 
 
-def _bwd_config(target: object, bm: int, bn: int, warps: int, stages: int) -> Config:
+def _bwd_config(target: object, bm: int, bn: int, warps: int, stages: int) -> ConfigDecl:
     if target.backend == "cuda":
-        return Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-    return Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=1,
+        return ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+    return ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=1,
                   options=_hip_options(target, 1))
 
 
-def dkdv_configs(spec: dict, target: object) -> tuple[Config, ...]:
+def dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """dK/dV: BLOCK_N keys stay resident (k, v, dk, dv), BLOCK_M queries stream through."""
     d = block_d(spec)
     if spec["dtype"] == "fp32":
@@ -508,7 +508,7 @@ def dkdv_configs(spec: dict, target: object) -> tuple[Config, ...]:
     return (_bwd_config(target, 32, 64, 4, 1),)
 
 
-def dq_configs(spec: dict, target: object) -> tuple[Config, ...]:
+def dq_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """dQ: BLOCK_M queries stay resident (q, dO, dq), BLOCK_N keys stream through."""
     d = block_d(spec)
     if spec["dtype"] == "fp32":
@@ -522,9 +522,9 @@ def dq_configs(spec: dict, target: object) -> tuple[Config, ...]:
     return (_bwd_config(target, 64, 32, 4, 1),)
 
 
-def preprocess_configs(spec: dict, target: object) -> tuple[Config, ...]:
+def preprocess_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """Elementwise: one config everywhere."""
-    return (Config(constexprs={"BLOCK_M": 64 if block_d(spec) <= 128 else 32}, num_warps=4,
+    return (ConfigDecl(constexprs={"BLOCK_M": 64 if block_d(spec) <= 128 else 32}, num_warps=4,
                    num_stages=1),)
 
 
@@ -543,7 +543,7 @@ _DQ_DIV = divisibility_of(_DQ_SIG, aligned=("q", "k", "v", "do", "dq"), bias=("b
 _HEADS = {"HEAD_DIM": HEAD_DIM_BUCKETS, "HEAD_DIM_V": HEAD_DIM_BUCKETS}
 
 KERNELS = [
-    Kernel(
+    KernelDecl(
         name="attn_bwd_preprocess",
         fn=attn_bwd_preprocess,
         signature=_PRE_SIG,
@@ -555,7 +555,7 @@ KERNELS = [
         sets={"default": in_default_backward_set, "gputest": in_gputest_set},
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_PRE_DIV),
     ),
-    Kernel(
+    KernelDecl(
         name="attn_bwd_dq_convert",
         fn=attn_bwd_dq_convert,
         signature=_CONVERT_SIG,
@@ -566,7 +566,7 @@ KERNELS = [
         sets={"default": lambda spec, target: False, "gputest": in_gputest_set},
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_CONVERT_DIV),
     ),
-    Kernel(
+    KernelDecl(
         name="attn_bwd_dkdv",
         fn=attn_bwd_dkdv,
         signature=_DKDV_SIG,
@@ -579,7 +579,7 @@ KERNELS = [
         sets={"default": in_default_backward_set, "gputest": in_gputest_set},
         checks=GQA_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1") + stride_checks(_DKDV_DIV),
     ),
-    Kernel(
+    KernelDecl(
         name="attn_bwd_dq",
         fn=attn_bwd_dq,
         signature=_DQ_SIG,

@@ -380,7 +380,7 @@ def attn_fwd_sm90(
 # --------------------------------------------------------------------------------------------
 
 from builder.kernels.attention import GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
-from builder.registry import Config, Kernel  # noqa: E402 - declarations follow the kernel
+from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
 
 #: Head dims compiled: the ones whose portable sm90 forward trails cuDNN most (docs/performance.md).
 HEAD_DIMS = (64, 128)
@@ -397,11 +397,11 @@ TILES = {128: ((128, 128, 3, 1, 1), (128, 128, 3, 0, 1), (128, 64, 4, 1, 1), (12
 CONSUMER_REGS = 240
 
 
-def sm90_fwd_configs(spec: dict, target: object) -> tuple[Config, ...]:
+def sm90_fwd_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """The tile table for a head dim. num_warps is the default partition's (consumer 0); the
     compiled kernel runs 12 warps (two consumer groups and the loader's group), which the
     catalog records from the binary."""
-    return tuple(Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": st, "PINGPONG": pp,
+    return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": st, "PINGPONG": pp,
                                     "WARP_SPECIALIZE": ws, "CONSUMER_REGS": CONSUMER_REGS},
                         num_warps=4, num_stages=1, backends=("cuda",))
                  for bm, bn, st, pp, ws in TILES[spec["HEAD_DIM"]])
@@ -444,7 +444,7 @@ _SIG = signature_of(attn_fwd_sm90, {
     "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"})
 _DIV = divisibility_of(_SIG, aligned=("q", "k", "v", "o"), bias=("b",))
 
-KERNEL = Kernel(
+KERNEL = KernelDecl(
     name="attn_fwd_sm90",
     fn=attn_fwd_sm90,
     signature=_SIG,

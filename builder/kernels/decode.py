@@ -39,7 +39,7 @@ from builder.kernels.attention import (
     signature_of,
     stride_checks,
 )
-from builder.registry import Config, Kernel
+from builder.registry import ConfigDecl, KernelDecl
 
 # Head dims the decode kernels are compiled for: the attention buckets (the cache is read in
 # place, so its head dim must be one of them).
@@ -307,12 +307,12 @@ def in_decode_gputest_set(spec: dict, target: object) -> bool:
     return in_decode_default_set(spec, target) or (spec["dtype"], spec["HEAD_DIM"]) in GPUTEST
 
 
-def _cfg(bm: int, bn: int, warps: int, stages: int, options: dict | None = None) -> Config:
-    return Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages,
+def _cfg(bm: int, bn: int, warps: int, stages: int, options: dict | None = None) -> ConfigDecl:
+    return ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages,
                   options=options or {})
 
 
-def decode_configs(spec: dict, target: object) -> tuple[Config, ...]:
+def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """Decode tiles by target and head dim, the expected fastest first (config 0 is launched).
 
     Decoding is bound by reading K/V: the tile is 16 query rows (a GQA group times the query
@@ -376,13 +376,13 @@ def decode_tuning(target: object) -> list[dict]:
     return deep + [{"splits": splits}]
 
 
-def combine_configs(spec: dict, target: object) -> tuple[Config, ...]:
+def combine_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """Eight splits at a time; one stage (the loop is two short passes)."""
-    return (Config(constexprs={"BLOCK_S": 8}, num_warps=4, num_stages=1),)
+    return (ConfigDecl(constexprs={"BLOCK_S": 8}, num_warps=4, num_stages=1),)
 
 
-def append_configs(spec: dict, target: object) -> tuple[Config, ...]:
-    return (Config(constexprs={"BLOCK_R": 16}, num_warps=4, num_stages=1),)
+def append_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
+    return (ConfigDecl(constexprs={"BLOCK_R": 16}, num_warps=4, num_stages=1),)
 
 
 _DECODE_SIG = signature_of(attn_decode, {
@@ -406,7 +406,7 @@ _PAGE_CHECKS = ("page_size >= 16", "page_size % 16 == 0", "num_pages >= 1", "cap
 _SETS = {"default": in_decode_default_set, "gputest": in_decode_gputest_set}
 
 KERNELS = [
-    Kernel(
+    KernelDecl(
         name="attn_decode",
         fn=attn_decode,
         signature=_DECODE_SIG,
@@ -422,7 +422,7 @@ KERNELS = [
         checks=_SHAPE_CHECKS + _PAGE_CHECKS + ("num_splits >= 1", "num_splits <= 65535", "seqlen_new >= 0")
         + stride_checks(_DECODE_DIV),
     ),
-    Kernel(
+    KernelDecl(
         name="attn_decode_combine",
         fn=attn_decode_combine,
         signature=_COMBINE_SIG,
@@ -433,7 +433,7 @@ KERNELS = [
         sets=_SETS,
         checks=_SHAPE_CHECKS + ("num_splits >= 1",) + stride_checks(_COMBINE_DIV),
     ),
-    Kernel(
+    KernelDecl(
         name="attn_decode_append",
         fn=attn_decode_append,
         signature=_APPEND_SIG,

@@ -7,7 +7,7 @@ backward pass needs.
 import triton
 import triton.language as tl
 
-from builder.registry import Config, Kernel
+from builder.registry import ConfigDecl, KernelDecl
 
 
 @triton.jit
@@ -33,8 +33,8 @@ def norm_fwd_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, n_rows, n_co
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _norm(name: str, is_rms: int) -> Kernel:
-    return Kernel(
+def _norm(name: str, is_rms: int) -> KernelDecl:
+    return KernelDecl(
         name=name,
         fn=norm_fwd_kernel,
         signature={"x_ptr": "*{dtype}", "y_ptr": "*{dtype}", "w_ptr": "*{dtype}",
@@ -44,7 +44,7 @@ def _norm(name: str, is_rms: int) -> Kernel:
                    "IS_RMS": "constexpr"},
         axes={"dtype": ("fp16", "bf16", "fp32"), "BLOCK": (256, 1024, 4096, 16384),
               "IS_RMS": (is_rms,)},
-        configs=lambda spec, target: (Config(num_warps=4 if spec["BLOCK"] <= 1024 else 8,
+        configs=lambda spec, target: (ConfigDecl(num_warps=4 if spec["BLOCK"] <= 1024 else 8,
                                              num_stages=1),),
         grid=("n_rows", "1", "1"),
         checks=("n_cols <= BLOCK", "n_cols >= 1"),

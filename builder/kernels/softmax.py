@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from builder.registry import Config, Kernel
+from builder.registry import ConfigDecl, KernelDecl
 
 
 @triton.jit
@@ -23,13 +23,13 @@ def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-KERNEL = Kernel(
+KERNEL = KernelDecl(
     name="softmax",
     fn=softmax_kernel,
     signature={"out_ptr": "*{dtype}", "in_ptr": "*{dtype}", "n_rows": "i32", "n_cols": "i32",
                "in_row_stride": "i64", "out_row_stride": "i64", "BLOCK": "constexpr"},
     axes={"dtype": ("fp16", "bf16", "fp32"), "BLOCK": (256, 1024, 4096, 16384)},
-    configs=lambda spec, target: (Config(num_warps=_warps(spec["BLOCK"]), num_stages=1),),
+    configs=lambda spec, target: (ConfigDecl(num_warps=_warps(spec["BLOCK"]), num_stages=1),),
     grid=("n_rows", "1", "1"),
     checks=("n_cols <= BLOCK", "n_cols >= 1"),
     sets={"default": lambda spec, target: spec["BLOCK"] in (256, 1024)},

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
-import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.interpreter import patch_interpreter, run_sharded
+from tests.helpers.sass import sass_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -388,26 +388,8 @@ def _compile(item: tuple) -> dict:
     variant = compiled.to_json()
     assert raw[:4] == b"\x7fELF"  # cubin and hsaco are both ELF
     if arch.startswith("sm"):
-        variant["sass_ops"] = _sass_ops(raw)
+        variant["sass_ops"] = sass_ops(raw)
     return variant
-
-
-def _sass_ops(cubin: bytes) -> dict[str, int]:
-    """Opcode counts of a cubin's SASS, from the nvdisasm that ships with Triton."""
-    import re
-    import tempfile
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
-    ops: dict[str, int] = {}
-    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass):
-        ops[op] = ops.get(op, 0) + 1
-    return ops
 
 
 @pytest.fixture(scope="module")

@@ -137,22 +137,11 @@ def test_ptxas_keeps_the_gluon_wgmmas_asynchronous_and_spills_nothing(built: Pat
     """ptxas serializes wgmma (a fence and a wait around each instruction) when it cannot prove
     in-flight operand registers safe, a silent 2x loss; P stays in registers across its P.V here."""
     import lzma
-    import re
-    import subprocess
-    import tempfile
 
-    import triton
+    from tests.helpers.sass import sass_ops
 
     variant = _variant(built, index)
-    raw = lzma.decompress((built / variant.image.path).read_bytes())
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(raw)
-        f.flush()
-        sass = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
-    ops: dict[str, int] = {}
-    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass):
-        ops[op] = ops.get(op, 0) + 1
+    ops = sass_ops(lzma.decompress((built / variant.image.path).read_bytes()))
     hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
     fences = ops.get("WARPGROUP.ARRIVE", 0)
     # D=64: 4 k-steps for Q.K^T, and 8 (128-key blocks) or 4 (64-key blocks) for P.V per issue site.

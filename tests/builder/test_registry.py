@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton", reason="kernel declarations are @triton.j
 tl = pytest.importorskip("triton.language")
 
 from builder import registry  # noqa: E402 - after the importorskip above
-from builder.registry import Config, Job, Kernel, expand, load_kernels, select, shard  # noqa: E402
+from builder.registry import ConfigDecl, Job, KernelDecl, expand, load_kernels, select, shard  # noqa: E402
 from builder.targets import KNOWN, UnknownTarget, parse_targets  # noqa: E402
 
 FIXTURE = "tests.builder.kernels_fixture"
@@ -36,22 +36,22 @@ def other_kernel(x_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr):
     tl.store(x_ptr + tl.arange(0, BLOCK), 1.0)
 
 
-def _axpy(**changes) -> Kernel:
+def _axpy(**changes) -> KernelDecl:
     fields = dict(
         name="axpy", fn=axpy_kernel,
         signature={"x_ptr": "*{dtype}", "y_ptr": "*{dtype}", "n": "i32", "alpha": "fp32",
                    "BLOCK": "constexpr", "EVEN": "constexpr"},
         axes={"dtype": ("fp16", "bf16", "fp32"), "EVEN": (False, True)},
-        configs=(Config(constexprs={"BLOCK": 256}, num_warps=2, num_stages=1),
-                 Config(constexprs={"BLOCK": 1024}, num_warps=8, num_stages=2,
+        configs=(ConfigDecl(constexprs={"BLOCK": 256}, num_warps=2, num_stages=1),
+                 ConfigDecl(constexprs={"BLOCK": 1024}, num_warps=8, num_stages=2,
                         options={"waves_per_eu": 2}, backends=("hip",))),
         grid=("cdiv(n, BLOCK)", "1", "1"),
     )
     fields.update(changes)
-    return Kernel(**fields)
+    return KernelDecl(**fields)
 
 
-def _expand(kernel: Kernel, tgts=(GFX942, SM90), build_set: str = "full", **kw) -> list[Job]:
+def _expand(kernel: KernelDecl, tgts=(GFX942, SM90), build_set: str = "full", **kw) -> list[Job]:
     return expand(kernel, list(tgts), build_set, "3.6.0", **kw)
 
 
@@ -181,7 +181,7 @@ def test_tuning_rules_naming_a_config_the_build_leaves_out_are_dropped() -> None
 
 
 def test_expand_takes_configs_chosen_per_spec_and_target() -> None:
-    kernel = _axpy(configs=lambda spec, t: [Config(constexprs={"BLOCK": 64 if t.warp_size == 32 else 128},
+    kernel = _axpy(configs=lambda spec, t: [ConfigDecl(constexprs={"BLOCK": 64 if t.warp_size == 32 else 128},
                                                    num_warps=4 if spec["dtype"] == "fp32" else 2)])
     jobs = _expand(kernel)
     assert {(j.target.arch, j.constexprs["BLOCK"]) for j in jobs} == {("gfx942", 128), ("sm90", 64)}
@@ -189,7 +189,7 @@ def test_expand_takes_configs_chosen_per_spec_and_target() -> None:
 
 
 def test_expand_refuses_a_constexpr_without_a_value() -> None:
-    kernel = _axpy(configs=(Config(num_warps=4),))
+    kernel = _axpy(configs=(ConfigDecl(num_warps=4),))
     with pytest.raises(ValueError, match=r"kernel axpy: constexpr BLOCK has no value in spec "
                                          r"\{'dtype': 'fp16', 'EVEN': False\} or config #0"):
         _expand(kernel)
@@ -229,7 +229,7 @@ def test_job_key_changes_with_everything_that_determines_the_binary(change: str)
     elif change == "source":
         source = "edited"
     elif change == "options":
-        kernel = _axpy(configs=(Config(constexprs={"BLOCK": 256}, num_warps=2, num_stages=1,
+        kernel = _axpy(configs=(ConfigDecl(constexprs={"BLOCK": 256}, num_warps=2, num_stages=1,
                                        options={"waves_per_eu": 1}),))
     elif change == "grid":
         kernel = _axpy(grid=("cdiv(n, BLOCK)", "2", "1"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.fakehip import compile_shared
+from tests.helpers.fake_driver import compile_shared
 
 SOURCE = Path(__file__).with_name("fake_cuda.c")
 

@@ -17,16 +17,11 @@
  *   FAKECUDA_DEVICES  number of devices (default 1)
  *   FAKECUDA_OPTIN    shared memory per block with opt-in, bytes (default 232448)
  *
- * Build: gcc -shared -fPIC -O1 -Wl,-soname,libcuda.so.1 -o libcuda.so.1 fake_cuda.c
+ * Build: gcc -shared -fPIC -O1 -I../helpers -Wl,-soname,libcuda.so.1 -o libcuda.so.1 fake_cuda.c
  */
 
-#include <fcntl.h>
-#include <stdarg.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
+#define FAKE_LOG_ENV "FAKECUDA_LOG"
+#include "fake_driver.h" /* tests/helpers: env_int, log_line, hex, fnv1a64 */
 
 typedef int CUresult;
 typedef uint64_t CUdeviceptr;
@@ -68,55 +63,7 @@ typedef struct {
 static __thread void *current_context = NULL;
 static char primary[16]; /* one byte per device: its primary context's address */
 
-/* ---------------------------------------------------------------- environment and log */
-
-static int env_int(const char *name, int fallback) {
-  const char *v = getenv(name);
-  return (v && *v) ? atoi(v) : fallback;
-}
-
-static void log_line(const char *fmt, ...) {
-  const char *path = getenv("FAKECUDA_LOG");
-  if (!path || !*path) return;
-  va_list ap;
-  va_start(ap, fmt);
-  int n = vsnprintf(NULL, 0, fmt, ap);
-  va_end(ap);
-  char *line = malloc((size_t)n + 2);
-  if (!line) return;
-  va_start(ap, fmt);
-  vsnprintf(line, (size_t)n + 1, fmt, ap);
-  va_end(ap);
-  line[n] = '\n';
-  int fd = open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
-  if (fd >= 0) {
-    ssize_t ignored = write(fd, line, (size_t)n + 1);
-    (void)ignored;
-    close(fd);
-  }
-  free(line);
-}
-
-static char *hex(const unsigned char *data, size_t size) {
-  static const char digits[] = "0123456789abcdef";
-  char *out = malloc(2 * size + 1);
-  if (!out) return NULL;
-  for (size_t i = 0; i < size; i++) {
-    out[2 * i] = digits[data[i] >> 4];
-    out[2 * i + 1] = digits[data[i] & 15];
-  }
-  out[2 * size] = 0;
-  return out;
-}
-
-static uint64_t fnv1a64(const unsigned char *data, size_t size) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (size_t i = 0; i < size; i++) {
-    h ^= data[i];
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
+/* ---------------------------------------------------------------- environment */
 
 static int devices(void) { return env_int("FAKECUDA_DEVICES", 1); }
 static int capability(void) { return env_int("FAKECUDA_CC", 90); }

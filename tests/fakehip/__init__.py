@@ -3,7 +3,8 @@
 ``build_fake_hip(tmp_path)`` compiles ``fake_amdhip64.c`` with gcc into
 ``tmp_path/libamdhip64.so`` and returns that path; ``fake_hip_env(...)`` gives the
 environment that points aotriton-rt (and hip-python) at it and configures the fake GPUs;
-``read_log(path)`` parses what the fake recorded. Typical use, in a subprocess so that the
+``read_log(path)`` parses what the fake recorded (it, ``compile_shared`` and ``fnv1a64`` live in
+:mod:`tests.helpers.fake_driver`, shared with the fake libcuda). Typical use, in a subprocess so that the
 environment is in place before anything loads the library::
 
     lib = build_fake_hip(tmp_path)
@@ -21,45 +22,20 @@ the argument buffer); module loads carry ``size fnv1a64 head`` (``head``: first 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import shutil
 import struct
-import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
-SOURCE = Path(__file__).with_name("fake_amdhip64.c")
+from tests.helpers.fake_driver import compile_shared, fnv1a64, read_log
 
-# Fields the fake writes as hex text; read_log turns them back into bytes.
-_HEX_FIELDS = ("args", "head")
+__all__ = ["AMDGPU_MACH", "CompiledKernel", "build_fake_hip", "compile_shared", "fake_code_object", "fake_hip_env",
+           "fnv1a64", "read_log", "triton_add_kernel"]
+
+SOURCE = Path(__file__).with_name("fake_amdhip64.c")
 
 # EF_AMDGPU_MACH values (low byte of e_flags) of the targets the fake knows.
 AMDGPU_MACH = {"gfx90a": 0x3F, "gfx942": 0x4C, "gfx950": 0x4F, "gfx1100": 0x41, "gfx1151": 0x4A,
                "gfx1201": 0x4E, "gfx1250": 0x49}
-
-
-def compile_shared(source: Path, out: Path, soname: str) -> Path:
-    """Compile one C file into the shared library ``out`` with the given soname.
-
-    Skips recompiling when ``out`` is newer than ``source``. Raises ``RuntimeError`` with
-    gcc's output when compiling fails, and ``FileNotFoundError`` when gcc is missing.
-    """
-    if out.exists() and out.stat().st_mtime >= source.stat().st_mtime:
-        return out
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None:
-        raise FileNotFoundError("gcc is needed to build the fake GPU libraries")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
-    proc = subprocess.run(
-        [gcc, "-shared", "-fPIC", "-O1", "-Wall", f"-Wl,-soname,{soname}", "-o", str(tmp),
-         str(source)],
-        capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"compiling {source.name} failed:\n{proc.stderr}")
-    os.replace(tmp, out)  # atomic, so parallel builders never see half a library
-    return out
 
 
 def build_fake_hip(directory: Path, name: str = "libamdhip64.so") -> Path:
@@ -94,34 +70,6 @@ def fake_hip_env(library: Path, log: Path | None = None, *, arch: str = "gfx942:
     if backend is not None:
         env["AOTRITON_RT_HIP_BACKEND"] = backend
     return env
-
-
-def read_log(path: Path) -> list[dict]:
-    """Parse the fake's JSON-lines log; hex fields (``args``, ``head``) become bytes.
-
-    A missing log reads as no calls.
-    """
-    path = Path(path)
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        for field in _HEX_FIELDS:
-            if field in record:
-                record[field] = bytes.fromhex(record[field])
-        records.append(record)
-    return records
-
-
-def fnv1a64(data: bytes) -> str:
-    """The FNV-1a 64-bit digest, as the fake logs it for module images (16 hex digits)."""
-    h = 0xCBF29CE484222325
-    for byte in data:
-        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return f"{h:016x}"
 
 
 def fake_code_object(arch: str, symbols: list[str], metadata: bytes | None = None) -> bytes:

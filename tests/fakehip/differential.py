@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import zlib
 from collections.abc import Mapping, Sequence
@@ -305,6 +306,84 @@ def build_sample(out: Path, targets: str, build_set: str, per_kernel: int, kerne
     build(jobs, out, workers=2, timeout=600.0, keep_going=False,
           triton_version=check_triton_version(), quiet=True)
     return len(jobs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests' side (test_differential_hip.py, test_differential_cuda.py): run the above in a
+# subprocess under a fake's environment and compare the two logs.
+# ---------------------------------------------------------------------------------------------
+
+def run_python(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repository root; fails the test with its output when it fails."""
+    proc = subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def compile_env(triton_cache: Path) -> dict[str, str]:
+    """The environment of a subprocess that compiles with Triton into the session's cache."""
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path, "TRITON_CACHE_DIR": str(triton_cache),
+            "TRITON_DISABLE_LINE_INFO": "1", "TRITON_ALWAYS_COMPILE": "0"}
+
+
+def hooked_env(directory: Path, source: str) -> dict[str, str]:
+    """A ``PYTHONPATH`` whose ``sitecustomize`` runs ``source`` at interpreter start-up, before
+    the runner imports aotriton-rt: how a test breaks one launch decision on purpose."""
+    hook = Path(directory) / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(source)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, (str(hook), str(ROOT), os.environ.get("PYTHONPATH"))))}
+
+
+def logged_launches(images: Path, arch: str, tmp: Path, env: dict[str, str], launch_calls: Sequence[str],
+                    load_call: str) -> tuple[dict, dict]:
+    """Run the differential for ``arch`` under ``env`` (the fake's); returns (triton, aotriton-rt)
+    records by variant key."""
+    jit_log, aot_log = tmp / f"triton-{arch}.jsonl", tmp / f"aotriton-{arch}.jsonl"
+    run_python(["-m", "tests.fakehip.differential", str(images), arch, str(jit_log), str(aot_log)], env)
+    from tests.helpers.fake_driver import read_log
+
+    return (records_by_variant(read_log(jit_log), launch_calls, load_call),
+            records_by_variant(read_log(aot_log), launch_calls, load_call))
+
+
+def differences(images: Path, arch: str, jit: dict, aot: dict) -> list[str]:
+    """Human-readable differences between the two launchers' records, one entry per variant."""
+    from aotriton_rt.catalog import Catalog
+
+    catalog = Catalog.load(images)
+    problems = []
+    for v in (v for v in catalog.variants if v.target.arch == arch):
+        j, a = jit.get(v.key, {}), aot.get(v.key, {})
+        label = f"{v.kernel} {v.key[:16]}@{arch}"
+        if "launch" not in j or "launch" not in a:
+            problems.append(f"{label}: no launch recorded (triton: {j.get('failures')}, "
+                            f"aotriton-rt: {a.get('failures')})")
+            continue
+        fj, fa = compared_fields(j["launch"], j["load"]), compared_fields(a["launch"], a["load"])
+        if v.hidden_args and v.scratch["global_size"]:
+            # Global scratch lives at different addresses in the two processes: both must pass
+            # one, and ours must be at least as large as what Triton's launcher asked for.
+            at = v.hidden_args[0].offset * 2
+            pj, pa = fj["kernarg"][at:at + 16], fa["kernarg"][at:at + 16]
+            if int(pj or "0", 16) and int(pa or "0", 16):
+                fj["kernarg"] = fj["kernarg"][:at] + "0" * 16 + fj["kernarg"][at + 16:]
+                fa["kernarg"] = fa["kernarg"][:at] + "0" * 16 + fa["kernarg"][at + 16:]
+            if a.get("scratch_capacity", 0) < j.get("scratch_needed", 0):
+                problems.append(f"{label}: aotriton-rt's global scratch holds {a.get('scratch_capacity')} "
+                                f"bytes, Triton's launcher asked for {j.get('scratch_needed')}")
+        if fj != fa:
+            fields = [k for k in fj if fj[k] != fa[k]]
+            detail = "\n".join(f"  {k}: triton {fj[k]} vs aotriton-rt {fa[k]}" for k in fields if k != "kernarg")
+            if "kernarg" in fields:
+                detail += "\n" + explain_kernarg(bytes.fromhex(fj["kernarg"]), bytes.fromhex(fa["kernarg"]),
+                                                 v.args + v.hidden_args)
+            problems.append(f"{label}: {', '.join(fields)} differ\n{detail}")
+        elif "args_size" in a["launch"] and a["launch"]["args_size"] != len(bytes.fromhex(fa["kernarg"])):
+            problems.append(f"{label}: aotriton-rt passed {a['launch']['args_size']} argument bytes for a "
+                            f"{len(bytes.fromhex(fa['kernarg']))}-byte kernarg segment")
+    return problems
 
 
 if __name__ == "__main__":

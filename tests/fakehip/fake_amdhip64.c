@@ -35,16 +35,12 @@
  * Triton's own HIP launcher dlopens this library, checks hipDriverGetVersion and resolves
  * every other entry point through hipGetProcAddress; both are provided.
  *
- * Build: gcc -shared -fPIC -O1 -Wl,-soname,libamdhip64.so -o libamdhip64.so fake_amdhip64.c
+ * Build: gcc -shared -fPIC -O1 -I../helpers -Wl,-soname,libamdhip64.so -o libamdhip64.so fake_amdhip64.c
  */
 
-#include <fcntl.h>
-#include <stdarg.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
+#define FAKE_LOG_ENV "FAKEHIP_LOG"
+#define FAKE_FAIL_ENV "FAKEHIP_FAIL"
+#include "fake_driver.h" /* tests/helpers: env_int, env_str, injected_failure, log_line, hex, fnv1a64 */
 
 typedef int hipError_t;
 
@@ -126,76 +122,7 @@ static __thread int current_device = 0;
 
 /* ---------------------------------------------------------------- environment */
 
-static int env_int(const char *name, int fallback) {
-  const char *v = getenv(name);
-  return (v && *v) ? atoi(v) : fallback;
-}
-
-static const char *env_str(const char *name, const char *fallback) {
-  const char *v = getenv(name);
-  return (v && *v) ? v : fallback;
-}
-
 static int device_count(void) { return env_int("FAKEHIP_DEVICES", 1); }
-
-/* FAKEHIP_FAIL="hipModuleLoadData=209,hipMalloc=2": the named call returns that code. */
-static int injected_failure(const char *call) {
-  const char *spec = getenv("FAKEHIP_FAIL");
-  size_t n = strlen(call);
-  while (spec && *spec) {
-    if (strncmp(spec, call, n) == 0 && spec[n] == '=') return atoi(spec + n + 1);
-    spec = strchr(spec, ',');
-    if (spec) spec++;
-  }
-  return 0;
-}
-
-/* ---------------------------------------------------------------- the log */
-
-static void log_line(const char *fmt, ...) {
-  const char *path = getenv("FAKEHIP_LOG");
-  if (!path || !*path) return;
-  va_list ap;
-  va_start(ap, fmt);
-  int n = vsnprintf(NULL, 0, fmt, ap);
-  va_end(ap);
-  char *line = malloc((size_t)n + 2);
-  if (!line) return;
-  va_start(ap, fmt);
-  vsnprintf(line, (size_t)n + 1, fmt, ap);
-  va_end(ap);
-  line[n] = '\n';
-  /* One write of the whole line with O_APPEND keeps lines whole across threads. */
-  int fd = open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
-  if (fd >= 0) {
-    ssize_t ignored = write(fd, line, (size_t)n + 1);
-    (void)ignored;
-    close(fd);
-  }
-  free(line);
-}
-
-static char *hex(const unsigned char *data, size_t size) {
-  static const char digits[] = "0123456789abcdef";
-  char *out = malloc(2 * size + 1);
-  if (!out) return NULL;
-  for (size_t i = 0; i < size; i++) {
-    out[2 * i] = digits[data[i] >> 4];
-    out[2 * i + 1] = digits[data[i] & 15];
-  }
-  out[2 * size] = 0;
-  return out;
-}
-
-/* FNV-1a 64: tests/fakehip.fnv1a64 computes the same digest in Python. */
-static uint64_t fnv1a64(const unsigned char *data, size_t size) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (size_t i = 0; i < size; i++) {
-    h ^= data[i];
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
 
 /* Names and strings for the codes this fake returns (and a few more). */
 static const struct {

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from aotriton_rt import ArgumentError, UnsupportedError, interop  # noqa: E402
 from aotriton_rt.ops import attention as op  # noqa: E402
-from aotriton_rt.ops.attention import dispatch, plan, problem  # noqa: E402
+from aotriton_rt.ops.attention import dispatch, plan, problem, signature  # noqa: E402
 from tests.runtime.test_attention_op import InterpretedKernel, InterpretedLibrary  # noqa: E402
 
 _NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
@@ -260,7 +260,7 @@ def test_many_threads_with_many_signatures_each_launch_their_own_arguments(lib: 
 
 
 def test_the_plan_cache_is_a_bounded_lru() -> None:
-    cache = plan.PlanCache(capacity=2)
+    cache = signature.PlanCache(capacity=2)
     cache.put(("a",), 1)
     cache.put(("b",), 2)
     assert cache.get(("a",)) == 1  # a is now the most recent
@@ -393,7 +393,7 @@ def addresses(monkeypatch: pytest.MonkeyPatch, lib: RecordingLibrary) -> list:
         if type(obj) is torch.Tensor:
             ptr = obj.data_ptr()
             return (obj.shape, obj.stride(), obj.dtype, 0, not ptr & 15), ptr
-        return plan._described_sig(obj, name)
+        return signature._described_sig(obj, name)
 
     monkeypatch.setattr(RecordingKernel, "prepare", prepare, raising=False)
     monkeypatch.setattr(plan, "_sig", sig)

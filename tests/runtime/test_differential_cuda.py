@@ -10,16 +10,13 @@ every byte of the parameter bank that the fake builds from the cubin's ``.nv.inf
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from builder.targets import DEFAULT
 from tests.fakecuda import build_fake_cuda, fake_cuda_env
-from tests.fakehip import read_log
-from tests.fakehip.differential import records_by_variant
-from tests.runtime.test_differential_hip import _python, compile_env, differences
+from tests.fakehip.differential import compile_env, differences, hooked_env, logged_launches, run_python
 
 CUDA_TARGETS = tuple(a for a in DEFAULT if a.startswith("sm"))
 LAUNCHES = ("cuLaunchKernel", "cuLaunchKernelEx")
@@ -28,8 +25,8 @@ LAUNCHES = ("cuLaunchKernel", "cuLaunchKernelEx")
 @pytest.fixture(scope="session")
 def cuda_sample_images(tmp_path_factory: pytest.TempPathFactory, triton_cache: Path) -> Path:
     out = tmp_path_factory.mktemp("diff-cuda")
-    _python(["-m", "tests.fakehip.differential", "build", str(out), ",".join(CUDA_TARGETS), "default", "1"],
-            compile_env(triton_cache))
+    run_python(["-m", "tests.fakehip.differential", "build", str(out), ",".join(CUDA_TARGETS), "default", "1"],
+               compile_env(triton_cache))
     return out
 
 
@@ -40,13 +37,9 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def launch_both(images: Path, arch: str, fake: Path, tmp: Path, triton_cache: Path,
                 extra_env: dict[str, str] | None = None) -> tuple[dict, dict]:
-    jit_log, aot_log = tmp / f"triton-{arch}.jsonl", tmp / f"aotriton-{arch}.jsonl"
     env = {**compile_env(triton_cache), **fake_cuda_env(fake, None, capability=int(arch[2:])),
            **(extra_env or {})}
-    _python(["-m", "tests.fakehip.differential", str(images), arch, str(jit_log), str(aot_log)], env)
-    jit = records_by_variant(read_log(jit_log), LAUNCHES, "cuModuleLoadData")
-    aot = records_by_variant(read_log(aot_log), LAUNCHES, "cuModuleLoadData")
-    return jit, aot
+    return logged_launches(images, arch, tmp, env, LAUNCHES, "cuModuleLoadData")
 
 
 @pytest.mark.slow
@@ -61,15 +54,11 @@ def test_aotriton_launches_every_default_cuda_kernel_as_tritons_own_launcher_doe
 @pytest.mark.slow
 def test_cuda_differential_fails_when_our_grid_is_wrong(cuda_sample_images: Path, fake_libcuda: Path,
                                                          tmp_path: Path, triton_cache: Path) -> None:
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        "import aotriton_rt.drivers.cuda as c\n"
-        "_orig = c.CudaLauncher.__call__\n"
-        "def _wrong(self, gx, gy, gz, stream, values):\n"
-        "    return _orig(self, gx, gy + 1, gz, stream, values)\n"
-        "c.CudaLauncher.__call__ = _wrong\n")
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(hook), compile_env(triton_cache)["PYTHONPATH"])))}
+    env = hooked_env(tmp_path, "import aotriton_rt.drivers.cuda as c\n"
+                                "_orig = c.CudaLauncher.__call__\n"
+                                "def _wrong(self, gx, gy, gz, stream, values):\n"
+                                "    return _orig(self, gx, gy + 1, gz, stream, values)\n"
+                                "c.CudaLauncher.__call__ = _wrong\n")
     jit, aot = launch_both(cuda_sample_images, "sm90", fake_libcuda, tmp_path, triton_cache, env)
     problems = differences(cuda_sample_images, "sm90", jit, aot)
     assert problems and all("grid" in p for p in problems), problems

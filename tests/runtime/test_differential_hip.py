@@ -14,36 +14,20 @@ No AMD GPU exists here: this proves what reaches ``hipModuleLaunchKernel``, not 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from aotriton_rt.catalog import Catalog
 from builder.targets import DEFAULT
-from tests.fakehip import build_fake_hip, fake_hip_env, read_log
-from tests.fakehip.differential import compared_fields, explain_kernarg, records_by_variant
+from tests.fakehip import build_fake_hip, fake_hip_env
+from tests.fakehip.differential import compile_env, differences, hooked_env, logged_launches, run_python
 
-ROOT = Path(__file__).resolve().parents[2]
 HIP_TARGETS = tuple(sorted((a for a in DEFAULT if a.startswith("gfx")), key=lambda a: (len(a), a)))
 DEVICE_ARCH = {"gfx90a": "gfx90a:sramecc+:xnack-", "gfx942": "gfx942:sramecc+:xnack-",
                "gfx950": "gfx950:sramecc+:xnack-", "gfx1100": "gfx1100", "gfx1151": "gfx1151",
                "gfx1201": "gfx1201", "gfx1250": "gfx1250"}
 LAUNCHES = ("hipModuleLaunchKernel", "hipModuleLaunchCooperativeKernel")
-
-
-def _python(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
-    return proc
-
-
-def compile_env(triton_cache: Path) -> dict[str, str]:
-    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-    return {**os.environ, "PYTHONPATH": path, "TRITON_CACHE_DIR": str(triton_cache),
-            "TRITON_DISABLE_LINE_INFO": "1", "TRITON_ALWAYS_COMPILE": "0"}
 
 
 @pytest.fixture(scope="session")
@@ -52,10 +36,10 @@ def hip_sample_images(tmp_path_factory: pytest.TempPathFactory, triton_cache: Pa
     of the full set on gfx942 (bias, dropout, varlen paths of attention), built by the builder."""
     out = tmp_path_factory.mktemp("diff-hip")
     env = compile_env(triton_cache)
-    _python(["-m", "tests.fakehip.differential", "build", str(out), ",".join(HIP_TARGETS), "default", "1"], env)
+    run_python(["-m", "tests.fakehip.differential", "build", str(out), ",".join(HIP_TARGETS), "default", "1"], env)
     full = tmp_path_factory.mktemp("diff-hip-full")
-    _python(["-m", "tests.fakehip.differential", "build", str(full), "gfx942", "full", "1", "attn_fwd,attn_bwd_dq"],
-            env)
+    run_python(["-m", "tests.fakehip.differential", "build", str(full), "gfx942", "full", "1",
+                "attn_fwd,attn_bwd_dq"], env)
     from builder.merge import merge
 
     merged = tmp_path_factory.mktemp("diff-hip-merged")
@@ -71,49 +55,9 @@ def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def launch_both(images: Path, arch: str, fake: Path, tmp: Path, triton_cache: Path,
                 extra_env: dict[str, str] | None = None) -> tuple[dict, dict]:
     """Run the differential for ``arch``; returns (triton, aotriton-rt) records by variant key."""
-    jit_log, aot_log = tmp / f"triton-{arch}.jsonl", tmp / f"aotriton-{arch}.jsonl"
     env = {**compile_env(triton_cache), **fake_hip_env(fake, None, arch=DEVICE_ARCH[arch], lds=160 * 1024),
            "TRITON_LIBHIP_PATH": str(fake), **(extra_env or {})}
-    _python(["-m", "tests.fakehip.differential", str(images), arch, str(jit_log), str(aot_log)], env)
-    jit = records_by_variant(read_log(jit_log), LAUNCHES, "hipModuleLoadData")
-    aot = records_by_variant(read_log(aot_log), LAUNCHES, "hipModuleLoadData")
-    return jit, aot
-
-
-def differences(images: Path, arch: str, jit: dict, aot: dict) -> list[str]:
-    """Human-readable differences between the two launchers' records, one entry per variant."""
-    catalog = Catalog.load(images)
-    problems = []
-    for v in (v for v in catalog.variants if v.target.arch == arch):
-        j, a = jit.get(v.key, {}), aot.get(v.key, {})
-        label = f"{v.kernel} {v.key[:16]}@{arch}"
-        if "launch" not in j or "launch" not in a:
-            problems.append(f"{label}: no launch recorded (triton: {j.get('failures')}, "
-                            f"aotriton-rt: {a.get('failures')})")
-            continue
-        fj, fa = compared_fields(j["launch"], j["load"]), compared_fields(a["launch"], a["load"])
-        if v.hidden_args and v.scratch["global_size"]:
-            # Global scratch lives at different addresses in the two processes: both must pass
-            # one, and ours must be at least as large as what Triton's launcher asked for.
-            at = v.hidden_args[0].offset * 2
-            pj, pa = fj["kernarg"][at:at + 16], fa["kernarg"][at:at + 16]
-            if int(pj or "0", 16) and int(pa or "0", 16):
-                fj["kernarg"] = fj["kernarg"][:at] + "0" * 16 + fj["kernarg"][at + 16:]
-                fa["kernarg"] = fa["kernarg"][:at] + "0" * 16 + fa["kernarg"][at + 16:]
-            if a.get("scratch_capacity", 0) < j.get("scratch_needed", 0):
-                problems.append(f"{label}: aotriton-rt's global scratch holds {a.get('scratch_capacity')} "
-                                f"bytes, Triton's launcher asked for {j.get('scratch_needed')}")
-        if fj != fa:
-            fields = [k for k in fj if fj[k] != fa[k]]
-            detail = "\n".join(f"  {k}: triton {fj[k]} vs aotriton-rt {fa[k]}" for k in fields if k != "kernarg")
-            if "kernarg" in fields:
-                detail += "\n" + explain_kernarg(bytes.fromhex(fj["kernarg"]), bytes.fromhex(fa["kernarg"]),
-                                                 v.args + v.hidden_args)
-            problems.append(f"{label}: {', '.join(fields)} differ\n{detail}")
-        elif "args_size" in a["launch"] and a["launch"]["args_size"] != len(bytes.fromhex(fa["kernarg"])):
-            problems.append(f"{label}: aotriton-rt passed {a['launch']['args_size']} argument bytes for a "
-                            f"{len(bytes.fromhex(fa['kernarg']))}-byte kernarg segment")
-    return problems
+    return logged_launches(images, arch, tmp, env, LAUNCHES, "hipModuleLoadData")
 
 
 @pytest.mark.slow
@@ -175,12 +119,8 @@ MUTATIONS = {
 def test_differential_fails_when_our_launch_is_wrong(hip_sample_images: Path, fake_lib: Path, tmp_path: Path,
                                                      triton_cache: Path, mutation: str) -> None:
     source, field = MUTATIONS[mutation]
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    # sitecustomize runs at interpreter start-up, before the runner imports aotriton-rt.
-    (hook / "sitecustomize.py").write_text(source)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(hook), str(ROOT), os.environ.get("PYTHONPATH"))))}
-    jit, aot = launch_both(hip_sample_images, "gfx942", fake_lib, tmp_path, triton_cache, env)
+    jit, aot = launch_both(hip_sample_images, "gfx942", fake_lib, tmp_path, triton_cache,
+                           hooked_env(tmp_path, source))
     problems = differences(hip_sample_images, "gfx942", jit, aot)
     assert problems, f"the {mutation} mutation went unnoticed"
     assert all(f"{field}" in p for p in problems), problems

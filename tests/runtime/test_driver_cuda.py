@@ -26,16 +26,13 @@ from aotriton_rt.drivers import struct_field_offsets
 from aotriton_rt.drivers._loader import LoadedLibrary
 from aotriton_rt.drivers.cuda import CudaDriver, CUlaunchAttribute, CUlaunchConfig
 from aotriton_rt.errors import ArgumentError, DriverError, LaunchError, LibraryNotFound, NoDevice
-from tests.fakehip import compile_shared, triton_add_kernel
+from tests.fakehip import triton_add_kernel
+from tests.helpers.fake_driver import compile_shared
 
 FAKE_CUDA_SOURCE = r"""
-#include <fcntl.h>
-#include <stdarg.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
+#define FAKE_LOG_ENV "FAKECUDA_LOG"
+#define FAKE_FAIL_ENV "FAKECUDA_FAIL"
+#include "fake_driver.h" /* tests/helpers: env_int, injected_failure, log_line */
 
 typedef int CUresult;
 #define MAXDEV 8
@@ -52,27 +49,9 @@ typedef struct { int id; char pad[4]; union { char raw[64]; int i; unsigned dim[
 static Ctx primaries[MAXDEV];
 static __thread Ctx *current = NULL;
 
-static int env_int(const char *n, int d) { const char *v = getenv(n); return v && *v ? atoi(v) : d; }
 static int ndev(void) { return env_int("FAKECUDA_DEVICES", 1); }
 
-static void logf_(const char *fmt, ...) {
-  const char *p = getenv("FAKECUDA_LOG");
-  if (!p || !*p) return;
-  char line[16384];
-  va_list ap; va_start(ap, fmt); int n = vsnprintf(line, sizeof line - 1, fmt, ap); va_end(ap);
-  if (n > (int)sizeof line - 2) n = sizeof line - 2;
-  line[n++] = '\n';
-  int fd = open(p, O_WRONLY | O_CREAT | O_APPEND, 0644);
-  if (fd >= 0) { ssize_t w = write(fd, line, n); (void)w; close(fd); }
-}
-
-static int injected(const char *call) {
-  const char *s = getenv("FAKECUDA_FAIL"); size_t n = strlen(call);
-  while (s && *s) { if (!strncmp(s, call, n) && s[n] == '=') return atoi(s + n + 1);
-                    s = strchr(s, ','); if (s) s++; }
-  return 0;
-}
-#define ENTER(name) do { int c_ = injected(name); if (c_) return c_; } while (0)
+#define ENTER(name) do { int c_ = injected_failure(name); if (c_) return c_; } while (0)
 
 static __thread int depth;
 void fakecuda_reset(void) { current = NULL; depth = 0; memset(primaries, 0, sizeof primaries); }
@@ -119,30 +98,30 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, int d) {
   ENTER("cuDevicePrimaryCtxRetain");
   if (d < 0 || d >= ndev()) return 101;
   primaries[d].magic = 0xC7; primaries[d].device = d; *ctx = &primaries[d];
-  logf_("{\"call\":\"cuDevicePrimaryCtxRetain\",\"device\":%d}", d);
+  log_line("{\"call\":\"cuDevicePrimaryCtxRetain\",\"device\":%d}", d);
   return 0;
 }
 CUresult cuCtxGetCurrent(void **ctx) { *ctx = current; return 0; }
 CUresult cuCtxSetCurrent(void *ctx) {
   Ctx *c = ctx; if (c && c->magic != 0xC7) return 201; current = c;
-  logf_("{\"call\":\"cuCtxSetCurrent\",\"device\":%d}", c ? c->device : -1);
+  log_line("{\"call\":\"cuCtxSetCurrent\",\"device\":%d}", c ? c->device : -1);
   return 0;
 }
 static __thread Ctx *pushed[16];
 CUresult cuCtxPushCurrent_v2(void *ctx) {
   ENTER("cuCtxPushCurrent_v2"); Ctx *c = ctx; if (!c || c->magic != 0xC7) return 201; if (depth == 16) return 1;
   pushed[depth++] = current; current = c;
-  logf_("{\"call\":\"cuCtxPushCurrent_v2\",\"device\":%d}", c->device);
+  log_line("{\"call\":\"cuCtxPushCurrent_v2\",\"device\":%d}", c->device);
   return 0;
 }
 CUresult cuCtxPopCurrent_v2(void **ctx) {
   if (!current || !depth) return 201; if (ctx) *ctx = current; current = pushed[--depth];
-  logf_("{\"call\":\"cuCtxPopCurrent_v2\",\"device\":%d}", current ? current->device : -1);
+  log_line("{\"call\":\"cuCtxPopCurrent_v2\",\"device\":%d}", current ? current->device : -1);
   return 0;
 }
 CUresult cuCtxGetDevice(int *d) { if (!current) return 201; *d = current->device; return 0; }
 CUresult cuCtxSynchronize(void) {
-  if (!current) return 201; logf_("{\"call\":\"cuCtxSynchronize\",\"device\":%d}", current->device);
+  if (!current) return 201; log_line("{\"call\":\"cuCtxSynchronize\",\"device\":%d}", current->device);
   return 0;
 }
 
@@ -153,7 +132,7 @@ CUresult cuModuleLoadData(void **mod, const void *image) {
   if (strncmp(t, "FAKECUBIN sm", 12)) return 200;
   if (atoi(t + 12) != env_int("FAKECUDA_CC", 90)) return 209;
   Module *m = calloc(1, sizeof *m); m->magic = 0x3D; m->ctx = current; m->text = strdup(t);
-  logf_("{\"call\":\"cuModuleLoadData\",\"device\":%d,\"size\":%zu}", current->device, strlen(t) + 1);
+  log_line("{\"call\":\"cuModuleLoadData\",\"device\":%d,\"size\":%zu}", current->device, strlen(t) + 1);
   *mod = m; return 0;
 }
 CUresult cuModuleGetFunction(void **fn, void *mod, const char *name) {
@@ -178,7 +157,7 @@ CUresult cuFuncSetAttribute(void *fn, int attr, int value) {
   Function *f = fn; if (!f || f->magic != 0xF7) return 400;
   if (attr == 8) { if (value > env_int("FAKECUDA_SMEM_OPTIN", 232448)) return 1; f->max_dynamic_shared = value; }
   else if (attr == 14) f->non_portable = value; else return 1;
-  logf_("{\"call\":\"cuFuncSetAttribute\",\"name\":\"%s\",\"attr\":%d,\"value\":%d}", f->name, attr, value);
+  log_line("{\"call\":\"cuFuncSetAttribute\",\"name\":\"%s\",\"attr\":%d,\"value\":%d}", f->name, attr, value);
   return 0;
 }
 
@@ -216,7 +195,7 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
     args = extra[1]; mode = "extra";
   } else return 1;
   char hex[8192]; hexify(hex, args, size);
-  logf_("{\"call\":\"cuLaunchKernel\",\"device\":%d,\"name\":\"%s\",\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],"
+  log_line("{\"call\":\"cuLaunchKernel\",\"device\":%d,\"name\":\"%s\",\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],"
         "\"shared\":%u,\"stream\":%llu,\"mode\":\"%s\",\"args\":\"%s\"}", current->device, f->name,
         gx, gy, gz, bx, by, bz, shared, (unsigned long long)(uintptr_t)stream, mode, hex);
   return 0;
@@ -233,7 +212,7 @@ CUresult cuLaunchKernelEx(const Config *c, void *fn, void **params, void **extra
   for (unsigned i = 0; i < c->nattrs; i++)
     used += snprintf(attrs + used, sizeof attrs - used, "%s[%d,%u,%u,%u]", i ? "," : "", a[i].id,
                      a[i].v.dim[0], a[i].v.dim[1], a[i].v.dim[2]);
-  logf_("{\"call\":\"cuLaunchKernelEx\",\"device\":%d,\"name\":\"%s\",\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],"
+  log_line("{\"call\":\"cuLaunchKernelEx\",\"device\":%d,\"name\":\"%s\",\"grid\":[%u,%u,%u],\"block\":[%u,%u,%u],"
         "\"shared\":%u,\"stream\":%llu,\"attrs\":[%s],\"args\":\"%s\"}", current->device, f->name, c->x, c->y, c->z,
         c->bx, c->by, c->bz, c->shared, (unsigned long long)(uintptr_t)c->stream, attrs, hex);
   return 0;
@@ -243,7 +222,7 @@ CUresult cuMemAlloc_v2(unsigned long long *p, size_t n) {
   if (!current) return 201; if (!n) return 1;
   void *m = NULL; if (posix_memalign(&m, 256, n)) return 2;
   *p = (unsigned long long)(uintptr_t)m;
-  logf_("{\"call\":\"cuMemAlloc_v2\",\"device\":%d,\"size\":%zu}", current->device, n);
+  log_line("{\"call\":\"cuMemAlloc_v2\",\"device\":%d,\"size\":%zu}", current->device, n);
   return 0;
 }
 CUresult cuStreamIsCapturing(void *stream, int *status) {

@@ -1,4 +1,5 @@
-"""Library and its Kernel handles: what a launch does and every refusal of the launch path.
+"""Library (``library.py``) and its Kernel handles (``launch.py``): what a launch does and every
+refusal of the launch path.
 
 Most tests run the real runtime (Library → generated launch → HIP driver) against the fake
 ``libamdhip64`` in a subprocess, so that the driver library is the fake one: each refusal is
@@ -22,7 +23,7 @@ import pytest
 from aotriton_rt import interop
 from aotriton_rt.catalog import Catalog
 from aotriton_rt.errors import ArgumentError
-from aotriton_rt.library import Kernel
+from aotriton_rt.launch import Kernel
 from tests.fakehip import build_fake_hip, fake_hip_env, read_log
 from tests.helpers.httpfaults import make_image_folder
 

@@ -182,7 +182,7 @@ class LibraryKernels:
         self.available_cache: dict[tuple, bool] = {}
         self.handles: dict[tuple, Any] = {}
         self.choices: dict[tuple, Any] = {}  # call shape -> (spec, handle) / (mode, specs, handles)
-        from .plan import PlanCache
+        from .signature import PlanCache
 
         self.plans = PlanCache()  # call signature -> Plan (see plan.py)
         self.arch: dict[int, str] = {}

@@ -4,7 +4,8 @@
    launch except its address: shape, strides, dtype, device, whether the address is 16-byte
    aligned (exact torch tensors: ``shape``/``stride()``/``dtype``/``get_device()``/``data_ptr()``;
    anything else: :func:`aotriton_rt.interop.describe`), plus every option (with its type, so that
-   ``causal=1`` never finds the plan of ``causal=True``). That tuple is the plan's key.
+   ``causal=1`` never finds the plan of ``causal=True``). That tuple is the plan's key; how one
+   argument is read is :mod:`.signature`.
 2. **Plan, on the first call of a signature** (:func:`_build_forward`, :func:`_build_backward`):
    validate everything (:mod:`.problem`; a refusal raises and caches nothing, so it is raised
    again on every repeat), choose the kernels (:mod:`.dispatch`, tuning rules included), then
@@ -13,9 +14,9 @@
    argument list with its scalars, strides and grid fixed and only the array slots open.
    Otherwise the plan keeps the validated problem and runs the general path of :mod:`.launch`
    (copies, padding, empty problems, dBias reduction) without validating or dispatching again.
-3. **Every call**: look the key up in the library's bounded LRU (:class:`PlanCache`), allocate the
-   outputs, fill the array slots (integer addresses for torch tensors on a :class:`Kernel`,
-   whose :meth:`~aotriton_rt.library.Kernel.prepare` checked the scalars and computed the grid
+3. **Every call**: look the key up in the library's bounded LRU (:class:`.signature.PlanCache`),
+   allocate the outputs, fill the array slots (integer addresses for torch tensors on a :class:`Kernel`,
+   whose :meth:`~aotriton_rt.launch.Kernel.prepare` checked the scalars and computed the grid
    once; the arrays themselves for other handles) and launch on the framework's current stream.
 
 What may change under an equal signature is checked per call or is part of the key: addresses
@@ -29,8 +30,6 @@ from __future__ import annotations
 
 import operator
 import sys
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -54,100 +53,7 @@ from .problem import (
     prepare,
     same_device,
 )
-
-#: Plans kept per library; the least recently used goes first.
-PLAN_CACHE_SIZE = 1024
-
-
-class PlanCache:
-    """A bounded, thread-safe LRU of plans by call signature.
-
-    Lookups take no lock (``OrderedDict`` operations are atomic under the GIL); inserts and
-    evictions do. ``builds`` counts the plans made since the last :meth:`clear`, for tests and
-    benchmarks.
-    """
-
-    def __init__(self, capacity: int = PLAN_CACHE_SIZE) -> None:
-        self.capacity = capacity
-        self.builds = 0
-        self._plans: OrderedDict[tuple, Any] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-    def get(self, key: tuple) -> Any:
-        plan = self._plans.get(key)
-        if plan is not None:
-            try:
-                self._plans.move_to_end(key)
-            except KeyError:  # evicted by another thread meanwhile
-                pass
-        return plan
-
-    def put(self, key: tuple, plan: Any) -> None:
-        with self._lock:
-            self.builds += 1
-            self._plans[key] = plan
-            self._plans.move_to_end(key)
-            while len(self._plans) > self.capacity:
-                self._plans.popitem(last=False)
-
-    def clear(self) -> None:
-        """Forget every plan (and reset ``builds``)."""
-        with self._lock:
-            self._plans.clear()
-            self.builds = 0
-
-
-# ---------------------------------------------------------------------------------------------
-# Signatures.
-# ---------------------------------------------------------------------------------------------
-
-class _NoTensor:
-    pass
-
-
-_tensor: type = _NoTensor  # torch.Tensor once torch is imported (never imported from here)
-
-
-def _torch_tensor_type() -> type:
-    global _tensor
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        _tensor = torch.Tensor
-    return _tensor
-
-
-def _sig(obj: Any, name: str) -> tuple[Any, int]:
-    """(signature, address) of one array argument."""
-    if type(obj) is _tensor:
-        dev = obj.get_device()
-        if dev >= 0 and obj.is_cuda:  # other device types (xpu, mps...) are described, and refused
-            ptr = obj.data_ptr()
-            return (obj.shape, obj.stride(), obj.dtype, dev, not ptr & 15), ptr
-    return _described_sig(obj, name)
-
-
-def _described_sig(obj: Any, name: str) -> tuple[Any, int]:
-    if obj is None:
-        return None, 0
-    if _tensor is _NoTensor and _torch_tensor_type() is type(obj):
-        return _sig(obj, name)
-    info = _problem._describe(obj, name)
-    return (type(obj), info.shape, info.strides, info.dtype, info.device, info.framework, info.readonly,
-            not info.ptr & 15), info.ptr
-
-
-_NO_LENGTHS = ("no max_seqlen",)
-
-
-def _typed(value: Any) -> tuple:
-    # True == 1 == 1.0 hash alike; the type keeps options that validation tells apart apart.
-    if type(value) in (tuple, list):
-        return (type(value), *(_typed(v) for v in value))
-    return (type(value), value)
-
+from .signature import _NO_LENGTHS, _described_sig, _sig, _torch_tensor_type, _typed
 
 # ---------------------------------------------------------------------------------------------
 # Direct plans: argument lists with the array slots open.

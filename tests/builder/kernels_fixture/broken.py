@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from builder.registry import Config, Kernel
+from builder.registry import ConfigDecl, KernelDecl
 
 
 @triton.jit
@@ -13,10 +13,10 @@ def broken_kernel(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + offs, 1.0, mask=offs < n)
 
 
-KERNEL = Kernel(
+KERNEL = KernelDecl(
     name="broken",
     fn=broken_kernel,
     signature={"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
-    configs=(Config(constexprs={"BLOCK": 64}, num_warps=1, num_stages=1),),
+    configs=(ConfigDecl(constexprs={"BLOCK": 64}, num_warps=1, num_stages=1),),
     grid=("1", "1", "1"),
 )

@@ -7,7 +7,7 @@ declared arguments and the hidden scratch pointers need padding: a wrong layout 
 import triton
 import triton.language as tl
 
-from builder.registry import Config, Kernel
+from builder.registry import ConfigDecl, KernelDecl
 
 
 @triton.jit
@@ -18,12 +18,12 @@ def scale_kernel(x_ptr, n, out_ptr, alpha, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, x * alpha, mask=mask)
 
 
-KERNEL = Kernel(
+KERNEL = KernelDecl(
     name="scale",
     fn=scale_kernel,
     signature={"x_ptr": "*{dtype}", "n": "i32", "out_ptr": "*fp32", "alpha": "fp32",
                "BLOCK": "constexpr"},
     axes={"dtype": ("fp16", "fp32")},
-    configs=(Config(constexprs={"BLOCK": 256}, num_warps=2, num_stages=1),),
+    configs=(ConfigDecl(constexprs={"BLOCK": 256}, num_warps=2, num_stages=1),),
     grid=("cdiv(n, BLOCK)", "1", "1"),
 )

@@ -7,7 +7,7 @@ millisecond each), so any test timeout of seconds kills the compile long before 
 import triton
 import triton.language as tl
 
-from builder.registry import Config, Kernel
+from builder.registry import ConfigDecl, KernelDecl
 
 
 @triton.jit
@@ -18,10 +18,10 @@ def slow_kernel(x_ptr, STEPS: tl.constexpr):
     tl.store(x_ptr, acc)
 
 
-KERNEL = Kernel(
+KERNEL = KernelDecl(
     name="slow",
     fn=slow_kernel,
     signature={"x_ptr": "*fp32", "STEPS": "constexpr"},
-    configs=(Config(constexprs={"STEPS": 1_000_000}, num_warps=1, num_stages=1),),
+    configs=(ConfigDecl(constexprs={"STEPS": 1_000_000}, num_warps=1, num_stages=1),),
     grid=("1", "1", "1"),
 )

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from builder.registry import Kernel
+from builder.registry import KernelDecl
 
 
 @triton.jit
@@ -11,5 +11,5 @@ def twin_kernel(x_ptr, BLOCK: tl.constexpr):
     tl.store(x_ptr + tl.arange(0, BLOCK), 0.0)
 
 
-KERNEL = Kernel(name="twin", fn=twin_kernel, signature={"x_ptr": "*fp32", "BLOCK": "constexpr"},
+KERNEL = KernelDecl(name="twin", fn=twin_kernel, signature={"x_ptr": "*fp32", "BLOCK": "constexpr"},
                 grid=("1", "1", "1"))
