@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from builder.kernels._attention_sets import in_default_backward_set, in_gputest_set
+from builder.kernels._attention_sets import in_bwd_sweep_set, in_default_backward_set, in_gputest_set
 from builder.kernels.attention import (
     DTYPES,
     GQA_CHECKS,
@@ -485,37 +485,76 @@ def attn_bwd_dq(
 # --------------------------------------------------------------------------------------------
 
 
-def _bwd_config(target: object, bm: int, bn: int, warps: int, stages: int) -> Config:
+def _bwd_config(target: object, bm: int, bn: int, warps: int, stages: int, options: dict | None = None) -> Config:
     if target.backend == "cuda":
-        return Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+        return Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages,
+                      options=options or {})
     return Config(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=1,
                   options=_hip_options(target, 1))
 
 
+#: sm90 alternates of the split backward, swept by ``bench/sm90_bwd.py`` and ``python -m builder
+#: tune`` (ranked by measurement, not yet by any catalog rule): (BLOCK_M, BLOCK_N, warps, stages,
+#: options) by head-dim bucket, after each table's config #0. They are built only for the
+#: ``bwdsweep`` specs (``in_bwd_sweep_set``) in the ``bwdsweep`` and ``full`` sets; ``default``
+#: and ``gputest`` keep config #0 (``set_configs``). What they try: FA2/Triton-tutorial shapes
+#: (32-row query slices under 128 resident keys in one warp group, 4-5 stages), one-warp-group
+#: 64x64 tiles (two or three programs per SM), 128x128 tiles in two warp groups, and D=64 8-warp
+#: tiles capped at 128 registers so two programs share an SM (maxnreg).
+_SM90_DKDV_SWEEP = {
+    64: ((32, 128, 4, 5, None), (64, 128, 4, 3, None), (128, 128, 8, 2, None), (64, 64, 4, 3, None),
+         (32, 128, 8, 4, None), (128, 64, 8, 3, None), (64, 128, 8, 2, {"maxnreg": 128})),
+    128: ((32, 128, 4, 4, None), (32, 128, 8, 3, None), (64, 128, 8, 3, None), (64, 64, 4, 3, None),
+          (128, 64, 8, 2, None), (128, 128, 8, 2, None)),
+}
+_SM90_DQ_SWEEP = {
+    64: ((128, 32, 4, 5, None), (128, 64, 4, 3, None), (128, 128, 8, 2, None), (64, 64, 4, 3, None),
+         (128, 32, 8, 4, None), (64, 128, 4, 3, None), (128, 64, 8, 2, {"maxnreg": 128})),
+    128: ((128, 32, 4, 4, None), (128, 64, 4, 2, None), (128, 128, 8, 2, None), (64, 64, 4, 3, None),
+          (128, 32, 8, 3, None), (64, 128, 4, 2, None)),
+}
+
+
+def _with_sweep(first: Config, sweep: dict, spec: dict, target: object) -> tuple[Config, ...]:
+    """``first``, then the sm90 sweep's alternates for ``bwdsweep`` specs (none elsewhere)."""
+    if not in_bwd_sweep_set(spec, target):
+        return (first,)
+    return (first,) + tuple(_bwd_config(target, *c) for c in sweep[block_d(spec)])
+
+
 def dkdv_configs(spec: dict, target: object) -> tuple[Config, ...]:
-    """dK/dV: BLOCK_N keys stay resident (k, v, dk, dv), BLOCK_M queries stream through."""
+    """dK/dV: BLOCK_N keys stay resident (k, v, dk, dv), BLOCK_M queries stream through.
+
+    Index 0 is what the operator launches without a tuning rule; on sm90 the ``bwdsweep`` specs
+    add ``_SM90_DKDV_SWEEP``'s alternates after it."""
     d = block_d(spec)
     if spec["dtype"] == "fp32":
         return (_bwd_config(target, 16, 32, 4, 1 if d > 64 else 2),)
     if target.backend == "cuda":
         if d <= 64:
-            return (_bwd_config(target, 64, 128, 8, 3 if target.arch == "sm90" else 2),)
-        if d <= 128:
-            return (_bwd_config(target, 64, 128, 8, 2),)
-        return (_bwd_config(target, 32, 64, 8, 2 if target.arch == "sm90" else 1),)
+            first = _bwd_config(target, 64, 128, 8, 3 if target.arch == "sm90" else 2)
+        elif d <= 128:
+            first = _bwd_config(target, 64, 128, 8, 2)
+        else:
+            return (_bwd_config(target, 32, 64, 8, 2 if target.arch == "sm90" else 1),)
+        return _with_sweep(first, _SM90_DKDV_SWEEP, spec, target)
     if target.arch.startswith("gfx1") or d > 128:
         return (_bwd_config(target, 32, 32, 4, 1),)
     return (_bwd_config(target, 32, 64, 4, 1),)
 
 
 def dq_configs(spec: dict, target: object) -> tuple[Config, ...]:
-    """dQ: BLOCK_M queries stay resident (q, dO, dq), BLOCK_N keys stream through."""
+    """dQ: BLOCK_M queries stay resident (q, dO, dq), BLOCK_N keys stream through.
+
+    Index 0 is what the operator launches without a tuning rule; on sm90 the ``bwdsweep`` specs
+    add ``_SM90_DQ_SWEEP``'s alternates after it."""
     d = block_d(spec)
     if spec["dtype"] == "fp32":
         return (_bwd_config(target, 32, 16, 4, 1 if d > 64 else 2),)
     if target.backend == "cuda":
         if d <= 128:
-            return (_bwd_config(target, 128, 64, 8, 3 if target.arch == "sm90" else 2),)
+            return _with_sweep(_bwd_config(target, 128, 64, 8, 3 if target.arch == "sm90" else 2),
+                               _SM90_DQ_SWEEP, spec, target)
         return (_bwd_config(target, 64, 32, 8, 2 if target.arch == "sm90" else 1),)
     if target.arch.startswith("gfx1") or d > 128:
         return (_bwd_config(target, 32, 32, 4, 1),)
@@ -552,7 +591,7 @@ KERNELS = [
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_PRE_DIV,
         exclude=head_dim_excluded,
-        sets={"default": in_default_backward_set, "gputest": in_gputest_set},
+        sets={"default": in_default_backward_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_PRE_DIV),
     ),
     Kernel(
@@ -563,7 +602,8 @@ KERNELS = [
         configs=preprocess_configs,
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_CONVERT_DIV,
-        sets={"default": lambda spec, target: False, "gputest": in_gputest_set},
+        sets={"default": lambda spec, target: False, "gputest": in_gputest_set,
+              "bwdsweep": lambda spec, target: False},
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_CONVERT_DIV),
     ),
     Kernel(
@@ -576,7 +616,9 @@ KERNELS = [
         grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
         divisibility=_DKDV_DIV,
         exclude=head_dim_excluded,
-        sets={"default": in_default_backward_set, "gputest": in_gputest_set},
+        sets={"default": in_default_backward_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
+        # sm90's sweep alternates only in bwdsweep and full (see _SM90_DKDV_SWEEP).
+        set_configs={"default": 1, "gputest": 1},
         checks=GQA_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1") + stride_checks(_DKDV_DIV),
     ),
     Kernel(
@@ -589,7 +631,9 @@ KERNELS = [
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_DQ_DIV,
         exclude=head_dim_excluded,
-        sets={"default": in_default_backward_set, "gputest": in_gputest_set},
+        sets={"default": in_default_backward_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
+        # sm90's sweep alternates only in bwdsweep and full (see _SM90_DKDV_SWEEP).
+        set_configs={"default": 1, "gputest": 1},
         checks=GQA_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1") + stride_checks(_DQ_DIV),
     ),
 ]
