@@ -381,49 +381,59 @@ def check_line(r: dict) -> str:
             f"D{spec['HEAD_DIM']} {'causal' if spec['CAUSAL'] else 'full'}: {what}")
 
 
+def _shape_name(shape) -> str:
+    dt, D, causal, B, H, N = shape
+    return f"{dt} D{D} {'causal' if causal else 'full'} B{B}H{H}N{N}"
+
+
 def summary_lines(results: list[dict], cands: list[dict]) -> list[str]:
-    """The compact tables: per shape the peers, and every config's time relative to #0."""
+    """The report: every config's time relative to #0, each shape's contenders with their spread,
+    and last one compact line per shape."""
     tiles = {(c["kernel"], spec_key(c["spec"]), c["index"]): c["tile"] for c in cands}
-    lines = ["", "== sm90 split backward vs cuDNN backward (same run, shuffled order; median TFLOP/s "
-             "[min-max over rounds], x ratio to cuDNN)"]
-    head = f"{'shape':<28}{'cudnn':>8}{'flash':>8}{'ours#0':>15}{'ours-best':>15}  best dkdv / dq"
-    lines.append(head)
+    kernel_of = {short: kernel for kernel, short in SHORT.items()}
+    lines = ["", "== every config through the whole backward: median time relative to #0 [min-max over rounds] "
+             "(the other kernel at #0)"]
     for res in results:
-        dt, D, causal, B, H, N = res["shape"]
-        rows = res["rows"]
-
-        def cell(name: str, ratio: bool = False, rows: dict = rows) -> str:
-            r = rows.get(name)
-            if not r:
-                return "-"
-            return f"{r['tflops']:.0f} x{r['ratio']:.2f}" if ratio and r.get("ratio") else f"{r['tflops']:.0f}"
-
-        key = (dt, D, causal)
-        best = res.get("best", {})
-        picks = " / ".join(f"#{best[k]} {tiles.get((k, key, best[k]), '?')}" if k in best else "-" for k in KERNELS)
-        best_cell = cell("ours-best", True) if "ours-best" in rows else "= #0"
-        name = f"{dt} D{D} {'causal' if causal else 'full'} B{B}H{H}N{N}"
-        lines.append(f"{name:<28}{cell('cudnn'):>8}"
-                     f"{cell('sdpa-flash'):>8}{cell('ours#0', True):>15}{best_cell:>15}  {picks}")
-    lines.append("")
-    lines.append("== every config through the whole backward, median ms relative to #0 (the other kernel at #0)")
-    for res in results:
-        dt, D, causal = res["shape"][:3]
+        key = tuple(res["shape"][:3])
         pk = res.get("per_kernel", {})
         base = pk.get("#0", {}).get("median_ms")
         if not base:
             continue
-        parts = []
+        lines.append(f"{_shape_name(res['shape'])}: #0 = {base:.3f} ms")
         for label in sorted(pk, key=lambda n: (n != "#0", n.split("#")[0], int(n.split("#")[1] or 0))):
-            kern = {"dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq"}.get(label.split("#")[0])
-            tile = tiles.get((kern, (dt, D, causal), int(label.split("#")[1]))) if kern else "config 0"
+            short, index = label.split("#")
+            tile = tiles.get((kernel_of[short], key, int(index))) if short else "config 0 of both"
             spread = f"[{pk[label]['min_ms'] / base:.3f}-{pk[label]['max_ms'] / base:.3f}]"
-            parts.append(f"  {label:<8}{pk[label]['median_ms'] / base:7.3f} {spread:<15} {tile}")
-        lines.append(f"{dt} D{D} {'causal' if causal else 'full'}: #0 = {base:.3f} ms")
-        lines.extend(parts)
+            lines.append(f"  {label:<8}{pk[label]['median_ms'] / base:7.3f} {spread:<15} {tile}")
+    lines += ["", "== against the peers (same run, shuffled order): median TFLOP/s [min-max over rounds], "
+              "ratio to cuDNN's median"]
+    for res in results:
+        key = tuple(res["shape"][:3])
+        best = res.get("best", {})
+        picks = " / ".join(f"{SHORT[k]}#{best[k]} {tiles.get((k, key, best[k]), '?')}" for k in KERNELS if k in best)
+        lines.append(f"{_shape_name(res['shape'])}   winners: {picks or '-'}")
+        for name, r in sorted(res.get("rows", {}).items(), key=lambda kv: -kv[1]["tflops"]):
+            ratio = f"x{r['ratio']:.3f}" if r.get("ratio") else "  -   "
+            lines.append(f"  {r['tflops']:7.1f} [{r['tflops_min']:6.1f}-{r['tflops_max']:6.1f}]  {ratio}  {name}")
+    lines += ["", "== summary: TFLOP/s and ratio to cuDNN",
+              f"{'shape':<28}{'cudnn':>8}{'flash':>13}{'ours#0':>13}{'ours-best':>13}"]
+    for res in results:
+        rows = res.get("rows", {})
+
+        def cell(name: str, rows: dict = rows) -> str:
+            r = rows.get(name)
+            if not r:
+                return "-"
+            if r.get("ratio") and name != "cudnn":
+                return f"{r['tflops']:.0f} x{r['ratio']:.2f}"
+            return f"{r['tflops']:.0f}"
+
+        best_cell = cell("ours-best") if "ours-best" in rows else ("= #0" if rows else "-")
+        lines.append(f"{_shape_name(res['shape']):<28}{cell('cudnn'):>8}{cell('sdpa-flash'):>13}"
+                     f"{cell('ours#0'):>13}{best_cell:>13}")
     for res in results:
         for note in res.get("notes", []):
-            lines.append(f"(note) {res['shape'][:3]}: {note[:300]}")
+            lines.append(f"(note) {_shape_name(res['shape'])}: {note[:300]}")
     return lines
 
 
