@@ -10,10 +10,11 @@ tune`` does), the other backward kernel at its config #0; which config a call la
 back from the operator and recorded.
 
 1. **Check.** Every dK/dV and dQ config is compared with an fp32 reference (dq, dk, dv) on a
-   ragged problem (B2 H3, seqlen_q 1000, seqlen_k 1111, causal aligned bottom-right, memory past
-   each sequence NaN), with AOTriton's bound (tests/runtime/test_attention_gpu.py: 4x the error
-   of the same math in the input dtype, plus an epsilon). Checks run in child processes with a
-   time limit: a config that faults or hangs costs itself, and a new child carries on after it.
+   ragged problem (B2, 4 query heads on 2 key/value heads, seqlen_q 1000, seqlen_k 1111, causal
+   aligned bottom-right, memory past each sequence NaN), with AOTriton's bound
+   (tests/runtime/test_attention_gpu.py: 4x the error of the same math in the input dtype, plus an
+   epsilon). Checks run in child processes with a time limit: a config that faults or hangs
+   costs itself, and a new child carries on after it.
 2. **Per-kernel timing.** Per shape, every passing config (``dkdv#i``, ``dq#j``; ``#0`` runs
    both at config 0) times the whole backward in rounds of shuffled order
    (:func:`builder.gputime.time_rounds`); the fastest config of each kernel is picked.
@@ -56,7 +57,7 @@ SHAPES = ((128, 0, 4, 32, 4096), (128, 2, 4, 32, 4096), (64, 0, 4, 32, 4096), (6
 # tests/runtime/test_attention_gpu.py's bound for gradients: k x the input-dtype math's error + eps.
 BOUND_K, BOUND_EPS = 4.0, 5e-4
 EPS_SCALE = {"fp16": 1.0, "bf16": 8.0}
-CHECK_SHAPE = (2, 3, 1000, 1111)  # B, H, seqlen_q, seqlen_k
+CHECK_SHAPE = (2, 4, 2, 1000, 1111)  # B, query heads, key/value heads (GQA: dK/dV sum two heads), seqlen_q, seqlen_k
 
 
 def log(msg: str) -> None:
@@ -154,11 +155,12 @@ def view_of(lib, forced: dict[str, int]):
     return view
 
 
-def bshd_inputs(torch, B: int, H: int, lengths: tuple[int, ...], D: int, dtype, seed: int, pad: int):
-    """Tensors of (B, S, H, D) memory seen as (B, H, S, D); the ``pad`` rows past each hold NaN."""
+def bshd_inputs(torch, B: int, sizes: tuple[tuple[int, int], ...], D: int, dtype, seed: int, pad: int):
+    """Tensors of (B, S, H, D) memory seen as (B, H, S, D), one per (S, H) of ``sizes``; the ``pad``
+    rows past each sequence hold NaN."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     out = []
-    for n in lengths:
+    for n, H in sizes:
         full = torch.full((B, n + pad, H, D), float("nan"), device="cuda", dtype=dtype)
         full[:, :n] = torch.randn(B, n, H, D, device="cuda", dtype=dtype, generator=gen)
         out.append(full[:, :n].transpose(1, 2))
@@ -166,15 +168,18 @@ def bshd_inputs(torch, B: int, H: int, lengths: tuple[int, ...], D: int, dtype, 
 
 
 def reference(torch, q, k, v, do, causal: int, scale: float, dtype):
-    """(dq, dk, dv) of softmax(q kᵀ scale, bottom-right causal band) v, computed in ``dtype``."""
+    """(dq, dk, dv) of softmax(q kᵀ scale, bottom-right causal band) v, computed in ``dtype``; k and v
+    are shared by groups of query heads (GQA), so their gradients sum over the group."""
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    s = (q @ k.transpose(-1, -2)) * scale
+    group = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = (q @ ke.transpose(-1, -2)) * scale
     if causal:
         sq, sk = q.shape[2], k.shape[2]
-        i = torch.arange(sq, device="cuda")[:, None]
-        j = torch.arange(sk, device="cuda")[None, :]
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
         s = s.masked_fill(j > i + (sk - sq), float("-inf"))
-    out = torch.softmax(s.float(), -1).to(dtype) @ v
+    out = torch.softmax(s.float(), -1).to(dtype) @ ve
     out.backward(do.to(dtype))
     return q.grad, k.grad, v.grad
 
@@ -197,8 +202,8 @@ def check(torch, lib, cand: dict, seed: int = 0) -> dict:
     spec = cand["spec"]
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec["dtype"]]
     D, causal = spec["HEAD_DIM"], spec["CAUSAL"]
-    B, H, Sq, Sk = CHECK_SHAPE
-    q, k, v, do = bshd_inputs(torch, B, H, (Sq, Sk, Sk, Sq), D, dtype, seed, pad=64)
+    B, Hq, Hk, Sq, Sk = CHECK_SHAPE
+    q, k, v, do = bshd_inputs(torch, B, ((Sq, Hq), (Sk, Hk), (Sk, Hk), (Sq, Hq)), D, dtype, seed, pad=64)
     scale = 1 / math.sqrt(D)
     options = {"causal": bool(causal), "align": "bottom_right", "scale": scale}
     view = view_of(lib, {cand["kernel"]: cand["index"]})
@@ -229,7 +234,7 @@ def time_shape(torch, lib, shape: tuple, cands: list[dict], rounds: int, peer_ro
 
     dtype_name, D, causal, B, H, N = shape
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
-    q, k, v, do = bshd_inputs(torch, B, H, (N, N, N, N), D, dtype, seed=1, pad=0)
+    q, k, v, do = bshd_inputs(torch, B, ((N, H),) * 4, D, dtype, seed=1, pad=0)
     scale = 1 / math.sqrt(D)
     options = {"causal": bool(causal), "align": "bottom_right", "scale": scale}
     flops = 10.0 * B * H * N * N * D / (2 if causal else 1)

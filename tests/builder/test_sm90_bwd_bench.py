@@ -116,3 +116,19 @@ def test_the_summary_gives_each_shape_its_peers_ratios_and_winning_configs(bench
     assert last.split() == ["fp16", "D128", "full", "B4H32N4096", "550", "-", "366", "x0.67", "407", "x0.74"]
     assert "bf16 D64 causal B4H32N4096" in text
     assert "(note) bf16 D64 causal B4H32N4096: cudnn: RuntimeError: no kernel" in text
+
+
+@pytest.mark.parametrize("causal", [0, 2])
+def test_the_reference_is_torchs_attention_backward_with_gqa_and_the_bottom_right_band(bench, causal: int) -> None:
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(causal)
+    q, do = (torch.randn(2, 4, 9, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 2, 13, 16, generator=gen) for _ in range(2))
+    got = bench.reference(torch, q, k, v, do, causal, 0.3, torch.float32)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    # Bottom-right: query i sees keys j <= i + (13 - 9).
+    mask = torch.ones(9, 13, dtype=torch.bool).tril(13 - 9) if causal else None
+    out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=0.3, enable_gqa=True)
+    want = torch.autograd.grad(out, (qg, kg, vg), do)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.allclose(a, b, atol=1e-5), name
