@@ -537,24 +537,28 @@ def _bwd_config(target: object, bm: int, bn: int, warps: int, stages: int, optio
 #: tune`` (ranked by measurement, not yet by any catalog rule): (BLOCK_M, BLOCK_N, warps, stages,
 #: options, USE_TMA) by head-dim bucket, after each table's config #0. They are built only for the
 #: ``bwdsweep`` specs (``in_bwd_sweep_set``) in the ``bwdsweep`` and ``full`` sets; ``default``
-#: and ``gputest`` keep config #0 (``set_configs``). What they try: FA2/Triton-tutorial shapes
-#: (32-row query slices under 128 resident keys in one warp group, 4-5 stages), one-warp-group
-#: 64x64 tiles (two or three programs per SM), 128x128 tiles in two warp groups, D=64 8-warp
-#: tiles capped at 128 registers so two programs share an SM (maxnreg), and the streamed tiles
-#: (q/dO for dK/dV, k/v for dQ) through TMA descriptors, as the forward's USE_TMA configs do.
+#: and ``gputest`` keep config #0 (``set_configs``).
+#:
+#: Chosen from ptxas's register use and spills on the CPU (fp16, no mask; 255 registers is the
+#: 8-warp ceiling): dK/dV keeps k, v, dk and dv of 128 keys in two warp groups and spills at
+#: D=128 (#0: 87 spill stores; 64x64 or 128x64 tiles 350, 4-warp 128-key tiles 520), far less
+#: with q and dO through TMA descriptors (64x128: 38; 32x128 with 3 stages: 2) and not at all at
+#: D=64 with TMA (#0: 17). dQ never spills; TMA frees registers (D=128: 236 -> 175, 137 with
+#: 32-key blocks; D=64: 131 -> 125), so 8-warp tiles under 128 registers and ~113 KB of shared
+#: memory run two programs per SM (``maxnreg`` where ptxas lands just above).
 _SM90_DKDV_SWEEP = {
-    64: ((32, 128, 4, 5, None, 0), (64, 128, 4, 3, None, 0), (128, 128, 8, 2, None, 0), (64, 64, 4, 3, None, 0),
-         (32, 128, 8, 4, None, 0), (128, 64, 8, 3, None, 0), (64, 128, 8, 2, {"maxnreg": 128}, 0),
-         (64, 128, 8, 3, None, 1), (128, 128, 8, 2, None, 1)),
-    128: ((32, 128, 4, 4, None, 0), (32, 128, 8, 3, None, 0), (64, 128, 8, 3, None, 0), (64, 64, 4, 3, None, 0),
-          (128, 64, 8, 2, None, 0), (128, 128, 8, 2, None, 0), (64, 128, 8, 2, None, 1), (64, 128, 8, 3, None, 1)),
+    64: ((64, 128, 8, 3, None, 1), (64, 128, 8, 2, None, 1), (64, 128, 8, 4, None, 1), (32, 128, 8, 3, None, 1),
+         (32, 128, 8, 4, None, 1), (128, 128, 8, 2, None, 1), (32, 128, 8, 3, None, 0), (64, 128, 8, 2, None, 0)),
+    128: ((32, 128, 8, 3, None, 1), (32, 128, 8, 2, None, 1), (32, 128, 8, 4, None, 1), (64, 128, 8, 2, None, 1),
+          (64, 128, 8, 3, None, 1), (64, 64, 4, 3, None, 1), (32, 128, 8, 3, None, 0), (32, 128, 8, 2, None, 0)),
 }
 _SM90_DQ_SWEEP = {
-    64: ((128, 32, 4, 5, None, 0), (128, 64, 4, 3, None, 0), (128, 128, 8, 2, None, 0), (64, 64, 4, 3, None, 0),
-         (128, 32, 8, 4, None, 0), (64, 128, 4, 3, None, 0), (128, 64, 8, 2, {"maxnreg": 128}, 0),
-         (128, 64, 8, 3, None, 1), (128, 128, 8, 2, None, 1)),
-    128: ((128, 32, 4, 4, None, 0), (128, 64, 4, 2, None, 0), (128, 128, 8, 2, None, 0), (64, 64, 4, 3, None, 0),
-          (128, 32, 8, 3, None, 0), (64, 128, 4, 2, None, 0), (128, 64, 8, 3, None, 1), (128, 128, 8, 2, None, 1)),
+    64: ((128, 64, 8, 3, None, 1), (128, 64, 8, 3, {"maxnreg": 128}, 0), (128, 64, 8, 4, None, 1),
+         (128, 128, 8, 2, None, 1), (128, 32, 8, 4, None, 1), (128, 64, 4, 3, None, 1), (128, 32, 4, 4, None, 1),
+         (64, 64, 4, 3, None, 0)),
+    128: ((128, 64, 8, 3, None, 1), (128, 32, 8, 3, None, 1), (128, 32, 8, 3, {"maxnreg": 128}, 1),
+          (128, 64, 8, 2, None, 1), (128, 128, 8, 2, None, 1), (128, 32, 8, 4, None, 1), (128, 32, 8, 3, None, 0),
+          (64, 64, 4, 3, None, 0)),
 }
 
 

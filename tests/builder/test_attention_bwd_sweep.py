@@ -116,15 +116,15 @@ def _index_of(name: str, spec: dict, **want) -> int:
 
 D128 = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
 D64 = {**D128, "dtype": "bf16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0}
-# (kernel, spec, the config's parameters): config 0, the TMA alternates of both kernels, a
-# one-warp-group tutorial tile and the 128-register cap.
+# (kernel, spec, the config's parameters): config 0, the TMA alternates of both kernels (one the
+# 32-row dK/dV tile that spills least at D=128), and dQ at D=64 with and without the register cap.
 BUILT = (
     ("attn_bwd_dkdv", {**D128, "DQ_ATOMIC": 0}, {"BLOCK_M": 64, "BLOCK_N": 128, "num_stages": 2, "USE_TMA": 0}),
     ("attn_bwd_dkdv", {**D128, "DQ_ATOMIC": 0}, {"BLOCK_M": 64, "BLOCK_N": 128, "num_stages": 2, "USE_TMA": 1}),
     ("attn_bwd_dq", D128, {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 3, "USE_TMA": 1}),
-    ("attn_bwd_dq", D128, {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4}),
-    ("attn_bwd_dkdv", {**D64, "DQ_ATOMIC": 0}, {"maxnreg": 128}),
-    ("attn_bwd_dkdv", {**D64, "DQ_ATOMIC": 0}, {"BLOCK_M": 64, "BLOCK_N": 128, "num_stages": 3, "USE_TMA": 0}),
+    ("attn_bwd_dkdv", {**D128, "DQ_ATOMIC": 0}, {"BLOCK_M": 32, "BLOCK_N": 128, "num_stages": 3, "USE_TMA": 1}),
+    ("attn_bwd_dq", D64, {"maxnreg": 128}),
+    ("attn_bwd_dq", D64, {"BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 3, "USE_TMA": 0}),
 )
 
 
@@ -177,13 +177,15 @@ def test_the_sweep_alternates_compile_for_sm90_and_their_binaries_prove_the_cata
         args.setdefault(variant.kernel, set()).add(tuple(a.name for a in variant.args))
     # One runtime argument list per kernel: the operator's arguments fit every alternate.
     assert {k: len(v) for k, v in args.items()} == {"attn_bwd_dkdv": 1, "attn_bwd_dq": 1}
+    # At most one program per SM for the 8-warp tiles of 128 keys; the dQ tiles fit two.
+    assert all(v.shared <= SM90_SHARED // 2 - 1024 for v in _variants(built)[4:6])
 
 
 def test_the_tma_alternates_load_through_descriptors_in_the_runtimes_global_scratch(built: Path) -> None:
-    plain, dkdv_tma, dq_tma = _variants(built)[:3]
+    plain, dkdv_tma, dq_tma, dkdv_tma_32 = _variants(built)[:4]
     assert plain.scratch["global_size"] == 0
     # Two device-side descriptors of 128 bytes each: q and dO (dK/dV), k and v (dQ).
-    for variant in (dkdv_tma, dq_tma):
+    for variant in (dkdv_tma, dq_tma, dkdv_tma_32):
         assert variant.scratch["global_size"] == 2 * 128 and variant.scratch["global_align"] == 128
         ops = _sass_ops(_binary(built, variant))
         assert sum(n for op, n in ops.items() if op.startswith("UTMALDG")) > 0, "no TMA load in the binary"
@@ -195,9 +197,9 @@ def test_the_register_cap_reaches_ptxas(built: Path) -> None:
     from builder.abi import read_cubin
 
     capped, uncapped = _variants(built)[4:6]
-    assert capped.config.options == {"maxnreg": 128} and capped.num_warps == 8
+    assert capped.config.options == {"maxnreg": 128} and capped.num_warps == 8 and capped.kernel == "attn_bwd_dq"
     assert read_cubin(_binary(built, capped), capped.symbol).extra["registers"] <= 128
-    # Without the cap the same kernel takes more: the cap is what lets two 8-warp programs share an SM.
+    # Without the cap the same tile takes more: the cap is what lets two 8-warp programs share an SM.
     assert read_cubin(_binary(built, uncapped), uncapped.symbol).extra["registers"] > 128
 
 
@@ -239,5 +241,5 @@ def test_nested_forced_views_send_each_backward_kernel_to_its_own_config(tmp_pat
     # The bench's candidates: every dK/dV and dQ config of the shapes asked, labelled by kernel and index.
     cands = sm90_bwd.candidates_of(lib, [("fp16", 128, 0, 1, 1, 512)])
     assert [c["label"] for c in cands] == ["dkdv#0", "dkdv#1", "dkdv#2", "dq#0", "dq#1", "dq#2"]
-    assert cands[1]["tile"] == "32x128 w4s4 USE_TMA=0"
+    assert cands[1]["tile"] == "32x128 w8s3 USE_TMA=1"
     assert sm90_bwd.candidates_of(lib, [("bf16", 128, 0, 1, 1, 512)]) == []
