@@ -178,8 +178,14 @@ def reference(torch, q, k, v, do, causal: int, scale: float, dtype):
         sq, sk = q.shape[2], k.shape[2]
         i = torch.arange(sq, device=q.device)[:, None]
         j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (sk - sq), float("-inf"))
-    out = torch.softmax(s.float(), -1).to(dtype) @ ve
+        visible = j <= i + (sk - sq)
+        # A query row that sees no key (more queries than keys) has no output and no gradient.
+        seen = visible.any(-1, keepdim=True)
+        s = s.masked_fill(~visible, float("-inf")).masked_fill(~seen, 0.0)
+        p = (torch.softmax(s.float(), -1) * seen).to(dtype)
+    else:
+        p = torch.softmax(s.float(), -1).to(dtype)
+    out = p @ ve
     out.backward(do.to(dtype))
     return q.grad, k.grad, v.grad
 
@@ -194,15 +200,16 @@ def grad_error(torch, got, hi, lo, dtype_name: str) -> dict:
     return {"err": err, "bound": bound, "ok": bool(err <= bound), "nan": int(got.isnan().sum().item())}
 
 
-def check(torch, lib, cand: dict, seed: int = 0) -> dict:
-    """One config's dq, dk, dv on the ragged NaN-padded problem against the fp32 reference."""
+def check(torch, lib, cand: dict, seed: int = 0, problem: tuple = CHECK_SHAPE) -> dict:
+    """One config's dq, dk, dv on a ragged NaN-padded problem, ``(B, query heads, key/value heads,
+    seqlen_q, seqlen_k)``, against the fp32 reference."""
     import aotriton_rt
     from aotriton_rt.ops.attention import attention_kernels
 
     spec = cand["spec"]
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[spec["dtype"]]
     D, causal = spec["HEAD_DIM"], spec["CAUSAL"]
-    B, Hq, Hk, Sq, Sk = CHECK_SHAPE
+    B, Hq, Hk, Sq, Sk = problem
     q, k, v, do = bshd_inputs(torch, B, ((Sq, Hq), (Sk, Hk), (Sk, Hk), (Sq, Hq)), D, dtype, seed, pad=64)
     scale = 1 / math.sqrt(D)
     options = {"causal": bool(causal), "align": "bottom_right", "scale": scale}

@@ -132,3 +132,20 @@ def test_the_reference_is_torchs_attention_backward_with_gqa_and_the_bottom_righ
     want = torch.autograd.grad(out, (qg, kg, vg), do)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.allclose(a, b, atol=1e-5), name
+
+
+def test_query_rows_that_see_no_key_get_no_gradient_in_the_reference(bench) -> None:
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(7)
+    q, do = (torch.randn(1, 2, 12, 8, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 2, 5, 8, generator=gen) for _ in range(2))
+    dq, dk, dv = bench.reference(torch, q, k, v, do, 2, 0.5, torch.float32)
+    # Bottom-right with 12 queries on 5 keys: rows 0-6 see nothing.
+    assert dq[:, :, :7].abs().max() == 0 and dq[:, :, 7:].abs().max() > 0
+    assert all(bool(torch.isfinite(g).all()) for g in (dq, dk, dv))
+    qg, kg, vg = (t[:, :, 7:].clone().requires_grad_() if t is q else t.clone().requires_grad_() for t in (q, k, v))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=0.5)
+    want = torch.autograd.grad(out, (qg, kg, vg), do[:, :, 7:])
+    assert torch.allclose(dq[:, :, 7:], want[0], atol=1e-5)
+    assert torch.allclose(dk, want[1], atol=1e-5) and torch.allclose(dv, want[2], atol=1e-5)
