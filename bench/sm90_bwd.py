@@ -9,9 +9,9 @@ library view whose tuning table forces it (``builder.tune.ForcedConfig``, as ``p
 tune`` does), the other backward kernel at its config #0; which config a call launched is read
 back from the operator and recorded.
 
-1. **Check.** Every dK/dV and dQ config is compared with an fp32 reference (dq, dk, dv) on a
-   ragged problem (B2, 4 query heads on 2 key/value heads, seqlen_q 1000, seqlen_k 1111, causal
-   aligned bottom-right, memory past each sequence NaN), with AOTriton's bound
+1. **Check.** Every dK/dV and dQ config is compared with an fp32 reference (dq, dk, dv) on
+   ragged problems (``CHECK_PROBLEMS``: GQA, lengths off the block sizes, more queries than keys,
+   shorter than a block; causal aligned bottom-right; memory past each sequence NaN), with AOTriton's bound
    (tests/runtime/test_attention_gpu.py: 4x the error of the same math in the input dtype, plus an
    epsilon). Checks run in child processes with a time limit: a config that faults or hangs
    costs itself, and a new child carries on after it.
@@ -57,7 +57,10 @@ SHAPES = ((128, 0, 4, 32, 4096), (128, 2, 4, 32, 4096), (64, 0, 4, 32, 4096), (6
 # tests/runtime/test_attention_gpu.py's bound for gradients: k x the input-dtype math's error + eps.
 BOUND_K, BOUND_EPS = 4.0, 5e-4
 EPS_SCALE = {"fp16": 1.0, "bf16": 8.0}
-CHECK_SHAPE = (2, 4, 2, 1000, 1111)  # B, query heads, key/value heads (GQA: dK/dV sum two heads), seqlen_q, seqlen_k
+# (B, query heads, key/value heads, seqlen_q, seqlen_k): GQA (dK/dV sum two query heads), lengths that
+# are no block multiple, more queries than keys (causal rows that see no key), shorter than a block.
+CHECK_PROBLEMS = {"ragged_gqa": (2, 4, 2, 1000, 1111), "more_queries": (1, 2, 2, 1111, 1000),
+                  "short": (3, 2, 1, 33, 70)}
 
 
 def log(msg: str) -> None:
@@ -200,8 +203,16 @@ def grad_error(torch, got, hi, lo, dtype_name: str) -> dict:
     return {"err": err, "bound": bound, "ok": bool(err <= bound), "nan": int(got.isnan().sum().item())}
 
 
-def check(torch, lib, cand: dict, seed: int = 0, problem: tuple = CHECK_SHAPE) -> dict:
-    """One config's dq, dk, dv on a ragged NaN-padded problem, ``(B, query heads, key/value heads,
+def check(torch, lib, cand: dict, seed: int = 0, problems: dict | None = None) -> dict:
+    """One config's dq, dk, dv on each of ``problems`` (default ``CHECK_PROBLEMS``) against the fp32
+    reference; ok when every problem is."""
+    results = {name: check_problem(torch, lib, cand, shape, seed)
+               for name, shape in (problems or CHECK_PROBLEMS).items()}
+    return {"ok": all(r["ok"] for r in results.values()), "problems": results}
+
+
+def check_problem(torch, lib, cand: dict, problem: tuple, seed: int = 0) -> dict:
+    """One config's dq, dk, dv on one ragged NaN-padded problem, ``(B, query heads, key/value heads,
     seqlen_q, seqlen_k)``, against the fp32 reference."""
     import aotriton_rt
     from aotriton_rt.ops.attention import attention_kernels
@@ -383,12 +394,23 @@ def run_checks(folder: str, child_args: list[str], total: int, timeout: float, w
 # ------------------------------------------------------------------------------------------------
 
 def check_line(r: dict) -> str:
+    """One line per checked config: the worst error/bound of a passing one, what failed otherwise."""
     if "kernel" not in r:
         return f"[check] FAIL candidate {r['number']}: {r.get('error')}"
     spec = r["spec"]
-    what = r.get("error") or " ".join(f"{n} {g['err']:.1e}/{g['bound']:.1e}" for n, g in r["grads"].items())
-    if "launched" in r and r["launched"] != r["index"]:
-        what += f" (the operator launched #{r['launched']})"
+    if r.get("error"):
+        what = r["error"]
+    else:
+        worst = max(((g["err"] / g["bound"] if g["bound"] else float("inf"), f"{name} {grad}")
+                     for name, p in r["problems"].items() for grad, g in p["grads"].items()),
+                    key=lambda t: (t[0] != t[0], t[0]))  # NaN ranks worst
+        what = f"worst error/bound {worst[0]:.2f} ({worst[1]})"
+        for name, p in r["problems"].items():
+            if not p["ok"]:
+                what += f"; {name}: " + " ".join(f"{n} {g['err']:.1e}/{g['bound']:.1e}{' NaN' if g['nan'] else ''}"
+                                                 for n, g in p["grads"].items())
+                if p["launched"] != r["index"]:
+                    what += f" (the operator launched #{p['launched']})"
     return (f"[check] {'PASS' if r['ok'] else 'FAIL'} {r['label']:<7} {r['tile']:<26} {spec['dtype']} "
             f"D{spec['HEAD_DIM']} {'causal' if spec['CAUSAL'] else 'full'}: {what}")
 

@@ -149,3 +149,20 @@ def test_query_rows_that_see_no_key_get_no_gradient_in_the_reference(bench) -> N
     want = torch.autograd.grad(out, (qg, kg, vg), do[:, :, 7:])
     assert torch.allclose(dq[:, :, 7:], want[0], atol=1e-5)
     assert torch.allclose(dk, want[1], atol=1e-5) and torch.allclose(dv, want[2], atol=1e-5)
+
+
+def test_a_check_line_names_the_worst_margin_and_what_failed(bench) -> None:
+    def grads(dk_err: float) -> dict:
+        return {"dq": {"err": 1e-3, "bound": 1e-2, "ok": True, "nan": 0},
+                "dk": {"err": dk_err, "bound": 1e-2, "ok": dk_err <= 1e-2, "nan": int(dk_err != dk_err)}}
+    cand = {"kernel": "attn_bwd_dkdv", "label": "dkdv#3", "tile": "32x128 w8s3 USE_TMA=1", "index": 3,
+            "spec": {"dtype": "bf16", "HEAD_DIM": 128, "CAUSAL": 2}}
+    passed = {**cand, "ok": True, "problems": {"short": {"ok": True, "launched": 3, "grads": grads(5e-3)},
+                                               "ragged_gqa": {"ok": True, "launched": 3, "grads": grads(2e-3)}}}
+    assert bench.check_line(passed) == ("[check] PASS dkdv#3  32x128 w8s3 USE_TMA=1      bf16 D128 causal: "
+                                        "worst error/bound 0.50 (short dk)")
+    failed = {**cand, "ok": False, "problems": {"short": {"ok": False, "launched": 0, "grads": grads(float("nan"))},
+                                                "ragged_gqa": {"ok": True, "launched": 3, "grads": grads(2e-3)}}}
+    line = bench.check_line(failed)
+    assert line.startswith("[check] FAIL dkdv#3") and "worst error/bound nan (short dk)" in line
+    assert "; short: dq 1.0e-03/1.0e-02 dk nan/1.0e-02 NaN (the operator launched #0)" in line

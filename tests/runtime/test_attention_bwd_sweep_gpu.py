@@ -28,9 +28,7 @@ import aotriton_rt  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
-# (B, query heads, key/value heads, seqlen_q, seqlen_k)
-PROBLEMS = {"ragged_gqa": (2, 4, 2, 1000, 1111), "more_queries": (1, 2, 2, 1111, 1000),
-            "shorter_than_a_block": (3, 2, 1, 33, 70)}
+PROBLEMS = ("ragged_gqa", "more_queries", "short")  # bench/sm90_bwd.py's CHECK_PROBLEMS
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +47,12 @@ def sweep():
     return sm90_bwd, lib, cands
 
 
-@pytest.mark.parametrize("problem", list(PROBLEMS))
+@pytest.mark.parametrize("problem", PROBLEMS)
 def test_every_backward_sweep_config_matches_the_fp32_reference(sweep, problem: str) -> None:
     bench, lib, cands = sweep
     failed = []
     for cand in cands:
-        res = bench.check(torch, lib, cand, problem=PROBLEMS[problem])
+        res = bench.check(torch, lib, cand, problems={problem: bench.CHECK_PROBLEMS[problem]})
         if not res["ok"]:
             failed.append(bench.check_line({**res, **cand}))
     assert not failed, "\n".join(failed)
