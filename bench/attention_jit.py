@@ -360,10 +360,10 @@ def sweep_candidates(kernel: str, p: Problem, arch: str, wide: bool = False) -> 
                             "num_warps": 4, "num_stages": s})
     elif kernel in ("dkdv", "dkdva"):
         for bm, bn, w, s in itertools.product((32, 64, 128), (64, 128), (4, 8), (1, 2, 3)):
-            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s})
+            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": 0, "num_warps": w, "num_stages": s})
     elif kernel == "dq":
         for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3)):
-            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s})
+            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": 0, "num_warps": w, "num_stages": s})
     return out
 
 

@@ -1,7 +1,9 @@
 """Which attention variants each build set holds (shared by attention.py and attention_bwd.py).
 
 ``default``: what common models need (the quickstart builds it; the runtime wheel embeds it).
-``gputest``: what the GPU test matrix needs (every feature at a few sizes). ``full``: everything (no predicate needed).
+``gputest``: what the GPU test matrix needs (every feature at a few sizes). ``bwdsweep``: the sm90
+backward's config sweep (``bench/sm90_bwd.py``, ``python -m builder tune``). ``full``: everything
+(no predicate needed).
 """
 
 
@@ -49,6 +51,22 @@ def in_default_backward_set(spec: dict, target: object) -> bool:
     case; equal lengths run bottom-right)."""
     return (in_default_set(spec, target) and spec.get("CAUSAL", 0) != 1
             and spec.get("HEAD_DIM", 64) in DEFAULT_BACKWARD_HEAD_DIMS)
+
+
+def in_bwd_sweep_set(spec: dict, target: object) -> bool:
+    """The ``bwdsweep`` set: the calls whose backward configs are swept on sm90 (the issue's
+    training shapes): fp16/bf16, head dim 64 or 128 (equal q·k and v), no mask or causal
+    bottom-right (equal lengths), no bias, dropout, varlen or atomic dQ. The forward and the
+    preprocess kernel of those calls come with their first config only (``set_configs``: the
+    backward needs their outputs, not their alternates); dK/dV and dQ with every config."""
+    head_dim = spec.get("HEAD_DIM")
+    return (getattr(target, "arch", None) == "sm90"
+            and spec.get("dtype") in ("fp16", "bf16")
+            and head_dim in DEFAULT_BACKWARD_HEAD_DIMS
+            and spec.get("HEAD_DIM_V", head_dim) == head_dim
+            and spec.get("CAUSAL", 0) in (0, 2)
+            and not spec.get("BIAS", 0) and not spec.get("DROPOUT", 0) and not spec.get("VARLEN", 0)
+            and not spec.get("DQ_ATOMIC", 0))
 
 
 # The feature combinations tests/runtime/test_attention_gpu.py launches beyond the default set,

@@ -507,7 +507,7 @@ def attn_fwd(
 # Registry declarations (shared helpers are used by attention_bwd.py too).
 # --------------------------------------------------------------------------------------------
 
-from builder.kernels._attention_sets import in_default_set, in_gputest_set  # noqa: E402
+from builder.kernels._attention_sets import in_bwd_sweep_set, in_default_set, in_gputest_set  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernels
 
 DTYPES = ("fp16", "bf16", "fp32")
@@ -674,9 +674,10 @@ KERNELS = [KernelDecl(
     grid=("cdiv(seqlen_q, BLOCK_M * (1 + min(CAUSAL, 1) * (1 - WARP_SPEC)))", "batch * num_heads_q", "1"),
     divisibility=_FWD_DIV,
     exclude=head_dim_excluded,
-    sets={"default": in_default_set, "gputest": in_gputest_set},
+    sets={"default": in_default_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
     # sm90's alternates (bench candidates, no catalog rule picks them) only in gputest and full:
-    # each would add a compile to the quickstart for no speed.
-    set_configs={"default": 1},
+    # each would add a compile to the quickstart for no speed. The backward's sweep needs the
+    # forward's outputs only.
+    set_configs={"default": 1, "bwdsweep": 1},
     checks=GQA_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1") + stride_checks(_FWD_DIV),
 )]

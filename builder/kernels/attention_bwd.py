@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from builder.kernels._attention_sets import in_default_backward_set, in_gputest_set
+from builder.kernels._attention_sets import in_bwd_sweep_set, in_default_backward_set, in_gputest_set
 from builder.kernels.attention import (
     DTYPES,
     GQA_CHECKS,
@@ -125,27 +125,32 @@ def _load_rows(ptrs, rows, len_rows, offs_d, HEAD_DIM: tl.constexpr, MASKED: tl.
 @triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, cols,
-    Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base,
+    Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base, q_desc, do_desc,
     stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam,
     start, end, offs_m, offs_dk, offs_dv,
     len_q, len_k, diag, left, right, qk_scale, sm_scale,
     philox_seed, philox_offset, bh, dropout_p,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Accumulate dk, dv of one key block over query blocks start, start+BLOCK_M, ... < end.
 
     Tiles are kept transposed, (keys x queries), so dk and dv come out of the dots directly.
     With DQ_ATOMIC the same dS also yields this block's share of dq, added to the fp32
     accumulator (FA2's scheme: 5 matmuls per tile instead of 7, at the cost of determinism).
+    With USE_TMA, q and dO come through tensor descriptors (rows relative to the sequence start;
+    they zero-fill past the sequence and the head dim, so no load mask is needed).
     """
     q_ptrs = Q_base + (start + offs_m)[:, None] * stride_qm + offs_dk[None, :]
     do_ptrs = DO_base + (start + offs_m)[:, None] * stride_dom + offs_dv[None, :]
     for start_m in range(start, end, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m
-        q = _load_rows(q_ptrs, rows, len_q, offs_dk, HEAD_DIM, MASKED)
+        if USE_TMA:
+            q = q_desc.load([start_m, 0])
+        else:
+            q = _load_rows(q_ptrs, rows, len_q, offs_dk, HEAD_DIM, MASKED)
         if MASKED:
             lse = tl.load(L_base + rows, mask=rows < len_q, other=float("inf"))
             delta = tl.load(D_base + rows, mask=rows < len_q, other=0.0)
@@ -166,7 +171,10 @@ def _dkdv_blocks(
                 rel = cols[:, None] - rows[None, :] - diag
                 visible = visible & (rel >= -left) & (rel <= right)
             pT = tl.where(visible, pT, 0.0)
-        do = _load_rows(do_ptrs, rows, len_q, offs_dv, HEAD_DIM_V, MASKED)
+        if USE_TMA:
+            do = do_desc.load([start_m, 0])
+        else:
+            do = _load_rows(do_ptrs, rows, len_q, offs_dv, HEAD_DIM_V, MASKED)
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         if DROPOUT != 0:
             keepT = _dropout_keep(philox_seed, philox_offset, bh, rows[None, :], cols[:, None],
@@ -223,7 +231,7 @@ def attn_bwd_dkdv(
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dK, dV of one key block of one key/value head, summed over its GQA query heads.
 
@@ -231,6 +239,8 @@ def attn_bwd_dkdv(
     dBias = dS written at DBias[b, h, i, j] (full, unbroadcast; the operator reduces it over
     broadcast dimensions). DQ_ATOMIC: also add dQ (scaled, fp32) into DQacc, which
     attn_bwd_preprocess zeroed and attn_bwd_dq_convert casts; then attn_bwd_dq is not run.
+    USE_TMA (tuning, sm90 only): the streamed q and dO tiles through device-side tensor
+    descriptors (one pair per query head, in the runtime's global scratch).
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -294,22 +304,33 @@ def attn_bwd_dkdv(
         DQA_base = DQacc
         if DQ_ATOMIC:
             DQA_base = DQacc + off_bz * stride_dqaz + off_h.to(tl.int64) * stride_dqah + q_row0 * stride_dqam
+        if USE_TMA:
+            q_desc = tl.make_tensor_descriptor(Q_base, shape=[len_q, HEAD_DIM], strides=[stride_qm, 1],
+                                               block_shape=[BLOCK_M, BLOCK_DK])
+            do_desc = tl.make_tensor_descriptor(DO_base, shape=[len_q, HEAD_DIM_V], strides=[stride_dom, 1],
+                                                block_shape=[BLOCK_M, BLOCK_DV])
+        else:
+            q_desc = Q_base
+            do_desc = DO_base
         if CAUSAL != 0:
             dk, dv = _dkdv_blocks(
-                dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base,
+                dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base, q_desc, do_desc,
                 stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam, lo, f1, offs_m, offs_dk, offs_dv,
                 len_q, len_k, diag, left, right, qk_scale, sm_scale, philox_seed, philox_offset, bh,
-                dropout_p, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC)
+                dropout_p, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC,
+                USE_TMA)
         dk, dv = _dkdv_blocks(
-            dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base,
+            dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base, q_desc, do_desc,
             stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam, f1, f2, offs_m, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale, sm_scale, philox_seed, philox_offset, bh,
-            dropout_p, False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC)
+            dropout_p, False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC,
+                USE_TMA)
         dk, dv = _dkdv_blocks(
-            dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base,
+            dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base, q_desc, do_desc,
             stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam, f2, hi, offs_m, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale, sm_scale, philox_seed, philox_offset, bh,
-            dropout_p, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC)
+            dropout_p, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC,
+                USE_TMA)
         if BIAS == 2 and CAUSAL != 0:
             _zero_dbias(DB_base, stride_dbm, cols, 0, lo, len_q, len_k, offs_m, BLOCK_M)
             hi_up = (hi + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -334,23 +355,29 @@ def attn_bwd_dkdv(
 @triton.jit
 def _dq_blocks(
     dq, q, do, lse, delta, rows,
-    K_base, V_base, B_base,
+    K_base, V_base, B_base, k_desc, v_desc,
     stride_kn, stride_vn, stride_bm,
     start, end, offs_n, offs_dk, offs_dv,
     len_q, len_k, diag, left, right, qk_scale,
     philox_seed, philox_offset, bh, dropout_p,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """Accumulate dq of one query block over key blocks start, start+BLOCK_N, ... < end."""
+    """Accumulate dq of one query block over key blocks start, start+BLOCK_N, ... < end (with
+    USE_TMA, k and v through tensor descriptors, as q and dO in _dkdv_blocks)."""
     k_ptrs = K_base + (start + offs_n)[:, None] * stride_kn + offs_dk[None, :]
     v_ptrs = V_base + (start + offs_n)[:, None] * stride_vn + offs_dv[None, :]
     rows_b = tl.minimum(rows, len_q - 1)
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        k = _load_rows(k_ptrs, cols, len_k, offs_dk, HEAD_DIM, MASKED)
-        v = _load_rows(v_ptrs, cols, len_k, offs_dv, HEAD_DIM_V, MASKED)
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+            v = v_desc.load([start_n, 0])
+        else:
+            k = _load_rows(k_ptrs, cols, len_k, offs_dk, HEAD_DIM, MASKED)
+            v = _load_rows(v_ptrs, cols, len_k, offs_dv, HEAD_DIM_V, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if BIAS != 0:
             b_ptrs = B_base + rows_b[:, None] * stride_bm + cols[None, :]
@@ -392,11 +419,12 @@ def attn_bwd_dq(
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dQ of one query block of one query head.
 
     Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1). BIAS only matters as 0 / non-0 here.
+    USE_TMA (tuning, sm90 only): the streamed k and v tiles through device-side tensor descriptors.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -441,6 +469,14 @@ def attn_bwd_dq(
     B_base = Bias
     if BIAS != 0:
         B_base = Bias + off_b.to(tl.int64) * stride_bz + off_h.to(tl.int64) * stride_bh
+    if USE_TMA:
+        k_desc = tl.make_tensor_descriptor(K_base, shape=[len_k, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DK])
+        v_desc = tl.make_tensor_descriptor(V_base, shape=[len_k, HEAD_DIM_V], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_desc = K_base
+        v_desc = V_base
 
     qk_scale = sm_scale * LOG2E
     bh = off_b * num_heads_q + off_h
@@ -456,20 +492,23 @@ def attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
     if CAUSAL != 0:
         dq = _dq_blocks(
-            dq, q, do, lse, delta, rows, K_base, V_base, B_base, stride_kn, stride_vn, stride_bm,
+            dq, q, do, lse, delta, rows, K_base, V_base, B_base, k_desc, v_desc, stride_kn, stride_vn,
+            stride_bm,
             lo, f1, offs_n, offs_dk, offs_dv, len_q, len_k, diag, left, right, qk_scale,
             philox_seed, philox_offset, bh, dropout_p,
-            True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC)
+            True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA)
     dq = _dq_blocks(
-        dq, q, do, lse, delta, rows, K_base, V_base, B_base, stride_kn, stride_vn, stride_bm,
+        dq, q, do, lse, delta, rows, K_base, V_base, B_base, k_desc, v_desc, stride_kn, stride_vn,
+            stride_bm,
         f1, f2, offs_n, offs_dk, offs_dv, len_q, len_k, diag, left, right, qk_scale,
         philox_seed, philox_offset, bh, dropout_p,
-        False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC)
+        False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA)
     dq = _dq_blocks(
-        dq, q, do, lse, delta, rows, K_base, V_base, B_base, stride_kn, stride_vn, stride_bm,
+        dq, q, do, lse, delta, rows, K_base, V_base, B_base, k_desc, v_desc, stride_kn, stride_vn,
+            stride_bm,
         f2, hi, offs_n, offs_dk, offs_dv, len_q, len_k, diag, left, right, qk_scale,
         philox_seed, philox_offset, bh, dropout_p,
-        True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC)
+        True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA)
 
     dq = dq * sm_scale
     dqmask = rows[:, None] < len_q
@@ -485,37 +524,84 @@ def attn_bwd_dq(
 # --------------------------------------------------------------------------------------------
 
 
-def _bwd_config(target: object, bm: int, bn: int, warps: int, stages: int) -> ConfigDecl:
+def _bwd_config(target: object, bm: int, bn: int, warps: int, stages: int, options: dict | None = None,
+                tma: int = 0) -> ConfigDecl:
     if target.backend == "cuda":
-        return ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
-    return ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=1,
-                  options=_hip_options(target, 1))
+        return ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": tma}, num_warps=warps,
+                          num_stages=stages, options=options or {})
+    return ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "USE_TMA": 0}, num_warps=warps, num_stages=1,
+                      options=_hip_options(target, 1))
+
+
+#: sm90 alternates of the split backward, swept by ``bench/sm90_bwd.py`` and ``python -m builder
+#: tune`` (ranked by measurement, not yet by any catalog rule): (BLOCK_M, BLOCK_N, warps, stages,
+#: options, USE_TMA) by head-dim bucket, after each table's config #0. They are built only for the
+#: ``bwdsweep`` specs (``in_bwd_sweep_set``) in the ``bwdsweep`` and ``full`` sets; ``default``
+#: and ``gputest`` keep config #0 (``set_configs``).
+#:
+#: Chosen from ptxas's register use and spills on the CPU (fp16, no mask; 255 registers is the
+#: 8-warp ceiling): dK/dV keeps k, v, dk and dv of 128 keys in two warp groups and spills at
+#: D=128 (#0: 87 spill stores; 64x64 or 128x64 tiles 350, 4-warp 128-key tiles 520), far less
+#: with q and dO through TMA descriptors (64x128: 38; 32x128 with 3 stages: 2) and not at all at
+#: D=64 with TMA (#0: 17). dQ never spills; TMA frees registers (D=128: 236 -> 175, 137 with
+#: 32-key blocks; D=64: 131 -> 125), so 8-warp tiles under 128 registers and ~113 KB of shared
+#: memory run two programs per SM (``maxnreg`` where ptxas lands just above).
+_SM90_DKDV_SWEEP = {
+    64: ((64, 128, 8, 3, None, 1), (64, 128, 8, 2, None, 1), (64, 128, 8, 4, None, 1), (32, 128, 8, 3, None, 1),
+         (32, 128, 8, 4, None, 1), (128, 128, 8, 2, None, 1), (32, 128, 8, 3, None, 0), (64, 128, 8, 2, None, 0)),
+    128: ((32, 128, 8, 3, None, 1), (32, 128, 8, 2, None, 1), (32, 128, 8, 4, None, 1), (64, 128, 8, 2, None, 1),
+          (64, 128, 8, 3, None, 1), (64, 64, 4, 3, None, 1), (32, 128, 8, 3, None, 0), (32, 128, 8, 2, None, 0)),
+}
+_SM90_DQ_SWEEP = {
+    64: ((128, 64, 8, 3, None, 1), (128, 64, 8, 3, {"maxnreg": 128}, 0), (128, 64, 8, 4, None, 1),
+         (128, 128, 8, 2, None, 1), (128, 32, 8, 4, None, 1), (128, 64, 4, 3, None, 1), (128, 32, 4, 4, None, 1),
+         (64, 64, 4, 3, None, 0)),
+    128: ((128, 64, 8, 3, None, 1), (128, 32, 8, 3, None, 1), (128, 32, 8, 3, {"maxnreg": 128}, 1),
+          (128, 64, 8, 2, None, 1), (128, 128, 8, 2, None, 1), (128, 32, 8, 4, None, 1), (128, 32, 8, 3, None, 0),
+          (64, 64, 4, 3, None, 0)),
+}
+
+
+def _with_sweep(first: ConfigDecl, sweep: dict, spec: dict, target: object) -> tuple[ConfigDecl, ...]:
+    """``first``, then the sm90 sweep's alternates for ``bwdsweep`` specs (none elsewhere)."""
+    if not in_bwd_sweep_set(spec, target):
+        return (first,)
+    return (first,) + tuple(_bwd_config(target, *c) for c in sweep[block_d(spec)])
 
 
 def dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
-    """dK/dV: BLOCK_N keys stay resident (k, v, dk, dv), BLOCK_M queries stream through."""
+    """dK/dV: BLOCK_N keys stay resident (k, v, dk, dv), BLOCK_M queries stream through.
+
+    Index 0 is what the operator launches without a tuning rule; on sm90 the ``bwdsweep`` specs
+    add ``_SM90_DKDV_SWEEP``'s alternates after it."""
     d = block_d(spec)
     if spec["dtype"] == "fp32":
         return (_bwd_config(target, 16, 32, 4, 1 if d > 64 else 2),)
     if target.backend == "cuda":
         if d <= 64:
-            return (_bwd_config(target, 64, 128, 8, 3 if target.arch == "sm90" else 2),)
-        if d <= 128:
-            return (_bwd_config(target, 64, 128, 8, 2),)
-        return (_bwd_config(target, 32, 64, 8, 2 if target.arch == "sm90" else 1),)
+            first = _bwd_config(target, 64, 128, 8, 3 if target.arch == "sm90" else 2)
+        elif d <= 128:
+            first = _bwd_config(target, 64, 128, 8, 2)
+        else:
+            return (_bwd_config(target, 32, 64, 8, 2 if target.arch == "sm90" else 1),)
+        return _with_sweep(first, _SM90_DKDV_SWEEP, spec, target)
     if target.arch.startswith("gfx1") or d > 128:
         return (_bwd_config(target, 32, 32, 4, 1),)
     return (_bwd_config(target, 32, 64, 4, 1),)
 
 
 def dq_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
-    """dQ: BLOCK_M queries stay resident (q, dO, dq), BLOCK_N keys stream through."""
+    """dQ: BLOCK_M queries stay resident (q, dO, dq), BLOCK_N keys stream through.
+
+    Index 0 is what the operator launches without a tuning rule; on sm90 the ``bwdsweep`` specs
+    add ``_SM90_DQ_SWEEP``'s alternates after it."""
     d = block_d(spec)
     if spec["dtype"] == "fp32":
         return (_bwd_config(target, 32, 16, 4, 1 if d > 64 else 2),)
     if target.backend == "cuda":
         if d <= 128:
-            return (_bwd_config(target, 128, 64, 8, 3 if target.arch == "sm90" else 2),)
+            return _with_sweep(_bwd_config(target, 128, 64, 8, 3 if target.arch == "sm90" else 2),
+                               _SM90_DQ_SWEEP, spec, target)
         return (_bwd_config(target, 64, 32, 8, 2 if target.arch == "sm90" else 1),)
     if target.arch.startswith("gfx1") or d > 128:
         return (_bwd_config(target, 32, 32, 4, 1),)
@@ -552,7 +638,7 @@ KERNELS = [
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_PRE_DIV,
         exclude=head_dim_excluded,
-        sets={"default": in_default_backward_set, "gputest": in_gputest_set},
+        sets={"default": in_default_backward_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_PRE_DIV),
     ),
     KernelDecl(
@@ -563,7 +649,8 @@ KERNELS = [
         configs=preprocess_configs,
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_CONVERT_DIV,
-        sets={"default": lambda spec, target: False, "gputest": in_gputest_set},
+        sets={"default": lambda spec, target: False, "gputest": in_gputest_set,
+              "bwdsweep": lambda spec, target: False},
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_CONVERT_DIV),
     ),
     KernelDecl(
@@ -576,7 +663,9 @@ KERNELS = [
         grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
         divisibility=_DKDV_DIV,
         exclude=head_dim_excluded,
-        sets={"default": in_default_backward_set, "gputest": in_gputest_set},
+        sets={"default": in_default_backward_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
+        # sm90's sweep alternates only in bwdsweep and full (see _SM90_DKDV_SWEEP).
+        set_configs={"default": 1, "gputest": 1},
         checks=GQA_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1") + stride_checks(_DKDV_DIV),
     ),
     KernelDecl(
@@ -589,7 +678,9 @@ KERNELS = [
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_DQ_DIV,
         exclude=head_dim_excluded,
-        sets={"default": in_default_backward_set, "gputest": in_gputest_set},
+        sets={"default": in_default_backward_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
+        # sm90's sweep alternates only in bwdsweep and full (see _SM90_DKDV_SWEEP).
+        set_configs={"default": 1, "gputest": 1},
         checks=GQA_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1") + stride_checks(_DQ_DIV),
     ),
 ]

@@ -61,6 +61,9 @@ CASES: dict[str, dict] = {
                                       "dtype": "fp16"},
     "tma_gqa_bshd_window_bias_dropout": {"tma": 1, "Hq": 4, "Hk": 2, "layout": "bshd", "causal": 1,
                                          "window": (6, 2), "bias": "full", "dropout": 0.2},
+    # The backward's TMA path with the atomic dQ: q/dO descriptors per GQA head, rows past the end.
+    "tma_atomic_dq_gqa_ragged": {"tma": 1, "atomic": 1, "Hq": 4, "Hk": 2, "causal": 2, "Sq": 45, "Sk": 70,
+                                 "dtype": "bf16"},
     # Warp-specialized: one always-masked loop over the band.
     "tma_ws_causal_bottom_right_empty_rows": {"tma": 1, "ws": 1, "causal": 2, "Sq": 53, "Sk": 37,
                                               "dtype": "bf16"},
@@ -225,7 +228,7 @@ def run_case(name: str, case: dict) -> dict:
         q, k, v, bias, do, dk, dv, dbias, dqacc, lse, delta, cu_q, cu_k,
         sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, sbz, sbh, sbm, sdoz, sdoh, sdom,
         skz, skh, skn, svz, svh, svn, sdbz, sdbh, sdbm, sdqaz, sdqah, sdqam, slz, slh, *common,
-        BIAS=bias_flag, DQ_ATOMIC=atomic, BLOCK_M=c["BM"], BLOCK_N=c["BN"], **flags)
+        BIAS=bias_flag, DQ_ATOMIC=atomic, BLOCK_M=c["BM"], BLOCK_N=c["BN"], USE_TMA=c.get("tma", 0), **flags)
     if atomic:
         attn_bwd_dq_convert[(triton.cdiv(Sq, c["BM"]), B * Hq, 1)](
             dqacc, dq, cu_q, sdqaz, sdqah, sdqam, sqz, sqh, sqm, B, Hq, Sq,
@@ -235,7 +238,7 @@ def run_case(name: str, case: dict) -> dict:
             q, k, v, bias, do, dq, lse, delta, cu_q, cu_k,
             sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, sbz, sbh, sbm, sdoz, sdoh, sdom,
             sqz, sqh, sqm, slz, slh, *common,
-            BIAS=bias_flag, BLOCK_M=c["BM"], BLOCK_N=c["BN"], **flags)
+            BIAS=bias_flag, BLOCK_M=c["BM"], BLOCK_N=c["BN"], USE_TMA=c.get("tma", 0), **flags)
 
     errors: dict[str, float] = {}
     failed: list[str] = []
@@ -485,7 +488,7 @@ def test_bench_argument_lists_match_the_kernels() -> None:
     p = Problem(2, 4, 128, 64, 2, "fp16", materialize=False)
     for name, fn in KERNELS.items():
         cfg = {"fwd": ("BLOCK_M", "BLOCK_N", "USE_TMA", "WARP_SPEC"), "pre": ("BLOCK_M",), "prea": ("BLOCK_M",),
-               "conv": ("BLOCK_M",)}.get(name, ("BLOCK_M", "BLOCK_N"))
+               "conv": ("BLOCK_M",)}.get(name, ("BLOCK_M", "BLOCK_N", "USE_TMA"))
         supplied = len(p.args(name, mock=True)) + len(p.flags(name)) + len(cfg)
         assert supplied == len(fn.arg_names), f"{name}: {supplied} arguments for {len(fn.arg_names)}"
 
