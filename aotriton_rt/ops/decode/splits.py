@@ -8,7 +8,6 @@ from typing import Any
 
 from ...errors import CatalogError
 
-
 #: How split partials are merged: ``fused``, by the last split program of each tile to finish
 #: (an arrival counter per tile; no second launch), or ``separate``, by attn_decode_combine.
 COMBINE_MODES = ("fused", "separate")
