@@ -10,8 +10,10 @@ Three kernels, launched by ``aotriton_rt/ops/decode.py`` (see docs/attention.md,
   (``row = g * seqlen_q + i``), so every K/V tile is read once for the whole group. The visible
   keys of the sequence are cut into ``num_splits`` equal runs of whole key blocks; each program
   writes its run's normalised partial output and logsumexp (fp32) to scratch, or, with one
-  split, the final output directly.
-- ``attn_decode_combine`` merges the splits' partials per (kv head group row, batch * kv head).
+  split, the final output directly. Given ``Counters`` (int32, zero, one per tile) the last
+  split of each tile to finish merges the partials itself and zeroes its counter again.
+- ``attn_decode_combine`` merges the splits' partials per (kv head group row, batch * kv head)
+  when ``Counters`` is null (the runtime's ``separate`` combine).
 
 Masks are bottom-right aligned (the queries are the sequence's last ``seqlen_q`` rows): key ``j``
 is visible from query ``i`` when ``i + diag - window_left <= j <= i + diag + window_right`` with
@@ -20,9 +22,12 @@ is visible from query ``i`` when ``i + diag - window_left <= j <= i + diag + win
 Cache layouts (explicit strides, head dim contiguous): contiguous ``K + b*stride_kz +
 h*stride_kh + n*stride_kn`` (e.g. ``(B, S_cache, H_kv, D)``); paged ``K + page*stride_kz +
 h*stride_kh + (n % page_size)*stride_kn`` with ``page = BlockTable[b, n // page_size]`` (e.g.
-``(num_pages, page_size, H_kv, D)``). Cache contents and block-table entries are the caller's
-contract; lengths are clamped to ``capacity`` and page indices to ``[0, num_pages)`` so that bad
-values give wrong numbers, never an out-of-bounds access (the runtime's debug mode checks them).
+``(num_pages, page_size, H_kv, D)``); key blocks start at multiples of BLOCK_N, so a page of a
+multiple of BLOCK_N rows holds whole blocks (one table entry per block) and any page of a
+multiple of 16 rows whole 16-row chunks (one entry per chunk). Cache contents and block-table
+entries are the caller's contract; lengths are clamped to ``capacity`` and page indices to
+``[0, num_pages)`` so that bad values give wrong numbers, never an out-of-bounds access (the
+runtime's debug mode checks them).
 """
 
 from __future__ import annotations
@@ -200,7 +205,9 @@ def attn_decode(
     num_heads_q // num_heads_k. Q and Out are addressed (b, query head, row); LSE at
     ``b*stride_lz + h*stride_lh + row``. With num_splits > 1 the program writes its split's
     normalised output and logsumexp to PartO / PartL (fp32, rows ``((bk*num_splits + split) *
-    group*seqlen_q + tile row)``, PartO rows HEAD_DIM wide) for attn_decode_combine.
+    group*seqlen_q + tile row)``, PartO rows HEAD_DIM wide) for attn_decode_combine, or, when
+    ``Counters`` is not null, counts its arrival at ``Counters[pid_bk * grid_x + pid_m]`` and
+    the last split of the tile merges them into Out/LSE (the counter is zero again after).
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)

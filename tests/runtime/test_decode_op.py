@@ -484,6 +484,14 @@ def test_catalog_split_rules_override_the_default_per_arch() -> None:
         split_rule({"sm90": 1}, "sm90")
 
 
+def test_a_catalog_rule_picks_how_split_partials_are_merged() -> None:
+    assert split_rule(None, "sm90")[0].combine == "fused"
+    assert split_rule([{"arch": "sm90", "combine": "separate"}], "sm90")[0].combine == "separate"
+    assert split_rule([{"arch": "sm90", "combine": "separate"}], "sm80")[0].combine == "fused"
+    with pytest.raises(CatalogError, match=r"\[0\]\.combine must be one of fused, separate, got 'atomic'"):
+        split_rule([{"combine": "atomic"}], "sm90")
+
+
 def test_a_catalog_rule_can_pick_a_config_from_a_work_size_on_and_per_cache_kind() -> None:
     rules = [{"arch": "sm90", "min_batch_heads": 212, "config": 2}, {"arch": "sm90", "paged": True, "config": 1},
              {"splits": {"waves": 1}}]
@@ -571,6 +579,9 @@ def test_decode_kernel_compiles_ahead_of_time_with_vector_cache_loads(arch: str,
         assert ops.count("LDGSTS.E.BYPASS.128") >= 32, "K/V tiles are not loaded with 16-byte cp.async"
         assert not any(op.startswith("LDGSTS.E.BYPASS.") and not op.endswith(".128") for op in ops)
         assert any(op.startswith("HMMA") for op in ops)
+        # Page ids: one per key block or 16-row chunk (both loops, all pipeline stages: 25 copies
+        # of 4 bytes, 80 shared loads). A per-key lookup made 80 copies and ~220 shared loads.
+        assert ops.count("LDGSTS.E") <= 40 and ops.count("LDS") <= 120, (ops.count("LDGSTS.E"), ops.count("LDS"))
 
 
 @pytest.mark.parametrize("config", [0, 2])
