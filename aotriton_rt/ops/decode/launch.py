@@ -122,14 +122,14 @@ class _Counters:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.buffers: dict[tuple[Any, int], Any] = {}
+        self.buffers: dict[tuple[int, int], Any] = {}
         self.retired: list[Any] = []
 
     def get(self, torch: Any, like: Any, stream: int, slots: int) -> Any:
         """A zeroed int32 buffer of at least ``slots`` counters for launches on ``stream`` of
         ``like``'s device, or None inside a capture when the stream has none (the caller then
         combines separately)."""
-        key = (like.device, stream)
+        key = (like.get_device(), stream)  # -1: a CPU tensor (the interpreter tests)
         buf = self.buffers.get(key)
         if buf is not None and buf.numel() >= slots:
             return buf
@@ -156,7 +156,6 @@ class _Launch:
         spec = {"dtype": p.dtype, "HEAD_DIM": p.head_dim}
         arch = ks.device_arch(p.device)
         rule, config = split_rule(ks.rules, arch, batch_heads=p.batch * p.heads_k, paged=p.paged)
-        self.rule = rule
         self.decode = ks.handle(DECODE, {**spec, "PAGED": int(p.paged)}, config, p.device)
         self.append = ks.handle(APPEND, {**spec, "PAGED": int(p.paged)}, 0, p.device) if p.seqlen_new else None
         row_blocks = -(-p.group_rows // _block_m(self.decode, p.device))
