@@ -291,7 +291,9 @@ def attn_decode(
             # partial stores are ordered before the counter's release by the barrier; the
             # acquire orders the merge's loads after every other split's release.
             tl.debug_barrier()
-            slot = Counters + pid_bk.to(tl.int64) * tl.num_programs(0) + pid_m
+            # Tiles per (sequence, KV head) = grid x, computed (tl.num_programs makes the AMD
+            # backend emit the implicit hidden kernel arguments, which the catalog layout lacks).
+            slot = Counters + pid_bk.to(tl.int64) * tl.cdiv(rows_total, BLOCK_M) + pid_m
             done = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
             if done == num_splits - 1:
                 tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")  # zero for the next launch
