@@ -142,25 +142,42 @@ def _attend(acc, l_i, m_i, q, K_head, V_head, bt_row, start, end, len_k, qi, dia
 
 
 @triton.jit
+def _partial(PartO, PartL, base, s, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM: tl.constexpr):
+    """Split ``s``'s (lse, out) rows of the tile, (-inf, 0) past the last split. Reads bypass L1
+    (.cg): other programs wrote them."""
+    ok = s < num_splits
+    idx = base + s * rows_total
+    ls = tl.load(PartL + idx, mask=row_ok & ok, other=float("-inf"), cache_modifier=".cg")
+    o = tl.load(PartO + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=row_mask & ok, other=0.0,
+                cache_modifier=".cg")
+    return ls, o
+
+
+@triton.jit
 def _merge_splits(PartO, PartL, base, rows_total, num_splits, row_ok, row_mask, offs_d,
                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """(out, lse) of the tile's rows from the num_splits partials at ``base + s * rows_total``:
     out = sum_s exp(lse_s - lse) * out_s. Splits without keys (lse -inf) weigh 0; a row no split
-    saw gives 0 and -inf. Reads bypass L1 (.cg): other programs wrote the partials."""
+    saw gives 0 and -inf. Four splits per step, all loaded before any is used (one L2 round
+    trip per four splits, not one per split) and one rescale of the sum per step."""
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s in range(0, num_splits):
-        idx = base + s * rows_total
-        ls = tl.load(PartL + idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(PartO + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=row_mask, other=0.0,
-                    cache_modifier=".cg")
-        m_new = tl.maximum(m, ls)
+    for s in range(0, num_splits, 4):
+        l0, o0 = _partial(PartO, PartL, base, s, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM)
+        l1, o1 = _partial(PartO, PartL, base, s + 1, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM)
+        l2, o2 = _partial(PartO, PartL, base, s + 2, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM)
+        l3, o3 = _partial(PartO, PartL, base, s + 3, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM)
+        m_new = tl.maximum(tl.maximum(m, tl.maximum(l0, l1)), tl.maximum(l2, l3))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2((m - m_sub) * LOG2E)
-        w = tl.math.exp2((ls - m_sub) * LOG2E)
-        den = den * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
+        w0 = tl.math.exp2((l0 - m_sub) * LOG2E)
+        w1 = tl.math.exp2((l1 - m_sub) * LOG2E)
+        w2 = tl.math.exp2((l2 - m_sub) * LOG2E)
+        w3 = tl.math.exp2((l3 - m_sub) * LOG2E)
+        den = den * alpha + w0 + w1 + w2 + w3
+        acc = (acc * alpha[:, None] + w0[:, None] * o0 + w1[:, None] * o1 + w2[:, None] * o2
+               + w3[:, None] * o3)
         m = m_new
     safe = tl.where(den == 0.0, 1.0, den)
     m_sub = tl.where(m == float("-inf"), 0.0, m)

@@ -63,6 +63,8 @@ CASES: dict[str, dict] = {
                                                           "lens": (62, 63, 0, 126), "splits": 2, "cap": 192},
     "pages_of_256_gqa_taller_than_a_tile": {"paged": 256, "block_n": 64, "Hq": 8, "Hk": 1, "Sq": 3,
                                             "lens": (300, 5, 256), "causal": True, "splits": 4, "cap": 512},
+    # Seven splits (merged four at a time, the last step partly past the end), some without keys.
+    "seven_splits_some_empty": {"splits": 7, "lens": (80, 3, 64), "Hq": 8, "Hk": 2, "Sq": 2, "causal": True},
     # The splits merged by the separate combine kernel instead of the decode kernel's last split.
     "separate_combine_kernel": {"paged": 16, "lens": (37, 1, 16, 0), "splits": 3, "combine": "separate"},
     "separate_combine_gqa_window": {"Sq": 2, "Hq": 8, "Hk": 2, "window": (30, 3), "lens": (70, 12, 45),
