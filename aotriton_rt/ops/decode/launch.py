@@ -168,10 +168,13 @@ class _Launch:
         self.num_splits = num_splits
         self.combine = ks.handle(COMBINE, spec, 0, p.device) if num_splits > 1 else None
         # The fused combine (the decode kernel's last split merges) on torch arrays on CUDA; HIP
-        # keeps the separate kernel (its atomics' ordering is compiled, never run on hardware).
+        # keeps the separate kernel (its atomics' ordering is compiled, never run on hardware),
+        # and so do images built before the kernel took Counters (they would leave the partials
+        # unmerged).
         torch_mod = sys.modules.get("torch") if xp.framework == "torch" else None
         self.fused = (self.combine is not None and rule.combine == "fused" and torch_mod is not None
-                      and not getattr(torch_mod.version, "hip", None))
+                      and not getattr(torch_mod.version, "hip", None)
+                      and "Counters" in getattr(self.decode, "arg_names", ()))
         self.counter_slots = p.batch * p.heads_k * row_blocks
         q_shape = tuple(infos["q"].shape)
         self.q_shape = q_shape
