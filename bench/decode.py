@@ -12,6 +12,9 @@ Kernel benchmark (default): one query row per sequence, bf16, D=128, 8 KV heads 
 - ``ours#i`` / ``p16#i``: with ``--config i ...`` (tuning config i forced, e.g. the sm90
   alternates: #1 128-key steps with 8 warps, #2 four stages) and ``--waves/--min-blocks``
   split-rule overrides; without ``#``: the runtime's own choice from the catalog's tuning rules.
+- ``ours~separate`` / ``p16~fused``: with ``--combine separate`` (or ``fused``), the split
+  partials merged by the separate ``attn_decode_combine`` launch (the previous default) or by
+  the decode kernel's last split (the default, one launch): both ways timed in the same run.
 
 Each contender is timed two ways: ``eager`` (back-to-back calls between CUDA events, so host
 cost counts where it exceeds the kernel's) and ``graph`` (the same calls captured in a CUDA
@@ -30,6 +33,7 @@ share of decode steps from the profiler.
 
     python bench/decode.py                                   # the kernel table
     python bench/decode.py --config 0 1 2 --b 8 64 --cache 8192
+    python bench/decode.py --b 1 8 64 --cache 2048 8192 32768 --gqa 4 --page 16 64 256 --combine separate
     python bench/decode.py --llama --rounds 3
 Images: AOTRITON_RT_IMAGES (or the default library). Writes JSON under $OUT when set.
 """
@@ -94,7 +98,9 @@ class Graphed:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # Captured on the warm-up stream: the fused combine's counters are made (zeroed) per
+        # stream outside a capture, so the capture finds them there.
+        with torch.cuda.graph(self.graph, stream=stream):
             for _ in range(calls):
                 fn()
         self.graph.replay()
@@ -115,9 +121,10 @@ def _stats(values: list[float]) -> dict:
             "runs": [v * 1e3 for v in values]}
 
 
-def _variants(args: argparse.Namespace) -> list[tuple[str, list]]:
+def _variants(args: argparse.Namespace, default_rules: Any) -> list[tuple[str, list]]:
     """(tag, tuning rules) of the forced contenders: each ``--config`` with each ``--min-blocks``
-    (tag ``#2`` or ``#0mb1``) and the ``--waves`` override."""
+    (tag ``#2`` or ``#0mb1``) and the ``--waves`` override; each ``--combine`` mode (tag
+    ``~separate``) with the images' own rules otherwise (their configs and splits)."""
     out = []
     for config in args.config:
         for mb in args.min_blocks or [None]:
@@ -128,6 +135,8 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, list]]:
                 splits["min_blocks"] = mb
             tag = f"#{config}" + (f"mb{mb}" if mb is not None else "") + (f"w{args.waves}" if args.waves else "")
             out.append((tag, [{"config": config, **({"splits": splits} if splits else {})}]))
+    for mode in args.combine:
+        out.append((f"~{mode}", [{**r, "combine": mode} for r in default_rules or []] + [{"combine": mode}]))
     return out
 
 
@@ -213,7 +222,7 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
             continue
         contenders[f"sdpa:{be}"] = sdpa
     # "ours" / "p<page>": the runtime's own choice (the catalog's tuning rules); "#i": config i forced.
-    variants = [("", default_rules), *_variants(args)]
+    variants = [("", default_rules), *_variants(args, default_rules)]
     for tag, rules in variants:
         def ours(rules: Any = rules) -> Any:
             ks.rules = rules
@@ -305,10 +314,15 @@ def summary(rows: list[dict]) -> None:
             else:
                 line += f" | {'-':>8} {'-':>5} {'-':>4} {'-':>5}"
         print(line + f" | {e.get('ours', {}).get('vs_sdpa', nan):>7.2f}")
-    extra = sorted({n for r in rows for n in r.get("graph", {}) if "#" in n})
+    extra = sorted({n for r in rows for n in r.get("graph", {}) if "#" in n or "~" in n})
+    if extra:
+        print("forced contenders: x vs SDPA's best [the default contender's time / this one's: < 1 = the default "
+              "is faster]")
     for n in extra:
-        vals = [f"{r['B']}/{r['cache']}/{r['gqa']}:1 x{r['graph'][n]['vs_sdpa']:.2f}" for r in rows
-                if n in r.get("graph", {}) and "vs_sdpa" in r["graph"][n]]
+        base = n.split("#")[0].split("~")[0]
+        vals = [f"{r['B']}/{r['cache']}/{r['gqa']}:1 x{r['graph'][n]['vs_sdpa']:.2f}"
+                + (f" [{r['graph'][base]['median_us'] / r['graph'][n]['median_us']:.2f}]" if base in r['graph'] else "")
+                for r in rows if n in r.get("graph", {}) and "vs_sdpa" in r["graph"][n]]
         print(f"{n}: " + ", ".join(vals))
 
 
@@ -427,6 +441,8 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=None, help="split rule: programs per SM to aim for")
     ap.add_argument("--min-blocks", type=int, nargs="*", default=[],
                     help="split rule: key blocks per split at least (one forced contender per value and --config)")
+    ap.add_argument("--combine", nargs="*", default=[], choices=("fused", "separate"),
+                    help="also time the split partials merged this way (one forced contender per value)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--peak-tbs", type=float, default=4.8, help="memory bandwidth for the %% column (H200: 4.8)")
     ap.add_argument("--llama", action="store_true", help="the generation benchmark instead of the kernel table")

@@ -10,8 +10,10 @@ Three kernels, launched by ``aotriton_rt/ops/decode.py`` (see docs/attention.md,
   (``row = g * seqlen_q + i``), so every K/V tile is read once for the whole group. The visible
   keys of the sequence are cut into ``num_splits`` equal runs of whole key blocks; each program
   writes its run's normalised partial output and logsumexp (fp32) to scratch, or, with one
-  split, the final output directly.
-- ``attn_decode_combine`` merges the splits' partials per (kv head group row, batch * kv head).
+  split, the final output directly. Given ``Counters`` (int32, zero, one per tile) the last
+  split of each tile to finish merges the partials itself and zeroes its counter again.
+- ``attn_decode_combine`` merges the splits' partials per (kv head group row, batch * kv head)
+  when ``Counters`` is null (the runtime's ``separate`` combine).
 
 Masks are bottom-right aligned (the queries are the sequence's last ``seqlen_q`` rows): key ``j``
 is visible from query ``i`` when ``i + diag - window_left <= j <= i + diag + window_right`` with
@@ -20,9 +22,12 @@ is visible from query ``i`` when ``i + diag - window_left <= j <= i + diag + win
 Cache layouts (explicit strides, head dim contiguous): contiguous ``K + b*stride_kz +
 h*stride_kh + n*stride_kn`` (e.g. ``(B, S_cache, H_kv, D)``); paged ``K + page*stride_kz +
 h*stride_kh + (n % page_size)*stride_kn`` with ``page = BlockTable[b, n // page_size]`` (e.g.
-``(num_pages, page_size, H_kv, D)``). Cache contents and block-table entries are the caller's
-contract; lengths are clamped to ``capacity`` and page indices to ``[0, num_pages)`` so that bad
-values give wrong numbers, never an out-of-bounds access (the runtime's debug mode checks them).
+``(num_pages, page_size, H_kv, D)``); key blocks start at multiples of BLOCK_N, so a page of a
+multiple of BLOCK_N rows holds whole blocks (one table entry per block) and any page of a
+multiple of 16 rows whole 16-row chunks (one entry per chunk). Cache contents and block-table
+entries are the caller's contract; lengths are clamped to ``capacity`` and page indices to
+``[0, num_pages)`` so that bad values give wrong numbers, never an out-of-bounds access (the
+runtime's debug mode checks them).
 """
 
 from __future__ import annotations
@@ -51,8 +56,8 @@ MAX_SEQLEN_Q = 16
 @triton.jit
 def _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn,
                 PAGED: tl.constexpr):
-    """Element offsets (int64) of K and V rows ``cols`` of one sequence and head; a paged cache
-    looks each row's page up once for both."""
+    """Element offsets (int64) of K and V rows ``cols`` of one sequence and head, one block-table
+    entry per row (the append kernel's few scattered rows)."""
     if PAGED:
         page = tl.load(bt_row + cols // page_size, mask=col_ok, other=0)
         # Block-table entries are the caller's contract; clamping keeps a bad one in bounds.
@@ -61,6 +66,122 @@ def _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn
         return page * stride_kz + row * stride_kn, page * stride_vz + row * stride_vn
     rows = cols.to(tl.int64)
     return rows * stride_kn, rows * stride_vn
+
+
+@triton.jit
+def _page_row(bt_row, first, ok, page_size, num_pages):
+    """(page, row in the page), int64 scalars, of a sequence's cache row ``first``: one
+    block-table entry, clamped into the cache (entries are the caller's contract)."""
+    page = tl.load(bt_row + first // page_size, mask=ok, other=0)
+    page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+    return page, (first % page_size).to(tl.int64)
+
+
+@triton.jit
+def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_kz, stride_kn, stride_vz,
+                   stride_vn, MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Element offsets (int64, BLOCK_N) of the K and V rows of the key block at ``start_n``.
+
+    MODE 0: a contiguous cache. MODE 1: pages a multiple of BLOCK_N rows: the block lies in one
+    page, one block-table entry per block and a contiguous run of rows (the contiguous cache's
+    addressing from a per-block base). MODE 2: any page of a multiple of 16 rows: each 16-row
+    chunk of the block lies in one page (blocks start at multiples of BLOCK_N), one entry per
+    chunk, broadcast over its rows. Scalar entry loads keep the K/V copies direct loads for the
+    software pipeliner; a per-key gather of the table became shared-memory copies of page ids
+    and their read-back (80 extra copies and 200 shared loads per block in the sm90 binary).
+    """
+    if MODE == 0:
+        rows = (start_n + offs_n).to(tl.int64)
+        return rows * stride_kn, rows * stride_vn
+    if MODE == 1:
+        page, row = _page_row(bt_row, start_n, start_n < len_k, page_size, num_pages)
+        return (page * stride_kz + row * stride_kn + offs_n * stride_kn,
+                page * stride_vz + row * stride_vn + offs_n * stride_vn)
+    CHUNK: tl.constexpr = 16
+    chunk = offs_n // CHUNK
+    k_off = tl.zeros([BLOCK_N], dtype=tl.int64)
+    v_off = tl.zeros([BLOCK_N], dtype=tl.int64)
+    for c in tl.static_range(BLOCK_N // CHUNK):
+        first = start_n + c * CHUNK
+        page, row = _page_row(bt_row, first, first < len_k, page_size, num_pages)
+        k_off = tl.where(chunk == c, page * stride_kz + row * stride_kn, k_off)
+        v_off = tl.where(chunk == c, page * stride_vz + row * stride_vn, v_off)
+    within = offs_n % CHUNK
+    return k_off + within * stride_kn, v_off + within * stride_vn
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left, right, qk_scale,
+            page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d,
+            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax of the tile's query rows over key blocks ``start..end`` (see _block_offsets
+    for MODE); returns the updated (acc, l_i, m_i)."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < len_k
+        k_off, v_off = _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_kz, stride_kn,
+                                      stride_vz, stride_vn, MODE, BLOCK_N)
+        # K as (dim, keys): loads run along the contiguous head dim.
+        k = tl.load(K_head + k_off[None, :] + offs_d[:, None], mask=_and_dim(col_ok[None, :], offs_d, HEAD_DIM, 0),
+                    other=0.0)
+        v = tl.load(V_head + v_off[:, None] + offs_d[None, :], mask=_and_dim(col_ok[:, None], offs_d, HEAD_DIM, 1),
+                    other=0.0)
+        qk = tl.dot(q, k, input_precision=PREC)
+        rel = cols[None, :] - qi[:, None] - diag
+        visible = (rel >= -left) & (rel <= right) & col_ok[None, :]
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # Rows that have seen no visible key keep m = -inf and subtract 0 (no NaN).
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _partial(PartO, PartL, base, s, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM: tl.constexpr):
+    """Split ``s``'s (lse, out) rows of the tile, (-inf, 0) past the last split. Reads bypass L1
+    (.cg): other programs wrote them."""
+    ok = s < num_splits
+    idx = base + s * rows_total
+    ls = tl.load(PartL + idx, mask=row_ok & ok, other=float("-inf"), cache_modifier=".cg")
+    o = tl.load(PartO + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=row_mask & ok, other=0.0,
+                cache_modifier=".cg")
+    return ls, o
+
+
+@triton.jit
+def _merge_splits(PartO, PartL, base, rows_total, num_splits, row_ok, row_mask, offs_d,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(out, lse) of the tile's rows from the num_splits partials at ``base + s * rows_total``:
+    out = sum_s exp(lse_s - lse) * out_s. Splits without keys (lse -inf) weigh 0; a row no split
+    saw gives 0 and -inf. Four splits per step, all loaded before any is used (one L2 round
+    trip per four splits, not one per split) and one rescale of the sum per step."""
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(0, num_splits, 4):
+        l0, o0 = _partial(PartO, PartL, base, s, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM)
+        l1, o1 = _partial(PartO, PartL, base, s + 1, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM)
+        l2, o2 = _partial(PartO, PartL, base, s + 2, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM)
+        l3, o3 = _partial(PartO, PartL, base, s + 3, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM)
+        m_new = tl.maximum(tl.maximum(m, tl.maximum(l0, l1)), tl.maximum(l2, l3))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2((m - m_sub) * LOG2E)
+        w0 = tl.math.exp2((l0 - m_sub) * LOG2E)
+        w1 = tl.math.exp2((l1 - m_sub) * LOG2E)
+        w2 = tl.math.exp2((l2 - m_sub) * LOG2E)
+        w3 = tl.math.exp2((l3 - m_sub) * LOG2E)
+        den = den * alpha + w0 + w1 + w2 + w3
+        acc = (acc * alpha[:, None] + w0[:, None] * o0 + w1[:, None] * o1 + w2[:, None] * o2
+               + w3[:, None] * o3)
+        m = m_new
+    safe = tl.where(den == 0.0, 1.0, den)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    return acc / safe[:, None], tl.where(den == 0.0, float("-inf"), m_sub + tl.log(safe))
 
 
 @triton.jit
@@ -84,7 +205,7 @@ def _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity):
 
 @triton.jit
 def attn_decode(
-    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens,
+    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens, Counters,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
@@ -101,7 +222,9 @@ def attn_decode(
     num_heads_q // num_heads_k. Q and Out are addressed (b, query head, row); LSE at
     ``b*stride_lz + h*stride_lh + row``. With num_splits > 1 the program writes its split's
     normalised output and logsumexp to PartO / PartL (fp32, rows ``((bk*num_splits + split) *
-    group*seqlen_q + tile row)``, PartO rows HEAD_DIM wide) for attn_decode_combine.
+    group*seqlen_q + tile row)``, PartO rows HEAD_DIM wide) for attn_decode_combine, or, when
+    ``Counters`` is not null, counts its arrival at ``Counters[pid_bk * grid_x + pid_m]`` and
+    the last split of the tile merges them into Out/LSE (the counter is zero again after).
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -150,41 +273,51 @@ def attn_decode(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(start, end, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < len_k
-        k_off, v_off = _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn, stride_vz,
-                                   stride_vn, PAGED)
-        # K as (dim, keys): loads run along the contiguous head dim.
-        k = tl.load(K_head + k_off[None, :] + offs_d[:, None], mask=_and_dim(col_ok[None, :], offs_d, HEAD_DIM, 0),
-                    other=0.0)
-        v = tl.load(V_head + v_off[:, None] + offs_d[None, :], mask=_and_dim(col_ok[:, None], offs_d, HEAD_DIM, 1),
-                    other=0.0)
-        qk = tl.dot(q, k, input_precision=PREC)
-        rel = cols[None, :] - qi[:, None] - diag
-        visible = (rel >= -left) & (rel <= right) & col_ok[None, :]
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # Rows that have seen no visible key keep m = -inf and subtract 0 (no NaN).
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-        m_i = m_new
+    if PAGED:
+        # A block inside one page (pages a multiple of BLOCK_N): one table entry per block;
+        # smaller or odd pages: one per 16-row chunk. A uniform branch, both loops in the binary.
+        if page_size % BLOCK_N == 0:
+            acc, l_i, m_i = _attend(acc, l_i, m_i, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left,
+                                    right, qk_scale, page_size, num_pages, stride_kz, stride_kn, stride_vz,
+                                    stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 1, PREC)
+        else:
+            acc, l_i, m_i = _attend(acc, l_i, m_i, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left,
+                                    right, qk_scale, page_size, num_pages, stride_kz, stride_kn, stride_vz,
+                                    stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 2, PREC)
+    else:
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left, right,
+                                qk_scale, page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n,
+                                offs_d, HEAD_DIM, BLOCK_N, 0, PREC)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    o_ptrs = (Out + off_b.to(tl.int64) * stride_oz + heads.to(tl.int64)[:, None] * stride_oh
+              + qi[:, None] * stride_om + offs_d[None, :])
+    l_ptrs = LSE + off_b.to(tl.int64) * stride_lz + heads.to(tl.int64) * stride_lh + qi
     if num_splits == 1:
-        o_ptrs = (Out + off_b.to(tl.int64) * stride_oz + heads.to(tl.int64)[:, None] * stride_oh
-                  + qi[:, None] * stride_om + offs_d[None, :])
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_mask)
-        tl.store(LSE + off_b.to(tl.int64) * stride_lz + heads.to(tl.int64) * stride_lh + qi, lse, mask=row_ok)
+        tl.store(l_ptrs, lse, mask=row_ok)
     else:
-        part = (pid_bk.to(tl.int64) * num_splits + pid_s) * rows_total + rows
+        base = pid_bk.to(tl.int64) * num_splits * rows_total + rows
+        part = base + pid_s * rows_total
         tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask)
         tl.store(PartL + part, lse, mask=row_ok)
+        if Counters.to(tl.int64) != 0:
+            # The last split of this tile to finish merges (no combine launch). Every thread's
+            # partial stores are ordered before the counter's release by the barrier; the
+            # acquire orders the merge's loads after every other split's release.
+            tl.debug_barrier()
+            # Tiles per (sequence, KV head) = grid x, computed (tl.num_programs makes the AMD
+            # backend emit the implicit hidden kernel arguments, which the catalog layout lacks).
+            slot = Counters + pid_bk.to(tl.int64) * tl.cdiv(rows_total, BLOCK_M) + pid_m
+            done = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+                out, lse = _merge_splits(PartO, PartL, base, rows_total, num_splits, row_ok, row_mask, offs_d,
+                                         HEAD_DIM, BLOCK_M, BLOCK_D)
+                tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_mask)
+                tl.store(l_ptrs, lse, mask=row_ok)
 
 
 @triton.jit
@@ -387,9 +520,9 @@ def append_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
 
 _DECODE_SIG = signature_of(attn_decode, {
     "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
-    "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32"})
+    "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32", "Counters": "*i32"})
 # Lengths and block tables may be any int32 views (e.g. a slice of a longer lengths array).
-_INDEX_POINTERS = ("BlockTable", "CacheSeqlens")
+_INDEX_POINTERS = ("BlockTable", "CacheSeqlens", "Counters")
 _DECODE_DIV = {**{n: d for n, d in divisibility_of(_DECODE_SIG, aligned=("q", "k", "v", "o")).items()
                   if n not in _INDEX_POINTERS}, "page_size": 16}
 _COMBINE_SIG = signature_of(attn_decode_combine, {"Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",

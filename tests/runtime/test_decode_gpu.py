@@ -157,7 +157,7 @@ def test_decode_matches_an_fp32_reference(lib: aotriton_rt.Library, name: str) -
                 assert torch.equal(row, c["keys"][b][r]), f"appended row {r} of sequence {b}"
 
 
-@pytest.mark.parametrize("page", [None, 16, 256])
+@pytest.mark.parametrize("page", [None, 16, 64, 256])
 @pytest.mark.parametrize("config", [0, 1, 2])
 def test_every_tuning_config_matches_the_reference_on_paged_and_contiguous_caches(lib: aotriton_rt.Library,
                                                                                   config: int, page: Any) -> None:
@@ -182,6 +182,137 @@ def test_every_tuning_config_matches_the_reference_on_paged_and_contiguous_cache
             _close(f"out (config {config}, {splits} splits)", out, ref_hi, ref_lo, EPS["bf16"])
     finally:
         ks.rules = saved
+
+
+@pytest.mark.parametrize("page", [16, 32, 48, 64, 128, 256])
+def test_paged_caches_of_every_page_size_match_the_contiguous_cache_and_the_reference(lib: aotriton_rt.Library,
+                                                                                     page: int) -> None:
+    """Pages smaller than a key block (one table entry per 16-row chunk), a multiple of it (one
+    per block) and neither (48): the same sequences through a shuffled, NaN-padded paged cache
+    and a contiguous one, lengths 0, 1, page multiples and not, an append across a page edge."""
+    lens = [2000, 1, 0, 777, 256, 4 * page - 1]
+    data = {}
+    for kind in ("contiguous", "paged"):
+        gen = torch.Generator(device="cuda").manual_seed(page)  # the same rows for both caches
+        data[kind] = _cache(lens, 1, 8, 128, torch.bfloat16, page if kind == "paged" else None, gen)
+    gen = torch.Generator(device="cuda").manual_seed(1000 + page)
+    q = torch.randn(len(lens), 2, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    c = data["paged"]
+    ref_hi, _ = _reference(q, c["keys"], c["vals"], True, None, torch.float32)
+    ref_lo, _ = _reference(q, c["keys"], c["vals"], True, None, torch.bfloat16)
+    for splits in (None, 3):
+        outs = {}
+        for kind, c in data.items():
+            kv = (c["k"].clone(), c["v"].clone())
+            outs[kind], _ = decode_attention(q, *kv, cache_seqlens=c["lens"], block_table=c["table"],
+                                             k_new=c["k_new"], v_new=c["v_new"], causal=True, num_splits=splits,
+                                             check=True, library=lib)
+            _close(f"{kind} out (page {page}, splits {splits})", outs[kind], ref_hi, ref_lo, EPS["bf16"])
+        diff = (outs["paged"].float() - outs["contiguous"].float()).abs().max().item()
+        assert diff <= 1e-2, f"paged (page {page}) and contiguous outputs differ by {diff:.3g}"
+
+
+def _kernels_run(fn: Any) -> list[str]:
+    """Names of the GPU kernels ``fn()`` runs (CUPTI, through the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages() if "attn_decode" in e.key]
+
+
+def _zeroed_counters() -> bool:
+    from aotriton_rt.ops.decode.launch import _COUNTERS
+
+    return all(int(buf.abs().sum()) == 0 for buf in _COUNTERS.buffers.values())
+
+
+@pytest.mark.parametrize("page", [None, 16, 256])
+def test_split_calls_merge_in_the_decode_kernel_as_the_separate_combine_does(lib: aotriton_rt.Library,
+                                                                            page: Any) -> None:
+    """The default (fused) merge is one launch and agrees with the combine kernel's; both match
+    the reference; the arrival counters are zero again after every call."""
+    from aotriton_rt.ops import decode as dec
+
+    ks = dec._kernels_of(lib)
+    saved = ks.rules
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    lens = [3000, 0, 1, 1500]
+    c = _cache(lens, 0, 8, 128, torch.bfloat16, page, gen)
+    q = torch.randn(len(lens), 2, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    ref_hi, lse_hi = _reference(q, c["keys"], c["vals"], True, None, torch.float32)
+    ref_lo, lse_lo = _reference(q, c["keys"], c["vals"], True, None, torch.bfloat16)
+    outs = {}
+    try:
+        for mode in ("separate", "fused"):
+            ks.rules = [{"combine": mode}]
+
+            def call() -> Any:
+                return decode_attention(q, c["k"], c["v"], cache_seqlens=c["lens"], block_table=c["table"],
+                                        causal=True, num_splits=6, library=lib)
+            for i in range(3):  # the first call plans, the next ones take the prepared launches
+                out, lse = call()
+                _close(f"{mode} out (call {i})", out, ref_hi, ref_lo, EPS["bf16"])
+                _close(f"{mode} lse (call {i})", lse, lse_hi, lse_lo, EPS["bf16"])
+                outs[mode] = out
+            names = _kernels_run(call)
+            assert any("attn_decode_combine" in n for n in names) == (mode == "separate"), (mode, names)
+            assert _zeroed_counters()
+    finally:
+        ks.rules = saved
+    diff = (outs["fused"].float() - outs["separate"].float()).abs().max().item()
+    assert diff <= 1e-2, f"fused and separate merges differ by {diff:.3g}"
+
+
+def test_fused_combine_replays_in_a_cuda_graph_and_a_cold_capture_stream_combines_separately(
+        lib: aotriton_rt.Library) -> None:
+    """Captured on a stream that ran the call before, the graph holds one decode kernel per call
+    (no combine) and replays correctly with new lengths, leaving the counters zero; captured on
+    a stream that never ran it (its counters cannot be made inside a capture) the graph holds
+    the combine kernel instead and is as correct."""
+    from aotriton_rt.ops.torch_decode import decode_attention as op
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    B, Hq, Hk, D, page = 2, 32, 8, 128, 16
+    c = _cache([4000, 700], 0, Hk, D, torch.bfloat16, page, gen)
+    q = torch.randn(B, 1, Hq, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    lens = c["lens"].clone()
+
+    def call() -> Any:
+        return op(q, c["k"], c["v"], cache_seqlens=lens, block_table=c["table"], causal=True, num_splits=8,
+                  library=lib)
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(warm)
+    graphs = {}
+    for kind, stream in (("warm", warm), ("cold", torch.cuda.Stream())):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out, _ = call()
+        graphs[kind] = (graph, out)
+    for kind, (graph, out) in graphs.items():
+        names = _kernels_run(graph.replay)
+        # A profiler that cannot see kernels inside graphs reports none (the replay always runs
+        # attn_decode): then only the numbers below are checked.
+        if names:
+            assert any("attn_decode_combine" in n for n in names) == (kind == "cold"), (kind, names)
+        for cut in (0, 1, 999):
+            lens.copy_(c["lens"] - torch.tensor([cut, min(cut, 700)], dtype=torch.int32, device="cuda"))
+            q.copy_(torch.randn(q.shape, device="cuda", generator=gen).to(q.dtype))
+            graph.replay()
+            torch.cuda.synchronize()
+            n = lens.tolist()
+            keys = [c["keys"][b][:n[b]] for b in range(B)]
+            vals = [c["vals"][b][:n[b]] for b in range(B)]
+            ref, _ = _reference(q, keys, vals, True, None, torch.float32)
+            err = (out.float() - ref).abs().max().item()
+            assert err < 3e-2, f"{kind} graph, lengths {n}: error {err:.3g}"
+            assert _zeroed_counters()
 
 
 def test_attention_routes_decoding_to_the_decode_kernels_and_matches_prefill(lib: aotriton_rt.Library) -> None:

@@ -50,6 +50,25 @@ CASES: dict[str, dict] = {
     "mqa_all_heads_one_tile": {"Hq": 6, "Hk": 1, "Sq": 2, "causal": True, "paged": 16, "splits": 2},
     # A repeated call takes the cached launch plan (no checks, no planning) and computes the same.
     "repeated_call_takes_the_cached_plan": {"paged": 16, "lens": (37, 1, 16), "splits": 2, "repeat": True},
+    # Key blocks against pages (block_n: the kernel's BLOCK_N): pages smaller than a block (one
+    # table entry per 16-row chunk), pages a multiple of the block (one entry per block), pages
+    # that neither divide nor are divided by the block; lengths ending mid-chunk and mid-page.
+    "pages_of_16_in_blocks_of_64": {"paged": 16, "block_n": 64, "lens": (37, 1, 16, 0, 80), "causal": True,
+                                    "splits": 2},
+    "pages_of_32_in_blocks_of_64_append": {"paged": 32, "block_n": 64, "new": 2, "lens": (62, 30, 0, 95),
+                                           "Sq": 2, "causal": True, "splits": 2, "cap": 128},
+    "pages_of_48_in_blocks_of_32_window": {"paged": 48, "block_n": 32, "lens": (50, 95, 47, 1), "Sq": 3,
+                                           "causal": True, "window": (40, 0), "splits": 3, "cap": 144},
+    "pages_of_64_one_per_block_append_at_the_page_edge": {"paged": 64, "block_n": 64, "new": 2,
+                                                          "lens": (62, 63, 0, 126), "splits": 2, "cap": 192},
+    "pages_of_256_gqa_taller_than_a_tile": {"paged": 256, "block_n": 64, "Hq": 8, "Hk": 1, "Sq": 3,
+                                            "lens": (300, 5, 256), "causal": True, "splits": 4, "cap": 512},
+    # Seven splits (merged four at a time, the last step partly past the end), some without keys.
+    "seven_splits_some_empty": {"splits": 7, "lens": (80, 3, 64), "Hq": 8, "Hk": 2, "Sq": 2, "causal": True},
+    # The splits merged by the separate combine kernel instead of the decode kernel's last split.
+    "separate_combine_kernel": {"paged": 16, "lens": (37, 1, 16, 0), "splits": 3, "combine": "separate"},
+    "separate_combine_gqa_window": {"Sq": 2, "Hq": 8, "Hk": 2, "window": (30, 3), "lens": (70, 12, 45),
+                                    "splits": 4, "combine": "separate"},
 }
 
 
@@ -69,7 +88,7 @@ class _Handle:
         self.constexprs = {n: spec.get(n, config.constexprs.get(n)) for n, t in decl.signature.items()
                            if t == "constexpr"}
         if "BLOCK_N" in self.constexprs:
-            self.constexprs["BLOCK_N"] = 16  # short sequences still span several blocks
+            self.constexprs["BLOCK_N"] = BLOCK_N[0]  # 16 by default: short sequences span several blocks
         self.signature = _resolve_signature(decl, spec)
         self.divisibility = _divisibility(decl, self.signature)
         self.arg_names = [n for n, t in self.signature.items() if t != "constexpr"]
@@ -89,6 +108,9 @@ class _Handle:
         for name, value in values.items():
             t = self.signature[name]
             if t.startswith("*"):
+                if value is None and name == "Counters":
+                    values[name] = 0  # a null pointer: the kernel's test for "no fused combine"
+                    continue
                 if value is None:
                     values[name] = torch.empty(0, dtype=torch.float32 if "fp" in t else torch.int32)
                     continue
@@ -106,6 +128,7 @@ class _Handle:
 
 
 LAUNCHES: list = []
+BLOCK_N = [16]
 
 
 class _Library:
@@ -196,7 +219,11 @@ def run_case(name: str, case: dict) -> dict:
         v_new = torch.stack([vals[b][lens[b]:] for b in range(B)])
     seqlens = torch.tensor(lens, dtype=torch.int32)
     LAUNCHES.clear()
+    BLOCK_N[0] = c.get("block_n", 16)
     lib = _Library()
+    combine = c.get("combine", "fused")
+    if combine != "fused":
+        op._kernels_of(lib).rules = [{"combine": combine}]
     out, lse = op.decode_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, k_new=k_new,
                                    v_new=v_new, causal=c["causal"], window=c["window"], num_splits=c["splits"],
                                    cache_layout=c["cache_layout"], check=True, library=lib)
@@ -260,9 +287,14 @@ def run_case(name: str, case: dict) -> dict:
                 if not torch.equal(got_k, keys[b][r]):
                     failed.append(f"appended row {r} of sequence {b} is not in the cache")
     kernels = [name for name, _ in LAUNCHES]
-    want_combine = (c["splits"] or 1) > 1
+    want_combine = (c["splits"] or 1) > 1 and combine == "separate"
     if c["splits"] is not None and want_combine != ("attn_decode_combine" in kernels):
-        failed.append(f"launches {kernels} for {c['splits']} splits")
+        failed.append(f"launches {kernels} for {c['splits']} splits, {combine} combine")
+    from aotriton_rt.ops.decode.launch import _COUNTERS
+
+    for key, buf in _COUNTERS.buffers.items():
+        if int(buf.abs().sum()):
+            failed.append(f"fused-combine counters {key} not zeroed after the call: {buf.nonzero().tolist()[:8]}")
     if new and "attn_decode_append" not in kernels:
         failed.append("no append launched")
     return {"name": name, "errors": errors, "failed": failed, "launches": LAUNCHES[:]}
@@ -454,6 +486,14 @@ def test_catalog_split_rules_override_the_default_per_arch() -> None:
         split_rule({"sm90": 1}, "sm90")
 
 
+def test_a_catalog_rule_picks_how_split_partials_are_merged() -> None:
+    assert split_rule(None, "sm90")[0].combine == "fused"
+    assert split_rule([{"arch": "sm90", "combine": "separate"}], "sm90")[0].combine == "separate"
+    assert split_rule([{"arch": "sm90", "combine": "separate"}], "sm80")[0].combine == "fused"
+    with pytest.raises(CatalogError, match=r"\[0\]\.combine must be one of fused, separate, got 'atomic'"):
+        split_rule([{"combine": "atomic"}], "sm90")
+
+
 def test_a_catalog_rule_can_pick_a_config_from_a_work_size_on_and_per_cache_kind() -> None:
     rules = [{"arch": "sm90", "min_batch_heads": 212, "config": 2}, {"arch": "sm90", "paged": True, "config": 1},
              {"splits": {"waves": 1}}]
@@ -529,8 +569,13 @@ def test_decode_kernel_compiles_ahead_of_time_with_vector_cache_loads(arch: str,
     want = {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": paged}
     jobs = [j for j in expand(load_kernels()["attn_decode"], parse_targets(arch), "default", "3.6.0")
             if j.spec == want and j.config_index == 0]
+    from builder.abi import prove
+
     variant, raw, _ = compile_job(jobs[0])
     assert raw[:4] == b"\x7fELF" and 0 < variant.shared <= SHARED_LIMIT[arch]
+    # The binary's own parameter list is the catalog's (on gfx942, tl.num_programs in the fused
+    # merge once made the backend add 14 implicit hidden arguments: 53 parameters against 39).
+    prove(variant, raw)
     if arch.startswith("sm"):
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -541,6 +586,9 @@ def test_decode_kernel_compiles_ahead_of_time_with_vector_cache_loads(arch: str,
         assert ops.count("LDGSTS.E.BYPASS.128") >= 32, "K/V tiles are not loaded with 16-byte cp.async"
         assert not any(op.startswith("LDGSTS.E.BYPASS.") and not op.endswith(".128") for op in ops)
         assert any(op.startswith("HMMA") for op in ops)
+        # Page ids: one per key block or 16-row chunk (both loops, all pipeline stages: 25 copies
+        # of 4 bytes, 80 shared loads). A per-key lookup made 80 copies and ~220 shared loads.
+        assert ops.count("LDGSTS.E") <= 40 and ops.count("LDS") <= 120, (ops.count("LDGSTS.E"), ops.count("LDS"))
 
 
 @pytest.mark.parametrize("config", [0, 2])
@@ -603,9 +651,11 @@ class _AddressHandle(_Handle):
         return launch
 
 
-@pytest.mark.parametrize("paged,lens", [(0, "array"), (16, "array"), (0, "full"), (0, "int")])
+@pytest.mark.parametrize("paged,lens,combine", [(0, "array", "fused"), (16, "array", "fused"), (0, "full", "fused"),
+                                                (0, "int", "fused"), (16, "array", "separate"),
+                                                (0, "int", "separate"), (16, "array", "old-images")])
 def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_arguments(
-        monkeypatch: pytest.MonkeyPatch, paged: int, lens: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, paged: int, lens: str, combine: str) -> None:
     import torch
 
     from aotriton_rt import interop
@@ -617,7 +667,15 @@ def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_ar
         obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()), "torch"))
     monkeypatch.setattr(interop, "stream_getter", lambda framework: (lambda device: 0x77))
     lib = _Library()
-    monkeypatch.setattr(lib, "kernel", lambda name, **params: _AddressHandle(lib.decls[name], params))
+    def kernel(name: str, **params: Any) -> _AddressHandle:
+        handle = _AddressHandle(lib.decls[name], params)
+        if combine == "old-images":  # a decode kernel built before it took Counters
+            handle.arg_names = [n for n in handle.arg_names if n != "Counters"]
+        return handle
+
+    monkeypatch.setattr(lib, "kernel", kernel)
+    if combine == "separate":
+        op._kernels_of(lib).rules = [{"combine": "separate"}]
     B, Hk, D = 2, 2, 64
     q = torch.randn(B, 1, 8, D).half()
     if paged:
@@ -633,13 +691,25 @@ def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_ar
     LAUNCHES.clear()
     outs = [op.decode_attention(q, k, v, cache_seqlens=seqlens, block_table=table, num_splits=3, causal=True,
                                 check=False, library=lib, **new) for _ in range(3)]
-    kernels = (["attn_decode_append"] if new else []) + ["attn_decode", "attn_decode_combine"]
+    # Fused: the decode kernel's last split merges (no combine launch), counting arrivals in the
+    # stream's counters (one buffer, the same address every call); separate: a null pointer.
+    # Images whose decode kernel takes no Counters cannot merge in the kernel: the combine runs.
+    kernels = (["attn_decode_append"] if new else []) + ["attn_decode"] + \
+        (["attn_decode_combine"] if combine != "fused" else [])
     n = len(kernels)
     first, second, third = LAUNCHES[:n], LAUNCHES[n:2 * n], LAUNCHES[2 * n:]
     assert [(w, n) for w, n, _ in first] == [("call", n) for n in kernels]
     assert [(w, n) for w, n, _ in second] == [(w, n) for w, n, _ in third] == [("prepared", n) for n in kernels]
-    fresh = {"Out", "LSE", "PartO", "PartL", "CacheSeqlens"}  # new arrays each call (lengths: made once)
+    # New arrays each call (lengths: made once); counters per stream (the first call asks torch's).
+    fresh = {"Out", "LSE", "PartO", "PartL", "CacheSeqlens", "Counters"}
+    decode_args = [args for _, name, args in first if name == "attn_decode"][0]
+    assert ("Counters" in decode_args) == (combine != "old-images")
     for (_, _, a), (_, _, b), (_, _, c) in zip(first, second, third):
+        if "Counters" in b:
+            assert (a["Counters"] != 0 and b["Counters"] == c["Counters"] != 0) if combine == "fused" else \
+                a["Counters"] == b["Counters"] == c["Counters"] == 0
+        elif "Counters" in a:
+            raise AssertionError("Counters in the first call but not in the prepared ones")
         assert {n: x for n, x in a.items() if n not in fresh} == {n: x for n, x in b.items() if n not in fresh}
         if "Out" in b:
             assert b["Out"] == outs[1][0].data_ptr() and b["LSE"] == outs[1][1].data_ptr()
