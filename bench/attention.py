@@ -19,6 +19,9 @@ forward+backward 3.5×):
   saved), ``bwd`` (``torch.autograd.grad`` of one forward's output, graph retained), ``fwd+bwd``.
 - ``fa2-inf`` / ``fa2-train``: the same for ``sdpa_kernel(FLASH_ATTENTION)``, torch's
   FlashAttention-2 backend.
+- ``base`` (with ``--baseline DIR``): the same operator calls on the images of ``DIR``, e.g. the
+  kernels before a source change, built into their own folder: ``fwd``, ``bwd``; the ratios
+  ``fwd/base`` and ``bwd/base`` say whether the change made them faster (> 1) or slower.
 
 Timing (:mod:`builder.gputime`): every contender is warmed up and calibrated, then each of
 ``--rounds`` rounds runs all of them in a seeded shuffled order (``--order alternate``: forward,
@@ -33,6 +36,7 @@ unless said: ``d128`` B4 H32 N4096 D128; ``d64`` B4 H32 N4096 D64; ``n1024`` B16
     python bench/attention.py --images DIR --json out.json        # the acceptance grid, estimated 4-5 min
     python bench/attention.py --images DIR --shapes d128 --rounds 8
     python bench/attention.py --images DIR --n 4096 --d 128 --dtype bf16 --causal 1 --no-jit
+    python bench/attention.py --images NEW --baseline OLD --n 1024 4096 16384 --d 64 128 --causal 1 --no-jit
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ CONTENDERS = {
     "ours fwd": 1.0, "ours bwd": 2.5, "ours fwd+bwd": 3.5, "portable fwd": 1.0, "jit fwd": 1.0, "jit bwd": 2.5,
     "cudnn-inf fwd": 1.0, "cudnn-train fwd": 1.0, "cudnn-train bwd": 2.5, "cudnn-train fwd+bwd": 3.5,
     "fa2-inf fwd": 1.0, "fa2-train fwd": 1.0, "fa2-train bwd": 2.5, "fa2-train fwd+bwd": 3.5,
+    "base fwd": 1.0, "base bwd": 2.5,
 }
 #: ratio name -> (ours, other).
 RATIOS = {
@@ -75,6 +80,7 @@ RATIOS = {
     "fwd/jit": ("ours fwd", "jit fwd"), "bwd/jit": ("ours bwd", "jit bwd"),
     "fwd/fa2": ("ours fwd", "fa2-inf fwd"), "bwd/fa2": ("ours bwd", "fa2-train bwd"),
     "fwd/portable": ("ours fwd", "portable fwd"),
+    "fwd/base": ("ours fwd", "base fwd"), "bwd/base": ("ours bwd", "base bwd"),
 }
 
 
@@ -243,8 +249,9 @@ def tflops(flops: float, ms: float | None) -> float | None:
     return None if not ms else flops / (ms * 1e-3) / 1e12
 
 
-def run(p: Problem, lib: Any, jit: Any, args: argparse.Namespace) -> dict:
-    """One shape: every contender in ``args.rounds`` rounds of changing order (see the module docs)."""
+def run(p: Problem, lib: Any, jit: Any, args: argparse.Namespace, base: Any = None) -> dict:
+    """One shape: every contender in ``args.rounds`` rounds of changing order (see the module docs);
+    ``base``: the ``--baseline`` library, or None."""
     causal = {"causal": p.causal}
     try:  # which variants and configs run, and whether a tuning rule chose them
         explained = [str(op.explain(dtype=p.dtype, head_dim=p.D, seqlen_q=p.N, causal=p.causal, backward=b,
@@ -269,6 +276,11 @@ def run(p: Problem, lib: Any, jit: Any, args: argparse.Namespace) -> dict:
             fns.update(operator_contenders(p, jit, "jit", args.deterministic))
         except Exception as exc:  # noqa: BLE001 - e.g. a kernel the JIT cannot launch; the others still run
             row["errors"]["jit"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if base is not None:
+        try:
+            fns.update(operator_contenders(p, base, "base", args.deterministic))
+        except Exception as exc:  # noqa: BLE001 - e.g. the baseline lacks a kernel; the others still run
+            row["errors"]["base"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     for backend, name in (("cudnn", "cudnn"), ("flash", "fa2")):
         got, err = sdpa_contenders(p, backend, name)
         if err:
@@ -308,14 +320,15 @@ def print_tables(rows: list[dict]) -> None:
             text = f"{s['tflops']:.0f} ({spread:.1f})" if s else "-"
             cells.append(f"{text:>{width}}")
         print(f"{r['shape']:<32}" + "".join(cells))
-    head = f"{'shape':<32}" + "".join(f"{k:>16}" for k in RATIOS)
+    shown = [k for k in RATIOS if any(k in r["ratios"] for r in rows)] or list(RATIOS)
+    head = f"{'shape':<32}" + "".join(f"{k:>16}" for k in shown)
     print("\nSpeed ratios, ours / other (> 1: ours is faster)\n" + head + "\n" + "-" * len(head))
     for r in rows:
         print(f"{r['shape']:<32}" + "".join(f"{r['ratios'][k]:>16.2f}" if k in r["ratios"] else f"{'-':>16}"
-                                             for k in RATIOS))
+                                             for k in shown))
     print("ours: AOT images through the operator; jit: the same calls on the Triton JIT with the AOT variant's "
           "config; cud-inf / fa2-inf: inputs without grad; -tr: inputs with grad (fwd alone, bwd alone, f+b); "
-          "fa2: torch SDPA's FlashAttention-2 backend.")
+          "fa2: torch SDPA's FlashAttention-2 backend; base: the operator on the --baseline images.")
 
 
 def problems(args: argparse.Namespace) -> list[tuple[int, int, int, int, bool, str]]:
@@ -338,6 +351,8 @@ def problems(args: argparse.Namespace) -> list[tuple[int, int, int, int, bool, s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--images", default=None, help="image folder (default: the default search)")
+    ap.add_argument("--baseline", default=None, help="a second image folder timed as 'base' in the same rounds "
+                    "(e.g. the kernels before a change; ratios fwd/base, bwd/base)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)} (default: all)")
     ap.add_argument("--n", type=int, nargs="*", default=None, help="own grid: sequence lengths (replaces --shapes)")
     ap.add_argument("--d", type=int, nargs="*", default=None, help="own grid: head dims (replaces --shapes)")
@@ -360,11 +375,12 @@ def main() -> None:
 
     shapes = problems(args)
     lib = aotriton_rt.Library(args.images) if args.images else aotriton_rt.default_library()
+    base = aotriton_rt.Library(args.baseline) if args.baseline else None
     import triton
 
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
           f"images {lib.found.folders}, {len(shapes)} shapes, {args.rounds} rounds, order {args.order} "
-          f"(seed {args.seed})", flush=True)
+          f"(seed {args.seed})" + (f", baseline {base.found.folders}" if base else ""), flush=True)
     jit = None
     if not args.no_jit:
         # Device-side tensor descriptors (the TMA configs) need Triton's global scratch allocator.
@@ -388,13 +404,14 @@ def main() -> None:
                                "triton": triton.__version__, "rounds": args.rounds, "order": args.order,
                                "seed": args.seed, "flush_l2": args.flush_l2, "images": [str(f) for f in
                                                                                         lib.found.folders],
+                               "baseline": [str(f) for f in base.found.folders] if base else None,
                                "rows": []}
     outputs = [Path(args.json)] if args.json else []
     if os.environ.get("OUT"):
         outputs.append(Path(os.environ["OUT"], "bench-attention.json"))
     for shape in shapes:
         p = Problem(*shape)
-        row = run(p, lib, jit, args)
+        row = run(p, lib, jit, args, base)
         results["rows"].append(row)
         print(f"{row['shape']}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items())
               + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)

@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import CatalogError, ImageMismatch
 from .schema import Image
 
-#: xz decoder memory cap: the builder's preset (9e) needs a 64 MiB dictionary.
+#: xz decoder memory cap: the builder's preset (9) needs at most a 64 MiB dictionary (it cuts it to the image).
 XZ_MEMLIMIT = 256 << 20
 _CHUNK = 1 << 20
 

@@ -44,6 +44,13 @@ def test_ratios_are_speed_ratios_against_cudnn_inference_training_and_the_jit(be
     assert got == {"fwd/cudnn-inf": 0.8, "fwd/cudnn-train": 0.9, "bwd/cudnn": 0.8, "fwd/jit": 1.0}
 
 
+def test_a_baseline_folder_is_timed_as_base_and_ratioed_against_ours(bench) -> None:
+    # --baseline: the same operator calls on other images (e.g. the kernels before a change).
+    got = bench.ratios({"ours fwd": 2.0, "base fwd": 2.2, "ours bwd": 5.0, "base bwd": 4.5})
+    assert got == pytest.approx({"fwd/base": 1.1, "bwd/base": 0.9})
+    assert bench.CONTENDERS["base bwd"] == bench.CONTENDERS["ours bwd"]
+
+
 def test_the_tables_show_medians_spread_and_ratios(bench, capsys) -> None:
     row = {"shape": "fp16 B4 H32 N4096 D128 full", "ratios": {"fwd/cudnn-inf": 0.83},
            "contenders": {"ours fwd": {"tflops": 500.0, "median_ms": 2.0, "min_ms": 1.9, "max_ms": 2.1}}}
