@@ -154,6 +154,13 @@ def _partial(PartO, PartL, base, s, rows_total, num_splits, row_ok, row_mask, of
 
 
 @triton.jit
+def _gpu_fence(x):
+    """``fence.acq_rel.gpu`` in every thread that holds an element of ``x`` (PTX: CUDA only)."""
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x.to(tl.int32)],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _merge_splits(PartO, PartL, base, rows_total, num_splits, row_ok, row_mask, offs_d,
                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """(out, lse) of the tile's rows from the num_splits partials at ``base + s * rows_total``:
@@ -215,6 +222,7 @@ def attn_decode(
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_new, capacity, num_pages, page_size, num_splits,
     sm_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GPU_FENCE: tl.constexpr = 0,
 ):
     """Split-KV attention of seqlen_q query rows per sequence against its KV cache.
 
@@ -304,15 +312,21 @@ def attn_decode(
         tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask)
         tl.store(PartL + part, lse, mask=row_ok)
         if Counters.to(tl.int64) != 0:
-            # The last split of this tile to finish merges (no combine launch). Every thread's
-            # partial stores are ordered before the counter's release by the barrier; the
-            # acquire orders the merge's loads after every other split's release.
+            # The last split of this tile to finish merges (no combine launch). Every thread
+            # fences its own partial stores at GPU scope (GPU_FENCE, CUDA), then the barrier and
+            # the counter's release; after the acquire every thread fences again before the
+            # merge's loads. A release by one thread after a barrier alone left the merger reading
+            # the previous launch's partials in CUDA-graph replays on the H200.
+            if GPU_FENCE:
+                _gpu_fence(rows)
             tl.debug_barrier()
             # Tiles per (sequence, KV head) = grid x, computed (tl.num_programs makes the AMD
             # backend emit the implicit hidden kernel arguments, which the catalog layout lacks).
             slot = Counters + pid_bk.to(tl.int64) * tl.cdiv(rows_total, BLOCK_M) + pid_m
             done = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
             if done == num_splits - 1:
+                if GPU_FENCE:
+                    _gpu_fence(rows)
                 tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")  # zero for the next launch
                 out, lse = _merge_splits(PartO, PartL, base, rows_total, num_splits, row_ok, row_mask, offs_d,
                                          HEAD_DIM, BLOCK_M, BLOCK_D)
@@ -440,9 +454,10 @@ def in_decode_gputest_set(spec: dict, target: object) -> bool:
     return in_decode_default_set(spec, target) or (spec["dtype"], spec["HEAD_DIM"]) in GPUTEST
 
 
-def _cfg(bm: int, bn: int, warps: int, stages: int, options: dict | None = None) -> ConfigDecl:
-    return ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages,
-                  options=options or {})
+def _cfg(bm: int, bn: int, warps: int, stages: int, options: dict | None = None, fence: int = 1) -> ConfigDecl:
+    # GPU_FENCE: the fused merge's per-thread PTX fences (CUDA configs; HIP has no PTX).
+    return ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "GPU_FENCE": fence}, num_warps=warps,
+                      num_stages=stages, options=options or {})
 
 
 def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
@@ -458,12 +473,13 @@ def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """
     d = next_power_of_2(spec["HEAD_DIM"])
     if spec["dtype"] == "fp32":
-        return (_cfg(16, 32, 4, _stages(2, spec, target) if target.backend == "cuda" else 1),)
+        return (_cfg(16, 32, 4, _stages(2, spec, target) if target.backend == "cuda" else 1,
+                     fence=int(target.backend == "cuda")),)
     if target.backend == "hip":
         opts = {"waves_per_eu": 2}
         if target.arch.startswith("gfx9"):
             opts["matrix_instr_nonkdim"] = 16
-        return (_cfg(16, 64 if d <= 128 else 32, 4, 1, opts),)
+        return (_cfg(16, 64 if d <= 128 else 32, 4, 1, opts, fence=0),)
     bn = 64 if d <= 128 else 32
     # K and V tiles per stage: 2 * bn * d * 2 bytes. Config 0 keeps two programs per SM (one's
     # softmax and dots overlap the other's loads); the others trade that for more bytes in flight.

@@ -89,6 +89,8 @@ class _Handle:
                            if t == "constexpr"}
         if "BLOCK_N" in self.constexprs:
             self.constexprs["BLOCK_N"] = BLOCK_N[0]  # 16 by default: short sequences span several blocks
+        if "GPU_FENCE" in self.constexprs:
+            self.constexprs["GPU_FENCE"] = 0  # PTX fences: the interpreter runs programs one at a time
         self.signature = _resolve_signature(decl, spec)
         self.divisibility = _divisibility(decl, self.signature)
         self.arg_names = [n for n, t in self.signature.items() if t != "constexpr"]
