@@ -478,19 +478,22 @@ def attn_fwd(
 
     if PAIRED:
         last = tl.cdiv(len_q, BLOCK_M) - 1 - pid_m
-        # A loop over the program's tiles (pid_m, then last), not two inlined copies: nothing is
-        # live from one tile to the next but the head's bases, and one copy halves the kernel's
-        # compile time (docs/performance.md). Out is stored plainly: inside a loop Triton keeps a
-        # TMA store buffer apart from the K/V ring (sm90 4-warp tile: 131 KB of shared memory
-        # instead of 98 KB, one program per SM instead of two).
-        tiles = (pid_m <= last).to(tl.int32) + (pid_m < last).to(tl.int32)
-        for t in range(0, tiles):
-            _fwd_tile(
-                pid_m + t * (last - pid_m), Q_head, O_head, L_head, K_base, V_base, B_base, DM_base,
-                k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
-                len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
-                bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-                BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, False)
+        # Two inlined tiles rather than a loop: nothing is live from one to the other but the
+        # head's bases, and each tile's TMA store buffer can share memory with its K/V ring.
+        for t in tl.static_range(2):
+            if t == 0:
+                tile = pid_m
+                run = pid_m <= last
+            else:
+                tile = last
+                run = pid_m < last
+            if run:
+                _fwd_tile(
+                    tile, Q_head, O_head, L_head, K_base, V_base, B_base, DM_base,
+                    k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
+                    len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
+                    bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
+                    BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, True)
     else:
         _fwd_tile(
             pid_m, Q_head, O_head, L_head, K_base, V_base, B_base, DM_base,
