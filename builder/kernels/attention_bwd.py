@@ -562,18 +562,32 @@ _SM90_DQ_SWEEP = {
 }
 
 
-def _with_sweep(first: ConfigDecl, sweep: dict, spec: dict, target: object) -> tuple[ConfigDecl, ...]:
-    """``first``, then the sm90 sweep's alternates for ``bwdsweep`` specs (none elsewhere)."""
+#: The sweep's winners on the H200 (bench/sm90_bwd.py, B4 H32 N4096, fp16 and bf16, no mask and
+#: causal; docs/performance.md), launched first for the ``bwdsweep`` specs: dK/dV at D=128 with
+#: q/dO through TMA (64x128, 8 warps, 2 stages), dQ with k/v through TMA (D=128: 128x64, 8 warps;
+#: D=64: 4 warps). The previous first config follows as an alternate. D=64 dK/dV keeps its own.
+_SM90_PROMOTED = {("dkdv", 128): (64, 128, 8, 2, None, 1), ("dq", 128): (128, 64, 8, 3, None, 1),
+                  ("dq", 64): (128, 64, 4, 3, None, 1)}
+
+
+def _with_sweep(first: ConfigDecl, sweep: dict, spec: dict, target: object, kernel: str) -> tuple[ConfigDecl, ...]:
+    """For ``bwdsweep`` specs: the promoted winner (if any) first, then ``first`` and the rest of
+    the sm90 sweep's alternates; elsewhere ``first`` alone."""
     if not in_bwd_sweep_set(spec, target):
         return (first,)
-    return (first,) + tuple(_bwd_config(target, *c) for c in sweep[block_d(spec)])
+    d = block_d(spec)
+    winner = _SM90_PROMOTED.get((kernel, d))
+    rest = tuple(_bwd_config(target, *c) for c in sweep[d] if c != winner)
+    if winner is None:
+        return (first,) + rest
+    return (_bwd_config(target, *winner), first) + rest
 
 
 def dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """dK/dV: BLOCK_N keys stay resident (k, v, dk, dv), BLOCK_M queries stream through.
 
     Index 0 is what the operator launches without a tuning rule; on sm90 the ``bwdsweep`` specs
-    add ``_SM90_DKDV_SWEEP``'s alternates after it."""
+    launch ``_SM90_PROMOTED``'s winner first (D=128) and list ``_SM90_DKDV_SWEEP``'s alternates."""
     d = block_d(spec)
     if spec["dtype"] == "fp32":
         return (_bwd_config(target, 16, 32, 4, 1 if d > 64 else 2),)
@@ -584,7 +598,7 @@ def dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
             first = _bwd_config(target, 64, 128, 8, 2)
         else:
             return (_bwd_config(target, 32, 64, 8, 2 if target.arch == "sm90" else 1),)
-        return _with_sweep(first, _SM90_DKDV_SWEEP, spec, target)
+        return _with_sweep(first, _SM90_DKDV_SWEEP, spec, target, "dkdv")
     if target.arch.startswith("gfx1") or d > 128:
         return (_bwd_config(target, 32, 32, 4, 1),)
     return (_bwd_config(target, 32, 64, 4, 1),)
@@ -594,14 +608,14 @@ def dq_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """dQ: BLOCK_M queries stay resident (q, dO, dq), BLOCK_N keys stream through.
 
     Index 0 is what the operator launches without a tuning rule; on sm90 the ``bwdsweep`` specs
-    add ``_SM90_DQ_SWEEP``'s alternates after it."""
+    launch ``_SM90_PROMOTED``'s winner first and list ``_SM90_DQ_SWEEP``'s alternates."""
     d = block_d(spec)
     if spec["dtype"] == "fp32":
         return (_bwd_config(target, 32, 16, 4, 1 if d > 64 else 2),)
     if target.backend == "cuda":
         if d <= 128:
             return _with_sweep(_bwd_config(target, 128, 64, 8, 3 if target.arch == "sm90" else 2),
-                               _SM90_DQ_SWEEP, spec, target)
+                               _SM90_DQ_SWEEP, spec, target, "dq")
         return (_bwd_config(target, 64, 32, 8, 2 if target.arch == "sm90" else 1),)
     if target.arch.startswith("gfx1") or d > 128:
         return (_bwd_config(target, 32, 32, 4, 1),)

@@ -241,5 +241,6 @@ def test_nested_forced_views_send_each_backward_kernel_to_its_own_config(tmp_pat
     # The bench's candidates: every dK/dV and dQ config of the shapes asked, labelled by kernel and index.
     cands = sm90_bwd.candidates_of(lib, [("fp16", 128, 0, 1, 1, 512)])
     assert [c["label"] for c in cands] == ["dkdv#0", "dkdv#1", "dkdv#2", "dq#0", "dq#1", "dq#2"]
-    assert cands[1]["tile"] == "32x128 w8s3 USE_TMA=1"
+    # The H200 winner first (_SM90_PROMOTED), then the previous first config as an alternate.
+    assert (cands[0]["tile"], cands[1]["tile"]) == ("64x128 w8s2 USE_TMA=1", "64x128 w8s2 USE_TMA=0")
     assert sm90_bwd.candidates_of(lib, [("bf16", 128, 0, 1, 1, 512)]) == []
