@@ -45,6 +45,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.children import read_lines, run_child  # noqa: E402
+
 # The builder's ABI proof reads ELF with pyelftools; a machine without it can carry the wheel (a
 # pure-Python wheel imports straight from its zip).
 for _whl in sorted((ROOT / ".whl").glob("pyelftools-*.whl")):
@@ -380,19 +383,10 @@ def child_time(folders: dict, keys: list[str], shapes: tuple, rounds: int, launc
 
 def _run_child(argv: list[str], timeout: float) -> str | None:
     """Run this script as a child; None if it finished, else why not."""
-    import subprocess
-
-    try:
-        proc = subprocess.run([sys.executable, __file__, *argv], timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return f"timed out after {timeout:.0f} s"
-    return None if proc.returncode == 0 else f"exit status {proc.returncode}"
+    return run_child(__file__, argv, timeout)
 
 
-def _read_lines(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+_read_lines = read_lines
 
 
 def run_checks(folders: dict, timeout: float, work: Path) -> list[dict]:
