@@ -35,7 +35,7 @@ def test_a_combine_contender_keeps_the_images_configs_and_splits(bench) -> None:
     assert split_rule(rules, "sm90", batch_heads=512) == (SplitRule(combine="separate"), 2)
     assert split_rule(rules, "sm90", batch_heads=8) == (SplitRule(combine="separate"), 0)
     assert split_rule(rules, "gfx942")[0].combine == "separate"  # past the images' own rules
-    assert split_rule(images, "sm90", batch_heads=8)[0].combine == "fused"  # the default contender
+    assert split_rule(images, "sm90", batch_heads=8)[0].combine == "separate"  # the default contender
     assert [t for t, _ in bench._variants(_args(config=[0, 2], combine=["fused", "separate"]), None)] == \
         ["#0", "#2", "~fused", "~separate"]
 

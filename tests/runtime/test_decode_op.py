@@ -223,9 +223,8 @@ def run_case(name: str, case: dict) -> dict:
     LAUNCHES.clear()
     BLOCK_N[0] = c.get("block_n", 16)
     lib = _Library()
-    combine = c.get("combine", "fused")
-    if combine != "fused":
-        op._kernels_of(lib).rules = [{"combine": combine}]
+    combine = c.get("combine", "fused")  # the opt-in fused merge unless the case says otherwise
+    op._kernels_of(lib).rules = [{"combine": combine}]
     out, lse = op.decode_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, k_new=k_new,
                                    v_new=v_new, causal=c["causal"], window=c["window"], num_splits=c["splits"],
                                    cache_layout=c["cache_layout"], check=True, library=lib)
@@ -489,9 +488,9 @@ def test_catalog_split_rules_override_the_default_per_arch() -> None:
 
 
 def test_a_catalog_rule_picks_how_split_partials_are_merged() -> None:
-    assert split_rule(None, "sm90")[0].combine == "fused"
-    assert split_rule([{"arch": "sm90", "combine": "separate"}], "sm90")[0].combine == "separate"
-    assert split_rule([{"arch": "sm90", "combine": "separate"}], "sm80")[0].combine == "fused"
+    assert split_rule(None, "sm90")[0].combine == "separate"  # fused is opt-in (experimental)
+    assert split_rule([{"arch": "sm90", "combine": "fused"}], "sm90")[0].combine == "fused"
+    assert split_rule([{"arch": "sm90", "combine": "fused"}], "sm80")[0].combine == "separate"
     with pytest.raises(CatalogError, match=r"\[0\]\.combine must be one of fused, separate, got 'atomic'"):
         split_rule([{"combine": "atomic"}], "sm90")
 
@@ -676,8 +675,8 @@ def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_ar
         return handle
 
     monkeypatch.setattr(lib, "kernel", kernel)
-    if combine == "separate":
-        op._kernels_of(lib).rules = [{"combine": "separate"}]
+    # The fused merge is opt-in; old images are asked for it too (and must fall back).
+    op._kernels_of(lib).rules = [{"combine": "separate" if combine == "separate" else "fused"}]
     B, Hk, D = 2, 2, 64
     q = torch.randn(B, 1, 8, D).half()
     if paged:
