@@ -24,3 +24,14 @@ def read_lines(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_details(name: str, details: dict, log) -> None:
+    """Write a bench's details as ``$OUT/<name>`` when OUT is set, and say where."""
+    import os
+
+    out = os.environ.get("OUT")
+    if out:
+        path = Path(out) / name
+        path.write_text(json.dumps(details, indent=1, default=str))
+        log(f"details: {path}")

@@ -47,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import children  # noqa: E402
 from bench.children import read_lines, run_child  # noqa: E402
 
 # The builder's ABI proof reads ELF with pyelftools; a machine without it can carry the wheel.
@@ -541,11 +542,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_details(details: dict) -> None:
-    out = os.environ.get("OUT")
-    if out:
-        path = Path(out) / "sm90_bwd.json"
-        path.write_text(json.dumps(details, indent=1, default=str))
-        log(f"details: {path}")
+    children.write_details("sm90_bwd.json", details, log)
 
 
 if __name__ == "__main__":
