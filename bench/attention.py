@@ -58,7 +58,6 @@ import torch  # noqa: E402
 import aotriton_rt  # noqa: E402
 from aotriton_rt.arguments import compile_expr  # noqa: E402
 from aotriton_rt.ops import attention as op  # noqa: E402
-from aotriton_rt.tuning import KERNEL_RULES  # noqa: E402
 from builder.gputime import ORDERS, time_rounds  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "i8": torch.int8,
@@ -267,9 +266,9 @@ def run(p: Problem, lib: Any, jit: Any, args: argparse.Namespace, base: Any = No
     forward = op.attention_kernels(p.q, p.k, p.v, **causal, library=lib)["attn_fwd"].name
     row["fwd_kernel"] = forward
     if forward != "attn_fwd":  # an arch's own forward serves the call: time the portable one too
-        from builder.tune import TuningOverride
+        from builder.tune import forced_forward
 
-        portable = TuningOverride(lib, {KERNEL_RULES: [{"kernel": "attn_fwd"}]})
+        portable = forced_forward(lib, "attn_fwd")
         fns["portable fwd"] = operator_contenders(p, portable, "portable", args.deterministic)["portable fwd"]
     if jit is not None:
         try:

@@ -49,8 +49,7 @@ class TuningOverride:
     """A view of a :class:`aotriton_rt.Library` whose tuning table has ``rules`` (kernel name ->
     rule list) in place of the library's rules for those names (other kernels keep theirs):
     everything else (variants, images, driver) is the library's own, so calls through it launch
-    the library's images. E.g. ``TuningOverride(lib, {"attn_fwd_kernel": [{"kernel": "attn_fwd"}]})``
-    runs the portable forward where the sm90 one would serve."""
+    the library's images (see :func:`forced_forward`)."""
 
     def __init__(self, lib: Any, rules: dict[str, list]) -> None:
         self._lib = lib
@@ -62,6 +61,13 @@ class TuningOverride:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._lib, name)
+
+
+def forced_forward(lib: Any, kernel: str) -> TuningOverride:
+    """A view of ``lib`` whose attention forwards run ``kernel`` (one of :data:`FORWARDS`) wherever
+    the images hold it for the call's spec, e.g. ``forced_forward(lib, "attn_fwd")`` for the
+    portable forward where the sm90 one would serve."""
+    return TuningOverride(lib, {KERNEL_RULES: [{"kernel": kernel}]})
 
 
 class ForcedConfig(TuningOverride):
@@ -154,7 +160,7 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
         launched = {}
         # Every forward kernel that could serve the call (the portable one and the arch's own), then
         # the backward.
-        asks = [(False, TuningOverride(lib, {KERNEL_RULES: [{"kernel": f}]})) for f in FORWARDS] + [(True, lib)]
+        asks = [(False, forced_forward(lib, f)) for f in FORWARDS] + [(True, lib)]
         for backward, view in asks:
             try:
                 picks = explain(dtype=dtype, head_dim=d, seqlen_q=1024, causal=causal, backward=backward, arch=arch,

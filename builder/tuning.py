@@ -35,15 +35,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aotriton_rt.ops.attention.dispatch import ARCH_FORWARDS, FWD
+from aotriton_rt.tuning import KERNEL_RULES
+
 SCHEMA = "aotriton-rt-tuning"
 SCHEMA_VERSION = 1
 #: The length whose bins a kernel's rules are keyed on: the one that sizes its grid.
 LENGTH_AXIS = {"attn_fwd": "seqlen_q", "attn_fwd_sm90": "seqlen_q", "attn_bwd_dq": "seqlen_q",
                "attn_bwd_dkdv": "seqlen_k"}
-#: The rule list that picks the forward kernel (aotriton_rt.tuning.KERNEL_RULES), and per arch
-#: forward the portable kernel it stands in for.
-KERNEL_RULES = "attn_fwd_kernel"
-STANDS_IN_FOR = {"attn_fwd_sm90": "attn_fwd"}
+#: Per arch forward (the runtime's ``ARCH_FORWARDS``), the portable kernel it stands in for;
+#: their choices are rules under ``KERNEL_RULES``.
+STANDS_IN_FOR = {own: FWD for own in ARCH_FORWARDS.values()}
 #: Checked-in databases, one per arch: ``builder/tuning_db/<arch>.json``.
 CHECKED_IN = Path(__file__).resolve().parent / "tuning_db"
 DEFAULT_TOLERANCE = 0.01

@@ -312,11 +312,12 @@ def attn_decode(
         tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask)
         tl.store(PartL + part, lse, mask=row_ok)
         if Counters.to(tl.int64) != 0:
-            # The last split of this tile to finish merges (no combine launch). Every thread
-            # fences its own partial stores at GPU scope (GPU_FENCE, CUDA), then the barrier and
-            # the counter's release; after the acquire every thread fences again before the
-            # merge's loads. A release by one thread after a barrier alone left the merger reading
-            # the previous launch's partials in CUDA-graph replays on the H200.
+            # The last split of this tile to finish merges (no combine launch; opt-in and
+            # experimental). Every thread fences its own partial stores at GPU scope (GPU_FENCE,
+            # CUDA), then the barrier and the counter's release; after the acquire every thread
+            # fences again before the merge's loads (every writer fences, as in CUDA's last-block
+            # reduction). The fences did not mend the wrong outputs this path gives replayed from
+            # CUDA graphs on the H200 (docs/attention.md): the cause is still open.
             if GPU_FENCE:
                 _gpu_fence(rows)
             tl.debug_barrier()

@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from aotriton_rt.ops.decode import SplitRule, split_rule
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.benches import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
     pytest.importorskip("torch")
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "bench" / "decode.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("decode.py")
 
 
 def _args(**kw) -> argparse.Namespace:

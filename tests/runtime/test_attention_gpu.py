@@ -355,9 +355,9 @@ def test_attention_matches_the_fp32_reference_within_the_low_precision_error(lib
     if forward == "portable":
         if kernel.name == "attn_fwd":
             pytest.skip("the dispatched forward is the portable one already")
-        from builder.tune import TuningOverride
+        from builder.tune import forced_forward
 
-        lib = TuningOverride(lib, {"attn_fwd_kernel": [{"kernel": "attn_fwd"}]})
+        lib = forced_forward(lib, "attn_fwd")
     dtype = DTYPES[pl.dtype]
     summary = []
     if case.get("api") == "torch":

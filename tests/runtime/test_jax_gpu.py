@@ -148,10 +148,9 @@ def test_every_catalog_kernel_is_callable_under_jit(lib: Any, aj: Any) -> None:
             _attention_case(aj, lib, v.spec)  # and the backward kernels it implies
         elif v.kernel in _ARCH_FORWARDS:
             # The same calls on the arch's own forward (where the tuning rules might send them elsewhere).
-            from builder.tune import TuningOverride
+            from builder.tune import forced_forward
 
-            _attention_case(aj, TuningOverride(lib, {"attn_fwd_kernel": [{"kernel": v.kernel}]}), v.spec,
-                            expect_kernel=v.kernel)
+            _attention_case(aj, forced_forward(lib, v.kernel), v.spec, expect_kernel=v.kernel)
         elif v.kernel == "attn_decode":
             _decode_case(aj, lib, v.spec)  # with attn_decode_append and attn_decode_combine
         elif v.kernel not in _COVERED_BY_OTHERS:
