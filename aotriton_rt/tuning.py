@@ -43,7 +43,6 @@ MODE_RULES = "attn_bwd_mode"
 #: The table entry whose rules pick which forward kernel serves an attention call.
 KERNEL_RULES = "attn_fwd_kernel"
 _MODES = ("split", "atomic")
-_RULE_KEYS = {"arch", "spec", "seqlen_q", "seqlen_k", "config", "mode", "kernel", "source"}
 _MAX_SOURCE = 300
 _MAX_KERNELS = 1024
 _MAX_RULES = 4096

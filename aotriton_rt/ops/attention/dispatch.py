@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import KernelNotFound, UnsupportedError
-from ...tuning import KERNEL_RULES, MODE_RULES, Choice, select_config, select_kernel, select_mode, seqlen_bin
+from ...tuning import KERNEL_RULES, MODE_RULES, select_config, select_kernel, select_mode, seqlen_bin
 
 # Mirrors builder/kernels/attention.py (the runtime never imports the builder; a test keeps the
 # two equal): the head dims the kernels are compiled for, and the unequal q·k / v pairs.
@@ -281,9 +281,8 @@ def forward_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any]
     own = ARCH_FORWARDS.get(arch)
     if own not in candidates:
         return FWD, f"the portable forward ({arch} has no per-architecture forward for this spec here)"
-    rules = ks.tuning.get(KERNEL_RULES)
-    choice: Choice | None = select_kernel(rules, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
-                                          arch=arch) if rules else None
+    choice = select_kernel(ks.tuning.get(KERNEL_RULES), spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
+                           arch=arch)
     if choice is not None:
         name = choice.rule["kernel"]
         if name == FWD or name == own:
