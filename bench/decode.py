@@ -12,9 +12,12 @@ Kernel benchmark (default): one query row per sequence, bf16, D=128, 8 KV heads 
 - ``ours#i`` / ``p16#i``: with ``--config i ...`` (tuning config i forced, e.g. the sm90
   alternates: #1 128-key steps with 8 warps, #2 four stages) and ``--waves/--min-blocks``
   split-rule overrides; without ``#``: the runtime's own choice from the catalog's tuning rules.
-- ``ours~separate`` / ``p16~fused``: with ``--combine separate`` (or ``fused``), the split
-  partials merged by the separate ``attn_decode_combine`` launch (the previous default) or by
-  the decode kernel's last split (the default, one launch): both ways timed in the same run.
+- ``ours=1`` / ``p16=4``: with ``--splits 1 4``, the split count forced (``=1``: no split, no
+  combine launch) under the images' own config rule.
+
+Shapes: every ``--b`` with every ``--cache``, or exactly the ``--shapes BxS`` listed (e.g. the
+Llama decode shape and long single sequences together: ``--shapes 8x512 8x1024 1x2048``). Each
+contender's split count is reported next to its time (``/s``).
 
 Each contender is timed two ways: ``eager`` (back-to-back calls between CUDA events, so host
 cost counts where it exceeds the kernel's) and ``graph`` (the same calls captured in a CUDA
@@ -26,15 +29,16 @@ repeated per query head would be 64 GiB at B=64, 32k cache, GQA 8:1).
 
 ``--llama``: the issue's generation benchmark: a randomly initialised Llama-style model (16
 layers, hidden 2048, 16 query / 4 KV heads, head dim 128, bf16; no download) generating 128
-tokens for 8 sequences from 512-token prompts through transformers' attention interface, with
-``sdpa`` and with aotriton-rt (``aotriton_rt.integrations.transformers``), alternating; also a
-prefill forward and a training step (forward + backward) per implementation, and the attention
-share of decode steps from the profiler.
+tokens for 8 sequences from 512-token prompts through transformers' attention interface; see
+``llama`` for the contenders (aotriton-rt and SDPA under each of its backends) and the method.
 
     python bench/decode.py                                   # the kernel table
     python bench/decode.py --config 0 1 2 --b 8 64 --cache 8192
-    python bench/decode.py --b 1 8 64 --cache 2048 8192 32768 --gqa 4 --page 16 64 256 --combine separate
-    python bench/decode.py --llama --rounds 3
+    python bench/decode.py --b 1 8 64 --cache 2048 8192 32768 --gqa 4 --page 16 64 256
+    # the split rule at small caches (the Llama decode shape, B=1 long caches): rule vs none vs min_blocks
+    python bench/decode.py --shapes 8x512 8x768 8x1024 1x2048 1x8192 --hkv 4 --gqa 4 --page \
+        --splits 1 --config 0 --min-blocks 1 2 8 --rounds 9
+    python bench/decode.py --llama --rounds 5
 Images: AOTRITON_RT_IMAGES (or the default library). Writes JSON under $OUT when set.
 """
 
@@ -98,8 +102,6 @@ class Graphed:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        # Captured on the warm-up stream: the fused combine's counters are made (zeroed) per
-        # stream outside a capture, so the capture finds them there.
         with torch.cuda.graph(self.graph, stream=stream):
             for _ in range(calls):
                 fn()
@@ -121,11 +123,11 @@ def _stats(values: list[float]) -> dict:
             "runs": [v * 1e3 for v in values]}
 
 
-def _variants(args: argparse.Namespace, default_rules: Any) -> list[tuple[str, list]]:
-    """(tag, tuning rules) of the forced contenders: each ``--config`` with each ``--min-blocks``
-    (tag ``#2`` or ``#0mb1``) and the ``--waves`` override; each ``--combine`` mode (tag
-    ``~separate``) with the images' own rules otherwise (their configs and splits)."""
-    out = []
+def _variants(args: argparse.Namespace, default_rules: Any) -> list[tuple[str, Any, int | None]]:
+    """(tag, tuning rules, forced split count or None) of the forced contenders: each
+    ``--config`` with each ``--min-blocks`` (tag ``#2`` or ``#0mb1``) and the ``--waves``
+    override; each ``--splits`` count (tag ``=1``) under the images' own rules."""
+    out: list[tuple[str, Any, int | None]] = []
     for config in args.config:
         for mb in args.min_blocks or [None]:
             splits = {}
@@ -134,10 +136,31 @@ def _variants(args: argparse.Namespace, default_rules: Any) -> list[tuple[str, l
             if mb is not None:
                 splits["min_blocks"] = mb
             tag = f"#{config}" + (f"mb{mb}" if mb is not None else "") + (f"w{args.waves}" if args.waves else "")
-            out.append((tag, [{"config": config, **({"splits": splits} if splits else {})}]))
-    for mode in args.combine:
-        out.append((f"~{mode}", [{**r, "combine": mode} for r in default_rules or []] + [{"combine": mode}]))
+            out.append((tag, [{"config": config, **({"splits": splits} if splits else {})}], None))
+    for n in args.splits:
+        out.append((f"={n}", default_rules, n))
     return out
+
+
+def shapes_of(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(batch, cache length) pairs: ``--shapes BxS ...`` as listed, else every --b with every --cache."""
+    if not args.shapes:
+        return [(b, s) for b in args.b for s in args.cache]
+    out = []
+    for item in args.shapes:
+        b, sep, s = item.lower().partition("x")
+        if not (sep and b.isdigit() and s.isdigit() and int(b) > 0 and int(s) > 0):
+            raise SystemExit(f"--shapes: {item!r} is not BxS (e.g. 8x512)")
+        out.append((int(b), int(s)))
+    return out
+
+
+def splits_used(fn: Any) -> int | None:
+    """The split count of the launch plan that ``fn()`` (one decode call) makes."""
+    dec._LAUNCHES.clear()
+    fn()
+    plans = list(dec._LAUNCHES.values())
+    return plans[-1].num_splits if plans else None
 
 
 def _checked_sequences(batch: int, most: int = 4) -> list[int]:
@@ -168,12 +191,11 @@ def _max_error(out: Any, ref: Any, checked: list[int]) -> float:
 def kernel_table(args: argparse.Namespace, lib: Any) -> list[dict]:
     rows = []
     default_rules = dec._kernels_of(lib).rules
-    for B in args.b:
-        for S in args.cache:
-            for ratio in args.gqa:
-                rows.append(one_shape(args, lib, B, S, ratio, default_rules))
-                _print_row(rows[-1])
-                torch.cuda.empty_cache()
+    for B, S in shapes_of(args):
+        for ratio in args.gqa:
+            rows.append(one_shape(args, lib, B, S, ratio, default_rules))
+            _print_row(rows[-1])
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -222,17 +244,20 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
             continue
         contenders[f"sdpa:{be}"] = sdpa
     # "ours" / "p<page>": the runtime's own choice (the catalog's tuning rules); "#i": config i forced.
-    variants = [("", default_rules), *_variants(args, default_rules)]
-    for tag, rules in variants:
-        def ours(rules: Any = rules) -> Any:
+    variants = [("", default_rules, None), *_variants(args, default_rules)]
+    splits: dict[str, int | None] = {}
+    for tag, rules, forced in variants:
+        def ours(rules: Any = rules, forced: int | None = forced) -> Any:
             ks.rules = rules
-            return dec.decode_attention(q, kc, vc, causal=True, library=lib)[0]
+            return dec.decode_attention(q, kc, vc, causal=True, num_splits=forced, library=lib)[0]
 
         todo = [(f"ours{tag}", ours)]
         for page, (kp, vp, table) in paged_caches.items():
-            def paged(rules: Any = rules, kp: Any = kp, vp: Any = vp, table: Any = table) -> Any:
+            def paged(rules: Any = rules, forced: int | None = forced, kp: Any = kp, vp: Any = vp,
+                      table: Any = table) -> Any:
                 ks.rules = rules
-                return dec.decode_attention(q, kp, vp, block_table=table, causal=True, library=lib)[0]
+                return dec.decode_attention(q, kp, vp, block_table=table, causal=True, num_splits=forced,
+                                            library=lib)[0]
             todo.append((f"p{page}{tag}", paged))
         for name, fn in todo:
             err = _max_error(fn(), ref, checked)
@@ -240,6 +265,7 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
                 print(f"  {name} B={B} S={S} gqa={ratio}: wrong (max error {err:.3g}); skipped")
                 continue
             contenders[name] = fn
+            splits[name] = splits_used(fn)
     graphs = {}
     for name, fn in contenders.items():
         try:
@@ -257,7 +283,7 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
                 graph[name].append(graphs[name].ms())
     kv_bytes = 2 * B * S * Hkv * D * 2
     row = {"B": B, "cache": S, "gqa": ratio, "Hq": Hq, "Hkv": Hkv, "D": D, "pages": list(paged_caches),
-           "kv_bytes": kv_bytes, "eager": {n: _stats(v) for n, v in eager.items()},
+           "kv_bytes": kv_bytes, "splits": splits, "eager": {n: _stats(v) for n, v in eager.items()},
            "graph": {n: _stats(v) for n, v in graph.items() if v}}
     for mode in ("eager", "graph"):
         sd = {n: s["median_us"] for n, s in row[mode].items() if n.startswith("sdpa")}
@@ -281,7 +307,9 @@ def _print_row(row: dict) -> None:
         for n, s in sorted(stats.items(), key=lambda kv: (not kv[0].startswith("sdpa"), kv[0])):
             if n.startswith("sdpa") and n != best:
                 continue
-            extra = f" x{s.get('vs_sdpa', 0):.2f} {s.get('bw_pct', 0):.0f}%bw" if not n.startswith("sdpa") else ""
+            used = row.get("splits", {}).get(n)
+            extra = (f" x{s.get('vs_sdpa', 0):.2f} {s.get('bw_pct', 0):.0f}%bw" + (f" /{used}s" if used else "")
+                     if not n.startswith("sdpa") else "")
             parts.append(f"{n} {s['median_us']:.1f}us±{s['spread'] * 100:.0f}%{extra}")
         print(f"{head} [{mode}] " + " | ".join(parts), flush=True)
 
@@ -314,15 +342,20 @@ def summary(rows: list[dict]) -> None:
             else:
                 line += f" | {'-':>8} {'-':>5} {'-':>4} {'-':>5}"
         print(line + f" | {e.get('ours', {}).get('vs_sdpa', nan):>7.2f}")
-    extra = sorted({n for r in rows for n in r.get("graph", {}) if "#" in n or "~" in n})
+    extra = sorted({n for r in rows for n in r.get("graph", {}) if "#" in n or "=" in n})
     if extra:
-        print("forced contenders: x vs SDPA's best [the default contender's time / this one's: < 1 = the default "
-              "is faster]")
+        print("forced contenders: B/cache/gqa x vs SDPA's best [the default contender's time / this one's: < 1 = the "
+              "default is faster] (split counts: default/this)")
     for n in extra:
-        base = n.split("#")[0].split("~")[0]
-        vals = [f"{r['B']}/{r['cache']}/{r['gqa']}:1 x{r['graph'][n]['vs_sdpa']:.2f}"
-                + (f" [{r['graph'][base]['median_us'] / r['graph'][n]['median_us']:.2f}]" if base in r['graph'] else "")
-                for r in rows if n in r.get("graph", {}) and "vs_sdpa" in r["graph"][n]]
+        base = n.split("#")[0].split("=")[0]
+        vals = []
+        for r in rows:
+            g, used = r.get("graph", {}), r.get("splits", {})
+            if n not in g or "vs_sdpa" not in g[n]:
+                continue
+            vals.append(f"{r['B']}/{r['cache']}/{r['gqa']}:1 x{g[n]['vs_sdpa']:.2f}"
+                        + (f" [{g[base]['median_us'] / g[n]['median_us']:.2f}]" if base in g else "")
+                        + (f" ({used.get(base)}/{used.get(n)})" if used.get(n) else ""))
         print(f"{n}: " + ", ".join(vals))
 
 
@@ -330,7 +363,39 @@ def summary(rows: list[dict]) -> None:
 # The issue's Llama-style generation benchmark.
 # ------------------------------------------------------------------------------------------------
 
+#: SDPA contenders of the generation benchmark: torch's own backend choice ("default") and each
+#: backend forced (``sdpa_kernel``); one that refuses a call of the model is dropped, with why.
+LLAMA_SDPA = ("default", "flash", "cudnn", "efficient")
+LLAMA_PROMPT, LLAMA_NEW, LLAMA_BATCH = 512, 128, 8
+
+
+def _sdpa_context(backend: str | None) -> Any:
+    """``sdpa_kernel(backend)`` for a forced SDPA backend; a no-op context otherwise."""
+    import contextlib
+
+    if backend in (None, "default"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(_sdpa_backend(backend))
+
+
 def llama(args: argparse.Namespace, lib: Any) -> dict:
+    """The issue's generation benchmark, per contender: ``generate`` wall time (128 greedy tokens
+    for 8 x 512-token prompts), a prefill forward, a training step (forward + backward), and per
+    decode step the host wall time, the GPU time and the attention kernels' GPU time (profiled).
+
+    Contenders: ``aotriton`` (``aotriton_rt.integrations.transformers``) and ``sdpa:<backend>``
+    for torch's own choice (``sdpa:default``, what ``attn_implementation="sdpa"`` runs) and each
+    SDPA backend forced. Method: every contender is warmed up by a full-length ``generate`` (every
+    cache length the timed runs see: shape-keyed plan caches, e.g. cuDNN's, are as warm as they
+    get; the cold time is reported), a prefill and a training step; rounds run the contenders
+    in a shuffled order; medians and spread (max-min)/median; ``generate`` never compiles
+    (``disable_compile``) and every contender gets transformers' default cache class (checked:
+    the class each ``generate`` returned is reported). The earlier version warmed up with 8
+    tokens, so the first timed ``generate`` of each contender met 120 cache lengths it had not
+    seen, and timed only SDPA's default backend.
+    """
     import transformers
 
     import aotriton_rt.integrations.transformers as hf
@@ -343,77 +408,157 @@ def llama(args: argparse.Namespace, lib: Any) -> dict:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
     gen = torch.Generator(device="cuda").manual_seed(1)
-    prompt = torch.randint(3, 32000, (8, 512), device="cuda", generator=gen)
+    prompt = torch.randint(3, 32000, (LLAMA_BATCH, LLAMA_PROMPT), device="cuda", generator=gen)
     mask = torch.ones_like(prompt)
-    kw = {"max_new_tokens": 128, "min_new_tokens": 128, "do_sample": False, "attention_mask": mask,
-          "pad_token_id": 0, "eos_token_id": None}
-    impls = ["sdpa", name]
-    times: dict[str, dict[str, list]] = {i: {"generate": [], "prefill": [], "train_step": []} for i in impls}
-    outputs = {}
-    for impl in impls:  # warm up (and compile nothing: aotriton is ahead of time)
-        model.set_attn_implementation(impl)
-        with torch.no_grad():
-            outputs[impl] = model.generate(prompt, **{**kw, "max_new_tokens": 8, "min_new_tokens": 8})
-    for r in range(args.rounds):
-        order = impls if r % 2 == 0 else impls[::-1]
-        for impl in order:
-            model.set_attn_implementation(impl)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            with torch.no_grad():
-                outputs[impl] = model.generate(prompt, **kw)
-            torch.cuda.synchronize()
-            times[impl]["generate"].append(time.perf_counter() - t)
-            with torch.no_grad():
-                times[impl]["prefill"].append(eager_ms(lambda: model(prompt, attention_mask=mask), 300) / 1e3)
-            model.train()
+    kw = {"max_new_tokens": LLAMA_NEW, "min_new_tokens": LLAMA_NEW, "do_sample": False, "attention_mask": mask,
+          "pad_token_id": 0, "eos_token_id": None, "disable_compile": True, "return_dict_in_generate": True}
+    contenders = {name: (name, None), **{f"sdpa:{be}": ("sdpa", be) for be in args.llama_sdpa}}
 
-            def step() -> None:
-                out = model(prompt, attention_mask=mask)
-                out.logits.float().mean().backward()
-            times[impl]["train_step"].append(eager_ms(step, 1500) / 1e3)
+    def generate(key: str) -> tuple[float, Any]:
+        impl, be = contenders[key]
+        model.set_attn_implementation(impl)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad(), _sdpa_context(be):
+            out = model.generate(prompt, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, out
+
+    def prefill_ms(key: str) -> float:
+        impl, be = contenders[key]
+        model.set_attn_implementation(impl)
+        with torch.no_grad(), _sdpa_context(be):
+            return eager_ms(lambda: model(prompt, attention_mask=mask), 300)
+
+    def train_ms(key: str) -> float:
+        impl, be = contenders[key]
+        model.set_attn_implementation(impl)
+        model.train()
+
+        def step() -> None:
+            out = model(prompt, attention_mask=mask)
+            out.logits.float().mean().backward()
+        try:
+            with _sdpa_context(be):
+                return eager_ms(step, 800)
+        finally:
             model.zero_grad(set_to_none=True)
             model.eval()
-    agree = (outputs[name][:, 512:] == outputs["sdpa"][:, 512:]).float().mean().item()
-    share = {impl: attention_share(model, impl, prompt, mask) for impl in impls}
-    result = {"impls": impls, "times": times, "greedy_agreement": agree, "attention_share": share}
-    print("\nLLAMA (16 layers, hidden 2048, 16/4 heads, D=128, bf16; 8 x 512 prompt, 128 new tokens)")
-    for what in ("generate", "prefill", "train_step"):
-        s = statistics.median(times["sdpa"][what])
-        o = statistics.median(times[name][what])
-        spread = (max(times[name][what]) - min(times[name][what])) / o
-        print(f"  {what:<11} sdpa {s * 1e3:9.1f} ms | aotriton {o * 1e3:9.1f} ms ±{spread * 100:.0f}% | "
-              f"speed vs sdpa x{s / o:.3f}")
-    a, b = share["sdpa"], share[name]
-    print(f"  attention per decode step (profiled): sdpa {a['attn_us_per_step']:.1f} us, aotriton "
-          f"{b['attn_us_per_step']:.1f} us, ratio {b['attn_us_per_step'] / max(a['attn_us_per_step'], 1e-9):.2f} "
-          f"(of {a['total_us_per_step']:.0f} / {b['total_us_per_step']:.0f} us GPU time per step)")
-    print(f"  greedy tokens equal to sdpa's: {agree * 100:.1f}%")
+
+    results: dict[str, dict] = {}
+    tokens = {}
+    for key in list(contenders):
+        try:
+            cold, out = generate(key)
+            tokens[key] = out.sequences[:, LLAMA_PROMPT:]
+            results[key] = {"cold_generate_ms": cold * 1e3, "cache": type(out.past_key_values).__name__,
+                            "generate_ms": [], "prefill_ms": [], "train_ms": []}
+            prefill_ms(key)
+            train_ms(key)
+        except RuntimeError as e:  # an SDPA backend that refuses one of the model's calls
+            if key == name:
+                raise
+            print(f"  {key}: dropped ({str(e).splitlines()[0][:120]})", flush=True)
+            results.pop(key, None)
+            contenders.pop(key)
+    order = list(contenders)
+    for r in range(args.rounds):
+        random.Random(1000 + r).shuffle(order)
+        for key in order:
+            results[key]["generate_ms"].append(generate(key)[0] * 1e3)
+            results[key]["prefill_ms"].append(prefill_ms(key))
+            results[key]["train_ms"].append(train_ms(key))
+        print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{k} {results[k]['generate_ms'][-1]:.0f} ms" for k in order), flush=True)
+    for key in contenders:
+        impl, be = contenders[key]
+        results[key]["decode_step"] = decode_step_profile(model, impl, be, prompt, mask)
+        results[key]["greedy_agreement_with_aotriton"] = (tokens[key] == tokens[name]).float().mean().item()
+    result = {"contenders": list(contenders), "ours": name, "results": results}
+    llama_summary(result)
     return result
+
+
+def _median_spread(values: list[float]) -> tuple[float, float]:
+    med = statistics.median(values)
+    return med, ((max(values) - min(values)) / med if med else 0.0)
+
+
+def llama_summary(result: dict) -> None:
+    """The compact table of the generation benchmark and the acceptance's ratios."""
+    res, ours = result["results"], result["ours"]
+    print(f"\nLLAMA (16 layers, hidden 2048, 16/4 heads, D=128, bf16; {LLAMA_BATCH} x {LLAMA_PROMPT} prompt, "
+          f"{LLAMA_NEW} new tokens; medians, ±spread)")
+    print(f"{'contender':<16} {'generate ms':>14} {'cold ms':>8} {'prefill ms':>12} {'train ms':>12} | decode step: "
+          f"{'wall us':>8} {'GPU us':>7} {'attn us':>8} | cache, attention kernels")
+    for key in result["contenders"]:
+        r = res[key]
+        g, gs = _median_spread(r["generate_ms"])
+        p, ps = _median_spread(r["prefill_ms"])
+        t, ts = _median_spread(r["train_ms"])
+        d = r["decode_step"]
+        kernels = ", ".join(n[:40] for n in sorted(d["kernels"], key=d["kernels"].get, reverse=True)[:2])
+        print(f"{key:<16} {g:>9.0f} ±{gs * 100:>2.0f}% {r['cold_generate_ms']:>8.0f} {p:>8.1f} ±{ps * 100:>2.0f}% "
+              f"{t:>8.1f} ±{ts * 100:>2.0f}% | {d['wall_us_per_step']:>21.0f} {d['gpu_us_per_step']:>7.0f} "
+              f"{d['attn_us_per_step']:>8.1f} | {r['cache']}, {kernels}")
+    sdpa = [k for k in result["contenders"] if k.startswith("sdpa")]
+    if ours not in res or not sdpa:
+        return
+    med = {k: {w: statistics.median(res[k][w]) for w in ("generate_ms", "prefill_ms", "train_ms")} for k in res}
+    best = min(sdpa, key=lambda k: med[k]["generate_ms"])
+    for peer in dict.fromkeys(["sdpa:default", best]):
+        if peer not in med:
+            continue
+        ratios = ", ".join(f"{w.removesuffix('_ms')} x{med[peer][w] / med[ours][w]:.2f}"
+                           for w in ("generate_ms", "prefill_ms", "train_ms"))
+        attn = res[ours]["decode_step"]["attn_us_per_step"] / max(res[peer]["decode_step"]["attn_us_per_step"], 1e-9)
+        print(f"aotriton vs {peer}{' (fastest SDPA generate)' if peer == best else ''}: speed {ratios} "
+              f"(> 1: aotriton faster); attention GPU time per decode step ours/theirs {attn:.2f} (target <= 0.8)")
+    caches = {res[k]["cache"] for k in res}
+    if len(caches) > 1:
+        print(f"WARNING: the contenders' generate used different cache classes: {sorted(caches)}")
 
 
 ATTENTION_KERNELS = ("attn", "flash", "fmha", "sdpa", "attention", "gqa")
 
 
-def attention_share(model: Any, impl: str, prompt: Any, mask: Any, steps: int = 16) -> dict:
-    """GPU time of attention kernels per decode step, from the profiler: ``steps`` cached decoding
-    steps after a prefill (kernels named like attention count as attention)."""
+def is_attention_kernel(name: str) -> bool:
+    """Whether a GPU kernel name is an attention kernel (ours: attn_decode*, attn_fwd*; SDPA's
+    flash, cuDNN ``*sdpa*``, memory-efficient ``fmha_cutlass*``)."""
+    return any(s in name.lower() for s in ATTENTION_KERNELS)
+
+
+def decode_step_profile(model: Any, impl: str, backend: str | None, prompt: Any, mask: Any, steps: int = 16
+                        ) -> dict:
+    """Per cached decoding step (``steps`` of them after a prefill, the model's own forward as
+    ``generate`` calls it): host wall time (unprofiled loop), GPU time of all kernels and of the
+    attention kernels (``is_attention_kernel``), from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     model.set_attn_implementation(impl)
-    with torch.no_grad():
-        out = model(prompt, attention_mask=mask, use_cache=True)
-        cache = out.past_key_values
-        tok = out.logits[:, -1:].argmax(-1)
-        m = mask
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def run(profiled: bool) -> tuple[float, Any]:
+        with torch.no_grad(), _sdpa_context(backend):
+            out = model(prompt, attention_mask=mask, use_cache=True)
+            cache, tok, m = out.past_key_values, out.logits[:, -1:].argmax(-1), mask
+            torch.cuda.synchronize()
+            prof = profile(activities=[ProfilerActivity.CUDA]) if profiled else None
+            if prof is not None:
+                prof.__enter__()
+            t = time.perf_counter()
             for _ in range(steps):
                 m = torch.cat([m, torch.ones_like(tok)], 1)
                 out = model(tok, attention_mask=m, past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
-                tok = out.logits[:, -1:].argmax(-1)
+                cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+            if prof is not None:
+                prof.__exit__(None, None, None)
+        return wall, prof
+
+    run(False)  # warm
+    wall, _ = run(False)
+    _, prof = run(True)
     attn = total = 0.0
     names: dict[str, float] = {}
     for evt in prof.key_averages():
@@ -421,10 +566,11 @@ def attention_share(model: Any, impl: str, prompt: Any, mask: Any, steps: int = 
         if not t or evt.key.startswith(("cuda", "Memcpy", "Memset", "aten::", "ProfilerStep")):
             continue
         total += t
-        if any(s in evt.key.lower() for s in ATTENTION_KERNELS):
+        if is_attention_kernel(evt.key):
             attn += t
-            names[evt.key[:60]] = t / steps
-    return {"attn_us_per_step": attn / steps, "total_us_per_step": total / steps, "kernels": names}
+            names[evt.key[:100]] = t / steps
+    return {"wall_us_per_step": wall / steps * 1e6, "gpu_us_per_step": total / steps,
+            "attn_us_per_step": attn / steps, "kernels": names}
 
 
 def main() -> None:
@@ -434,18 +580,22 @@ def main() -> None:
     ap.add_argument("--gqa", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--page", type=int, nargs="+", default=[16, 256],
+    ap.add_argument("--shapes", nargs="*", default=[],
+                    help="BxS pairs (e.g. 8x512 1x8192) instead of every --b with every --cache")
+    ap.add_argument("--page", type=int, nargs="*", default=[16, 256],
                     help="page sizes of the paged contenders (multiples of 16; vLLM 16, FlashAttention 256)")
     ap.add_argument("--config", type=int, nargs="*", default=[],
                     help="tuning config indices to time besides the runtime's own choice")
     ap.add_argument("--waves", type=int, default=None, help="split rule: programs per SM to aim for")
     ap.add_argument("--min-blocks", type=int, nargs="*", default=[],
                     help="split rule: key blocks per split at least (one forced contender per value and --config)")
-    ap.add_argument("--combine", nargs="*", default=[], choices=("fused", "separate"),
-                    help="also time the split partials merged this way (one forced contender per value)")
+    ap.add_argument("--splits", type=int, nargs="*", default=[],
+                    help="forced split counts to time besides the rule's (1: no split, no combine launch)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--peak-tbs", type=float, default=4.8, help="memory bandwidth for the %% column (H200: 4.8)")
     ap.add_argument("--llama", action="store_true", help="the generation benchmark instead of the kernel table")
+    ap.add_argument("--llama-sdpa", nargs="+", default=list(LLAMA_SDPA), choices=LLAMA_SDPA,
+                    help="SDPA contenders of --llama: torch's own choice and forced backends")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     images = os.environ.get("AOTRITON_RT_IMAGES")

@@ -10,10 +10,15 @@ Three kernels, launched by ``aotriton_rt/ops/decode.py`` (see docs/attention.md,
   (``row = g * seqlen_q + i``), so every K/V tile is read once for the whole group. The visible
   keys of the sequence are cut into ``num_splits`` equal runs of whole key blocks; each program
   writes its run's normalised partial output and logsumexp (fp32) to scratch, or, with one
-  split, the final output directly. Given ``Counters`` (int32, zero, one per tile) the last
-  split of each tile to finish merges the partials itself and zeroes its counter again.
-- ``attn_decode_combine`` merges the splits' partials per (kv head group row, batch * kv head)
-  when ``Counters`` is null (the runtime's ``separate`` combine).
+  split, the final output directly.
+- ``attn_decode_combine`` merges the splits' partials per (kv head group row, batch * kv head).
+
+Programmatic dependent launch (CUDA sm90+, the ``PDL`` constexpr of the sm90 configs, launched
+with the launch.pdl attribute): each kernel may start before its predecessor on the stream has
+finished, and every program waits for it (``griddepcontrol.wait``: the predecessor complete and
+its writes visible; a plain stream wait when the predecessor is not a PDL one) before its first
+global load or store, then lets its own successor launch. Only index arithmetic precedes the
+wait, so the chain hides launch latency, never reorders memory accesses.
 
 Masks are bottom-right aligned (the queries are the sequence's last ``seqlen_q`` rows): key ``j``
 is visible from query ``i`` when ``i + diag - window_left <= j <= i + diag + window_right`` with
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from builder.kernels.attention import (
     LN2,
@@ -142,53 +148,16 @@ def _attend(acc, l_i, m_i, q, K_head, V_head, bt_row, start, end, len_k, qi, dia
 
 
 @triton.jit
-def _partial(PartO, PartL, base, s, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM: tl.constexpr):
-    """Split ``s``'s (lse, out) rows of the tile, (-inf, 0) past the last split. Reads bypass L1
-    (.cg): other programs wrote them."""
-    ok = s < num_splits
-    idx = base + s * rows_total
-    ls = tl.load(PartL + idx, mask=row_ok & ok, other=float("-inf"), cache_modifier=".cg")
-    o = tl.load(PartO + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=row_mask & ok, other=0.0,
-                cache_modifier=".cg")
-    return ls, o
-
-
-@triton.jit
-def _gpu_fence(x):
-    """``fence.acq_rel.gpu`` in every thread that holds an element of ``x`` (PTX: CUDA only)."""
-    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x.to(tl.int32)],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _merge_splits(PartO, PartL, base, rows_total, num_splits, row_ok, row_mask, offs_d,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(out, lse) of the tile's rows from the num_splits partials at ``base + s * rows_total``:
-    out = sum_s exp(lse_s - lse) * out_s. Splits without keys (lse -inf) weigh 0; a row no split
-    saw gives 0 and -inf. Four splits per step, all loaded before any is used (one L2 round
-    trip per four splits, not one per split) and one rescale of the sum per step."""
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    den = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s in range(0, num_splits, 4):
-        l0, o0 = _partial(PartO, PartL, base, s, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM)
-        l1, o1 = _partial(PartO, PartL, base, s + 1, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM)
-        l2, o2 = _partial(PartO, PartL, base, s + 2, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM)
-        l3, o3 = _partial(PartO, PartL, base, s + 3, rows_total, num_splits, row_ok, row_mask, offs_d, HEAD_DIM)
-        m_new = tl.maximum(tl.maximum(m, tl.maximum(l0, l1)), tl.maximum(l2, l3))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2((m - m_sub) * LOG2E)
-        w0 = tl.math.exp2((l0 - m_sub) * LOG2E)
-        w1 = tl.math.exp2((l1 - m_sub) * LOG2E)
-        w2 = tl.math.exp2((l2 - m_sub) * LOG2E)
-        w3 = tl.math.exp2((l3 - m_sub) * LOG2E)
-        den = den * alpha + w0 + w1 + w2 + w3
-        acc = (acc * alpha[:, None] + w0[:, None] * o0 + w1[:, None] * o1 + w2[:, None] * o2
-               + w3[:, None] * o3)
-        m = m_new
-    safe = tl.where(den == 0.0, 1.0, den)
-    m_sub = tl.where(m == float("-inf"), 0.0, m)
-    return acc / safe[:, None], tl.where(den == 0.0, float("-inf"), m_sub + tl.log(safe))
+def _after_predecessor(PDL: tl.constexpr):
+    """With PDL (a launch that may start before its predecessor on the stream finished): wait
+    until the predecessor has completed and its writes are visible (the whole program waits; a
+    launch without a programmatic predecessor passes at once, ordered by the stream as usual),
+    then let the successor launch early (it waits the same way, so it never sees this program's
+    writes early). Every program calls this before its first global load or store: reads of the
+    predecessor's outputs and writes to memory it may still read stay ordered."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -212,7 +181,7 @@ def _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity):
 
 @triton.jit
 def attn_decode(
-    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens, Counters,
+    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
@@ -222,7 +191,7 @@ def attn_decode(
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_new, capacity, num_pages, page_size, num_splits,
     sm_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GPU_FENCE: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
 ):
     """Split-KV attention of seqlen_q query rows per sequence against its KV cache.
 
@@ -230,9 +199,7 @@ def attn_decode(
     num_heads_q // num_heads_k. Q and Out are addressed (b, query head, row); LSE at
     ``b*stride_lz + h*stride_lh + row``. With num_splits > 1 the program writes its split's
     normalised output and logsumexp to PartO / PartL (fp32, rows ``((bk*num_splits + split) *
-    group*seqlen_q + tile row)``, PartO rows HEAD_DIM wide) for attn_decode_combine, or, when
-    ``Counters`` is not null, counts its arrival at ``Counters[pid_bk * grid_x + pid_m]`` and
-    the last split of the tile merges them into Out/LSE (the counter is zero again after).
+    group*seqlen_q + tile row)``, PartO rows HEAD_DIM wide) for attn_decode_combine.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -251,6 +218,7 @@ def attn_decode(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     row_mask = _and_dim(row_ok[:, None], offs_d, HEAD_DIM, 1)
+    _after_predecessor(PDL)
 
     q_ptrs = (Q + off_b.to(tl.int64) * stride_qz + heads.to(tl.int64)[:, None] * stride_qh
               + qi[:, None] * stride_qm + offs_d[None, :])
@@ -311,28 +279,6 @@ def attn_decode(
         part = base + pid_s * rows_total
         tl.store(PartO + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask)
         tl.store(PartL + part, lse, mask=row_ok)
-        if Counters.to(tl.int64) != 0:
-            # The last split of this tile to finish merges (no combine launch; opt-in and
-            # experimental). Every thread fences its own partial stores at GPU scope (GPU_FENCE,
-            # CUDA), then the barrier and the counter's release; after the acquire every thread
-            # fences again before the merge's loads (every writer fences, as in CUDA's last-block
-            # reduction). The fences did not mend the wrong outputs this path gives replayed from
-            # CUDA graphs on the H200 (docs/attention.md): the cause is still open.
-            if GPU_FENCE:
-                _gpu_fence(rows)
-            tl.debug_barrier()
-            # Tiles per (sequence, KV head) = grid x, computed (tl.num_programs makes the AMD
-            # backend emit the implicit hidden kernel arguments, which the catalog layout lacks).
-            slot = Counters + pid_bk.to(tl.int64) * tl.cdiv(rows_total, BLOCK_M) + pid_m
-            done = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:
-                if GPU_FENCE:
-                    _gpu_fence(rows)
-                tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")  # zero for the next launch
-                out, lse = _merge_splits(PartO, PartL, base, rows_total, num_splits, row_ok, row_mask, offs_d,
-                                         HEAD_DIM, BLOCK_M, BLOCK_D)
-                tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_mask)
-                tl.store(l_ptrs, lse, mask=row_ok)
 
 
 @triton.jit
@@ -341,7 +287,7 @@ def attn_decode_combine(
     stride_oz, stride_oh, stride_om,
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Merge attn_decode's split partials: out = sum_s exp(lse_s - lse) * out_s.
 
@@ -360,6 +306,7 @@ def attn_decode_combine(
     base = pid_bk.to(tl.int64) * num_splits * rows_total + row
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
+    _after_predecessor(PDL)
 
     m_vec = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
@@ -400,7 +347,7 @@ def attn_decode_append(
     stride_vz, stride_vh, stride_vn,
     stride_btz,
     batch, num_heads_k, seqlen_new, capacity, num_pages, page_size,
-    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, BLOCK_R: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Write new rows (b, h, i) of KNew / VNew to cache row ``cache_seqlens[b] + i`` of head h.
 
@@ -414,6 +361,7 @@ def attn_decode_append(
     off_hk = pid_bk % num_heads_k
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
+    _after_predecessor(PDL)
     pos = tl.load(CacheSeqlens + off_b) + rows
     ok = (rows < seqlen_new) & (pos >= 0) & (pos < capacity)
     pos = tl.where(ok, pos, 0)
@@ -455,10 +403,23 @@ def in_decode_gputest_set(spec: dict, target: object) -> bool:
     return in_decode_default_set(spec, target) or (spec["dtype"], spec["HEAD_DIM"]) in GPUTEST
 
 
-def _cfg(bm: int, bn: int, warps: int, stages: int, options: dict | None = None, fence: int = 1) -> ConfigDecl:
-    # GPU_FENCE: the fused merge's per-thread PTX fences (CUDA configs; HIP has no PTX).
-    return ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "GPU_FENCE": fence}, num_warps=warps,
-                      num_stages=stages, options=options or {})
+def uses_pdl(target: object) -> bool:
+    """Programmatic dependent launch for the decode chain (append, decode, combine): CUDA sm90
+    and later (``griddepcontrol`` is an sm90 PTX instruction); sm80 and HIP launch plainly."""
+    return target.backend == "cuda" and int(target.arch.removeprefix("sm")) >= 90
+
+
+def _pdl(constexprs: dict, target: object, options: dict | None = None) -> dict:
+    """``ConfigDecl`` fields for ``constexprs`` on ``target``: the ``PDL`` constexpr and, where
+    it is on, the ``launch_pdl`` compile option (the catalog's launch.pdl, which makes the runtime
+    launch with programmatic stream serialization)."""
+    pdl = uses_pdl(target)
+    return {"constexprs": {**constexprs, "PDL": int(pdl)},
+            "options": {**(options or {}), **({"launch_pdl": True} if pdl else {})}}
+
+
+def _cfg(target: object, bm: int, bn: int, warps: int, stages: int, options: dict | None = None) -> ConfigDecl:
+    return ConfigDecl(num_warps=warps, num_stages=stages, **_pdl({"BLOCK_M": bm, "BLOCK_N": bn}, target, options))
 
 
 def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
@@ -474,13 +435,12 @@ def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """
     d = next_power_of_2(spec["HEAD_DIM"])
     if spec["dtype"] == "fp32":
-        return (_cfg(16, 32, 4, _stages(2, spec, target) if target.backend == "cuda" else 1,
-                     fence=int(target.backend == "cuda")),)
+        return (_cfg(target, 16, 32, 4, _stages(2, spec, target) if target.backend == "cuda" else 1),)
     if target.backend == "hip":
         opts = {"waves_per_eu": 2}
         if target.arch.startswith("gfx9"):
             opts["matrix_instr_nonkdim"] = 16
-        return (_cfg(16, 64 if d <= 128 else 32, 4, 1, opts, fence=0),)
+        return (_cfg(target, 16, 64 if d <= 128 else 32, 4, 1, opts),)
     bn = 64 if d <= 128 else 32
     # K and V tiles per stage: 2 * bn * d * 2 bytes. Config 0 keeps two programs per SM (one's
     # softmax and dots overlap the other's loads); the others trade that for more bytes in flight.
@@ -488,9 +448,10 @@ def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     limit = SHARED_LIMIT.get(target.arch, 99 * 1024)
     two_per_sm = max(2, min(3, limit // 2 // stage))
     if target.arch == "sm90":
-        return (_cfg(16, bn, 4, _stages(two_per_sm, spec, target)), _cfg(16, 2 * bn, 8, _stages(2, spec, target)),
-                _cfg(16, bn, 4, _stages(4, spec, target)))
-    return (_cfg(16, bn, 4, _stages(two_per_sm, spec, target)),)
+        return (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),
+                _cfg(target, 16, 2 * bn, 8, _stages(2, spec, target)),
+                _cfg(target, 16, bn, 4, _stages(4, spec, target)))
+    return (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),)
 
 
 def _stages(stages: int, spec: dict, target: object) -> int:
@@ -528,18 +489,18 @@ def decode_tuning(target: object) -> list[dict]:
 
 def combine_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """Eight splits at a time; one stage (the loop is two short passes)."""
-    return (ConfigDecl(constexprs={"BLOCK_S": 8}, num_warps=4, num_stages=1),)
+    return (ConfigDecl(num_warps=4, num_stages=1, **_pdl({"BLOCK_S": 8}, target)),)
 
 
 def append_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
-    return (ConfigDecl(constexprs={"BLOCK_R": 16}, num_warps=4, num_stages=1),)
+    return (ConfigDecl(num_warps=4, num_stages=1, **_pdl({"BLOCK_R": 16}, target)),)
 
 
 _DECODE_SIG = signature_of(attn_decode, {
     "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
-    "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32", "Counters": "*i32"})
+    "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32"})
 # Lengths and block tables may be any int32 views (e.g. a slice of a longer lengths array).
-_INDEX_POINTERS = ("BlockTable", "CacheSeqlens", "Counters")
+_INDEX_POINTERS = ("BlockTable", "CacheSeqlens")
 _DECODE_DIV = {**{n: d for n, d in divisibility_of(_DECODE_SIG, aligned=("q", "k", "v", "o")).items()
                   if n not in _INDEX_POINTERS}, "page_size": 16}
 _COMBINE_SIG = signature_of(attn_decode_combine, {"Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",

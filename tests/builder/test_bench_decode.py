@@ -17,21 +17,24 @@ def bench():
 
 
 def _args(**kw) -> argparse.Namespace:
-    return argparse.Namespace(**{"config": [], "min_blocks": [], "waves": None, "combine": [], **kw})
+    return argparse.Namespace(**{"config": [], "min_blocks": [], "waves": None, "splits": [], "shapes": [],
+                                 "b": [1, 8], "cache": [2048], **kw})
 
 
-def test_a_combine_contender_keeps_the_images_configs_and_splits(bench) -> None:
-    images = [{"arch": "sm90", "min_batch_heads": 212, "config": 2, "splits": {"min_blocks": 4}},
-              {"arch": "sm90", "splits": {"waves": 2}}]
-    (tag, rules), = bench._variants(_args(combine=["separate"]), images)
-    assert tag == "~separate"
-    # A big batch still gets config #2, a small one the images' splits; both merge separately.
-    assert split_rule(rules, "sm90", batch_heads=512) == (SplitRule(combine="separate"), 2)
-    assert split_rule(rules, "sm90", batch_heads=8) == (SplitRule(combine="separate"), 0)
-    assert split_rule(rules, "gfx942")[0].combine == "separate"  # past the images' own rules
-    assert split_rule(images, "sm90", batch_heads=8)[0].combine == "separate"  # the default contender
-    assert [t for t, _ in bench._variants(_args(config=[0, 2], combine=["fused", "separate"]), None)] == \
-        ["#0", "#2", "~fused", "~separate"]
+def test_forced_split_counts_keep_the_images_rules_and_min_blocks_contenders_force_a_config(bench) -> None:
+    images = [{"arch": "sm90", "min_batch_heads": 212, "config": 2}, {"arch": "sm90", "splits": {"waves": 2}}]
+    variants = bench._variants(_args(config=[0], min_blocks=[1, 8], splits=[1]), images)
+    assert [(tag, forced) for tag, _, forced in variants] == [("#0mb1", None), ("#0mb8", None), ("=1", 1)]
+    assert variants[2][1] is images  # =1: the images' own config choice, only the split count forced
+    assert split_rule(variants[0][1], "sm90", batch_heads=512) == (SplitRule(min_blocks=1), 0)
+    assert split_rule(variants[1][1], "sm90")[0].min_blocks == 8
+
+
+def test_shapes_are_the_listed_pairs_or_every_batch_with_every_cache(bench) -> None:
+    assert bench.shapes_of(_args()) == [(1, 2048), (8, 2048)]
+    assert bench.shapes_of(_args(shapes=["8x512", "1X8192"])) == [(8, 512), (1, 8192)]
+    with pytest.raises(SystemExit, match=r"--shapes: '8x' is not BxS"):
+        bench.shapes_of(_args(shapes=["8x"]))
 
 
 def test_the_summary_compares_each_forced_contender_with_its_default(bench, capsys) -> None:
@@ -40,10 +43,40 @@ def test_the_summary_compares_each_forced_contender_with_its_default(bench, caps
 
     row = {"B": 1, "cache": 2048, "gqa": 4, "pages": [16],
            "graph": {"sdpa:cudnn": stats(8.6, 1.0), "ours": stats(8.0, 1.075), "p16": stats(8.4, 1.02),
-                     "ours~separate": stats(10.0, 0.86), "p16~separate": stats(10.5, 0.82)},
+                     "ours=1": stats(10.0, 0.86), "p16#0mb2": stats(10.5, 0.82)},
+           "splits": {"ours": 8, "ours=1": 1, "p16": 8, "p16#0mb2": 16},
            "graph_sdpa_best": "sdpa:cudnn", "eager": {}}
     bench.summary([row])
     out = capsys.readouterr().out
-    assert "ours~separate: 1/2048/4:1 x0.86 [0.80]" in out
-    assert "p16~separate: 1/2048/4:1 x0.82 [0.80]" in out
+    assert "ours=1: 1/2048/4:1 x0.86 [0.80] (8/1)" in out
+    assert "p16#0mb2: 1/2048/4:1 x0.82 [0.80] (8/16)" in out
     assert "0.95" in out.split("\n")[3]  # p16 /c: 8.0 / 8.4
+
+
+def test_attention_kernels_are_told_from_the_rest_by_name(bench) -> None:
+    for name in ("attn_decode", "attn_decode_combine", "pytorch_flash::flash_fwd_splitkv_kernel<...>",
+                 "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "fmha_cutlassF_bf16_aligned"):
+        assert bench.is_attention_kernel(name), name
+    for name in ("nvjet_tst_128x64_64x8_2x1_v_bz_TNT", "void at::native::vectorized_elementwise_kernel<4>",
+                 "triton_red_fused_rms_norm", "void at::native::(anonymous namespace)::cat_kernel"):
+        assert not bench.is_attention_kernel(name), name
+
+
+def test_the_llama_summary_compares_ours_with_sdpas_default_and_fastest_backend(bench, capsys) -> None:
+    def contender(gen: float, attn: float, cache: str = "DynamicCache") -> dict:
+        return {"generate_ms": [gen, gen * 1.1, gen * 0.9], "prefill_ms": [18.0] * 3, "train_ms": [60.0] * 3,
+                "cold_generate_ms": gen * 3, "cache": cache,
+                "decode_step": {"wall_us_per_step": gen * 1e3 / 128, "gpu_us_per_step": 900.0,
+                                "attn_us_per_step": attn, "kernels": {"attn_decode": attn}}}
+    result = {"contenders": ["aotriton", "sdpa:default", "sdpa:flash"], "ours": "aotriton",
+              "results": {"aotriton": contender(1600.0, 80.0), "sdpa:default": contender(4800.0, 100.0),
+                          "sdpa:flash": contender(1400.0, 120.0)}}
+    bench.llama_summary(result)
+    out = capsys.readouterr().out
+    assert "aotriton vs sdpa:default: speed generate x3.00, prefill x1.00, train x1.00" in out
+    assert "ours/theirs 0.80 (target <= 0.8)" in out
+    assert "aotriton vs sdpa:flash (fastest SDPA generate): speed generate x0.88" in out
+    assert "ours/theirs 0.67" in out and "WARNING" not in out
+    result["results"]["sdpa:flash"]["cache"] = "StaticCache"
+    bench.llama_summary(result)
+    assert "different cache classes: ['DynamicCache', 'StaticCache']" in capsys.readouterr().out

@@ -6,8 +6,8 @@
 Contiguous and paged caches (page sizes 16, 48, 64 and 256: smaller than a key block, neither,
 one block, several; a block table whose unused entries point far outside the cache, lengths 0,
 1 and past a page edge), appends across page edges, speculative query rows with GQA tiles
-taller than one block, sliding windows, forced splits (merged by the decode kernel's last split,
-and by the combine kernel), head dims 64, 80 and 128, fp32, the attention() route, and lengths
+taller than one block, sliding windows, forced splits (merged by the combine kernel; on sm90
+the chain's PDL launches), head dims 64, 80 and 128, fp32, the attention() route, and lengths
 past the block table without the debug check (the kernels must clamp, not fault).
 Needs images with the gputest set (AOTRITON_RT_IMAGES).
 """
@@ -66,10 +66,10 @@ run("head dim 80", d=80, lens=(100, 7, 1))
 run("head dim 128 bf16 paged", d=128, dtype=torch.bfloat16, page=32, lens=(500, 65, 2), causal=True)
 run("paged 64, one table entry per key block", d=128, dtype=torch.bfloat16, page=64, lens=(700, 63, 0), new=2,
     causal=True, num_splits=4)
-run("paged 256, splits merged by the decode kernel", d=128, dtype=torch.bfloat16, page=256, lens=(3000, 1, 255),
+run("paged 256, seven splits merged by the combine kernel", d=128, dtype=torch.bfloat16, page=256, lens=(3000, 1, 255),
     hq=32, hk=8, num_splits=7)
-for _ in range(2):  # again: the prepared launches (the fused merge's counters from the first call)
-    run("paged 16, fused merge, prepared launch", page=16, lens=(900, 1, 17), num_splits=6)
+for _ in range(2):  # again: the prepared launches
+    run("paged 16, six splits, prepared launch", page=16, lens=(900, 1, 17), num_splits=6)
 run("fp32", dtype=torch.float32, lens=(60, 0, 9), num_splits=2)
 k, v, table = paged([40, 10], 16, 2, 64, torch.float16)
 q = torch.randn(2, 1, 4, 64, device=dev, dtype=torch.float16)
@@ -82,9 +82,3 @@ kk = torch.randn(4, 8, 777, 128, device=dev, dtype=torch.bfloat16)
 aotriton_rt.attention(q, kk, kk, causal=True, align="bottom_right", library=lib)
 torch.cuda.synchronize()
 print("ok attention() route")
-from aotriton_rt.ops import decode as dec  # noqa: E402
-
-ks = dec._kernels_of(lib)
-saved, ks.rules = ks.rules, [{"combine": "separate"}]
-run("forced splits merged by the combine kernel", page=16, lens=(300, 0, 129), num_splits=5)
-ks.rules = saved

@@ -65,10 +65,9 @@ CASES: dict[str, dict] = {
                                             "lens": (300, 5, 256), "causal": True, "splits": 4, "cap": 512},
     # Seven splits (merged four at a time, the last step partly past the end), some without keys.
     "seven_splits_some_empty": {"splits": 7, "lens": (80, 3, 64), "Hq": 8, "Hk": 2, "Sq": 2, "causal": True},
-    # The splits merged by the separate combine kernel instead of the decode kernel's last split.
-    "separate_combine_kernel": {"paged": 16, "lens": (37, 1, 16, 0), "splits": 3, "combine": "separate"},
-    "separate_combine_gqa_window": {"Sq": 2, "Hq": 8, "Hk": 2, "window": (30, 3), "lens": (70, 12, 45),
-                                    "splits": 4, "combine": "separate"},
+    # Splits of paged caches and of GQA tiles under a two-sided window, merged by the combine kernel.
+    "paged_splits_some_empty": {"paged": 16, "lens": (37, 1, 16, 0), "splits": 3},
+    "gqa_window_splits": {"Sq": 2, "Hq": 8, "Hk": 2, "window": (30, 3), "lens": (70, 12, 45), "splits": 4},
 }
 
 
@@ -89,8 +88,8 @@ class _Handle:
                            if t == "constexpr"}
         if "BLOCK_N" in self.constexprs:
             self.constexprs["BLOCK_N"] = BLOCK_N[0]  # 16 by default: short sequences span several blocks
-        if "GPU_FENCE" in self.constexprs:
-            self.constexprs["GPU_FENCE"] = 0  # PTX fences: the interpreter runs programs one at a time
+        if "PDL" in self.constexprs:
+            self.constexprs["PDL"] = 0  # griddepcontrol is PTX: the interpreter runs launches in order
         self.signature = _resolve_signature(decl, spec)
         self.divisibility = _divisibility(decl, self.signature)
         self.arg_names = [n for n, t in self.signature.items() if t != "constexpr"]
@@ -110,9 +109,6 @@ class _Handle:
         for name, value in values.items():
             t = self.signature[name]
             if t.startswith("*"):
-                if value is None and name == "Counters":
-                    values[name] = 0  # a null pointer: the kernel's test for "no fused combine"
-                    continue
                 if value is None:
                     values[name] = torch.empty(0, dtype=torch.float32 if "fp" in t else torch.int32)
                     continue
@@ -223,8 +219,6 @@ def run_case(name: str, case: dict) -> dict:
     LAUNCHES.clear()
     BLOCK_N[0] = c.get("block_n", 16)
     lib = _Library()
-    combine = c.get("combine", "fused")  # the opt-in fused merge unless the case says otherwise
-    op._kernels_of(lib).rules = [{"combine": combine}]
     out, lse = op.decode_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, k_new=k_new,
                                    v_new=v_new, causal=c["causal"], window=c["window"], num_splits=c["splits"],
                                    cache_layout=c["cache_layout"], check=True, library=lib)
@@ -288,14 +282,9 @@ def run_case(name: str, case: dict) -> dict:
                 if not torch.equal(got_k, keys[b][r]):
                     failed.append(f"appended row {r} of sequence {b} is not in the cache")
     kernels = [name for name, _ in LAUNCHES]
-    want_combine = (c["splits"] or 1) > 1 and combine == "separate"
+    want_combine = (c["splits"] or 1) > 1
     if c["splits"] is not None and want_combine != ("attn_decode_combine" in kernels):
-        failed.append(f"launches {kernels} for {c['splits']} splits, {combine} combine")
-    from aotriton_rt.ops.decode.launch import _COUNTERS
-
-    for key, buf in _COUNTERS.buffers.items():
-        if int(buf.abs().sum()):
-            failed.append(f"fused-combine counters {key} not zeroed after the call: {buf.nonzero().tolist()[:8]}")
+        failed.append(f"launches {kernels} for {c['splits']} splits")
     if new and "attn_decode_append" not in kernels:
         failed.append("no append launched")
     return {"name": name, "errors": errors, "failed": failed, "launches": LAUNCHES[:]}
@@ -487,12 +476,12 @@ def test_catalog_split_rules_override_the_default_per_arch() -> None:
         split_rule({"sm90": 1}, "sm90")
 
 
-def test_a_catalog_rule_picks_how_split_partials_are_merged() -> None:
-    assert split_rule(None, "sm90")[0].combine == "separate"  # fused is opt-in (experimental)
-    assert split_rule([{"arch": "sm90", "combine": "fused"}], "sm90")[0].combine == "fused"
-    assert split_rule([{"arch": "sm90", "combine": "fused"}], "sm80")[0].combine == "separate"
-    with pytest.raises(CatalogError, match=r"\[0\]\.combine must be one of fused, separate, got 'atomic'"):
-        split_rule([{"combine": "atomic"}], "sm90")
+@pytest.mark.parametrize("rule", [{"combine": "fused"}, {"combine": "separate"},
+                                  {"arch": "gfx942", "combine": "fused"}])
+def test_a_catalog_rule_naming_the_removed_fused_merge_is_refused_whatever_its_target(rule: dict) -> None:
+    with pytest.raises(CatalogError, match=r"tuning\['attn_decode'\]\[1\]\.combine is no longer read: the fused split "
+                       r"merge was removed .*drop the key, got '(fused|separate)'"):
+        split_rule([{"arch": "sm80"}, rule], "sm90")
 
 
 def test_a_catalog_rule_can_pick_a_config_from_a_work_size_on_and_per_cache_kind() -> None:
@@ -652,11 +641,11 @@ class _AddressHandle(_Handle):
         return launch
 
 
-@pytest.mark.parametrize("paged,lens,combine", [(0, "array", "fused"), (16, "array", "fused"), (0, "full", "fused"),
-                                                (0, "int", "fused"), (16, "array", "separate"),
-                                                (0, "int", "separate"), (16, "array", "old-images")])
+@pytest.mark.parametrize("paged,lens,images", [(0, "array", "current"), (16, "array", "current"),
+                                               (0, "full", "current"), (0, "int", "current"),
+                                               (16, "array", "with-counters"), (0, "int", "with-counters")])
 def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_arguments(
-        monkeypatch: pytest.MonkeyPatch, paged: int, lens: str, combine: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, paged: int, lens: str, images: str) -> None:
     import torch
 
     from aotriton_rt import interop
@@ -670,13 +659,14 @@ def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_ar
     lib = _Library()
     def kernel(name: str, **params: Any) -> _AddressHandle:
         handle = _AddressHandle(lib.decls[name], params)
-        if combine == "old-images":  # a decode kernel built before it took Counters
-            handle.arg_names = [n for n in handle.arg_names if n != "Counters"]
+        if images == "with-counters" and name == "attn_decode":
+            # Images built before the fused split merge was removed: the decode kernel takes an
+            # arrival-counter pointer after CacheSeqlens, which must be null (no merge in it).
+            at = handle.arg_names.index("CacheSeqlens") + 1
+            handle.arg_names = handle.arg_names[:at] + ["Counters"] + handle.arg_names[at:]
         return handle
 
     monkeypatch.setattr(lib, "kernel", kernel)
-    # The fused merge is opt-in; old images are asked for it too (and must fall back).
-    op._kernels_of(lib).rules = [{"combine": "separate" if combine == "separate" else "fused"}]
     B, Hk, D = 2, 2, 64
     q = torch.randn(B, 1, 8, D).half()
     if paged:
@@ -692,25 +682,19 @@ def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_ar
     LAUNCHES.clear()
     outs = [op.decode_attention(q, k, v, cache_seqlens=seqlens, block_table=table, num_splits=3, causal=True,
                                 check=False, library=lib, **new) for _ in range(3)]
-    # Fused: the decode kernel's last split merges (no combine launch), counting arrivals in the
-    # stream's counters (one buffer, the same address every call); separate: a null pointer.
-    # Images whose decode kernel takes no Counters cannot merge in the kernel: the combine runs.
-    kernels = (["attn_decode_append"] if new else []) + ["attn_decode"] + \
-        (["attn_decode_combine"] if combine != "fused" else [])
+    # Splits: the combine kernel merges them (a second launch).
+    kernels = (["attn_decode_append"] if new else []) + ["attn_decode", "attn_decode_combine"]
     n = len(kernels)
     first, second, third = LAUNCHES[:n], LAUNCHES[n:2 * n], LAUNCHES[2 * n:]
     assert [(w, n) for w, n, _ in first] == [("call", n) for n in kernels]
     assert [(w, n) for w, n, _ in second] == [(w, n) for w, n, _ in third] == [("prepared", n) for n in kernels]
-    # New arrays each call (lengths: made once); counters per stream (the first call asks torch's).
-    fresh = {"Out", "LSE", "PartO", "PartL", "CacheSeqlens", "Counters"}
+    # New arrays each call (lengths: made once).
+    fresh = {"Out", "LSE", "PartO", "PartL", "CacheSeqlens"}
     decode_args = [args for _, name, args in first if name == "attn_decode"][0]
-    assert ("Counters" in decode_args) == (combine != "old-images")
+    assert ("Counters" in decode_args) == (images == "with-counters")
     for (_, _, a), (_, _, b), (_, _, c) in zip(first, second, third):
-        if "Counters" in b:
-            assert (a["Counters"] != 0 and b["Counters"] == c["Counters"] != 0) if combine == "fused" else \
-                a["Counters"] == b["Counters"] == c["Counters"] == 0
-        elif "Counters" in a:
-            raise AssertionError("Counters in the first call but not in the prepared ones")
+        if "Counters" in a:
+            assert a["Counters"] == b["Counters"] == c["Counters"] == 0
         assert {n: x for n, x in a.items() if n not in fresh} == {n: x for n, x in b.items() if n not in fresh}
         if "Out" in b:
             assert b["Out"] == outs[1][0].data_ptr() and b["LSE"] == outs[1][1].data_ptr()

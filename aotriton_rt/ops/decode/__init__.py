@@ -28,14 +28,12 @@ checks every length and referenced page (a device synchronisation).
 hides keys after each query, ``window=(left, right)`` is a sliding window (-1 unbounded).
 
 **Splits.** One program per (GQA group tile, split, batch x KV head); the keys of each sequence
-are cut into ``num_splits`` runs, merged by the last split program of each tile to finish (the
-default on CUDA with torch arrays: arrival counters per (device, stream), no second launch; a
-rule's ``"combine": "separate"``, HIP, CuPy/DLPack arrays and a capture on a stream that never
-ran a decode call launch the combine kernel instead). Default: enough programs for
+are cut into ``num_splits`` runs, whose partials ``attn_decode_combine`` merges (a second
+launch). Default: enough programs for
 ``waves`` per SM, each split at least ``min_blocks`` key blocks, from the catalog's
 ``tuning["attn_decode"]`` rules (``{"arch": "sm90", "splits": {"waves": 2, "min_blocks": 4,
 "max_splits": 64}}``; a rule may also pick a ``config`` and apply only from a work size on,
-``min_batch_heads``, or to one cache kind, ``paged``, and set ``combine``), else
+``min_batch_heads``, or to one cache kind, ``paged``), else
 :data:`DEFAULT_SPLIT_RULES`.
 """
 

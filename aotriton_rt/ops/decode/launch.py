@@ -103,47 +103,10 @@ def _block_m(handle: Any, device: int) -> int:
 
 
 #: The array arguments of the decode kernels, in the order run_fast gathers their addresses.
-_POINTERS = ("Q", "K", "V", "Out", "LSE", "BlockTable", "CacheSeqlens", "KNew", "VNew", "PartO", "PartL", "Counters")
-
-
-class _Counters:
-    """The fused combine's arrival counters (int32, one per decode tile), per (device, stream).
-
-    The decode kernel counts its splits' arrivals and the last one zeroes the counter again, so
-    a buffer is zeroed once, when made, and stays zero between launches: nothing to clear per
-    call, nothing extra in a CUDA graph. Launches on one stream run in order and never share a
-    counter; each stream gets its own buffer. Buffers live as long as the process (a captured
-    graph keeps their addresses), a grown one replaces the old for new launches only. A buffer
-    cannot be made (zeroed) inside a graph capture: a call captured on a stream that has none
-    gets 0 and takes the separate combine kernel; warming up on the capture stream avoids that.
-    A graph replays with its capture stream's counters, so replaying it concurrently with
-    other calls on that stream is not supported.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.buffers: dict[tuple[int, int], Any] = {}
-        self.retired: list[Any] = []
-
-    def get(self, torch: Any, like: Any, stream: int, slots: int) -> Any:
-        """A zeroed int32 buffer of at least ``slots`` counters for launches on ``stream`` of
-        ``like``'s device, or None inside a capture when the stream has none (the caller then
-        combines separately)."""
-        key = (like.get_device(), stream)  # -1: a CPU tensor (the interpreter tests)
-        buf = self.buffers.get(key)
-        if buf is not None and buf.numel() >= slots:
-            return buf
-        if like.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        with self.lock:
-            fresh = torch.zeros(max(slots, 4096), dtype=torch.int32, device=like.device)
-            if buf is not None:
-                self.retired.append(buf)
-            self.buffers[key] = fresh
-        return fresh
-
-
-_COUNTERS = _Counters()
+_POINTERS = ("Q", "K", "V", "Out", "LSE", "BlockTable", "CacheSeqlens", "KNew", "VNew", "PartO", "PartL")
+#: Arguments of decode kernels in images built before the fused split merge was removed: always
+#: null (those kernels then leave the merge to attn_decode_combine, as the current ones do).
+_RETIRED = {"Counters": None}
 
 
 class _Launch:
@@ -167,15 +130,6 @@ class _Launch:
                                         _block_n(self.decode, p.device), sm, rule)
         self.num_splits = num_splits
         self.combine = ks.handle(COMBINE, spec, 0, p.device) if num_splits > 1 else None
-        # The fused combine (the decode kernel's last split merges) on torch arrays on CUDA; HIP
-        # keeps the separate kernel (its atomics' ordering is compiled, never run on hardware),
-        # and so do images built before the kernel took Counters (they would leave the partials
-        # unmerged).
-        torch_mod = sys.modules.get("torch") if xp.framework == "torch" else None
-        self.fused = (self.combine is not None and rule.combine == "fused" and torch_mod is not None
-                      and not getattr(torch_mod.version, "hip", None)
-                      and "Counters" in getattr(self.decode, "arg_names", ()))
-        self.counter_slots = p.batch * p.heads_k * row_blocks
         q_shape = tuple(infos["q"].shape)
         self.q_shape = q_shape
         self.lse_shape = (p.batch, p.heads_q, p.seqlen_q)
@@ -204,7 +158,7 @@ class _Launch:
         None when a handle cannot take them (the per-call handle path then serves)."""
         torch = sys.modules["torch"]
         backend = "hip" if getattr(torch.version, "hip", None) else "cuda"
-        values = {**self.base, **dict.fromkeys(_POINTERS, 0)}
+        values = {**self.base, **dict.fromkeys(_POINTERS, 0), **dict.fromkeys(_RETIRED, 0)}
         prepared = []
         for handle in (self.append, self.decode, self.combine):
             if handle is None:
@@ -217,7 +171,7 @@ class _Launch:
             if launch is None:
                 return None
             slots = tuple((i, _POINTERS.index(n)) for i, n in enumerate(handle.arg_names) if n in _POINTERS)
-            prepared.append((launch, template, slots, handle is self.combine))
+            prepared.append((launch, template, slots))
         self.torch = torch
         self.stream = interop.stream_getter("torch")
         self.tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[self.p.dtype]
@@ -241,23 +195,17 @@ class _Launch:
                 if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                     self.lens = lens
         stream = self.stream(p.device)
-        counters = 0
         if self.combine is not None:  # one allocation: the partial outputs, then their logsumexps
             part_o = torch.empty((self.part_rows * (p.head_dim + 1),), dtype=torch.float32, device=dev).data_ptr()
             part_l = part_o + self.part_rows * p.head_dim * 4
-            if self.fused:
-                buf = _COUNTERS.get(torch, q, stream, self.counter_slots)
-                counters = buf.data_ptr() if buf is not None else 0
         else:
             part_o = part_l = 0
         # In _POINTERS order.
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                      block_table.data_ptr() if block_table is not None else 0, lens.data_ptr(),
                      k_new.data_ptr() if k_new is not None else 0, v_new.data_ptr() if v_new is not None else 0,
-                     part_o, part_l, counters)
-        for launch, template, slots, is_combine in self.fast:
-            if is_combine and counters:
-                continue  # the decode kernel merged the splits itself
+                     part_o, part_l)
+        for launch, template, slots in self.fast:
             args = list(template)
             for i, j in slots:
                 args[i] = addresses[j]
@@ -291,17 +239,14 @@ class _Launch:
             return o, lse
         values = {**self.base, "Q": q, "K": k, "V": v, "Out": o, "LSE": lse, "BlockTable": block_table,
                   "CacheSeqlens": self.seqlens(q, cache_seqlens, infos), "KNew": k_new, "VNew": v_new,
-                  "PartO": None, "PartL": None, "Counters": None}
+                  "PartO": None, "PartL": None, **_RETIRED}
         if self.append is not None:
             self.append(*[values[n] for n in self.append.arg_names])
         if self.combine is not None:
             values["PartO"] = xp.empty((self.part_rows, p.head_dim), "fp32", q)
             values["PartL"] = xp.empty((self.part_rows,), "fp32", q)
-            if self.fused:
-                stream = interop.stream_getter("torch")(p.device) if q.is_cuda else 0
-                values["Counters"] = _COUNTERS.get(sys.modules["torch"], q, stream, self.counter_slots)
         self.decode(*[values[n] for n in self.decode.arg_names])
-        if self.combine is not None and values["Counters"] is None:
+        if self.combine is not None:
             self.combine(*[values[n] for n in self.combine.arg_names])
         return o, lse
 

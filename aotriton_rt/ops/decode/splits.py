@@ -8,25 +8,16 @@ from typing import Any
 
 from ...errors import CatalogError
 
-#: How split partials are merged: ``separate``, by attn_decode_combine (the default), or
-#: ``fused``, by the last split program of each tile to finish (an arrival counter per tile; no
-#: second launch). ``fused`` is opt-in (a catalog rule ``"combine": "fused"``) and experimental:
-#: eagerly it matched the separate merge on the H200, but replayed from CUDA graphs it returned
-#: wrong outputs (tests/runtime/test_decode_gpu.py, strict xfail) and impossible times in
-#: bench/decode.py's graph mode, for reasons not found yet.
-COMBINE_MODES = ("fused", "separate")
-
 
 @dataclass(frozen=True)
 class SplitRule:
     """How many splits a call gets: ``waves`` resident programs per SM to fill (the decode
-    tile's occupancy), splits of at least ``min_blocks`` key blocks, at most ``max_splits``;
-    and how their partials are merged, ``combine`` (one of :data:`COMBINE_MODES`)."""
+    tile's occupancy), splits of at least ``min_blocks`` key blocks, at most ``max_splits``
+    (attn_decode_combine merges their partials)."""
 
     waves: int = 2
     min_blocks: int = 4
     max_splits: int = 64
-    combine: str = "separate"
 
 
 # Per target, when the catalog has no rule: SM (CU) counts of the usual parts and the rule.
@@ -66,7 +57,7 @@ def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = Fal
     ``min_batch_heads`` (optional) at least that many (sequence, KV head) pairs in the call
     (``batch_heads``: the work size before splitting), ``paged`` (optional) the cache kind.
     ``splits`` (optional) overrides fields of the default rule, ``config`` (optional) picks a
-    tuning config, ``combine`` (optional) ``"fused"`` or ``"separate"`` (see :data:`COMBINE_MODES`).
+    tuning config. A ``combine`` key (the removed fused split merge's switch) is refused.
     """
     base = DEFAULT_SPLIT_RULES.get(arch, SplitRule())
     if not rules:
@@ -77,6 +68,9 @@ def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = Fal
         where = f"catalog tuning['attn_decode'][{i}]"
         if not isinstance(rule, dict):
             raise CatalogError(f"{where} must be an object, got {rule!r}")
+        if "combine" in rule:
+            raise CatalogError(f"{where}.combine is no longer read: the fused split merge was removed (splits are "
+                               f"always merged by attn_decode_combine); drop the key, got {rule['combine']!r}")
         if "arch" in rule and rule["arch"] != arch:
             continue
         least = rule.get("min_batch_heads", 0)
@@ -97,10 +91,6 @@ def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = Fal
                 if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                     raise CatalogError(f"{where}.splits.{key} must be an integer in [{lo}, {hi}], got {value!r}")
                 fields[key] = value
-        combine = rule.get("combine", base.combine)
-        if combine not in COMBINE_MODES:
-            raise CatalogError(f"{where}.combine must be one of {', '.join(COMBINE_MODES)}, got {combine!r}")
-        fields["combine"] = combine
         config = rule.get("config", 0)
         if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config < 64:
             raise CatalogError(f"{where}.config must be an integer in [0, 64), got {config!r}")
