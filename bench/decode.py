@@ -40,6 +40,9 @@ tokens for 8 sequences from 512-token prompts through transformers' attention in
         --splits 1 --config 0 --min-blocks 1 2 8 --rounds 9
     python bench/decode.py --llama --rounds 5
 Images: AOTRITON_RT_IMAGES (or the default library). Writes JSON under $OUT when set.
+``AOTRITON_RT_CUDA_PDL=off`` launches the sm90 decode chain without programmatic dependent
+launch (docs/runtime.md): run the same command with it on and off, alternately, to see what PDL
+gives.
 """
 
 from __future__ import annotations
@@ -600,8 +603,10 @@ def main() -> None:
     args = ap.parse_args()
     images = os.environ.get("AOTRITON_RT_IMAGES")
     lib = aotriton_rt.Library(images) if images else aotriton_rt.default_library()
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  images {images or 'default'}")
-    result: dict = {"device": torch.cuda.get_device_name(), "args": vars(args)}
+    pdl = os.environ.get("AOTRITON_RT_CUDA_PDL", "on")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  images {images or 'default'}  "
+          f"PDL launches {pdl}")
+    result: dict = {"device": torch.cuda.get_device_name(), "args": vars(args), "pdl": pdl}
     if args.llama:
         result["llama"] = llama(args, lib)
     else:

@@ -173,6 +173,9 @@ class CudaDriver:
             self._cuLaunchKernel_gil = proto(ctypes.cast(self._cuLaunchKernel, c_void_p).value)
         else:
             self._cuLaunchKernel_gil = self._cuLaunchKernel
+        # PDL variants launched plainly (AOTRITON_RT_CUDA_PDL=off), for measuring what PDL gives
+        # (bench/decode.py): their in-kernel wait then returns at once, the stream orders them.
+        self._pdl = os.environ.get("AOTRITON_RT_CUDA_PDL", "on") != "off"
         self.check(self._cuInit(0), "cuInit")
 
     # ------------------------------------------------------------------ errors
@@ -335,6 +338,7 @@ class CudaDriver:
                               f"shared={shared} (>= 0), cluster_dims={cluster_dims}")
         device = self._functions.device(function, 0)
         symbol = self._functions.symbol(function)
+        pdl = pdl and self._pdl
         if not (cooperative or pdl or cluster != (1, 1, 1)):
             return CudaLauncher(self, function, symbol, device, struct, num_threads, shared,
                                 self._launch_mode)

@@ -423,6 +423,21 @@ def test_cooperative_cluster_and_pdl_launches_use_launch_kernel_ex(driver: CudaD
     assert bytes.fromhex(record["args"]) == ADD_STRUCT.pack(*ADD_VALUES)
 
 
+def test_pdl_variants_launch_plainly_when_pdl_is_turned_off_for_measuring(
+        fake_libcuda: Path, log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AOTRITON_RT_CUDA_PDL", "off")
+    handle = ctypes.CDLL(str(fake_libcuda))
+    handle.fakecuda_reset()
+    driver = CudaDriver(LoadedLibrary(handle, str(fake_libcuda), "test"))
+    function = driver.get_function(0, driver.load_module(0, cubin(ADD)), "add_kernel")
+    driver.make_launcher(function, struct=ADD_STRUCT, num_threads=64, shared=0, pdl=True)(2, 1, 1, 0x55, ADD_VALUES)
+    driver.make_launcher(function, struct=ADD_STRUCT, num_threads=64, shared=0, pdl=True,
+                         cooperative=True)(2, 1, 1, 0x55, ADD_VALUES)
+    assert [r["grid"] for r in records(log, "cuLaunchKernel")] == [[2, 1, 1]]
+    (ex,) = records(log, "cuLaunchKernelEx")
+    assert ex["attrs"] == [[2, 1, 0, 0]]  # cooperative only: no PDL attribute
+
+
 def test_large_clusters_opt_in_to_non_portable_sizes(driver: CudaDriver, log: Path) -> None:
     function = driver.get_function(0, driver.load_module(0, cubin(ADD)), "add_kernel")
     driver.make_launcher(function, struct=ADD_STRUCT, num_threads=128, shared=0,
