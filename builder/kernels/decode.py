@@ -16,9 +16,10 @@ Three kernels, launched by ``aotriton_rt/ops/decode.py`` (see docs/attention.md,
 Programmatic dependent launch (CUDA sm90+, the ``PDL`` constexpr of the sm90 configs, launched
 with the launch.pdl attribute): each kernel may start before its predecessor on the stream has
 finished, and every program waits for it (``griddepcontrol.wait``: the predecessor complete and
-its writes visible; a plain stream wait when the predecessor is not a PDL one) before its first
-global load or store, then lets its own successor launch. Only index arithmetic precedes the
-wait, so the chain hides launch latency, never reorders memory accesses.
+its writes visible; without a programmatic predecessor it passes at once) before its first
+global load or store, and lets its own successor launch once only its stores are left. Only
+index arithmetic precedes the wait, so the chain hides launch latency, never reorders memory
+accesses.
 
 Masks are bottom-right aligned (the queries are the sequence's last ``seqlen_q`` rows): key ``j``
 is visible from query ``i`` when ``i + diag - window_left <= j <= i + diag + window_right`` with
@@ -150,13 +151,21 @@ def _attend(acc, l_i, m_i, q, K_head, V_head, bt_row, start, end, len_k, qi, dia
 @triton.jit
 def _after_predecessor(PDL: tl.constexpr):
     """With PDL (a launch that may start before its predecessor on the stream finished): wait
-    until the predecessor has completed and its writes are visible (the whole program waits; a
-    launch without a programmatic predecessor passes at once, ordered by the stream as usual),
-    then let the successor launch early (it waits the same way, so it never sees this program's
-    writes early). Every program calls this before its first global load or store: reads of the
-    predecessor's outputs and writes to memory it may still read stay ordered."""
+    until the predecessor has completed and its writes are visible (every thread waits; without
+    a programmatic predecessor it passes at once, the stream having ordered the launch). Every
+    program calls this before its first global load or store, so reads of the predecessor's
+    outputs and writes to memory it may still read stay ordered."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def _successor_may_launch(PDL: tl.constexpr):
+    """With PDL: the successor may launch once every program got here (it waits for this grid's
+    completion before touching memory, so it never sees these writes early). Called late, when
+    only the stores are left: the successor's programs then wait briefly, and a profiler's
+    duration of the successor (which starts at its launch) stays close to its own work."""
+    if PDL:
         gdc_launch_dependents()
 
 
@@ -265,6 +274,7 @@ def attn_decode(
                                 qk_scale, page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n,
                                 offs_d, HEAD_DIM, BLOCK_N, 0, PREC)
 
+    _successor_may_launch(PDL)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
@@ -328,6 +338,7 @@ def attn_decode_combine(
         den += w
     total = tl.sum(den, 0)
     safe = tl.where(total == 0.0, 1.0, total)
+    _successor_may_launch(PDL)
     out = tl.sum(acc, 0) / safe
     lse = tl.where(total == 0.0, float("-inf"), m_sub + tl.log(safe))
     o_ptrs = Out + off_b.to(tl.int64) * stride_oz + head.to(tl.int64) * stride_oh + qi * stride_om + offs_d
@@ -378,6 +389,7 @@ def attn_decode_append(
     kn = tl.load(KNew + src + offs_d[None, :], mask=mask, other=0.0)
     src = off_b.to(tl.int64) * stride_vnz + off_hk.to(tl.int64) * stride_vnh + rows[:, None] * stride_vnm
     vn = tl.load(VNew + src + offs_d[None, :], mask=mask, other=0.0)
+    _successor_may_launch(PDL)
     tl.store(K_head + k_off[:, None] + offs_d[None, :], kn, mask=mask)
     tl.store(V_head + v_off[:, None] + offs_d[None, :], vn, mask=mask)
 

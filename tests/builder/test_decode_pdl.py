@@ -37,13 +37,14 @@ def test_sm90_decode_chain_variants_launch_with_pdl_and_wait_for_their_predecess
     variant, raw, _, ptx = compile_job_with_ptx(job)
     assert variant.pdl is True and variant.to_json()["launch"]["pdl"] is True
     text = lzma.decompress(ptx).decode()
-    # The wait precedes every global access of the kernel; then the successor may launch.
+    # The wait precedes every global access of the kernel; the successor may launch only after
+    # the loads (late: its profiled duration would otherwise include this kernel's work).
     body = text[text.index(".entry"):]
     wait = body.index("griddepcontrol.wait")
-    first_access = min(i for i in (body.find("ld.global"), body.find("st.global"), body.find("cp.async"))
-                       if i >= 0)
-    assert wait < first_access, "a global access comes before griddepcontrol.wait"
-    assert "griddepcontrol.launch_dependents" in body
+    first_load = min(i for i in (body.find("ld.global"), body.find("cp.async")) if i >= 0)
+    first_store = body.find("st.global")
+    assert wait < first_load and wait < first_store, "a global access comes before griddepcontrol.wait"
+    assert first_load < body.index("griddepcontrol.launch_dependents") < body.rindex("st.global")
     assert raw[:4] == b"\x7fELF"
 
 
