@@ -205,8 +205,7 @@ def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
               "stride_lz": hq * sq, "stride_lh": sq, "stride_btz": blocks if paged else 0,
               "batch": b, "num_heads_q": hq, "num_heads_k": hk, "seqlen_q": sq, "seqlen_new": sq,
               "capacity": capacity, "num_pages": num_pages, "page_size": page, "sm_scale": d ** -0.5,
-              "window_left": -1, "window_right": 0, "num_splits": splits,
-              "Counters": None}  # no arrival counters: the splits are merged by attn_decode_combine
+              "window_left": -1, "window_right": 0, "num_splits": splits}
     params = {"dtype": spec["dtype"], "HEAD_DIM": d}
     append = aj.kernel("attn_decode_append", library=lib, **params, PAGED=paged)
     decode = aj.kernel("attn_decode", library=lib, **params, PAGED=paged)
