@@ -56,7 +56,7 @@ def test_the_summary_gives_ratios_to_cudnn_and_the_portable_backward_and_the_bes
     assert [line.split()[6] for line in table] == ["cudnn", "portable", "gluon#0", "gluon#1"]
     assert table[2].split()[6:] == ["gluon#0", "460", "455-465", "0.92", "1.31"]
     assert lines[-2] == "fp16 D128 full B4 H32 N4096  best gluon#0: 460 TFLOP/s, 0.92x cuDNN, 1.31x portable"
-    assert "bf16 D128 full B4 H32 N4096 the timing process: timed out after 300 s" in lines
+    assert "bf16 D128 full B4 H32 N4096  the timing process: timed out after 300 s" in lines
     assert lines[-1].startswith("bf16 D128 full B4 H32 N4096  no Gluon dK/dV timed")
 
 
