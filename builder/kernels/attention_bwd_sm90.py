@@ -40,6 +40,24 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+#: Programs per scheduling group under a causal mask (attention.py's CAUSAL_GROUP_PROGRAMS).
+GROUP_PROGRAMS: gl.constexpr = gl.constexpr(256)
+
+
+@gluon.jit
+def _heavy_first(num_blocks, num_bh):
+    """(key block, batch*head) of this program under a causal mask, as attn_bwd_dkdv's _causal_order
+    orders them: in launch order, groups of about GROUP_PROGRAMS programs over a few heads, each
+    head's key blocks first to last inside a group (the first key blocks see the most queries), so
+    the light blocks end the grid and the heads in flight keep their Q/dO in L2."""
+    lin = gl.program_id(1).to(gl.int64) * num_blocks + gl.program_id(0)
+    heads = gl.maximum(GROUP_PROGRAMS // num_blocks, 1)
+    per_group = heads * num_blocks
+    group = lin // per_group
+    first = group * heads
+    size = gl.minimum(heads, num_bh - first)
+    rem = lin - group * per_group
+    return (rem // size).to(gl.int32), (first + rem % size).to(gl.int32)
 
 
 @gluon.jit
@@ -80,24 +98,26 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv
 
 
 @gluon.jit
-def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, s_zero, L_head, D_head, cols, qcols,
+def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head, cols, qcols,
           len_q, diag, left, right, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
           STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
     """dK, dV of one consumer after query tile ``it`` (first query start_m) of the loader's order."""
     s = it % STAGES
     q = q_smem.index(s)
     do = do_smem.index(s)
+    HALF: gl.constexpr = k.shape[0]
+    BLOCK_M: gl.constexpr = q.shape[0]
+    zero = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+    # LSE and Delta are read while the matmuls run, each just before its use: with dK, dV, S^T and
+    # dP^T in registers there is no room to hold them (16 registers each) across a wait.
     rows = start_m + qcols  # query indices, along the tile's columns (tiles are transposed)
     if MASKED:
-        inside = rows < len_q
-        lse = gl.load(L_head + rows, mask=inside, other=float("inf"))
-        delta = gl.load(D_head + rows, mask=inside, other=0.0)
+        lse = gl.load(L_head + rows, mask=rows < len_q, other=float("inf"))
     else:
         lse = gl.load(L_head + rows)
-        delta = gl.load(D_head + rows)
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    sT = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    dpT = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     # Rows that saw no key stored -inf: +inf here makes their probabilities 0, not NaN.
     lse = gl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
     # Groups retire in order: one outstanding means S^T is done while dP^T may still run.
@@ -109,6 +129,9 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, s_zero, L_hea
             rel = cols[:, None] - rows[None, :] - diag
             visible = visible & (rel >= -left) & (rel <= right)
         pT = gl.where(visible, pT, 0.0)
+        delta = gl.load(D_head + rows, mask=rows < len_q, other=0.0)
+    else:
+        delta = gl.load(D_head + rows)
     dpT = warpgroup_mma_wait(0, deps=(dpT,))
     dsT = pT * (dpT - delta[None, :])
     p_op = gl.convert_layout(pT.to(q.dtype), a_layout)
@@ -137,7 +160,6 @@ def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, f
 
     cols = start_n + c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     qcols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    s_zero = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
     dk = gl.zeros([HALF, BLOCK_D], gl.float32, acc_layout)
     dv = gl.zeros([HALF, BLOCK_D], gl.float32, acc_layout)
     qk_scale = sm_scale * LOG2E
@@ -153,12 +175,12 @@ def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, f
         base = g * n
         for j in range(0, masked):
             start_m = _query_block(j, lo, f1, f2, n1, n2, BLOCK_M)
-            dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, s_zero, L_head, D_head,
+            dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
                            cols, qcols, len_q, diag, left, right, qk_scale, True, CAUSAL, STAGES, s_layout,
                            a_layout)
         for j in range(masked, n):
             start_m = f1 + (j - masked) * BLOCK_M
-            dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, s_zero, L_head, D_head,
+            dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
                            cols, qcols, len_q, diag, left, right, qk_scale, False, CAUSAL, STAGES, s_layout,
                            a_layout)
 
@@ -208,8 +230,11 @@ def attn_bwd_dkdv_sm90(
     BLOCK_D: gl.constexpr = HEAD_DIM
     dtype: gl.constexpr = Q.dtype.element_ty
 
-    pid_n = gl.program_id(0)
-    pid_bh = gl.program_id(1)
+    if CAUSAL != 0:
+        pid_n, pid_bh = _heavy_first(gl.num_programs(0), batch * num_heads_k)
+    else:
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
     off_b = pid_bh // num_heads_k
     off_hk = pid_bh % num_heads_k
     group = num_heads_q // num_heads_k
@@ -305,7 +330,9 @@ from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations
 HEAD_DIMS = (64, 128)
 #: (BLOCK_M, STAGES) per head dim, the expected fastest first (unmeasured). BLOCK_N is always 128
 #: (two consumers of 64 keys). Shared memory: K and V of 128 keys (D=128: 64 KB) plus STAGES Q
-#: and dO tiles (D=128, BLOCK_M=64: 32 KB a stage).
+#: and dO tiles (D=128, BLOCK_M=64: 32 KB a stage). ptxas on the CPU: D=64 spills nothing; D=128
+#: spills 29-44 registers of loop-invariant scalars, none inside the query-tile loops. 128-query
+#: tiles do not fit at D=64 either (S^T and dP^T take 128 registers: 513 spill stores, ~100 a tile).
 TILES = {128: ((64, 2), (64, 3)), 64: ((64, 3), (64, 2))}
 #: Registers per thread of each consumer warp group (setmaxnreg); the loader warp takes 24.
 CONSUMER_REGS = 240

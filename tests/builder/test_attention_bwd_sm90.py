@@ -148,13 +148,14 @@ def test_ptxas_keeps_the_gluon_dkdv_wgmmas_asynchronous(built: Path, index: int)
 
 def test_ptxas_spills_nothing_at_head_dim_64_and_little_at_128(built: Path) -> None:
     """D=64 fits the consumers' 240 registers. D=128 holds dK and dV (128 fp32 registers) plus S^T
-    and dP^T (64) and their 16-bit copies: ptxas spills a few loop-invariant scalars (measured: 47
-    stores fp16 no mask, 88 causal), reloaded about twice per query tile. More means a real regression."""
+    and dP^T (64) and their 16-bit copies: ptxas spills some loop-invariant scalars (measured: 29-44
+    stores, none in the query-tile loops once LSE and Delta are loaded just before their use; 88-101
+    when they were held across the waits). More means a regression."""
     d64 = _ops(built, BUILT[2])
     assert d64.get("STL", 0) == 0 and d64.get("LDL", 0) == 0
     for spec in BUILT[:2]:
         ops = _ops(built, spec)
-        assert ops.get("STL", 0) <= 100 and ops.get("LDL", 0) <= 60, (spec, ops.get("STL"), ops.get("LDL"))
+        assert ops.get("STL", 0) <= 48 and ops.get("LDL", 0) <= 48, (spec, ops.get("STL"), ops.get("LDL"))
 
 
 if __name__ == "__main__":
