@@ -1,6 +1,6 @@
 """The Gluon sm90 dK/dV kernel under compute-sanitizer (not collected by pytest).
 
-    AOTRITON_RT_IMAGES=DIR \\
+    PYTHONPATH=. AOTRITON_RT_IMAGES=DIR \\
         compute-sanitizer --tool memcheck --error-exitcode 9 python tests/helpers/memcheck_attention_bwd_sm90.py
 
 Every attn_bwd_dkdv_sm90 variant of the images (build them with `python -m builder build --set gputest
