@@ -33,13 +33,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from aotriton_rt.ops.attention.dispatch import ARCH_FORWARDS
-from aotriton_rt.tuning import KERNEL_RULES
+from aotriton_rt.ops.attention.dispatch import ARCH_BACKWARDS, ARCH_FORWARDS, DKDV
+from aotriton_rt.tuning import DKDV_KERNEL_RULES, KERNEL_RULES
 
 from . import tuning
 
 #: The forward kernels an attention call may run: the portable one and each arch's own.
 FORWARDS = ("attn_fwd", *dict.fromkeys(ARCH_FORWARDS.values()))
+#: The dK/dV kernels a split backward may run: the portable one and each arch's own.
+DKDV_KERNELS = (DKDV, *dict.fromkeys(own[DKDV] for own in ARCH_BACKWARDS.values() if DKDV in own))
 TUNABLE = ("attn_fwd", "attn_fwd_sm90", "attn_bwd_dkdv", "attn_bwd_dq")
 DEFAULT_BINS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_BINS = (1024, 2048, 4096, 8192, 16384)
@@ -70,14 +72,23 @@ def forced_forward(lib: Any, kernel: str) -> TuningOverride:
     return TuningOverride(lib, {KERNEL_RULES: [{"kernel": kernel}]})
 
 
+def forced_dkdv(lib: Any, kernel: str) -> TuningOverride:
+    """A view of ``lib`` whose split attention backwards run ``kernel`` (one of :data:`DKDV_KERNELS`)
+    as their dK/dV kernel wherever the images hold it for the call's spec, e.g.
+    ``forced_dkdv(lib, "attn_bwd_dkdv")`` for the portable one where the sm90 one would serve."""
+    return TuningOverride(lib, {DKDV_KERNEL_RULES: [{"kernel": kernel}]})
+
+
 class ForcedConfig(TuningOverride):
     """A :class:`TuningOverride` sending every call of ``kernel`` to config ``index`` (and, for a
-    forward kernel, every forward call to that kernel)."""
+    forward or dK/dV kernel, every forward or split backward to that kernel)."""
 
     def __init__(self, lib: Any, kernel: str, index: int) -> None:
         rules = {kernel: [{"config": index}]}
         if kernel in FORWARDS:
             rules[KERNEL_RULES] = [{"kernel": kernel}]
+        if kernel in DKDV_KERNELS:
+            rules[DKDV_KERNEL_RULES] = [{"kernel": kernel}]
         super().__init__(lib, rules)
 
 

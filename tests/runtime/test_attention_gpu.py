@@ -340,8 +340,9 @@ def _inputs(pl: Plan, case: dict, gen: Any) -> dict:
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_attention_matches_the_fp32_reference_within_the_low_precision_error(lib: Any, name: str,
                                                                              forward: str) -> None:
-    """Every case as dispatched (on sm90 the Gluon forward where the images hold its spec) and,
-    where that is not the portable attn_fwd, once more on attn_fwd (a tuning override)."""
+    """Every case as dispatched (on sm90 the Gluon forward and dK/dV where the images hold their
+    specs) and, where that is not the portable attn_fwd and attn_bwd_dkdv, once more on those
+    (tuning overrides)."""
     case = MATRIX[name]
     pl = plan(case)
     if case.get("atomic") and "attn_bwd_dq_convert" not in lib.kernels:
@@ -353,11 +354,12 @@ def test_attention_matches_the_fp32_reference_within_the_low_precision_error(lib
     opts = {**pl.options, **t["cu"], "bias": bias}
     kernel = op.attention_kernels(q, k, v, **opts, return_mask=bool(case.get("dropout")), library=lib)["attn_fwd"]
     if forward == "portable":
-        if kernel.name == "attn_fwd":
-            pytest.skip("the dispatched forward is the portable one already")
-        from builder.tune import forced_forward
+        dkdv = op.attention_kernels(q, k, v, **opts, backward=True, **pl.backward, library=lib)["attn_bwd_dkdv"]
+        if kernel.name == "attn_fwd" and dkdv.name == "attn_bwd_dkdv":
+            pytest.skip("the dispatched forward and dK/dV are the portable ones already")
+        from builder.tune import forced_dkdv, forced_forward
 
-        lib = forced_forward(lib, "attn_fwd")
+        lib = forced_dkdv(forced_forward(lib, "attn_fwd"), "attn_bwd_dkdv")
     dtype = DTYPES[pl.dtype]
     summary = []
     if case.get("api") == "torch":

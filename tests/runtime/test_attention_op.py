@@ -111,10 +111,12 @@ class InterpretedKernel:
         return SimpleNamespace(spec=self.spec, config=SimpleNamespace(index=0, constexprs=blocks))
 
 
-def dispatch_arch_forwards() -> tuple[str, ...]:
-    from aotriton_rt.ops.attention.dispatch import ARCH_FORWARDS
+def dispatch_arch_kernels() -> tuple[str, ...]:
+    """The per-architecture Gluon kernels the dispatcher may pick (forwards and backward kernels)."""
+    from aotriton_rt.ops.attention.dispatch import ARCH_BACKWARDS, ARCH_FORWARDS
 
-    return tuple(ARCH_FORWARDS.values())
+    return tuple(dict.fromkeys((*ARCH_FORWARDS.values(), *(n for own in ARCH_BACKWARDS.values()
+                                                            for n in own.values()))))
 
 
 class InterpretedLibrary:
@@ -124,9 +126,9 @@ class InterpretedLibrary:
         from builder.registry import load_kernels
 
         self.decls = load_kernels()
-        # Kernels (or "name:PARAM=value") these "images" lack; always the per-arch Gluon forwards,
+        # Kernels (or "name:PARAM=value") these "images" lack; always the per-arch Gluon kernels,
         # which the interpreter does not run.
-        self.missing = (*dispatch_arch_forwards(), *missing)
+        self.missing = (*dispatch_arch_kernels(), *missing)
         self.catalogs: list = []
         self.launches: list = []
 
@@ -979,9 +981,10 @@ def test_every_kernel_the_gpu_matrix_dispatches_is_in_the_gputest_set(monkeypatc
     atomic = {"on": False}
     from aotriton_rt.ops.attention import dispatch
 
-    # The portable kernels only (the matrix also runs them where the sm90 forward would serve: see
-    # test_attention_gpu's portable cases).
-    monkeypatch.setattr(dispatch, "_available", lambda lib, name, params: name not in dispatch.ARCH_FORWARDS.values()
+    # The portable kernels only (the matrix also runs them where the sm90 forward or dK/dV would
+    # serve: see test_attention_gpu's portable cases).
+    arch_kernels = set(dispatch_arch_kernels())
+    monkeypatch.setattr(dispatch, "_available", lambda lib, name, params: name not in arch_kernels
                         and (atomic["on"] or name != "attn_bwd_dq_convert"))
     missing = []
     for name, case in {**gpu.MATRIX, **gpu.STANDALONE}.items():

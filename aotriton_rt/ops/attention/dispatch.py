@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import KernelNotFound, UnsupportedError
-from ...tuning import KERNEL_RULES, MODE_RULES, select_config, select_kernel, select_mode, seqlen_bin
+from ...tuning import DKDV_KERNEL_RULES, KERNEL_RULES, MODE_RULES, select_config, select_kernel, select_mode, seqlen_bin
 
 # Mirrors builder/kernels/attention.py (the runtime never imports the builder; a test keeps the
 # two equal): the head dims the kernels are compiled for, and the unequal q·k / v pairs.
@@ -32,6 +32,11 @@ CONVERT = "attn_bwd_dq_convert"
 #: bias, dropout or varlen). Preferred on their arch when the images hold the call's spec, unless a
 #: ``tuning["attn_fwd_kernel"]`` rule names another kernel.
 ARCH_FORWARDS = {"sm90": "attn_fwd_sm90"}
+#: Per-architecture kernels of the split backward, by the portable kernel they stand in for: same
+#: arguments, grid and results (builder/kernels/attention_bwd_sm90.py: the dK/dV kernel for fp16/bf16,
+#: head dim 64/128, no bias, dropout or varlen). Preferred on their arch when the images hold the
+#: call's spec, unless a ``tuning["attn_bwd_dkdv_kernel"]`` rule names another kernel.
+ARCH_BACKWARDS = {"sm90": {DKDV: "attn_bwd_dkdv_sm90"}}
 
 
 @dataclass(frozen=True)
@@ -235,7 +240,9 @@ class LibraryKernels:
                                    seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
                                    arch=lambda: self.device_arch(device))
             mode, specs = backward_params(call, self.available, deterministic=deterministic, dbias=dbias, mode=mode)
-            handles = {name: self.handle(name, spec, call, device) for name, spec in specs.items()}
+            arch = lambda: self.device_arch(device)  # noqa: E731 - asked only where an arch kernel is held
+            handles = {role: self.handle(backward_kernel(self, call, role, spec, arch)[0], spec, call, device)
+                       for role, spec in specs.items()}
             hit = self.choices[key] = (mode, specs, handles)
         return hit
 
@@ -273,22 +280,40 @@ def forward_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any]
     spec; then that one, unless a ``tuning["attn_fwd_kernel"]`` rule names another kernel the
     images hold for the spec.
     """
-    candidates = [name for name in dict.fromkeys(ARCH_FORWARDS.values()) if ks.available(name, spec)]
+    return _arch_kernel(ks, call, spec, arch, FWD, ARCH_FORWARDS, KERNEL_RULES, "forward")
+
+
+def backward_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: dict[str, Any],
+                    arch: str | Callable[[], str]) -> tuple[str, str]:
+    """(kernel name, reason): which kernel plays ``role`` (a portable backward kernel's name, e.g.
+    ``attn_bwd_dkdv``) of a backward for ``spec`` on ``arch``, as :func:`forward_kernel` does for
+    the forward: the arch's own kernel (:data:`ARCH_BACKWARDS`) where the images hold it for this
+    spec, unless a ``tuning["attn_bwd_dkdv_kernel"]`` rule names the portable one. Roles without a
+    per-architecture kernel (and the atomic-dQ dK/dV, ``DQ_ATOMIC=1``) keep the portable kernel."""
+    if role != DKDV or spec.get("DQ_ATOMIC"):
+        return role, ""
+    owns = {a: kernels[role] for a, kernels in ARCH_BACKWARDS.items() if role in kernels}
+    return _arch_kernel(ks, call, spec, arch, role, owns, DKDV_KERNEL_RULES, "dK/dV kernel")
+
+
+def _arch_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any], arch: str | Callable[[], str],
+                 portable: str, owns: Mapping[str, str], table: str, what: str) -> tuple[str, str]:
+    candidates = [name for name in dict.fromkeys(owns.values()) if ks.available(name, spec)]
     if not candidates:
-        return FWD, ""  # nothing to choose
+        return portable, ""  # nothing to choose
     if callable(arch):
         arch = arch()
-    own = ARCH_FORWARDS.get(arch)
+    own = owns.get(arch)
     if own not in candidates:
-        return FWD, f"the portable forward ({arch} has no per-architecture forward for this spec here)"
-    choice = select_kernel(ks.tuning.get(KERNEL_RULES), spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
-                           arch=arch)
+        return portable, f"the portable {what} ({arch} has no per-architecture {what} for this spec here)"
+    choice = select_kernel(ks.tuning.get(table), spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
+                           arch=arch, table=table)
     if choice is not None:
         name = choice.rule["kernel"]
-        if name == FWD or name == own:
+        if name == portable or name == own:
             return name, choice.reason
         return own, f"{choice.reason} names {name!r}, which does not serve this spec on {arch}; {own} runs"
-    return own, f"{arch}'s own forward, preferred where the images hold it (no tuning['{KERNEL_RULES}'] rule)"
+    return own, f"{arch}'s own {what}, preferred where the images hold it (no tuning['{table}'] rule)"
 
 
 def _show(params: Mapping[str, Any]) -> str:

@@ -15,7 +15,16 @@ from typing import Any
 
 from ...errors import ArgumentError, KernelNotFound
 from ...tuning import MODE_RULES, Choice, explain_config
-from .dispatch import DTYPES, AttentionCall, backward_params, bucket, forward_kernel, forward_params, kernels_of
+from .dispatch import (
+    DTYPES,
+    AttentionCall,
+    backward_kernel,
+    backward_params,
+    bucket,
+    forward_kernel,
+    forward_params,
+    kernels_of,
+)
 
 __all__ = ["Explanation", "KernelPick", "explain"]
 
@@ -154,7 +163,10 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
         reason += f"; the images lack the {mode} kernels, so {got} runs"
     elif mode is None and got == "atomic":
         reason = "the images hold only the atomic-dQ kernels"
-    picks = [_pick(ks, name, spec, call, arch) for name, spec in specs.items()]
+    picks = []
+    for role, spec in specs.items():
+        name, why = backward_kernel(ks, call, role, spec, arch)
+        picks.append(replace(_pick(ks, name, spec, call, arch), kernel_reason=why))
     return Explanation(call, arch, picks, got, reason)
 
 

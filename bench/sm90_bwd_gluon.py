@@ -1,0 +1,254 @@
+"""The sm90 backward with the Gluon dK/dV kernel against the portable dK/dV and cuDNN, in one GPU run.
+
+Per shape (B=4, H=32, N=4096; D=128 and 64; fp16 and bf16; no mask and causal), three kinds of
+contenders time the *whole* backward (preprocess, dK/dV, dQ, as ``aotriton_rt.attention_backward``
+runs it, split scheme):
+
+- ``gluon#i``: the dK/dV kernel ``attn_bwd_dkdv_sm90`` at its config i (every config the images
+  hold for the spec), forced through ``builder.tune.ForcedConfig``;
+- ``portable``: the portable ``attn_bwd_dkdv`` (its config #0, the sm90 sweep's winner), forced
+  through ``builder.tune.forced_dkdv``; preprocess and dQ are the same kernels in both;
+- ``cudnn``: torch SDPA's cuDNN backward with inputs that require grad (what training runs).
+
+Contenders run in rounds whose order is shuffled each round (:func:`builder.gputime.time_rounds`);
+the table gives median TFLOP/s (10·B·H·N²·D, halved when causal), the min-max over rounds, and the
+ratios to cuDNN and to the portable backward of the same run. Before timing, each shape checks
+that the Gluon dK/dV's dk, dv agree with the portable kernel's on the timed inputs (max abs
+difference relative to the largest gradient; the fp32-reference check is
+tests/runtime/test_attention_bwd_sm90_gpu.py). Each shape runs in a child process with a time limit:
+a kernel that faults or hangs costs its shape, not the run.
+
+Images (build on the GPU machine, ~1-2 min with 14 cores)::
+
+    python -m builder build --set gputest --targets sm90 \\
+        --kernels attn_fwd,attn_bwd_preprocess,attn_bwd_dkdv,attn_bwd_dq,attn_bwd_dkdv_sm90 --out DIR -j 14
+    python bench/sm90_bwd_gluon.py --images DIR [--shapes 0,1] [--rounds 10]
+
+Details (every round, the agreement checks, notes) go to ``$OUT/sm90_bwd_gluon.json`` when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import children  # noqa: E402
+from bench.children import read_lines, run_child  # noqa: E402
+
+GLUON = "attn_bwd_dkdv_sm90"
+PORTABLE = "attn_bwd_dkdv"
+# (dtype, head dim, mask mode, B, H, N): the issue's training shapes (mode 2: causal, equal lengths).
+SHAPES = tuple((dt, d, c, 4, 32, 4096) for d in (128, 64) for c in (0, 2) for dt in ("fp16", "bf16"))
+# Agreement of the Gluon dk, dv with the portable kernel's: max |diff| / max |portable| below this.
+AGREE = {"fp16": 2e-2, "bf16": 5e-2}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def shapes_of(indices: str) -> list[tuple]:
+    """``"all"`` or comma indices into :data:`SHAPES`."""
+    if indices == "all":
+        return list(SHAPES)
+    return [SHAPES[int(i)] for i in indices.split(",") if i.strip()]
+
+
+def shape_name(shape) -> str:
+    dtype, d, causal, b, h, n = shape
+    return f"{dtype} D{d} {'causal' if causal else 'full'} B{b} H{h} N{n}"
+
+
+def gluon_configs(lib, shape) -> list[int]:
+    """The config indices of the Gluon dK/dV the images hold for ``shape``'s spec, sorted."""
+    dtype, d, causal = shape[:3]
+    return sorted({v.config.index for v in lib.variants_of(GLUON) if v.target.arch == "sm90"
+                   and (v.spec["dtype"], v.spec["HEAD_DIM"], v.spec["CAUSAL"]) == (dtype, d, causal)})
+
+
+def time_shape(torch, lib, shape: tuple, rounds: int, seed: int) -> dict:
+    """Agreement check, then the shuffled-rounds timing of one shape (see the module docs)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import aotriton_rt
+    from aotriton_rt.ops.attention import attention_kernels
+    from builder.gputime import time_rounds
+    from builder.tune import ForcedConfig, forced_dkdv
+
+    dtype_name, D, causal, B, H, N = shape
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    # (B, S, H, D) memory seen as (B, H, S, D), as training code lays it out.
+    q, k, v, do = (torch.randn(B, N, H, D, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+                   for _ in range(4))
+    scale = 1 / math.sqrt(D)
+    options = {"causal": bool(causal), "align": "bottom_right", "scale": scale}
+    flops = 10.0 * B * H * N * N * D / (2 if causal else 1)
+    out, lse = aotriton_rt.attention(q, k, v, library=lib, **options)
+    notes: list[str] = []
+
+    def ours(view):
+        return lambda: aotriton_rt.attention_backward(do, q, k, v, out, lse, deterministic=True, library=view,
+                                                      **options)
+
+    portable = forced_dkdv(lib, PORTABLE)
+    views = {"portable": portable}
+    for i in gluon_configs(lib, shape):
+        views[f"gluon#{i}"] = ForcedConfig(lib, GLUON, i)
+    launched = {}
+    for label, view in views.items():
+        h = attention_kernels(q, k, v, backward=True, deterministic=True, library=view, **options)[PORTABLE]
+        launched[label] = f"{h.name}#{h.variant(torch.cuda.current_device()).config.index}"
+    agree = {}
+    _, pk, pv = ours(portable)()[:3]
+    for label, view in views.items():
+        if label == "portable":
+            continue
+        _, gk, gv = ours(view)()[:3]
+        torch.cuda.synchronize()
+        rel = max(((g.double() - p.double()).abs().max() / p.double().abs().max().clamp_min(1e-30)).item()
+                  for g, p in ((gk, pk), (gv, pv)))
+        agree[label] = {"rel": rel, "ok": bool(rel <= AGREE[dtype_name])}  # NaN fails
+    fns = {label: ours(view) for label, view in views.items()
+           if label == "portable" or agree[label]["ok"]}
+    for label, a in agree.items():
+        if not a["ok"]:
+            notes.append(f"{label}: dk/dv differ from the portable kernel's by {a['rel']:.3g} (relative); not timed")
+
+    def cudnn():
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=bool(causal), scale=scale)
+        return lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
+
+    try:
+        fns["cudnn"] = cudnn()
+    except Exception as exc:  # noqa: BLE001 - a missing peer is reported, not fatal
+        notes.append(f"cudnn: {type(exc).__name__}: {str(exc)[:200]}")
+    stats = time_rounds(fns, rounds=rounds, seed=seed, log=notes.append)
+    base, port = stats.get("cudnn"), stats.get("portable")
+
+    def row(st) -> dict:
+        return {"median_ms": st.median, "min_ms": st.low, "max_ms": st.high, "rounds_ms": list(st.rounds),
+                "tflops": flops / (st.median * 1e-3) / 1e12, "tflops_min": flops / (st.high * 1e-3) / 1e12,
+                "tflops_max": flops / (st.low * 1e-3) / 1e12,
+                "vs_cudnn": base.median / st.median if base else None,
+                "vs_portable": port.median / st.median if port else None}
+
+    return {"shape": list(shape), "launched": launched, "agree": agree,
+            "rows": {n: row(st) for n, st in stats.items()}, "notes": notes}
+
+
+def child_time(folder: str, shapes: list[tuple], start: int, rounds: int, result: Path) -> None:
+    """Time shapes[start:] one by one, appending each shape's result as a JSON line to ``result``."""
+    import torch
+
+    import aotriton_rt
+
+    lib = aotriton_rt.Library(folder)
+    for i in range(start, len(shapes)):
+        try:
+            res = time_shape(torch, lib, shapes[i], rounds, seed=i)
+        except Exception as exc:  # noqa: BLE001 - recorded; the next shape still runs
+            res = {"shape": list(shapes[i]), "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        with open(result, "a") as f:
+            f.write(json.dumps(res) + "\n")
+
+
+def run_shapes(folder: str, selection: list[str], total: int, rounds: int, timeout: float, work: Path,
+               run=None) -> list[dict]:
+    """Every shape, in child processes: after a child dies (fault, hang), a new one resumes at the
+    shape after the last one it finished, and the lost shape is recorded as such."""
+    run = run or (lambda argv, t: run_child(__file__, argv, t))
+    path = work / "sm90_bwd_gluon.jsonl"
+    path.unlink(missing_ok=True)
+    results: list[dict] = []
+    while len(results) < total:
+        start = len(results)
+        why = run(["--child", folder, *selection, "--rounds", str(rounds), "--start", str(start),
+                   "--result", str(path)], timeout)
+        results = read_lines(path)
+        if len(results) < total:
+            lost = {"shape": None, "index": len(results),
+                    "error": f"the timing process: {why or 'exited before finishing its shape'}"}
+            with open(path, "a") as f:
+                f.write(json.dumps(lost) + "\n")
+            results = read_lines(path)
+    return results
+
+
+def summary_lines(results: list[dict], shapes: list[tuple]) -> list[str]:
+    """The compact table: per shape and contender, median TFLOP/s [min-max], ratio to cuDNN and to
+    the portable backward; then the best Gluon config's ratios, one line per shape."""
+    lines = ["", "backward TFLOP/s (median [min-max] over rounds), whole backward, shuffled order each round",
+             f"{'shape':<28} {'contender':<10} {'TFLOP/s':>8} {'range':>15} {'x cuDNN':>8} {'x portable':>10}"]
+    best_lines = []
+    for i, shape in enumerate(shapes):
+        res = results[i] if i < len(results) else {"error": "not measured"}
+        name = shape_name(shape)
+        if "error" in res:
+            lines.append(f"{name:<28} {res['error']}")
+            best_lines.append(f"{name:<28} no Gluon dK/dV timed ({res['error']})")
+            continue
+        rows = res["rows"]
+        for label in sorted(rows, key=lambda n: (n != "cudnn", n != "portable", n)):
+            r = rows[label]
+            vc = f"{r['vs_cudnn']:.2f}" if r["vs_cudnn"] else "-"
+            vp = f"{r['vs_portable']:.2f}" if r["vs_portable"] else "-"
+            lines.append(f"{name:<28} {label:<10} {r['tflops']:8.0f} {r['tflops_min']:7.0f}-{r['tflops_max']:<7.0f}"
+                         f" {vc:>8} {vp:>10}")
+        gluon = {n: r for n, r in rows.items() if n.startswith("gluon#")}
+        if gluon:
+            best = max(gluon, key=lambda n: (gluon[n]["tflops"], n))
+            r = gluon[best]
+            best_lines.append(f"{name:<28} best {best}: {r['tflops']:.0f} TFLOP/s, "
+                              f"{r['vs_cudnn'] or float('nan'):.2f}x cuDNN, "
+                              f"{r['vs_portable'] or float('nan'):.2f}x portable")
+        else:
+            best_lines.append(f"{name:<28} no Gluon dK/dV timed ({'; '.join(res.get('notes', [])) or 'none built'})")
+    return lines + ["", "summary (target: the whole backward >= 0.9x cuDNN at D=128, >= 0.85x at D=64):"] + best_lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", required=False, default=os.environ.get("BWD_IMAGES", ""),
+                    help="image folder holding attn_fwd, attn_bwd_* and attn_bwd_dkdv_sm90 for the shapes")
+    ap.add_argument("--shapes", default="all", help="'all' or comma indices into SHAPES")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per timing process")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    shapes = shapes_of(args.shapes)
+    if args.child:
+        child_time(args.child, shapes, args.start, args.rounds, Path(args.result))
+        return 0
+    if not args.images or not (Path(args.images) / "catalog.json").is_file():
+        log(f"no image folder at {args.images!r}: build one (see the module docs) and pass --images")
+        return 1
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="sm90-bwd-gluon-") as tmp:
+        work = Path(os.environ.get("OUT") or tmp)
+        results = run_shapes(args.images, ["--shapes", args.shapes], len(shapes), args.rounds, args.timeout, work)
+    for r in results:
+        for note in r.get("notes", []):
+            log(f"note {shape_name(r['shape']) if r.get('shape') else '?'}: {note}")
+    for line in summary_lines(results, shapes):
+        log(line)
+    log(f"\ntotal {time.monotonic() - started:.0f} s")
+    children.write_details("sm90_bwd_gluon.json", {"shapes": shapes, "results": results}, log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

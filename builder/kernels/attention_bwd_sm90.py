@@ -1,0 +1,381 @@
+"""Hopper (sm90) attention backward dK/dV in Gluon, FlashAttention-3 style.
+
+Same arguments, grid, conventions and results as ``attn_bwd_dkdv`` in ``attention_bwd.py`` for the
+split scheme (``DQ_ATOMIC=0``: dQ comes from ``attn_bwd_dq``), for the cases the backward spends
+most time on: fp16/bf16, head dim 64 or 128 (equal q.k and v dims), every mask mode and window,
+GQA, no bias, no dropout, fixed lengths. Every other case and every other target keeps the
+portable kernel; this one is compiled for sm90 only (Gluon kernels are per architecture).
+
+Layout of one program (one key block of ``BLOCK_N`` keys of one key/value head, as ``attn_bwd_dkdv``):
+
+- Two *consumer* warp groups of 4 warps, each owning ``BLOCK_N // 2`` keys (the wgmma M tile, 64):
+  its K and V rows stay in shared memory, its dK and dV accumulators in registers (fp32,
+  ``64 x HEAD_DIM`` each: 64 registers a thread at D=128 for each).
+- One *loader* warp (``warp_specialize``) that loads K and V once, then streams the Q and dO tiles
+  (``BLOCK_M`` queries) of every query head of the GQA group with TMA into a ring of ``STAGES``
+  shared-memory slots, each with a ready and a free mbarrier. Both consumers read every slot; a
+  slot is refilled when both have arrived on its free barrier. LSE and Delta (``BLOCK_M`` fp32
+  each, L2-resident) are read by the consumers with ordinary loads, issued before the matmuls
+  that hide them: a 1-D TMA of them would need 16-byte aligned rows, which odd lengths break.
+- Per query tile each consumer issues, as asynchronous wgmma: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (both
+  operands in shared memory), then, with Pᵀ = exp2(Sᵀ·scale·log2e - LSE·log2e) in registers,
+  dV += Pᵀ·dO, and with dSᵀ = Pᵀ∘(dPᵀ - Delta) in registers, dK += dSᵀ·Q (the A operands in
+  registers, FA3's ``Mma_dKV_is_RS``). dPᵀ runs while Pᵀ is computed; dV's matmul runs while dSᵀ
+  is. Registers per consumer thread at D=128, BLOCK_M=64: dK 64 + dV 64 + Sᵀ 32 + dPᵀ 32 + the
+  fp16 Pᵀ and dSᵀ operands 16 + 16; ``CONSUMER_REGS`` (240) holds that, the loader takes 24.
+
+Query tiles are visited in ``attn_bwd_dkdv``'s split: the tiles on the band's edges and the
+sequence end (masked) first, then the unmasked run, so the hot loop carries no mask code; that
+order repeats for each query head of the group.
+
+Device-side TMA descriptors (made in the kernel, 128 bytes each) live in the runtime's global
+scratch, as for ``attn_fwd_sm90``. Q and dO are described as 3-D tensors (group heads, rows, dim)
+so one descriptor serves every query head of the GQA group.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+#: Programs per scheduling group under a causal mask (attention.py's CAUSAL_GROUP_PROGRAMS).
+GROUP_PROGRAMS: gl.constexpr = gl.constexpr(256)
+
+
+@gluon.jit
+def _heavy_first(num_blocks, num_bh):
+    """(key block, batch*head) of this program under a causal mask, as attn_bwd_dkdv's _causal_order
+    orders them: in launch order, groups of about GROUP_PROGRAMS programs over a few heads, each
+    head's key blocks first to last inside a group (the first key blocks see the most queries), so
+    the light blocks end the grid and the heads in flight keep their Q/dO in L2."""
+    lin = gl.program_id(1).to(gl.int64) * num_blocks + gl.program_id(0)
+    heads = gl.maximum(GROUP_PROGRAMS // num_blocks, 1)
+    per_group = heads * num_blocks
+    group = lin // per_group
+    first = group * heads
+    size = gl.minimum(heads, num_bh - first)
+    rem = lin - group * per_group
+    return (rem // size).to(gl.int32), (first + rem % size).to(gl.int32)
+
+
+@gluon.jit
+def _query_block(idx, lo, f1, f2, n1, n2, BLOCK_M: gl.constexpr):
+    """First query of the idx-th visited tile of a head: [lo, f1) and [f2, hi) (masked) first, then
+    the unmasked [f1, f2)."""
+    start = lo + idx * BLOCK_M
+    start = gl.where(idx >= n1, f2 + (idx - n1) * BLOCK_M, start)
+    start = gl.where(idx >= n1 + n2, f1 + (idx - n1 - n2) * BLOCK_M, start)
+    return start
+
+
+@gluon.jit
+def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free,
+            start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Loader warp: both consumers' K and V rows, then Q and dO of every visited tile of every head."""
+    HALF: gl.constexpr = k_smem.shape[1]
+    BLOCK_D: gl.constexpr = k_smem.shape[2]
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [start_n + c * HALF, 0], kv_bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [start_n + c * HALF, 0], kv_bar, v_smem.index(c))
+    total = group * n
+    for it in range(total):
+        g = it // n
+        j = it - g * n
+        s = it % STAGES
+        # A fresh barrier counts as having completed the phase before its first: the first pass
+        # over the ring does not wait.
+        mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)
+        start_m = _query_block(j, lo, f1, f2, n1, n2, BLOCK_M)
+        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        # The 3-D (head, row, dim) view of the slot, for the 3-D descriptors.
+        q_dst = q_smem.index(s)._reinterpret(q_smem.dtype, [1, BLOCK_M, BLOCK_D], q_desc.layout)
+        do_dst = do_smem.index(s)._reinterpret(do_smem.dtype, [1, BLOCK_M, BLOCK_D], do_desc.layout)
+        tma.async_copy_global_to_shared(q_desc, [g, start_m, 0], ready.index(s), q_dst)
+        tma.async_copy_global_to_shared(do_desc, [g, start_m, 0], ready.index(s), do_dst)
+
+
+@gluon.jit
+def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head, cols, qcols,
+          len_q, diag, left, right, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+          STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """dK, dV of one consumer after query tile ``it`` (first query start_m) of the loader's order."""
+    s = it % STAGES
+    q = q_smem.index(s)
+    do = do_smem.index(s)
+    HALF: gl.constexpr = k.shape[0]
+    BLOCK_M: gl.constexpr = q.shape[0]
+    zero = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+    # LSE and Delta are read while the matmuls run, each just before its use: with dK, dV, S^T and
+    # dP^T in registers there is no room to hold them (16 registers each) across a wait.
+    rows = start_m + qcols  # query indices, along the tile's columns (tiles are transposed)
+    if MASKED:
+        lse = gl.load(L_head + rows, mask=rows < len_q, other=float("inf"))
+    else:
+        lse = gl.load(L_head + rows)
+    # Rows that saw no key stored -inf: +inf here makes their probabilities 0, not NaN.
+    lse = gl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    # Groups retire in order: one outstanding means S^T is done while dP^T may still run.
+    sT = warpgroup_mma_wait(1, deps=(sT,))
+    pT = gl.exp2(sT * qk_scale - lse[None, :])
+    if MASKED:
+        visible = (rows < len_q)[None, :]
+        if CAUSAL != 0:
+            rel = cols[:, None] - rows[None, :] - diag
+            visible = visible & (rel >= -left) & (rel <= right)
+        pT = gl.where(visible, pT, 0.0)
+        delta = gl.load(D_head + rows, mask=rows < len_q, other=0.0)
+    else:
+        delta = gl.load(D_head + rows)
+    dpT = warpgroup_mma_wait(0, deps=(dpT,))
+    dsT = pT * (dpT - delta[None, :])
+    p_op = gl.convert_layout(pT.to(q.dtype), a_layout)
+    ds_op = gl.convert_layout(dsT.to(q.dtype), a_layout)
+    dv = warpgroup_mma(p_op, do, dv, is_async=True)
+    dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    mbarrier.arrive(free.index(s), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free,
+              LSE, Delta, DK, DV, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn,
+              start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer warp group c: keys start_n + c*HALF ..., every query tile of every group head."""
+    HALF: gl.constexpr = k_smem.shape[1]
+    BLOCK_D: gl.constexpr = k_smem.shape[2]
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+    cols = start_n + c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    qcols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    dk = gl.zeros([HALF, BLOCK_D], gl.float32, acc_layout)
+    dv = gl.zeros([HALF, BLOCK_D], gl.float32, acc_layout)
+    qk_scale = sm_scale * LOG2E
+    k = k_smem.index(c)
+    v = v_smem.index(c)
+    # Always wait: the loader's K/V copies must land before the program may exit.
+    mbarrier.wait(kv_bar, 0)
+    masked = n1 + n2
+    for g in range(group):
+        off_h = off_hk * group + g
+        L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+        D_head = Delta + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+        base = g * n
+        for j in range(0, masked):
+            start_m = _query_block(j, lo, f1, f2, n1, n2, BLOCK_M)
+            dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
+                           cols, qcols, len_q, diag, left, right, qk_scale, True, CAUSAL, STAGES, s_layout,
+                           a_layout)
+        for j in range(masked, n):
+            start_m = f1 + (j - masked) * BLOCK_M
+            dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
+                           cols, qcols, len_q, diag, left, right, qk_scale, False, CAUSAL, STAGES, s_layout,
+                           a_layout)
+
+    k_rows = start_n + c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+    d_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
+    keep = (k_rows < len_k)[:, None] & (d_cols >= 0)[None, :]
+    rows64 = k_rows.to(gl.int64)[:, None]
+    gl.store(DK + rows64 * stride_dkn + d_cols[None, :], (dk * sm_scale).to(dtype), mask=keep)
+    gl.store(DV + rows64 * stride_dvn + d_cols[None, :], dv.to(dtype), mask=keep)
+
+
+@gluon.jit
+def attn_bwd_dkdv_sm90(
+    Q, K, V, Bias, DO, DK, DV, DBias, DQacc, LSE, Delta, cu_seqlens_q, cu_seqlens_k,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_bz, stride_bh, stride_bm,
+    stride_doz, stride_doh, stride_dom,
+    stride_dkz, stride_dkh, stride_dkn,
+    stride_dvz, stride_dvh, stride_dvn,
+    stride_dbz, stride_dbh, stride_dbm,
+    stride_dqaz, stride_dqah, stride_dqam,
+    stride_lz, stride_lh,
+    batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
+    HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
+    DQ_ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """dK, dV of one key block of one key/value head, summed over its GQA query heads (see
+    attn_bwd_dkdv, split scheme).
+
+    Grid: (cdiv(seqlen_k, BLOCK_N), batch * num_heads_k, 1). Bias, DBias, DQacc, cu_seqlens_* and
+    the dropout arguments are accepted (attn_bwd_dkdv's argument list) and ignored: BIAS, DROPOUT,
+    VARLEN and DQ_ATOMIC are 0. HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). USE_TMA is 1
+    (Q and dO always come through TMA; it is there for the argument list's constexpr set).
+    BLOCK_N is two consumers' 64 keys. STAGES: Q/dO slots in the ring. CONSUMER_REGS: registers
+    per thread of the consumer warp groups (the loader warp gets 24).
+    """
+    gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0 and DQ_ATOMIC == 0,
+                     "attn_bwd_dkdv_sm90: no bias, dropout, varlen or atomic dQ")
+    gl.static_assert(HEAD_DIM == HEAD_DIM_V, "attn_bwd_dkdv_sm90: equal q.k and v head dims")
+    gl.static_assert(BLOCK_N == 128, "attn_bwd_dkdv_sm90: two consumers of 64 keys")
+    HALF: gl.constexpr = BLOCK_N // 2
+    BLOCK_D: gl.constexpr = HEAD_DIM
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    if CAUSAL != 0:
+        pid_n, pid_bh = _heavy_first(gl.num_programs(0), batch * num_heads_k)
+    else:
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+    off_b = pid_bh // num_heads_k
+    off_hk = pid_bh % num_heads_k
+    group = num_heads_q // num_heads_k
+    start_n = pid_n * BLOCK_N
+    len_q = seqlen_q
+    len_k = seqlen_k
+
+    Q_group = Q + off_b.to(gl.int64) * stride_qz + (off_hk * group).to(gl.int64) * stride_qh
+    DO_group = DO + off_b.to(gl.int64) * stride_doz + (off_hk * group).to(gl.int64) * stride_doh
+    K_head = K + off_b.to(gl.int64) * stride_kz + off_hk.to(gl.int64) * stride_kh
+    V_head = V + off_b.to(gl.int64) * stride_vz + off_hk.to(gl.int64) * stride_vh
+    DK_head = DK + off_b.to(gl.int64) * stride_dkz + off_hk.to(gl.int64) * stride_dkh
+    DV_head = DV + off_b.to(gl.int64) * stride_dvz + off_hk.to(gl.int64) * stride_dvh
+
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+    tile3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_D], dtype)
+    q_desc = tma.make_tensor_descriptor(Q_group, shape=[group, len_q, HEAD_DIM], strides=[stride_qh, stride_qm, 1],
+                                        block_shape=[1, BLOCK_M, BLOCK_D], layout=tile3_layout)
+    do_desc = tma.make_tensor_descriptor(DO_group, shape=[group, len_q, HEAD_DIM],
+                                         strides=[stride_doh, stride_dom, 1],
+                                         block_shape=[1, BLOCK_M, BLOCK_D], layout=tile3_layout)
+    k_desc = tma.make_tensor_descriptor(K_head, shape=[len_k, HEAD_DIM], strides=[stride_kn, 1],
+                                        block_shape=[HALF, BLOCK_D], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(V_head, shape=[len_k, HEAD_DIM], strides=[stride_vn, 1],
+                                        block_shape=[HALF, BLOCK_D], layout=kv_layout)
+
+    # The band seen from the key block (attn_bwd_dkdv's _span with the axes swapped: rows i with
+    # j - diag - right <= i <= j - diag + left): query tiles [lo, f1) and [f2, hi) need a mask,
+    # [f1, f2) do not.
+    unbounded = len_q + len_k
+    if CAUSAL == 2:
+        diag = len_k - len_q
+    else:
+        diag = len_k * 0
+    left = gl.where(window_left < 0, unbounded, window_left)
+    right = gl.where(window_right < 0, unbounded, window_right)
+    if CAUSAL != 0:
+        lo = gl.maximum(start_n - diag - right, 0)
+        lo = lo // BLOCK_M * BLOCK_M
+        hi = gl.minimum(start_n + BLOCK_N - diag + left, len_q)
+        hi = gl.maximum(hi, lo)
+        hi_up = (hi + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        full_lo = gl.maximum(start_n + BLOCK_N - 1 - diag - right, 0)
+        full_lo = (full_lo + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        full_hi = gl.minimum(start_n - diag + left + 1, len_q)
+        full_hi = gl.maximum(full_hi, 0) // BLOCK_M * BLOCK_M
+        f1 = gl.minimum(gl.maximum(full_lo, lo), hi_up)
+        f2 = gl.minimum(gl.maximum(full_hi, f1), hi_up)
+    else:
+        lo = len_q * 0
+        f1 = lo
+        f2 = len_q // BLOCK_M * BLOCK_M
+        hi = len_q
+    n1 = (f1 - lo) // BLOCK_M
+    n2 = (hi - f2 + BLOCK_M - 1) // BLOCK_M
+    n = n1 + n2 + (f2 - f1) // BLOCK_M
+
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], kv_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=2)
+
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free, LSE, Delta, DK_head, DV_head,
+                     off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn, start_n, len_q, len_k,
+                     sm_scale, diag, left, right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES)),
+        (_consumer, (1, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free, LSE, Delta, DK_head, DV_head,
+                     off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn, start_n, len_q, len_k,
+                     sm_scale, diag, left, right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free,
+                   start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# --------------------------------------------------------------------------------------------
+# Registry declaration.
+# --------------------------------------------------------------------------------------------
+
+from builder.kernels._attention_sets import in_gputest_set as _in_bwd_gputest_set  # noqa: E402
+from builder.kernels.attention import GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
+from builder.kernels.attention_bwd import _GRAD_PTRS  # noqa: E402
+from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
+
+#: Head dims compiled: the ones the H200 backward benchmarks measure (docs/performance.md).
+HEAD_DIMS = (64, 128)
+#: (BLOCK_M, STAGES) per head dim, the expected fastest first (unmeasured). BLOCK_N is always 128
+#: (two consumers of 64 keys). Shared memory: K and V of 128 keys (D=128: 64 KB) plus STAGES Q
+#: and dO tiles (D=128, BLOCK_M=64: 32 KB a stage). ptxas on the CPU: D=64 spills nothing; D=128
+#: spills 29-44 registers of loop-invariant scalars, none inside the query-tile loops. 128-query
+#: tiles do not fit at D=64 either (S^T and dP^T take 128 registers: 513 spill stores, ~100 a tile).
+TILES = {128: ((64, 2), (64, 3)), 64: ((64, 3), (64, 2))}
+#: Registers per thread of each consumer warp group (setmaxnreg); the loader warp takes 24.
+CONSUMER_REGS = 240
+
+
+def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
+    """The tile table for a head dim. num_warps is the default partition's (consumer 0); the
+    compiled kernel runs 12 warps (two consumer groups and the loader's group), which the
+    catalog records from the binary."""
+    return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": 128, "USE_TMA": 1, "STAGES": st,
+                                        "CONSUMER_REGS": CONSUMER_REGS},
+                            num_warps=4, num_stages=1, backends=("cuda",))
+                 for bm, st in TILES[spec["HEAD_DIM"]])
+
+
+def _excluded(spec: dict, target: object) -> str | None:
+    if target.backend != "cuda" or target.arch != "sm90":
+        return f"{target.arch}: a Gluon kernel for sm90 only (other targets run attn_bwd_dkdv)"
+    if spec["HEAD_DIM"] != spec["HEAD_DIM_V"]:
+        return "unequal q.k and v head dims run attn_bwd_dkdv"
+    return None
+
+
+def in_gputest_set(spec: dict, target: object) -> bool:
+    """The portable backward's GPU-test specs that this kernel serves (the GPU test forces it)."""
+    return _in_bwd_gputest_set(spec, target)
+
+
+_SIG = signature_of(attn_bwd_dkdv_sm90, _GRAD_PTRS)
+_DIV = divisibility_of(_SIG, aligned=("q", "k", "v", "do", "dk", "dv", "dqa"), bias=("b", "db"))
+
+KERNEL = KernelDecl(
+    name="attn_bwd_dkdv_sm90",
+    fn=attn_bwd_dkdv_sm90,
+    signature=_SIG,
+    axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
+          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "DQ_ATOMIC": (0,)},
+    configs=sm90_dkdv_configs,
+    grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
+    divisibility=_DIV,
+    exclude=_excluded,
+    sets={"default": lambda spec, target: False, "gputest": in_gputest_set},
+    # attn_bwd_dkdv's checks, and TMA descriptors need a non-empty extent in every dimension.
+    checks=GQA_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1", "seqlen_q >= 1", "seqlen_k >= 1")
+    + stride_checks(_DIV),
+)

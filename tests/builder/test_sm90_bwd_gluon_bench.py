@@ -1,0 +1,65 @@
+"""bench/sm90_bwd_gluon.py on the CPU: its shapes, how a faulting shape costs only itself, the summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.benches import load_bench
+
+
+@pytest.fixture
+def bench():
+    return load_bench("sm90_bwd_gluon.py")
+
+
+def test_it_times_the_issues_training_shapes(bench) -> None:
+    assert len(bench.SHAPES) == 8
+    assert {s[:3] for s in bench.SHAPES} == {(dt, d, c) for dt in ("fp16", "bf16") for d in (64, 128) for c in (0, 2)}
+    assert {s[3:] for s in bench.SHAPES} == {(4, 32, 4096)}
+    assert bench.shapes_of("0,3") == [bench.SHAPES[0], bench.SHAPES[3]]
+
+
+def _row(tflops: float, vs_cudnn: float | None, vs_portable: float | None) -> dict:
+    return {"tflops": tflops, "tflops_min": tflops - 5, "tflops_max": tflops + 5, "vs_cudnn": vs_cudnn,
+            "vs_portable": vs_portable}
+
+
+def test_a_shape_whose_child_dies_is_recorded_and_the_next_child_resumes_after_it(bench, tmp_path: Path) -> None:
+    calls = []
+
+    def run(argv: list[str], timeout: float):
+        start = int(argv[argv.index("--start") + 1])
+        path = Path(argv[argv.index("--result") + 1])
+        calls.append(start)
+        with open(path, "a") as f:
+            for i in range(start, 3):
+                if i == 1 and start <= 1:
+                    return "exit status -11"  # the shape-1 kernel faults
+                f.write(json.dumps({"shape": list(bench.SHAPES[i]), "rows": {}, "notes": []}) + "\n")
+        return None
+
+    results = bench.run_shapes("DIR", [], 3, 2, 60.0, tmp_path, run=run)
+    assert calls == [0, 2]
+    assert [r.get("error") for r in results] == [None, "the timing process: exit status -11", None]
+
+
+def test_the_summary_gives_ratios_to_cudnn_and_the_portable_backward_and_the_best_gluon_config(bench) -> None:
+    shape = bench.SHAPES[0]
+    rows = {"cudnn": _row(500, 1.0, 1.4), "portable": _row(350, 0.7, 1.0), "gluon#0": _row(460, 0.92, 1.31),
+            "gluon#1": _row(440, 0.88, 1.26)}
+    lines = bench.summary_lines([{"shape": list(shape), "rows": rows, "notes": []},
+                                 {"error": "the timing process: timed out after 300 s"}], [shape, bench.SHAPES[1]])
+    table = [line for line in lines if line.startswith("fp16 D128 full") and " best " not in line]
+    assert [line.split()[6] for line in table] == ["cudnn", "portable", "gluon#0", "gluon#1"]
+    assert table[2].split()[6:] == ["gluon#0", "460", "455-465", "0.92", "1.31"]
+    assert lines[-2] == "fp16 D128 full B4 H32 N4096  best gluon#0: 460 TFLOP/s, 0.92x cuDNN, 1.31x portable"
+    assert "bf16 D128 full B4 H32 N4096  the timing process: timed out after 300 s" in lines
+    assert lines[-1].startswith("bf16 D128 full B4 H32 N4096  no Gluon dK/dV timed")
+
+
+def test_without_images_it_says_how_to_build_them(bench, capsys) -> None:
+    assert bench.main(["--images", "/nonexistent"]) == 1
+    assert "no image folder at '/nonexistent'" in capsys.readouterr().out

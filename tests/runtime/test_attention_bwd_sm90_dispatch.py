@@ -1,0 +1,125 @@
+"""Which dK/dV kernel a split backward launches: sm90's Gluon one (attn_bwd_dkdv_sm90) where the images
+hold it for the call's spec, the portable attn_bwd_dkdv elsewhere, as tuning rules and forced views say;
+explain names the one chosen. Dispatch only: the catalogs are synthetic and nothing is launched."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import aotriton_rt
+from aotriton_rt.ops import attention as op
+from aotriton_rt.ops.attention.dispatch import DKDV, backward_kernel, kernels_of
+from tests.runtime.test_attention_op import _synthetic_variant, qkv
+
+NAME = "attn_bwd_dkdv_sm90"
+BASE = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+CAUSAL = {**BASE, "CAUSAL": 2}
+
+
+def _images(folder: Path, tuning_table: dict | None = None, archs=("sm90",), gluon: bool = True) -> Path:
+    """Synthetic images: the split backward (fp16 D=128 causal) with and without dropout on each
+    of ``archs``, and attn_bwd_dkdv_sm90 (configs 0 and 1) for the spec without dropout on sm90."""
+    variants = []
+    for arch in archs:
+        variants.append(_synthetic_variant("attn_bwd_preprocess", {
+            **{k: CAUSAL[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}, "DQ_ATOMIC": 0}, arch=arch))
+        for dropout in (0, 1):
+            spec = {**CAUSAL, "DROPOUT": dropout}
+            variants.append(_synthetic_variant("attn_bwd_dkdv", {**spec, "DQ_ATOMIC": 0}, arch=arch))
+            variants.append(_synthetic_variant("attn_bwd_dq", spec, arch=arch))
+    if gluon:
+        variants.append(_synthetic_variant(NAME, {**CAUSAL, "DQ_ATOMIC": 0}, 0))
+        variants.append(_synthetic_variant(NAME, {**CAUSAL, "DQ_ATOMIC": 0}, 1))
+    (folder / "catalog.json").write_text(json.dumps({
+        "schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0",
+        "tuning": tuning_table or {}, "variants": variants}))
+    return folder
+
+
+def _dkdv(lib, S: int = 300, **kw):
+    return op.attention_kernels(*qkv(S=S, D=128), causal=True, backward=True, library=lib, **kw)[DKDV]
+
+
+def test_the_gluon_dkdv_serves_the_specs_it_holds_and_the_portable_one_the_rest(tmp_path: Path) -> None:
+    lib = aotriton_rt.Library(_images(tmp_path))
+    assert _dkdv(lib).name == NAME
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, backward=True, arch="sm90", library=lib)
+    assert [k.kernel for k in ex.kernels] == ["attn_bwd_preprocess", NAME, "attn_bwd_dq"]
+    assert ex.kernels[1].kernel_reason == ("sm90's own dK/dV kernel, preferred where the images hold it (no "
+                                           "tuning['attn_bwd_dkdv_kernel'] rule)")
+    assert "kernel:" not in ex.kernels[0].line() and "kernel:" not in ex.kernels[2].line()
+    # Dropout is not in attn_bwd_dkdv_sm90's specs: the portable dK/dV, and nothing to explain about it.
+    dropped = op.attention_kernels(*qkv(S=300, D=128), causal=True, dropout_p=0.1, seed=1, offset=0,
+                                    backward=True, library=lib)
+    assert dropped[DKDV].name == "attn_bwd_dkdv"
+    plain = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, dropout=True, backward=True,
+                       arch="sm90", library=lib)
+    assert plain.kernels[1].kernel == "attn_bwd_dkdv" and "kernel:" not in str(plain)
+
+
+def test_a_kernel_rule_sends_its_lengths_to_the_portable_dkdv(tmp_path: Path) -> None:
+    table = {"attn_bwd_dkdv_kernel": [{"arch": "sm90", "spec": {"HEAD_DIM": 128}, "seqlen_k": [None, 1023],
+                                       "kernel": "attn_bwd_dkdv", "source": "db"}],
+             NAME: [{"arch": "sm90", "seqlen_k": [4096, None], "config": 1}]}
+    lib = aotriton_rt.Library(_images(tmp_path, table))
+    short, long = _dkdv(lib, S=1000), _dkdv(lib, S=5000)
+    assert (short.name, long.name) == ("attn_bwd_dkdv", NAME)
+    assert long.candidates[0].config.index == 1  # the Gluon kernel's own config rules apply
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=1000, causal=True, backward=True, arch="sm90", library=lib)
+    assert ex.kernels[1].kernel == "attn_bwd_dkdv"
+    assert ex.kernels[1].kernel_reason == ("tuned (rule #0 of tuning['attn_bwd_dkdv_kernel'], from db, seqlen_k in "
+                                           "[0, 1023], arch sm90)")
+
+
+def test_a_rule_naming_a_kernel_that_does_not_serve_the_call_keeps_the_arch_one(tmp_path: Path) -> None:
+    lib = aotriton_rt.Library(_images(tmp_path, {"attn_bwd_dkdv_kernel": [{"kernel": "attn_bwd_dkdv_sm100"}]}))
+    assert _dkdv(lib).name == NAME
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, backward=True, arch="sm90", library=lib)
+    assert ex.kernels[1].kernel_reason.endswith("names 'attn_bwd_dkdv_sm100', which does not serve this spec on "
+                                                "sm90; attn_bwd_dkdv_sm90 runs")
+
+
+def test_forced_views_run_either_dkdv(tmp_path: Path) -> None:
+    from builder.tune import DKDV_KERNELS, ForcedConfig, forced_dkdv
+
+    assert DKDV_KERNELS == ("attn_bwd_dkdv", NAME)
+    lib = aotriton_rt.Library(_images(tmp_path))
+    assert _dkdv(forced_dkdv(lib, "attn_bwd_dkdv")).name == "attn_bwd_dkdv"
+    assert _dkdv(forced_dkdv(lib, NAME)).name == NAME
+    # Timing a portable config must time the portable kernel, not the arch one that would serve.
+    assert _dkdv(ForcedConfig(lib, "attn_bwd_dkdv", 0)).name == "attn_bwd_dkdv"
+    gluon = _dkdv(ForcedConfig(lib, NAME, 1))
+    assert gluon.name == NAME and gluon.candidates[0].config.index == 1
+
+
+def test_images_of_another_arch_keep_the_portable_dkdv(tmp_path: Path) -> None:
+    lib = aotriton_rt.Library(_images(tmp_path, archs=("sm80", "sm90")))
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, backward=True, arch="sm80", library=lib)
+    assert ex.kernels[1].kernel == "attn_bwd_dkdv"
+    assert ex.kernels[1].kernel_reason == ("the portable dK/dV kernel (sm80 has no per-architecture dK/dV kernel for "
+                                           "this spec here)")
+
+
+def test_images_without_the_gluon_dkdv_run_the_portable_one_and_explain_nothing(tmp_path: Path) -> None:
+    lib = aotriton_rt.Library(_images(tmp_path, gluon=False))
+    assert _dkdv(lib).name == "attn_bwd_dkdv"
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, backward=True, arch="sm90", library=lib)
+    assert "kernel:" not in str(ex)
+
+
+def test_the_atomic_dq_dkdv_and_the_other_roles_keep_the_portable_kernels(tmp_path: Path) -> None:
+    ks = kernels_of(aotriton_rt.Library(_images(tmp_path)))
+    call = op.dispatch.AttentionCall("fp16", 128, 128, 2, True, seqlen_q=300, seqlen_k=300)
+    assert backward_kernel(ks, call, DKDV, {**CAUSAL, "DQ_ATOMIC": 1}, "sm90") == (DKDV, "")
+    assert backward_kernel(ks, call, "attn_bwd_dq", CAUSAL, "sm90") == ("attn_bwd_dq", "")
+    assert backward_kernel(ks, call, DKDV, {**CAUSAL, "DQ_ATOMIC": 0}, "sm90")[0] == NAME
+
+
+def test_a_malformed_dkdv_kernel_rule_is_refused_when_the_catalog_loads(tmp_path: Path) -> None:
+    _images(tmp_path, {"attn_bwd_dkdv_kernel": [{"kernel": "attn bwd; rm"}]})
+    with pytest.raises(aotriton_rt.CatalogError,
+                       match=r"tuning\['attn_bwd_dkdv_kernel'\] rule .*kernel must be a kernel name"):
+        aotriton_rt.Library(tmp_path).variants_of("attn_bwd_dkdv")
