@@ -32,15 +32,21 @@ CONVERT = "attn_bwd_dq_convert"
 #: bias, dropout or varlen). Preferred on their arch when the images hold the call's spec, unless a
 #: ``tuning["attn_fwd_kernel"]`` rule names another kernel.
 ARCH_FORWARDS = {"sm90": "attn_fwd_sm90"}
+#: The run-time argument that aligns a mask-mode-1 band: 0 top-left, 1 bottom-right (mode 2 is
+#: bottom-right whatever it says). Images built before it existed compiled mode 1 as top-left
+#: only, so a mode-1 variant serves a bottom-right call only if its arguments include it.
+ALIGN_ARG = "causal_align"
 
 
 @dataclass(frozen=True)
 class AttentionCall:
     """The facts of one attention call that decide which kernels run.
 
-    ``causal`` is the kernels' mask mode (0 none, 1 band aligned top-left, 2 bottom-right);
-    ``causal_equivalent`` says the two alignments coincide for this call (equal lengths), so
-    either compiled mode may serve it. ``dropout`` is 0 off, 1 on, 2 on and the mask returned.
+    ``causal`` is the call's mask (0 none, 1 band aligned top-left, 2 bottom-right);
+    ``causal_equivalent`` says the two alignments coincide for this call (equal lengths).
+    Kernels of mask mode 1 take the alignment as a run-time argument (:data:`ALIGN_ARG`), so
+    they serve either alignment; mode 2 serves bottom-right calls, and top-left ones of equal
+    lengths. ``dropout`` is 0 off, 1 on, 2 on and the mask returned.
     """
 
     dtype: str
@@ -68,10 +74,13 @@ class AttentionCall:
         return ", ".join(parts)
 
 
-Available = Callable[[str, Mapping[str, Any]], bool]
+#: ``available(kernel, params)``: whether the images hold such a variant; called with a third
+#: argument, ``args``, only when the variant must also take those run-time arguments (e.g.
+#: ``(ALIGN_ARG,)``), which every matching variant must then do.
+Available = Callable[..., bool]
 
 
-def _everything(name: str, params: Mapping[str, Any]) -> bool:
+def _everything(name: str, params: Mapping[str, Any], args: Sequence[str] = ()) -> bool:
     return True
 
 
@@ -100,18 +109,31 @@ def head_dim_buckets(head_dim: int, head_dim_v: int) -> list[tuple[int, int]]:
     return first + [(b, b) for b in HEAD_DIM_BUCKETS if b > wide]
 
 
-def _first(name: str, candidates: list[dict], available: Available) -> dict:
+def needed_args(call: AttentionCall, causal: int) -> tuple[str, ...]:
+    """The run-time arguments a variant of mask mode ``causal`` must take to serve ``call``:
+    :data:`ALIGN_ARG` when a mode-1 band must be aligned bottom-right, else none."""
+    return (ALIGN_ARG,) if causal == 1 and call.causal == 2 and not call.causal_equivalent else ()
+
+
+def holds(available: Available, name: str, params: Mapping[str, Any], args: Sequence[str] = ()) -> bool:
+    """``available`` asked about a variant that must take ``args`` (asked with two arguments
+    when there are none, so plain two-argument predicates keep working)."""
+    return available(name, params, tuple(args)) if args else available(name, params)
+
+
+def _first(name: str, candidates: list[dict], available: Available, call: AttentionCall) -> dict:
     # The first candidate the images hold; if none, the first, so that the library's
     # KernelNotFound explains what is missing.
     for c in candidates:
-        if available(name, c):
+        if holds(available, name, c, needed_args(call, c["CAUSAL"])):
             return c
     return candidates[0]
 
 
 def _causal_modes(call: AttentionCall) -> list[int]:
-    if call.causal and call.causal_equivalent:
-        # Equal lengths: both alignments give the same band; the default build has mode 2.
+    if call.causal == 2 or (call.causal and call.causal_equivalent):
+        # Mode 2 first: images built before mode 1 took its alignment at run time hold mode 2 for
+        # bottom-right calls; the default set holds mode 1 only (one compile, both alignments).
         return [2, 1]
     return [call.causal]
 
@@ -126,7 +148,7 @@ def forward_params(call: AttentionCall, available: Available | None = None) -> d
     candidates = [{"dtype": call.dtype, "HEAD_DIM": dk, "HEAD_DIM_V": dv, "CAUSAL": c, "BIAS": int(call.bias),
                    "DROPOUT": call.dropout, "VARLEN": int(call.varlen)}
                   for dk, dv in head_dim_buckets(call.head_dim, call.head_dim_v) for c in _causal_modes(call)]
-    return _first(FWD, candidates, available)
+    return _first(FWD, candidates, available, call)
 
 
 def backward_params(call: AttentionCall, available: Available | None = None, *, deterministic: bool = False,
@@ -162,7 +184,7 @@ def backward_params(call: AttentionCall, available: Available | None = None, *, 
             continue
         for dk, dv, c in shapes:
             kernels = scheme(atomic, dk, dv, c)
-            if all(available(n, p) for n, p in kernels.items()):
+            if all(holds(available, n, p, needed_args(call, p.get("CAUSAL", 0))) for n, p in kernels.items()):
                 return ("atomic" if atomic else "split"), kernels
     return "split", scheme(0, *shapes[0])
 
@@ -192,11 +214,14 @@ class LibraryKernels:
                 tuning.setdefault(name, rules)  # the first folder's table wins, like its variants
         self.tuning = tuning
 
-    def available(self, name: str, params: Mapping[str, Any]) -> bool:
-        key = (name, tuple(sorted(params.items())))
+    def available(self, name: str, params: Mapping[str, Any], args: Sequence[str] = ()) -> bool:
+        """Whether the images hold ``name`` with ``params`` whose every matching variant takes
+        the run-time arguments ``args`` (cached)."""
+        key = (name, tuple(sorted(params.items())), tuple(args))
         hit = self.available_cache.get(key)
         if hit is None:
-            hit = self.available_cache[key] = _available(self.lib, name, params)
+            hit = _available(self.lib, name, params) and (not args or _takes(self.lib, name, params, args))
+            self.available_cache[key] = hit
         return hit
 
     def device_arch(self, device: int) -> str:
@@ -273,7 +298,8 @@ def forward_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any]
     spec; then that one, unless a ``tuning["attn_fwd_kernel"]`` rule names another kernel the
     images hold for the spec.
     """
-    candidates = [name for name in dict.fromkeys(ARCH_FORWARDS.values()) if ks.available(name, spec)]
+    needs = needed_args(call, spec.get("CAUSAL", 0))
+    candidates = [name for name in dict.fromkeys(ARCH_FORWARDS.values()) if ks.available(name, spec, needs)]
     if not candidates:
         return FWD, ""  # nothing to choose
     if callable(arch):
@@ -324,6 +350,13 @@ def _available(lib: Any, name: str, params: Mapping[str, Any]) -> bool:
 
     # Only this kernel's variants (one shard per target): a full image set holds thousands of others.
     return bool(match(lib.variants_of(name), name, params).accepted)
+
+
+def _takes(lib: Any, name: str, params: Mapping[str, Any], args: Sequence[str]) -> bool:
+    from ...select import match
+
+    found = match(lib.variants_of(name), name, params).accepted
+    return bool(found) and all(set(args) <= {a.name for a in v.args} for v in found)
 
 
 _KERNELS: dict[int, LibraryKernels] = {}
