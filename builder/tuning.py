@@ -320,8 +320,13 @@ def fold(databases: Sequence[tuple[str, Mapping[str, Any]]], jobs: Sequence[Any]
         for kernel, rules in sorted(db.get("rules", {}).items()):
             for i, rule, twin in _with_mode_one_twins(kernel, rules):
                 arch = rule.get("arch")
-                if twin and (kernel, arch, _spec_key(rule["spec"])) not in specs and kernel != KERNEL_RULES:
+                key = _spec_key(rule.get("spec", {}))
+                if twin and (kernel, arch, key) not in specs and kernel != KERNEL_RULES:
                     continue  # the build has no mode-1 variant of the spec: nothing to say
+                served = mode_one_twin(rule)
+                if (not twin and served is not None and (kernel, arch, key) not in specs
+                        and (kernel, arch, _spec_key(served["spec"])) in specs):
+                    continue  # no mode 2 built (the default set), but mode 1: its twin, next, serves
                 if kernel == KERNEL_RULES:
                     # A choice between two forwards means something only where the build holds both.
                     key = _spec_key(rule.get("spec", {}))

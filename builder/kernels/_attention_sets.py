@@ -109,6 +109,7 @@ GPUTEST = (
     ("fp16", 64, 64, 0, 0, 0, 1, 0),
     ("fp16", 64, 64, 2, 0, 0, 1, 0),
     ("bf16", 128, 128, 2, 0, 0, 1, 0),
+    ("bf16", 128, 128, 1, 0, 0, 1, 0),  # bottom-right on mode 1, aligned per sequence (MODE_ONE)
     ("fp16", 64, 64, 1, 1, 1, 1, 0),
     # Atomic-dQ backward.
     ("fp16", 64, 64, 0, 0, 0, 0, 1),

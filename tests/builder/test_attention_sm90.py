@@ -127,7 +127,7 @@ def test_a_catalog_that_lies_about_the_gluon_binary_fails_the_abi_proof(built: P
     with pytest.raises(AbiError, match=r"num_warps .*catalog has \(128, 1, 1\), binary has \(384, 1, 1\)"):
         prove(wrong_warps, raw)
     args = [dict(a) for a in variant.to_json()["args"]]
-    args[-1]["offset"] += 4  # window_right moved
+    args[-1]["offset"] += 4  # causal_align moved
     with pytest.raises(AbiError, match=r"ABI mismatch in attn_fwd_sm90 .*args\[\d+\]\.offset"):
         prove({**variant.to_json(), "args": args}, raw)
 
@@ -176,6 +176,7 @@ def test_the_levers_bench_loads_the_built_variant_with_attn_fwds_argument_list(b
     assert len(args) == len(contender.handle.arg_names)
     named = dict(zip(contender.handle.arg_names, args))
     assert (named["seqlen_q"], named["window_left"], named["window_right"], named["stride_lh"]) == (100, -1, 0, 100)
+    assert named["causal_align"] == 1  # a bottom-right call
 
 
 def test_every_lever_expands_to_sm90_jobs_of_the_benchmarked_specs() -> None:

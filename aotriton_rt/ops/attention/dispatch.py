@@ -74,10 +74,10 @@ class AttentionCall:
         return ", ".join(parts)
 
 
-#: ``available(kernel, params)``: whether the images hold such a variant; called with a third
-#: argument, ``args``, only when the variant must also take those run-time arguments (e.g.
-#: ``(ALIGN_ARG,)``), which every matching variant must then do.
-Available = Callable[..., bool]
+#: ``available(kernel, params, args)``: whether the images hold such a variant, every matching
+#: one of which takes the run-time arguments ``args`` (a tuple, usually empty; ``(ALIGN_ARG,)``
+#: when a mode-1 kernel must align its band bottom-right).
+Available = Callable[[str, Mapping[str, Any], tuple[str, ...]], bool]
 
 
 def _everything(name: str, params: Mapping[str, Any], args: Sequence[str] = ()) -> bool:
@@ -115,17 +115,11 @@ def needed_args(call: AttentionCall, causal: int) -> tuple[str, ...]:
     return (ALIGN_ARG,) if causal == 1 and call.causal == 2 and not call.causal_equivalent else ()
 
 
-def holds(available: Available, name: str, params: Mapping[str, Any], args: Sequence[str] = ()) -> bool:
-    """``available`` asked about a variant that must take ``args`` (asked with two arguments
-    when there are none, so plain two-argument predicates keep working)."""
-    return available(name, params, tuple(args)) if args else available(name, params)
-
-
 def _first(name: str, candidates: list[dict], available: Available, call: AttentionCall) -> dict:
     # The first candidate the images hold; if none, the first, so that the library's
     # KernelNotFound explains what is missing.
     for c in candidates:
-        if holds(available, name, c, needed_args(call, c["CAUSAL"])):
+        if available(name, c, needed_args(call, c["CAUSAL"])):
             return c
     return candidates[0]
 
@@ -141,8 +135,8 @@ def _causal_modes(call: AttentionCall) -> list[int]:
 def forward_params(call: AttentionCall, available: Available | None = None) -> dict[str, Any]:
     """The ``attn_fwd`` spec (catalog parameters) for a call.
 
-    ``available(kernel, params)`` says whether the images hold such a variant; among
-    equivalent choices (head-dim pairs, causal alignments) the first available is taken.
+    ``available(kernel, params, args)`` (:data:`Available`) says whether the images hold such a
+    variant; among equivalent choices (head-dim pairs, mask modes) the first available is taken.
     """
     available = available or _everything
     candidates = [{"dtype": call.dtype, "HEAD_DIM": dk, "HEAD_DIM_V": dv, "CAUSAL": c, "BIAS": int(call.bias),
@@ -184,7 +178,7 @@ def backward_params(call: AttentionCall, available: Available | None = None, *, 
             continue
         for dk, dv, c in shapes:
             kernels = scheme(atomic, dk, dv, c)
-            if all(holds(available, n, p, needed_args(call, p.get("CAUSAL", 0))) for n, p in kernels.items()):
+            if all(available(n, p, needed_args(call, p.get("CAUSAL", 0))) for n, p in kernels.items()):
                 return ("atomic" if atomic else "split"), kernels
     return "split", scheme(0, *shapes[0])
 
