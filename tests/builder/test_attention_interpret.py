@@ -273,9 +273,7 @@ def run_case(name: str, case: dict) -> dict:
         if not torch.equal(dmask, dmask2):
             failed.append("dropout mask differs between two runs with the same seed and offset")
         offset += 1
-        # causal_align: 1 aligns a mode-1 band bottom-right; mode 2 is bottom-right whatever it says.
-    align = c.get("align", 1 if causal == 2 else 0)
-    common = (B, Hq, Hk, Sq, Sk, scale, p_drop, seed, offset, wl, wr, align)
+        common = (B, Hq, Hk, Sq, Sk, scale, p_drop, seed, offset, wl, wr, align)
         dmask3 = torch.zeros_like(dmask)
         forward(torch.empty_like(out), torch.empty_like(lse), dmask3)
         if torch.equal(dmask, dmask3):

@@ -1087,11 +1087,13 @@ def test_every_kernel_the_gpu_matrix_dispatches_is_in_the_gputest_set(monkeypatc
         params = {**params, "dtype": now["dtype"]}
         decl = decls[name]
         return (name not in dispatch.ARCH_FORWARDS.values() and (now["atomic"] or name != "attn_bwd_dq_convert")
-                and (now["hide"] is None or params.get("CAUSAL") != now["hide"]) and not (decl.exclude and decl.exclude(params, KNOWN["sm90"]))
+                and (now["hide"] is None or params.get("CAUSAL") != now["hide"])
+                and not (decl.exclude and decl.exclude(params, KNOWN["sm90"]))
                 and in_gputest_set(params, KNOWN["sm90"]))
 
     monkeypatch.setattr(dispatch, "_available", in_gputest)
-    monkeypatch.setattr(dispatch, "_takes", lambda lib, name, params, args: all(a in decls[name].signature for a in args))
+    monkeypatch.setattr(dispatch, "_takes", lambda lib, name, params, args: all(a in decls[name].signature
+                                                                                for a in args))
     missing = []
     runs = [(name, case, None) for name, case in {**gpu.MATRIX, **gpu.STANDALONE}.items()]
     runs += [(f"{name} (mode 1)", gpu.MATRIX[name], 2) for name in gpu.MODE_ONE]

@@ -1,9 +1,10 @@
 """The Gluon sm90 forward (``attn_fwd_sm90``) on an H100/H200 against an fp32 reference (marker ``gpu``).
 
 Every built variant (each tile config) runs ragged problems in its mask mode (mode 1 in both
-alignments, chosen by its ``causal_align`` argument): lengths that are no block multiple, seqlen_q below and above seqlen_k, a sliding window, GQA. Inputs live in
-NaN-filled buffers (rows past each sequence are NaN), so a read past a sequence poisons the
-result; outputs are views of NaN-filled buffers whose padding must stay NaN.
+alignments, chosen by its ``causal_align`` argument): lengths that are no block multiple,
+seqlen_q below and above seqlen_k, a sliding window, GQA. Inputs live in NaN-filled buffers
+(rows past each sequence are NaN), so a read past a sequence poisons the result; outputs are
+views of NaN-filled buffers whose padding must stay NaN.
 
 Images: ``AOTRITON_RT_TEST_IMAGES`` pointing at ``python -m builder build --set gputest --targets
 sm90`` (attn_fwd_sm90 declares its gputest variants in builder/kernels/attention_sm90.py).
@@ -108,6 +109,6 @@ def test_every_gluon_forward_variant_matches_an_fp32_reference(variants, problem
         err_lse = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
         pad_ok = bool(out_full[:, Sq:].isnan().all()) and bool(out_full[..., D:].isnan().all())
         if not (err <= tol and err_lse <= 1e-3 and lse_ok and pad_ok):
-            failures.append(f"{v.spec} #{v.config.index} {v.config.constexprs} causal_align {align}: out {err:.3g} lse {err_lse:.3g} "
-                            f"lse-inf-rows-agree {lse_ok} padding-untouched {pad_ok}")
+            failures.append(f"{v.spec} #{v.config.index} {v.config.constexprs} causal_align {align}: out {err:.3g} "
+                            f"lse {err_lse:.3g} lse-inf-rows-agree {lse_ok} padding-untouched {pad_ok}")
     assert not failures, "\n".join(failures)
