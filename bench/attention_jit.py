@@ -142,7 +142,7 @@ class Problem:
         atomic = kernel in ("prea", "dkdva")
         dqa, dqa_strides = ("dqa", strides) if atomic else ("dummy", none)
         sizes = (self.B, self.H, self.H, self.N, self.N)
-        scal = (1.0 / math.sqrt(self.D), 0.0, 0, 0, -1, 0 if self.causal else -1)
+        scal = (1.0 / math.sqrt(self.D), 0.0, 0, 0, -1, 0 if self.causal else -1, 1 if self.causal == 2 else 0)
         if kernel == "fwd":
             return [t("q"), t("k"), t("v"), t("dummy"), t("o"), t("lse"), t("dummy8"), t("dummy32"),
                     t("dummy32"), *strides * 4, *none, self.lz, self.lh, *none, *sizes, *scal]

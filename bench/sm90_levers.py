@@ -154,11 +154,14 @@ def make_inputs(torch, B: int, H: int, Sq: int, Sk: int, D: int, dtype, seed: in
 
 
 def launch_args(q, k, v, out, lse, causal: int, scale: float) -> list:
+    """attn_fwd's argument list for a call of mask mode ``causal`` (2: bottom-right, which a mode-1
+    variant serves by its last argument, causal_align; images built before it take the list
+    without it: see :class:`Contender`)."""
     B, H, Sq, _ = q.shape
     Sk = k.shape[2]
     return [q, k, v, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, H, H, Sq, Sk, scale, 0.0, 0, 0,
-            -1, 0 if causal else -1]
+            -1, 0 if causal else -1, 1 if causal == 2 else 0]
 
 
 def reference(torch, q, k, v, causal: int, scale: float):
@@ -189,7 +192,8 @@ class Contender:
                       + (f" {opts}" if opts else ""))
 
     def __call__(self, args: list) -> None:
-        self.handle(*args)
+        # causal_align comes last: variants built before it take the arguments up to it.
+        self.handle(*args[:len(self.handle.arg_names)])
 
 
 def contenders_of(folders: dict) -> list:

@@ -79,6 +79,26 @@ def forced_dkdv(lib: Any, kernel: str) -> TuningOverride:
     return TuningOverride(lib, {DKDV_KERNEL_RULES: [{"kernel": kernel}]})
 
 
+class WithoutVariants(TuningOverride):
+    """A view of a :class:`aotriton_rt.Library` whose dispatch does not see the variants ``hide``
+    is true for (its tuning table is the library's): calls through it run on what is left, as
+    if the images lacked them (see :func:`without_mask_mode`)."""
+
+    def __init__(self, lib: Any, hide: Any) -> None:
+        super().__init__(lib, {})
+        self._hide = hide
+
+    def variants_of(self, name: str) -> list:
+        return [v for v in self._lib.variants_of(name) if not self._hide(v)]
+
+
+def without_mask_mode(lib: Any, mode: int) -> WithoutVariants:
+    """A view of ``lib`` without the attention variants of mask mode ``mode``, e.g.
+    ``without_mask_mode(lib, 2)``: bottom-right calls then run on mode 1, aligned by its
+    ``causal_align`` argument, as on the default set (which compiles no mode 2)."""
+    return WithoutVariants(lib, lambda v: v.spec.get("CAUSAL") == mode)
+
+
 class ForcedConfig(TuningOverride):
     """A :class:`TuningOverride` sending every call of ``kernel`` to config ``index`` (and, for a
     forward or dK/dV kernel, every forward or split backward to that kernel)."""

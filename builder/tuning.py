@@ -21,7 +21,10 @@ every decision, as pure functions (tested on the CPU with synthetic timings):
 - :func:`fold` gives the catalog rules for a build: a rule is kept only when the build holds its
   spec and config on its arch *with the parameters that were measured* (``expect``); a config
   table that changed since the measurement drops the rule with a reason instead of pointing it
-  at another config.
+  at another config. A rule measured on mask mode 2 (bottom-right causal) also applies to the
+  build's mode-1 variants of the same spec, unless the database measured mode 1 itself: mode 1
+  is the same kernel with the band's alignment a run-time argument (one multiply), and the
+  default set compiles mode 1 only (:func:`mode_one_twin`).
 
 A database for a target checked in as ``builder/tuning_db/<arch>.json`` is folded into every build
 of that target; ``python -m builder build --tuning-db FILE`` names others (docs/tuning.md).
@@ -248,6 +251,39 @@ def load(path: str | Path) -> dict:
     return db
 
 
+#: Said in a rule's ``source`` when it was measured on mask mode 2 and folded for mode 1.
+MODE_ONE_NOTE = "; applied to CAUSAL=1 (the same kernel, aligned at run time)"
+
+
+def mode_one_twin(rule: Mapping[str, Any]) -> dict | None:
+    """The rule for mask mode 1 that a rule measured on mode 2 stands for, or None (not mode 2).
+
+    Mode 1 compiles the same kernel as mode 2, but for ``diag = causal_align * (len_k - len_q)``
+    in place of ``len_k - len_q`` (builder/kernels/attention.py ``_window``): the same code and
+    registers, one run-time multiply, so mode 2's measurements rank mode 1's configs and kernels
+    the same way."""
+    spec = rule.get("spec")
+    if not isinstance(spec, Mapping) or spec.get("CAUSAL") != 2:
+        return None
+    twin = {**rule, "spec": {**spec, "CAUSAL": 1}}
+    if isinstance(rule.get("source"), str):
+        twin["source"] = (rule["source"] + MODE_ONE_NOTE)[:300]
+    return twin
+
+
+def _with_mode_one_twins(kernel: str, rules: Sequence[Mapping[str, Any]]) -> list[tuple[int, dict, bool]]:
+    """(index, rule, is a twin) for every rule, each mode-2 rule followed by its mode-1 twin
+    unless the database holds rules of that kernel for the mode-1 spec itself."""
+    measured = {_spec_key(r.get("spec", {})) for r in rules}
+    out = []
+    for i, rule in enumerate(rules):
+        out.append((i, dict(rule), False))
+        twin = mode_one_twin(rule)
+        if twin is not None and _spec_key(twin["spec"]) not in measured:
+            out.append((i, twin, True))
+    return out
+
+
 def checked_in(archs: Iterable[str], folder: Path = CHECKED_IN) -> list[Path]:
     """The checked-in databases of these archs that exist, in arch order."""
     return [folder / f"{a}.json" for a in sorted(set(archs)) if (folder / f"{a}.json").is_file()]
@@ -261,7 +297,8 @@ def fold(databases: Sequence[tuple[str, Mapping[str, Any]]], jobs: Sequence[Any]
          declared: Mapping[str, list] | None = None) -> tuple[dict[str, list], list[str]]:
     """The catalog tuning table for a build: each database's rules the build can honour, then the
     kernels' ``declared`` rules (``registry.tuning_of``). Returns (table, notes): per database a
-    line "NAME: N rules folded, M dropped", followed by one line per dropped rule.
+    line "NAME: N rules folded, M dropped" (with how many of the N are mode-2 rules applied to mode 1,
+    see :func:`mode_one_twin`), followed by one line per dropped rule.
 
     ``databases``: (name, loaded database) pairs; an earlier database's rule wins over a later one's
     (first match). A rule is dropped, with a note, when its kernel/arch is built but its spec or
@@ -279,15 +316,24 @@ def fold(databases: Sequence[tuple[str, Mapping[str, Any]]], jobs: Sequence[Any]
     notes: list[str] = []
     for name, db in databases:
         kept_before, dropped_before = sum(map(len, table.values())), len(notes)
+        twins = 0
         for kernel, rules in sorted(db.get("rules", {}).items()):
-            for i, rule in enumerate(rules):
+            for i, rule, twin in _with_mode_one_twins(kernel, rules):
                 arch = rule.get("arch")
+                key = _spec_key(rule.get("spec", {}))
+                if twin and (kernel, arch, key) not in specs and kernel != KERNEL_RULES:
+                    continue  # the build has no mode-1 variant of the spec: nothing to say
+                served = mode_one_twin(rule)
+                if (not twin and served is not None and (kernel, arch, key) not in specs
+                        and (kernel, arch, _spec_key(served["spec"])) in specs):
+                    continue  # no mode 2 built (the default set), but mode 1: its twin, next, serves
                 if kernel == KERNEL_RULES:
                     # A choice between two forwards means something only where the build holds both.
                     key = _spec_key(rule.get("spec", {}))
                     if any((own, arch, key) in specs and (portable, arch, key) in specs
                            for own, portable in STANDS_IN_FOR.items()) and rule not in table.get(kernel, []):
                         table.setdefault(kernel, []).append(dict(rule))
+                        twins += twin
                     continue
                 if (kernel, arch) not in archs:
                     continue
@@ -303,8 +349,10 @@ def fold(databases: Sequence[tuple[str, Mapping[str, Any]]], jobs: Sequence[Any]
                 kept = {k: v for k, v in rule.items() if k != "expect"}
                 if kept not in table.setdefault(kernel, []):
                     table[kernel].append(kept)
-        notes.insert(dropped_before, f"{name}: {sum(map(len, table.values())) - kept_before} rules folded, "
-                                     f"{len(notes) - dropped_before} dropped")
+                    twins += twin
+        folded = sum(map(len, table.values())) - kept_before
+        also = f" ({twins} of them mode-2 rules applied to CAUSAL=1)" if twins else ""
+        notes.insert(dropped_before, f"{name}: {folded} rules folded{also}, {len(notes) - dropped_before} dropped")
     for kernel, rules in (declared or {}).items():
         have = table.setdefault(kernel, [])
         have.extend(r for r in rules if r not in have)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from .. import interop
 from ..errors import ArgumentError
 from ..ops.attention import attention_kernels
+from ..ops.attention.problem import align_arg
 from .kernels import JaxKernel, Out, Update
 
 FWD, PRE, DKDV, DQ, CONVERT = "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_dq_convert"
@@ -161,10 +162,12 @@ def _facts(q: Any, k: Any, v: Any, cu_q: Any, o: _Options) -> _Facts:
     left, right = o.window if o.window is not None else (-1, -1)
     if o.causal:
         right = 0
+    masked = o.causal or left >= 0 or right >= 0
     seed, offset = (o.seed, o.offset) if o.dropout_p > 0 else (0, 0)
     scalars = (("batch", batch), ("num_heads_q", heads_q), ("num_heads_k", heads_k), ("seqlen_q", seqlen_q),
                ("seqlen_k", seqlen_k), ("sm_scale", scale), ("dropout_p", float(o.dropout_p)),
-               ("philox_seed", seed), ("philox_offset", offset), ("window_left", left), ("window_right", right))
+               ("philox_seed", seed), ("philox_offset", offset), ("window_left", left), ("window_right", right),
+               ("causal_align", align_arg(2 if masked and o.align == "bottom_right" else 0)))
     return _Facts(varlen, batch, heads_q, heads_k, seqlen_q, seqlen_k, rows_q, rows_k, d, v.shape[-1], scalars)
 
 

@@ -16,15 +16,21 @@ backward's config sweep (``bench/sm90_bwd.py``, ``python -m builder tune``). ``f
 DEFAULT_HEAD_DIMS = (64, 128, 256)
 #: (head dim, CAUSAL) pairs whose dropout (training) variants are in the default set: the
 #: encoders that train with attention dropout (BERT, ViT: 64, no mask) and decoders at the common
-#: size (128, causal bottom-right: equal lengths). Each dropout variant costs 2-11 CPU seconds to
-#: compile per target (causal ones the most), so the rest is in ``full`` only.
-DEFAULT_DROPOUT = ((64, 0), (128, 2))
+#: size (128, causal in either alignment: mode 1 takes the alignment at run time). Each dropout
+#: variant costs 2-11 CPU seconds to compile per target (causal ones the most), so the rest is in
+#: ``full`` only.
+DEFAULT_DROPOUT = ((64, 0), (128, 1))
+#: Mask modes compiled in the default set: none, and the band whose alignment is a run-time
+#: argument (``causal_align``), which serves top-left and bottom-right calls alike. Mode 2
+#: (bottom-right only, what images built before the argument serve such calls with) is in
+#: ``full`` and ``gputest``.
+DEFAULT_CAUSAL = (0, 1)
 
 
 def in_default_set(spec: dict, target: object) -> bool:
     """The default set (forward; see :func:`in_default_backward_set`), embedded in the runtime
     wheel: what common models need. fp16/bf16, head dims ``DEFAULT_HEAD_DIMS`` (equal q·k and
-    v), no mask or causal aligned either way; dropout (without the returned mask) for the
+    v), no mask or causal aligned either way (mode 1, ``DEFAULT_CAUSAL``); dropout (without the returned mask) for the
     (head dim, mask) pairs of ``DEFAULT_DROPOUT``. Not in it (build ``--set full``): fp32, other
     head-dim buckets (calls at those dims run zero-padded on the next compiled one), bias,
     varlen, dropout elsewhere, the returned dropout mask, the atomic-dQ backward."""
@@ -34,7 +40,7 @@ def in_default_set(spec: dict, target: object) -> bool:
     return (spec.get("dtype") in ("fp16", "bf16")
             and head_dim in DEFAULT_HEAD_DIMS
             and spec.get("HEAD_DIM_V", head_dim) == head_dim
-            and causal in (0, 1, 2)
+            and causal in DEFAULT_CAUSAL
             and dropout in (0, 1) and not (dropout and (head_dim, causal) not in DEFAULT_DROPOUT)
             and not spec.get("BIAS", 0) and not spec.get("VARLEN", 0)
             and not spec.get("DQ_ATOMIC", 0))
@@ -47,10 +53,8 @@ DEFAULT_BACKWARD_HEAD_DIMS = (64, 128)
 
 def in_default_backward_set(spec: dict, target: object) -> bool:
     """The default set's backward kernels: the forward's combinations at
-    ``DEFAULT_BACKWARD_HEAD_DIMS``, except top-left causal (unequal lengths are an inference
-    case; equal lengths run bottom-right)."""
-    return (in_default_set(spec, target) and spec.get("CAUSAL", 0) != 1
-            and spec.get("HEAD_DIM", 64) in DEFAULT_BACKWARD_HEAD_DIMS)
+    ``DEFAULT_BACKWARD_HEAD_DIMS`` (causal in both alignments, as the forward)."""
+    return in_default_set(spec, target) and spec.get("HEAD_DIM", 64) in DEFAULT_BACKWARD_HEAD_DIMS
 
 
 def in_bwd_sweep_set(spec: dict, target: object) -> bool:
@@ -105,6 +109,7 @@ GPUTEST = (
     ("fp16", 64, 64, 0, 0, 0, 1, 0),
     ("fp16", 64, 64, 2, 0, 0, 1, 0),
     ("bf16", 128, 128, 2, 0, 0, 1, 0),
+    ("bf16", 128, 128, 1, 0, 0, 1, 0),  # bottom-right on mode 1, aligned per sequence (MODE_ONE)
     ("fp16", 64, 64, 1, 1, 1, 1, 0),
     # Atomic-dQ backward.
     ("fp16", 64, 64, 0, 0, 0, 0, 1),

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from builder.kernels._attention_sets import in_bwd_sweep_set, in_default_backward_set, in_gputest_set
 from builder.kernels.attention import (
+    ALIGN_CHECKS,
     DTYPES,
     GQA_CHECKS,
     HEAD_DIM_BUCKETS,
@@ -228,7 +229,7 @@ def attn_bwd_dkdv(
     stride_dqaz, stride_dqah, stride_dqam,
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
-    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
@@ -275,7 +276,7 @@ def attn_bwd_dkdv(
                    HEAD_DIM_V, True)
 
     qk_scale = sm_scale * LOG2E
-    diag, left, right = _window(len_q, len_k, window_left, window_right, CAUSAL)
+    diag, left, right = _window(len_q, len_k, window_left, window_right, causal_align, CAUSAL)
     # Seen from a key block the band is mirrored: rows i with j - diag - right <= i <= j - diag + left.
     if CAUSAL != 0:
         lo, f1, f2, hi = _span(start_n, BLOCK_N, len_q, -diag, right, left, BLOCK_M)
@@ -416,7 +417,7 @@ def attn_bwd_dq(
     stride_dqz, stride_dqh, stride_dqm,
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
-    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
@@ -480,7 +481,7 @@ def attn_bwd_dq(
 
     qk_scale = sm_scale * LOG2E
     bh = off_b * num_heads_q + off_h
-    diag, left, right = _window(len_q, len_k, window_left, window_right, CAUSAL)
+    diag, left, right = _window(len_q, len_k, window_left, window_right, causal_align, CAUSAL)
     if CAUSAL != 0:
         lo, f1, f2, hi = _span(start_m, BLOCK_M, len_k, diag, left, right, BLOCK_N)
     else:
@@ -680,7 +681,7 @@ KERNELS = [
         sets={"default": in_default_backward_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
         # sm90's sweep alternates only in bwdsweep and full (see _SM90_DKDV_SWEEP).
         set_configs={"default": 1, "gputest": 1},
-        checks=GQA_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1") + stride_checks(_DKDV_DIV),
+        checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1") + stride_checks(_DKDV_DIV),
     ),
     KernelDecl(
         name="attn_bwd_dq",
@@ -695,6 +696,6 @@ KERNELS = [
         sets={"default": in_default_backward_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
         # sm90's sweep alternates only in bwdsweep and full (see _SM90_DKDV_SWEEP).
         set_configs={"default": 1, "gputest": 1},
-        checks=GQA_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1") + stride_checks(_DQ_DIV),
+        checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1") + stride_checks(_DQ_DIV),
     ),
 ]

@@ -206,7 +206,7 @@ def attn_bwd_dkdv_sm90(
     stride_dqaz, stride_dqah, stride_dqam,
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
-    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
     DQ_ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr,
@@ -268,6 +268,8 @@ def attn_bwd_dkdv_sm90(
     unbounded = len_q + len_k
     if CAUSAL == 2:
         diag = len_k - len_q
+    elif CAUSAL == 1:
+        diag = causal_align * (len_k - len_q)  # 0 top-left, 1 bottom-right
     else:
         diag = len_k * 0
     left = gl.where(window_left < 0, unbounded, window_left)
@@ -322,7 +324,7 @@ def attn_bwd_dkdv_sm90(
 # --------------------------------------------------------------------------------------------
 
 from builder.kernels._attention_sets import in_gputest_set as _in_bwd_gputest_set  # noqa: E402
-from builder.kernels.attention import GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
+from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
 from builder.kernels.attention_bwd import _GRAD_PTRS  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
 
@@ -376,6 +378,6 @@ KERNEL = KernelDecl(
     exclude=_excluded,
     sets={"default": lambda spec, target: False, "gputest": in_gputest_set},
     # attn_bwd_dkdv's checks, and TMA descriptors need a non-empty extent in every dimension.
-    checks=GQA_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1", "seqlen_q >= 1", "seqlen_k >= 1")
+    checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1", "seqlen_q >= 1", "seqlen_k >= 1")
     + stride_checks(_DIV),
 )

@@ -256,7 +256,7 @@ def attn_fwd_sm90(
     stride_lz, stride_lh,
     stride_dmz, stride_dmh, stride_dmm,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
-    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
@@ -314,6 +314,8 @@ def attn_fwd_sm90(
     unbounded = len_q + len_k
     if CAUSAL == 2:
         diag = len_k - len_q
+    elif CAUSAL == 1:
+        diag = causal_align * (len_k - len_q)  # 0 top-left, 1 bottom-right
     else:
         diag = len_k * 0
     left = gl.where(window_left < 0, unbounded, window_left)
@@ -379,7 +381,7 @@ def attn_fwd_sm90(
 # Registry declaration.
 # --------------------------------------------------------------------------------------------
 
-from builder.kernels.attention import GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
+from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
 
 #: Head dims compiled: the ones whose portable sm90 forward trails cuDNN most (docs/performance.md).
@@ -423,20 +425,21 @@ def in_levers_set(spec: dict, target: object) -> bool:
 
 
 def in_gputest_set(spec: dict, target: object) -> bool:
-    """The GPU tests' and the tuning database's variants: D=128 without a mask and bottom-right
-    causal in both dtypes, fp16 D=128 top-left causal, fp16 D=64 without a mask and bf16 D=64
-    bottom-right causal."""
+    """The GPU tests' and the tuning database's variants: D=128 in every mask mode in both dtypes
+    (mode 1 is the default set's causal kernel, both alignments), fp16 D=64 without a mask and
+    bf16 D=64 bottom-right causal."""
     d, causal, dtype = spec["HEAD_DIM"], spec["CAUSAL"], spec["dtype"]
     if d == 128:
-        return causal in (0, 2) or dtype == "fp16"
+        return True
     return (dtype, causal) in (("fp16", 0), ("bf16", 2))
 
 
 def in_default_set(spec: dict, target: object) -> bool:
-    """Head dim 128 (fp16/bf16, every mask mode): where it beat attn_fwd on the H200 by 15-20% at
-    N >= 4096 (docs/performance.md); the tuning database sends the lengths where it does not back to
-    attn_fwd. Head dim 64 stays on attn_fwd (it was slower there)."""
-    return spec["HEAD_DIM"] == 128
+    """Head dim 128 (fp16/bf16, no mask and causal mode 1, which serves both alignments): where it
+    beat attn_fwd on the H200 by 15-20% at N >= 4096 (docs/performance.md); the tuning database
+    sends the lengths where it does not back to attn_fwd. Head dim 64 stays on attn_fwd (it was
+    slower there)."""
+    return spec["HEAD_DIM"] == 128 and spec["CAUSAL"] in (0, 1)
 
 
 _SIG = signature_of(attn_fwd_sm90, {
@@ -457,5 +460,6 @@ KERNEL = KernelDecl(
     sets={"default": in_default_set, "gputest": in_gputest_set, "levers": in_levers_set},
     set_configs={"default": 1},
     # TMA descriptors need a non-empty extent in every dimension.
-    checks=GQA_CHECKS + ("batch * num_heads_q <= 65535", "seqlen_q >= 1", "seqlen_k >= 1") + stride_checks(_DIV),
+    checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "seqlen_q >= 1", "seqlen_k >= 1")
+    + stride_checks(_DIV),
 )

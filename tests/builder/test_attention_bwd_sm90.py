@@ -49,7 +49,11 @@ def test_gputest_holds_every_served_spec_and_default_none() -> None:
     targets = parse_targets("sm80,sm90,gfx942")
     full = expand(_kernels()[NAME], targets, "full", "3.6.0")
     gputest = expand(_kernels()[NAME], targets, "gputest", "3.6.0")
-    assert sorted(j.label for j in gputest) == sorted(j.label for j in full)
+    # Every spec it serves whose portable dK/dV the GPU test matrix holds (the rest of its
+    # backward, preprocess and dQ, comes from those specs).
+    portable = {tuple(sorted(j.spec.items())) for j in expand(_kernels()["attn_bwd_dkdv"], targets, "gputest", "3.6.0")}
+    assert sorted(j.label for j in gputest) == sorted(j.label for j in full if tuple(sorted(j.spec.items())) in portable)
+    assert {j.spec["CAUSAL"] for j in gputest} == {0, 1, 2}
     assert expand(_kernels()[NAME], targets, "default", "3.6.0") == []
 
 
@@ -87,7 +91,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from builder.registry import expand
     from builder.targets import parse_targets
 
-    jobs = [j for j in expand(_kernels()[NAME], parse_targets("sm90"), "gputest", "3.6.0")
+    jobs = [j for j in expand(_kernels()[NAME], parse_targets("sm90"), "full", "3.6.0")
             if j.spec in BUILT and j.config_index == 0]
     assert len(jobs) == len(BUILT)
     out = tmp_path_factory.mktemp("gluon_bwd")

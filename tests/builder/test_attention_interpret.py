@@ -34,6 +34,13 @@ CASES: dict[str, dict] = {
     "causal_bottom_right_sq_lt_sk": {"causal": 2},
     "causal_top_left_sq_gt_sk": {"causal": 1, "Sq": 53, "Sk": 37},
     "causal_bottom_right_sq_gt_sk_empty_rows": {"causal": 2, "Sq": 53, "Sk": 37},
+    # Mask mode 1 takes its alignment at run time (causal_align 1: bottom-right); mode 2 ignores it.
+    "causal_mode_1_aligned_bottom_right_sq_lt_sk": {"causal": 1, "align": 1},
+    "causal_mode_1_aligned_bottom_right_empty_rows": {"causal": 1, "align": 1, "Sq": 53, "Sk": 37, "D": 128,
+                                                      "dtype": "fp16"},
+    "causal_mode_2_ignores_causal_align_0": {"causal": 2, "align": 0, "Sq": 53, "Sk": 37},
+    "varlen_mode_1_bottom_right_per_sequence": {"varlen": ((5, 9), (17, 31), (1, 1), (40, 23)), "causal": 1,
+                                                "align": 1, "window": (6, 0)},
     "sliding_window_bottom_right": {"causal": 2, "window": (7, 3)},
     "sliding_window_top_left_left_only": {"causal": 1, "window": (11, -1)},
     "blocks_32x16_causal": {"causal": 2, "BM": 32, "BN": 16, "window": (-1, 5)},
@@ -49,6 +56,8 @@ CASES: dict[str, dict] = {
     "varlen_window_dropout_bias": {"varlen": ((19, 19), (33, 7)), "causal": 1, "window": (4, 2),
                                    "dropout": 0.2, "bias": "full"},
     "head_dim_48_bucket_fp16": {"D": 48, "dtype": "fp16", "causal": 2},
+    # Head dims above 64 loop over a causal program's two query blocks at run time.
+    "head_dim_128_causal_runtime_tile_loop": {"D": 128, "dtype": "bf16", "causal": 1, "Sq": 61, "Sk": 61, "BM": 16},
     "head_dim_40_padded_to_48": {"D": 40, "pad_to": 48},
     "head_dim_80_bf16": {"D": 80, "dtype": "bf16", "Sq": 19, "Sk": 23},
     "qk_32_v_16": {"D": 32, "Dv": 16, "causal": 1},
@@ -201,7 +210,9 @@ def run_case(name: str, case: dict) -> dict:
 
     flags = {"HEAD_DIM": Dk_b, "HEAD_DIM_V": Dv_b, "CAUSAL": causal, "DROPOUT": dropout,
              "VARLEN": 1 if varlen else 0}
-    common = (B, Hq, Hk, Sq, Sk, scale, p_drop, seed, offset, wl, wr)
+    # causal_align: 1 aligns a mode-1 band bottom-right; mode 2 is bottom-right whatever it says.
+    align = c.get("align", 1 if causal == 2 else 0)
+    common = (B, Hq, Hk, Sq, Sk, scale, p_drop, seed, offset, wl, wr, align)
 
     def forward(out, lse, dmask):
         # The registry's grid (causal programs pair query blocks p and n-1-p).
@@ -262,7 +273,7 @@ def run_case(name: str, case: dict) -> dict:
         if not torch.equal(dmask, dmask2):
             failed.append("dropout mask differs between two runs with the same seed and offset")
         offset += 1
-        common = (B, Hq, Hk, Sq, Sk, scale, p_drop, seed, offset, wl, wr)
+        common = (B, Hq, Hk, Sq, Sk, scale, p_drop, seed, offset, wl, wr, align)
         dmask3 = torch.zeros_like(dmask)
         forward(torch.empty_like(out), torch.empty_like(lse), dmask3)
         if torch.equal(dmask, dmask3):
@@ -285,7 +296,7 @@ def run_case(name: str, case: dict) -> dict:
         i = torch.arange(lq)[:, None]
         j = torch.arange(lk)[None, :]
         if causal:
-            diag = 0 if causal == 1 else lk - lq
+            diag = lk - lq if causal == 2 or align else 0
             rel = j - i - diag
             vis = torch.ones(lq, lk, dtype=torch.bool)
             if wl >= 0:
@@ -436,7 +447,7 @@ def test_attention_variant_compiles_ahead_of_time_within_shared_memory(compiled:
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [0, 2])
+@pytest.mark.parametrize("causal", [0, 1, 2])  # 1: aligned bottom-right by causal_align
 @pytest.mark.parametrize("index", range(3))
 def test_every_sm90_forward_config_matches_an_fp32_reference_on_the_gpu(index: int, causal: int) -> None:
     torch = pytest.importorskip("torch")
@@ -470,7 +481,7 @@ def test_every_sm90_forward_config_matches_an_fp32_reference_on_the_gpu(index: i
     grid = KERNELS[0].grid_of(seqlen_q=Sq, batch=B, num_heads_q=H, CAUSAL=causal, **cfg.constexprs)
     attn_fwd[grid](q, k, v, q, out, lse, none, none, none, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                    *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, H, H, Sq, Sk, scale, 0.0, 0, 0,
-                   -1, 0 if causal else -1, HEAD_DIM=D, HEAD_DIM_V=D, CAUSAL=causal, BIAS=0, DROPOUT=0,
+                   -1, 0 if causal else -1, 1, HEAD_DIM=D, HEAD_DIM_V=D, CAUSAL=causal, BIAS=0, DROPOUT=0,
                    VARLEN=0, **cfg.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.options)
     s = (q.float() @ k.float().transpose(-1, -2)) * scale
     if causal:

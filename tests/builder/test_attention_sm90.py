@@ -35,13 +35,14 @@ def test_the_gluon_forward_is_built_for_sm90_only() -> None:
     assert all(j.spec["HEAD_DIM"] == j.spec["HEAD_DIM_V"] for j in jobs)
 
 
-def test_the_default_set_holds_its_first_config_at_head_dim_128_in_every_mask_mode() -> None:
+def test_the_default_set_holds_its_first_config_at_head_dim_128_without_a_mask_and_in_mask_mode_1() -> None:
     from builder.registry import expand
     from builder.targets import parse_targets
 
+    # Mode 1 takes the band's alignment at run time (causal_align), so it serves both alignments.
     jobs = expand(_kernels()["attn_fwd_sm90"], parse_targets("sm80,sm90,gfx942"), "default", "3.6.0")
     assert sorted((j.spec["dtype"], j.spec["CAUSAL"]) for j in jobs) == [
-        (dt, c) for dt in ("bf16", "fp16") for c in (0, 1, 2)]
+        (dt, c) for dt in ("bf16", "fp16") for c in (0, 1)]
     assert {(j.target.arch, j.spec["HEAD_DIM"], j.config_index) for j in jobs} == {("sm90", 128, 0)}
 
 
@@ -127,7 +128,7 @@ def test_a_catalog_that_lies_about_the_gluon_binary_fails_the_abi_proof(built: P
     with pytest.raises(AbiError, match=r"num_warps .*catalog has \(128, 1, 1\), binary has \(384, 1, 1\)"):
         prove(wrong_warps, raw)
     args = [dict(a) for a in variant.to_json()["args"]]
-    args[-1]["offset"] += 4  # window_right moved
+    args[-1]["offset"] += 4  # causal_align moved
     with pytest.raises(AbiError, match=r"ABI mismatch in attn_fwd_sm90 .*args\[\d+\]\.offset"):
         prove({**variant.to_json(), "args": args}, raw)
 
@@ -176,6 +177,7 @@ def test_the_levers_bench_loads_the_built_variant_with_attn_fwds_argument_list(b
     assert len(args) == len(contender.handle.arg_names)
     named = dict(zip(contender.handle.arg_names, args))
     assert (named["seqlen_q"], named["window_left"], named["window_right"], named["stride_lh"]) == (100, -1, 0, 100)
+    assert named["causal_align"] == 1  # a bottom-right call
 
 
 def test_every_lever_expands_to_sm90_jobs_of_the_benchmarked_specs() -> None:

@@ -116,7 +116,12 @@ def test_a_missing_database_says_it_cannot_be_read(tmp_path: Path) -> None:
         tuning.load(tmp_path / "nope.json")
 
 
-def _jobs(arch: str = "sm90") -> list:
+def _jobs(arch: str = "sm90", causal: int | None = None) -> list:
+    """The gputest set's fp16 D64/D128 attn_fwd jobs (mode 1 only at D128 causal, as in the default
+    set); ``causal``: instead the full set's jobs of FWD with that mask mode."""
+    if causal is not None:
+        return [j for j in expand(load_kernels()["attn_fwd"], [KNOWN[arch]], "full", "3.6.0")
+                if j.spec == {**FWD, "CAUSAL": causal}]
     return [j for j in expand(load_kernels()["attn_fwd"], [KNOWN[arch]], "gputest", "3.6.0")
             if j.spec["dtype"] == "fp16" and j.spec["HEAD_DIM"] in (64, 128)]
 
@@ -124,12 +129,30 @@ def _jobs(arch: str = "sm90") -> list:
 def test_fold_keeps_rules_whose_config_the_build_holds_as_measured_and_strips_expect() -> None:
     db = tuning.database([_entry(1024, [10, 12]), _entry(4096, [90, 80])], arch="sm90", machine={"gpu": "H200"},
                          method={})
-    table, notes = tuning.fold([("sm90.json", db)], _jobs(), {"attn_decode": [{"arch": "sm90", "config": 0}]})
-    assert notes == ["sm90.json: 2 rules folded, 0 dropped"]
-    assert [r["config"] for r in table["attn_fwd"]] == [0, 1]
+    both = _jobs() + _jobs(causal=2)
+    table, notes = tuning.fold([("sm90.json", db)], both, {"attn_decode": [{"arch": "sm90", "config": 0}]})
+    assert notes == ["sm90.json: 4 rules folded (2 of them mode-2 rules applied to CAUSAL=1), 0 dropped"]
+    assert [(r["spec"]["CAUSAL"], r["config"]) for r in table["attn_fwd"]] == [(2, 0), (1, 0), (2, 1), (1, 1)]
     assert all("expect" not in r for r in table["attn_fwd"])
-    assert table["attn_fwd"][1]["source"] == "tuning database sm90 (H200), measured at seqlen_q 4096..4096"
+    assert table["attn_fwd"][2]["source"] == "tuning database sm90 (H200), measured at seqlen_q 4096..4096"
     assert table["attn_decode"] == [{"arch": "sm90", "config": 0}]  # the kernels' own rules follow
+
+
+def test_rules_measured_on_mode_2_serve_a_build_of_mode_1_only_like_the_default_set() -> None:
+    db = tuning.database([_entry(1024, [10, 12]), _entry(4096, [90, 80])], arch="sm90", machine={"gpu": "H200"},
+                         method={})
+    table, notes = tuning.fold([("sm90.json", db)], _jobs())  # no mode 2 built: no "dropped" for its rules
+    assert notes == ["sm90.json: 2 rules folded (2 of them mode-2 rules applied to CAUSAL=1), 0 dropped"]
+    assert [r["spec"] for r in table["attn_fwd"]] == [{**FWD, "CAUSAL": 1}] * 2
+    assert table["attn_fwd"][1]["seqlen_q"] == [4096, None] and table["attn_fwd"][1]["config"] == 1
+    assert table["attn_fwd"][1]["source"].endswith(tuning.MODE_ONE_NOTE)
+    # Rules measured on mode 1 itself win: no twin is made for a spec the database measured.
+    measured = tuning.database([_entry(1024, [10, 12]), _entry(1024, [12, 10], {**FWD, "CAUSAL": 1})],
+                               arch="sm90", machine={}, method={})
+    table, _ = tuning.fold([("sm90.json", measured)], _jobs() + _jobs(causal=2))
+    assert [(r["spec"]["CAUSAL"], r["config"]) for r in table["attn_fwd"]] == [(1, 1), (2, 0)]
+    # Twins are only for mode 2: a mode-0 rule stays one rule.
+    assert tuning.mode_one_twin({"spec": {**FWD, "CAUSAL": 0}, "config": 1}) is None
 
 
 def test_the_faster_forward_serves_each_bin_and_the_arch_one_keeps_ties() -> None:
@@ -151,10 +174,10 @@ def test_fold_keeps_a_forward_choice_only_where_the_build_holds_both_forwards() 
     db = tuning.database([_entry(1024, [100]), _entry(1024, [120], kernel="attn_fwd_sm90")], arch="sm90",
                          machine={"gpu": "H200"}, method={})
     gluon = [j for j in expand(load_kernels()["attn_fwd_sm90"], [KNOWN["sm90"]], "gputest", "3.6.0")
-             if j.spec == FWD]
+             if j.spec in (FWD, {**FWD, "CAUSAL": 1})]
     assert gluon
-    table, _ = tuning.fold([("sm90.json", db)], _jobs() + gluon)
-    assert [(r["kernel"], r["seqlen_q"]) for r in table["attn_fwd_kernel"]] == [("attn_fwd", [None, None])]
+    table, _ = tuning.fold([("sm90.json", db)], _jobs() + _jobs(causal=2) + gluon)
+    assert [(r["kernel"], r["spec"]["CAUSAL"]) for r in table["attn_fwd_kernel"]] == [("attn_fwd", 2), ("attn_fwd", 1)]
     assert "attn_fwd_kernel" not in tuning.fold([("sm90.json", db)], _jobs())[0]
 
 
@@ -217,7 +240,9 @@ def test_every_checked_in_database_loads_and_folds_without_a_dropped_rule() -> N
         jobs = [j for name in sorted(names) for j in expand(load_kernels()[name], [KNOWN[db["arch"]]], "full", "3.6.0")]
         table, notes = tuning.fold([(path.name, db)], jobs)
         assert notes[0].endswith(" 0 dropped"), notes
-        assert sum(map(len, table.values())) == sum(map(len, db["rules"].values()))
+        # Every rule, and a mode-1 twin of each mode-2 rule (the database measured no mode 1).
+        twins = sum(1 for rules in db["rules"].values() for r in rules if tuning.mode_one_twin(r) is not None)
+        assert sum(map(len, table.values())) == sum(map(len, db["rules"].values())) + twins
 
 
 def test_recompute_decides_again_without_a_gpu_and_writes_the_same_bytes(tmp_path: Path) -> None:

@@ -43,9 +43,10 @@ POINTER_STRIDE = 1 << 32
 STREAM = 0x5000
 
 # Values that the kernels' run-time checks constrain (see builder/kernels/attention*.py).
-# Decode kernels check seqlen_q <= 16, page sizes in multiples of 16 and positive split counts.
+# Decode kernels check seqlen_q <= 16, page sizes in multiples of 16 and positive split counts;
+# attention kernels take causal_align 0 or 1 (1: a non-zero word, so a misplaced one shows).
 _FIXED_INTS = {"batch": 5, "num_heads_q": 9, "num_heads_k": 3, "seqlen_q": 3, "seqlen_new": 2, "page_size": 32,
-               "num_pages": 7, "capacity": 96, "num_splits": 4}
+               "num_pages": 7, "capacity": 96, "num_splits": 4, "causal_align": 1}
 _FIXED_FLOATS = {"dropout_p": 0.25, "sm_scale": 0.125}
 _INT_BASE = {"i8": 0, "i16": 0, "i32": 0, "u8": 0, "u16": 0, "u32": 0, "i64": 1 << 32, "u64": 1 << 63}
 

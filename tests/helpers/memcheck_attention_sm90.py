@@ -30,9 +30,10 @@ for v in variants:
         vv = torch.randn(B, Hk, Sk, D, device="cuda", dtype=dtype)
         out = torch.empty_like(q)
         lse = torch.empty(B, Hq, Sq, device="cuda")
-        handle(q, k, vv, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *vv.stride()[:3],
-               *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, Hq, Hk, Sq, Sk, 1 / math.sqrt(D), 0.0,
-               0, 0, -1, 0 if causal else -1)
-        torch.cuda.synchronize()
-        assert not out.isnan().any(), f"NaN output {v.spec} #{v.config.index} {(B, Hq, Hk, Sq, Sk)}"
+        for align in (0, 1) if causal == 1 else (0,):  # mode 1: top-left and bottom-right bands
+            handle(q, k, vv, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *vv.stride()[:3],
+                   *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, Hq, Hk, Sq, Sk, 1 / math.sqrt(D),
+                   0.0, 0, 0, -1, 0 if causal else -1, align)
+            torch.cuda.synchronize()
+            assert not out.isnan().any(), f"NaN output {v.spec} #{v.config.index} {(B, Hq, Hk, Sq, Sk)} align {align}"
     print(f"ok {v.spec['dtype']} D{D} causal{causal} #{v.config.index}", flush=True)

@@ -128,6 +128,13 @@ MATRIX: dict[str, dict] = {
 }
 
 
+#: Bottom-right cases of unequal lengths run once more on images without mask mode 2 (a library
+#: view hides it), as the default set is: a mode-1 kernel aligns their band by its causal_align
+#: argument, per sequence under varlen (the gputest set holds mode 1 for each).
+MODE_ONE = ("fp16_bottom_right_sq_gt_sk_empty_rows", "bf16_d128_bottom_right_sq_lt_sk", "bf16_d128_window_bottom_right",
+            "bf16_d128_varlen_causal_bottom_right")
+
+
 # The standalone tests below, as cases: the CPU test checks their kernels are in the set too.
 STANDALONE: dict[str, dict] = {
     "dropout_mask_reproducible": _case(dropout=0.2),
@@ -336,15 +343,22 @@ def _inputs(pl: Plan, case: dict, gen: Any) -> dict:
     return tensors
 
 
-@pytest.mark.parametrize("forward", ["dispatched", "portable"])
+@pytest.mark.parametrize("forward", ["dispatched", "portable", "mode1"])
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_attention_matches_the_fp32_reference_within_the_low_precision_error(lib: Any, name: str,
                                                                              forward: str) -> None:
     """Every case as dispatched (on sm90 the Gluon forward and dK/dV where the images hold their
     specs) and, where that is not the portable attn_fwd and attn_bwd_dkdv, once more on those
-    (tuning overrides)."""
+    (tuning overrides); the ``MODE_ONE`` cases once more without mask mode 2 (forward and
+    backward on mode 1)."""
     case = MATRIX[name]
     pl = plan(case)
+    if forward == "mode1":
+        if name not in MODE_ONE:
+            pytest.skip("not a bottom-right case of unequal lengths (MODE_ONE)")
+        from builder.tune import without_mask_mode
+
+        lib = without_mask_mode(lib, 2)
     if case.get("atomic") and "attn_bwd_dq_convert" not in lib.kernels:
         pytest.skip("the images lack attn_bwd_dq_convert (the atomic-dQ scheme); attention_bwd.py declares it in "
                     "no gputest set")
@@ -353,6 +367,10 @@ def test_attention_matches_the_fp32_reference_within_the_low_precision_error(lib
     q, k, v, dout, bias = t["q"], t["k"], t["v"], t["dout"], t["bias"]
     opts = {**pl.options, **t["cu"], "bias": bias}
     kernel = op.attention_kernels(q, k, v, **opts, return_mask=bool(case.get("dropout")), library=lib)["attn_fwd"]
+    if forward == "mode1":
+        backward = op.attention_kernels(q, k, v, **opts, backward=True, **pl.backward, library=lib)
+        modes = {h.params["CAUSAL"] for h in (kernel, *backward.values()) if "CAUSAL" in h.params}
+        assert modes == {1} and "causal_align" in kernel.arg_names, f"{name}: mask modes {modes}"
     if forward == "portable":
         dkdv = op.attention_kernels(q, k, v, **opts, backward=True, **pl.backward, library=lib)["attn_bwd_dkdv"]
         if kernel.name == "attn_fwd" and dkdv.name == "attn_bwd_dkdv":
@@ -406,7 +424,7 @@ def test_attention_matches_the_fp32_reference_within_the_low_precision_error(lib
             assert got["dbias"] is None or case.get("api") == "torch"
             continue
         summary.append(check(what, got[what], hi[what], lo[what], pl.dtype))
-    print(name, forward, kernel.name if forward == "dispatched" else "attn_fwd", "; ".join(summary))
+    print(name, forward, kernel.name if forward != "portable" else "attn_fwd", "; ".join(summary))
 
 
 def test_dropout_mask_is_reproducible_and_moves_with_the_offset(lib: Any) -> None:

@@ -159,6 +159,8 @@ def _install_cpu_operator() -> None:
 
     problem._describe = cpu_describe
     dispatch._available = lambda lib, name, params: lib.has(name, params)
+    # The interpreter runs this checkout's kernels: a variant takes the arguments its source declares.
+    dispatch._takes = lambda lib, name, params, args: all(a in lib.decls[name].signature for a in args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +193,15 @@ CASES: dict[str, dict] = {
     "atomic_dq_when_asked": {"available": "atomic", "causal": True, "D": 40, "bias": "full"},
     "deterministic_forces_split": {"available": "atomic", "deterministic": True},
     "unequal_pair_missing_runs_padded": {"D": 192, "Dv": 128, "missing": ("attn_fwd:HEAD_DIM_V=128",
-                                                                         "attn_bwd_dq:HEAD_DIM_V=128")},
+                                                                         "attn_bwd_dq:HEAD_DIM_V=128"),
+                                         "runs": {"HEAD_DIM": 192, "HEAD_DIM_V": 192}},
+    # Images without mask mode 2 (the default set): mode 1 aligned bottom-right by causal_align.
+    "bottom_right_on_mode_1_empty_rows_gqa": {"causal": True, "align": "bottom_right", "Sq": 41, "Sk": 19, "Hq": 4,
+                                              "Hk": 2, "missing": ("attn_fwd:CAUSAL=2", "attn_bwd_dkdv:CAUSAL=2",
+                                                                   "attn_bwd_dq:CAUSAL=2"), "runs": {"CAUSAL": 1}},
+    "varlen_bottom_right_window_on_mode_1": {"varlen": ((5, 9), (17, 31), (23, 4)), "window": (3, 2),
+                                             "align": "bottom_right", "missing": ("attn_fwd:CAUSAL=2",
+                                             "attn_bwd_dkdv:CAUSAL=2", "attn_bwd_dq:CAUSAL=2"), "runs": {"CAUSAL": 1}},
     "torch_op_autograd_dropout_bias": {"api": "torch", "dropout": 0.2, "bias": "heads", "causal": True},
     "torch_op_varlen_fp16": {"api": "torch", "dtype": "fp16", "varlen": ((7, 11), (21, 13))},
     "torch_opcheck_and_compile": {"api": "opcheck"},
@@ -329,10 +339,10 @@ def run_case(name: str, case: dict) -> dict:
         expect = ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
     if launched != expect:
         failed.append(f"backward launched {launched}, expected {expect}")
-    if c.get("missing"):
-        fwd_spec = next(s for n, s, _ in lib.launches if n == "attn_bwd_dkdv")
-        if (fwd_spec["HEAD_DIM"], fwd_spec["HEAD_DIM_V"]) != (192, 192):
-            failed.append(f"expected the padded 192/192 variants, ran {fwd_spec}")
+    if c.get("runs"):
+        ran = next(s for n, s, _ in lib.launches if n == "attn_bwd_dkdv")
+        if any(ran.get(k) != v for k, v in c["runs"].items()):
+            failed.append(f"expected variants with {c['runs']}, ran {ran}")
     tol = {"fp32": 2e-4, "fp16": 2e-2, "bf16": 8e-2}[c["dtype"]]
 
     def compare(what: str, got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -489,10 +499,13 @@ def qkv(B: int = 2, H: int = 4, S: int = 64, D: int = 64, Hk: int | None = None,
 # Dispatch as pure functions.
 # ---------------------------------------------------------------------------------------------
 
-def only(*allowed: tuple[str, dict]):
-    """An availability predicate: these (kernel, partial params) and nothing else."""
-    def available(name: str, params: dict) -> bool:
-        return any(name == n and all(params.get(k) == v for k, v in want.items()) for n, want in allowed)
+def only(*allowed: tuple[str, dict], takes: tuple[str, ...] = ("causal_align",)):
+    """An availability predicate: these (kernel, partial params) and nothing else, their variants
+    taking the run-time arguments ``takes`` (images of this checkout by default; ``takes=()``:
+    built before ``causal_align`` existed)."""
+    def available(name: str, params: dict, args: tuple[str, ...]) -> bool:
+        return set(args) <= set(takes) and any(name == n and all(params.get(k) == v for k, v in want.items())
+                                               for n, want in allowed)
     return available
 
 
@@ -509,9 +522,30 @@ def test_equal_lengths_run_on_whichever_causal_alignment_the_images_hold() -> No
     top_left = AttentionCall("fp16", 64, 64, causal=1, causal_equivalent=True)
     assert forward_params(top_left)["CAUSAL"] == 2
     assert forward_params(top_left, only(("attn_fwd", {"CAUSAL": 1})))["CAUSAL"] == 1
-    # Different lengths: the alignment matters and is never swapped.
+    # Equal lengths: any mode-1 variant serves, even one built before causal_align (its band is
+    # top-left, which is the bottom-right one here).
+    equal = AttentionCall("fp16", 64, 64, causal=2, causal_equivalent=True)
+    assert forward_params(equal, only(("attn_fwd", {"CAUSAL": 1}), takes=()))["CAUSAL"] == 1
+    # Different lengths, top-left: mode 2 is bottom-right only, so it never serves.
     strict = AttentionCall("fp16", 64, 64, causal=1)
     assert forward_params(strict, only(("attn_fwd", {"CAUSAL": 2})))["CAUSAL"] == 1
+
+
+def test_a_bottom_right_call_runs_on_mode_1_only_where_its_variants_take_causal_align() -> None:
+    lopsided = AttentionCall("fp16", 128, 128, causal=2, seqlen_q=100, seqlen_k=300)
+    # Mode 2 first (images built before causal_align hold it for bottom-right calls) ...
+    assert forward_params(lopsided, only(("attn_fwd", {"CAUSAL": 2}), ("attn_fwd", {"CAUSAL": 1})))["CAUSAL"] == 2
+    # ... mode 1 when that is all the images hold (the default set), aligned by its argument ...
+    assert forward_params(lopsided, only(("attn_fwd", {"CAUSAL": 1})))["CAUSAL"] == 1
+    mode1 = only(("attn_bwd_preprocess", {}), ("attn_bwd_dkdv", {"CAUSAL": 1}), ("attn_bwd_dq", {"CAUSAL": 1}))
+    assert {p.get("CAUSAL") for p in backward_params(lopsided, mode1)[1].values()} == {None, 1}
+    # ... and never a mode-1 variant that cannot be aligned: the call's own mode is named instead, so
+    # that KernelNotFound says what is missing.
+    old = only(("attn_fwd", {"CAUSAL": 1}), takes=())
+    assert forward_params(lopsided, old)["CAUSAL"] == 2
+    old_bwd = only(("attn_bwd_preprocess", {}), ("attn_bwd_dkdv", {"CAUSAL": 1}), ("attn_bwd_dq", {"CAUSAL": 1}),
+                   takes=())
+    assert backward_params(lopsided, old_bwd)[1]["attn_bwd_dkdv"]["CAUSAL"] == 2
 
 
 def test_head_dims_take_the_smallest_bucket_and_unequal_pairs_only_where_compiled() -> None:
@@ -538,7 +572,7 @@ def test_head_dims_take_the_smallest_bucket_and_unequal_pairs_only_where_compile
 
 def test_head_dims_whose_bucket_the_images_lack_run_zero_padded_on_the_next_bucket_they_hold() -> None:
     # The default set compiles 64, 128 and 256: Phi-3's 96 and Phi-2's 80 run on 128, forward and backward.
-    held = lambda name, params: params["HEAD_DIM"] in (64, 128, 256)
+    held = lambda name, params, args: params["HEAD_DIM"] in (64, 128, 256)
     for d in (80, 96, 112):
         call = AttentionCall("bf16", d, d, causal=2, dropout=1)
         assert forward_params(call, held)["HEAD_DIM"] == 128 and forward_params(call, held)["HEAD_DIM_V"] == 128
@@ -547,7 +581,7 @@ def test_head_dims_whose_bucket_the_images_lack_run_zero_padded_on_the_next_buck
     assert forward_params(AttentionCall("fp16", 160, 160), held)["HEAD_DIM"] == 256
     assert forward_params(AttentionCall("fp16", 192, 128), held)["HEAD_DIM_V"] == 256
     # Images holding none of them: the call's own bucket, so that KernelNotFound names what is missing.
-    none = lambda name, params: False
+    none = lambda name, params, args: False
     assert forward_params(AttentionCall("fp16", 80, 80), none)["HEAD_DIM"] == 80
     assert backward_params(AttentionCall("fp16", 80, 80), none)[1]["attn_bwd_dq"]["HEAD_DIM"] == 80
 
@@ -567,11 +601,11 @@ def test_backward_prefers_split_and_takes_atomic_dq_only_when_asked_or_alone() -
                                         "DROPOUT": 0, "VARLEN": 0, "BIAS": 2, "DQ_ATOMIC": 1}
     assert kernels["attn_bwd_dq_convert"] == {"dtype": "fp16", "HEAD_DIM": 128, "VARLEN": 0}
     # Images with only the atomic kernels: atomic, unless the call must be deterministic.
-    no_dq = lambda name, params: name != "attn_bwd_dq"
+    no_dq = lambda name, params, args: name != "attn_bwd_dq"
     assert backward_params(call, no_dq)[0] == "atomic"
     assert backward_params(call, no_dq, deterministic=True)[0] == "split"
     # Images without the convert kernel: split, whatever the preference.
-    no_convert = lambda name, params: name != "attn_bwd_dq_convert"
+    no_convert = lambda name, params, args: name != "attn_bwd_dq_convert"
     assert backward_params(call, no_convert, mode="atomic")[0] == "split"
     # A tuning rule cannot make a deterministic call atomic.
     assert backward_params(call, mode="atomic", deterministic=True)[0] == "split"
@@ -625,7 +659,10 @@ def test_head_dim_buckets_mirror_the_builder_declarations() -> None:
 # Through a real Library over a synthetic catalog (no images: handles are made, never launched).
 # ---------------------------------------------------------------------------------------------
 
-def _synthetic_variant(name: str, spec: dict, index: int = 0, arch: str = "sm90") -> dict:
+def _synthetic_variant(name: str, spec: dict, index: int = 0, arch: str = "sm90", without: tuple[str, ...] = ()
+                       ) -> dict:
+    """A catalog entry for ``name``/``spec`` as this checkout declares it (``without``: arguments it
+    lacks, as in images built before they existed)."""
     import hashlib
 
     from builder.registry import _divisibility, _resolve_signature, load_kernels
@@ -636,7 +673,7 @@ def _synthetic_variant(name: str, spec: dict, index: int = 0, arch: str = "sm90"
     div = _divisibility(decl, signature)
     args, offset = [], 0
     for arg, t in signature.items():
-        if t == "constexpr":
+        if t == "constexpr" or arg in without:
             continue
         size = 8 if t.startswith("*") or t in ("i64", "u64") else 4
         offset = -(-offset // size) * size
@@ -653,7 +690,8 @@ def _synthetic_variant(name: str, spec: dict, index: int = 0, arch: str = "sm90"
             "args": args, "hidden_args": hidden, "param_size": offset + 16,
             "scratch": {"global_size": 0, "global_align": 1, "profile_size": 0, "profile_align": 1},
             "num_warps": config.num_warps, "num_ctas": 1, "cluster_dims": [1, 1, 1], "shared": 0,
-            "launch": {"cooperative": False, "pdl": False}, "grid": list(decl.grid), "checks": list(decl.checks),
+            "launch": {"cooperative": False, "pdl": False}, "grid": list(decl.grid),
+            "checks": [c for c in decl.checks if not any(a in c for a in without)],
             "triton_version": "3.6.0"}
     key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     body["key"] = key
@@ -705,6 +743,69 @@ def test_a_tuning_rule_naming_a_config_the_images_lack_runs_config_0(tmp_path: P
     (tmp_path / "catalog.json").write_text(json.dumps(catalog))
     handle = op.attention_kernels(*qkv(), library=aotriton_rt.Library(tmp_path))["attn_fwd"]
     assert handle.params == spec and [v.config.index for v in handle.candidates] == [0]
+
+
+def test_an_old_mode_1_variant_never_serves_a_bottom_right_call_and_a_new_one_does(tmp_path: Path) -> None:
+    spec = {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+
+    def images(folder: Path, without: tuple[str, ...]) -> aotriton_rt.Library:
+        folder.mkdir()
+        variants = [_synthetic_variant("attn_fwd", spec, without=without),
+                    _synthetic_variant("attn_bwd_preprocess", {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64,
+                                                               "VARLEN": 0, "DQ_ATOMIC": 0}),
+                    _synthetic_variant("attn_bwd_dkdv", {**spec, "DQ_ATOMIC": 0}, without=without),
+                    _synthetic_variant("attn_bwd_dq", spec, without=without)]
+        (folder / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                         "triton_version": "3.6.0", "variants": variants}))
+        return aotriton_rt.Library(folder)
+
+    old, new = images(tmp_path / "old", ("causal_align",)), images(tmp_path / "new", ())
+    lopsided = qkv(S=64, Sk=96)
+    # Top-left (mode 1's band in both) and equal lengths (either band): both images serve.
+    for lib in (old, new):
+        assert op.attention_kernels(*lopsided, causal=True, library=lib)["attn_fwd"].params["CAUSAL"] == 1
+        assert op.attention_kernels(*qkv(), causal=True, align="bottom_right", backward=True,
+                                    library=lib)["attn_bwd_dq"].params["CAUSAL"] == 1
+    # Bottom-right with unequal lengths: only a variant that takes causal_align.
+    fwd = op.attention_kernels(*lopsided, causal=True, align="bottom_right", library=new)["attn_fwd"]
+    assert fwd.params["CAUSAL"] == 1 and "causal_align" in fwd.arg_names
+    backward = op.attention_kernels(*lopsided, causal=True, align="bottom_right", backward=True, library=new)
+    assert {h.params.get("CAUSAL", 1) for h in backward.values()} == {1}
+    with pytest.raises(KernelNotFound, match=r"bottom-right\) needs attn_fwd with .*CAUSAL=2.*which these images lack"):
+        op.attention_kernels(*lopsided, causal=True, align="bottom_right", library=old)
+    with pytest.raises(KernelNotFound, match=r"bottom-right\) needs attn_bwd_dkdv with .*CAUSAL=2"):
+        op.attention_kernels(*lopsided, causal=True, align="bottom_right", backward=True, library=old)
+
+
+def test_the_launch_values_carry_the_alignment_of_a_bottom_right_band() -> None:
+    from aotriton_rt.ops.attention.problem import prepare
+
+    opts = {"window": None, "bias": None, "dropout_p": 0.0, "seed": None, "offset": None, "scale": None,
+            "cu_seqlens_q": None, "cu_seqlens_k": None, "max_seqlen_q": None, "max_seqlen_k": None, "layout": "bhsd"}
+    aligns = {(causal, align): prepare(*qkv(S=64, Sk=96), causal=causal, align=align, **opts).scalars()["causal_align"]
+              for causal in (True, False) for align in ("top_left", "bottom_right")}
+    assert aligns == {(True, "top_left"): 0, (True, "bottom_right"): 1, (False, "top_left"): 0,
+                      (False, "bottom_right"): 0}
+    window = prepare(*qkv(S=64, Sk=96), causal=False, align="bottom_right", **{**opts, "window": (8, 8)})
+    assert window.scalars()["causal_align"] == 1
+
+
+def test_a_causal_align_other_than_0_or_1_is_refused_by_the_variant(tmp_path: Path) -> None:
+    from aotriton_rt.arguments import Packer
+
+    spec = {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                       "triton_version": "3.6.0",
+                                                       "variants": [_synthetic_variant("attn_fwd", spec)]}))
+    variant = aotriton_rt.Library(tmp_path).kernel("attn_fwd", **spec).candidates[0]
+    names = [a.name for a in variant.args]
+    values = [1 if n in ("batch", "num_heads_q", "num_heads_k") else 0 for n in names]
+    packer = Packer(variant)
+    packer.run_checks(values)  # causal_align 0
+    values[names.index("causal_align")] = 2
+    with pytest.raises(ArgumentError, match=r"^attn_fwd: causal_align=2 violates `causal_align == 0 or causal_align "
+                                            r"== 1`"):
+        packer.run_checks(values)
 
 
 def test_library_dispatch_falls_back_to_the_split_backward_it_holds(synthetic: aotriton_rt.Library) -> None:
@@ -978,17 +1079,31 @@ def test_every_kernel_the_gpu_matrix_dispatches_is_in_the_gputest_set(monkeypatc
     decls = load_kernels()
     for name in ("attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"):
         assert decls[name].sets["gputest"] is in_gputest_set
-    atomic = {"on": False}
+    now = {"atomic": False, "dtype": "fp16", "hide": None}
     from aotriton_rt.ops.attention import dispatch
 
-    # The portable kernels only (the matrix also runs them where the sm90 forward or dK/dV would
-    # serve: see test_attention_gpu's portable cases).
     arch_kernels = set(dispatch_arch_kernels())
-    monkeypatch.setattr(dispatch, "_available", lambda lib, name, params: name not in arch_kernels
-                        and (atomic["on"] or name != "attn_bwd_dq_convert"))
+
+    def in_gputest(lib: Any, name: str, params: dict) -> bool:
+        # Dispatch chooses among what the gputest set holds, as on the GPU: the portable kernels
+        # only (the matrix also runs them where the sm90 forward or dK/dV would serve: see
+        # test_attention_gpu's portable cases), mask mode 2 hidden for the MODE_ONE runs.
+        params = {**params, "dtype": now["dtype"]}
+        decl = decls[name]
+        return (name not in arch_kernels and (now["atomic"] or name != "attn_bwd_dq_convert")
+                and (now["hide"] is None or params.get("CAUSAL") != now["hide"])
+                and not (decl.exclude and decl.exclude(params, KNOWN["sm90"]))
+                and in_gputest_set(params, KNOWN["sm90"]))
+
+    monkeypatch.setattr(dispatch, "_available", in_gputest)
+    monkeypatch.setattr(dispatch, "_takes", lambda lib, name, params, args: all(a in decls[name].signature
+                                                                                for a in args))
     missing = []
-    for name, case in {**gpu.MATRIX, **gpu.STANDALONE}.items():
+    runs = [(name, case, None) for name, case in {**gpu.MATRIX, **gpu.STANDALONE}.items()]
+    runs += [(f"{name} (mode 1)", gpu.MATRIX[name], 2) for name in gpu.MODE_ONE]
+    for name, case, hide in runs:
         pl = gpu.plan(case)
+        now.update(dtype=pl.dtype, hide=hide)
         dtype = pl.dtype if pl.dtype != "bf16" else "fp16"  # CAI has no bf16; the spec's dtype is patched below
         arrays = [Dev(*shape, dtype=dtype) for shape in (pl.q, pl.k, pl.v)]
         opts = dict(pl.options)
@@ -999,7 +1114,7 @@ def test_every_kernel_the_gpu_matrix_dispatches_is_in_the_gputest_set(monkeypatc
             opts.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_q if case.get("self_cu") else Dev(len(pl.lens_k) + 1,
                                                                                             dtype="i32"))
         rec = _Recorder()
-        atomic["on"] = bool(case.get("atomic"))
+        now["atomic"] = bool(case.get("atomic"))
         for mask in ((False, True) if case.get("dropout") else (False,)):
             op.attention_kernels(*arrays, **opts, return_mask=mask, library=rec)
         op.attention_kernels(*arrays, **opts, backward=True, **pl.backward, library=rec)
@@ -1007,9 +1122,10 @@ def test_every_kernel_the_gpu_matrix_dispatches_is_in_the_gputest_set(monkeypatc
             assert "attn_bwd_dq_convert" in [n for n, _ in rec.asked], f"{name}: the atomic scheme was not chosen"
         for kernel, params in rec.asked:
             params = {**params, "dtype": pl.dtype}
-            decl = decls[kernel]
-            if (decl.exclude and decl.exclude(params, KNOWN["sm90"])) or not in_gputest_set(params, KNOWN["sm90"]):
+            if not in_gputest(rec, kernel, params):
                 missing.append(f"{name}: {kernel}[{params}]")
+        if hide is not None:
+            assert {p["CAUSAL"] for _, p in rec.asked if "CAUSAL" in p} == {1}, f"{name}: not on mode 1"
     assert not missing, "kernels the GPU matrix needs but the gputest set lacks:\n" + "\n".join(missing)
 
 

@@ -1,9 +1,10 @@
 """The Gluon sm90 forward (``attn_fwd_sm90``) on an H100/H200 against an fp32 reference (marker ``gpu``).
 
-Every built variant (each tile config) runs ragged problems in its mask mode: lengths that are
-no block multiple, seqlen_q below and above seqlen_k, a sliding window, GQA. Inputs live in
-NaN-filled buffers (rows past each sequence are NaN), so a read past a sequence poisons the
-result; outputs are views of NaN-filled buffers whose padding must stay NaN.
+Every built variant (each tile config) runs ragged problems in its mask mode (mode 1 in both
+alignments, chosen by its ``causal_align`` argument): lengths that are no block multiple,
+seqlen_q below and above seqlen_k, a sliding window, GQA. Inputs live in NaN-filled buffers
+(rows past each sequence are NaN), so a read past a sequence poisons the result; outputs are
+views of NaN-filled buffers whose padding must stay NaN.
 
 Images: ``AOTRITON_RT_TEST_IMAGES`` pointing at ``python -m builder build --set gputest --targets
 sm90`` (attn_fwd_sm90 declares its gputest variants in builder/kernels/attention_sm90.py).
@@ -54,14 +55,14 @@ def _padded(B: int, n: int, H: int, D: int, dtype, gen, fill: bool = True):
     return full, view.transpose(1, 2)
 
 
-def _reference(q, k, v, causal: int, left: int, right: int, scale: float):
+def _reference(q, k, v, causal: int, left: int, right: int, scale: float, align: int = 0):
     Sq, Sk = q.shape[2], k.shape[2]
     rep = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(rep, 1)
     vf = v.float().repeat_interleave(rep, 1)
     s = (q.float() @ kf.transpose(-1, -2)) * scale
     if causal:
-        diag = Sk - Sq if causal == 2 else 0
+        diag = Sk - Sq if causal == 2 or align else 0
         rel = torch.arange(Sk, device="cuda")[None, :] - torch.arange(Sq, device="cuda")[:, None] - diag
         visible = torch.ones_like(rel, dtype=torch.bool)
         if left >= 0:
@@ -77,7 +78,8 @@ def _reference(q, k, v, causal: int, left: int, right: int, scale: float):
 def test_every_gluon_forward_variant_matches_an_fp32_reference(variants, problem: str) -> None:
     Sq, Sk, left, right, Hq, Hk = PROBLEMS[problem]
     failures = []
-    for lib, v in variants:
+    runs = [(lib, v, align) for lib, v in variants for align in ((0, 1) if v.spec["CAUSAL"] == 1 else (0,))]
+    for lib, v, align in runs:
         causal, D = v.spec["CAUSAL"], v.spec["HEAD_DIM"]
         if causal == 0 and (left >= 0 or right >= 0):
             continue  # windows are a band: mask modes 1 and 2
@@ -97,9 +99,9 @@ def test_every_gluon_forward_variant_matches_an_fp32_reference(variants, problem
                             num_stages=v.config.num_stages)
         handle(q, k, vv, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *vv.stride()[:3],
                *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, Hq, Hk, Sq, Sk, scale, 0.0, 0, 0,
-               win_left, win_right)
+               win_left, win_right, align)
         torch.cuda.synchronize()
-        ref, ref_lse = _reference(q, k, vv, causal, win_left, win_right, scale)
+        ref, ref_lse = _reference(q, k, vv, causal, win_left, win_right, scale, align)
         tol = 1e-2 if v.spec["dtype"] == "fp16" else 3e-2
         err = (out.float() - ref).abs().max().item()
         finite = torch.isfinite(ref_lse)
@@ -107,6 +109,6 @@ def test_every_gluon_forward_variant_matches_an_fp32_reference(variants, problem
         err_lse = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
         pad_ok = bool(out_full[:, Sq:].isnan().all()) and bool(out_full[..., D:].isnan().all())
         if not (err <= tol and err_lse <= 1e-3 and lse_ok and pad_ok):
-            failures.append(f"{v.spec} #{v.config.index} {v.config.constexprs}: out {err:.3g} lse {err_lse:.3g} "
-                            f"lse-inf-rows-agree {lse_ok} padding-untouched {pad_ok}")
+            failures.append(f"{v.spec} #{v.config.index} {v.config.constexprs} causal_align {align}: out {err:.3g} "
+                            f"lse {err_lse:.3g} lse-inf-rows-agree {lse_ok} padding-untouched {pad_ok}")
     assert not failures, "\n".join(failures)

@@ -41,12 +41,12 @@ def _database() -> dict:
 def tuned(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """sm90 images (synthetic, never launched): fp16 forward at D=64 and D=128, configs 0 and 1, no
     mask and causal, and the split backward at D=128; the tuning table folded from _database()."""
-    jobs = [j for j in expand(load_kernels()["attn_fwd"], [KNOWN["sm90"]], "gputest", "3.6.0")
-            if j.spec["dtype"] == "fp16" and j.spec["HEAD_DIM"] in (64, 128) and j.config_index < 2]
+    specs = [{**BASE, "HEAD_DIM": d, "HEAD_DIM_V": d, "CAUSAL": c} for d in (64, 128) for c in (0, 2)]
+    jobs = [j for j in expand(load_kernels()["attn_fwd"], [KNOWN["sm90"]], "full", "3.6.0")
+            if j.spec in specs and j.config_index < 2]
     table, notes = tuning.fold([("sm90.json", _database())], jobs)
     assert notes == ["sm90.json: 2 rules folded, 0 dropped"]
-    variants = [_synthetic_variant("attn_fwd", {**BASE, "HEAD_DIM": d, "HEAD_DIM_V": d, "CAUSAL": c}, i)
-                for d in (64, 128) for c in (0, 2) for i in (0, 1)]
+    variants = [_synthetic_variant("attn_fwd", spec, i) for spec in specs for i in (0, 1)]
     variants.append(_synthetic_variant("attn_bwd_preprocess", {**{k: BASE[k] for k in ("dtype", "HEAD_DIM",
                                                                                         "HEAD_DIM_V", "VARLEN")},
                                                                "DQ_ATOMIC": 0}))
@@ -219,3 +219,33 @@ def test_images_of_another_arch_keep_the_portable_forward(tmp_path: Path) -> Non
     assert ex.kernels[0].kernel == "attn_fwd"
     assert ex.kernels[0].kernel_reason == "the portable forward (sm80 has no per-architecture forward for this " \
                                           "spec here)"
+
+
+def test_default_images_route_sm90_causal_d128_as_the_database_measured_on_mode_2(tmp_path: Path) -> None:
+    """The default set compiles mask mode 1 only; the checked-in database measured mode 2. Folded by
+    the build (its mode-2 rules stand for mode 1 too), bf16 D=128 causal runs attn_fwd_sm90 from
+    seqlen_q 2048 on and attn_fwd below, in either alignment, at unequal lengths too."""
+    jobs = [j for name in ("attn_fwd", "attn_fwd_sm90")
+            for j in expand(load_kernels()[name], [KNOWN["sm90"]], "default", "3.6.0")
+            if j.spec["HEAD_DIM"] == 128]
+    assert {j.spec["CAUSAL"] for j in jobs} == {0, 1}  # what the default set holds
+    db = tuning.load(tuning.CHECKED_IN / "sm90.json")
+    table, notes = tuning.fold([("sm90.json", db)], jobs)
+    assert "mode-2 rules applied to CAUSAL=1" in notes[0]
+    variants = [_synthetic_variant(j.kernel, j.spec, j.config_index) for j in jobs]
+    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                       "triton_version": "3.6.0", "tuning": table,
+                                                       "variants": variants}))
+    lib = aotriton_rt.Library(tmp_path)
+    mode1 = {**BASE, "dtype": "bf16", "CAUSAL": 1}
+    for align in ("bottom_right", "top_left"):
+        for sq, sk, kernel in ((4096, 4096, "attn_fwd_sm90"), (1024, 1024, "attn_fwd"), (4096, 6000, "attn_fwd_sm90")):
+            pick = op.explain(dtype="bf16", head_dim=128, seqlen_q=sq, seqlen_k=sk, causal=True, align=align,
+                              arch="sm90", library=lib).kernels[0]
+            assert (pick.kernel, pick.spec) == (kernel, mode1), (align, sq, sk)
+            assert "applied to CAUSAL=1" in pick.kernel_reason
+    # The dispatcher agrees (fp16: from 4096 on), and the handle takes the alignment.
+    for sq, kernel in ((5000, "attn_fwd_sm90"), (3000, "attn_fwd")):
+        handle = op.attention_kernels(*qkv(S=sq, Sk=6000, D=128), causal=True, align="bottom_right",
+                                      library=lib)["attn_fwd"]
+        assert handle.name == kernel and handle.params["CAUSAL"] == 1 and "causal_align" in handle.arg_names

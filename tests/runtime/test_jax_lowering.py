@@ -300,7 +300,7 @@ from builder.targets import parse_targets
 
 if __name__ == "__main__":
     base = {"dtype": "bf16", "HEAD_DIM": 64, "HEAD_DIM_V": 64}
-    mask = {"CAUSAL": 2, "DROPOUT": 0, "VARLEN": 0}
+    mask = {"CAUSAL": 1, "DROPOUT": 0, "VARLEN": 0}  # mode 1, as the default set: aligned at run time
     want = {("attn_fwd", "sm90"): {**base, **mask, "BIAS": 0}, ("attn_fwd", "gfx942"): {**base, **mask, "BIAS": 0},
             ("attn_bwd_preprocess", "sm90"): {**base, "VARLEN": 0, "DQ_ATOMIC": 0},
             ("attn_bwd_dkdv", "sm90"): {**base, **mask, "BIAS": 0, "DQ_ATOMIC": 0},
@@ -316,7 +316,8 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def attn_lib(tmp_path_factory) -> aotriton_rt.Library:
-    """Real attention images: bf16 D=64 bottom-right causal forward and split backward (sm90), forward (gfx942)."""
+    """Real attention images: bf16 D=64 causal (mask mode 1, which a bottom-right call runs with
+    causal_align 1) forward and split backward (sm90), forward (gfx942)."""
     import subprocess
     import sys
 
@@ -364,6 +365,11 @@ def test_grad_of_attention_under_jit_lowers_to_the_forward_and_the_split_backwar
     assert s["Bias"] == s["DropMask"] == s["cu_seqlens_q"] == "null"
     assert (s["batch"], s["num_heads_q"], s["num_heads_k"], s["seqlen_q"], s["seqlen_k"]) == (2, 4, 2, 200, 333)
     assert (s["window_left"], s["window_right"]) == (-1, 0) and s["sm_scale"] == pytest.approx(0.125)
+    # Mask mode 1 aligned bottom-right by its run-time argument, in the forward and both backward kernels.
+    assert fwd.spec["CAUSAL"] == 1 and s["causal_align"] == 1
+    for call, name in zip(calls[2:], ("attn_bwd_dkdv", "attn_bwd_dq")):
+        variant = next(v for v in attn_lib.variants if v.kernel == name)
+        assert _scalars(call, variant)["causal_align"] == 1, name
     # Contiguous (B, H, S, D) strides as the eager path computes them for contiguous arrays.
     assert (s["stride_qz"], s["stride_qh"], s["stride_qm"]) == (4 * 200 * 64, 200 * 64, 64)
     assert (s["stride_kz"], s["stride_kh"], s["stride_kn"]) == (2 * 333 * 64, 333 * 64, 64)
@@ -453,7 +459,7 @@ def test_equal_calls_share_one_compilation_outside_jit(lib) -> None:
 
 
 def test_a_scalar_the_variant_assumes_divisible_is_refused_while_tracing(attn_lib) -> None:
-    fwd = aj.kernel("attn_fwd", dtype="bf16", HEAD_DIM=64, HEAD_DIM_V=64, CAUSAL=2, BIAS=0, DROPOUT=0, VARLEN=0,
+    fwd = aj.kernel("attn_fwd", dtype="bf16", HEAD_DIM=64, HEAD_DIM_V=64, CAUSAL=1, BIAS=0, DROPOUT=0, VARLEN=0,
                     library=attn_lib, arch="sm90")
     args = {a.name: 0 for a in fwd.args}
     args.update(Q=jnp.zeros((1, 1, 8, 64), jnp.bfloat16), stride_qm=24)
@@ -524,7 +530,7 @@ def test_every_attention_feature_traces_and_lowers_forward_and_backward(feature_
     fwd = next(v for v in lib.variants if v.kernel == "attn_fwd")
     s = _scalars(calls[0], fwd)
     assert s["Bias"] == "buffer" and (s["stride_bz"], s["stride_bh"], s["stride_bm"]) == (0, 136, 0)
-    assert (s["window_left"], s["window_right"], s["stride_qm"]) == (16, 0, 80)
+    assert (s["window_left"], s["window_right"], s["stride_qm"], s["causal_align"]) == (16, 0, 80, 0)
     dkdv = next(v for v in lib.variants if v.kernel == "attn_bwd_dkdv")
     assert _scalars(calls[2], dkdv)["DBias"] == "buffer"
     # The bias's gradient comes back in its own shape; dq/dk/dv in theirs (sliced from the bucket).

@@ -185,6 +185,12 @@ def dispatch_as_the_default_set(monkeypatch: pytest.MonkeyPatch, default_set) ->
     monkeypatch.setattr(dispatch, "_available", lambda lib, name, params: name not in dispatch.ARCH_FORWARDS.values()
                         and bool(match(default_set["sm90"].variants, name,
                                        {k: v for k, v in params.items() if k != "dtype"}).accepted))
+    # Its mask-mode-1 kernels take causal_align (they are this checkout's): they serve bottom-right calls.
+    from builder.registry import load_kernels
+
+    decls = load_kernels()
+    monkeypatch.setattr(dispatch, "_takes", lambda lib, name, params, args: all(a in decls[name].signature
+                                                                                for a in args))
 
 
 def test_the_readme_has_attention_snippets_to_check() -> None:
@@ -218,11 +224,14 @@ def test_the_check_itself_catches_a_call_the_default_set_lacks(default_set, disp
     # fp32 and a bias are outside the default set: the same machinery must report them.
     shapes = ((2, 4, 128, 64),) * 3
     assert _missing((shapes, "fp32", {"causal": True}, False), default_set)
-    assert _missing((shapes, "fp16", {"causal": True, "align": "top_left", "dropout_p": 0.1, "seed": 1},
-                     False), {"sm90": default_set["sm90"]}) == []  # equal lengths: bottom-right serves it
+    # Causal in either alignment, unequal lengths, with dropout (at 64 zero-padded on 128's variants).
     lopsided = ((2, 4, 128, 64), (2, 4, 256, 64), (2, 4, 256, 64))
-    assert _missing((lopsided, "fp16", {"causal": True, "dropout_p": 0.1, "seed": 1}, True),
-                    {"sm90": default_set["sm90"]})
+    for align in ("top_left", "bottom_right"):
+        assert _missing((lopsided, "fp16", {"causal": True, "align": align, "dropout_p": 0.1, "seed": 1}, True),
+                        {"sm90": default_set["sm90"]}) == []
+    wide = ((2, 4, 128, 256), (2, 4, 256, 256), (2, 4, 256, 256))
+    assert _missing((wide, "fp16", {"causal": True, "dropout_p": 0.1, "seed": 1}, False),
+                    {"sm90": default_set["sm90"]})  # no dropout at 256
 
 
 class _AsDtype:

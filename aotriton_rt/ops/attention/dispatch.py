@@ -37,15 +37,21 @@ ARCH_FORWARDS = {"sm90": "attn_fwd_sm90"}
 #: head dim 64/128, no bias, dropout or varlen). Preferred on their arch when the images hold the
 #: call's spec, unless a ``tuning["attn_bwd_dkdv_kernel"]`` rule names another kernel.
 ARCH_BACKWARDS = {"sm90": {DKDV: "attn_bwd_dkdv_sm90"}}
+#: The run-time argument that aligns a mask-mode-1 band: 0 top-left, 1 bottom-right (mode 2 is
+#: bottom-right whatever it says). Images built before it existed compiled mode 1 as top-left
+#: only, so a mode-1 variant serves a bottom-right call only if its arguments include it.
+ALIGN_ARG = "causal_align"
 
 
 @dataclass(frozen=True)
 class AttentionCall:
     """The facts of one attention call that decide which kernels run.
 
-    ``causal`` is the kernels' mask mode (0 none, 1 band aligned top-left, 2 bottom-right);
-    ``causal_equivalent`` says the two alignments coincide for this call (equal lengths), so
-    either compiled mode may serve it. ``dropout`` is 0 off, 1 on, 2 on and the mask returned.
+    ``causal`` is the call's mask (0 none, 1 band aligned top-left, 2 bottom-right);
+    ``causal_equivalent`` says the two alignments coincide for this call (equal lengths).
+    Kernels of mask mode 1 take the alignment as a run-time argument (:data:`ALIGN_ARG`), so
+    they serve either alignment; mode 2 serves bottom-right calls, and top-left ones of equal
+    lengths. ``dropout`` is 0 off, 1 on, 2 on and the mask returned.
     """
 
     dtype: str
@@ -73,10 +79,13 @@ class AttentionCall:
         return ", ".join(parts)
 
 
-Available = Callable[[str, Mapping[str, Any]], bool]
+#: ``available(kernel, params, args)``: whether the images hold such a variant, every matching
+#: one of which takes the run-time arguments ``args`` (a tuple, usually empty; ``(ALIGN_ARG,)``
+#: when a mode-1 kernel must align its band bottom-right).
+Available = Callable[[str, Mapping[str, Any], tuple[str, ...]], bool]
 
 
-def _everything(name: str, params: Mapping[str, Any]) -> bool:
+def _everything(name: str, params: Mapping[str, Any], args: Sequence[str] = ()) -> bool:
     return True
 
 
@@ -105,18 +114,25 @@ def head_dim_buckets(head_dim: int, head_dim_v: int) -> list[tuple[int, int]]:
     return first + [(b, b) for b in HEAD_DIM_BUCKETS if b > wide]
 
 
-def _first(name: str, candidates: list[dict], available: Available) -> dict:
+def needed_args(call: AttentionCall, causal: int) -> tuple[str, ...]:
+    """The run-time arguments a variant of mask mode ``causal`` must take to serve ``call``:
+    :data:`ALIGN_ARG` when a mode-1 band must be aligned bottom-right, else none."""
+    return (ALIGN_ARG,) if causal == 1 and call.causal == 2 and not call.causal_equivalent else ()
+
+
+def _first(name: str, candidates: list[dict], available: Available, call: AttentionCall) -> dict:
     # The first candidate the images hold; if none, the first, so that the library's
     # KernelNotFound explains what is missing.
     for c in candidates:
-        if available(name, c):
+        if available(name, c, needed_args(call, c["CAUSAL"])):
             return c
     return candidates[0]
 
 
 def _causal_modes(call: AttentionCall) -> list[int]:
-    if call.causal and call.causal_equivalent:
-        # Equal lengths: both alignments give the same band; the default build has mode 2.
+    if call.causal == 2 or (call.causal and call.causal_equivalent):
+        # Mode 2 first: images built before mode 1 took its alignment at run time hold mode 2 for
+        # bottom-right calls; the default set holds mode 1 only (one compile, both alignments).
         return [2, 1]
     return [call.causal]
 
@@ -124,14 +140,14 @@ def _causal_modes(call: AttentionCall) -> list[int]:
 def forward_params(call: AttentionCall, available: Available | None = None) -> dict[str, Any]:
     """The ``attn_fwd`` spec (catalog parameters) for a call.
 
-    ``available(kernel, params)`` says whether the images hold such a variant; among
-    equivalent choices (head-dim pairs, causal alignments) the first available is taken.
+    ``available(kernel, params, args)`` (:data:`Available`) says whether the images hold such a
+    variant; among equivalent choices (head-dim pairs, mask modes) the first available is taken.
     """
     available = available or _everything
     candidates = [{"dtype": call.dtype, "HEAD_DIM": dk, "HEAD_DIM_V": dv, "CAUSAL": c, "BIAS": int(call.bias),
                    "DROPOUT": call.dropout, "VARLEN": int(call.varlen)}
                   for dk, dv in head_dim_buckets(call.head_dim, call.head_dim_v) for c in _causal_modes(call)]
-    return _first(FWD, candidates, available)
+    return _first(FWD, candidates, available, call)
 
 
 def backward_params(call: AttentionCall, available: Available | None = None, *, deterministic: bool = False,
@@ -167,7 +183,7 @@ def backward_params(call: AttentionCall, available: Available | None = None, *, 
             continue
         for dk, dv, c in shapes:
             kernels = scheme(atomic, dk, dv, c)
-            if all(available(n, p) for n, p in kernels.items()):
+            if all(available(n, p, needed_args(call, p.get("CAUSAL", 0))) for n, p in kernels.items()):
                 return ("atomic" if atomic else "split"), kernels
     return "split", scheme(0, *shapes[0])
 
@@ -197,11 +213,14 @@ class LibraryKernels:
                 tuning.setdefault(name, rules)  # the first folder's table wins, like its variants
         self.tuning = tuning
 
-    def available(self, name: str, params: Mapping[str, Any]) -> bool:
-        key = (name, tuple(sorted(params.items())))
+    def available(self, name: str, params: Mapping[str, Any], args: Sequence[str] = ()) -> bool:
+        """Whether the images hold ``name`` with ``params`` whose every matching variant takes
+        the run-time arguments ``args`` (cached)."""
+        key = (name, tuple(sorted(params.items())), tuple(args))
         hit = self.available_cache.get(key)
         if hit is None:
-            hit = self.available_cache[key] = _available(self.lib, name, params)
+            hit = _available(self.lib, name, params) and (not args or _takes(self.lib, name, params, args))
+            self.available_cache[key] = hit
         return hit
 
     def device_arch(self, device: int) -> str:
@@ -298,7 +317,8 @@ def backward_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: di
 
 def _arch_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any], arch: str | Callable[[], str],
                  portable: str, owns: Mapping[str, str], table: str, what: str) -> tuple[str, str]:
-    candidates = [name for name in dict.fromkeys(owns.values()) if ks.available(name, spec)]
+    needs = needed_args(call, spec.get("CAUSAL", 0))
+    candidates = [name for name in dict.fromkeys(owns.values()) if ks.available(name, spec, needs)]
     if not candidates:
         return portable, ""  # nothing to choose
     if callable(arch):
@@ -349,6 +369,13 @@ def _available(lib: Any, name: str, params: Mapping[str, Any]) -> bool:
 
     # Only this kernel's variants (one shard per target): a full image set holds thousands of others.
     return bool(match(lib.variants_of(name), name, params).accepted)
+
+
+def _takes(lib: Any, name: str, params: Mapping[str, Any], args: Sequence[str]) -> bool:
+    from ...select import match
+
+    found = match(lib.variants_of(name), name, params).accepted
+    return bool(found) and all(set(args) <= {a.name for a in v.args} for v in found)
 
 
 _KERNELS: dict[int, LibraryKernels] = {}

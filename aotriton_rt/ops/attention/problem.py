@@ -104,7 +104,15 @@ class Problem:
         return {"batch": self.batch, "num_heads_q": self.heads_q, "num_heads_k": self.heads_k,
                 "seqlen_q": self.seqlen_q, "seqlen_k": self.seqlen_k, "sm_scale": self.scale,
                 "dropout_p": self.dropout_p, "philox_seed": self.seed, "philox_offset": self.offset,
-                "window_left": self.window_left, "window_right": self.window_right}
+                "window_left": self.window_left, "window_right": self.window_right,
+                "causal_align": align_arg(self.causal_mode)}
+
+
+def align_arg(causal_mode: int) -> int:
+    """The kernels' ``causal_align`` for a call's mask: 1 for a bottom-right band, else 0 (a
+    mode-1 kernel aligns its band by it; mode 2 and unmasked kernels ignore it; images built
+    before it existed do not take it, and launches pick arguments by the variant's names)."""
+    return 1 if causal_mode == 2 else 0
 
 
 
