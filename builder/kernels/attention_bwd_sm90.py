@@ -378,6 +378,6 @@ KERNEL = KernelDecl(
     exclude=_excluded,
     sets={"default": lambda spec, target: False, "gputest": in_gputest_set},
     # attn_bwd_dkdv's checks, and TMA descriptors need a non-empty extent in every dimension.
-    checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1", "seqlen_q >= 1", "seqlen_k >= 1")
-    + stride_checks(_DIV),
+    checks=GQA_CHECKS + ALIGN_CHECKS
+    + ("batch * num_heads_k <= 65535", "dropout_p < 1", "seqlen_q >= 1", "seqlen_k >= 1") + stride_checks(_DIV),
 )
