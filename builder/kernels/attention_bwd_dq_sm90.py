@@ -243,6 +243,9 @@ from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations
 #: nothing at either head dim; 128-key tiles spill nothing at D=64 and, at D=128, nothing without a
 #: mask and 7 stores of loop-invariant scalars under one (S and dP then take 128 registers beside
 #: dQ's 64). Shared memory at D=128: Q and dO 64 KB plus K and V 32 KB a stage of 64 keys.
+#: Tried and dropped: leaving each tile's dQ matmul in flight behind the next tile's S and dP
+#: (an accumulator carried through the loops): ptxas then serializes every wgmma (one warpgroup
+#: fence per HGMMA), which the CPU test would flag.
 TILES = {128: ((64, 2), (64, 3), (128, 2)), 64: ((128, 2), (64, 3), (128, 3))}
 #: attention.py's ALIGN_CHECKS (the causal_align argument is 0 or 1).
 _ALIGN_CHECKS = ("causal_align == 0 or causal_align == 1",)
