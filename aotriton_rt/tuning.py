@@ -196,8 +196,8 @@ def select_mode(rules: Any, *, spec: Mapping[str, Any], seqlen_q: int, seqlen_k:
 def select_kernel(rules: Any, *, spec: Mapping[str, Any], seqlen_q: int, seqlen_k: int,
                   arch: str | Callable[[], str] | None = None, table: str = KERNEL_RULES) -> Choice | None:
     """The ``tuning[table]`` rule (``"attn_fwd_kernel"``: the forward's, ``"attn_bwd_dkdv_kernel"`` /
-    ``"attn_bwd_dq_kernel"``: the split backward's dK/dV / dQ) that names the kernel of a call (its ``rule["kernel"]``), as a
-    :class:`Choice` for its reason; None when no rule matches."""
+    ``"attn_bwd_dq_kernel"``: the split backward's dK/dV / dQ) that names the kernel of a call (its
+    ``rule["kernel"]``), as a :class:`Choice` for its reason; None when no rule matches."""
     hit = _matching_rule(rules, table, spec, seqlen_q, seqlen_k, arch)
     return None if hit is None else Choice(table, 0, hit[0], hit[1])
 

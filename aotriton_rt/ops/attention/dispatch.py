@@ -14,8 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import KernelNotFound, UnsupportedError
-from ...tuning import (DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES, MODE_RULES, select_config, select_kernel,
-                       select_mode, seqlen_bin)
+from ...tuning import (
+    DKDV_KERNEL_RULES,
+    DQ_KERNEL_RULES,
+    KERNEL_RULES,
+    MODE_RULES,
+    select_config,
+    select_kernel,
+    select_mode,
+    seqlen_bin,
+)
 
 # Mirrors builder/kernels/attention.py (the runtime never imports the builder; a test keeps the
 # two equal): the head dims the kernels are compiled for, and the unequal q·k / v pairs.
