@@ -1,7 +1,10 @@
 """The Gluon sm90 backward kernels (dK/dV and dQ) under compute-sanitizer (not collected by pytest).
 
     PYTHONPATH=. AOTRITON_RT_IMAGES=DIR \\
-        compute-sanitizer --tool memcheck --error-exitcode 9 python tests/helpers/memcheck_attention_bwd_sm90.py
+        compute-sanitizer --tool memcheck --error-exitcode 9 python tests/helpers/memcheck_attention_bwd_sm90.py \\
+        [--kernels attn_bwd_dq_sm90] [--configs 0,1]
+
+(``--kernels``/``--configs`` narrow the run: every variant of both kernels under memcheck takes minutes.)
 
 Every attn_bwd_dkdv_sm90 and attn_bwd_dq_sm90 variant of the images (build them with `python -m builder
 build --set gputest --targets sm90 --kernels
@@ -14,6 +17,7 @@ bottom-right through causal_align. Inputs are exact-size allocations, so a read 
 tensor is an out-of-bounds access.
 """
 
+import argparse
 import math
 import os
 
@@ -22,12 +26,17 @@ import torch
 import aotriton_rt
 from builder import tune
 
+ap = argparse.ArgumentParser()
+ap.add_argument("--kernels", default="attn_bwd_dkdv_sm90,attn_bwd_dq_sm90")
+ap.add_argument("--configs", default="", help="comma config indices (default: every config)")
+args = ap.parse_args()
+configs = {int(c) for c in args.configs.split(",") if c.strip()}
 lib = aotriton_rt.Library(os.environ["AOTRITON_RT_IMAGES"])
 hide = getattr(tune, "without_mask_mode", None)
 ran = 0
-for name in ("attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90"):
-    variants = lib.variants_of(name)
-    assert variants, f"no {name} in these images"
+for name in args.kernels.split(","):
+    variants = [v for v in lib.variants_of(name) if not configs or v.config.index in configs]
+    assert variants, f"no {name} (configs {sorted(configs) or 'all'}) in these images"
     for v in variants:
         D, causal = v.spec["HEAD_DIM"], v.spec["CAUSAL"]
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[v.spec["dtype"]]
