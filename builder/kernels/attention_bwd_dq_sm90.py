@@ -244,8 +244,9 @@ from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations
 #: mask and 7 stores of loop-invariant scalars under one (S and dP then take 128 registers beside
 #: dQ's 64). Shared memory at D=128: Q and dO 64 KB plus K and V 32 KB a stage of 64 keys.
 #: Tried and dropped: leaving each tile's dQ matmul in flight behind the next tile's S and dP
-#: (an accumulator carried through the loops): ptxas then serializes every wgmma (one warpgroup
-#: fence per HGMMA), which the CPU test would flag.
+#: (an accumulator carried through the loops): ptxas then serializes every wgmma ("C7512 ...
+#: serialized due to insufficient register resources", one warpgroup fence per HGMMA), at D=128
+#: with 32- and 64-key tiles and at D=64 with 64- and 128-key tiles alike.
 TILES = {128: ((64, 2), (64, 3), (128, 2)), 64: ((128, 2), (64, 3), (128, 3))}
 #: attention.py's ALIGN_CHECKS (the causal_align argument is 0 or 1).
 _ALIGN_CHECKS = ("causal_align == 0 or causal_align == 1",)
