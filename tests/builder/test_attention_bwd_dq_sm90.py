@@ -50,12 +50,19 @@ def test_gputest_holds_every_served_spec_and_default_none() -> None:
     targets = parse_targets("sm80,sm90,gfx942")
     full = expand(_kernels()[NAME], targets, "full", "3.6.0")
     gputest = expand(_kernels()[NAME], targets, "gputest", "3.6.0")
-    assert sorted(j.label for j in gputest) == sorted(j.label for j in full)
+
+    def key(job, drop=()):
+        return tuple(sorted((k, v) for k, v in job.spec.items() if k not in drop))
+
+    # Every spec it serves whose portable dQ the GPU test matrix holds (the rest of its backward
+    # comes from those specs)...
+    portable = {key(j) for j in expand(_kernels()["attn_bwd_dq"], targets, "gputest", "3.6.0")}
+    assert sorted(j.label for j in gputest) == sorted(j.label for j in full if key(j) in portable)
+    assert {j.spec["CAUSAL"] for j in gputest} == {0, 1, 2}
     assert expand(_kernels()[NAME], targets, "default", "3.6.0") == []
-    # The Gluon dK/dV's gputest specs, less its DQ_ATOMIC axis: the forced pair runs every spec.
+    # ... which are the Gluon dK/dV's, less its DQ_ATOMIC axis: the forced pair runs every spec.
     dkdv = expand(_kernels()["attn_bwd_dkdv_sm90"], targets, "gputest", "3.6.0")
-    assert {tuple(sorted((k, v) for k, v in j.spec.items() if k != "DQ_ATOMIC")) for j in dkdv} == {
-        tuple(sorted(j.spec.items())) for j in gputest}
+    assert {key(j, ("DQ_ATOMIC",)) for j in dkdv} == {key(j) for j in gputest}
 
 
 def test_its_runtime_arguments_grid_and_checks_are_attn_bwd_dqs_with_causal_align() -> None:
@@ -102,7 +109,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from builder.registry import expand
     from builder.targets import parse_targets
 
-    jobs = [j for j in expand(_kernels()[NAME], parse_targets("sm90"), "gputest", "3.6.0")
+    jobs = [j for j in expand(_kernels()[NAME], parse_targets("sm90"), "full", "3.6.0")
             if j.spec in BUILT and j.config_index == 0]
     assert len(jobs) == len(BUILT)
     out = tmp_path_factory.mktemp("gluon_dq")
