@@ -10,7 +10,8 @@ forward kernel serves the call (``"attn_fwd"``, the portable one, or a per-archi
 such as ``"attn_fwd_sm90"`` that the images hold for the call's spec; without a rule the
 per-architecture one is preferred where it exists), and likewise under ``"attn_bwd_dkdv_kernel"``
 which dK/dV kernel serves a split-scheme backward (``"attn_bwd_dkdv"`` or e.g.
-``"attn_bwd_dkdv_sm90"``). A rule may say where it came from in ``source`` (a string,
+``"attn_bwd_dkdv_sm90"``), and under ``"attn_bwd_dq_kernel"`` which dQ kernel (``"attn_bwd_dq"`` or
+e.g. ``"attn_bwd_dq_sm90"``). A rule may say where it came from in ``source`` (a string,
 e.g. the tuning database and GPU that measured it; ``python -m builder tune`` writes it), which
 :func:`explain_config` repeats. Example::
 
@@ -37,8 +38,8 @@ from typing import Any
 
 from .errors import CatalogError
 
-__all__ = ["DKDV_KERNEL_RULES", "KERNEL_RULES", "MODE_RULES", "Choice", "explain_config", "seqlen_bin",
-           "select_config", "select_kernel", "select_mode", "validate_table"]
+__all__ = ["DKDV_KERNEL_RULES", "DQ_KERNEL_RULES", "KERNEL_RULES", "MODE_RULES", "Choice", "explain_config",
+           "seqlen_bin", "select_config", "select_kernel", "select_mode", "validate_table"]
 
 #: The table entry whose rules pick the attention backward's scheme instead of a config.
 MODE_RULES = "attn_bwd_mode"
@@ -47,6 +48,8 @@ KERNEL_RULES = "attn_fwd_kernel"
 #: The table entry whose rules pick which dK/dV kernel serves a split-scheme attention backward
 #: (``"attn_bwd_dkdv"``, the portable one, or a per-architecture one such as ``"attn_bwd_dkdv_sm90"``).
 DKDV_KERNEL_RULES = "attn_bwd_dkdv_kernel"
+#: The same for the split backward's dQ kernel (``"attn_bwd_dq"`` or e.g. ``"attn_bwd_dq_sm90"``).
+DQ_KERNEL_RULES = "attn_bwd_dq_kernel"
 _MODES = ("split", "atomic")
 _MAX_SOURCE = 300
 _MAX_KERNELS = 1024
@@ -97,7 +100,7 @@ def _check_rule(rule: Any, kernel: str, i: int) -> None:
     if kernel == MODE_RULES:
         if rule.get("mode") not in _MODES:
             raise CatalogError(f"catalog tuning[{MODE_RULES!r}] rule {rule!r}: mode must be 'split' or 'atomic'"[:400])
-    elif kernel in (KERNEL_RULES, DKDV_KERNEL_RULES):
+    elif kernel in (KERNEL_RULES, DKDV_KERNEL_RULES, DQ_KERNEL_RULES):
         name = rule.get("kernel")
         if not (isinstance(name, str) and _NAME.match(name)):
             raise CatalogError(f"catalog tuning[{kernel!r}] rule {rule!r}: kernel must be a kernel name"[:400])
@@ -192,9 +195,9 @@ def select_mode(rules: Any, *, spec: Mapping[str, Any], seqlen_q: int, seqlen_k:
 
 def select_kernel(rules: Any, *, spec: Mapping[str, Any], seqlen_q: int, seqlen_k: int,
                   arch: str | Callable[[], str] | None = None, table: str = KERNEL_RULES) -> Choice | None:
-    """The ``tuning[table]`` rule (``"attn_fwd_kernel"``: the forward's, ``"attn_bwd_dkdv_kernel"``:
-    the split backward's dK/dV) that names the kernel of a call (its ``rule["kernel"]``), as a
-    :class:`Choice` for its reason; None when no rule matches."""
+    """The ``tuning[table]`` rule (``"attn_fwd_kernel"``: the forward's, ``"attn_bwd_dkdv_kernel"`` /
+    ``"attn_bwd_dq_kernel"``: the split backward's dK/dV / dQ) that names the kernel of a call (its
+    ``rule["kernel"]``), as a :class:`Choice` for its reason; None when no rule matches."""
     hit = _matching_rule(rules, table, spec, seqlen_q, seqlen_k, arch)
     return None if hit is None else Choice(table, 0, hit[0], hit[1])
 

@@ -1,27 +1,30 @@
-"""The sm90 backward with the Gluon dK/dV kernel against the portable dK/dV and cuDNN, in one GPU run.
+"""The sm90 backward with the Gluon dK/dV and dQ kernels against the portable ones and cuDNN, in one GPU run.
 
-Per shape (B=4, H=32, N=4096; D=128 and 64; fp16 and bf16; no mask and causal), three kinds of
-contenders time the *whole* backward (preprocess, dK/dV, dQ, as ``aotriton_rt.attention_backward``
-runs it, split scheme):
+Per shape (B=4, H=32, N=4096; D=128 and 64; fp16 and bf16; no mask and causal), contenders time the
+*whole* backward (preprocess, dK/dV, dQ, as ``aotriton_rt.attention_backward`` runs it, split scheme),
+with the dK/dV and dQ kernels forced through ``builder.tune`` views:
 
-- ``gluon#i``: the dK/dV kernel ``attn_bwd_dkdv_sm90`` at its config i (every config the images
-  hold for the spec), forced through ``builder.tune.ForcedConfig``;
-- ``portable``: the portable ``attn_bwd_dkdv`` (its config #0, the sm90 sweep's winner), forced
-  through ``builder.tune.forced_dkdv``; preprocess and dQ are the same kernels in both;
+- ``port+port``: the portable ``attn_bwd_dkdv`` and ``attn_bwd_dq`` (their config #0, the sm90
+  sweep's winners);
+- ``g#i+port``: the Gluon dK/dV ``attn_bwd_dkdv_sm90`` at its config i (every config the images
+  hold for the spec) beside the portable dQ;
+- ``g#0+g#j``: the Gluon dK/dV at config 0 (the one the runtime launches untuned) beside the
+  Gluon dQ ``attn_bwd_dq_sm90`` at its config j (every config held);
 - ``cudnn``: torch SDPA's cuDNN backward with inputs that require grad (what training runs).
 
 Contenders run in rounds whose order is shuffled each round (:func:`builder.gputime.time_rounds`);
 the table gives median TFLOP/s (10·B·H·N²·D, halved when causal), the min-max over rounds, and the
-ratios to cuDNN and to the portable backward of the same run. Before timing, each shape checks
-that the Gluon dK/dV's dk, dv agree with the portable kernel's on the timed inputs (max abs
+ratios to cuDNN and to ``port+port`` of the same run. Before timing, each shape checks that every
+Gluon contender's dq, dk, dv agree with the portable kernels' on the timed inputs (max abs
 difference relative to the largest gradient; the fp32-reference check is
-tests/runtime/test_attention_bwd_sm90_gpu.py). Each shape runs in a child process with a time limit:
-a kernel that faults or hangs costs its shape, not the run.
+tests/runtime/test_attention_bwd_sm90_gpu.py); one that does not is reported and not timed. Each
+shape runs in a child process with a time limit: a kernel that faults or hangs costs its shape, not
+the run.
 
 Images (build on the GPU machine, ~1-2 min with 14 cores)::
 
-    python -m builder build --set gputest --targets sm90 \\
-        --kernels attn_fwd,attn_bwd_preprocess,attn_bwd_dkdv,attn_bwd_dq,attn_bwd_dkdv_sm90 --out DIR -j 14
+    python -m builder build --set gputest --targets sm90 --kernels \\
+        attn_fwd,attn_bwd_preprocess,attn_bwd_dkdv,attn_bwd_dq,attn_bwd_dkdv_sm90,attn_bwd_dq_sm90 --out DIR -j 14
     python bench/sm90_bwd_gluon.py --images DIR [--shapes 0,1] [--rounds 10]
 
 Details (every round, the agreement checks, notes) go to ``$OUT/sm90_bwd_gluon.json`` when OUT is set.
@@ -46,9 +49,13 @@ from bench.children import read_lines, run_child  # noqa: E402
 
 GLUON = "attn_bwd_dkdv_sm90"
 PORTABLE = "attn_bwd_dkdv"
+GLUON_DQ = "attn_bwd_dq_sm90"
+PORTABLE_DQ = "attn_bwd_dq"
+#: The all-portable contender, the baseline of the "x portable" column.
+BASELINE = "port+port"
 # (dtype, head dim, mask mode, B, H, N): the issue's training shapes (mode 2: causal, equal lengths).
 SHAPES = tuple((dt, d, c, 4, 32, 4096) for d in (128, 64) for c in (0, 2) for dt in ("fp16", "bf16"))
-# Agreement of the Gluon dk, dv with the portable kernel's: max |diff| / max |portable| below this.
+# Agreement of a Gluon contender's dq, dk, dv with the portable kernels': max |diff| / max |portable| below this.
 AGREE = {"fp16": 2e-2, "bf16": 5e-2}
 
 
@@ -68,11 +75,28 @@ def shape_name(shape) -> str:
     return f"{dtype} D{d} {'causal' if causal else 'full'} B{b} H{h} N{n}"
 
 
-def gluon_configs(lib, shape) -> list[int]:
-    """The config indices of the Gluon dK/dV the images hold for ``shape``'s spec, sorted."""
+def gluon_configs(lib, shape, kernel: str = GLUON) -> list[int]:
+    """The config indices of a Gluon kernel (the dK/dV by default) the images hold for ``shape``'s spec, sorted."""
     dtype, d, causal = shape[:3]
-    return sorted({v.config.index for v in lib.variants_of(GLUON) if v.target.arch == "sm90"
+    return sorted({v.config.index for v in lib.variants_of(kernel) if v.target.arch == "sm90"
                    and (v.spec["dtype"], v.spec["HEAD_DIM"], v.spec["CAUSAL"]) == (dtype, d, causal)})
+
+
+def contender_views(lib, shape) -> dict:
+    """label -> (library view, the (dK/dV, dQ) kernels and configs it must launch), as the module docs list them."""
+    from builder.tune import ForcedConfig, forced_split
+
+    # A portable kernel runs whichever config the images' rules pick (None: any).
+    views = {BASELINE: (forced_split(lib, PORTABLE, PORTABLE_DQ), ((PORTABLE, None), (PORTABLE_DQ, None)))}
+    for i in gluon_configs(lib, shape):
+        views[f"g#{i}+port"] = (forced_split(ForcedConfig(lib, GLUON, i), GLUON, PORTABLE_DQ),
+                                ((GLUON, i), (PORTABLE_DQ, None)))
+    dkdv = gluon_configs(lib, shape)
+    if dkdv:
+        for j in gluon_configs(lib, shape, GLUON_DQ):
+            view = forced_split(ForcedConfig(ForcedConfig(lib, GLUON, dkdv[0]), GLUON_DQ, j), GLUON, GLUON_DQ)
+            views[f"g#{dkdv[0]}+g#{j}"] = (view, ((GLUON, dkdv[0]), (GLUON_DQ, j)))
+    return views
 
 
 def time_shape(torch, lib, shape: tuple, rounds: int, seed: int) -> dict:
@@ -82,7 +106,6 @@ def time_shape(torch, lib, shape: tuple, rounds: int, seed: int) -> dict:
     import aotriton_rt
     from aotriton_rt.ops.attention import attention_kernels
     from builder.gputime import time_rounds
-    from builder.tune import ForcedConfig, forced_dkdv
 
     dtype_name, D, causal, B, H, N = shape
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
@@ -100,29 +123,32 @@ def time_shape(torch, lib, shape: tuple, rounds: int, seed: int) -> dict:
         return lambda: aotriton_rt.attention_backward(do, q, k, v, out, lse, deterministic=True, library=view,
                                                       **options)
 
-    portable = forced_dkdv(lib, PORTABLE)
-    views = {"portable": portable}
-    for i in gluon_configs(lib, shape):
-        views[f"gluon#{i}"] = ForcedConfig(lib, GLUON, i)
-    launched = {}
-    for label, view in views.items():
-        h = attention_kernels(q, k, v, backward=True, deterministic=True, library=view, **options)[PORTABLE]
-        launched[label] = f"{h.name}#{h.variant(torch.cuda.current_device()).config.index}"
+    views = contender_views(lib, shape)
+    launched, usable = {}, {}
+    device = torch.cuda.current_device()
+    for label, (view, wanted) in views.items():
+        hs = attention_kernels(q, k, v, backward=True, deterministic=True, library=view, **options)
+        got = tuple((hs[role].name, hs[role].variant(device).config.index) for role in (PORTABLE, PORTABLE_DQ))
+        launched[label] = " + ".join(f"{n}#{i}" for n, i in got)
+        if all(n == wn and wi in (None, i) for (n, i), (wn, wi) in zip(got, wanted)):
+            usable[label] = view
+        else:
+            notes.append(f"{label}: launched {launched[label]}, not the kernels it names; not timed")
     agree = {}
-    _, pk, pv = ours(portable)()[:3]
-    for label, view in views.items():
-        if label == "portable":
+    base = ours(views[BASELINE][0])()[:3]
+    for label, view in usable.items():
+        if label == BASELINE:
             continue
-        _, gk, gv = ours(view)()[:3]
+        grads = ours(view)()[:3]
         torch.cuda.synchronize()
         rel = max(((g.double() - p.double()).abs().max() / p.double().abs().max().clamp_min(1e-30)).item()
-                  for g, p in ((gk, pk), (gv, pv)))
+                  for g, p in zip(grads, base))
         agree[label] = {"rel": rel, "ok": bool(rel <= AGREE[dtype_name])}  # NaN fails
-    fns = {label: ours(view) for label, view in views.items()
-           if label == "portable" or agree[label]["ok"]}
+    fns = {label: ours(view) for label, view in usable.items() if label == BASELINE or agree[label]["ok"]}
     for label, a in agree.items():
         if not a["ok"]:
-            notes.append(f"{label}: dk/dv differ from the portable kernel's by {a['rel']:.3g} (relative); not timed")
+            notes.append(f"{label}: dq/dk/dv differ from the portable kernels' by {a['rel']:.3g} (relative); "
+                         f"not timed")
 
     def cudnn():
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
@@ -135,7 +161,7 @@ def time_shape(torch, lib, shape: tuple, rounds: int, seed: int) -> dict:
     except Exception as exc:  # noqa: BLE001 - a missing peer is reported, not fatal
         notes.append(f"cudnn: {type(exc).__name__}: {str(exc)[:200]}")
     stats = time_rounds(fns, rounds=rounds, seed=seed, log=notes.append)
-    base, port = stats.get("cudnn"), stats.get("portable")
+    base, port = stats.get("cudnn"), stats.get(BASELINE)
 
     def row(st) -> dict:
         return {"median_ms": st.median, "min_ms": st.low, "max_ms": st.high, "rounds_ms": list(st.rounds),
@@ -188,7 +214,7 @@ def run_shapes(folder: str, selection: list[str], total: int, rounds: int, timeo
 
 def summary_lines(results: list[dict], shapes: list[tuple]) -> list[str]:
     """The compact table: per shape and contender, median TFLOP/s [min-max], ratio to cuDNN and to
-    the portable backward; then the best Gluon config's ratios, one line per shape."""
+    the all-portable backward; then, one line per shape, the best contender of each Gluon pairing."""
     lines = ["", "backward TFLOP/s (median [min-max] over rounds), whole backward, shuffled order each round",
              f"{'shape':<28} {'contender':<10} {'TFLOP/s':>8} {'range':>15} {'x cuDNN':>8} {'x portable':>10}"]
     best_lines = []
@@ -197,31 +223,34 @@ def summary_lines(results: list[dict], shapes: list[tuple]) -> list[str]:
         name = shape_name(shape)
         if "error" in res:
             lines.append(f"{name:<28} {res['error']}")
-            best_lines.append(f"{name:<28} no Gluon dK/dV timed ({res['error']})")
+            best_lines.append(f"{name:<28} nothing timed ({res['error']})")
             continue
         rows = res["rows"]
-        for label in sorted(rows, key=lambda n: (n != "cudnn", n != "portable", n)):
+        for label in sorted(rows, key=lambda n: (n != "cudnn", n != BASELINE, not n.endswith("+port"), n)):
             r = rows[label]
             vc = f"{r['vs_cudnn']:.2f}" if r["vs_cudnn"] else "-"
             vp = f"{r['vs_portable']:.2f}" if r["vs_portable"] else "-"
             lines.append(f"{name:<28} {label:<10} {r['tflops']:8.0f} {r['tflops_min']:7.0f}-{r['tflops_max']:<7.0f}"
                          f" {vc:>8} {vp:>10}")
-        gluon = {n: r for n, r in rows.items() if n.startswith("gluon#")}
-        if gluon:
-            best = max(gluon, key=lambda n: (gluon[n]["tflops"], n))
-            r = gluon[best]
-            best_lines.append(f"{name:<28} best {best}: {r['tflops']:.0f} TFLOP/s, "
+        for what, pick in (("Gluon dK/dV + portable dQ", lambda n: n.startswith("g#") and n.endswith("+port")),
+                           ("Gluon dK/dV + Gluon dQ", lambda n: n.startswith("g#") and "+g#" in n)):
+            timed = {n: r for n, r in rows.items() if pick(n)}
+            if not timed:
+                why = "; ".join(res.get("notes", [])) or "none built"
+                best_lines.append(f"{name:<28} {what}: none timed ({why})")
+                continue
+            best = max(timed, key=lambda n: (timed[n]["tflops"], n))
+            r = timed[best]
+            best_lines.append(f"{name:<28} {what}: best {best} {r['tflops']:.0f} TFLOP/s, "
                               f"{r['vs_cudnn'] or float('nan'):.2f}x cuDNN, "
                               f"{r['vs_portable'] or float('nan'):.2f}x portable")
-        else:
-            best_lines.append(f"{name:<28} no Gluon dK/dV timed ({'; '.join(res.get('notes', [])) or 'none built'})")
     return lines + ["", "summary (target: the whole backward >= 0.9x cuDNN at D=128, >= 0.85x at D=64):"] + best_lines
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", required=False, default=os.environ.get("BWD_IMAGES", ""),
-                    help="image folder holding attn_fwd, attn_bwd_* and attn_bwd_dkdv_sm90 for the shapes")
+                    help="image folder holding attn_fwd, attn_bwd_* and both Gluon backward kernels for the shapes")
     ap.add_argument("--shapes", default="all", help="'all' or comma indices into SHAPES")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per timing process")

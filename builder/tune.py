@@ -33,8 +33,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from aotriton_rt.ops.attention.dispatch import ARCH_BACKWARDS, ARCH_FORWARDS, DKDV
-from aotriton_rt.tuning import DKDV_KERNEL_RULES, KERNEL_RULES
+from aotriton_rt.ops.attention.dispatch import ARCH_BACKWARDS, ARCH_FORWARDS, DKDV, DQ
+from aotriton_rt.tuning import DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES
 
 from . import tuning
 
@@ -42,6 +42,8 @@ from . import tuning
 FORWARDS = ("attn_fwd", *dict.fromkeys(ARCH_FORWARDS.values()))
 #: The dK/dV kernels a split backward may run: the portable one and each arch's own.
 DKDV_KERNELS = (DKDV, *dict.fromkeys(own[DKDV] for own in ARCH_BACKWARDS.values() if DKDV in own))
+#: The dQ kernels a split backward may run: the portable one and each arch's own.
+DQ_KERNELS = (DQ, *dict.fromkeys(own[DQ] for own in ARCH_BACKWARDS.values() if DQ in own))
 TUNABLE = ("attn_fwd", "attn_fwd_sm90", "attn_bwd_dkdv", "attn_bwd_dq")
 DEFAULT_BINS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_BINS = (1024, 2048, 4096, 8192, 16384)
@@ -99,9 +101,17 @@ def without_mask_mode(lib: Any, mode: int) -> WithoutVariants:
     return WithoutVariants(lib, lambda v: v.spec.get("CAUSAL") == mode)
 
 
+def forced_split(lib: Any, dkdv: str, dq: str) -> TuningOverride:
+    """A view of ``lib`` whose split attention backwards run ``dkdv`` (one of :data:`DKDV_KERNELS`)
+    and ``dq`` (one of :data:`DQ_KERNELS`) wherever the images hold them for the call's spec, e.g.
+    ``forced_split(lib, "attn_bwd_dkdv_sm90", "attn_bwd_dq")``: the Gluon dK/dV beside the portable dQ."""
+    return TuningOverride(lib, {DKDV_KERNEL_RULES: [{"kernel": dkdv}], DQ_KERNEL_RULES: [{"kernel": dq}]})
+
+
 class ForcedConfig(TuningOverride):
     """A :class:`TuningOverride` sending every call of ``kernel`` to config ``index`` (and, for a
-    forward or dK/dV kernel, every forward or split backward to that kernel)."""
+    forward, dK/dV or dQ kernel, every forward or split backward to that kernel; the other
+    backward role keeps the images' own routing)."""
 
     def __init__(self, lib: Any, kernel: str, index: int) -> None:
         rules = {kernel: [{"config": index}]}
@@ -109,6 +119,8 @@ class ForcedConfig(TuningOverride):
             rules[KERNEL_RULES] = [{"kernel": kernel}]
         if kernel in DKDV_KERNELS:
             rules[DKDV_KERNEL_RULES] = [{"kernel": kernel}]
+        if kernel in DQ_KERNELS:
+            rules[DQ_KERNEL_RULES] = [{"kernel": kernel}]
         super().__init__(lib, rules)
 
 

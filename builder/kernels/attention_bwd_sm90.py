@@ -71,6 +71,53 @@ def _query_block(idx, lo, f1, f2, n1, n2, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _window(len_q, len_k, window_left, window_right, causal_align, CAUSAL: gl.constexpr):
+    """Band of visible keys as (diag, left, right): key j is visible from query i when
+    j - i - diag lies in [-left, right] (attention.py's _window). Mask mode 1 is aligned by
+    causal_align (0 top-left, 1 bottom-right), mode 2 bottom-right; a negative side is unbounded."""
+    if CAUSAL == 2:
+        diag = len_k - len_q
+    elif CAUSAL == 1:
+        diag = causal_align * (len_k - len_q)
+    else:
+        diag = len_k * 0
+    unbounded = len_q + len_k
+    left = gl.where(window_left < 0, unbounded, window_left)
+    right = gl.where(window_right < 0, unbounded, window_right)
+    return diag, left, right
+
+
+@gluon.jit
+def _visited(a0, A_BLOCK: gl.constexpr, len_b, diag, left, right, B_BLOCK: gl.constexpr, CAUSAL: gl.constexpr):
+    """The B-axis blocks that rows a0 .. a0+A_BLOCK-1 of the A axis visit, the band being
+    a + diag - left <= b <= a + diag + right (attention.py's _span; the dK/dV kernel swaps the
+    axes: diag -> -diag, sides swapped). Returns (lo, f1, f2, n1, n2, n): blocks [lo, f1) and
+    [f2, hi) need a mask (n1 and n2 of them), [f1, f2) lie inside the band and len_b and need
+    none; n blocks in all. Without a mask only the partial block at len_b's end is masked."""
+    if CAUSAL != 0:
+        lo = gl.maximum(a0 + diag - left, 0)
+        lo = lo // B_BLOCK * B_BLOCK
+        hi = gl.minimum(a0 + A_BLOCK + diag + right, len_b)
+        hi = gl.maximum(hi, lo)
+        hi_up = (hi + B_BLOCK - 1) // B_BLOCK * B_BLOCK
+        full_lo = gl.maximum(a0 + A_BLOCK - 1 + diag - left, 0)
+        full_lo = (full_lo + B_BLOCK - 1) // B_BLOCK * B_BLOCK
+        full_hi = gl.minimum(a0 + diag + right + 1, len_b)
+        full_hi = gl.maximum(full_hi, 0) // B_BLOCK * B_BLOCK
+        f1 = gl.minimum(gl.maximum(full_lo, lo), hi_up)
+        f2 = gl.minimum(gl.maximum(full_hi, f1), hi_up)
+    else:
+        lo = len_b * 0
+        f1 = lo
+        f2 = len_b // B_BLOCK * B_BLOCK
+        hi = len_b
+    n1 = (f1 - lo) // B_BLOCK
+    n2 = (hi - f2 + B_BLOCK - 1) // B_BLOCK
+    n = n1 + n2 + (f2 - f1) // B_BLOCK
+    return lo, f1, f2, n1, n2, n
+
+
+@gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free,
             start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """Loader warp: both consumers' K and V rows, then Q and dO of every visited tile of every head."""
@@ -265,35 +312,8 @@ def attn_bwd_dkdv_sm90(
     # The band seen from the key block (attn_bwd_dkdv's _span with the axes swapped: rows i with
     # j - diag - right <= i <= j - diag + left): query tiles [lo, f1) and [f2, hi) need a mask,
     # [f1, f2) do not.
-    unbounded = len_q + len_k
-    if CAUSAL == 2:
-        diag = len_k - len_q
-    elif CAUSAL == 1:
-        diag = causal_align * (len_k - len_q)  # 0 top-left, 1 bottom-right
-    else:
-        diag = len_k * 0
-    left = gl.where(window_left < 0, unbounded, window_left)
-    right = gl.where(window_right < 0, unbounded, window_right)
-    if CAUSAL != 0:
-        lo = gl.maximum(start_n - diag - right, 0)
-        lo = lo // BLOCK_M * BLOCK_M
-        hi = gl.minimum(start_n + BLOCK_N - diag + left, len_q)
-        hi = gl.maximum(hi, lo)
-        hi_up = (hi + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        full_lo = gl.maximum(start_n + BLOCK_N - 1 - diag - right, 0)
-        full_lo = (full_lo + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        full_hi = gl.minimum(start_n - diag + left + 1, len_q)
-        full_hi = gl.maximum(full_hi, 0) // BLOCK_M * BLOCK_M
-        f1 = gl.minimum(gl.maximum(full_lo, lo), hi_up)
-        f2 = gl.minimum(gl.maximum(full_hi, f1), hi_up)
-    else:
-        lo = len_q * 0
-        f1 = lo
-        f2 = len_q // BLOCK_M * BLOCK_M
-        hi = len_q
-    n1 = (f1 - lo) // BLOCK_M
-    n2 = (hi - f2 + BLOCK_M - 1) // BLOCK_M
-    n = n1 + n2 + (f2 - f1) // BLOCK_M
+    diag, left, right = _window(len_q, len_k, window_left, window_right, causal_align, CAUSAL)
+    lo, f1, f2, n1, n2, n = _visited(start_n, BLOCK_N, len_q, -diag, right, left, BLOCK_M, CAUSAL)
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile_layout)

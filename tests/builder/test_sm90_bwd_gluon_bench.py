@@ -46,18 +46,65 @@ def test_a_shape_whose_child_dies_is_recorded_and_the_next_child_resumes_after_i
     assert [r.get("error") for r in results] == [None, "the timing process: exit status -11", None]
 
 
-def test_the_summary_gives_ratios_to_cudnn_and_the_portable_backward_and_the_best_gluon_config(bench) -> None:
+def test_the_summary_gives_ratios_to_cudnn_and_the_portable_backward_and_the_best_of_each_pairing(bench) -> None:
     shape = bench.SHAPES[0]
-    rows = {"cudnn": _row(500, 1.0, 1.4), "portable": _row(350, 0.7, 1.0), "gluon#0": _row(460, 0.92, 1.31),
-            "gluon#1": _row(440, 0.88, 1.26)}
+    rows = {"cudnn": _row(500, 1.0, 1.4), "port+port": _row(350, 0.7, 1.0), "g#0+port": _row(400, 0.8, 1.14),
+            "g#1+port": _row(410, 0.82, 1.17), "g#0+g#0": _row(460, 0.92, 1.31), "g#0+g#1": _row(440, 0.88, 1.26)}
     lines = bench.summary_lines([{"shape": list(shape), "rows": rows, "notes": []},
                                  {"error": "the timing process: timed out after 300 s"}], [shape, bench.SHAPES[1]])
-    table = [line for line in lines if line.startswith("fp16 D128 full") and " best " not in line]
-    assert [line.split()[6] for line in table] == ["cudnn", "portable", "gluon#0", "gluon#1"]
-    assert table[2].split()[6:] == ["gluon#0", "460", "455-465", "0.92", "1.31"]
-    assert lines[-2] == "fp16 D128 full B4 H32 N4096  best gluon#0: 460 TFLOP/s, 0.92x cuDNN, 1.31x portable"
+    table = [line for line in lines if line.startswith("fp16 D128 full") and " best " not in line
+             and ": none" not in line]
+    assert [line.split()[6] for line in table] == ["cudnn", "port+port", "g#0+port", "g#1+port", "g#0+g#0",
+                                                   "g#0+g#1"]
+    assert table[4].split()[6:] == ["g#0+g#0", "460", "455-465", "0.92", "1.31"]
+    assert lines[-3:-1] == [
+        "fp16 D128 full B4 H32 N4096  Gluon dK/dV + portable dQ: best g#1+port 410 TFLOP/s, 0.82x cuDNN, "
+        "1.17x portable",
+        "fp16 D128 full B4 H32 N4096  Gluon dK/dV + Gluon dQ: best g#0+g#0 460 TFLOP/s, 0.92x cuDNN, 1.31x portable"]
     assert "bf16 D128 full B4 H32 N4096  the timing process: timed out after 300 s" in lines
-    assert lines[-1].startswith("bf16 D128 full B4 H32 N4096  no Gluon dK/dV timed")
+    assert lines[-1].startswith("bf16 D128 full B4 H32 N4096  nothing timed")
+
+
+class _Variant:
+    def __init__(self, kernel: str, dtype: str, d: int, causal: int, index: int) -> None:
+        from types import SimpleNamespace
+
+        self.kernel = kernel
+        self.target = SimpleNamespace(arch="sm90")
+        self.spec = {"dtype": dtype, "HEAD_DIM": d, "CAUSAL": causal}
+        self.config = SimpleNamespace(index=index)
+
+
+class _Lib:
+    """What contender_views reads of a Library: variants and catalogs (tuning)."""
+
+    def __init__(self, variants: list) -> None:
+        self._variants = variants
+        self.catalogs = []
+
+    def variants_of(self, name: str) -> list:
+        return [v for v in self._variants if v.kernel == name]
+
+
+def test_the_contenders_pair_each_gluon_dkdv_config_with_the_portable_dq_and_config_0_with_each_gluon_dq(
+        bench) -> None:
+    shape = bench.SHAPES[0]  # fp16 D128 no mask
+    held = [_Variant(bench.GLUON, "fp16", 128, 0, i) for i in (0, 1)] + \
+        [_Variant(bench.GLUON_DQ, "fp16", 128, 0, j) for j in (0, 1, 2)] + \
+        [_Variant(bench.GLUON_DQ, "bf16", 128, 0, 5), _Variant(bench.GLUON, "fp16", 128, 2, 7)]
+    views = bench.contender_views(_Lib(held), shape)
+    assert {label: wanted for label, (_, wanted) in views.items()} == {
+        "port+port": (("attn_bwd_dkdv", None), ("attn_bwd_dq", None)),
+        "g#0+port": ((bench.GLUON, 0), ("attn_bwd_dq", None)),
+        "g#1+port": ((bench.GLUON, 1), ("attn_bwd_dq", None)),
+        "g#0+g#0": ((bench.GLUON, 0), (bench.GLUON_DQ, 0)),
+        "g#0+g#1": ((bench.GLUON, 0), (bench.GLUON_DQ, 1)),
+        "g#0+g#2": ((bench.GLUON, 0), (bench.GLUON_DQ, 2))}
+    table = views["g#0+g#1"][0].catalogs[0].tuning
+    assert table["attn_bwd_dkdv_kernel"] == [{"kernel": bench.GLUON}]
+    assert table["attn_bwd_dq_kernel"] == [{"kernel": bench.GLUON_DQ}]
+    assert table[bench.GLUON] == [{"config": 0}] and table[bench.GLUON_DQ] == [{"config": 1}]
+    assert views["g#1+port"][0].catalogs[0].tuning["attn_bwd_dq_kernel"] == [{"kernel": "attn_bwd_dq"}]
 
 
 def test_without_images_it_says_how_to_build_them(bench, capsys) -> None:

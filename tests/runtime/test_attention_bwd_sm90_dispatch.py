@@ -1,6 +1,7 @@
-"""Which dK/dV kernel a split backward launches: sm90's Gluon one (attn_bwd_dkdv_sm90) where the images
-hold it for the call's spec, the portable attn_bwd_dkdv elsewhere, as tuning rules and forced views say;
-explain names the one chosen. Dispatch only: the catalogs are synthetic and nothing is launched."""
+"""Which dK/dV and dQ kernels a split backward launches: sm90's Gluon ones (attn_bwd_dkdv_sm90,
+attn_bwd_dq_sm90) where the images hold them for the call's spec, the portable attn_bwd_dkdv and
+attn_bwd_dq elsewhere, as tuning rules and forced views say; explain names the ones chosen. Dispatch
+only: the catalogs are synthetic and nothing is launched."""
 
 from __future__ import annotations
 
@@ -11,17 +12,20 @@ import pytest
 
 import aotriton_rt
 from aotriton_rt.ops import attention as op
-from aotriton_rt.ops.attention.dispatch import DKDV, backward_kernel, kernels_of
+from aotriton_rt.ops.attention.dispatch import DKDV, DQ, backward_kernel, kernels_of
 from tests.runtime.test_attention_op import _synthetic_variant, qkv
 
 NAME = "attn_bwd_dkdv_sm90"
+DQ_NAME = "attn_bwd_dq_sm90"
 BASE = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
 CAUSAL = {**BASE, "CAUSAL": 2}
 
 
-def _images(folder: Path, tuning_table: dict | None = None, archs=("sm90",), gluon: bool = True) -> Path:
+def _images(folder: Path, tuning_table: dict | None = None, archs=("sm90",), gluon: bool = True,
+            gluon_dq: bool = False) -> Path:
     """Synthetic images: the split backward (fp16 D=128 causal) with and without dropout on each
-    of ``archs``, and attn_bwd_dkdv_sm90 (configs 0 and 1) for the spec without dropout on sm90."""
+    of ``archs``, attn_bwd_dkdv_sm90 (configs 0 and 1) for the spec without dropout on sm90, and
+    with ``gluon_dq`` attn_bwd_dq_sm90 (configs 0 and 1) for that spec too."""
     variants = []
     for arch in archs:
         variants.append(_synthetic_variant("attn_bwd_preprocess", {
@@ -33,6 +37,9 @@ def _images(folder: Path, tuning_table: dict | None = None, archs=("sm90",), glu
     if gluon:
         variants.append(_synthetic_variant(NAME, {**CAUSAL, "DQ_ATOMIC": 0}, 0))
         variants.append(_synthetic_variant(NAME, {**CAUSAL, "DQ_ATOMIC": 0}, 1))
+    if gluon_dq:
+        variants.append(_synthetic_variant(DQ_NAME, CAUSAL, 0))
+        variants.append(_synthetic_variant(DQ_NAME, CAUSAL, 1))
     (folder / "catalog.json").write_text(json.dumps({
         "schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0",
         "tuning": tuning_table or {}, "variants": variants}))
@@ -58,6 +65,73 @@ def test_the_gluon_dkdv_serves_the_specs_it_holds_and_the_portable_one_the_rest(
     plain = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, dropout=True, backward=True,
                        arch="sm90", library=lib)
     assert plain.kernels[1].kernel == "attn_bwd_dkdv" and "kernel:" not in str(plain)
+
+
+def _dq(lib, S: int = 300, **kw):
+    return op.attention_kernels(*qkv(S=S, D=128), causal=True, backward=True, library=lib, **kw)[DQ]
+
+
+def test_the_gluon_dq_serves_the_specs_it_holds_beside_the_gluon_dkdv(tmp_path: Path) -> None:
+    lib = aotriton_rt.Library(_images(tmp_path, gluon_dq=True))
+    assert (_dkdv(lib).name, _dq(lib).name) == (NAME, DQ_NAME)
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, backward=True, arch="sm90", library=lib)
+    assert [k.kernel for k in ex.kernels] == ["attn_bwd_preprocess", NAME, DQ_NAME]
+    assert ex.kernels[2].kernel_reason == ("sm90's own dQ kernel, preferred where the images hold it (no "
+                                           "tuning['attn_bwd_dq_kernel'] rule)")
+    assert f"{DQ_NAME}" in ex.kernels[2].line() and "kernel: sm90's own dQ kernel" in ex.kernels[2].line()
+    dropped = op.attention_kernels(*qkv(S=300, D=128), causal=True, dropout_p=0.1, seed=1, offset=0,
+                                    backward=True, library=lib)
+    assert (dropped[DKDV].name, dropped[DQ].name) == ("attn_bwd_dkdv", "attn_bwd_dq")
+
+
+def test_images_with_only_the_gluon_dq_run_it_beside_the_portable_dkdv(tmp_path: Path) -> None:
+    lib = aotriton_rt.Library(_images(tmp_path, gluon=False, gluon_dq=True))
+    assert (_dkdv(lib).name, _dq(lib).name) == ("attn_bwd_dkdv", DQ_NAME)
+
+
+def test_a_dq_kernel_rule_sends_its_lengths_to_the_portable_dq_and_leaves_the_dkdv_alone(tmp_path: Path) -> None:
+    table = {"attn_bwd_dq_kernel": [{"arch": "sm90", "spec": {"HEAD_DIM": 128}, "seqlen_q": [None, 1023],
+                                     "kernel": "attn_bwd_dq", "source": "db"}],
+             DQ_NAME: [{"arch": "sm90", "seqlen_q": [4096, None], "config": 1}]}
+    lib = aotriton_rt.Library(_images(tmp_path, table, gluon_dq=True))
+    assert (_dq(lib, S=1000).name, _dkdv(lib, S=1000).name) == ("attn_bwd_dq", NAME)
+    long = _dq(lib, S=5000)
+    assert long.name == DQ_NAME and long.candidates[0].config.index == 1
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=1000, causal=True, backward=True, arch="sm90", library=lib)
+    assert ex.kernels[2].kernel == "attn_bwd_dq"
+    assert ex.kernels[2].kernel_reason == ("tuned (rule #0 of tuning['attn_bwd_dq_kernel'], from db, seqlen_q in "
+                                           "[0, 1023], arch sm90)")
+
+
+def test_a_dq_rule_naming_a_kernel_that_does_not_serve_the_call_keeps_the_arch_one(tmp_path: Path) -> None:
+    lib = aotriton_rt.Library(_images(tmp_path, {"attn_bwd_dq_kernel": [{"kernel": NAME}]}, gluon_dq=True))
+    assert _dq(lib).name == DQ_NAME
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, backward=True, arch="sm90", library=lib)
+    assert ex.kernels[2].kernel_reason.endswith(f"names '{NAME}', which does not serve this spec on sm90; "
+                                                f"{DQ_NAME} runs")
+
+
+def test_forced_views_run_any_pair_of_dkdv_and_dq(tmp_path: Path) -> None:
+    from builder.tune import DQ_KERNELS, ForcedConfig, forced_split
+
+    assert DQ_KERNELS == ("attn_bwd_dq", DQ_NAME)
+    lib = aotriton_rt.Library(_images(tmp_path, gluon_dq=True))
+    for dkdv in ("attn_bwd_dkdv", NAME):
+        for dq in ("attn_bwd_dq", DQ_NAME):
+            view = forced_split(lib, dkdv, dq)
+            assert (_dkdv(view).name, _dq(view).name) == (dkdv, dq)
+    # Timing a portable dQ config must time the portable kernel; a Gluon dQ config its own.
+    assert _dq(ForcedConfig(lib, "attn_bwd_dq", 0)).name == "attn_bwd_dq"
+    gluon = _dq(ForcedConfig(lib, DQ_NAME, 1))
+    assert gluon.name == DQ_NAME and gluon.candidates[0].config.index == 1
+    assert _dkdv(ForcedConfig(lib, DQ_NAME, 1)).name == NAME  # the other role keeps its routing
+
+
+def test_a_malformed_dq_kernel_rule_is_refused_when_the_catalog_loads(tmp_path: Path) -> None:
+    _images(tmp_path, {"attn_bwd_dq_kernel": [{"kernel": ["attn_bwd_dq"]}]})
+    with pytest.raises(aotriton_rt.CatalogError,
+                       match=r"tuning\['attn_bwd_dq_kernel'\] rule .*kernel must be a kernel name"):
+        aotriton_rt.Library(tmp_path).variants_of("attn_bwd_dq")
 
 
 def test_a_kernel_rule_sends_its_lengths_to_the_portable_dkdv(tmp_path: Path) -> None:
@@ -114,7 +188,8 @@ def test_the_atomic_dq_dkdv_and_the_other_roles_keep_the_portable_kernels(tmp_pa
     ks = kernels_of(aotriton_rt.Library(_images(tmp_path)))
     call = op.dispatch.AttentionCall("fp16", 128, 128, 2, True, seqlen_q=300, seqlen_k=300)
     assert backward_kernel(ks, call, DKDV, {**CAUSAL, "DQ_ATOMIC": 1}, "sm90") == (DKDV, "")
-    assert backward_kernel(ks, call, "attn_bwd_dq", CAUSAL, "sm90") == ("attn_bwd_dq", "")
+    assert backward_kernel(ks, call, DQ, CAUSAL, "sm90") == (DQ, "")  # these images hold no Gluon dQ
+    assert backward_kernel(ks, call, "attn_bwd_preprocess", CAUSAL, "sm90") == ("attn_bwd_preprocess", "")
     assert backward_kernel(ks, call, DKDV, {**CAUSAL, "DQ_ATOMIC": 0}, "sm90")[0] == NAME
 
 

@@ -1,18 +1,23 @@
-"""The Gluon sm90 dK/dV kernel (``attn_bwd_dkdv_sm90``) on an H100/H200 against an fp32 reference
-(marker ``gpu``).
+"""The Gluon sm90 backward kernels (``attn_bwd_dkdv_sm90``, ``attn_bwd_dq_sm90``) on an H100/H200
+against an fp32 reference (marker ``gpu``).
 
-Every built variant (each dtype, head dim, mask mode and tile config) runs through the operator
-(``attention_backward``, split scheme) on a library view that forces it (``builder.tune.ForcedConfig``),
-on ragged problems: lengths that are no block multiple (1000/1111), more queries than keys (rows
-that see no key under the bottom-right band), a sliding window with GQA, sequences shorter than
-one block. Inputs live in NaN-filled buffers (rows past each sequence are NaN), so a read past a
+Every built variant of each (each dtype, head dim, mask mode and tile config) runs through the
+operator (``attention_backward``, split scheme) on a library view that forces it
+(``builder.tune.ForcedConfig``; a dQ variant runs beside the portable dK/dV, so its checks are its
+own), on ragged problems: lengths that are no block multiple (1000/1111), more queries than keys
+(rows that see no key under the bottom-right band), a sliding window with GQA, sequences shorter
+than one block. Mask-mode-1 variants run top-left and, where the runtime can send a bottom-right
+call to mode 1 (``builder.tune.without_mask_mode``, with the run-time ``causal_align``), bottom-right
+too. Inputs live in NaN-filled buffers (rows past each sequence are NaN), so a read past a
 sequence poisons the result. dQ, dK and dV must be within bench/sm90_bwd.py's bound (AOTriton's: 4x
-the error of the same math in the input dtype, plus an epsilon) of the fp32 reference, and dK, dV
-within that bound of the portable ``attn_bwd_dkdv``'s on the same inputs (bitwise equality is not
-expected: the two sum their tiles in different orders and round P and dS at different points).
+the error of the same math in the input dtype, plus an epsilon) of the fp32 reference, and the
+kernel's own gradients (dK, dV or dQ) within that bound of the portable kernel's on the same inputs
+(bitwise equality is not expected: the two sum their tiles in different orders and round P and dS
+at different points).
 
 Images: ``AOTRITON_RT_TEST_IMAGES`` pointing at ``python -m builder build --set gputest --targets
-sm90`` (attn_bwd_dkdv_sm90 declares its gputest variants in builder/kernels/attention_bwd_sm90.py).
+sm90`` (both kernels declare their gputest variants in builder/kernels/attention_bwd_sm90.py and
+attention_bwd_dq_sm90.py).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "attn_bwd_dkdv_sm90"
+DQ_NAME = "attn_bwd_dq_sm90"
+#: Per Gluon kernel: the portable kernel it stands in for, and the gradients it computes.
+ROLES = {NAME: ("attn_bwd_dkdv", ("dk", "dv")), DQ_NAME: ("attn_bwd_dq", ("dq",))}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # (B, query heads, key/value heads, seqlen_q, seqlen_k, window or None).
 PROBLEMS = {
@@ -42,8 +50,7 @@ PROBLEMS = {
 }
 
 
-@pytest.fixture(scope="module")
-def setup():
+def _setup(name: str):
     folder = os.environ.get("AOTRITON_RT_TEST_IMAGES")
     if not folder:
         pytest.skip("set AOTRITON_RT_TEST_IMAGES to images built with --set gputest --targets sm90")
@@ -53,14 +60,25 @@ def setup():
     import sm90_bwd
 
     lib = aotriton_rt.Library(folder)
-    found = list(lib.variants_of(NAME))
+    found = list(lib.variants_of(name))
     if not found:
-        pytest.skip(f"these images hold no {NAME}: build with --set gputest --targets sm90")
+        pytest.skip(f"these images hold no {name}: build with --set gputest --targets sm90")
     return sm90_bwd, lib, found
 
 
-def _reference(q, k, v, do, mode: int, window, scale: float, dtype):
-    """(dq, dk, dv) of softmax(q kᵀ scale, masked) v computed in ``dtype`` (k, v shared by GQA groups)."""
+@pytest.fixture(scope="module")
+def setup():
+    return _setup(NAME)
+
+
+@pytest.fixture(scope="module")
+def setup_dq():
+    return _setup(DQ_NAME)
+
+
+def _reference(q, k, v, do, mode: int, window, scale: float, dtype, bottom_right: bool | None = None):
+    """(dq, dk, dv) of softmax(q kᵀ scale, masked) v computed in ``dtype`` (k, v shared by GQA groups);
+    the band is aligned bottom-right under mask mode 2 or ``bottom_right``."""
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -68,7 +86,7 @@ def _reference(q, k, v, do, mode: int, window, scale: float, dtype):
     if mode:
         sq, sk = q.shape[2], k.shape[2]
         left, right = window if window else (-1, 0)
-        diag = sk - sq if mode == 2 else 0
+        diag = sk - sq if (mode == 2 if bottom_right is None else bottom_right) else 0
         rel = torch.arange(sk, device=q.device)[None, :] - torch.arange(sq, device=q.device)[:, None] - diag
         visible = torch.ones_like(rel, dtype=torch.bool)
         if left >= 0:
@@ -84,68 +102,101 @@ def _reference(q, k, v, do, mode: int, window, scale: float, dtype):
     return q.grad, k.grad, v.grad
 
 
-def _options(mode: int, window, scale: float) -> dict:
-    align = "bottom_right" if mode == 2 else "top_left"
+def _options(mode: int, window, scale: float, bottom_right: bool | None = None) -> dict:
+    align = "bottom_right" if (mode == 2 if bottom_right is None else bottom_right) else "top_left"
     if window:
         return {"window": window, "align": align, "scale": scale}
     return {"causal": bool(mode), "align": align, "scale": scale}
 
 
-def _run_case(bench, lib, v, problem: str) -> str | None:
+def _views(lib, name: str, index: int, bottom_right: bool, mode: int):
+    """(view forcing ``name``'s config ``index``, view of the portable kernels) for one case. A dQ
+    variant runs beside the portable dK/dV. A bottom-right call on a mode-1 variant needs mode 2
+    hidden (None, None when this tree cannot hide it)."""
+    from builder import tune
+
+    gluon = tune.ForcedConfig(lib, name, index)
+    if name == DQ_NAME:
+        gluon = tune.forced_split(gluon, "attn_bwd_dkdv", DQ_NAME)
+    portable = tune.forced_split(lib, "attn_bwd_dkdv", "attn_bwd_dq")
+    if bottom_right and mode == 1:
+        hide = getattr(tune, "without_mask_mode", None)
+        if hide is None:
+            return None, None
+        gluon, portable = hide(gluon, 2), hide(portable, 2)
+    return gluon, portable
+
+
+def _run_case(bench, lib, v, problem: str, bottom_right: bool | None = None) -> str | None:
     """None when the variant passes ``problem``, else a line saying what failed."""
     from aotriton_rt.ops.attention import attention_kernels
-    from builder.tune import ForcedConfig, forced_dkdv
 
+    name = v.kernel
+    role, mine = ROLES[name]
     B, Hq, Hk, Sq, Sk, window = PROBLEMS[problem]
     mode, D, dtype_name = v.spec["CAUSAL"], v.spec["HEAD_DIM"], v.spec["dtype"]
     dtype = DTYPES[dtype_name]
     q, k, vv, do = bench.bshd_inputs(torch, B, ((Sq, Hq), (Sk, Hk), (Sk, Hk), (Sq, Hq)), D, dtype,
                                      seed=v.config.index, pad=64)
     scale = 1 / math.sqrt(D)
-    options = _options(mode, window, scale)
-    gluon = ForcedConfig(lib, NAME, v.config.index)
-    portable = forced_dkdv(lib, "attn_bwd_dkdv")
-    handle = attention_kernels(q, k, vv, backward=True, deterministic=True, library=gluon, **options)["attn_bwd_dkdv"]
+    options = _options(mode, window, scale, bottom_right)
+    gluon, portable = _views(lib, name, v.config.index, bool(bottom_right), mode)
+    if gluon is None:
+        return None
+    handle = attention_kernels(q, k, vv, backward=True, deterministic=True, library=gluon, **options)[role]
     launched = (handle.name, handle.variant(torch.cuda.current_device()).config.index)
-    if launched != (NAME, v.config.index):
-        return f"launched {launched}, not {NAME}#{v.config.index}"
+    if launched != (name, v.config.index):
+        return f"launched {launched}, not {name}#{v.config.index}"
     out, lse = aotriton_rt.attention(q, k, vv, library=lib, **options)
     got = aotriton_rt.attention_backward(do, q, k, vv, out, lse, deterministic=True, library=gluon, **options)[:3]
     theirs = aotriton_rt.attention_backward(do, q, k, vv, out, lse, deterministic=True, library=portable,
                                             **options)[:3]
     torch.cuda.synchronize()
-    hi = _reference(q, k, vv, do, mode, window, scale, torch.float32)
-    lo = _reference(q, k, vv, do, mode, window, scale, dtype)
+    hi = _reference(q, k, vv, do, mode, window, scale, torch.float32, bottom_right)
+    lo = _reference(q, k, vv, do, mode, window, scale, dtype, bottom_right)
     bad = []
-    for name, g, h, lo_ in zip(("dq", "dk", "dv"), got, hi, lo):
+    for grad, g, h, lo_ in zip(("dq", "dk", "dv"), got, hi, lo):
         e = bench.grad_error(torch, g, h, lo_, dtype_name)
         if not e["ok"]:
-            bad.append(f"{name} err {e['err']:.3g} > bound {e['bound']:.3g} (NaN {e['nan']})")
-    for name, g, p, h, lo_ in zip(("dk", "dv"), got[1:], theirs[1:], hi[1:], lo[1:]):
+            bad.append(f"{grad} err {e['err']:.3g} > bound {e['bound']:.3g} (NaN {e['nan']})")
+    for grad, g, p, h, lo_ in zip(("dq", "dk", "dv"), got, theirs, hi, lo):
+        if grad not in mine:
+            continue
         # Against the portable kernel's result, within the bound the reference check allows.
         bound = bench.grad_error(torch, g, h, lo_, dtype_name)["bound"]
         diff = (g.double() - p.double()).abs().max().item()
         if not diff <= bound:
-            bad.append(f"{name} differs from attn_bwd_dkdv's by {diff:.3g} > {bound:.3g}")
+            bad.append(f"{grad} differs from {role}'s by {diff:.3g} > {bound:.3g}")
     if bad:
-        return f"{dict(v.spec)} #{v.config.index} {problem}: " + "; ".join(bad)
+        align = "" if bottom_right is None else (" bottom-right" if bottom_right else " top-left")
+        return f"{name} {dict(v.spec)} #{v.config.index} {problem}{align}: " + "; ".join(bad)
     return None
 
 
-@pytest.mark.parametrize("problem", sorted(PROBLEMS))
-def test_every_gluon_dkdv_variant_matches_an_fp32_reference_and_the_portable_kernel(setup, problem: str) -> None:
-    bench, lib, found = setup
+def _run_all(bench, lib, found, problem: str) -> None:
     failures = []
     ran = 0
     for v in found:
         if v.spec["CAUSAL"] == 0 and PROBLEMS[problem][5]:
             continue  # a window is a band: mask modes 1 and 2
-        ran += 1
-        line = _run_case(bench, lib, v, problem)
-        if line:
-            failures.append(line)
+        aligns = (False, True) if v.spec["CAUSAL"] == 1 else (None,)
+        for bottom_right in aligns:
+            ran += 1
+            line = _run_case(bench, lib, v, problem, bottom_right)
+            if line:
+                failures.append(line)
     assert ran > 0
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+def test_every_gluon_dkdv_variant_matches_an_fp32_reference_and_the_portable_kernel(setup, problem: str) -> None:
+    _run_all(*setup, problem)
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+def test_every_gluon_dq_variant_matches_an_fp32_reference_and_the_portable_kernel(setup_dq, problem: str) -> None:
+    _run_all(*setup_dq, problem)
 
 
 def test_the_operator_picks_the_gluon_dkdv_by_default_where_the_images_hold_it(setup) -> None:
@@ -161,3 +212,18 @@ def test_the_operator_picks_the_gluon_dkdv_by_default_where_the_images_hold_it(s
     options = _options(spec["CAUSAL"], None, 1 / math.sqrt(D))
     handle = attention_kernels(q, k, v, backward=True, library=lib, **options)["attn_bwd_dkdv"]
     assert handle.name == NAME
+
+
+def test_the_operator_picks_the_gluon_dq_by_default_where_the_images_hold_it(setup_dq) -> None:
+    """Without a forced view: the images' own routing (no tuning rule sends these calls elsewhere)."""
+    from aotriton_rt.ops.attention import attention_kernels
+
+    bench, lib, found = setup_dq
+    if lib.catalogs and any("attn_bwd_dq_kernel" in (c.tuning or {}) for c in lib.catalogs):
+        pytest.skip("these images carry attn_bwd_dq_kernel rules")
+    spec = found[0].spec
+    D, dtype = spec["HEAD_DIM"], DTYPES[spec["dtype"]]
+    q, k, v, _ = bench.bshd_inputs(torch, 1, ((300, 2),) * 4, D, dtype, seed=0, pad=0)
+    options = _options(spec["CAUSAL"], None, 1 / math.sqrt(D))
+    handle = attention_kernels(q, k, v, backward=True, library=lib, **options)["attn_bwd_dq"]
+    assert handle.name == DQ_NAME

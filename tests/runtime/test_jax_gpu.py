@@ -160,9 +160,10 @@ def test_every_catalog_kernel_is_callable_under_jit(lib: Any, aj: Any) -> None:
 
 _PLAIN_KERNELS = ("add", "softmax", "layernorm", "rmsnorm")
 _ARCH_FORWARDS = ("attn_fwd_sm90",)
-# Launched by the cases above: the backward by _attention_case, append and combine by _decode_case.
+# Launched by the cases above: the backward by _attention_case (on sm90 through the Gluon dK/dV and
+# dQ where the images hold the call's spec), append and combine by _decode_case.
 _COVERED_BY_OTHERS = ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_dq_convert",
-                      "attn_decode_append", "attn_decode_combine")
+                      "attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90", "attn_decode_append", "attn_decode_combine")
 
 
 def _decode_case(aj: Any, lib: Any, spec: dict) -> None:

@@ -14,7 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import KernelNotFound, UnsupportedError
-from ...tuning import DKDV_KERNEL_RULES, KERNEL_RULES, MODE_RULES, select_config, select_kernel, select_mode, seqlen_bin
+from ...tuning import (
+    DKDV_KERNEL_RULES,
+    DQ_KERNEL_RULES,
+    KERNEL_RULES,
+    MODE_RULES,
+    select_config,
+    select_kernel,
+    select_mode,
+    seqlen_bin,
+)
 
 # Mirrors builder/kernels/attention.py (the runtime never imports the builder; a test keeps the
 # two equal): the head dims the kernels are compiled for, and the unequal q·k / v pairs.
@@ -33,10 +42,14 @@ CONVERT = "attn_bwd_dq_convert"
 #: ``tuning["attn_fwd_kernel"]`` rule names another kernel.
 ARCH_FORWARDS = {"sm90": "attn_fwd_sm90"}
 #: Per-architecture kernels of the split backward, by the portable kernel they stand in for: same
-#: arguments, grid and results (builder/kernels/attention_bwd_sm90.py: the dK/dV kernel for fp16/bf16,
-#: head dim 64/128, no bias, dropout or varlen). Preferred on their arch when the images hold the
-#: call's spec, unless a ``tuning["attn_bwd_dkdv_kernel"]`` rule names another kernel.
-ARCH_BACKWARDS = {"sm90": {DKDV: "attn_bwd_dkdv_sm90"}}
+#: arguments, grid and results (builder/kernels/attention_bwd_sm90.py and attention_bwd_dq_sm90.py:
+#: the dK/dV and dQ kernels for fp16/bf16, head dim 64/128, no bias, dropout or varlen). Each is
+#: preferred on its arch when the images hold the call's spec, unless a rule of its role's table
+#: (:data:`BACKWARD_KERNEL_RULES`) names another kernel.
+ARCH_BACKWARDS = {"sm90": {DKDV: "attn_bwd_dkdv_sm90", DQ: "attn_bwd_dq_sm90"}}
+#: Per role of the split backward: the tuning table whose rules name the kernel playing it, and
+#: the role in words (explain's reasons).
+BACKWARD_KERNEL_RULES = {DKDV: (DKDV_KERNEL_RULES, "dK/dV kernel"), DQ: (DQ_KERNEL_RULES, "dQ kernel")}
 #: The run-time argument that aligns a mask-mode-1 band: 0 top-left, 1 bottom-right (mode 2 is
 #: bottom-right whatever it says). Images built before it existed compiled mode 1 as top-left
 #: only, so a mode-1 variant serves a bottom-right call only if its arguments include it.
@@ -307,13 +320,14 @@ def backward_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: di
     """(kernel name, reason): which kernel plays ``role`` (a portable backward kernel's name, e.g.
     ``attn_bwd_dkdv``) of a backward for ``spec`` on ``arch``, as :func:`forward_kernel` does for
     the forward: the arch's own kernel (:data:`ARCH_BACKWARDS`) where the images hold it for this
-    spec, unless a ``tuning["attn_bwd_dkdv_kernel"]`` rule names the portable one. Roles without a
-    per-architecture kernel (and the atomic-dQ dK/dV, ``DQ_ATOMIC=1``) keep the portable kernel."""
-    if role != DKDV or spec.get("DQ_ATOMIC"):
+    spec, unless a rule of the role's table (``tuning["attn_bwd_dkdv_kernel"]``,
+    ``tuning["attn_bwd_dq_kernel"]``) names the portable one. Roles without a per-architecture
+    kernel (and the atomic-dQ dK/dV, ``DQ_ATOMIC=1``) keep the portable kernel."""
+    if role not in BACKWARD_KERNEL_RULES or spec.get("DQ_ATOMIC"):
         return role, ""
     owns = {a: kernels[role] for a, kernels in ARCH_BACKWARDS.items() if role in kernels}
-    return _arch_kernel(ks, call, spec, arch, role, owns, DKDV_KERNEL_RULES, "dK/dV kernel")
-
+    table, what = BACKWARD_KERNEL_RULES[role]
+    return _arch_kernel(ks, call, spec, arch, role, owns, table, what)
 
 def _arch_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any], arch: str | Callable[[], str],
                  portable: str, owns: Mapping[str, str], table: str, what: str) -> tuple[str, str]:
