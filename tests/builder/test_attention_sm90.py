@@ -200,3 +200,16 @@ def test_every_lever_expands_to_sm90_jobs_of_the_benchmarked_specs() -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_every_gputest_gluon_forward_has_its_attn_fwd_twin_so_dispatch_can_reach_it() -> None:
+    # The forward's spec is chosen among attn_fwd's variants; a Gluon variant whose spec attn_fwd
+    # lacks in the same set is built and tested by nothing (the JAX every-kernel test caught one).
+    from builder.registry import expand
+    from builder.targets import parse_targets
+
+    def specs(name):
+        return {tuple(sorted(j.spec.items())) for j in expand(_kernels()[name], parse_targets("sm90"), "gputest",
+                                                                "3.6.0")}
+
+    assert specs("attn_fwd_sm90") and specs("attn_fwd_sm90") <= specs("attn_fwd")
