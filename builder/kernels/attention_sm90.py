@@ -381,6 +381,7 @@ def attn_fwd_sm90(
 # Registry declaration.
 # --------------------------------------------------------------------------------------------
 
+from builder.kernels._attention_sets import in_gputest_set as _in_attn_fwd_gputest  # noqa: E402
 from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
 
@@ -427,13 +428,12 @@ def in_levers_set(spec: dict, target: object) -> bool:
 def in_gputest_set(spec: dict, target: object) -> bool:
     """The GPU tests' and the tuning database's variants: D=128 in every mask mode in both dtypes
     (mode 1 is the default set's causal kernel, both alignments), fp16 D=64 without a mask and
-    bf16 D=64 causal in mode 1 (the mode of the gputest set's bf16 D=64 ``attn_fwd``: a Gluon
-    variant without its ``attn_fwd`` twin is never dispatched, since the forward's spec is chosen
-    among the portable kernel's variants)."""
+    bf16 D=64 causal in mode 1; each only where the gputest set holds its ``attn_fwd`` twin (the
+    forward's spec is chosen among the portable kernel's variants, so a Gluon variant without one
+    is never dispatched)."""
     d, causal, dtype = spec["HEAD_DIM"], spec["CAUSAL"], spec["dtype"]
-    if d == 128:
-        return True
-    return (dtype, causal) in (("fp16", 0), ("bf16", 1))
+    mine = d == 128 or (dtype, causal) in (("fp16", 0), ("bf16", 1))
+    return mine and _in_attn_fwd_gputest(spec, target)
 
 
 def in_default_set(spec: dict, target: object) -> bool:

@@ -173,7 +173,7 @@ def test_the_faster_forward_serves_each_bin_and_the_arch_one_keeps_ties() -> Non
 def test_fold_keeps_a_forward_choice_only_where_the_build_holds_both_forwards() -> None:
     db = tuning.database([_entry(1024, [100]), _entry(1024, [120], kernel="attn_fwd_sm90")], arch="sm90",
                          machine={"gpu": "H200"}, method={})
-    gluon = [j for j in expand(load_kernels()["attn_fwd_sm90"], [KNOWN["sm90"]], "gputest", "3.6.0")
+    gluon = [j for j in expand(load_kernels()["attn_fwd_sm90"], [KNOWN["sm90"]], "full", "3.6.0")
              if j.spec in (FWD, {**FWD, "CAUSAL": 1})]
     assert gluon
     table, _ = tuning.fold([("sm90.json", db)], _jobs() + _jobs(causal=2) + gluon)
