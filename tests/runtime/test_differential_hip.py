@@ -23,7 +23,8 @@ from builder.targets import DEFAULT
 from tests.fakehip import build_fake_hip, fake_hip_env
 from tests.fakehip.differential import compile_env, differences, hooked_env, logged_launches, run_python
 
-HIP_TARGETS = tuple(sorted((a for a in DEFAULT if a.startswith("gfx")), key=lambda a: (len(a), a)))
+# The default HIP targets plus gfx1151 (known and buildable, though not a default target).
+HIP_TARGETS = tuple(sorted({*(a for a in DEFAULT if a.startswith("gfx")), "gfx1151"}, key=lambda a: (len(a), a)))
 DEVICE_ARCH = {"gfx90a": "gfx90a:sramecc+:xnack-", "gfx942": "gfx942:sramecc+:xnack-",
                "gfx950": "gfx950:sramecc+:xnack-", "gfx1100": "gfx1100", "gfx1151": "gfx1151",
                "gfx1201": "gfx1201", "gfx1250": "gfx1250"}
