@@ -221,7 +221,7 @@ def test_info_names_the_origin_of_an_explicit_folder_and_both_clis_print_their_v
     assert run("builder", "--version") == f"aotriton-rt builder {__version__}\n"
 
 
-def test_the_image_extras_name_one_full_image_wheel_per_default_target_at_this_version() -> None:
+def test_the_image_extras_name_one_full_image_wheel_per_default_target_and_gfx1151_at_this_version() -> None:
     tomllib = pytest.importorskip("tomllib")
     from aotriton_rt import __version__
     from builder.targets import DEFAULT
@@ -229,7 +229,10 @@ def test_the_image_extras_name_one_full_image_wheel_per_default_target_at_this_v
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["version"] == __version__
     extras = {k: v for k, v in project["optional-dependencies"].items() if k.startswith("images-")}
-    assert extras == {f"images-{t}-full": [f"{wheels.dist_name([t], 'full')}=={__version__}"] for t in DEFAULT}
+    # gfx1151 is not a default target (the runtime wheel does not embed it), so its extra is the
+    # way to install its images.
+    assert extras == {f"images-{t}-full": [f"{wheels.dist_name([t], 'full')}=={__version__}"]
+                      for t in (*DEFAULT, "gfx1151")}
 
 
 def test_a_checkouts_images_come_first_and_are_merged_with_installed_image_wheels(
