@@ -142,3 +142,21 @@ def _in_gputest_combo(spec: dict, combo: tuple) -> bool:
 def in_gputest_set(spec: dict, target: object) -> bool:
     """The GPU test matrix: the default set plus every feature at a few head dims (``GPUTEST``)."""
     return in_default_set(spec, target) or any(_in_gputest_combo(spec, c) for c in GPUTEST)
+
+
+#: Head dims of the sm90 Gluon backward (builder/kernels/attention_bwd_sm90.py's HEAD_DIMS).
+SM90_GLUON_BWD_HEAD_DIMS = (64, 128)
+
+
+def in_sm90_gluon_atomic_set(spec: dict, target: object) -> bool:
+    """The specs of the atomic-dQ backward whose dK/dV the Gluon kernel runs in the gputest set
+    (fp16/bf16, head dim 64 or 128, equal q·k and v, fixed lengths, on sm90): what the preprocess
+    (``DQ_ATOMIC=1``) and convert kernels add to ``gputest`` so that the scheme runs there
+    without the portable atomic dK/dV."""
+    head_dim = spec.get("HEAD_DIM")
+    return (getattr(target, "arch", None) == "sm90"
+            and spec.get("dtype") in ("fp16", "bf16")
+            and head_dim in SM90_GLUON_BWD_HEAD_DIMS
+            and spec.get("HEAD_DIM_V", head_dim) == head_dim
+            and not spec.get("VARLEN", 0)
+            and spec.get("DQ_ATOMIC", 1) == 1)

@@ -13,7 +13,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from builder.kernels._attention_sets import in_bwd_sweep_set, in_default_backward_set, in_gputest_set
+from builder.kernels._attention_sets import (
+    in_bwd_sweep_set,
+    in_default_backward_set,
+    in_gputest_set,
+    in_sm90_gluon_atomic_set,
+)
 from builder.kernels.attention import (
     ALIGN_CHECKS,
     DTYPES,
@@ -653,7 +658,8 @@ KERNELS = [
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_PRE_DIV,
         exclude=head_dim_excluded,
-        sets={"default": in_default_backward_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
+        sets={"default": in_default_backward_set, "bwdsweep": in_bwd_sweep_set,
+              "gputest": lambda spec, target: in_gputest_set(spec, target) or in_sm90_gluon_atomic_set(spec, target)},
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_PRE_DIV),
     ),
     KernelDecl(
@@ -664,8 +670,8 @@ KERNELS = [
         configs=preprocess_configs,
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_CONVERT_DIV,
-        sets={"default": lambda spec, target: False, "gputest": in_gputest_set,
-              "bwdsweep": lambda spec, target: False},
+        sets={"default": lambda spec, target: False, "bwdsweep": lambda spec, target: False,
+              "gputest": lambda spec, target: in_gputest_set(spec, target) or in_sm90_gluon_atomic_set(spec, target)},
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_CONVERT_DIV),
     ),
     KernelDecl(

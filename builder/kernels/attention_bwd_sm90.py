@@ -37,11 +37,19 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 #: Programs per scheduling group under a causal mask (attention.py's CAUSAL_GROUP_PROGRAMS).
 GROUP_PROGRAMS: gl.constexpr = gl.constexpr(256)
+#: Columns of dQ's tile per matmul with DQ_ATOMIC (head dim 128: two, see _tile).
+DQ_CHUNK: gl.constexpr = gl.constexpr(64)
 
 
 @gluon.jit
@@ -145,10 +153,22 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv
 
 
 @gluon.jit
+def _add_dq(ptrs, dq, q_rows, dq_cols, len_q, MASKED: gl.constexpr):
+    """Add a dQ tile into DQacc (fp32 reductions: the result is unused, so ptxas issues no wait)."""
+    if MASKED:
+        gl.atomic_add(ptrs, dq, mask=(q_rows < len_q)[:, None] & (dq_cols >= 0)[None, :], sem="relaxed")
+    else:
+        gl.atomic_add(ptrs, dq, sem="relaxed")
+
+
+@gluon.jit
 def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head, cols, qcols,
-          len_q, diag, left, right, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-          STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
-    """dK, dV of one consumer after query tile ``it`` (first query start_m) of the loader's order."""
+          len_q, diag, left, right, qk_scale, ds_smem, DQA_head, stride_dqam, dq_rows, dq_cols, sm_scale,
+          MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+          s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr):
+    """dK, dV of one consumer after query tile ``it`` (first query start_m) of the loader's order;
+    with DQ_ATOMIC also this consumer's share of the tile's dQ (dS·K over its 64 keys, scaled),
+    added into DQacc."""
     s = it % STAGES
     q = q_smem.index(s)
     do = do_smem.index(s)
@@ -185,16 +205,44 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
     ds_op = gl.convert_layout(dsT.to(q.dtype), a_layout)
     dv = warpgroup_mma(p_op, do, dv, is_async=True)
     dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-    mbarrier.arrive(free.index(s), count=1)
+    if DQ_ATOMIC:
+        # dQ's share = dS·K_c: dS is the transpose of the register tile dS^T, so dS^T goes to this
+        # consumer's shared buffer and the matmuls read its transposed view (16-bit wgmma operands
+        # may be either major). The buffer's previous reader (the last tile's dQ matmul) was
+        # waited for; the fence orders these generic-proxy stores before wgmma's async-proxy reads
+        # (the compiler's barrier pass makes all four warps store first).
+        ds_smem.store(dsT.to(q.dtype))
+        fence_async_shared()
+        BLOCK_D: gl.constexpr = k.shape[1]
+        CHUNK: gl.constexpr = dq_cols.shape[0]
+        q_rows = start_m + dq_rows
+        row_ptrs = DQA_head + q_rows.to(gl.int64)[:, None] * stride_dqam + dq_cols[None, :]
+        ds_t = ds_smem.permute((1, 0))
+        dq_zero = gl.zeros([BLOCK_M, CHUNK], gl.float32, dq_layout)
+        # The first chunk runs beside dV's and dK's matmuls, the others one at a time (each
+        # 32 fp32 registers a thread: a whole 64 x 128 tile beside dK and dV made ptxas
+        # serialize every wgmma for want of registers).
+        dq = warpgroup_mma(ds_t, k.slice(0, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
+        dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+        mbarrier.arrive(free.index(s), count=1)
+        _add_dq(row_ptrs, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
+        for i in gl.static_range(1, BLOCK_D // CHUNK):
+            dq = warpgroup_mma(ds_t, k.slice(i * CHUNK, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
+            _add_dq(row_ptrs + i * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
+    else:
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        mbarrier.arrive(free.index(s), count=1)
     return dk, dv
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free,
-              LSE, Delta, DK, DV, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn,
+def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, free,
+              LSE, Delta, DK, DV, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn,
+              stride_dqaz, stride_dqah, stride_dqam,
               start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+              DQ_CHUNK: gl.constexpr):
     """Consumer warp group c: keys start_n + c*HALF ..., every query tile of every group head."""
     HALF: gl.constexpr = k_smem.shape[1]
     BLOCK_D: gl.constexpr = k_smem.shape[2]
@@ -212,6 +260,12 @@ def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, f
     qk_scale = sm_scale * LOG2E
     k = k_smem.index(c)
     v = v_smem.index(c)
+    ds = ds_smem.index(c)
+    # dQ's tile (BLOCK_M queries x HEAD_DIM), DQ_CHUNK columns a matmul.
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_CHUNK, 16])
+    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
     # Always wait: the loader's K/V copies must land before the program may exit.
     mbarrier.wait(kv_bar, 0)
     masked = n1 + n2
@@ -219,17 +273,18 @@ def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, f
         off_h = off_hk * group + g
         L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
         D_head = Delta + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+        DQA_head = DQacc + off_b.to(gl.int64) * stride_dqaz + off_h.to(gl.int64) * stride_dqah
         base = g * n
         for j in range(0, masked):
             start_m = _query_block(j, lo, f1, f2, n1, n2, BLOCK_M)
             dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
-                           cols, qcols, len_q, diag, left, right, qk_scale, True, CAUSAL, STAGES, s_layout,
-                           a_layout)
+                           cols, qcols, len_q, diag, left, right, qk_scale, ds, DQA_head, stride_dqam, dq_rows,
+                           dq_cols, sm_scale, True, CAUSAL, STAGES, DQ_ATOMIC, s_layout, a_layout, dq_layout)
         for j in range(masked, n):
             start_m = f1 + (j - masked) * BLOCK_M
             dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
-                           cols, qcols, len_q, diag, left, right, qk_scale, False, CAUSAL, STAGES, s_layout,
-                           a_layout)
+                           cols, qcols, len_q, diag, left, right, qk_scale, ds, DQA_head, stride_dqam, dq_rows,
+                           dq_cols, sm_scale, False, CAUSAL, STAGES, DQ_ATOMIC, s_layout, a_layout, dq_layout)
 
     k_rows = start_n + c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
     d_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
@@ -269,13 +324,15 @@ def attn_bwd_dkdv_sm90(
     BLOCK_N is two consumers' 64 keys. STAGES: Q/dO slots in the ring. CONSUMER_REGS: registers
     per thread of the consumer warp groups (the loader warp gets 24).
     """
-    gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0 and DQ_ATOMIC == 0,
-                     "attn_bwd_dkdv_sm90: no bias, dropout, varlen or atomic dQ")
+    gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0,
+                     "attn_bwd_dkdv_sm90: no bias, dropout or varlen")
+    gl.static_assert(DQ_ATOMIC == 0 or BLOCK_M == BLOCK_N // 2, "attn_bwd_dkdv_sm90: atomic dQ needs 64-query tiles")
     gl.static_assert(HEAD_DIM == HEAD_DIM_V, "attn_bwd_dkdv_sm90: equal q.k and v head dims")
     gl.static_assert(BLOCK_N == 128, "attn_bwd_dkdv_sm90: two consumers of 64 keys")
     HALF: gl.constexpr = BLOCK_N // 2
     BLOCK_D: gl.constexpr = HEAD_DIM
     dtype: gl.constexpr = Q.dtype.element_ty
+    gl.static_assert(BLOCK_D % DQ_CHUNK == 0, "attn_bwd_dkdv_sm90: head dim a multiple of dQ's chunk")
 
     if CAUSAL != 0:
         pid_n, pid_bh = _heavy_first(gl.num_programs(0), batch * num_heads_k)
@@ -319,6 +376,12 @@ def attn_bwd_dkdv_sm90(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile_layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], kv_layout)
+    if DQ_ATOMIC:
+        # Each consumer's dS^T tile, the A operand (transposed) of its dQ matmul.
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], ds_layout)
+    else:
+        ds_smem = k_smem  # unused
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -328,12 +391,14 @@ def attn_bwd_dkdv_sm90(
         mbarrier.init(free.index(s), count=2)
 
     gl.warp_specialize([
-        (_consumer, (0, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free, LSE, Delta, DK_head, DV_head,
-                     off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn, start_n, len_q, len_k,
-                     sm_scale, diag, left, right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES)),
-        (_consumer, (1, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free, LSE, Delta, DK_head, DV_head,
-                     off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn, start_n, len_q, len_k,
-                     sm_scale, diag, left, right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES)),
+        (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, free, LSE, Delta, DK_head,
+                     DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn, stride_dqaz,
+                     stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2,
+                     n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_CHUNK)),
+        (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, free, LSE, Delta, DK_head,
+                     DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn, stride_dqaz,
+                     stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2,
+                     n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_CHUNK)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free,
                    start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -379,8 +444,10 @@ def _excluded(spec: dict, target: object) -> str | None:
 
 
 def in_gputest_set(spec: dict, target: object) -> bool:
-    """The portable backward's GPU-test specs that this kernel serves (the GPU test forces it)."""
-    return _in_bwd_gputest_set(spec, target)
+    """The portable split backward's GPU-test specs that this kernel serves (the GPU test forces
+    it), with ``DQ_ATOMIC`` 0 and 1: the atomic scheme's preprocess and convert kernels come with
+    them (``in_sm90_gluon_atomic_set``), not the portable atomic dK/dV."""
+    return _in_bwd_gputest_set({**spec, "DQ_ATOMIC": 0}, target)
 
 
 _SIG = signature_of(attn_bwd_dkdv_sm90, _GRAD_PTRS)
@@ -391,7 +458,7 @@ KERNEL = KernelDecl(
     fn=attn_bwd_dkdv_sm90,
     signature=_SIG,
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
-          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "DQ_ATOMIC": (0,)},
+          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "DQ_ATOMIC": (0, 1)},
     configs=sm90_dkdv_configs,
     grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
     divisibility=_DIV,

@@ -41,11 +41,12 @@ CONVERT = "attn_bwd_dq_convert"
 #: bias, dropout or varlen). Preferred on their arch when the images hold the call's spec, unless a
 #: ``tuning["attn_fwd_kernel"]`` rule names another kernel.
 ARCH_FORWARDS = {"sm90": "attn_fwd_sm90"}
-#: Per-architecture kernels of the split backward, by the portable kernel they stand in for: same
+#: Per-architecture kernels of the backward, by the portable kernel they stand in for: same
 #: arguments, grid and results (builder/kernels/attention_bwd_sm90.py and attention_bwd_dq_sm90.py:
-#: the dK/dV and dQ kernels for fp16/bf16, head dim 64/128, no bias, dropout or varlen). Each is
-#: preferred on its arch when the images hold the call's spec, unless a rule of its role's table
-#: (:data:`BACKWARD_KERNEL_RULES`) names another kernel.
+#: the dK/dV and dQ kernels for fp16/bf16, head dim 64/128, no bias, dropout or varlen; the dK/dV
+#: one also with ``DQ_ATOMIC=1``, the atomic scheme's). Each is preferred on its arch when the
+#: images hold the call's spec, unless a rule of its role's table (:data:`BACKWARD_KERNEL_RULES`)
+#: names another kernel. A role counts as held when either kernel is (:func:`role_available`).
 ARCH_BACKWARDS = {"sm90": {DKDV: "attn_bwd_dkdv_sm90", DQ: "attn_bwd_dq_sm90"}}
 #: Per role of the split backward: the tuning table whose rules name the kernel playing it, and
 #: the role in words (explain's reasons).
@@ -201,6 +202,24 @@ def backward_params(call: AttentionCall, available: Available | None = None, *, 
     return "split", scheme(0, *shapes[0])
 
 
+def role_available(ks: LibraryKernels, arch: str | Callable[[], str]) -> Available:
+    """``ks.available``, where a backward role (``attn_bwd_dkdv``, ``attn_bwd_dq``) also counts as
+    held when the images hold ``arch``'s own kernel for it (:data:`ARCH_BACKWARDS`) with those
+    parameters: images may carry, e.g., the atomic scheme's dK/dV as the Gluon kernel only. A
+    callable ``arch`` is asked only when the portable kernel is missing."""
+
+    def available(name: str, params: Mapping[str, Any], args: Sequence[str] = ()) -> bool:
+        if ks.available(name, params, args):
+            return True
+        owners = [own[name] for own in ARCH_BACKWARDS.values() if name in own]
+        if not any(ks.available(o, params, args) for o in owners):
+            return False
+        own = ARCH_BACKWARDS.get(arch() if callable(arch) else arch, {}).get(name)
+        return own is not None and ks.available(own, params, args)
+
+    return available
+
+
 def _default_library() -> Any:
     from ...library import default_library
 
@@ -271,8 +290,9 @@ class LibraryKernels:
                 mode = select_mode(rules, spec={"dtype": call.dtype, "HEAD_DIM": bucket(call.head_dim)},
                                    seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
                                    arch=lambda: self.device_arch(device))
-            mode, specs = backward_params(call, self.available, deterministic=deterministic, dbias=dbias, mode=mode)
             arch = lambda: self.device_arch(device)  # noqa: E731 - asked only where an arch kernel is held
+            mode, specs = backward_params(call, role_available(self, arch), deterministic=deterministic, dbias=dbias,
+                                          mode=mode)
             handles = {role: self.handle(backward_kernel(self, call, role, spec, arch)[0], spec, call, device)
                        for role, spec in specs.items()}
             hit = self.choices[key] = (mode, specs, handles)
@@ -321,9 +341,10 @@ def backward_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: di
     ``attn_bwd_dkdv``) of a backward for ``spec`` on ``arch``, as :func:`forward_kernel` does for
     the forward: the arch's own kernel (:data:`ARCH_BACKWARDS`) where the images hold it for this
     spec, unless a rule of the role's table (``tuning["attn_bwd_dkdv_kernel"]``,
-    ``tuning["attn_bwd_dq_kernel"]``) names the portable one. Roles without a per-architecture
-    kernel (and the atomic-dQ dK/dV, ``DQ_ATOMIC=1``) keep the portable kernel."""
-    if role not in BACKWARD_KERNEL_RULES or spec.get("DQ_ATOMIC"):
+    ``tuning["attn_bwd_dq_kernel"]``) names the portable one (and the images hold it). Roles
+    without a per-architecture kernel keep the portable kernel. The atomic scheme's dK/dV
+    (``DQ_ATOMIC=1``) is chosen the same way: the Gluon one where the images hold its spec."""
+    if role not in BACKWARD_KERNEL_RULES:
         return role, ""
     owns = {a: kernels[role] for a, kernels in ARCH_BACKWARDS.items() if role in kernels}
     table, what = BACKWARD_KERNEL_RULES[role]
@@ -344,6 +365,8 @@ def _arch_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any], 
                            arch=arch, table=table)
     if choice is not None:
         name = choice.rule["kernel"]
+        if name == portable and not ks.available(portable, spec, needs):
+            return own, f"{choice.reason} names {name!r}, which these images lack for this spec; {own} runs"
         if name == portable or name == own:
             return name, choice.reason
         return own, f"{choice.reason} names {name!r}, which does not serve this spec on {arch}; {own} runs"

@@ -24,6 +24,7 @@ from .dispatch import (
     forward_kernel,
     forward_params,
     kernels_of,
+    role_available,
 )
 
 __all__ = ["Explanation", "KernelPick", "explain"]
@@ -158,7 +159,7 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
                                     seqlen_q=seqlen_q, seqlen_k=seqlen_k, arch=arch)
             if choice.rule is not None:
                 mode, reason = choice.rule["mode"], choice.reason
-    got, specs = backward_params(call, ks.available, deterministic=deterministic, mode=mode)
+    got, specs = backward_params(call, role_available(ks, arch), deterministic=deterministic, mode=mode)
     if mode is not None and got != mode:
         reason += f"; the images lack the {mode} kernels, so {got} runs"
     elif mode is None and got == "atomic":
