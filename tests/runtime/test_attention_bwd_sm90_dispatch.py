@@ -1,7 +1,8 @@
-"""Which dK/dV and dQ kernels a split backward launches: sm90's Gluon ones (attn_bwd_dkdv_sm90,
-attn_bwd_dq_sm90) where the images hold them for the call's spec, the portable attn_bwd_dkdv and
-attn_bwd_dq elsewhere, as tuning rules and forced views say; explain names the ones chosen. Dispatch
-only: the catalogs are synthetic and nothing is launched."""
+"""Which dK/dV and dQ kernels a backward launches: sm90's Gluon ones (attn_bwd_dkdv_sm90,
+attn_bwd_dq_sm90; the dK/dV one also in the atomic scheme, DQ_ATOMIC=1) where the images hold them
+for the call's spec, the portable attn_bwd_dkdv and attn_bwd_dq elsewhere, as tuning rules and
+forced views say; explain names the ones chosen. Dispatch only: the catalogs are synthetic and
+nothing is launched."""
 
 from __future__ import annotations
 
@@ -22,18 +23,29 @@ CAUSAL = {**BASE, "CAUSAL": 2}
 
 
 def _images(folder: Path, tuning_table: dict | None = None, archs=("sm90",), gluon: bool = True,
-            gluon_dq: bool = False) -> Path:
+            gluon_dq: bool = False, atomic: tuple[str, ...] = ()) -> Path:
     """Synthetic images: the split backward (fp16 D=128 causal) with and without dropout on each
     of ``archs``, attn_bwd_dkdv_sm90 (configs 0 and 1) for the spec without dropout on sm90, and
-    with ``gluon_dq`` attn_bwd_dq_sm90 (configs 0 and 1) for that spec too."""
+    with ``gluon_dq`` attn_bwd_dq_sm90 (configs 0 and 1) for that spec too. ``atomic`` adds the
+    atomic scheme (without dropout): "rest" its preprocess and convert kernels on each arch,
+    "portable" the portable atomic dK/dV on each arch, "gluon" attn_bwd_dkdv_sm90's (configs 0, 1)."""
     variants = []
+    pre = {k: CAUSAL[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}
     for arch in archs:
-        variants.append(_synthetic_variant("attn_bwd_preprocess", {
-            **{k: CAUSAL[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}, "DQ_ATOMIC": 0}, arch=arch))
+        variants.append(_synthetic_variant("attn_bwd_preprocess", {**pre, "DQ_ATOMIC": 0}, arch=arch))
         for dropout in (0, 1):
             spec = {**CAUSAL, "DROPOUT": dropout}
             variants.append(_synthetic_variant("attn_bwd_dkdv", {**spec, "DQ_ATOMIC": 0}, arch=arch))
             variants.append(_synthetic_variant("attn_bwd_dq", spec, arch=arch))
+        if "rest" in atomic:
+            variants.append(_synthetic_variant("attn_bwd_preprocess", {**pre, "DQ_ATOMIC": 1}, arch=arch))
+            variants.append(_synthetic_variant("attn_bwd_dq_convert", {k: CAUSAL[k] for k in ("dtype", "HEAD_DIM",
+                                                                                              "VARLEN")}, arch=arch))
+        if "portable" in atomic:
+            variants.append(_synthetic_variant("attn_bwd_dkdv", {**CAUSAL, "DQ_ATOMIC": 1}, arch=arch))
+    if "gluon" in atomic:
+        variants.append(_synthetic_variant(NAME, {**CAUSAL, "DQ_ATOMIC": 1}, 0))
+        variants.append(_synthetic_variant(NAME, {**CAUSAL, "DQ_ATOMIC": 1}, 1))
     if gluon:
         variants.append(_synthetic_variant(NAME, {**CAUSAL, "DQ_ATOMIC": 0}, 0))
         variants.append(_synthetic_variant(NAME, {**CAUSAL, "DQ_ATOMIC": 0}, 1))
@@ -184,13 +196,86 @@ def test_images_without_the_gluon_dkdv_run_the_portable_one_and_explain_nothing(
     assert "kernel:" not in str(ex)
 
 
-def test_the_atomic_dq_dkdv_and_the_other_roles_keep_the_portable_kernels(tmp_path: Path) -> None:
+def test_roles_without_a_gluon_kernel_for_the_spec_keep_the_portable_kernels(tmp_path: Path) -> None:
     ks = kernels_of(aotriton_rt.Library(_images(tmp_path)))
     call = op.dispatch.AttentionCall("fp16", 128, 128, 2, True, seqlen_q=300, seqlen_k=300)
+    # These images hold no Gluon atomic dK/dV and no Gluon dQ.
     assert backward_kernel(ks, call, DKDV, {**CAUSAL, "DQ_ATOMIC": 1}, "sm90") == (DKDV, "")
-    assert backward_kernel(ks, call, DQ, CAUSAL, "sm90") == (DQ, "")  # these images hold no Gluon dQ
+    assert backward_kernel(ks, call, DQ, CAUSAL, "sm90") == (DQ, "")
     assert backward_kernel(ks, call, "attn_bwd_preprocess", CAUSAL, "sm90") == ("attn_bwd_preprocess", "")
+    assert backward_kernel(ks, call, "attn_bwd_dq_convert", CAUSAL, "sm90") == ("attn_bwd_dq_convert", "")
     assert backward_kernel(ks, call, DKDV, {**CAUSAL, "DQ_ATOMIC": 0}, "sm90")[0] == NAME
+
+
+def _atomic(lib, **kw):
+    return op.attention_kernels(*qkv(S=300, D=128), causal=True, backward=True, library=lib, scheme="atomic", **kw)
+
+
+def test_the_atomic_scheme_runs_the_gluon_dkdv_where_the_images_hold_its_atomic_spec(tmp_path: Path) -> None:
+    lib = aotriton_rt.Library(_images(tmp_path, atomic=("rest", "portable", "gluon")))
+    handles = _atomic(lib)
+    assert list(handles) == ["attn_bwd_preprocess", DKDV, "attn_bwd_dq_convert"]
+    assert handles[DKDV].name == NAME and handles[DKDV].candidates[0].spec["DQ_ATOMIC"] == 1
+    assert handles["attn_bwd_dq_convert"].name == "attn_bwd_dq_convert"
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, backward=True, scheme="atomic",
+                    arch="sm90", library=lib)
+    assert ex.scheme == "atomic" and [k.kernel for k in ex.kernels] == ["attn_bwd_preprocess", NAME,
+                                                                      "attn_bwd_dq_convert"]
+    assert ex.kernels[1].kernel_reason == ("sm90's own dK/dV kernel, preferred where the images hold it (no "
+                                           "tuning['attn_bwd_dkdv_kernel'] rule)")
+    # The default scheme is unchanged: split, with the Gluon split dK/dV.
+    default = op.attention_kernels(*qkv(S=300, D=128), causal=True, backward=True, library=lib)
+    assert DQ in default and default[DKDV].name == NAME and default[DKDV].candidates[0].spec["DQ_ATOMIC"] == 0
+
+
+def test_the_atomic_scheme_keeps_the_portable_dkdv_where_the_images_lack_the_gluon_atomic_one(tmp_path: Path) -> None:
+    lib = aotriton_rt.Library(_images(tmp_path, atomic=("rest", "portable")))
+    handles = _atomic(lib)
+    assert handles[DKDV].name == DKDV and handles[DKDV].candidates[0].spec["DQ_ATOMIC"] == 1
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, backward=True, scheme="atomic",
+                    arch="sm90", library=lib)
+    assert ex.kernels[1].kernel == DKDV and "kernel:" not in ex.kernels[1].line()
+
+
+def test_images_with_only_the_gluon_atomic_dkdv_run_the_atomic_scheme_on_sm90_and_split_elsewhere(
+        tmp_path: Path) -> None:
+    """No portable atomic dK/dV (as in the gputest set): the Gluon one holds the role on sm90; an
+    sm80 device has no kernel for it, so its atomic call falls back to the split scheme."""
+    lib = aotriton_rt.Library(_images(tmp_path, archs=("sm80", "sm90"), atomic=("rest", "gluon")))
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, backward=True, scheme="atomic",
+                    arch="sm90", library=lib)
+    assert ex.scheme == "atomic" and ex.kernels[1].kernel == NAME
+    other = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, backward=True, scheme="atomic",
+                       arch="sm80", library=lib)
+    assert other.scheme == "split" and [k.kernel for k in other.kernels] == ["attn_bwd_preprocess", DKDV, DQ]
+    assert "the images lack the atomic kernels, so split runs" in other.scheme_reason
+    (tmp_path / "sm90").mkdir()
+    sm90 = aotriton_rt.Library(_images(tmp_path / "sm90", atomic=("rest", "gluon")))
+    assert _atomic(sm90)[DKDV].name == NAME
+
+
+def test_a_dkdv_rule_naming_the_portable_kernel_the_images_lack_keeps_the_gluon_atomic_one(tmp_path: Path) -> None:
+    table = {"attn_bwd_dkdv_kernel": [{"arch": "sm90", "kernel": "attn_bwd_dkdv", "source": "db"}]}
+    lib = aotriton_rt.Library(_images(tmp_path, table, atomic=("rest", "gluon")))
+    assert _atomic(lib)[DKDV].name == NAME
+    assert _dkdv(lib).name == DKDV  # the split scheme's portable dK/dV is held: the rule applies
+    ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, backward=True, scheme="atomic",
+                    arch="sm90", library=lib)
+    assert ex.kernels[1].kernel_reason == ("tuned (rule #0 of tuning['attn_bwd_dkdv_kernel'], from db, arch sm90) "
+                                           "names 'attn_bwd_dkdv', which these images lack for this spec; "
+                                           f"{NAME} runs")
+
+
+def test_forced_views_run_either_atomic_dkdv_and_its_configs(tmp_path: Path) -> None:
+    """What the GPU tests and bench/sm90_bwd_gluon.py force: scheme='atomic' on views of builder.tune."""
+    from builder.tune import ForcedConfig, forced_dkdv
+
+    lib = aotriton_rt.Library(_images(tmp_path, atomic=("rest", "portable", "gluon")))
+    assert _atomic(forced_dkdv(lib, DKDV))[DKDV].name == DKDV
+    for index in (0, 1):
+        handle = _atomic(ForcedConfig(lib, NAME, index))[DKDV]
+        assert handle.name == NAME and handle.candidates[0].config.index == index
+        assert handle.candidates[0].spec["DQ_ATOMIC"] == 1
 
 
 def test_a_malformed_dkdv_kernel_rule_is_refused_when_the_catalog_loads(tmp_path: Path) -> None:
