@@ -10,12 +10,17 @@ with the dK/dV and dQ kernels forced through ``builder.tune`` views:
   hold for the spec) beside the portable dQ;
 - ``g#0+g#j``: the Gluon dK/dV at config 0 (the one the runtime launches untuned) beside the
   Gluon dQ ``attn_bwd_dq_sm90`` at its config j (every config held);
+- ``g#i+atom``: the atomic scheme (``scheme="atomic"``: preprocess zeroing DQacc, the Gluon dK/dV
+  with ``DQ_ATOMIC=1`` at its config i adding dQ = dS·K into DQacc, the convert kernel): five
+  matmuls a tile instead of seven, FA3's scheme;
+- ``port+atom``: the same scheme on the portable ``attn_bwd_dkdv`` (``DQ_ATOMIC=1``), where the
+  images hold it (gputest: fp16 D=64, bf16 D=128 causal);
 - ``cudnn``: torch SDPA's cuDNN backward with inputs that require grad (what training runs).
 
 Contenders run in rounds whose order is shuffled each round (:func:`builder.gputime.time_rounds`);
 the table gives median TFLOP/s (10·B·H·N²·D, halved when causal), the min-max over rounds, and the
 ratios to cuDNN and to ``port+port`` of the same run. Before timing, each shape checks that every
-Gluon contender's dq, dk, dv agree with the portable kernels' on the timed inputs (max abs
+other contender's dq, dk, dv agree with the portable split kernels' on the timed inputs (max abs
 difference relative to the largest gradient; the fp32-reference check is
 tests/runtime/test_attention_bwd_sm90_gpu.py); one that does not is reported and not timed. Each
 shape runs in a child process with a time limit: a kernel that faults or hangs costs its shape, not
@@ -24,7 +29,8 @@ the run.
 Images (build on the GPU machine, ~1-2 min with 14 cores)::
 
     python -m builder build --set gputest --targets sm90 --kernels \\
-        attn_fwd,attn_bwd_preprocess,attn_bwd_dkdv,attn_bwd_dq,attn_bwd_dkdv_sm90,attn_bwd_dq_sm90 --out DIR -j 14
+        attn_fwd,attn_bwd_preprocess,attn_bwd_dkdv,attn_bwd_dq,attn_bwd_dq_convert,attn_bwd_dkdv_sm90,attn_bwd_dq_sm90 \\
+        --out DIR -j 14
     python bench/sm90_bwd_gluon.py --images DIR [--shapes 0,1] [--rounds 10]
 
 Details (every round, the agreement checks, notes) go to ``$OUT/sm90_bwd_gluon.json`` when OUT is set.
@@ -51,6 +57,10 @@ GLUON = "attn_bwd_dkdv_sm90"
 PORTABLE = "attn_bwd_dkdv"
 GLUON_DQ = "attn_bwd_dq_sm90"
 PORTABLE_DQ = "attn_bwd_dq"
+CONVERT = "attn_bwd_dq_convert"
+#: How a contender's backward runs: the split scheme (deterministic) or the atomic one.
+SPLIT = {"deterministic": True}
+ATOMIC = {"deterministic": False, "scheme": "atomic"}
 #: The all-portable contender, the baseline of the "x portable" column.
 BASELINE = "port+port"
 # (dtype, head dim, mask mode, B, H, N): the issue's training shapes (mode 2: causal, equal lengths).
@@ -75,27 +85,42 @@ def shape_name(shape) -> str:
     return f"{dtype} D{d} {'causal' if causal else 'full'} B{b} H{h} N{n}"
 
 
-def gluon_configs(lib, shape, kernel: str = GLUON) -> list[int]:
-    """The config indices of a Gluon kernel (the dK/dV by default) the images hold for ``shape``'s spec, sorted."""
+def gluon_configs(lib, shape, kernel: str = GLUON, atomic: int = 0) -> list[int]:
+    """The config indices of a Gluon kernel (the dK/dV by default; ``atomic``: its DQ_ATOMIC=1
+    variants) the images hold for ``shape``'s spec, sorted."""
     dtype, d, causal = shape[:3]
     return sorted({v.config.index for v in lib.variants_of(kernel) if v.target.arch == "sm90"
-                   and (v.spec["dtype"], v.spec["HEAD_DIM"], v.spec["CAUSAL"]) == (dtype, d, causal)})
+                   and (v.spec["dtype"], v.spec["HEAD_DIM"], v.spec["CAUSAL"]) == (dtype, d, causal)
+                   and v.spec.get("DQ_ATOMIC", 0) == atomic})
+
+
+def portable_atomic(lib, shape) -> bool:
+    """Whether the images hold the portable atomic dK/dV for ``shape``'s spec."""
+    dtype, d, causal = shape[:3]
+    return any((v.spec["dtype"], v.spec["HEAD_DIM"], v.spec["CAUSAL"], v.spec["DQ_ATOMIC"]) == (dtype, d, causal, 1)
+               and v.target.arch == "sm90" and not v.spec["BIAS"] and not v.spec["DROPOUT"] and not v.spec["VARLEN"]
+               for v in lib.variants_of(PORTABLE))
 
 
 def contender_views(lib, shape) -> dict:
-    """label -> (library view, the (dK/dV, dQ) kernels and configs it must launch), as the module docs list them."""
-    from builder.tune import ForcedConfig, forced_split
+    """label -> (library view, the (dK/dV, dQ or convert) kernels and configs it must launch, the
+    backward's scheme arguments), as the module docs list them."""
+    from builder.tune import ForcedConfig, forced_dkdv, forced_split
 
     # A portable kernel runs whichever config the images' rules pick (None: any).
-    views = {BASELINE: (forced_split(lib, PORTABLE, PORTABLE_DQ), ((PORTABLE, None), (PORTABLE_DQ, None)))}
+    views = {BASELINE: (forced_split(lib, PORTABLE, PORTABLE_DQ), ((PORTABLE, None), (PORTABLE_DQ, None)), SPLIT)}
     for i in gluon_configs(lib, shape):
         views[f"g#{i}+port"] = (forced_split(ForcedConfig(lib, GLUON, i), GLUON, PORTABLE_DQ),
-                                ((GLUON, i), (PORTABLE_DQ, None)))
+                                ((GLUON, i), (PORTABLE_DQ, None)), SPLIT)
     dkdv = gluon_configs(lib, shape)
     if dkdv:
         for j in gluon_configs(lib, shape, GLUON_DQ):
             view = forced_split(ForcedConfig(ForcedConfig(lib, GLUON, dkdv[0]), GLUON_DQ, j), GLUON, GLUON_DQ)
-            views[f"g#{dkdv[0]}+g#{j}"] = (view, ((GLUON, dkdv[0]), (GLUON_DQ, j)))
+            views[f"g#{dkdv[0]}+g#{j}"] = (view, ((GLUON, dkdv[0]), (GLUON_DQ, j)), SPLIT)
+    for i in gluon_configs(lib, shape, atomic=1):
+        views[f"g#{i}+atom"] = (ForcedConfig(lib, GLUON, i), ((GLUON, i), (CONVERT, None)), ATOMIC)
+    if portable_atomic(lib, shape):
+        views["port+atom"] = (forced_dkdv(lib, PORTABLE), ((PORTABLE, None), (CONVERT, None)), ATOMIC)
     return views
 
 
@@ -119,32 +144,34 @@ def time_shape(torch, lib, shape: tuple, rounds: int, seed: int) -> dict:
     out, lse = aotriton_rt.attention(q, k, v, library=lib, **options)
     notes: list[str] = []
 
-    def ours(view):
-        return lambda: aotriton_rt.attention_backward(do, q, k, v, out, lse, deterministic=True, library=view,
-                                                      **options)
+    def ours(view, scheme):
+        return lambda: aotriton_rt.attention_backward(do, q, k, v, out, lse, library=view, **scheme, **options)
 
     views = contender_views(lib, shape)
     launched, usable = {}, {}
     device = torch.cuda.current_device()
-    for label, (view, wanted) in views.items():
-        hs = attention_kernels(q, k, v, backward=True, deterministic=True, library=view, **options)
-        got = tuple((hs[role].name, hs[role].variant(device).config.index) for role in (PORTABLE, PORTABLE_DQ))
-        launched[label] = " + ".join(f"{n}#{i}" for n, i in got)
-        if all(n == wn and wi in (None, i) for (n, i), (wn, wi) in zip(got, wanted)):
-            usable[label] = view
+    for label, (view, wanted, scheme) in views.items():
+        hs = attention_kernels(q, k, v, backward=True, library=view, **scheme, **options)
+        roles = (PORTABLE, CONVERT if scheme is ATOMIC else PORTABLE_DQ)
+        got = tuple((hs[role].name, hs[role].variant(device).config.index) for role in roles if role in hs)
+        atomic = hs[PORTABLE].variant(device).spec.get("DQ_ATOMIC", 0)
+        launched[label] = " + ".join(f"{n}#{i}" for n, i in got) + (" (atomic dQ)" if atomic else "")
+        if len(got) == 2 and atomic == (scheme is ATOMIC) and all(
+                n == wn and wi in (None, i) for (n, i), (wn, wi) in zip(got, wanted)):
+            usable[label] = (view, scheme)
         else:
             notes.append(f"{label}: launched {launched[label]}, not the kernels it names; not timed")
     agree = {}
-    base = ours(views[BASELINE][0])()[:3]
-    for label, view in usable.items():
+    base = ours(views[BASELINE][0], SPLIT)()[:3]
+    for label, (view, scheme) in usable.items():
         if label == BASELINE:
             continue
-        grads = ours(view)()[:3]
+        grads = ours(view, scheme)()[:3]
         torch.cuda.synchronize()
         rel = max(((g.double() - p.double()).abs().max() / p.double().abs().max().clamp_min(1e-30)).item()
                   for g, p in zip(grads, base))
         agree[label] = {"rel": rel, "ok": bool(rel <= AGREE[dtype_name])}  # NaN fails
-    fns = {label: ours(view) for label, view in usable.items() if label == BASELINE or agree[label]["ok"]}
+    fns = {label: ours(*vs) for label, vs in usable.items() if label == BASELINE or agree[label]["ok"]}
     for label, a in agree.items():
         if not a["ok"]:
             notes.append(f"{label}: dq/dk/dv differ from the portable kernels' by {a['rel']:.3g} (relative); "
@@ -226,14 +253,16 @@ def summary_lines(results: list[dict], shapes: list[tuple]) -> list[str]:
             best_lines.append(f"{name:<28} nothing timed ({res['error']})")
             continue
         rows = res["rows"]
-        for label in sorted(rows, key=lambda n: (n != "cudnn", n != BASELINE, not n.endswith("+port"), n)):
+        for label in sorted(rows, key=lambda n: (n != "cudnn", n != BASELINE, n.endswith("+atom"),
+                                                 not n.endswith("+port"), n)):
             r = rows[label]
             vc = f"{r['vs_cudnn']:.2f}" if r["vs_cudnn"] else "-"
             vp = f"{r['vs_portable']:.2f}" if r["vs_portable"] else "-"
             lines.append(f"{name:<28} {label:<10} {r['tflops']:8.0f} {r['tflops_min']:7.0f}-{r['tflops_max']:<7.0f}"
                          f" {vc:>8} {vp:>10}")
         for what, pick in (("Gluon dK/dV + portable dQ", lambda n: n.startswith("g#") and n.endswith("+port")),
-                           ("Gluon dK/dV + Gluon dQ", lambda n: n.startswith("g#") and "+g#" in n)):
+                           ("Gluon dK/dV + Gluon dQ", lambda n: n.startswith("g#") and "+g#" in n),
+                           ("Gluon dK/dV + fused atomic dQ", lambda n: n.startswith("g#") and n.endswith("+atom"))):
             timed = {n: r for n, r in rows.items() if pick(n)}
             if not timed:
                 why = "; ".join(res.get("notes", [])) or "none built"

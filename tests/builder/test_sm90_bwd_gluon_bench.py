@@ -49,29 +49,34 @@ def test_a_shape_whose_child_dies_is_recorded_and_the_next_child_resumes_after_i
 def test_the_summary_gives_ratios_to_cudnn_and_the_portable_backward_and_the_best_of_each_pairing(bench) -> None:
     shape = bench.SHAPES[0]
     rows = {"cudnn": _row(500, 1.0, 1.4), "port+port": _row(350, 0.7, 1.0), "g#0+port": _row(400, 0.8, 1.14),
-            "g#1+port": _row(410, 0.82, 1.17), "g#0+g#0": _row(460, 0.92, 1.31), "g#0+g#1": _row(440, 0.88, 1.26)}
+            "g#1+port": _row(410, 0.82, 1.17), "g#0+g#0": _row(460, 0.92, 1.31), "g#0+g#1": _row(440, 0.88, 1.26),
+            "g#0+atom": _row(470, 0.94, 1.34), "g#1+atom": _row(480, 0.96, 1.37)}
     lines = bench.summary_lines([{"shape": list(shape), "rows": rows, "notes": []},
                                  {"error": "the timing process: timed out after 300 s"}], [shape, bench.SHAPES[1]])
     table = [line for line in lines if line.startswith("fp16 D128 full") and " best " not in line
              and ": none" not in line]
     assert [line.split()[6] for line in table] == ["cudnn", "port+port", "g#0+port", "g#1+port", "g#0+g#0",
-                                                   "g#0+g#1"]
+                                                   "g#0+g#1", "g#0+atom", "g#1+atom"]
     assert table[4].split()[6:] == ["g#0+g#0", "460", "455-465", "0.92", "1.31"]
-    assert lines[-3:-1] == [
+    assert lines[-4:-1] == [
         "fp16 D128 full B4 H32 N4096  Gluon dK/dV + portable dQ: best g#1+port 410 TFLOP/s, 0.82x cuDNN, "
         "1.17x portable",
-        "fp16 D128 full B4 H32 N4096  Gluon dK/dV + Gluon dQ: best g#0+g#0 460 TFLOP/s, 0.92x cuDNN, 1.31x portable"]
+        "fp16 D128 full B4 H32 N4096  Gluon dK/dV + Gluon dQ: best g#0+g#0 460 TFLOP/s, 0.92x cuDNN, 1.31x portable",
+        "fp16 D128 full B4 H32 N4096  Gluon dK/dV + fused atomic dQ: best g#1+atom 480 TFLOP/s, 0.96x cuDNN, "
+        "1.37x portable"]
     assert "bf16 D128 full B4 H32 N4096  the timing process: timed out after 300 s" in lines
     assert lines[-1].startswith("bf16 D128 full B4 H32 N4096  nothing timed")
 
 
 class _Variant:
-    def __init__(self, kernel: str, dtype: str, d: int, causal: int, index: int) -> None:
+    def __init__(self, kernel: str, dtype: str, d: int, causal: int, index: int, atomic: int | None = None) -> None:
         from types import SimpleNamespace
 
         self.kernel = kernel
         self.target = SimpleNamespace(arch="sm90")
         self.spec = {"dtype": dtype, "HEAD_DIM": d, "CAUSAL": causal}
+        if atomic is not None:
+            self.spec.update({"BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "DQ_ATOMIC": atomic})
         self.config = SimpleNamespace(index=index)
 
 
@@ -93,7 +98,7 @@ def test_the_contenders_pair_each_gluon_dkdv_config_with_the_portable_dq_and_con
         [_Variant(bench.GLUON_DQ, "fp16", 128, 0, j) for j in (0, 1, 2)] + \
         [_Variant(bench.GLUON_DQ, "bf16", 128, 0, 5), _Variant(bench.GLUON, "fp16", 128, 2, 7)]
     views = bench.contender_views(_Lib(held), shape)
-    assert {label: wanted for label, (_, wanted) in views.items()} == {
+    assert {label: wanted for label, (_, wanted, _) in views.items()} == {
         "port+port": (("attn_bwd_dkdv", None), ("attn_bwd_dq", None)),
         "g#0+port": ((bench.GLUON, 0), ("attn_bwd_dq", None)),
         "g#1+port": ((bench.GLUON, 1), ("attn_bwd_dq", None)),
@@ -105,6 +110,26 @@ def test_the_contenders_pair_each_gluon_dkdv_config_with_the_portable_dq_and_con
     assert table["attn_bwd_dq_kernel"] == [{"kernel": bench.GLUON_DQ}]
     assert table[bench.GLUON] == [{"config": 0}] and table[bench.GLUON_DQ] == [{"config": 1}]
     assert views["g#1+port"][0].catalogs[0].tuning["attn_bwd_dq_kernel"] == [{"kernel": "attn_bwd_dq"}]
+    assert all(scheme == {"deterministic": True} for _, _, scheme in views.values())
+
+
+def test_the_atomic_contenders_run_each_gluon_atomic_dkdv_config_and_the_portable_one_where_held(bench) -> None:
+    shape = bench.SHAPES[2]  # fp16 D128 causal
+    held = [_Variant(bench.GLUON, "fp16", 128, 2, i, atomic=a) for i in (0, 1) for a in (0, 1)] + \
+        [_Variant(bench.PORTABLE, "fp16", 128, 2, 0, atomic=1), _Variant(bench.GLUON, "fp16", 128, 0, 3, atomic=1)]
+    views = bench.contender_views(_Lib(held), shape)
+    atomic = {label: (wanted, scheme) for label, (_, wanted, scheme) in views.items() if "atom" in label}
+    assert atomic == {
+        "g#0+atom": (((bench.GLUON, 0), ("attn_bwd_dq_convert", None)), {"deterministic": False, "scheme": "atomic"}),
+        "g#1+atom": (((bench.GLUON, 1), ("attn_bwd_dq_convert", None)), {"deterministic": False, "scheme": "atomic"}),
+        "port+atom": ((("attn_bwd_dkdv", None), ("attn_bwd_dq_convert", None)),
+                      {"deterministic": False, "scheme": "atomic"})}
+    assert {"g#0+port", "g#1+port"} <= set(views)  # the split contenders stay
+    tuning = views["g#1+atom"][0].catalogs[0].tuning
+    assert tuning["attn_bwd_dkdv_kernel"] == [{"kernel": bench.GLUON}] and tuning[bench.GLUON] == [{"config": 1}]
+    assert views["port+atom"][0].catalogs[0].tuning["attn_bwd_dkdv_kernel"] == [{"kernel": "attn_bwd_dkdv"}]
+    # Images without the portable atomic dK/dV: no port+atom.
+    assert "port+atom" not in bench.contender_views(_Lib(held[:4]), shape)
 
 
 def test_without_images_it_says_how_to_build_them(bench, capsys) -> None:

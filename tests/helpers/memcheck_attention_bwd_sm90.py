@@ -8,9 +8,11 @@
 
 Every attn_bwd_dkdv_sm90 and attn_bwd_dq_sm90 variant of the images (build them with `python -m builder
 build --set gputest --targets sm90 --kernels
-attn_fwd,attn_bwd_preprocess,attn_bwd_dkdv,attn_bwd_dq,attn_bwd_dkdv_sm90,attn_bwd_dq_sm90`) runs the
-whole split backward through the operator (forced onto it; the other role keeps the images' routing,
-so the other Gluon kernel runs too) on small odd sizes: a key or query block past the last key or
+attn_fwd,attn_bwd_preprocess,attn_bwd_dkdv,attn_bwd_dq,attn_bwd_dq_convert,attn_bwd_dkdv_sm90,attn_bwd_dq_sm90`)
+runs the whole split backward through the operator (forced onto it; the other role keeps the images'
+routing, so the other Gluon kernel runs too), and each DQ_ATOMIC=1 dK/dV variant the whole atomic
+backward (``scheme="atomic"``: its dQ reductions into DQacc included; ``--atomic only`` runs just
+those), on small odd sizes: a key or query block past the last key or
 query, empty rows (bottom-right band with seqlen_q > seqlen_k), GQA, one-element sequences; mode-1
 variants both top-left and, where this tree can hide mode 2 (builder.tune.without_mask_mode),
 bottom-right through causal_align. Inputs are exact-size allocations, so a read or write past a
@@ -29,6 +31,8 @@ from builder import tune
 ap = argparse.ArgumentParser()
 ap.add_argument("--kernels", default="attn_bwd_dkdv_sm90,attn_bwd_dq_sm90")
 ap.add_argument("--configs", default="", help="comma config indices (default: every config)")
+ap.add_argument("--atomic", choices=("yes", "no", "only"), default="yes",
+                help="the dK/dV kernel's DQ_ATOMIC=1 variants: run them too (yes), skip them, or run only them")
 args = ap.parse_args()
 configs = {int(c) for c in args.configs.split(",") if c.strip()}
 lib = aotriton_rt.Library(os.environ["AOTRITON_RT_IMAGES"])
@@ -36,9 +40,13 @@ hide = getattr(tune, "without_mask_mode", None)
 ran = 0
 for name in args.kernels.split(","):
     variants = [v for v in lib.variants_of(name) if not configs or v.config.index in configs]
-    assert variants, f"no {name} (configs {sorted(configs) or 'all'}) in these images"
+    if args.atomic != "yes":
+        variants = [v for v in variants if bool(v.spec.get("DQ_ATOMIC", 0)) == (args.atomic == "only")]
+    assert variants, f"no {name} (configs {sorted(configs) or 'all'}, atomic {args.atomic}) in these images"
     for v in variants:
         D, causal = v.spec["HEAD_DIM"], v.spec["CAUSAL"]
+        atomic = bool(v.spec.get("DQ_ATOMIC", 0))
+        scheme = {"deterministic": False, "scheme": "atomic"} if atomic else {"deterministic": True}
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[v.spec["dtype"]]
         forced = tune.ForcedConfig(lib, name, v.config.index)
         aligns = {"bottom_right": forced} if causal == 2 else {"top_left": forced}
@@ -52,11 +60,12 @@ for name in args.kernels.split(","):
                 vv = torch.randn(B, Hk, Sk, D, device="cuda", dtype=dtype)
                 do = torch.randn(B, Hq, Sq, D, device="cuda", dtype=dtype)
                 out, lse = aotriton_rt.attention(q, k, vv, library=lib, **options)
-                dq, dk, dv, _ = aotriton_rt.attention_backward(do, q, k, vv, out, lse, deterministic=True,
-                                                               library=view, **options)
+                dq, dk, dv, _ = aotriton_rt.attention_backward(do, q, k, vv, out, lse, library=view, **scheme,
+                                                               **options)
                 torch.cuda.synchronize()
                 assert not (dq.isnan().any() or dk.isnan().any() or dv.isnan().any()), \
                     f"NaN gradient {name} {v.spec} #{v.config.index} {align} {(B, Hq, Sq, Sk)}"
                 ran += 1
-            print(f"ok {name} {v.spec['dtype']} D{D} causal{causal} {align} #{v.config.index}", flush=True)
+            print(f"ok {name} {v.spec['dtype']} D{D} causal{causal}{' atomic' if atomic else ''} {align} "
+                  f"#{v.config.index}", flush=True)
 print(f"memcheck cases run: {ran}", flush=True)

@@ -2,9 +2,11 @@
 against an fp32 reference (marker ``gpu``).
 
 Every built variant of each (each dtype, head dim, mask mode and tile config) runs through the
-operator (``attention_backward``, split scheme) on a library view that forces it
-(``builder.tune.ForcedConfig``; a dQ variant runs beside the portable dK/dV, so its checks are its
-own), on ragged problems: lengths that are no block multiple (1000/1111), more queries than keys
+operator (``attention_backward``) on a library view that forces it (``builder.tune.ForcedConfig``;
+a dQ variant runs beside the portable dK/dV, so its checks are its own): the split scheme, and for
+the dK/dV kernel's ``DQ_ATOMIC=1`` variants the atomic scheme (``scheme="atomic"``: preprocess
+zeroing DQacc, the Gluon dK/dV adding dS·K into it, the convert kernel), whose dQ is then the Gluon
+kernel's own too. Problems are ragged: lengths that are no block multiple (1000/1111), more queries than keys
 (rows that see no key under the bottom-right band), a sliding window with GQA, sequences shorter
 than one block. Mask-mode-1 variants run top-left and, where the runtime can send a bottom-right
 call to mode 1 (``builder.tune.without_mask_mode``, with the run-time ``causal_align``), bottom-right
@@ -133,6 +135,10 @@ def _run_case(bench, lib, v, problem: str, bottom_right: bool | None = None) -> 
 
     name = v.kernel
     role, mine = ROLES[name]
+    atomic = bool(v.spec.get("DQ_ATOMIC", 0))
+    scheme = {"deterministic": False, "scheme": "atomic"} if atomic else {"deterministic": True}
+    if atomic:
+        mine = ("dq", "dk", "dv")
     B, Hq, Hk, Sq, Sk, window = PROBLEMS[problem]
     mode, D, dtype_name = v.spec["CAUSAL"], v.spec["HEAD_DIM"], v.spec["dtype"]
     dtype = DTYPES[dtype_name]
@@ -143,12 +149,13 @@ def _run_case(bench, lib, v, problem: str, bottom_right: bool | None = None) -> 
     gluon, portable = _views(lib, name, v.config.index, bool(bottom_right), mode)
     if gluon is None:
         return None
-    handle = attention_kernels(q, k, vv, backward=True, deterministic=True, library=gluon, **options)[role]
-    launched = (handle.name, handle.variant(torch.cuda.current_device()).config.index)
-    if launched != (name, v.config.index):
-        return f"launched {launched}, not {name}#{v.config.index}"
+    handle = attention_kernels(q, k, vv, backward=True, library=gluon, **scheme, **options)[role]
+    variant = handle.variant(torch.cuda.current_device())
+    launched = (handle.name, variant.config.index, variant.spec.get("DQ_ATOMIC", 0))
+    if launched != (name, v.config.index, int(atomic)):
+        return f"launched {launched}, not {name}#{v.config.index} DQ_ATOMIC={int(atomic)}"
     out, lse = aotriton_rt.attention(q, k, vv, library=lib, **options)
-    got = aotriton_rt.attention_backward(do, q, k, vv, out, lse, deterministic=True, library=gluon, **options)[:3]
+    got = aotriton_rt.attention_backward(do, q, k, vv, out, lse, library=gluon, **scheme, **options)[:3]
     theirs = aotriton_rt.attention_backward(do, q, k, vv, out, lse, deterministic=True, library=portable,
                                             **options)[:3]
     torch.cuda.synchronize()
@@ -167,6 +174,14 @@ def _run_case(bench, lib, v, problem: str, bottom_right: bool | None = None) -> 
         diff = (g.double() - p.double()).abs().max().item()
         if not diff <= bound:
             bad.append(f"{grad} differs from {role}'s by {diff:.3g} > {bound:.3g}")
+    if atomic:
+        # The atomic scheme sums dQ in whatever order the additions land: run it again, and the
+        # two runs must agree within the same bound (a race would not).
+        again = aotriton_rt.attention_backward(do, q, k, vv, out, lse, library=gluon, **scheme, **options)[0]
+        bound = bench.grad_error(torch, got[0], hi[0], lo[0], dtype_name)["bound"]
+        diff = (again.double() - got[0].double()).abs().max().item()
+        if not diff <= bound:
+            bad.append(f"dq of a second atomic run differs by {diff:.3g} > {bound:.3g}")
     if bad:
         align = "" if bottom_right is None else (" bottom-right" if bottom_right else " top-left")
         return f"{name} {dict(v.spec)} #{v.config.index} {problem}{align}: " + "; ".join(bad)
@@ -227,3 +242,24 @@ def test_the_operator_picks_the_gluon_dq_by_default_where_the_images_hold_it(set
     options = _options(spec["CAUSAL"], None, 1 / math.sqrt(D))
     handle = attention_kernels(q, k, v, backward=True, library=lib, **options)["attn_bwd_dq"]
     assert handle.name == DQ_NAME
+
+
+def test_the_atomic_scheme_runs_the_gluon_dkdv_where_the_images_hold_its_atomic_spec(setup) -> None:
+    """scheme='atomic' without a forced view: the images' own routing sends the atomic dK/dV to the
+    Gluon kernel (DQ_ATOMIC=1), beside the preprocess and the convert kernel."""
+    from aotriton_rt.ops.attention import attention_kernels
+
+    bench, lib, found = setup
+    if lib.catalogs and any("attn_bwd_dkdv_kernel" in (c.tuning or {}) for c in lib.catalogs):
+        pytest.skip("these images carry attn_bwd_dkdv_kernel rules")
+    atomic = [v for v in found if v.spec.get("DQ_ATOMIC")]
+    if not atomic:
+        pytest.skip(f"these images hold no {NAME} with DQ_ATOMIC=1")
+    spec = atomic[0].spec
+    D, dtype = spec["HEAD_DIM"], DTYPES[spec["dtype"]]
+    q, k, v, _ = bench.bshd_inputs(torch, 1, ((300, 2),) * 4, D, dtype, seed=0, pad=0)
+    options = _options(spec["CAUSAL"], None, 1 / math.sqrt(D))
+    handles = attention_kernels(q, k, v, backward=True, scheme="atomic", library=lib, **options)
+    assert list(handles) == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq_convert"]
+    dkdv = handles["attn_bwd_dkdv"]
+    assert dkdv.name == NAME and dkdv.variant(torch.cuda.current_device()).spec["DQ_ATOMIC"] == 1
