@@ -28,9 +28,8 @@ the run.
 
 Images (build on the GPU machine, ~1-2 min with 14 cores)::
 
-    python -m builder build --set gputest --targets sm90 --kernels \\
-        attn_fwd,attn_bwd_preprocess,attn_bwd_dkdv,attn_bwd_dq,attn_bwd_dq_convert,attn_bwd_dkdv_sm90,attn_bwd_dq_sm90 \\
-        --out DIR -j 14
+    python -m builder build --set gputest --targets sm90 --out DIR -j 14 --kernels \\
+        attn_fwd,attn_bwd_preprocess,attn_bwd_dkdv,attn_bwd_dq,attn_bwd_dq_convert,attn_bwd_dkdv_sm90,attn_bwd_dq_sm90
     python bench/sm90_bwd_gluon.py --images DIR [--shapes 0,1] [--rounds 10]
 
 Details (every round, the agreement checks, notes) go to ``$OUT/sm90_bwd_gluon.json`` when OUT is set.
