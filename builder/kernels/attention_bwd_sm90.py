@@ -1,8 +1,8 @@
 """Hopper (sm90) attention backward dK/dV in Gluon, FlashAttention-3 style.
 
-Same arguments, grid, conventions and results as ``attn_bwd_dkdv`` in ``attention_bwd.py`` for the
-split scheme (``DQ_ATOMIC=0``: dQ comes from ``attn_bwd_dq``), for the cases the backward spends
-most time on: fp16/bf16, head dim 64 or 128 (equal q.k and v dims), every mask mode and window,
+Same arguments, grid, conventions and results as ``attn_bwd_dkdv`` in ``attention_bwd.py``, in
+both schemes (split, ``DQ_ATOMIC=0``: dQ comes from ``attn_bwd_dq``; atomic, ``DQ_ATOMIC=1``: this
+kernel also adds dQ into the fp32 DQacc, see below), for the cases the backward spends most time on: fp16/bf16, head dim 64 or 128 (equal q.k and v dims), every mask mode and window,
 GQA, no bias, no dropout, fixed lengths. Every other case and every other target keeps the
 portable kernel; this one is compiled for sm90 only (Gluon kernels are per architecture).
 
@@ -23,6 +23,19 @@ Layout of one program (one key block of ``BLOCK_N`` keys of one key/value head, 
   registers, FA3's ``Mma_dKV_is_RS``). dPᵀ runs while Pᵀ is computed; dV's matmul runs while dSᵀ
   is. Registers per consumer thread at D=128, BLOCK_M=64: dK 64 + dV 64 + Sᵀ 32 + dPᵀ 32 + the
   fp16 Pᵀ and dSᵀ operands 16 + 16; ``CONSUMER_REGS`` (240) holds that, the loader takes 24.
+
+With ``DQ_ATOMIC=1`` (FA3's backward: five matmuls a tile where the split scheme's two kernels
+run seven) each consumer also computes its keys' share of the tile's dQ, dS·K_c (``BLOCK_M x
+HEAD_DIM``, 64 keys deep), and adds it, times ``sm_scale``, into DQacc with fp32 atomic adds, as
+``attn_bwd_dkdv`` does (DQacc zeroed by ``attn_bwd_preprocess``, cast by ``attn_bwd_dq_convert``).
+dS is the transpose of the register tile dSᵀ: dSᵀ is stored (16-bit) to a per-consumer shared
+buffer whose transposed view is the matmul's A operand, K_c (in shared memory already) its B. The
+dQ tile is computed in 64-column chunks (32 fp32 registers a thread each): the first runs beside
+dV's and dK's matmuls, the rest after; at D=128 a whole 64 x 128 tile (64 registers) beside dK and
+dV made ptxas serialize every wgmma. Each thread adds pairs of adjacent columns
+(``atom.add.v2.f32``, result unused: a reduction). Both consumers add into the same query rows, so
+every dQ element takes two adds per key block (FA3 splits the dQ tile between its warp groups after
+a barrier and reduces through TMA; Gluon in Triton 3.6 has no TMA reduce).
 
 Query tiles are visited in ``attn_bwd_dkdv``'s split: the tiles on the band's edges and the
 sequence end (masked) first, then the unmasked run, so the hot loop carries no mask code; that
@@ -315,11 +328,12 @@ def attn_bwd_dkdv_sm90(
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """dK, dV of one key block of one key/value head, summed over its GQA query heads (see
-    attn_bwd_dkdv, split scheme).
+    attn_bwd_dkdv); with DQ_ATOMIC also this block's share of dQ (scaled, fp32) added into DQacc.
 
-    Grid: (cdiv(seqlen_k, BLOCK_N), batch * num_heads_k, 1). Bias, DBias, DQacc, cu_seqlens_* and
-    the dropout arguments are accepted (attn_bwd_dkdv's argument list) and ignored: BIAS, DROPOUT,
-    VARLEN and DQ_ATOMIC are 0. HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). USE_TMA is 1
+    Grid: (cdiv(seqlen_k, BLOCK_N), batch * num_heads_k, 1). Bias, DBias, cu_seqlens_* and the
+    dropout arguments are accepted (attn_bwd_dkdv's argument list) and ignored: BIAS, DROPOUT and
+    VARLEN are 0 (DQacc too without DQ_ATOMIC; with it BLOCK_M is 64, one consumer's keys, so dQ's
+    tile has dK's shape). HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). USE_TMA is 1
     (Q and dO always come through TMA; it is there for the argument list's constexpr set).
     BLOCK_N is two consumers' 64 keys. STAGES: Q/dO slots in the ring. CONSUMER_REGS: registers
     per thread of the consumer warp groups (the loader warp gets 24).
@@ -417,7 +431,8 @@ from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations
 HEAD_DIMS = (64, 128)
 #: (BLOCK_M, STAGES) per head dim, the expected fastest first (unmeasured). BLOCK_N is always 128
 #: (two consumers of 64 keys). Shared memory: K and V of 128 keys (D=128: 64 KB) plus STAGES Q
-#: and dO tiles (D=128, BLOCK_M=64: 32 KB a stage). ptxas on the CPU: D=64 spills nothing; D=128
+#: and dO tiles (D=128, BLOCK_M=64: 32 KB a stage), and with DQ_ATOMIC two 8 KB dSᵀ tiles (the
+#: same tiles serve both schemes; ptxas with DQ_ATOMIC: D=64 spills nothing, D=128 74-75 stores). ptxas on the CPU: D=64 spills nothing; D=128
 #: spills 29-44 registers of loop-invariant scalars, none inside the query-tile loops. 128-query
 #: tiles do not fit at D=64 either (S^T and dP^T take 128 registers: 513 spill stores, ~100 a tile).
 TILES = {128: ((64, 2), (64, 3)), 64: ((64, 3), (64, 2))}
