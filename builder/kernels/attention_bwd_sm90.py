@@ -2,8 +2,8 @@
 
 Same arguments, grid, conventions and results as ``attn_bwd_dkdv`` in ``attention_bwd.py``, in
 both schemes (split, ``DQ_ATOMIC=0``: dQ comes from ``attn_bwd_dq``; atomic, ``DQ_ATOMIC=1``: this
-kernel also adds dQ into the fp32 DQacc, see below), for the cases the backward spends most time on: fp16/bf16, head dim 64 or 128 (equal q.k and v dims), every mask mode and window,
-GQA, no bias, no dropout, fixed lengths. Every other case and every other target keeps the
+kernel also adds dQ into the fp32 DQacc, see below), for the cases the backward spends most time
+on: fp16/bf16, head dim 64 or 128 (equal q.k and v dims), every mask mode and window, GQA, no bias, no dropout, fixed lengths. Every other case and every other target keeps the
 portable kernel; this one is compiled for sm90 only (Gluon kernels are per architecture).
 
 Layout of one program (one key block of ``BLOCK_N`` keys of one key/value head, as ``attn_bwd_dkdv``):
@@ -432,9 +432,10 @@ HEAD_DIMS = (64, 128)
 #: (BLOCK_M, STAGES) per head dim, the expected fastest first (unmeasured). BLOCK_N is always 128
 #: (two consumers of 64 keys). Shared memory: K and V of 128 keys (D=128: 64 KB) plus STAGES Q
 #: and dO tiles (D=128, BLOCK_M=64: 32 KB a stage), and with DQ_ATOMIC two 8 KB dSᵀ tiles (the
-#: same tiles serve both schemes; ptxas with DQ_ATOMIC: D=64 spills nothing, D=128 74-75 stores). ptxas on the CPU: D=64 spills nothing; D=128
-#: spills 29-44 registers of loop-invariant scalars, none inside the query-tile loops. 128-query
-#: tiles do not fit at D=64 either (S^T and dP^T take 128 registers: 513 spill stores, ~100 a tile).
+#: same tiles serve both schemes). ptxas on the CPU: D=64 spills nothing; D=128 spills 29-44
+#: registers of loop-invariant scalars, none inside the query-tile loops (with DQ_ATOMIC: 74-75
+#: stores, 11-20 reloads a tile). 128-query tiles do not fit at D=64 either (S^T and dP^T take
+#: 128 registers: 513 spill stores, ~100 a tile).
 TILES = {128: ((64, 2), (64, 3)), 64: ((64, 3), (64, 2))}
 #: Registers per thread of each consumer warp group (setmaxnreg); the loader warp takes 24.
 CONSUMER_REGS = 240
