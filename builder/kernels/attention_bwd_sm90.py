@@ -4,7 +4,8 @@ Same arguments, grid, conventions and results as ``attn_bwd_dkdv`` in ``attentio
 both schemes (split, ``DQ_ATOMIC=0``: dQ comes from ``attn_bwd_dq``; atomic, ``DQ_ATOMIC=1``: this
 kernel also adds dQ into the fp32 DQacc, see below), for the cases the backward spends most time
 on: fp16/bf16, head dim 64 or 128 (equal q.k and v dims), every mask mode and window, GQA, no bias,
-no dropout, fixed lengths. Every other case and every other target keeps the portable kernel; this one is compiled for sm90 only (Gluon kernels are per architecture).
+no dropout, fixed lengths. Every other case and every other target keeps the portable kernel;
+this one is compiled for sm90 only (Gluon kernels are per architecture).
 
 Layout of one program (one key block of ``BLOCK_N`` keys of one key/value head, as ``attn_bwd_dkdv``):
 
