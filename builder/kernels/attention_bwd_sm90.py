@@ -177,9 +177,10 @@ def _add_dq(ptrs, dq, q_rows, dq_cols, len_q, MASKED: gl.constexpr):
 
 @gluon.jit
 def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head, cols, qcols,
-          len_q, diag, left, right, qk_scale, ds_smem, DQA_head, stride_dqam, dq_rows, dq_cols, sm_scale,
-          MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-          s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr):
+          len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head, stride_dqam, dq_rows, dq_cols,
+          sm_scale, C: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+          DQ_ATOMIC: gl.constexpr, DQ_SHARE: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
+          dq_layout: gl.constexpr):
     """dK, dV of one consumer after query tile ``it`` (first query start_m) of the loader's order;
     with DQ_ATOMIC also this consumer's share of the tile's dQ (dS·K over its 64 keys, scaled),
     added into DQacc."""
@@ -216,34 +217,59 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
     dpT = warpgroup_mma_wait(0, deps=(dpT,))
     dsT = pT * (dpT - delta[None, :])
     p_op = gl.convert_layout(pT.to(q.dtype), a_layout)
-    ds_op = gl.convert_layout(dsT.to(q.dtype), a_layout)
+    ds16 = dsT.to(q.dtype)
+    ds_op = gl.convert_layout(ds16, a_layout)
+    if DQ_ATOMIC:
+        # dQ = dS·K: dS is the transpose of the register tile dS^T, so dS^T goes to shared memory
+        # (before dV's and dK's matmuls are issued: its fp32 registers die here) and the dQ
+        # matmuls read its transposed view (16-bit wgmma operands may be either major). The
+        # fence orders these generic-proxy stores before wgmma's async-proxy reads; the
+        # compiler's barrier pass (or the arrive's) makes all four warps store first.
+        # DQ_SHARE=0: this consumer's buffer, last read by its previous tile's dQ matmuls (waited
+        # for). DQ_SHARE=1 (FA3's split): one buffer per consumer and tile parity; a buffer is
+        # rewritten two tiles later, after the other consumer arrived on the next tile's ds_bar,
+        # so after its matmuls that read the buffer were waited for.
+        if DQ_SHARE:
+            b = it % 2
+            ds_smem.index(2 * b + C).store(ds16)
+        else:
+            ds_smem.index(C).store(ds16)
+        fence_async_shared()
     dv = warpgroup_mma(p_op, do, dv, is_async=True)
     dk = warpgroup_mma(ds_op, q, dk, is_async=True)
     if DQ_ATOMIC:
-        # dQ's share = dS·K_c: dS is the transpose of the register tile dS^T, so dS^T goes to this
-        # consumer's shared buffer and the matmuls read its transposed view (16-bit wgmma operands
-        # may be either major). The buffer's previous reader (the last tile's dQ matmul) was
-        # waited for; the fence orders these generic-proxy stores before wgmma's async-proxy reads
-        # (the compiler's barrier pass makes all four warps store first).
-        ds_smem.store(dsT.to(q.dtype))
-        fence_async_shared()
-        BLOCK_D: gl.constexpr = k.shape[1]
         CHUNK: gl.constexpr = dq_cols.shape[0]
         q_rows = start_m + dq_rows
         row_ptrs = DQA_head + q_rows.to(gl.int64)[:, None] * stride_dqam + dq_cols[None, :]
-        ds_t = ds_smem.permute((1, 0))
         dq_zero = gl.zeros([BLOCK_M, CHUNK], gl.float32, dq_layout)
-        # The first chunk runs beside dV's and dK's matmuls, the others one at a time (each
-        # 32 fp32 registers a thread: a whole 64 x 128 tile beside dK and dV made ptxas
-        # serialize every wgmma for want of registers).
-        dq = warpgroup_mma(ds_t, k.slice(0, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
-        dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
-        mbarrier.arrive(free.index(s), count=1)
-        _add_dq(row_ptrs, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
-        for i in gl.static_range(1, BLOCK_D // CHUNK):
-            dq = warpgroup_mma(ds_t, k.slice(i * CHUNK, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq,))
-            _add_dq(row_ptrs + i * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
+        if DQ_SHARE:
+            # Consumer C computes columns [C*CHUNK, (C+1)*CHUNK) of the tile's dQ over all 128
+            # keys, K_0's rows then K_1's: one add per dQ element per key block. The parity's
+            # barrier completes when both consumers stored their dS^T.
+            mbarrier.arrive(ds_bar.index(b), count=1)
+            mbarrier.wait(ds_bar.index(b), (it // 2) & 1)
+            dq = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k_smem.index(0).slice(C * CHUNK, CHUNK, dim=1),
+                               dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)),
+                               k_smem.index(1).slice(C * CHUNK, CHUNK, dim=1), dq, is_async=True)
+            dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+            mbarrier.arrive(free.index(s), count=1)
+            _add_dq(row_ptrs + C * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
+        else:
+            # dQ's share of this consumer's 64 keys, dS·K_C, in CHUNK-column pieces: the first
+            # runs beside dV's and dK's matmuls, the others one at a time (each 32 fp32 registers
+            # a thread: a whole 64 x 128 tile beside dK and dV made ptxas serialize every wgmma
+            # for want of registers).
+            BLOCK_D: gl.constexpr = k.shape[1]
+            ds_t = ds_smem.index(C).permute((1, 0))
+            dq = warpgroup_mma(ds_t, k.slice(0, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
+            dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+            mbarrier.arrive(free.index(s), count=1)
+            _add_dq(row_ptrs, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
+            for i in gl.static_range(1, BLOCK_D // CHUNK):
+                dq = warpgroup_mma(ds_t, k.slice(i * CHUNK, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq,))
+                _add_dq(row_ptrs + i * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
     else:
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(free.index(s), count=1)
@@ -251,12 +277,12 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, free,
+def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, kv_bar, ready, free,
               LSE, Delta, DK, DV, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn,
               stride_dqaz, stride_dqah, stride_dqam,
               start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n,
               CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-              DQ_CHUNK: gl.constexpr):
+              DQ_SHARE: gl.constexpr, DQ_COLS: gl.constexpr):
     """Consumer warp group c: keys start_n + c*HALF ..., every query tile of every group head."""
     HALF: gl.constexpr = k_smem.shape[1]
     BLOCK_D: gl.constexpr = k_smem.shape[2]
@@ -274,12 +300,11 @@ def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar,
     qk_scale = sm_scale * LOG2E
     k = k_smem.index(c)
     v = v_smem.index(c)
-    ds = ds_smem.index(c)
-    # dQ's tile (BLOCK_M queries x HEAD_DIM), DQ_CHUNK columns a matmul.
+    # dQ's tile (BLOCK_M queries x HEAD_DIM), DQ_COLS columns a matmul.
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_CHUNK, 16])
+                                                        instr_shape=[16, DQ_COLS, 16])
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    dq_cols = gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, dq_layout))
+    dq_cols = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
     # Always wait: the loader's K/V copies must land before the program may exit.
     mbarrier.wait(kv_bar, 0)
     masked = n1 + n2
@@ -292,13 +317,15 @@ def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar,
         for j in range(0, masked):
             start_m = _query_block(j, lo, f1, f2, n1, n2, BLOCK_M)
             dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
-                           cols, qcols, len_q, diag, left, right, qk_scale, ds, DQA_head, stride_dqam, dq_rows,
-                           dq_cols, sm_scale, True, CAUSAL, STAGES, DQ_ATOMIC, s_layout, a_layout, dq_layout)
+                           cols, qcols, len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head,
+                           stride_dqam, dq_rows, dq_cols, sm_scale, c, True, CAUSAL, STAGES, DQ_ATOMIC, DQ_SHARE,
+                           s_layout, a_layout, dq_layout)
         for j in range(masked, n):
             start_m = f1 + (j - masked) * BLOCK_M
             dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
-                           cols, qcols, len_q, diag, left, right, qk_scale, ds, DQA_head, stride_dqam, dq_rows,
-                           dq_cols, sm_scale, False, CAUSAL, STAGES, DQ_ATOMIC, s_layout, a_layout, dq_layout)
+                           cols, qcols, len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head,
+                           stride_dqam, dq_rows, dq_cols, sm_scale, c, False, CAUSAL, STAGES, DQ_ATOMIC, DQ_SHARE,
+                           s_layout, a_layout, dq_layout)
 
     k_rows = start_n + c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
     d_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
@@ -326,7 +353,7 @@ def attn_bwd_dkdv_sm90(
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
     DQ_ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_SHARE: gl.constexpr,
 ):
     """dK, dV of one key block of one key/value head, summed over its GQA query heads (see
     attn_bwd_dkdv); with DQ_ATOMIC also this block's share of dQ (scaled, fp32) added into DQacc.
@@ -337,7 +364,9 @@ def attn_bwd_dkdv_sm90(
     tile has dK's shape). HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). USE_TMA is 1
     (Q and dO always come through TMA; it is there for the argument list's constexpr set).
     BLOCK_N is two consumers' 64 keys. STAGES: Q/dO slots in the ring. CONSUMER_REGS: registers
-    per thread of the consumer warp groups (the loader warp gets 24).
+    per thread of the consumer warp groups (the loader warp gets 24). DQ_SHARE (DQ_ATOMIC, head
+    dim 128): 0 each consumer adds its keys' dQ over the whole head dim, 1 each adds half of the
+    head dim over both consumers' keys (FA3's split: half the atomic adds, a barrier a tile).
     """
     gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0,
                      "attn_bwd_dkdv_sm90: no bias, dropout or varlen")
@@ -348,6 +377,12 @@ def attn_bwd_dkdv_sm90(
     BLOCK_D: gl.constexpr = HEAD_DIM
     dtype: gl.constexpr = Q.dtype.element_ty
     gl.static_assert(BLOCK_D % DQ_CHUNK == 0, "attn_bwd_dkdv_sm90: head dim a multiple of dQ's chunk")
+    gl.static_assert(DQ_SHARE == 0 or (DQ_ATOMIC == 1 and BLOCK_D == 2 * DQ_CHUNK),
+                     "attn_bwd_dkdv_sm90: DQ_SHARE splits an atomic dQ tile of head dim 128 between the consumers")
+    if DQ_SHARE:
+        DQ_COLS: gl.constexpr = BLOCK_D // 2
+    else:
+        DQ_COLS: gl.constexpr = DQ_CHUNK
 
     if CAUSAL != 0:
         pid_n, pid_bh = _heavy_first(gl.num_programs(0), batch * num_heads_k)
@@ -391,12 +426,6 @@ def attn_bwd_dkdv_sm90(
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile_layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], kv_layout)
-    if DQ_ATOMIC:
-        # Each consumer's dS^T tile, the A operand (transposed) of its dQ matmul.
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_M], ds_layout)
-    else:
-        ds_smem = k_smem  # unused
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -404,16 +433,30 @@ def attn_bwd_dkdv_sm90(
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(free.index(s), count=2)
+    if DQ_ATOMIC:
+        # Each consumer's dS^T tile, the A operand (transposed) of the dQ matmuls; with DQ_SHARE
+        # one pair per tile parity, and a barrier per parity that both consumers arrive on.
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2 + 2 * DQ_SHARE, HALF, BLOCK_M], ds_layout)
+        if DQ_SHARE:
+            ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for b in gl.static_range(2):
+                mbarrier.init(ds_bar.index(b), count=2)
+        else:
+            ds_bar = ready  # unused
+    else:
+        ds_smem = k_smem  # unused
+        ds_bar = ready  # unused
 
     gl.warp_specialize([
-        (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, free, LSE, Delta, DK_head,
+        (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, kv_bar, ready, free, LSE, Delta, DK_head,
                      DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn, stride_dqaz,
                      stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2,
-                     n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_CHUNK)),
-        (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, free, LSE, Delta, DK_head,
+                     n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_COLS)),
+        (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, kv_bar, ready, free, LSE, Delta, DK_head,
                      DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn, stride_dqaz,
                      stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2,
-                     n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_CHUNK)),
+                     n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_COLS)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free,
                    start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -440,16 +483,23 @@ HEAD_DIMS = (64, 128)
 TILES = {128: ((64, 2), (64, 3)), 64: ((64, 3), (64, 2))}
 #: Registers per thread of each consumer warp group (setmaxnreg); the loader warp takes 24.
 CONSUMER_REGS = 240
+#: Head dims whose atomic-scheme variants also come with DQ_SHARE=1: each consumer computes half
+#: of the dQ tile's columns over both consumers' keys (D/2 = 64 columns, one wgmma N tile; at
+#: D=64 a 32-column slice of a 128-byte swizzled K row is not a whole swizzle atom).
+DQ_SHARE_D = (128,)
 
 
 def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
-    """The tile table for a head dim. num_warps is the default partition's (consumer 0); the
-    compiled kernel runs 12 warps (two consumer groups and the loader's group), which the
-    catalog records from the binary."""
+    """The tile table for a head dim, and for the atomic scheme at head dim 128 (``DQ_SHARE_D``)
+    each tile again with DQ_SHARE=1 (FA3's split of the dQ tile between the consumers). The
+    per-consumer dQ (DQ_SHARE=0) comes first: the simpler scheme, the one the runtime launches
+    untuned. num_warps is the default partition's (consumer 0); the compiled kernel runs 12 warps
+    (two consumer groups and the loader's group), which the catalog records from the binary."""
+    shares = (0, 1) if spec.get("DQ_ATOMIC") and spec["HEAD_DIM"] in DQ_SHARE_D else (0,)
     return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": 128, "USE_TMA": 1, "STAGES": st,
-                                        "CONSUMER_REGS": CONSUMER_REGS},
+                                        "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": share},
                             num_warps=4, num_stages=1, backends=("cuda",))
-                 for bm, st in TILES[spec["HEAD_DIM"]])
+                 for share in shares for bm, st in TILES[spec["HEAD_DIM"]])
 
 
 def _excluded(spec: dict, target: object) -> str | None:
