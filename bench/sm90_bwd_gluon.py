@@ -84,20 +84,31 @@ def shape_name(shape) -> str:
     return f"{dtype} D{d} {'causal' if causal else 'full'} B{b} H{h} N{n}"
 
 
+def _modes(causal: int) -> tuple[int, ...]:
+    """The mask modes that serve a shape's calls: bottom-right causal of equal lengths runs on mode 2
+    or, aligned by its run-time argument, mode 1 (what the dispatcher falls back to)."""
+    return (2, 1) if causal == 2 else (causal,)
+
+
 def gluon_configs(lib, shape, kernel: str = GLUON, atomic: int = 0) -> list[int]:
     """The config indices of a Gluon kernel (the dK/dV by default; ``atomic``: its DQ_ATOMIC=1
-    variants) the images hold for ``shape``'s spec, sorted."""
+    variants) the images hold for ``shape``'s spec (the first mask mode held that serves it), sorted."""
     dtype, d, causal = shape[:3]
-    return sorted({v.config.index for v in lib.variants_of(kernel) if v.target.arch == "sm90"
-                   and (v.spec["dtype"], v.spec["HEAD_DIM"], v.spec["CAUSAL"]) == (dtype, d, causal)
-                   and v.spec.get("DQ_ATOMIC", 0) == atomic})
+    for mode in _modes(causal):
+        found = sorted({v.config.index for v in lib.variants_of(kernel) if v.target.arch == "sm90"
+                        and (v.spec["dtype"], v.spec["HEAD_DIM"], v.spec["CAUSAL"]) == (dtype, d, mode)
+                        and v.spec.get("DQ_ATOMIC", 0) == atomic})
+        if found:
+            return found
+    return []
 
 
 def portable_atomic(lib, shape) -> bool:
     """Whether the images hold the portable atomic dK/dV for ``shape``'s spec."""
     dtype, d, causal = shape[:3]
-    return any((v.spec["dtype"], v.spec["HEAD_DIM"], v.spec["CAUSAL"], v.spec["DQ_ATOMIC"]) == (dtype, d, causal, 1)
-               and v.target.arch == "sm90" and not v.spec["BIAS"] and not v.spec["DROPOUT"] and not v.spec["VARLEN"]
+    return any((v.spec["dtype"], v.spec["HEAD_DIM"], v.spec["DQ_ATOMIC"]) == (dtype, d, 1)
+               and v.spec["CAUSAL"] in _modes(causal) and v.target.arch == "sm90"
+               and not v.spec["BIAS"] and not v.spec["DROPOUT"] and not v.spec["VARLEN"]
                for v in lib.variants_of(PORTABLE))
 
 

@@ -135,3 +135,15 @@ def test_the_atomic_contenders_run_each_gluon_atomic_dkdv_config_and_the_portabl
 def test_without_images_it_says_how_to_build_them(bench, capsys) -> None:
     assert bench.main(["--images", "/nonexistent"]) == 1
     assert "no image folder at '/nonexistent'" in capsys.readouterr().out
+
+
+def test_a_bottom_right_causal_shape_pairs_the_mode_1_variants_where_the_images_lack_mode_2(bench) -> None:
+    """Equal lengths: the dispatcher serves a bottom-right call with mode 1 (causal_align) when mode 2
+    is not built, so the bench times those variants; mode 2's where held."""
+    shape = bench.SHAPES[2]  # fp16 D128 causal (mode 2)
+    mode1 = [_Variant(bench.GLUON, "fp16", 128, 1, i, atomic=a) for i in (0, 1) for a in (0, 1)]
+    assert bench.gluon_configs(_Lib(mode1), shape) == [0, 1]
+    assert bench.gluon_configs(_Lib(mode1), shape, atomic=1) == [0, 1]
+    both = mode1 + [_Variant(bench.GLUON, "fp16", 128, 2, 5, atomic=0)]
+    assert bench.gluon_configs(_Lib(both), shape) == [5]
+    assert bench.gluon_configs(_Lib(mode1), bench.SHAPES[0]) == []  # no mask: mode 0 only
