@@ -74,41 +74,78 @@ def _reference(q, k, v, causal: int, left: int, right: int, scale: float, align:
     return p @ vf, lse
 
 
+def _run_case(lib, v, B: int, Sq: int, Sk: int, left: int, right: int, Hq: int, Hk: int, align: int) -> str | None:
+    """Run variant v once on NaN-padded inputs; None if it matches the fp32 reference, else why not."""
+    causal, D = v.spec["CAUSAL"], v.spec["HEAD_DIM"]
+    win_left, win_right = (left, right) if causal else (-1, -1)
+    if causal and left < 0:
+        win_right = 0  # plain causal
+    dtype = DTYPES[v.spec["dtype"]]
+    gen = torch.Generator(device="cuda").manual_seed(v.config.index)
+    _, q = _padded(B, Sq, Hq, D, dtype, gen)
+    _, k = _padded(B, Sk, Hk, D, dtype, gen)
+    _, vv = _padded(B, Sk, Hk, D, dtype, gen)
+    out_full, out = _padded(B, Sq, Hq, D, dtype, gen, fill=False)
+    lse = torch.full((B, Hq, Sq + 5), float("nan"), device="cuda")[:, :, :Sq]
+    scale = 1 / math.sqrt(D)
+    handle = lib.kernel("attn_fwd_sm90", **v.spec, **v.config.constexprs, num_warps=v.config.num_warps,
+                        num_stages=v.config.num_stages)
+    handle(q, k, vv, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *vv.stride()[:3],
+           *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, Hq, Hk, Sq, Sk, scale, 0.0, 0, 0,
+           win_left, win_right, align)
+    torch.cuda.synchronize()
+    ref, ref_lse = _reference(q, k, vv, causal, win_left, win_right, scale, align)
+    tol = 1e-2 if v.spec["dtype"] == "fp16" else 3e-2
+    err = (out.float() - ref).abs().max().item()
+    finite = torch.isfinite(ref_lse)
+    lse_ok = torch.equal(torch.isfinite(lse), finite)
+    err_lse = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    pad_ok = bool(out_full[:, Sq:].isnan().all()) and bool(out_full[..., D:].isnan().all())
+    if err <= tol and err_lse <= 1e-3 and lse_ok and pad_ok:
+        return None
+    return (f"{v.spec} #{v.config.index} {v.config.constexprs} B{B} Hq{Hq} Hk{Hk} Sq{Sq} Sk{Sk} causal_align {align}: "
+            f"out {err:.3g} lse {err_lse:.3g} lse-inf-rows-agree {lse_ok} padding-untouched {pad_ok}")
+
+
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
 def test_every_gluon_forward_variant_matches_an_fp32_reference(variants, problem: str) -> None:
     Sq, Sk, left, right, Hq, Hk = PROBLEMS[problem]
     failures = []
     runs = [(lib, v, align) for lib, v in variants for align in ((0, 1) if v.spec["CAUSAL"] == 1 else (0,))]
     for lib, v, align in runs:
-        causal, D = v.spec["CAUSAL"], v.spec["HEAD_DIM"]
-        if causal == 0 and (left >= 0 or right >= 0):
+        if v.spec["CAUSAL"] == 0 and (left >= 0 or right >= 0):
             continue  # windows are a band: mask modes 1 and 2
-        win_left, win_right = (left, right) if causal else (-1, -1)
-        if causal and left < 0:
-            win_right = 0  # plain causal
-        dtype = DTYPES[v.spec["dtype"]]
-        gen = torch.Generator(device="cuda").manual_seed(v.config.index)
-        B = 2
-        _, q = _padded(B, Sq, Hq, D, dtype, gen)
-        _, k = _padded(B, Sk, Hk, D, dtype, gen)
-        _, vv = _padded(B, Sk, Hk, D, dtype, gen)
-        out_full, out = _padded(B, Sq, Hq, D, dtype, gen, fill=False)
-        lse = torch.full((B, Hq, Sq + 5), float("nan"), device="cuda")[:, :, :Sq]
-        scale = 1 / math.sqrt(D)
-        handle = lib.kernel("attn_fwd_sm90", **v.spec, **v.config.constexprs, num_warps=v.config.num_warps,
-                            num_stages=v.config.num_stages)
-        handle(q, k, vv, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *vv.stride()[:3],
-               *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, Hq, Hk, Sq, Sk, scale, 0.0, 0, 0,
-               win_left, win_right, align)
-        torch.cuda.synchronize()
-        ref, ref_lse = _reference(q, k, vv, causal, win_left, win_right, scale, align)
-        tol = 1e-2 if v.spec["dtype"] == "fp16" else 3e-2
-        err = (out.float() - ref).abs().max().item()
-        finite = torch.isfinite(ref_lse)
-        lse_ok = torch.equal(torch.isfinite(lse), finite)
-        err_lse = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
-        pad_ok = bool(out_full[:, Sq:].isnan().all()) and bool(out_full[..., D:].isnan().all())
-        if not (err <= tol and err_lse <= 1e-3 and lse_ok and pad_ok):
-            failures.append(f"{v.spec} #{v.config.index} {v.config.constexprs} causal_align {align}: out {err:.3g} "
-                            f"lse {err_lse:.3g} lse-inf-rows-agree {lse_ok} padding-untouched {pad_ok}")
+        failure = _run_case(lib, v, 2, Sq, Sk, left, right, Hq, Hk, align)
+        if failure:
+            failures.append(failure)
+    assert not failures, "\n".join(failures)
+
+
+# (B, Hq, Hk, Sq, Sk) for the persistent configs (a grid of min(units, 132) programs looping over
+# query tiles; a unit is one tile, or with a mask a heavy and a light tile of a head): fewer tiles
+# than programs, exactly 132 tiles, 133, hundreds with an odd count and heads whose tile count is
+# odd (units that span two heads), GQA, seqlen_q above and below seqlen_k.
+PERSISTENT_PROBLEMS = {
+    "one_tile": (1, 1, 1, 40, 300),
+    "fewer_tiles_than_programs": (2, 3, 1, 500, 700),
+    "tiles_132": (3, 11, 11, 512, 512),
+    "tiles_133": (7, 19, 19, 128, 200),
+    "odd_tiles_gqa": (5, 9, 3, 1100, 1050),
+    "more_queries_gqa": (3, 8, 2, 1300, 900),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(PERSISTENT_PROBLEMS))
+def test_persistent_gluon_forward_variants_compute_every_tile_of_ragged_problems(variants, problem: str) -> None:
+    persistent = [(lib, v) for lib, v in variants if v.config.constexprs.get("PERSISTENT", 0) > 0]
+    assert persistent, "the gputest images hold no persistent attn_fwd_sm90 config (PERSISTENT > 0)"
+    B, Hq, Hk, Sq, Sk = PERSISTENT_PROBLEMS[problem]
+    failures = []
+    for lib, v in persistent:
+        for align in ((0, 1) if v.spec["CAUSAL"] == 1 else (0,)):
+            windows = ((-1, -1), (200, 30)) if v.spec["CAUSAL"] else ((-1, -1),)
+            for left, right in windows:
+                failure = _run_case(lib, v, B, Sq, Sk, left, right, Hq, Hk, align)
+                if failure:
+                    failures.append(f"{failure} window ({left}, {right})")
     assert not failures, "\n".join(failures)
