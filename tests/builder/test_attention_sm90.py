@@ -374,3 +374,28 @@ def test_loop_spills_counts_local_memory_only_inside_the_innermost_wgmma_loops()
     inside = [op.replace("{spill}", "LDL R3, [R1+0x4]") for op in tile_loop]
     assert listing_loop_spills(listing(outside)) == 0  # once per tile, in the outer loop only
     assert listing_loop_spills(listing(inside)) == 1
+
+
+def test_the_persistent_bench_picks_the_persistent_variant_and_summarises_ratios_to_cudnn(
+        built_persistent: Path) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import sm90_persistent
+
+    (contender,) = sm90_persistent.contenders_of(str(built_persistent))
+    assert contender.label.startswith("persistent#6 128x128 w4s1 ") and "PERSISTENT=132" in contender.label
+    import sm90_levers
+
+    q = _Shaped(2, 3, 100, 128)
+    args = sm90_levers.launch_args(q, q, q, q, _Shaped(2, 3, 100), causal=1, scale=0.1)
+    assert len(args) == len(contender.handle.arg_names)  # the bench's causal calls: top-left (align 0)
+    assert dict(zip(contender.handle.arg_names, args))["causal_align"] == 0
+    row = {"tflops": 500.0, "tflops_min": 490.0, "tflops_max": 510.0}
+    results = [{"shape": ("bf16", 128, 1, 16, 32, 1024), "errors": {"gluon#0 x": "LaunchError: boom"},
+                "rows": {"cudnn": {**row, "ratio": 1.0}, contender.label: {**row, "tflops": 450.0, "ratio": 0.9},
+                         "attn_fwd#1 128x64": {**row, "tflops": 300.0, "ratio": 0.6}}}]
+    lines = sm90_persistent.summary(results)
+    assert lines[0] == ("bf16 B16 H32 N1024 D128 causal | cudnn 500.0 | persistent#6 450.0 x0.900 [490-510] | "
+                        "gluon - | attn_fwd#1 300.0 x0.600 [490-510]")
+    assert lines[1].endswith("gluon#0 x: LaunchError: boom")
+    assert [s[:3] for s in sm90_persistent.SHAPES[:4]] == [("fp16", 128, 0), ("bf16", 128, 0), ("fp16", 128, 1),
+                                                          ("bf16", 128, 1)]
