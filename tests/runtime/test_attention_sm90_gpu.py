@@ -4,7 +4,10 @@ Every built variant (each tile config) runs ragged problems in its mask mode (mo
 alignments, chosen by its ``causal_align`` argument): lengths that are no block multiple,
 seqlen_q below and above seqlen_k, a sliding window, GQA. Inputs live in NaN-filled buffers
 (rows past each sequence are NaN), so a read past a sequence poisons the result; outputs are
-views of NaN-filled buffers whose padding must stay NaN.
+views of NaN-filled buffers whose padding must stay NaN. The persistent configs (``PERSISTENT`` > 0,
+a grid of at most 132 programs looping over query tiles) also run problems around their grid size
+(fewer tiles than programs, exactly 132, 133, hundreds with an odd count, GQA), and once through
+the operator with a tuning rule forcing them (the dispatch path a database rule takes).
 
 Images: ``AOTRITON_RT_TEST_IMAGES`` pointing at ``python -m builder build --set gputest --targets
 sm90`` (attn_fwd_sm90 declares its gputest variants in builder/kernels/attention_sm90.py).
@@ -149,3 +152,40 @@ def test_persistent_gluon_forward_variants_compute_every_tile_of_ragged_problems
                 if failure:
                     failures.append(f"{failure} window ({left}, {right})")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("causal, align", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+def test_the_operator_runs_a_persistent_config_a_tuning_rule_picks(variants, causal: bool, align: str) -> None:
+    # What dispatch does once the tuning database picks a persistent config for a length bin: the
+    # rule names the config index, and aotriton_rt.attention launches it with the catalog's grid.
+    # Persistent configs are compiled in mask mode 1 only: bottom-right calls reach them where the
+    # images hold no mode 2 (the default set), as here with mode 2 hidden.
+    from aotriton_rt.ops.attention.explain import explain
+    from builder.tune import ForcedConfig, without_mask_mode
+
+    lib = variants[0][0]
+    mode = 1 if causal else 0
+    found = sorted({v.config.index for _, v in variants if v.spec["CAUSAL"] == mode and v.spec["HEAD_DIM"] == 128
+                    and v.config.constexprs.get("PERSISTENT", 0) > 0})
+    assert found, "no persistent attn_fwd_sm90 config at D=128 in these images"
+    B, Hq, Hk, Sq, Sk = 5, 9, 3, 1100, 1050 if align == "bottom_right" else 1100
+    for dtype_name in ("fp16", "bf16"):
+        dtype = DTYPES[dtype_name]
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        _, q = _padded(B, Sq, Hq, 128, dtype, gen)
+        _, k = _padded(B, Sk, Hk, 128, dtype, gen)
+        _, vv = _padded(B, Sk, Hk, 128, dtype, gen)
+        for index in found:
+            forced = without_mask_mode(ForcedConfig(lib, "attn_fwd_sm90", index), 2)
+            (pick,) = explain(dtype=dtype_name, head_dim=128, seqlen_q=Sq, seqlen_k=Sk, causal=causal, align=align,
+                              arch="sm90", library=forced).kernels
+            assert (pick.kernel, pick.config, pick.params["PERSISTENT"]) == ("attn_fwd_sm90", index, 132)
+            out, lse = aotriton_rt.attention(q, k, vv, causal=causal, align=align, library=forced)
+            torch.cuda.synchronize()
+            ref, ref_lse = _reference(q, k, vv, mode, -1, 0 if causal else -1, 1 / math.sqrt(128),
+                                      int(align == "bottom_right"))
+            tol = 1e-2 if dtype_name == "fp16" else 3e-2
+            assert (out.float() - ref).abs().max().item() <= tol, (dtype_name, index)
+            finite = torch.isfinite(ref_lse)
+            assert torch.equal(torch.isfinite(lse), finite)
+            assert (lse[finite] - ref_lse[finite]).abs().max().item() <= 1e-3, (dtype_name, index)
