@@ -610,9 +610,10 @@ TILES = {128: ((128, 128, 3, 1, 1), (128, 128, 3, 0, 1), (128, 64, 4, 1, 1), (12
 #: indices keep their meaning: the same tile, a grid of min(work units, PERSISTENT) programs that
 #: loop over the query tiles (for short sequences, where one tile's prologue and epilogue are a large
 #: share of its time and the loader can start the next tile's loads during them). Head dim 128,
-#: no mask and mask mode 1 (which serves both causal alignments).
+#: every mask mode: mode 1 serves both alignments (the default set's only causal mode), and square
+#: causal calls dispatch to mode 2 where the images hold it (gputest, full; what `builder tune`
+#: measures), so its table must hold them too, under the same indices.
 PERSISTENT_TILES = {128: ((128, 128, 3, 1, 1), (128, 128, 3, 0, 1)), 64: ()}
-PERSISTENT_CAUSAL = (0, 1)
 #: Programs of a persistent grid: one per SM of an H100 SXM / H200 (132 SMs). Any count is correct
 #: (each program strides over the tiles by the grid size); fewer SMs run a second partial wave,
 #: more leave SMs idle. The runtime passes no SM count to grid rules, so it is a constant.
@@ -622,12 +623,11 @@ CONSUMER_REGS = 240
 
 
 def sm90_fwd_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
-    """The tile table for a head dim, then its persistent configs (for masks PERSISTENT_CAUSAL).
+    """The tile table for a head dim, then its persistent configs.
     num_warps is the default partition's (consumer 0); the compiled kernel runs 12 warps (two
     consumer groups and the loader's group), which the catalog records from the binary."""
     d = spec["HEAD_DIM"]
-    persistent = PERSISTENT_TILES[d] if spec["CAUSAL"] in PERSISTENT_CAUSAL else ()
-    rows = [(*t, 0) for t in TILES[d]] + [(*t, PERSISTENT_PROGRAMS) for t in persistent]
+    rows = [(*t, 0) for t in TILES[d]] + [(*t, PERSISTENT_PROGRAMS) for t in PERSISTENT_TILES[d]]
     return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": st, "PINGPONG": pp,
                                         "WARP_SPECIALIZE": ws, "CONSUMER_REGS": CONSUMER_REGS,
                                         "PERSISTENT": programs},

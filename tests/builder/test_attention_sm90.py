@@ -208,20 +208,26 @@ def _constexprs(spec: dict, index: int) -> dict:
     return {**spec, **sm90_fwd_configs(spec, None)[index].constexprs}
 
 
-def test_persistent_configs_follow_the_tile_table_at_head_dim_128_in_mask_modes_0_and_1_not_the_default_set() -> None:
+def test_persistent_configs_follow_the_tile_table_at_head_dim_128_in_every_mask_mode_not_the_default_set() -> None:
     from builder.kernels.attention_sm90 import PERSISTENT_PROGRAMS, TILES
     from builder.registry import expand
     from builder.targets import parse_targets
 
+    def jobs(build_set):
+        return expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), build_set, "3.6.0")
+
     def persistent(build_set):
-        return {(j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.config_index)
-                for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), build_set, "3.6.0")
+        return {(j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.config_index) for j in jobs(build_set)
                 if j.constexprs["PERSISTENT"]}
 
-    # Appended after the tile table: the tuning database's indices keep their configs.
+    # Appended after the tile table (the tuning database's indices keep their configs), for every
+    # D=128 spec of the set: gputest's (all but fp16 mode 2, which its attn_fwd twin lacks) and full's.
     after = len(TILES[128])
-    want = {(dt, 128, c, i) for dt in ("fp16", "bf16") for c in (0, 1) for i in (after, after + 1)}
-    assert persistent("gputest") == want and persistent("full") == want
+    for build_set in ("gputest", "full"):
+        specs = {(j.spec["dtype"], j.spec["CAUSAL"]) for j in jobs(build_set) if j.spec["HEAD_DIM"] == 128}
+        assert persistent(build_set) == {(dt, 128, c, i) for dt, c in specs for i in (after, after + 1)}
+    assert {c for _, _, c, _ in persistent("gputest")} == {0, 1, 2}
+    assert len(persistent("full")) == 2 * 3 * 2
     assert persistent("default") == set()
     jobs = expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "full", "3.6.0")
     assert {j.constexprs["PERSISTENT"] for j in jobs if j.config_index >= after} == {PERSISTENT_PROGRAMS}
