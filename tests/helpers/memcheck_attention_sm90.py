@@ -3,6 +3,8 @@
     AOTRITON_RT_IMAGES=.gpu-images/sm90-gluon-test \\
         compute-sanitizer --tool memcheck --error-exitcode 9 python tests/helpers/memcheck_attention_sm90.py
 
+(`--persistent` after the script: only the persistent configs, PERSISTENT > 0.)
+
 Every attn_fwd_sm90 variant of the images (build them with `python -m builder build --set gputest
 --kernels attn_fwd_sm90 --targets sm90`) on small odd sizes: a tile past the last query row,
 key blocks past the sequence end, empty rows (bottom-right band with seqlen_q > seqlen_k), GQA,
@@ -12,6 +14,7 @@ Inputs are exact-size allocations, so a read or write past a tensor is an out-of
 
 import math
 import os
+import sys
 
 import torch
 
@@ -19,6 +22,8 @@ import aotriton_rt
 
 lib = aotriton_rt.Library(os.environ["AOTRITON_RT_IMAGES"])
 variants = lib.variants_of("attn_fwd_sm90")
+if "--persistent" in sys.argv[1:]:  # only the persistent configs (PERSISTENT > 0)
+    variants = [v for v in variants if v.config.constexprs.get("PERSISTENT", 0) > 0]
 assert variants, "no attn_fwd_sm90 in these images"
 for v in variants:
     D, causal = v.spec["HEAD_DIM"], v.spec["CAUSAL"]
