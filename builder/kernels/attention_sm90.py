@@ -135,6 +135,29 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     blocks up front, then block j-1+STAGES into the slot block j-1 frees.
     """
     HALF: gl.constexpr = q_smem.shape[1]
+    if INLINE:
+        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [start_m + c * HALF, 0], q_bar.index(c), q_smem.index(c))
+        for j in range(0, gl.minimum(n, STAGES)):
+            _load_block(j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, lo, f1, f2, n1, n2,
+                        BLOCK_N, STAGES)
+    _attend(c, q_smem, k_smem, v_smem, q_bar, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head, stride_om,
+            start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n, k_desc, v_desc, 0, 0, 0,
+            CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE, False)
+
+
+@gluon.jit
+def _attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn,
+            O_head, L_head, stride_om, start_m, len_q, len_k, qk_scale, diag, left, right,
+            lo, f1, f2, n1, n2, n, k_desc, v_desc, ring, turns, q_phase,
+            CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+            INLINE: gl.constexpr, RELEASE_Q: gl.constexpr):
+    """Consumer c's part of one query tile: its n key blocks from ring position ``ring`` on (after
+    ``turns`` matmul groups), then O and LSE of its rows stored. The tile's Q is the q_phase-th
+    load into its Q slot; with RELEASE_Q the slot is handed back on q_free as soon as the tile's
+    last Q.K^T has retired (the persistent loader then loads the next tile's Q during the last P.V
+    and the stores)."""
+    HALF: gl.constexpr = q_smem.shape[1]
     BLOCK_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -151,20 +174,15 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     acc = gl.zeros([HALF, BLOCK_D], gl.float32, o_layout)
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
     q = q_smem.index(c)
-    if INLINE:
-        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [start_m + c * HALF, 0], q_bar.index(c), q)
-        for j in range(0, gl.minimum(n, STAGES)):
-            _load_block(j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, lo, f1, f2, n1, n2,
-                        BLOCK_N, STAGES)
-    mbarrier.wait(q_bar.index(c), 0)
+    mbarrier.wait(q_bar.index(c), q_phase & 1)
 
     # Prologue: S_0 and its softmax; P_0 waits for the loop's first P.V.
     p = gl.zeros([HALF, BLOCK_N], dtype, p_layout)
     if n > 0:
-        k0 = k_smem.index(0).permute((1, 0))
-        _take_turn(turn, 0, c, PINGPONG)
-        mbarrier.wait(k_ready.index(0), 0)
+        s0 = ring % STAGES
+        k0 = k_smem.index(s0).permute((1, 0))
+        _take_turn(turn, turns, c, PINGPONG)
+        mbarrier.wait(k_ready.index(s0), (ring // STAGES) & 1)
         s_acc = warpgroup_mma(q, k0, s_zero, use_acc=False, is_async=True)
         _pass_turn(turn, c, PINGPONG)
         s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
@@ -180,19 +198,22 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     for idx in range(1, masked_end):
         acc, p, l_i, m_i = _step(idx, c, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn,
                                  s_zero, rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
-                                 n, k_desc, v_desc, True, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE,
+                                 n, k_desc, v_desc, ring, turns, True, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE,
                                  p_layout, o_layout)
     for idx in range(masked_end, n):
         acc, p, l_i, m_i = _step(idx, c, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn,
                                  s_zero, rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
-                                 n, k_desc, v_desc, False, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE,
+                                 n, k_desc, v_desc, ring, turns, False, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE,
                                  p_layout, o_layout)
+    if RELEASE_Q:
+        # Every Q.K^T of the tile has retired (each _step waits for its S): Q's slot may be refilled.
+        mbarrier.arrive(q_free.index(c), count=1)
     # Epilogue: the last block's P.V.
     if n > 0:
-        last = n - 1
+        last = ring + n - 1
         s = last % STAGES
         v = v_smem.index(s)
-        _take_turn(turn, n, c, PINGPONG)
+        _take_turn(turn, turns + n, c, PINGPONG)
         mbarrier.wait(v_ready.index(s), (last // STAGES) & 1)
         acc = warpgroup_mma(p, v, acc, is_async=True)
         _pass_turn(turn, c, PINGPONG)
@@ -213,18 +234,20 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
 
 @gluon.jit
 def _step(idx, c: gl.constexpr, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn, s_zero,
-          rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2, n, k_desc, v_desc,
+          rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2, n, k_desc, v_desc, ring, turns,
           MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
           PINGPONG: gl.constexpr, INLINE: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
-    """One pipelined key block idx >= 1 of consumer c (see _consumer)."""
-    s = idx % STAGES
-    prev = (idx + STAGES - 1) % STAGES
+    """One pipelined key block idx >= 1 of consumer c (see _consumer). ring: the ring position of
+    the tile's block 0 (slot ring % STAGES); turns: the consumer's matmul groups before the tile."""
+    it = ring + idx
+    s = it % STAGES
+    prev = (it - 1) % STAGES
     k = k_smem.index(s).permute((1, 0))
     v = v_smem.index(prev)
-    _take_turn(turn, idx, c, PINGPONG)
-    mbarrier.wait(k_ready.index(s), (idx // STAGES) & 1)
+    _take_turn(turn, turns + idx, c, PINGPONG)
+    mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
     s_acc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(prev), ((idx - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
     acc = warpgroup_mma(p, v, acc, is_async=True)
     _pass_turn(turn, c, PINGPONG)
     # Groups retire in order: one outstanding means S_j is done and P.V may still run.
@@ -246,80 +269,11 @@ def _step(idx, c: gl.constexpr, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_
 
 
 @gluon.jit
-def attn_fwd_sm90(
-    Q, K, V, Bias, Out, LSE, DropMask, cu_seqlens_q, cu_seqlens_k,
-    stride_qz, stride_qh, stride_qm,
-    stride_kz, stride_kh, stride_kn,
-    stride_vz, stride_vh, stride_vn,
-    stride_oz, stride_oh, stride_om,
-    stride_bz, stride_bh, stride_bm,
-    stride_lz, stride_lh,
-    stride_dmz, stride_dmh, stride_dmm,
-    batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
-    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
-    HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-    CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-    WARP_SPECIALIZE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-):
-    """Attention forward (see attn_fwd): Out = softmax(Q K^T * sm_scale, masked) V and its logsumexp.
-
-    Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1). Bias, DropMask, cu_seqlens_* and the
-    dropout arguments are accepted (attn_fwd's argument list) and ignored: BIAS, DROPOUT and VARLEN
-    are 0. HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). STAGES: K/V slots in the ring.
-    PINGPONG: the two consumers take turns issuing their matmuls (see _take_turn). CONSUMER_REGS:
-    registers per thread of the second consumer warp group (the loader warp gets 24).
-    WARP_SPECIALIZE 0: no loader warp and one consumer of BLOCK_M rows (4 warps) that issues its
-    own TMA loads (a fallback, and small enough for two programs per SM with short key blocks).
-    """
-    gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0, "attn_fwd_sm90: no bias, dropout or varlen")
-    gl.static_assert(HEAD_DIM == HEAD_DIM_V, "attn_fwd_sm90: equal q.k and v head dims")
-    gl.static_assert(PINGPONG <= WARP_SPECIALIZE, "attn_fwd_sm90: PINGPONG needs two consumers")
-    CONSUMERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
-    HALF: gl.constexpr = BLOCK_M // CONSUMERS
-    BLOCK_D: gl.constexpr = HEAD_DIM
-    dtype: gl.constexpr = Q.dtype.element_ty
-
-    pid_m = gl.program_id(0)
-    if CAUSAL != 0:
-        # Heaviest query tile first (it sees the most keys, in either alignment): one program per
-        # SM runs in launch order, so the light tiles fill the end of the grid (a shorter tail).
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    pid_bh = gl.program_id(1)
-    off_b = pid_bh // num_heads_q
-    off_h = pid_bh % num_heads_q
-    off_hk = off_h // (num_heads_q // num_heads_k)
-    start_m = pid_m * BLOCK_M
-    len_q = seqlen_q
-    len_k = seqlen_k
-
-    Q_head = Q + off_b.to(gl.int64) * stride_qz + off_h.to(gl.int64) * stride_qh
-    K_base = K + off_b.to(gl.int64) * stride_kz + off_hk.to(gl.int64) * stride_kh
-    V_base = V + off_b.to(gl.int64) * stride_vz + off_hk.to(gl.int64) * stride_vh
-    O_head = Out + off_b.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
-    L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
-
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
-    q_desc = tma.make_tensor_descriptor(Q_head, shape=[len_q, HEAD_DIM], strides=[stride_qm, 1],
-                                        block_shape=[HALF, BLOCK_D], layout=q_layout)
-    k_desc = tma.make_tensor_descriptor(K_base, shape=[len_k, HEAD_DIM], strides=[stride_kn, 1],
-                                        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V_base, shape=[len_k, HEAD_DIM], strides=[stride_vn, 1],
-                                        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
-
-    # The band of visible keys (attn_fwd's _window / _span, for the whole BLOCK_M tile): blocks
-    # [lo, f1) and [f2, hi) need a mask, [f1, f2) do not.
-    qk_scale = sm_scale * LOG2E
-    unbounded = len_q + len_k
-    if CAUSAL == 2:
-        diag = len_k - len_q
-    elif CAUSAL == 1:
-        diag = causal_align * (len_k - len_q)  # 0 top-left, 1 bottom-right
-    else:
-        diag = len_k * 0
-    left = gl.where(window_left < 0, unbounded, window_left)
-    right = gl.where(window_right < 0, unbounded, window_right)
+def _band(start_m, len_k, diag, left, right, sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr):
+    """The key blocks the query tile at start_m visits (attn_fwd's _window / _span, for the whole
+    BLOCK_M tile): (lo, f1, f2, n1, n2, n); blocks [lo, f1) and [f2, hi) need a mask (n1 and n2 of
+    them), [f1, f2) do not; n in all."""
     if CAUSAL != 0:
         lo = gl.maximum(start_m + diag - left, 0)
         lo = lo // BLOCK_N * BLOCK_N
@@ -343,38 +297,294 @@ def attn_fwd_sm90(
     n1 = (f1 - lo) // BLOCK_N
     n2 = (hi - f2 + BLOCK_N - 1) // BLOCK_N
     n = n1 + n2 + (f2 - f1) // BLOCK_N
+    return lo, f1, f2, n1, n2, n
 
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF, BLOCK_D], q_layout)
+
+@gluon.jit
+def _tile_count(pid, programs, tiles, PAIRS: gl.constexpr):
+    """How many of ``tiles`` query tiles program pid < programs of a persistent grid runs (see
+    _tile_of): those of its units, the last unit one tile short when ``tiles`` is odd and PAIRS 2.
+    Plain integer arithmetic (every numerator is >= 0, so C and Python division agree): the CPU
+    tests call the function's Python body to check the tiling for many grids."""
+    step = PAIRS * programs
+    count = (tiles - PAIRS * pid + step - 1) // step
+    if PAIRS == 2:
+        count += (tiles - PAIRS * pid - 1 + step - 1) // step
+    return count
+
+
+@gluon.jit
+def _tile_of(j, pid, programs, num_m, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+    """(query block, batch * head) of program pid's j-th tile in a persistent grid.
+
+    Tiles are numbered head by head, so the programs running at one time share a few heads' K and V
+    in L2; program pid takes units pid, pid + programs, ... of PAIRS consecutive tiles. Causal
+    heads number their query blocks heaviest and lightest alternately (last, first, second last,
+    ...) and PAIRS = 2: a unit is one heavy and one light tile, so the units are about the same
+    work and a static round-robin of units balances the programs; the heavy tile goes first.
+    Plain integer arithmetic, like _tile_count.
+    """
+    t = PAIRS * (pid + (j // PAIRS) * programs) + j % PAIRS
+    pid_bh = t // num_m
+    r = t % num_m
+    if CAUSAL != 0:
+        # Even r: num_m - 1 - r // 2 (the heavy ones, last first); odd r: r // 2.
+        pid_m = r // 2 + (1 - r % 2) * (num_m - 1 - r)
+    else:
+        pid_m = r
+    return pid_m, pid_bh
+
+
+@gluon.jit
+def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free,
+                       num_m, tiles, num_heads_q, group, len_k, diag, left, right, sm_scale,
+                       CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       PAIRS: gl.constexpr):
+    """Loader warp of a persistent program: for each of its tiles, both consumers' Q (once they
+    have handed their Q slot back) and every visited K/V block, through one slot ring whose
+    positions (and so barrier phases) run on across tiles: the next tile's loads start while the
+    consumers finish the current one."""
+    HALF: gl.constexpr = q_smem.shape[1]
+    BLOCK_D: gl.constexpr = q_smem.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    ring = pid * 0
+    for j in range(_tile_count(pid, programs, tiles, PAIRS)):
+        pid_m, pid_bh = _tile_of(j, pid, programs, num_m, CAUSAL, PAIRS)
+        off_b = pid_bh // num_heads_q
+        off_h = pid_bh % num_heads_q
+        off_hk = off_h // group
+        start_m = pid_m * BLOCK_M
+        lo, f1, f2, n1, n2, n = _band(start_m, len_k, diag, left, right, sm_scale, CAUSAL, BLOCK_M, BLOCK_N)
+        for c in gl.static_range(2):
+            # The j-th use of the slot; a fresh barrier counts the phase before its first as done.
+            mbarrier.wait(q_free.index(c), (j & 1) ^ 1)
+            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+            q_dst = q_smem.index(c)._reinterpret(dtype, [1, 1, HALF, BLOCK_D], q_desc.layout)
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * HALF, 0], q_bar.index(c), q_dst)
+        for idx in range(n):
+            it = ring + idx
+            s = it % STAGES
+            mbarrier.wait(kv_free.index(s), ((it // STAGES) & 1) ^ 1)
+            start_n = _key_block(idx, lo, f1, f2, n1, n2, BLOCK_N)
+            k_dst = k_smem.index(s)._reinterpret(dtype, [1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+            v_dst = v_smem.index(s)._reinterpret(dtype, [1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, start_n, 0], k_ready.index(s), k_dst)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, start_n, 0], v_ready.index(s), v_dst)
+        ring += n
+
+
+@gluon.jit
+def _persistent_consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn,
+                         Out, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
+                         num_m, tiles, num_heads_q, len_q, len_k, qk_scale, diag, left, right, sm_scale,
+                         k_desc, v_desc, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, PINGPONG: gl.constexpr, PAIRS: gl.constexpr):
+    """Consumer warp group c of a persistent program: the loader's tiles in the same order, each
+    with the non-persistent consumer's pipeline and epilogue (_attend), ring position and
+    ping-pong turns carried from tile to tile."""
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    ring = pid * 0
+    turns = pid * 0
+    for j in range(_tile_count(pid, programs, tiles, PAIRS)):
+        pid_m, pid_bh = _tile_of(j, pid, programs, num_m, CAUSAL, PAIRS)
+        off_b = pid_bh // num_heads_q
+        off_h = pid_bh % num_heads_q
+        start_m = pid_m * BLOCK_M
+        O_head = Out + off_b.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+        L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+        lo, f1, f2, n1, n2, n = _band(start_m, len_k, diag, left, right, sm_scale, CAUSAL, BLOCK_M, BLOCK_N)
+        _attend(c, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn, O_head, L_head, stride_om,
+                start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n, k_desc, v_desc, ring,
+                turns, j, CAUSAL, BLOCK_N, STAGES, PINGPONG, False, True)
+        ring += n
+        turns += gl.where(n > 0, n + 1, 0)
+
+
+@gluon.jit
+def _attn_fwd_persistent(Q, K, V, Out, LSE, stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                         stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
+                         batch, num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right,
+                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr):
+    """attn_fwd_sm90 with PERSISTENT: programs loop over (query block, batch * head) tiles."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    BLOCK_D: gl.constexpr = HEAD_DIM
+    PAIRS: gl.constexpr = 2 if CAUSAL != 0 else 1
+    dtype: gl.constexpr = Q.dtype.element_ty
+    num_m = (len_q + BLOCK_M - 1) // BLOCK_M
+    tiles = num_m * batch * num_heads_q
+    qk_scale = sm_scale * LOG2E
+
+    # One 4-D (batch, head, row, dim) descriptor per tensor serves every tile of the program.
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+    q4_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, HALF, BLOCK_D], dtype)
+    kv4_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, BLOCK_D], dtype)
+    q_desc = tma.make_tensor_descriptor(Q, shape=[batch, num_heads_q, len_q, HEAD_DIM],
+                                        strides=[stride_qz, stride_qh, stride_qm, 1],
+                                        block_shape=[1, 1, HALF, BLOCK_D], layout=q4_layout)
+    k_desc = tma.make_tensor_descriptor(K, shape=[batch, num_heads_k, len_k, HEAD_DIM],
+                                        strides=[stride_kz, stride_kh, stride_kn, 1],
+                                        block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv4_layout)
+    v_desc = tma.make_tensor_descriptor(V, shape=[batch, num_heads_k, len_k, HEAD_DIM],
+                                        strides=[stride_vz, stride_vh, stride_vn, 1],
+                                        block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv4_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(q_free.index(c), count=1)
         mbarrier.init(turn.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(kv_free.index(s), count=CONSUMERS)
+        mbarrier.init(kv_free.index(s), count=2)
 
-    if WARP_SPECIALIZE:
-        gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
-                         stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                         q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, PINGPONG, False)),
-            (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
-                         stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                         q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, PINGPONG, False)),
-            (_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free,
-                       start_m, lo, f1, f2, n1, n2, n, BLOCK_N, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+    group = num_heads_q // num_heads_k
+    gl.warp_specialize([
+        (_persistent_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn, Out, LSE,
+                                stride_oz, stride_oh, stride_om, stride_lz, stride_lh, num_m, tiles, num_heads_q,
+                                len_q, len_k, qk_scale, diag, left, right, sm_scale, k_desc, v_desc, CAUSAL,
+                                BLOCK_M, BLOCK_N, STAGES, PINGPONG, PAIRS)),
+        (_persistent_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn, Out, LSE,
+                                stride_oz, stride_oh, stride_om, stride_lz, stride_lh, num_m, tiles, num_heads_q,
+                                len_q, len_k, qk_scale, diag, left, right, sm_scale, k_desc, v_desc, CAUSAL,
+                                BLOCK_M, BLOCK_N, STAGES, PINGPONG, PAIRS)),
+        (_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready,
+                              kv_free, num_m, tiles, num_heads_q, group, len_k, diag, left, right, sm_scale,
+                              CAUSAL, BLOCK_M, BLOCK_N, STAGES, PAIRS)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+@gluon.jit
+def attn_fwd_sm90(
+    Q, K, V, Bias, Out, LSE, DropMask, cu_seqlens_q, cu_seqlens_k,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_oz, stride_oh, stride_om,
+    stride_bz, stride_bh, stride_bm,
+    stride_lz, stride_lh,
+    stride_dmz, stride_dmh, stride_dmm,
+    batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
+    HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+    WARP_SPECIALIZE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
+):
+    """Attention forward (see attn_fwd): Out = softmax(Q K^T * sm_scale, masked) V and its logsumexp.
+
+    Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1). Bias, DropMask, cu_seqlens_* and the
+    dropout arguments are accepted (attn_fwd's argument list) and ignored: BIAS, DROPOUT and VARLEN
+    are 0. HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). STAGES: K/V slots in the ring.
+    PINGPONG: the two consumers take turns issuing their matmuls (see _take_turn). CONSUMER_REGS:
+    registers per thread of the second consumer warp group (the loader warp gets 24).
+    WARP_SPECIALIZE 0: no loader warp and one consumer of BLOCK_M rows (4 warps) that issues its
+    own TMA loads (a fallback, and small enough for two programs per SM with short key blocks).
+    """
+    gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0, "attn_fwd_sm90: no bias, dropout or varlen")
+    gl.static_assert(HEAD_DIM == HEAD_DIM_V, "attn_fwd_sm90: equal q.k and v head dims")
+    gl.static_assert(PINGPONG <= WARP_SPECIALIZE, "attn_fwd_sm90: PINGPONG needs two consumers")
+    CONSUMERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
+    HALF: gl.constexpr = BLOCK_M // CONSUMERS
+    BLOCK_D: gl.constexpr = HEAD_DIM
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    len_q = seqlen_q
+    len_k = seqlen_k
+    # The band's diagonal (key index minus query index of its main diagonal) and its two sides.
+    unbounded = len_q + len_k
+    if CAUSAL == 2:
+        diag = len_k - len_q
+    elif CAUSAL == 1:
+        diag = causal_align * (len_k - len_q)  # 0 top-left, 1 bottom-right
     else:
-        _consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
-                  stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                  q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, 0, True)
+        diag = len_k * 0
+    left = gl.where(window_left < 0, unbounded, window_left)
+    right = gl.where(window_right < 0, unbounded, window_right)
+
+    if PERSISTENT != 0:
+        gl.static_assert(WARP_SPECIALIZE == 1, "attn_fwd_sm90: PERSISTENT needs the loader warp")
+        _attn_fwd_persistent(Q, K, V, Out, LSE, stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                             stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
+                             batch, num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right,
+                             HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMER_REGS)
+    else:
+        pid_m = gl.program_id(0)
+        if CAUSAL != 0:
+            # Heaviest query tile first (it sees the most keys, in either alignment): one program per
+            # SM runs in launch order, so the light tiles fill the end of the grid (a shorter tail).
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        pid_bh = gl.program_id(1)
+        off_b = pid_bh // num_heads_q
+        off_h = pid_bh % num_heads_q
+        off_hk = off_h // (num_heads_q // num_heads_k)
+        start_m = pid_m * BLOCK_M
+
+        Q_head = Q + off_b.to(gl.int64) * stride_qz + off_h.to(gl.int64) * stride_qh
+        K_base = K + off_b.to(gl.int64) * stride_kz + off_hk.to(gl.int64) * stride_kh
+        V_base = V + off_b.to(gl.int64) * stride_vz + off_hk.to(gl.int64) * stride_vh
+        O_head = Out + off_b.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+        L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_D], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+        q_desc = tma.make_tensor_descriptor(Q_head, shape=[len_q, HEAD_DIM], strides=[stride_qm, 1],
+                                            block_shape=[HALF, BLOCK_D], layout=q_layout)
+        k_desc = tma.make_tensor_descriptor(K_base, shape=[len_k, HEAD_DIM], strides=[stride_kn, 1],
+                                            block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+        v_desc = tma.make_tensor_descriptor(V_base, shape=[len_k, HEAD_DIM], strides=[stride_vn, 1],
+                                            block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+
+        lo, f1, f2, n1, n2, n = _band(start_m, len_k, diag, left, right, sm_scale, CAUSAL, BLOCK_M, BLOCK_N)
+        qk_scale = sm_scale * LOG2E
+
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF, BLOCK_D], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(q_bar.index(c), count=1)
+            mbarrier.init(turn.index(c), count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(s), count=1)
+            mbarrier.init(v_ready.index(s), count=1)
+            mbarrier.init(kv_free.index(s), count=CONSUMERS)
+
+        if WARP_SPECIALIZE:
+            gl.warp_specialize([
+                (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
+                             stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                             q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, PINGPONG, False)),
+                (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
+                             stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                             q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, PINGPONG, False)),
+                (_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free,
+                           start_m, lo, f1, f2, n1, n2, n, BLOCK_N, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, 24])
+        else:
+            _consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
+                      stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                      q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, 0, True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,18 +606,33 @@ HEAD_DIMS = (64, 128)
 TILES = {128: ((128, 128, 3, 1, 1), (128, 128, 3, 0, 1), (128, 64, 4, 1, 1), (128, 128, 2, 0, 1),
                (64, 64, 3, 0, 0), (64, 128, 2, 0, 0)),
          64: ((128, 128, 4, 1, 1), (128, 128, 4, 0, 1), (128, 64, 4, 1, 1), (64, 64, 4, 0, 0))}
+#: Persistent configs (PERSISTENT > 0), appended after TILES' so that the tuning database's config
+#: indices keep their meaning: the same tile, a grid of min(work units, PERSISTENT) programs that
+#: loop over the query tiles (for short sequences, where one tile's prologue and epilogue are a large
+#: share of its time and the loader can start the next tile's loads during them). Head dim 128,
+#: every mask mode: mode 1 serves both alignments (the default set's only causal mode), and square
+#: causal calls dispatch to mode 2 where the images hold it (gputest, full; what `builder tune`
+#: measures), so its table must hold them too, under the same indices.
+PERSISTENT_TILES = {128: ((128, 128, 3, 1, 1), (128, 128, 3, 0, 1)), 64: ()}
+#: Programs of a persistent grid: one per SM of an H100 SXM / H200 (132 SMs). Any count is correct
+#: (each program strides over the tiles by the grid size); fewer SMs run a second partial wave,
+#: more leave SMs idle. The runtime passes no SM count to grid rules, so it is a constant.
+PERSISTENT_PROGRAMS = 132
 #: Registers per thread of each consumer warp group (setmaxnreg); the loader warp takes 24.
 CONSUMER_REGS = 240
 
 
 def sm90_fwd_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
-    """The tile table for a head dim. num_warps is the default partition's (consumer 0); the
-    compiled kernel runs 12 warps (two consumer groups and the loader's group), which the
-    catalog records from the binary."""
+    """The tile table for a head dim, then its persistent configs.
+    num_warps is the default partition's (consumer 0); the compiled kernel runs 12 warps (two
+    consumer groups and the loader's group), which the catalog records from the binary."""
+    d = spec["HEAD_DIM"]
+    rows = [(*t, 0) for t in TILES[d]] + [(*t, PERSISTENT_PROGRAMS) for t in PERSISTENT_TILES[d]]
     return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": st, "PINGPONG": pp,
-                                    "WARP_SPECIALIZE": ws, "CONSUMER_REGS": CONSUMER_REGS},
-                        num_warps=4, num_stages=1, backends=("cuda",))
-                 for bm, bn, st, pp, ws in TILES[spec["HEAD_DIM"]])
+                                        "WARP_SPECIALIZE": ws, "CONSUMER_REGS": CONSUMER_REGS,
+                                        "PERSISTENT": programs},
+                            num_warps=4, num_stages=1, backends=("cuda",))
+                 for bm, bn, st, pp, ws, programs in rows)
 
 
 def _excluded(spec: dict, target: object) -> str | None:
@@ -444,6 +669,13 @@ def in_default_set(spec: dict, target: object) -> bool:
     return spec["HEAD_DIM"] == 128 and spec["CAUSAL"] in (0, 1)
 
 
+#: One program per (query tile, batch * head) with PERSISTENT 0; otherwise one dimension of
+#: min(work units, PERSISTENT) programs, a unit being one query tile (two, heavy and light, with a
+#: mask: see _tile_of). Each rule is the sum of the two cases, one of them multiplied by zero.
+GRID = ("cdiv(seqlen_q, BLOCK_M) * (1 - min(PERSISTENT, 1))"
+        " + min(cdiv(cdiv(seqlen_q, BLOCK_M) * batch * num_heads_q, 1 + min(CAUSAL, 1)), PERSISTENT)",
+        "batch * num_heads_q * (1 - min(PERSISTENT, 1)) + min(PERSISTENT, 1)", "1")
+
 _SIG = signature_of(attn_fwd_sm90, {
     "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Bias": "*{dtype}", "Out": "*{dtype}",
     "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"})
@@ -456,12 +688,14 @@ KERNEL = KernelDecl(
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
           "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,)},
     configs=sm90_fwd_configs,
-    grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
+    grid=GRID,
     divisibility=_DIV,
     exclude=_excluded,
     sets={"default": in_default_set, "gputest": in_gputest_set, "levers": in_levers_set},
     set_configs={"default": 1},
     # TMA descriptors need a non-empty extent in every dimension.
-    checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "seqlen_q >= 1", "seqlen_k >= 1")
+    checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "seqlen_q >= 1", "seqlen_k >= 1",
+                                        # A persistent program numbers the tiles in 32 bits.
+                                        "cdiv(seqlen_q, BLOCK_M) * batch * num_heads_q <= 1073741824")
     + stride_checks(_DIV),
 )

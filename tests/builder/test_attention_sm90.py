@@ -198,6 +198,153 @@ def test_every_lever_expands_to_sm90_jobs_of_the_benchmarked_specs() -> None:
         sm90_levers.lever_jobs("fast", specs, "3.6.0")
 
 
+# --------------------------------------------------------------------------------------------
+# Persistent configs (PERSISTENT > 0): one grid dimension of min(work units, PERSISTENT) programs.
+# --------------------------------------------------------------------------------------------
+
+def _constexprs(spec: dict, index: int) -> dict:
+    from builder.kernels.attention_sm90 import sm90_fwd_configs
+
+    return {**spec, **sm90_fwd_configs(spec, None)[index].constexprs}
+
+
+def test_persistent_configs_follow_the_tile_table_at_head_dim_128_in_every_mask_mode_not_the_default_set() -> None:
+    from builder.kernels.attention_sm90 import PERSISTENT_PROGRAMS, TILES
+    from builder.registry import expand
+    from builder.targets import parse_targets
+
+    def jobs(build_set):
+        return expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), build_set, "3.6.0")
+
+    def persistent(build_set):
+        return {(j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.config_index) for j in jobs(build_set)
+                if j.constexprs["PERSISTENT"]}
+
+    # Appended after the tile table (the tuning database's indices keep their configs), for every
+    # D=128 spec of the set: gputest's (all but fp16 mode 2, which its attn_fwd twin lacks) and full's.
+    after = len(TILES[128])
+    for build_set in ("gputest", "full"):
+        specs = {(j.spec["dtype"], j.spec["CAUSAL"]) for j in jobs(build_set) if j.spec["HEAD_DIM"] == 128}
+        assert persistent(build_set) == {(dt, 128, c, i) for dt, c in specs for i in (after, after + 1)}
+    assert {c for _, _, c, _ in persistent("gputest")} == {0, 1, 2}
+    assert len(persistent("full")) == 2 * 3 * 2
+    assert persistent("default") == set()
+    jobs = expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "full", "3.6.0")
+    assert {j.constexprs["PERSISTENT"] for j in jobs if j.config_index >= after} == {PERSISTENT_PROGRAMS}
+    assert {j.constexprs["PERSISTENT"] for j in jobs if j.config_index < after} == {0}
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+def test_the_persistent_tiling_runs_every_tile_exactly_once_for_any_grid(causal: int) -> None:
+    # The kernel's own functions (their Python bodies are plain integer arithmetic): for any number
+    # of programs, more or fewer than the work units, every (query block, head) is one program's.
+    from builder.kernels.attention_sm90 import _tile_count, _tile_of
+
+    pairs = 2 if causal else 1
+    for num_m in (1, 2, 3, 8, 9):
+        for bh in (1, 2, 5, 32):
+            tiles = num_m * bh
+            for programs in (1, 2, 3, 7, 64, 131, 132, 133, 600):
+                seen = [_tile_of.fn(j, pid, programs, num_m, causal, pairs)
+                        for pid in range(programs) for j in range(_tile_count.fn(pid, programs, tiles, pairs))]
+                assert len(seen) == tiles, (num_m, bh, programs)
+                assert sorted(seen) == [(m, b) for m in range(num_m) for b in range(bh)], (num_m, bh, programs)
+
+
+def test_causal_persistent_units_pair_a_heavy_query_tile_with_a_light_one_heavy_first() -> None:
+    from builder.kernels.attention_sm90 import _tile_count, _tile_of
+
+    num_m, bh, programs = 8, 64, 132
+    tiles = num_m * bh
+    for pid in range(programs):
+        mine = [_tile_of.fn(j, pid, programs, num_m, 1, 2) for j in range(_tile_count.fn(pid, programs, tiles, 2))]
+        for (m0, b0), (m1, b1) in zip(mine[0::2], mine[1::2]):
+            # Query block m sees m + 1 key blocks (square causal): every unit is num_m + 1 blocks of work.
+            assert b0 == b1 and m0 > m1 and (m0 + 1) + (m1 + 1) == num_m + 1
+    # Consecutive programs work on the same heads at the same time (K and V shared in L2).
+    assert [_tile_of.fn(0, pid, programs, num_m, 1, 2)[1] for pid in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [_tile_of.fn(0, pid, programs, num_m, 0, 1)[1] for pid in range(10)] == [0] * 8 + [1, 1]
+
+
+def test_the_grid_rule_launches_one_program_per_tile_or_the_persistent_grid() -> None:
+    from builder.kernels.attention_sm90 import TILES
+
+    kernel = _kernels()["attn_fwd_sm90"]
+    spec = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+    persistent = len(TILES[128])
+
+    def grid(causal, index, B, H, N):
+        return kernel.grid_of(**_constexprs({**spec, "CAUSAL": causal}, index), batch=B, num_heads_q=H, seqlen_q=N)
+
+    assert grid(0, 0, 16, 32, 1024) == (8, 512, 1) and grid(1, 0, 2, 3, 1000) == (8, 6, 1)
+    assert grid(0, persistent, 16, 32, 1024) == (132, 1, 1) and grid(1, persistent + 1, 16, 32, 1024) == (132, 1, 1)
+    # Fewer work units than programs: one program per unit (a causal unit is two tiles).
+    assert grid(0, persistent, 2, 3, 1000) == (48, 1, 1) and grid(1, persistent, 2, 3, 1000) == (24, 1, 1)
+    assert grid(1, persistent, 1, 1, 40) == (1, 1, 1) and grid(1, persistent, 7, 19, 128) == (67, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def built_persistent(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """bf16 D=128 mask mode 1, the first persistent config (ping-pong), built by the builder."""
+    from builder.build import build
+    from builder.kernels.attention_sm90 import TILES
+    from builder.registry import expand
+    from builder.targets import parse_targets
+
+    want = {"dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+    jobs = [j for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "full", "3.6.0")
+            if j.spec == want and j.config_index == len(TILES[128])]
+    assert len(jobs) == 1 and jobs[0].constexprs["PERSISTENT"] > 0 and jobs[0].constexprs["PINGPONG"] == 1
+    out = tmp_path_factory.mktemp("gluon-persistent")
+    summary = build(jobs, out, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
+    assert summary.failed == [] and summary.compiled == 1
+    return out
+
+
+def test_the_persistent_variant_compiles_proves_its_layout_and_keeps_attn_fwds_arguments(
+        built_persistent: Path) -> None:
+    from aotriton_rt.arguments import Packer
+    from aotriton_rt.catalog import Catalog
+    from builder.build import prove_folder
+
+    assert prove_folder(built_persistent) == 1
+    (variant,) = Catalog.load(built_persistent / "catalog.json").variants
+    assert variant.num_warps == 12 and variant.scratch["global_size"] == 3 * 128
+    assert variant.shared <= 232448
+    assert [a.name for a in variant.args] == [n for n, t in _kernels()["attn_fwd"].signature.items()
+                                              if t != "constexpr"]
+    # The runtime's own grid evaluation of the catalog's rule (the rule folds the variant's constexprs).
+    packer = Packer(variant)
+    values = {a.name: 0 for a in variant.args}
+
+    def grid(B, H, N):
+        values.update(batch=B, num_heads_q=H, num_heads_k=H, seqlen_q=N, seqlen_k=N)
+        return packer.grid_for([values[n] for n in packer.names])
+
+    assert grid(16, 32, 1024) == (132, 1, 1) and grid(4, 32, 4096) == (132, 1, 1)
+    assert grid(1, 2, 300) == (3, 1, 1)  # six tiles (three query blocks of two heads): three causal units
+
+
+def test_ptxas_keeps_the_persistent_wgmmas_asynchronous_and_spills_nothing_in_the_key_loops(
+        built_persistent: Path) -> None:
+    import lzma
+
+    from aotriton_rt.catalog import Catalog
+    from tests.helpers.sass import loop_spills, sass_ops
+
+    (variant,) = Catalog.load(built_persistent / "catalog.json").variants
+    cubin = lzma.decompress((built_persistent / variant.image.path).read_bytes())
+    ops = sass_ops(cubin)
+    hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
+    fences = ops.get("WARPGROUP.ARRIVE", 0)
+    # D=128: 8 k-steps per Q.K^T and per P.V issue site.
+    assert hgmma >= 8 * fences > 0, f"wgmma serialized by ptxas: {hgmma} HGMMA, {fences} fences"
+    # The tile loop carries more than the one-tile kernel: ptxas (Triton 3.6) keeps one per-thread
+    # column offset in local memory, stored once and reloaded once per tile, outside the key loops.
+    assert loop_spills(cubin) == 0, "local memory traffic inside a wgmma loop"
+    assert ops.get("STL", 0) + ops.get("LDL", 0) <= 2, ops
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
 
@@ -213,3 +360,48 @@ def test_every_gputest_gluon_forward_has_its_attn_fwd_twin_so_dispatch_can_reach
                                                                 "3.6.0")}
 
     assert specs("attn_fwd_sm90") and specs("attn_fwd_sm90") <= specs("attn_fwd")
+
+
+def test_loop_spills_counts_local_memory_only_inside_the_innermost_wgmma_loops() -> None:
+    from tests.helpers.sass import listing_loop_spills
+
+    def listing(body: list[str]) -> str:
+        return "\n".join(f"        /*{i * 16:04x}*/                   {op} ;" if not op.startswith(".L") else op
+                         for i, op in enumerate(body))
+
+    # A tile loop around a key loop, and an mbarrier wait's retry loop out of line after EXIT that
+    # branches back into the key loop (unconditionally: not a loop of the code).
+    tile_loop = [".L_x_1:", "LDL R2, [R1]", ".L_x_2:", "SYNCS.PHASECHK.TRANS64.TRYWAIT P5, [UR4], R0",
+                 "@!P5 BRA `(.L_x_9)", ".L_x_3:", "HGMMA.64x128x16.F32 R24, gdesc[UR4], R24", "{spill}",
+                 "@P0 BRA `(.L_x_2)", "HGMMA.64x128x16.F32 R24, gdesc[UR4], R24", "LDL R4, [R1+0x8]",
+                 "STL [R1], R0", "@P1 BRA `(.L_x_1)", "EXIT", ".L_x_9:",
+                 "SYNCS.PHASECHK.TRANS64.TRYWAIT P5, [UR4], R0", "@!P5 BRA `(.L_x_9)", "BRA `(.L_x_3)"]
+    outside = [op for op in tile_loop if op != "{spill}"]
+    inside = [op.replace("{spill}", "LDL R3, [R1+0x4]") for op in tile_loop]
+    assert listing_loop_spills(listing(outside)) == 0  # once per tile, in the outer loop only
+    assert listing_loop_spills(listing(inside)) == 1
+
+
+def test_the_persistent_bench_picks_the_persistent_variant_and_summarises_ratios_to_cudnn(
+        built_persistent: Path) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import sm90_persistent
+
+    (contender,) = sm90_persistent.contenders_of(str(built_persistent))
+    assert contender.label.startswith("persistent#6 128x128 w4s1 ") and "PERSISTENT=132" in contender.label
+    import sm90_levers
+
+    q = _Shaped(2, 3, 100, 128)
+    args = sm90_levers.launch_args(q, q, q, q, _Shaped(2, 3, 100), causal=1, scale=0.1)
+    assert len(args) == len(contender.handle.arg_names)  # the bench's causal calls: top-left (align 0)
+    assert dict(zip(contender.handle.arg_names, args))["causal_align"] == 0
+    row = {"tflops": 500.0, "tflops_min": 490.0, "tflops_max": 510.0}
+    results = [{"shape": ("bf16", 128, 1, 16, 32, 1024), "errors": {"gluon#0 x": "LaunchError: boom"},
+                "rows": {"cudnn": {**row, "ratio": 1.0}, contender.label: {**row, "tflops": 450.0, "ratio": 0.9},
+                         "attn_fwd#1 128x64": {**row, "tflops": 300.0, "ratio": 0.6}}}]
+    lines = sm90_persistent.summary(results)
+    assert lines[0] == ("bf16 B16 H32 N1024 D128 causal | cudnn 500.0 | persistent#6 450.0 x0.900 [490-510] | "
+                        "gluon - | attn_fwd#1 300.0 x0.600 [490-510]")
+    assert lines[1].endswith("gluon#0 x: LaunchError: boom")
+    assert [s[:3] for s in sm90_persistent.SHAPES[:4]] == [("fp16", 128, 0), ("bf16", 128, 0), ("fp16", 128, 1),
+                                                          ("bf16", 128, 1)]

@@ -4,7 +4,10 @@ Every built variant (each tile config) runs ragged problems in its mask mode (mo
 alignments, chosen by its ``causal_align`` argument): lengths that are no block multiple,
 seqlen_q below and above seqlen_k, a sliding window, GQA. Inputs live in NaN-filled buffers
 (rows past each sequence are NaN), so a read past a sequence poisons the result; outputs are
-views of NaN-filled buffers whose padding must stay NaN.
+views of NaN-filled buffers whose padding must stay NaN. The persistent configs (``PERSISTENT`` > 0,
+a grid of at most 132 programs looping over query tiles) also run problems around their grid size
+(fewer tiles than programs, exactly 132, 133, hundreds with an odd count, GQA), and once through
+the operator with a tuning rule forcing them (the dispatch path a database rule takes).
 
 Images: ``AOTRITON_RT_TEST_IMAGES`` pointing at ``python -m builder build --set gputest --targets
 sm90`` (attn_fwd_sm90 declares its gputest variants in builder/kernels/attention_sm90.py).
@@ -74,41 +77,121 @@ def _reference(q, k, v, causal: int, left: int, right: int, scale: float, align:
     return p @ vf, lse
 
 
+def _run_case(lib, v, B: int, Sq: int, Sk: int, left: int, right: int, Hq: int, Hk: int, align: int) -> str | None:
+    """Run variant v once on NaN-padded inputs; None if it matches the fp32 reference, else why not."""
+    causal, D = v.spec["CAUSAL"], v.spec["HEAD_DIM"]
+    win_left, win_right = (left, right) if causal else (-1, -1)
+    if causal and left < 0:
+        win_right = 0  # plain causal
+    dtype = DTYPES[v.spec["dtype"]]
+    gen = torch.Generator(device="cuda").manual_seed(v.config.index)
+    _, q = _padded(B, Sq, Hq, D, dtype, gen)
+    _, k = _padded(B, Sk, Hk, D, dtype, gen)
+    _, vv = _padded(B, Sk, Hk, D, dtype, gen)
+    out_full, out = _padded(B, Sq, Hq, D, dtype, gen, fill=False)
+    lse = torch.full((B, Hq, Sq + 5), float("nan"), device="cuda")[:, :, :Sq]
+    scale = 1 / math.sqrt(D)
+    handle = lib.kernel("attn_fwd_sm90", **v.spec, **v.config.constexprs, num_warps=v.config.num_warps,
+                        num_stages=v.config.num_stages)
+    handle(q, k, vv, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *vv.stride()[:3],
+           *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, Hq, Hk, Sq, Sk, scale, 0.0, 0, 0,
+           win_left, win_right, align)
+    torch.cuda.synchronize()
+    ref, ref_lse = _reference(q, k, vv, causal, win_left, win_right, scale, align)
+    tol = 1e-2 if v.spec["dtype"] == "fp16" else 3e-2
+    err = (out.float() - ref).abs().max().item()
+    finite = torch.isfinite(ref_lse)
+    lse_ok = torch.equal(torch.isfinite(lse), finite)
+    err_lse = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    pad_ok = bool(out_full[:, Sq:].isnan().all()) and bool(out_full[..., D:].isnan().all())
+    if err <= tol and err_lse <= 1e-3 and lse_ok and pad_ok:
+        return None
+    return (f"{v.spec} #{v.config.index} {v.config.constexprs} B{B} Hq{Hq} Hk{Hk} Sq{Sq} Sk{Sk} causal_align {align}: "
+            f"out {err:.3g} lse {err_lse:.3g} lse-inf-rows-agree {lse_ok} padding-untouched {pad_ok}")
+
+
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
 def test_every_gluon_forward_variant_matches_an_fp32_reference(variants, problem: str) -> None:
     Sq, Sk, left, right, Hq, Hk = PROBLEMS[problem]
     failures = []
     runs = [(lib, v, align) for lib, v in variants for align in ((0, 1) if v.spec["CAUSAL"] == 1 else (0,))]
     for lib, v, align in runs:
-        causal, D = v.spec["CAUSAL"], v.spec["HEAD_DIM"]
-        if causal == 0 and (left >= 0 or right >= 0):
+        if v.spec["CAUSAL"] == 0 and (left >= 0 or right >= 0):
             continue  # windows are a band: mask modes 1 and 2
-        win_left, win_right = (left, right) if causal else (-1, -1)
-        if causal and left < 0:
-            win_right = 0  # plain causal
-        dtype = DTYPES[v.spec["dtype"]]
-        gen = torch.Generator(device="cuda").manual_seed(v.config.index)
-        B = 2
-        _, q = _padded(B, Sq, Hq, D, dtype, gen)
-        _, k = _padded(B, Sk, Hk, D, dtype, gen)
-        _, vv = _padded(B, Sk, Hk, D, dtype, gen)
-        out_full, out = _padded(B, Sq, Hq, D, dtype, gen, fill=False)
-        lse = torch.full((B, Hq, Sq + 5), float("nan"), device="cuda")[:, :, :Sq]
-        scale = 1 / math.sqrt(D)
-        handle = lib.kernel("attn_fwd_sm90", **v.spec, **v.config.constexprs, num_warps=v.config.num_warps,
-                            num_stages=v.config.num_stages)
-        handle(q, k, vv, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *vv.stride()[:3],
-               *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, Hq, Hk, Sq, Sk, scale, 0.0, 0, 0,
-               win_left, win_right, align)
-        torch.cuda.synchronize()
-        ref, ref_lse = _reference(q, k, vv, causal, win_left, win_right, scale, align)
-        tol = 1e-2 if v.spec["dtype"] == "fp16" else 3e-2
-        err = (out.float() - ref).abs().max().item()
-        finite = torch.isfinite(ref_lse)
-        lse_ok = torch.equal(torch.isfinite(lse), finite)
-        err_lse = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
-        pad_ok = bool(out_full[:, Sq:].isnan().all()) and bool(out_full[..., D:].isnan().all())
-        if not (err <= tol and err_lse <= 1e-3 and lse_ok and pad_ok):
-            failures.append(f"{v.spec} #{v.config.index} {v.config.constexprs} causal_align {align}: out {err:.3g} "
-                            f"lse {err_lse:.3g} lse-inf-rows-agree {lse_ok} padding-untouched {pad_ok}")
+        failure = _run_case(lib, v, 2, Sq, Sk, left, right, Hq, Hk, align)
+        if failure:
+            failures.append(failure)
     assert not failures, "\n".join(failures)
+
+
+# (B, Hq, Hk, Sq, Sk) for the persistent configs (a grid of min(units, 132) programs looping over
+# query tiles; a unit is one tile, or with a mask a heavy and a light tile of a head): fewer tiles
+# than programs, exactly 132 tiles, 133, hundreds with an odd count and heads whose tile count is
+# odd (units that span two heads), GQA, seqlen_q above and below seqlen_k.
+PERSISTENT_PROBLEMS = {
+    "one_tile": (1, 1, 1, 40, 300),
+    "fewer_tiles_than_programs": (2, 3, 1, 500, 700),
+    "tiles_132": (3, 11, 11, 512, 512),
+    "tiles_133": (7, 19, 19, 128, 200),
+    "odd_tiles_gqa": (5, 9, 3, 1100, 1050),
+    "more_queries_gqa": (3, 8, 2, 1300, 900),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(PERSISTENT_PROBLEMS))
+def test_persistent_gluon_forward_variants_compute_every_tile_of_ragged_problems(variants, problem: str) -> None:
+    persistent = [(lib, v) for lib, v in variants if v.config.constexprs.get("PERSISTENT", 0) > 0]
+    assert persistent, "the gputest images hold no persistent attn_fwd_sm90 config (PERSISTENT > 0)"
+    B, Hq, Hk, Sq, Sk = PERSISTENT_PROBLEMS[problem]
+    failures = []
+    for lib, v in persistent:
+        for align in ((0, 1) if v.spec["CAUSAL"] == 1 else (0,)):
+            windows = ((-1, -1), (200, 30)) if v.spec["CAUSAL"] else ((-1, -1),)
+            for left, right in windows:
+                failure = _run_case(lib, v, B, Sq, Sk, left, right, Hq, Hk, align)
+                if failure:
+                    failures.append(f"{failure} window ({left}, {right})")
+    assert not failures, "\n".join(failures)
+
+
+# (causal, align, mask mode the call runs): square causal calls run mode 2 where the images hold it
+# (gputest does), the others mode 1 (the default set's only causal mode; mode 2 hidden here).
+OPERATOR_CASES = [(False, "top_left", 0), (True, "top_left", 2), (True, "top_left", 1), (True, "bottom_right", 1)]
+
+
+@pytest.mark.parametrize("causal, align, mode", OPERATOR_CASES)
+def test_the_operator_runs_a_persistent_config_a_tuning_rule_picks(variants, causal: bool, align: str,
+                                                                   mode: int) -> None:
+    # What dispatch does once the tuning database picks a persistent config for a length bin: the
+    # rule names the config index, and aotriton_rt.attention launches it with the catalog's grid.
+    from aotriton_rt.ops.attention.explain import explain
+    from builder.tune import ForcedConfig, without_mask_mode
+
+    lib = variants[0][0]
+    found = sorted({v.config.index for _, v in variants if v.spec["CAUSAL"] == mode and v.spec["HEAD_DIM"] == 128
+                    and v.config.constexprs.get("PERSISTENT", 0) > 0})
+    assert found, f"no persistent attn_fwd_sm90 config at D=128 in mask mode {mode} in these images"
+    B, Hq, Hk, Sq, Sk = 5, 9, 3, 1100, 1050 if align == "bottom_right" else 1100
+    for dtype_name in ("fp16", "bf16"):
+        dtype = DTYPES[dtype_name]
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        _, q = _padded(B, Sq, Hq, 128, dtype, gen)
+        _, k = _padded(B, Sk, Hk, 128, dtype, gen)
+        _, vv = _padded(B, Sk, Hk, 128, dtype, gen)
+        for index in found:
+            forced = ForcedConfig(lib, "attn_fwd_sm90", index)
+            if mode == 1:
+                forced = without_mask_mode(forced, 2)
+            (pick,) = explain(dtype=dtype_name, head_dim=128, seqlen_q=Sq, seqlen_k=Sk, causal=causal, align=align,
+                              arch="sm90", library=forced).kernels
+            assert (pick.kernel, pick.spec["CAUSAL"], pick.config, pick.params["PERSISTENT"]) == (
+                "attn_fwd_sm90", mode, index, 132)
+            out, lse = aotriton_rt.attention(q, k, vv, causal=causal, align=align, library=forced)
+            torch.cuda.synchronize()
+            ref, ref_lse = _reference(q, k, vv, int(causal), -1, 0 if causal else -1, 1 / math.sqrt(128),
+                                      int(align == "bottom_right"))
+            tol = 1e-2 if dtype_name == "fp16" else 3e-2
+            assert (out.float() - ref).abs().max().item() <= tol, (dtype_name, index)
+            finite = torch.isfinite(ref_lse)
+            assert torch.equal(torch.isfinite(lse), finite)
+            assert (lse[finite] - ref_lse[finite]).abs().max().item() <= 1e-3, (dtype_name, index)
