@@ -234,9 +234,9 @@ def test_checked_in_databases_are_found_by_arch(tmp_path: Path) -> None:
 def test_every_checked_in_database_loads_and_folds_without_a_dropped_rule() -> None:
     for path in sorted(tuning.CHECKED_IN.glob("*.json")):
         db = tuning.load(path)
-        names = {n for n in db["rules"] if n != tuning.KERNEL_RULES}
-        if tuning.KERNEL_RULES in db["rules"]:  # the two forwards its choices are between
-            names |= {*tuning.STANDS_IN_FOR, *tuning.STANDS_IN_FOR.values()}
+        names = {n for n in db["rules"] if n not in tuning.DECISIONS}
+        for table in set(db["rules"]) & set(tuning.DECISIONS):  # the kernels its choices are between
+            names |= set(tuning.decision_kernels(table))
         jobs = [j for name in sorted(names) for j in expand(load_kernels()[name], [KNOWN[db["arch"]]], "full", "3.6.0")]
         table, notes = tuning.fold([(path.name, db)], jobs)
         assert notes[0].endswith(" 0 dropped"), notes
