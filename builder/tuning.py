@@ -236,7 +236,7 @@ def backward_decisions(entry: Entry, tolerance: float = DEFAULT_TOLERANCE) -> li
     out: list[tuple[str, dict, str, str]] = []
     if len(schemes) > 1:
         best = winner(entry.timings, tolerance)
-        out.append((MODE_RULES, dict(entry.spec), str(best.params["scheme"]),
+        out.append((MODE_RULES, dict(entry.spec), str(best.params.get("scheme")),
                     f"whole backward, {' vs '.join(schemes)}"))
     for scheme in schemes:
         theirs = [t for t in entry.timings if str(t.params.get("scheme")) == scheme]
@@ -267,14 +267,26 @@ def _runs(bins: list[tuple[int, Any]], same: Any) -> list[tuple]:
 def database(entries: Sequence[Entry], *, arch: str, machine: Mapping[str, Any], method: Mapping[str, Any],
              tolerance: float = DEFAULT_TOLERANCE) -> dict:
     """The database object :func:`dumps` writes: measurements, their machine and method, and the
-    rules decided from them."""
+    rules decided from them.
+
+    Raises:
+        TuningError: a rule decided from malformed entries (e.g. a whole backward whose params
+            name no kernel) would not load in a catalog; it says which.
+    """
+    from aotriton_rt.errors import CatalogError
+    from aotriton_rt.tuning import validate_table
+
     gpu = str(machine.get("gpu", "unknown GPU"))
     source = f"tuning database {arch} ({gpu})"
     ordered = sorted(entries, key=lambda e: (e.kernel, _spec_key(e.spec), e.bin))
+    rules = decide(ordered, arch, source, tolerance)
+    try:
+        validate_table(rules, "the decided rules")
+    except CatalogError as e:
+        raise TuningError(str(e)) from None
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "arch": arch, "machine": dict(machine),
             "method": {**dict(method), "tolerance": tolerance},
-            "entries": [e.to_json(tolerance) for e in ordered],
-            "rules": decide(ordered, arch, source, tolerance)}
+            "entries": [e.to_json(tolerance) for e in ordered], "rules": rules}
 
 
 def dumps(db: Mapping[str, Any]) -> bytes:

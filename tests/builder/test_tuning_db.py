@@ -421,3 +421,15 @@ def test_the_checked_in_sm90_database_sends_d64_backwards_to_the_portable_dq_as_
         ("bf16", 64, 0, "attn_bwd_dq"), ("fp16", 64, 0, "attn_bwd_dq")]
     assert all(r["source"].startswith("bench/sm90_bwd_gluon.py --rounds 5, H200") for r in rules)
     assert "attn_bwd_mode" not in db["rules"]  # the bench timed no atomic scheme
+
+
+def test_whole_backwards_whose_params_name_no_scheme_or_kernel_are_refused() -> None:
+    bad = Entry(tuning.BACKWARD, CALL, 1024, {}, (Timing(0, {"scheme": "split", "attn_bwd_dq": "attn_bwd_dq"}, 2.0),
+                                                   Timing(1, {"scheme": "fused", "attn_bwd_dq": "x; y"}, 1.0)))
+    with pytest.raises(TuningError, match=r"the decided rules: catalog tuning\['attn_bwd_mode'\] rule .*: mode must "
+                                          r"be 'split' or 'atomic'"):
+        tuning.database([bad], arch="sm90", machine={}, method={})
+    odd = Entry(tuning.BACKWARD, CALL, 1024, {}, (Timing(0, {"scheme": "split", "attn_bwd_dq": "attn_bwd_dq"}, 2.0),
+                                                   Timing(1, {"scheme": "split", "attn_bwd_dq": "x; y"}, 1.0)))
+    with pytest.raises(TuningError, match=r"tuning\['attn_bwd_dq_kernel'\] rule .*: kernel must be a kernel name"):
+        tuning.database([odd], arch="sm90", machine={}, method={})
