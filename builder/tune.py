@@ -154,7 +154,9 @@ def backward_contenders(lib: Any, arch: str, dtype: str, head_dim: int,
     kept): the split scheme before the atomic one, each part's arch kernel before the portable
     one. So index 0 is the untuned default wherever the images hold it, and ties keep it. The
     atomic scheme's dK/dV kernel is forced like the split one's: an arch kernel with
-    ``DQ_ATOMIC=1`` is timed where the dispatcher runs one."""
+    ``DQ_ATOMIC=1`` is timed where the dispatcher runs one. A combination the images would run
+    only zero-padded on a wider head dim than the split default's (e.g. the atomic scheme of a
+    D=64 call where only D=128 has it) is left out."""
     from aotriton_rt.errors import KernelNotFound
     from aotriton_rt.ops.attention import explain
 
@@ -174,6 +176,9 @@ def backward_contenders(lib: Any, arch: str, dtype: str, head_dim: int,
                 except KernelNotFound:  # images without this scheme's kernels for the call
                     continue
                 spec = spec or dict(ex.scheme_spec)
+                dims = {(p.spec.get("HEAD_DIM"), p.spec.get("HEAD_DIM_V")) for p in ex.kernels if p.role == DKDV}
+                if dims != {(spec.get("HEAD_DIM"), spec.get("HEAD_DIM_V"))}:
+                    continue  # a scheme held only at a wider head dim (zero-padded): never the faster one
                 ran = (ex.scheme, tuple((p.kernel, tuning._spec_key(p.spec)) for p in ex.kernels))
                 kept.setdefault(ran, ({"scheme": ex.scheme, **{p.role: p.kernel for p in ex.kernels}}, view))
     return spec, [(i, params, view) for i, (params, view) in enumerate(kept.values())]

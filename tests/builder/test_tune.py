@@ -11,7 +11,7 @@ import pytest
 
 import aotriton_rt
 from builder import tuning
-from builder.tune import ForcedConfig, measure
+from builder.tune import ForcedConfig, contender_name, measure
 from tests.runtime.test_attention_op import _synthetic_variant
 
 BASE = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
@@ -193,3 +193,27 @@ def test_images_with_one_whole_backward_have_nothing_to_choose(lib: aotriton_rt.
     logged: list[str] = []
     assert measure(lib, "sm90", ["attn_bwd"], ["fp16"], [128], [True], [1024], log=logged.append) == []
     assert logged == ["attn_bwd fp16 D128 causal: 1 whole backward the images can run, nothing to choose"]
+
+
+def test_a_scheme_held_only_at_a_wider_head_dim_is_not_a_contender(tmp_path: Path) -> None:
+    from builder.tune import backward_contenders
+
+    d64 = {**CALL, "HEAD_DIM": 64, "HEAD_DIM_V": 64}
+    pre = {k: d64[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}
+    variants = [_synthetic_variant("attn_bwd_preprocess", {**pre, "DQ_ATOMIC": 0}),
+                _synthetic_variant("attn_bwd_dkdv", {**d64, "DQ_ATOMIC": 0}), _synthetic_variant("attn_bwd_dq", d64),
+                _synthetic_variant("attn_bwd_dq_sm90", d64),
+                # The atomic scheme at D=128 only: a D=64 call would run it zero-padded.
+                _synthetic_variant("attn_bwd_preprocess", {**pre, "HEAD_DIM": 128, "HEAD_DIM_V": 128, "DQ_ATOMIC": 1}),
+                _synthetic_variant("attn_bwd_dkdv", {**CALL, "DQ_ATOMIC": 1}),
+                _synthetic_variant("attn_bwd_dq_convert", {"dtype": "fp16", "HEAD_DIM": 128, "VARLEN": 0})]
+    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                       "triton_version": "3.6.0", "tuning": {},
+                                                       "variants": variants}))
+    lib = aotriton_rt.Library(tmp_path)
+    spec, contenders = backward_contenders(lib, "sm90", "fp16", 64, False)
+    assert spec == d64
+    assert [contender_name(c[1]) for c in contenders] == ["split:dkdv+dq_sm90", "split:dkdv+dq"]
+    # The D=128 call has it at its own head dim (and no split scheme: nothing else to compare).
+    assert [contender_name(c[1]) for c in backward_contenders(lib, "sm90", "fp16", 128, False)[1]] == [
+        "atomic:dkdv+dq_convert"]
