@@ -119,7 +119,8 @@ def _tuning_line(lib) -> str:
         return "tuning: no rules (every kernel untuned: config 0, docs/tuning.md)"
     parts = []
     for name, rules in sorted(table.items()):
-        sources = sorted({str(r.get("source", "declared by the kernel")).split(", measured at")[0] for r in rules})
+        sources = sorted({str(r.get("source", "declared by the kernel")).split(" measured at")[0].removesuffix(",")
+                          for r in rules})
         parts.append(f"{name} {len(rules)} rules ({'; '.join(sources)})")
     return "tuning: " + ", ".join(parts) + "; other kernels untuned (`explain attention` says per call)"
 

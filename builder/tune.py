@@ -1,8 +1,8 @@
 """``python -m builder tune``: time every built config of the attention kernels on this GPU, through
 the runtime, into a tuning database (:mod:`builder.tuning` owns its format and decisions).
 
-For each kernel asked (default ``attn_fwd``, ``attn_bwd_dkdv``, ``attn_bwd_dq``; any kernel that an
-attention forward or deterministic backward call launches on this arch), each combination of
+For each kernel asked (default ``attn_fwd``, ``attn_fwd_sm90``, ``attn_bwd_dkdv``, ``attn_bwd_dq``; any
+kernel that an attention forward or deterministic backward call launches on this arch), each combination of
 dtype, head dim and causal mask asked, and each sequence-length bin (powers of two), it finds the
 spec the operator dispatches for that call and every config the image folder holds for it on this
 GPU's arch. Kernels with one config are skipped. Each config is then run *by the runtime*: the
@@ -12,6 +12,15 @@ launches, images, packing and launch path included — never the JIT. Before tim
 config's result is compared with config 0's; a config that disagrees is recorded as wrong and
 never chosen.
 
+``attn_bwd`` (:data:`BACKWARD`, asked by default and by ``--quick``) measures which kernels and
+scheme the backward runs: per combination and bin, every distinct *whole* backward the images
+can run for the call (:func:`backward_contenders`: split or atomic scheme, the arch's own or the
+portable dK/dV kernel, the arch's own or the portable dQ kernel), each through
+``attention_backward`` on a view forcing it (preprocess, dK/dV, dQ or convert: the kernels share
+the L2 and the choice is about their sum), checked against the first and timed the same way. Its
+entries decide the ``attn_bwd_mode``, ``attn_bwd_dkdv_kernel`` and ``attn_bwd_dq_kernel`` rules
+(:func:`builder.tuning.backward_decisions`); a mode rule is never asked by a deterministic call.
+
 Shapes: each bin ``N`` runs ``seqlen_q = seqlen_k = N`` with ``heads`` heads (default 32) and
 ``batch = max(1, tokens / (N * heads))`` (default tokens 2**19: B=4 at N=4096, B=16 at N=1024,
 B=1 at N=16384, the issue's benchmark shapes), so every bin fills the GPU the same way; the rule
@@ -19,7 +28,8 @@ format has no batch×heads condition. Timing: :func:`builder.gputime.time_rounds
 rounds in shuffled order, medians). A backward kernel's configs are compared through the whole
 backward, the other kernels fixed at their own choice, which ranks the configs the same way.
 
-    python -m builder tune --images .gpu-images --out tuning.json --quick     # estimated < 1 min on an H200
+    python -m builder tune --images .gpu-images --out tuning.json --quick     # estimated ~1 min on an H200
+    python -m builder tune --images .gpu-images --out bwd.json --quick --kernels attn_bwd   # the backward's choice
     python -m builder tune --images .gpu-images --out builder/tuning_db/sm90.json
     python -m builder tune --recompute tuning.json --tolerance 0.02 --out tuning.json   # no GPU
 """
@@ -34,7 +44,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from aotriton_rt.ops.attention.dispatch import ARCH_BACKWARDS, ARCH_FORWARDS, DKDV, DQ
-from aotriton_rt.tuning import DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES
+from aotriton_rt.tuning import DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES, MODE_RULES
 
 from . import tuning
 
@@ -44,7 +54,13 @@ FORWARDS = ("attn_fwd", *dict.fromkeys(ARCH_FORWARDS.values()))
 DKDV_KERNELS = (DKDV, *dict.fromkeys(own[DKDV] for own in ARCH_BACKWARDS.values() if DKDV in own))
 #: The dQ kernels a split backward may run: the portable one and each arch's own.
 DQ_KERNELS = (DQ, *dict.fromkeys(own[DQ] for own in ARCH_BACKWARDS.values() if DQ in own))
-TUNABLE = ("attn_fwd", "attn_fwd_sm90", "attn_bwd_dkdv", "attn_bwd_dq")
+#: ``--kernels`` name of the backward's kernel and scheme choice (:func:`backward_contenders`).
+BACKWARD = tuning.BACKWARD
+#: The backward's schemes, in contender order (the split one, the default, first).
+SCHEMES = ("split", "atomic")
+TUNABLE = ("attn_fwd", "attn_fwd_sm90", "attn_bwd_dkdv", "attn_bwd_dq", BACKWARD)
+#: What ``--quick`` measures: which forward serves each bin (and its configs), and which backward.
+QUICK = (*FORWARDS, BACKWARD)
 DEFAULT_BINS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_BINS = (1024, 2048, 4096, 8192, 16384)
 
@@ -124,6 +140,58 @@ class ForcedConfig(TuningOverride):
         super().__init__(lib, rules)
 
 
+def backward_contenders(lib: Any, arch: str, dtype: str, head_dim: int,
+                        causal: bool) -> tuple[dict[str, Any], list[tuple[int, dict, TuningOverride]]]:
+    """What a :data:`BACKWARD` entry times for a call: the call's spec (the one ``attn_bwd_mode``
+    rules are matched against, :func:`aotriton_rt.ops.attention.dispatch.mode_spec`) and every
+    distinct whole backward the images can run for it, as ``(index, params, view)``: ``view`` a
+    :class:`TuningOverride` forcing the scheme and each part's kernel, ``params`` what it then
+    runs, as the operator's own explain says (``{"scheme": "split", "attn_bwd_preprocess": ...,
+    "attn_bwd_dkdv": "attn_bwd_dkdv_sm90", "attn_bwd_dq": "attn_bwd_dq"}``: part -> kernel).
+
+    Tried in this order, each forced combination kept once (a kernel the images lack for the spec,
+    or a scheme they lack, falls back to what they hold, which is then a combination already
+    kept): the split scheme before the atomic one, each part's arch kernel before the portable
+    one. So index 0 is the untuned default wherever the images hold it, and ties keep it. The
+    atomic scheme's dK/dV kernel is forced like the split one's: an arch kernel with
+    ``DQ_ATOMIC=1`` is timed where the dispatcher runs one. A combination the images would run
+    only zero-padded on a wider head dim than the split default's (e.g. the atomic scheme of a
+    D=64 call where only D=128 has it) is left out."""
+    from aotriton_rt.errors import KernelNotFound
+    from aotriton_rt.ops.attention import explain
+
+    own = ARCH_BACKWARDS.get(arch, {})
+    kept: dict[tuple, tuple[dict, TuningOverride]] = {}
+    spec: dict[str, Any] = {}
+    for scheme in SCHEMES:
+        for dkdv in dict.fromkeys((own.get(DKDV, DKDV), DKDV)):
+            for dq in dict.fromkeys((own.get(DQ, DQ), DQ)) if scheme == "split" else (None,):
+                rules: dict[str, list] = {MODE_RULES: [{"mode": scheme}], DKDV_KERNEL_RULES: [{"kernel": dkdv}]}
+                if dq is not None:
+                    rules[DQ_KERNEL_RULES] = [{"kernel": dq}]
+                view = TuningOverride(lib, rules)
+                try:
+                    ex = explain(dtype=dtype, head_dim=head_dim, seqlen_q=1024, causal=causal, backward=True,
+                                 deterministic=False, arch=arch, library=view)
+                except KernelNotFound:  # images without this scheme's kernels for the call
+                    continue
+                spec = spec or dict(ex.scheme_spec)
+                dims = {(p.spec.get("HEAD_DIM"), p.spec.get("HEAD_DIM_V")) for p in ex.kernels if p.role == DKDV}
+                if dims != {(spec.get("HEAD_DIM"), spec.get("HEAD_DIM_V"))}:
+                    continue  # a scheme held only at a wider head dim (zero-padded): never the faster one
+                ran = (ex.scheme, tuple((p.kernel, tuning._spec_key(p.spec)) for p in ex.kernels))
+                kept.setdefault(ran, ({"scheme": ex.scheme, **{p.role: p.kernel for p in ex.kernels}}, view))
+    return spec, [(i, params, view) for i, (params, view) in enumerate(kept.values())]
+
+
+def contender_name(params: dict) -> str:
+    """A whole backward's params in a few words: ``split:dkdv_sm90+dq`` (the parts' kernels without
+    ``attn_bwd_``; the preprocess kernel left out)."""
+    parts = [str(k).removeprefix("attn_bwd_") for role, k in params.items()
+             if role not in ("scheme", "attn_bwd_preprocess")]
+    return f"{params.get('scheme')}:{'+'.join(parts)}"
+
+
 def parse_bins(text: str) -> tuple[int, ...]:
     """``"512,1024"`` → (512, 1024); every bin a power of two >= 16, as the runtime caches choices
     per power-of-two length."""
@@ -198,7 +266,23 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
 
     views: dict[tuple[str, int], ForcedConfig] = {}
     entries: list[tuning.Entry] = []
+    timing = {"rounds": rounds, "seed": seed, "flush_l2": flush_l2, "device": device, "clock": clock}
     for dtype, d, causal in itertools.product(dtypes, head_dims, causals):
+        mask = "causal" if causal else "full"
+        if BACKWARD in kernels:
+            spec, contenders = backward_contenders(lib, arch, dtype, d, causal)
+            label = f"{BACKWARD} {dtype} D{d} {mask}"
+            if len(contenders) < 2:
+                log(f"{label}: {len(contenders)} whole backward the images can run, nothing to choose")
+            for n in bins if len(contenders) >= 2 else ():
+                entry = _measure_bin(lib, BACKWARD, True, spec, contenders, dtype, d, causal,
+                                     shape_of(n, heads, tokens), deterministic=False, **timing,
+                                     log=lambda m, where=f"{label} N{n}": log(f"  {where}: contender {m}"))
+                entries.append(entry)
+                best = tuning.winner(entry.timings)
+                log(f"{label} N{n} B{entry.shape['batch']}: " + "  ".join(
+                    f"#{t.index} {contender_name(t.params)} " + (f"{t.us:.1f}us" if t.us is not None else "-")
+                    for t in entry.timings) + f"  -> #{best.index if best else '-'}")
         # The kernels a forward and a (deterministic) backward call launch, with their specs.
         launched = {}
         # Every forward kernel that could serve the call (the portable one and the arch's own), then
@@ -212,21 +296,23 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
                 continue
             launched.update({pick.kernel: (pick.spec, backward) for pick in picks})
         for kernel in kernels:
+            if kernel == BACKWARD:
+                continue
             if kernel not in launched:
-                log(f"{kernel}: not launched by {dtype} D{d} {'causal' if causal else 'full'} calls on {arch}")
+                log(f"{kernel}: not launched by {dtype} D{d} {mask} calls on {arch}")
                 continue
             spec, backward = launched[kernel]
             configs = configs_of(lib, kernel, spec, arch)
-            label = f"{kernel} {dtype} D{d} {'causal' if causal else 'full'}"
+            label = f"{kernel} {dtype} D{d} {mask}"
             if len(configs) < 2:
                 log(f"{label}: {len(configs)} config built, nothing to choose")
                 continue
             for index, _ in configs:
                 views.setdefault((kernel, index), ForcedConfig(lib, kernel, index))
+            contenders = [(index, params, views[(kernel, index)]) for index, params in configs]
             for n in bins:
-                entry = _measure_bin(lib, views, kernel, backward, spec, configs, dtype, d, causal,
-                                     shape_of(n, heads, tokens),
-                                     rounds=rounds, seed=seed, flush_l2=flush_l2, device=device, clock=clock,
+                entry = _measure_bin(lib, kernel, backward, spec, contenders, dtype, d, causal,
+                                     shape_of(n, heads, tokens), deterministic=True, **timing,
                                      log=lambda m, where=f"{label} N{n}": log(f"  {where}: config {m}"))
                 entries.append(entry)
                 best = tuning.winner(entry.timings)
@@ -236,10 +322,12 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
     return entries
 
 
-def _measure_bin(lib: Any, views: dict, kernel: str, backward: bool, spec: dict, configs: list[tuple[int, dict]],
-                 dtype: str, d: int, causal: bool, shape: dict[str, int], *, rounds: int, seed: int, flush_l2: bool,
-                 log, device: str = "cuda", clock: Any = None) -> tuning.Entry:
-    """One entry: every config of ``kernel``/``spec`` checked against config 0, then timed."""
+def _measure_bin(lib: Any, kernel: str, backward: bool, spec: dict, contenders: list[tuple[int, dict, Any]],
+                 dtype: str, d: int, causal: bool, shape: dict[str, int], *, deterministic: bool, rounds: int,
+                 seed: int, flush_l2: bool, log, device: str = "cuda", clock: Any = None) -> tuning.Entry:
+    """One entry: every contender ``(index, params, view)`` (a config of ``kernel``/``spec``, or a whole
+    backward) run through the operator on its view, checked against the first, then timed
+    together (:func:`builder.gputime.time_rounds`)."""
     import torch
 
     import aotriton_rt
@@ -257,28 +345,28 @@ def _measure_bin(lib: Any, views: dict, kernel: str, backward: bool, spec: dict,
     def call(view: Any) -> Any:
         if not backward:
             return aotriton_rt.attention(q, k, v, causal=causal, library=view)
-        return aotriton_rt.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=True, library=view)
+        return aotriton_rt.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=deterministic,
+                                              library=view)
 
     fns, results, notes = {}, {}, {}
-    for index, _ in configs:
-        view = views[(kernel, index)]
+    for index, _, view in contenders:
         try:
             results[index] = call(view)
             fns[str(index)] = lambda view=view: call(view)
-        except Exception as exc:  # noqa: BLE001 - recorded; the config is never chosen
+        except Exception as exc:  # noqa: BLE001 - recorded; the contender is never chosen
             notes[index] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
     if device == "cuda":
         torch.cuda.synchronize()
-    first = configs[0][0]
+    first = contenders[0][0]
     for index in list(results):
         ref = results.get(first)
         pairs = [(a, r) for a, r in zip(results[index], ref or ()) if a is not None and r is not None]
         if index != first and ref is not None and not all(_same(a, r) for a, r in pairs):
-            notes[index] = f"wrong result: differs from config #{first}"
+            notes[index] = f"wrong result: differs from {'contender' if kernel == BACKWARD else 'config'} #{first}"
             del fns[str(index)]
     stats = time_rounds(fns, rounds=rounds, seed=seed, flush_l2=flush_l2, log=log, clock=clock)
     timings = []
-    for index, params in configs:
+    for index, params, _ in contenders:
         st = stats.get(str(index))
         timings.append(tuning.Timing(index, params, None if st is None else st.median * 1e3,
                                      None if st is None else (st.low * 1e3, st.high * 1e3),
@@ -293,7 +381,10 @@ def _summary(db: dict) -> list[str]:
         s = e["spec"]
         key = (f"{e['kernel']:<14} {s.get('dtype')} D{s.get('HEAD_DIM')} "
                f"{'causal' if s.get('CAUSAL') else 'full':<6}")
-        rows.setdefault(key, []).append(f"{e['bin']}:#{e['winner'] if e['winner'] is not None else '-'}")
+        won = e["winner"]
+        if won is not None and e["kernel"] == BACKWARD:
+            won = next((f"{won}={contender_name(c['params'])}" for c in e["configs"] if c["index"] == won), won)
+        rows.setdefault(key, []).append(f"{e['bin']}:#{won if won is not None else '-'}")
     return [f"{k}  {' '.join(v)}" for k, v in sorted(rows.items())]
 
 
@@ -318,7 +409,7 @@ def main(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise tuning.TuningError("tune needs a GPU (torch sees none); --recompute works without one")
-        asked = args.kernels or ",".join(FORWARDS if args.quick else TUNABLE)
+        asked = args.kernels or ",".join(QUICK if args.quick else TUNABLE)
         kernels = [k.strip() for k in asked.split(",")]
         bins = parse_bins(args.bins) if args.bins else (QUICK_BINS if args.quick else DEFAULT_BINS)
         rounds = args.rounds or (3 if args.quick else 5)
@@ -334,8 +425,9 @@ def main(args: argparse.Namespace) -> int:
                           tokens=args.tokens, rounds=rounds, seed=args.seed, flush_l2=args.flush_l2,
                           log=lambda m: print(m, flush=True))
         if not entries:
-            raise tuning.TuningError(f"nothing to tune: no kernel of {', '.join(kernels)} has two configs built for "
-                                     f"these calls on {arch} in {', '.join(map(str, lib.found.folders))}")
+            raise tuning.TuningError(f"nothing to tune: no kernel of {', '.join(kernels)} has two configs (nor the "
+                                     f"backward two kernels or schemes) built for these calls on {arch} in "
+                                     f"{', '.join(map(str, lib.found.folders))}")
         method = {"rounds": rounds, "seed": args.seed, "order": "shuffle", "heads": args.heads, "tokens": args.tokens,
                   "flush_l2": args.flush_l2, "timing": "CUDA events per call, median per round, median of rounds"}
         db = tuning.database(entries, arch=arch, machine=machine, method=method, tolerance=args.tolerance)
@@ -359,8 +451,9 @@ def add_cli(sub: Any) -> None:
     t.add_argument("--images", default=None, help="image folder built with every config of the kernels to tune "
                    "(e.g. `build --set gputest --targets sm90 --kernels attn_fwd,...`); default: the documented search")
     t.add_argument("--out", required=True, help="the tuning database to write")
-    t.add_argument("--kernels", default=None, help="comma list of kernels that attention calls launch (default: "
-                   f"{','.join(TUNABLE)}; --quick: the forwards, {','.join(FORWARDS)})")
+    t.add_argument("--kernels", default=None, help="comma list of kernels that attention calls launch, and "
+                   f"{BACKWARD} for which dK/dV and dQ kernels and scheme the backward runs (default: "
+                   f"{','.join(TUNABLE)}; --quick: {','.join(QUICK)})")
     t.add_argument("--bins", default=None, help="sequence-length bins, powers of two (default "
                    f"{','.join(map(str, DEFAULT_BINS))}; --quick: {','.join(map(str, QUICK_BINS))})")
     t.add_argument("--dtypes", default="fp16,bf16")
@@ -373,7 +466,8 @@ def add_cli(sub: Any) -> None:
     t.add_argument("--tolerance", type=float, default=tuning.DEFAULT_TOLERANCE,
                    help="a config beats a lower index only when faster by more than this fraction")
     t.add_argument("--flush-l2", action="store_true", help="zero a 2x-L2 buffer before every timed call")
-    t.add_argument("--quick", action="store_true", help="the forward kernels only, 5 bins 1024..16384, 3 rounds")
+    t.add_argument("--quick", action="store_true", help=f"the forward kernels and {BACKWARD} only, 5 bins "
+                   "1024..16384, 3 rounds")
     t.add_argument("--recompute", metavar="FILE", help="no GPU: decide the rules again from FILE's measurements "
                    "(e.g. with another --tolerance)")
     t.set_defaults(func=main)

@@ -15,6 +15,13 @@ every decision, as pure functions (tested on the CPU with synthetic timings):
   faster one's winning time decides which kernel serves the bin (``tuning["attn_fwd_kernel"]``
   rules, ranges made the same way; the arch's own is kept unless the portable one is faster by
   more than the tolerance);
+- an entry of kernel ``attn_bwd`` (:data:`BACKWARD`) times the *whole* backward of a call (its
+  spec: :func:`aotriton_rt.ops.attention.dispatch.mode_spec`) once per contender, each a
+  (scheme, dK/dV kernel, dQ kernel) combination the images hold, the untuned default first:
+  the kernels share the L2 and the choice is about their sum. Its winners
+  (:func:`backward_decisions`) become ``attn_bwd_mode`` rules (where both schemes were timed) and
+  ``attn_bwd_dkdv_kernel`` / ``attn_bwd_dq_kernel`` rules (where a part's kernel varied), ranges
+  made the same way;
 - :func:`dumps` writes the database with sorted keys and rounded times, so the same measurements
   give the same bytes; where and on what it was measured (``machine``) is kept apart from the
   decisions (``rules``), and no date is recorded;
@@ -24,7 +31,13 @@ every decision, as pure functions (tested on the CPU with synthetic timings):
   at another config. A rule measured on mask mode 2 (bottom-right causal) also applies to the
   build's mode-1 variants of the same spec, unless the database measured mode 1 itself: mode 1
   is the same kernel with the band's alignment a run-time argument (one multiply), and the
-  default set compiles mode 1 only (:func:`mode_one_twin`).
+  default set compiles mode 1 only (:func:`mode_one_twin`). A decision rule (which kernel, which
+  scheme: :data:`DECISIONS`) is kept where the build can make that choice for its spec
+  (:func:`choice_built`), mode-1 twins alike.
+
+An entry may name who measured it in ``source`` where that was not ``builder tune`` on the
+database's machine (e.g. a benchmark whose table docs/performance.md keeps); its rules' ``source``
+then begins with it, and ``--recompute`` keeps it.
 
 A database for a target checked in as ``builder/tuning_db/<arch>.json`` is folded into every build
 of that target; ``python -m builder build --tuning-db FILE`` names others (docs/tuning.md).
@@ -38,22 +51,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotriton_rt.ops.attention.dispatch import ARCH_FORWARDS, FWD
-from aotriton_rt.tuning import KERNEL_RULES
+from aotriton_rt.ops.attention.dispatch import ARCH_BACKWARDS, ARCH_FORWARDS, BACKWARD_KERNEL_RULES, DKDV, FWD
+from aotriton_rt.tuning import DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES, MODE_RULES
 
 SCHEMA = "aotriton-rt-tuning"
 SCHEMA_VERSION = 1
 #: The length whose bins a kernel's rules are keyed on: the one that sizes its grid.
 LENGTH_AXIS = {"attn_fwd": "seqlen_q", "attn_fwd_sm90": "seqlen_q", "attn_bwd_dq": "seqlen_q",
-               "attn_bwd_dkdv": "seqlen_k"}
+               "attn_bwd_dkdv": "seqlen_k", KERNEL_RULES: "seqlen_q", DKDV_KERNEL_RULES: "seqlen_k",
+               DQ_KERNEL_RULES: "seqlen_q", MODE_RULES: "seqlen_k"}
 #: Per arch forward (the runtime's ``ARCH_FORWARDS``), the portable kernel it stands in for;
 #: their choices are rules under ``KERNEL_RULES``.
 STANDS_IN_FOR = {own: FWD for own in ARCH_FORWARDS.values()}
+#: The entries' kernel name for a whole attention backward, timed once per contender: a
+#: (scheme, dK/dV kernel, dQ kernel) combination whose ``params`` say ``{"scheme": "split",
+#: "attn_bwd_dkdv": "attn_bwd_dkdv_sm90", ...}`` (role -> kernel that ran it); the entry's spec
+#: is the call's (:func:`aotriton_rt.ops.attention.dispatch.mode_spec`). Its decisions are the
+#: ``attn_bwd_mode``, ``attn_bwd_dkdv_kernel`` and ``attn_bwd_dq_kernel`` rules.
+BACKWARD = "attn_bwd"
+#: Rule tables that choose which kernel plays a part, by table: (the portable kernel, arch -> the
+#: arch's own kernel standing in for it). A rule is folded where the build holds both for its spec.
+KERNEL_CHOICES = {
+    KERNEL_RULES: (FWD, dict(ARCH_FORWARDS)),
+    **{table: (role, {a: own[role] for a, own in ARCH_BACKWARDS.items() if role in own})
+       for role, (table, _) in BACKWARD_KERNEL_RULES.items()},
+}
+#: Every rule table whose rules decide a kernel or a scheme rather than a config (no ``expect``).
+DECISIONS = (*KERNEL_CHOICES, MODE_RULES)
 #: Checked-in databases, one per arch: ``builder/tuning_db/<arch>.json``.
 CHECKED_IN = Path(__file__).resolve().parent / "tuning_db"
 DEFAULT_TOLERANCE = 0.01
 _MAX_BYTES = 16 << 20
 _MAX_ENTRIES = 100_000
+_MAX_SOURCE = 200
 
 
 class TuningError(ValueError):
@@ -90,11 +120,17 @@ class Entry:
     bin: int
     shape: Mapping[str, int]
     timings: Sequence[Timing] = field(default_factory=tuple)
+    #: Who measured it, where not ``python -m builder tune`` on the database's ``machine`` with its
+    #: ``method`` (e.g. a benchmark whose table docs/performance.md keeps); its rules' ``source`` says so.
+    source: str = ""
 
     def to_json(self, tolerance: float) -> dict:
         best = winner(self.timings, tolerance)
-        return {"kernel": self.kernel, "spec": dict(self.spec), "bin": self.bin, "shape": dict(self.shape),
-                "winner": None if best is None else best.index, "configs": [t.to_json() for t in self.timings]}
+        out = {"kernel": self.kernel, "spec": dict(self.spec), "bin": self.bin, "shape": dict(self.shape),
+               "winner": None if best is None else best.index, "configs": [t.to_json() for t in self.timings]}
+        if self.source:
+            out["source"] = self.source
+        return out
 
 
 def _round(us: float | None) -> float | None:
@@ -119,18 +155,26 @@ def _spec_key(spec: Mapping[str, Any]) -> str:
 def decide(entries: Iterable[Entry], arch: str, source: str, tolerance: float = DEFAULT_TOLERANCE) -> dict[str, list]:
     """Catalog rules from measured entries (see the module docs); deterministic in its inputs.
 
-    Each rule: ``arch``, ``spec``, the kernel's length range, ``config``, ``source``, and
-    ``expect`` (the winner's parameters, checked and dropped by :func:`fold`).
+    Each config rule: ``arch``, ``spec``, the kernel's length range, ``config``, ``source``, and
+    ``expect`` (the winner's parameters, checked and dropped by :func:`fold`). Each decision rule
+    (:data:`DECISIONS`: which kernel plays a part, which backward scheme): ``arch``, ``spec``, the
+    range, ``kernel`` or ``mode``, ``source``.
     """
     groups: dict[tuple[str, str], list[tuple[int, Timing]]] = {}
     specs: dict[str, Mapping[str, Any]] = {}
+    sources: dict[tuple[str, str, int], str] = {}
+    backwards: list[Entry] = []
     for e in entries:
+        if e.kernel == BACKWARD:
+            backwards.append(e)
+            continue
         best = winner(e.timings, tolerance)
         if best is None:
             continue
         key = _spec_key(e.spec)
         specs[key] = e.spec
         groups.setdefault((e.kernel, key), []).append((e.bin, best))
+        sources[(e.kernel, key, e.bin)] = e.source or source
     rules: dict[str, list] = {}
     for (kernel, key), bins in sorted(groups.items()):
         axis = LENGTH_AXIS.get(kernel, "seqlen_q")
@@ -140,26 +184,70 @@ def decide(entries: Iterable[Entry], arch: str, source: str, tolerance: float = 
         for low, high, lo, hi, t in _runs(bins, lambda t: t.index):
             rules.setdefault(kernel, []).append({
                 "arch": arch, "spec": dict(specs[key]), axis: [low, high], "config": t.index,
-                "source": f"{source}, measured at {axis} {lo}..{hi}", "expect": dict(t.params)})
+                "source": f"{sources[(kernel, key, lo)]}, measured at {axis} {lo}..{hi}"[:300],
+                "expect": dict(t.params)})
+    # (decision table, spec) -> per bin (bin, decision, what was compared, source).
+    picks: dict[tuple[str, str], list[tuple[int, str, str, str]]] = {}
     # Which forward serves each bin where an arch's own forward and the portable one were both timed.
     for own, portable in sorted(STANDS_IN_FOR.items()):
         for (kernel, key), bins in sorted(groups.items()):
             if kernel != own:
                 continue
             theirs = dict(groups.get((portable, key), []))
-            picks = []
             for b, t in sorted(bins, key=lambda b: b[0]):
                 other = theirs.get(b)
                 if other is None:
                     continue
                 faster = _round(other.us) * (1.0 + tolerance) < _round(t.us)
-                picks.append((b, portable if faster else own))
-            axis = LENGTH_AXIS[own]
-            for low, high, lo, hi, name in _runs(picks, lambda name: name):
-                rules.setdefault(KERNEL_RULES, []).append({
-                    "arch": arch, "spec": dict(specs[key]), axis: [low, high], "kernel": name,
-                    "source": f"{source}, {own} vs {portable} measured at {axis} {lo}..{hi}"})
+                picks.setdefault((KERNEL_RULES, key), []).append(
+                    (b, portable if faster else own, f"{own} vs {portable}", sources[(kernel, key, b)]))
+    # The backward's scheme and the kernel of each part, from whole backwards.
+    for e in backwards:
+        for table, spec, decision, what in backward_decisions(e, tolerance):
+            key = _spec_key(spec)
+            specs[key] = spec
+            picks.setdefault((table, key), []).append((e.bin, decision, what, e.source or source))
+    for (table, key), bins in sorted(picks.items()):
+        bins.sort(key=lambda b: b[0])
+        if len({b[0] for b in bins}) != len(bins):
+            raise TuningError(f"{table} {key}: bin measured twice")
+        axis = LENGTH_AXIS[table]
+        field_name = "mode" if table == MODE_RULES else "kernel"
+        for low, high, lo, hi, (decision, what, src) in _runs([(b, rest) for b, *rest in bins], lambda d: d[0]):
+            rules.setdefault(table, []).append({
+                "arch": arch, "spec": dict(specs[key]), axis: [low, high], field_name: decision,
+                "source": f"{src}, {what} measured at {axis} {lo}..{hi}"[:300]})
     return rules
+
+
+def backward_decisions(entry: Entry, tolerance: float = DEFAULT_TOLERANCE) -> list[tuple[str, dict, str, str]]:
+    """The decisions one :data:`BACKWARD` entry (one bin) makes, as ``(table, rule spec, decision, what
+    was compared)``:
+
+    - ``attn_bwd_mode``, where both schemes were timed: the scheme of the fastest contender
+      (:func:`winner` over all of them, so a tie keeps the lower index: the split scheme);
+    - per scheme and per part whose kernel varied among that scheme's contenders
+      (``attn_bwd_dkdv_kernel``, ``attn_bwd_dq_kernel``): the kernel of the scheme's fastest
+      contender. The split scheme's kernels are decided even where the atomic scheme wins, since
+      deterministic calls still run it. A dK/dV rule's spec carries the scheme's ``DQ_ATOMIC``.
+    """
+    timed = [t for t in entry.timings if t.us is not None]
+    schemes = list(dict.fromkeys(str(t.params.get("scheme")) for t in timed))
+    out: list[tuple[str, dict, str, str]] = []
+    if len(schemes) > 1:
+        best = winner(entry.timings, tolerance)
+        out.append((MODE_RULES, dict(entry.spec), str(best.params.get("scheme")),
+                    f"whole backward, {' vs '.join(schemes)}"))
+    for scheme in schemes:
+        theirs = [t for t in entry.timings if str(t.params.get("scheme")) == scheme]
+        best = winner(theirs, tolerance)
+        for role, (table, _) in sorted(BACKWARD_KERNEL_RULES.items()):
+            names = list(dict.fromkeys(str(t.params[role]) for t in theirs if t.us is not None and role in t.params))
+            if len(names) < 2 or role not in best.params:
+                continue
+            spec = {**entry.spec, "DQ_ATOMIC": int(scheme == "atomic")} if role == DKDV else dict(entry.spec)
+            out.append((table, spec, str(best.params[role]), f"whole {scheme} backward, {' vs '.join(names)}"))
+    return out
 
 
 def _runs(bins: list[tuple[int, Any]], same: Any) -> list[tuple]:
@@ -179,14 +267,26 @@ def _runs(bins: list[tuple[int, Any]], same: Any) -> list[tuple]:
 def database(entries: Sequence[Entry], *, arch: str, machine: Mapping[str, Any], method: Mapping[str, Any],
              tolerance: float = DEFAULT_TOLERANCE) -> dict:
     """The database object :func:`dumps` writes: measurements, their machine and method, and the
-    rules decided from them."""
+    rules decided from them.
+
+    Raises:
+        TuningError: a rule decided from malformed entries (e.g. a whole backward whose params
+            name no kernel) would not load in a catalog; it says which.
+    """
+    from aotriton_rt.errors import CatalogError
+    from aotriton_rt.tuning import validate_table
+
     gpu = str(machine.get("gpu", "unknown GPU"))
     source = f"tuning database {arch} ({gpu})"
     ordered = sorted(entries, key=lambda e: (e.kernel, _spec_key(e.spec), e.bin))
+    rules = decide(ordered, arch, source, tolerance)
+    try:
+        validate_table(rules, "the decided rules")
+    except CatalogError as e:
+        raise TuningError(str(e)) from None
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "arch": arch, "machine": dict(machine),
             "method": {**dict(method), "tolerance": tolerance},
-            "entries": [e.to_json(tolerance) for e in ordered],
-            "rules": decide(ordered, arch, source, tolerance)}
+            "entries": [e.to_json(tolerance) for e in ordered], "rules": rules}
 
 
 def dumps(db: Mapping[str, Any]) -> bytes:
@@ -202,7 +302,10 @@ def entries_of(db: Mapping[str, Any], where: str = "<memory>") -> list[Entry]:
             timings = tuple(Timing(int(t["index"]), dict(t["params"]), t["us"],
                                    tuple(t["spread"]) if t.get("spread") else None, t.get("note", ""))
                             for t in e["configs"])
-            out.append(Entry(str(e["kernel"]), dict(e["spec"]), int(e["bin"]), dict(e["shape"]), timings))
+            src = e.get("source", "")
+            if not isinstance(src, str) or len(src) > _MAX_SOURCE or not src.isprintable():
+                raise TypeError(f"source must be a printable string of at most {_MAX_SOURCE} characters")
+            out.append(Entry(str(e["kernel"]), dict(e["spec"]), int(e["bin"]), dict(e["shape"]), timings, src))
         except (KeyError, TypeError, ValueError) as exc:
             raise TuningError(f"{where}: entries[{i}] is malformed ({type(exc).__name__}: {exc})") from None
     return out
@@ -243,8 +346,8 @@ def load(path: str | Path) -> dict:
         raise TuningError(str(e)) from None
     for kernel, rules in db["rules"].items():
         for i, rule in enumerate(rules):
-            if kernel == KERNEL_RULES and rule.get("arch") == db["arch"]:
-                continue  # its kernel name was checked by validate_table
+            if kernel in DECISIONS and rule.get("arch") == db["arch"]:
+                continue  # its kernel name or scheme was checked by validate_table
             if rule.get("arch") != db["arch"] or not isinstance(rule.get("expect"), dict) or "config" not in rule:
                 raise TuningError(f"{path}: rules[{kernel!r}][{i}] needs arch {db['arch']!r}, a config and the "
                                   f"measured parameters ('expect')")
@@ -289,6 +392,26 @@ def checked_in(archs: Iterable[str], folder: Path = CHECKED_IN) -> list[Path]:
     return [folder / f"{a}.json" for a in sorted(set(archs)) if (folder / f"{a}.json").is_file()]
 
 
+def choice_built(table: str, arch: Any, spec: Mapping[str, Any], specs: set[tuple[str, str, str]]) -> bool:
+    """Whether a build holding ``specs`` ((kernel, arch, spec key) of its jobs) can make the choice a
+    rule of decision table ``table`` (:data:`DECISIONS`) makes for ``spec`` on ``arch``: for a
+    kernel choice, the portable kernel and the arch's own for that spec; for the backward's scheme,
+    the dK/dV kernel of both schemes (``DQ_ATOMIC`` 0 and 1) for the call's spec."""
+    if table == MODE_RULES:
+        return all((DKDV, arch, _spec_key({**spec, "DQ_ATOMIC": atomic})) in specs for atomic in (0, 1))
+    portable, owns = KERNEL_CHOICES[table]
+    key = _spec_key(spec)
+    return (portable, arch, key) in specs and (owns.get(arch), arch, key) in specs
+
+
+def decision_kernels(table: str) -> tuple[str, ...]:
+    """The kernels a build must hold for a decision table's rules to fold (:func:`choice_built`)."""
+    if table == MODE_RULES:
+        return (DKDV,)
+    portable, owns = KERNEL_CHOICES[table]
+    return (portable, *dict.fromkeys(owns.values()))
+
+
 def _job_params(job: Any) -> dict:
     return {**job.config.constexprs, "num_warps": job.config.num_warps, "num_stages": job.config.num_stages}
 
@@ -321,17 +444,15 @@ def fold(databases: Sequence[tuple[str, Mapping[str, Any]]], jobs: Sequence[Any]
             for i, rule, twin in _with_mode_one_twins(kernel, rules):
                 arch = rule.get("arch")
                 key = _spec_key(rule.get("spec", {}))
-                if twin and (kernel, arch, key) not in specs and kernel != KERNEL_RULES:
+                if twin and (kernel, arch, key) not in specs and kernel not in DECISIONS:
                     continue  # the build has no mode-1 variant of the spec: nothing to say
                 served = mode_one_twin(rule)
                 if (not twin and served is not None and (kernel, arch, key) not in specs
                         and (kernel, arch, _spec_key(served["spec"])) in specs):
                     continue  # no mode 2 built (the default set), but mode 1: its twin, next, serves
-                if kernel == KERNEL_RULES:
-                    # A choice between two forwards means something only where the build holds both.
-                    key = _spec_key(rule.get("spec", {}))
-                    if any((own, arch, key) in specs and (portable, arch, key) in specs
-                           for own, portable in STANDS_IN_FOR.items()) and rule not in table.get(kernel, []):
+                if kernel in DECISIONS:
+                    # A choice between kernels (or schemes) means something only where the build holds both.
+                    if choice_built(kernel, arch, rule.get("spec", {}), specs) and rule not in table.get(kernel, []):
                         table.setdefault(kernel, []).append(dict(rule))
                         twins += twin
                     continue

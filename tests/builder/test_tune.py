@@ -11,7 +11,7 @@ import pytest
 
 import aotriton_rt
 from builder import tuning
-from builder.tune import ForcedConfig, measure
+from builder.tune import ForcedConfig, contender_name, measure
 from tests.runtime.test_attention_op import _synthetic_variant
 
 BASE = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
@@ -93,3 +93,127 @@ def test_a_forced_view_makes_the_dispatcher_pick_that_config_and_leaves_the_libr
         assert handle["attn_fwd"].candidates[0].config.index == index
     assert op.attention_kernels(*qkv(S=300, D=128), library=lib)["attn_fwd"].candidates[0].config.index == 0
     assert lib.catalogs[0].tuning == {}
+
+
+# The backward's kernel and scheme choice: whole backwards through the operator's dispatch.
+CALL = {**BASE, "CAUSAL": 0}
+#: ms per whole backward, by (scheme, dK/dV kernel, dQ or convert kernel) as the dispatcher picks them.
+WHOLE_MS = {("split", "attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90"): 1.0,
+            ("split", "attn_bwd_dkdv_sm90", "attn_bwd_dq"): 0.8,
+            ("split", "attn_bwd_dkdv", "attn_bwd_dq_sm90"): 1.2,
+            ("split", "attn_bwd_dkdv", "attn_bwd_dq"): 1.1,
+            ("atomic", "attn_bwd_dkdv", "attn_bwd_dq_convert"): 0.5}
+
+
+@pytest.fixture
+def bwd_lib(tmp_path: Path) -> aotriton_rt.Library:
+    """Synthetic sm90 images (never launched): fp16 D=128 no mask, the forward, both schemes of the
+    portable backward, and the Gluon dK/dV (split only, as today) and dQ."""
+    pre = {k: BASE[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}
+    variants = [_synthetic_variant("attn_fwd", CALL), _synthetic_variant("attn_bwd_dq", CALL),
+                _synthetic_variant("attn_bwd_dq_sm90", CALL),
+                _synthetic_variant("attn_bwd_dkdv_sm90", {**CALL, "DQ_ATOMIC": 0}),
+                _synthetic_variant("attn_bwd_dq_convert", {"dtype": "fp16", "HEAD_DIM": 128, "VARLEN": 0})]
+    for atomic in (0, 1):
+        variants.append(_synthetic_variant("attn_bwd_dkdv", {**CALL, "DQ_ATOMIC": atomic}))
+        variants.append(_synthetic_variant("attn_bwd_preprocess", {**pre, "DQ_ATOMIC": atomic}))
+    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                       "triton_version": "3.6.0", "tuning": {},
+                                                       "variants": variants}))
+    return aotriton_rt.Library(tmp_path)
+
+
+class Backward:
+    """Stands in for aotriton_rt.attention_backward: asks the real dispatcher which kernels the view
+    runs (nothing is launched) and remembers them for the clock."""
+
+    def __init__(self) -> None:
+        self.ran: tuple = ()
+        self.seen: dict[tuple, set] = {}
+
+    def __call__(self, do, q, k, v, out, lse, *, causal, deterministic, library):
+        from aotriton_rt.ops import attention as op
+        from tests.runtime.test_attention_op import qkv
+
+        b, h, n, d = q.shape
+        handles = op.attention_kernels(*qkv(B=b, H=h, S=n, D=d), causal=causal, backward=True,
+                                       deterministic=deterministic, library=library)
+        scheme = "atomic" if "attn_bwd_dq_convert" in handles else "split"
+        self.ran = (scheme, handles["attn_bwd_dkdv"].name,
+                    handles["attn_bwd_dq" if scheme == "split" else "attn_bwd_dq_convert"].name)
+        self.seen.setdefault(self.ran, set()).add(deterministic)
+        return q.float(), k.float(), v.float(), None
+
+
+class WholeClock:
+    def __init__(self, op: Backward) -> None:
+        self.op = op
+
+    def calls(self, fn, n: int, flush: bool) -> list[float]:
+        fn()
+        return [WHOLE_MS[self.op.ran]] * n
+
+    def sync(self) -> None:
+        pass
+
+
+def test_tune_times_every_whole_backward_the_images_hold_and_decides_the_scheme_and_kernels(
+        bwd_lib: aotriton_rt.Library, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    backward = Backward()
+    monkeypatch.setattr(aotriton_rt, "attention", lambda q, k, v, *, causal, library: (q, torch.zeros(q.shape[:3])))
+    monkeypatch.setattr(aotriton_rt, "attention_backward", backward)
+    logged: list[str] = []
+    entries = measure(bwd_lib, "sm90", ["attn_bwd"], ["fp16"], [128], [False], [256, 1024], heads=2, tokens=1,
+                      rounds=2, device="cpu", clock=WholeClock(backward), log=logged.append)
+    # Every combination once (the forced Gluon dK/dV of the atomic scheme runs the portable one: kept
+    # once), the untuned default first; all through non-deterministic calls, as the atomic one must be.
+    assert list(backward.seen) == list(WHOLE_MS) and all(d == {False} for d in backward.seen.values())
+    assert [(e.kernel, e.spec, e.bin) for e in entries] == [("attn_bwd", CALL, 256), ("attn_bwd", CALL, 1024)]
+    assert [(t.index, t.params["scheme"], t.params["attn_bwd_dkdv"], t.us) for t in entries[0].timings] == [
+        (0, "split", "attn_bwd_dkdv_sm90", 1000.0), (1, "split", "attn_bwd_dkdv_sm90", 800.0),
+        (2, "split", "attn_bwd_dkdv", 1200.0), (3, "split", "attn_bwd_dkdv", 1100.0),
+        (4, "atomic", "attn_bwd_dkdv", 500.0)]
+    assert entries[0].timings[4].params == {"scheme": "atomic", "attn_bwd_preprocess": "attn_bwd_preprocess",
+                                            "attn_bwd_dkdv": "attn_bwd_dkdv",
+                                            "attn_bwd_dq_convert": "attn_bwd_dq_convert"}
+    assert any(line.startswith("attn_bwd fp16 D128 full N1024 B1: #0 split:dkdv_sm90+dq_sm90 1000.0us") and
+               line.endswith("-> #4") for line in logged), logged
+    rules = tuning.database(entries, arch="sm90", machine={"gpu": "test"}, method={})["rules"]
+    assert [r["mode"] for r in rules["attn_bwd_mode"]] == ["atomic"]
+    assert [(r["spec"]["DQ_ATOMIC"], r["kernel"]) for r in rules["attn_bwd_dkdv_kernel"]] == [(0, "attn_bwd_dkdv_sm90")]
+    assert [r["kernel"] for r in rules["attn_bwd_dq_kernel"]] == ["attn_bwd_dq"]
+
+
+def test_images_with_one_whole_backward_have_nothing_to_choose(lib: aotriton_rt.Library) -> None:
+    from builder.tune import backward_contenders
+
+    spec, contenders = backward_contenders(lib, "sm90", "fp16", 128, True)
+    assert spec == {**BASE, "CAUSAL": 2} and [c[1]["scheme"] for c in contenders] == ["split"]
+    logged: list[str] = []
+    assert measure(lib, "sm90", ["attn_bwd"], ["fp16"], [128], [True], [1024], log=logged.append) == []
+    assert logged == ["attn_bwd fp16 D128 causal: 1 whole backward the images can run, nothing to choose"]
+
+
+def test_a_scheme_held_only_at_a_wider_head_dim_is_not_a_contender(tmp_path: Path) -> None:
+    from builder.tune import backward_contenders
+
+    d64 = {**CALL, "HEAD_DIM": 64, "HEAD_DIM_V": 64}
+    pre = {k: d64[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}
+    variants = [_synthetic_variant("attn_bwd_preprocess", {**pre, "DQ_ATOMIC": 0}),
+                _synthetic_variant("attn_bwd_dkdv", {**d64, "DQ_ATOMIC": 0}), _synthetic_variant("attn_bwd_dq", d64),
+                _synthetic_variant("attn_bwd_dq_sm90", d64),
+                # The atomic scheme at D=128 only: a D=64 call would run it zero-padded.
+                _synthetic_variant("attn_bwd_preprocess", {**pre, "HEAD_DIM": 128, "HEAD_DIM_V": 128, "DQ_ATOMIC": 1}),
+                _synthetic_variant("attn_bwd_dkdv", {**CALL, "DQ_ATOMIC": 1}),
+                _synthetic_variant("attn_bwd_dq_convert", {"dtype": "fp16", "HEAD_DIM": 128, "VARLEN": 0})]
+    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                       "triton_version": "3.6.0", "tuning": {},
+                                                       "variants": variants}))
+    lib = aotriton_rt.Library(tmp_path)
+    spec, contenders = backward_contenders(lib, "sm90", "fp16", 64, False)
+    assert spec == d64
+    assert [contender_name(c[1]) for c in contenders] == ["split:dkdv+dq_sm90", "split:dkdv+dq"]
+    # The D=128 call has it at its own head dim (and no split scheme: nothing else to compare).
+    assert [contender_name(c[1]) for c in backward_contenders(lib, "sm90", "fp16", 128, False)[1]] == [
+        "atomic:dkdv+dq_convert"]

@@ -234,9 +234,9 @@ def test_checked_in_databases_are_found_by_arch(tmp_path: Path) -> None:
 def test_every_checked_in_database_loads_and_folds_without_a_dropped_rule() -> None:
     for path in sorted(tuning.CHECKED_IN.glob("*.json")):
         db = tuning.load(path)
-        names = {n for n in db["rules"] if n != tuning.KERNEL_RULES}
-        if tuning.KERNEL_RULES in db["rules"]:  # the two forwards its choices are between
-            names |= {*tuning.STANDS_IN_FOR, *tuning.STANDS_IN_FOR.values()}
+        names = {n for n in db["rules"] if n not in tuning.DECISIONS}
+        for table in set(db["rules"]) & set(tuning.DECISIONS):  # the kernels its choices are between
+            names |= set(tuning.decision_kernels(table))
         jobs = [j for name in sorted(names) for j in expand(load_kernels()[name], [KNOWN[db["arch"]]], "full", "3.6.0")]
         table, notes = tuning.fold([(path.name, db)], jobs)
         assert notes[0].endswith(" 0 dropped"), notes
@@ -280,3 +280,158 @@ def test_tune_without_a_gpu_says_so_and_names_the_way_that_needs_none(tmp_path: 
                          capture_output=True, text=True)
     assert run.returncode == 1 and not (tmp_path / "t.json").exists()
     assert run.stderr.strip() == "error: tune needs a GPU (torch sees none); --recompute works without one"
+
+
+# The backward's kernel and scheme choice: entries of whole backwards (kernel "attn_bwd").
+CALL = {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "DROPOUT": 0, "VARLEN": 0, "BIAS": 0}
+OWN_DKDV, OWN_DQ = "attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90"
+#: The contenders builder.tune.backward_contenders finds in images with both Gluon kernels and the
+#: atomic scheme, in its order.
+PAIRS = (("split", OWN_DKDV, OWN_DQ), ("split", OWN_DKDV, "attn_bwd_dq"), ("split", "attn_bwd_dkdv", OWN_DQ),
+         ("split", "attn_bwd_dkdv", "attn_bwd_dq"), ("atomic", "attn_bwd_dkdv", "attn_bwd_dq_convert"))
+
+
+def _whole(n: int, times: list[float | None], spec: dict = CALL, pairs: tuple = PAIRS, source: str = "") -> Entry:
+    def params(scheme: str, dkdv: str, last: str) -> dict:
+        return {"scheme": scheme, "attn_bwd_preprocess": "attn_bwd_preprocess", "attn_bwd_dkdv": dkdv,
+                "attn_bwd_dq" if scheme == "split" else "attn_bwd_dq_convert": last}
+
+    shape = {"batch": max(1, (1 << 19) // (n * 32)), "heads": 32, "seqlen_q": n, "seqlen_k": n}
+    return Entry(tuning.BACKWARD, spec, n, shape, tuple(Timing(i, params(*p), t) for i, (p, t) in
+                                                        enumerate(zip(pairs, times))), source)
+
+
+def _decided(rules: dict, table: str, axis: str = "seqlen_k") -> list[tuple]:
+    return [(r["spec"].get("DQ_ATOMIC"), r[axis], r["mode" if table == "attn_bwd_mode" else "kernel"])
+            for r in rules.get(table, [])]
+
+
+def test_whole_backwards_decide_the_scheme_and_each_parts_kernel_per_bin() -> None:
+    entries = [_whole(1024, [10, 9, 12, 11, 20]),    # split wins; Gluon dK/dV + portable dQ
+               _whole(4096, [90, 95, 99, 99, 80]),   # atomic wins; split: Gluon + Gluon
+               _whole(16384, [300, 290, 330, 320, 250])]
+    rules = tuning.decide(entries, "sm90", "db")
+    assert set(rules) == {"attn_bwd_mode", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
+    assert _decided(rules, "attn_bwd_mode") == [(None, [None, 4095], "split"), (None, [4096, None], "atomic")]
+    # The split scheme's parts are decided in every bin, atomic winner or not: deterministic calls run it.
+    assert _decided(rules, "attn_bwd_dkdv_kernel") == [(0, [None, None], OWN_DKDV)]
+    assert _decided(rules, "attn_bwd_dq_kernel", "seqlen_q") == [
+        (None, [None, 4095], "attn_bwd_dq"), (None, [4096, 16383], OWN_DQ), (None, [16384, None], "attn_bwd_dq")]
+    mode = rules["attn_bwd_mode"][1]
+    assert mode == {"arch": "sm90", "spec": CALL, "seqlen_k": [4096, None], "mode": "atomic",
+                    "source": "db, whole backward, split vs atomic measured at seqlen_k 4096..16384"}
+    assert rules["attn_bwd_dkdv_kernel"][0]["spec"] == {**CALL, "DQ_ATOMIC": 0}
+    assert rules["attn_bwd_dq_kernel"][0]["source"] == ("db, whole split backward, attn_bwd_dq_sm90 vs attn_bwd_dq "
+                                                        "measured at seqlen_q 1024..1024")
+    assert not any("expect" in r for table in rules.values() for r in table)
+
+
+def test_a_whole_backward_tie_keeps_the_default_the_split_scheme_and_the_arch_kernels() -> None:
+    # Inside the 1% tolerance everything ties with contender 0: the untuned default stays.
+    rules = tuning.decide([_whole(1024, [100, 99.5, 99.2, 99.9, 99.1])], "sm90", "db")
+    assert _decided(rules, "attn_bwd_mode") == [(None, [None, None], "split")]
+    assert _decided(rules, "attn_bwd_dkdv_kernel") == [(0, [None, None], OWN_DKDV)]
+    assert _decided(rules, "attn_bwd_dq_kernel", "seqlen_q") == [(None, [None, None], OWN_DQ)]
+    # And a clear gain wins: the same times, tolerance 0.
+    eager = tuning.decide([_whole(1024, [100, 99.5, 99.2, 99.9, 99.1])], "sm90", "db", tolerance=0.0)
+    assert _decided(eager, "attn_bwd_mode") == [(None, [None, None], "atomic")]
+    assert _decided(eager, "attn_bwd_dkdv_kernel") == [(0, [None, None], "attn_bwd_dkdv")]
+
+
+def test_whole_backwards_give_the_same_bytes_in_any_order_and_decide_again_the_same(tmp_path: Path) -> None:
+    entries = [_whole(n, [n, n * 0.97, n * 1.2, n * 1.1, n * (1.3 if n < 4096 else 0.9)]) for n in (1024, 2048, 4096)]
+    entries.append(_whole(1024, [5, 6, 7, 8], {**CALL, "CAUSAL": 2}, PAIRS[:4]))
+    a = tuning.dumps(tuning.database(entries, arch="sm90", machine={"gpu": "H200"}, method={}))
+    assert a == tuning.dumps(tuning.database(entries[::-1], arch="sm90", machine={"gpu": "H200"}, method={}))
+    (tmp_path / "t.json").write_bytes(a)
+    again = tuning.load(tmp_path / "t.json")
+    assert tuning.dumps(tuning.database(tuning.entries_of(again), arch="sm90", machine=again["machine"],
+                                        method={})) == a
+
+
+def test_only_what_varied_is_decided() -> None:
+    # Images without the atomic scheme and without a Gluon dK/dV: the dQ kernel only.
+    pairs = (("split", "attn_bwd_dkdv", OWN_DQ), ("split", "attn_bwd_dkdv", "attn_bwd_dq"))
+    rules = tuning.decide([_whole(1024, [10, 8], pairs=pairs)], "sm90", "db")
+    assert set(rules) == {"attn_bwd_dq_kernel"}
+    # A contender that failed or computed a wrong result is not a choice: nothing left to decide.
+    assert tuning.decide([_whole(1024, [10, None], pairs=pairs)], "sm90", "db") == {}
+
+
+def test_an_arch_dkdv_of_the_atomic_scheme_is_decided_under_dq_atomic_1() -> None:
+    # Images whose dispatcher runs an arch dK/dV with DQ_ATOMIC=1: the atomic scheme's dK/dV varies too.
+    pairs = (*PAIRS[:4], ("atomic", OWN_DKDV, "attn_bwd_dq_convert"), PAIRS[4])
+    rules = tuning.decide([_whole(4096, [10, 11, 12, 13, 7, 9], pairs=pairs)], "sm90", "db")
+    assert _decided(rules, "attn_bwd_dkdv_kernel") == [(0, [None, None], OWN_DKDV), (1, [None, None], OWN_DKDV)]
+    assert rules["attn_bwd_dkdv_kernel"][1]["source"] == ("db, whole atomic backward, attn_bwd_dkdv_sm90 vs "
+                                                          "attn_bwd_dkdv measured at seqlen_k 4096..4096")
+    assert _decided(rules, "attn_bwd_mode") == [(None, [None, None], "atomic")]
+
+
+def _backward_jobs(kernels: tuple[str, ...] = ("attn_bwd_dkdv", "attn_bwd_dq", OWN_DKDV, OWN_DQ),
+                   build_set: str = "gputest") -> list:
+    return [j for name in kernels for j in expand(load_kernels()[name], [KNOWN["sm90"]], build_set, "3.6.0")]
+
+
+def test_fold_keeps_backward_decisions_only_where_the_build_can_make_them() -> None:
+    # fp16 D64: no mask (gputest holds both schemes and both Gluon kernels) and bottom-right causal.
+    entries = [_whole(1024, [10, 9, 12, 11, 8]), _whole(1024, [10, 9, 12, 11, 8], {**CALL, "CAUSAL": 2})]
+    db = tuning.database(entries, arch="sm90", machine={"gpu": "H200"}, method={})
+    assert len(db["rules"]["attn_bwd_mode"]) == 2
+    table, notes = tuning.fold([("sm90.json", db)], _backward_jobs())
+    assert notes == ["sm90.json: 8 rules folded (2 of them mode-2 rules applied to CAUSAL=1), 0 dropped"]
+    # The atomic scheme at mode 2 (gputest holds its dK/dV with DQ_ATOMIC=1) but not at mode 1.
+    assert [(r["spec"]["CAUSAL"], r["mode"]) for r in table["attn_bwd_mode"]] == [(0, "atomic"), (2, "atomic")]
+    assert [(r["spec"]["CAUSAL"], r["kernel"]) for r in table["attn_bwd_dq_kernel"]] == [
+        (0, "attn_bwd_dq"), (2, "attn_bwd_dq"), (1, "attn_bwd_dq")]
+    assert [r["spec"]["CAUSAL"] for r in table["attn_bwd_dkdv_kernel"]] == [0, 2, 1]
+    assert table["attn_bwd_dq_kernel"][2]["source"].endswith(tuning.MODE_ONE_NOTE)
+    # Without the Gluon kernels there is no kernel choice to make, and without the atomic dK/dV no scheme.
+    portable = tuning.fold([("sm90.json", db)], _backward_jobs(("attn_bwd_dkdv", "attn_bwd_dq")))[0]
+    assert set(portable) == {"attn_bwd_mode"}
+    assert tuning.fold([("sm90.json", db)], _backward_jobs(("attn_bwd_dq", OWN_DQ), "default"))[0] == {}
+
+
+def test_an_entry_measured_by_a_benchmark_says_so_in_its_rules_and_survives_recompute(tmp_path: Path) -> None:
+    pairs = PAIRS[:2]
+    db = _write_db(tmp_path / "t.json", [_whole(4096, [4377.0, 4066.0], pairs=pairs, source="bench/x.py, H200")])
+    (rule,) = db["rules"]["attn_bwd_dq_kernel"]
+    assert rule["source"] == ("bench/x.py, H200, whole split backward, attn_bwd_dq_sm90 vs attn_bwd_dq measured at "
+                              "seqlen_q 4096..4096")
+    assert db["entries"][0]["source"] == "bench/x.py, H200"
+    run = subprocess.run([sys.executable, "-m", "builder", "tune", "--recompute", str(tmp_path / "t.json"), "--out",
+                          str(tmp_path / "again.json")], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "again.json").read_bytes() == (tmp_path / "t.json").read_bytes()
+    assert "attn_bwd       fp16 D64 full    4096:#1=split:dkdv_sm90+dq" in run.stdout
+
+
+def test_an_entry_with_a_malformed_source_is_refused_naming_it(tmp_path: Path) -> None:
+    db = _write_db(tmp_path / "t.json", [_whole(4096, [2.0, 1.0], pairs=PAIRS[:2])])
+    db["entries"][0]["source"] = "x\n" * 3
+    with pytest.raises(TuningError, match=r"<memory>: entries\[0\] is malformed \(TypeError: source must be a "
+                                          r"printable string of at most 200 characters\)"):
+        tuning.entries_of(db)
+
+
+def test_the_checked_in_sm90_database_sends_d64_backwards_to_the_portable_dq_as_the_bench_measured() -> None:
+    db = tuning.load(tuning.CHECKED_IN / "sm90.json")
+    if not any(e.get("source", "").startswith("bench/sm90_bwd_gluon.py") for e in db["entries"]):
+        pytest.skip("builder tune re-measured the backward: the bench's interim entries are gone")
+    rules = db["rules"]["attn_bwd_dq_kernel"]
+    assert sorted((r["spec"]["dtype"], r["spec"]["HEAD_DIM"], r["spec"]["CAUSAL"], r["kernel"]) for r in rules) == [
+        ("bf16", 64, 0, "attn_bwd_dq"), ("fp16", 64, 0, "attn_bwd_dq")]
+    assert all(r["source"].startswith("bench/sm90_bwd_gluon.py --rounds 5, H200") for r in rules)
+    assert "attn_bwd_mode" not in db["rules"]  # the bench timed no atomic scheme
+
+
+def test_whole_backwards_whose_params_name_no_scheme_or_kernel_are_refused() -> None:
+    bad = Entry(tuning.BACKWARD, CALL, 1024, {}, (Timing(0, {"scheme": "split", "attn_bwd_dq": "attn_bwd_dq"}, 2.0),
+                                                   Timing(1, {"scheme": "fused", "attn_bwd_dq": "x; y"}, 1.0)))
+    with pytest.raises(TuningError, match=r"the decided rules: catalog tuning\['attn_bwd_mode'\] rule .*: mode must "
+                                          r"be 'split' or 'atomic'"):
+        tuning.database([bad], arch="sm90", machine={}, method={})
+    odd = Entry(tuning.BACKWARD, CALL, 1024, {}, (Timing(0, {"scheme": "split", "attn_bwd_dq": "attn_bwd_dq"}, 2.0),
+                                                   Timing(1, {"scheme": "split", "attn_bwd_dq": "x; y"}, 1.0)))
+    with pytest.raises(TuningError, match=r"tuning\['attn_bwd_dq_kernel'\] rule .*: kernel must be a kernel name"):
+        tuning.database([odd], arch="sm90", machine={}, method={})

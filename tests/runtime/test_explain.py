@@ -86,7 +86,8 @@ def test_an_unmeasured_call_says_untuned_and_runs_the_heuristic_config_0(tuned: 
                           library=lib)
     assert backward.scheme == "split" and [k.kernel for k in backward.kernels] == [
         "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
-    assert "default: the deterministic split scheme" in backward.scheme_reason
+    assert backward.scheme_reason == ("untuned (no rule of tuning['attn_bwd_mode'] matches; heuristic: the "
+                                      "deterministic split scheme, bit-reproducible)")
     assert all(k.choice.reason.startswith("untuned") for k in backward.kernels)
     assert [k.note for k in backward.kernels] == ["the only config built"] * 3 and ex.kernels[0].note == ""
 
@@ -185,7 +186,8 @@ def test_the_sm90_forward_serves_the_specs_it_holds_and_the_portable_one_the_res
     assert handle.name == "attn_fwd_sm90"
     pick = op.explain(dtype="fp16", head_dim=128, seqlen_q=300, causal=True, arch="sm90", library=lib).kernels[0]
     assert pick.kernel == "attn_fwd_sm90"
-    assert "kernel: sm90's own forward, preferred where the images hold it" in pick.line()
+    assert pick.line().endswith("kernel: untuned (no rule of tuning['attn_fwd_kernel'] matches; heuristic: sm90's "
+                                "own forward, preferred where the images hold it)")
     # A bias is not in attn_fwd_sm90's specs: the portable forward, and nothing to explain about it.
     biased = op.attention_kernels(q, k, v, causal=True, bias=qkv(S=300, D=300)[0], library=lib)["attn_fwd"]
     assert biased.name == "attn_fwd"

@@ -62,3 +62,55 @@ def test_tune_writes_a_database_the_build_folds_and_explain_reports(gpu_images: 
                             tolerance=db["method"]["tolerance"])
     assert tuning.dumps(again) == out.read_bytes()
     print(json.dumps(db["rules"], indent=1))
+
+
+def test_tune_measures_the_backwards_kernels_and_scheme_and_deterministic_calls_stay_split(
+        gpu_images: Path, tmp_path: Path) -> None:
+    """`tune --kernels attn_bwd` on gputest sm90 images: fp16 D=64, no mask (both schemes, both Gluon
+    kernels) and causal, two bins; about 30 s on the H200."""
+    import triton
+
+    import aotriton_rt
+    from aotriton_rt.ops import attention as op
+    from builder import tuning
+    from builder.registry import expand, load_kernels
+    from builder.targets import KNOWN
+
+    lib = aotriton_rt.Library(gpu_images)
+    if not {"attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90", "attn_bwd_dq_convert"} <= set(lib.kernels):
+        pytest.skip(f"{gpu_images} lacks the Gluon backward or the atomic scheme: set AOTRITON_RT_TEST_IMAGES to "
+                    "`python -m builder build --set gputest --targets sm90 --no-tuning-db --out .gpu-images`")
+    out = tmp_path / "bwd.json"
+    run = subprocess.run([sys.executable, "-m", "builder", "tune", "--images", str(gpu_images), "--out", str(out),
+                          "--kernels", "attn_bwd", "--bins", "1024,4096", "--dtypes", "fp16", "--head-dims", "64",
+                          "--causal", "0,1", "--rounds", "2"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OUT": ""})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    db = tuning.load(out)
+    assert {e["kernel"] for e in db["entries"]} == {"attn_bwd"} and len(db["entries"]) == 4, run.stdout
+    for e in db["entries"]:
+        schemes = [c["params"]["scheme"] for c in e["configs"]]
+        assert len(schemes) >= 4 and schemes[0] == "split", e  # 2 dK/dV x 2 dQ kernels at least
+        assert e["configs"][0]["params"]["attn_bwd_dkdv"] == "attn_bwd_dkdv_sm90"
+        assert all(c["us"] is not None and c["us"] > 0 for c in e["configs"]), e  # none failed or wrong
+        if e["spec"]["CAUSAL"] == 0:
+            assert "atomic" in schemes, e  # gputest holds fp16 D=64's atomic-dQ backward
+    assert {"attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"} <= set(db["rules"]), db["rules"]
+    jobs = [j for name in ("attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90")
+            for j in expand(load_kernels()[name], [KNOWN[db["arch"]]], "gputest", triton.__version__)]
+    table, notes = tuning.fold([("bwd.json", db)], jobs)
+    assert notes[0].endswith(" 0 dropped"), notes
+    for cat in lib.catalogs:
+        cat.tuning = table
+    for n in (1000, 5000):
+        ex = op.explain(dtype="fp16", head_dim=64, seqlen_q=n, backward=True, library=lib)
+        if "attn_bwd_mode" in table:
+            assert ex.scheme_reason.startswith("tuned (rule"), str(ex)
+        if ex.scheme == "split":  # (the atomic scheme's kernels have no alternative in these images)
+            assert all(k.kernel_reason.startswith("tuned (rule") for k in ex.kernels[1:]), str(ex)
+        det = op.explain(dtype="fp16", head_dim=64, seqlen_q=n, backward=True, deterministic=True, library=lib)
+        assert det.scheme == "split" and det.kernels[-1].role == "attn_bwd_dq", str(det)
+    again = tuning.database(tuning.entries_of(db), arch=db["arch"], machine=db["machine"], method=db["method"],
+                            tolerance=db["method"]["tolerance"])
+    assert tuning.dumps(again) == out.read_bytes()
+    print(run.stdout[-3000:])

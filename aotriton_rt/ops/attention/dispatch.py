@@ -220,6 +220,15 @@ def role_available(ks: LibraryKernels, arch: str | Callable[[], str]) -> Availab
     return available
 
 
+def mode_spec(call: AttentionCall, available: Available | None = None, *, dbias: bool = True) -> dict[str, Any]:
+    """The spec a ``tuning["attn_bwd_mode"]`` rule is matched against: the split scheme's dK/dV spec
+    for the call without ``DQ_ATOMIC`` (dtype, head dims, mask mode, bias, dropout, varlen), so a
+    scheme rule names a call the way the kernel rules name its kernels (``python -m builder tune``
+    writes both from one measurement; a rule may name a subset, e.g. ``{"HEAD_DIM": 64}``)."""
+    _, specs = backward_params(call, available, deterministic=True, dbias=dbias)
+    return {k: v for k, v in specs[DKDV].items() if k != "DQ_ATOMIC"}
+
+
 def _default_library() -> Any:
     from ...library import default_library
 
@@ -286,8 +295,9 @@ class LibraryKernels:
         if hit is None:
             mode = scheme
             rules = self.tuning.get(MODE_RULES)
+            # A deterministic call never asks the scheme rules: the atomic scheme is not reproducible.
             if rules and not deterministic and scheme is None:
-                mode = select_mode(rules, spec={"dtype": call.dtype, "HEAD_DIM": bucket(call.head_dim)},
+                mode = select_mode(rules, spec=mode_spec(call, self.available, dbias=dbias),
                                    seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
                                    arch=lambda: self.device_arch(device))
             arch = lambda: self.device_arch(device)  # noqa: E731 - asked only where an arch kernel is held
@@ -370,7 +380,8 @@ def _arch_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any], 
         if name == portable or name == own:
             return name, choice.reason
         return own, f"{choice.reason} names {name!r}, which does not serve this spec on {arch}; {own} runs"
-    return own, f"{arch}'s own {what}, preferred where the images hold it (no tuning['{table}'] rule)"
+    return own, f"untuned (no rule of tuning[{table!r}] matches; heuristic: {arch}'s own {what}, preferred where " \
+                "the images hold it)"
 
 
 def _show(params: Mapping[str, Any]) -> str:

@@ -17,6 +17,7 @@ from ...errors import ArgumentError, KernelNotFound
 from ...tuning import MODE_RULES, Choice, explain_config
 from .dispatch import (
     DTYPES,
+    FWD,
     AttentionCall,
     backward_kernel,
     backward_params,
@@ -24,6 +25,7 @@ from .dispatch import (
     forward_kernel,
     forward_params,
     kernels_of,
+    mode_spec,
     role_available,
 )
 
@@ -48,6 +50,9 @@ class KernelPick:
     note: str = ""
     #: Why this kernel serves the call where another could (the portable forward or an arch's own).
     kernel_reason: str = ""
+    #: The part of the call it plays: the portable kernel's name (``attn_bwd_dkdv`` for the Gluon
+    #: dK/dV too), as :func:`aotriton_rt.ops.attention.dispatch.backward_params` names its specs.
+    role: str = ""
 
     @property
     def tuned(self) -> bool:
@@ -71,6 +76,9 @@ class Explanation:
     kernels: list[KernelPick] = field(default_factory=list)
     scheme: str | None = None
     scheme_reason: str = ""
+    #: The spec the ``tuning["attn_bwd_mode"]`` rules were matched against (backward only;
+    #: :func:`aotriton_rt.ops.attention.dispatch.mode_spec`).
+    scheme_spec: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tuned(self) -> bool:
@@ -147,16 +155,18 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
     if not backward:
         spec = forward_params(call, ks.available)
         name, why = forward_kernel(ks, call, spec, arch)
-        return Explanation(call, arch, [replace(_pick(ks, name, spec, call, arch), kernel_reason=why)])
+        return Explanation(call, arch, [replace(_pick(ks, name, spec, call, arch), kernel_reason=why, role=FWD)])
     mode, reason = scheme, f"asked for (scheme={scheme!r})"
     rules = ks.tuning.get(MODE_RULES)
+    asked = mode_spec(call, ks.available)
     if scheme is None:
-        reason = "default: the deterministic split scheme (bit-reproducible, and the faster one on the H200)"
+        reason = (f"untuned (no rule of tuning[{MODE_RULES!r}] matches; heuristic: the deterministic split scheme, "
+                  "bit-reproducible)")
         if deterministic:
-            reason = "deterministic=True"
+            reason = f"deterministic=True (the atomic scheme is not reproducible; tuning[{MODE_RULES!r}] is not asked)"
         elif rules:
-            choice = explain_config(rules, kernel=MODE_RULES, spec={"dtype": dtype, "HEAD_DIM": bucket(head_dim)},
-                                    seqlen_q=seqlen_q, seqlen_k=seqlen_k, arch=arch)
+            choice = explain_config(rules, kernel=MODE_RULES, spec=asked, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                    arch=arch)
             if choice.rule is not None:
                 mode, reason = choice.rule["mode"], choice.reason
     got, specs = backward_params(call, role_available(ks, arch), deterministic=deterministic, mode=mode)
@@ -167,8 +177,8 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
     picks = []
     for role, spec in specs.items():
         name, why = backward_kernel(ks, call, role, spec, arch)
-        picks.append(replace(_pick(ks, name, spec, call, arch), kernel_reason=why))
-    return Explanation(call, arch, picks, got, reason)
+        picks.append(replace(_pick(ks, name, spec, call, arch), kernel_reason=why, role=role))
+    return Explanation(call, arch, picks, got, reason, asked)
 
 
 def _pick(ks: Any, name: str, spec: dict[str, Any], call: AttentionCall, arch: str) -> KernelPick:
