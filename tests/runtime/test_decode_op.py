@@ -633,12 +633,17 @@ class _AddressHandle(_Handle):
         LAUNCHES.append(("call", self.decl.name, {n: a.data_ptr() if hasattr(a, "data_ptr") else (0 if a is None
                                                   else a) for n, a in zip(self.arg_names, args, strict=True)}))
 
-    def prepare(self, device: int, values: list) -> Any:
+    def prepare(self, device: int, values: list, *, pdl: bool = True) -> Any:
         assert device == 0
+        PREPARED.append((self.decl.name, pdl))
         def launch(stream: int, args: tuple) -> None:
             assert stream == 0x77
             LAUNCHES.append(("prepared", self.decl.name, dict(zip(self.arg_names, args, strict=True))))
         return launch
+
+
+#: (kernel, pdl) of each Kernel.prepare the decode plans made.
+PREPARED: list = []
 
 
 @pytest.mark.parametrize("paged,lens,images", [(0, "array", "current"), (16, "array", "current"),
