@@ -184,12 +184,14 @@ def test_every_tuning_config_matches_the_reference_on_paged_and_contiguous_cache
         ks.rules = saved
 
 
-@pytest.mark.parametrize("page", [16, 32, 48, 64, 128, 256])
+@pytest.mark.parametrize("page", [16, 32, 48, 64, 80, 96, 128, 256])
 def test_paged_caches_of_every_page_size_match_the_contiguous_cache_and_the_reference(lib: aotriton_rt.Library,
                                                                                      page: int) -> None:
     """Pages smaller than a key block (one table entry per 16-row chunk), a multiple of it (one
-    per block) and neither (48): the same sequences through a shuffled, NaN-padded paged cache
-    and a contiguous one, lengths 0, 1, page multiples and not, an append across a page edge."""
+    per block) and neither (48, 80, 96: blocks that start mid-page, page edges after any chunk of
+    the block, walked from one division per block): the same sequences through a shuffled,
+    NaN-padded paged cache and a contiguous one, lengths 0, 1, page multiples and not, an append
+    across a page edge."""
     lens = [2000, 1, 0, 777, 256, 4 * page - 1]
     data = {}
     for kind in ("contiguous", "paged"):
