@@ -36,14 +36,20 @@ def _raw_pointer(obj: Any) -> tuple[int, int]:
 
 
 class _DeviceState:
-    """One variant loaded on one device: its launcher, packer and scratch needs."""
+    """One variant loaded on one device: its launcher, packer and scratch needs.
 
-    __slots__ = ("variant", "packer", "launcher", "grid_fn", "checks", "scratch_size")
+    ``plain``: for a PDL variant, the launcher without the PDL attribute (made on the first
+    :meth:`Kernel.prepare` that asks for it, then kept); ``function``: the loaded function it
+    is made from."""
 
-    def __init__(self, variant: Variant, packer: Packer, launcher: Any) -> None:
+    __slots__ = ("variant", "packer", "launcher", "grid_fn", "checks", "scratch_size", "function", "plain")
+
+    def __init__(self, variant: Variant, packer: Packer, launcher: Any, function: int = 0) -> None:
         self.variant = variant
         self.packer = packer
         self.launcher = launcher
+        self.function = function
+        self.plain = None if variant.pdl else launcher
         self.grid_fn = packer.grid_fn
         self.checks = packer.run_checks if packer.checks else None
         self.scratch_size = variant.scratch["global_size"] * variant.num_ctas
@@ -207,7 +213,7 @@ class Kernel:
                             "positionally; pass stream= and grid= by keyword")
 
     # -- prepared launches (operator plans) -----------------------------------------------------
-    def prepare(self, device: int, values: Sequence[Any]) -> Callable[[int, tuple], None] | None:
+    def prepare(self, device: int, values: Sequence[Any], *, pdl: bool = True) -> Callable[[int, tuple], None] | None:
         """A launch function for calls on ``device`` that differ from ``values`` only in pointers.
 
         For callers that validate a call signature once and launch it many times (the attention
@@ -217,6 +223,12 @@ class Kernel:
         in the pointer slots, which the caller has checked (on ``device``, 16-byte aligned), and
         skips every per-call check. Returns None when the variant promises more than 16-byte
         pointer alignment (the caller then calls the handle as usual).
+
+        ``pdl=False`` launches a variant compiled for programmatic dependent launch (the
+        catalog's ``launch.pdl``) without it: the stream then orders it after its predecessor
+        as any launch (its in-kernel wait returns at once). The launcher without the attribute
+        is made once per device and kept; the decision costs nothing per launch. Variants
+        without PDL launch the same either way.
 
         Raises ArgumentError as a call with these scalars would; loads the module on ``device``.
         """
@@ -235,7 +247,7 @@ class Kernel:
         if st.checks is not None:
             st.checks(vals)
         gx, gy, gz = st.grid_fn(*vals)
-        launcher = st.launcher
+        launcher = st.launcher if pdl else st.plain or self.library._plain_launcher(st)
         if not st.scratch_size:
             hidden = (0, 0)
 

@@ -194,7 +194,18 @@ class Library:
             launcher = driver.make_launcher(
                 function, struct=packer.struct, num_threads=variant.num_threads, shared=variant.shared,
                 cooperative=variant.cooperative, pdl=variant.pdl, cluster_dims=variant.cluster_dims)
-            return _DeviceState(variant, packer, launcher)
+            return _DeviceState(variant, packer, launcher, function)
+
+    def _plain_launcher(self, state: _DeviceState) -> Any:
+        """The launcher of a PDL variant without the PDL attribute (``Kernel.prepare(pdl=False)``),
+        made once per loaded variant and kept on its state."""
+        with self._lock:
+            if state.plain is None:
+                v = state.variant
+                state.plain = self.driver.make_launcher(
+                    state.function, struct=state.packer.struct, num_threads=v.num_threads, shared=v.shared,
+                    cooperative=v.cooperative, pdl=False, cluster_dims=v.cluster_dims)
+            return state.plain
 
     def _scratch_buffer(self, dev: int, nbytes: int, align: int, stream: int) -> int:
         """A per-device global-scratch buffer of at least ``nbytes``, grown (never shrunk) on demand.

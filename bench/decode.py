@@ -40,9 +40,16 @@ tokens for 8 sequences from 512-token prompts through transformers' attention in
         --splits 1 --config 0 --min-blocks 1 2 8 --rounds 9
     python bench/decode.py --llama --rounds 5
 Images: AOTRITON_RT_IMAGES (or the default library). Writes JSON under $OUT when set.
-``AOTRITON_RT_CUDA_PDL=off`` launches the sm90 decode chain without programmatic dependent
-launch (docs/runtime.md): run the same command with it on and off, alternately, to see what PDL
-gives.
+``--pdl``: the decode chain's PDL policies side by side in one process (sm90): each default
+contender (``ours``, ``p64``, ...) also as ``ours@on`` (PDL wherever compiled in) and ``ours@off``
+(never), the plain name being the runtime's per-call rule (``pdl_choice`` in
+``aotriton_rt/ops/decode/launch.py``); the order is shuffled every round with everything else,
+and a PDL table reports per shape the three times, the rule's decision and the per-round
+ratios on/off and rule/best-of-both (median [min-max]). ``--no-sdpa`` skips SDPA's backends (a
+faster policy-only run). ``AOTRITON_RT_CUDA_PDL=off`` still turns PDL off process-wide.
+
+    # the rule against always/never PDL at the measured grid (~3 min on the H200)
+    python bench/decode.py --pdl --no-sdpa --b 1 8 64 --cache 2048 8192 32768 --gqa 4 8 --page 64 --rounds 3
 """
 
 from __future__ import annotations
@@ -160,10 +167,20 @@ def shapes_of(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 def splits_used(fn: Any) -> int | None:
     """The split count of the launch plan that ``fn()`` (one decode call) makes."""
+    plan = plan_of(fn)
+    return plan.num_splits if plan is not None else None
+
+
+def plan_of(fn: Any) -> Any:
+    """The launch plan that ``fn()`` (one decode call) makes (its split count, its PDL decision)."""
     dec._LAUNCHES.clear()
     fn()
     plans = list(dec._LAUNCHES.values())
-    return plans[-1].num_splits if plans else None
+    return plans[-1] if plans else None
+
+
+#: ``--pdl`` contenders: name suffix -> the decode PDL policy (``_Kernels.pdl``); "" is the rule.
+PDL_TAGS = {"": "rule", "@on": "on", "@off": "off"}
 
 
 def _checked_sequences(batch: int, most: int = 4) -> list[int]:
@@ -230,7 +247,7 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
     checked = _checked_sequences(B)
     ref = _reference(qs, ks_, vs, checked)
     contenders: dict[str, Any] = {}
-    for be in SDPA_BACKENDS:
+    for be in SDPA_BACKENDS if args.sdpa else ():
         if be == "math" and contenders:
             continue  # the reference path (it repeats K/V per query head): only when nothing else runs
         def sdpa(be: str = be) -> Any:
@@ -248,27 +265,35 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
         contenders[f"sdpa:{be}"] = sdpa
     # "ours" / "p<page>": the runtime's own choice (the catalog's tuning rules); "#i": config i forced.
     variants = [("", default_rules, None), *_variants(args, default_rules)]
+    # With --pdl the default contenders also run under each fixed PDL policy (ours@on, ours@off).
+    policies = [(tag, policy) for tag, policy in PDL_TAGS.items() if args.pdl or not tag]
     splits: dict[str, int | None] = {}
+    pdl_used: dict[str, bool] = {}
     for tag, rules, forced in variants:
-        def ours(rules: Any = rules, forced: int | None = forced) -> Any:
-            ks.rules = rules
-            return dec.decode_attention(q, kc, vc, causal=True, num_splits=forced, library=lib)[0]
+        for ptag, policy in policies if not tag else [("", "rule")]:
+            def ours(rules: Any = rules, forced: int | None = forced, policy: str = policy) -> Any:
+                ks.rules, ks.pdl = rules, policy
+                return dec.decode_attention(q, kc, vc, causal=True, num_splits=forced, library=lib)[0]
 
-        todo = [(f"ours{tag}", ours)]
-        for page, (kp, vp, table) in paged_caches.items():
-            def paged(rules: Any = rules, forced: int | None = forced, kp: Any = kp, vp: Any = vp,
-                      table: Any = table) -> Any:
-                ks.rules = rules
-                return dec.decode_attention(q, kp, vp, block_table=table, causal=True, num_splits=forced,
-                                            library=lib)[0]
-            todo.append((f"p{page}{tag}", paged))
-        for name, fn in todo:
-            err = _max_error(fn(), ref, checked)
-            if err > 5e-2:
-                print(f"  {name} B={B} S={S} gqa={ratio}: wrong (max error {err:.3g}); skipped")
-                continue
-            contenders[name] = fn
-            splits[name] = splits_used(fn)
+            todo = [(f"ours{tag}{ptag}", ours)]
+            for page, (kp, vp, table) in paged_caches.items():
+                def paged(rules: Any = rules, forced: int | None = forced, kp: Any = kp, vp: Any = vp,
+                          table: Any = table, policy: str = policy) -> Any:
+                    ks.rules, ks.pdl = rules, policy
+                    return dec.decode_attention(q, kp, vp, block_table=table, causal=True, num_splits=forced,
+                                                library=lib)[0]
+                todo.append((f"p{page}{tag}{ptag}", paged))
+            for name, fn in todo:
+                err = _max_error(fn(), ref, checked)
+                if err > 5e-2:
+                    print(f"  {name} B={B} S={S} gqa={ratio}: wrong (max error {err:.3g}); skipped")
+                    continue
+                contenders[name] = fn
+                plan = plan_of(fn)
+                splits[name] = plan.num_splits if plan is not None else None
+                if plan is not None:
+                    pdl_used[name] = bool(plan.pdl)
+    ks.pdl = "rule"
     graphs = {}
     for name, fn in contenders.items():
         try:
@@ -284,19 +309,64 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
             eager[name].append(eager_ms(contenders[name]))
             if name in graphs:
                 graph[name].append(graphs[name].ms())
+    ks.pdl = "rule"
     kv_bytes = 2 * B * S * Hkv * D * 2
     row = {"B": B, "cache": S, "gqa": ratio, "Hq": Hq, "Hkv": Hkv, "D": D, "pages": list(paged_caches),
-           "kv_bytes": kv_bytes, "splits": splits, "eager": {n: _stats(v) for n, v in eager.items()},
+           "kv_bytes": kv_bytes, "splits": splits, "pdl": pdl_used, "eager": {n: _stats(v) for n, v in eager.items()},
            "graph": {n: _stats(v) for n, v in graph.items() if v}}
+    if args.pdl:
+        row["pdl_ratios"] = pdl_ratios(graph)
     for mode in ("eager", "graph"):
+        for s in row[mode].values():
+            s["bw_pct"] = kv_bytes / (s["median_us"] * 1e-6) / (args.peak_tbs * 1e12) * 100
         sd = {n: s["median_us"] for n, s in row[mode].items() if n.startswith("sdpa")}
         if sd:
             best = min(sd, key=sd.get)
             row[f"{mode}_sdpa_best"] = best
             for s in row[mode].values():
                 s["vs_sdpa"] = sd[best] / s["median_us"]
-                s["bw_pct"] = kv_bytes / (s["median_us"] * 1e-6) / (args.peak_tbs * 1e12) * 100
     return row
+
+
+def pdl_ratios(times: dict[str, list[float]]) -> dict[str, dict]:
+    """Per cache kind with all three policies timed (``ours``, ``ours@on``, ``ours@off``, ...):
+    the per-round ratios on/off (< 1: PDL faster) and rule/min(on, off) (1: the rule picked the
+    faster policy that round), as median, min and max over rounds."""
+    out = {}
+    for name in times:
+        on, off = times.get(name + "@on"), times.get(name + "@off")
+        rule = times[name]
+        if "@" in name or not on or not off or len(on) != len(rule) or len(off) != len(rule):
+            continue
+        pairs = {"on/off": [a / b for a, b in zip(on, off)],
+                 "rule/best": [r / min(a, b) for r, a, b in zip(rule, on, off)]}
+        out[name] = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in pairs.items()}
+    return out
+
+
+def pdl_summary(rows: list[dict]) -> None:
+    """The ``--pdl`` table: per shape and cache kind, the graph times of the three policies, the
+    rule's decision (PDL / plain) and the per-round ratios (median [min-max])."""
+    lines = []
+    for r in rows:
+        g = r.get("graph", {})
+        for name, ratios in r.get("pdl_ratios", {}).items():
+            oo, rb = ratios["on/off"], ratios["rule/best"]
+            used = r.get("pdl", {}).get(name)
+            on, off, rule = (g[name + "@on"]["median_us"], g[name + "@off"]["median_us"], g[name]["median_us"])
+            lines.append(f"{r['B']:>3} {r['cache']:>6} {r['gqa']:>3}:1 {name:>5} | {on:>8.1f} {off:>8.1f} {rule:>8.1f} "
+                         f"{'PDL' if used else 'plain' if used is not None else '?':>5} | "
+                         f"{oo['median']:>5.2f} [{oo['min']:.2f}-{oo['max']:.2f}] | "
+                         f"{rb['median']:>5.2f} [{rb['min']:.2f}-{rb['max']:.2f}]")
+    if not lines:
+        return
+    print("\nPDL policies (CUDA-graph replay us; on = PDL wherever compiled in, off = never, rule = the runtime's "
+          "per-call choice;\n on/off < 1: PDL faster; rule/best: the rule's time / the faster policy's, per round: "
+          "median [min-max], 1.00 = the rule picked the faster)")
+    print(f"{'B':>3} {'cache':>6} {'gqa':>4} {'kind':>5} | {'on us':>8} {'off us':>8} {'rule us':>8} {'rule':>5} | "
+          f"{'on/off':>17} | {'rule/best':>17}")
+    for line in lines:
+        print(line)
 
 
 def _print_row(row: dict) -> None:
@@ -311,7 +381,9 @@ def _print_row(row: dict) -> None:
             if n.startswith("sdpa") and n != best:
                 continue
             used = row.get("splits", {}).get(n)
-            extra = (f" x{s.get('vs_sdpa', 0):.2f} {s.get('bw_pct', 0):.0f}%bw" + (f" /{used}s" if used else "")
+            pdl = row.get("pdl", {}).get(n)
+            extra = ((f" x{s['vs_sdpa']:.2f}" if "vs_sdpa" in s else "") + f" {s.get('bw_pct', 0):.0f}%bw"
+                     + (f" /{used}s" if used else "") + ("" if pdl is None or "@" in n else " pdl" if pdl else " plain")
                      if not n.startswith("sdpa") else "")
             parts.append(f"{n} {s['median_us']:.1f}us±{s['spread'] * 100:.0f}%{extra}")
         print(f"{head} [{mode}] " + " | ".join(parts), flush=True)
@@ -333,14 +405,15 @@ def summary(rows: list[dict]) -> None:
         g, e = r.get("graph", {}), r.get("eager", {})
         best = r.get("graph_sdpa_best")
         o = g.get("ours")
-        if not (best and o):
+        if not o:
             continue
-        line = (f"{r['B']:>3} {r['cache']:>6} {r['gqa']:>3}:1 | {best:>15} {g[best]['median_us']:>8.1f} | "
-                f"{o['median_us']:>8.1f} {o['vs_sdpa']:>5.2f} {o['bw_pct']:>4.0f}")
+        sdpa = f"{best:>15} {g[best]['median_us']:>8.1f}" if best else f"{'-':>15} {'-':>8}"
+        line = (f"{r['B']:>3} {r['cache']:>6} {r['gqa']:>3}:1 | {sdpa} | "
+                f"{o['median_us']:>8.1f} {o.get('vs_sdpa', nan):>5.2f} {o.get('bw_pct', nan):>4.0f}")
         for page in pages:
             p = g.get(f"p{page}")
             if p:
-                line += (f" | {p['median_us']:>8.1f} {p['vs_sdpa']:>5.2f} {p['bw_pct']:>4.0f} "
+                line += (f" | {p['median_us']:>8.1f} {p.get('vs_sdpa', nan):>5.2f} {p.get('bw_pct', nan):>4.0f} "
                          f"{o['median_us'] / p['median_us']:>5.2f}")
             else:
                 line += f" | {'-':>8} {'-':>5} {'-':>4} {'-':>5}"
@@ -599,6 +672,10 @@ def main() -> None:
     ap.add_argument("--llama", action="store_true", help="the generation benchmark instead of the kernel table")
     ap.add_argument("--llama-sdpa", nargs="+", default=list(LLAMA_SDPA), choices=LLAMA_SDPA,
                     help="SDPA contenders of --llama: torch's own choice and forced backends")
+    ap.add_argument("--pdl", action="store_true",
+                    help="also time the default contenders with PDL always on (@on) and off (@off): the rule vs both")
+    ap.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=True,
+                    help="time SDPA's backends (--no-sdpa: aotriton-rt's contenders only)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     images = os.environ.get("AOTRITON_RT_IMAGES")
@@ -613,6 +690,7 @@ def main() -> None:
         rows = kernel_table(args, lib)
         result["rows"] = rows
         summary(rows)
+        pdl_summary(rows)
     out = args.json or (os.path.join(os.environ["OUT"], "decode_bench.json") if os.environ.get("OUT") else None)
     if out:
         Path(out).write_text(json.dumps(result, indent=1, default=str))

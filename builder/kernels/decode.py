@@ -77,11 +77,18 @@ def _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn
 
 @triton.jit
 def _page_row(bt_row, first, ok, page_size, num_pages):
-    """(page, row in the page), int64 scalars, of a sequence's cache row ``first``: one
-    block-table entry, clamped into the cache (entries are the caller's contract)."""
-    page = tl.load(bt_row + first // page_size, mask=ok, other=0)
-    page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
-    return page, (first % page_size).to(tl.int64)
+    """(page, row in the page), int64 scalars, of a sequence's cache row ``first`` (>= 0): one
+    block-table entry, clamped into the cache (entries are the caller's contract). One unsigned
+    division; the row is what it leaves (a signed ``//`` and ``%`` were two division sequences)."""
+    entry = (tl.cast(first, tl.uint32) // tl.cast(page_size, tl.uint32)).to(tl.int32)
+    return _page_of(bt_row, entry, ok, num_pages), (first - entry * page_size).to(tl.int64)
+
+
+@triton.jit
+def _page_of(bt_row, entry, ok, num_pages):
+    """Block-table entry ``entry`` of a sequence (int64), clamped into the cache."""
+    page = tl.load(bt_row + entry, mask=ok, other=0)
+    return tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
 
 
 @triton.jit
@@ -108,11 +115,20 @@ def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_
     chunk = offs_n // CHUNK
     k_off = tl.zeros([BLOCK_N], dtype=tl.int64)
     v_off = tl.zeros([BLOCK_N], dtype=tl.int64)
+    # The block's first row by one division; each next chunk is 16 rows on, which crosses at most
+    # one page edge (pages are at least 16 rows): an add and a compare, not a division per chunk.
+    entry = (tl.cast(start_n, tl.uint32) // tl.cast(page_size, tl.uint32)).to(tl.int32)
+    row = start_n - entry * page_size
     for c in tl.static_range(BLOCK_N // CHUNK):
+        if c > 0:
+            row += CHUNK
+            edge = row >= page_size
+            entry = tl.where(edge, entry + 1, entry)
+            row = tl.where(edge, row - page_size, row)
         first = start_n + c * CHUNK
-        page, row = _page_row(bt_row, first, first < len_k, page_size, num_pages)
-        k_off = tl.where(chunk == c, page * stride_kz + row * stride_kn, k_off)
-        v_off = tl.where(chunk == c, page * stride_vz + row * stride_vn, v_off)
+        page = _page_of(bt_row, entry, first < len_k, num_pages)
+        k_off = tl.where(chunk == c, page * stride_kz + row.to(tl.int64) * stride_kn, k_off)
+        v_off = tl.where(chunk == c, page * stride_vz + row.to(tl.int64) * stride_vn, v_off)
     within = offs_n % CHUNK
     return k_off + within * stride_kn, v_off + within * stride_vn
 

@@ -80,3 +80,31 @@ def test_the_llama_summary_compares_ours_with_sdpas_default_and_fastest_backend(
     result["results"]["sdpa:flash"]["cache"] = "StaticCache"
     bench.llama_summary(result)
     assert "different cache classes: ['DynamicCache', 'StaticCache']" in capsys.readouterr().out
+
+
+def test_the_pdl_table_pairs_the_three_policies_round_by_round(bench, capsys) -> None:
+    # Per-round graph times (ms): contiguous, where PDL is slower and the rule launched plainly,
+    # and paged, where PDL is faster and the rule kept it.
+    times = {"ours": [0.070, 0.068, 0.069], "ours@on": [0.080, 0.078, 0.081], "ours@off": [0.068, 0.070, 0.069],
+             "p64": [0.067, 0.066, 0.067], "p64@on": [0.066, 0.067, 0.067], "p64@off": [0.069, 0.068, 0.070],
+             "ours#2": [0.070] * 3, "sdpa:cudnn": [0.068] * 3}
+    ratios = bench.pdl_ratios(times)
+    assert set(ratios) == {"ours", "p64"}  # forced configs and SDPA have no policy twins
+    assert ratios["ours"]["on/off"]["median"] == pytest.approx(0.081 / 0.069)  # rounds: 1.18, 1.11, 1.17
+    assert ratios["ours"]["on/off"]["min"] == pytest.approx(0.078 / 0.070)
+    assert ratios["ours"]["rule/best"]["max"] == pytest.approx(0.070 / 0.068)  # best of the round, not of medians
+    assert ratios["ours"]["rule/best"]["min"] == pytest.approx(0.068 / 0.070)
+    assert ratios["p64"]["rule/best"]["median"] == pytest.approx(1.0)
+    row = {"B": 8, "cache": 8192, "gqa": 4, "pages": [64], "pdl_ratios": ratios, "pdl": {"ours": False, "p64": True},
+           "graph": {n: {"median_us": sorted(v)[1] * 1e3, "spread": 0.0} for n, v in times.items()}}
+    bench.pdl_summary([row])
+    out = capsys.readouterr().out.splitlines()
+    contiguous = next(line for line in out if " ours |" in line)
+    assert contiguous.split() == ["8", "8192", "4:1", "ours", "|", "80.0", "69.0", "69.0", "plain", "|", "1.17",
+                                  "[1.11-1.18]", "|", "1.00", "[0.97-1.03]"]
+    assert " p64 |" in out[-1] and out[-1].split()[8] == "PDL"
+    # Without SDPA contenders the main table still lists ours and the paged cache (no x column).
+    bench.summary([{**row, "graph": {n: {**s, "bw_pct": 50.0} for n, s in row["graph"].items()
+                                     if not n.startswith("sdpa")}}])
+    line = capsys.readouterr().out.splitlines()[3]
+    assert line.split()[:6] == ["8", "8192", "4:1", "|", "-", "-"] and "69.0" in line and "nan" in line

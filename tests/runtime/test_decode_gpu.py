@@ -184,12 +184,14 @@ def test_every_tuning_config_matches_the_reference_on_paged_and_contiguous_cache
         ks.rules = saved
 
 
-@pytest.mark.parametrize("page", [16, 32, 48, 64, 128, 256])
+@pytest.mark.parametrize("page", [16, 32, 48, 64, 80, 96, 128, 256])
 def test_paged_caches_of_every_page_size_match_the_contiguous_cache_and_the_reference(lib: aotriton_rt.Library,
                                                                                      page: int) -> None:
     """Pages smaller than a key block (one table entry per 16-row chunk), a multiple of it (one
-    per block) and neither (48): the same sequences through a shuffled, NaN-padded paged cache
-    and a contiguous one, lengths 0, 1, page multiples and not, an append across a page edge."""
+    per block) and neither (48, 80, 96: blocks that start mid-page, page edges after any chunk of
+    the block, walked from one division per block): the same sequences through a shuffled,
+    NaN-padded paged cache and a contiguous one, lengths 0, 1, page multiples and not, an append
+    across a page edge."""
     lens = [2000, 1, 0, 777, 256, 4 * page - 1]
     data = {}
     for kind in ("contiguous", "paged"):
@@ -217,15 +219,31 @@ def _pdl_expected() -> bool:
     return torch.cuda.get_device_capability() >= (9, 0) and not torch.version.hip
 
 
+@pytest.mark.parametrize("policy", ["on", "off"])
 @pytest.mark.parametrize("page", [None, 16])
 def test_each_launch_of_the_decode_chain_reads_what_the_kernel_before_it_wrote(lib: aotriton_rt.Library,
-                                                                              page: Any) -> None:
+                                                                              page: Any, policy: str) -> None:
     """Append, decode and combine launch back to back after torch kernels that write their
     inputs (the query, the new rows) just before: on sm90 they are PDL launches that may start
     before their predecessor finished, and must wait for it (griddepcontrol.wait) before reading.
     Eagerly and replayed from a CUDA graph, each call matches the reference of its own inputs;
     the call before leaves other partials where this call's will be (the allocator hands the
-    same block back), so a combine that read early would return those."""
+    same block back), so a combine that read early would return those. Under both PDL policies
+    (the per-call rule picks one of them): PDL launches, and the same variants launched plainly."""
+    from aotriton_rt.ops import decode as dec
+
+    ks = dec._kernels_of(lib)
+    ks.pdl = policy
+    try:
+        _chain_reads_its_predecessors_writes(lib, page)
+        # The plans made under this policy (a policy switch retires the earlier ones).
+        plans = [plan for plan in dec._LAUNCHES.values() if plan.ks is ks and plan.generation is ks.generation]
+        assert plans and all(plan.pdl is (policy == "on") for plan in plans), [plan.pdl_reason for plan in plans]
+    finally:
+        ks.pdl = "rule"
+
+
+def _chain_reads_its_predecessors_writes(lib: aotriton_rt.Library, page: Any) -> None:
     from aotriton_rt.ops.torch_decode import decode_attention as op
 
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -271,6 +289,46 @@ def test_each_launch_of_the_decode_chain_reads_what_the_kernel_before_it_wrote(l
         graph.replay()
         torch.cuda.synchronize()
         check(f"graph replay {i} (sign {s})", out, s)
+
+
+@pytest.mark.parametrize("page", [None, 64])
+def test_the_pdl_rule_launches_large_contiguous_split_calls_plainly_and_they_match_the_reference(
+        lib: aotriton_rt.Library, page: Any) -> None:
+    """B=8 with 8192 keys and 8 KV heads (256 MiB of K/V, split): the shape where PDL measured 16%
+    slower on a contiguous cache. The rule launches its chain plainly (a paged cache keeps PDL);
+    eagerly and replayed from a CUDA graph the outputs match the reference."""
+    from aotriton_rt.ops import decode as dec
+
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    lens = [8192 - 20] * 8  # a cache of 8192 rows: the lengths, the appended row and 19 spare
+    c = _cache(lens, 1, 8, 128, torch.bfloat16, page, gen)
+    q = torch.randn(len(lens), 1, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    ref_hi, _ = _reference(q, c["keys"], c["vals"], True, None, torch.float32)
+    ref_lo, _ = _reference(q, c["keys"], c["vals"], True, None, torch.bfloat16)
+    assert dec._kernels_of(lib).pdl == "rule"
+
+    def step() -> Any:
+        return decode_attention(q, c["k"], c["v"], cache_seqlens=c["lens"], block_table=c["table"], k_new=c["k_new"],
+                                v_new=c["v_new"], causal=True, library=lib)[0]
+
+    dec._LAUNCHES.clear()
+    for i in range(3):
+        _close(f"eager call {i}", step(), ref_hi, ref_lo, EPS["bf16"])
+    (plan,) = dec._LAUNCHES.values()
+    assert plan.num_splits > 1 and plan.pdl is (page is not None), plan.pdl_reason
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        step()
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for i in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        _close(f"graph replay {i}", out, ref_hi, ref_lo, EPS["bf16"])
 
 
 def test_attention_routes_decoding_to_the_decode_kernels_and_matches_prefill(lib: aotriton_rt.Library) -> None:

@@ -57,6 +57,13 @@ CASES: dict[str, dict] = {
                                     "splits": 2},
     "pages_of_32_in_blocks_of_64_append": {"paged": 32, "block_n": 64, "new": 2, "lens": (62, 30, 0, 95),
                                            "Sq": 2, "causal": True, "splits": 2, "cap": 128},
+    # Pages that are no multiple of the block, 16-row chunks walked from the block's first row
+    # (one division per block): page edges inside the block after any chunk, blocks that start
+    # mid-page (row 16 or 32 of a 48-row page, row 64 of an 80-row one).
+    "pages_of_48_in_blocks_of_64_edges_after_any_chunk": {"paged": 48, "block_n": 64, "lens": (191, 100, 47, 49),
+                                                          "causal": True, "splits": 3},
+    "pages_of_80_in_blocks_of_64_blocks_start_mid_page": {"paged": 80, "block_n": 64, "new": 1, "Sq": 2,
+                                                          "lens": (159, 64, 80, 0), "causal": True, "splits": 2},
     "pages_of_48_in_blocks_of_32_window": {"paged": 48, "block_n": 32, "lens": (50, 95, 47, 1), "Sq": 3,
                                            "causal": True, "window": (40, 0), "splits": 3, "cap": 144},
     "pages_of_64_one_per_block_append_at_the_page_edge": {"paged": 64, "block_n": 64, "new": 2,
@@ -633,12 +640,17 @@ class _AddressHandle(_Handle):
         LAUNCHES.append(("call", self.decl.name, {n: a.data_ptr() if hasattr(a, "data_ptr") else (0 if a is None
                                                   else a) for n, a in zip(self.arg_names, args, strict=True)}))
 
-    def prepare(self, device: int, values: list) -> Any:
+    def prepare(self, device: int, values: list, *, pdl: bool = True) -> Any:
         assert device == 0
+        PREPARED.append((self.decl.name, pdl))
         def launch(stream: int, args: tuple) -> None:
             assert stream == 0x77
             LAUNCHES.append(("prepared", self.decl.name, dict(zip(self.arg_names, args, strict=True))))
         return launch
+
+
+#: (kernel, pdl) of each Kernel.prepare the decode plans made.
+PREPARED: list = []
 
 
 @pytest.mark.parametrize("paged,lens,images", [(0, "array", "current"), (16, "array", "current"),

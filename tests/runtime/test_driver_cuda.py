@@ -706,3 +706,58 @@ def test_launch_overhead_is_close_to_a_bare_ctypes_call(gpu_add) -> None:
     drv.synchronize(device)
     print(f"\nlauncher: {per_launch * 1e6:.2f} us per launch (CPU side, driver included)")
     assert per_launch < 50e-6
+
+
+def _pdl_add_images(root: Path, *, pdl: bool) -> Path:
+    """An image folder with one cuda sm90 ``add`` variant whose image is the fake's cubin of
+    ``add_kernel(x_ptr, n)`` and whose catalog says ``launch.pdl``."""
+    import hashlib
+    import lzma
+
+    from tests.helpers.httpfaults import make_variant
+
+    raw = cubin(("add_kernel", [8, 4, 8, 8]))
+    xz = lzma.compress(raw, format=lzma.FORMAT_XZ)
+    v = make_variant("add", "cuda", "sm90", 32, xz, raw, 0)
+    v["launch"]["pdl"] = pdl
+    path = root.joinpath(*v["image"]["path"].split("/"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(xz)
+    assert v["image"]["sha256"] == hashlib.sha256(xz).hexdigest()
+    (root / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                   "triton_version": "3.6.0", "tuning": {}, "variants": [v]}))
+    return root
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_a_prepared_launch_without_pdl_drops_only_the_pdl_attribute_and_keeps_its_launcher(
+        driver: CudaDriver, log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pdl: bool) -> None:
+    """Kernel.prepare(pdl=False) (the decode chain's per-call rule): a PDL variant launches through
+    cuLaunchKernel, without the attribute, from a launcher made once per device; prepare(pdl=True)
+    and the handle's own call keep the attribute. A variant without PDL launches the same either way."""
+    import aotriton_rt
+
+    lib = aotriton_rt.Library(_pdl_add_images(tmp_path / "imgs", pdl=pdl), backend="cuda")
+    lib._driver, lib.backend_now = driver, "cuda"
+    made = []
+    make = driver.make_launcher
+    monkeypatch.setattr(driver, "make_launcher", lambda *a, **kw: made.append(kw["pdl"]) or make(*a, **kw))
+    k = lib.kernel("add", raw_pointers=True)
+    x = 0x7F0000001000
+    k(x, 5000, stream=0x50)
+    with_pdl = k.prepare(0, (0, 5000))
+    plain = k.prepare(0, (0, 5000), pdl=False)
+    again = k.prepare(0, (0, 4000), pdl=False)
+    for launch in (with_pdl, plain, again):
+        launch(0x60, (x, 5000))
+    assert made == ([True, False] if pdl else [False])  # the plain launcher: made once, kept
+    plain_launches = records(log, "cuLaunchKernel")
+    ex_launches = records(log, "cuLaunchKernelEx")
+    if pdl:
+        assert [r["stream"] for r in ex_launches] == [0x50, 0x60]  # the handle's call, prepare(pdl=True)
+        assert all(r["attrs"] == [[6, 1, 0, 0]] for r in ex_launches)
+        assert [r["stream"] for r in plain_launches] == [0x60, 0x60]
+        assert [r["grid"] for r in ex_launches + plain_launches] == [[5, 1, 1]] * 3 + [[4, 1, 1]]
+    else:
+        assert ex_launches == []
+        assert [r["grid"] for r in plain_launches] == [[5, 1, 1]] * 3 + [[4, 1, 1]]  # cdiv(n, 1024), as prepared

@@ -27,7 +27,9 @@ def _sm_count(xp: Any, device: int) -> int | None:
 class _Kernels:
     """Decode handles per library. Which variants exist and the device's arch come from the
     attention operator's per-library caches (one kernel's shards read per question), the split
-    rules from its tuning table; ``rules`` stays settable (benchmarks swap it)."""
+    rules from its tuning table. ``rules`` and ``pdl`` (:data:`PDL_POLICIES`) stay settable
+    (benchmarks swap them); setting either to a new value retires the launch plans made under
+    the old one (``generation``: plans hold while it is theirs; one identity test per call)."""
 
     def __init__(self, lib: Any) -> None:
         from ..attention.dispatch import kernels_of
@@ -37,7 +39,32 @@ class _Kernels:
         self.handles: dict[tuple, Any] = {}
         self.sms: dict[int, int] = {}
         self.shared = kernels_of(lib)
-        self.rules = self.shared.tuning.get(DECODE)
+        self._rules = self.shared.tuning.get(DECODE)
+        self._pdl = "rule"
+        self.generation = object()
+
+    @property
+    def rules(self) -> Any:
+        """The ``tuning["attn_decode"]`` rules plans are made under (the catalog's by default)."""
+        return self._rules
+
+    @rules.setter
+    def rules(self, value: Any) -> None:
+        if value is not self._rules:
+            self._rules, self.generation = value, object()
+
+    @property
+    def pdl(self) -> str:
+        """How prepared launches use PDL: "rule" (:func:`pdl_choice`, the default), "on" (as the
+        variants were compiled), "off" (never); for measuring what the rule gives."""
+        return self._pdl
+
+    @pdl.setter
+    def pdl(self, value: str) -> None:
+        if value not in PDL_POLICIES:
+            raise ArgumentError(f"decode PDL policy must be one of {', '.join(PDL_POLICIES)}, got {value!r}")
+        if value != self._pdl:
+            self._pdl, self.generation = value, object()
 
     def has(self, name: str, params: Mapping[str, Any]) -> bool:
         """Whether the images hold ``name`` with ``params`` (cached)."""
@@ -87,6 +114,50 @@ def _kernels_of(library: Any) -> _Kernels:
     return ks
 
 
+#: Values of ``_Kernels.pdl``: the rule below, PDL wherever compiled in, or never.
+PDL_POLICIES = ("rule", "on", "off")
+#: Contiguous split calls that read at least this many K/V bytes launch without PDL (see pdl_choice).
+PLAIN_MIN_KV_BYTES = 48 << 20
+_ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
+def kv_bytes(p: DecodePlan) -> int:
+    """K and V bytes a call reads at most: every (sequence, KV head)'s visible keys (the length
+    estimate the split count uses, cut to the sliding window) times the head dim, twice."""
+    keys = p.seqlen_k_hint
+    if p.window_left >= 0:
+        keys = min(keys, p.window_left + p.seqlen_q)
+    return 2 * p.batch * p.heads_k * keys * p.head_dim * _ELEMENT_BYTES.get(p.dtype, 2)
+
+
+def pdl_choice(p: DecodePlan, num_splits: int, policy: str = "rule") -> tuple[bool, str]:
+    """(launch the chain with PDL where compiled in, why): the decode chain's per-call decision.
+
+    PDL lets append → decode → combine start before their predecessor ends (docs/attention.md).
+    On the H200 (docs/performance.md, PDL on and off) it takes 8-15% off the latency-bound calls
+    (one sequence, up to 8k keys: 8-32 MiB of K/V) and 0-12% off every paged call, but makes
+    *contiguous* calls that are split and read 64 MiB or more 3-16% slower (B=8 with 2k-32k keys,
+    B=1 with 32k; 1.16x at B=8 from 8k keys, reproducibly), which the paged cache of the same
+    shape is not; unsplit calls (B=64: the batch fills the GPU) were not slower. So: a contiguous,
+    split call of at least :data:`PLAIN_MIN_KV_BYTES` launches plainly, everything else with PDL.
+    The cause of the loss is not known; the threshold sits between the fast 32 MiB and the slow
+    64 MiB rows. ``policy`` "on"/"off" overrides (benchmarks)."""
+    if policy == "on":
+        return True, "PDL (policy 'on')"
+    if policy == "off":
+        return False, "no PDL (policy 'off')"
+    if p.paged:
+        return True, "PDL: a paged cache (PDL measured 0-12% faster at every paged shape)"
+    if num_splits == 1:
+        return True, "PDL: one split, no combine (unsplit contiguous calls were not slower with PDL)"
+    nbytes = kv_bytes(p)
+    mib = nbytes / (1 << 20)
+    if nbytes >= PLAIN_MIN_KV_BYTES:
+        return False, (f"no PDL: a contiguous cache, {num_splits} splits, {mib:.0f} MiB of K/V >= "
+                       f"{PLAIN_MIN_KV_BYTES >> 20} MiB (PDL measured 3-16% slower there)")
+    return True, f"PDL: {mib:.1f} MiB of K/V < {PLAIN_MIN_KV_BYTES >> 20} MiB (latency-bound: PDL 8-15% faster)"
+
+
 def _block_n(handle: Any, device: int) -> int:
     try:
         return int(handle.variant(max(device, 0)).config.constexprs.get("BLOCK_N", 64))
@@ -114,7 +185,7 @@ class _Launch:
 
     def __init__(self, p: DecodePlan, infos: dict, ks: _Kernels, layout: str, num_splits: int | None,
                  cache_seqlens: Any) -> None:
-        self.p, self.layout, self.ks, self.rules = p, layout, ks, ks.rules
+        self.p, self.layout, self.ks, self.generation = p, layout, ks, ks.generation
         self.xp = xp = arrays_for(infos["q"].framework)
         spec = {"dtype": p.dtype, "HEAD_DIM": p.head_dim}
         arch = ks.device_arch(p.device)
@@ -129,6 +200,7 @@ class _Launch:
             num_splits = num_splits_for(p.batch, p.heads_k, row_blocks, p.seqlen_k_hint,
                                         _block_n(self.decode, p.device), sm, rule)
         self.num_splits = num_splits
+        self.pdl, self.pdl_reason = pdl_choice(p, num_splits, ks.pdl)
         self.combine = ks.handle(COMBINE, spec, 0, p.device) if num_splits > 1 else None
         q_shape = tuple(infos["q"].shape)
         self.q_shape = q_shape
@@ -154,8 +226,10 @@ class _Launch:
 
     def _prepare(self) -> list | None:
         """Integer-address launches for torch tensors (as the attention plans do): per kernel,
-        ``(launch, template, pointer slots)``, the scalars checked and the grid computed once.
-        None when a handle cannot take them (the per-call handle path then serves)."""
+        ``(launch, template, pointer slots)``, the scalars checked and the grid computed once,
+        with or without PDL as :func:`pdl_choice` decided for the call (``self.pdl``). None when a
+        handle cannot take them (the per-call handle path then serves; it launches the variants as
+        compiled)."""
         torch = sys.modules["torch"]
         backend = "hip" if getattr(torch.version, "hip", None) else "cuda"
         values = {**self.base, **dict.fromkeys(_POINTERS, 0), **dict.fromkeys(_RETIRED, 0)}
@@ -167,7 +241,7 @@ class _Launch:
                     getattr(getattr(handle, "library", None), "backend_now", None) != backend:
                 return None
             template = [values[n] for n in handle.arg_names]
-            launch = handle.prepare(self.p.device, template)
+            launch = handle.prepare(self.p.device, template, pdl=self.pdl)
             if launch is None:
                 return None
             slots = tuple((i, _POINTERS.index(n)) for i, n in enumerate(handle.arg_names) if n in _POINTERS)

@@ -1,0 +1,85 @@
+"""The paged decode kernel's block-table addressing, compiled (Triton 3.6): what a key block costs.
+
+Pages smaller than a key block (vLLM's 16 rows against 64-key blocks) take one block-table
+entry per 16-row chunk. The chunk walk costs one unsigned division per block (each next chunk
+is 16 rows on: an add and a compare); a signed ``//`` and ``%`` per chunk made eight division
+sequences per block, 204 more instructions in the loop than a block inside one page (658
+against 454), now 157 (602 against 445). The results are pinned under the interpreter
+(tests/runtime/test_decode_op.py: pages of 16, 32, 48 and 80 rows in blocks of 64) and on the
+GPU (tests/runtime/test_decode_gpu.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from builder.compile import compile_job
+from builder.registry import expand, load_kernels
+from builder.targets import parse_targets
+
+
+def _job(arch: str) -> Any:
+    (job,) = [j for j in expand(load_kernels()["attn_decode"], parse_targets(arch), "default", "3.6.0")
+              if j.spec == {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": 1} and j.config_index == 0]
+    return job
+
+
+def _loops(sass: str) -> list[collections.Counter]:
+    """Opcode counts of each loop (a backward branch's body) that runs a tensor-core dot."""
+    ins: list[str] = []
+    labels: dict[str, int] = {}
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(ins)
+            continue
+        op = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
+        if op:
+            ins.append(op.group(1) + (" " + m.group(1) if (m := re.search(r"BRA\s+`?\(?\.(L_x_\d+)", line)) else ""))
+    loops = []
+    for i, text in enumerate(ins):
+        target = text.split(" ")[1] if text.startswith("BRA ") else None
+        if target in labels and labels[target] < i:
+            body = collections.Counter(t.split(" ")[0] for t in ins[labels[target]:i + 1])
+            if any(op.startswith("HMMA") for op in body):
+                loops.append(body)
+    return loops
+
+
+def test_a_chunked_key_block_costs_one_unsigned_division_not_two_signed_ones_per_chunk() -> None:
+    import triton
+
+    variant, raw, _ = compile_job(_job("sm90"))
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(raw)
+        f.flush()
+        sass = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    # The paged binary holds both loops: blocks inside one page (first), 16-row chunks (second).
+    whole, chunked = _loops(sass)
+    for loop in (whole, chunked):
+        assert loop["IABS"] == 0, "a signed division (|x| and a sign fix-up) is left in the key loop"
+        assert loop["MUFU.RCP"] <= 1 and loop["IMAD.HI.U32"] + loop["IMAD.HI"] <= 3, loop
+        assert loop["LDGSTS.E.BYPASS.128"] == 16  # the K and V tiles: 16-byte copies either way
+    assert chunked["LDGSTS.E"] == 4 and whole["LDGSTS.E"] == 1  # four page ids per block, or one
+    extra = sum(chunked.values()) - sum(whole.values())
+    assert extra <= 170, f"the chunked loop runs {extra} more instructions per block than the whole-page one"
+
+
+@pytest.mark.parametrize("arch", ["sm80", "gfx1100"])  # gfx942: test_decode_op.py
+def test_the_paged_decode_kernel_compiles_for_sm80_and_keeps_its_abi_on_hip(arch: str) -> None:
+    from builder.abi import prove
+
+    variant, raw, _ = compile_job(_job(arch))
+    assert variant.pdl is False
+    if arch.startswith("gfx"):
+        prove(variant, raw)
+    else:
+        assert raw[:4] == b"\x7fELF"

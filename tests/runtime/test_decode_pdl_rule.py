@@ -1,0 +1,178 @@
+"""The decode chain's per-call PDL decision, on CPU.
+
+- The rule (``pdl_choice``) at the shapes measured on the H200 (docs/performance.md, PDL on and
+  off): the contiguous split calls PDL made slower launch plainly, the latency-bound ones, the
+  unsplit ones and every paged one keep PDL.
+- The decision reaches ``Kernel.prepare`` for every launch of the chain (append, decode,
+  combine), is taken once per plan, and a policy switch (benchmarks) retires the old plans.
+- ``Kernel.prepare(pdl=False)`` launches a PDL variant through the real CUDA driver against the
+  fake libcuda without the launch attribute, and keeps that launcher (in test_driver_cuda.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from aotriton_rt import ArgumentError
+from aotriton_rt.ops import decode as op
+from aotriton_rt.ops.decode import SplitRule, num_splits_for
+from aotriton_rt.ops.decode import launch as dl
+from aotriton_rt.ops.decode.validate import DecodePlan
+
+
+def _plan(batch: int, keys: int, heads_k: int = 8, heads_q: int = 32, paged: bool = False, dtype: str = "bf16",
+          window_left: int = -1) -> DecodePlan:
+    """A validated call's plan: one query row per sequence, D=128, the cache full to ``keys``."""
+    page = 64 if paged else 0
+    return DecodePlan(dtype=dtype, head_dim=128, batch=batch, heads_q=heads_q, heads_k=heads_k, seqlen_q=1,
+                      seqlen_new=0, capacity=keys, paged=paged, page_size=page,
+                      num_pages=batch * keys // 64 if paged else 0, seqlen_k_hint=keys, q_strides=(0, 0, 0),
+                      k_strides=(0, 0, 0), v_strides=(0, 0, 0), kn_strides=(0, 0, 0), vn_strides=(0, 0, 0),
+                      bt_stride=0, window_left=window_left, window_right=-1, scale=0.1, device=0, q_copy=False)
+
+
+def _splits(p: DecodePlan) -> int:
+    """The split count the sm90 default rule gives on the H200 (132 SMs, 64-key blocks)."""
+    return num_splits_for(p.batch, p.heads_k, 1, p.seqlen_k_hint, 64, 132, SplitRule(2, 4, 64))
+
+
+# The H200 table (bf16, D=128, 32 query / 8 KV heads, contiguous): PDL-on time / PDL-off time.
+MEASURED = {(1, 2048): 0.85, (1, 8192): 0.92, (1, 32768): 1.03, (8, 2048): 1.06, (8, 8192): 1.16,
+            (8, 32768): 1.16}
+
+
+@pytest.mark.parametrize(("batch", "keys"), sorted(MEASURED))
+def test_contiguous_split_calls_that_pdl_made_slower_launch_plainly_and_the_faster_ones_keep_pdl(
+        batch: int, keys: int) -> None:
+    p = _plan(batch, keys)
+    assert _splits(p) > 1
+    pdl, why = dl.pdl_choice(p, _splits(p))
+    assert pdl is (MEASURED[batch, keys] < 1), why
+    assert ("no PDL: a contiguous cache" in why) is not pdl
+    # The same shape paged: PDL measured 0-12% faster at every paged shape.
+    paged = _plan(batch, keys, paged=True)
+    assert dl.pdl_choice(paged, _splits(paged)) == (True, "PDL: a paged cache (PDL measured 0-12% faster at "
+                                                          "every paged shape)")
+
+
+@pytest.mark.parametrize("keys", [2048, 8192, 32768])
+@pytest.mark.parametrize("heads_q", [32, 64])
+def test_a_batch_that_fills_the_gpu_without_splits_keeps_pdl_however_much_it_reads(keys: int, heads_q: int) -> None:
+    p = _plan(64, keys, heads_q=heads_q)
+    assert _splits(p) == 1 and dl.kv_bytes(p) >= 512 << 20
+    assert dl.pdl_choice(p, 1) == (True, "PDL: one split, no combine (unsplit contiguous calls were not slower "
+                                         "with PDL)")
+
+
+def test_the_threshold_counts_the_bytes_a_call_reads_across_gqa_ratios_dtypes_and_windows() -> None:
+    # 4 KV heads (GQA 8:1): B=8 with 2k keys reads 32 MiB (PDL), with 8k 128 MiB (plain).
+    assert dl.kv_bytes(_plan(8, 2048, heads_k=4, heads_q=32)) == 32 << 20
+    assert dl.pdl_choice(_plan(8, 2048, heads_k=4), 5)[0] is True
+    assert dl.pdl_choice(_plan(8, 8192, heads_k=4), 5)[0] is False
+    # fp32 reads twice the bytes of bf16 for the same keys.
+    assert dl.kv_bytes(_plan(1, 8192, dtype="fp32")) == 2 * dl.kv_bytes(_plan(1, 8192)) == 64 << 20
+    assert dl.pdl_choice(_plan(1, 8192, dtype="fp32"), 13)[0] is False
+    # A sliding window reads its span, not the cache: 32k keys behind a 4k window is 8 MiB at B=1.
+    windowed = _plan(1, 32768, window_left=4095)
+    assert dl.kv_bytes(windowed) == 2 * 8 * 4096 * 128 * 2
+    assert dl.pdl_choice(windowed, 8) == (True, "PDL: 16.0 MiB of K/V < 48 MiB (latency-bound: PDL 8-15% faster)")
+    # Just below and at the threshold.
+    at = _plan(1, 12288)  # 48 MiB
+    assert dl.kv_bytes(at) == dl.PLAIN_MIN_KV_BYTES and dl.pdl_choice(at, 8)[0] is False
+    assert dl.pdl_choice(_plan(1, 12288 - 64), 8)[0] is True
+
+
+def test_the_policy_overrides_the_rule_both_ways() -> None:
+    slow, fast = _plan(8, 8192), _plan(1, 2048, paged=True)
+    assert dl.pdl_choice(slow, 5, "on") == (True, "PDL (policy 'on')")
+    assert dl.pdl_choice(fast, 7, "off") == (False, "no PDL (policy 'off')")
+
+
+# ---------------------------------------------------------------------------------------------
+# The decision through decode_attention: the real plans over recording kernel handles.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def recording(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fake library whose handles record each prepare's ``pdl`` (and each launch)."""
+    import torch
+
+    from aotriton_rt import interop
+    from aotriton_rt.ops.decode import validate
+    from tests.runtime import test_decode_op as t
+
+    names = {torch.float16: "fp16", torch.int32: "i32"}
+    monkeypatch.setattr(validate, "_describe", lambda obj, name: interop.ArrayInfo(
+        obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()), "torch"))
+    monkeypatch.setattr(interop, "stream_getter", lambda framework: (lambda device: 0x77))
+    lib = t._Library()
+    monkeypatch.setattr(lib, "kernel", lambda name, **params: t._AddressHandle(lib.decls[name], params))
+    op._LAUNCHES.clear()
+    t.LAUNCHES.clear()
+    t.PREPARED.clear()
+    yield lib, t.PREPARED, t.LAUNCHES
+    op._LAUNCHES.clear()
+
+
+def _call(lib: Any, paged: bool, times: int = 2) -> None:
+    import torch
+
+    B, Hk, D = 2, 2, 64
+    q = torch.randn(B, 1, 8, D).half()
+    if paged:
+        k, table = torch.randn(8, 64, Hk, D).half(), torch.arange(8, dtype=torch.int32).reshape(B, 4)
+    else:
+        k, table = torch.randn(B, 256, Hk, D).half(), None
+    v = torch.randn_like(k)
+    kn, vn = torch.randn(B, 1, Hk, D).half(), torch.randn(B, 1, Hk, D).half()
+    for _ in range(times):
+        op.decode_attention(q, k, v, cache_seqlens=torch.tensor([37, 60], dtype=torch.int32), block_table=table,
+                            k_new=kn, v_new=vn, num_splits=3, causal=True, check=False, library=lib)
+
+
+CHAIN = ["attn_decode_append", "attn_decode", "attn_decode_combine"]
+
+
+def test_every_launch_of_the_chain_is_prepared_with_the_plans_decision_once(
+        recording: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    lib, prepared, launches = recording
+    _call(lib, paged=False, times=3)  # 256 KiB of K/V: PDL
+    assert prepared == [(n, True) for n in CHAIN]  # one plan: prepared once, launched twice
+    assert [w for w, _, _ in launches].count("prepared") == 2 * len(CHAIN)
+    (plan,) = op._LAUNCHES.values()
+    assert plan.pdl is True and plan.pdl_reason.startswith("PDL: 0.2 MiB of K/V < 48 MiB")
+    monkeypatch.setattr(dl, "PLAIN_MIN_KV_BYTES", 1 << 10)
+    op._LAUNCHES.clear()
+    prepared.clear()
+    _call(lib, paged=False)
+    assert prepared == [(n, False) for n in CHAIN]
+    prepared.clear()
+    _call(lib, paged=True)
+    assert prepared == [(n, True) for n in CHAIN]  # paged: PDL whatever the size
+
+
+def test_a_policy_switch_retires_the_plans_made_under_the_old_policy(recording: Any) -> None:
+    lib, prepared, launches = recording
+    ks = dl._kernels_of(lib)
+    try:
+        _call(lib, paged=True)
+        first = ks.generation
+        ks.pdl = "rule"  # the same policy: plans stay
+        ks.rules = ks.rules
+        assert ks.generation is first
+        _call(lib, paged=True)
+        assert prepared == [(n, True) for n in CHAIN]
+        ks.pdl = "off"
+        assert ks.generation is not first
+        launches.clear()
+        _call(lib, paged=True)
+        # A new plan (its first call through the handles), prepared without PDL, then launched so.
+        assert [w for w, _, _ in launches] == ["call"] * 3 + ["prepared"] * 3
+        assert prepared[3:] == [(n, False) for n in CHAIN]
+        with pytest.raises(ArgumentError, match=r"decode PDL policy must be one of rule, on, off, got 'never'"):
+            ks.pdl = "never"
+        assert ks.pdl == "off"
+    finally:
+        ks.pdl = "rule"
