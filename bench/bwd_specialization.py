@@ -18,9 +18,13 @@ per mode, the instruction count of each kernel's innermost query/key-tile loops 
 HGMMA), their global loads and local-memory spills. Without ``--sass`` (GPU) it times, in shuffled
 rounds (:func:`builder.gputime.time_rounds`), every kernel in every mode and the whole backward
 (preprocess, dK/dV, dQ) per mode, all through Triton's own launcher, so only the code differs.
+With ``--images DIR`` the same rounds also time the operator's backward on those images (``ours
+bwd``: the runtime's launcher, plan and scratch) and through the JIT (``jit bwd``), the two
+contenders of ``bench/attention.py``'s bwd/jit: ``bwd aot`` against ``ours bwd`` isolates the launch
+path, ``bwd jit`` against ``jit bwd`` checks that the ``jit`` mode is what the JIT builds.
 
-    python bench/bwd_specialization.py --sass                      # CPU: the diff, ~2 min
-    python bench/bwd_specialization.py --rounds 5                  # H200: times, ~3 min
+    python bench/bwd_specialization.py --sass                      # CPU: the diff, ~3 min a dtype
+    python bench/bwd_specialization.py --images DIR --rounds 5     # H200: times, ~3 min
     python bench/bwd_specialization.py --dtype bf16 --causal 2 --n 4096
 """
 
@@ -49,7 +53,8 @@ _FP32 = {"LSE", "Delta", "DQacc"}
 
 
 class Call:
-    """One backward call's scalar arguments, as the operator passes them: q, k, v, dO, O in
+    """One backward call's scalar arguments, as the operator passes them for ``causal=True``
+    (``causal_align`` 0: top-left, which equal lengths make bottom-right too): q, k, v, dO, O in
     (B, N, H, D) memory seen as (B, H, N, D), fresh contiguous gradients, (B, H, N) LSE/Delta."""
 
     def __init__(self, B: int, H: int, N: int, D: int, causal: int, dtype: str) -> None:
@@ -58,7 +63,7 @@ class Call:
         self.values: dict[str, Any] = {
             "batch": B, "num_heads_q": H, "num_heads_k": H, "seqlen_q": N, "seqlen_k": N,
             "sm_scale": 1 / math.sqrt(D), "dropout_p": 0.0, "philox_seed": 0, "philox_offset": 0,
-            "window_left": -1, "window_right": 0 if causal else -1, "causal_align": 1 if causal == 2 else 0,
+            "window_left": -1, "window_right": 0 if causal else -1, "causal_align": 0,
             "stride_lz": H * N, "stride_lh": N}
         for prefix, row, strides in (("q", "m", bshd), ("k", "n", bshd), ("v", "n", bshd), ("do", "m", bshd),
                                      ("o", "m", bshd), ("dq", "m", cont), ("dk", "n", cont), ("dv", "n", cont),
@@ -260,12 +265,10 @@ def sass_report(call: Call) -> dict:
 # GPU: time every kernel in every mode through Triton's launcher.
 # ------------------------------------------------------------------------------------------------
 
-def launchers(call: Call) -> dict[str, Any]:
-    """name -> callable: "<kernel> <mode>" for each kernel and mode, "bwd <mode>" for the three in
-    order. Tensors are shared; every pointer the kernels ignore gets a real (unused) buffer."""
+def tensors(call: Call) -> dict[str, Any]:
+    """The call's arrays by kernel argument name: q, k, v, dO random, O and LSE random stand-ins
+    (replaced by the operator's forward with ``--images``), fresh gradients and Delta."""
     import torch
-
-    from builder.registry import load_kernels
 
     torch.manual_seed(0)
     B, H, N, D = call.B, call.H, call.N, call.D
@@ -274,12 +277,23 @@ def launchers(call: Call) -> dict[str, Any]:
     def bshd() -> Any:
         return torch.randn(B, N, H, D, device="cuda", dtype=dt).transpose(1, 2)
 
-    t = {"Q": bshd(), "K": bshd(), "V": bshd(), "DO": bshd(), "Out": bshd(),
-         "DQ": torch.empty(B, H, N, D, device="cuda", dtype=dt), "DK": torch.empty(B, H, N, D, device="cuda", dtype=dt),
-         "DV": torch.empty(B, H, N, D, device="cuda", dtype=dt),
-         # A plausible logsumexp (row maxima of unit-variance scores are a few units); timing only.
-         "LSE": torch.rand(B, H, N, device="cuda", dtype=torch.float32) + 3.0,
-         "Delta": torch.empty(B, H, N, device="cuda", dtype=torch.float32)}
+    return {"Q": bshd(), "K": bshd(), "V": bshd(), "DO": bshd(), "Out": bshd(),
+            "DQ": torch.empty(B, H, N, D, device="cuda", dtype=dt),
+            "DK": torch.empty(B, H, N, D, device="cuda", dtype=dt),
+            "DV": torch.empty(B, H, N, D, device="cuda", dtype=dt),
+            # A plausible logsumexp (row maxima of unit-variance scores are a few units); timing only.
+            "LSE": torch.rand(B, H, N, device="cuda", dtype=torch.float32) + 3.0,
+            "Delta": torch.empty(B, H, N, device="cuda", dtype=torch.float32)}
+
+
+def launchers(call: Call, t: dict[str, Any]) -> dict[str, Any]:
+    """name -> callable: "<kernel> <mode>" for each kernel and mode, "bwd <mode>" for the three in
+    order, on the arrays ``t``; every pointer the kernels ignore gets a real (unused) buffer."""
+    import torch
+
+    from builder.registry import load_kernels
+
+    dt = t["Q"].dtype
     dummy = {"*fp32": torch.empty(64, device="cuda", dtype=torch.float32),
              "*i32": torch.empty(64, device="cuda", dtype=torch.int32),
              "*dt": torch.empty(64, device="cuda", dtype=dt)}
@@ -305,7 +319,37 @@ def launchers(call: Call) -> dict[str, Any]:
     return fns
 
 
-def time_modes(call: Call, rounds: int, seed: int) -> dict:
+def operator_contenders(call: Call, t: dict[str, Any], images: str) -> dict[str, Any]:
+    """``ours bwd`` (the operator on the AOT images: the runtime's launcher, plan and scratch) and
+    ``jit bwd`` (the same operator calls through bench/attention.py's JitLibrary: the Triton JIT of
+    each kernel with the variant's config), as bench/attention.py times them; the forward's O and
+    LSE replace the stand-ins in ``t``."""
+    import importlib.util
+
+    import aotriton_rt
+    from aotriton_rt.ops import attention as op
+
+    path = Path(__file__).resolve().parent / "attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lib = aotriton_rt.Library(images)
+    jit = bench.JitLibrary(lib)
+    out, lse = op.attention(t["Q"], t["K"], t["V"], causal=bool(call.causal), library=lib)
+    t["Out"].copy_(out)
+    t["LSE"].copy_(lse)
+    explained = op.explain(dtype=call.dtype, head_dim=call.D, seqlen_q=call.N, causal=bool(call.causal),
+                           backward=True, library=lib)
+    print(f"operator's backward on {images}:\n{explained}")
+
+    def run(library: Any) -> Any:
+        return op.attention_backward(t["DO"], t["Q"], t["K"], t["V"], out, lse, causal=bool(call.causal),
+                                     library=library)
+
+    return {"ours bwd": lambda: run(lib), "jit bwd": lambda: run(jit)}
+
+
+def time_modes(call: Call, rounds: int, seed: int, images: str | None) -> dict:
     import torch
     import triton
 
@@ -313,7 +357,9 @@ def time_modes(call: Call, rounds: int, seed: int) -> dict:
 
     # Device-side TMA descriptors need Triton's global scratch allocator (as bench/attention.py's JIT).
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    fns = launchers(call)
+    t = tensors(call)
+    extra = operator_contenders(call, t, images) if images else {}
+    fns = {**launchers(call, t), **extra}
     log: list[str] = []
     stats = time_rounds(fns, rounds=rounds, seed=seed, log=log.append)
     rows = {name: s.to_json() for name, s in stats.items()}
@@ -334,6 +380,15 @@ def time_modes(call: Call, rounds: int, seed: int) -> dict:
         aot, jit = stats["bwd aot"].median, stats["bwd jit"].median
         print(f"backward TFLOP/s: aot {call.flops_bwd / aot / 1e9:.0f}, jit {call.flops_bwd / jit / 1e9:.0f}; "
               f"aot / jit speed {jit / aot:.3f} (the acceptance bar: >= 0.97)")
+    for name in extra:
+        s = stats.get(name)
+        if s is not None:
+            print(f"{name:<22}{s.median:.3f} ms ({(s.high - s.low) / s.median * 100:.0f}%), "
+                  f"{call.flops_bwd / s.median / 1e9:.0f} TFLOP/s"
+                  + (f", / bwd aot {s.median / stats['bwd aot'].median:.3f}x" if "bwd aot" in stats else ""))
+    if "ours bwd" in stats and "jit bwd" in stats:
+        print(f"operator: ours / jit speed {stats['jit bwd'].median / stats['ours bwd'].median:.3f} "
+              "(bench/attention.py's bwd/jit)")
     for m in log:
         print("failed:", m)
     return {"call": call.label, "rounds": rounds, "timings": rows, "errors": log}
@@ -350,6 +405,8 @@ def main() -> None:
                     help="mask mode; default: what the operator runs causal=True on with the gputest images "
                     "(mode 1 for fp16 D=128, the only one they hold; mode 2, tried first, for bf16)")
     ap.add_argument("--dtype", nargs="*", default=["fp16", "bf16"], choices=["fp16", "bf16"])
+    ap.add_argument("--images", default=None, help="GPU: also time the operator's backward on these images "
+                    "('ours bwd', the runtime's launcher) and through the JIT ('jit bwd'), as bench/attention.py")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)))
@@ -360,7 +417,7 @@ def main() -> None:
         causal = args.causal if args.causal is not None else {"fp16": 1, "bf16": 2}[dtype]
         call = Call(args.b, args.h, args.n, args.d, causal, dtype)
         precompile(call, args.workers if not args.sass else min(args.workers, 2))
-        results.append(sass_report(call) if args.sass else time_modes(call, args.rounds, args.seed))
+        results.append(sass_report(call) if args.sass else time_modes(call, args.rounds, args.seed, args.images))
     outputs = [Path(args.json)] if args.json else []
     if os.environ.get("OUT"):
         outputs.append(Path(os.environ["OUT"], "bwd-specialization.json"))
