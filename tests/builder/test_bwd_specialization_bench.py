@@ -41,3 +41,19 @@ def test_every_backward_kernel_has_a_job_for_the_operators_causal_modes(bench) -
         jobs = [bench.job_of(k, call) for k in bench.KERNELS]
         assert [j.kernel for j in jobs] == list(bench.KERNELS)
         assert all(j.config_index == 0 for j in jobs)
+
+
+def test_the_aot_mode_is_the_builders_image_byte_for_byte_and_its_tile_loops_are_found(bench) -> None:
+    """What the GPU half times as ``aot`` is the catalog's binary (compiled as builder/compile.py
+    does); the tile loops are the dQ kernel's: a masked and an unmasked copy per consumer, wgmma in
+    each, no spills at D=64."""
+    from builder.compile import compile_job
+
+    call = bench.Call(2, 4, 256, 64, 1, "fp16")
+    job = bench.job_of("attn_bwd_dq_sm90", call)
+    _, raw, _ = compile_job(job)
+    cubin = bench.compile_mode("attn_bwd_dq_sm90", call, "aot").asm["cubin"]
+    assert raw == cubin
+    loops = bench.tile_loops(cubin)
+    assert len(loops) >= 4 and all(r["HGMMA"] > 0 for r in loops)
+    assert sum(r["LDL"] + r["STL"] for r in loops) == 0
