@@ -21,7 +21,9 @@ rounds (:func:`builder.gputime.time_rounds`), every kernel in every mode and the
 With ``--images DIR`` the same rounds also time the operator's backward on those images (``ours
 bwd``: the runtime's launcher, plan and scratch) and through the JIT (``jit bwd``), the two
 contenders of ``bench/attention.py``'s bwd/jit: ``bwd aot`` against ``ours bwd`` isolates the launch
-path, ``bwd jit`` against ``jit bwd`` checks that the ``jit`` mode is what the JIT builds.
+path, ``bwd jit`` against ``jit bwd`` checks that the ``jit`` mode is what the JIT builds, and ``ours
+bwd, prefer shared`` is ``ours bwd`` with the L1/shared preference Triton's loader sets (the one
+launch setting in which the runtime differs).
 
     python bench/bwd_specialization.py --sass                      # CPU: the diff, ~3 min a dtype
     python bench/bwd_specialization.py --images DIR --rounds 5     # H200: times, ~3 min
@@ -346,7 +348,25 @@ def operator_contenders(call: Call, t: dict[str, Any], images: str) -> dict[str,
         return op.attention_backward(t["DO"], t["Q"], t["K"], t["V"], out, lse, causal=bool(call.causal),
                                      library=library)
 
-    return {"ours bwd": lambda: run(lib), "jit bwd": lambda: run(jit)}
+    # The one launch setting Triton's loader makes and the runtime's does not: the L1/shared split
+    # preference of kernels over 48 KB of shared memory. A second Library (its own modules) with it.
+    prefer = aotriton_rt.Library(images)
+    run(prefer)
+    print(f"'ours bwd, prefer shared': CU_FUNC_CACHE_PREFER_SHARED on {prefer_shared(prefer)} loaded kernels")
+    return {"ours bwd": lambda: run(lib), "jit bwd": lambda: run(jit), "ours bwd, prefer shared": lambda: run(prefer)}
+
+
+def prefer_shared(lib: Any) -> int:
+    """``cuFuncSetCacheConfig(PREFER_SHARED)`` (what Triton's loader does) on every kernel ``lib``
+    has loaded; how many."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    for _, function in lib._modules.values():
+        status = cuda.cuFuncSetCacheConfig(ctypes.c_void_p(function), 1)  # CU_FUNC_CACHE_PREFER_SHARED
+        if status:
+            raise RuntimeError(f"cuFuncSetCacheConfig returned {status}")
+    return len(lib._modules)
 
 
 def time_modes(call: Call, rounds: int, seed: int, images: str | None) -> dict:
