@@ -321,7 +321,7 @@ def launchers(call: Call, t: dict[str, Any]) -> dict[str, Any]:
     return fns
 
 
-def operator_contenders(call: Call, t: dict[str, Any], images: str) -> dict[str, Any]:
+def operator_contenders(call: Call, t: dict[str, Any], images: str, workers: int) -> dict[str, Any]:
     """``ours bwd`` (the operator on the AOT images: the runtime's launcher, plan and scratch) and
     ``jit bwd`` (the same operator calls through bench/attention.py's JitLibrary: the Triton JIT of
     each kernel with the variant's config), as bench/attention.py times them; the forward's O and
@@ -348,6 +348,10 @@ def operator_contenders(call: Call, t: dict[str, Any], images: str) -> dict[str,
         return op.attention_backward(t["DO"], t["Q"], t["K"], t["V"], out, lse, causal=bool(call.causal),
                                      library=library)
 
+    jobs: list = []
+    run(bench.JitLibrary(lib, jobs))  # records the JIT's compile jobs, launches nothing
+    bench.precompile(jobs, workers)
+
     # The one launch setting Triton's loader makes and the runtime's does not: the L1/shared split
     # preference of kernels over 48 KB of shared memory. A second Library (its own modules) with it.
     prefer = aotriton_rt.Library(images)
@@ -369,7 +373,7 @@ def prefer_shared(lib: Any) -> int:
     return len(lib._modules)
 
 
-def time_modes(call: Call, rounds: int, seed: int, images: str | None) -> dict:
+def time_modes(call: Call, rounds: int, seed: int, images: str | None, workers: int) -> dict:
     import torch
     import triton
 
@@ -378,7 +382,7 @@ def time_modes(call: Call, rounds: int, seed: int, images: str | None) -> dict:
     # Device-side TMA descriptors need Triton's global scratch allocator (as bench/attention.py's JIT).
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     t = tensors(call)
-    extra = operator_contenders(call, t, images) if images else {}
+    extra = operator_contenders(call, t, images, workers) if images else {}
     fns = {**launchers(call, t), **extra}
     log: list[str] = []
     stats = time_rounds(fns, rounds=rounds, seed=seed, log=log.append)
@@ -437,7 +441,8 @@ def main() -> None:
         causal = args.causal if args.causal is not None else {"fp16": 1, "bf16": 2}[dtype]
         call = Call(args.b, args.h, args.n, args.d, causal, dtype)
         precompile(call, args.workers if not args.sass else min(args.workers, 2))
-        results.append(sass_report(call) if args.sass else time_modes(call, args.rounds, args.seed, args.images))
+        results.append(sass_report(call) if args.sass
+                       else time_modes(call, args.rounds, args.seed, args.images, args.workers))
     outputs = [Path(args.json)] if args.json else []
     if os.environ.get("OUT"):
         outputs.append(Path(os.environ["OUT"], "bwd-specialization.json"))
