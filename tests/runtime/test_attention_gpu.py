@@ -470,9 +470,10 @@ def test_atomic_and_split_backward_agree(lib: Any) -> None:
     ``DQ_ATOMIC`` only adds dQ's matmuls and reductions beside them. The portable family is one
     Triton source; the Gluon one (sm90, where the images hold both variants) computes dV and dK
     with the same wgmmas on the same register operands, its configs have the same BLOCK_M (64) in
-    both schemes, and its PTX for the call's spec has the same fp32 arithmetic apart from dQ's
-    (all multiply-adds explicit ``fma.rn``, so ptxas has none of its own to contract). Comparing
-    across families (portable split vs Gluon atomic) would compare two summation orders.
+    both schemes, and its PTX has the same fp32 arithmetic apart from dQ's, every multiply-add an
+    explicit ``fma.rn`` that ptxas cannot contract differently (tests/builder/test_attention_bwd_sm90.py
+    checks the PTX). Comparing across families (portable split vs Gluon atomic) would compare two
+    summation orders.
     """
     if "attn_bwd_dq_convert" not in lib.kernels:
         pytest.skip("the images lack attn_bwd_dq_convert (the atomic-dQ scheme)")
