@@ -222,8 +222,8 @@ def test_the_atomic_scheme_runs_the_gluon_dkdv_where_the_images_hold_its_atomic_
                     arch="sm90", library=lib)
     assert ex.scheme == "atomic" and [k.kernel for k in ex.kernels] == ["attn_bwd_preprocess", NAME,
                                                                       "attn_bwd_dq_convert"]
-    assert ex.kernels[1].kernel_reason == ("sm90's own dK/dV kernel, preferred where the images hold it (no "
-                                           "tuning['attn_bwd_dkdv_kernel'] rule)")
+    assert ex.kernels[1].kernel_reason == ("untuned (no rule of tuning['attn_bwd_dkdv_kernel'] matches; heuristic: "
+                                           "sm90's own dK/dV kernel, preferred where the images hold it)")
     # The default scheme is unchanged: split, with the Gluon split dK/dV.
     default = op.attention_kernels(*qkv(S=300, D=128), causal=True, backward=True, library=lib)
     assert DQ in default and default[DKDV].name == NAME and default[DKDV].candidates[0].spec["DQ_ATOMIC"] == 0
