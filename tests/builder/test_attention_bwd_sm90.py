@@ -5,12 +5,17 @@ the dQ kernel (builder/kernels/attention_bwd_dq_sm90.py, for ``attn_bwd_dq``).
 Each compiles for sm90 with the builder's own path, its binary proves the catalog's argument layout,
 its argument list and grid are its portable kernel's (the operator passes the same values by name),
 ptxas keeps its wgmmas asynchronous and spills (almost) nothing, and no other target or set builds it.
+The dK/dV kernel is built in both backward schemes: split (``DQ_ATOMIC=0``) and atomic
+(``DQ_ATOMIC=1``: it also adds dQ into the fp32 DQacc with vectorised fp32 reductions, computing dK
+and dV as the split one does); the dQ kernel belongs to the split scheme only.
 """
 
 from __future__ import annotations
 
 import lzma
+import re
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,41 +26,61 @@ pytest.importorskip("elftools")
 
 NAME = "attn_bwd_dkdv_sm90"
 BASE = {"BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "DQ_ATOMIC": 0}
+ATOMIC = {**BASE, "DQ_ATOMIC": 1}
 #: The variants compiled here: D=128 bottom-right causal (the training shape), D=128 top-left
-#: (window arguments), D=64 without a mask.
+#: (window arguments), D=64 without a mask; then the atomic scheme's at D=128 top-left (BUILT[1]'s
+#: twin) and D=64 bottom-right, and at D=128 without a mask FA3's split of the dQ tile (DQ_SHARE=1,
+#: config #2).
 BUILT = ({"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2, **BASE},
          {"dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 1, **BASE},
-         {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, **BASE})
+         {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, **BASE},
+         {"dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 1, **ATOMIC},
+         {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 2, **ATOMIC},
+         {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 0, **ATOMIC})
+SPLIT_BUILT = BUILT[:3]
+#: BUILT's index of the DQ_SHARE=1 variant.
+SHARED = 5
 DQ_NAME = "attn_bwd_dq_sm90"
 DQ_BASE = {k: v for k, v in BASE.items() if k != "DQ_ATOMIC"}
-#: The same three for the dQ kernel (mode 1: the run-time alignment and window arguments).
-DQ_BUILT = tuple({k: v for k, v in spec.items() if k != "DQ_ATOMIC"} for spec in BUILT)
+#: The split scheme's three for the dQ kernel (mode 1: the run-time alignment and window arguments).
+DQ_BUILT = tuple({k: v for k, v in spec.items() if k != "DQ_ATOMIC"} for spec in SPLIT_BUILT)
 
 
 @dataclass(frozen=True)
 class Gluon:
-    """One Gluon backward kernel: the portable kernel it stands in for, the spec axes it fixes, the
-    specs compiled here (config #0), the tile a program owns (128 rows) and the one its loader
-    streams through the ring, how many wgmma groups accumulate per streamed tile besides S and dP
-    (dK and dV; dQ), and the most spill stores or loads ptxas may emit per head dim."""
+    """One Gluon backward kernel: the portable kernel it stands in for, the spec axes it fixes at 0,
+    the ``DQ_ATOMIC`` values it is compiled with (none: no such axis), the specs compiled here and
+    the config of each (#0 unless ``configs`` says), the tile a program owns (128 rows) and the one
+    its loader streams through the ring, how many wgmma groups accumulate per streamed tile besides
+    S and dP (dK and dV; dQ), and the most spill stores or loads ptxas may emit per (head dim,
+    ``DQ_ATOMIC``)."""
 
     name: str
     portable: str
     base: dict
+    schemes: tuple
     built: tuple
+    configs: dict
     owned: str
     streamed: str
     accumulators: int
     spills: dict
 
+    def config(self, spec: dict) -> int:
+        return self.configs.get(self.built.index(spec), 0)
+
 
 #: D=128 dK/dV holds dK and dV (128 fp32 registers) plus S^T and dP^T (64) and their 16-bit copies:
 #: ptxas spills some loop-invariant scalars (measured 29-44 stores, none in the query-tile loops
 #: once LSE and Delta are loaded just before their use; 88-101 when they were held across the
-#: waits). The dQ kernel's config #0 tiles fit the consumers' registers (measured: none at either
-#: head dim). More means a regression.
-KERNELS = (Gluon(NAME, "attn_bwd_dkdv", BASE, BUILT, "BLOCK_N", "BLOCK_M", 2, {64: 0, 128: 48}),
-           Gluon(DQ_NAME, "attn_bwd_dq", DQ_BASE, DQ_BUILT, "BLOCK_M", "BLOCK_N", 1, {64: 0, 128: 0}))
+#: waits). The atomic scheme at D=128 also holds a 64 x 64 dQ chunk (32 registers): measured 69-80
+#: stores, 77-92 loads, 9-18 reloads a query tile; DQ_SHARE=1 99-104 and 85-87, 16-26 reloads a
+#: tile (a whole 64 x 128 dQ tile spilled 107 and serialized every wgmma). The dQ kernel's config
+#: #0 tiles fit the consumers' registers (measured: none at either head dim). More means a regression.
+KERNELS = (Gluon(NAME, "attn_bwd_dkdv", DQ_BASE, (0, 1), BUILT, {SHARED: 2}, "BLOCK_N", "BLOCK_M", 2,
+                 {(64, 0): 0, (128, 0): 48, (64, 1): 0, (128, 1): 112}),
+           Gluon(DQ_NAME, "attn_bwd_dq", DQ_BASE, (), DQ_BUILT, {}, "BLOCK_M", "BLOCK_N", 1,
+                 {(64, 0): 0, (128, 0): 0}))
 
 
 def _kernels():
@@ -75,8 +100,12 @@ def test_the_gluon_kernel_is_built_for_sm90_only_and_for_the_cases_it_serves(glu
 
     jobs = expand(_kernels()[gluon.name], parse_targets("sm80,sm90,gfx942,gfx950"), "full", "3.6.0")
     assert jobs and {j.target.arch for j in jobs} == {"sm90"}
-    assert {(j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"]) for j in jobs} == {
-        (dt, d, c) for dt in ("fp16", "bf16") for d in (64, 128) for c in (0, 1, 2)}
+    # The dK/dV kernel in both schemes (DQ_ATOMIC 0 and 1), the dQ kernel in the split one (no such axis).
+    schemes = [(a,) for a in gluon.schemes] or [()]
+    axes = ("dtype", "HEAD_DIM", "CAUSAL") + (("DQ_ATOMIC",) if gluon.schemes else ())
+    assert {tuple(j.spec[k] for k in axes) for j in jobs} == {
+        (dt, d, c, *a) for dt in ("fp16", "bf16") for d in (64, 128) for c in (0, 1, 2) for a in schemes}
+    assert all(("DQ_ATOMIC" in j.spec) == bool(gluon.schemes) for j in jobs)
     assert all(j.spec["HEAD_DIM"] == j.spec["HEAD_DIM_V"] and all(j.spec[k] == 0 for k in gluon.base) for j in jobs)
 
 
@@ -91,12 +120,46 @@ def test_gputest_holds_every_served_spec_and_default_none(gluon: Gluon) -> None:
     targets = parse_targets("sm80,sm90,gfx942")
     full = expand(_kernels()[gluon.name], targets, "full", "3.6.0")
     gputest = expand(_kernels()[gluon.name], targets, "gputest", "3.6.0")
-    # Every spec it serves whose portable kernel the GPU test matrix holds (the rest of its
-    # backward comes from those specs).
-    portable = {_key(j) for j in expand(_kernels()[gluon.portable], targets, "gputest", "3.6.0")}
-    assert sorted(j.label for j in gputest) == sorted(j.label for j in full if _key(j) in portable)
+    # Every spec it serves whose portable split kernel the GPU test matrix holds (the rest of its
+    # backward comes from those specs); the dK/dV with DQ_ATOMIC 0 and 1 for each (the atomic
+    # scheme's dK/dV for every spec of the split one), whether or not the portable atomic one is.
+    portable = {_key(j) for j in expand(_kernels()[gluon.portable], targets, "gputest", "3.6.0")
+                if not j.spec.get("DQ_ATOMIC")}
+
+    def split_twin(job):
+        return _key(job) if "DQ_ATOMIC" not in job.spec else tuple(sorted({**job.spec, "DQ_ATOMIC": 0}.items()))
+
+    assert sorted(j.label for j in gputest) == sorted(j.label for j in full if split_twin(j) in portable)
     assert {j.spec["CAUSAL"] for j in gputest} == {0, 1, 2}
+    if gluon.schemes:
+        assert ({split_twin(j) for j in gputest if j.spec["DQ_ATOMIC"]}
+                == {split_twin(j) for j in gputest if not j.spec["DQ_ATOMIC"]})
     assert expand(_kernels()[gluon.name], targets, "default", "3.6.0") == []
+
+
+def test_gputest_holds_the_rest_of_each_gluon_atomic_backward_but_not_the_portable_atomic_dkdv() -> None:
+    """The atomic scheme needs the preprocess (DQ_ATOMIC=1, which zeroes DQacc) and the convert
+    kernel for every spec whose Gluon atomic dK/dV gputest holds; on sm90 only (other targets'
+    gputest is unchanged), and no portable atomic dK/dV beyond the GPU matrix's own combinations."""
+    from builder.registry import expand
+    from builder.targets import parse_targets
+
+    kernels = _kernels()
+    sm90 = parse_targets("sm90")
+
+    def specs(name, targets=sm90):
+        return {tuple(sorted(j.spec.items())) for j in expand(kernels[name], targets, "gputest", "3.6.0")}
+
+    gluon = [dict(s) for s in specs(NAME) if dict(s)["DQ_ATOMIC"]]
+    assert {(s["dtype"], s["HEAD_DIM"]) for s in gluon} == {(dt, d) for dt in ("fp16", "bf16") for d in (64, 128)}
+    pre, convert = specs("attn_bwd_preprocess"), specs("attn_bwd_dq_convert")
+    for s in gluon:
+        assert tuple(sorted({"dtype": s["dtype"], "HEAD_DIM": s["HEAD_DIM"], "HEAD_DIM_V": s["HEAD_DIM"], "VARLEN": 0,
+                             "DQ_ATOMIC": 1}.items())) in pre
+        assert tuple(sorted({"dtype": s["dtype"], "HEAD_DIM": s["HEAD_DIM"], "VARLEN": 0}.items())) in convert
+    sm80 = parse_targets("sm80")
+    assert specs("attn_bwd_dq_convert", sm80) <= convert and specs("attn_bwd_preprocess", sm80) < pre
+    assert specs("attn_bwd_dkdv") == specs("attn_bwd_dkdv", sm80)
 
 
 def test_the_gluon_dq_serves_the_gluon_dkdvs_gputest_specs() -> None:
@@ -136,25 +199,43 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
     decl = _kernels()[gluon.name]
     for spec in gluon.built:
         configs = decl.configs_for(spec, KNOWN["sm90"])
-        assert 1 <= len(configs) <= 3
+        shares = [c.constexprs.get("DQ_SHARE", 0) for c in configs]
+        # The atomic scheme at D=128 runs each tile with each dQ split, the per-consumer one first.
+        if spec.get("DQ_ATOMIC") and spec["HEAD_DIM"] == 128:
+            assert shares == [0, 0, 1, 1]
+        else:
+            assert 1 <= len(configs) <= 3 and set(shares) == {0}
+        if gluon.schemes and spec == BUILT[SHARED]:
+            assert configs[gluon.config(spec)].constexprs["DQ_SHARE"] == 1
         for c in configs:
             assert c.constexprs[gluon.owned] == 128 and c.constexprs["USE_TMA"] == 1
             assert c.constexprs[gluon.streamed] in (64, 128)
             assert c.constexprs["CONSUMER_REGS"] == CONSUMER_REGS and c.backends == ("cuda",)
+            if spec.get("DQ_ATOMIC"):
+                assert c.constexprs["BLOCK_M"] == 64  # the atomic dQ tile has dK's shape
+        if spec.get("DQ_ATOMIC"):
+            # The split scheme's tiles (BLOCK_M, STAGES), in its order: dK and dV are summed over
+            # the same query tiles in both schemes, whatever config runs.
+            split = decl.configs_for({**spec, "DQ_ATOMIC": 0}, KNOWN["sm90"])
+
+            def tiles(cs):
+                return [(c.constexprs["BLOCK_M"], c.constexprs["STAGES"]) for c in cs]
+
+            assert tiles(configs) == tiles(split) * len(set(shares))
 
 
 _BUILT_FOLDERS: dict[str, Path] = {}
 
 
 def _build(gluon: Gluon, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Config #0 of ``gluon.built``, built by the builder, proof included (once per kernel)."""
+    """``gluon.built`` (each at ``gluon.config``), built by the builder, proof included (once per kernel)."""
     from builder.build import build
     from builder.registry import expand
     from builder.targets import parse_targets
 
     if gluon.name not in _BUILT_FOLDERS:
         jobs = [j for j in expand(_kernels()[gluon.name], parse_targets("sm90"), "full", "3.6.0")
-                if j.spec in gluon.built and j.config_index == 0]
+                if j.spec in gluon.built and j.config_index == gluon.config(j.spec)]
         assert len(jobs) == len(gluon.built)
         out = tmp_path_factory.mktemp(gluon.name)
         summary = build(jobs, out, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
@@ -165,13 +246,13 @@ def _build(gluon: Gluon, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The dK/dV kernel's BUILT variants (config #0), built by the builder, proof included."""
+    """The dK/dV kernel's BUILT variants, built by the builder, proof included."""
     return _build(KERNELS[0], tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def compiled(gluon: Gluon, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``gluon``'s built variants (config #0), built by the builder, proof included."""
+    """``gluon``'s built variants, built by the builder, proof included."""
     return _build(gluon, tmp_path_factory)
 
 
@@ -195,6 +276,17 @@ def test_sm90_gluon_variants_compile_and_their_binaries_prove_the_catalog_layout
         assert variant.scratch["global_size"] == 4 * 128 and variant.scratch["global_align"] == 128
         assert [a.name for a in variant.args] == portable_args
         assert variant.shared <= 232448
+        assert variant.config.index == gluon.config(variant.spec)
+
+
+def test_the_atomic_dkdv_adds_its_ds_tiles_to_the_split_ones_shared_memory(built: Path) -> None:
+    """The atomic scheme adds two 64 x 64 dS^T tiles (16-bit) to the split one's shared memory,
+    four (double-buffered) with DQ_SHARE."""
+    shared = {tuple(sorted(v.spec.items())): v.shared for v in _variants(built)}
+    atomic, split = (tuple(sorted(spec.items())) for spec in (BUILT[3], {**BUILT[3], "DQ_ATOMIC": 0}))
+    assert BUILT[1] == dict(split) and shared[atomic] - shared[split] >= 2 * 64 * 64 * 2
+    # BUILT[SHARED]'s config #2 has BUILT[1]'s config #0 tile (64 queries, 2 stages).
+    assert shared[tuple(sorted(BUILT[SHARED].items()))] - shared[split] >= 4 * 64 * 64 * 2
 
 
 def test_a_catalog_that_lies_about_the_gluon_binary_fails_the_abi_proof(compiled: Path) -> None:
@@ -218,26 +310,76 @@ def _ops(built: Path, spec: dict) -> dict[str, int]:
     return sass_ops(lzma.decompress((built / _variant(built, spec).image.path).read_bytes()))
 
 
-@pytest.mark.parametrize("index", range(len(BUILT)))
+@pytest.mark.parametrize(("gluon", "index"), [(g, i) for g in KERNELS for i in range(len(g.built))],
+                         indirect=["gluon"], ids=[f"{g.name}-{i}" for g in KERNELS for i in range(len(g.built))])
 def test_ptxas_keeps_the_gluon_wgmmas_asynchronous(gluon: Gluon, compiled: Path, index: int) -> None:
     """Per streamed tile and consumer, S and dP (HEAD_DIM/16 k-steps each) and the accumulating
-    groups (dK and dV, or dQ: streamed tile/16 each), in a masked and an unmasked copy of the loop,
-    for both consumers: at least 4 HGMMA per warpgroup fence, else ptxas serialized them."""
+    groups (dK and dV, or dQ: streamed tile/16 each), and with DQ_ATOMIC dQ = dS·K (64 keys deep,
+    4 k-steps, per 64-column chunk: HEAD_DIM/16 in all, either dQ split), in a masked and an
+    unmasked copy of the loop, for both consumers: at least 4 HGMMA per warpgroup fence, else ptxas
+    serialized them."""
     spec = gluon.built[index]
     ops = _ops(compiled, spec)
     hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
     fences = ops.get("WARPGROUP.ARRIVE", 0)
     assert fences > 0 and hgmma >= 4 * fences, f"wgmma serialized by ptxas: {hgmma} HGMMA, {fences} fences"
     streamed = _variant(compiled, spec).config.constexprs[gluon.streamed]
-    assert hgmma == 2 * 2 * (2 * spec["HEAD_DIM"] // 16 + gluon.accumulators * streamed // 16)
+    dq = spec["HEAD_DIM"] // 16 if spec.get("DQ_ATOMIC") else 0
+    assert hgmma == 2 * 2 * (2 * spec["HEAD_DIM"] // 16 + gluon.accumulators * streamed // 16 + dq)
 
 
 def test_ptxas_spills_nothing_at_head_dim_64_and_little_at_128(gluon: Gluon, compiled: Path) -> None:
-    """At most ``gluon.spills`` spill stores and loads per head dim (see KERNELS)."""
+    """At most ``gluon.spills`` spill stores and loads per (head dim, DQ_ATOMIC) (see KERNELS)."""
     for spec in gluon.built:
-        ops, most = _ops(compiled, spec), gluon.spills[spec["HEAD_DIM"]]
+        ops, most = _ops(compiled, spec), gluon.spills[spec["HEAD_DIM"], spec.get("DQ_ATOMIC", 0)]
         assert ops.get("STL", 0) <= most and ops.get("LDL", 0) <= most, (spec, ops.get("STL"), ops.get("LDL"))
 
+
+def _ptx(built: Path, spec: dict) -> str:
+    return lzma.decompress((built / _variant(built, spec).ptx.path).read_bytes()).decode()
+
+
+@pytest.mark.parametrize("index", range(len(SPLIT_BUILT), len(BUILT)))
+def test_the_atomic_dkdv_adds_dq_with_vectorised_fp32_reductions_and_the_split_one_adds_none(built: Path,
+                                                                                             index: int) -> None:
+    """Each consumer thread adds its 64 x D/128 share of a dQ tile (D/256 with DQ_SHARE: half the
+    columns) as pairs of adjacent fp32 values (``atom...add.v2.f32``, result unused: ptxas writes
+    it to RZ, a fire-and-forget reduction), in the masked and the unmasked copy of the loop, for
+    both consumers; the split scheme's kernel has no atomics but the TMA descriptors' (EXCH)."""
+    d = BUILT[index]["HEAD_DIM"]
+    per_thread = 64 * d // 128 // (2 if index == SHARED else 1)
+    ops = _ops(built, BUILT[index])
+    assert ops.get("ATOMG.E.ADD.F32") == 2 * 2 * per_thread // 2
+    adds = re.findall(r"\batom\.global\.[\w.]*add\.(v\d\.)?f32", _ptx(built, BUILT[index]))
+    assert adds and all(v == "v2." for v in adds) and len(adds) == 2 * per_thread
+    for spec in SPLIT_BUILT:
+        assert not any(op.startswith("ATOMG.E.ADD") for op in _ops(built, spec))
+
+
+def test_the_atomic_dkdv_computes_dk_and_dv_with_the_split_ones_arithmetic(built: Path) -> None:
+    """BUILT[3] is BUILT[1] with DQ_ATOMIC=1 (same tile, same query-tile order): its PTX has the
+    split one's floating-point instructions, count for count, plus dQ's scaling (one mul.f32 per
+    dQ element a thread adds) and nothing else; and the split one's wgmmas, plus dQ's. Every
+    multiply-add is an explicit ``fma.rn`` (no ``mul.f32`` feeds an ``add``/``sub.f32``), so ptxas
+    has none of its own to contract, differently or not. What tests/runtime/test_attention_gpu.py's
+    bit-equality of the two schemes' dk and dv on the Gluon kernel rests on."""
+    def ops(spec: dict, wgmma: bool) -> Counter:
+        found = Counter(re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)", _ptx(built, spec), re.M))
+        if wgmma:
+            return Counter({op: n for op, n in found.items() if op.startswith("wgmma.mma_async")})
+        return Counter({op: n for op, n in found.items() if re.search(r"\.(f32|f16x2|bf16x2|f16|bf16)$", op)
+                        and not op.startswith(("atom", "ld", "st", "wgmma"))})
+
+    split, atomic = ops(BUILT[1], False), ops(BUILT[3], False)
+    assert split["fma.rn.f32"] > 0 and split["mul.f32"] > 0
+    per_thread = 64 * BUILT[3]["HEAD_DIM"] // 128
+    assert atomic - split == Counter({"mul.f32": 2 * 2 * per_thread}) and not split - atomic
+    assert not ops(BUILT[1], True) - ops(BUILT[3], True)
+    for spec in (BUILT[1], BUILT[3]):
+        ptx = _ptx(built, spec)
+        products = set(re.findall(r"^\s*mul\.f32\s+(%r\d+),", ptx, re.M))
+        sums = re.findall(r"^\s*(?:add|sub)\.f32\s+%r\d+,\s*(%r\d+),\s*(%r\d+);", ptx, re.M)
+        assert products and sums and not products & {r for pair in sums for r in pair}, spec
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
