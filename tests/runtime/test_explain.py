@@ -293,3 +293,27 @@ def test_gputest_images_run_the_persistent_forward_at_1024_and_explain_names_it_
     picks = [op.explain(dtype="fp16", head_dim=128, seqlen_q=1024, causal=c, arch="sm90", library=default).kernels[0]
              for c in (False, True)]
     assert [(p.kernel, p.config) for p in picks] == [("attn_fwd_sm90", 0), ("attn_fwd", 0)]
+
+
+def test_square_causal_calls_on_gputest_images_run_mode_2_only_for_the_dtype_both_forwards_hold_it(
+        tmp_path: Path) -> None:
+    """What tests/runtime/test_attention_sm90_gpu.py's persistent operator test expects per dtype:
+    gputest holds D=128 mask mode 2 for bf16 only (in both forwards), so a square top-left causal
+    call runs attn_fwd_sm90 mode 2 in bf16 and mode 1 in fp16, forced config or not."""
+    from builder.tune import ForcedConfig
+    from tests.runtime.test_attention_sm90_gpu import _mode_run
+
+    jobs = [j for name in ("attn_fwd", "attn_fwd_sm90") for j in expand(load_kernels()[name], [KNOWN["sm90"]],
+                                                                        "gputest", "3.6.0")
+            if j.spec.get("HEAD_DIM") == 128 and {**j.spec, "CAUSAL": 0, "dtype": "fp16"} == {**BASE, "CAUSAL": 0}]
+    (tmp_path / "catalog.json").write_text(json.dumps({
+        "schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0", "tuning": {},
+        "variants": [_synthetic_variant(j.kernel, j.spec, j.config_index) for j in jobs]}))
+    lib = aotriton_rt.Library(tmp_path)
+    assert {d: _mode_run(lib, d, 2) for d in ("fp16", "bf16")} == {"fp16": 1, "bf16": 2}
+    assert {d: _mode_run(lib, d, 1) for d in ("fp16", "bf16")} == {"fp16": 1, "bf16": 1}
+    for dtype in ("fp16", "bf16"):
+        pick = op.explain(dtype=dtype, head_dim=128, seqlen_q=1100, seqlen_k=1100, causal=True, align="top_left",
+                          arch="sm90", library=ForcedConfig(lib, "attn_fwd_sm90", 6)).kernels[0]
+        assert (pick.kernel, pick.spec["CAUSAL"], pick.config, pick.params["PERSISTENT"]) == (
+            "attn_fwd_sm90", _mode_run(lib, dtype, 2), 6, 132)
