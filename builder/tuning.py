@@ -466,24 +466,26 @@ def forward_choices_for_build(db: Mapping[str, Any], built: Mapping[tuple, dict]
             out.append((i, rule, is_twin))
     # Per (spec, bin): what the database chose (every winner) and what this build's configs say.
     notes = []
-    full = _per_bin(decide(mine, arch, source, tolerance).get(KERNEL_RULES, []), mine)
-    for (key, b), kernel in sorted(_per_bin([r for _, r, t in out if not t], mine).items()):
-        if full.get((key, b), kernel) != kernel:
-            notes.append(f"{where}: {KERNEL_RULES} {key} at seqlen_q {b}: {kernel} in this build, where the "
-                         f"database chose {full[(key, b)]} (whose winning config this build does not hold)")
+    full = decide(mine, arch, source, tolerance).get(KERNEL_RULES, [])
+    for _, rule, is_twin in out:
+        spec = {**rule["spec"], "CAUSAL": 2} if is_twin else rule["spec"]
+        for b in sorted({e.bin for e in mine if _spec_key(e.spec) == _spec_key(spec)}):
+            chose = _kernel_at(full, spec, b)
+            if _in_bin(rule, b) and chose not in (None, rule["kernel"]):
+                notes.append(f"{where}: {KERNEL_RULES} {_spec_key(rule['spec'])} at seqlen_q {b}: {rule['kernel']} "
+                             f"in this build, where the database chose {chose} (whose winning config this build "
+                             f"does not hold)")
     return out, notes
 
 
-def _per_bin(rules: Sequence[Mapping[str, Any]], entries: Sequence[Entry]) -> dict[tuple[str, int], str]:
-    """(spec key, bin) -> the kernel the rules choose, at each bin the entries measured."""
-    out = {}
-    for e in entries:
-        for r in rules:
-            low, high = r["seqlen_q"]
-            if _spec_key(r["spec"]) == _spec_key(e.spec) and (low is None or low <= e.bin) and (
-                    high is None or e.bin <= high):
-                out[(_spec_key(e.spec), e.bin)] = r["kernel"]
-    return out
+def _in_bin(rule: Mapping[str, Any], b: int) -> bool:
+    low, high = rule["seqlen_q"]
+    return (low is None or low <= b) and (high is None or b <= high)
+
+
+def _kernel_at(rules: Sequence[Mapping[str, Any]], spec: Mapping[str, Any], b: int) -> str | None:
+    """The kernel the first of ``rules`` for ``spec`` covering bin ``b`` chooses, or None."""
+    return next((r["kernel"] for r in rules if _spec_key(r["spec"]) == _spec_key(spec) and _in_bin(r, b)), None)
 
 
 def _job_params(job: Any) -> dict:

@@ -502,7 +502,9 @@ def test_the_checked_in_database_sends_n1024_d128_where_each_builds_own_configs_
     gputest = tuning.fold([("sm90.json", db)], _forward_jobs("gputest"))[0]
     # The persistent configs the bench measured fastest at B16 H32 N1024 (fp16: #7 full, #6 causal).
     assert [kernel(gputest, c) for c in (0, 1)] == [("attn_fwd_sm90", 7), ("attn_fwd_sm90", 6)]
-    default = tuning.fold([("sm90.json", db)], _forward_jobs("default"))[0]
+    default, notes = tuning.fold([("sm90.json", db)], _forward_jobs("default"))
+    assert [n.split(" at seqlen_q ")[1][:4] for n in notes if "in this build, where the database chose" in n] == [
+        "1024"]  # fp16 mode 1 (a mode-2 rule's twin): the one bin whose choice this build makes otherwise
     # Config #0 of each: the one-tile Gluon 718.8 us vs attn_fwd's 128x128 799.4 us full; causal
     # 526.3 us vs attn_fwd's 128x64 481.6 us.
     assert [kernel(default, c) for c in (0, 1)] == [("attn_fwd_sm90", 0), ("attn_fwd", 0)]
