@@ -412,6 +412,82 @@ def decision_kernels(table: str) -> tuple[str, ...]:
     return (portable, *dict.fromkeys(owns.values()))
 
 
+def _runs_in(entry: Entry, spec: Mapping[str, Any], arch: str, built: Mapping[tuple, dict],
+             lowest: Mapping[tuple, int], tolerance: float) -> Timing | None:
+    """The timing of the config a build holding ``built`` runs for ``entry``'s kernel and bin at
+    ``spec``: the entry's winner where the build holds it as measured (its config rule folds), else
+    the lowest config index built (no rule: the untuned default) where it holds that one as
+    measured; None where the build runs a config this entry did not time."""
+    key = _spec_key(spec)
+
+    def as_measured(t: Timing) -> bool:
+        return t.us is not None and built.get((entry.kernel, arch, key, t.index)) == dict(t.params)
+
+    best = winner(entry.timings, tolerance)
+    if best is not None and as_measured(best):
+        return best
+    first = lowest.get((entry.kernel, arch, key))
+    return next((t for t in entry.timings if t.index == first and as_measured(t)), None)
+
+
+def forward_choices_for_build(db: Mapping[str, Any], built: Mapping[tuple, dict], lowest: Mapping[tuple, int],
+                              where: str = "<memory>") -> tuple[list[tuple[int, dict, bool]], list[str]] | None:
+    """The ``attn_fwd_kernel`` rules for one build, decided again from ``db``'s entries, as
+    (index, rule, is a mode-1 twin), and one note per bin whose choice differs from the database's;
+    None where ``db`` has no entry of a forward (its stored rules then fold as they are).
+
+    The stored rules compare each forward's *winning* config; a build that lacks a winner (the
+    default set keeps config #0 only) runs another config there, whose time may rank the two
+    forwards the other way. So each entry is reduced to the config this build runs
+    (:func:`_runs_in`), for the entry's spec and, for a mode-2 entry, for its mode-1 twin (the build's
+    mode-1 configs; unless the database measured mode 1 itself), and :func:`decide` chooses again.
+    With every winner built the rules are the stored ones, byte for byte."""
+    arch = str(db.get("arch"))
+    mine = [e for e in entries_of(db, where) if e.kernel in STANDS_IN_FOR or e.kernel in STANDS_IN_FOR.values()]
+    if not mine:
+        return None
+    tolerance = float(db.get("method", {}).get("tolerance", DEFAULT_TOLERANCE))
+    source = f"tuning database {arch} ({db.get('machine', {}).get('gpu', 'unknown GPU')})"
+    measured = {(e.kernel, _spec_key(e.spec)) for e in mine}
+    views: dict[bool, list[Entry]] = {False: [], True: []}
+    for e in mine:
+        twin = mode_one_twin({"spec": e.spec})
+        for is_twin, spec in ((False, e.spec), (True, twin["spec"] if twin else None)):
+            if spec is None or (is_twin and (e.kernel, _spec_key(spec)) in measured):
+                continue
+            run = _runs_in(e, spec, arch, built, lowest, tolerance)
+            if run is not None:
+                views[is_twin].append(Entry(e.kernel, spec, e.bin, e.shape, (run,), e.source))
+    out: list[tuple[int, dict, bool]] = []
+    for is_twin, entries in views.items():
+        for i, rule in enumerate(decide(entries, arch, source, tolerance).get(KERNEL_RULES, [])):
+            if is_twin:
+                rule = {**rule, "source": (rule["source"] + MODE_ONE_NOTE)[:300]}
+            out.append((i, rule, is_twin))
+    # Per (spec, bin): what the database chose (every winner) and what this build's configs say.
+    notes = []
+    full = decide(mine, arch, source, tolerance).get(KERNEL_RULES, [])
+    for _, rule, is_twin in out:
+        spec = {**rule["spec"], "CAUSAL": 2} if is_twin else rule["spec"]
+        for b in sorted({e.bin for e in mine if _spec_key(e.spec) == _spec_key(spec)}):
+            chose = _kernel_at(full, spec, b)
+            if _in_bin(rule, b) and chose not in (None, rule["kernel"]):
+                notes.append(f"{where}: {KERNEL_RULES} {_spec_key(rule['spec'])} at seqlen_q {b}: {rule['kernel']} "
+                             f"in this build, where the database chose {chose} (whose winning config this build "
+                             f"does not hold)")
+    return out, notes
+
+
+def _in_bin(rule: Mapping[str, Any], b: int) -> bool:
+    low, high = rule["seqlen_q"]
+    return (low is None or low <= b) and (high is None or b <= high)
+
+
+def _kernel_at(rules: Sequence[Mapping[str, Any]], spec: Mapping[str, Any], b: int) -> str | None:
+    """The kernel the first of ``rules`` for ``spec`` covering bin ``b`` chooses, or None."""
+    return next((r["kernel"] for r in rules if _spec_key(r["spec"]) == _spec_key(spec) and _in_bin(r, b)), None)
+
+
 def _job_params(job: Any) -> dict:
     return {**job.config.constexprs, "num_warps": job.config.num_warps, "num_stages": job.config.num_stages}
 
@@ -431,17 +507,25 @@ def fold(databases: Sequence[tuple[str, Mapping[str, Any]]], jobs: Sequence[Any]
     built: dict[tuple, dict] = {}
     archs: set[tuple[str, str]] = set()
     specs: set[tuple[str, str, str]] = set()
+    lowest: dict[tuple[str, str, str], int] = {}
     for job in jobs:
         archs.add((job.kernel, job.target.arch))
-        specs.add((job.kernel, job.target.arch, _spec_key(job.spec)))
-        built[(job.kernel, job.target.arch, _spec_key(job.spec), job.config_index)] = _job_params(job)
+        where = (job.kernel, job.target.arch, _spec_key(job.spec))
+        specs.add(where)
+        built[(*where, job.config_index)] = _job_params(job)
+        lowest[where] = min(lowest.get(where, job.config_index), job.config_index)
     table: dict[str, list] = {}
     notes: list[str] = []
     for name, db in databases:
         kept_before, dropped_before = sum(map(len, table.values())), len(notes)
         twins = 0
+        redecided = forward_choices_for_build(db, built, lowest, name)
+        choices = [] if redecided is None else redecided[1]
         for kernel, rules in sorted(db.get("rules", {}).items()):
-            for i, rule, twin in _with_mode_one_twins(kernel, rules):
+            ruled = _with_mode_one_twins(kernel, rules)
+            if kernel == KERNEL_RULES and redecided is not None:
+                ruled = redecided[0]
+            for i, rule, twin in ruled:
                 arch = rule.get("arch")
                 key = _spec_key(rule.get("spec", {}))
                 if twin and (kernel, arch, key) not in specs and kernel not in DECISIONS:
@@ -474,6 +558,7 @@ def fold(databases: Sequence[tuple[str, Mapping[str, Any]]], jobs: Sequence[Any]
         folded = sum(map(len, table.values())) - kept_before
         also = f" ({twins} of them mode-2 rules applied to CAUSAL=1)" if twins else ""
         notes.insert(dropped_before, f"{name}: {folded} rules folded{also}, {len(notes) - dropped_before} dropped")
+        notes.extend(choices)
     for kernel, rules in (declared or {}).items():
         have = table.setdefault(kernel, [])
         have.extend(r for r in rules if r not in have)

@@ -18,14 +18,15 @@ ROOT = Path(__file__).resolve().parents[2]
 FWD = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
 
 
-def _params(spec: dict, index: int, arch: str = "sm90") -> dict:
-    c = load_kernels()["attn_fwd"].configs_for(spec, KNOWN[arch])[index]
+def _params(spec: dict, index: int, arch: str = "sm90", kernel: str = "attn_fwd") -> dict:
+    c = load_kernels()[kernel].configs_for(spec, KNOWN[arch])[index]
     return {**c.constexprs, "num_warps": c.num_warps, "num_stages": c.num_stages}
 
 
 def _entry(n: int, times: list[float | None], spec: dict = FWD, kernel: str = "attn_fwd") -> Entry:
     shape = {"batch": max(1, (1 << 19) // (n * 32)), "heads": 32, "seqlen_q": n, "seqlen_k": n}
-    return Entry(kernel, spec, n, shape, tuple(Timing(i, _params(spec, i) if kernel == "attn_fwd" else {"i": i}, t)
+    forward = kernel in ("attn_fwd", "attn_fwd_sm90")
+    return Entry(kernel, spec, n, shape, tuple(Timing(i, _params(spec, i, kernel=kernel) if forward else {"i": i}, t)
                                                for i, t in enumerate(times)))
 
 
@@ -435,3 +436,75 @@ def test_whole_backwards_whose_params_name_no_scheme_or_kernel_are_refused() -> 
                                                    Timing(1, {"scheme": "split", "attn_bwd_dq": "x; y"}, 1.0)))
     with pytest.raises(TuningError, match=r"tuning\['attn_bwd_dq_kernel'\] rule .*: kernel must be a kernel name"):
         tuning.database([odd], arch="sm90", machine={}, method={})
+
+
+def _forward_jobs(build_set: str) -> list:
+    """The build's fp16 D=128 jobs of both forwards on sm90, no mask and causal."""
+    return [j for name in ("attn_fwd", "attn_fwd_sm90") for j in expand(load_kernels()[name], [KNOWN["sm90"]],
+                                                                        build_set, "3.6.0")
+            if j.spec["dtype"] == "fp16" and j.spec["HEAD_DIM"] == 128 and not j.spec["BIAS"] + j.spec["DROPOUT"]
+            + j.spec["VARLEN"]]
+
+
+def test_a_build_without_the_winning_config_chooses_the_forward_its_own_configs_measured_faster() -> None:
+    # No mask. Bin 1024: the arch forward wins with its persistent config #6, but its config #0 is
+    # slower than the portable #0. Bin 4096: the arch forward's #0 wins outright.
+    own, full = "attn_fwd_sm90", {**FWD, "CAUSAL": 0}
+    entries = [_entry(1024, [100.0, 95.0], full), _entry(1024, [110.0, 111.0, 120, 120, 120, 120, 70.0, 72.0],
+                                                          full, own),
+               _entry(4096, [400.0, 420.0], full), _entry(4096, [300.0, 310.0, 350, 350, 350, 350, 330.0, 320.0],
+                                                          full, own)]
+    db = tuning.database(entries, arch="sm90", machine={"gpu": "H200"}, method={})
+    assert [(r["seqlen_q"], r["kernel"]) for r in db["rules"]["attn_fwd_kernel"]] == [([None, None], own)]
+    gputest, default = _forward_jobs("gputest"), _forward_jobs("default")
+    assert {j.config_index for j in default if j.kernel == own} == {0}  # the default set: config #0 only
+    assert 6 in {j.config_index for j in gputest if j.kernel == own and j.spec == full}
+    # gputest holds #6: the database's choice, the arch forward at every length, running #6 at 1024.
+    table, notes = tuning.fold([("sm90.json", db)], gputest)
+    assert table["attn_fwd_kernel"] == db["rules"]["attn_fwd_kernel"]
+    assert [(r["seqlen_q"], r["config"]) for r in table[own]] == [([None, 4095], 6), ([4096, None], 0)]
+    assert notes == ["sm90.json: 5 rules folded, 0 dropped"]
+    # The default set: its #0s decide, the portable forward at 1024 (and its config rule for #1 drops).
+    table, notes = tuning.fold([("sm90.json", db)], default)
+    assert [(r["seqlen_q"], r["kernel"]) for r in table["attn_fwd_kernel"]] == [([None, 4095], "attn_fwd"),
+                                                                                ([4096, None], own)]
+    assert table["attn_fwd_kernel"][0]["source"] == ("tuning database sm90 (H200), attn_fwd_sm90 vs attn_fwd measured "
+                                                     "at seqlen_q 1024..1024")
+    assert [(r["seqlen_q"], r["config"]) for r in table[own]] == [([4096, None], 0)]  # #6 not built: #0 runs
+    assert notes[-1] == ('sm90.json: attn_fwd_kernel {"BIAS": 0, "CAUSAL": 0, "DROPOUT": 0, "HEAD_DIM": 128, '
+                         '"HEAD_DIM_V": 128, "VARLEN": 0, "dtype": "fp16"} at seqlen_q 1024: attn_fwd in this build, '
+                         'where the database chose attn_fwd_sm90 (whose winning config this build does not hold)')
+    assert notes[0].endswith(" 2 dropped")  # the two config rules whose winner (#1, #6) is not built
+
+
+def test_a_forward_whose_built_config_zero_was_not_measured_as_built_decides_nothing_there() -> None:
+    own = "attn_fwd_sm90"
+    entries = [_entry(1024, [100.0, 95.0], FWD), _entry(1024, [110.0, 111.0, 120, 120, 120, 120, 70.0], FWD, own)]
+    db = json.loads(json.dumps(tuning.database(entries, arch="sm90", machine={}, method={})))
+    db["entries"][1]["configs"][0]["params"]["STAGES"] = 2  # config #0 was another kernel when measured
+    table, _ = tuning.fold([("sm90.json", db)], _forward_jobs("default") + _jobs(causal=2))
+    assert table["attn_fwd"]  # the portable forward's rule folds; the choice does not
+    assert "attn_fwd_kernel" not in table  # no rule: the untuned heuristic, not a guess
+
+
+def test_the_checked_in_database_sends_n1024_d128_where_each_builds_own_configs_measured_faster() -> None:
+    db = tuning.load(tuning.CHECKED_IN / "sm90.json")
+    if not any(e.get("source", "").startswith("bench/sm90_persistent.py") for e in db["entries"]):
+        pytest.skip("builder tune re-measured the forward: the bench's interim entries are gone")
+    from aotriton_rt.tuning import select_config, select_kernel
+
+    def kernel(table: dict, causal: int) -> tuple:
+        at = {"spec": {**FWD, "CAUSAL": causal}, "seqlen_q": 1024, "seqlen_k": 1024, "arch": "sm90"}
+        choice = select_kernel(table.get("attn_fwd_kernel"), **at)
+        return (None if choice is None else choice.rule["kernel"],
+                select_config(table.get("attn_fwd_sm90"), kernel="attn_fwd_sm90", **at))
+
+    gputest = tuning.fold([("sm90.json", db)], _forward_jobs("gputest"))[0]
+    # The persistent configs the bench measured fastest at B16 H32 N1024 (fp16: #7 full, #6 causal).
+    assert [kernel(gputest, c) for c in (0, 1)] == [("attn_fwd_sm90", 7), ("attn_fwd_sm90", 6)]
+    default, notes = tuning.fold([("sm90.json", db)], _forward_jobs("default"))
+    assert [n.split(" at seqlen_q ")[1][:4] for n in notes if "in this build, where the database chose" in n] == [
+        "1024"]  # fp16 mode 1 (a mode-2 rule's twin): the one bin whose choice this build makes otherwise
+    # Config #0 of each: the one-tile Gluon 718.8 us vs attn_fwd's 128x128 799.4 us full; causal
+    # 526.3 us vs attn_fwd's 128x64 481.6 us.
+    assert [kernel(default, c) for c in (0, 1)] == [("attn_fwd_sm90", 0), ("attn_fwd", 0)]

@@ -251,3 +251,69 @@ def test_default_images_route_sm90_causal_d128_as_the_database_measured_on_mode_
         handle = op.attention_kernels(*qkv(S=sq, Sk=6000, D=128), causal=True, align="bottom_right",
                                       library=lib)["attn_fwd"]
         assert handle.name == kernel and handle.params["CAUSAL"] == 1 and "causal_align" in handle.arg_names
+
+
+def test_gputest_images_run_the_persistent_forward_at_1024_and_explain_names_it_with_its_source(
+        tmp_path: Path) -> None:
+    """The checked-in database folded into (synthetic) gputest sm90 images: an fp16 D=128 call at
+    N=1024 runs attn_fwd_sm90's persistent config #7 without a mask and #6 causal, as the H200 bench
+    measured; default images (config #0 of each forward) run their own configs' faster forward."""
+    db = tuning.load(tuning.CHECKED_IN / "sm90.json")
+    if not any(e.get("source", "").startswith("bench/sm90_persistent.py") for e in db["entries"]):
+        pytest.skip("builder tune re-measured the forward: the bench's interim entries are gone")
+
+    def images(build_set: str, folder: Path) -> Path:
+        jobs = [j for name in ("attn_fwd", "attn_fwd_sm90")
+                for j in expand(load_kernels()[name], [KNOWN["sm90"]], build_set, "3.6.0")
+                if j.spec.get("HEAD_DIM") == 128 and {**j.spec, "CAUSAL": 0} == {**BASE, "CAUSAL": 0}]
+        table, _ = tuning.fold([("sm90.json", db)], jobs)
+        folder.mkdir()
+        (folder / "catalog.json").write_text(json.dumps({
+            "schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0", "tuning": table,
+            "variants": [_synthetic_variant(j.kernel, j.spec, j.config_index) for j in jobs]}))
+        return folder
+
+    gputest = images("gputest", tmp_path / "gputest")
+    run = subprocess.run([sys.executable, "-m", "aotriton_rt", "explain", "attention", "--images", str(gputest),
+                          "--arch", "sm90", "--dtype", "fp16", "--head-dim", "128", "--seqlen", "1024"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    line = run.stdout.splitlines()[1]
+    assert line.startswith("  attn_fwd_sm90[dtype=fp16, HEAD_DIM=128, HEAD_DIM_V=128, CAUSAL=0, ") and \
+        " config #7 (" in line and "PERSISTENT=132" in line, line
+    assert "tuning['attn_fwd_sm90'], from bench/sm90_persistent.py --rounds 7 --budget 70, H200, 2026-12-01" in line
+    assert "kernel: tuned (rule #" in line and "attn_fwd_sm90 vs attn_fwd measured at seqlen_q 1024" in line
+    lib = aotriton_rt.Library(gputest)
+    causal = op.explain(dtype="fp16", head_dim=128, seqlen_q=1024, causal=True, arch="sm90", library=lib).kernels[0]
+    assert (causal.kernel, causal.spec["CAUSAL"], causal.config) == ("attn_fwd_sm90", 1, 6)
+    handle = op.attention_kernels(*qkv(S=1024, D=128), causal=True, library=lib)["attn_fwd"]
+    assert (handle.name, handle.candidates[0].config.index) == ("attn_fwd_sm90", 6)  # the dispatcher agrees
+    # Default images: config #0 of each; causal at 1024 the portable forward, whose #0 was faster there.
+    default = aotriton_rt.Library(images("default", tmp_path / "default"))
+    picks = [op.explain(dtype="fp16", head_dim=128, seqlen_q=1024, causal=c, arch="sm90", library=default).kernels[0]
+             for c in (False, True)]
+    assert [(p.kernel, p.config) for p in picks] == [("attn_fwd_sm90", 0), ("attn_fwd", 0)]
+
+
+def test_square_causal_calls_on_gputest_images_run_mode_2_only_for_the_dtype_both_forwards_hold_it(
+        tmp_path: Path) -> None:
+    """What tests/runtime/test_attention_sm90_gpu.py's persistent operator test expects per dtype:
+    gputest holds D=128 mask mode 2 for bf16 only (in both forwards), so a square top-left causal
+    call runs attn_fwd_sm90 mode 2 in bf16 and mode 1 in fp16, forced config or not."""
+    from builder.tune import ForcedConfig
+    from tests.runtime.test_attention_sm90_gpu import _mode_run
+
+    jobs = [j for name in ("attn_fwd", "attn_fwd_sm90") for j in expand(load_kernels()[name], [KNOWN["sm90"]],
+                                                                        "gputest", "3.6.0")
+            if j.spec.get("HEAD_DIM") == 128 and {**j.spec, "CAUSAL": 0, "dtype": "fp16"} == {**BASE, "CAUSAL": 0}]
+    (tmp_path / "catalog.json").write_text(json.dumps({
+        "schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0", "tuning": {},
+        "variants": [_synthetic_variant(j.kernel, j.spec, j.config_index) for j in jobs]}))
+    lib = aotriton_rt.Library(tmp_path)
+    assert {d: _mode_run(lib, d, 2) for d in ("fp16", "bf16")} == {"fp16": 1, "bf16": 2}
+    assert {d: _mode_run(lib, d, 1) for d in ("fp16", "bf16")} == {"fp16": 1, "bf16": 1}
+    for dtype in ("fp16", "bf16"):
+        pick = op.explain(dtype=dtype, head_dim=128, seqlen_q=1100, seqlen_k=1100, causal=True, align="top_left",
+                          arch="sm90", library=ForcedConfig(lib, "attn_fwd_sm90", 6)).kernels[0]
+        assert (pick.kernel, pick.spec["CAUSAL"], pick.config, pick.params["PERSISTENT"]) == (
+            "attn_fwd_sm90", _mode_run(lib, dtype, 2), 6, 132)
