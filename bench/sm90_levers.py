@@ -369,17 +369,27 @@ def child_time(folders: dict, keys: list[str], shapes: tuple, rounds: int, launc
     import torch
 
     contenders = [c for c in contenders_of(folders) if c.variant.key in set(keys)]
+
+    def pick(shape: tuple) -> list:
+        dtype, D, causal = shape[:3]
+        return [c for c in contenders if c.variant.spec == {"dtype": dtype, "HEAD_DIM": D, "HEAD_DIM_V": D,
+                                                             "CAUSAL": causal, **SPEC_BASE}]
+
+    time_shapes(torch, shapes, pick, rounds, launches, budget, result)
+
+
+def time_shapes(torch, shapes, pick, rounds: int, launches: int, budget: float, result: Path) -> None:
+    """Time each shape's contenders (``pick(shape)``) with cuDNN's in shuffled rounds, appending each
+    shape's result to ``result`` (JSON lines) as soon as it is known; a shape reached after
+    ``budget`` seconds, or one whose timing raised, is recorded with the reason instead."""
     deadline = time.monotonic() + budget
     rng = random.Random(0)
     for shape in shapes:
-        dtype, D, causal = shape[:3]
-        mine = [c for c in contenders if c.variant.spec == {"dtype": dtype, "HEAD_DIM": D, "HEAD_DIM_V": D,
-                                                             "CAUSAL": causal, **SPEC_BASE}]
         if time.monotonic() > deadline:
             res = {"shape": shape, "rows": {}, "errors": {"_budget": "time budget spent before this shape"}}
         else:
             try:
-                res = time_shape(torch, shape, mine, rounds, launches, deadline, rng)
+                res = time_shape(torch, shape, pick(shape), rounds, launches, deadline, rng)
             except Exception as exc:
                 res = {"shape": shape, "rows": {}, "errors": {"_shape": f"{type(exc).__name__}: {str(exc)[:300]}"}}
         with result.open("a") as f:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import tempfile
 import time
@@ -106,23 +105,15 @@ def child_check(images: str, start: int, result: Path) -> None:
 def child_time(images: str, keys: list[str], shapes: tuple, rounds: int, launches: int, budget: float,
                result: Path) -> None:
     import torch
-    from sm90_levers import time_shape
+    from sm90_levers import time_shapes
 
     contenders = [c for c in contenders_of(images) if c.variant.key in set(keys)]
-    deadline = time.monotonic() + budget
-    rng = random.Random(0)
-    for shape in shapes:
+
+    def pick(shape: tuple) -> list:
         dtype, _, causal = shape[:3]
-        mine = [c for c in contenders if c.variant.spec["dtype"] == dtype and c.variant.spec["CAUSAL"] == causal]
-        if time.monotonic() > deadline:
-            res = {"shape": shape, "rows": {}, "errors": {"_budget": "time budget spent before this shape"}}
-        else:
-            try:
-                res = time_shape(torch, shape, mine, rounds, launches, deadline, rng)
-            except Exception as exc:
-                res = {"shape": shape, "rows": {}, "errors": {"_shape": f"{type(exc).__name__}: {str(exc)[:300]}"}}
-        with result.open("a") as f:
-            f.write(json.dumps(res, default=str) + "\n")
+        return [c for c in contenders if c.variant.spec["dtype"] == dtype and c.variant.spec["CAUSAL"] == causal]
+
+    time_shapes(torch, shapes, pick, rounds, launches, budget, result)
 
 
 def run_checks(images: str, total: int, timeout: float, work: Path) -> list[dict]:

@@ -279,10 +279,7 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
                                      shape_of(n, heads, tokens), deterministic=False, **timing,
                                      log=lambda m, where=f"{label} N{n}": log(f"  {where}: contender {m}"))
                 entries.append(entry)
-                best = tuning.winner(entry.timings)
-                log(f"{label} N{n} B{entry.shape['batch']}: " + "  ".join(
-                    f"#{t.index} {contender_name(t.params)} " + (f"{t.us:.1f}us" if t.us is not None else "-")
-                    for t in entry.timings) + f"  -> #{best.index if best else '-'}")
+                _log_entry(log, f"{label} N{n}", entry, lambda t: f"{contender_name(t.params)} ")
         # The kernels a forward and a (deterministic) backward call launch, with their specs.
         launched = {}
         # Every forward kernel that could serve the call (the portable one and the arch's own), then
@@ -315,12 +312,17 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
                                      shape_of(n, heads, tokens), deterministic=True, **timing,
                                      log=lambda m, where=f"{label} N{n}": log(f"  {where}: config {m}"))
                 entries.append(entry)
-                best = tuning.winner(entry.timings)
-                log(f"{label} N{n} B{entry.shape['batch']}: " + "  ".join(
-                    f"#{t.index} {t.us:.1f}us" if t.us is not None else f"#{t.index} -" for t in entry.timings)
-                    + f"  -> #{best.index if best else '-'}")
+                _log_entry(log, f"{label} N{n}", entry)
     return entries
 
+
+
+def _log_entry(log, label: str, entry: tuning.Entry, name=lambda timing: "") -> None:
+    """One measured bin in a line: each contender's index, ``name`` and time, then the winner."""
+    best = tuning.winner(entry.timings)
+    log(f"{label} B{entry.shape['batch']}: " + "  ".join(
+        f"#{t.index} {name(t)}" + (f"{t.us:.1f}us" if t.us is not None else "-") for t in entry.timings)
+        + f"  -> #{best.index if best else '-'}")
 
 def _measure_bin(lib: Any, kernel: str, backward: bool, spec: dict, contenders: list[tuple[int, dict, Any]],
                  dtype: str, d: int, causal: bool, shape: dict[str, int], *, deterministic: bool, rounds: int,

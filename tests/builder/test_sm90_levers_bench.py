@@ -71,3 +71,27 @@ def test_a_wrong_result_is_located_by_rows_tile_half_and_nan(levers) -> None:
     assert d["bad_rows_in_tile_half_0_1"] == [1, 1]
     assert d["nan_out"] == 1 and d["nan_lse"] == 0 and d["lse_inf_rows_disagree"] == 1
     assert d["bad_heads"] == [1, 0, 1]
+
+
+def test_time_shapes_records_every_shape_a_timed_one_a_failed_one_and_one_past_the_budget(levers, monkeypatch,
+                                                                                          tmp_path) -> None:
+    """The per-shape loop both forward lever benches share: each shape's result is appended as soon as
+    it is known, an exception costs that shape only, and once the budget is spent the rest say so."""
+    timed: list = []
+
+    def fake_time_shape(torch, shape, mine, rounds, launches, deadline, rng):
+        if shape == "bad":
+            raise RuntimeError("no variant")
+        timed.append((shape, mine, rounds, launches))
+        return {"shape": shape, "rows": {"x": 1.0}}
+
+    monkeypatch.setattr(levers, "time_shape", fake_time_shape)
+    out = tmp_path / "t.jsonl"
+    levers.time_shapes(None, ["s1", "bad", "s2"], lambda s: [s.upper()], 3, 20, 60.0, out)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["shape"] for r in rows] == ["s1", "bad", "s2"]
+    assert timed == [("s1", ["S1"], 3, 20), ("s2", ["S2"], 3, 20)]
+    assert rows[1]["errors"] == {"_shape": "RuntimeError: no variant"}
+    late = tmp_path / "late.jsonl"
+    levers.time_shapes(None, ["s3"], lambda s: [], 3, 20, -1.0, late)
+    assert json.loads(late.read_text())["errors"] == {"_budget": "time budget spent before this shape"}
