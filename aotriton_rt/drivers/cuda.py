@@ -40,6 +40,7 @@ CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_FUNC_CACHE_PREFER_SHARED = 1
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
@@ -112,6 +113,7 @@ _SIGNATURES: dict[str, tuple] = {
     "cuModuleLoadData": (_P(c_void_p), c_void_p),
     "cuModuleGetFunction": (_P(c_void_p), c_void_p, c_char_p),
     "cuFuncSetAttribute": (c_void_p, c_int, c_int),
+    "cuFuncSetCacheConfig": (c_void_p, c_int),
     "cuFuncGetAttribute": (_P(c_int), c_int, c_void_p),
     "cuLaunchKernel": (c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint,
                        c_void_p, _P(c_void_p), _P(c_void_p)),
@@ -291,7 +293,8 @@ class CudaDriver:
         return function.value
 
     def prepare_function(self, function: int, shared: int) -> None:
-        """Opt ``function`` in to ``shared`` bytes of dynamic shared memory when > 48 KiB.
+        """Opt ``function`` in to ``shared`` bytes of dynamic shared memory when > 48 KiB, and
+        prefer shared memory over L1 for it.
 
         Raises ``LaunchError`` when the device cannot give that much to one block.
         """
@@ -315,6 +318,10 @@ class CudaDriver:
                                             CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                             shared),
                    f"cuFuncSetAttribute({symbol}, MAX_DYNAMIC_SHARED_SIZE_BYTES={shared})")
+        # Triton's own loader marks such kernels this way too: the images launch as the JIT that
+        # tuned them does (the L1/shared split is the one difference the launch paths had).
+        self.check(self._cuFuncSetCacheConfig(function, CU_FUNC_CACHE_PREFER_SHARED),
+                   f"cuFuncSetCacheConfig({symbol}, PREFER_SHARED)")
 
     # ------------------------------------------------------------------ launches
 

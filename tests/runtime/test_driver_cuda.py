@@ -161,6 +161,12 @@ CUresult cuFuncSetAttribute(void *fn, int attr, int value) {
   return 0;
 }
 
+CUresult cuFuncSetCacheConfig(void *fn, int config) {
+  Function *f = fn; if (!f || f->magic != 0xF7) return 400;
+  log_line("{\"call\":\"cuFuncSetCacheConfig\",\"name\":\"%s\",\"config\":%d}", f->name, config);
+  return 0;
+}
+
 /* Natural alignment of each parameter, as nvcc lays out a kernel's parameter buffer. */
 static size_t layout(const Function *f, size_t *offsets) {
   size_t at = 0;
@@ -450,10 +456,13 @@ def test_prepare_function_opts_in_to_shared_memory_above_48_kib(driver: CudaDriv
                                                                 log: Path) -> None:
     function = driver.get_function(0, driver.load_module(0, cubin(ADD)), "add_kernel")
     driver.prepare_function(function, 48 * 1024)  # at the limit: nothing to do
-    assert records(log, "cuFuncSetAttribute") == []
+    assert records(log, "cuFuncSetAttribute") == [] and records(log, "cuFuncSetCacheConfig") == []
     driver.prepare_function(function, 100_000)
     assert records(log, "cuFuncSetAttribute") == [
         {"call": "cuFuncSetAttribute", "name": "add_kernel", "attr": 8, "value": 100_000}]
+    # As Triton's loader does for kernels past 48 KiB: shared memory preferred over L1.
+    assert records(log, "cuFuncSetCacheConfig") == [
+        {"call": "cuFuncSetCacheConfig", "name": "add_kernel", "config": 1}]
     launch = driver.make_launcher(function, struct=ADD_STRUCT, num_threads=128, shared=100_000)
     launch(1, 1, 1, 0, ADD_VALUES)  # the fake refuses > 48 KiB without the opt-in
     assert records(log, "cuLaunchKernel")[0]["shared"] == 100_000
