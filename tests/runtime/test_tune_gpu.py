@@ -19,6 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu
 
 
+
+def _tune(images, out, kernels: str, head_dim: int) -> subprocess.CompletedProcess:
+    """``builder tune`` of ``kernels`` at fp16, one head dim, both masks, bins 1024 and 4096, two rounds."""
+    return subprocess.run([sys.executable, "-m", "builder", "tune", "--images", str(images), "--out", str(out),
+                           "--kernels", kernels, "--bins", "1024,4096", "--dtypes", "fp16", "--head-dims",
+                           str(head_dim), "--causal", "0,1", "--rounds", "2"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "OUT": ""})
+
 def test_tune_writes_a_database_the_build_folds_and_explain_reports(gpu_images: Path, tmp_path: Path) -> None:
     import triton
 
@@ -32,10 +40,7 @@ def test_tune_writes_a_database_the_build_folds_and_explain_reports(gpu_images: 
         pytest.skip(f"{gpu_images} has no attn_fwd: set AOTRITON_RT_TEST_IMAGES to a folder built with it "
                     "(python -m builder build --set gputest --targets sm90 --out .gpu-images)")
     out = tmp_path / "tuning.json"
-    run = subprocess.run([sys.executable, "-m", "builder", "tune", "--images", str(gpu_images), "--out", str(out),
-                          "--kernels", "attn_fwd", "--bins", "1024,4096", "--dtypes", "fp16", "--head-dims", "128",
-                          "--causal", "0,1", "--rounds", "2"], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "OUT": ""})
+    run = _tune(gpu_images, out, "attn_fwd", 128)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     db = tuning.load(out)
     assert db["machine"]["gpu"] and db["arch"] in KNOWN
@@ -81,10 +86,7 @@ def test_tune_measures_the_backwards_kernels_and_scheme_and_deterministic_calls_
         pytest.skip(f"{gpu_images} lacks the Gluon backward or the atomic scheme: set AOTRITON_RT_TEST_IMAGES to "
                     "`python -m builder build --set gputest --targets sm90 --no-tuning-db --out .gpu-images`")
     out = tmp_path / "bwd.json"
-    run = subprocess.run([sys.executable, "-m", "builder", "tune", "--images", str(gpu_images), "--out", str(out),
-                          "--kernels", "attn_bwd", "--bins", "1024,4096", "--dtypes", "fp16", "--head-dims", "64",
-                          "--causal", "0,1", "--rounds", "2"], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "OUT": ""})
+    run = _tune(gpu_images, out, "attn_bwd", 64)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     db = tuning.load(out)
     assert {e["kernel"] for e in db["entries"]} == {"attn_bwd"} and len(db["entries"]) == 4, run.stdout
