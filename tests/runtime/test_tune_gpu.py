@@ -19,13 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu
 
 
-
 def _tune(images, out, kernels: str, head_dim: int) -> subprocess.CompletedProcess:
     """``builder tune`` of ``kernels`` at fp16, one head dim, both masks, bins 1024 and 4096, two rounds."""
     return subprocess.run([sys.executable, "-m", "builder", "tune", "--images", str(images), "--out", str(out),
                            "--kernels", kernels, "--bins", "1024,4096", "--dtypes", "fp16", "--head-dims",
                            str(head_dim), "--causal", "0,1", "--rounds", "2"], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, "OUT": ""})
+
 
 def test_tune_writes_a_database_the_build_folds_and_explain_reports(gpu_images: Path, tmp_path: Path) -> None:
     import triton
