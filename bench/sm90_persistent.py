@@ -5,15 +5,17 @@ Contenders, every one from one image folder built with ``python -m builder build
 --targets sm90`` and launched through ``aotriton_rt.Library`` as the operator launches them:
 
 - ``persistent#i``: every ``attn_fwd_sm90`` config with ``PERSISTENT`` > 0 (a grid of min(work
-  units, PERSISTENT) programs looping over query tiles; builder/kernels/attention_sm90.py);
-- ``gluon#0``, ``gluon#1``: the one-program-per-tile Gluon configs of the same tile (128x128,
-  three stages, with and without ping-pong);
+  units, PERSISTENT) programs looping over query tiles; builder/kernels/attention_sm90.py): #6 and
+  #7 at D=128, #4 and #5 at D=64;
+- ``gluon#0``, ``gluon#1``: the one-program-per-tile Gluon configs of the same tile (128x128, three
+  stages at D=128, four at D=64, with and without ping-pong);
 - ``attn_fwd#0``, ``attn_fwd#1``: the portable kernel (#1, 4-warp 128x64 TMA, is what the tuning
   database runs at N <= 1024 D=128 today);
 - ``cudnn`` (SDPA's cuDNN backend, inputs without grad) and ``cudnn-train`` (inputs with grad).
 
 Shapes: B16 H32 N1024 and B4 H32 N4096, D=128, fp16 and bf16, no mask and causal (mask mode 1
-with the top-left band, which is cuDNN's ``is_causal`` for square problems). Every contender is
+with the top-left band, which is cuDNN's ``is_causal`` for square problems); then D=64 at the same
+sizes in the two D=64 specs the gputest set holds (fp16 without a mask, bf16 causal), shapes 8-11. Every contender is
 first checked against an fp32 reference on a ragged NaN-padded problem (bench/sm90_levers.py's
 check) in a child process with a time limit (a hang costs that contender, checks resume after it);
 a wrong one is not timed. Timing runs in one child: per shape, rounds whose contender order is
@@ -22,6 +24,7 @@ over rounds and the ratio to ``cudnn``'s median of the same run.
 
     python bench/sm90_persistent.py --images .gpu-images/gt
     python bench/sm90_persistent.py --images .gpu-images/gt --shapes 0,1 --rounds 20
+    python bench/sm90_persistent.py --images .gpu-images/gt --shapes 8,9,10,11   # D=64 only
 
 The summary table comes last; details (every sample, every check) go to
 ``$OUT/sm90_persistent.json`` when OUT is set.
@@ -44,13 +47,17 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench import children  # noqa: E402
 from bench.children import read_lines, run_child  # noqa: E402
 
-# (dtype, head dim, mask mode, B, H, N).
-SHAPES = tuple((dtype, 128, causal, b, 32, n) for b, n in ((16, 1024), (4, 4096))
-               for causal in (0, 1) for dtype in ("fp16", "bf16"))
+# (dtype, head dim, mask mode, B, H, N): D=128 first (the indices earlier runs were given), then D=64
+# in the (dtype, mask mode) pairs the gputest set holds at D=64 (others would time cuDNN alone).
+SHAPES = (tuple((dtype, 128, causal, b, 32, n) for b, n in ((16, 1024), (4, 4096))
+                for causal in (0, 1) for dtype in ("fp16", "bf16"))
+          + tuple((dtype, 64, causal, b, 32, n) for b, n in ((16, 1024), (4, 4096))
+                  for dtype, causal in (("fp16", 0), ("bf16", 1))))
 #: One-tile Gluon configs and portable configs timed next to the persistent ones.
 GLUON_CONFIGS = (0, 1)
 PORTABLE_CONFIGS = (0, 1)
-_BASE = {"HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+_BASE = {"BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+HEAD_DIMS = (64, 128)
 
 
 def log(msg: str) -> None:
@@ -61,6 +68,8 @@ def wanted(variant) -> str | None:
     """The contender name of a catalog variant, or None when it is not one."""
     spec, cfg = variant.spec, variant.config
     if any(spec.get(k) != v for k, v in _BASE.items()) or spec.get("CAUSAL") not in (0, 1):
+        return None
+    if spec.get("HEAD_DIM") not in HEAD_DIMS or spec.get("HEAD_DIM_V") != spec.get("HEAD_DIM"):
         return None
     if variant.target.arch != "sm90":
         return None
@@ -110,8 +119,9 @@ def child_time(images: str, keys: list[str], shapes: tuple, rounds: int, launche
     contenders = [c for c in contenders_of(images) if c.variant.key in set(keys)]
 
     def pick(shape: tuple) -> list:
-        dtype, _, causal = shape[:3]
-        return [c for c in contenders if c.variant.spec["dtype"] == dtype and c.variant.spec["CAUSAL"] == causal]
+        dtype, d, causal = shape[:3]
+        return [c for c in contenders if (c.variant.spec["dtype"], c.variant.spec["HEAD_DIM"],
+                                          c.variant.spec["CAUSAL"]) == (dtype, d, causal)]
 
     time_shapes(torch, shapes, pick, rounds, launches, budget, result)
 

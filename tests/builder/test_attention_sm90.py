@@ -208,7 +208,7 @@ def _constexprs(spec: dict, index: int) -> dict:
     return {**spec, **sm90_fwd_configs(spec, None)[index].constexprs}
 
 
-def test_persistent_configs_follow_the_tile_table_at_head_dim_128_in_every_mask_mode_not_the_default_set() -> None:
+def test_persistent_configs_follow_each_head_dims_tile_table_in_every_mask_mode_not_the_default_set() -> None:
     from builder.kernels.attention_sm90 import PERSISTENT_PROGRAMS, TILES
     from builder.registry import expand
     from builder.targets import parse_targets
@@ -220,18 +220,26 @@ def test_persistent_configs_follow_the_tile_table_at_head_dim_128_in_every_mask_
         return {(j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.config_index) for j in jobs(build_set)
                 if j.constexprs["PERSISTENT"]}
 
-    # Appended after the tile table (the tuning database's indices keep their configs), for every
-    # D=128 spec of the set: gputest's (all but fp16 mode 2, which its attn_fwd twin lacks) and full's.
-    after = len(TILES[128])
+    # Appended after each head dim's tile table (the tuning database's indices keep their configs),
+    # for every spec of the set: gputest's (at D=128 all but fp16 mode 2, which its attn_fwd twin
+    # lacks; at D=64 fp16 without a mask and bf16 mode 1) and full's.
     for build_set in ("gputest", "full"):
-        specs = {(j.spec["dtype"], j.spec["CAUSAL"]) for j in jobs(build_set) if j.spec["HEAD_DIM"] == 128}
-        assert persistent(build_set) == {(dt, 128, c, i) for dt, c in specs for i in (after, after + 1)}
-    assert {c for _, _, c, _ in persistent("gputest")} == {0, 1, 2}
-    assert len(persistent("full")) == 2 * 3 * 2
+        specs = {(j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"]) for j in jobs(build_set)}
+        assert persistent(build_set) == {(dt, d, c, i) for dt, d, c in specs
+                                         for i in (len(TILES[d]), len(TILES[d]) + 1)}
+    assert {c for _, d, c, _ in persistent("gputest") if d == 128} == {0, 1, 2}
+    assert {(dt, c, i) for dt, d, c, i in persistent("gputest") if d == 64} == {
+        ("fp16", 0, 4), ("fp16", 0, 5), ("bf16", 1, 4), ("bf16", 1, 5)}
+    assert len(persistent("full")) == 2 * 2 * 3 * 2
     assert persistent("default") == set()
-    jobs = expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "full", "3.6.0")
-    assert {j.constexprs["PERSISTENT"] for j in jobs if j.config_index >= after} == {PERSISTENT_PROGRAMS}
-    assert {j.constexprs["PERSISTENT"] for j in jobs if j.config_index < after} == {0}
+    for j in jobs("full"):
+        d, programs = j.spec["HEAD_DIM"], j.constexprs["PERSISTENT"]
+        assert programs == (PERSISTENT_PROGRAMS if j.config_index >= len(TILES[d]) else 0), j.label
+        if programs:  # the head dim's first tile, with ping-pong then without
+            first = TILES[d][0]
+            assert tuple(j.constexprs[k] for k in ("BLOCK_M", "BLOCK_N", "STAGES", "WARP_SPECIALIZE")) == (
+                first[0], first[1], first[2], 1), j.label
+            assert j.constexprs["PINGPONG"] == (1 if j.config_index == len(TILES[d]) else 0), j.label
 
 
 @pytest.mark.parametrize("causal", [0, 1])
@@ -283,34 +291,50 @@ def test_the_grid_rule_launches_one_program_per_tile_or_the_persistent_grid() ->
     assert grid(1, persistent, 1, 1, 40) == (1, 1, 1) and grid(1, persistent, 7, 19, 128) == (67, 1, 1)
 
 
-@pytest.fixture(scope="module")
-def built_persistent(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """bf16 D=128 mask mode 1, the first persistent config (ping-pong), built by the builder."""
+def _build_persistent(tmp_path_factory: pytest.TempPathFactory, head_dim: int) -> Path:
+    """bf16 mask mode 1 at ``head_dim``, its first persistent config (ping-pong), built by the builder."""
     from builder.build import build
     from builder.kernels.attention_sm90 import TILES
     from builder.registry import expand
     from builder.targets import parse_targets
 
-    want = {"dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
-    jobs = [j for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "full", "3.6.0")
-            if j.spec == want and j.config_index == len(TILES[128])]
+    want = {"dtype": "bf16", "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0,
+            "VARLEN": 0}
+    jobs = [j for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "gputest", "3.6.0")
+            if j.spec == want and j.config_index == len(TILES[head_dim])]
     assert len(jobs) == 1 and jobs[0].constexprs["PERSISTENT"] > 0 and jobs[0].constexprs["PINGPONG"] == 1
-    out = tmp_path_factory.mktemp("gluon-persistent")
+    out = tmp_path_factory.mktemp(f"gluon-persistent-d{head_dim}")
     summary = build(jobs, out, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
     assert summary.failed == [] and summary.compiled == 1
     return out
 
 
+@pytest.fixture(scope="module")
+def built_persistent(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """bf16 D=128 mask mode 1, the first persistent config (ping-pong), built by the builder."""
+    return _build_persistent(tmp_path_factory, 128)
+
+
+@pytest.fixture(scope="module")
+def built_persistent_d64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """bf16 D=64 mask mode 1 (a gputest spec), the first persistent config (ping-pong)."""
+    return _build_persistent(tmp_path_factory, 64)
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
 def test_the_persistent_variant_compiles_proves_its_layout_and_keeps_attn_fwds_arguments(
-        built_persistent: Path) -> None:
+        request: pytest.FixtureRequest, head_dim: int) -> None:
     from aotriton_rt.arguments import Packer
     from aotriton_rt.catalog import Catalog
     from builder.build import prove_folder
 
+    built_persistent = request.getfixturevalue("built_persistent" if head_dim == 128 else "built_persistent_d64")
+
     assert prove_folder(built_persistent) == 1
     (variant,) = Catalog.load(built_persistent / "catalog.json").variants
     assert variant.num_warps == 12 and variant.scratch["global_size"] == 3 * 128
-    assert variant.shared <= 232448
+    # Two 64-row Q halves and STAGES K/V blocks: 224 KB at D=128 (3 stages), 144 KB at D=64 (4 stages).
+    assert variant.shared <= 232448 and variant.shared > {128: 224, 64: 144}[head_dim] * 1024
     assert [a.name for a in variant.args] == [n for n, t in _kernels()["attn_fwd"].signature.items()
                                               if t != "constexpr"]
     # The runtime's own grid evaluation of the catalog's rule (the rule folds the variant's constexprs).
@@ -325,20 +349,23 @@ def test_the_persistent_variant_compiles_proves_its_layout_and_keeps_attn_fwds_a
     assert grid(1, 2, 300) == (3, 1, 1)  # six tiles (three query blocks of two heads): three causal units
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
 def test_ptxas_keeps_the_persistent_wgmmas_asynchronous_and_spills_nothing_in_the_key_loops(
-        built_persistent: Path) -> None:
+        request: pytest.FixtureRequest, head_dim: int) -> None:
     import lzma
 
     from aotriton_rt.catalog import Catalog
     from tests.helpers.sass import loop_spills, sass_ops
+
+    built_persistent = request.getfixturevalue("built_persistent" if head_dim == 128 else "built_persistent_d64")
 
     (variant,) = Catalog.load(built_persistent / "catalog.json").variants
     cubin = lzma.decompress((built_persistent / variant.image.path).read_bytes())
     ops = sass_ops(cubin)
     hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
     fences = ops.get("WARPGROUP.ARRIVE", 0)
-    # D=128: 8 k-steps per Q.K^T and per P.V issue site.
-    assert hgmma >= 8 * fences > 0, f"wgmma serialized by ptxas: {hgmma} HGMMA, {fences} fences"
+    # k-steps of 16 per issue site: HEAD_DIM / 16 for Q.K^T (8 at D=128, 4 at D=64), BLOCK_N / 16 for P.V.
+    assert hgmma >= head_dim // 16 * fences > 0, f"wgmma serialized by ptxas: {hgmma} HGMMA, {fences} fences"
     # The tile loop carries more than the one-tile kernel: ptxas (Triton 3.6) keeps one per-thread
     # column offset in local memory, stored once and reloaded once per tile, outside the key loops.
     assert loop_spills(cubin) == 0, "local memory traffic inside a wgmma loop"
@@ -405,3 +432,17 @@ def test_the_persistent_bench_picks_the_persistent_variant_and_summarises_ratios
     assert lines[1].endswith("gluon#0 x: LaunchError: boom")
     assert [s[:3] for s in sm90_persistent.SHAPES[:4]] == [("fp16", 128, 0), ("bf16", 128, 0), ("fp16", 128, 1),
                                                           ("bf16", 128, 1)]
+
+
+def test_the_persistent_bench_times_head_dim_64_in_the_gputest_sets_d64_specs_after_the_d128_shapes(
+        built_persistent_d64: Path) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import sm90_persistent
+
+    # D=128's shape indices (0-7) keep their meaning; D=64 follows, only where gputest has variants.
+    assert {s[1] for s in sm90_persistent.SHAPES[:8]} == {128}
+    assert sm90_persistent.SHAPES[8:] == (("fp16", 64, 0, 16, 32, 1024), ("bf16", 64, 1, 16, 32, 1024),
+                                         ("fp16", 64, 0, 4, 32, 4096), ("bf16", 64, 1, 4, 32, 4096))
+    (contender,) = sm90_persistent.contenders_of(str(built_persistent_d64))
+    assert contender.label.startswith("persistent#4 128x128 w4s1 ") and "PERSISTENT=132" in contender.label
+    assert contender.variant.spec["HEAD_DIM"] == 64
