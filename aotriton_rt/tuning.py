@@ -39,7 +39,7 @@ from typing import Any
 from .errors import CatalogError
 
 __all__ = ["DKDV_KERNEL_RULES", "DQ_KERNEL_RULES", "KERNEL_RULES", "MODE_RULES", "Choice", "explain_config",
-           "seqlen_bin", "select_config", "select_kernel", "select_mode", "validate_table"]
+           "in_range", "seqlen_bin", "select_config", "select_kernel", "select_mode", "validate_table"]
 
 #: The table entry whose rules pick the attention backward's scheme instead of a config.
 MODE_RULES = "attn_bwd_mode"
@@ -148,7 +148,7 @@ def _matching_rule(rules: Any, kernel: str, spec: Mapping[str, Any], seqlen_q: i
         want = rule.get("spec", {})
         if any(spec.get(key) != value for key, value in want.items()):
             continue
-        if not (_in_range(seqlen_q, rule.get("seqlen_q")) and _in_range(seqlen_k, rule.get("seqlen_k"))):
+        if not (in_range(seqlen_q, rule.get("seqlen_q")) and in_range(seqlen_k, rule.get("seqlen_k"))):
             continue
         if "arch" in rule:
             # Asked last: finding the device's arch may need the driver.
@@ -160,7 +160,8 @@ def _matching_rule(rules: Any, kernel: str, spec: Mapping[str, Any], seqlen_q: i
     return None
 
 
-def _in_range(value: int, bounds: Any) -> bool:
+def in_range(value: int, bounds: Any) -> bool:
+    """Whether a length lies in a rule's inclusive ``[low, high]`` range (None: no bound)."""
     if bounds is None:
         return True
     lo, hi = bounds

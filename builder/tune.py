@@ -316,13 +316,13 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
     return entries
 
 
-
 def _log_entry(log, label: str, entry: tuning.Entry, name=lambda timing: "") -> None:
     """One measured bin in a line: each contender's index, ``name`` and time, then the winner."""
     best = tuning.winner(entry.timings)
     log(f"{label} B{entry.shape['batch']}: " + "  ".join(
         f"#{t.index} {name(t)}" + (f"{t.us:.1f}us" if t.us is not None else "-") for t in entry.timings)
         + f"  -> #{best.index if best else '-'}")
+
 
 def _measure_bin(lib: Any, kernel: str, backward: bool, spec: dict, contenders: list[tuple[int, dict, Any]],
                  dtype: str, d: int, causal: bool, shape: dict[str, int], *, deterministic: bool, rounds: int,

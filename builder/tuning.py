@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from aotriton_rt.ops.attention.dispatch import ARCH_BACKWARDS, ARCH_FORWARDS, BACKWARD_KERNEL_RULES, DKDV, FWD
-from aotriton_rt.tuning import DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES, MODE_RULES
+from aotriton_rt.tuning import DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES, MODE_RULES, in_range, select_kernel
 
 SCHEMA = "aotriton-rt-tuning"
 SCHEMA_VERSION = 1
@@ -470,22 +470,13 @@ def forward_choices_for_build(db: Mapping[str, Any], built: Mapping[tuple, dict]
     for _, rule, is_twin in out:
         spec = {**rule["spec"], "CAUSAL": 2} if is_twin else rule["spec"]
         for b in sorted({e.bin for e in mine if _spec_key(e.spec) == _spec_key(spec)}):
-            chose = _kernel_at(full, spec, b)
-            if _in_bin(rule, b) and chose not in (None, rule["kernel"]):
+            hit = select_kernel(full, spec=spec, seqlen_q=b, seqlen_k=b, arch=arch)
+            chose = None if hit is None else hit.rule["kernel"]
+            if in_range(b, rule["seqlen_q"]) and chose not in (None, rule["kernel"]):
                 notes.append(f"{where}: {KERNEL_RULES} {_spec_key(rule['spec'])} at seqlen_q {b}: {rule['kernel']} "
                              f"in this build, where the database chose {chose} (whose winning config this build "
                              f"does not hold)")
     return out, notes
-
-
-def _in_bin(rule: Mapping[str, Any], b: int) -> bool:
-    low, high = rule["seqlen_q"]
-    return (low is None or low <= b) and (high is None or b <= high)
-
-
-def _kernel_at(rules: Sequence[Mapping[str, Any]], spec: Mapping[str, Any], b: int) -> str | None:
-    """The kernel the first of ``rules`` for ``spec`` covering bin ``b`` chooses, or None."""
-    return next((r["kernel"] for r in rules if _spec_key(r["spec"]) == _spec_key(spec) and _in_bin(r, b)), None)
 
 
 def _job_params(job: Any) -> dict:
