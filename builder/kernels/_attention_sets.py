@@ -144,7 +144,7 @@ def in_gputest_set(spec: dict, target: object) -> bool:
     return in_default_set(spec, target) or any(_in_gputest_combo(spec, c) for c in GPUTEST)
 
 
-#: Head dims of the sm90 Gluon backward (builder/kernels/attention_bwd_sm90.py's HEAD_DIMS).
+#: Head dims of the sm90 Gluon backward (builder/kernels/attention_bwd_sm90.py's HEAD_DIMS are these).
 SM90_GLUON_BWD_HEAD_DIMS = (64, 128)
 
 

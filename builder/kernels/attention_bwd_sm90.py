@@ -466,13 +466,15 @@ def attn_bwd_dkdv_sm90(
 # Registry declaration.
 # --------------------------------------------------------------------------------------------
 
+from builder.kernels._attention_sets import SM90_GLUON_BWD_HEAD_DIMS  # noqa: E402
 from builder.kernels._attention_sets import in_gputest_set as _in_bwd_gputest_set  # noqa: E402
 from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
 from builder.kernels.attention_bwd import _GRAD_PTRS  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
 
-#: Head dims compiled: the ones the H200 backward benchmarks measure (docs/performance.md).
-HEAD_DIMS = (64, 128)
+#: Head dims compiled: the ones the H200 backward benchmarks measure (docs/performance.md); one
+#: tuple with the set that adds the atomic scheme's preprocess/convert kernels for them.
+HEAD_DIMS = SM90_GLUON_BWD_HEAD_DIMS
 #: (BLOCK_M, STAGES) per head dim, the expected fastest first (unmeasured). BLOCK_N is always 128
 #: (two consumers of 64 keys). Shared memory: K and V of 128 keys (D=128: 64 KB) plus STAGES Q
 #: and dO tiles (D=128, BLOCK_M=64: 32 KB a stage), and with DQ_ATOMIC two 8 KB dSᵀ tiles (the
