@@ -367,21 +367,13 @@ def run_checks(folder: str, child_args: list[str], total: int, timeout: float, w
     """Every candidate's check, a child process at a time; one that faults or hangs is recorded as
     failed and a new child carries on after it."""
     path = work / "bwd_checks.jsonl"
-    path.unlink(missing_ok=True)
-    start = 0
-    while start < total:
-        why = _run_child(["--child-check", folder, *child_args, "--start", str(start), "--result", str(path)],
-                         timeout)
-        done = _read_lines(path)
-        nxt = max([r["number"] for r in done], default=start - 1) + 1
-        if why is None and nxt >= total:
-            break
-        why = why or "the checking process stopped early"
-        log(f"[check] candidate {nxt}: {why}; counted as failed")
-        with path.open("a") as f:
-            f.write(json.dumps({"number": nxt, "ok": False, "error": why}) + "\n")
-        start = nxt + 1
-    return _read_lines(path)
+
+    def run(start: int) -> str | None:
+        return _run_child(["--child-check", folder, *child_args, "--start", str(start), "--result", str(path)],
+                          timeout)
+
+    return children.check_one_at_a_time(run, total, path, key="number", failed=lambda n: {},
+                                        label=lambda n: f"candidate {n}", log=log)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -409,25 +409,15 @@ def run_checks(folders: dict, timeout: float, work: Path) -> list[dict]:
     the variant it was on is recorded as failed, and a new child carries on after it."""
     import aotriton_rt  # noqa: F401 - fail here, not in every child, if the runtime is missing
 
-    total = len(contenders_of(folders))
     path = work / "checks.jsonl"
-    path.unlink(missing_ok=True)
-    start = 0
-    while start < total:
-        why = _run_child(["--child-check", json.dumps(folders), "--start", str(start), "--result", str(path)],
-                         timeout)
-        done = _read_lines(path)
-        nxt = max([r["index"] for r in done], default=start - 1) + 1
-        if why is None and nxt >= total:
-            break
-        if why is None:
-            why = "the checking process stopped early"
-        log(f"[check] variant #{nxt}: {why}; counted as failed")
-        with path.open("a") as f:
-            f.write(json.dumps({"index": nxt, "ok": False, "error": why, "label": f"#{nxt}", "key": None,
-                                "spec": {}}) + "\n")
-        start = nxt + 1
-    return _read_lines(path)
+
+    def run(start: int) -> str | None:
+        return _run_child(["--child-check", json.dumps(folders), "--start", str(start), "--result", str(path)],
+                          timeout)
+
+    return children.check_one_at_a_time(run, len(contenders_of(folders)), path, key="index",
+                                        failed=lambda n: {"label": f"#{n}", "key": None, "spec": {}},
+                                        label=lambda n: f"variant #{n}", log=log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,21 +130,14 @@ def run_checks(images: str, total: int, timeout: float, work: Path) -> list[dict
     """Every contender's check, one child at a time; a child that hangs or dies is killed, the
     contender it was on counts as failed and a new child carries on after it."""
     path = work / "checks.jsonl"
-    path.unlink(missing_ok=True)
-    start = 0
-    while start < total:
-        why = run_child(__file__, ["--child-check", "--images", images, "--start", str(start),
-                                   "--result", str(path)], timeout)
-        done = read_lines(path)
-        nxt = max([r["index"] for r in done], default=start - 1) + 1
-        if why is None and nxt >= total:
-            break
-        why = why or "the checking process stopped early"
-        log(f"[check] contender #{nxt}: {why}; counted as failed")
-        with path.open("a") as f:
-            f.write(json.dumps({"index": nxt, "ok": False, "error": why, "label": f"#{nxt}", "key": None}) + "\n")
-        start = nxt + 1
-    return read_lines(path)
+
+    def run(start: int) -> str | None:
+        return run_child(__file__, ["--child-check", "--images", images, "--start", str(start), "--result", str(path)],
+                         timeout)
+
+    return children.check_one_at_a_time(run, total, path, key="index",
+                                        failed=lambda n: {"label": f"#{n}", "key": None},
+                                        label=lambda n: f"contender #{n}", log=log)
 
 
 def _best(rows: dict, prefix: str) -> tuple[str, dict] | None:
