@@ -327,15 +327,13 @@ def operator_contenders(call: Call, t: dict[str, Any], images: str, workers: int
     ``jit bwd`` (the same operator calls through bench/attention.py's JitLibrary: the Triton JIT of
     each kernel with the variant's config), as bench/attention.py times them; the forward's O and
     LSE replace the stand-ins in ``t``."""
-    import importlib.util
-
     import aotriton_rt
     from aotriton_rt.ops import attention as op
 
-    path = Path(__file__).resolve().parent / "attention.py"
-    spec = importlib.util.spec_from_file_location("bench_attention", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    # Imported by its package name, not loaded from its path: precompile's spawned workers
+    # unpickle ``bench.attention._warmup`` by importing the module under the same name.
+    from bench import attention as bench
+
     lib = aotriton_rt.Library(images)
     jit = bench.JitLibrary(lib)
     out, lse = op.attention(t["Q"], t["K"], t["V"], causal=bool(call.causal), library=lib)

@@ -653,13 +653,14 @@ def in_levers_set(spec: dict, target: object) -> bool:
 
 
 def in_gputest_set(spec: dict, target: object) -> bool:
-    """The GPU tests' and the tuning database's variants: D=128 in every mask mode in both dtypes
-    (mode 1 is the default set's causal kernel, both alignments), fp16 D=64 without a mask and
-    bf16 D=64 causal in mode 1; each only where the gputest set holds its ``attn_fwd`` twin (the
+    """The GPU tests' and the tuning database's variants: D=64 and D=128 in every mask mode in
+    both dtypes (mode 1 is the default set's causal kernel, both alignments; all four D=64
+    dtype/mask pairs, so that the acceptance grid's D=64 rows and `builder tune` meet the Gluon
+    forward a full build has), each only where the gputest set holds its ``attn_fwd`` twin (the
     forward's spec is chosen among the portable kernel's variants, so a Gluon variant without one
     is never dispatched)."""
-    d, causal, dtype = spec["HEAD_DIM"], spec["CAUSAL"], spec["dtype"]
-    mine = d == 128 or (dtype, causal) in (("fp16", 0), ("bf16", 1))
+    d = spec["HEAD_DIM"]
+    mine = d in (64, 128)
     return mine and _in_attn_fwd_gputest(spec, target)
 
 

@@ -396,6 +396,35 @@ def test_decode_step_replays_in_a_cuda_graph_with_new_lengths(lib: aotriton_rt.L
     assert (out.float() - ref).abs().max().item() < 3e-2
 
 
+def test_a_graph_without_lengths_keeps_its_lengths_after_its_plan_is_dropped(lib: aotriton_rt.Library) -> None:
+    # A call without cache_seqlens reads a constant lengths array; a graph that captured the call
+    # holds its address after the plan cache drops the plan (it is cleared when full), so the
+    # array must outlive the plan. It once did not: the freed block, handed to the next small
+    # allocation, gave every sequence that allocation's contents as its length on replay.
+    from aotriton_rt.ops import decode as dec
+
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    B, S, Hq, Hk, D = 2, 1024 + 48, 8, 2, 64  # a length no other test's constant lengths array has
+    q = torch.randn(B, 1, Hq, D, device="cuda", generator=gen, dtype=torch.float16)
+    k = torch.randn(B, S, Hk, D, device="cuda", generator=gen, dtype=torch.float16)
+    v = torch.randn(B, S, Hk, D, device="cuda", generator=gen, dtype=torch.float16)
+    decode_attention(q, k, v, causal=True, library=lib)  # the plan and its lengths, made outside the capture
+    decode_attention(q, k, v, causal=True, library=lib)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = decode_attention(q, k, v, causal=True, library=lib)
+    dec._LAUNCHES.clear()
+    torch.cuda.synchronize()
+    junk = [torch.zeros((B,), dtype=torch.int32, device="cuda") for _ in range(256)]  # takes any freed small block
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2).float(), k.transpose(1, 2).float(),
+                                                           v.transpose(1, 2).float(), enable_gqa=True)
+    assert (out.float() - ref.transpose(1, 2)).abs().max().item() < 2e-2
+    assert len(junk) == 256
+
+
 def test_custom_op_passes_opcheck(lib: aotriton_rt.Library) -> None:
     from aotriton_rt.ops.torch import _library_key
     from aotriton_rt.ops.torch_decode import decode_attention_op

@@ -173,6 +173,12 @@ def _block_m(handle: Any, device: int) -> int:
 
 
 
+#: The int32 lengths arrays of fast calls without a lengths tensor, by (device, batch, length):
+#: never freed, because captured CUDA graphs hold their addresses (``_Launch._constant_lens``);
+#: at most this many (4 bytes a sequence each), then made per call.
+_CONSTANT_LENS: dict[tuple, Any] = {}
+_MAX_CONSTANT_LENS = 4096
+
 #: The array arguments of the decode kernels, in the order run_fast gathers their addresses.
 _POINTERS = ("Q", "K", "V", "Out", "LSE", "BlockTable", "CacheSeqlens", "KNew", "VNew", "PartO", "PartL")
 #: Arguments of decode kernels in images built before the fused split merge was removed: always
@@ -264,10 +270,7 @@ class _Launch:
         else:
             lens = self.lens
             if lens is None:
-                lens = self.seqlens(q, cache_seqlens)
-                # Kept only when made outside a CUDA graph capture (a captured fill never ran).
-                if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-                    self.lens = lens
+                lens = self._constant_lens(q, cache_seqlens)
         stream = self.stream(p.device)
         if self.combine is not None:  # one allocation: the partial outputs, then their logsumexps
             part_o = torch.empty((self.part_rows * (p.head_dim + 1),), dtype=torch.float32, device=dev).data_ptr()
@@ -285,6 +288,27 @@ class _Launch:
                 args[i] = addresses[j]
             launch(stream, tuple(args))
         return o, lse
+
+    def _constant_lens(self, q: Any, cache_seqlens: Any) -> Any:
+        """The lengths array of a "full"/"int" fast call: one per (device, batch, length) for the
+        life of the process (:data:`_CONSTANT_LENS`), since a CUDA graph that captured a call keeps
+        reading its address after the plan that made it is gone (the plan cache is cleared when
+        full; a change of tuning rules or PDL policy remakes plans). One made during a capture (its
+        fill a node of the graph, its memory the graph's pool) or past the table's bound serves
+        this call only."""
+        value = self.p.capacity if self.lens_mode == "full" else cache_seqlens
+        key = (q.device.index, self.p.batch, value)
+        lens = _CONSTANT_LENS.get(key)
+        if lens is None:
+            lens = self.seqlens(q, cache_seqlens)
+            if self.torch.cuda.is_current_stream_capturing():
+                return lens
+            if len(_CONSTANT_LENS) < _MAX_CONSTANT_LENS:
+                lens = _CONSTANT_LENS.setdefault(key, lens)
+            else:
+                return lens
+        self.lens = lens
+        return lens
 
     def seqlens(self, like: Any, cache_seqlens: Any, infos: dict | None = None) -> Any:
         if self.lens_mode == "full":
