@@ -246,8 +246,9 @@ def test_default_images_route_sm90_causal_d128_as_the_database_measured_on_mode_
                               arch="sm90", library=lib).kernels[0]
             assert (pick.kernel, pick.spec) == (kernel, mode1), (align, sq, sk)
             assert "applied to CAUSAL=1" in pick.kernel_reason
-    # The dispatcher agrees (fp16: from 4096 on), and the handle takes the alignment.
-    for sq, kernel in ((5000, "attn_fwd_sm90"), (3000, "attn_fwd")):
+    # The dispatcher agrees (fp16: from 2048 on, config #0 of each measured 694 against 698 us
+    # there), and the handle takes the alignment.
+    for sq, kernel in ((5000, "attn_fwd_sm90"), (1000, "attn_fwd")):
         handle = op.attention_kernels(*qkv(S=sq, Sk=6000, D=128), causal=True, align="bottom_right",
                                       library=lib)["attn_fwd"]
         assert handle.name == kernel and handle.params["CAUSAL"] == 1 and "causal_align" in handle.arg_names

@@ -301,7 +301,7 @@ class _Launch:
         lens = _CONSTANT_LENS.get(key)
         if lens is None:
             lens = self.seqlens(q, cache_seqlens)
-            if self.torch.cuda.is_current_stream_capturing():
+            if q.is_cuda and self.torch.cuda.is_current_stream_capturing():
                 return lens
             if len(_CONSTANT_LENS) < _MAX_CONSTANT_LENS:
                 lens = _CONSTANT_LENS.setdefault(key, lens)
