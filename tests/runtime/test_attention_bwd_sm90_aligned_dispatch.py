@@ -237,3 +237,30 @@ def test_a_sibling_declared_otherwise_than_the_call_allows_is_never_chosen(tmp_p
         assert name == ALIGNED  # what it declares the call meets
     else:
         assert name == NAME, what
+
+
+def test_whatever_the_lengths_and_heads_the_chosen_kernel_takes_the_calls_values(tmp_path: Path) -> None:
+    """What the launcher checks (each argument's declared divisibility, from the catalog), checked for
+    the kernel the dispatch chose, over random fixed-length calls: the sibling never gets a value it
+    would refuse, and it runs exactly when all four facts are multiples of 16."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    lib = _with_sibling(tmp_path)
+    ks = kernels_of(lib)
+    declared = {name: {a.name: a.divisibility for a in lib.variants_of(name)[0].args} for name in (NAME, ALIGNED)}
+
+    @hypothesis.settings(max_examples=300, deadline=None)
+    @hypothesis.given(st.integers(1, 70000), st.integers(1, 70000), st.integers(1, 64), st.booleans(), st.booleans())
+    def check(sq: int, sk: int, heads: int, round_q: bool, round_k: bool) -> None:
+        # Lengths near multiples of 16 as often as not.
+        sq = max(16, sq // 16 * 16) if round_q else sq
+        sk = max(16, sk // 16 * 16) if round_k else sk
+        lse = (heads * sq, sq)  # the operator's contiguous (B, Hq, Sq)
+        call = AttentionCall("fp16", 128, 128, 2, sq == sk, seqlen_q=sq, seqlen_k=sk, lse_strides=lse)
+        name, _ = backward_kernel(ks, call, DKDV, SPLIT, "sm90")
+        values = {"seqlen_q": sq, "seqlen_k": sk, "stride_lz": lse[0], "stride_lh": lse[1]}
+        assert all(v % declared[name].get(n, 1) == 0 for n, v in values.items()), (name, values)
+        assert (name == ALIGNED) == all(v % 16 == 0 for v in values.values()), (name, values)
+
+    check()
