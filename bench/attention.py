@@ -7,12 +7,16 @@ forward+backward 3.5×):
 - ``ours``: ``aotriton_rt.attention`` / ``attention_backward`` (the AOT images through the
   operator: its dispatch, tuning config and backward scheme, Python included): ``fwd``, ``bwd``,
   ``fwd+bwd``. The operator's forward always writes the logsumexp, so inference and training
-  forwards are the same call.
+  forwards are the same call. On sm90 at lengths that are multiples of 16 (every default shape)
+  the backward's Gluon dK/dV is its aligned-length sibling ``attn_bwd_dkdv_sm90_a16`` where the
+  images hold it (gputest, full): the JSON's ``bwd_kernels`` and ``explain`` say which ran.
 - ``portable``: where an arch's own forward serves the call (``attn_fwd_sm90`` on sm90), the
   same forward call on the portable ``attn_fwd`` (a tuning override): ``fwd``.
 - ``jit``: the same operator calls, each kernel launched through the Triton JIT of
   ``builder/kernels/`` with exactly the config of the AOT variant the runtime chose
-  (:class:`JitLibrary`): ``fwd``, ``bwd``. The AOT image should be within 3% of it.
+  (:class:`JitLibrary`): ``fwd``, ``bwd``. The AOT image should be within 3% of it. (The JIT
+  specialises every call on its values: for the aligned sibling's calls it knows what the sibling
+  declares, the lengths and LSE strides divisible by 16, and more.)
 - ``cudnn-inf``: ``scaled_dot_product_attention`` under ``sdpa_kernel(CUDNN_ATTENTION)`` with
   inputs that do not require grad (inference; cuDNN then skips saving softmax statistics): ``fwd``.
 - ``cudnn-train``: the same with inputs that require grad: ``fwd`` (timed alone, statistics
@@ -260,7 +264,8 @@ def run(p: Problem, lib: Any, jit: Any, args: argparse.Namespace, base: Any = No
     bwd = op.attention_kernels(p.q, p.k, p.v, **causal, backward=True, deterministic=args.deterministic, library=lib)
     row: dict[str, Any] = {"shape": p.label, "B": p.B, "H": p.H, "N": p.N, "D": p.D, "causal": p.causal,
                            "dtype": p.dtype, "explain": explained,
-                           "bwd_mode": "atomic" if "attn_bwd_dq_convert" in bwd else "split", "errors": {}}
+                           "bwd_mode": "atomic" if "attn_bwd_dq_convert" in bwd else "split",
+                           "bwd_kernels": {role: h.name for role, h in bwd.items()}, "errors": {}}
     fns: dict[str, Any] = {}
     fns.update(operator_contenders(p, lib, "ours", args.deterministic))
     forward = op.attention_kernels(p.q, p.k, p.v, **causal, library=lib)["attn_fwd"].name

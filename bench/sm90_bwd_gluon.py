@@ -7,7 +7,9 @@ with the dK/dV and dQ kernels forced through ``builder.tune`` views:
 - ``port+port``: the portable ``attn_bwd_dkdv`` and ``attn_bwd_dq`` (their config #0, the sm90
   sweep's winners);
 - ``g#i+port``: the Gluon dK/dV ``attn_bwd_dkdv_sm90`` at its config i (every config the images
-  hold for the spec) beside the portable dQ;
+  hold for the spec) beside the portable dQ; at these lengths (multiples of 16) its aligned-length
+  sibling ``attn_bwd_dkdv_sm90_a16`` runs where the images hold it, as the operator runs it (the
+  JSON's ``launched`` says which);
 - ``g#0+g#j``: the Gluon dK/dV at config 0 (the one the runtime launches untuned) beside the
   Gluon dQ ``attn_bwd_dq_sm90`` at its config j (every config held);
 - ``g#i+atom``: the atomic scheme (``scheme="atomic"``: preprocess zeroing DQacc, the Gluon dK/dV
@@ -29,7 +31,8 @@ the run.
 Images (build on the GPU machine, ~1-2 min with 14 cores)::
 
     python -m builder build --set gputest --targets sm90 --out DIR -j 14 --kernels \\
-        attn_fwd,attn_bwd_preprocess,attn_bwd_dkdv,attn_bwd_dq,attn_bwd_dq_convert,attn_bwd_dkdv_sm90,attn_bwd_dq_sm90
+        attn_fwd,attn_bwd_preprocess,attn_bwd_dkdv,attn_bwd_dq,attn_bwd_dq_convert,attn_bwd_dkdv_sm90,attn_bwd_dkdv_sm90_a16,\
+attn_bwd_dq_sm90
     python bench/sm90_bwd_gluon.py --images DIR [--shapes 0,1] [--rounds 10]
 
 Details (every round, the agreement checks, notes) go to ``$OUT/sm90_bwd_gluon.json`` when OUT is set.
@@ -140,6 +143,7 @@ def time_shape(torch, lib, shape: tuple, rounds: int, seed: int) -> dict:
 
     import aotriton_rt
     from aotriton_rt.ops.attention import attention_kernels
+    from aotriton_rt.ops.attention.dispatch import family_of
     from builder.gputime import time_rounds
 
     dtype_name, D, causal, B, H, N = shape
@@ -166,8 +170,9 @@ def time_shape(torch, lib, shape: tuple, rounds: int, seed: int) -> dict:
         got = tuple((hs[role].name, hs[role].variant(device).config.index) for role in roles if role in hs)
         atomic = hs[PORTABLE].variant(device).spec.get("DQ_ATOMIC", 0)
         launched[label] = " + ".join(f"{n}#{i}" for n, i in got) + (" (atomic dQ)" if atomic else "")
+        # The Gluon dK/dV's aligned-length sibling is that kernel at these lengths (multiples of 16).
         if len(got) == 2 and atomic == (scheme is ATOMIC) and all(
-                n == wn and wi in (None, i) for (n, i), (wn, wi) in zip(got, wanted)):
+                family_of(n) == wn and wi in (None, i) for (n, i), (wn, wi) in zip(got, wanted)):
             usable[label] = (view, scheme)
         else:
             notes.append(f"{label}: launched {launched[label]}, not the kernels it names; not timed")

@@ -43,7 +43,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from aotriton_rt.ops.attention.dispatch import ARCH_BACKWARDS, ARCH_FORWARDS, DKDV, DQ
+from aotriton_rt.ops.attention.dispatch import ARCH_BACKWARDS, ARCH_FORWARDS, DKDV, DQ, family_of
 from aotriton_rt.tuning import DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES, MODE_RULES
 
 from . import tuning
@@ -180,7 +180,9 @@ def backward_contenders(lib: Any, arch: str, dtype: str, head_dim: int,
                 if dims != {(spec.get("HEAD_DIM"), spec.get("HEAD_DIM_V"))}:
                     continue  # a scheme held only at a wider head dim (zero-padded): never the faster one
                 ran = (ex.scheme, tuple((p.kernel, tuning._spec_key(p.spec)) for p in ex.kernels))
-                kept.setdefault(ran, ({"scheme": ex.scheme, **{p.role: p.kernel for p in ex.kernels}}, view))
+                # Parts by family: an aligned sibling (at these lengths) is its family's kernel to the rules.
+                kept.setdefault(ran, ({"scheme": ex.scheme, **{p.role: family_of(p.kernel) for p in ex.kernels}},
+                                      view))
     return spec, [(i, params, view) for i, (params, view) in enumerate(kept.values())]
 
 
@@ -291,7 +293,8 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
                                 deterministic=True, library=view).kernels
             except KernelNotFound:  # e.g. images without the backward: its kernels are not asked for
                 continue
-            launched.update({pick.kernel: (pick.spec, backward) for pick in picks})
+            # An aligned sibling's configs are its family's (one config table, the family's rules).
+            launched.update({family_of(pick.kernel): (pick.spec, backward) for pick in picks})
         for kernel in kernels:
             if kernel == BACKWARD:
                 continue

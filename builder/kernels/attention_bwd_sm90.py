@@ -521,6 +521,9 @@ def in_gputest_set(spec: dict, target: object) -> bool:
 
 _SIG = signature_of(attn_bwd_dkdv_sm90, _GRAD_PTRS)
 _DIV = divisibility_of(_SIG, aligned=("q", "k", "v", "do", "dk", "dv", "dqa"), bias=("b", "db"))
+# attn_bwd_dkdv's checks, and TMA descriptors need a non-empty extent in every dimension.
+_CHECKS = GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1", "seqlen_q >= 1",
+                                       "seqlen_k >= 1")
 
 KERNEL = KernelDecl(
     name="attn_bwd_dkdv_sm90",
@@ -533,7 +536,39 @@ KERNEL = KernelDecl(
     divisibility=_DIV,
     exclude=_excluded,
     sets={"default": lambda spec, target: False, "gputest": in_gputest_set},
-    # attn_bwd_dkdv's checks, and TMA descriptors need a non-empty extent in every dimension.
-    checks=GQA_CHECKS + ALIGN_CHECKS
-    + ("batch * num_heads_k <= 65535", "dropout_p < 1", "seqlen_q >= 1", "seqlen_k >= 1") + stride_checks(_DIV),
+    checks=_CHECKS + stride_checks(_DIV),
 )
+
+#: The call facts the aligned-length sibling declares divisible by 16 beyond ``_DIV``: the LSE/Delta
+#: strides (each head's row then starts 64-byte aligned, so LSE and Delta are read with 8-byte
+#: loads) and both lengths. Triton's JIT knows all four for such a call; with only the strides
+#: ptxas recomputes the second consumer's column offsets every tile (docs/performance.md).
+ALIGNED_FACTS = ("stride_lz", "stride_lh", "seqlen_q", "seqlen_k")
+_DIV_A16 = {**_DIV, **{n: 16 for n in ALIGNED_FACTS}}
+
+
+def in_aligned_gputest_set(spec: dict, target: object) -> bool:
+    """The split scheme's specs of :func:`in_gputest_set` (the atomic scheme has no aligned sibling)."""
+    return not spec["DQ_ATOMIC"] and in_gputest_set(spec, target)
+
+
+#: The aligned-length sibling: the same Gluon function, arguments, grid and configs, compiled with
+#: ``ALIGNED_FACTS`` divisible by 16, for the split scheme only (``DQ_ATOMIC=0``, the default
+#: backward). The runtime runs it in place of ``attn_bwd_dkdv_sm90`` where the call's lengths and
+#: LSE strides are multiples of 16 and the images hold it for the spec (its tuning rules are the
+#: family's: aotriton_rt/ops/attention/dispatch.py, ``ALIGNED_SIBLINGS``); a ragged call keeps the
+#: plain kernel. A separate kernel name because one kernel's variants share their argument
+#: declarations (aotriton_rt/launch.py). In ``gputest`` and ``full``, not ``default``.
+ALIGNED_KERNEL = KernelDecl(
+    name="attn_bwd_dkdv_sm90_a16",
+    fn=attn_bwd_dkdv_sm90,
+    signature=_SIG,
+    axes={**KERNEL.axes, "DQ_ATOMIC": (0,)},
+    configs=sm90_dkdv_configs,
+    grid=KERNEL.grid,
+    divisibility=_DIV_A16,
+    exclude=_excluded,
+    sets={"default": lambda spec, target: False, "gputest": in_aligned_gputest_set},
+    checks=_CHECKS + stride_checks(_DIV_A16),
+)
+KERNELS = [ALIGNED_KERNEL]

@@ -7,7 +7,9 @@ its argument list and grid are its portable kernel's (the operator passes the sa
 ptxas keeps its wgmmas asynchronous and spills (almost) nothing, and no other target or set builds it.
 The dK/dV kernel is built in both backward schemes: split (``DQ_ATOMIC=0``) and atomic
 (``DQ_ATOMIC=1``: it also adds dQ into the fp32 DQacc with vectorised fp32 reductions, computing dK
-and dV as the split one does); the dQ kernel belongs to the split scheme only.
+and dV as the split one does); the dQ kernel belongs to the split scheme only. The dK/dV kernel's aligned-length sibling
+(``attn_bwd_dkdv_sm90_a16``: lengths and LSE strides declared multiples of 16) is built once beside it:
+its catalog declares those facts, and its unmasked tiles are shorter.
 """
 
 from __future__ import annotations
@@ -380,6 +382,87 @@ def test_the_atomic_dkdv_computes_dk_and_dv_with_the_split_ones_arithmetic(built
         products = set(re.findall(r"^\s*mul\.f32\s+(%r\d+),", ptx, re.M))
         sums = re.findall(r"^\s*(?:add|sub)\.f32\s+%r\d+,\s*(%r\d+),\s*(%r\d+);", ptx, re.M)
         assert products and sums and not products & {r for pair in sums for r in pair}, spec
+
+# ------------------------------------------------------------------------------------------------
+# The aligned-length sibling (attn_bwd_dkdv_sm90_a16): BUILT[0] with both lengths and the LSE/Delta
+# strides declared multiples of 16.
+# ------------------------------------------------------------------------------------------------
+
+ALIGNED_NAME = "attn_bwd_dkdv_sm90_a16"
+#: Spill stores or loads ptxas may emit in the sibling at D=128 (measured 80 stores and 50 loads,
+#: against BUILT[0]'s 44 and 42: the masked tiles spill more, 2-3 of the ~128 tiles a key block
+#: visits at N=16384, as the JIT's do; docs/performance.md). More means a regression.
+ALIGNED_SPILLS = 96
+
+
+@pytest.fixture(scope="module")
+def aligned_built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """BUILT[0]'s aligned-length sibling at config #0, built by the builder, proof included."""
+    from builder.build import build
+    from builder.registry import expand
+    from builder.targets import parse_targets
+
+    jobs = [j for j in expand(_kernels()[ALIGNED_NAME], parse_targets("sm90"), "full", "3.6.0")
+            if j.spec == BUILT[0] and j.config_index == 0]
+    out = tmp_path_factory.mktemp(ALIGNED_NAME)
+    summary = build(jobs, out, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
+    assert summary.failed == [] and summary.compiled == 1
+    return out
+
+
+def test_the_aligned_siblings_catalog_declares_the_four_facts_and_the_runtime_takes_it_for_aligned_calls_only(
+        built: Path, aligned_built: Path) -> None:
+    from aotriton_rt.ops.attention.dispatch import ALIGNED_FACTS, _serves_aligned
+    from builder.build import prove_folder
+
+    assert prove_folder(aligned_built) == 1
+    (aligned,) = _variants(aligned_built)
+    plain = _variant(built, BUILT[0])
+    assert aligned.kernel == ALIGNED_NAME and aligned.spec == plain.spec and aligned.config == plain.config
+    mine, theirs = ({a.name: (a.type, a.divisibility) for a in v.args} for v in (aligned, plain))
+    assert list(mine) == list(theirs)
+    assert {n for n in mine if mine[n] != theirs[n]} == set(ALIGNED_FACTS)
+    assert all(mine[n][1] == 16 and theirs[n][1] == 1 for n in ALIGNED_FACTS)
+
+    class Images:  # both folders' variants, as a Library holding them serves them to the dispatch
+        def variants_of(self, name: str) -> list:
+            return [v for v in (aligned, plain) if v.kernel == name]
+
+    def facts(n: int, lse: tuple[int, int]) -> dict[str, int]:
+        return {"seqlen_q": n, "seqlen_k": n, "stride_lz": lse[0], "stride_lh": lse[1]}
+
+    assert _serves_aligned(Images(), NAME, ALIGNED_NAME, BUILT[0], facts(16384, (32 * 16384, 16384)))
+    assert not _serves_aligned(Images(), NAME, ALIGNED_NAME, BUILT[0], facts(16383, (32 * 16383, 16383)))
+    assert not _serves_aligned(Images(), NAME, ALIGNED_NAME, BUILT[0], facts(16384, (32 * 16384 + 8, 16384)))
+
+
+def test_the_aligned_siblings_unmasked_tiles_are_shorter_and_read_lse_and_delta_with_vector_loads(
+        built: Path, aligned_built: Path) -> None:
+    """bench/bwd_specialization.py's tile-loop count (its ``aot+lse+len`` mode, which is this
+    binary): the same wgmma loops, LSE and Delta read with 8-byte loads, and the two consumers'
+    unmasked tiles (each consumer's shortest loop) shorter than the plain kernel's; spills bounded."""
+    from tests.helpers.benches import load_bench
+
+    bench = load_bench("bwd_specialization.py")
+    (aligned,) = _variants(aligned_built)
+    raw = lzma.decompress((aligned_built / aligned.image.path).read_bytes())
+    plain = lzma.decompress((built / _variant(built, BUILT[0]).image.path).read_bytes())
+    call = bench.Call(4, 32, 16384, 128, BUILT[0]["CAUSAL"], BUILT[0]["dtype"])
+    assert bench.compile_mode(NAME, call, "aot+lse+len").asm["cubin"] == raw
+    mine, theirs = bench.tile_loops(raw), bench.tile_loops(plain)
+    assert len(mine) == len(theirs) >= 4
+    assert [r["HGMMA"] for r in mine] == [r["HGMMA"] for r in theirs]
+    assert all(r["LDG.64"] > 0 for r in mine) and not any(r["LDG.64"] for r in theirs)
+
+    def unmasked(loops: list) -> list[int]:
+        # Address order: consumer 0's masked and unmasked loops, then consumer 1's.
+        return [min(r["instructions"] for r in loops[:2]), min(r["instructions"] for r in loops[2:4])]
+
+    assert sum(unmasked(mine)) < sum(unmasked(theirs)), (unmasked(mine), unmasked(theirs))
+    assert all(a <= b for a, b in zip(unmasked(mine), unmasked(theirs))), (unmasked(mine), unmasked(theirs))
+    ops = _ops(aligned_built, BUILT[0])
+    assert ops.get("STL", 0) <= ALIGNED_SPILLS and ops.get("LDL", 0) <= ALIGNED_SPILLS
+
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -17,6 +17,12 @@ kernel's own gradients (dK, dV or dQ) within that bound of the portable kernel's
 (bitwise equality is not expected: the two sum their tiles in different orders and round P and dS
 at different points).
 
+The dK/dV kernel's aligned-length sibling (``attn_bwd_dkdv_sm90_a16``: both lengths and the LSE
+strides declared multiples of 16) runs in place of it wherever a call allows: each of its variants
+is forced (through a view forcing its family's config) on problems whose lengths are multiples of
+16, with the same NaN padding, checks and bounds; a ragged call on the same images must run the
+plain kernel, and both must be right.
+
 Images: ``AOTRITON_RT_TEST_IMAGES`` pointing at ``python -m builder build --set gputest --targets
 sm90`` (both kernels declare their gputest variants in builder/kernels/attention_bwd_sm90.py and
 attention_bwd_dq_sm90.py).
@@ -40,8 +46,10 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "attn_bwd_dkdv_sm90"
 DQ_NAME = "attn_bwd_dq_sm90"
+ALIGNED = "attn_bwd_dkdv_sm90_a16"
 #: Per Gluon kernel: the portable kernel it stands in for, and the gradients it computes.
-ROLES = {NAME: ("attn_bwd_dkdv", ("dk", "dv")), DQ_NAME: ("attn_bwd_dq", ("dq",))}
+ROLES = {NAME: ("attn_bwd_dkdv", ("dk", "dv")), DQ_NAME: ("attn_bwd_dq", ("dq",)),
+         ALIGNED: ("attn_bwd_dkdv", ("dk", "dv"))}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # (B, query heads, key/value heads, seqlen_q, seqlen_k, window or None).
 PROBLEMS = {
@@ -49,6 +57,14 @@ PROBLEMS = {
     "more_queries": (1, 2, 2, 1111, 1000, None),
     "window_gqa": (2, 4, 2, 777, 900, (100, 20)),
     "short": (3, 2, 1, 33, 70, None),
+}
+#: Problems whose lengths (and so LSE strides) are multiples of 16: what the aligned sibling serves.
+ALIGNED_PROBLEMS = {
+    "aligned_gqa": (2, 4, 2, 1024, 1024, None),
+    "aligned_more_keys": (1, 2, 2, 512, 1024, None),
+    "aligned_more_queries": (1, 2, 2, 1024, 496, None),
+    "aligned_window_gqa": (2, 4, 2, 768, 896, (100, 20)),
+    "aligned_short": (3, 2, 1, 16, 48, None),
 }
 
 
@@ -76,6 +92,11 @@ def setup():
 @pytest.fixture(scope="module")
 def setup_dq():
     return _setup(DQ_NAME)
+
+
+@pytest.fixture(scope="module")
+def setup_aligned():
+    return _setup(ALIGNED)
 
 
 def _reference(q, k, v, do, mode: int, window, scale: float, dtype, bottom_right: bool | None = None):
@@ -115,9 +136,11 @@ def _views(lib, name: str, index: int, bottom_right: bool, mode: int):
     """(view forcing ``name``'s config ``index``, view of the portable kernels) for one case. A dQ
     variant runs beside the portable dK/dV. A bottom-right call on a mode-1 variant needs mode 2
     hidden (None, None when this tree cannot hide it)."""
+    from aotriton_rt.ops.attention.dispatch import family_of
     from builder import tune
 
-    gluon = tune.ForcedConfig(lib, name, index)
+    # The aligned sibling follows its family's rules: forcing the family's config runs it where it serves.
+    gluon = tune.ForcedConfig(lib, family_of(name), index)
     if name == DQ_NAME:
         gluon = tune.forced_split(gluon, "attn_bwd_dkdv", DQ_NAME)
     portable = tune.forced_split(lib, "attn_bwd_dkdv", "attn_bwd_dq")
@@ -139,7 +162,7 @@ def _run_case(bench, lib, v, problem: str, bottom_right: bool | None = None) -> 
     scheme = {"deterministic": False, "scheme": "atomic"} if atomic else {"deterministic": True}
     if atomic:
         mine = ("dq", "dk", "dv")
-    B, Hq, Hk, Sq, Sk, window = PROBLEMS[problem]
+    B, Hq, Hk, Sq, Sk, window = {**PROBLEMS, **ALIGNED_PROBLEMS}[problem]
     mode, D, dtype_name = v.spec["CAUSAL"], v.spec["HEAD_DIM"], v.spec["dtype"]
     dtype = DTYPES[dtype_name]
     q, k, vv, do = bench.bshd_inputs(torch, B, ((Sq, Hq), (Sk, Hk), (Sk, Hk), (Sq, Hq)), D, dtype,
@@ -192,7 +215,7 @@ def _run_all(bench, lib, found, problem: str) -> None:
     failures = []
     ran = 0
     for v in found:
-        if v.spec["CAUSAL"] == 0 and PROBLEMS[problem][5]:
+        if v.spec["CAUSAL"] == 0 and {**PROBLEMS, **ALIGNED_PROBLEMS}[problem][5]:
             continue  # a window is a band: mask modes 1 and 2
         aligns = (False, True) if v.spec["CAUSAL"] == 1 else (None,)
         for bottom_right in aligns:
@@ -207,6 +230,44 @@ def _run_all(bench, lib, found, problem: str) -> None:
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
 def test_every_gluon_dkdv_variant_matches_an_fp32_reference_and_the_portable_kernel(setup, problem: str) -> None:
     _run_all(*setup, problem)
+
+
+@pytest.mark.parametrize("problem", sorted(ALIGNED_PROBLEMS))
+def test_every_aligned_dkdv_variant_runs_aligned_calls_and_matches_an_fp32_reference_and_the_portable_kernel(
+        setup_aligned, problem: str) -> None:
+    _run_all(*setup_aligned, problem)
+
+
+def test_a_ragged_call_runs_the_plain_dkdv_and_an_aligned_one_the_sibling_both_right(setup_aligned) -> None:
+    """The same images, the family named by a view (whatever rules the images carry): lengths that
+    are multiples of 16 run the sibling, one off them the plain kernel; both match the reference."""
+    from aotriton_rt.ops.attention import attention_kernels
+    from builder.tune import forced_dkdv
+
+    bench, lib, found = setup_aligned
+    view = forced_dkdv(lib, NAME)
+    spec = found[0].spec
+    D, dtype_name = spec["HEAD_DIM"], spec["dtype"]
+    dtype = DTYPES[dtype_name]
+    failures = []
+    for (Sq, Sk), expect in (((1024, 1024), ALIGNED), ((1024, 1023), NAME), ((1000, 1008), NAME),
+                             ((1040, 1008), ALIGNED)):
+        q, k, v, do = bench.bshd_inputs(torch, 2, ((Sq, 4), (Sk, 2), (Sk, 2), (Sq, 4)), D, dtype, seed=Sk, pad=64)
+        scale = 1 / math.sqrt(D)
+        options = _options(spec["CAUSAL"], None, scale, bottom_right=spec["CAUSAL"] == 2)
+        handle = attention_kernels(q, k, v, backward=True, deterministic=True, library=view, **options)
+        ran = handle["attn_bwd_dkdv"].name
+        out, lse = aotriton_rt.attention(q, k, v, library=lib, **options)
+        got = aotriton_rt.attention_backward(do, q, k, v, out, lse, deterministic=True, library=view, **options)[:3]
+        torch.cuda.synchronize()
+        hi = _reference(q, k, v, do, spec["CAUSAL"], None, scale, torch.float32, spec["CAUSAL"] == 2)
+        lo = _reference(q, k, v, do, spec["CAUSAL"], None, scale, dtype, spec["CAUSAL"] == 2)
+        errors = {g: bench.grad_error(torch, a, h, lo_, dtype_name) for g, a, h, lo_ in zip(("dq", "dk", "dv"), got,
+                                                                                          hi, lo)}
+        bad = [f"{g} err {e['err']:.3g} > {e['bound']:.3g}" for g, e in errors.items() if not e["ok"]]
+        if ran != expect or bad:
+            failures.append(f"Sq={Sq} Sk={Sk}: ran {ran} (expected {expect}) {'; '.join(bad)}")
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))

@@ -8,6 +8,7 @@ the catalog's tuning rules (:mod:`aotriton_rt.tuning`) and explaining what is mi
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,21 @@ ARCH_FORWARDS = {"sm90": "attn_fwd_sm90"}
 #: images hold the call's spec, unless a rule of its role's table (:data:`BACKWARD_KERNEL_RULES`)
 #: names another kernel. A role counts as held when either kernel is (:func:`role_available`).
 ARCH_BACKWARDS = {"sm90": {DKDV: "attn_bwd_dkdv_sm90", DQ: "attn_bwd_dq_sm90"}}
+#: Aligned-length siblings, by the kernel they belong to: the same source, arguments, grid and
+#: configs, compiled with some of :data:`ALIGNED_FACTS` declared divisible beyond the family's
+#: promise (builder/kernels/attention_bwd_sm90.py: ``attn_bwd_dkdv_sm90_a16``, both lengths and the
+#: LSE/Delta strides multiples of 16, which shortens the Gluon dK/dV's unmasked tile). An
+#: implementation detail of its family, never a name rules use: where the family's kernel is chosen
+#: (by the heuristic or by a rule naming it), the sibling runs instead when the images hold it for
+#: the spec, the catalog declares it like the family but for these facts, and the call's values
+#: meet every divisibility it declares (:meth:`LibraryKernels.aligned_sibling`); config rules of
+#: the family (``tuning["attn_bwd_dkdv_sm90"]``) choose its config.
+ALIGNED_SIBLINGS = {"attn_bwd_dkdv_sm90": "attn_bwd_dkdv_sm90_a16"}
+#: The call facts an aligned sibling may declare divisible beyond its family (values from
+#: :func:`aligned_facts`).
+ALIGNED_FACTS = ("seqlen_q", "seqlen_k", "stride_lz", "stride_lh")
+#: What explain says of an aligned sibling that runs.
+ALIGNED_REASON = "aligned-length variant (seqlen and LSE strides multiples of 16)"
 #: Per role of the split backward: the tuning table whose rules name the kernel playing it, and
 #: the role in words (explain's reasons).
 BACKWARD_KERNEL_RULES = {DKDV: (DKDV_KERNEL_RULES, "dK/dV kernel"), DQ: (DQ_KERNEL_RULES, "dQ kernel")}
@@ -78,6 +94,9 @@ class AttentionCall:
     varlen: bool = False
     seqlen_q: int = 0
     seqlen_k: int = 0
+    #: (stride_lz, stride_lh) of the LSE and Delta arrays the backward's kernels read (the
+    #: operator's contiguous ``(B, Hq, Sq)``: ``(Hq·Sq, Sq)``); None: unknown, so no aligned sibling.
+    lse_strides: tuple[int, int] | None = None
 
     def describe(self) -> str:
         """The combination in words, for error messages."""
@@ -229,6 +248,60 @@ def mode_spec(call: AttentionCall, available: Available | None = None, *, dbias:
     return {k: v for k, v in specs[DKDV].items() if k != "DQ_ATOMIC"}
 
 
+def family_of(name: str) -> str:
+    """The kernel whose tuning rules ``name`` follows: its family for an aligned sibling
+    (:data:`ALIGNED_SIBLINGS`), else ``name`` itself."""
+    for family, sibling in ALIGNED_SIBLINGS.items():
+        if name == sibling:
+            return family
+    return name
+
+
+def aligned_facts(call: AttentionCall) -> dict[str, int] | None:
+    """The values of :data:`ALIGNED_FACTS` that a fixed-length call passes its kernels; None for a
+    variable-length call or unknown LSE strides (no aligned sibling then)."""
+    if call.varlen or call.lse_strides is None or call.seqlen_q < 1 or call.seqlen_k < 1:
+        return None
+    return {"seqlen_q": call.seqlen_q, "seqlen_k": call.seqlen_k, "stride_lz": call.lse_strides[0],
+            "stride_lh": call.lse_strides[1]}
+
+
+#: The largest divisibility an aligned sibling may declare: its facts enter the choice caches'
+#: keys only through their power-of-two part up to this (so those keys stay few), which decides
+#: divisibility by any power of two up to it; other divisors keep the family's kernel.
+_MAX_FACT_DIVISOR = 1024
+
+
+def _fact_key(call: AttentionCall) -> tuple[int, ...] | None:
+    facts = aligned_facts(call)
+    return None if facts is None else tuple(math.gcd(facts[n], _MAX_FACT_DIVISOR) for n in ALIGNED_FACTS)
+
+
+def _serves_aligned(lib: Any, family: str, sibling: str, params: Mapping[str, Any], facts: Mapping[str, int]
+                    ) -> bool:
+    """Whether every variant of ``sibling`` matching ``params`` declares its arguments as the
+    family's do, but for :data:`ALIGNED_FACTS` whose declared divisibility (a power of two up to
+    ``_MAX_FACT_DIVISOR``) the call's ``facts`` meet."""
+    from ...select import match
+
+    own = match(lib.variants_of(sibling), sibling, params).accepted
+    base = match(lib.variants_of(family), family, params).accepted
+    if not own or not base:
+        return False
+    promised = [(a.name, a.type, a.divisibility) for a in base[0].args]
+    for v in own:
+        if [(a.name, a.type) for a in v.args] != [(n, t) for n, t, _ in promised]:
+            return False
+        for a, (_, _, d_family) in zip(v.args, promised):
+            d = a.divisibility
+            if a.name not in facts:
+                if d != d_family:
+                    return False
+            elif d > 1 and (d & (d - 1) or d > _MAX_FACT_DIVISOR or facts[a.name] % d):
+                return False
+    return True
+
+
 def _default_library() -> Any:
     from ...library import default_library
 
@@ -264,6 +337,23 @@ class LibraryKernels:
             self.available_cache[key] = hit
         return hit
 
+    def aligned_sibling(self, name: str, params: Mapping[str, Any], call: AttentionCall,
+                        args: Sequence[str] = ()) -> str | None:
+        """The aligned sibling of kernel ``name`` (:data:`ALIGNED_SIBLINGS`) that may run ``call``
+        with ``params`` in its place, or None: the images hold it for ``params`` (its variants
+        taking ``args``), declared as ``name``'s but for :data:`ALIGNED_FACTS`, and the call's
+        facts meet each divisibility it declares (cached per power-of-two part of the facts)."""
+        sibling = ALIGNED_SIBLINGS.get(name)
+        facts = aligned_facts(call)
+        if sibling is None or facts is None or not self.available(sibling, params, args):
+            return None
+        key = ("aligned", sibling, tuple(sorted(params.items())), _fact_key(call))
+        hit = self.available_cache.get(key)
+        if hit is None:
+            reduced = {n: math.gcd(v, _MAX_FACT_DIVISOR) for n, v in facts.items()}
+            hit = self.available_cache[key] = _serves_aligned(self.lib, name, sibling, params, reduced)
+        return sibling if hit else None
+
     def device_arch(self, device: int) -> str:
         arch = self.arch.get(device)
         if arch is None:
@@ -290,7 +380,7 @@ class LibraryKernels:
     def backward(self, call: AttentionCall, device: int, deterministic: bool, dbias: bool,
                  scheme: str | None = None) -> tuple[str, dict[str, dict[str, Any]], dict[str, Any]]:
         """The backward's scheme, specs and handles for a call (cached per call shape)."""
-        key = self._call_key(call, device, "bwd", deterministic, dbias, scheme)
+        key = self._call_key(call, device, "bwd", deterministic, dbias, scheme, _fact_key(call))
         hit = self.choices.get(key)
         if hit is None:
             mode = scheme
@@ -309,7 +399,7 @@ class LibraryKernels:
         return hit
 
     def handle(self, name: str, spec: dict[str, Any], call: AttentionCall, device: int) -> Any:
-        rules = self.tuning.get(name)
+        rules = self.tuning.get(family_of(name))  # an aligned sibling's configs follow its family's rules
         key = (name, tuple(sorted(spec.items())), device,
                seqlen_bin(call.seqlen_q) if rules else 0, seqlen_bin(call.seqlen_k) if rules else 0)
         handle = self.handles.get(key)
@@ -317,8 +407,8 @@ class LibraryKernels:
             return handle
         params = dict(spec)
         if rules:
-            index = select_config(rules, kernel=name, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
-                                  arch=lambda: self.device_arch(device))
+            index = select_config(rules, kernel=family_of(name), spec=spec, seqlen_q=call.seqlen_q,
+                                  seqlen_k=call.seqlen_k, arch=lambda: self.device_arch(device))
             if index:
                 params.update(config_params(self.lib.variants_of(name), name, spec, index, self.device_arch(device)))
         try:
@@ -353,12 +443,20 @@ def backward_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: di
     spec, unless a rule of the role's table (``tuning["attn_bwd_dkdv_kernel"]``,
     ``tuning["attn_bwd_dq_kernel"]``) names the portable one (and the images hold it). Roles
     without a per-architecture kernel keep the portable kernel. The atomic scheme's dK/dV
-    (``DQ_ATOMIC=1``) is chosen the same way: the Gluon one where the images hold its spec."""
+    (``DQ_ATOMIC=1``) is chosen the same way: the Gluon one where the images hold its spec.
+
+    The kernel so chosen gives way to its aligned sibling (:data:`ALIGNED_SIBLINGS`) where
+    :meth:`LibraryKernels.aligned_sibling` allows (the reason then ends with
+    :data:`ALIGNED_REASON`): rules name the family, the call's alignment picks its member."""
     if role not in BACKWARD_KERNEL_RULES:
         return role, ""
     owns = {a: kernels[role] for a, kernels in ARCH_BACKWARDS.items() if role in kernels}
     table, what = BACKWARD_KERNEL_RULES[role]
-    return _arch_kernel(ks, call, spec, arch, role, owns, table, what)
+    name, why = _arch_kernel(ks, call, spec, arch, role, owns, table, what)
+    sibling = ks.aligned_sibling(name, spec, call, needed_args(call, spec.get("CAUSAL", 0)))
+    if sibling is not None:
+        return sibling, f"{why}; {ALIGNED_REASON}" if why else ALIGNED_REASON
+    return name, why
 
 def _arch_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any], arch: str | Callable[[], str],
                  portable: str, owns: Mapping[str, str], table: str, what: str) -> tuple[str, str]:

@@ -22,6 +22,7 @@ from .dispatch import (
     backward_kernel,
     backward_params,
     bucket,
+    family_of,
     forward_kernel,
     forward_params,
     kernels_of,
@@ -143,9 +144,11 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
         bucket(d)  # refuses head dims past the largest bucket, as the call would
     if scheme not in (None, "split", "atomic"):
         raise ArgumentError(f"scheme must be None, 'split' or 'atomic', got {scheme!r}")
+    # The operator's LSE/Delta are contiguous (B, H, seqlen_q): strides (H·seqlen_q, seqlen_q), which
+    # are multiples of 16 exactly when seqlen_q is, whatever H; one head's stand in for them.
     call = AttentionCall(dtype, head_dim, head_dim_v, (1 if align == "top_left" else 2) if causal else 0,
                          bool(causal) and seqlen_q == seqlen_k, bool(bias), int(bool(dropout)), bool(varlen),
-                         seqlen_q, seqlen_k)
+                         seqlen_q, seqlen_k, None if varlen else (seqlen_q, seqlen_q))
     ks = kernels_of(library)
     built = sorted({a for _, a in ks.lib.targets()})
     if arch is None:
@@ -184,9 +187,10 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
 def _pick(ks: Any, name: str, spec: dict[str, Any], call: AttentionCall, arch: str) -> KernelPick:
     from ...select import match
 
-    rules = ks.tuning.get(name)
-    choice = explain_config(rules, kernel=name, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
-                            arch=arch) if rules else Choice(name, 0)
+    family = family_of(name)  # an aligned sibling's configs follow its family's rules
+    rules = ks.tuning.get(family)
+    choice = explain_config(rules, kernel=family, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
+                            arch=arch) if rules else Choice(family, 0)
     found = match(ks.lib.variants_of(name), name, spec, [arch]).accepted
     if not found:
         raise KernelNotFound(f"attention ({call.describe()}) needs {name} with "

@@ -101,8 +101,7 @@ def backward(p: Problem, specs: dict, handles: dict, mode: str, dout: Any, doi: 
     oo = operand(xp, xp.convert(out, oi), oi, p.layout, p.varlen, width_v)
     # Delta is written with LSE's strides (the kernels share them): both are made contiguous.
     lse_arr = xp.contiguous(xp.convert(lse, li))
-    cs = contiguous_strides(p.lse_shape())
-    lse_strides = (0, cs[0]) if p.varlen else (cs[0], cs[1])
+    lse_strides = p.lse_strides()
     delta = xp.empty(p.lse_shape(), "fp32", q)
     values = {"Q": qo.array, "K": ko.array, "V": vo.array, "DO": doo.array, "Out": oo.array, "LSE": lse_arr,
               "Delta": delta, "DQ": g_dq.array, "DK": g_dk.array, "DV": g_dv.array,

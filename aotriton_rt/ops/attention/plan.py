@@ -228,8 +228,7 @@ class _DirectForward:
         self.fast = fast
         self.device = p.device
         self.infos = (p.qi, p.ki, p.vi, p.bias_info, p.cu_qi, p.cu_ki)
-        cs = contiguous_strides(self.lse_shape)
-        lse_strides = (0, cs[0]) if p.varlen else (cs[0], cs[1])
+        lse_strides = p.lse_strides()
         values = {"Q": _Slot(0), "K": _Slot(1), "V": _Slot(2), "Out": _Slot(6), "LSE": _Slot(7),
                   "DropMask": _Slot(8) if return_mask else None,
                   **named("q", "m", strides["q"]), **named("k", "n", strides["k"]), **named("v", "n", strides["v"]),
@@ -396,8 +395,7 @@ class _DirectBackward:
         self.fast = fast
         self.device = p.device
         self.infos = (infos[0], p.qi, p.ki, p.vi, infos[1], infos[2], p.bias_info, p.cu_qi, p.cu_ki)
-        cs = contiguous_strides(self.lse_shape)
-        lse_strides = (0, cs[0]) if p.varlen else (cs[0], cs[1])
+        lse_strides = p.lse_strides()
         values = {"DO": _Slot(0), "Q": _Slot(1), "K": _Slot(2), "V": _Slot(3), "Out": _Slot(4), "LSE": _Slot(5),
                   "Bias": _Slot(6) if p.bias_info is not None else None,
                   "cu_seqlens_q": _Slot(7) if p.varlen else None, "cu_seqlens_k": _Slot(8) if p.varlen else None,

@@ -84,7 +84,8 @@ class Problem:
 
     def call(self, dropout: int) -> AttentionCall:
         return AttentionCall(self.dtype, self.head_dim, self.head_dim_v, self.causal_mode, self.causal_equivalent,
-                             self.bias is not None, dropout, self.varlen, self.seqlen_q, self.seqlen_k)
+                             self.bias is not None, dropout, self.varlen, self.seqlen_q, self.seqlen_k,
+                             self.lse_strides())
 
     def out_shape(self, width: int | None = None) -> tuple[int, ...]:
         d = self.head_dim_v if width is None else width
@@ -96,6 +97,14 @@ class Problem:
 
     def lse_shape(self) -> tuple[int, ...]:
         return (self.heads_q, self.rows_q) if self.varlen else (self.batch, self.heads_q, self.seqlen_q)
+
+    def lse_strides(self) -> tuple[int, int]:
+        """(stride_lz, stride_lh) of the LSE and Delta arrays every launch path passes: both are
+        contiguous :meth:`lse_shape` (the forward writes it so, the backward reads the caller's
+        in place only when it is, else a contiguous copy); varlen rows are packed per head. Not
+        padded: multiples of 16 exactly when ``seqlen_q`` is (fixed lengths)."""
+        cs = contiguous_strides(self.lse_shape())
+        return (0, cs[0]) if self.varlen else (cs[0], cs[1])
 
     def bias_full_shape(self) -> tuple[int, int, int, int]:
         return (self.batch, self.heads_q, self.seqlen_q, self.seqlen_k)
