@@ -70,9 +70,11 @@ class KernelDecl:
     # Catalog tuning rules for one target (``tuning[name]`` in the catalog; the builder adds
     # ``"arch"``): e.g. the decode kernels' split rule. None: no rules.
     tuning: Callable[[Target], list[dict]] | None = None
-    # How many configs (the first ones; #0 is what the operators launch) a build set keeps, by
-    # set name: e.g. {"default": 1} leaves a target's alternates to the other sets.
-    set_configs: Mapping[str, int] = field(default_factory=dict)
+    # Which configs a build set keeps, by set name: a count keeps the first ones (#0 is what the
+    # operators launch untuned), e.g. {"default": 1} leaves a target's alternates to the other
+    # sets; a function of the spec names the indices to keep (they keep their numbers, which the
+    # tuning database's rules use).
+    set_configs: Mapping[str, int | Callable[[Mapping[str, Any]], Sequence[int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         arg_names = list(getattr(self.fn, "arg_names", []))
@@ -193,10 +195,7 @@ def expand(kernel: KernelDecl, targets: Sequence[Target], build_set: str, triton
                 continue
             signature = _resolve_signature(kernel, spec)
             _check_types(kernel, signature)
-            configs = kernel.configs_for(spec, target)
-            if build_set in kernel.set_configs:
-                configs = configs[:kernel.set_configs[build_set]]
-            for index, config in enumerate(configs):
+            for index, config in _kept_configs(kernel, build_set, spec, target):
                 constexprs = {n: spec[n] if n in spec else config.constexprs.get(n)
                               for n, t in signature.items() if t == "constexpr"}
                 missing = [n for n, v in constexprs.items() if v is None]
@@ -208,6 +207,21 @@ def expand(kernel: KernelDecl, targets: Sequence[Target], build_set: str, triton
                           divisibility, tuple(kernel.grid), tuple(kernel.checks), package)
                 jobs.append(_with_key(job, source_key, triton_version))
     return jobs
+
+
+def _kept_configs(kernel: KernelDecl, build_set: str, spec: dict, target: Target) -> list[tuple[int, ConfigDecl]]:
+    """(index, config) of the configs ``build_set`` compiles for ``spec`` (``KernelDecl.set_configs``)."""
+    configs = list(enumerate(kernel.configs_for(spec, target)))
+    keep = kernel.set_configs.get(build_set)
+    if keep is None:
+        return configs
+    if isinstance(keep, int):
+        return configs[:keep]
+    wanted = sorted(set(keep(spec)))
+    if any(not 0 <= i < len(configs) for i in wanted):
+        raise ValueError(f"kernel {kernel.name}: set {build_set!r} keeps configs {wanted} of spec {spec}, "
+                         f"which has {len(configs)}")
+    return [configs[i] for i in wanted]
 
 
 def _check_types(kernel: KernelDecl, signature: dict) -> None:

@@ -665,11 +665,21 @@ def in_gputest_set(spec: dict, target: object) -> bool:
 
 
 def in_default_set(spec: dict, target: object) -> bool:
-    """Head dim 128 (fp16/bf16, no mask and causal mode 1, which serves both alignments): where it
-    beat attn_fwd on the H200 by 15-20% at N >= 4096 (docs/performance.md); the tuning database
-    sends the lengths where it does not back to attn_fwd. Head dim 64 stays on attn_fwd (it was
-    slower there)."""
-    return spec["HEAD_DIM"] == 128 and spec["CAUSAL"] in (0, 1)
+    """Head dims 64 and 128 (fp16/bf16, no mask and causal mode 1, which serves both alignments),
+    in the configs :func:`default_configs` names; the tuning database sends the lengths where
+    ``attn_fwd`` is faster back to it."""
+    return spec["HEAD_DIM"] in (64, 128) and spec["CAUSAL"] in (0, 1)
+
+
+def default_configs(spec: dict) -> tuple[int, ...]:
+    """The default set's configs of a spec, under their full-table numbers: at D=128 the one-tile
+    #0 (15-20% over attn_fwd at N >= 4096 on the H200) and both persistent configs (#6 with
+    ping-pong, #7 without: 0.87-0.88x cuDNN at N=1024 against #0's 0.60-0.68x, and the database's
+    pick at most D=128 lengths); at D=64 the persistent config with ping-pong only (#4: the
+    database's pick at nearly every D=64 length, 3-25% faster than attn_fwd; the one-tile configs
+    were slower than attn_fwd there). docs/performance.md, "The acceptance grid on two machines"."""
+    first = len(TILES[spec["HEAD_DIM"]])
+    return (0, first, first + 1) if spec["HEAD_DIM"] == 128 else (first,)
 
 
 #: One program per (query tile, batch * head) with PERSISTENT 0; otherwise one dimension of
@@ -695,7 +705,7 @@ KERNEL = KernelDecl(
     divisibility=_DIV,
     exclude=_excluded,
     sets={"default": in_default_set, "gputest": in_gputest_set, "levers": in_levers_set},
-    set_configs={"default": 1},
+    set_configs={"default": default_configs},
     # TMA descriptors need a non-empty extent in every dimension.
     checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "seqlen_q >= 1", "seqlen_k >= 1",
                                         # A persistent program numbers the tiles in 32 bits.

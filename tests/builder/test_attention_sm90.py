@@ -35,15 +35,25 @@ def test_the_gluon_forward_is_built_for_sm90_only() -> None:
     assert all(j.spec["HEAD_DIM"] == j.spec["HEAD_DIM_V"] for j in jobs)
 
 
-def test_the_default_set_holds_its_first_config_at_head_dim_128_without_a_mask_and_in_mask_mode_1() -> None:
+def test_the_default_set_holds_the_one_tile_and_persistent_configs_at_128_and_the_persistent_one_at_64() -> None:
+    from builder.kernels.attention_sm90 import PERSISTENT_PROGRAMS, TILES
     from builder.registry import expand
     from builder.targets import parse_targets
 
-    # Mode 1 takes the band's alignment at run time (causal_align), so it serves both alignments.
+    # No mask and mode 1 (it takes the band's alignment at run time, so it serves both alignments),
+    # both dtypes; the configs under their full-table numbers, which the tuning database's rules use.
     jobs = expand(_kernels()["attn_fwd_sm90"], parse_targets("sm80,sm90,gfx942"), "default", "3.6.0")
-    assert sorted((j.spec["dtype"], j.spec["CAUSAL"]) for j in jobs) == [
-        (dt, c) for dt in ("bf16", "fp16") for c in (0, 1)]
-    assert {(j.target.arch, j.spec["HEAD_DIM"], j.config_index) for j in jobs} == {("sm90", 128, 0)}
+    full = {(j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.config_index): j.constexprs
+            for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "full", "3.6.0")}
+    assert {j.target.arch for j in jobs} == {"sm90"}
+    got = {(j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.config_index) for j in jobs}
+    assert got == {(dt, d, c, i) for dt in ("bf16", "fp16") for c in (0, 1)
+                   for d, indices in ((128, (0, len(TILES[128]), len(TILES[128]) + 1)), (64, (len(TILES[64]),)))
+                   for i in indices}
+    for j in jobs:
+        key = (j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.config_index)
+        assert j.constexprs == full[key]  # the same variant (and key) as the full set's
+        assert j.constexprs["PERSISTENT"] == (0 if j.config_index == 0 else PERSISTENT_PROGRAMS)
 
 
 def test_its_runtime_arguments_are_attn_fwds_in_order_and_type() -> None:
@@ -208,7 +218,7 @@ def _constexprs(spec: dict, index: int) -> dict:
     return {**spec, **sm90_fwd_configs(spec, None)[index].constexprs}
 
 
-def test_persistent_configs_follow_each_head_dims_tile_table_in_every_mask_mode_not_the_default_set() -> None:
+def test_persistent_configs_follow_each_head_dims_tile_table_in_every_mask_mode() -> None:
     from builder.kernels.attention_sm90 import PERSISTENT_PROGRAMS, TILES
     from builder.registry import expand
     from builder.targets import parse_targets
@@ -231,7 +241,9 @@ def test_persistent_configs_follow_each_head_dims_tile_table_in_every_mask_mode_
     assert {(dt, c) for dt, d, c, _ in persistent("gputest") if d == 64} == {
         ("fp16", 0), ("fp16", 1), ("fp16", 2), ("bf16", 0), ("bf16", 1)}
     assert len(persistent("full")) == 2 * 2 * 3 * 2
-    assert persistent("default") == set()
+    # The default set: both at D=128, the ping-pong one at D=64, no mask and mode 1.
+    assert persistent("default") == {(dt, d, c, i) for dt in ("fp16", "bf16") for c in (0, 1)
+                                     for d, i in ((128, 6), (128, 7), (64, 4))}
     for j in jobs("full"):
         d, programs = j.spec["HEAD_DIM"], j.constexprs["PERSISTENT"]
         assert programs == (PERSISTENT_PROGRAMS if j.config_index >= len(TILES[d]) else 0), j.label

@@ -456,15 +456,16 @@ def test_a_build_without_the_winning_config_chooses_the_forward_its_own_configs_
                                                           full, own)]
     db = tuning.database(entries, arch="sm90", machine={"gpu": "H200"}, method={})
     assert [(r["seqlen_q"], r["kernel"]) for r in db["rules"]["attn_fwd_kernel"]] == [([None, None], own)]
-    gputest, default = _forward_jobs("gputest"), _forward_jobs("default")
-    assert {j.config_index for j in default if j.kernel == own} == {0}  # the default set: config #0 only
+    # A build of each forward's config #0 only (the default set was one until it took the persistent configs).
+    gputest = _forward_jobs("gputest")
+    default = [j for j in gputest if j.config_index == 0]
     assert 6 in {j.config_index for j in gputest if j.kernel == own and j.spec == full}
     # gputest holds #6: the database's choice, the arch forward at every length, running #6 at 1024.
     table, notes = tuning.fold([("sm90.json", db)], gputest)
     assert table["attn_fwd_kernel"] == db["rules"]["attn_fwd_kernel"]
     assert [(r["seqlen_q"], r["config"]) for r in table[own]] == [([None, 4095], 6), ([4096, None], 0)]
     assert notes == ["sm90.json: 5 rules folded, 0 dropped"]
-    # The default set: its #0s decide, the portable forward at 1024 (and its config rule for #1 drops).
+    # The #0-only build: its #0s decide, the portable forward at 1024 (and its config rule for #1 drops).
     table, notes = tuning.fold([("sm90.json", db)], default)
     assert [(r["seqlen_q"], r["kernel"]) for r in table["attn_fwd_kernel"]] == [([None, 4095], "attn_fwd"),
                                                                                 ([4096, None], own)]
@@ -482,7 +483,8 @@ def test_a_forward_whose_built_config_zero_was_not_measured_as_built_decides_not
     entries = [_entry(1024, [100.0, 95.0], FWD), _entry(1024, [110.0, 111.0, 120, 120, 120, 120, 70.0], FWD, own)]
     db = json.loads(json.dumps(tuning.database(entries, arch="sm90", machine={}, method={})))
     db["entries"][1]["configs"][0]["params"]["STAGES"] = 2  # config #0 was another kernel when measured
-    table, _ = tuning.fold([("sm90.json", db)], _forward_jobs("default") + _jobs(causal=2))
+    first_configs = [j for j in _forward_jobs("gputest") if j.config_index == 0 and j.spec["CAUSAL"] in (0, 1)]
+    table, _ = tuning.fold([("sm90.json", db)], first_configs + _jobs(causal=2))
     assert table["attn_fwd"]  # the portable forward's rule folds; the choice does not
     assert "attn_fwd_kernel" not in table  # no rule: the untuned heuristic, not a guess
 

@@ -223,13 +223,16 @@ def test_images_of_another_arch_keep_the_portable_forward(tmp_path: Path) -> Non
                                           "spec here)"
 
 
-def test_default_images_route_sm90_causal_d128_as_the_database_measured_on_mode_2(tmp_path: Path) -> None:
-    """The default set compiles mask mode 1 only; the checked-in database measured mode 2. Folded by
-    the build (its mode-2 rules stand for mode 1 too), bf16 D=128 causal runs attn_fwd_sm90 from
-    seqlen_q 2048 on and attn_fwd below, in either alignment, at unequal lengths too."""
+def test_default_images_run_the_persistent_forward_at_n1024_as_the_database_measured(tmp_path: Path) -> None:
+    """The default set holds attn_fwd_sm90's one-tile #0 and persistent #6/#7 at D=128 and its
+    persistent #4 at D=64, no mask and mask mode 1; the checked-in database measured bf16 D=128 causal
+    in mode 2 (its rules stand for mode 1 too), the other causal specs in mode 1. Folded by the build, short
+    sequences run a persistent config of attn_fwd_sm90, in either alignment and at unequal lengths."""
+    from builder.kernels.attention_sm90 import TILES
+
     jobs = [j for name in ("attn_fwd", "attn_fwd_sm90")
             for j in expand(load_kernels()[name], [KNOWN["sm90"]], "default", "3.6.0")
-            if j.spec["HEAD_DIM"] == 128]
+            if j.spec["HEAD_DIM"] in (64, 128)]
     assert {j.spec["CAUSAL"] for j in jobs} == {0, 1}  # what the default set holds
     db = tuning.load(tuning.CHECKED_IN / "sm90.json")
     table, notes = tuning.fold([("sm90.json", db)], jobs)
@@ -239,19 +242,22 @@ def test_default_images_route_sm90_causal_d128_as_the_database_measured_on_mode_
                                                        "triton_version": "3.6.0", "tuning": table,
                                                        "variants": variants}))
     lib = aotriton_rt.Library(tmp_path)
-    mode1 = {**BASE, "dtype": "bf16", "CAUSAL": 1}
-    for align in ("bottom_right", "top_left"):
-        for sq, sk, kernel in ((4096, 4096, "attn_fwd_sm90"), (1024, 1024, "attn_fwd"), (4096, 6000, "attn_fwd_sm90")):
-            pick = op.explain(dtype="bf16", head_dim=128, seqlen_q=sq, seqlen_k=sk, causal=True, align=align,
-                              arch="sm90", library=lib).kernels[0]
-            assert (pick.kernel, pick.spec) == (kernel, mode1), (align, sq, sk)
-            assert "applied to CAUSAL=1" in pick.kernel_reason
-    # The dispatcher agrees (fp16: from 2048 on, config #0 of each measured 694 against 698 us
-    # there), and the handle takes the alignment.
-    for sq, kernel in ((5000, "attn_fwd_sm90"), (1000, "attn_fwd")):
-        handle = op.attention_kernels(*qkv(S=sq, Sk=6000, D=128), causal=True, align="bottom_right",
-                                      library=lib)["attn_fwd"]
-        assert handle.name == kernel and handle.params["CAUSAL"] == 1 and "causal_align" in handle.arg_names
+    persistent = {128: {len(TILES[128]), len(TILES[128]) + 1}, 64: {len(TILES[64])}}
+    for dtype in ("fp16", "bf16"):
+        for d in (64, 128):
+            for causal, align in ((False, "bottom_right"), (True, "bottom_right"), (True, "top_left")):
+                for sq, sk in ((1024, 1024), (1024, 1500)):
+                    pick = op.explain(dtype=dtype, head_dim=d, seqlen_q=sq, seqlen_k=sk, causal=causal, align=align,
+                                      arch="sm90", library=lib).kernels[0]
+                    where = (dtype, d, causal, align, sq, sk)
+                    assert pick.kernel == "attn_fwd_sm90" and pick.spec["CAUSAL"] == int(causal), where
+                    assert pick.config in persistent[d], where
+                    if causal and dtype == "bf16" and d == 128:  # the one pair tune measured in mode 2
+                        assert "applied to CAUSAL=1" in pick.kernel_reason, where
+    # The dispatcher agrees, and the handle takes the alignment.
+    handle = op.attention_kernels(*qkv(S=1000, Sk=1500, D=128), causal=True, align="bottom_right",
+                                  library=lib)["attn_fwd"]
+    assert handle.name == "attn_fwd_sm90" and handle.params["CAUSAL"] == 1 and "causal_align" in handle.arg_names
 
 
 def test_gputest_images_run_the_persistent_forward_at_1024_and_explain_names_it_with_its_source(
