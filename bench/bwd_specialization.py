@@ -365,7 +365,7 @@ def operator_contenders(call: Call, t: dict[str, Any], images: str, workers: int
     ran = op.attention_kernels(t["Q"], t["K"], t["V"], causal=bool(call.causal), backward=True,
                                library=lib)["attn_bwd_dkdv"].name
     print(f"'ours bwd' runs the dK/dV kernel {ran}" + (" (the aligned-length sibling: mode aot+lse+len's binary)"
-                                                      if ran == "attn_bwd_dkdv_sm90_a16" else ""))
+                                                      if _aligned(ran) else ""))
     fns = {"ours bwd": lambda: run(lib), "jit bwd": lambda: run(jit)}
     call.ours_dkdv = ran
     plain = aotriton_rt.Library(images)
@@ -376,6 +376,13 @@ def operator_contenders(call: Call, t: dict[str, Any], images: str, workers: int
     except Exception as exc:  # noqa: BLE001 - the other contenders still run
         print(f"'ours bwd, no cache preference' left out: {type(exc).__name__}: {str(exc)[:300]}")
     return fns
+
+
+def _aligned(kernel: str) -> bool:
+    """Whether ``kernel`` is an aligned-length sibling (the dispatch's ``ALIGNED_SIBLINGS``)."""
+    from aotriton_rt.ops.attention.dispatch import family_of
+
+    return family_of(kernel) != kernel
 
 
 def no_preference(lib: Any) -> int:
@@ -423,7 +430,7 @@ def time_modes(call: Call, rounds: int, seed: int, images: str | None, workers: 
         print(f"backward TFLOP/s: aot {call.flops_bwd / aot / 1e9:.0f}, jit {call.flops_bwd / jit / 1e9:.0f}; "
               f"aot / jit speed {jit / aot:.3f} (the acceptance bar: >= 0.97)")
     # The mode whose binaries the operator launches: aot+lse+len where its dK/dV is the aligned sibling.
-    same = "bwd aot+lse+len" if call.ours_dkdv == "attn_bwd_dkdv_sm90_a16" else "bwd aot"
+    same = "bwd aot+lse+len" if call.ours_dkdv and _aligned(call.ours_dkdv) else "bwd aot"
     for name in extra:
         s = stats.get(name)
         if s is not None:

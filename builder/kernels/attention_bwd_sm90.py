@@ -466,6 +466,7 @@ def attn_bwd_dkdv_sm90(
 # Registry declaration.
 # --------------------------------------------------------------------------------------------
 
+from aotriton_rt.ops.attention.dispatch import ALIGNED_FACTS  # noqa: E402
 from builder.kernels._attention_sets import SM90_GLUON_BWD_HEAD_DIMS  # noqa: E402
 from builder.kernels._attention_sets import in_gputest_set as _in_bwd_gputest_set  # noqa: E402
 from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
@@ -539,11 +540,11 @@ KERNEL = KernelDecl(
     checks=_CHECKS + stride_checks(_DIV),
 )
 
-#: The call facts the aligned-length sibling declares divisible by 16 beyond ``_DIV``: the LSE/Delta
-#: strides (each head's row then starts 64-byte aligned, so LSE and Delta are read with 8-byte
-#: loads) and both lengths. Triton's JIT knows all four for such a call; with only the strides
-#: ptxas recomputes the second consumer's column offsets every tile (docs/performance.md).
-ALIGNED_FACTS = ("stride_lz", "stride_lh", "seqlen_q", "seqlen_k")
+#: The call facts the aligned-length sibling declares divisible by 16 beyond ``_DIV`` (the runtime's
+#: list, which its dispatch checks the catalog against): the LSE/Delta strides (each head's row then
+#: starts 64-byte aligned, so LSE and Delta are read with 8-byte loads) and both lengths. Triton's
+#: JIT knows all four for such a call; with only the strides ptxas recomputes the second consumer's
+#: column offsets every tile (docs/performance.md).
 _DIV_A16 = {**_DIV, **{n: 16 for n in ALIGNED_FACTS}}
 
 

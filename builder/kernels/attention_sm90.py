@@ -614,7 +614,8 @@ TILES = {128: ((128, 128, 3, 1, 1), (128, 128, 3, 0, 1), (128, 64, 4, 1, 1), (12
 #: dispatch to mode 2 where the images hold it (gputest, full; what `builder tune` measures), so its
 #: table must hold them too, under the same indices. Each head dim's persistent rows are its first
 #: tile with and without ping-pong (at D=128 they lifted N=1024 from 0.60-0.68x cuDNN to 0.83-0.89x;
-#: D=64's are unmeasured: four 32 KB K/V stages plus 16 KB of Q, 144 KB of shared memory).
+#: at D=64, four 32 KB K/V stages plus 16 KB of Q, 144 KB of shared memory, `builder tune` picks #4
+#: at nearly every length: docs/performance.md, "The acceptance grid on two machines").
 PERSISTENT_TILES = {128: ((128, 128, 3, 1, 1), (128, 128, 3, 0, 1)), 64: ((128, 128, 4, 1, 1), (128, 128, 4, 0, 1))}
 #: Programs of a persistent grid: one per SM of an H100 SXM / H200 (132 SMs). Any count is correct
 #: (each program strides over the tiles by the grid size); fewer SMs run a second partial wave,
@@ -659,16 +660,14 @@ def in_gputest_set(spec: dict, target: object) -> bool:
     forward a full build has), each only where the gputest set holds its ``attn_fwd`` twin (the
     forward's spec is chosen among the portable kernel's variants, so a Gluon variant without one
     is never dispatched)."""
-    d = spec["HEAD_DIM"]
-    mine = d in (64, 128)
-    return mine and _in_attn_fwd_gputest(spec, target)
+    return _in_attn_fwd_gputest(spec, target)  # every spec of the kernel's axes (HEAD_DIMS) qualifies
 
 
 def in_default_set(spec: dict, target: object) -> bool:
     """Head dims 64 and 128 (fp16/bf16, no mask and causal mode 1, which serves both alignments),
     in the configs :func:`default_configs` names; the tuning database sends the lengths where
     ``attn_fwd`` is faster back to it."""
-    return spec["HEAD_DIM"] in (64, 128) and spec["CAUSAL"] in (0, 1)
+    return spec["CAUSAL"] in (0, 1)  # both of HEAD_DIMS
 
 
 def default_configs(spec: dict) -> tuple[int, ...]:

@@ -344,13 +344,13 @@ class LibraryKernels:
         taking ``args``), declared as ``name``'s but for :data:`ALIGNED_FACTS`, and the call's
         facts meet each divisibility it declares (cached per power-of-two part of the facts)."""
         sibling = ALIGNED_SIBLINGS.get(name)
-        facts = aligned_facts(call)
+        facts = _fact_key(call)
         if sibling is None or facts is None or not self.available(sibling, params, args):
             return None
-        key = ("aligned", sibling, tuple(sorted(params.items())), _fact_key(call))
+        key = ("aligned", sibling, tuple(sorted(params.items())), facts)
         hit = self.available_cache.get(key)
         if hit is None:
-            reduced = {n: math.gcd(v, _MAX_FACT_DIVISOR) for n, v in facts.items()}
+            reduced = dict(zip(ALIGNED_FACTS, facts))
             hit = self.available_cache[key] = _serves_aligned(self.lib, name, sibling, params, reduced)
         return sibling if hit else None
 
