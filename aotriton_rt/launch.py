@@ -4,8 +4,9 @@ The first call of a handle writes its launch function (unrolled argument checks,
 the variant's struct, one driver call, see :meth:`Kernel._generate`); later calls go straight
 to it. A handle loads its variant on a device at the first launch there, through its
 :class:`~aotriton_rt.library.Library`, which owns the catalogs, the loaded modules and the
-scratch buffers. :meth:`Kernel.prepare` gives callers that validate a call signature once (the
-attention operator's plans) a launch that skips the per-call checks.
+global scratch (:mod:`aotriton_rt.scratch`: private to each stream and each captured graph).
+:meth:`Kernel.prepare` gives callers that validate a call signature once (the attention
+operator's plans) a launch that skips the per-call checks.
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ class _DeviceState:
 
     __slots__ = ("variant", "packer", "launcher", "grid_fn", "checks", "scratch_size", "function", "plain")
 
-    def __init__(self, variant: Variant, packer: Packer, launcher: Any, function: int = 0) -> None:
+    def __init__(self, variant: Variant, packer: Packer, launcher: Any, function: int = 0,
+                 pdl: bool | None = None) -> None:
         self.variant = variant
         self.packer = packer
         self.launcher = launcher
         self.function = function
-        self.plain = None if variant.pdl else launcher
+        self.plain = None if (variant.pdl if pdl is None else pdl) else launcher
         self.grid_fn = packer.grid_fn
         self.checks = packer.run_checks if packer.checks else None
         self.scratch_size = variant.scratch["global_size"] * variant.num_ctas
@@ -193,9 +195,8 @@ class Kernel:
             lines.append("    st.launcher(gx, gy, gz, stream, vals + (0, 0))")
         else:
             lines += [
-                "    if not gx * gy * gz: return",
-                "    hidden = (0, 0) if not st.scratch_size else _scratch(st, dev, gx * gy * gz, stream)",
-                "    st.launcher(gx, gy, gz, stream, vals + hidden)",
+                "    if not st.scratch_size: st.launcher(gx, gy, gz, stream, vals + (0, 0))",
+                "    elif gx * gy * gz: _scratch(st, st.launcher, dev, gx, gy, gz, stream, vals)",
             ]
         code = compile("\n".join(lines), "<aotriton_rt launch>", "exec")
         exec(code, env)  # noqa: S102 - our own tokens only (see the docstring)
@@ -257,8 +258,11 @@ class Kernel:
             def launch(stream: int, args: tuple) -> None:
                 return None
         else:
+            pool, nbytes = self.library.scratch, gx * gy * gz * st.scratch_size
+            align = st.variant.scratch["global_align"]
+
             def launch(stream: int, args: tuple) -> None:
-                launcher(gx, gy, gz, stream, args + self._scratch(st, device, gx * gy * gz, stream))
+                pool.launch(device, stream, nbytes, align, launcher, gx, gy, gz, args)
         return launch
 
     # -- slow paths ----------------------------------------------------------------------------
@@ -299,10 +303,11 @@ class Kernel:
             self._states[dev] = state
         return state
 
-    def _scratch(self, st: _DeviceState, dev: int, programs: int, stream: int) -> tuple[int, int]:
-        ptr = self.library._scratch_buffer(dev, programs * st.scratch_size,
-                                           st.variant.scratch["global_align"], stream)
-        return ptr, 0
+    def _scratch(self, st: _DeviceState, launcher: Any, dev: int, gx: int, gy: int, gz: int, stream: int,
+                 vals: tuple) -> None:
+        """Launch with global scratch private to ``stream`` (:mod:`aotriton_rt.scratch`)."""
+        self.library.scratch.launch(dev, stream, gx * gy * gz * st.scratch_size, st.variant.scratch["global_align"],
+                                    launcher, gx, gy, gz, vals)
 
 
 _STREAM_OF: dict[type, Callable[[Any, int], int]] = {}

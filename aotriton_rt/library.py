@@ -9,7 +9,8 @@ Example::
     add[(blocks,)](x, y, out, x.numel())         # or an explicit grid
 
 A Library reads the catalogs' indexes at once and a kernel's shards at its first use, selects
-variants (:mod:`aotriton_rt.select`), and per device loads modules and keeps scratch buffers.
+variants (:mod:`aotriton_rt.select`), and per device loads modules; its
+:class:`~aotriton_rt.scratch.ScratchPool` owns the global scratch.
 The handles it gives out (:class:`~aotriton_rt.launch.Kernel`, where the launch happens) are
 cheap to create and cached; modules load lazily on the first launch on each device, once,
 under a lock. Launches from many threads are safe.
@@ -25,9 +26,10 @@ from typing import Any
 from . import arch as _arch
 from .arguments import Packer
 from .catalog import Catalog, Variant
-from .errors import DriverError, LaunchError
+from .errors import DriverError
 from .images import find, read_image
 from .launch import Kernel, _DeviceState
+from .scratch import ScratchPool
 from .select import match, select_one
 
 #: Every live Library by ``id()``: the torch ops carry a library as that integer (their schema
@@ -70,7 +72,8 @@ class Library:
         self._lock = threading.RLock()
         self._modules: dict[tuple[int, str], tuple[Any, Any]] = {}  # (device, key) -> (module, function)
         self._handles: dict[tuple, Kernel] = {}
-        self._scratch: dict[int, tuple[int, int]] = {}  # device -> (ptr, size)
+        #: Global scratch, private to each stream and each captured graph.
+        self.scratch = ScratchPool(lambda: self.driver)
         _LIVE[id(self)] = self
 
     def __repr__(self) -> str:
@@ -191,10 +194,13 @@ class Library:
                 driver.prepare_function(function, variant.shared)
                 self._modules[mod_key] = (module, function)
             function = self._modules[mod_key][1]
+            # Launches on one stream share its global scratch, so one may start only when the
+            # previous has finished: a variant with scratch launches without PDL.
+            pdl = variant.pdl and not variant.scratch["global_size"]
             launcher = driver.make_launcher(
                 function, struct=packer.struct, num_threads=variant.num_threads, shared=variant.shared,
-                cooperative=variant.cooperative, pdl=variant.pdl, cluster_dims=variant.cluster_dims)
-            return _DeviceState(variant, packer, launcher, function)
+                cooperative=variant.cooperative, pdl=pdl, cluster_dims=variant.cluster_dims)
+            return _DeviceState(variant, packer, launcher, function, pdl)
 
     def _plain_launcher(self, state: _DeviceState) -> Any:
         """The launcher of a PDL variant without the PDL attribute (``Kernel.prepare(pdl=False)``),
@@ -206,30 +212,6 @@ class Library:
                     state.function, struct=state.packer.struct, num_threads=v.num_threads, shared=v.shared,
                     cooperative=v.cooperative, pdl=False, cluster_dims=v.cluster_dims)
             return state.plain
-
-    def _scratch_buffer(self, dev: int, nbytes: int, align: int, stream: int) -> int:
-        """A per-device global-scratch buffer of at least ``nbytes``, grown (never shrunk) on demand.
-
-        Growing allocates device memory, which CUDA graph capture forbids: launch the kernel
-        once at its largest grid before capturing. Old buffers are kept alive, since a captured
-        graph may still point at them.
-        """
-        ptr, size = self._scratch.get(dev, (0, 0))
-        if size >= nbytes:
-            return ptr
-        with self._lock:
-            ptr, size = self._scratch.get(dev, (0, 0))
-            if size >= nbytes:
-                return ptr
-            if self.driver.is_capturing(stream):
-                raise LaunchError(f"this launch needs {nbytes} bytes of global scratch on device {dev} "
-                                  "but the stream is capturing a CUDA graph, during which memory "
-                                  "cannot be allocated; launch once with the same grid before capture")
-            new_size = max(nbytes, 2 * size, 1 << 20)
-            ptr = self.driver.alloc(dev, new_size + max(align, 128))
-            ptr = -(-ptr // max(align, 128)) * max(align, 128)
-            self._scratch[dev] = (ptr, new_size)
-            return ptr
 
 
 _default: Library | None = None

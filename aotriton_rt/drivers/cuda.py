@@ -123,7 +123,23 @@ _SIGNATURES: dict[str, tuple] = {
 # Resolved on first use: cuLaunchKernelEx exists from CUDA 12.0 on.
 _OPTIONAL_SIGNATURES: dict[str, tuple] = {
     "cuLaunchKernelEx": (_P(CUlaunchConfig), c_void_p, _P(c_void_p), _P(c_void_p)),
+    # Scratch bookkeeping (aotriton_rt.scratch): bound at the first launch that needs scratch.
+    "cuStreamGetCaptureInfo_v2": (c_void_p, _P(c_int), _P(c_uint64), _P(c_void_p), c_void_p, c_void_p),
+    "cuEventCreate": (_P(c_void_p), c_uint),
+    "cuEventRecord": (c_void_p, c_void_p),
+    "cuEventSynchronize": (c_void_p,),
+    "cuEventDestroy_v2": (c_void_p,),
+    "cuStreamWaitEvent": (c_void_p, c_void_p, c_uint),
+    "cuMemFree_v2": (c_uint64,),
+    "cuThreadExchangeStreamCaptureMode": (_P(c_int),),
+    "cuUserObjectCreate": (_P(c_void_p), c_void_p, c_void_p, c_uint, c_uint),
+    "cuGraphRetainUserObject": (c_void_p, c_void_p, c_uint, c_uint),
 }
+
+CU_EVENT_DISABLE_TIMING = 2
+CU_STREAM_CAPTURE_MODE_RELAXED = 2
+CU_USER_OBJECT_NO_DESTRUCTOR_SYNC = 1
+CU_GRAPH_USER_OBJECT_MOVE = 1
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: tuple, path: str) -> ctypes._CFuncPtr:
@@ -166,6 +182,7 @@ class CudaDriver:
         self._functions = FunctionTable()
         self._arch: dict[int, str] = {}
         self._launch_ex: ctypes._CFuncPtr | None = None
+        self._optional: dict[str, ctypes._CFuncPtr] = {}
         # Launch variants, for measuring (docs/performance.md): kernelParams (default) or the
         # extra buffer; the GIL released around cuLaunchKernel (default, ctypes' way: a launch
         # that blocks on a full queue must not stall other Python threads) or held.
@@ -389,6 +406,88 @@ class CudaDriver:
         """Wait for all work on ``device`` (``cuCtxSynchronize`` in its primary context)."""
         with self._on_device(device):
             self.check(self._cuCtxSynchronize(), f"cuCtxSynchronize(device {device})")
+
+    # ------------------------------------------------------------------ events and graphs
+    # What aotriton_rt.scratch needs to give each stream and each captured graph its own
+    # global scratch. Calls that name a stream run in that stream's context; the legacy and
+    # per-thread handles (0, 1, 2) mean the current context, so those retry in ``device``'s
+    # primary context when the thread has none.
+
+    def _optional_fn(self, name: str) -> ctypes._CFuncPtr:
+        fn = self._optional.get(name)
+        if fn is None:
+            fn = self._optional[name] = _bind(self._lib, name, _OPTIONAL_SIGNATURES[name], self.library_path)
+        return fn
+
+    def _stream_call(self, device: int, call: str, fn: ctypes._CFuncPtr, *args: object) -> None:
+        status = fn(*args)
+        if status == CUDA_ERROR_INVALID_CONTEXT:
+            with self._on_device(device):
+                status = fn(*args)
+        self.check(status, call)
+
+    def capture_info(self, device: int, stream: int) -> tuple[int, int, int]:
+        """``(status, id, graph)`` of ``stream``'s capture: status 0 when it is not capturing,
+        1 while capturing (``id`` unique in the process, ``graph`` the graph being built),
+        2 when the capture was invalidated."""
+        status, ident, graph = c_int(), c_uint64(), c_void_p()
+        self._stream_call(device, "cuStreamGetCaptureInfo", self._optional_fn("cuStreamGetCaptureInfo_v2"),
+                          stream, byref(status), byref(ident), byref(graph), None, None)
+        return status.value, ident.value, graph.value or 0
+
+    def event_create(self, device: int) -> int:
+        """A new event without timing in ``device``'s primary context."""
+        event = c_void_p()
+        with self._on_device(device):
+            self.check(self._optional_fn("cuEventCreate")(byref(event), CU_EVENT_DISABLE_TIMING),
+                       f"cuEventCreate(device {device})")
+        return event.value
+
+    def event_record(self, device: int, event: int, stream: int) -> None:
+        """Record ``event`` on ``stream``: it completes once the work queued there so far has."""
+        self._stream_call(device, "cuEventRecord", self._optional_fn("cuEventRecord"), event, stream)
+
+    def stream_wait_event(self, device: int, stream: int, event: int) -> None:
+        """Make work queued on ``stream`` from now on wait for ``event`` (on the device)."""
+        self._stream_call(device, "cuStreamWaitEvent", self._optional_fn("cuStreamWaitEvent"), stream, event, 0)
+
+    def free(self, device: int, ptr: int, event: int = 0) -> None:
+        """Wait for ``event`` (when given) on the host, destroy it, then free ``ptr``. Runs with
+        relaxed capture rules so that a graph captured by another thread is not invalidated."""
+        with self._on_device(device), self._relaxed():
+            if event:
+                self.check(self._optional_fn("cuEventSynchronize")(event), "cuEventSynchronize")
+                self.check(self._optional_fn("cuEventDestroy_v2")(event), "cuEventDestroy")
+            if ptr:
+                self.check(self._optional_fn("cuMemFree_v2")(ptr), f"cuMemFree({ptr:#x}, device {device})")
+
+    def alloc_relaxed(self, device: int, nbytes: int) -> int:
+        """:meth:`alloc` while a graph is being captured: with the thread's capture rules relaxed
+        for the call (``cuMemAlloc`` is not stream-ordered, so the capture does not record it)."""
+        with self._relaxed():
+            return self.alloc(device, nbytes)
+
+    @contextmanager
+    def _relaxed(self) -> Iterator[None]:
+        mode = c_int(CU_STREAM_CAPTURE_MODE_RELAXED)
+        exchange = self._optional_fn("cuThreadExchangeStreamCaptureMode")
+        self.check(exchange(byref(mode)), "cuThreadExchangeStreamCaptureMode")
+        try:
+            yield
+        finally:
+            self.check(exchange(byref(mode)), "cuThreadExchangeStreamCaptureMode(restore)")
+
+    def retain_in_graph(self, graph: int, data: int, destroy: ctypes._CFuncPtr) -> bool:
+        """Tie ``data`` to ``graph``'s life: ``destroy(data)`` runs (on a driver thread, once every
+        launch of the graph and its executables has finished) when the last of them is destroyed.
+        ``destroy`` must stay referenced and must not call the driver. Returns True."""
+        obj = c_void_p()
+        self.check(self._optional_fn("cuUserObjectCreate")(
+            byref(obj), data, ctypes.cast(destroy, c_void_p), 1, CU_USER_OBJECT_NO_DESTRUCTOR_SYNC),
+            "cuUserObjectCreate")
+        self.check(self._optional_fn("cuGraphRetainUserObject")(graph, obj, 1, CU_GRAPH_USER_OBJECT_MOVE),
+                   "cuGraphRetainUserObject")
+        return True
 
 
 class _LauncherBase:

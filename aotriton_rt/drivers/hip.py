@@ -33,7 +33,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
+from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
 from dataclasses import dataclass
 
 from aotriton_rt.drivers import COMMON_HINTS, FunctionTable, driver_error
@@ -135,6 +135,7 @@ class _CtypesApi:
             fn.argtypes = list(argtypes)
             fn.restype = c_char_p if fname.startswith("hipGetError") else c_int
             setattr(self, "_" + fname, fn)
+        self._handle = found.handle
         self.launch: Callable[..., int] = self._hipModuleLaunchKernel
 
     def extra_argument(self, extra: ctypes.Array) -> object:
@@ -193,6 +194,43 @@ class _CtypesApi:
 
     def device_synchronize(self) -> int:
         return self._hipDeviceSynchronize()
+
+    # Scratch bookkeeping (aotriton_rt.scratch), bound at the first launch that needs scratch.
+    def _fn(self, name: str, argtypes: tuple) -> ctypes._CFuncPtr:
+        fn = getattr(self, "_" + name, None)
+        if fn is None:
+            try:
+                fn = getattr(self._handle, name)
+            except AttributeError:
+                raise DriverError(f"{self.library_path} has no {name}: aotriton-rt needs the HIP "
+                                  f"runtime of ROCm 6.0 or newer", call=name) from None
+            fn.argtypes, fn.restype = list(argtypes), c_int
+            setattr(self, "_" + name, fn)
+        return fn
+
+    def capture_info(self, stream: int) -> tuple[int, int, int]:
+        status, ident = c_int(), c_uint64()
+        fn = self._fn("hipStreamGetCaptureInfo", (c_void_p, _P(c_int), _P(c_uint64)))
+        return fn(stream, byref(status), byref(ident)), status.value, ident.value
+
+    def event_create(self) -> tuple[int, int]:
+        event = c_void_p()
+        return self._fn("hipEventCreateWithFlags", (_P(c_void_p), c_uint))(byref(event), 2), event.value or 0
+
+    def event_record(self, event: int, stream: int) -> int:
+        return self._fn("hipEventRecord", (c_void_p, c_void_p))(event, stream)
+
+    def stream_wait_event(self, stream: int, event: int) -> int:
+        return self._fn("hipStreamWaitEvent", (c_void_p, c_void_p, c_uint))(stream, event, 0)
+
+    def event_synchronize(self, event: int) -> int:
+        return self._fn("hipEventSynchronize", (c_void_p,))(event)
+
+    def event_destroy(self, event: int) -> int:
+        return self._fn("hipEventDestroy", (c_void_p,))(event)
+
+    def free(self, ptr: int) -> int:
+        return self._fn("hipFree", (c_void_p,))(ptr)
 
 
 # ---------------------------------------------------------------------------- hip-python backend
@@ -286,6 +324,29 @@ class _HipPythonApi:
 
     def device_synchronize(self) -> int:
         return self._hip.hipDeviceSynchronize()[0]
+
+    def capture_info(self, stream: int) -> tuple[int, int, int]:
+        status, capture, ident = self._hip.hipStreamGetCaptureInfo(stream)
+        return status, int(capture), int(ident or 0)
+
+    def event_create(self) -> tuple[int, int]:
+        status, event = self._hip.hipEventCreateWithFlags(2)
+        return status, int(event) if event is not None else 0
+
+    def event_record(self, event: int, stream: int) -> int:
+        return self._hip.hipEventRecord(event, stream)[0]
+
+    def stream_wait_event(self, stream: int, event: int) -> int:
+        return self._hip.hipStreamWaitEvent(stream, event, 0)[0]
+
+    def event_synchronize(self, event: int) -> int:
+        return self._hip.hipEventSynchronize(event)[0]
+
+    def event_destroy(self, event: int) -> int:
+        return self._hip.hipEventDestroy(event)[0]
+
+    def free(self, ptr: int) -> int:
+        return self._hip.hipFree(ptr)[0]
 
 
 def _import_hip_python() -> tuple[object, object | None]:
@@ -488,6 +549,45 @@ class HipDriver:
         """Wait for all work on ``device``."""
         with self._on_device(device):
             self.check(self._api.device_synchronize(), f"hipDeviceSynchronize(device {device})")
+
+    # ------------------------------------------------------------------ events and graphs
+    # What aotriton_rt.scratch needs (see the CUDA driver). HIP runs each call on the current
+    # device, so the calls that create or free run on ``device``.
+
+    def capture_info(self, device: int, stream: int) -> tuple[int, int, int]:
+        """``(status, id, graph)`` of ``stream``'s capture (graph: 0, not reported here)."""
+        status, capture, ident = self._api.capture_info(stream)
+        self.check(status, "hipStreamGetCaptureInfo")
+        return capture, ident, 0
+
+    def event_create(self, device: int) -> int:
+        with self._on_device(device):
+            status, event = self._api.event_create()
+            self.check(status, f"hipEventCreateWithFlags(device {device})")
+        return event
+
+    def event_record(self, device: int, event: int, stream: int) -> None:
+        self.check(self._api.event_record(event, stream), "hipEventRecord")
+
+    def stream_wait_event(self, device: int, stream: int, event: int) -> None:
+        self.check(self._api.stream_wait_event(stream, event), "hipStreamWaitEvent")
+
+    def free(self, device: int, ptr: int, event: int = 0) -> None:
+        """Wait for ``event`` (when given), destroy it, then free ``ptr``."""
+        with self._on_device(device):
+            if event:
+                self.check(self._api.event_synchronize(event), "hipEventSynchronize")
+                self.check(self._api.event_destroy(event), "hipEventDestroy")
+            if ptr:
+                self.check(self._api.free(ptr), f"hipFree({ptr:#x}, device {device})")
+
+    def alloc_relaxed(self, device: int, nbytes: int) -> int:
+        """:meth:`alloc` while a graph is being captured (HIP allows it in every capture mode)."""
+        return self.alloc(device, nbytes)
+
+    def retain_in_graph(self, graph: int, data: int, destroy: object) -> bool:
+        """Not wired on HIP: a captured graph's scratch then lives as long as the process."""
+        return False
 
 
 class HipLauncher:

@@ -16,6 +16,11 @@
  *   FAKECUDA_CC       compute capability of every device, e.g. 90 (default 90)
  *   FAKECUDA_DEVICES  number of devices (default 1)
  *   FAKECUDA_OPTIN    shared memory per block with opt-in, bytes (default 232448)
+ *   FAKECUDA_CAPTURING  comma-separated stream handles that are capturing a graph; each
+ *                       one's capture id and graph handle are the stream handle itself
+ *
+ * Graph user objects retained by a "captured" graph run their destructors when a test calls
+ * fake_cuda_destroy_graph(graph), as the driver does once a graph and its executables are gone.
  *
  * Build: gcc -shared -fPIC -O1 -I../helpers -Wl,-soname,libcuda.so.1 -o libcuda.so.1 fake_cuda.c
  */
@@ -220,6 +225,117 @@ CUresult cuStreamIsCapturing(void *stream, int *status) {
   if (!status) return CUDA_ERROR_INVALID_VALUE;
   *status = 0;
   return CUDA_SUCCESS;
+}
+
+/* ---------------------------------------------------------------- events, captures, graphs */
+
+static int capturing(void *stream) {
+  const char *list = getenv("FAKECUDA_CAPTURING");
+  if (!list || !*list) return 0;
+  char *copy = strdup(list), *save = NULL;
+  int found = 0;
+  for (char *tok = strtok_r(copy, ",", &save); tok && !found; tok = strtok_r(NULL, ",", &save))
+    found = strtoull(tok, NULL, 0) == (unsigned long long)(uintptr_t)stream;
+  free(copy);
+  return found;
+}
+
+CUresult cuStreamGetCaptureInfo_v2(void *stream, int *status, uint64_t *id, void **graph,
+                                   const void **deps, size_t *ndeps) {
+  if (!status) return CUDA_ERROR_INVALID_VALUE;
+  int on = capturing(stream);
+  *status = on;
+  if (id) *id = on ? (uint64_t)(uintptr_t)stream : 0;
+  if (graph) *graph = on ? stream : NULL;
+  if (deps) *deps = NULL;
+  if (ndeps) *ndeps = 0;
+  log_line("{\"call\":\"cuStreamGetCaptureInfo\",\"status\":0,\"stream\":%llu,\"capturing\":%d}",
+           (unsigned long long)(uintptr_t)stream, on);
+  return CUDA_SUCCESS;
+}
+
+static unsigned long long next_event = 0xe000;
+
+CUresult cuEventCreate(void **event, unsigned flags) {
+  if (!event) return CUDA_ERROR_INVALID_VALUE;
+  if (!current_context) return CUDA_ERROR_INVALID_CONTEXT;
+  *event = (void *)(uintptr_t)(++next_event);
+  log_line("{\"call\":\"cuEventCreate\",\"status\":0,\"event\":%llu,\"flags\":%u}", next_event, flags);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuEventRecord(void *event, void *stream) {
+  if (!event) return CUDA_ERROR_INVALID_HANDLE;
+  log_line("{\"call\":\"cuEventRecord\",\"status\":0,\"event\":%llu,\"stream\":%llu}",
+           (unsigned long long)(uintptr_t)event, (unsigned long long)(uintptr_t)stream);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuStreamWaitEvent(void *stream, void *event, unsigned flags) {
+  if (!event) return CUDA_ERROR_INVALID_HANDLE;
+  log_line("{\"call\":\"cuStreamWaitEvent\",\"status\":0,\"stream\":%llu,\"event\":%llu,\"flags\":%u}",
+           (unsigned long long)(uintptr_t)stream, (unsigned long long)(uintptr_t)event, flags);
+  return CUDA_SUCCESS;
+}
+
+CUresult cuEventSynchronize(void *event) {
+  log_line("{\"call\":\"cuEventSynchronize\",\"status\":0,\"event\":%llu}", (unsigned long long)(uintptr_t)event);
+  return event ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+CUresult cuEventDestroy_v2(void *event) { return event ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE; }
+
+CUresult cuMemFree_v2(CUdeviceptr ptr) {
+  log_line("{\"call\":\"cuMemFree_v2\",\"status\":0,\"ptr\":%llu}", (unsigned long long)ptr);
+  free((void *)(uintptr_t)ptr);
+  return CUDA_SUCCESS;
+}
+
+static __thread int capture_mode = 0;
+
+CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+  if (!mode) return CUDA_ERROR_INVALID_VALUE;
+  int old = capture_mode;
+  capture_mode = *mode;
+  *mode = old;
+  return CUDA_SUCCESS;
+}
+
+typedef struct {
+  void *data;
+  void (*destroy)(void *);
+  void *graph;
+} UserObject;
+
+static UserObject user_objects[1024];
+static int n_user_objects = 0;
+
+CUresult cuUserObjectCreate(void **obj, void *data, void (*destroy)(void *), unsigned refs, unsigned flags) {
+  if (!obj || !destroy || refs != 1 || flags != 1) return CUDA_ERROR_INVALID_VALUE;
+  if (n_user_objects >= 1024) return CUDA_ERROR_OUT_OF_MEMORY;
+  user_objects[n_user_objects] = (UserObject){data, destroy, NULL};
+  *obj = &user_objects[n_user_objects++];
+  return CUDA_SUCCESS;
+}
+
+CUresult cuGraphRetainUserObject(void *graph, void *obj, unsigned count, unsigned flags) {
+  if (!graph || !obj || count != 1 || flags != 1) return CUDA_ERROR_INVALID_VALUE;
+  ((UserObject *)obj)->graph = graph;
+  log_line("{\"call\":\"cuGraphRetainUserObject\",\"status\":0,\"graph\":%llu}",
+           (unsigned long long)(uintptr_t)graph);
+  return CUDA_SUCCESS;
+}
+
+/* Test hook: the graph and its executables are gone; run its user objects' destructors. */
+int fake_cuda_destroy_graph(uint64_t graph) {
+  int n = 0;
+  for (int i = 0; i < n_user_objects; i++)
+    if (user_objects[i].graph == (void *)(uintptr_t)graph && user_objects[i].destroy) {
+      user_objects[i].destroy(user_objects[i].data);
+      user_objects[i].destroy = NULL;
+      n++;
+    }
+  return n;
 }
 
 /* ---------------------------------------------------------------- cubins */

@@ -1,0 +1,203 @@
+"""Global scratch: who owns it, how long it lives, which launches may share it.
+
+A kernel compiled by Triton may declare *global scratch* (device-side TMA descriptors, for
+example): each launch passes one buffer of ``programs * size`` bytes in which every program
+writes its own slice. Two launches that can run at the same time must never be given the same
+buffer, or one overwrites the descriptors the other is reading (wrong results or a GPU fault).
+:class:`ScratchPool`, one per :class:`~aotriton_rt.library.Library`, hands buffers out by
+these rules:
+
+* **Eager launches** (the stream is not capturing a graph) use one buffer per (device, stream).
+  Launches on one stream run one after the other, so they share it; launches on two streams
+  never do. After each launch an event is recorded on the stream, marking the buffer's last use.
+* **Bounded**: at most :data:`MAX_STREAMS` streams per device hold a buffer. A further stream
+  takes the least recently used stream's buffer and first makes itself wait (on the device,
+  not the host) for that buffer's last use. A buffer outgrown by its stream is parked and
+  reused the same way; at most :data:`MAX_PARKED` per device are kept, the rest freed once
+  their last use has finished. A process that cycles through many short-lived streams
+  therefore holds at most ``MAX_STREAMS + MAX_PARKED`` buffers per device.
+* **Captured graphs** (CUDA graph capture, ``torch.cuda.graph``, ...): each (capture, stream)
+  gets a buffer of its own, which is never handed to another launch while the graph lives,
+  so replays and eager launches on any stream can overlap safely. On CUDA the buffer is tied
+  to the graph with a user object: when the graph and every executable made from it are
+  destroyed and their launches have finished, it returns to the pool. Where the driver
+  cannot say which graph is being built (HIP), it lives as long as the process.
+* Steady state allocates nothing: one capture query, one event record and the launch.
+
+Lifetime: buffers live as long as their Library (the process, for the default one).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .errors import LaunchError
+
+#: Streams per device that keep a buffer of their own.
+MAX_STREAMS = 32
+#: Outgrown or evicted buffers kept per device for reuse.
+MAX_PARKED = 8
+#: The smallest buffer allocated (bytes): most launches then never grow it.
+MIN_BYTES = 1 << 20
+#: Alignment of every buffer handed out; a variant asking for more is refused at load.
+ALIGN = 256
+
+#: ``void (*)(void *)``: the drivers' host-function type (a graph user object's destructor).
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class _Buffer:
+    __slots__ = ("device", "base", "ptr", "size", "event")
+
+    def __init__(self, device: int, base: int, size: int, event: int) -> None:
+        self.device = device
+        self.base = base
+        self.ptr = -(-base // ALIGN) * ALIGN
+        self.size = size
+        self.event = event
+
+
+class ScratchPool:
+    """Per-library global scratch (see the module docstring for the rules).
+
+    ``driver`` is called for the library's driver on first need (loading it lazily).
+    """
+
+    def __init__(self, driver: Callable[[], Any]) -> None:
+        self._driver = driver
+        # One lock: a launch with scratch holds it from taking the buffer to recording the
+        # event, so no other thread can hand the buffer to another stream in between.
+        self._lock = threading.Lock()
+        self._streams: collections.OrderedDict[tuple[int, int], _Buffer] = collections.OrderedDict()
+        self._per_device: collections.Counter[int] = collections.Counter()
+        self._parked: dict[int, list[_Buffer]] = {}
+        self._graphs: dict[tuple[int, int, int], _Buffer] = {}  # (device, capture id, stream)
+        self._graph_owned: dict[int, _Buffer] = {}  # key given to the graph -> buffer
+        self._next_key = 1
+        # Keys of graph buffers whose graph is gone: appended by the driver's thread, drained here.
+        self._released: collections.deque[int] = collections.deque()
+        self._on_release = None  # the destructor callback, made with the driver's function type
+
+    def launch(self, device: int, stream: int, nbytes: int, align: int, launcher: Any,
+               gx: int, gy: int, gz: int, values: tuple) -> None:
+        """Launch ``launcher`` over (gx, gy, gz) on ``stream`` with ``values`` and a scratch
+        buffer of ``nbytes`` private to this stream (or to the graph being captured on it)."""
+        if align > ALIGN:
+            raise LaunchError(f"the kernel asks for {align}-byte aligned global scratch; at most {ALIGN} "
+                              "is supported")
+        driver = self._driver()
+        status, capture, graph = driver.capture_info(device, stream)
+        with self._lock:
+            if self._released:
+                self._drain()
+            if status == 0:
+                buf = self._for_stream(driver, device, stream, nbytes)
+                launcher(gx, gy, gz, stream, values + (buf.ptr, 0))
+                driver.event_record(device, buf.event, stream)
+            else:
+                buf = self._for_capture(driver, device, stream, capture, graph, nbytes)
+                launcher(gx, gy, gz, stream, values + (buf.ptr, 0))
+
+    # -- eager ---------------------------------------------------------------------------------
+    def _for_stream(self, driver: Any, device: int, stream: int, nbytes: int) -> _Buffer:
+        key = (device, stream)
+        buf = self._streams.get(key)
+        if buf is not None:
+            if buf.size >= nbytes:
+                self._streams.move_to_end(key)
+                return buf
+            # Outgrown: its stream may still be running launches that use it; mark their end.
+            driver.event_record(device, buf.event, stream)
+            del self._streams[key]
+            self._per_device[device] -= 1
+            self._park(driver, buf)
+        if self._per_device[device] >= MAX_STREAMS:
+            victim_key = next(k for k in self._streams if k[0] == device)
+            self._park(driver, self._streams.pop(victim_key))  # its event marks its last use
+            self._per_device[device] -= 1
+        buf = self._reuse(driver, device, stream, nbytes) or self._new(driver, device, nbytes, stream)
+        self._streams[key] = buf
+        self._per_device[device] += 1
+        return buf
+
+    def _park(self, driver: Any, buf: _Buffer) -> None:
+        parked = self._parked.setdefault(buf.device, [])
+        parked.append(buf)
+        if len(parked) > MAX_PARKED:
+            parked.sort(key=lambda b: b.size)
+            smallest = parked.pop(0)
+            driver.free(smallest.device, smallest.base, smallest.event)
+
+    def _reuse(self, driver: Any, device: int, stream: int, nbytes: int) -> _Buffer | None:
+        parked = self._parked.get(device)
+        fits = [b for b in parked or () if b.size >= nbytes]
+        if not fits:
+            return None
+        buf = min(fits, key=lambda b: b.size)
+        parked.remove(buf)
+        if buf.event:
+            driver.stream_wait_event(device, stream, buf.event)
+        else:  # a graph's buffer after the graph is gone: idle
+            buf.event = driver.event_create(device)
+        return buf
+
+    def _new(self, driver: Any, device: int, nbytes: int, stream: int) -> _Buffer:
+        size = max(MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+        base = driver.alloc(device, size + ALIGN)
+        return _Buffer(device, base, size, driver.event_create(device))
+
+    # -- graphs --------------------------------------------------------------------------------
+    def _for_capture(self, driver: Any, device: int, stream: int, capture: int, graph: int,
+                     nbytes: int) -> _Buffer:
+        key = (device, capture, stream)
+        buf = self._graphs.get(key)
+        if buf is not None and buf.size >= nbytes:
+            return buf
+        # A larger one: the smaller stays owned by the graph, whose earlier launches use it.
+        parked = [b for b in self._parked.get(device, ()) if not b.event and b.size >= nbytes]
+        if parked:
+            buf = min(parked, key=lambda b: b.size)
+            self._parked[device].remove(buf)
+        else:
+            size = max(MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+            buf = _Buffer(device, driver.alloc_relaxed(device, size + ALIGN), size, 0)
+        self._graphs[key] = buf
+        if graph and self._give_to_graph(driver, graph, buf):
+            return buf
+        return buf  # lives as long as the process
+
+    def _give_to_graph(self, driver: Any, graph: int, buf: _Buffer) -> bool:
+        if self._on_release is None:
+            released = self._released
+            self._on_release = _HOST_FN(lambda data: released.append(data))
+        key = self._next_key
+        self._next_key += 1
+        if not driver.retain_in_graph(graph, key, self._on_release):
+            return False
+        self._graph_owned[key] = buf
+        return True
+
+    def _drain(self) -> None:
+        """Return the buffers of destroyed graphs to the pool (their launches have finished)."""
+        while self._released:
+            buf = self._graph_owned.pop(self._released.popleft() or 0, None)
+            if buf is None:
+                continue
+            for k in [k for k, b in self._graphs.items() if b is buf]:
+                del self._graphs[k]
+            buf.event = 0
+            self._parked.setdefault(buf.device, []).append(buf)
+
+    # -- inspection ----------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Counts for tests and diagnostics: buffers per role and their bytes."""
+        with self._lock:
+            self._drain()
+            parked = [b for bs in self._parked.values() for b in bs]
+            graphs = set(map(id, self._graphs.values())) | set(map(id, self._graph_owned.values()))
+            return {"streams": len(self._streams), "parked": len(parked), "graphs": len(graphs),
+                    "bytes": sum(b.size for b in self._streams.values()) + sum(b.size for b in parked)}
