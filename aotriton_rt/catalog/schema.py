@@ -68,6 +68,7 @@ MAX_WARPS = 64                  # num_warps * warp_size <= 1024 threads per bloc
 MAX_THREADS = 1024
 MAX_CTAS = 16
 MAX_IMAGE_BYTES = 1 << 30       # one image, compressed or raw
+MAX_PTX = 64 << 20              # one PTX text, compressed or raw; real ones are under 1 MB
 MAX_SCRATCH = 1 << 32           # global scratch bytes per program
 MAX_RULES_CHARS = 1000
 MAX_CHECKS = 64
@@ -174,8 +175,10 @@ class Image:
         comp = r.str("compression")
         if comp not in ("xz", "none"):
             raise r._fail("compression", "xz or none", comp)
-        return cls(path, fmt, comp, _sha256(r, "sha256"), r.int("size", 1, maximum=MAX_IMAGE_BYTES),
-                   _sha256(r, "raw_sha256"), r.int("raw_size", 1, maximum=MAX_IMAGE_BYTES))
+        # jax.jit reads the PTX whole and hands it to jaxlib as one string: a tighter bound.
+        limit = MAX_PTX if fmt == "ptx" else MAX_IMAGE_BYTES
+        return cls(path, fmt, comp, _sha256(r, "sha256"), r.int("size", 1, maximum=limit),
+                   _sha256(r, "raw_sha256"), r.int("raw_size", 1, maximum=limit))
 
     def to_json(self) -> dict:
         return {"path": self.path, "format": self.format, "compression": self.compression,

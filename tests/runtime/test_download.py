@@ -9,6 +9,7 @@ import functools
 import hashlib
 import io
 import json
+import lzma
 import multiprocessing
 import os
 import shutil
@@ -898,3 +899,38 @@ def test_verify_reports_an_unreadable_image_instead_of_crashing(previous):
     report = verify_folder(dest / NAME)
     assert not report.ok
     assert any("not a regular file" in p for p in report.problems), report.problems
+
+
+# --------------------------------------------------------------------------- review of issue 25
+
+
+@pytest.fixture(scope="module")
+def ptx_bundle(tmp_path_factory) -> Path:
+    """A bundle whose CUDA variants carry PTX beside their images, as the builder packs them."""
+    base = tmp_path_factory.mktemp("ptx")
+    pack(make_image_folder(base / "images", targets=(("cuda", "sm90", 32),), ptx=True), base / "rel")
+    return base / "rel" / "cuda-sm90.tar"
+
+
+def test_bundle_installs_its_ptx_and_verify_checks_it(ptx_bundle, tmp_path):
+    done = install_file(ptx_bundle, dest=tmp_path / "images")
+    assert verify_folder(done.path).ok
+    ptx = next(done.path.rglob("*.ptx.xz"))
+    ptx.write_bytes(b"\0" * ptx.stat().st_size)
+    assert not verify_folder(done.path).ok
+
+
+def test_bundle_whose_ptx_disagrees_with_its_catalog_is_refused(ptx_bundle, tmp_path):
+    dest = tmp_path / "images"
+    name = next(m.name for m, _ in read_members(ptx_bundle) if m.name.endswith(".ptx.xz"))
+    # Listed and shipped consistently, but not the PTX the catalog vouches for.
+    other = forge(ptx_bundle, tmp_path / "other.tar",
+                  replace={name: lzma.compress(b"// another PTX\n", format=lzma.FORMAT_XZ)})
+    with pytest.raises(BundleError, match=rf"the catalog and bundle\.json disagree on the digest of {name}"):
+        install_file(other, dest=dest)
+    # Absent from the bundle and its manifest, though the catalog names it.
+    dropped = forge(ptx_bundle, tmp_path / "dropped.tar", drop=(name,),
+                    edit=lambda m: m.update(files=[f for f in m["files"] if f["path"] != name]))
+    with pytest.raises(BundleError, match=rf"variant add [0-9a-f]{{16}} needs {name}, which the bundle does not hold"):
+        install_file(dropped, dest=dest)
+    assert not (dest / "cuda-sm90").exists()

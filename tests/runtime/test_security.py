@@ -12,7 +12,11 @@ import hashlib
 import json
 import lzma
 import os
+import stat
+import tempfile
+import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -242,3 +246,155 @@ def test_interpreter_tests_skip_without_torch(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     with pytest.raises(pytest.skip.Exception, match="interpreter tests need torch"):
         require_interpreter()
+
+
+# --------------------------------------------------------------------------- review of issue 25
+
+
+def guarded(fn, timeout: float = 20.0) -> tuple[bool, dict]:
+    """Run ``fn`` in a daemon thread: (whether it finished in time, {"value"|"error": ...}), so
+    that a regression that blocks fails the test instead of hanging the session."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test to judge
+            box["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive(), box
+
+
+def unblock(fifo: Path) -> None:
+    """Release a reader stuck opening ``fifo`` (after a regression) by opening its write end."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+@pytest.fixture
+def jaxlib_triton(monkeypatch):
+    pytest.importorskip("jax")
+    from aotriton_rt.jax import jaxlib_triton as mod
+
+    monkeypatch.setattr(mod, "_ptx_cache", {})
+    monkeypatch.delenv("AOTRITON_RT_JAX_HSACO_DIR", raising=False)
+    return mod
+
+
+def _hip_variant():
+    from tests.runtime.test_catalog import _catalog, _variant
+
+    return Catalog.from_json(_catalog(_variant("hip", "gfx942"))).variants[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
+@pytest.mark.parametrize("plant", ["symlink to another folder", "world-writable folder", "file"])
+def test_hsaco_for_jaxlib_never_goes_where_another_user_could_have_planted_something(
+        plant, jaxlib_triton, tmp_path, monkeypatch):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    old = tmp / f"aotriton-rt-jax-{os.getuid()}"  # the fixed name an attacker could create first
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    if plant == "symlink to another folder":
+        old.symlink_to(victim)
+    elif plant == "world-writable folder":
+        old.mkdir()
+        old.chmod(0o777)
+    else:
+        old.write_bytes(b"planted")
+    raw = b"\x7fELF hsaco" * 100
+    path = Path(jaxlib_triton.hsaco_file(raw, _hip_variant()))
+    assert path.read_bytes() == raw
+    assert path.parent != old and not os.path.realpath(path).startswith(str(victim))
+    assert list(victim.iterdir()) == [] and (not old.is_dir() or list(old.iterdir()) == [])
+    st = os.lstat(path.parent)
+    assert stat.S_ISDIR(st.st_mode) and st.st_mode & 0o077 == 0 and st.st_uid == os.geteuid()
+    assert stat.S_ISREG(os.lstat(path).st_mode) and os.lstat(path).st_mode & 0o077 == 0
+    # One private folder per process, reused; each lowering gets a fresh file in it.
+    again = Path(jaxlib_triton.hsaco_file(raw, _hip_variant()))
+    assert again.parent == path.parent and again != path
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
+@pytest.mark.parametrize("plant", ["symlink", "world-writable", "file"])
+def test_hsaco_folder_named_by_the_variable_must_be_a_private_folder(plant, jaxlib_triton, tmp_path,
+                                                                     monkeypatch):
+    given = tmp_path / "hsaco"
+    if plant == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        given.symlink_to(tmp_path / "elsewhere")
+    elif plant == "world-writable":
+        given.mkdir()
+        given.chmod(0o777)
+    else:
+        given.write_bytes(b"x")
+    monkeypatch.setenv("AOTRITON_RT_JAX_HSACO_DIR", str(given))
+    with pytest.raises(ImageError, match=r"AOTRITON_RT_JAX_HSACO_DIR=.*hsaco is not a private folder"):
+        jaxlib_triton.hsaco_file(b"x", _hip_variant())
+    assert not any((tmp_path / "elsewhere").glob("*")) if plant == "symlink" else True
+
+
+def _ptx_folder(tmp_path: Path):
+    folder = make_image_folder(tmp_path / "imgs", targets=(("cuda", "sm90", 32),), kernels=("add",), ptx=True)
+    return folder, Catalog.load(folder).variants[0]
+
+
+def test_ptx_is_read_digest_checked(jaxlib_triton, tmp_path):
+    folder, v = _ptx_folder(tmp_path)
+    assert jaxlib_triton.ptx_text(folder, v).startswith("// add sm90 0\n.version 8.0")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_ptx_that_is_a_fifo_is_refused_without_blocking(jaxlib_triton, tmp_path):
+    folder, v = _ptx_folder(tmp_path)
+    path = folder / v.ptx.path
+    path.unlink()
+    os.mkfifo(path)
+    try:
+        done, box = guarded(lambda: jaxlib_triton.ptx_text(folder, v), 10)
+    finally:
+        unblock(path)
+    assert done, "reading the PTX blocked on a FIFO"
+    assert isinstance(box.get("error"), ImageError) and "is not a regular file" in str(box["error"]), box
+
+
+def test_oversized_ptx_is_refused_without_reading_it(jaxlib_triton, tmp_path):
+    folder, v = _ptx_folder(tmp_path)
+    path = folder / v.ptx.path
+    os.truncate(path, 600 << 20)  # sparse: no disk is used, and reading it would allocate 600 MB
+    tracemalloc.start()
+    try:
+        with pytest.raises(ImageError, match=rf"is {600 << 20} bytes but the catalog says {v.ptx.size}"):
+            jaxlib_triton.ptx_text(folder, v)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20
+
+
+def test_catalog_refuses_a_ptx_larger_than_max_ptx(tmp_path):
+    from aotriton_rt.catalog import MAX_PTX
+
+    folder, _ = _ptx_folder(tmp_path)
+    cat = json.loads((folder / "catalog.json").read_text())
+    cat["variants"][0]["ptx"]["raw_size"] = MAX_PTX + 1
+    (folder / "catalog.json").write_text(json.dumps(cat))
+    with pytest.raises(CatalogError, match=rf"\$\.variants\[0\]\.ptx\.raw_size must be an integer in "
+                                           rf"\[1, {MAX_PTX}\]"):
+        Catalog.load(folder)
+
+
+def test_verify_checks_the_ptx_of_a_plain_image_folder(tmp_path):
+    from aotriton_rt.download import verify_folder
+
+    folder, v = _ptx_folder(tmp_path)
+    assert verify_folder(folder).ok
+    (folder / v.ptx.path).write_bytes(b"\0" * v.ptx.size)
+    report = verify_folder(folder)
+    assert not report.ok and any(v.ptx.path in p for p in report.problems), report.problems
