@@ -904,6 +904,38 @@ def test_verify_reports_an_unreadable_image_instead_of_crashing(previous):
 # --------------------------------------------------------------------------- review of issue 25
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="symlinks and FIFOs")
+@pytest.mark.parametrize("plant", ["symlink", "fifo", "folder"])
+def test_planted_partial_download_is_replaced_never_followed(plant, releases, tmp_path):
+    from tests.runtime.test_security import guarded, unblock
+
+    dest = tmp_path / "images"
+    staging = dest / f".{NAME}.staging"
+    staging.mkdir(parents=True)
+    index = json.loads((releases["v1"] / "index.json").read_text())
+    sha = next(b["sha256"] for b in index["bundles"] if b["name"] == NAME)
+    part = staging / f"{sha[:16]}.part"
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    if plant == "symlink":
+        part.symlink_to(victim)
+    elif plant == "fifo":
+        os.mkfifo(part)
+    else:
+        part.mkdir()
+        (part / "x").write_text("x")
+    with FaultServer(releases["v1"]) as server:
+        try:
+            done, box = guarded(lambda: fetch(server, "ok", dest), 60)
+        finally:
+            unblock(part)
+    assert done, "the installer blocked on the planted .part"
+    assert victim.read_text() == "keep me"
+    assert "error" not in box, box["error"]
+    assert box["value"][0].action == "installed" and verify_folder(dest / NAME).ok
+    assert leftovers(dest) == []
+
+
 @pytest.fixture(scope="module")
 def ptx_bundle(tmp_path_factory) -> Path:
     """A bundle whose CUDA variants carry PTX beside their images, as the builder packs them."""
