@@ -24,7 +24,7 @@ import pytest
 from aotriton_rt import images
 from aotriton_rt.arguments import compile_expr, compile_grid, grid_limits
 from aotriton_rt.catalog import Catalog
-from aotriton_rt.errors import CatalogError, ImageError, ImageFolderNotFound, LaunchError
+from aotriton_rt.errors import ArgumentError, CatalogError, ImageError, ImageFolderNotFound, LaunchError
 from aotriton_rt.library import Library
 from tests.helpers.httpfaults import make_image_folder
 
@@ -398,3 +398,45 @@ def test_verify_checks_the_ptx_of_a_plain_image_folder(tmp_path):
     (folder / v.ptx.path).write_bytes(b"\0" * v.ptx.size)
     report = verify_folder(folder)
     assert not report.ok and any(v.ptx.path in p for p in report.problems), report.problems
+
+
+class _CAI:
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        cai = {"data": (0x7F0000000000, False), "shape": (4,), "typestr": "<f4", "version": 3}
+        if self.stream is not _CAI:
+            cai["stream"] = self.stream
+        return cai
+
+
+@pytest.mark.parametrize("backend,given,launched", [
+    ("cuda", _CAI, 0), ("cuda", None, 0), ("cuda", 1, 1), ("cuda", 2, 2), ("cuda", 0xBEEF, 0xBEEF),
+    ("cuda", 2**64 - 1, 2**64 - 1),
+    ("hip", None, 0), ("hip", 1, 0), ("hip", 2, 2), ("hip", 0xBEEF, 0xBEEF),
+])
+def test_cai_stream_becomes_the_stream_the_driver_means(backend, given, launched):
+    from aotriton_rt import launch
+
+    obj = _CAI(given)
+    assert launch._stream_getter(obj)(obj, 0, backend) == launched
+
+
+@pytest.mark.parametrize("given,message", [
+    (0, "stream 0, which the protocol forbids"),
+    (-1, r"stream -1, which is not a stream handle: it must be None, 1, 2 or a handle in \(2, 2\*\*64\)"),
+    (2**64, r"stream 18446744073709551616, which is not a stream handle"),
+    (2**70, r"stream 1180591620717411303424, which is not a stream handle"),
+    (True, r"stream True \(bool\), which is not a stream handle"),
+    (1.0, r"stream 1.0 \(float\), which is not a stream handle"),
+    ("1", r"stream '1' \(str\), which is not a stream handle"),
+])
+def test_cai_stream_out_of_range_or_of_another_type_is_an_argument_error_naming_the_array(given, message):
+    from aotriton_rt import launch
+
+    obj = _CAI(given)
+    for backend in ("cuda", "hip"):
+        with pytest.raises(ArgumentError, match=r"^test_security\._CAI\.__cuda_array_interface__ has " + message):
+            launch._stream_getter(obj)(obj, 0, backend)
