@@ -391,10 +391,13 @@ def _check_rules(v: Variant, path: str, source: str) -> None:
 
     names = tuple(a.name for a in v.args)
     params = v.params
-    for field_name, rules in (("grid", v.grid), ("checks", v.checks)):
+    # A grid rule may name integer scalars only (checks may compare anything).
+    types = {a.name: a.type for a in v.args}
+    for field_name, rules, kw in (("grid", v.grid, {"types": types, "what": f"grid rule of {v.kernel}"}),
+                                  ("checks", v.checks, {})):
         for i, text in enumerate(rules):
             try:
-                check_rule(text, names, params)
+                check_rule(text, names, params, **kw)
             except CatalogError as e:
                 raise CatalogError(f"{source}: {path}.{field_name}[{i}]: {e}") from None
 

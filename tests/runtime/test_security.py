@@ -440,3 +440,32 @@ def test_cai_stream_out_of_range_or_of_another_type_is_an_argument_error_naming_
     for backend in ("cuda", "hip"):
         with pytest.raises(ArgumentError, match=r"^test_security\._CAI\.__cuda_array_interface__ has " + message):
             launch._stream_getter(obj)(obj, 0, backend)
+
+
+@pytest.mark.parametrize("edit,arg,typ", [
+    (lambda v: v.update(grid=["cdiv(x_ptr, BLOCK)", "1", "1"]), "x_ptr", r"\*fp32"),
+    (lambda v: v["args"][1].update(type="fp32"), "n", "fp32"),
+])
+def test_grid_rule_over_a_float_or_pointer_argument_is_refused_at_load(edit, arg, typ, tmp_path):
+    with pytest.raises(CatalogError, match=rf"\$\.variants\[0\]\.grid\[0\]: grid rule of add 'cdiv\({arg}, BLOCK\)' "
+                                           rf"uses argument '{arg}' \({typ}\); a grid rule may use only integer "
+                                           "scalar arguments and compile-time values"):
+        Catalog.load(_folder(tmp_path, edit))
+
+
+def test_grid_rules_may_still_use_float_or_pointer_arguments_in_checks(tmp_path):
+    folder = _folder(tmp_path, lambda v: v.update(checks=["x_ptr % 16 == 0"]))
+    assert Catalog.load(folder).variants[0].checks == ("x_ptr % 16 == 0",)
+
+
+def test_grid_rule_results_must_be_plain_ints():
+    limits = (10, 10, 10)
+    g = compile_grid(["n > 0", "1", "1"], ["n"], {}, "grid rule of k", limits)
+    with pytest.raises(LaunchError, match=r"grid rule of k \(n > 0, 1, 1\) gives grid \(True, 1, 1\)"):
+        g(5)
+    g = compile_grid(["n", "1", "1"], ["n"], {}, "grid rule of k", limits)
+    with pytest.raises(LaunchError, match=r"gives grid \(2\.5, 1, 1\)"):
+        g(2.5)
+    assert g(3) == (3, 1, 1)
+    with pytest.raises(CatalogError, match=r"grid rule of k 's' uses argument 's' \(fp32\)"):
+        compile_grid(["s", "1", "1"], ["s"], {}, "grid rule of k", limits, types={"s": "fp32"})
