@@ -469,3 +469,84 @@ def test_grid_rule_results_must_be_plain_ints():
     assert g(3) == (3, 1, 1)
     with pytest.raises(CatalogError, match=r"grid rule of k 's' uses argument 's' \(fp32\)"):
         compile_grid(["s", "1", "1"], ["s"], {}, "grid rule of k", limits, types={"s": "fp32"})
+
+
+def _wheel_folder(tmp_path: Path, info: bytes | None) -> Path:
+    folder = tmp_path / "site" / "aotriton_rt_images_x"
+    folder.mkdir(parents=True)
+    if info is not None:
+        (folder / "image-wheel.json").write_bytes(info)
+    return folder
+
+
+@pytest.mark.parametrize("info,message", [
+    (b"[" * 30_000 + b"]" * 30_000, "nested too deeply"),
+    (b"[" * 100_000 + b"]" * 100_000, r"is 200000 bytes, over the limit of 65536"),
+    (b"\xff\xfe", r"not UTF-8 text"),
+    (b'{"schema": "aotriton-rt.image-wheel", "catalog_schema": [1], "catalog_schema_version": {"a": 1}}',
+     r"holds a catalog of schema \[1\] version \{'a': 1\}"),
+    (b'"aotriton-rt.image-wheel"', "is not an aotriton-rt image-wheel record"),
+])
+def test_image_wheel_record_of_any_content_is_a_catalog_error_naming_the_wheel(info, message, tmp_path):
+    from aotriton_rt import sources
+
+    folder = _wheel_folder(tmp_path, info)
+    with pytest.raises(CatalogError, match=r"^image wheel w 0\.1[: ].*" + message):
+        sources.check_compatible(sources._read_info(folder, "w 0.1", "w"), "w 0.1")
+
+
+def test_sparse_image_wheel_record_is_refused_without_reading_it(tmp_path):
+    from aotriton_rt import sources
+
+    folder = _wheel_folder(tmp_path, b"")
+    os.truncate(folder / "image-wheel.json", 600 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CatalogError, match=rf"is {600 << 20} bytes, over the limit of 65536"):
+            sources._read_info(folder, "w 0.1", "w")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+class _Dist:
+    version = "0.1.0"
+    metadata = {"Name": "aotriton-rt-images-x"}
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def locate_file(self, p: str) -> Path:
+        return self.root / p
+
+
+class _EntryPoint:
+    name, value = "x", "aotriton_rt_images_x"
+
+    def __init__(self, root: Path) -> None:
+        self.dist = _Dist(root)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_image_wheel_record_that_is_a_fifo_fails_library_typed_without_blocking(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    from aotriton_rt import sources
+
+    folder = _wheel_folder(tmp_path, None)
+    (folder / "catalog.json").write_text("{}")
+    os.mkfifo(folder / "image-wheel.json")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [_EntryPoint(tmp_path / "site")])
+    monkeypatch.delenv(images.ENV_IMAGES, raising=False)
+    monkeypatch.setattr(images, "_HERE", tmp_path / "pkg" / "aotriton_rt")
+    monkeypatch.setattr(sources, "embedded_folder", lambda: None)
+    try:
+        done, box = guarded(Library, 10)
+    finally:
+        unblock(folder / "image-wheel.json")
+    assert done, "Library() blocked on a FIFO"
+    assert isinstance(box.get("error"), CatalogError), box
+    assert str(box["error"]).startswith("image wheel aotriton-rt-images-x 0.1.0: ")
+    assert "image-wheel.json is not a regular file" in str(box["error"])
+    assert "pip install --force-reinstall aotriton-rt-images-x" in str(box["error"])
