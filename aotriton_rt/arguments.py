@@ -139,15 +139,30 @@ def _build(body: list[str], nargs: int, env: dict[str, Any]) -> Callable:
     return namespace["_rule"]
 
 
-def check_rule(text: str, names: Sequence[str], constants: Mapping[str, Any]) -> None:
-    """Raise CatalogError if ``text`` is not a rule over ``names`` and integer ``constants``."""
-    _check_rule_cached(text, tuple(names), tuple(sorted(constants.items())))
+def _integer_arguments_only(tree: ast.AST, types: Mapping[str, str], text: str, what: str) -> None:
+    """Refuse a grid rule naming a float or pointer argument: a float gives a float grid, and a
+    pointer's value differs between the direct launch (its address) and a prepared one (0)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in types and types[node.id] not in INT_RANGES:
+            raise CatalogError(f"{what} {text!r} uses argument {node.id!r} ({types[node.id]}); a grid rule "
+                               "may use only integer scalar arguments and compile-time values")
+
+
+def check_rule(text: str, names: Sequence[str], constants: Mapping[str, Any], *,
+               types: Mapping[str, str] | None = None, what: str = "rule") -> None:
+    """Raise CatalogError if ``text`` is not a rule over ``names`` and integer ``constants``;
+    with ``types`` (argument name -> catalog type), a grid rule over integer arguments only."""
+    _check_rule_cached(text, tuple(names), tuple(sorted(constants.items())),
+                       None if types is None else tuple(sorted(types.items())), what)
 
 
 @functools.lru_cache(maxsize=4096)
-def _check_rule_cached(text: str, names: tuple[str, ...], constants: tuple) -> None:
-    tree = _parse_rule(text, "rule")
-    _emit(tree.body, {n: i for i, n in enumerate(names)}, dict(constants), text, "rule")
+def _check_rule_cached(text: str, names: tuple[str, ...], constants: tuple, types: tuple | None,
+                       what: str) -> None:
+    tree = _parse_rule(text, what)
+    if types is not None:
+        _integer_arguments_only(tree, dict(types), text, what)
+    _emit(tree.body, {n: i for i, n in enumerate(names)}, dict(constants), text, what)
 
 
 def compile_expr(text: str, names: Sequence[str], constants: Mapping[str, Any], what: str,
@@ -173,14 +188,20 @@ def compile_expr(text: str, names: Sequence[str], constants: Mapping[str, Any], 
 
 
 def compile_grid(rules: Sequence[str], names: Sequence[str], constants: Mapping[str, Any], what: str,
-                 limits: tuple[int, int, int]) -> Callable:
+                 limits: tuple[int, int, int], *, types: Mapping[str, str] | None = None) -> Callable:
     """Compile three grid rules into ``f(*values) -> (gx, gy, gz)`` that refuses out-of-range grids.
 
     ``limits`` are the largest allowed sizes per dimension (see :func:`grid_limits`); a rule
-    giving a negative size or one over its limit raises LaunchError before any driver call.
+    giving anything but an ``int`` (a bool or float included), a negative size or one over its
+    limit raises LaunchError before any driver call. ``types`` (argument name -> catalog type)
+    refuses, with CatalogError, a rule naming a float or pointer argument.
     """
     slots = {n: i for i, n in enumerate(names)}
-    exprs = [_emit(_parse_rule(r, what).body, slots, constants, r, what) for r in rules]
+    trees = [_parse_rule(r, what) for r in rules]
+    if types is not None:
+        for r, tree in zip(rules, trees):
+            _integer_arguments_only(tree, types, r, what)
+    exprs = [_emit(tree.body, slots, constants, r, what) for r, tree in zip(rules, trees)]
     limits = tuple(int(x) for x in limits)
     # A dimension whose rule folds to a constant (usually "1") is checked now, not per launch.
     checks = []
@@ -189,7 +210,7 @@ def compile_grid(rules: Sequence[str], names: Sequence[str], constants: Mapping[
             if not 0 <= int(e) <= lim:
                 raise CatalogError(f"{what} {rules[i]!r} is the constant {e}, outside [0, {lim}]")
         else:
-            checks.append(f"0 <= g{i} <= {lim}")
+            checks.append(f"type(g{i}) is int and 0 <= g{i} <= {lim}")
     body = ["    try:",
             f"        g0 = {exprs[0]}; g1 = {exprs[1]}; g2 = {exprs[2]}",
             "    except ZeroDivisionError:",
@@ -204,7 +225,7 @@ def compile_grid(rules: Sequence[str], names: Sequence[str], constants: Mapping[
         raise LaunchError(f"{what} ({text}) gives grid {g} for these arguments; each size must be in "
                           f"[0, {lx}], [0, {ly}], [0, {lz}] — check the argument values (a negative "
                           "size, or too many blocks?)")
-    return _build(body, len(names), {"_fail": _RuleFailed(text, what), "_bad": bad})
+    return _build(body, len(names), {"_fail": _RuleFailed(text, what), "_bad": bad, "type": type, "int": int})
 
 
 #: CUDA's gridDim limits (x, y, z), per cuLaunchKernel.
@@ -250,7 +271,7 @@ class Packer:
                                        variant.cluster_dims)
         #: One function of the arguments returning the range-checked (gx, gy, gz) tuple.
         self.grid_fn = compile_grid(variant.grid, names, variant.params, f"grid rule of {variant.kernel}",
-                                    self.grid_limits)
+                                    self.grid_limits, types={a.name: a.type for a in variant.args})
         self.checks = tuple((c, compile_expr(c, names, variant.params, f"check of {variant.kernel}"))
                             for c in variant.checks)
 

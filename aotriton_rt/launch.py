@@ -292,7 +292,10 @@ class Kernel:
         getter = _STREAM_OF.get(type(obj))
         if getter is None:
             getter = _stream_getter(obj)
-        return getter(obj, dev)
+        try:
+            return getter(obj, dev, self.library.backend_now)
+        except ArgumentError as e:  # a producer's stream the protocol does not allow
+            raise ArgumentError(f"argument {self.arg_names[0]}: {e}") from None
 
     def _state(self, dev: int) -> _DeviceState:
         if not 0 <= dev < MAX_DEVICES:
@@ -310,27 +313,33 @@ class Kernel:
                                     launcher, gx, gy, gz, vals)
 
 
-_STREAM_OF: dict[type, Callable[[Any, int], int]] = {}
+_STREAM_OF: dict[type, Callable[[Any, int, str], int]] = {}
 
 
-def _stream_getter(obj: Any) -> Callable[[Any, int], int]:
-    """How to find the default stream for arguments of ``type(obj)``, decided once per type.
+def _stream_getter(obj: Any) -> Callable[[Any, int, str], int]:
+    """How to find the default stream for arguments of ``type(obj)``, decided once per type;
+    the getter is called as ``getter(obj, device, backend)``.
 
     torch and CuPy: their current stream on the device. Other ``__cuda_array_interface__`` v3
-    producers: the stream they name (1 and 2 are CUDA's legacy and per-thread handles).
+    producers: the stream they name, checked and mapped to the backend's handle by
+    :func:`interop.cai_launch_stream` (None: the default stream; 1 and 2: the legacy and
+    per-thread default streams; 0, negatives, 2**64 and up, non-integers: ArgumentError).
     Everything else (JAX and other DLPack producers, raw pointers): the legacy default stream,
     which is also the stream DLPack producers were told the data is consumed on.
     """
     module = type(obj).__module__.partition(".")[0]
     if module in ("torch", "cupy"):
         fw = module
-        getter = lambda o, dev: interop.current_stream(fw, dev)
+        getter = lambda o, dev, backend: interop.current_stream(fw, dev)
     elif hasattr(type(obj), "__cuda_array_interface__"):
-        def getter(o: Any, dev: int) -> int:
+        check = interop.cai_launch_stream
+
+        def getter(o: Any, dev: int, backend: str) -> int:
             s = o.__cuda_array_interface__.get("stream")
-            return s if isinstance(s, int) else 0
+            # A handle (> 2) in range is the common case; the rest is checked and mapped.
+            return s if type(s) is int and 2 < s <= _MAX_STREAM else check(o, backend)
     else:
-        getter = lambda o, dev: 0
+        getter = lambda o, dev, backend: 0
     _STREAM_OF[type(obj)] = getter
     return getter
 

@@ -22,11 +22,12 @@ came from and ``python -m aotriton_rt info`` prints it per folder.
 
 from __future__ import annotations
 
-import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION
+from .catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION, open_regular, parse_json
 from .errors import CatalogError
 
 ENTRY_POINT_GROUP = "aotriton_rt.images"
@@ -57,21 +58,31 @@ def embedded_folder() -> Path | None:
 
 
 def _read_info(folder: Path, dist: str, project: str) -> dict:
+    """The wheel's ``image-wheel.json``, read as untrusted data: a regular file only (a FIFO or
+    device is refused without blocking), at most ``_MAX_INFO_BYTES``, JSON of any nesting
+    (CatalogError, never RecursionError). A broken record refuses the wheel by name, like an
+    incompatible one, rather than skip it: a warning is easy to miss, a missing kernel is not."""
     info_path = folder / WHEEL_INFO
+    fix = f"reinstall it (pip install --force-reinstall {project})"
     try:
-        with open(info_path, "rb") as f:
-            data = f.read(_MAX_INFO_BYTES + 1)
+        with open_regular(info_path) as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise CatalogError(f"image wheel {dist}: {info_path} is not a regular file; {fix}")
+            if st.st_size > _MAX_INFO_BYTES:
+                raise CatalogError(f"image wheel {dist}: {info_path} is {st.st_size} bytes, over the limit of "
+                                   f"{_MAX_INFO_BYTES}; {fix}")
+            data = f.read(st.st_size + 1)
     except OSError as e:
-        raise CatalogError(f"image wheel {dist}: cannot read {info_path}: {e.strerror or e}; "
-                           f"reinstall it (pip install --force-reinstall {project})") from e
+        raise CatalogError(f"image wheel {dist}: cannot read {info_path}: {e.strerror or e}; {fix}") from e
     if len(data) > _MAX_INFO_BYTES:
-        raise CatalogError(f"image wheel {dist}: {info_path} is larger than {_MAX_INFO_BYTES} bytes")
+        raise CatalogError(f"image wheel {dist}: {info_path} grew while it was read; {fix}")
     try:
-        info = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CatalogError(f"image wheel {dist}: {info_path} is not valid JSON ({e})") from e
+        info = parse_json(data, f"image wheel {dist}: {info_path}")
+    except CatalogError as e:
+        raise CatalogError(f"{e}; {fix}") from None
     if not isinstance(info, dict) or info.get("schema") != WHEEL_INFO_SCHEMA:
-        raise CatalogError(f"image wheel {dist}: {info_path} is not an aotriton-rt image-wheel record")
+        raise CatalogError(f"image wheel {dist}: {info_path} is not an aotriton-rt image-wheel record; {fix}")
     return info
 
 

@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import os
 import re
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -219,23 +220,58 @@ def _progress_bar(enabled: bool, total: int, initial: int, label: str) -> Any:
 
 
 class _Partial:
-    """The ``.part`` file being downloaded, with the digest of the bytes it holds so far."""
+    """The ``.part`` file being downloaded, with the digest of the bytes it holds so far.
+
+    A ``.part`` left in the staging folder is resumed only if it is a regular file of ours (not
+    a link, FIFO or folder someone planted there), and it is opened with ``O_NOFOLLOW``, so a
+    download never reads from or appends to any other file.
+    """
 
     def __init__(self, path: Path, size: int) -> None:
         self.path, self.size = path, size
         self.hasher, self.have = hashlib.sha256(), 0
-        if path.exists():
-            if path.stat().st_size > size:
-                path.unlink()
-            else:
-                with open(path, "rb") as f:
-                    while chunk := f.read(CHUNK):
-                        self.hasher.update(chunk)
-                        self.have += len(chunk)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise DownloadError(f"cannot read the partial download {path}: {e.strerror or e}") from None
+        if not _ours(st) or st.st_size > size:
+            remove_path(path)
+            return
+        with _open_part(path, append=False) as f:
+            while chunk := f.read(CHUNK):
+                self.hasher.update(chunk)
+                self.have += len(chunk)
 
     def restart(self) -> None:
-        self.path.unlink(missing_ok=True)
+        remove_path(self.path)
         self.hasher, self.have = hashlib.sha256(), 0
+
+    def append(self) -> Any:
+        return _open_part(self.path, append=True)
+
+
+def _ours(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and (not hasattr(os, "geteuid") or st.st_uid == os.geteuid())
+
+
+def _open_part(path: Path, *, append: bool) -> Any:
+    """Open a ``.part`` file without following a link or blocking on a FIFO; DownloadError
+    unless it is a regular file of ours."""
+    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT if append else os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        raise DownloadError(f"cannot open the partial download {path}: {e.strerror or e}; something else "
+                            "is at that path of the staging folder (remove it), or the folder is not "
+                            "writable") from None
+    if not _ours(os.fstat(fd)):
+        os.close(fd)
+        raise DownloadError(f"the partial download {path} was replaced by something other than a regular file "
+                            "of yours while it was being written; nothing was installed")
+    return os.fdopen(fd, "ab" if append else "rb")
 
 
 def _range_start(value: str | None) -> int | None:
@@ -260,7 +296,7 @@ def _fetch_rest(session: Any, url: str, st: _Partial, net: _Net, bar: Any) -> No
         if r.status_code == 200 and st.have:  # the server ignores Range: take it from the top
             st.restart()
             bar.reset()
-        with open(st.path, "ab") as f:
+        with st.append() as f:
             for chunk in _body(r, url, net):
                 if st.have + len(chunk) > st.size:
                     over = True
@@ -288,7 +324,7 @@ def _fetch_file(session: Any, url: str, part: Path, size: int, sha256: str, net:
         bar.close()
     got = st.hasher.hexdigest()
     if got != sha256:
-        part.unlink(missing_ok=True)
+        remove_path(part)
         raise DownloadError(f"{url}: the download has sha256 {got[:16]}..., the index says "
                             f"{sha256[:16]}...; it is corrupt or was replaced on the server. "
                             "Nothing was installed; run the command again")

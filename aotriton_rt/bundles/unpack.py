@@ -96,13 +96,18 @@ def _check_catalog(data: bytes, source: str, listed: dict[str, dict], manifest: 
                               f"{', '.join(sorted(manifest['targets']))} but the catalog holds "
                               f"{', '.join(sorted(f'{b} {a}' for b, a in have)) or 'no variants'}; refused")
     for v in catalog.variants:
-        entry = listed.get(v.image.path)
-        if entry is None:
-            raise BundleError(f"{source}: variant {v.kernel} {v.key[:16]} needs {v.image.path}, "
-                              "which the bundle does not hold")
-        if entry["sha256"] != v.image.sha256 or entry["size"] != v.image.size:
-            raise BundleError(f"{source}: the catalog and {MANIFEST_FILE} disagree on the digest "
-                              f"of {v.image.path}")
+        # The PTX too (kept for jax.jit): every file the catalog vouches for is one the
+        # manifest lists with the same digest and size, so it is checked as it is unpacked.
+        for image in (v.image, v.ptx):
+            if image is None:
+                continue
+            entry = listed.get(image.path)
+            if entry is None:
+                raise BundleError(f"{source}: variant {v.kernel} {v.key[:16]} needs {image.path}, "
+                                  "which the bundle does not hold")
+            if entry["sha256"] != image.sha256 or entry["size"] != image.size:
+                raise BundleError(f"{source}: the catalog and {MANIFEST_FILE} disagree on the digest "
+                                  f"of {image.path}")
     return catalog
 
 

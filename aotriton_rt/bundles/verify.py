@@ -82,11 +82,11 @@ def _verify_folder(folder: Path) -> VerifyReport:
     except CatalogError as e:
         problems.append(str(e))
     else:
-        for v in catalog.variants:
-            want = (v.image.size, v.image.sha256)
-            if bundle and expected and expected.get(v.image.path) != want:
-                problems.append(f"{v.image.path}: {MANIFEST_FILE} and {CATALOG_FILE} disagree")
-            expected.setdefault(v.image.path, want)
+        for image in (i for v in catalog.variants for i in (v.image, v.ptx) if i is not None):
+            want = (image.size, image.sha256)
+            if bundle and expected and expected.get(image.path) != want:
+                problems.append(f"{image.path}: {MANIFEST_FILE} and {CATALOG_FILE} disagree")
+            expected.setdefault(image.path, want)
     for rel, (size, sha256) in sorted(expected.items()):
         try:
             check_file(folder.joinpath(*rel.split("/")), size, sha256, keep=False)

@@ -68,6 +68,7 @@ MAX_WARPS = 64                  # num_warps * warp_size <= 1024 threads per bloc
 MAX_THREADS = 1024
 MAX_CTAS = 16
 MAX_IMAGE_BYTES = 1 << 30       # one image, compressed or raw
+MAX_PTX = 64 << 20              # one PTX text, compressed or raw; real ones are under 1 MB
 MAX_SCRATCH = 1 << 32           # global scratch bytes per program
 MAX_RULES_CHARS = 1000
 MAX_CHECKS = 64
@@ -174,8 +175,10 @@ class Image:
         comp = r.str("compression")
         if comp not in ("xz", "none"):
             raise r._fail("compression", "xz or none", comp)
-        return cls(path, fmt, comp, _sha256(r, "sha256"), r.int("size", 1, maximum=MAX_IMAGE_BYTES),
-                   _sha256(r, "raw_sha256"), r.int("raw_size", 1, maximum=MAX_IMAGE_BYTES))
+        # jax.jit reads the PTX whole and hands it to jaxlib as one string: a tighter bound.
+        limit = MAX_PTX if fmt == "ptx" else MAX_IMAGE_BYTES
+        return cls(path, fmt, comp, _sha256(r, "sha256"), r.int("size", 1, maximum=limit),
+                   _sha256(r, "raw_sha256"), r.int("raw_size", 1, maximum=limit))
 
     def to_json(self) -> dict:
         return {"path": self.path, "format": self.format, "compression": self.compression,
@@ -388,10 +391,13 @@ def _check_rules(v: Variant, path: str, source: str) -> None:
 
     names = tuple(a.name for a in v.args)
     params = v.params
-    for field_name, rules in (("grid", v.grid), ("checks", v.checks)):
+    # A grid rule may name integer scalars only (checks may compare anything).
+    types = {a.name: a.type for a in v.args}
+    for field_name, rules, kw in (("grid", v.grid, {"types": types, "what": f"grid rule of {v.kernel}"}),
+                                  ("checks", v.checks, {})):
         for i, text in enumerate(rules):
             try:
-                check_rule(text, names, params)
+                check_rule(text, names, params, **kw)
             except CatalogError as e:
                 raise CatalogError(f"{source}: {path}.{field_name}[{i}]: {e}") from None
 

@@ -46,11 +46,13 @@ from .protocols import (
     _dlpack_describe,
     _dlpack_pointer,
     _make_dlpack_handlers,
+    cai_launch_stream,
     set_pointer_device_resolver,
 )
 
 __all__ = [
     "ArrayInfo",
+    "cai_launch_stream",
     "current_stream",
     "describe",
     "pointer",

@@ -67,13 +67,46 @@ def _byte_strides(strides: Any, itemsize: int, what: str) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------
 # __cuda_array_interface__
 
+#: The largest raw stream handle: a pointer-sized unsigned integer.
+_MAX_STREAM = 2**64 - 1
+#: ``__cuda_array_interface__`` v3 ``stream`` 1 and 2 (the legacy and the per-thread default
+#: stream) as each driver spells them. CUDA's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD are
+#: those very handles. HIP has no legacy handle of that meaning: its null stream (0) is the
+#: blocking default stream, and it defines hipStreamPerThread as (hipStream_t)2.
+_CAI_DEFAULT_STREAMS = {"cuda": (None, 1, 2), "hip": (None, 0, 2)}
+
+
 def _cai_stream(cai: dict, obj: object) -> int | None:
+    """The producer's ``stream`` of a CAI dict, checked as the v3 protocol defines it: None
+    (nothing to wait for), 1 (legacy default stream), 2 (per-thread default stream) or a
+    handle; 0 (ambiguous), negatives, values of 2**64 and more and non-integers are refused."""
     stream = cai.get("stream")
-    if stream == 0:
+    if stream is None or (type(stream) is int and 0 < stream <= _MAX_STREAM):
+        return stream
+    if stream == 0 and not isinstance(stream, (bool, float)):
         raise ArgumentError(
             f"{_type_name(obj)}.__cuda_array_interface__ has stream 0, which the protocol "
             f"forbids as ambiguous; the producer must give None, 1 (legacy default stream), "
             f"2 (per-thread default stream) or a stream handle")
+    if not isinstance(stream, bool) and hasattr(type(stream), "__index__"):  # e.g. NumPy integers
+        value = operator.index(stream)
+        if 0 < value <= _MAX_STREAM:
+            return value
+        shown = str(value)
+    else:
+        shown = f"{stream!r}"[:80] + f" ({_type_name(stream)})"
+    raise ArgumentError(f"{_type_name(obj)}.__cuda_array_interface__ has stream {shown}, which is not a "
+                        "stream handle: it must be None, 1, 2 or a handle in (2, 2**64) (CUDA Array "
+                        "Interface v3); fix the producer or pass stream= explicitly")
+
+
+def cai_launch_stream(obj: object, backend: str) -> int:
+    """The raw stream handle to launch on after ``obj``'s producer stream on ``backend``
+    (``__cuda_array_interface__`` v3), or ArgumentError naming ``obj``'s type; None is the
+    default stream (0)."""
+    stream = _cai_stream(_cai_dict(obj), obj)
+    if stream is None or stream <= 2:
+        return _CAI_DEFAULT_STREAMS[backend][stream or 0] or 0
     return stream
 
 

@@ -23,23 +23,22 @@ bindings serialize. Facts this module relies on (jaxlib 0.10.2 and 0.11.2 source
 
 from __future__ import annotations
 
-import hashlib
-import lzma
+import atexit
 import os
+import stat
 import tempfile
 import threading
 import zlib
 from pathlib import Path
 from typing import Any
 
-from ..catalog import Image, Variant
-from ..errors import ImageError, UnsupportedError
+from ..catalog import MAX_PTX, Image, Variant, check_image
+from ..errors import ImageError, ImageMismatch, UnsupportedError
 
 #: The custom call target jaxlib registers for CUDA and ROCm.
 TARGET = "triton_kernel_call_ffi"
 #: Threads per "warp" in jaxlib's launch: block size = num_warps * this.
 JAXLIB_WARP = {"cuda": 32, "hip": 64}
-_MAX_PTX = 256 << 20  # bounds the decompressed PTX of one variant
 _SCALAR_AS = {"i1": "i32", "i8": "i32", "i16": "i32", "u8": "u32", "u16": "u32", "i32": "i32", "u32": "u32",
               "i64": "i64", "u64": "u64", "fp32": "fp32", "fp64": "fp64"}
 
@@ -88,42 +87,90 @@ def ptx_text(folder: Path, variant: Variant) -> str:
 
 
 def _read_checked(folder: Path, image: Image, variant: Variant) -> bytes:
-    path = folder / image.path
-    if image.size > _MAX_PTX or image.raw_size > _MAX_PTX:
-        raise ImageError(f"{path}: the catalog gives {max(image.size, image.raw_size)} bytes, over the "
-                         f"{_MAX_PTX} bytes allowed for one PTX")
+    # The one image check (catalog.check_image): a regular file only (a FIFO fails at once
+    # instead of blocking jax.jit), of the catalog's size before a byte is read, sha256, then
+    # xz decompressed no further than raw_size. The catalog bounds both sizes by MAX_PTX.
+    if image.size > MAX_PTX or image.raw_size > MAX_PTX:
+        raise ImageError(f"{folder / image.path}: the catalog gives {max(image.size, image.raw_size)} bytes, "
+                         f"over the {MAX_PTX} bytes allowed for one PTX")
     try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ImageError(f"cannot read the PTX of {variant.kernel} {variant.key[:16]} at {path}: "
-                         f"{e.strerror or e}; rebuild or re-download the images") from None
-    if len(data) != image.size or hashlib.sha256(data).hexdigest() != image.sha256:
-        raise ImageError(f"{path}: does not match its size/sha256 in the catalog; it was not used. Rebuild it")
-    if image.compression == "xz":
-        d = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+        return check_image(folder, image)
+    except ImageMismatch as e:
+        raise ImageError(f"the PTX of {variant.kernel} {variant.key[:16]}: {e}") from None
+
+
+#: Where ``hsaco_file`` writes when ``AOTRITON_RT_JAX_HSACO_DIR`` is not set: (pid, folder).
+_private_dir: tuple[int, Path] | None = None
+ENV_HSACO_DIR = "AOTRITON_RT_JAX_HSACO_DIR"
+
+
+def _hsaco_folder() -> Path:
+    """A folder only this user can write to, so that nobody can swap the HSACO between our
+    write and jaxlib's read: ``$AOTRITON_RT_JAX_HSACO_DIR`` if it is one, else a fresh
+    ``mkdtemp`` folder (0700) per process. Never a fixed name in the shared temporary
+    directory, which another user could create first (as a link, or open to all)."""
+    global _private_dir
+    given = os.environ.get(ENV_HSACO_DIR)
+    if given:
+        folder = Path(given)
         try:
-            raw = d.decompress(data, max_length=image.raw_size + 1)
-        except lzma.LZMAError as e:
-            raise ImageError(f"{path}: not valid xz ({e})") from None
-    else:
-        raw = data
-    if len(raw) != image.raw_size or hashlib.sha256(raw).hexdigest() != image.raw_sha256:
-        raise ImageError(f"{path}: decompressed PTX does not match raw_size/raw_sha256 in the catalog")
-    return raw
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise ImageError(f"{ENV_HSACO_DIR}={given}: cannot create it ({e.strerror or e}); name a folder "
+                             "of yours, or unset it") from None
+        _check_private(folder, f"{ENV_HSACO_DIR}={given}")
+        return folder
+    with _lock:
+        if _private_dir is None or _private_dir[0] != os.getpid():  # a fork gets its own
+            folder = Path(tempfile.mkdtemp(prefix="aotriton-rt-jax-"))
+            atexit.register(_remove_if_empty, folder)
+            _private_dir = (os.getpid(), folder)
+        return _private_dir[1]
+
+
+def _check_private(folder: Path, what: str) -> None:
+    try:
+        st = os.lstat(folder)
+    except OSError as e:
+        raise ImageError(f"{what}: {e.strerror or e}; name a folder of yours, or unset it") from None
+    owner = st.st_uid == os.geteuid() if hasattr(os, "geteuid") else True
+    if not stat.S_ISDIR(st.st_mode) or not owner or st.st_mode & 0o022:
+        raise ImageError(f"{what} is not a private folder (a real folder, not a link, owned by you and "
+                         "writable by no one else); the HSACO jaxlib loads is never written where another "
+                         "user could replace it. Name such a folder (chmod 700), or unset the variable")
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()  # jaxlib deletes each file it reads; what it never launched stays
+    except OSError:
+        pass
 
 
 def hsaco_file(raw: bytes, variant: Variant) -> str:
     """A fresh file holding ``raw`` for jaxlib's ROCm call, which deletes it after reading it.
 
-    Written under ``AOTRITON_RT_JAX_HSACO_DIR`` (default: a per-user folder in the system
-    temporary directory), one file per lowering.
+    Written with an exclusive create in a private folder (see :func:`_hsaco_folder`), then
+    read back and compared with ``raw`` (already checked against the catalog's digest), so
+    the path handed to jaxlib names exactly the code object the catalog vouches for.
     """
-    folder = Path(os.environ.get("AOTRITON_RT_JAX_HSACO_DIR")
-                  or Path(tempfile.gettempdir()) / f"aotriton-rt-jax-{os.getuid() if hasattr(os, 'getuid') else 0}")
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, name = tempfile.mkstemp(prefix=f"{variant.kernel}-{variant.key[:16]}-", suffix=".hsaco", dir=folder)
-    with os.fdopen(fd, "wb") as f:
-        f.write(raw)
+    folder = _hsaco_folder()
+    try:
+        # mkstemp: O_CREAT | O_EXCL (never through an existing file or link), mode 0600.
+        fd, name = tempfile.mkstemp(prefix=f"{variant.kernel}-{variant.key[:16]}-", suffix=".hsaco", dir=folder)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+        with os.fdopen(os.open(name, flags), "rb") as f:
+            st = os.fstat(f.fileno())
+            back = f.read(len(raw) + 1) if stat.S_ISREG(st.st_mode) else b""
+    except OSError as e:
+        raise ImageError(f"cannot write the HSACO of {variant.kernel} {variant.key[:16]} for jaxlib in {folder}: "
+                         f"{e.strerror or e}; set {ENV_HSACO_DIR} to a private folder with space") from None
+    if back != raw:
+        raise ImageError(f"{name} changed after it was written; it was not handed to jaxlib")
     return name
 
 

@@ -76,10 +76,11 @@ def make_variant(kernel: str, backend: str, arch: str, warp: int, xz: bytes, raw
 
 
 def make_image_folder(root: Path, *, targets=TARGETS, kernels=("add", "softmax"), seed: int = 0,
-                      raw_size: int = 6000) -> Path:
+                      raw_size: int = 6000, ptx: bool = False) -> Path:
     """Write an image folder: random 'binaries' xz-compressed, with a catalog of their digests.
 
-    ``seed`` changes every image, which makes a second, different release of the same bundles.
+    ``seed`` changes every image, which makes a second, different release of the same bundles;
+    ``ptx`` gives each CUDA variant a PTX text beside its image, as the builder keeps for JAX.
     """
     rng = random.Random(seed)
     variants = []
@@ -92,6 +93,14 @@ def make_image_folder(root: Path, *, targets=TARGETS, kernels=("add", "softmax")
             path = root.joinpath(*v["image"]["path"].split("/"))
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(xz)
+            if ptx and backend == "cuda":
+                text = f"// {kernel} {arch} {seed}\n.version 8.0\n.target sm_90\n".encode() * 40
+                packed = lzma.compress(text, format=lzma.FORMAT_XZ)
+                v["ptx"] = {"path": v["image"]["path"].replace(".cubin.xz", ".ptx.xz"), "format": "ptx",
+                            "compression": "xz", "sha256": hashlib.sha256(packed).hexdigest(),
+                            "size": len(packed), "raw_sha256": hashlib.sha256(text).hexdigest(),
+                            "raw_size": len(text)}
+                root.joinpath(*v["ptx"]["path"].split("/")).write_bytes(packed)
             variants.append(v)
     catalog = {"schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0",
                "tuning": {}, "variants": variants}

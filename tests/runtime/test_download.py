@@ -9,6 +9,7 @@ import functools
 import hashlib
 import io
 import json
+import lzma
 import multiprocessing
 import os
 import shutil
@@ -898,3 +899,70 @@ def test_verify_reports_an_unreadable_image_instead_of_crashing(previous):
     report = verify_folder(dest / NAME)
     assert not report.ok
     assert any("not a regular file" in p for p in report.problems), report.problems
+
+
+# --------------------------------------------------------------------------- review of issue 25
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="symlinks and FIFOs")
+@pytest.mark.parametrize("plant", ["symlink", "fifo", "folder"])
+def test_planted_partial_download_is_replaced_never_followed(plant, releases, tmp_path):
+    from tests.runtime.test_security import guarded, unblock
+
+    dest = tmp_path / "images"
+    staging = dest / f".{NAME}.staging"
+    staging.mkdir(parents=True)
+    index = json.loads((releases["v1"] / "index.json").read_text())
+    sha = next(b["sha256"] for b in index["bundles"] if b["name"] == NAME)
+    part = staging / f"{sha[:16]}.part"
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    if plant == "symlink":
+        part.symlink_to(victim)
+    elif plant == "fifo":
+        os.mkfifo(part)
+    else:
+        part.mkdir()
+        (part / "x").write_text("x")
+    with FaultServer(releases["v1"]) as server:
+        try:
+            done, box = guarded(lambda: fetch(server, "ok", dest), 60)
+        finally:
+            unblock(part)
+    assert done, "the installer blocked on the planted .part"
+    assert victim.read_text() == "keep me"
+    assert "error" not in box, box["error"]
+    assert box["value"][0].action == "installed" and verify_folder(dest / NAME).ok
+    assert leftovers(dest) == []
+
+
+@pytest.fixture(scope="module")
+def ptx_bundle(tmp_path_factory) -> Path:
+    """A bundle whose CUDA variants carry PTX beside their images, as the builder packs them."""
+    base = tmp_path_factory.mktemp("ptx")
+    pack(make_image_folder(base / "images", targets=(("cuda", "sm90", 32),), ptx=True), base / "rel")
+    return base / "rel" / "cuda-sm90.tar"
+
+
+def test_bundle_installs_its_ptx_and_verify_checks_it(ptx_bundle, tmp_path):
+    done = install_file(ptx_bundle, dest=tmp_path / "images")
+    assert verify_folder(done.path).ok
+    ptx = next(done.path.rglob("*.ptx.xz"))
+    ptx.write_bytes(b"\0" * ptx.stat().st_size)
+    assert not verify_folder(done.path).ok
+
+
+def test_bundle_whose_ptx_disagrees_with_its_catalog_is_refused(ptx_bundle, tmp_path):
+    dest = tmp_path / "images"
+    name = next(m.name for m, _ in read_members(ptx_bundle) if m.name.endswith(".ptx.xz"))
+    # Listed and shipped consistently, but not the PTX the catalog vouches for.
+    other = forge(ptx_bundle, tmp_path / "other.tar",
+                  replace={name: lzma.compress(b"// another PTX\n", format=lzma.FORMAT_XZ)})
+    with pytest.raises(BundleError, match=rf"the catalog and bundle\.json disagree on the digest of {name}"):
+        install_file(other, dest=dest)
+    # Absent from the bundle and its manifest, though the catalog names it.
+    dropped = forge(ptx_bundle, tmp_path / "dropped.tar", drop=(name,),
+                    edit=lambda m: m.update(files=[f for f in m["files"] if f["path"] != name]))
+    with pytest.raises(BundleError, match=rf"variant add [0-9a-f]{{16}} needs {name}, which the bundle does not hold"):
+        install_file(dropped, dest=dest)
+    assert not (dest / "cuda-sm90").exists()

@@ -24,9 +24,15 @@ from hypothesis import strategies as st  # noqa: E402
 
 from aotriton_rt.arguments import Packer, compile_expr  # noqa: E402
 from aotriton_rt.bundles.format import parse_manifest  # noqa: E402
-from aotriton_rt.catalog import Catalog, parse_json  # noqa: E402
+from aotriton_rt.catalog import SCALAR_TYPES, Catalog, parse_json  # noqa: E402
 from aotriton_rt.download import check_member_name, install_file, parse_index  # noqa: E402
-from aotriton_rt.errors import AotritonError, BundleError, CatalogError, LaunchError  # noqa: E402
+from aotriton_rt.errors import (  # noqa: E402
+    AotritonError,
+    ArgumentError,
+    BundleError,
+    CatalogError,
+    LaunchError,
+)
 from tests.runtime.test_catalog import _catalog, _variant  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -246,6 +252,84 @@ def test_hostile_tar_members_never_escape_and_raise_a_typed_error(tmp_path, memb
     assert not Path("/tmp/aotriton-fuzz").exists()
 
 
+# --------------------------------------------------------------------------- grid rules over any argument type
+
+_GRID_RULES = ["n", "cdiv(n, BLOCK)", "n * 2 + 1", "min(n, 3) + max(n, BLOCK)", "n > 0", "n % 7", "(n + 1) // 2"]
+
+
+@settings(FUZZ, max_examples=80)
+@given(st.sampled_from(sorted(SCALAR_TYPES) + ["*fp32", "*i8", "*fp16"]), st.sampled_from(_GRID_RULES),
+       st.sampled_from(["grid", "checks"]), st.integers(0, 2**40) | st.integers(-2**63, 2**64))
+def test_grid_rules_over_any_argument_type_load_or_raise_a_catalog_error(typ, rule, where, value):
+    v = _variant()
+    size = 8 if typ.startswith("*") else SCALAR_TYPES[typ][0]
+    v["args"][3].update(type=typ, size=size, align=size)
+    if where == "grid":
+        v["grid"] = [rule, "1", "1"]
+    else:
+        v["grid"], v["checks"] = ["1", "1", "1"], [rule]
+    integer = typ in ("i1", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64")
+    try:
+        (variant,) = Catalog.from_json(_catalog(v), source="fuzz.json").variants
+    except CatalogError as e:
+        assert where == "grid" and not integer, e  # only a grid rule over a float or pointer
+        return
+    assert where == "checks" or integer
+    try:
+        grid = Packer(variant).grid_for([0x7F0000000000] * 3 + [value])
+    except LaunchError:
+        return
+    assert all(type(g) is int and g >= 0 for g in grid), grid
+
+
+# --------------------------------------------------------------------------- CAI v3 streams
+
+
+class _CAI:
+    def __init__(self, stream) -> None:
+        self.cai = {"data": (0x7F0000000000, False), "shape": (4,), "typestr": "<f4", "version": 3,
+                    "stream": stream}
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return self.cai
+
+
+@FUZZ
+@given(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.sampled_from([0, 1, 2, 3, 2**64 - 1, 2**64])
+       | st.floats() | st.text(max_size=4) | st.tuples(st.integers()) | st.just(object()),
+       st.sampled_from(["cuda", "hip"]))
+def test_cai_stream_of_any_value_is_an_argument_error_or_a_valid_launch_stream(stream, backend):
+    from aotriton_rt import launch
+
+    obj = _CAI(stream)
+    try:
+        got = launch._stream_getter(obj)(obj, 0, backend)
+    except ArgumentError:
+        assert not (type(stream) is int and 0 < stream < 2**64)
+        return
+    assert type(got) is int and 0 <= got < 2**64
+    assert stream is None or (type(stream) is int and 0 < stream < 2**64)
+    assert got == {None: 0, 1: 0 if backend == "hip" else 1, 2: 2}.get(stream, stream)
+
+
+# --------------------------------------------------------------------------- image-wheel records
+
+
+@FUZZ
+@given(st.binary(max_size=300) | json_values.map(lambda v: json.dumps(v).encode())
+       | json_values.map(lambda v: json.dumps({"schema": "aotriton-rt.image-wheel", "catalog_schema": v,
+                                               "catalog_schema_version": v}).encode()))
+def test_image_wheel_record_of_any_bytes_is_accepted_or_a_catalog_error(tmp_path, raw):
+    from aotriton_rt import sources
+
+    (tmp_path / "image-wheel.json").write_bytes(raw)
+    try:
+        sources.check_compatible(sources._read_info(tmp_path, "w 0.1", "w"), "w 0.1")
+    except CatalogError as e:
+        assert str(e).startswith("image wheel w 0.1")
+
+
 # --------------------------------------------------------------------------- launches through the fake driver
 
 
@@ -265,11 +349,20 @@ scalar = (st.integers(1, 100_000) | st.integers(-2**65, 2**65) | st.sampled_from
 grids = (st.none() | st.lists(st.integers(1, 64), min_size=1, max_size=3).map(tuple) | st.integers(-2, 2**33)
          | st.lists(st.integers(-2, 2**33), min_size=0, max_size=4).map(tuple) | anything)
 
+class CAI:
+    def __init__(self, stream):
+        self.cai = {"data": (P, False), "shape": (4,), "typestr": "<f4", "version": 3, "stream": stream}
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.cai
+
+cai = st.builds(CAI, st.none() | st.sampled_from([0, 1, 2, -1, 2**64, 2**70, 0xBEEF]) | anything)
 outcomes = {"ok": 0, "refused": 0}
 
 @settings(max_examples=400, deadline=None, derandomize=True, database=None)
-@given(st.sampled_from([P, P + 4, None]) | anything, scalar, st.none() | st.integers(0, 2**64 - 1) | anything, grids,
-       st.just([]) | st.lists(anything, max_size=2))
+@given(st.sampled_from([P, P + 4, None]) | cai | anything, scalar,
+       st.none() | st.integers(0, 2**64 - 1) | anything, grids, st.just([]) | st.lists(anything, max_size=2))
 def fuzz(x, n, stream, grid, extra):
     call = add if grid is None else add[grid]
     try:
