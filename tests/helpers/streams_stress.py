@@ -107,7 +107,11 @@ def decode_cases(torch: Any, aotriton_rt: Any, lib: Any) -> list[Case]:
         return aotriton_rt.decode_attention(q, kp, vp, cache_seqlens=lens, block_table=table, causal=True,
                                             library=lib)
 
-    return [Case("decode contiguous bf16", contiguous), Case("decode paged bf16", paged)]
+    def constant_lengths() -> tuple:  # an int: one lengths array for the process, shared by every stream
+        return aotriton_rt.decode_attention(q, kc, vc, cache_seqlens=3000, library=lib)
+
+    return [Case("decode contiguous bf16", contiguous), Case("decode paged bf16", paged),
+            Case("decode int lengths bf16", constant_lengths)]
 
 
 def _outputs(result: Any) -> tuple:

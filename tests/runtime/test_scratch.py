@@ -290,3 +290,45 @@ def test_the_cuda_bindings_query_captures_record_events_and_tie_scratch_to_a_gra
     # 41 eager streams, 32 kept: the rest waited on the device, the outgrown beyond 8 were freed.
     assert sum(1 for c in calls if c["call"] == "cuStreamWaitEvent") >= 40 - MAX_STREAMS
     assert [c for c in calls if c["call"] == "cuEventRecord" and c["stream"] == 0x60] == []
+
+
+# ---------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+def test_a_captured_graphs_scratch_is_its_own_and_returns_to_the_pool_when_the_graph_dies() -> None:
+    import gc
+    import os
+    import time
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU visible to torch")
+    folder = os.environ.get("AOTRITON_RT_TEST_IMAGES")
+    if not folder:
+        pytest.skip("set AOTRITON_RT_TEST_IMAGES to images built with --set gputest --targets sm90")
+    import aotriton_rt
+
+    lib = aotriton_rt.Library(folder)
+    q, k, v = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    want, _ = aotriton_rt.attention(q, k, v, causal=True, library=lib)
+    torch.cuda.synchronize()
+    assert lib.scratch.stats()["streams"] == 1, "the sm90 forward at D=128 should use global scratch"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        got, _ = aotriton_rt.attention(q, k, v, causal=True, library=lib)
+    assert lib.scratch.stats()["graphs"] == 1
+    for _ in range(3):
+        graph.replay()
+        aotriton_rt.attention(q, k, v, causal=True, library=lib)  # eager, beside the replay
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    del graph
+    gc.collect()
+    torch.cuda.synchronize()
+    deadline = time.monotonic() + 10
+    while lib.scratch.stats()["graphs"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = lib.scratch.stats()
+    assert stats["graphs"] == 0 and stats["parked"] == 1, stats

@@ -293,7 +293,8 @@ class _Launch:
         """The lengths array of a "full"/"int" fast call: one per (device, batch, length) for the
         life of the process (:data:`_CONSTANT_LENS`), since a CUDA graph that captured a call keeps
         reading its address after the plan that made it is gone (the plan cache is cleared when
-        full; a change of tuning rules or PDL policy remakes plans). One made during a capture (its
+        full; a change of tuning rules or PDL policy remakes plans), shared by calls on every stream
+        (read only; published once its fill has finished). One made during a capture (its
         fill a node of the graph, its memory the graph's pool) or past the table's bound serves
         this call only."""
         value = self.p.capacity if self.lens_mode == "full" else cache_seqlens
@@ -304,6 +305,9 @@ class _Launch:
             if q.is_cuda and self.torch.cuda.is_current_stream_capturing():
                 return lens
             if len(_CONSTANT_LENS) < _MAX_CONSTANT_LENS:
+                # Published for calls on every stream: its fill, queued on this one, must be done
+                # before another stream can read it (once per key and process).
+                self.torch.cuda.current_stream(q.device).synchronize()
                 lens = _CONSTANT_LENS.setdefault(key, lens)
             else:
                 return lens
