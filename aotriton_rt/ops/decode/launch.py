@@ -307,7 +307,8 @@ class _Launch:
             if len(_CONSTANT_LENS) < _MAX_CONSTANT_LENS:
                 # Published for calls on every stream: its fill, queued on this one, must be done
                 # before another stream can read it (once per key and process).
-                self.torch.cuda.current_stream(q.device).synchronize()
+                if q.is_cuda:
+                    self.torch.cuda.current_stream(q.device).synchronize()
                 lens = _CONSTANT_LENS.setdefault(key, lens)
             else:
                 return lens
