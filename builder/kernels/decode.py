@@ -33,13 +33,13 @@ multiple of BLOCK_N rows holds whole blocks (one table entry per block) and any 
 multiple of 16 rows whole 16-row chunks (one entry per chunk). Cache contents and block-table
 entries are the caller's contract, and no value of them makes a kernel read or write outside its
 arrays: lengths are clamped to ``[0, capacity]`` (so table columns stay below the table's width),
-page indices to ``[0, num_pages)``, and the append kernel drops rows whose position or page is out
-of range instead of writing them. A kernel that meets such a value ORs its bit into the int32 at
-``Faults`` (``FAULT_LENGTH``: ``cache_seqlens[b] < 0`` or ``cache_seqlens[b] + seqlen_new >
-capacity``; ``FAULT_PAGE``: a referenced table entry outside ``[0, num_pages)``), and
-``attn_decode`` writes NaN to that sequence's output and logsumexp (the combine kernel carries the
-NaN through), so a bad answer is never a plausible one. On the in-range path this is a compare
-and an OR per table entry and a store predicated off: no branch.
+page indices to ``[0, num_pages)``, and the append kernel drops rows whose
+position or page is out of range instead of writing them. A kernel that meets such a value ORs
+its bit into the int32 at ``Faults`` (``FAULT_LENGTH``: ``cache_seqlens[b] < 0`` or
+``cache_seqlens[b] + seqlen_new > capacity``; ``FAULT_PAGE``: a referenced table entry outside
+``[0, num_pages)``), and ``attn_decode`` writes NaN to that sequence's output and logsumexp (the
+combine kernel carries the NaN through), so a bad answer is never a plausible one. On the
+in-range path this is an add and an OR per table entry and a store predicated off: no branch.
 """
 
 from __future__ import annotations
@@ -89,29 +89,33 @@ def _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn
 
 @triton.jit
 def _page_row(bt_row, first, ok, page_size, num_pages):
-    """(page, row in the page, fault), int64 scalars and FAULT_PAGE or 0, of a sequence's cache row
-    ``first`` (>= 0): one block-table entry, clamped into the cache (entries are the caller's
-    contract). One unsigned division; the row is what it leaves (a signed ``//`` and ``%`` were
-    two division sequences)."""
+    """(page, row in the page, sign), int64 scalars and _page_of's int32 sign word, of a sequence's
+    cache row ``first`` (>= 0): one block-table entry, clamped into the cache (entries are the
+    caller's contract). One unsigned division; the row is what it leaves (a signed ``//`` and
+    ``%`` were two division sequences)."""
     entry = (tl.cast(first, tl.uint32) // tl.cast(page_size, tl.uint32)).to(tl.int32)
-    page, fault = _page_of(bt_row, entry, ok, num_pages)
-    return page, (first - entry * page_size).to(tl.int64), fault
+    page, sign = _page_of(bt_row, entry, ok, num_pages)
+    return page, (first - entry * page_size).to(tl.int64), sign
 
 
 @triton.jit
 def _page_of(bt_row, entry, ok, num_pages):
-    """Block-table entry ``entry`` of a sequence (int64), clamped into the cache, and FAULT_PAGE
-    when the clamp changed it (a masked-off entry loads 0, a page of every cache: no fault)."""
+    """Block-table entry ``entry`` of a sequence (int64), clamped into the cache, and a sign word:
+    negative exactly when the entry is outside ``[0, num_pages)`` (``(num_pages - 1 - page) |
+    page``; a masked-off entry loads 0, a page of every cache). The key loop ORs the words and
+    tests the sign once after it: an add and an OR per entry, no predicate kept across chunks
+    (a per-entry compare carried as a predicate cost 25 instructions per block in the chunked
+    sm90 loop, mostly predicate spills)."""
     page = tl.load(bt_row + entry, mask=ok, other=0)
-    clamped = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-    return clamped.to(tl.int64), tl.where(clamped == page, 0, FAULT_PAGE)
+    sign = (num_pages - 1 - page) | page
+    return tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64), sign
 
 
 @triton.jit
 def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_kz, stride_kn, stride_vz,
                    stride_vn, MODE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Element offsets (int64, BLOCK_N) of the K and V rows of the key block at ``start_n``, and
-    FAULT_PAGE when a table entry it read was out of range (else 0).
+    the OR of its table entries' sign words (negative when one was out of range; see _page_of).
 
     MODE 0: a contiguous cache. MODE 1: pages a multiple of BLOCK_N rows: the block lies in one
     page, one block-table entry per block and a contiguous run of rows (the contiguous cache's
@@ -125,9 +129,9 @@ def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_
         rows = (start_n + offs_n).to(tl.int64)
         return rows * stride_kn, rows * stride_vn, 0
     if MODE == 1:
-        page, row, fault = _page_row(bt_row, start_n, start_n < len_k, page_size, num_pages)
+        page, row, sign = _page_row(bt_row, start_n, start_n < len_k, page_size, num_pages)
         return (page * stride_kz + row * stride_kn + offs_n * stride_kn,
-                page * stride_vz + row * stride_vn + offs_n * stride_vn, fault)
+                page * stride_vz + row * stride_vn + offs_n * stride_vn, sign)
     CHUNK: tl.constexpr = 16
     chunk = offs_n // CHUNK
     k_off = tl.zeros([BLOCK_N], dtype=tl.int64)
@@ -136,7 +140,7 @@ def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_
     # one page edge (pages are at least 16 rows): an add and a compare, not a division per chunk.
     entry = (tl.cast(start_n, tl.uint32) // tl.cast(page_size, tl.uint32)).to(tl.int32)
     row = start_n - entry * page_size
-    fault = 0
+    sign = 0
     for c in tl.static_range(BLOCK_N // CHUNK):
         if c > 0:
             row += CHUNK
@@ -144,27 +148,27 @@ def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_
             entry = tl.where(edge, entry + 1, entry)
             row = tl.where(edge, row - page_size, row)
         first = start_n + c * CHUNK
-        page, bad = _page_of(bt_row, entry, first < len_k, num_pages)
-        fault |= bad
+        page, sign_c = _page_of(bt_row, entry, first < len_k, num_pages)
+        sign = sign | sign_c
         k_off = tl.where(chunk == c, page * stride_kz + row.to(tl.int64) * stride_kn, k_off)
         v_off = tl.where(chunk == c, page * stride_vz + row.to(tl.int64) * stride_vn, v_off)
     within = offs_n % CHUNK
-    return k_off + within * stride_kn, v_off + within * stride_vn, fault
+    return k_off + within * stride_kn, v_off + within * stride_vn, sign
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, fault, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left, right, qk_scale,
+def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left, right, qk_scale,
             page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d,
             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr):
     """Online softmax of the tile's query rows over key blocks ``start..end`` (see _block_offsets
-    for MODE); returns the updated (acc, l_i, m_i, fault): ``fault`` ORed with FAULT_PAGE when a
-    table entry was out of range."""
+    for MODE); returns the updated (acc, l_i, m_i, page_sign): ``page_sign`` ORed with the table
+    entries' sign words (negative once one was out of range)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < len_k
-        k_off, v_off, bad = _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_kz,
-                                           stride_kn, stride_vz, stride_vn, MODE, BLOCK_N)
-        fault |= bad
+        k_off, v_off, sign = _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_kz,
+                                            stride_kn, stride_vz, stride_vn, MODE, BLOCK_N)
+        page_sign = page_sign | sign
         # K as (dim, keys): loads run along the contiguous head dim.
         k = tl.load(K_head + k_off[None, :] + offs_d[:, None], mask=_and_dim(col_ok[None, :], offs_d, HEAD_DIM, 0),
                     other=0.0)
@@ -182,7 +186,7 @@ def _attend(acc, l_i, m_i, fault, q, K_head, V_head, bt_row, start, end, len_k, 
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
-    return acc, l_i, m_i, fault
+    return acc, l_i, m_i, page_sign
 
 
 @triton.jit
@@ -307,27 +311,31 @@ def attn_decode(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    page_sign = fault * 0  # int32 0, carried through the key loop
     if PAGED:
         # A block inside one page (pages a multiple of BLOCK_N): one table entry per block;
         # smaller or odd pages: one per 16-row chunk. A uniform branch, both loops in the binary.
         if page_size % BLOCK_N == 0:
-            acc, l_i, m_i, fault = _attend(acc, l_i, m_i, fault, q, K_head, V_head, bt_row, start, end, len_k, qi,
-                                           diag, left, right, qk_scale, page_size, num_pages, stride_kz, stride_kn,
-                                           stride_vz, stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 1, PREC)
+            acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k,
+                                              qi, diag, left, right, qk_scale, page_size, num_pages, stride_kz,
+                                              stride_kn, stride_vz, stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 1,
+                                              PREC)
         else:
-            acc, l_i, m_i, fault = _attend(acc, l_i, m_i, fault, q, K_head, V_head, bt_row, start, end, len_k, qi,
-                                           diag, left, right, qk_scale, page_size, num_pages, stride_kz, stride_kn,
-                                           stride_vz, stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 2, PREC)
+            acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k,
+                                              qi, diag, left, right, qk_scale, page_size, num_pages, stride_kz,
+                                              stride_kn, stride_vz, stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 2,
+                                              PREC)
     else:
-        acc, l_i, m_i, fault = _attend(acc, l_i, m_i, fault, q, K_head, V_head, bt_row, start, end, len_k, qi, diag,
-                                       left, right, qk_scale, page_size, num_pages, stride_kz, stride_kn, stride_vz,
-                                       stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 0, PREC)
+        acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k, qi,
+                                          diag, left, right, qk_scale, page_size, num_pages, stride_kz, stride_kn,
+                                          stride_vz, stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 0, PREC)
 
     _successor_may_launch(PDL)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     # A faulting sequence answers NaN (never a plausible number); the flag says why.
+    fault = fault | tl.where(page_sign < 0, FAULT_PAGE, 0)
     acc = tl.where(fault != 0, float("nan"), acc)
     lse = tl.where(fault != 0, float("nan"), lse)
     _record_fault(Faults, fault)
