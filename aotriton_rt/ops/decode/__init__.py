@@ -84,8 +84,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         q: ``(B, Sq, Hq, D)`` (``layout="bshd"``) or ``(B, Hq, Sq, D)``; fp16, bf16 or fp32.
         k_cache, v_cache: ``(B, S_cache, Hkv, D)`` (``cache_layout`` as for q), or paged
             ``(num_pages, page_size, Hkv, D)`` with ``block_table``. Read (and appended to) in place.
-        cache_seqlens: rows already cached per sequence: an int or int32 ``(B,)`` device array;
-            None: the whole cache.
+        cache_seqlens: rows already cached per sequence: an int, a host integer array (CPU tensor,
+            NumPy; checked before launch) or an int32 ``(B,)`` device array; None: the whole cache.
         block_table: int32 ``(B, max_blocks)`` page indices (a paged cache).
         k_new, v_new: rows to write at ``cache_seqlens[b] + i`` before attending, shaped like q
             with Hkv heads.

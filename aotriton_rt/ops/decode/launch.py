@@ -10,8 +10,8 @@ from typing import Any
 from ... import interop
 from ...errors import ArgumentError, KernelNotFound
 from ..attention.arrays import arrays_for
-from .faults import fault_flag
 from . import validate
+from .faults import fault_flag
 from .splits import _SM_COUNTS, num_splits_for, split_rule
 from .validate import (
     APPEND,
