@@ -19,6 +19,7 @@ from .errors import (
     CatalogError,
     DownloadError,
     DriverError,
+    FaultError,
     ImageError,
     ImageFolderNotFound,
     KernelNotFound,
@@ -56,6 +57,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AotritonError", "ArgumentError", "BundleError", "CatalogError", "DownloadError", "DriverError",
-    "ImageError", "ImageFolderNotFound", "KernelNotFound", "LaunchError", "LibraryNotFound",
+    "FaultError", "ImageError", "ImageFolderNotFound", "KernelNotFound", "LaunchError", "LibraryNotFound",
     "NoDevice", "UnsupportedError", *_LAZY,
 ]

@@ -73,6 +73,15 @@ class ArgumentError(LaunchError, TypeError):
     """An argument has the wrong type, range, alignment or device."""
 
 
+class FaultError(LaunchError):
+    """A kernel met indices outside its arrays (it stayed in bounds and flagged them): the call's
+    results for the faulting inputs are NaN. ``bits`` holds the flag's fault bits."""
+
+    def __init__(self, message: str, bits: int = 0) -> None:
+        super().__init__(message)
+        self.bits = bits
+
+
 class UnsupportedError(AotritonError, NotImplementedError):
     """An operator was asked for a combination of features it does not support."""
 

@@ -31,9 +31,15 @@ h*stride_kh + (n % page_size)*stride_kn`` with ``page = BlockTable[b, n // page_
 ``(num_pages, page_size, H_kv, D)``); key blocks start at multiples of BLOCK_N, so a page of a
 multiple of BLOCK_N rows holds whole blocks (one table entry per block) and any page of a
 multiple of 16 rows whole 16-row chunks (one entry per chunk). Cache contents and block-table
-entries are the caller's contract; lengths are clamped to ``capacity`` and page indices to
-``[0, num_pages)`` so that bad values give wrong numbers, never an out-of-bounds access (the
-runtime's debug mode checks them).
+entries are the caller's contract, and no value of them makes a kernel read or write outside its
+arrays: lengths are clamped to ``[0, capacity]`` (so table columns stay below the table's width),
+page indices to ``[0, num_pages)``, and the append kernel drops rows whose
+position or page is out of range instead of writing them. A kernel that meets such a value ORs
+its bit into the int32 at ``Faults`` (``FAULT_LENGTH``: ``cache_seqlens[b] < 0`` or
+``cache_seqlens[b] + seqlen_new > capacity``; ``FAULT_PAGE``: a referenced table entry outside
+``[0, num_pages)``), and ``attn_decode`` writes NaN to that sequence's output and logsumexp (the
+combine kernel carries the NaN through), so a bad answer is never a plausible one. On the
+in-range path this is an add and an OR per table entry and a store predicated off: no branch.
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ from builder.kernels.attention import (
 )
 from builder.registry import ConfigDecl, KernelDecl
 
+# Bits of the fault flag (mirrored by aotriton_rt/ops/decode/faults.py; a test keeps them equal).
+FAULT_LENGTH: tl.constexpr = tl.constexpr(1)
+FAULT_PAGE: tl.constexpr = tl.constexpr(2)
+
 # Head dims the decode kernels are compiled for: the attention buckets (the cache is read in
 # place, so its head dim must be one of them).
 HEAD_DIM_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
@@ -64,37 +74,48 @@ MAX_SEQLEN_Q = 16
 def _kv_offsets(bt_row, cols, col_ok, page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn,
                 PAGED: tl.constexpr):
     """Element offsets (int64) of K and V rows ``cols`` of one sequence and head, one block-table
-    entry per row (the append kernel's few scattered rows)."""
+    entry per row (the append kernel's few scattered rows), and which rows' pages are in the cache
+    (entries are the caller's contract: a bad one is clamped in bounds and its row not written)."""
     if PAGED:
-        page = tl.load(bt_row + cols // page_size, mask=col_ok, other=0)
-        # Block-table entries are the caller's contract; clamping keeps a bad one in bounds.
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        entry = tl.load(bt_row + cols // page_size, mask=col_ok, other=0)
+        page = tl.minimum(tl.maximum(entry, 0), num_pages - 1)
         row = cols % page_size
-        return page * stride_kz + row * stride_kn, page * stride_vz + row * stride_vn
+        page_ok = page == entry
+        page = page.to(tl.int64)
+        return page * stride_kz + row * stride_kn, page * stride_vz + row * stride_vn, page_ok
     rows = cols.to(tl.int64)
-    return rows * stride_kn, rows * stride_vn
+    return rows * stride_kn, rows * stride_vn, col_ok
 
 
 @triton.jit
 def _page_row(bt_row, first, ok, page_size, num_pages):
-    """(page, row in the page), int64 scalars, of a sequence's cache row ``first`` (>= 0): one
-    block-table entry, clamped into the cache (entries are the caller's contract). One unsigned
-    division; the row is what it leaves (a signed ``//`` and ``%`` were two division sequences)."""
+    """(page, row in the page, sign), int64 scalars and _page_of's int32 sign word, of a sequence's
+    cache row ``first`` (>= 0): one block-table entry, clamped into the cache (entries are the
+    caller's contract). One unsigned division; the row is what it leaves (a signed ``//`` and
+    ``%`` were two division sequences)."""
     entry = (tl.cast(first, tl.uint32) // tl.cast(page_size, tl.uint32)).to(tl.int32)
-    return _page_of(bt_row, entry, ok, num_pages), (first - entry * page_size).to(tl.int64)
+    page, sign = _page_of(bt_row, entry, ok, num_pages)
+    return page, (first - entry * page_size).to(tl.int64), sign
 
 
 @triton.jit
 def _page_of(bt_row, entry, ok, num_pages):
-    """Block-table entry ``entry`` of a sequence (int64), clamped into the cache."""
+    """Block-table entry ``entry`` of a sequence (int64), clamped into the cache, and a sign word:
+    negative exactly when the entry is outside ``[0, num_pages)`` (``(num_pages - 1 - page) |
+    page``; a masked-off entry loads 0, a page of every cache). The key loop ORs the words and
+    tests the sign once after it: an add and an OR per entry, no predicate kept across chunks
+    (a per-entry compare carried as a predicate cost 25 instructions per block in the chunked
+    sm90 loop, mostly predicate spills)."""
     page = tl.load(bt_row + entry, mask=ok, other=0)
-    return tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+    sign = (num_pages - 1 - page) | page
+    return tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64), sign
 
 
 @triton.jit
 def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_kz, stride_kn, stride_vz,
                    stride_vn, MODE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Element offsets (int64, BLOCK_N) of the K and V rows of the key block at ``start_n``.
+    """Element offsets (int64, BLOCK_N) of the K and V rows of the key block at ``start_n``, and
+    the OR of its table entries' sign words (negative when one was out of range; see _page_of).
 
     MODE 0: a contiguous cache. MODE 1: pages a multiple of BLOCK_N rows: the block lies in one
     page, one block-table entry per block and a contiguous run of rows (the contiguous cache's
@@ -106,11 +127,11 @@ def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_
     """
     if MODE == 0:
         rows = (start_n + offs_n).to(tl.int64)
-        return rows * stride_kn, rows * stride_vn
+        return rows * stride_kn, rows * stride_vn, 0
     if MODE == 1:
-        page, row = _page_row(bt_row, start_n, start_n < len_k, page_size, num_pages)
+        page, row, sign = _page_row(bt_row, start_n, start_n < len_k, page_size, num_pages)
         return (page * stride_kz + row * stride_kn + offs_n * stride_kn,
-                page * stride_vz + row * stride_vn + offs_n * stride_vn)
+                page * stride_vz + row * stride_vn + offs_n * stride_vn, sign)
     CHUNK: tl.constexpr = 16
     chunk = offs_n // CHUNK
     k_off = tl.zeros([BLOCK_N], dtype=tl.int64)
@@ -119,6 +140,7 @@ def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_
     # one page edge (pages are at least 16 rows): an add and a compare, not a division per chunk.
     entry = (tl.cast(start_n, tl.uint32) // tl.cast(page_size, tl.uint32)).to(tl.int32)
     row = start_n - entry * page_size
+    sign = 0
     for c in tl.static_range(BLOCK_N // CHUNK):
         if c > 0:
             row += CHUNK
@@ -126,24 +148,27 @@ def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_
             entry = tl.where(edge, entry + 1, entry)
             row = tl.where(edge, row - page_size, row)
         first = start_n + c * CHUNK
-        page = _page_of(bt_row, entry, first < len_k, num_pages)
+        page, sign_c = _page_of(bt_row, entry, first < len_k, num_pages)
+        sign = sign | sign_c
         k_off = tl.where(chunk == c, page * stride_kz + row.to(tl.int64) * stride_kn, k_off)
         v_off = tl.where(chunk == c, page * stride_vz + row.to(tl.int64) * stride_vn, v_off)
     within = offs_n % CHUNK
-    return k_off + within * stride_kn, v_off + within * stride_vn
+    return k_off + within * stride_kn, v_off + within * stride_vn, sign
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left, right, qk_scale,
+def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left, right, qk_scale,
             page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d,
             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr):
     """Online softmax of the tile's query rows over key blocks ``start..end`` (see _block_offsets
-    for MODE); returns the updated (acc, l_i, m_i)."""
+    for MODE); returns the updated (acc, l_i, m_i, page_sign): ``page_sign`` ORed with the table
+    entries' sign words (negative once one was out of range)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < len_k
-        k_off, v_off = _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_kz, stride_kn,
-                                      stride_vz, stride_vn, MODE, BLOCK_N)
+        k_off, v_off, sign = _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_kz,
+                                            stride_kn, stride_vz, stride_vn, MODE, BLOCK_N)
+        page_sign = page_sign | sign
         # K as (dim, keys): loads run along the contiguous head dim.
         k = tl.load(K_head + k_off[None, :] + offs_d[:, None], mask=_and_dim(col_ok[None, :], offs_d, HEAD_DIM, 0),
                     other=0.0)
@@ -161,7 +186,7 @@ def _attend(acc, l_i, m_i, q, K_head, V_head, bt_row, start, end, len_k, qi, dia
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, l_i, m_i, page_sign
 
 
 @triton.jit
@@ -199,14 +224,24 @@ def _and_dim(mask, offs_d, HEAD_DIM: tl.constexpr, DIM_AXIS: tl.constexpr):
 
 @triton.jit
 def _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity):
-    """Keys visible to this sequence's queries: cached rows plus the appended ones, clamped."""
-    len_k = tl.load(CacheSeqlens + off_b) + seqlen_new
-    return tl.minimum(tl.maximum(len_k, 0), capacity)
+    """(keys visible to this sequence's queries: cached rows plus the appended ones, clamped to
+    ``[0, capacity]``; FAULT_LENGTH when the clamp was needed, else 0). Compared before the add,
+    so a length near the int32 limit cannot wrap into range (``seqlen_new <= capacity``)."""
+    cached = tl.load(CacheSeqlens + off_b)
+    fault = tl.where((cached < 0) | (cached > capacity - seqlen_new), FAULT_LENGTH, 0)
+    len_k = tl.minimum(tl.maximum(cached, 0), capacity - seqlen_new) + seqlen_new
+    return len_k, fault
+
+
+@triton.jit
+def _record_fault(Faults, fault):
+    """OR ``fault`` (0 or FAULT_* bits) into the flag: one atomic, predicated off when 0."""
+    tl.atomic_or(Faults, fault, mask=fault != 0, sem="relaxed")
 
 
 @triton.jit
 def attn_decode(
-    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens,
+    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens, Faults,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
@@ -224,7 +259,9 @@ def attn_decode(
     num_heads_q // num_heads_k. Q and Out are addressed (b, query head, row); LSE at
     ``b*stride_lz + h*stride_lh + row``. With num_splits > 1 the program writes its split's
     normalised output and logsumexp to PartO / PartL (fp32, rows ``((bk*num_splits + split) *
-    group*seqlen_q + tile row)``, PartO rows HEAD_DIM wide) for attn_decode_combine.
+    group*seqlen_q + tile row)``, PartO rows HEAD_DIM wide) for attn_decode_combine. A length or
+    table entry out of range (see the module doc) is ORed into ``Faults`` and makes the tile's
+    output and logsumexp NaN.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -249,7 +286,7 @@ def attn_decode(
               + qi[:, None] * stride_qm + offs_d[None, :])
     q = tl.load(q_ptrs, mask=row_mask, other=0.0)
 
-    len_k = _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity)
+    len_k, fault = _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity)
     diag = len_k - seqlen_q
     unbounded = capacity + seqlen_q
     left = tl.where(window_left < 0, unbounded, window_left)
@@ -274,26 +311,34 @@ def attn_decode(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    page_sign = fault * 0  # int32 0, carried through the key loop
     if PAGED:
         # A block inside one page (pages a multiple of BLOCK_N): one table entry per block;
         # smaller or odd pages: one per 16-row chunk. A uniform branch, both loops in the binary.
         if page_size % BLOCK_N == 0:
-            acc, l_i, m_i = _attend(acc, l_i, m_i, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left,
-                                    right, qk_scale, page_size, num_pages, stride_kz, stride_kn, stride_vz,
-                                    stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 1, PREC)
+            acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k,
+                                              qi, diag, left, right, qk_scale, page_size, num_pages, stride_kz,
+                                              stride_kn, stride_vz, stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 1,
+                                              PREC)
         else:
-            acc, l_i, m_i = _attend(acc, l_i, m_i, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left,
-                                    right, qk_scale, page_size, num_pages, stride_kz, stride_kn, stride_vz,
-                                    stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 2, PREC)
+            acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k,
+                                              qi, diag, left, right, qk_scale, page_size, num_pages, stride_kz,
+                                              stride_kn, stride_vz, stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 2,
+                                              PREC)
     else:
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left, right,
-                                qk_scale, page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n,
-                                offs_d, HEAD_DIM, BLOCK_N, 0, PREC)
+        acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k, qi,
+                                          diag, left, right, qk_scale, page_size, num_pages, stride_kz, stride_kn,
+                                          stride_vz, stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 0, PREC)
 
     _successor_may_launch(PDL)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    # A faulting sequence answers NaN (never a plausible number); the flag says why.
+    fault = fault | tl.where(page_sign < 0, FAULT_PAGE, 0)
+    acc = tl.where(fault != 0, float("nan"), acc)
+    lse = tl.where(fault != 0, float("nan"), lse)
+    _record_fault(Faults, fault)
     o_ptrs = (Out + off_b.to(tl.int64) * stride_oz + heads.to(tl.int64)[:, None] * stride_oh
               + qi[:, None] * stride_om + offs_d[None, :])
     l_ptrs = LSE + off_b.to(tl.int64) * stride_lz + heads.to(tl.int64) * stride_lh + qi
@@ -367,7 +412,7 @@ def attn_decode_combine(
 
 @triton.jit
 def attn_decode_append(
-    KNew, VNew, K, V, BlockTable, CacheSeqlens,
+    KNew, VNew, K, V, BlockTable, CacheSeqlens, Faults,
     stride_knz, stride_knh, stride_knm,
     stride_vnz, stride_vnh, stride_vnm,
     stride_kz, stride_kh, stride_kn,
@@ -378,8 +423,9 @@ def attn_decode_append(
 ):
     """Write new rows (b, h, i) of KNew / VNew to cache row ``cache_seqlens[b] + i`` of head h.
 
-    Grid: (cdiv(seqlen_new, BLOCK_R), batch * num_heads_k, 1). Rows at or past ``capacity`` are
-    not written (the runtime refuses such calls when it knows the lengths; see the module doc).
+    Grid: (cdiv(seqlen_new, BLOCK_R), batch * num_heads_k, 1). Rows outside ``[0, capacity)`` or
+    whose table entry is outside ``[0, num_pages)`` are not written, and their fault is ORed into
+    ``Faults`` (the runtime refuses such calls when it knows the lengths; see the module doc).
     """
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
     pid_r = tl.program_id(0)
@@ -389,12 +435,17 @@ def attn_decode_append(
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     _after_predecessor(PDL)
-    pos = tl.load(CacheSeqlens + off_b) + rows
-    ok = (rows < seqlen_new) & (pos >= 0) & (pos < capacity)
-    pos = tl.where(ok, pos, 0)
+    cached = tl.load(CacheSeqlens + off_b)
+    live = rows < seqlen_new
+    # Compared before the add: a length near the int32 limit cannot wrap into range.
+    in_range = (cached >= 0) & (cached <= capacity - seqlen_new)
+    ok = live & in_range
+    pos = tl.where(ok, cached + rows, 0)
     bt_row = BlockTable + off_b.to(tl.int64) * stride_btz
-    k_off, v_off = _kv_offsets(bt_row, pos, ok, page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn,
-                               PAGED)
+    k_off, v_off, page_ok = _kv_offsets(bt_row, pos, ok, page_size, num_pages, stride_kz, stride_kn, stride_vz,
+                                        stride_vn, PAGED)
+    fault = tl.where(in_range, 0, FAULT_LENGTH) | tl.max(tl.where(ok & ~page_ok, FAULT_PAGE, 0), 0)
+    ok = ok & page_ok
     K_head = K + off_hk.to(tl.int64) * stride_kh
     V_head = V + off_hk.to(tl.int64) * stride_vh
     if not PAGED:
@@ -408,6 +459,7 @@ def attn_decode_append(
     _successor_may_launch(PDL)
     tl.store(K_head + k_off[:, None] + offs_d[None, :], kn, mask=mask)
     tl.store(V_head + v_off[:, None] + offs_d[None, :], vn, mask=mask)
+    _record_fault(Faults, fault)
 
 
 # --------------------------------------------------------------------------------------------
@@ -526,9 +578,9 @@ def append_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
 
 _DECODE_SIG = signature_of(attn_decode, {
     "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
-    "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32"})
+    "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32", "Faults": "*i32"})
 # Lengths and block tables may be any int32 views (e.g. a slice of a longer lengths array).
-_INDEX_POINTERS = ("BlockTable", "CacheSeqlens")
+_INDEX_POINTERS = ("BlockTable", "CacheSeqlens", "Faults")
 _DECODE_DIV = {**{n: d for n, d in divisibility_of(_DECODE_SIG, aligned=("q", "k", "v", "o")).items()
                   if n not in _INDEX_POINTERS}, "page_size": 16}
 _COMBINE_SIG = signature_of(attn_decode_combine, {"Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
@@ -536,7 +588,7 @@ _COMBINE_SIG = signature_of(attn_decode_combine, {"Out": "*{dtype}", "LSE": "*fp
 _COMBINE_DIV = divisibility_of(_COMBINE_SIG, aligned=("o",))
 _APPEND_SIG = signature_of(attn_decode_append, {
     "KNew": "*{dtype}", "VNew": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "BlockTable": "*i32",
-    "CacheSeqlens": "*i32"})
+    "CacheSeqlens": "*i32", "Faults": "*i32"})
 _APPEND_DIV = {**{n: d for n, d in divisibility_of(_APPEND_SIG, aligned=("kn", "vn", "k", "v")).items()
                   if n not in _INDEX_POINTERS}, "page_size": 16}
 _SHAPE_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0", "seqlen_q >= 1",

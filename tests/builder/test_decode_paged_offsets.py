@@ -4,7 +4,9 @@ Pages smaller than a key block (vLLM's 16 rows against 64-key blocks) take one b
 entry per 16-row chunk. The chunk walk costs one unsigned division per block (each next chunk
 is 16 rows on: an add and a compare); a signed ``//`` and ``%`` per chunk made eight division
 sequences per block, 204 more instructions in the loop than a block inside one page (658
-against 454), now 157 (602 against 445). The results are pinned under the interpreter
+against 454), then 157 (602 against 445); the fault flag's check of each table entry (an add
+and an OR of a sign word per entry, tested once after the loop) makes it 177 (618 against 441).
+The results are pinned under the interpreter
 (tests/runtime/test_decode_op.py: pages of 16, 32, 48 and 80 rows in blocks of 64) and on the
 GPU (tests/runtime/test_decode_gpu.py).
 """
@@ -70,7 +72,7 @@ def test_a_chunked_key_block_costs_one_unsigned_division_not_two_signed_ones_per
         assert loop["LDGSTS.E.BYPASS.128"] == 16  # the K and V tiles: 16-byte copies either way
     assert chunked["LDGSTS.E"] == 4 and whole["LDGSTS.E"] == 1  # four page ids per block, or one
     extra = sum(chunked.values()) - sum(whole.values())
-    assert extra <= 170, f"the chunked loop runs {extra} more instructions per block than the whole-page one"
+    assert extra <= 185, f"the chunked loop runs {extra} more instructions per block than the whole-page one"
 
 
 @pytest.mark.parametrize("arch", ["sm80", "gfx1100"])  # gfx942: test_decode_op.py

@@ -7,17 +7,25 @@ Contiguous and paged caches (page sizes 16, 48, 64 and 256: smaller than a key b
 one block, several; a block table whose unused entries point far outside the cache, lengths 0,
 1 and past a page edge), appends across page edges, speculative query rows with GQA tiles
 taller than one block, sliding windows, forced splits (merged by the combine kernel; on sm90
-the chain's PDL launches), head dims 64, 80 and 128, fp32, the attention() route, and lengths
-past the block table without the debug check (the kernels must clamp, not fault).
+the chain's PDL launches), head dims 64, 80 and 128, fp32, the attention() route, and hostile
+inputs: pages past the cache (10**6 in a 3-column table), negative entries, lengths past the
+capacity, negative or near the int32 limit, appends through them, with and without the debug
+check. Without it the kernels must stay in bounds (memcheck: no error), answer NaN for the
+hostile sequence, the right values elsewhere, and set the fault flag; with it the call must be
+refused before launch naming the array. Prints one line per case and a summary; exits 1 when
+any case's result differs from its expectation (compute-sanitizer's own errors exit 9).
 Needs images with the gputest set (AOTRITON_RT_IMAGES).
 """
 
 import os
+import sys
+import traceback
 
 import torch
 
 import aotriton_rt
-from aotriton_rt.ops.decode import decode_attention
+from aotriton_rt import ArgumentError
+from aotriton_rt.ops.decode import FAULT_LENGTH, FAULT_PAGE, decode_attention, read_faults
 
 torch.manual_seed(0)
 dev = "cuda"
@@ -53,32 +61,144 @@ def run(name, b=3, hq=8, hk=2, sq=1, d=64, dtype=torch.float16, page=None, lens=
                                 **opts)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), name
-    print(f"ok {name}")
+    assert read_faults(library=lib) == 0, f"{name}: fault flag set on valid inputs"
 
 
-run("contiguous, one split", num_splits=1)
-run("contiguous, forced splits", num_splits=5, lens=(300, 0, 129))
-run("paged 16, random table", page=16, lens=(33, 1, 16), num_splits=3)
-run("paged 48, append across page edges", page=48, lens=(47, 95, 0), new=3, sq=3, causal=True)
-run("speculative 16 rows, group 4 (two row blocks)", sq=16, page=16, lens=(70, 20, 16), causal=True, num_splits=2)
-run("sliding window", page=16, sq=2, lens=(200, 3, 64), causal=True, window=(31, 0))
-run("head dim 80", d=80, lens=(100, 7, 1))
-run("head dim 128 bf16 paged", d=128, dtype=torch.bfloat16, page=32, lens=(500, 65, 2), causal=True)
-run("paged 64, one table entry per key block", d=128, dtype=torch.bfloat16, page=64, lens=(700, 63, 0), new=2,
+RESULTS = []
+
+
+def case(name, fn, *args, **kwargs):
+    """Run one case; record ok or the mismatch (never stop: the summary lists every one)."""
+    try:
+        fn(name, *args, **kwargs)
+        RESULTS.append((name, None))
+        print(f"ok   {name}", flush=True)
+    except Exception as exc:  # noqa: BLE001 - reported in the summary
+        RESULTS.append((name, f"{type(exc).__name__}: {exc}"))
+        print(f"FAIL {name}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}", flush=True)
+
+
+BIG = 10**6
+
+
+def hostile(name, paged, lens, new=0, changes=None, bits=0, splits=1):
+    """Sequence 1 is hostile. check=True: refused naming the array; check=False: in bounds (the
+    sanitizer says), NaN for sequence 1, finite elsewhere, flag == bits."""
+    read_faults(library=lib)
+    if paged:  # 9 pages of 16 rows, a 3-column table
+        k = torch.randn(9, 16, 2, 64, device=dev, dtype=torch.float16)
+        table = torch.arange(9, dtype=torch.int32, device=dev).reshape(3, 3)
+        for (b, j), page in (changes or {}).items():
+            table[b, j] = page
+    else:
+        k, table = torch.randn(3, 48, 2, 64, device=dev, dtype=torch.float16), None
+    v = torch.randn_like(k)
+    q = torch.randn(3, 1, 8, 64, device=dev, dtype=torch.float16)
+    kn = torch.randn(3, new, 2, 64, device=dev, dtype=torch.float16) if new else None
+    vn = torch.randn_like(kn) if new else None
+    lens_d = torch.tensor(lens, dtype=torch.int32, device=dev)
+    args = {"cache_seqlens": lens_d, "block_table": table, "k_new": kn, "v_new": vn, "num_splits": splits,
+            "library": lib}
+    want = "block_table[1," if bits == FAULT_PAGE else "cache_seqlens[1]"
+    try:
+        decode_attention(q, k, v, check=True, **args)
+    except ArgumentError as e:
+        if want not in str(e):
+            raise AssertionError(f"check=True refused without naming {want}: {e}") from None
+    else:
+        raise AssertionError("check=True did not refuse")
+    out, lse = decode_attention(q, k, v, check=False, **args)
+    torch.cuda.synchronize()
+    got = read_faults(library=lib)
+    assert got == bits, f"fault bits {got}, expected {bits}"
+    assert out[1].isnan().all() and lse[1].isnan().all(), "the hostile sequence does not answer NaN"
+    assert out[0].isfinite().all() and out[2].isfinite().all(), "a good sequence is not finite"
+
+
+def host_refusal(name, paged, new):
+    """Lengths on the host (an int, a CPU tensor) past capacity (48 rows): refused before launch
+    naming block_table / k_cache; exactly at capacity runs, in range."""
+    k = torch.randn(9, 16, 2, 64, device=dev, dtype=torch.float16) if paged else \
+        torch.randn(3, 48, 2, 64, device=dev, dtype=torch.float16)
+    table = torch.arange(9, dtype=torch.int32, device=dev).reshape(3, 3) if paged else None
+    q = torch.randn(3, 1, 8, 64, device=dev, dtype=torch.float16)
+    kn = torch.randn(3, new, 2, 64, device=dev, dtype=torch.float16) if new else None
+    args = {"block_table": table, "k_new": kn, "v_new": kn, "library": lib}
+    at = 48 - new
+    for make in (int, lambda n: torch.tensor([n, 0, 0], dtype=torch.int32)):
+        try:
+            decode_attention(q, k, torch.randn_like(k), cache_seqlens=make(at + 1), **args)
+        except ArgumentError as e:
+            assert ("block_table" if paged else "k_cache") in str(e), str(e)
+        else:
+            raise AssertionError(f"cache_seqlens {at + 1} + {new} rows past capacity 48 ran")
+        out, _ = decode_attention(q, k, torch.randn_like(k), cache_seqlens=make(at), **args)
+        torch.cuda.synchronize()
+        assert out.isfinite().all() and read_faults(library=lib) == 0, "exactly at capacity"
+
+
+case("contiguous, one split", num_splits=1)
+case("contiguous, forced splits", run, num_splits=5, lens=(300, 0, 129))
+case("paged 16, random table", run, page=16, lens=(33, 1, 16), num_splits=3)
+case("paged 48, append across page edges", run, page=48, lens=(47, 95, 0), new=3, sq=3, causal=True)
+case("speculative 16 rows, group 4 (two row blocks)", run, sq=16, page=16, lens=(70, 20, 16), causal=True, num_splits=2)
+case("sliding window", run, page=16, sq=2, lens=(200, 3, 64), causal=True, window=(31, 0))
+case("head dim 80", run, d=80, lens=(100, 7, 1))
+case("head dim 128 bf16 paged", run, d=128, dtype=torch.bfloat16, page=32, lens=(500, 65, 2), causal=True)
+case("paged 64, one table entry per key block", run, d=128, dtype=torch.bfloat16, page=64, lens=(700, 63, 0), new=2,
     causal=True, num_splits=4)
-run("paged 256, seven splits merged by the combine kernel", d=128, dtype=torch.bfloat16, page=256, lens=(3000, 1, 255),
-    hq=32, hk=8, num_splits=7)
+case("paged 256, seven splits merged by the combine kernel", run, d=128, dtype=torch.bfloat16, page=256,
+     lens=(3000, 1, 255), hq=32, hk=8, num_splits=7)
 for _ in range(2):  # again: the prepared launches
-    run("paged 16, six splits, prepared launch", page=16, lens=(900, 1, 17), num_splits=6)
-run("fp32", dtype=torch.float32, lens=(60, 0, 9), num_splits=2)
-k, v, table = paged([40, 10], 16, 2, 64, torch.float16)
-q = torch.randn(2, 1, 4, 64, device=dev, dtype=torch.float16)
-decode_attention(q, k, v, cache_seqlens=torch.tensor([40, 1 << 20], dtype=torch.int32, device=dev),
-                 block_table=table, check=False, library=lib)
-torch.cuda.synchronize()
-print("ok lengths past the block table are clamped")
-q = torch.randn(4, 32, 1, 128, device=dev, dtype=torch.bfloat16)
-kk = torch.randn(4, 8, 777, 128, device=dev, dtype=torch.bfloat16)
-aotriton_rt.attention(q, kk, kk, causal=True, align="bottom_right", library=lib)
-torch.cuda.synchronize()
-print("ok attention() route")
+    case("paged 16, six splits, prepared launch", run, page=16, lens=(900, 1, 17), num_splits=6)
+case("fp32", run, dtype=torch.float32, lens=(60, 0, 9), num_splits=2)
+
+
+def clamped(name):
+    k, v, table = paged([40, 10], 16, 2, 64, torch.float16)
+    q = torch.randn(2, 1, 4, 64, device=dev, dtype=torch.float16)
+    out, _ = decode_attention(q, k, v, cache_seqlens=torch.tensor([40, 1 << 20], dtype=torch.int32, device=dev),
+                              block_table=table, check=False, library=lib)
+    torch.cuda.synchronize()
+    # Clamped to the table's 64 rows, it also reaches the table's unused (out-of-range) entries.
+    bits = read_faults(library=lib)
+    assert out[1].isnan().all() and out[0].isfinite().all() and bits == FAULT_LENGTH | FAULT_PAGE, bits
+
+
+def attention_route(name):
+    q = torch.randn(4, 32, 1, 128, device=dev, dtype=torch.bfloat16)
+    kk = torch.randn(4, 8, 777, 128, device=dev, dtype=torch.bfloat16)
+    aotriton_rt.attention(q, kk, kk, causal=True, align="bottom_right", library=lib)
+    torch.cuda.synchronize()
+
+
+case("lengths past the block table are clamped", clamped)
+case("attention() route", attention_route)
+for splits in (1, 3):
+    case(f"hostile: page 10**6 in a 3-column table, splits {splits}", hostile, True, [40, 30, 5],
+         changes={(1, 1): BIG}, bits=FAULT_PAGE, splits=splits)
+    case(f"hostile: negative page, splits {splits}", hostile, True, [40, 30, 5], changes={(1, 0): -5},
+         bits=FAULT_PAGE, splits=splits)
+    case(f"hostile: length past the table, splits {splits}", hostile, True, [40, 55, 5], bits=FAULT_LENGTH,
+         splits=splits)
+    case(f"hostile: negative length, splits {splits}", hostile, True, [40, -3, 5], bits=FAULT_LENGTH, splits=splits)
+    case(f"hostile: length near the int32 limit + append, splits {splits}", hostile, True, [40, 2**31 - 2, 5],
+         new=2, bits=FAULT_LENGTH, splits=splits)
+    case(f"hostile: append through a page past the cache, splits {splits}", hostile, True, [20, 15, 5], new=2,
+         changes={(1, 1): BIG}, bits=FAULT_PAGE, splits=splits)
+    case(f"hostile: append through a negative page, splits {splits}", hostile, True, [20, 31, 5], new=2,
+         changes={(1, 1): -1}, bits=FAULT_PAGE, splits=splits)
+    case(f"hostile: contiguous length past the cache + append, splits {splits}", hostile, False, [20, 47, 5],
+         new=2, bits=FAULT_LENGTH, splits=splits)
+    case(f"hostile: contiguous negative length, splits {splits}", hostile, False, [40, -1, 5], bits=FAULT_LENGTH,
+         splits=splits)
+for paged_cache in (True, False):
+    for rows in (0, 5):
+        case(f"host lengths past capacity refused, at capacity run ({'paged' if paged_cache else 'contiguous'}, "
+             f"{rows} appended)", host_refusal, paged_cache, rows)
+
+failed = [(n, why) for n, why in RESULTS if why]
+print(f"\nmemcheck_decode: {len(RESULTS) - len(failed)} of {len(RESULTS)} cases as expected")
+for n, why in failed:
+    print(f"  FAILED {n}: {why}")
+sys.exit(1 if failed else 0)

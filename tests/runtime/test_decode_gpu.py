@@ -21,8 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import aotriton_rt  # noqa: E402
-from aotriton_rt import ArgumentError  # noqa: E402
-from aotriton_rt.ops.decode import decode_attention  # noqa: E402
+from aotriton_rt import ArgumentError, FaultError  # noqa: E402
+from aotriton_rt.ops.decode import FAULT_LENGTH, FAULT_PAGE, decode_attention, read_faults  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -444,10 +444,149 @@ def test_paged_lengths_past_the_block_table_are_refused_in_debug_mode(lib: aotri
     too_long = torch.tensor([40, 10_000], dtype=torch.int32, device="cuda")
     with pytest.raises(ArgumentError, match=r"cache_seqlens\[1\] = 10000 plus 0 new rows is outside the"):
         decode_attention(q, c["k"], c["v"], cache_seqlens=too_long, block_table=c["table"], check=True, library=lib)
-    # Without the check the kernels clamp: no fault, finite numbers.
-    out, _ = decode_attention(q, c["k"], c["v"], cache_seqlens=too_long, block_table=c["table"], check=False,
+    # Without the check the kernels clamp: no fault; the long sequence answers NaN and is flagged.
+    read_faults(library=lib)
+    out, lse = decode_attention(q, c["k"], c["v"], cache_seqlens=too_long, block_table=c["table"], check=False,
+                                library=lib)
+    assert out[1].isnan().all() and lse[1].isnan().all() and out[0].isfinite().all()
+    # Clamped to the table's rows, it also reaches the table's unused (out-of-range) entries.
+    assert read_faults(library=lib) == FAULT_LENGTH | FAULT_PAGE
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile lengths and block tables: never a read or write outside the arrays, never a plausible
+# answer (tests/helpers/memcheck_decode.py runs the same under compute-sanitizer).
+# ---------------------------------------------------------------------------------------------
+
+BIG = 10**6
+# name: (paged, lens, new, table changes {(b, column): page}, fault bits). Sequence 1 is hostile;
+# pages of 16 rows, a 3-column table (48 rows) over 9 pages; contiguous caches hold 48 rows.
+HOSTILE = {
+    "page_past_the_cache": (True, [40, 30, 5], 0, {(1, 1): BIG}, FAULT_PAGE),
+    "negative_page": (True, [40, 30, 5], 0, {(1, 0): -5}, FAULT_PAGE),
+    "length_past_the_table": (True, [40, 55, 5], 0, {}, FAULT_LENGTH),
+    "negative_length": (True, [40, -3, 5], 0, {}, FAULT_LENGTH),
+    "length_near_the_int32_limit_append": (True, [40, 2**31 - 2, 5], 2, {}, FAULT_LENGTH),
+    "append_through_a_page_past_the_cache": (True, [20, 15, 5], 2, {(1, 1): BIG}, FAULT_PAGE),
+    "contiguous_length_past_the_cache_append": (False, [20, 47, 5], 2, {}, FAULT_LENGTH),
+    "contiguous_negative_length": (False, [40, -1, 5], 0, {}, FAULT_LENGTH),
+}
+
+
+def _hostile(paged: bool, lens: list, new: int, changes: dict, gen: Any) -> dict:
+    """A cache inside a buffer of NaN sentinels (K: pages 2..10 of 13, or sequences 1..3 of 5)."""
+    if paged:
+        buf = torch.full((13, 16, 2, 64), float("nan"), device="cuda", dtype=torch.float16)
+        k = buf[2:11]
+        table = (torch.arange(9, dtype=torch.int32, device="cuda").reshape(3, 3))
+        for (b, j), page in changes.items():
+            table[b, j] = page
+    else:
+        buf = torch.full((5, 48, 2, 64), float("nan"), device="cuda", dtype=torch.float16)
+        k, table = buf[1:4], None
+    k.copy_(torch.randn(k.shape, device="cuda", generator=gen))
+    vbuf = buf.clone()
+    v = vbuf[2:11] if paged else vbuf[1:4]
+    v.copy_(torch.randn(v.shape, device="cuda", generator=gen))
+    kn = torch.randn(3, new, 2, 64, device="cuda", generator=gen).half() if new else None
+    vn = torch.randn(3, new, 2, 64, device="cuda", generator=gen).half() if new else None
+    return {"buf": buf, "vbuf": vbuf, "k": k, "v": v, "table": table, "k_new": kn, "v_new": vn,
+            "lens": torch.tensor(lens, dtype=torch.int32, device="cuda")}
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_tables_and_lengths_stay_in_bounds_answer_nan_and_set_the_fault_flag(
+        lib: aotriton_rt.Library, name: str, splits: int) -> None:
+    paged, lens, new, changes, bits = HOSTILE[name]
+    gen = torch.Generator(device="cuda").manual_seed(sum(map(ord, name)))
+    c = _hostile(paged, lens, new, changes, gen)
+    q = torch.randn(3, 1, 8, 64, device="cuda", generator=gen).half()
+    args = {"cache_seqlens": c["lens"], "block_table": c["table"], "k_new": c["k_new"], "v_new": c["v_new"],
+            "num_splits": splits, "library": lib}
+    before = (c["buf"].clone(), c["vbuf"].clone())
+    # check=True: refused before launch, naming the array.
+    with pytest.raises(ArgumentError, match=r"block_table\[1, \d\]" if bits == FAULT_PAGE else r"cache_seqlens\[1\]"):
+        decode_attention(q, c["k"], c["v"], check=True, **args)
+    assert read_faults(library=lib) == 0
+    out, lse = decode_attention(q, c["k"], c["v"], check=False, **args)
+    assert read_faults(library=lib) == bits
+    assert out[1].isnan().all() and lse[1].isnan().all(), "the faulting sequence must answer NaN"
+    # The good sequences: exactly what their rows give.
+    ps = 16
+    for b in (0, 2):
+        n = lens[b] + new
+        rows = torch.arange(n, device="cuda")
+        idx = (c["table"][b, rows // ps].long(), rows % ps) if paged else (torch.full_like(rows, b), rows)
+        kk, vv = c["k"][idx], c["v"][idx]
+        ref_hi, _ = _reference(q[b:b + 1], [kk], [vv], False, None, torch.float32)
+        ref_lo, _ = _reference(q[b:b + 1], [kk], [vv], False, None, torch.float16)
+        _close(f"out[{b}]", out[b:b + 1], ref_hi, ref_lo, EPS["fp16"])
+    # K changed only where an append was valid: every row of a good sequence, the hostile one's
+    # rows on in-range pages when only a page was bad, none when its length was.
+    want = before[0].clone()
+    view = want[2:11] if paged else want[1:4]
+    for b in range(3):
+        if b == 1 and bits == FAULT_LENGTH:
+            continue
+        for i in range(new):
+            r = lens[b] + i
+            page = int(c["table"][b, r // ps]) if paged else b
+            if 0 <= page < 9:
+                view[(page, r % ps) if paged else (b, r)] = c["k_new"][b, i]
+    assert torch.equal(c["buf"].nan_to_num(7.0), want.nan_to_num(7.0)), "K changed outside the valid appends"
+
+
+@pytest.mark.parametrize("lengths", ["device", "host", "int"])
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_exactly_at_capacity_matches_the_reference_and_one_more_row_is_refused(lib: aotriton_rt.Library,
+                                                                              lengths: str, paged: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    c = _hostile(paged, [0, 0, 0], 2, {}, gen)
+    lens = [46, 46, 46]  # 46 cached + 2 appended = 48 = the table's (or cache's) capacity
+    keys = []
+    vals = []
+    ps = 16
+    for b in range(3):
+        rows = torch.arange(48, device="cuda")
+        if paged:
+            idx = (c["table"][b, rows // ps].long(), rows % ps)
+        else:
+            idx = (torch.full_like(rows, b), rows)
+        kk, vv = c["k"][idx].clone(), c["v"][idx].clone()
+        kk[46:], vv[46:] = c["k_new"][b], c["v_new"][b]
+        keys.append(kk)
+        vals.append(vv)
+    value = {"device": torch.tensor(lens, dtype=torch.int32, device="cuda"),
+             "host": torch.tensor(lens, dtype=torch.int32), "int": 46}[lengths]
+    q = torch.randn(3, 2, 8, 64, device="cuda", generator=gen).half()
+    args = {"block_table": c["table"], "k_new": c["k_new"], "v_new": c["v_new"], "causal": True, "library": lib}
+    over = {"device": c["lens"] + 47, "host": torch.tensor([47, 0, 0], dtype=torch.int32), "int": 47}[lengths]
+    if lengths != "device":  # lengths on the host: refused before launch (FlashAttention-2's rule)
+        with pytest.raises(ArgumentError, match="block_table" if paged else "k_cache"):
+            decode_attention(q, c["k"], c["v"], cache_seqlens=over, check=False, **args)
+    out, lse = decode_attention(q, c["k"], c["v"], cache_seqlens=value, check=lengths == "device", **args)
+    ref_hi, lse_hi = _reference(q, keys, vals, True, None, torch.float32)
+    ref_lo, lse_lo = _reference(q, keys, vals, True, None, torch.float16)
+    _close("out", out, ref_hi, ref_lo, EPS["fp16"])
+    _close("lse", lse, lse_hi, lse_lo, EPS["fp16"])
+    assert read_faults(library=lib) == 0
+
+
+def test_check_raises_a_fault_error_for_an_earlier_unchecked_faulting_call(lib: aotriton_rt.Library) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    c = _hostile(True, [40, 30, 5], 0, {(1, 1): BIG}, gen)
+    q = torch.randn(3, 1, 8, 64, device="cuda", generator=gen).half()
+    read_faults(library=lib)
+    for _ in range(2):  # the second takes the cached plan and its prepared launch
+        decode_attention(q, c["k"], c["v"], cache_seqlens=c["lens"], block_table=c["table"], check=False, library=lib)
+    c["table"][1, 1] = 4
+    with pytest.raises(FaultError, match=r"block_table entry outside \[0, num_pages\)") as info:
+        decode_attention(q, c["k"], c["v"], cache_seqlens=c["lens"], block_table=c["table"], check=True, library=lib)
+    assert info.value.bits == FAULT_PAGE and read_faults(library=lib) == 0
+    out, _ = decode_attention(q, c["k"], c["v"], cache_seqlens=c["lens"], block_table=c["table"], check=True,
                               library=lib)
-    torch.cuda.synchronize()
+    assert out.isfinite().all()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -170,6 +170,7 @@ def _install_cpu() -> None:
         return describe(obj, name)
 
     validate._describe = cpu_describe
+    validate._host_lengths = lambda obj: None  # CPU tensors stand for device arrays here
 
 
 def run_case(name: str, case: dict) -> dict:
@@ -363,9 +364,10 @@ REFUSALS = [
      ArgumentError, r"page size 24 \(k_cache\.shape\[1\]\) is not a multiple of 16"),
     ("length_beyond_block_table", lambda: _dec(k=Dev(10, 16, 2, 64), block_table=Dev(2, 4, dtype="i32"),
                                                cache_seqlens=60, k_new=Dev(2, 5, 2, 64), v_new=Dev(2, 5, 2, 64)),
-     ArgumentError, r"cache_seqlens=60 plus 5 new rows exceeds the 64 rows the block table can address"),
+     ArgumentError, r"cache_seqlens=60 plus 5 new rows exceeds the 64 rows block_table can address "
+     r"\(block_table\.shape\[1\] \* page_size\)"),
     ("length_beyond_contiguous_cache", lambda: _dec(cache_seqlens=257), ArgumentError,
-     r"cache_seqlens=257 plus 0 new rows exceeds the 256 rows the cache holds"),
+     r"cache_seqlens=257 plus 0 new rows exceeds the 256 rows k_cache holds"),
     ("append_longer_than_the_cache", lambda: _dec(k=Dev(2, 16, 2, 64), cache_seqlens=0, k_new=Dev(2, 17, 2, 64),
                                                   v_new=Dev(2, 17, 2, 64)), ArgumentError,
      r"appending 17 rows exceeds the cache's capacity of 16 rows per sequence"),
@@ -442,8 +444,8 @@ def test_debug_mode_reads_lengths_and_pages_back_and_refuses_bad_ones() -> None:
     with pytest.raises(ArgumentError, match=r"block_table\[1, 2\] = 99 is not a page of the cache \(0\.\.9\); "
                                             r"sequence 1 has 33 rows"):
         _check_contents(xp, plan, torch.tensor([30, 31], dtype=torch.int32), table)
-    with pytest.raises(ArgumentError, match=r"cache_seqlens\[0\] = 63 plus 2 new rows is outside the 64 rows the "
-                                            r"block table can address"):
+    with pytest.raises(ArgumentError, match=r"cache_seqlens\[0\] = 63 plus 2 new rows is outside the 64 rows "
+                                            r"block_table can address"):
         _check_contents(xp, plan, torch.tensor([63, 0], dtype=torch.int32), table)
 
 
@@ -667,6 +669,7 @@ def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_ar
 
     monkeypatch.setattr(validate, "_describe", lambda obj, name: interop.ArrayInfo(
         obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()), "torch"))
+    monkeypatch.setattr(validate, "_host_lengths", lambda obj: None)
     monkeypatch.setattr(interop, "stream_getter", lambda framework: (lambda device: 0x77))
     lib = _Library()
     def kernel(name: str, **params: Any) -> _AddressHandle:

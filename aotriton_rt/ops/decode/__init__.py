@@ -19,10 +19,15 @@ must be a multiple of 16. ``k_new``/``v_new``: ``(B, Sn, Hkv, D)`` (or ``(B, Hkv
 already in the cache; new rows are written at ``cache_seqlens[b] + i`` and the queries see
 ``cache_seqlens[b] + Sn`` keys. The caller advances ``cache_seqlens`` afterwards (as with
 FlashAttention). ``None``: every sequence fills its whole cache (``S_cache`` or ``max_blocks *
-page_size`` rows), no append. Lengths known on the host are checked before launch; device
-arrays are the caller's contract (kernels clamp lengths and page indices so bad values cannot
-fault, they give wrong numbers): ``check=True`` or ``AOTRITON_RT_DEBUG=1`` reads them back and
-checks every length and referenced page (a device synchronisation).
+page_size`` rows), no append. Lengths known on the host (an int, a CPU tensor or NumPy array,
+copied to the device per call) are checked before launch, as FlashAttention-2 does: a length
+plus the appended rows past ``block_table.shape[1] * page_size`` (or the cache's length) is an
+:class:`ArgumentError` naming ``block_table`` (or ``k_cache``). Device arrays are the caller's
+contract: whatever they hold, the kernels stay inside their arrays (lengths and page indices
+clamped, appends out of range dropped), write NaN for a faulting sequence and OR the fault into
+a per-device flag (:func:`read_faults`). ``check=True`` or ``AOTRITON_RT_DEBUG=1`` reads lengths
+and table back and checks every length and referenced page before launch, and reads the flag
+after (device synchronisations; :class:`~aotriton_rt.FaultError` when set).
 
 **Masks.** Bottom-right aligned (the queries are the sequence's last ``Sq`` rows): ``causal``
 hides keys after each query, ``window=(left, right)`` is a sliding window (-1 unbounded).
@@ -43,6 +48,8 @@ from typing import Any
 
 from ... import interop
 from ...errors import AotritonError, ArgumentError, KernelNotFound, UnsupportedError
+from ..attention.signature import _typed
+from .faults import FAULT_LENGTH, FAULT_PAGE, clear_faults, describe_faults, raise_faults, read_faults
 from .launch import _kernels_of, _Launch
 from .splits import DEFAULT_SPLIT_RULES, SplitRule, num_splits_for, split_rule
 from .validate import (
@@ -60,9 +67,9 @@ from .validate import (
     _plan,
 )
 
-__all__ = ["DEFAULT_SPLIT_RULES", "HEAD_DIM_BUCKETS", "MAX_SEQLEN_Q", "DecodePlan", "SplitRule", "cached_launch",
-           "decode_attention", "decode_kernels", "num_splits_for", "route_from_attention", "route_options",
-           "split_rule"]
+__all__ = ["DEFAULT_SPLIT_RULES", "FAULT_LENGTH", "FAULT_PAGE", "HEAD_DIM_BUCKETS", "MAX_SEQLEN_Q", "DecodePlan",
+           "SplitRule", "cached_launch", "clear_faults", "decode_attention", "decode_kernels", "describe_faults",
+           "num_splits_for", "read_faults", "route_from_attention", "route_options", "split_rule"]
 
 
 def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None, block_table: Any = None,
@@ -77,8 +84,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         q: ``(B, Sq, Hq, D)`` (``layout="bshd"``) or ``(B, Hq, Sq, D)``; fp16, bf16 or fp32.
         k_cache, v_cache: ``(B, S_cache, Hkv, D)`` (``cache_layout`` as for q), or paged
             ``(num_pages, page_size, Hkv, D)`` with ``block_table``. Read (and appended to) in place.
-        cache_seqlens: rows already cached per sequence: an int or int32 ``(B,)`` device array;
-            None: the whole cache.
+        cache_seqlens: rows already cached per sequence: an int, a host integer array (CPU tensor,
+            NumPy; checked before launch) or an int32 ``(B,)`` device array; None: the whole cache.
         block_table: int32 ``(B, max_blocks)`` page indices (a paged cache).
         k_new, v_new: rows to write at ``cache_seqlens[b] + i`` before attending, shaped like q
             with Hkv heads.
@@ -88,7 +95,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         max_seqlen_k: an upper bound of the keys any sequence sees, for the split count only
             (default: ``cache_seqlens + Sn`` when an int, else the capacity).
         out: preallocated output shaped like q.
-        check: read lengths and block table back and check them (default: ``AOTRITON_RT_DEBUG``).
+        check: read lengths and block table back and check them before launch, and the fault
+            flag after (default: ``AOTRITON_RT_DEBUG``).
         library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
 
     Returns:
@@ -99,6 +107,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         ArgumentError: malformed shapes, dtypes, strides, lengths the cache cannot hold, a page
             size that is not a multiple of 16; nothing has run.
         UnsupportedError: a head dim that is not a compiled bucket, sizes past the grid.
+        FaultError: with ``check``, the fault flag was set (see :func:`read_faults`).
         KernelNotFound: the images lack the decode kernels for this dtype / head dim.
     """
     debug = _debug(check)
@@ -132,7 +141,10 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
         _LAUNCHES[key] = launch
-    return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos)
+    result = launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos)
+    if debug:
+        raise_faults(launch.ks, p.device)
+    return result
 
 
 
@@ -161,9 +173,11 @@ def _torch_key(q: Any, k: Any, v: Any, lens: Any, table: Any, kn: Any, vn: Any, 
     """A key for the launch cache when every array is a torch tensor (else None: full checks)."""
     if type(q).__name__ != "Tensor" or type(q).__module__ != "torch":
         return None
-    parts: list = [id(options[-1]) if options[-1] is not None else 0, *options[:-1]]
+    # Options typed: causal=1 or num_splits=True must not find the plan of True or 1 and skip
+    # the validation that refuses them.
+    parts: list = [id(options[-1]) if options[-1] is not None else 0, *(_typed(o) for o in options[:-1])]
     for t in (q, k, v, lens, table, kn, vn, out):
-        if t is None or (isinstance(t, int) and not isinstance(t, bool)):
+        if t is None or type(t) is int:
             parts.append(t)
         elif type(t) is type(q):
             parts.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0))

@@ -10,8 +10,20 @@ from typing import Any
 from ... import interop
 from ...errors import ArgumentError, KernelNotFound
 from ..attention.arrays import arrays_for
+from . import validate
+from .faults import fault_flag
 from .splits import _SM_COUNTS, num_splits_for, split_rule
-from .validate import APPEND, COMBINE, DECODE, DecodePlan, _aligned, _bshd, _describe, _effective
+from .validate import (
+    APPEND,
+    COMBINE,
+    DECODE,
+    DecodePlan,
+    _aligned,
+    _bshd,
+    _check_length,
+    _describe,
+    _effective,
+)
 
 
 def _sm_count(xp: Any, device: int) -> int | None:
@@ -29,7 +41,8 @@ class _Kernels:
     attention operator's per-library caches (one kernel's shards read per question), the split
     rules from its tuning table. ``rules`` and ``pdl`` (:data:`PDL_POLICIES`) stay settable
     (benchmarks swap them); setting either to a new value retires the launch plans made under
-    the old one (``generation``: plans hold while it is theirs; one identity test per call)."""
+    the old one (``generation``: plans hold while it is theirs; one identity test per call).
+    ``faults`` holds the library's fault flags by (framework, device) (ops/decode/faults.py)."""
 
     def __init__(self, lib: Any) -> None:
         from ..attention.dispatch import kernels_of
@@ -38,6 +51,7 @@ class _Kernels:
         self.lock = threading.Lock()
         self.handles: dict[tuple, Any] = {}
         self.sms: dict[int, int] = {}
+        self.faults: dict[tuple[str, int], Any] = {}
         self.shared = kernels_of(lib)
         self._rules = self.shared.tuning.get(DECODE)
         self._pdl = "rule"
@@ -180,7 +194,8 @@ _CONSTANT_LENS: dict[tuple, Any] = {}
 _MAX_CONSTANT_LENS = 4096
 
 #: The array arguments of the decode kernels, in the order run_fast gathers their addresses.
-_POINTERS = ("Q", "K", "V", "Out", "LSE", "BlockTable", "CacheSeqlens", "KNew", "VNew", "PartO", "PartL")
+_POINTERS = ("Q", "K", "V", "Out", "LSE", "BlockTable", "CacheSeqlens", "KNew", "VNew", "PartO", "PartL",
+             "Faults")
 #: Arguments of decode kernels in images built before the fused split merge was removed: always
 #: null (those kernels then leave the merge to attn_decode_combine, as the current ones do).
 _RETIRED = {"Counters": None}
@@ -218,7 +233,8 @@ class _Launch:
         if oi is not None and not _aligned(oi, o_strides):
             raise ArgumentError(f"out must have a contiguous head dim, a 16-byte aligned address and strides that "
                                 f"are multiples of 16 elements, got strides {tuple(oi.strides)}")
-        self.lens_mode = "full" if cache_seqlens is None else "int" if isinstance(cache_seqlens, int) else "array"
+        self.lens_mode = ("full" if cache_seqlens is None else "int" if isinstance(cache_seqlens, int)
+                          else "host" if validate._host_lengths(cache_seqlens) is not None else "array")
         self.base = {"stride_btz": p.bt_stride, "batch": p.batch, "num_heads_q": p.heads_q,
                      "num_heads_k": p.heads_k, "seqlen_q": p.seqlen_q, "seqlen_new": p.seqlen_new,
                      "capacity": p.capacity, "num_pages": p.num_pages, "page_size": p.page_size, "sm_scale": p.scale,
@@ -229,6 +245,7 @@ class _Launch:
                      "stride_lz": p.heads_q * p.seqlen_q, "stride_lh": p.seqlen_q}
         self.fast = self._prepare() if xp.framework == "torch" and p.device >= 0 and not p.q_copy else None
         self.lens = None  # the constant lengths array of "full"/"int" calls, made on the first fast call
+        self.flag = None  # the library's fault flag for this device, fetched on the first call
 
     def _prepare(self) -> list | None:
         """Integer-address launches for torch tensors (as the attention plans do): per kernel,
@@ -267,6 +284,8 @@ class _Launch:
             return o, lse
         if self.lens_mode == "array":
             lens = cache_seqlens
+        elif self.lens_mode == "host":
+            lens = self.seqlens(q, cache_seqlens)
         else:
             lens = self.lens
             if lens is None:
@@ -281,7 +300,7 @@ class _Launch:
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                      block_table.data_ptr() if block_table is not None else 0, lens.data_ptr(),
                      k_new.data_ptr() if k_new is not None else 0, v_new.data_ptr() if v_new is not None else 0,
-                     part_o, part_l)
+                     part_o, part_l, (self.flag if self.flag is not None else self._flag(q)).data_ptr())
         for launch, template, slots in self.fast:
             args = list(template)
             for i, j in slots:
@@ -315,7 +334,22 @@ class _Launch:
         self.lens = lens
         return lens
 
+    def _flag(self, like: Any) -> Any:
+        flag = fault_flag(self.ks, self.xp, like, self.p.device)
+        if self.ks.faults.get((self.xp.framework, self.p.device)) is flag:
+            self.flag = flag
+        return flag
+
     def seqlens(self, like: Any, cache_seqlens: Any, infos: dict | None = None) -> Any:
+        if self.lens_mode == "host":  # checked on the host every call (a cached plan skips _plan)
+            lens = validate._host_lengths(cache_seqlens)
+            if len(lens) != self.p.batch:
+                raise ArgumentError(f"cache_seqlens must have shape ({self.p.batch},), got {len(lens)} lengths")
+            for b, n in enumerate(lens):
+                _check_length(n, self.p.seqlen_new, self.p.capacity, self.p.paged, f"cache_seqlens[{b}]")
+            if self.xp.framework == "torch":
+                return self.xp.torch.tensor(lens, dtype=self.xp.torch.int32, device=like.device)
+            return self.xp.cupy.asarray(lens, dtype="int32")
         if self.lens_mode == "full":
             return self.xp.full((self.p.batch,), self.p.capacity, "i32", like)
         if self.lens_mode == "int":
@@ -342,7 +376,8 @@ class _Launch:
             return o, lse
         values = {**self.base, "Q": q, "K": k, "V": v, "Out": o, "LSE": lse, "BlockTable": block_table,
                   "CacheSeqlens": self.seqlens(q, cache_seqlens, infos), "KNew": k_new, "VNew": v_new,
-                  "PartO": None, "PartL": None, **_RETIRED}
+                  "PartO": None, "PartL": None, "Faults": self.flag if self.flag is not None else self._flag(q),
+                  **_RETIRED}
         if self.append is not None:
             self.append(*[values[n] for n in self.append.arg_names])
         if self.combine is not None:

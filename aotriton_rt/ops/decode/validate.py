@@ -199,18 +199,20 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
                             f"sequence")
 
     hint = capacity
-    if cache_seqlens is not None and not isinstance(cache_seqlens, int) or isinstance(cache_seqlens, bool):
+    host = _host_lengths(cache_seqlens)
+    if host is not None:
+        if len(host) != batch:
+            raise ArgumentError(f"cache_seqlens must have shape ({batch},), got {len(host)} lengths")
+        for b, n in enumerate(host):
+            _check_length(n, seqlen_new, capacity, paged, f"cache_seqlens[{b}]")
+    elif cache_seqlens is not None and not isinstance(cache_seqlens, int) or isinstance(cache_seqlens, bool):
         ci = _describe(cache_seqlens, "cache_seqlens")
         infos["cache_seqlens"] = ci
         if ci.dtype != "i32" or tuple(ci.shape) != (batch,) or (batch > 1 and ci.strides[0] != 1):
             raise ArgumentError(f"cache_seqlens must be a contiguous int32 array of shape ({batch},), got "
                                 f"{ci.dtype} {tuple(ci.shape)}")
     elif cache_seqlens is not None:
-        if not 0 <= cache_seqlens <= capacity - seqlen_new:
-            what = "the block table can address" if paged else "the cache holds"
-            raise ArgumentError(f"cache_seqlens={cache_seqlens} plus {seqlen_new} new rows exceeds the {capacity} rows "
-                                f"{what} per sequence" if cache_seqlens >= 0
-                                else f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        _check_length(cache_seqlens, seqlen_new, capacity, paged, "cache_seqlens")
         hint = cache_seqlens + seqlen_new
     if max_seqlen_k is not None:
         hint = _int(max_seqlen_k, "max_seqlen_k", 0, capacity)
@@ -238,6 +240,29 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
 
 
 
+def _host_lengths(obj: Any) -> list[int] | None:
+    """The lengths of a host array (a CPU torch tensor, a NumPy array), checked before launch and
+    copied to the device per call; None for anything else (an int, None, a device array).
+    Module-level so that tests running everything on the CPU can take CPU tensors as device arrays."""
+    kind = (type(obj).__module__.split(".")[0], type(obj).__name__)
+    if kind == ("torch", "Tensor") and obj.device.type == "cpu" or kind == ("numpy", "ndarray"):
+        if obj.ndim != 1 or "int" not in str(obj.dtype):
+            raise ArgumentError(f"cache_seqlens must be a 1-D integer array, got {obj.dtype} {tuple(obj.shape)}")
+        return [int(n) for n in obj.tolist()]
+    return None
+
+
+def _check_length(n: int, seqlen_new: int, capacity: int, paged: bool, name: str) -> None:
+    """Refuse a length the cache cannot hold with its appended rows (FlashAttention-2's rule: past
+    ``block_table.shape[1] * page_size`` rows names block_table); exactly at capacity is fine."""
+    if n < 0:
+        raise ArgumentError(f"{name} must be >= 0, got {n}")
+    if n + seqlen_new > capacity:
+        what = ("block_table can address (block_table.shape[1] * page_size)" if paged
+                else "k_cache holds (its sequence length)")
+        raise ArgumentError(f"{name}={n} plus {seqlen_new} new rows exceeds the {capacity} rows {what} per sequence")
+
+
 def _debug(check: Any) -> bool:
     if check is None:
         return os.environ.get("AOTRITON_RT_DEBUG", "") not in ("", "0")
@@ -258,7 +283,7 @@ def _check_contents(xp: Any, p: DecodePlan, seqlens: Any, table: Any) -> None:
         total = n + p.seqlen_new
         if n < 0 or total > p.capacity:
             raise ArgumentError(f"cache_seqlens[{b}] = {n} plus {p.seqlen_new} new rows is outside the {p.capacity} "
-                                f"rows the {'block table can address' if p.paged else 'cache holds'}")
+                                f"rows {'block_table can address' if p.paged else 'k_cache holds'}")
         if rows is not None:
             for j, page in enumerate(rows[b][:-(-total // p.page_size)]):
                 if not 0 <= page < p.num_pages:

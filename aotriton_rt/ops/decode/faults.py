@@ -1,0 +1,90 @@
+"""The decode kernels' fault flag: one int32 per (library, framework, device), only ever ORed.
+
+The kernels never read or write outside their arrays, whatever the lengths and block table say
+(builder/kernels/decode.py clamps them); a kernel that had to clamp ORs a bit into the flag and
+writes NaN for that sequence. :func:`read_faults` reads (and by default clears) it; a call with
+``check=True`` reads it after its launches and raises :class:`~aotriton_rt.FaultError`.
+
+Kernels on any stream only OR bits into the flag, so sharing one per device is safe; reading and
+clearing are host operations ordered on the current stream (synchronise other streams first), and
+a fault ORed between a read and its clear is lost.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ...errors import FaultError
+
+# Mirrors builder/kernels/decode.py (a test keeps them equal).
+#: ``cache_seqlens[b] < 0`` or ``cache_seqlens[b] + Sn`` past the capacity.
+FAULT_LENGTH = 1
+#: A block-table entry the sequence's rows reference outside ``[0, num_pages)``.
+FAULT_PAGE = 2
+_WHAT = {FAULT_LENGTH: "cache_seqlens[b] + appended rows outside [0, capacity] (the cache's length, or "
+                       "block_table.shape[1] * page_size)",
+         FAULT_PAGE: "a referenced block_table entry outside [0, num_pages)"}
+
+
+def describe_faults(bits: int) -> str:
+    """The faults of a flag value, in words ("none" for 0)."""
+    return "; ".join(text for bit, text in _WHAT.items() if bits & bit) or "none"
+
+
+def fault_flag(ks: Any, xp: Any, like: Any, device: int) -> Any:
+    """The flag of ``ks`` (a library's decode kernels) for ``like``'s framework and device, made
+    zero on first use. One made while a CUDA graph is being captured (its memory the graph's
+    pool, its fill a node) serves that call only."""
+    key = (xp.framework, device)
+    flag = ks.faults.get(key)
+    if flag is not None:
+        return flag
+    flag = xp.zeros((1,), "i32", like)
+    if xp.framework == "torch" and getattr(like, "is_cuda", False) and \
+            xp.torch.cuda.is_current_stream_capturing():
+        return flag
+    with ks.lock:
+        return ks.faults.setdefault(key, flag)
+
+
+def read_faults(device: int | None = None, *, library: Any = None, clear: bool = True) -> int:
+    """The decode fault bits (:data:`FAULT_LENGTH`, :data:`FAULT_PAGE`) ORed by the calls made
+    through ``library`` (default: the default library) on ``device`` (None: every device) since
+    the flag was last cleared; 0 when none. Synchronises with the current stream. ``clear``: zero
+    the flag after reading it."""
+    from .launch import _kernels_of
+
+    ks = _kernels_of(library)
+    bits = 0
+    for (framework, dev), flag in list(ks.faults.items()):
+        if device is not None and dev != device:
+            continue
+        bits |= int(_host_value(framework, flag))
+        if clear:
+            if framework == "torch":
+                flag.zero_()
+            else:
+                flag.fill(0)
+    return bits
+
+
+def clear_faults(device: int | None = None, *, library: Any = None) -> None:
+    """Zero the decode fault flag(s) of ``library`` on ``device`` (None: every device)."""
+    read_faults(device, library=library, clear=True)
+
+
+def raise_faults(ks: Any, device: int) -> None:
+    """``check=True`` after its launches: raise :class:`FaultError` when the flag of ``device`` is
+    set (by this call, or by an unchecked one since the flag was last read), clearing it."""
+    bits = read_faults(device, library=ks.lib)
+    if bits:
+        raise FaultError(f"decode kernels on device {device} met {describe_faults(bits)} (fault bits {bits}); they "
+                         f"stayed in bounds and wrote NaN for the faulting sequences. The flag covers every decode "
+                         f"call since it was last read, unchecked ones too; it is now cleared", bits)
+
+
+def _host_value(framework: str, flag: Any) -> int:
+    if framework == "torch":
+        return int(flag.item())
+    return int(sys.modules["cupy"].asnumpy(flag)[0])
