@@ -139,15 +139,24 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .library import Library
+    from .errors import NoDevice
+    from .library import Library, default_library
     from .ops.attention import explain
 
-    lib = Library(args.images) if args.images else None
+    lib = Library(args.images) if args.images else default_library()
     for backward in (False, True) if args.backward else (False,):
-        print(explain(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim_v, seqlen_q=args.seqlen,
-                      seqlen_k=args.seqlen_k, causal=args.causal, align=args.align, bias=args.bias,
-                      dropout=args.dropout, varlen=args.varlen, backward=backward,
-                      deterministic=args.deterministic, arch=args.arch, library=lib))
+        try:
+            print(explain(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim_v,
+                          seqlen_q=args.seqlen, seqlen_k=args.seqlen_k, causal=args.causal, align=args.align,
+                          bias=args.bias, dropout=args.dropout, varlen=args.varlen, backward=backward,
+                          deterministic=args.deterministic, arch=args.arch, library=lib))
+        except NoDevice:
+            if args.arch:
+                raise
+            built = sorted({a for _, a in lib.targets()})
+            print(f"error: no GPU found on this machine to take the arch from; pass --arch {built[0]} (the "
+                  f"images hold: {', '.join(built)})", file=sys.stderr)
+            return EXIT_ERROR
     return 0
 
 
