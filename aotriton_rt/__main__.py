@@ -13,8 +13,50 @@ import sys
 from collections import Counter
 from typing import Any
 
-from .bundles.fetch import DEFAULT_DEADLINE, ENV_URL
+from .bundles.fetch import DEFAULT_DEADLINE, ENV_URL, MAX_SECONDS
 from .bundles.format import INDEX_FILE
+from .errors import shown
+
+#: Exit statuses: 0 done; 1 an input was refused (an ``error:`` line names it and the fix);
+#: 2 a bad command line (argparse's convention); 3 an internal error, a bug to report.
+EXIT_ERROR, EXIT_USAGE, EXIT_BUG = 1, 2, 3
+#: The longest error line the CLI prints.
+MAX_LINE = 600
+
+
+def _printable(text: str) -> str:
+    """``text`` on one line: control characters escaped, cut to :data:`MAX_LINE` characters."""
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return text if len(text) <= MAX_LINE else text[:MAX_LINE] + "..."
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one escaped line and :data:`EXIT_USAGE`."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {_printable(message)}; `{self.prog} --help` lists the options\n")
+
+
+def _url(text: str) -> str:
+    """argparse type of --url: a one-line URL that urllib can parse and that names a host."""
+    from .bundles.fetch import check_url
+    from .errors import DownloadError
+
+    try:
+        return check_url(text)
+    except DownloadError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text: str) -> float:
+    """argparse type of --timeout/--deadline: a number of seconds in (0, MAX_SECONDS]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in (0, {MAX_SECONDS}], got {shown(text)}")
+    return value
 
 
 def _gpus() -> tuple[list[tuple[str, int, str, str]], list[str]]:
@@ -97,15 +139,24 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .library import Library
+    from .errors import NoDevice
+    from .library import Library, default_library
     from .ops.attention import explain
 
-    lib = Library(args.images) if args.images else None
+    lib = Library(args.images) if args.images else default_library()
     for backward in (False, True) if args.backward else (False,):
-        print(explain(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim_v, seqlen_q=args.seqlen,
-                      seqlen_k=args.seqlen_k, causal=args.causal, align=args.align, bias=args.bias,
-                      dropout=args.dropout, varlen=args.varlen, backward=backward,
-                      deterministic=args.deterministic, arch=args.arch, library=lib))
+        try:
+            print(explain(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim_v,
+                          seqlen_q=args.seqlen, seqlen_k=args.seqlen_k, causal=args.causal, align=args.align,
+                          bias=args.bias, dropout=args.dropout, varlen=args.varlen, backward=backward,
+                          deterministic=args.deterministic, arch=args.arch, library=lib))
+        except NoDevice:
+            if args.arch:
+                raise
+            built = sorted({a for _, a in lib.targets()})
+            print(f"error: no GPU found on this machine to take the arch from; pass --arch {built[0]} (the "
+                  f"images hold: {', '.join(built)})", file=sys.stderr)
+            return EXIT_ERROR
     return 0
 
 
@@ -136,7 +187,7 @@ def add_bundle_commands(subparsers: Any) -> None:
     d.add_argument("--arch", default="auto",
                    help="auto (the GPUs of this machine, the default) or a comma list of archs "
                         "or bundle names: gfx942,sm90")
-    d.add_argument("--url", help=f"the published folder holding {INDEX_FILE} "
+    d.add_argument("--url", type=_url, help=f"the published folder holding {INDEX_FILE} "
                                  f"(default: ${ENV_URL})")
     d.add_argument("--dest", help="images folder to install into (default: the per-user cache, "
                                   "or $AOTRITON_RT_CACHE)")
@@ -144,9 +195,9 @@ def add_bundle_commands(subparsers: Any) -> None:
                    help="install a local bundle file instead of downloading (repeatable)")
     d.add_argument("--sha256", help="with --from-file: the digest the bundle must have")
     d.add_argument("--allow-http", action="store_true", help="accept a plain http:// URL")
-    d.add_argument("--timeout", type=float, default=30.0, help="seconds (default: 30)")
+    d.add_argument("--timeout", type=_seconds, default=30.0, help="seconds (default: 30)")
     d.add_argument("--retries", type=int, default=4, help="attempts in a row (default: 4)")
-    d.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE,
+    d.add_argument("--deadline", type=_seconds, default=DEFAULT_DEADLINE,
                    help=f"seconds the whole download may take (default: {DEFAULT_DEADLINE:g})")
     d.add_argument("--force", action="store_true",
                    help="reinstall even if the same bundle is installed (an install that fails verify "
@@ -207,7 +258,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(prog="python -m aotriton_rt", description=__doc__,
+    p = _Parser(prog="python -m aotriton_rt", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"aotriton-rt {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -247,19 +298,19 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except AotritonError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     except OSError as e:  # the file system said no (read-only, permissions, a name too long)
-        where = f" ({str(e.filename)[:200]})" if e.filename else ""
-        print(f"error: {e.strerror or e}{where}; check that the path exists and is writable by you, or "
-              "pick another with --dest / $AOTRITON_RT_CACHE", file=sys.stderr)
-        return 1
+        where = f" ({_printable(str(e.filename)[:200])})" if e.filename else ""
+        print(f"error: {_printable(str(e.strerror or e))}{where}; check that the path exists and is writable by "
+              "you, or pick another with --dest / $AOTRITON_RT_CACHE", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted; nothing partial was installed", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the CLI never shows a traceback; this is a bug of ours
-        print(f"error: unexpected {type(e).__name__}: {str(e)[:300]}; this is a bug in aotriton-rt, please "
-              "report it with the command you ran (docs/security.md says how)", file=sys.stderr)
-        return 2
+        print(f"error: unexpected {type(e).__name__}: {_printable(str(e)[:300])}; this is a bug in aotriton-rt, "
+              "please report it with the command you ran (docs/security.md says how)", file=sys.stderr)
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import operator
 import re
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -288,14 +289,33 @@ class Packer:
                                     f"variant ({params}); choose a variant whose parameters fit")
 
 
+def _not_a_scalar(value: Any) -> str:
+    """Why ``value`` is not a scalar (an array of one or more dimensions), or ""."""
+    shape = getattr(value, "shape", ())
+    return f" of shape {tuple(shape)!r}"[:100] if isinstance(shape, tuple) and shape else ""
+
+
 def scalar_checker(arg: Arg) -> Callable[[Any], Any]:
-    """A converter that returns the packed value of a scalar or raises ArgumentError."""
+    """A converter that returns the packed value of a scalar or raises ArgumentError.
+
+    This is the launch's slow path (the generated code calls it only for values that are not a
+    plain in-range int or float), so it may take its time: arrays of one or more dimensions
+    (``np.array([n])``) and number protocols that fail or answer the wrong type are refused.
+    """
     name, t = arg.name, arg.type
     if t in ("fp32", "fp64"):
         def to_float(value: Any) -> float:
             if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
                 raise ArgumentError(f"argument {name} ({t}) must be a real number, got {type(value).__name__}")
-            return float(value)
+            shape = _not_a_scalar(value)
+            if shape:
+                raise ArgumentError(f"argument {name} ({t}) must be a real number, got {type(value).__name__}"
+                                    f"{shape}; pass a Python float or a 0-d array (float(a[0]))")
+            try:
+                return float(value)
+            except Exception as e:  # noqa: BLE001 - any failure of the protocol is the caller's value
+                raise ArgumentError(f"argument {name} ({t}) must be a real number, got {type(value).__name__} "
+                                    f"whose __float__() failed: {type(e).__name__}: {e}"[:300]) from None
         return to_float
     lo, hi = INT_RANGES[t]
 
@@ -303,7 +323,15 @@ def scalar_checker(arg: Arg) -> Callable[[Any], Any]:
         if isinstance(value, (float, bool, str, bytes)) or not hasattr(value, "__index__"):
             raise ArgumentError(f"argument {name} ({t}) must be an integer, got {type(value).__name__}"
                                 f" {value!r}"[:200])
-        v = value.__index__()
+        shape = _not_a_scalar(value)
+        if shape:
+            raise ArgumentError(f"argument {name} ({t}) must be an integer, got {type(value).__name__}{shape}; "
+                                "pass a Python int or a 0-d array (int(a[0]))")
+        try:
+            v = int(operator.index(value))  # checks that __index__ answered an int
+        except Exception as e:  # noqa: BLE001 - any failure of the protocol is the caller's value
+            raise ArgumentError(f"argument {name} ({t}) must be an integer, got {type(value).__name__} whose "
+                                f"__index__() failed: {type(e).__name__}: {e}"[:300]) from None
         if not lo <= v <= hi:
             raise ArgumentError(f"argument {name} ({t}) = {v} is out of range [{lo}, {hi}]")
         return v

@@ -92,3 +92,18 @@ class DownloadError(AotritonError):
 
 class BundleError(AotritonError):
     """A bundle or bundle index is malformed, hostile, or of an unknown schema."""
+
+
+#: How much of a value an error message quotes (:func:`shown`).
+SHOWN_CHARS = 200
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """A value as an error message quotes it: its ``repr`` (so one line, control characters
+    escaped), cut to ``limit`` characters with the full length said when it was longer."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    if isinstance(value, (str, bytes)):  # keep the closing quote, and say how long it was
+        return f"{text[:limit]}...{text[-1]} ({len(value)} characters)"
+    return text[:limit] + "..."

@@ -19,7 +19,7 @@ from . import interop
 from .arguments import INT_RANGES as _INT_RANGES
 from .arguments import Packer, scalar_checker
 from .catalog import Variant
-from .errors import ArgumentError, KernelNotFound, LaunchError
+from .errors import ArgumentError, KernelNotFound, LaunchError, shown
 
 if TYPE_CHECKING:
     from .library import Library
@@ -34,6 +34,16 @@ def _none_pointer(obj: Any) -> tuple[int, int]:
 
 def _raw_pointer(obj: Any) -> tuple[int, int]:
     return int(obj), _NO_DEVICE
+
+
+class _Missing:
+    """The default of every argument of a generated launcher: the slow paths refuse it by name."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_MISSING = _Missing()
 
 
 class _DeviceState:
@@ -89,12 +99,12 @@ class Kernel:
     def __getitem__(self, grid: Any) -> Callable[..., None]:
         return partial(self.__call__, grid=grid)
 
-    def __call__(self, *args: Any, stream: int | None = None, grid: Any = None) -> None:
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
         # The first call writes this handle's launch function and makes it the handle's
         # __call__ (through a per-handle subclass); later calls go straight to it.
         fn = self._generate(self.candidates[0])
         self.__class__ = type(f"Kernel_{self.name}", (Kernel,), {"__call__": fn, "__slots__": ()})
-        return fn(self, *args, stream=stream, grid=grid)
+        return fn(self, *args, **kwargs)
 
     def variant(self, device: int = 0) -> Variant:
         """The variant this handle launches on ``device`` (loading it if needed)."""
@@ -125,15 +135,19 @@ class Kernel:
             "_grid": _normalize_grid, "_stream": self._default_stream, "_scratch": self._scratch,
             "_nodev": self._no_device, "_extra": self._extra_args, "_stream_arg": _stream_value,
         }
+        # A call that does not fit the signature reaches a slow path, never Python's TypeError:
+        # a missing argument is _MISSING (refused where its pointer or scalar is read), an
+        # unknown keyword lands in **kw (an empty dict per call, ~25 ns).
+        env["_M"] = _MISSING
         if inline_torch:
             env["_ts"] = interop.stream_getter("torch")
         slot = {a.name: f"a{i}" for i, a in enumerate(first.args)}
         for i, a in enumerate(first.args):
             env[f"_nm{i}"] = a.name
         label = {a.name: f"_nm{i}" for i, a in enumerate(first.args)}
-        params = "".join(f"{slot[n]}, " for n in names)
-        lines = [f"def __call__(self, {params}*extra, stream=None, grid=None):",
-                 "    if extra: _extra(extra)"]
+        params = "".join(f"{slot[n]}=_M, " for n in names)
+        lines = [f"def __call__(self, {params}*extra, stream=None, grid=None, **kw):",
+                 "    if extra or kw: _extra(extra, kw)"]
         ptrs = [a for a in first.args if a.is_pointer]
         for i, a in enumerate(ptrs):
             x, nm = slot[a.name], label[a.name]
@@ -163,7 +177,7 @@ class Kernel:
                 k += 1
                 continue
             x = slot[a.name]
-            env[f"_c{i}"] = scalar_checker(a)
+            env[f"_c{i}"] = self._scalar_checker(a)
             if a.type in _INT_RANGES:
                 lo, hi = _INT_RANGES[a.type]
                 lines.append(f"    if type({x}) is not int or not {lo} <= {x} <= {hi}: {x} = _c{i}({x})")
@@ -208,10 +222,27 @@ class Kernel:
         fn.__code__ = fn.__code__.replace(co_varnames=tuple(varnames))
         return fn
 
-    def _extra_args(self, extra: tuple) -> None:
+    def _extra_args(self, extra: tuple, kw: dict) -> None:
+        if kw:
+            raise ArgumentError(f"{self.name} got an unknown keyword argument {shown(next(iter(kw)))}; it takes "
+                                f"{', '.join(self.arg_names)} (by position or name) and stream=, grid= by keyword")
         raise ArgumentError(f"{self.name} takes {len(self.arg_names)} arguments "
                             f"({', '.join(self.arg_names)}) but was given {len(self.arg_names) + len(extra)} "
                             "positionally; pass stream= and grid= by keyword")
+
+    def _missing(self, name: str) -> None:
+        raise ArgumentError(f"{self.name} takes {len(self.arg_names)} arguments ({', '.join(self.arg_names)}) "
+                            f"but {name} was not given")
+
+    def _scalar_checker(self, arg: Any) -> Callable[[Any], Any]:
+        """The generated launcher's slow path for a scalar: scalar_checker, and a missing value refused."""
+        check = scalar_checker(arg)
+
+        def slow(value: Any) -> Any:
+            if value is _MISSING:
+                self._missing(arg.name)
+            return check(value)
+        return slow
 
     # -- prepared launches (operator plans) -----------------------------------------------------
     def prepare(self, device: int, values: Sequence[Any], *, pdl: bool = True) -> Callable[[int, tuple], None] | None:
@@ -275,6 +306,8 @@ class Kernel:
                 raise ArgumentError(f"argument {name}: {e}") from None
         if obj is None:
             return _none_pointer(obj)
+        if obj is _MISSING:
+            self._missing(name)
         if isinstance(obj, int) and not isinstance(obj, bool):
             if not self._raw:
                 raise ArgumentError(f"argument {name} is a plain integer {obj:#x}; raw addresses are "

@@ -179,6 +179,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+#: The modules of the ``[builder]`` extra (pyproject.toml) -> the distribution that provides each: a
+#: command that needs one when it is missing says which extra to install instead of a traceback.
+EXTRA_MODULES = {"triton": "triton", "elftools": "pyelftools", "msgpack": "msgpack", "tqdm": "tqdm",
+                 "setuptools": "setuptools"}
+
+
 def main(argv: list[str] | None = None) -> int:
     from aotriton_rt.errors import AotritonError
 
@@ -193,6 +199,16 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (BuildError, UnknownTarget, ValueError, AbiError, AotritonError, WheelError, TuningError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ImportError as e:
+        missing = (e.name or "").partition(".")[0]
+        if missing not in EXTRA_MODULES:
+            raise
+        script = Path(sys.argv[0]).name  # the console script's name, or __main__.py under -m
+        prog = script if argv is None and script != "__main__.py" else "python -m builder"
+        print(f"error: {prog} {args.command} needs "
+              f"{EXTRA_MODULES[missing]}, which is not installed; install the builder's extra: "
+              "pip install 'aotriton-rt[builder]'", file=sys.stderr)
         return 1
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from .. import __version__
-from ..errors import AotritonError, BundleError, DownloadError
+from ..errors import AotritonError, BundleError, DownloadError, shown
 from .format import (
     CHUNK,
     DEFAULT_MAX_UNPACKED,
@@ -49,6 +49,11 @@ ENV_URL = "AOTRITON_RT_URL"
 DEFAULT_URL: str | None = None
 #: Seconds a whole ``download`` call may take, however steadily a server trickles bytes.
 DEFAULT_DEADLINE = 3600.0
+#: The longest ``timeout`` or ``deadline`` accepted, in seconds (a week): larger values, ``inf``
+#: and ``nan`` are refused up front rather than overflowing a clock deep in the network stack.
+MAX_SECONDS = 7 * 24 * 3600
+#: The longest URL accepted (HTTP servers commonly stop at 8 KiB of request line).
+MAX_URL_CHARS = 8192
 _MAX_BACKOFF = 30.0
 # 425/429/5xx are the statuses a server uses for "try again later"; other 4xx will not change.
 _RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -75,15 +80,36 @@ class _Transient(Exception):
     """A failure worth retrying: connection trouble, a timeout, 5xx, a short body."""
 
 
+def check_url(url: str) -> str:
+    """``url`` if it is one line of at most :data:`MAX_URL_CHARS` that names a host, else DownloadError."""
+    def bad(why: str) -> DownloadError:
+        return DownloadError(f"invalid URL {shown(url)}: {why}; pass --url as https://host/folder/")
+
+    if not isinstance(url, str):
+        raise bad("not a string")
+    if len(url) > MAX_URL_CHARS:
+        raise bad(f"longer than {MAX_URL_CHARS} characters")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise bad("it holds a space or control character (percent-encode it)")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parses the port: ValueError when out of range or not a number
+    except ValueError as e:
+        raise bad(str(e)) from None
+    if parts.scheme.lower() in ("http", "https") and not parts.hostname:
+        raise bad("it names no host")
+    return url
+
+
 def _check_scheme(url: str, allow_http: bool) -> None:
     scheme = urlsplit(url).scheme.lower()
     if scheme == "https" or (scheme == "http" and allow_http):
         return
     if scheme == "http":
-        raise DownloadError(f"refusing plain HTTP for {url}: the index that vouches for every "
+        raise DownloadError(f"refusing plain HTTP for {shown(url)}: the index that vouches for every "
                             "digest would travel unauthenticated; use https://, or pass "
                             "--allow-http (allow_http=True) on a network you trust")
-    raise DownloadError(f"unsupported URL {url!r}: use https:// (http:// with --allow-http); "
+    raise DownloadError(f"unsupported URL {shown(url)}: use https:// (http:// with --allow-http); "
                         "for a bundle file on disk use --from-file")
 
 
@@ -93,7 +119,7 @@ def _resolve_url(url: str | None, allow_http: bool) -> tuple[str, str]:
     if not url:
         raise DownloadError(f"no download URL: pass --url BASE (the folder holding {INDEX_FILE}) "
                             f"or set {ENV_URL}; for a bundle file on disk use --from-file")
-    _check_scheme(url, allow_http)
+    _check_scheme(check_url(url), allow_http)
     if urlsplit(url).path.endswith(".json"):
         return url.rsplit("/", 1)[0] + "/", url
     base = url.rstrip("/") + "/"
@@ -426,9 +452,14 @@ def download(arch: str | Sequence[str] = "auto", *, url: str | None = None,
     if progress is None:  # a bar only for a person at a terminal, and only if tqdm is there
         progress = (sys.stderr is not None and sys.stderr.isatty()
                     and importlib.util.find_spec("tqdm") is not None)
-    if not (0 < timeout <= deadline) or retries < 0 or backoff < 0:
-        raise DownloadError(f"need 0 < timeout <= deadline, retries >= 0 and backoff >= 0; got timeout={timeout}, "
-                            f"deadline={deadline}, retries={retries}, backoff={backoff}")
+    try:
+        ok = 0 < timeout <= deadline <= MAX_SECONDS and retries >= 0 and backoff >= 0
+    except TypeError:  # a value that is not a number
+        ok = False
+    if not ok:
+        raise DownloadError(f"need 0 < timeout <= deadline <= {MAX_SECONDS} (seconds), retries >= 0 and "
+                            f"backoff >= 0; got timeout={shown(timeout)}, deadline={shown(deadline)}, "
+                            f"retries={shown(retries)}, backoff={shown(backoff)}")
     net = _Net(timeout, retries, backoff, allow_http, progress, time.monotonic() + deadline, deadline)
     root = images_root(dest)
     with _session() as session:

@@ -15,11 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from ..catalog import CATALOG_FILE, Catalog, parse_json
+from ..catalog import CATALOG_FILE, MAX_CATALOG_BYTES, Catalog, parse_json
 from ..errors import BundleError
 from .format import CHUNK, MANIFEST_FILE, MAX_JSON, check_member_name, parse_manifest
-
-_MAX_CATALOG = 256 << 20  # the catalog is parsed in memory; real ones are a few MB
 
 
 class _HashingReader:
@@ -145,9 +143,10 @@ def unpack_bundle(bundle: Path, into: Path, source: str, cap: int) -> tuple[dict
                                   f"found {name!r}")
             src = tar.extractfile(member)
             if name == CATALOG_FILE:
-                if member.size > _MAX_CATALOG:
-                    raise BundleError(f"{source}: {CATALOG_FILE} is {member.size} bytes, over "
-                                      f"{_MAX_CATALOG}")
+                # The loader's limit: a larger catalog would unpack and then never load.
+                if member.size > MAX_CATALOG_BYTES:
+                    raise BundleError(f"{source}: {CATALOG_FILE} is {member.size} bytes, over the "
+                                      f"{MAX_CATALOG_BYTES} a catalog may have (catalog.MAX_CATALOG_BYTES)")
                 data = src.read()
                 _check_digest(hashlib.sha256(data).hexdigest(), entry, name, source)
                 _check_catalog(data, f"{source}:{CATALOG_FILE}", listed, manifest)

@@ -55,6 +55,7 @@ __all__ = [
     "cai_launch_stream",
     "current_stream",
     "describe",
+    "refuse_jax_tracers",
     "pointer",
     "pointer_reader",
     "register_type",
@@ -128,6 +129,18 @@ def _is_instance(obj: object, module: str, attr: str) -> bool:
     mod = sys.modules.get(module)
     cls = getattr(mod, attr, None) if mod is not None else None
     return isinstance(cls, type) and isinstance(obj, cls)
+
+
+def refuse_jax_tracers(op: str, instead: str, **arrays: Any) -> None:
+    """On an operator's error path: raise ArgumentError saying what to call instead when one of
+    ``arrays`` is a JAX tracer (an array inside ``jax.jit``, ``grad`` or ``vmap``, which holds no
+    data yet). Walks each argument's MRO, so it is for error paths only; imports nothing."""
+    if "jax" not in sys.modules:
+        return
+    for name, obj in arrays.items():
+        if any(c.__name__ == "Tracer" and c.__module__.startswith("jax") for c in type(obj).__mro__):
+            raise ArgumentError(f"aotriton_rt.{op} was called on a JAX tracer ({name}, inside jax.jit, grad or "
+                                f"vmap), which holds no data to launch on; {instead}") from None
 
 
 def _select(obj: object) -> tuple[_Pointer, _Describe]:

@@ -75,3 +75,40 @@ def test_numpy_style_integers_are_accepted():
         def __index__(self):
             return 5
     assert scalar_checker(Arg("x", "i32", 0, 4, 4))(Index()) == 5
+
+
+class _BrokenIndex:
+    def __index__(self):
+        return "5"
+
+
+class _RaisingFloat:
+    def __float__(self):
+        raise ValueError("no")
+
+
+# Issue 25, finding 9: what numpy and broken number protocols give is an ArgumentError, never TypeError.
+@pytest.mark.parametrize("t,value,msg", [
+    ("i32", "array", r"^argument x \(i32\) must be an integer, got ndarray of shape \(1,\); pass a Python int or "
+                     r"a 0-d array \(int\(a\[0\]\)\)$"),
+    ("fp32", "array", r"^argument x \(fp32\) must be a real number, got ndarray of shape \(1,\); pass a Python "
+                      r"float or a 0-d array"),
+    ("i32", _BrokenIndex(), r"^argument x \(i32\) must be an integer, got _BrokenIndex whose __index__\(\) failed: "
+                            r"TypeError: __index__ returned non-int \(type str\)$"),
+    ("fp32", _RaisingFloat(), r"^argument x \(fp32\) must be a real number, got _RaisingFloat whose __float__\(\) "
+                              r"failed: ValueError: no$"),
+])
+def test_arrays_and_broken_number_protocols_are_argument_errors(t, value, msg):
+    np = pytest.importorskip("numpy")
+    if value == "array":
+        value = np.array([5], dtype=np.int32 if t == "i32" else np.float32)
+    conv = scalar_checker(Arg("x", t, 0, 4, 4))
+    with pytest.raises(ArgumentError, match=msg):
+        conv(value)
+
+
+def test_zero_dimensional_numpy_values_are_accepted():
+    np = pytest.importorskip("numpy")
+    assert scalar_checker(Arg("x", "i32", 0, 4, 4))(np.array(5)) == 5
+    assert scalar_checker(Arg("x", "i64", 0, 8, 8))(np.int64(7)) == 7
+    assert scalar_checker(Arg("x", "fp32", 0, 4, 4))(np.float32(0.5)) == 0.5

@@ -394,3 +394,73 @@ def test_fuzzed_launches_are_refused_typed_or_reach_the_driver_in_range(built_im
         assert r["status"] == 0, r
         assert 0 < gx and gx * r["block"][0] < 2**32 and 0 < gy <= 65535 and 0 < gz <= 65535, r
         assert 0 <= r["stream"] < 2**64, r
+
+
+# --------------------------------------------------------------------------- issue 25: shards, tuning, CLI
+
+_TUNING = {"attn_fwd": [{"spec": {"HEAD_DIM": 128}, "seqlen_q": [1024, None], "arch": "sm90", "config": 1,
+                         "source": "db"}],
+           "attn_decode": [{"arch": "sm90", "splits": {"waves": 2, "min_blocks": 8, "max_splits": 64}, "config": 1}]}
+
+
+@settings(FUZZ, max_examples=40)
+@given(st.data())
+def test_mutated_shards_and_index_load_or_raise_a_catalog_error(tmp_path, data):
+    """A schema-2 catalog written as index + shards, one file mutated: loading it and reading every
+    shard gives the variants or a CatalogError, nothing else."""
+    folder = tmp_path / f"case-{os.urandom(4).hex()}"
+    cat = Catalog.from_json(_catalog(_variant(), _variant("hip", "gfx942", "2" * 64)), source="fuzz.json")
+    written = sorted(cat.write(folder))
+    target = folder / data.draw(st.sampled_from(written))
+    obj = json.loads(target.read_bytes())
+    target.write_text(json.dumps(_mutate(obj, data)))
+    try:
+        loaded = Catalog.load(folder)
+        for kernel in {v.kernel for v in cat.variants}:
+            loaded.variants_of(kernel)
+    except CatalogError:
+        pass
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_tuning_rules_validate_or_raise_a_catalog_error(data):
+    from aotriton_rt.ops.decode import split_rule
+    from aotriton_rt.tuning import select_config, validate_table
+
+    table = _mutate(_TUNING, data)
+    try:
+        checked = validate_table(table, "fuzz.json")
+    except CatalogError:
+        return
+    try:  # what loads must select without any other error
+        select_config(checked.get("attn_fwd", []), kernel="attn_fwd", spec={"HEAD_DIM": 128}, seqlen_q=2048,
+                      seqlen_k=2048, arch="sm90")
+        split_rule(checked.get("attn_decode", []), "sm90", batch_heads=8)
+    except CatalogError:
+        pass
+
+
+_CLI_WORDS = st.sampled_from(["download", "verify", "info", "explain", "attention", "--url", "--timeout", "--deadline",
+                              "--retries", "--arch", "--dest", "--from-file", "--seqlen", "inf", "nan", "-1", "0",
+                              "1e999", "https://[::1", "https://a\nb/", "ftp://x", "http://127.0.0.1:9/",
+                              "https://a:99999/", "\x00", "x" * 300])
+
+
+@settings(FUZZ, max_examples=60)
+@given(st.lists(_CLI_WORDS | st.text(max_size=20), min_size=1, max_size=6))
+def test_fuzzed_command_lines_end_in_one_line_and_a_documented_status(tmp_path, monkeypatch, capsys, argv):
+    import aotriton_rt.__main__ as cli
+
+    monkeypatch.setenv("AOTRITON_RT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("AOTRITON_RT_IMAGES", str(tmp_path / "no-images"))
+    if "download" in argv and "--url" not in argv:
+        argv = [*argv, "--url", "https://[::1"]  # never the network
+    argv = [a if not a.startswith("http://127") else "https://[::1" for a in argv]
+    try:
+        status = cli.main(argv)
+    except SystemExit as e:
+        status = e.code
+    err = capsys.readouterr().err
+    assert status in (0, cli.EXIT_ERROR, cli.EXIT_USAGE), err
+    assert "Traceback" not in err and "unexpected" not in err

@@ -264,3 +264,52 @@ def test_a_refused_pointer_of_an_int_does_not_poison_raw_pointer_handles():
         interop.pointer(0x1000)
     assert _kernel_stub(True)._pointer(0x1000, "x", None) == (0x1000, -2)
     assert interop.pointer_reader(int) is None and interop.pointer_reader(type(None)) is None
+
+
+def _handle(tmp_path: Path) -> Kernel:
+    """A handle on the folder's 'add' (x_ptr, n) built in memory: its generated
+    launcher refuses bad calls before it needs a driver."""
+    v = Catalog.load(_folder(tmp_path)).variants[0]
+    driver = SimpleNamespace(current_device=lambda: 0)
+    lib = SimpleNamespace(backend_now="cuda", backend="cuda", driver=driver)
+    return Kernel(lib, "add", {}, [v], raw_pointers=True)
+
+
+# Issue 25, finding 9: a call that does not fit the signature is an ArgumentError naming the
+# kernel and its arguments (it was Python's TypeError about "__call__()").
+BAD_CALLS = {
+    "too few": (lambda k: k(1 << 12), r"^add takes 2 arguments \(x_ptr, n\) but n was not given$"),
+    "first missing": (lambda k: k(n=4), r"^add takes 2 arguments \(x_ptr, n\) but x_ptr was not given$"),
+    "none": (lambda k: k(), r"^add takes 2 arguments \(x_ptr, n\) but x_ptr was not given$"),
+    "unknown keyword": (lambda k: k(1 << 12, 4, strem=0),
+                        r"^add got an unknown keyword argument 'strem'; it takes x_ptr, n \(by position or name\) "
+                        r"and stream=, grid= by keyword$"),
+    "numpy array as n": (lambda k: k(1 << 12, __import__("numpy").array([4])),
+                         r"^argument n \(i32\) must be an integer, got ndarray of shape \(1,\)"),
+    "str from __index__": (lambda k: k(1 << 12, _StrIndex()),
+                           r"^argument n \(i32\) must be an integer, got _StrIndex whose __index__\(\) failed"),
+}
+
+
+class _StrIndex:
+    def __index__(self):
+        return "4"
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+@pytest.mark.parametrize("call", ["first", "later"])
+def test_a_call_that_does_not_fit_the_signature_is_an_argument_error(tmp_path, case, call):
+    k = _handle(tmp_path)
+    if call == "later":  # the generated launcher is the handle's __call__ after the first call
+        with pytest.raises(ArgumentError):
+            k(1 << 12, 2**40)
+        assert type(k) is not Kernel
+    fn, message = BAD_CALLS[case]
+    with pytest.raises(ArgumentError, match=message):
+        fn(k)
+
+
+def test_the_first_call_of_a_handle_may_name_its_arguments(tmp_path):
+    k = _handle(tmp_path)
+    with pytest.raises(ArgumentError, match=r"^argument n \(i32\) = 1099511627776 is out of range"):
+        k(x_ptr=1 << 12, n=2**40)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ... import interop
 from ...errors import ArgumentError
 from ...tuning import select_config, select_mode
 from . import plan as _plan
@@ -134,8 +135,13 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
 
         out, lse = attention(q, k, v, causal=True, dropout_p=0.1, seed=1234)
     """
-    return _plan.forward(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
-                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library)
+    try:
+        return _plan.forward(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
+                             cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library)
+    except Exception:  # an error path only: say so when the arrays are JAX tracers
+        interop.refuse_jax_tracers("attention", "use aotriton_rt.jax.attention there (docs/jax.md)", q=q, k=k, v=v,
+                                   bias=bias)
+        raise
 
 
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
@@ -165,11 +171,18 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
 
         dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, bias=b, causal=True)
     """
-    return _plan.backward(dout, q, k, v, out, lse, causal=causal, window=window, align=align, bias=bias,
-                          dropout_p=dropout_p, seed=seed, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
-                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                          layout=layout, deterministic=deterministic, scheme=scheme, bias_grad=bias_grad, dq=dq,
-                          dk=dk, dv=dv, library=library)
+    try:
+        return _plan.backward(dout, q, k, v, out, lse, causal=causal, window=window, align=align, bias=bias,
+                              dropout_p=dropout_p, seed=seed, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
+                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                              layout=layout, deterministic=deterministic, scheme=scheme, bias_grad=bias_grad, dq=dq,
+                              dk=dk, dv=dv, library=library)
+    except Exception:  # an error path only: say so when the arrays are JAX tracers
+        interop.refuse_jax_tracers("attention_backward",
+                                   "use jax.grad of aotriton_rt.jax.attention there (docs/jax.md)", dout=dout, q=q,
+                                   k=k, v=v, out=out, lse=lse, bias=bias)
+        raise
+
 
 
 def attention_kernels(q: Any, k: Any, v: Any, *, backward: bool = False, deterministic: bool = False,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ...errors import ArgumentError, KernelNotFound
+from ...errors import ArgumentError, KernelNotFound, NoDevice
 from ...tuning import MODE_RULES, Choice, explain_config
 from .dispatch import (
     DTYPES,
@@ -115,7 +115,8 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
         causal, align, bias, dropout, varlen: as for :func:`aotriton_rt.attention` (bias/dropout: present or not).
         backward, deterministic, scheme: explain the backward's kernels (and its scheme) instead.
         arch: the catalog arch to explain for (e.g. "sm90"); default: the one device 0 runs
-            (no driver is needed when the images hold one arch).
+            (no driver is needed when the images hold one arch; NoDevice, naming the archs to
+            pass, when they hold several and there is no GPU).
         library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
 
     Returns:
@@ -152,7 +153,11 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
     ks = kernels_of(library)
     built = sorted({a for _, a in ks.lib.targets()})
     if arch is None:
-        arch = ks.device_arch(0)
+        try:
+            arch = ks.device_arch(0)
+        except NoDevice:
+            raise NoDevice(f"no GPU found on this machine to take the arch from; pass arch={built[0]!r} (the "
+                           f"images hold: {', '.join(built)})") from None
     elif arch not in built:
         raise ArgumentError(f"arch {arch!r} has no images here; built: {', '.join(built) or 'none'}")
     if not backward:

@@ -120,9 +120,14 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             if launch.fast is not None:
                 return launch.run_fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
             return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
-    p, infos = _plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
-                     v_new=v_new, causal=causal, window=window, scale=scale, max_seqlen_k=max_seqlen_k,
-                     layout=layout, cache_layout=cache_layout)
+    try:
+        p, infos = _plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
+                         v_new=v_new, causal=causal, window=window, scale=scale, max_seqlen_k=max_seqlen_k,
+                         layout=layout, cache_layout=cache_layout)
+    except Exception:  # an error path only: say so when the arrays are JAX tracers
+        interop.refuse_jax_tracers("decode_attention", "it has no JAX version: call it outside jax.jit, on "
+                                   "concrete arrays", q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
+        raise
     if num_splits is not None:
         num_splits = _int(num_splits, "num_splits", 1, 1024)
     if out is not None:
