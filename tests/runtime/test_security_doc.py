@@ -41,9 +41,6 @@ NOT_LIMITS = {
 ALSO_LIMITS = {"aotriton_rt.catalog.files.XZ_MEMLIMIT", "aotriton_rt.arguments.CUDA_GRID",
                "aotriton_rt.ops.attention.signature.PLAN_CACHE_SIZE", "aotriton_rt.errors.SHOWN_CHARS",
                "aotriton_rt.bundles.format.DEFAULT_MAX_UNPACKED", "aotriton_rt.bundles.fetch.DEFAULT_DEADLINE"}
-# i25-sec-a: the limits that branch adds (PTX reads, image-wheel.json bounds) join the required
-# set through the scan below; list here any it names otherwise.
-SEC_A_LIMITS: set[str] = set()
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -100,7 +97,7 @@ def test_each_limit_is_listed_once():
 
 def test_every_limit_constant_of_the_package_is_in_the_table():
     listed = {m["path"] for m in _rows() if not m["param"]}
-    required = (_limit_constants() - NOT_LIMITS) | ALSO_LIMITS | SEC_A_LIMITS
+    required = (_limit_constants() - NOT_LIMITS) | ALSO_LIMITS
     assert sorted(required - listed) == []
     assert NOT_LIMITS <= _limit_constants(), "a name in NOT_LIMITS no longer exists; drop it"
 
