@@ -137,7 +137,7 @@ def host_refusal(name, paged, new):
         assert out.isfinite().all() and read_faults(library=lib) == 0, "exactly at capacity"
 
 
-case("contiguous, one split", num_splits=1)
+case("contiguous, one split", run, num_splits=1)
 case("contiguous, forced splits", run, num_splits=5, lens=(300, 0, 129))
 case("paged 16, random table", run, page=16, lens=(33, 1, 16), num_splits=3)
 case("paged 48, append across page edges", run, page=48, lens=(47, 95, 0), new=3, sq=3, causal=True)
