@@ -9,20 +9,24 @@ these rules:
 
 * **Eager launches** (the stream is not capturing a graph) use one buffer per (device, stream).
   Launches on one stream run one after the other, so they share it; launches on two streams
-  never do. After each launch an event is recorded on the stream, marking the buffer's last use.
+  never do. Once a second stream on the device has used scratch, an event is recorded on the
+  stream after each launch, marking the buffer's last use.
 * **Bounded**: at most :data:`MAX_STREAMS` streams per device hold a buffer. A further stream
   takes the least recently used stream's buffer and first makes itself wait (on the device,
   not the host) for that buffer's last use. A buffer outgrown by its stream is parked and
   reused the same way; at most :data:`MAX_PARKED` per device are kept, the rest freed once
-  their last use has finished. A process that cycles through many short-lived streams
-  therefore holds at most ``MAX_STREAMS + MAX_PARKED`` buffers per device.
+  their last use has finished. The one buffer whose last use may predate the events (the
+  device's first stream, when it stopped before a second came) is never given to another
+  stream. A process that cycles through many short-lived streams therefore holds at most
+  ``MAX_STREAMS + MAX_PARKED + 1`` buffers per device.
 * **Captured graphs** (CUDA graph capture, ``torch.cuda.graph``, ...): each (capture, stream)
   gets a buffer of its own, which is never handed to another launch while the graph lives,
   so replays and eager launches on any stream can overlap safely. On CUDA the buffer is tied
   to the graph with a user object: when the graph and every executable made from it are
   destroyed and their launches have finished, it returns to the pool. Where the driver
   cannot say which graph is being built (HIP), it lives as long as the process.
-* Steady state allocates nothing: one capture query, one event record and the launch.
+* Steady state allocates nothing: one capture query and the launch (plus one event record
+  once several streams share the device).
 
 Lifetime: buffers live as long as their Library (the process, for the default one).
 """
@@ -50,8 +54,12 @@ ALIGN = 256
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
+#: Where a parked buffer's last use stands.
+_IDLE, _EVENT, _UNKNOWN = "idle", "event", "unknown"
+
+
 class _Buffer:
-    __slots__ = ("device", "base", "ptr", "size", "event")
+    __slots__ = ("device", "base", "ptr", "size", "event", "marked", "state")
 
     def __init__(self, device: int, base: int, size: int, event: int) -> None:
         self.device = device
@@ -59,6 +67,8 @@ class _Buffer:
         self.ptr = -(-base // ALIGN) * ALIGN
         self.size = size
         self.event = event
+        self.marked = False  # its event was recorded after its last eager launch
+        self.state = _IDLE   # once parked: _IDLE (free to reuse), _EVENT (wait for .event), _UNKNOWN
 
 
 class ScratchPool:
@@ -72,6 +82,7 @@ class ScratchPool:
         # One lock: a launch with scratch holds it from taking the buffer to recording the
         # event, so no other thread can hand the buffer to another stream in between.
         self._lock = threading.Lock()
+        self._hooks: tuple[Any, Any, Any] | None = None  # driver, capture probe, event recorder
         self._streams: collections.OrderedDict[tuple[int, int], _Buffer] = collections.OrderedDict()
         self._per_device: collections.Counter[int] = collections.Counter()
         self._parked: dict[int, list[_Buffer]] = {}
@@ -89,15 +100,26 @@ class ScratchPool:
         if align > ALIGN:
             raise LaunchError(f"the kernel asks for {align}-byte aligned global scratch; at most {ALIGN} "
                               "is supported")
-        driver = self._driver()
-        status, capture, graph = driver.capture_info(device, stream)
         with self._lock:
+            hooks = self._hooks
+            if hooks is None:
+                driver = self._driver()
+                hooks = self._hooks = (driver, driver.capture_probe(), driver.event_recorder())
+            driver, probe, record = hooks
             if self._released:
                 self._drain()
+            status = probe(stream)
+            if status:
+                status, capture, graph = driver.capture_info(device, stream)
             if status == 0:
                 buf = self._for_stream(driver, device, stream, nbytes)
                 launcher(gx, gy, gz, stream, values + (buf.ptr, 0))
-                driver.event_record(device, buf.event, stream)
+                if self._per_device[device] > 1:
+                    if record(buf.event, stream):
+                        driver.event_record(device, buf.event, stream)
+                    buf.marked = True
+                else:
+                    buf.marked = False
             else:
                 buf = self._for_capture(driver, device, stream, capture, graph, nbytes)
                 launcher(gx, gy, gz, stream, values + (buf.ptr, 0))
@@ -112,40 +134,45 @@ class ScratchPool:
                 return buf
             # Outgrown: its stream may still be running launches that use it; mark their end.
             driver.event_record(device, buf.event, stream)
+            buf.marked = True
             del self._streams[key]
             self._per_device[device] -= 1
             self._park(driver, buf)
         if self._per_device[device] >= MAX_STREAMS:
             victim_key = next(k for k in self._streams if k[0] == device)
-            self._park(driver, self._streams.pop(victim_key))  # its event marks its last use
+            self._park(driver, self._streams.pop(victim_key))
             self._per_device[device] -= 1
-        buf = self._reuse(driver, device, stream, nbytes) or self._new(driver, device, nbytes, stream)
+        buf = self._reuse(driver, device, stream, nbytes) or self._new(driver, device, nbytes)
         self._streams[key] = buf
         self._per_device[device] += 1
         return buf
 
     def _park(self, driver: Any, buf: _Buffer) -> None:
+        """Keep ``buf`` for reuse; its stream's launches may still be using it."""
+        buf.state = _EVENT if buf.marked else _UNKNOWN
         parked = self._parked.setdefault(buf.device, [])
         parked.append(buf)
-        if len(parked) > MAX_PARKED:
-            parked.sort(key=lambda b: b.size)
-            smallest = parked.pop(0)
+        spare = [b for b in parked if b.state != _UNKNOWN]
+        if len(spare) > MAX_PARKED:
+            smallest = min(spare, key=lambda b: b.size)
+            parked.remove(smallest)
             driver.free(smallest.device, smallest.base, smallest.event)
 
     def _reuse(self, driver: Any, device: int, stream: int, nbytes: int) -> _Buffer | None:
         parked = self._parked.get(device)
-        fits = [b for b in parked or () if b.size >= nbytes]
+        fits = [b for b in parked or () if b.size >= nbytes and b.state != _UNKNOWN]
         if not fits:
             return None
         buf = min(fits, key=lambda b: b.size)
         parked.remove(buf)
-        if buf.event:
+        if buf.state == _EVENT:
             driver.stream_wait_event(device, stream, buf.event)
-        else:  # a graph's buffer after the graph is gone: idle
+        elif not buf.event:  # a graph's buffer after the graph is gone: idle
             buf.event = driver.event_create(device)
+        buf.marked = False
         return buf
 
-    def _new(self, driver: Any, device: int, nbytes: int, stream: int) -> _Buffer:
+    def _new(self, driver: Any, device: int, nbytes: int) -> _Buffer:
         size = max(MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
         base = driver.alloc(device, size + ALIGN)
         return _Buffer(device, base, size, driver.event_create(device))
@@ -158,28 +185,26 @@ class ScratchPool:
         if buf is not None and buf.size >= nbytes:
             return buf
         # A larger one: the smaller stays owned by the graph, whose earlier launches use it.
-        parked = [b for b in self._parked.get(device, ()) if not b.event and b.size >= nbytes]
-        if parked:
-            buf = min(parked, key=lambda b: b.size)
+        idle = [b for b in self._parked.get(device, ()) if b.state == _IDLE and b.size >= nbytes]
+        if idle:
+            buf = min(idle, key=lambda b: b.size)
             self._parked[device].remove(buf)
         else:
             size = max(MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
             buf = _Buffer(device, driver.alloc_relaxed(device, size + ALIGN), size, 0)
         self._graphs[key] = buf
-        if graph and self._give_to_graph(driver, graph, buf):
-            return buf
-        return buf  # lives as long as the process
+        if graph:
+            self._give_to_graph(driver, graph, buf)
+        return buf  # without a graph to tie it to: lives as long as the process
 
-    def _give_to_graph(self, driver: Any, graph: int, buf: _Buffer) -> bool:
+    def _give_to_graph(self, driver: Any, graph: int, buf: _Buffer) -> None:
         if self._on_release is None:
             released = self._released
             self._on_release = _HOST_FN(lambda data: released.append(data))
         key = self._next_key
         self._next_key += 1
-        if not driver.retain_in_graph(graph, key, self._on_release):
-            return False
-        self._graph_owned[key] = buf
-        return True
+        if driver.retain_in_graph(graph, key, self._on_release):
+            self._graph_owned[key] = buf
 
     def _drain(self) -> None:
         """Return the buffers of destroyed graphs to the pool (their launches have finished)."""
@@ -189,7 +214,7 @@ class ScratchPool:
                 continue
             for k in [k for k, b in self._graphs.items() if b is buf]:
                 del self._graphs[k]
-            buf.event = 0
+            buf.state = _IDLE
             self._parked.setdefault(buf.device, []).append(buf)
 
     # -- inspection ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import ctypes
 import os
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
 
@@ -434,6 +434,25 @@ class CudaDriver:
         self._stream_call(device, "cuStreamGetCaptureInfo", self._optional_fn("cuStreamGetCaptureInfo_v2"),
                           stream, byref(status), byref(ident), byref(graph), None, None)
         return status.value, ident.value, graph.value or 0
+
+    def capture_probe(self) -> Callable[[int], int]:
+        """A cheap ``probe(stream)``: 0 when ``stream`` is not capturing a graph, else non-zero
+        (then ask :meth:`capture_info`). One preallocated result: not for concurrent use."""
+        status = c_int()
+        ref = byref(status)
+        query = self._cuStreamIsCapturing
+
+        def probe(stream: int) -> int:
+            if query(stream, ref):
+                return 1  # unknown (e.g. no context): take the careful path, capture_info says
+            return status.value
+
+        return probe
+
+    def event_recorder(self) -> Callable[[int, int], int]:
+        """``cuEventRecord`` itself: ``record(event, stream)`` returns the status; on a
+        non-zero status call :meth:`event_record`, which retries in context and raises."""
+        return self._optional_fn("cuEventRecord")
 
     def event_create(self, device: int) -> int:
         """A new event without timing in ``device``'s primary context."""

@@ -560,6 +560,21 @@ class HipDriver:
         self.check(status, "hipStreamGetCaptureInfo")
         return capture, ident, 0
 
+    def capture_probe(self) -> Callable[[int], int]:
+        """``probe(stream)``: 0 when ``stream`` is not capturing a graph, else non-zero."""
+        api, check = self._api, self.check
+
+        def probe(stream: int) -> int:
+            status, capture = api.stream_is_capturing(stream)
+            check(status, "hipStreamIsCapturing")
+            return capture
+
+        return probe
+
+    def event_recorder(self) -> Callable[[int, int], int]:
+        """``record(event, stream)`` returning the status (see the CUDA driver)."""
+        return self._api.event_record
+
     def event_create(self, device: int) -> int:
         with self._on_device(device):
             status, event = self._api.event_create()

@@ -220,10 +220,11 @@ CUresult cuPointerGetAttributes(unsigned n, int *attributes, void **data, CUdevi
   return CUDA_ERROR_NOT_SUPPORTED;
 }
 
+static int capturing(void *stream);
+
 CUresult cuStreamIsCapturing(void *stream, int *status) {
-  (void)stream;
   if (!status) return CUDA_ERROR_INVALID_VALUE;
-  *status = 0;
+  *status = capturing(stream);
   return CUDA_SUCCESS;
 }
 
