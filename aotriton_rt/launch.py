@@ -289,11 +289,10 @@ class Kernel:
             def launch(stream: int, args: tuple) -> None:
                 return None
         else:
-            pool, nbytes = self.library.scratch, gx * gy * gz * st.scratch_size
-            align = st.variant.scratch["global_align"]
+            run, nbytes = self.library.scratch.launch, gx * gy * gz * st.scratch_size
 
             def launch(stream: int, args: tuple) -> None:
-                pool.launch(device, stream, nbytes, align, launcher, gx, gy, gz, args)
+                run(device, stream, nbytes, launcher, gx, gy, gz, args)
         return launch
 
     # -- slow paths ----------------------------------------------------------------------------
@@ -342,8 +341,7 @@ class Kernel:
     def _scratch(self, st: _DeviceState, launcher: Any, dev: int, gx: int, gy: int, gz: int, stream: int,
                  vals: tuple) -> None:
         """Launch with global scratch private to ``stream`` (:mod:`aotriton_rt.scratch`)."""
-        self.library.scratch.launch(dev, stream, gx * gy * gz * st.scratch_size, st.variant.scratch["global_align"],
-                                    launcher, gx, gy, gz, vals)
+        self.library.scratch.launch(dev, stream, gx * gy * gz * st.scratch_size, launcher, gx, gy, gz, vals)
 
 
 _STREAM_OF: dict[type, Callable[[Any, int, str], int]] = {}

@@ -29,7 +29,7 @@ from .catalog import Catalog, Variant
 from .errors import DriverError
 from .images import find, read_image
 from .launch import Kernel, _DeviceState
-from .scratch import ScratchPool
+from .scratch import ScratchPool, check_scratch
 from .select import match, select_one
 
 #: Every live Library by ``id()``: the torch ops carry a library as that integer (their schema
@@ -185,6 +185,7 @@ class Library:
             usable = [v for v in handle.candidates if v.target.backend == driver.backend]
             target = _arch.pick_target(driver.backend, device_arch, sorted({v.target.arch for v in usable}))
             variant = select_one(usable, handle.name, handle.params, [target] if target in archs else archs)
+            check_scratch(handle.name, variant)
             packer = Packer(variant, driver.backend)
             mod_key = (dev, variant.key)
             if mod_key not in self._modules:

@@ -54,6 +54,13 @@ ALIGN = 256
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
+def check_scratch(name: str, variant: Any) -> None:
+    """Refuse, when it is loaded, a variant whose global scratch the pool cannot align."""
+    if variant.scratch["global_size"] and variant.scratch["global_align"] > ALIGN:
+        raise LaunchError(f"{name}: variant {variant.key[:16]} asks for {variant.scratch['global_align']}-byte "
+                          f"aligned global scratch; at most {ALIGN} is supported: rebuild it")
+
+
 #: Where a parked buffer's last use stands.
 _IDLE, _EVENT, _UNKNOWN = "idle", "event", "unknown"
 
@@ -83,6 +90,11 @@ class ScratchPool:
         # event, so no other thread can hand the buffer to another stream in between.
         self._lock = threading.Lock()
         self._hooks: tuple[Any, Any, Any] | None = None  # driver, capture probe, event recorder
+        self._probe: Any = None
+        self._record: Any = None
+        # (stream, device, buffer, several streams) of the last eager launch: its stream's buffer
+        # is still the most recently used, so a repeat on that stream needs no bookkeeping.
+        self._fast: tuple[int, int, _Buffer, bool] | None = None
         self._streams: collections.OrderedDict[tuple[int, int], _Buffer] = collections.OrderedDict()
         self._per_device: collections.Counter[int] = collections.Counter()
         self._parked: dict[int, list[_Buffer]] = {}
@@ -93,36 +105,47 @@ class ScratchPool:
         self._released: collections.deque[int] = collections.deque()
         self._on_release = None  # the destructor callback, made with the driver's function type
 
-    def launch(self, device: int, stream: int, nbytes: int, align: int, launcher: Any,
-               gx: int, gy: int, gz: int, values: tuple) -> None:
+    def launch(self, device: int, stream: int, nbytes: int, launcher: Any, gx: int, gy: int, gz: int,
+               values: tuple) -> None:
         """Launch ``launcher`` over (gx, gy, gz) on ``stream`` with ``values`` and a scratch
         buffer of ``nbytes`` private to this stream (or to the graph being captured on it)."""
-        if align > ALIGN:
-            raise LaunchError(f"the kernel asks for {align}-byte aligned global scratch; at most {ALIGN} "
-                              "is supported")
         with self._lock:
-            hooks = self._hooks
-            if hooks is None:
-                driver = self._driver()
-                hooks = self._hooks = (driver, driver.capture_probe(), driver.event_recorder())
-            driver, probe, record = hooks
-            if self._released:
-                self._drain()
-            status = probe(stream)
-            if status:
-                status, capture, graph = driver.capture_info(device, stream)
-            if status == 0:
-                buf = self._for_stream(driver, device, stream, nbytes)
+            # The common case: the same stream as the last launch, not capturing, buffer big enough.
+            fast = self._fast
+            if fast is not None and fast[0] == stream and fast[1] == device and fast[2].size >= nbytes \
+                    and not self._probe(stream) and not self._released:
+                buf = fast[2]
                 launcher(gx, gy, gz, stream, values + (buf.ptr, 0))
-                if self._per_device[device] > 1:
-                    if record(buf.event, stream):
-                        driver.event_record(device, buf.event, stream)
-                    buf.marked = True
-                else:
-                    buf.marked = False
-            else:
-                buf = self._for_capture(driver, device, stream, capture, graph, nbytes)
-                launcher(gx, gy, gz, stream, values + (buf.ptr, 0))
+                if fast[3] and self._record(buf.event, stream):
+                    self._hooks[0].event_record(device, buf.event, stream)
+                return
+            self._launch(device, stream, nbytes, launcher, gx, gy, gz, values)
+
+    def _launch(self, device: int, stream: int, nbytes: int, launcher: Any, gx: int, gy: int, gz: int,
+                values: tuple) -> None:
+        hooks = self._hooks
+        if hooks is None:
+            driver = self._driver()
+            hooks = self._hooks = (driver, driver.capture_probe(), driver.event_recorder())
+            self._probe, self._record = hooks[1], hooks[2]
+        driver = hooks[0]
+        self._fast = None
+        if self._released:
+            self._drain()
+        status = self._probe(stream)
+        if status:
+            status, capture, graph = driver.capture_info(device, stream)
+        if status == 0:
+            buf = self._for_stream(driver, device, stream, nbytes)
+            launcher(gx, gy, gz, stream, values + (buf.ptr, 0))
+            several = self._per_device[device] > 1
+            if several:
+                driver.event_record(device, buf.event, stream)
+            buf.marked = several
+            self._fast = (stream, device, buf, several)
+        else:
+            buf = self._for_capture(driver, device, stream, capture, graph, nbytes)
+            launcher(gx, gy, gz, stream, values + (buf.ptr, 0))
 
     # -- eager ---------------------------------------------------------------------------------
     def _for_stream(self, driver: Any, device: int, stream: int, nbytes: int) -> _Buffer:

@@ -112,7 +112,7 @@ def pool(drv: RecordingDriver) -> ScratchPool:
 
 
 def run(pool: ScratchPool, drv: RecordingDriver, stream: int, nbytes: int = 4096, device: int = 0) -> int:
-    pool.launch(device, stream, nbytes, 128, drv.launcher, 1, 1, 1, (7,))
+    pool.launch(device, stream, nbytes, drv.launcher, 1, 1, 1, (7,))
     return drv.launches[stream][-1]
 
 
@@ -237,9 +237,17 @@ def test_devices_have_separate_buffers_and_bounds(pool: ScratchPool, drv: Record
     assert {c[1] for c in drv.calls if c[0] == "alloc"} == {0, 1}
 
 
-def test_scratch_aligned_past_the_pools_alignment_is_refused(pool: ScratchPool, drv: RecordingDriver) -> None:
-    with pytest.raises(LaunchError, match=r"512-byte aligned global scratch; at most 256"):
-        pool.launch(0, 0xA, 4096, 512, drv.launcher, 1, 1, 1, ())
+def test_a_variant_asking_for_scratch_aligned_past_the_pool_is_refused_at_load() -> None:
+    from types import SimpleNamespace
+
+    from aotriton_rt.scratch import check_scratch
+
+    variant = SimpleNamespace(key="ab" * 32, scratch={"global_size": 384, "global_align": 512})
+    with pytest.raises(LaunchError, match=r"^attn_fwd: variant abababababababab asks for 512-byte aligned global "
+                                          r"scratch; at most 256 is supported: rebuild it$"):
+        check_scratch("attn_fwd", variant)
+    check_scratch("attn_fwd", SimpleNamespace(key="", scratch={"global_size": 384, "global_align": 256}))
+    check_scratch("attn_fwd", SimpleNamespace(key="", scratch={"global_size": 0, "global_align": 4096}))
 
 
 def test_concurrent_threads_on_many_streams_each_launch_with_a_buffer_no_other_stream_holds(
@@ -262,7 +270,7 @@ def test_concurrent_threads_on_many_streams_each_launch_with_a_buffer_no_other_s
 
     def worker(base: int) -> None:
         for i in range(200):
-            pool.launch(0, base + i % 50, 4096, 128, launcher, 1, 1, 1, ())
+            pool.launch(0, base + i % 50, 4096, launcher, 1, 1, 1, ())
 
     threads = [threading.Thread(target=worker, args=(0x100 * t,)) for t in range(8)]
     for t in threads:
@@ -287,14 +295,14 @@ _BINDINGS = textwrap.dedent("""
     pool = ScratchPool(lambda: drv)
     seen = []
     launch = lambda gx, gy, gz, stream, values: seen.append((stream, values[-2]))
-    pool.launch(0, 0x50, 1000, 128, launch, 1, 1, 1, ())
-    pool.launch(0, 0x60, 1000, 128, launch, 1, 1, 1, ())
+    pool.launch(0, 0x50, 1000, launch, 1, 1, 1, ())
+    pool.launch(0, 0x60, 1000, launch, 1, 1, 1, ())
     out["seen"] = list(seen)
     out["stats"] = pool.stats()
     out["destroyed"] = lib.fake_cuda_destroy_graph(0x60)
     out["after"] = pool.stats()
     for s in range(0x100, 0x100 + 40):
-        pool.launch(0, s, 1000, 128, launch, 1, 1, 1, ())
+        pool.launch(0, s, 1000, launch, 1, 1, 1, ())
     print(json.dumps(out))
 """)
 
