@@ -52,8 +52,11 @@ DKDV_KERNEL_RULES = "attn_bwd_dkdv_kernel"
 DQ_KERNEL_RULES = "attn_bwd_dq_kernel"
 _MODES = ("split", "atomic")
 _MAX_SOURCE = 300
-_MAX_KERNELS = 1024
-_MAX_RULES = 4096
+# A full build's table names 7 kernels with 96 rules, at most 18 per kernel. The total bounds
+# what a catalog of either form spends on its table at load (4M tiny rules took 6 s and 700 MB).
+_MAX_KERNELS = 256
+_MAX_RULES = 1024
+_MAX_TOTAL_RULES = 16384
 _MAX_CONFIG = 1 << 16
 _MAX_LENGTH = 2**63 - 1
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -130,6 +133,9 @@ def validate_table(table: Any, source: str = "<memory>") -> dict[str, list]:
         raise CatalogError(f"{source}: $.tuning must be an object, got {type(table).__name__}")
     if len(table) > _MAX_KERNELS:
         raise CatalogError(f"{source}: $.tuning names {len(table)} kernels; at most {_MAX_KERNELS} are read")
+    total = sum(len(rules) for rules in table.values() if isinstance(rules, list))
+    if total > _MAX_TOTAL_RULES:
+        raise CatalogError(f"{source}: $.tuning has {total} rules in all; at most {_MAX_TOTAL_RULES} are read")
     for kernel, rules in table.items():
         if not isinstance(kernel, str) or not _NAME.match(kernel):
             raise CatalogError(f"{source}: $.tuning key {kernel!r} is not a kernel name"[:300])

@@ -30,6 +30,7 @@ from .schema import (
     CATALOG_FILE,
     IMAGE_FORMATS,
     MAX_CATALOG_BYTES,
+    MAX_INDEX_BYTES,
     MAX_PTX,
     MAX_SHARD_BYTES,
     POINTER_SIZE,
@@ -52,7 +53,8 @@ from .schema import (
 from .store import Catalog, index_bytes
 
 __all__ = [
-    "BACKENDS", "CATALOG_FILE", "IMAGE_FORMATS", "MAX_CATALOG_BYTES", "MAX_PTX", "MAX_SHARD_BYTES", "POINTER_SIZE",
+    "BACKENDS", "CATALOG_FILE", "IMAGE_FORMATS", "MAX_CATALOG_BYTES", "MAX_INDEX_BYTES", "MAX_PTX", "MAX_SHARD_BYTES",
+    "POINTER_SIZE",
     "SCALAR_TYPES", "SCHEMA", "SCHEMA_VERSION", "SHARD_FILE", "SHARD_SCHEMA", "TRITON_SCALARS", "XZ_MEMLIMIT",
     "Arg", "Catalog", "Config", "Image", "ShardRef", "Target", "Variant", "canonical_bytes", "check_file",
     "check_image", "image_path", "index_bytes", "is_pointer_type", "open_regular", "parse_json",

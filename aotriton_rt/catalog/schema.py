@@ -73,9 +73,18 @@ MAX_SCRATCH = 1 << 32           # global scratch bytes per program
 MAX_RULES_CHARS = 1000
 MAX_CHECKS = 64
 MAX_STRING = 256                # spec / constexpr / option string values
-MAX_CATALOG_BYTES = 64 << 20    # catalog.json (index, or inline variants); a full index is ~100 KB
+#: catalog.json in either form. The inline form (what bundles and wheels carry, and what an
+#: installed bundle or wheel leaves in its folder) lists every variant in full, ~8 KB each: a
+#: full sm90 set is ~50 MB. An image folder built by the builder holds the index form instead,
+#: bounded much lower (MAX_INDEX_BYTES), since every Library() reads it.
+MAX_CATALOG_BYTES = 64 << 20
+#: catalog.json in the index form. A full build (37,770 variants, 7 targets) is 88 shards and
+#: 96 tuning rules, ~60 KB; with an sm90-sized tuning database for every target, ~300 KB. At
+#: this cap a worst-case valid index loads in ~0.1 s (docs/security.md has the measurement).
+MAX_INDEX_BYTES = 4 << 20
 MAX_SHARD_BYTES = 64 << 20      # one shard file; the largest real one is a few MB
-MAX_SHARDS = 1 << 16            # index entries
+MAX_SHARDS = 4096               # index entries; a full build has 88 (one per kernel and target)
+MAX_INLINE_VARIANTS = 1 << 18   # variants in the inline form; a full build has 37,770
 MAX_SHARD_VARIANTS = 1 << 16    # variants (and shared tables) in one shard
 
 
@@ -454,15 +463,20 @@ def image_path(target: Target, kernel: str, key: str, fmt: str) -> str:
 # --------------------------------------------------------------------------- whole files
 
 
-def index_from_json(obj: Any, source: str) -> tuple[str, dict[str, Any], tuple[ShardRef, ...] | None,
-                                                   tuple[Variant, ...]]:
+def index_from_json(obj: Any, source: str, size: int | None = None) -> tuple[
+        str, dict[str, Any], tuple[ShardRef, ...] | None, tuple[Variant, ...]]:
     """Validate a parsed ``catalog.json``: (triton_version, tuning, shard entries, variants).
 
     The index form gives its shard entries (and no variants); the inline form, whose
-    ``variants`` list every variant in full, gives None and the variants. Raises CatalogError
-    naming the JSON path of a bad value.
+    ``variants`` list every variant in full, gives None and the variants. ``size``: the file's
+    size in bytes, when read from one (the index form may have at most MAX_INDEX_BYTES).
+    Raises CatalogError naming the JSON path of a bad value.
     """
     r = _Reader(obj, "$", source)
+    if size is not None and size > MAX_INDEX_BYTES and isinstance(r.obj.get("shards"), list):
+        # Refused before anything is validated: only the inline form may be this large.
+        raise CatalogError(f"{source}: an index catalog (one listing shards) is {size} bytes, over the "
+                           f"{MAX_INDEX_BYTES} it may have (catalog.MAX_INDEX_BYTES); rebuild the image folder")
     schema = r.str("schema")
     if schema != SCHEMA:
         raise r._fail("schema", f'"{SCHEMA}"', schema)
@@ -487,8 +501,8 @@ def index_from_json(obj: Any, source: str) -> tuple[str, dict[str, Any], tuple[S
                 seen[ident] = i
         return triton_version, tuning, refs, ()
     raw = r.list("variants")
-    if len(raw) > MAX_SHARDS * 4:
-        raise r._fail("variants", "an inline list of at most 262144 variants", f"{len(raw)} items")
+    if len(raw) > MAX_INLINE_VARIANTS:
+        raise r._fail("variants", f"an inline list of at most {MAX_INLINE_VARIANTS} variants", f"{len(raw)} items")
     variants = tuple(Variant.from_json(v, f"$.variants[{i}]", source) for i, v in enumerate(raw))
     _unique_keys(variants, source, "$.variants")
     return triton_version, tuning, None, variants

@@ -88,23 +88,28 @@ class Catalog:
 
     # -- reading ---------------------------------------------------------------------------
     @classmethod
-    def from_json(cls, obj: Any, *, source: str = "<memory>", folder: Path | None = None) -> Catalog:
+    def from_json(cls, obj: Any, *, source: str = "<memory>", folder: Path | None = None,
+                  size: int | None = None) -> Catalog:
         """Validate a parsed ``catalog.json``: an index of shards (read later from ``folder``)
         or the inline form, whose ``variants`` list every variant in full (what
-        :meth:`to_json` returns). Raises CatalogError naming the JSON path of a bad value."""
-        triton_version, tuning, refs, variants = index_from_json(obj, source)
+        :meth:`to_json` returns). ``size``: the file's bytes, when read from one (an index may
+        have at most MAX_INDEX_BYTES). Raises CatalogError naming the JSON path of a bad value."""
+        triton_version, tuning, refs, variants = index_from_json(obj, source, size)
         if refs is not None:
             return cls(triton_version, (), tuning, folder, source, shards=refs)
         return cls(triton_version, variants, tuning, folder, source)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Catalog:
-        """Read and validate ``catalog.json`` (or the folder holding it); shards are read later."""
+        """Read and validate ``catalog.json`` (or the folder holding it); shards are read later.
+
+        The file may have MAX_CATALOG_BYTES (the inline form, which bundles and wheels install),
+        the index form MAX_INDEX_BYTES."""
         path = Path(path)
         if path.is_dir():
             path = path / CATALOG_FILE
         data = read_bounded(path, MAX_CATALOG_BYTES, "catalog")
-        return cls.from_json(parse_json(data, str(path)), source=str(path), folder=path.parent)
+        return cls.from_json(parse_json(data, str(path)), source=str(path), folder=path.parent, size=len(data))
 
     def _read_shard(self, ref: ShardRef) -> tuple[Variant, ...]:
         if self.folder is None:
