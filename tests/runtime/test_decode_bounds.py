@@ -268,9 +268,18 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> Any:
     from aotriton_rt import interop
     from aotriton_rt.ops.decode import validate
 
-    names = {torch.float16: "fp16", torch.int32: "i32"}
-    monkeypatch.setattr(validate, "_describe", lambda obj, name: interop.ArrayInfo(
-        obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()), "torch"))
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+             torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+             torch.bool: "bool"}
+    real = validate._describe
+
+    def describe(obj: Any, name: str) -> Any:
+        if not isinstance(obj, torch.Tensor):  # refused (or read) as a real call would
+            return real(obj, name)
+        return interop.ArrayInfo(obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()),
+                                 "torch")
+
+    monkeypatch.setattr(validate, "_describe", describe)
     monkeypatch.setattr(interop, "stream_getter", lambda framework: (lambda device: 0x77))
     lib = _Library()
     monkeypatch.setattr(lib, "kernel", lambda name, **params: _AddressHandle(lib.decls[name], params))

@@ -34,6 +34,7 @@ from aotriton_rt.errors import (  # noqa: E402
     LaunchError,
 )
 from tests.runtime.test_catalog import _catalog, _variant  # noqa: E402
+from tests.runtime.test_decode_bounds import recording  # noqa: E402,F401 - the fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
@@ -464,3 +465,53 @@ def test_fuzzed_command_lines_end_in_one_line_and_a_documented_status(tmp_path, 
     err = capsys.readouterr().err
     assert status in (0, cli.EXIT_ERROR, cli.EXIT_USAGE), err
     assert "Traceback" not in err and "unexpected" not in err
+
+
+# --------------------------------------------------------------------------- decode arguments
+
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                 st.text(max_size=3), st.just([1, 2]))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_decode_arguments_are_refused_typed_or_launched_in_range(recording, data) -> None:  # noqa: F811
+    """Every decode call on random arguments is refused with an AotritonError or, with its
+    lengths on the host, launches only lengths within the cache."""
+    import numpy as np
+    import torch
+
+    from aotriton_rt import AotritonError
+    from aotriton_rt.ops import decode as op
+    from tests.runtime.test_decode_bounds import _append, _arrays
+
+    paged = data.draw(st.booleans())
+    a = _arrays(paged)
+    capacity = 64
+    new = data.draw(st.sampled_from([0, 0, 1, 5]))
+    kind = data.draw(st.sampled_from(["int", "tensor", "numpy", "any"]))
+    lens = data.draw(st.lists(st.integers(-2**40, 2**40) | st.integers(-2, 70), min_size=1, max_size=3))
+    cache_seqlens: object = {"int": lens[0], "tensor": torch.tensor(lens[:2] + [0] * (2 - len(lens[:2])),
+                                                                        dtype=torch.int64),
+                             "numpy": np.array(lens, dtype=np.int64), "any": data.draw(_ANY)}[kind]
+    if paged and data.draw(st.booleans()):
+        values = data.draw(st.lists(st.integers(-2**31, 2**31 - 1), min_size=8, max_size=8))
+        a["block_table"] = torch.tensor(values, dtype=data.draw(st.sampled_from([torch.int32, torch.int64])))
+        a["block_table"] = a["block_table"].reshape(data.draw(st.sampled_from([(2, 4), (4, 2), (8,)])))
+    kwargs = {}
+    for name in ("window", "num_splits", "scale", "causal"):
+        if data.draw(st.integers(0, 3)) == 0:  # mostly valid calls, so that many reach the launch
+            kwargs[name] = data.draw(_ANY)
+    try:
+        op.decode_attention(**a, cache_seqlens=cache_seqlens, **_append(new), check=False, library=recording,
+                            **kwargs)
+    except AotritonError:
+        hypothesis.event("refused")
+        return
+    hypothesis.event("launched")
+    if kind == "int":
+        assert 0 <= cache_seqlens and cache_seqlens + new <= capacity
+    elif kind in ("tensor", "numpy"):
+        host = [int(x) for x in (cache_seqlens.tolist())]
+        assert all(0 <= n and n + new <= capacity for n in host[:2])
