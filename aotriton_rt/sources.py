@@ -22,12 +22,10 @@ came from and ``python -m aotriton_rt info`` prints it per folder.
 
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION, open_regular, parse_json
+from .catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION, parse_json, read_bounded
 from .errors import CatalogError
 
 ENTRY_POINT_GROUP = "aotriton_rt.images"
@@ -65,22 +63,10 @@ def _read_info(folder: Path, dist: str, project: str) -> dict:
     info_path = folder / WHEEL_INFO
     fix = f"reinstall it (pip install --force-reinstall {project})"
     try:
-        with open_regular(info_path) as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise CatalogError(f"image wheel {dist}: {info_path} is not a regular file; {fix}")
-            if st.st_size > _MAX_INFO_BYTES:
-                raise CatalogError(f"image wheel {dist}: {info_path} is {st.st_size} bytes, over the limit of "
-                                   f"{_MAX_INFO_BYTES}; {fix}")
-            data = f.read(st.st_size + 1)
-    except OSError as e:
-        raise CatalogError(f"image wheel {dist}: cannot read {info_path}: {e.strerror or e}; {fix}") from e
-    if len(data) > _MAX_INFO_BYTES:
-        raise CatalogError(f"image wheel {dist}: {info_path} grew while it was read; {fix}")
-    try:
-        info = parse_json(data, f"image wheel {dist}: {info_path}")
+        info = parse_json(read_bounded(info_path, _MAX_INFO_BYTES, "image-wheel record"),
+                          f"image wheel {dist}: {info_path}")
     except CatalogError as e:
-        raise CatalogError(f"{e}; {fix}") from None
+        raise CatalogError(f"image wheel {dist}: {e}; {fix}") from None
     if not isinstance(info, dict) or info.get("schema") != WHEEL_INFO_SCHEMA:
         raise CatalogError(f"image wheel {dist}: {info_path} is not an aotriton-rt image-wheel record; {fix}")
     return info
