@@ -6,7 +6,8 @@ wheel with setuptools from a staging copy of the project in which the image fold
 
 ``python -m builder wheel images --images DIR --set full --out dist/`` writes one data-only
 wheel per target of ``DIR`` (``--targets`` picks some, ``--combined`` makes one for all),
-named ``aotriton-rt-images-<target>-<set>``. Such a wheel holds one image folder, a record of
+named ``aotriton-rt-images-<target>-<set>``. Such a wheel holds one image folder (its catalog in
+the index form, one shard per kernel and target, as ``build`` writes it), a record of
 what it holds (``image-wheel.json``: set, targets, Triton version, catalog schema) and an
 entry point in the group ``aotriton_rt.images`` through which the runtime discovers it
 (:mod:`aotriton_rt.sources`). It contains no code.
@@ -33,7 +34,7 @@ import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from aotriton_rt.catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION, Catalog, check_file
+from aotriton_rt.catalog import SCHEMA, SCHEMA_VERSION, Catalog, check_file
 from aotriton_rt.errors import ImageMismatch
 from aotriton_rt.sources import ENTRY_POINT_GROUP, WHEEL_INFO, WHEEL_INFO_SCHEMA
 
@@ -140,7 +141,9 @@ def image_wheel(images: Path, out: Path, *, targets: Sequence[str], set_name: st
     module = re.sub(r"[^a-z0-9]", "_", dist.lower())
     sub = Catalog(catalog.triton_version, tuple(chosen), catalog.tuning)
     files = {f"{module}/{p}": data for p, data in _folder_files(images, sub).items()}
-    files[f"{module}/{CATALOG_FILE}"] = sub.dumps().encode()
+    # The index and one shard per kernel and target, as `build` writes them: a Library() reads
+    # the index alone, and the shards a call needs.
+    files.update({f"{module}/{p}": data for p, data in sub.files().items()})
     info = {"schema": WHEEL_INFO_SCHEMA, "name": dist, "version": version, "set": set_name,
             "targets": sorted({v.target.arch for v in chosen}), "triton_version": catalog.triton_version,
             "catalog_schema": SCHEMA, "catalog_schema_version": SCHEMA_VERSION, "variants": len(chosen),
@@ -207,7 +210,7 @@ def runtime_wheel(images: Path | None, out: Path, *, project: Path = _ROOT) -> P
             for rel, data in _folder_files(images, catalog).items():
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 (dest / rel).write_bytes(data)
-            (dest / CATALOG_FILE).write_bytes(catalog.dumps().encode())
+            embedded = catalog.write(dest)  # the index and its shards, as `build` writes them
         dist = Path(tmp) / "dist"
         code = ("import sys, setuptools.build_meta as b; print(b.build_wheel(sys.argv[1]))")
         env = {**os.environ, "SOURCE_DATE_EPOCH": str(os.environ.get("SOURCE_DATE_EPOCH") or DEFAULT_EPOCH)}
@@ -222,8 +225,10 @@ def runtime_wheel(images: Path | None, out: Path, *, project: Path = _ROOT) -> P
     normalize_wheel(target)
     if images is not None:
         with zipfile.ZipFile(target) as zf:
-            if f"aotriton_rt/images/{CATALOG_FILE}" not in zf.namelist():
-                raise WheelError(f"{target}: setuptools left the images out (check [tool.setuptools.package-data])")
+            names = set(zf.namelist())
+            if missing := sorted(rel for rel in embedded if f"aotriton_rt/images/{rel}" not in names):
+                raise WheelError(f"{target}: setuptools left {missing[0]} of the images out (check "
+                                 "[tool.setuptools.package-data])")
     return target
 
 

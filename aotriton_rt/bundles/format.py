@@ -39,6 +39,9 @@ INSTALL_FILE = "install.json"
 DEFAULT_MAX_UNPACKED = 8 << 30
 #: The largest index or manifest read.
 MAX_JSON = 64 << 20
+#: The largest catalog a bundle may carry. A bundle carries its catalog inline (a full sm90 set
+#: is ~50 MB), parsed once at install and written into the folder as the index and its shards.
+MAX_BUNDLE_CATALOG_BYTES = 64 << 20
 CHUNK = 1 << 20
 BUNDLE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.tar$")

@@ -142,6 +142,8 @@ def _installed_sha(folder: Path) -> str | None:
         return None
     if not isinstance(record, dict) or record.get("schema") != INSTALL_SCHEMA:
         return None
+    if "catalog_sha256" not in record:
+        return None  # installed by an older runtime with its catalog inline: reinstall it sharded
     return record.get("sha256") if (folder / CATALOG_FILE).is_file() else None
 
 
@@ -179,7 +181,11 @@ def install_bundle(bundle: Path, root: Path, staging: Path, *, expect_name: str,
         (unpack / MANIFEST_FILE).write_bytes(manifest_bytes)
         record = {"schema": INSTALL_SCHEMA, "schema_version": INSTALL_SCHEMA_VERSION,
                   "name": expect_name, "sha256": sha256,
-                  "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(), "source": source}
+                  "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
+                  # The folder's catalog.json is the index written at install, not the bundle's
+                  # inline catalog the manifest vouches for: verify checks it against this.
+                  "catalog_sha256": hashlib.sha256((unpack / CATALOG_FILE).read_bytes()).hexdigest(),
+                  "source": source}
         (unpack / INSTALL_FILE).write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n",
                                            encoding="utf-8")
         final = root / expect_name

@@ -3,7 +3,9 @@
 One sequential pass over an uncompressed tar: the manifest first, then the catalog (checked
 against the manifest), then each image, refused unless it is a regular file with a safe,
 portable name, listed in the manifest, of the listed size and sha256. ``docs/security.md``
-lists every check.
+lists every check. The bundle carries its catalog inline; the folder gets it in the index form
+with one shard per kernel and target (:meth:`Catalog.files`), so that opening it reads the
+index alone.
 """
 
 from __future__ import annotations
@@ -15,9 +17,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from ..catalog import CATALOG_FILE, MAX_CATALOG_BYTES, Catalog, parse_json
+from ..catalog import CATALOG_FILE, Catalog, parse_json
 from ..errors import BundleError
-from .format import CHUNK, MANIFEST_FILE, MAX_JSON, check_member_name, parse_manifest
+from .format import (
+    CHUNK,
+    MANIFEST_FILE,
+    MAX_BUNDLE_CATALOG_BYTES,
+    MAX_JSON,
+    check_member_name,
+    parse_manifest,
+)
 
 
 class _HashingReader:
@@ -143,14 +152,14 @@ def unpack_bundle(bundle: Path, into: Path, source: str, cap: int) -> tuple[dict
                                   f"found {name!r}")
             src = tar.extractfile(member)
             if name == CATALOG_FILE:
-                # The loader's limit: a larger catalog would unpack and then never load.
-                if member.size > MAX_CATALOG_BYTES:
+                if member.size > MAX_BUNDLE_CATALOG_BYTES:
                     raise BundleError(f"{source}: {CATALOG_FILE} is {member.size} bytes, over the "
-                                      f"{MAX_CATALOG_BYTES} a catalog may have (catalog.MAX_CATALOG_BYTES)")
+                                      f"{MAX_BUNDLE_CATALOG_BYTES} a bundle's catalog may have "
+                                      "(bundles.format.MAX_BUNDLE_CATALOG_BYTES)")
                 data = src.read()
                 _check_digest(hashlib.sha256(data).hexdigest(), entry, name, source)
-                _check_catalog(data, f"{source}:{CATALOG_FILE}", listed, manifest)
-                (into / CATALOG_FILE).write_bytes(data)
+                catalog = _check_catalog(data, f"{source}:{CATALOG_FILE}", listed, manifest)
+                _write_sharded(catalog, into, listed, source)
             else:
                 _copy(src, into.joinpath(*name.split("/")), entry, name, source)
             written.add(name)
@@ -158,6 +167,23 @@ def unpack_bundle(bundle: Path, into: Path, source: str, cap: int) -> tuple[dict
             raise BundleError(f"{source}: {len(missing)} file(s) listed in {MANIFEST_FILE} are "
                               f"missing from the bundle, first {missing[0]!r}")
         return manifest, manifest_bytes, reader.drain()
+
+
+def _write_sharded(catalog: Catalog, into: Path, listed: dict[str, dict], source: str) -> None:
+    """Write ``catalog`` into ``into`` as the builder does: the index, one shard per kernel and
+    target (each shard's sha256 in the index), through the catalog module's own writer."""
+    files = catalog.files()
+    for rel in sorted(set(files) - {CATALOG_FILE}):
+        # A member at a shard's path would be refused below as a duplicate; say why up front.
+        if rel in listed:
+            raise BundleError(f"{source}: member {rel!r} is where the installer writes the catalog shard "
+                              f"of {rel.rsplit('/', 2)[-2]}; refused")
+        target = into.joinpath(*rel.split("/"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "xb") as f:  # as every member: never through an existing file or link
+            f.write(files[rel])
+    with open(into / CATALOG_FILE, "xb") as f:  # the index last, as Catalog.write does
+        f.write(files[CATALOG_FILE])
 
 
 def _check_digest(got: str, entry: dict, name: str, source: str) -> None:

@@ -45,7 +45,8 @@ def verify_folder(folder: str | os.PathLike) -> VerifyReport:
     """Re-check an image folder: every file's size and sha256, the catalog, nothing extra.
 
     An installed bundle is checked against its ``bundle.json`` (which ``install.json``
-    fingerprints); any other image folder against its ``catalog.json`` alone. Standard
+    fingerprints, with the index ``catalog.json`` the installer wrote; the index vouches for each
+    shard); any other image folder against its ``catalog.json`` alone. Standard
     library only.
     """
     folder = Path(folder)
@@ -60,6 +61,7 @@ def _verify_folder(folder: Path) -> VerifyReport:
     if not (folder / CATALOG_FILE).is_file():
         return VerifyReport(folder.name, folder, 0, (f"{folder} holds no {CATALOG_FILE}",))
     expected: dict[str, tuple[int, str]] = {}
+    recorded = False  # whether install.json vouches for catalog.json (an index the installer wrote)
     bundle = (folder / MANIFEST_FILE).is_file()
     if bundle:
         try:
@@ -77,8 +79,18 @@ def _verify_folder(folder: Path) -> VerifyReport:
             problems.append(f"{INSTALL_FILE} is missing or unreadable")
         elif record.get("manifest_sha256") != hashlib.sha256(data).hexdigest():
             problems.append(f"{MANIFEST_FILE} was modified after installation")
+        if record is not None and "catalog_sha256" in record:
+            # The manifest vouches for the inline catalog the bundle carried; the installer wrote
+            # it as an index (recorded here) whose entries vouch for each shard.
+            expected.pop(CATALOG_FILE, None)
+            recorded = True
+            if sha256_file(folder / CATALOG_FILE) != record["catalog_sha256"]:
+                problems.append(f"{CATALOG_FILE} was modified after installation")
+    shards: set[str] = set()
     try:
         catalog = Catalog.load(folder)
+        shards = {ref.path for ref in catalog.shard_refs()}
+        catalog.variants  # noqa: B018 - reads every shard, each checked against its index entry
     except CatalogError as e:
         problems.append(str(e))
     else:
@@ -93,13 +105,14 @@ def _verify_folder(folder: Path) -> VerifyReport:
         except ImageMismatch as e:
             problems.append(_PROBLEMS[e.problem].format(rel=rel, size=size, detail=e.detail))
     if bundle:
-        known = set(expected) | {MANIFEST_FILE, INSTALL_FILE, CATALOG_FILE}
+        known = set(expected) | shards | {MANIFEST_FILE, INSTALL_FILE, CATALOG_FILE}
         for dirpath, _, names in os.walk(folder):
             for n in names:
                 rel = Path(dirpath, n).relative_to(folder).as_posix()
                 if rel not in known:
                     problems.append(f"unexpected file {rel}")
-    return VerifyReport(folder.name, folder, len(expected), tuple(problems))
+    # Files checked by digest: the images (and a catalog the manifest lists), the recorded index, shards.
+    return VerifyReport(folder.name, folder, len(expected) + len(shards) + recorded, tuple(problems))
 
 
 #: How a report words what :func:`aotriton_rt.catalog.check_file` found wrong.

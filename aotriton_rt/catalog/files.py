@@ -27,7 +27,7 @@ def canonical_bytes(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
 
-def read_bounded(path: Path, limit: int, what: str) -> bytes:
+def read_bounded(path: Path, limit: int, what: str, hint: str = "it is not a catalog this runtime reads") -> bytes:
     try:
         with open_regular(path) as f:
             st = os.fstat(f.fileno())
@@ -36,7 +36,7 @@ def read_bounded(path: Path, limit: int, what: str) -> bytes:
                 raise CatalogError(f"{what} {path} is not a regular file; reinstall the image folder")
             if st.st_size > limit:
                 raise CatalogError(f"{what} {path} is {st.st_size} bytes, over the limit of "
-                                   f"{limit}; it is not a catalog this runtime reads")
+                                   f"{limit}; {hint}")
             # At most what fstat said, plus one byte to notice growth: a read of ``limit`` bytes
             # would allocate that much up front however small the file is.
             data = f.read(st.st_size + 1)

@@ -38,6 +38,12 @@ from .schema import (
     shard_to_json,
 )
 
+#: The fix for a catalog.json over MAX_CATALOG_BYTES (an inline catalog left by an older install).
+_TOO_LARGE = ("catalog.MAX_CATALOG_BYTES bounds what every Library() parses; a larger catalog must be the "
+              "index form with its variants in shard files, as `python -m builder build`, bundle installs "
+              "and image wheels write it: reinstall the images (`python -m aotriton_rt download --force`, "
+              "or a new image wheel) or rewrite the folder with Catalog.from_json(inline).write(folder)")
+
 
 class Catalog:
     """A catalog: the variants of one image folder, read shard by shard as they are asked for.
@@ -103,12 +109,13 @@ class Catalog:
     def load(cls, path: str | os.PathLike) -> Catalog:
         """Read and validate ``catalog.json`` (or the folder holding it); shards are read later.
 
-        The file may have MAX_CATALOG_BYTES (the inline form, which bundles and wheels install),
-        the index form MAX_INDEX_BYTES."""
+        The file may have MAX_CATALOG_BYTES in either form (the index form, which the builder,
+        bundle installs and image wheels write, also at most MAX_INDEX_BYTES): every Library()
+        reads it whole. Raises CatalogError naming the limit and the fix for a larger one."""
         path = Path(path)
         if path.is_dir():
             path = path / CATALOG_FILE
-        data = read_bounded(path, MAX_CATALOG_BYTES, "catalog")
+        data = read_bounded(path, MAX_CATALOG_BYTES, "catalog", _TOO_LARGE)
         return cls.from_json(parse_json(data, str(path)), source=str(path), folder=path.parent, size=len(data))
 
     def _read_shard(self, ref: ShardRef) -> tuple[Variant, ...]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from aotriton_rt import tuning
-from aotriton_rt.catalog import CATALOG_FILE, MAX_INDEX_BYTES, SCHEMA, SCHEMA_VERSION, Catalog
+from aotriton_rt.catalog import CATALOG_FILE, MAX_CATALOG_BYTES, MAX_INDEX_BYTES, SCHEMA, SCHEMA_VERSION, Catalog
 from aotriton_rt.catalog.schema import MAX_SHARDS
 from aotriton_rt.errors import CatalogError
 from aotriton_rt.library import Library
@@ -81,21 +81,31 @@ def test_a_full_build_sized_index_loads_far_under_the_caps(tmp_path) -> None:
 
 def test_an_index_one_byte_past_its_cap_is_refused_naming_the_limit(tmp_path) -> None:
     folder = _write(tmp_path / "img", _full_index(), MAX_INDEX_BYTES + 1)
-    with pytest.raises(CatalogError, match=rf"an index catalog \(one listing shards\) is {MAX_INDEX_BYTES + 1} "
-                                           rf"bytes, over the {MAX_INDEX_BYTES} it may have "
-                                           r"\(catalog\.MAX_INDEX_BYTES\); rebuild the image folder"):
+    with pytest.raises(CatalogError, match=rf"catalog .*catalog\.json is {MAX_INDEX_BYTES + 1} bytes, over the "
+                                           rf"limit of {MAX_INDEX_BYTES}; catalog\.MAX_CATALOG_BYTES bounds"):
         Library(folder)
     _write(tmp_path / "ok", _full_index(), MAX_INDEX_BYTES)
     Library(tmp_path / "ok")
 
 
-def test_an_inline_catalog_may_be_larger_than_the_index_cap(tmp_path) -> None:
-    """What an installed bundle or wheel leaves in its folder: the inline form, up to
-    MAX_CATALOG_BYTES (a full sm90 set is ~50 MB)."""
+def test_an_inline_catalog_over_the_cap_is_refused_naming_the_limit_and_the_fix(tmp_path) -> None:
+    """What an older runtime's bundle or wheel install left in its folder: the inline form, up
+    to 64 MiB (a full sm90 set is ~50 MB), 15 s and 471 MiB per Library(). The folder's
+    catalog.json now has the index's cap in either form; installs write the index form."""
     inline = {**_index([], {"attn_fwd": [RULE]}), "variants": []}
     del inline["shards"]
-    _write(tmp_path / "img", inline, MAX_INDEX_BYTES + 1)
-    assert Catalog.load(tmp_path / "img").tuning == {"attn_fwd": [RULE]}
+    assert MAX_CATALOG_BYTES == MAX_INDEX_BYTES
+    _write(tmp_path / "img", inline, MAX_CATALOG_BYTES + 1)
+    with pytest.raises(CatalogError, match=rf"catalog\.json is {MAX_CATALOG_BYTES + 1} bytes, over the limit of "
+                                           rf"{MAX_CATALOG_BYTES}; catalog\.MAX_CATALOG_BYTES bounds what every "
+                                           r"Library\(\) parses; a larger catalog must be the index form with its "
+                                           r"variants in shard files.*reinstall the images \(`python -m "
+                                           r"aotriton_rt download --force`.*Catalog\.from_json\(inline\)"
+                                           r"\.write\(folder\)"):
+        Library(tmp_path / "img")
+    # At the cap, a small hand-written or test catalog still works inline.
+    _write(tmp_path / "ok", inline, MAX_CATALOG_BYTES)
+    assert Catalog.load(tmp_path / "ok").tuning == {"attn_fwd": [RULE]}
 
 
 def test_an_index_of_one_shard_too_many_is_refused_naming_the_limit(tmp_path) -> None:

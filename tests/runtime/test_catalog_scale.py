@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tarfile
 import tracemalloc
 from pathlib import Path
 
 import pytest
 
-from aotriton_rt.catalog import CATALOG_FILE, SHARD_FILE, Catalog, canonical_bytes
+from aotriton_rt.catalog import CATALOG_FILE, MAX_CATALOG_BYTES, SHARD_FILE, Catalog, canonical_bytes
 from aotriton_rt.catalog import store as catalog_module
 from aotriton_rt.errors import CatalogError
 from aotriton_rt.library import Library
@@ -46,8 +47,8 @@ def reads(monkeypatch) -> list[tuple[str, int]]:
     seen: list[tuple[str, int]] = []
     real_read = catalog_module.read_bounded
 
-    def spy(path, limit, what):
-        data = real_read(path, limit, what)
+    def spy(path, limit, what, *hint):
+        data = real_read(path, limit, what, *hint)
         seen.append((Path(path).as_posix(), len(data)))
         return data
 
@@ -186,3 +187,48 @@ def test_the_sharded_form_round_trips_to_the_same_variants(copy) -> None:
     inline = Catalog.from_json(before.to_json())
     assert inline.variants == before.variants
     assert inline.files() == {rel: (copy / rel).read_bytes() for rel in inline.files()}
+
+
+#: Opening a folder in a fresh process: seconds for the call and peak RSS (VmHWM), in MiB.
+_MEASURE = """
+import sys, time
+from pathlib import Path
+from aotriton_rt.catalog import Catalog, parse_json
+from aotriton_rt.library import Library
+path = Path(sys.argv[1])
+t = time.perf_counter()
+if path.is_dir():
+    Library(path)
+else:  # what an older runtime's Library() did with an installed bundle's inline catalog.json
+    Catalog.from_json(parse_json(path.read_bytes(), str(path)))
+took = time.perf_counter() - t
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(f"{took:.3f} s, {hwm / 1024:.0f} MiB")
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak RSS is read from /proc")
+def test_opening_an_installed_full_size_bundle_is_measured(real, tmp_path) -> None:
+    """Printed, not asserted on time: a full sm90 set packed into one bundle (its catalog inline,
+    ~50 MB) and installed; an older runtime's Library() parsed that inline catalog whole, this
+    one reads the index the installer wrote. ``pytest -s -k measured`` shows both."""
+    from aotriton_rt.download import install_file
+    from builder.bundle import pack
+
+    folder = synthesise(real, tmp_path / "full", 21_000, targets=(("cuda", "sm90", 32),))
+    pack(folder, tmp_path / "bundles")
+    installed = install_file(tmp_path / "bundles" / "cuda-sm90.tar", dest=tmp_path / "images").path
+    with open(tmp_path / "bundles" / "cuda-sm90.tar", "rb") as f, tarfile.open(fileobj=f, mode="r|") as tar:
+        inline = next(tar.extractfile(m).read() for m in tar if m.name == CATALOG_FILE)
+    (tmp_path / "inline.json").write_bytes(inline)
+    index = json.loads((installed / CATALOG_FILE).read_bytes())
+    assert "variants" not in index and len(index["shards"]) == 40
+    assert len(inline) > MAX_CATALOG_BYTES  # an inline catalog this size is refused in a folder now
+
+    def measure(path: Path) -> str:
+        return subprocess.run([sys.executable, "-c", _MEASURE, str(path)], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    print(f"\nLibrary() of an installed sm90 bundle ({Catalog.load(installed).count} variants): inline "
+          f"catalog.json ({len(inline) / 1e6:.1f} MB) {measure(tmp_path / 'inline.json')}; index "
+          f"({(installed / CATALOG_FILE).stat().st_size / 1e3:.0f} KB) {measure(installed)}")

@@ -117,6 +117,90 @@ def test_installed_images_load_offline_through_the_runtime(releases, tmp_path):
         assert hashlib.sha256(images.read_image(folder, v)).hexdigest() == v.image.raw_sha256
 
 
+def _bundle_catalog(bundle: Path) -> tuple[bytes, Catalog]:
+    """The inline catalog a bundle carries, as bytes and parsed."""
+    data = next(d for m, d in read_members(bundle) if m.name == "catalog.json")
+    return data, Catalog.from_json(json.loads(data))
+
+
+def test_an_installed_bundle_is_the_index_form_and_opens_without_reading_a_shard(releases, tmp_path,
+                                                                                 monkeypatch):
+    from aotriton_rt.catalog import store
+    from aotriton_rt.library import Library
+
+    with FaultServer(releases["v1"]) as server:
+        folder = fetch(server, "ok", tmp_path / "images")[0].path
+    index = json.loads((folder / "catalog.json").read_bytes())
+    assert "variants" not in index
+    assert sorted(s["path"] for s in index["shards"]) == ["hip/gfx942/add/variants.json",
+                                                          "hip/gfx942/softmax/variants.json"]
+    reads: list[str] = []
+    real_read = store.read_bounded
+
+    def spy(path, *args):
+        reads.append(Path(path).relative_to(folder).as_posix())
+        return real_read(path, *args)
+
+    monkeypatch.setattr(store, "read_bounded", spy)
+    lib = Library(folder)
+    assert reads == ["catalog.json"] and lib.kernels == ["add", "softmax"]
+    add = lib.variants_of("add")
+    assert reads == ["catalog.json", "hip/gfx942/add/variants.json"]
+    # The same variants the bundle carried inline, so every launch is the same.
+    _, inline = _bundle_catalog(releases["v1"] / f"{NAME}.tar")
+    assert add == inline.variants_of("add")
+    assert sorted(lib.variants, key=lambda v: v.key) == sorted(inline.variants, key=lambda v: v.key)
+    assert verify_folder(folder).ok and verify_folder(folder).files == 5  # 2 images, the index, 2 shards
+
+
+def test_verify_notices_a_changed_index_or_shard_of_an_install(previous):
+    dest, _ = previous
+    folder = dest / NAME
+    index = folder / "catalog.json"
+    index.write_bytes(index.read_bytes() + b" ")
+    assert "catalog.json was modified after installation" in verify_folder(folder).problems
+    index.write_bytes(index.read_bytes()[:-1])
+    shard = folder / "hip" / "gfx942" / "add" / "variants.json"
+    shard.write_bytes(shard.read_bytes().replace(b'"num_warps":', b'"num_warps" :', 1))
+    assert any("add/variants.json: does not match its entry in" in p for p in verify_folder(folder).problems)
+
+
+def test_a_reinstall_over_an_older_inline_install_replaces_it_with_the_index_form(previous, releases):
+    dest, before = previous
+    folder = dest / NAME
+    # What an older runtime left: the bundle's inline catalog.json, no shards, no index digest.
+    inline, _ = _bundle_catalog(releases["v1"] / f"{NAME}.tar")
+    (folder / "catalog.json").write_bytes(inline)
+    for shard in folder.rglob("variants.json"):
+        shard.unlink()
+    record = json.loads((folder / "install.json").read_bytes())
+    del record["catalog_sha256"]
+    (folder / "install.json").write_text(json.dumps(record))
+    assert verify_folder(folder).ok  # intact as that runtime installed it: only the form is old
+    done = install_file(releases["v1"] / f"{NAME}.tar", dest=dest)
+    assert done.action == "installed"
+    assert_intact(dest, before, reinstalled=True)
+    assert "shards" in json.loads((folder / "catalog.json").read_bytes())
+    assert install_file(releases["v1"] / f"{NAME}.tar", dest=dest).action == "already installed"
+
+
+def test_a_bundle_member_at_a_shard_path_is_refused(releases, tmp_path):
+    members = read_members(releases["v1"] / f"{NAME}.tar")
+    shard = b"{}"
+    manifest = json.loads(members[0][1])
+    manifest["files"].append({"path": "hip/gfx942/add/variants.json", "size": len(shard),
+                              "sha256": hashlib.sha256(shard).hexdigest()})
+    path = tmp_path / "bad.tar"
+    with tarfile.open(path, "w") as tar:
+        for info, data in [member("bundle.json", json.dumps(manifest).encode()), *members[1:],
+                           member("hip/gfx942/add/variants.json", shard)]:
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(BundleError, match=r"member 'hip/gfx942/add/variants\.json' is where the installer writes "
+                                          r"the catalog shard of add; refused"):
+        install_file(path, dest=tmp_path / "images")
+    assert not (tmp_path / "images" / NAME).exists()
+
+
 def test_default_destination_is_the_cache_the_runtime_searches(releases, tmp_path, monkeypatch):
     monkeypatch.setenv(images.ENV_CACHE, str(tmp_path / "cache"))
     assert images_root() == images.cache_root().absolute()
@@ -440,7 +524,8 @@ def test_huge_catalog_is_refused_before_it_is_read(releases, tmp_path):
         huge, _ = member("catalog.json")
         huge.size = 300 << 20
         tar.addfile(huge)  # the header alone: the refusal must come before any byte is read
-    with pytest.raises(BundleError, match=r"catalog\.json is 314572800 bytes, over the 67108864 a catalog may have"):
+    with pytest.raises(BundleError, match=r"catalog\.json is 314572800 bytes, over the 67108864 a "
+                                          r"bundle's catalog may have"):
         install_file(path, dest=tmp_path / "images")
 
 
@@ -729,7 +814,8 @@ def test_cli_downloads_installs_from_file_and_verifies(releases, tmp_path, capsy
     out = capsys.readouterr().out
     assert "installed: cuda-sm90 (sm90) in" in out and f"installed: {NAME} (gfx942) in" in out
     assert cli("verify", "--dest", dest) == 0
-    assert capsys.readouterr().out.splitlines()[0].startswith("ok: cuda-sm90 (3 files)")
+    # 2 images, the index, 2 shards
+    assert capsys.readouterr().out.splitlines()[0].startswith("ok: cuda-sm90 (5 files)")
     next((tmp_path / "images" / NAME).rglob("*.xz")).unlink()
     assert cli("verify", "--dest", dest, NAME) == 1
     captured = capsys.readouterr()

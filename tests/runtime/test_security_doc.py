@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import aotriton_rt
-from aotriton_rt.catalog import MAX_CATALOG_BYTES
+from aotriton_rt.bundles.format import MAX_BUNDLE_CATALOG_BYTES
 from aotriton_rt.errors import BundleError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,10 +116,10 @@ def _tar_member(tar: tarfile.TarFile, name: str, data: bytes, size: int | None =
         tar.fileobj.write(info.tobuf(tar.format, tar.encoding, tar.errors))
 
 
-def test_the_unpacker_refuses_a_catalog_the_loader_would_refuse(tmp_path):
+def test_the_unpacker_refuses_a_catalog_over_the_bundle_cap(tmp_path):
     from aotriton_rt.bundles.unpack import unpack_bundle
 
-    size = MAX_CATALOG_BYTES + 1
+    size = MAX_BUNDLE_CATALOG_BYTES + 1
     manifest = json.dumps({"schema": "aotriton-rt.bundle", "schema_version": 1, "name": "hip-gfx942",
                            "backend": "hip", "targets": ["gfx942"], "catalog_schema_version": 2,
                            "files": [{"path": "catalog.json", "size": size, "sha256": "b" * 64}]}).encode()
@@ -128,6 +128,6 @@ def test_the_unpacker_refuses_a_catalog_the_loader_would_refuse(tmp_path):
         _tar_member(tar, "bundle.json", manifest)
         _tar_member(tar, "catalog.json", b"", size=size)
     (tmp_path / "out").mkdir()
-    with pytest.raises(BundleError, match=rf"catalog\.json is {size} bytes, over the {MAX_CATALOG_BYTES} a "
-                                          r"catalog may have \(catalog\.MAX_CATALOG_BYTES\)"):
+    with pytest.raises(BundleError, match=rf"catalog\.json is {size} bytes, over the {MAX_BUNDLE_CATALOG_BYTES} a "
+                                          r"bundle's catalog may have \(bundles\.format\.MAX_BUNDLE_CATALOG_BYTES\)"):
         unpack_bundle(bundle, tmp_path / "out", "b.tar", 1 << 40)
