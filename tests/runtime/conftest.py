@@ -1,4 +1,5 @@
-"""Fixtures shared by the differential launch tests (test_differential_hip.py, _cuda.py)."""
+"""Fixtures shared by runtime tests: the Triton cache of the differential launch tests
+(test_differential_hip.py, _cuda.py) and the sm90 GPU tests' image folder."""
 
 from __future__ import annotations
 
@@ -14,3 +15,16 @@ def triton_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     compile of it when both specialize alike, so each variant compiles once per session
     (``AOTRITON_RT_DIFF_TRITON_CACHE`` keeps it across sessions, as .ci/run does)."""
     return Path(os.environ.get("AOTRITON_RT_DIFF_TRITON_CACHE") or tmp_path_factory.mktemp("triton-cache"))
+
+
+@pytest.fixture()
+def sm90_images() -> str:
+    """The gputest sm90 image folder of ``AOTRITON_RT_TEST_IMAGES``; skips without an sm90 GPU
+    visible to torch or without the variable."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU visible to torch")
+    folder = os.environ.get("AOTRITON_RT_TEST_IMAGES")
+    if not folder:
+        pytest.skip("set AOTRITON_RT_TEST_IMAGES to images built with --set gputest --targets sm90")
+    return folder

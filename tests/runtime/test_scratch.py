@@ -330,20 +330,15 @@ def test_the_cuda_bindings_query_captures_record_events_and_tie_scratch_to_a_gra
 # ---------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
-def test_a_captured_graphs_scratch_is_its_own_and_returns_to_the_pool_when_the_graph_dies() -> None:
+def test_a_captured_graphs_scratch_is_its_own_and_returns_to_the_pool_when_the_graph_dies(sm90_images: str) -> None:
     import gc
-    import os
     import time
 
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an sm90 GPU visible to torch")
-    folder = os.environ.get("AOTRITON_RT_TEST_IMAGES")
-    if not folder:
-        pytest.skip("set AOTRITON_RT_TEST_IMAGES to images built with --set gputest --targets sm90")
+    import torch
+
     import aotriton_rt
 
-    lib = aotriton_rt.Library(folder)
+    lib = aotriton_rt.Library(sm90_images)
     q, k, v = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.float16) for _ in range(3))
     want, _ = aotriton_rt.attention(q, k, v, causal=True, library=lib)
     torch.cuda.synchronize()

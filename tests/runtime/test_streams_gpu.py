@@ -22,21 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "helpers" / "streams_stress.py"
 
 
-def _images() -> str:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an sm90 GPU visible to torch")
-    folder = os.environ.get("AOTRITON_RT_TEST_IMAGES")
-    if not folder:
-        pytest.skip("set AOTRITON_RT_TEST_IMAGES to images built with --set gputest --targets sm90")
-    return folder
-
-
 @pytest.mark.parametrize("families", ["fwd", "bwd", "decode", "graph", "jax"])
-def test_every_kernel_family_on_eight_streams_matches_one_stream_bitwise(families: str) -> None:
+def test_every_kernel_family_on_eight_streams_matches_one_stream_bitwise(sm90_images: str,
+                                                                         families: str) -> None:
     if families == "jax":
         pytest.importorskip("jax")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--images", _images(), "--families", families,
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--images", sm90_images, "--families", families,
                            "--threads", "8", "--iters", "4"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
