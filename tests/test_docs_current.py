@@ -1,0 +1,119 @@
+"""The user docs (README.md, docs/*.md) against the repository: names and numbers that drift.
+
+Each test reads the docs as a new user would and compares a fact with its source: the
+quickstart's figures with docs/performance.md's measurement, the full set's size with the
+builder's registry, the catalog schema with the code, the API reference with ``__all__``; and
+no wording from working notes reaches the user docs.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import aotriton_rt
+from aotriton_rt.catalog import SCHEMA_VERSION
+
+ROOT = Path(__file__).resolve().parent.parent
+USER_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+#: Working-note wording, as (regex, what it is). Matched case-insensitively on the raw text.
+INTERNAL = [
+    (r"\bsessions?\b", "a numbered working period ('first session', 'device session')"),
+    (r"(?<![-/])\blevers?\b", "'lever(s)': say what the change or optimisation is"),
+    (r"\bacceptance grid\b", "'the acceptance grid': the benchmark grid"),
+    (r"\bGPU-[0-9a-f]{8}", "a GPU serial number"),
+    (r"\bthe H200 machine\b", "'the H200 machine': the H200 host"),
+    (r"\bissue #?\d+\b|\bissues #\d+", "an issue number"),
+]
+#: An issue number written as "#14" (configs are "#0".."#9"); fenced code blocks are left out,
+#: as tool output there quotes tuning rules ("rule #14 of ...").
+ISSUE_HASH = re.compile(r"(?<![\w#])#\d{2,}\b")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _internal_words(text: str) -> list[str]:
+    found = []
+    for pattern, what in INTERNAL:
+        for m in re.finditer(pattern, text, re.I):
+            line = text.count("\n", 0, m.start()) + 1
+            found.append(f"line {line}: {m.group(0)!r} ({what})")
+    prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    for m in ISSUE_HASH.finditer(prose):
+        found.append(f"line {prose.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r} (an issue number)")
+    return found
+
+
+@pytest.mark.parametrize("path", USER_DOCS, ids=lambda p: p.name)
+def test_user_docs_hold_no_working_note_words(path):
+    found = _internal_words(_read(path))
+    assert not found, f"{path.name} uses working-note wording:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("text", [
+    "measured in the sixth session", "the first session's table", "Lever B", "two build-time levers",
+    "the acceptance grid", "H200 `GPU-3c52f3aa`", "on the H200 machine", "kept with issue 25", "see #14",
+])
+def test_internal_word_check_catches_working_notes(text):
+    assert _internal_words(text)
+
+
+@pytest.mark.parametrize("text", [
+    "`bench/sm90_levers.py --levers ws,ours`", "config #0, #6 and #7", "the image issues 32 scalar loads",
+    "```\nrule #14 of tuning['attn_fwd']\n```",
+])
+def test_internal_word_check_spares_names_and_configs(text):
+    assert not _internal_words(text)
+
+
+def _quickstart_figures(text: str, where: str) -> tuple[str, int, int]:
+    """(wall time "M min S s", variants, seconds of building) of the quickstart sentence."""
+    wall = re.search(r"(\d+ min \d+ s)", text)
+    variants = re.search(r"(\d+) variants", text)
+    building = re.search(r"(\d+)(?:\.\d+)? s(?: of it)? (?:of )?building", text)
+    assert wall and variants and building, f"{where}: no quickstart wall time, variant count and building time"
+    return wall.group(1), int(variants.group(1)), int(building.group(1))
+
+
+def test_readme_quickstart_figures_are_performance_md_measurement():
+    readme = _read(ROOT / "README.md")
+    quick = readme[readme.index("## Quickstart"):readme.index("## Installing from wheels")]
+    perf = _read(ROOT / "docs" / "performance.md")
+    section = perf[perf.index("## Build time and sizes"):]
+    headline = section[section.index("**Measured now"):section.index("| default set |")]
+    assert "examples/quickstart.sh" in headline and "clean clone" in headline
+    assert _quickstart_figures(quick, "README.md") == _quickstart_figures(headline, "docs/performance.md")
+
+
+def test_catalog_md_full_set_size_is_the_registry_count():
+    pytest.importorskip("triton", reason="the builder's registry imports the kernels, which need triton")
+    from builder import registry, targets
+
+    kernels = registry.load_kernels()
+    chosen = targets.parse_targets("default")
+    count = sum(len(registry.expand(k, chosen, "full", "3.6.0")) for k in kernels.values())
+    text = _read(ROOT / "docs" / "catalog.md")
+    m = re.search(r"tens of thousands of variants \((?:about )?([\d ]+?) for the seven default", text)
+    assert m, "docs/catalog.md no longer states the full set's size"
+    assert int(m.group(1).replace(" ", "")) == count, (
+        f"docs/catalog.md says {m.group(1)} full-set variants; `python -m builder list --set full` counts {count}")
+
+
+def test_noimage_md_examples_carry_the_catalog_schema_version():
+    text = _read(ROOT / "docs" / "noimage.md")
+    found = [int(v) for v in re.findall(r'"catalog_schema_version":\s*(\d+)', text)]
+    assert found, "docs/noimage.md shows no catalog_schema_version"
+    assert set(found) == {SCHEMA_VERSION}, (
+        f"docs/noimage.md shows {found}; the code's SCHEMA_VERSION is {SCHEMA_VERSION}")
+
+
+def test_api_md_documents_every_public_name():
+    text = _read(ROOT / "docs" / "api.md")
+    missing = [n for n in aotriton_rt.__all__ if not re.search(rf"`aotriton_rt\.{re.escape(n)}\b", text)]
+    assert not missing, f"docs/api.md has no `aotriton_rt.NAME` entry for: {', '.join(missing)}"
