@@ -322,6 +322,42 @@ hipError_t hipStreamIsCapturing(void *stream, int *status) {
   return hipSuccess;
 }
 
+hipError_t hipStreamGetCaptureInfo(void *stream, int *status, unsigned long long *id) {
+  int code = hipStreamIsCapturing(stream, status);
+  if (code) return code;
+  if (id) *id = *status ? (unsigned long long)(uintptr_t)stream : 0;
+  return hipSuccess;
+}
+
+/* Events: opaque counters; each call is logged with the event and the stream. */
+static unsigned long long next_event = 0xe000;
+
+hipError_t hipEventCreateWithFlags(void **event, unsigned flags) {
+  int code = enter("hipEventCreateWithFlags");
+  if (code) return code;
+  if (!event) return hipErrorInvalidValue;
+  *event = (void *)(uintptr_t)(++next_event);
+  log_line("{\"call\":\"hipEventCreateWithFlags\",\"status\":0,\"device\":%d,\"event\":%llu,\"flags\":%u}",
+           current_device, next_event, flags);
+  return hipSuccess;
+}
+
+static hipError_t event_call(const char *name, void *event, void *stream) {
+  int code = enter(name);
+  if (code) return code;
+  if (!event) return hipErrorInvalidValue;
+  log_line("{\"call\":\"%s\",\"status\":0,\"event\":%llu,\"stream\":%llu}", name,
+           (unsigned long long)(uintptr_t)event, (unsigned long long)(uintptr_t)stream);
+  return hipSuccess;
+}
+
+hipError_t hipEventRecord(void *event, void *stream) { return event_call("hipEventRecord", event, stream); }
+hipError_t hipStreamWaitEvent(void *stream, void *event, unsigned flags) {
+  return flags ? hipErrorInvalidValue : event_call("hipStreamWaitEvent", event, stream);
+}
+hipError_t hipEventSynchronize(void *event) { return event_call("hipEventSynchronize", event, NULL); }
+hipError_t hipEventDestroy(void *event) { return event_call("hipEventDestroy", event, NULL); }
+
 /* ---------------------------------------------------------------- modules */
 
 /* gfx name -> EF_AMDGPU_MACH value (the low byte of e_flags), for the targets the project

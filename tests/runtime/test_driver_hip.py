@@ -216,6 +216,31 @@ def test_alloc_synchronize_and_capture_status(driver: HipDriver, log: Path,
     assert driver.is_capturing(0x5000) and not driver.is_capturing(0x5001)
 
 
+def test_scratch_pool_over_hip_gives_each_stream_and_each_capture_its_own_buffer(
+        driver: HipDriver, log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aotriton_rt.scratch import MAX_STREAMS, ScratchPool
+
+    pool = ScratchPool(lambda: driver)
+    seen: list[tuple[int, int]] = []
+
+    def launch(gx: int, gy: int, gz: int, stream: int, values: tuple) -> None:
+        seen.append((stream, values[-2]))
+
+    for stream in (0x100, 0x200, 0x100):
+        pool.launch(0, stream, 4096, launch, 1, 1, 1, ())
+    monkeypatch.setenv("FAKEHIP_CAPTURING", f"{0x300}")
+    pool.launch(0, 0x300, 4096, launch, 1, 1, 1, ())
+    monkeypatch.delenv("FAKEHIP_CAPTURING")
+    for stream in range(0x1000, 0x1000 + MAX_STREAMS + 4):
+        pool.launch(0, stream, 4096, launch, 1, 1, 1, ())
+    first = dict(seen[:4])
+    assert len(set(first.values())) == 3 and first[0x100] == seen[2][1]
+    assert first[0x300] not in [p for s, p in seen if s != 0x300]  # the graph's: never handed on
+    assert [r["stream"] for r in calls(log, "hipEventRecord")][:2] == [0x200, 0x100]
+    assert len(calls(log, "hipStreamWaitEvent")) >= 4
+    assert pool.stats()["graphs"] == 1  # HIP names no graph: kept for the process
+
+
 def test_image_for_another_arch_fails_with_the_drivers_name_and_an_arch_hint(
         driver: HipDriver) -> None:
     image = fake_code_object("gfx90a", ["add_kernel"])
@@ -336,10 +361,14 @@ try:
     drv.get_function(1, module, "no_such_kernel")
 except Exception as exc:
     errors.append(f"{type(exc).__name__}: {exc}")
+from aotriton_rt.scratch import ScratchPool
+pool, seen = ScratchPool(lambda: drv), []
+for stream in (0x50, 0x60, 0x50, 0x1234):  # 0x1234 is capturing
+    pool.launch(1, stream, 4096, lambda gx, gy, gz, s, v: seen.append(v[-2]), 1, 1, 1, ())
 print(json.dumps({"api": drv.api_name, "count": drv.device_count(), "arch": drv.device_arch(1),
                   "name": drv.device_name(1), "current": drv.current_device(),
                   "capturing": drv.is_capturing(0x1234), "scratch": scratch, "errors": errors,
-                  "library": drv.library_path}))
+                  "library": drv.library_path, "pool": seen}))
 """
 
 
@@ -391,7 +420,12 @@ def test_a_triton_code_object_loads_and_launches_through_each_backend(
     assert launch["shared"] == shared and launch["stream"] == 0x1234
     assert launch["args"] == struct.pack("@QQQiQQ", 0x7000_0000_0000, 0x7000_0010_0000,
                                          0x7000_0020_0000, 1_000_000, facts["scratch"], 0)
-    assert [r["size"] for r in calls(log, "hipMalloc")] == [1 << 16]
+    # The scratch pool through this backend: one buffer per stream, another for the capture.
+    a, b, a2, captured = facts["pool"]
+    assert a == a2 and len({a, b, captured}) == 3
+    assert [r["size"] for r in calls(log, "hipMalloc")] == [1 << 16] + [(1 << 20) + 256] * 3
+    assert [r["stream"] for r in calls(log, "hipEventRecord")] == [0x60, 0x50]
+    assert len(calls(log, "hipEventCreateWithFlags")) == 2
 
 
 DEFAULT = r"""
