@@ -117,3 +117,48 @@ def test_api_md_documents_every_public_name():
     text = _read(ROOT / "docs" / "api.md")
     missing = [n for n in aotriton_rt.__all__ if not re.search(rf"`aotriton_rt\.{re.escape(n)}\b", text)]
     assert not missing, f"docs/api.md has no `aotriton_rt.NAME` entry for: {', '.join(missing)}"
+
+
+PERFORMANCE_MD = ROOT / "docs" / "performance.md"
+#: The page's structure: current results per product benchmark, what was tried, how it is measured.
+PERFORMANCE_SECTIONS = [
+    "Current results",
+    "Attention forward and backward",
+    "Against cuDNN and FlashAttention (SDPA backends)",
+    "Against the Triton JIT",
+    "Decode",
+    "Host cost per call and the first call",
+    "Launch overhead",
+    "JAX under `jax.jit`",
+    "Build time and sizes",
+    "What a variant costs to compile",
+    "The cost of private global scratch per stream",
+    "What we tried",
+    "Methodology",
+]
+
+
+def _headings(text: str) -> set[str]:
+    prose = FENCE.sub("", text)
+    return {m.group(1).strip() for m in re.finditer(r"^#{1,6} (.+)$", prose, re.M)}
+
+
+def test_performance_md_is_one_page_of_current_results():
+    text = _read(PERFORMANCE_MD)
+    lines = text.count("\n") + (not text.endswith("\n"))
+    assert lines < 350, f"docs/performance.md has {lines} lines; keep it under 350 (history lives in git)"
+    missing = [s for s in PERFORMANCE_SECTIONS if s not in _headings(text)]
+    assert not missing, f"docs/performance.md lacks the sections: {missing}"
+
+
+def test_docs_cite_performance_md_sections_that_exist():
+    """A doc that names a section ("docs/performance.md", "Launch overhead") names a real heading."""
+    headings = _headings(_read(PERFORMANCE_MD))
+    cited = []
+    for path in [*USER_DOCS, *sorted((ROOT / "builder").rglob("*.py")), *sorted((ROOT / "aotriton_rt").rglob("*.py"))]:
+        text = re.sub(r"\s*\n\s*(?:#:?\s*)?", " ", _read(path))  # join wrapped lines and comment prefixes
+        for m in re.finditer(r"performance\.md`?\)?,\s+\"([^\"]+)\"", text):
+            cited.append((path.relative_to(ROOT), m.group(1)))
+    assert cited, "no doc cites a section of docs/performance.md any more; is the pattern stale?"
+    stale = [f"{p}: {name!r}" for p, name in cited if name not in headings]
+    assert not stale, "sections of docs/performance.md cited but missing:\n" + "\n".join(stale)

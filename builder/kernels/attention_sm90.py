@@ -615,7 +615,7 @@ TILES = {128: ((128, 128, 3, 1, 1), (128, 128, 3, 0, 1), (128, 64, 4, 1, 1), (12
 #: table must hold them too, under the same indices. Each head dim's persistent rows are its first
 #: tile with and without ping-pong (at D=128 they lifted N=1024 from 0.60-0.68x cuDNN to 0.83-0.89x;
 #: at D=64, four 32 KB K/V stages plus 16 KB of Q, 144 KB of shared memory, `builder tune` picks #4
-#: at nearly every length: docs/performance.md, "The acceptance grid on two machines").
+#: at nearly every length: docs/performance.md, "Attention forward and backward").
 PERSISTENT_TILES = {128: ((128, 128, 3, 1, 1), (128, 128, 3, 0, 1)), 64: ((128, 128, 4, 1, 1), (128, 128, 4, 0, 1))}
 #: Programs of a persistent grid: one per SM of an H100 SXM / H200 (132 SMs). Any count is correct
 #: (each program strides over the tiles by the grid size); fewer SMs run a second partial wave,
@@ -676,7 +676,7 @@ def default_configs(spec: dict) -> tuple[int, ...]:
     ping-pong, #7 without: 0.87-0.88x cuDNN at N=1024 against #0's 0.60-0.68x, and the database's
     pick at most D=128 lengths); at D=64 the persistent config with ping-pong only (#4: the
     database's pick at nearly every D=64 length, 3-25% faster than attn_fwd; the one-tile configs
-    were slower than attn_fwd there). docs/performance.md, "The acceptance grid on two machines"."""
+    were slower than attn_fwd there). docs/performance.md, "Attention forward and backward"."""
     first = len(TILES[spec["HEAD_DIM"]])
     return (0, first, first + 1) if spec["HEAD_DIM"] == 128 else (first,)
 
