@@ -33,11 +33,11 @@ then reversed), each for ~25 ms of back-to-back calls between per-call CUDA even
 value is the median call, a contender's result the median over rounds with the rounds' min and
 max. Tensors hold (B, N, H, D) memory seen as (B, H, N, D), read in place by every contender.
 
-Default shapes (``--shapes``; the issue's acceptance grid), each fp16 and bf16, causal and not
+Default shapes (``--shapes``; the benchmark grid), each fp16 and bf16, causal and not
 unless said: ``d128`` B4 H32 N4096 D128; ``d64`` B4 H32 N4096 D64; ``n1024`` B16 H32 N1024 D128;
 ``n16384`` B4 H32 N16384 D128 causal. ``--n/--d/--b/--h`` give a grid of their own instead.
 
-    python bench/attention.py --images DIR --json out.json        # the acceptance grid, estimated 4-5 min
+    python bench/attention.py --images DIR --json out.json        # the benchmark grid, estimated 4-5 min
     python bench/attention.py --images DIR --shapes d128 --rounds 8
     python bench/attention.py --images DIR --n 4096 --d 128 --dtype bf16 --causal 1 --no-jit
     python bench/attention.py --images NEW --baseline OLD --n 1024 4096 16384 --d 64 128 --causal 1 --no-jit
@@ -55,7 +55,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as `python bench/NAME.py`: the checkout on the path (python -m bench.NAME needs none)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 

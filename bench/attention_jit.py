@@ -1,6 +1,6 @@
 """Benchmark and tune the attention kernels on a GPU through the Triton JIT.
 
-Runs ``builder/kernels/attention*.py`` with ``kernel[grid](...)`` on the issue's shapes, checks
+Runs ``builder/kernels/attention*.py`` with ``kernel[grid](...)`` on the benchmark shapes, checks
 them against torch SDPA once, and prints TFLOP/s for forward and backward next to torch's
 FLASH_ATTENTION and CUDNN_ATTENTION backends. Flops: forward 4·B·H·N²·D (halved when causal),
 backward 2.5× forward. The table and the sweep's rankings time their contenders together in rounds
@@ -12,7 +12,7 @@ numbers against cuDNN (inference and training), FlashAttention-2 and the JIT are
 ``bench/attention.py``'s; the tuning database the runtime reads comes from ``python -m builder
 tune``, which times the built configs through the runtime.
 
-    python bench/attention_jit.py                      # issue shapes, registry default configs
+    python bench/attention_jit.py                      # benchmark shapes, registry default configs
     python bench/attention_jit.py --configs            # sweep block/warp/stage/TMA/WS configs (D=128)
     python bench/attention_jit.py --configs --kernels fwd --n 4096 16384 --causal 0 2 --aot
     python bench/attention_jit.py --aot                # also time the registry's AOT binaries
@@ -43,7 +43,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as `python bench/NAME.py`: the checkout on the path (python -m bench.NAME needs none)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -519,7 +520,7 @@ def print_sweep_table(sweep: dict) -> None:
                  f"{' tma' if cfg.get('USE_TMA') else ''}{' ws' if cfg.get('WARP_SPEC') else ''}")
         print(f"{label:<34}{f(cud)}{f(t0)}{f(t0 / cud if t0 and cud else None, 8, 2)}{f(a0)}"
               f"{f(a0 / t0 if a0 and t0 else None, 8, 3)}{f(tb)}{f(tb / cud if cud else None, 9, 2)}  {short}")
-    print("Floor (issue #4): forward >= 0.85x cuDNN at D=128, N >= 4096 (causal too); AOT within 3% of JIT.\n"
+    print("Floor: forward >= 0.85x cuDNN at D=128, N >= 4096 (causal too); AOT within 3% of JIT.\n"
           "#0 is the registry's default config (what the operator launches); reorder fwd_configs if 'best' wins.")
 
 
@@ -576,6 +577,7 @@ def run_table(problems: list[Problem], arch: str, aot: bool, index: int) -> list
             continue
         for k, s in stats.items():
             row[k] = tflops(fns[k][0] * p.flops_fwd, s.median)
+        row["rounds_ms"] = {k: list(s.rounds) for k, s in stats.items()}  # per round, for paired ratios
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -593,7 +595,7 @@ def print_table(rows: list[dict], aot: bool) -> None:
                         for d, ours in (("fwd", r["ours_fwd"]), ("bwd", best_bwd)))
         print(f"{r['shape']:<36}{cells}{ratio}")
     print("ours_bwd: deterministic split (preprocess, dk/dv, dq); ours_bwd_atomic: dQ by fp32 atomics in dk/dv.\n"
-          "bwd/cudnn uses the faster of the two. Floor (issue #4): fwd >= 0.85x cuDNN, bwd >= 0.60x cuDNN at "
+          "bwd/cudnn uses the faster of the two. Floor: fwd >= 0.85x cuDNN, bwd >= 0.60x cuDNN at "
           "D=128, N >= 4096; AOT within 3% of JIT.")
 
 

@@ -33,7 +33,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as `python bench/NAME.py`: the checkout on the path (python -m bench.NAME needs none)
+    sys.path.insert(0, str(ROOT))
 
 
 def _jobs(build_set: str, targets: str, kernels: str | None) -> list:
@@ -175,6 +176,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
           "(from the timed variants' mean sizes)")
     if unpriced:
         print(f"{len(unpriced)} variants have no timed group, e.g. {unpriced[0]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "set": args.set, "targets": args.targets, "variants": count, "timed": len(records), "levels": levels,
+            "cpu_s": total, "worker_start_s": start, "workers": args.workers, "wall_s": wall,
+            "per_kernel": {k: {"variants": n, "cpu_s": c} for k, (n, c) in per_kernel.items()},
+            "per_target_cpu_s": dict(per_arch), "image_xz_bytes": image_bytes, "ptx_xz_bytes": ptx_bytes,
+            "unpriced": len(unpriced)}, indent=1))
     return 0
 
 
@@ -196,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             sp.add_argument("-j", "--jobs", type=int, default=1)
         else:
             sp.add_argument("--workers", type=int, default=2)
+            sp.add_argument("--json", default=None, help="also write the estimate here")
     args = p.parse_args(argv)
     return args.func(args)
 

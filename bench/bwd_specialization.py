@@ -3,7 +3,7 @@
 The AOT variants are compiled with the registry's declarations (``divisibility`` of pointers and
 strides, i64 batch/head strides, u64 dropout seeds); the JIT specialises every launch on its
 arguments (integers divisible by 16 or equal to 1, pointers 16-byte aligned, i32 where a value
-fits). For one call (default: the acceptance grid's B4 H32 N16384 D128 causal) this script builds
+fits). For one call (default: the benchmark grid's B4 H32 N16384 D128 causal) this script builds
 each backward kernel the operator launches on sm90 (``attn_bwd_preprocess``,
 ``attn_bwd_dkdv_sm90``, ``attn_bwd_dq_sm90``, config #0) in four *modes*:
 

@@ -27,7 +27,7 @@ graph and replayed: kernel time). Reported: medians over ``--rounds`` rounds, sp
 at most four sequences, computed one sequence at a time (a whole-batch fp32 reference with K/V
 repeated per query head would be 64 GiB at B=64, 32k cache, GQA 8:1).
 
-``--llama``: the issue's generation benchmark: a randomly initialised Llama-style model (16
+``--llama``: the generation benchmark: a randomly initialised Llama-style model (16
 layers, hidden 2048, 16 query / 4 KV heads, head dim 128, bf16; no download) generating 128
 tokens for 8 sequences from 512-token prompts through transformers' attention interface; see
 ``llama`` for the contenders (aotriton-rt and SDPA under each of its backends) and the method.
@@ -64,7 +64,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as `python bench/NAME.py`: the checkout on the path (python -m bench.NAME needs none)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
@@ -446,7 +447,7 @@ def summary(rows: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# The issue's Llama-style generation benchmark.
+# The Llama-style generation benchmark.
 # ------------------------------------------------------------------------------------------------
 
 #: SDPA contenders of the generation benchmark: torch's own backend choice ("default") and each
@@ -467,7 +468,7 @@ def _sdpa_context(backend: str | None) -> Any:
 
 
 def llama(args: argparse.Namespace, lib: Any) -> dict:
-    """The issue's generation benchmark, per contender: ``generate`` wall time (128 greedy tokens
+    """The generation benchmark, per contender: ``generate`` wall time (128 greedy tokens
     for 8 x 512-token prompts), a prefill forward, a training step (forward + backward), and per
     decode step the host wall time, the GPU time and the attention kernels' GPU time (profiled).
 

@@ -3,7 +3,7 @@
     python bench/host_cost.py --images DIR [--rounds 7] [--calls 2000] [--full-images DIR2]
     python bench/host_cost.py --python-path          # no GPU: the operator's own Python cost
 
-DIR: ``python -m builder build --set gputest --targets sm90 --out DIR``. Rows (issue #12):
+DIR: ``python -m builder build --set gputest --targets sm90 --out DIR``. Rows:
 
 - per-call host time of ``aotriton_rt.attention`` and of the torch custom op at (1, 1, 64, 64)
   fp16, against ``F.scaled_dot_product_attention`` with its default, efficient, flash and cuDNN
@@ -41,7 +41,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path and "PYTHONPATH" not in os.environ:
+# Run as `python bench/host_cost.py`, the checkout goes on the path unless PYTHONPATH names one (to time
+# another checkout); python -m bench.host_cost needs none.
+if not __package__ and str(ROOT) not in sys.path and "PYTHONPATH" not in os.environ:
     sys.path.insert(0, str(ROOT))
 
 
@@ -128,6 +130,9 @@ def python_path(calls: int, rounds: int) -> dict[str, Any]:
 
         def kernel(self, name: str, **params: Any) -> NoOp:
             return NoOp(name, params)
+
+        def targets(self) -> list[tuple[str, str]]:
+            return [("cuda", "sm80")]  # one arch, so the dispatch asks no driver; sm80: the portable kernels
 
     lib = NoOpLibrary()
     new_layout = hasattr(op, "plan")
@@ -400,6 +405,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--fresh", type=int, default=5, help="fresh processes for the first-call rows")
     ap.add_argument("--python-path", action="store_true", help="no GPU: time the operator's Python only")
+    ap.add_argument("--json", type=Path, help="write the results here (also $OUT/host_cost.json when $OUT is set)")
     args = ap.parse_args()
     if args.python_path:
         results = python_path(args.calls, args.rounds)
@@ -417,6 +423,8 @@ def main() -> None:
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "host_cost.json").write_text(json.dumps(results, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

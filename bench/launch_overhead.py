@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as `python bench/NAME.py`: the checkout on the path (python -m bench.NAME needs none)
+    sys.path.insert(0, str(ROOT))
 
 N_ELEMS = 1024
 

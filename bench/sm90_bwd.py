@@ -56,7 +56,7 @@ for _whl in sorted((ROOT / ".whl").glob("pyelftools-*.whl")):
 
 KERNELS = ("attn_bwd_dkdv", "attn_bwd_dq")
 SHORT = {"attn_bwd_dkdv": "dkdv", "attn_bwd_dq": "dq"}
-# (head dim, mask mode, B, H, N) per dtype: the training shapes (mode 2: causal, equal lengths).
+# (head dim, mask mode, B, H, N) per dtype: the training shapes (mode 2: causal, equal lengths).
 SHAPES = ((128, 0, 4, 32, 4096), (128, 2, 4, 32, 4096), (64, 0, 4, 32, 4096), (64, 2, 4, 32, 4096))
 # tests/runtime/test_attention_gpu.py's bound for gradients: k x the input-dtype math's error + eps.
 BOUND_K, BOUND_EPS = 4.0, 5e-4

@@ -65,7 +65,7 @@ SPLIT = {"deterministic": True}
 ATOMIC = {"deterministic": False, "scheme": "atomic"}
 #: The all-portable contender, the baseline of the "x portable" column.
 BASELINE = "port+port"
-# (dtype, head dim, mask mode, B, H, N): the issue's training shapes (mode 2: causal, equal lengths).
+# (dtype, head dim, mask mode, B, H, N): the training shapes (mode 2: causal, equal lengths).
 SHAPES = tuple((dt, d, c, 4, 32, 4096) for d in (128, 64) for c in (0, 2) for dt in ("fp16", "bf16"))
 # Agreement of a Gluon contender's dq, dk, dv with the portable kernels': max |diff| / max |portable| below this.
 AGREE = {"fp16": 2e-2, "bf16": 5e-2}

@@ -55,7 +55,7 @@ for _whl in sorted((ROOT / ".whl").glob("pyelftools-*.whl")):
     sys.path.insert(0, str(_whl))
 
 SPEC_BASE = {"BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
-# (dtype, head dim, mask mode, B, H, N): the shapes.
+# (dtype, head dim, mask mode, B, H, N): the benchmark shapes.
 SHAPES = (("fp16", 128, 0, 4, 32, 4096), ("bf16", 128, 0, 4, 32, 4096), ("fp16", 128, 2, 4, 32, 4096),
           ("bf16", 128, 2, 4, 32, 4096), ("fp16", 64, 0, 4, 32, 4096))
 LEVERS = ("ours", "sweep", "gluon", "ws")
