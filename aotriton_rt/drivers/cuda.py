@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
 
-from aotriton_rt.drivers import COMMON_HINTS, FunctionTable, driver_error, struct_field_offsets
 from aotriton_rt.drivers._loader import LoadedLibrary, load_library
+from aotriton_rt.drivers.protocol import COMMON_HINTS, FunctionTable, driver_error, struct_field_offsets
 from aotriton_rt.errors import ArgumentError, DriverError, LaunchError, UnsupportedError
 
 __all__ = ["CUlaunchAttribute", "CUlaunchConfig", "CudaDriver", "CudaLauncher",
