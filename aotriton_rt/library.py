@@ -48,7 +48,7 @@ def live_library(key: int) -> Library | None:
     return _LIVE.get(key)
 
 
-_STATE_LOCK = threading.Lock()
+_STATE_LOCK = threading.RLock()  # reentrant: one state's factory may ask for another
 
 
 def operator_state(library: Any, key: str, factory: Callable[[Any], T]) -> T:
