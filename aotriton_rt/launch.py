@@ -3,26 +3,25 @@
 The first call of a handle writes its launch function (unrolled argument checks, one pack into
 the variant's struct, one driver call, see :meth:`Kernel._generate`); later calls go straight
 to it. A handle loads its variant on a device at the first launch there, through its
-:class:`~aotriton_rt.library.Library`, which owns the catalogs, the loaded modules and the
-global scratch (:mod:`aotriton_rt.scratch`: private to each stream and each captured graph).
+:class:`~aotriton_rt.library.Library` (:class:`KernelSource` says what a handle asks of it),
+which owns the catalogs, the loaded modules and the global scratch (:mod:`aotriton_rt.scratch`:
+private to each stream and each captured graph).
 :meth:`Kernel.prepare` gives callers that validate a call signature once (the attention
 operator's plans) a launch that skips the per-call checks.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import interop
 from .arguments import INT_RANGES as _INT_RANGES
 from .arguments import Packer, scalar_checker
 from .catalog import Variant
 from .errors import ArgumentError, KernelNotFound, LaunchError, shown
-
-if TYPE_CHECKING:
-    from .library import Library
 
 MAX_DEVICES = 64
 _NO_DEVICE = -2  # None and raw integer pointers carry no device
@@ -46,7 +45,7 @@ class _Missing:
 _MISSING = _Missing()
 
 
-class _DeviceState:
+class DeviceState:
     """One variant loaded on one device: its launcher, packer and scratch needs.
 
     ``plain``: for a PDL variant, the launcher without the PDL attribute (made on the first
@@ -66,6 +65,39 @@ class _DeviceState:
         self.checks = packer.run_checks if packer.checks else None
         self.scratch_size = variant.scratch["global_size"] * variant.num_ctas
 
+    def plain_launcher(self, driver: Any) -> Any:
+        """The launcher of a PDL variant without the PDL attribute (``Kernel.prepare(pdl=False)``),
+        made by ``driver`` once and then kept."""
+        with _PLAIN_LOCK:
+            if self.plain is None:
+                v = self.variant
+                self.plain = driver.make_launcher(
+                    self.function, struct=self.packer.struct, num_threads=v.num_threads, shared=v.shared,
+                    cooperative=v.cooperative, pdl=False, cluster_dims=v.cluster_dims)
+            return self.plain
+
+
+_PLAIN_LOCK = threading.Lock()
+
+
+class KernelSource(Protocol):
+    """What a :class:`Kernel` asks of the :class:`~aotriton_rt.library.Library` that made it."""
+
+    #: The backend arrays are checked against, known without loading a driver.
+    backend_now: str
+    #: Global scratch per stream and captured graph (:class:`aotriton_rt.scratch.ScratchPool`).
+    scratch: Any
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def driver(self) -> Any: ...
+
+    def load_kernel(self, kernel: Kernel, device: int) -> DeviceState:
+        """``kernel``'s variant for ``device``, its module loaded there (once per variant)."""
+        ...
+
 
 class Kernel:
     """A handle on one kernel specialization; launches on whatever device its tensors are on.
@@ -76,7 +108,7 @@ class Kernel:
     framework of the first tensor argument (torch, CuPy), else the legacy default stream.
     """
 
-    def __init__(self, library: Library, name: str, params: dict[str, Any], candidates: list[Variant],
+    def __init__(self, library: KernelSource, name: str, params: dict[str, Any], candidates: list[Variant],
                  raw_pointers: bool) -> None:
         self.library = library
         self.name = name
@@ -89,7 +121,7 @@ class Kernel:
                 raise KernelNotFound(f"{name}: variants {first.key[:16]} and {v.key[:16]} have different "
                                      "argument lists; specify more parameters")
         self.arg_names = [a.name for a in first.args]
-        self._states: list[_DeviceState | None] = [None] * MAX_DEVICES
+        self._states: list[DeviceState | None] = [None] * MAX_DEVICES
         self._raw = raw_pointers
 
     def __repr__(self) -> str:
@@ -279,7 +311,7 @@ class Kernel:
         if st.checks is not None:
             st.checks(vals)
         gx, gy, gz = st.grid_fn(*vals)
-        launcher = st.launcher if pdl else st.plain or self.library._plain_launcher(st)
+        launcher = st.launcher if pdl else st.plain or st.plain_launcher(self.library.driver)
         if not st.scratch_size:
             hidden = (0, 0)
 
@@ -329,16 +361,16 @@ class Kernel:
         except ArgumentError as e:  # a producer's stream the protocol does not allow
             raise ArgumentError(f"argument {self.arg_names[0]}: {e}") from None
 
-    def _state(self, dev: int) -> _DeviceState:
+    def _state(self, dev: int) -> DeviceState:
         if not 0 <= dev < MAX_DEVICES:
             raise LaunchError(f"device index {dev} is out of range (0..{MAX_DEVICES - 1})")
         state = self._states[dev]
         if state is None:
-            state = self.library._load(self, dev)
+            state = self.library.load_kernel(self, dev)
             self._states[dev] = state
         return state
 
-    def _scratch(self, st: _DeviceState, launcher: Any, dev: int, gx: int, gy: int, gz: int, stream: int,
+    def _scratch(self, st: DeviceState, launcher: Any, dev: int, gx: int, gy: int, gz: int, stream: int,
                  vals: tuple) -> None:
         """Launch with global scratch private to ``stream`` (:mod:`aotriton_rt.scratch`)."""
         self.library.scratch.launch(dev, stream, gx * gy * gz * st.scratch_size, launcher, gx, gy, gz, vals)
@@ -391,7 +423,7 @@ def _indivisible(name: str, value: int, divisor: int) -> None:
                         f"compiled to assume; choose a variant compiled without that assumption")
 
 
-def _normalize_grid(grid: Any, st: _DeviceState) -> tuple[int, int, int]:
+def _normalize_grid(grid: Any, st: DeviceState) -> tuple[int, int, int]:
     if callable(grid):
         grid = grid(st.variant.params)
     if isinstance(grid, int):

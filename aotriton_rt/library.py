@@ -20,27 +20,55 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from . import arch as _arch
 from .arguments import Packer
 from .catalog import Catalog, Variant
 from .errors import DriverError
 from .images import find, read_image
-from .launch import Kernel, _DeviceState
+from .launch import DeviceState, Kernel
 from .scratch import ScratchPool, check_scratch
 from .select import match, select_one
 
+T = TypeVar("T")
+
 #: Every live Library by ``id()``: the torch ops carry a library as that integer (their schema
 #: takes tensors and scalars only), and code compiled by torch.compile must find it without
-#: having registered it while tracing.
+#: having registered it while tracing. It holds no state of a library, only the way back to it,
+#: and being weak it never keeps one alive (an id is reused only after its library is gone).
 _LIVE: weakref.WeakValueDictionary[int, Library] = weakref.WeakValueDictionary()
 
 
 def live_library(key: int) -> Library | None:
-    """The live :class:`Library` whose ``id()`` is ``key``, or None."""
+    """The live :class:`Library` whose ``id()`` is ``key``, or None. This is the one registry by
+    ``id()``, and it stays: a custom op's schema can carry the library only as an integer."""
     return _LIVE.get(key)
+
+
+_STATE_LOCK = threading.RLock()  # reentrant: one state's factory may ask for another
+
+
+def operator_state(library: Any, key: str, factory: Callable[[Any], T]) -> T:
+    """The state operator ``key`` keeps for ``library`` (caches, plans, flags), made by
+    ``factory(library)`` on first use and kept on the library object itself: it lives exactly as
+    long as the library, and a view of a library (an object standing in for one, as the
+    builder's tuning views do) has its own.
+
+    Read through the object's ``__dict__`` so that a view forwarding unknown attributes to the
+    library it wraps never answers with that library's state."""
+    states = vars(library).get("_operator_states")
+    if states is None:
+        states = vars(library).setdefault("_operator_states", {})
+    state = states.get(key)
+    if state is None:
+        with _STATE_LOCK:
+            state = states.get(key)
+            if state is None:
+                state = states[key] = factory(library)
+    return state
 
 
 class Library:
@@ -74,6 +102,10 @@ class Library:
         self._handles: dict[tuple, Kernel] = {}
         #: Global scratch, private to each stream and each captured graph.
         self.scratch = ScratchPool(lambda: self.driver)
+        #: Each operator's state for this library, by operator (:func:`operator_state`): the
+        #: attention dispatch caches and plans, the decode handles and fault flags. Made on first
+        #: use, dropped with the library.
+        self._operator_states: dict[str, Any] = {}
         _LIVE[id(self)] = self
 
     def __repr__(self) -> str:
@@ -177,7 +209,10 @@ class Library:
             self._handles[cache_key] = handle
         return handle
 
-    def _load(self, handle: Kernel, dev: int) -> _DeviceState:
+    def load_kernel(self, handle: Kernel, dev: int) -> DeviceState:
+        """The variant of ``handle`` that runs on device ``dev``, its module loaded there once and
+        its launcher made: what a :class:`~aotriton_rt.launch.Kernel` asks at its first launch on
+        a device. Raises KernelNotFound when no variant runs there."""
         driver = self.driver
         with self._lock:
             device_arch = _arch.normalize(driver.backend, driver.device_arch(dev))
@@ -201,18 +236,7 @@ class Library:
             launcher = driver.make_launcher(
                 function, struct=packer.struct, num_threads=variant.num_threads, shared=variant.shared,
                 cooperative=variant.cooperative, pdl=pdl, cluster_dims=variant.cluster_dims)
-            return _DeviceState(variant, packer, launcher, function, pdl)
-
-    def _plain_launcher(self, state: _DeviceState) -> Any:
-        """The launcher of a PDL variant without the PDL attribute (``Kernel.prepare(pdl=False)``),
-        made once per loaded variant and kept on its state."""
-        with self._lock:
-            if state.plain is None:
-                v = state.variant
-                state.plain = self.driver.make_launcher(
-                    state.function, struct=state.packer.struct, num_threads=v.num_threads, shared=v.shared,
-                    cooperative=v.cooperative, pdl=False, cluster_dims=v.cluster_dims)
-            return state.plain
+            return DeviceState(variant, packer, launcher, function, pdl)
 
 
 _default: Library | None = None

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION, parse_json, read_bounded
+from .catalog import CATALOG_FILE, SCHEMA, SCHEMA_VERSION, check_image, parse_json, read_bounded
 from .errors import CatalogError
 
 ENTRY_POINT_GROUP = "aotriton_rt.images"
@@ -126,7 +126,6 @@ def summary_lines(lib) -> list[str]:
     from collections import Counter
 
     from .errors import ImageError
-    from .images import read_image
 
     origins = getattr(lib.found, "origins", {}) or {}
     _ = lib.variants  # reads every folder's shards and records which folder serves each key
@@ -136,7 +135,7 @@ def summary_lines(lib) -> list[str]:
         bad = []
         for v in catalog.variants:
             try:
-                read_image(folder, v)
+                check_image(folder, v.image)  # both digests, as every launch checks them
             except ImageError as e:
                 bad.append(str(e).splitlines()[0])
         targets = Counter(v.target.arch for v in catalog.variants)

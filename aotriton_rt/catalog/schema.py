@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CatalogError
+from ..rules import check_rule
 from ..tuning import validate_table as validate_tuning
 from .reader import _Reader, _show
 
@@ -396,8 +397,6 @@ class _Shared:
 
 def _check_rules(v: Variant, path: str, source: str) -> None:
     """Parse every grid and check rule of ``v`` now, so that a bad one names its JSON path."""
-    from ..arguments import check_rule  # the rule language lives with its compiler
-
     names = tuple(a.name for a in v.args)
     params = v.params
     # A grid rule may name integer scalars only (checks may compare anything).

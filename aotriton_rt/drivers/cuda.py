@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
 
-from aotriton_rt.drivers import COMMON_HINTS, FunctionTable, driver_error, struct_field_offsets
 from aotriton_rt.drivers._loader import LoadedLibrary, load_library
+from aotriton_rt.drivers.protocol import COMMON_HINTS, FunctionTable, driver_error, struct_field_offsets
 from aotriton_rt.errors import ArgumentError, DriverError, LaunchError, UnsupportedError
 
 __all__ = ["CUlaunchAttribute", "CUlaunchConfig", "CudaDriver", "CudaLauncher",
@@ -162,7 +162,7 @@ def _error_text(getter: ctypes._CFuncPtr, status: int) -> str:
 
 
 class CudaDriver:
-    """The CUDA backend (see ``aotriton_rt.drivers.Driver`` for the protocol).
+    """The CUDA backend (see ``aotriton_rt.drivers.protocol.Driver`` for the protocol).
 
     ``CudaDriver()`` finds libcuda along the documented search (``AOTRITON_RT_CUDA_LIB``
     first) and calls ``cuInit``; pass ``library`` to use an already opened one. Raises
@@ -183,15 +183,6 @@ class CudaDriver:
         self._arch: dict[int, str] = {}
         self._launch_ex: ctypes._CFuncPtr | None = None
         self._optional: dict[str, ctypes._CFuncPtr] = {}
-        # Launch variants, for measuring (docs/performance.md): kernelParams (default) or the
-        # extra buffer; the GIL released around cuLaunchKernel (default, ctypes' way: a launch
-        # that blocks on a full queue must not stall other Python threads) or held.
-        self._launch_mode = os.environ.get("AOTRITON_RT_CUDA_LAUNCH", "params")
-        if os.environ.get("AOTRITON_RT_CUDA_GIL", "release") == "hold":
-            proto = ctypes.PYFUNCTYPE(c_int, *_SIGNATURES["cuLaunchKernel"])
-            self._cuLaunchKernel_gil = proto(ctypes.cast(self._cuLaunchKernel, c_void_p).value)
-        else:
-            self._cuLaunchKernel_gil = self._cuLaunchKernel
         # PDL variants launched plainly (AOTRITON_RT_CUDA_PDL=off), for measuring what PDL gives
         # (bench/decode.py): their in-kernel wait then returns at once, the stream orders them.
         self._pdl = os.environ.get("AOTRITON_RT_CUDA_PDL", "on") != "off"
@@ -349,8 +340,7 @@ class CudaDriver:
         """A launcher for ``function`` with blocks of ``num_threads`` threads.
 
         Plain launches use ``cuLaunchKernel`` with ``kernelParams`` pointing into the packed
-        buffer (``extra`` with AOTRITON_RT_CUDA_LAUNCH=extra); a
-        cooperative, PDL or cluster launch uses ``cuLaunchKernelEx`` with launch attributes
+        buffer; a cooperative, PDL or cluster launch uses ``cuLaunchKernelEx`` with launch attributes
         and per-parameter pointers into the same buffer (one per non-padding struct item).
         With clusters the grid given to the launcher counts clusters (Triton's programs)
         and each dimension is multiplied by ``cluster_dims``.
@@ -364,8 +354,7 @@ class CudaDriver:
         symbol = self._functions.symbol(function)
         pdl = pdl and self._pdl
         if not (cooperative or pdl or cluster != (1, 1, 1)):
-            return CudaLauncher(self, function, symbol, device, struct, num_threads, shared,
-                                self._launch_mode)
+            return CudaLauncher(self, function, symbol, device, struct, num_threads, shared)
         if cluster[0] * cluster[1] * cluster[2] > _PORTABLE_CLUSTER:
             self.check(self._cuFuncSetAttribute(
                 function, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
@@ -581,7 +570,8 @@ class CudaLauncher(_LauncherBase):
 
     ``kernelParams`` is an array of fixed pointers into the buffer (each parameter's place in
     it never changes), so either way a launch is one pack and one call. The call releases the
-    GIL unless AOTRITON_RT_CUDA_GIL=hold; docs/performance.md has the measured difference.
+    GIL (ctypes' way: a launch that blocks on a full queue must not stall other Python threads);
+    ``mode="extra"`` and a GIL-holding ``_launch`` are what bench/launch_overhead.py compares.
     """
 
     __slots__ = ("_launch", "_kernel_params", "_extra")
@@ -590,7 +580,7 @@ class CudaLauncher(_LauncherBase):
     def __init__(self, driver: CudaDriver, function: int, symbol: str, device: int,
                  layout: struct.Struct, num_threads: int, shared: int, mode: str = "params") -> None:
         super().__init__(driver, function, symbol, device, layout, num_threads, shared)
-        self._launch = driver._cuLaunchKernel_gil
+        self._launch = driver._cuLaunchKernel
         base = ctypes.addressof(self._buf)
         if mode == "extra":
             self._kernel_params = None

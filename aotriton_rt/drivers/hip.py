@@ -36,8 +36,8 @@ from contextlib import contextmanager
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
 from dataclasses import dataclass
 
-from aotriton_rt.drivers import COMMON_HINTS, FunctionTable, driver_error
 from aotriton_rt.drivers._loader import LoadedLibrary, load_library
+from aotriton_rt.drivers.protocol import COMMON_HINTS, FunctionTable, driver_error
 from aotriton_rt.errors import ArgumentError, DriverError, LaunchError, UnsupportedError
 
 __all__ = ["BACKEND_ENV", "HipDriver", "HipLauncher"]
@@ -381,7 +381,7 @@ def _select_api(environ: Mapping[str, str],
 # ---------------------------------------------------------------------------- the driver
 
 class HipDriver:
-    """The HIP backend (see ``aotriton_rt.drivers.Driver`` for the protocol).
+    """The HIP backend (see ``aotriton_rt.drivers.protocol.Driver`` for the protocol).
 
     ``HipDriver()`` picks the backend (``AOTRITON_RT_HIP_BACKEND``; hip-python when
     importable, else ctypes), opens libamdhip64 and calls ``hipInit``. ``api_name`` says

@@ -260,7 +260,7 @@ def test_many_threads_with_many_signatures_each_launch_their_own_arguments(lib: 
 
 
 def test_the_plan_cache_is_a_bounded_lru() -> None:
-    cache = signature.PlanCache(capacity=2)
+    cache = dispatch.PlanCache(capacity=2)
     cache.put(("a",), 1)
     cache.put(("b",), 2)
     assert cache.get(("a",)) == 1  # a is now the most recent

@@ -433,7 +433,7 @@ def test_a_decode_shaped_attention_call_is_validated_before_images_are_looked_fo
 
 def test_debug_mode_reads_lengths_and_pages_back_and_refuses_bad_ones() -> None:
     torch = pytest.importorskip("torch")
-    from aotriton_rt.ops.attention.arrays import arrays_for
+    from aotriton_rt.ops.attention.framework import arrays_for
     from aotriton_rt.ops.decode.validate import DecodePlan, _check_contents
 
     xp = arrays_for("torch")

@@ -313,3 +313,33 @@ def test_the_first_call_of_a_handle_may_name_its_arguments(tmp_path):
     k = _handle(tmp_path)
     with pytest.raises(ArgumentError, match=r"^argument n \(i32\) = 1099511627776 is out of range"):
         k(x_ptr=1 << 12, n=2**40)
+
+
+def test_operator_state_is_made_once_per_library_even_when_one_state_asks_for_another():
+    from aotriton_rt.library import operator_state
+
+    class Lib:
+        pass
+
+    class View:  # stands in for a library, forwarding what it lacks (as builder's tuning views do)
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            return getattr(self._lib, name)
+
+    made = []
+
+    def inner(lib):
+        made.append(lib)
+        return object()
+
+    def outer(lib):
+        return operator_state(lib, "inner", inner)
+
+    a, b = Lib(), Lib()
+    first = operator_state(a, "outer", outer)
+    assert operator_state(a, "outer", outer) is first and made == [a]
+    assert operator_state(b, "outer", outer) is not first
+    view = View(a)
+    assert operator_state(view, "outer", outer) is not first and made == [a, b, view]

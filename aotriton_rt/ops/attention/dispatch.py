@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -308,6 +309,51 @@ def _default_library() -> Any:
     return default_library()
 
 
+#: Plans kept per library; the least recently used goes first.
+PLAN_CACHE_SIZE = 1024
+
+
+class PlanCache:
+    """A bounded, thread-safe LRU of plans by call signature.
+
+    Lookups take no lock (``OrderedDict`` operations are atomic under the GIL); inserts and
+    evictions do. ``builds`` counts the plans made since the last :meth:`clear`, for tests and
+    benchmarks.
+    """
+
+    def __init__(self, capacity: int = PLAN_CACHE_SIZE) -> None:
+        self.capacity = capacity
+        self.builds = 0
+        self._plans: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, key: tuple) -> Any:
+        plan = self._plans.get(key)
+        if plan is not None:
+            try:
+                self._plans.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile
+                pass
+        return plan
+
+    def put(self, key: tuple, plan: Any) -> None:
+        with self._lock:
+            self.builds += 1
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
+            while len(self._plans) > self.capacity:
+                self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every plan (and reset ``builds``)."""
+        with self._lock:
+            self._plans.clear()
+            self.builds = 0
+
+
 class LibraryKernels:
     """Per-library caches: which variants exist, the tuning table, handles per call shape."""
 
@@ -317,8 +363,6 @@ class LibraryKernels:
         self.available_cache: dict[tuple, bool] = {}
         self.handles: dict[tuple, Any] = {}
         self.choices: dict[tuple, Any] = {}  # call shape -> (spec, handle) / (mode, specs, handles)
-        from .signature import PlanCache
-
         self.plans = PlanCache()  # call signature -> Plan (see plan.py)
         self.arch: dict[int, str] = {}
         tuning: dict[str, Any] = {}
@@ -524,16 +568,8 @@ def _takes(lib: Any, name: str, params: Mapping[str, Any], args: Sequence[str]) 
     return bool(found) and all(set(args) <= {a.name for a in v.args} for v in found)
 
 
-_KERNELS: dict[int, LibraryKernels] = {}
-_KERNELS_LOCK = threading.Lock()
-
-
 def kernels_of(library: Any) -> LibraryKernels:
-    lib = library if library is not None else _default_library()
-    ks = _KERNELS.get(id(lib))
-    if ks is None or ks.lib is not lib:
-        with _KERNELS_LOCK:
-            ks = _KERNELS.get(id(lib))
-            if ks is None or ks.lib is not lib:
-                ks = _KERNELS[id(lib)] = LibraryKernels(lib)
-    return ks
+    """The attention state of ``library`` (default: the default library), made on first use."""
+    from ...library import operator_state
+
+    return operator_state(library if library is not None else _default_library(), "attention", LibraryKernels)

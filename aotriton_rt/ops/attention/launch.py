@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .arrays import Output, arrays_for, bias_operand, lse_output, operand
+from .arrays import Output, bias_operand, lse_output, operand
 from .dispatch import CONVERT, DKDV, DQ, PRE
+from .framework import arrays_for
 from .problem import BIAS_ALIGN, Problem, bhs, contiguous_strides, kernel_strides, named, round_up
 
 

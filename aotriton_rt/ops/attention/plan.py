@@ -14,7 +14,7 @@
    argument list with its scalars, strides and grid fixed and only the array slots open.
    Otherwise the plan keeps the validated problem and runs the general path of :mod:`.launch`
    (copies, padding, empty problems, dBias reduction) without validating or dispatching again.
-3. **Every call**: look the key up in the library's bounded LRU (:class:`.signature.PlanCache`),
+3. **Every call**: look the key up in the library's bounded LRU (:class:`.dispatch.PlanCache`),
    allocate the outputs, fill the array slots (integer addresses for torch tensors on a :class:`Kernel`,
    whose :meth:`~aotriton_rt.launch.Kernel.prepare` checked the scalars and computed the grid
    once; the arrays themselves for other handles) and launch on the framework's current stream.
@@ -36,8 +36,9 @@ from typing import Any
 from ...errors import ArgumentError
 from . import launch as general
 from . import problem as _problem
-from .arrays import arrays_for, bias_strides_in_place
+from .arrays import bias_strides_in_place
 from .dispatch import CONVERT, DKDV, DQ, FWD, PRE, kernels_of
+from .framework import arrays_for
 from .problem import (
     ALIGN,
     U64,

@@ -18,6 +18,7 @@ from typing import Any
 from ... import interop
 from ...errors import ArgumentError, UnsupportedError
 from .dispatch import DTYPES, HEAD_DIM_BUCKETS, AttentionCall
+from .framework import arrays_for
 
 # Declared stride divisibility (elements): Q/K/V/Out and gradients 16, Bias/dBias 8.
 ALIGN = 16
@@ -288,8 +289,6 @@ def prepare(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, bia
     if varlen:
         if max_seqlen_q is None or max_seqlen_k is None:
             # Reading the lengths back synchronises with the device; callers in a hot loop pass them.
-            from .arrays import arrays_for
-
             xp = arrays_for(cu_qi.framework)
             if max_seqlen_q is None:
                 max_seqlen_q = xp.max_len(xp.convert(cu_seqlens_q, cu_qi))

@@ -44,8 +44,15 @@ def fault_flag(ks: Any, xp: Any, like: Any, device: int) -> Any:
     if xp.framework == "torch" and getattr(like, "is_cuda", False) and \
             xp.torch.cuda.is_current_stream_capturing():
         return flag
-    with ks.lock:
-        return ks.faults.setdefault(key, flag)
+    return ks.faults.setdefault(key, flag)  # one atomic step: the first flag made wins
+
+
+def fault_flags(library: Any) -> dict[tuple[str, int], Any]:
+    """The fault flags of ``library`` (default: the default library) by (framework, device)."""
+    from ...library import default_library, operator_state
+
+    return operator_state(library if library is not None else default_library(), "decode.faults",
+                          lambda lib: {})
 
 
 def read_faults(device: int | None = None, *, library: Any = None, clear: bool = True) -> int:
@@ -53,11 +60,8 @@ def read_faults(device: int | None = None, *, library: Any = None, clear: bool =
     through ``library`` (default: the default library) on ``device`` (None: every device) since
     the flag was last cleared; 0 when none. Synchronises with the current stream. ``clear``: zero
     the flag after reading it."""
-    from .launch import _kernels_of
-
-    ks = _kernels_of(library)
     bits = 0
-    for (framework, dev), flag in list(ks.faults.items()):
+    for (framework, dev), flag in list(fault_flags(library).items()):
         if device is not None and dev != device:
             continue
         bits |= int(_host_value(framework, flag))

@@ -9,9 +9,9 @@ from typing import Any
 
 from ... import interop
 from ...errors import ArgumentError, KernelNotFound
-from ..attention.arrays import arrays_for
+from ..attention.framework import arrays_for
 from . import validate
-from .faults import fault_flag
+from .faults import fault_flag, fault_flags
 from .splits import _SM_COUNTS, num_splits_for, split_rule
 from .validate import (
     APPEND,
@@ -51,7 +51,7 @@ class _Kernels:
         self.lock = threading.Lock()
         self.handles: dict[tuple, Any] = {}
         self.sms: dict[int, int] = {}
-        self.faults: dict[tuple[str, int], Any] = {}
+        self.faults = fault_flags(lib)
         self.shared = kernels_of(lib)
         self._rules = self.shared.tuning.get(DECODE)
         self._pdl = "rule"
@@ -112,20 +112,11 @@ class _Kernels:
         return hit
 
 
-_KERNELS: dict[int, _Kernels] = {}
-_KERNELS_LOCK = threading.Lock()
-
-
 def _kernels_of(library: Any) -> _Kernels:
-    if library is None:
-        from ...library import default_library
+    """The decode state of ``library`` (default: the default library), made on first use."""
+    from ...library import default_library, operator_state
 
-        library = default_library()
-    ks = _KERNELS.get(id(library))
-    if ks is None or ks.lib is not library:
-        with _KERNELS_LOCK:
-            ks = _KERNELS[id(library)] = _Kernels(library)
-    return ks
+    return operator_state(library if library is not None else default_library(), "decode", _Kernels)
 
 
 #: Values of ``_Kernels.pdl``: the rule below, PDL wherever compiled in, or never.
