@@ -129,25 +129,21 @@ def run_hostile(name: str, case: dict) -> dict:
     lens, new = list(c["lens"]), c["new"]
     nan = float("nan")
     q = torch.randn(B, 1, Hq, D, generator=gen)
+    def fenced(rows: int, shape: tuple, margin: int) -> tuple[Any, Any]:
+        """A cache inside a bigger buffer of NaN sentinels: a read outside it poisons a good answer."""
+        buf = torch.full((rows + 2 * margin, *shape), nan)
+        cache = buf[margin:margin + rows]
+        cache.copy_(torch.randn(rows, *shape, generator=gen))
+        return buf, cache
+
     if c["paged"]:
         num_pages = 9
-        # The cache inside a bigger buffer of NaN sentinels: a read outside it poisons a good answer.
-        buf = torch.full((num_pages + 4, ps, Hk, D), nan)
-        k_cache = buf[2:2 + num_pages]
-        k_cache.copy_(torch.randn(num_pages, ps, Hk, D, generator=gen))
-        vbuf = torch.full_like(buf, nan)
-        v_cache = vbuf[2:2 + num_pages]
-        v_cache.copy_(torch.randn(num_pages, ps, Hk, D, generator=gen))
+        (buf, k_cache), (vbuf, v_cache) = (fenced(num_pages, (ps, Hk, D), 2) for _ in range(2))
         table = torch.arange(B * width, dtype=torch.int32).reshape(B, width) % num_pages
         for (b, j), page in c["table"].items():
             table[b, j] = page
     else:
-        buf = torch.full((B + 2, cap, Hk, D), nan)
-        k_cache = buf[1:1 + B]
-        k_cache.copy_(torch.randn(B, cap, Hk, D, generator=gen))
-        vbuf = torch.full_like(buf, nan)
-        v_cache = vbuf[1:1 + B]
-        v_cache.copy_(torch.randn(B, cap, Hk, D, generator=gen))
+        (buf, k_cache), (vbuf, v_cache) = (fenced(B, (cap, Hk, D), 1) for _ in range(2))
         table = None
     k_new = torch.randn(B, new, Hk, D, generator=gen) if new else None
     v_new = torch.randn(B, new, Hk, D, generator=gen) if new else None
