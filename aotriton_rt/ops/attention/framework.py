@@ -50,6 +50,17 @@ class TorchArrays:
     def max_len(self, cu: Any) -> int:
         return int((cu[1:] - cu[:-1]).max().item()) if cu.shape[0] > 1 else 0
 
+    def settle_for_sharing(self, like: Any) -> bool:
+        """Whether an array just made on the current stream may be shared with calls on every
+        stream: False while that stream is capturing a graph (its fill is a node of the graph,
+        its memory the graph's pool); else waits until its fill has run and returns True."""
+        if not like.is_cuda:
+            return True
+        if self.torch.cuda.is_current_stream_capturing():
+            return False
+        self.torch.cuda.current_stream(like.device).synchronize()
+        return True
+
 
 class CupyArrays:
     framework = "cupy"
@@ -95,6 +106,14 @@ class CupyArrays:
 
     def max_len(self, cu: Any) -> int:
         return int((cu[1:] - cu[:-1]).max()) if cu.shape[0] > 1 else 0
+
+    def settle_for_sharing(self, like: Any) -> bool:
+        """See :meth:`TorchArrays.settle_for_sharing`."""
+        stream = self.cupy.cuda.get_current_stream()
+        if stream.is_capturing():
+            return False
+        stream.synchronize()
+        return True
 
 
 _ARRAYS: dict[str, Any] = {}

@@ -34,15 +34,15 @@ def describe_faults(bits: int) -> str:
 
 def fault_flag(ks: Any, xp: Any, like: Any, device: int) -> Any:
     """The flag of ``ks`` (a library's decode kernels) for ``like``'s framework and device, made
-    zero on first use. One made while a CUDA graph is being captured (its memory the graph's
-    pool, its fill a node) serves that call only."""
+    zero on first use and shared with calls on every stream once its zero fill has run. One made
+    while a CUDA graph is being captured (its memory the graph's pool, its fill a node) serves
+    that call only."""
     key = (xp.framework, device)
     flag = ks.faults.get(key)
     if flag is not None:
         return flag
     flag = xp.zeros((1,), "i32", like)
-    if xp.framework == "torch" and getattr(like, "is_cuda", False) and \
-            xp.torch.cuda.is_current_stream_capturing():
+    if not xp.settle_for_sharing(like):
         return flag
     return ks.faults.setdefault(key, flag)  # one atomic step: the first flag made wins
 

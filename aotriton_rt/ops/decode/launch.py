@@ -312,16 +312,9 @@ class _Launch:
         lens = _CONSTANT_LENS.get(key)
         if lens is None:
             lens = self.seqlens(q, cache_seqlens)
-            if q.is_cuda and self.torch.cuda.is_current_stream_capturing():
+            if len(_CONSTANT_LENS) >= _MAX_CONSTANT_LENS or not self.xp.settle_for_sharing(q):
                 return lens
-            if len(_CONSTANT_LENS) < _MAX_CONSTANT_LENS:
-                # Published for calls on every stream: its fill, queued on this one, must be done
-                # before another stream can read it (once per key and process).
-                if q.is_cuda:
-                    self.torch.cuda.current_stream(q.device).synchronize()
-                lens = _CONSTANT_LENS.setdefault(key, lens)
-            else:
-                return lens
+            lens = _CONSTANT_LENS.setdefault(key, lens)
         self.lens = lens
         return lens
 
