@@ -61,6 +61,11 @@ def check_scratch(name: str, variant: Any) -> None:
                           f"aligned global scratch; at most {ALIGN} is supported: rebuild it")
 
 
+def _size_for(nbytes: int) -> int:
+    """Bytes allocated for a need of ``nbytes``: a power of two, at least :data:`MIN_BYTES`."""
+    return max(MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
 #: Where a parked buffer's last use stands.
 _IDLE, _EVENT, _UNKNOWN = "idle", "event", "unknown"
 
@@ -89,7 +94,8 @@ class ScratchPool:
         # One lock: a launch with scratch holds it from taking the buffer to recording the
         # event, so no other thread can hand the buffer to another stream in between.
         self._lock = threading.Lock()
-        self._hooks: tuple[Any, Any, Any] | None = None  # driver, capture probe, event recorder
+        # The driver, its capture probe and its raw event recorder, bound at the first launch.
+        self._drv: Any = None
         self._probe: Any = None
         self._record: Any = None
         # (stream, device, buffer, several streams) of the last eager launch: its stream's buffer
@@ -117,18 +123,17 @@ class ScratchPool:
                 buf = fast[2]
                 launcher(gx, gy, gz, stream, values + (buf.ptr, 0))
                 if fast[3] and self._record(buf.event, stream):
-                    self._hooks[0].event_record(device, buf.event, stream)
+                    self._drv.event_record(device, buf.event, stream)
                 return
             self._launch(device, stream, nbytes, launcher, gx, gy, gz, values)
 
     def _launch(self, device: int, stream: int, nbytes: int, launcher: Any, gx: int, gy: int, gz: int,
                 values: tuple) -> None:
-        hooks = self._hooks
-        if hooks is None:
+        driver = self._drv
+        if driver is None:
             driver = self._driver()
-            hooks = self._hooks = (driver, driver.capture_probe(), driver.event_recorder())
-            self._probe, self._record = hooks[1], hooks[2]
-        driver = hooks[0]
+            self._probe, self._record = driver.capture_probe(), driver.event_recorder()
+            self._drv = driver
         self._fast = None
         if self._released:
             self._drain()
@@ -196,7 +201,7 @@ class ScratchPool:
         return buf
 
     def _new(self, driver: Any, device: int, nbytes: int) -> _Buffer:
-        size = max(MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+        size = _size_for(nbytes)
         base = driver.alloc(device, size + ALIGN)
         return _Buffer(device, base, size, driver.event_create(device))
 
@@ -213,7 +218,7 @@ class ScratchPool:
             buf = min(idle, key=lambda b: b.size)
             self._parked[device].remove(buf)
         else:
-            size = max(MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+            size = _size_for(nbytes)
             buf = _Buffer(device, driver.alloc_relaxed(device, size + ALIGN), size, 0)
         self._graphs[key] = buf
         if graph:
