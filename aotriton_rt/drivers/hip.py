@@ -50,6 +50,7 @@ HIP_LAUNCH_PARAM_BUFFER_POINTER = 1
 HIP_LAUNCH_PARAM_BUFFER_SIZE = 2
 HIP_LAUNCH_PARAM_END = 3
 HIP_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_MEMORY_SIZE = 8  # hipFuncAttributeMaxDynamicSharedMemorySize
+HIP_EVENT_DISABLE_TIMING = 2  # hipEventDisableTiming
 
 # hipDeviceProp_tR0600 layout (see the module docstring).
 PROP_SIZE = 1472
@@ -126,16 +127,9 @@ class _CtypesApi:
 
     def __init__(self, found: LoadedLibrary) -> None:
         self.library_path = found.path
-        for fname, argtypes in _SIGNATURES.items():
-            try:
-                fn = getattr(found.handle, fname)
-            except AttributeError:
-                raise DriverError(f"{found.path} has no {fname}: aotriton-rt needs the HIP "
-                                  f"runtime of ROCm 6.0 or newer", call=fname) from None
-            fn.argtypes = list(argtypes)
-            fn.restype = c_char_p if fname.startswith("hipGetError") else c_int
-            setattr(self, "_" + fname, fn)
         self._handle = found.handle
+        for fname, argtypes in _SIGNATURES.items():
+            self._fn(fname, argtypes, c_char_p if fname.startswith("hipGetError") else c_int)
         self.launch: Callable[..., int] = self._hipModuleLaunchKernel
 
     def extra_argument(self, extra: ctypes.Array) -> object:
@@ -195,8 +189,9 @@ class _CtypesApi:
     def device_synchronize(self) -> int:
         return self._hipDeviceSynchronize()
 
-    # Scratch bookkeeping (aotriton_rt.scratch), bound at the first launch that needs scratch.
-    def _fn(self, name: str, argtypes: tuple) -> ctypes._CFuncPtr:
+    def _fn(self, name: str, argtypes: tuple, restype: type = c_int) -> ctypes._CFuncPtr:
+        """The library's ``name``, typed and kept as ``self._<name>``: bound here for every call of
+        :data:`_SIGNATURES`, at first use for the scratch bookkeeping (aotriton_rt.scratch)."""
         fn = getattr(self, "_" + name, None)
         if fn is None:
             try:
@@ -204,7 +199,7 @@ class _CtypesApi:
             except AttributeError:
                 raise DriverError(f"{self.library_path} has no {name}: aotriton-rt needs the HIP "
                                   f"runtime of ROCm 6.0 or newer", call=name) from None
-            fn.argtypes, fn.restype = list(argtypes), c_int
+            fn.argtypes, fn.restype = list(argtypes), restype
             setattr(self, "_" + name, fn)
         return fn
 
@@ -215,7 +210,8 @@ class _CtypesApi:
 
     def event_create(self) -> tuple[int, int]:
         event = c_void_p()
-        return self._fn("hipEventCreateWithFlags", (_P(c_void_p), c_uint))(byref(event), 2), event.value or 0
+        status = self._fn("hipEventCreateWithFlags", (_P(c_void_p), c_uint))(byref(event), HIP_EVENT_DISABLE_TIMING)
+        return status, event.value or 0
 
     def event_record(self, event: int, stream: int) -> int:
         return self._fn("hipEventRecord", (c_void_p, c_void_p))(event, stream)
@@ -330,7 +326,7 @@ class _HipPythonApi:
         return status, int(capture), int(ident or 0)
 
     def event_create(self) -> tuple[int, int]:
-        status, event = self._hip.hipEventCreateWithFlags(2)
+        status, event = self._hip.hipEventCreateWithFlags(HIP_EVENT_DISABLE_TIMING)
         return status, int(event) if event is not None else 0
 
     def event_record(self, event: int, stream: int) -> int:
@@ -560,16 +556,9 @@ class HipDriver:
         self.check(status, "hipStreamGetCaptureInfo")
         return capture, ident, 0
 
-    def capture_probe(self) -> Callable[[int], int]:
-        """``probe(stream)``: 0 when ``stream`` is not capturing a graph, else non-zero."""
-        api, check = self._api, self.check
-
-        def probe(stream: int) -> int:
-            status, capture = api.stream_is_capturing(stream)
-            check(status, "hipStreamIsCapturing")
-            return capture
-
-        return probe
+    def capture_probe(self) -> Callable[[int], bool]:
+        """``probe(stream)``: whether ``stream`` is capturing a graph (:meth:`is_capturing`)."""
+        return self.is_capturing
 
     def event_recorder(self) -> Callable[[int, int], int]:
         """``record(event, stream)`` returning the status (see the CUDA driver)."""
