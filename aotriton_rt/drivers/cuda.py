@@ -120,7 +120,7 @@ _SIGNATURES: dict[str, tuple] = {
     "cuMemAlloc_v2": (_P(c_uint64), c_size_t),
     "cuStreamIsCapturing": (c_void_p, _P(c_int)),
 }
-# Resolved on first use: cuLaunchKernelEx exists from CUDA 12.0 on.
+# Resolved on first use (CudaDriver._optional_fn): cuLaunchKernelEx exists from CUDA 12.0 on.
 _OPTIONAL_SIGNATURES: dict[str, tuple] = {
     "cuLaunchKernelEx": (_P(CUlaunchConfig), c_void_p, _P(c_void_p), _P(c_void_p)),
     # Scratch bookkeeping (aotriton_rt.scratch): bound at the first launch that needs scratch.
@@ -181,7 +181,6 @@ class CudaDriver:
         self._primary: dict[int, int] = {}        # device index -> primary context
         self._functions = FunctionTable()
         self._arch: dict[int, str] = {}
-        self._launch_ex: ctypes._CFuncPtr | None = None
         self._optional: dict[str, ctypes._CFuncPtr] = {}
         # PDL variants launched plainly (AOTRITON_RT_CUDA_PDL=off), for measuring what PDL gives
         # (bench/decode.py): their in-kernel wait then returns at once, the stream orders them.
@@ -363,14 +362,10 @@ class CudaDriver:
                               num_threads, shared, cooperative, pdl, cluster)
 
     def _kernel_ex(self) -> ctypes._CFuncPtr:
-        if self._launch_ex is None:
-            name = "cuLaunchKernelEx"
-            if not hasattr(self._lib, name):
-                raise UnsupportedError("cooperative, PDL and cluster launches need "
-                                       "cuLaunchKernelEx (NVIDIA driver for CUDA 12.0 or newer)")
-            self._launch_ex = _bind(self._lib, name, _OPTIONAL_SIGNATURES[name],
-                                    self.library_path)
-        return self._launch_ex
+        if "cuLaunchKernelEx" not in self._optional and not hasattr(self._lib, "cuLaunchKernelEx"):
+            raise UnsupportedError("cooperative, PDL and cluster launches need "
+                                   "cuLaunchKernelEx (NVIDIA driver for CUDA 12.0 or newer)")
+        return self._optional_fn("cuLaunchKernelEx")
 
     # ------------------------------------------------------------------ memory and streams
 
