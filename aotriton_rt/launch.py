@@ -22,6 +22,7 @@ from .arguments import INT_RANGES as _INT_RANGES
 from .arguments import Packer, scalar_checker
 from .catalog import Variant
 from .errors import ArgumentError, KernelNotFound, LaunchError, shown
+from .interop import MAX_STREAM as _MAX_STREAM
 
 MAX_DEVICES = 64
 _NO_DEVICE = -2  # None and raw integer pointers carry no device
@@ -439,10 +440,6 @@ def _normalize_grid(grid: Any, st: DeviceState) -> tuple[int, int, int]:
             raise ArgumentError(f"grid[{i}] = {value} must be an integer in [0, {limit}] "
                                 f"on {st.variant.target.backend} with {st.variant.num_threads} threads per block")
     return g[0], g[1], g[2]
-
-
-#: A raw stream handle is a pointer-sized unsigned integer.
-_MAX_STREAM = 2**64 - 1
 
 
 def _stream_value(stream: Any) -> int:

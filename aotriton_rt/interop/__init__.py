@@ -41,6 +41,7 @@ from aotriton_rt.errors import ArgumentError
 from .arrays import _FIX_MOVE, _FIX_UNKNOWN, ArrayInfo, _type_name
 from .frameworks import _cupy_handlers, _torch_handlers, current_stream, stream_getter
 from .protocols import (
+    MAX_STREAM,
     _cai_describe,
     _cai_pointer,
     _dlpack_describe,
@@ -52,6 +53,7 @@ from .protocols import (
 
 __all__ = [
     "ArrayInfo",
+    "MAX_STREAM",
     "cai_launch_stream",
     "current_stream",
     "describe",

@@ -67,8 +67,9 @@ def _byte_strides(strides: Any, itemsize: int, what: str) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------
 # __cuda_array_interface__
 
-#: The largest raw stream handle: a pointer-sized unsigned integer.
-_MAX_STREAM = 2**64 - 1
+#: The largest raw stream handle: a pointer-sized unsigned integer (also what ``stream=`` of a
+#: launch accepts, aotriton_rt.launch).
+MAX_STREAM = 2**64 - 1
 #: ``__cuda_array_interface__`` v3 ``stream`` 1 and 2 (the legacy and the per-thread default
 #: stream) as each driver spells them. CUDA's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD are
 #: those very handles. HIP has no legacy handle of that meaning: its null stream (0) is the
@@ -81,7 +82,7 @@ def _cai_stream(cai: dict, obj: object) -> int | None:
     (nothing to wait for), 1 (legacy default stream), 2 (per-thread default stream) or a
     handle; 0 (ambiguous), negatives, values of 2**64 and more and non-integers are refused."""
     stream = cai.get("stream")
-    if stream is None or (type(stream) is int and 0 < stream <= _MAX_STREAM):
+    if stream is None or (type(stream) is int and 0 < stream <= MAX_STREAM):
         return stream
     if stream == 0 and not isinstance(stream, (bool, float)):
         raise ArgumentError(
@@ -90,7 +91,7 @@ def _cai_stream(cai: dict, obj: object) -> int | None:
             f"2 (per-thread default stream) or a stream handle")
     if not isinstance(stream, bool) and hasattr(type(stream), "__index__"):  # e.g. NumPy integers
         value = operator.index(stream)
-        if 0 < value <= _MAX_STREAM:
+        if 0 < value <= MAX_STREAM:
             return value
         shown = str(value)
     else:
