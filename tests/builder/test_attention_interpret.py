@@ -9,7 +9,6 @@ padded head-dim buckets, 0 for unused pointers).
 
 from __future__ import annotations
 
-import json
 import math
 import multiprocessing
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.interpreter import patch_interpreter, run_sharded
+from tests.helpers.interpreter import patch_interpreter, report_cases, run_sharded
 from tests.helpers.sass import sass_ops
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -340,12 +339,7 @@ def run_case(name: str, case: dict) -> dict:
 
 def _main(names: list[str]) -> None:
     patch_interpreter()
-    for name in names:
-        try:
-            result = run_case(name, CASES[name])
-        except Exception as exc:  # reported to the test, which fails with it
-            result = {"name": name, "errors": {}, "failed": [f"{type(exc).__name__}: {exc}"[:2000]]}
-        print(json.dumps(result), flush=True)
+    report_cases(names, lambda name: run_case(name, CASES[name]))
 
 
 # ---------------------------------------------------------------------------------------------

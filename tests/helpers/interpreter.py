@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,6 +48,21 @@ def run_sharded(script: str | Path, names: list[str], shards: int = 2) -> dict[s
     with ThreadPoolExecutor(len(parts)) as pool:
         results = [r for part in pool.map(lambda p: run_interpreted(script, p), parts) for r in part]
     return {r["name"]: r for r in results}
+
+
+def report_cases(names: list[str], run: Callable[[str], dict]) -> None:
+    """The child's side of :func:`run_interpreted`: one JSON line per case, ``run(name)``'s result
+    or, when it raises, a failed result carrying the exception and its traceback (the test then
+    fails with them)."""
+    import traceback
+
+    for name in names:
+        try:
+            result = run(name)
+        except Exception as exc:  # reported to the test, which fails with it
+            result = {"errors": {}, "failed": [f"{type(exc).__name__}: {exc}"[:1500], traceback.format_exc()[-3000:]]}
+        result["name"] = name
+        print(json.dumps(result), flush=True)
 
 
 def patch_interpreter() -> None:

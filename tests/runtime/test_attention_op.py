@@ -35,7 +35,7 @@ from aotriton_rt.ops.attention import (
     select_config,
     select_mode,
 )
-from tests.helpers.interpreter import patch_interpreter, run_sharded
+from tests.helpers.interpreter import patch_interpreter, report_cases, run_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -456,15 +456,7 @@ def _opcheck(lib: InterpretedLibrary, q: Any, k: Any, v: Any) -> dict:
 def _main(names: list[str]) -> None:
     patch_interpreter()
     _install_cpu_operator()
-    for name in names:
-        try:
-            result = run_case(name, CASES[name])
-        except Exception:  # reported to the test, which fails with it
-            import traceback
-
-            result = {"name": name, "errors": {}, "failed": [traceback.format_exc()[-3000:]]}
-        result["name"] = name
-        print(json.dumps(result), flush=True)
+    report_cases(names, lambda name: run_case(name, CASES[name]))
 
 
 

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 
 from aotriton_rt import ArgumentError, FaultError
 from aotriton_rt.ops import decode as op
-from tests.helpers.interpreter import patch_interpreter, run_sharded
+from tests.helpers.interpreter import patch_interpreter, report_cases, run_sharded
 from tests.runtime.test_decode_op import _AddressHandle, _Handle, _install_cpu, _Library
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -224,14 +223,7 @@ def _main(names: list[str]) -> None:
     patch_interpreter()
     _install_cpu()
     _install_checker()
-    for name in names:
-        try:
-            result = run_hostile(name, HOSTILE[name])
-        except Exception as exc:  # reported to the test
-            import traceback
-
-            result = {"name": name, "failed": [f"{type(exc).__name__}: {exc}"[:1500], traceback.format_exc()[-1500:]]}
-        print(json.dumps(result), flush=True)
+    report_cases(names, lambda name: run_hostile(name, HOSTILE[name]))
 
 
 # ---------------------------------------------------------------------------------------------

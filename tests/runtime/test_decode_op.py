@@ -26,7 +26,7 @@ import aotriton_rt
 from aotriton_rt import ArgumentError, CatalogError, UnsupportedError
 from aotriton_rt.ops import decode as op
 from aotriton_rt.ops.decode import SplitRule, num_splits_for, split_rule
-from tests.helpers.interpreter import patch_interpreter, run_sharded
+from tests.helpers.interpreter import patch_interpreter, report_cases, run_sharded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -301,15 +301,7 @@ def run_case(name: str, case: dict) -> dict:
 def _main(names: list[str]) -> None:
     patch_interpreter()
     _install_cpu()
-    for name in names:
-        try:
-            result = run_case(name, CASES[name])
-        except Exception as exc:  # reported to the test
-            import traceback
-
-            result = {"name": name, "errors": {}, "failed": [f"{type(exc).__name__}: {exc}"[:1500],
-                                                             traceback.format_exc()[-1500:]]}
-        print(json.dumps(result), flush=True)
+    report_cases(names, lambda name: run_case(name, CASES[name]))
 
 
 # ---------------------------------------------------------------------------------------------
