@@ -218,18 +218,23 @@ def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
     def call(kernel: Any, **arrays: Any) -> Any:
         return kernel(*[arrays[n] if n in arrays else values[n] for n in kernel.arg_names])
 
-    def step(q: Any, kc: Any, vc: Any, kn: Any, vn: Any, lens: Any, table: Any) -> tuple:
-        kc, vc = call(append, KNew=kn, VNew=vn, K=aj.Update(kc), V=aj.Update(vc), BlockTable=table,
-                      CacheSeqlens=lens)
-        _, _, part_o, part_l = call(decode, Q=q, K=kc, V=vc, Out=aj.Out(q.shape, q.dtype),
-                                    LSE=aj.Out((b, hq, sq), jnp.float32), PartO=aj.Out((part_rows, d), jnp.float32),
-                                    PartL=aj.Out((part_rows,), jnp.float32), BlockTable=table, CacheSeqlens=lens)
+    def step(q: Any, kc: Any, vc: Any, kn: Any, vn: Any, lens: Any, table: Any, faults: Any) -> tuple:
+        # Faults: the int32 flag both kernels OR a bit into on an out-of-range length or page.
+        kc, vc, faults = call(append, KNew=kn, VNew=vn, K=aj.Update(kc), V=aj.Update(vc), BlockTable=table,
+                              CacheSeqlens=lens, Faults=aj.Update(faults))
+        _, _, part_o, part_l, faults = call(decode, Q=q, K=kc, V=vc, Out=aj.Out(q.shape, q.dtype),
+                                            LSE=aj.Out((b, hq, sq), jnp.float32),
+                                            PartO=aj.Out((part_rows, d), jnp.float32),
+                                            PartL=aj.Out((part_rows,), jnp.float32), BlockTable=table,
+                                            CacheSeqlens=lens, Faults=aj.Update(faults))
         out, lse = call(combine, Out=aj.Out(q.shape, q.dtype), LSE=aj.Out((b, hq, sq), jnp.float32), PartO=part_o,
                         PartL=part_l)
-        return out, lse, kc, vc
+        return out, lse, kc, vc, faults
 
-    got_out, got_lse, got_k, got_v = jax.jit(step)(q, kc, vc, kn, vn, jnp.asarray(lens),
-                                                    None if table is None else jnp.asarray(table))
+    got_out, got_lse, got_k, got_v, faults = jax.jit(step)(q, kc, vc, kn, vn, jnp.asarray(lens),
+                                                            None if table is None else jnp.asarray(table),
+                                                            jnp.zeros((1,), jnp.int32))
+    assert int(np.asarray(faults)[0]) == 0, "a valid call raised the decode fault flag"
     # Reference: the appended caches, then causal attention of each query row over its sequence.
     f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))  # noqa: E731
     k_all, v_all = f32(kc).copy(), f32(vc).copy()
