@@ -7,25 +7,36 @@ One call registers it::
     model = LlamaForCausalLM(config, attn_implementation=name)   # or model.set_attn_implementation(name)
 
 The attention function follows transformers' ``AttentionInterface`` contract (``(module, query,
-key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs) -> (output,
-None)`` with ``(B, H, S, D)`` inputs and a ``(B, S, H, D)`` output) and is registered with
-transformers' SDPA mask builder (``AttentionMaskInterface``), so the model hands it the masks it
-hands SDPA:
+key, value, attention_mask, dropout=0.0, scaling=None, **kwargs) -> (output, None)`` with
+``(B, H, S, D)`` inputs and a ``(B, S, H, D)`` output). Its mask function is the one transformers
+uses for FlashAttention: the model hands over the 2-D padding mask, or nothing when no token is
+padding. Padding therefore never becomes a dense bias:
 
-- **No mask** (no padding): causal prefill when the layer is causal and more than one query row
-  is given (keys past the queries, the unused tail of an empty static cache, are cropped as
-  SDPA does); a single query row (decoding with the cache) sees every cached key and runs on
-  the split-KV decode kernels (``aotriton_rt.attention`` routes 1..16 query rows there).
-- **A boolean or additive mask** (padded batches, sliding windows, static caches): an additive
-  bias broadcast over the heads (-inf where the boolean mask is False). Query rows that see no
-  key output 0 (SDPA would give NaN or a uniform average for them; they are padding).
+- **Padded batches** (left or right padding, prefill, training, generation): the real tokens are
+  gathered into packed ``(total, H, D)`` arrays with ``cu_seqlens`` (one gather per array; the
+  lengths are read once per forward pass, not per layer), attention runs on the variable-length
+  kernels, and the output is scattered back with zeros at padded query positions. Queries align
+  bottom-right with their keys per sequence, so a cached prefix is seen by every new token.
+- **Packed sequences** (``DataCollatorWithFlattening``: ``cu_seq_lens_q/k`` and
+  ``max_length_q/k`` keywords, or ``position_ids`` that restart within a single row): the
+  variable-length kernels on the flattened batch, no cross-sequence attention.
+- **No padding**: causal attention, bottom-right aligned (rows after a cached prefix see it);
+  1..16 query rows (decoding with the cache) run on the split-KV decode kernels.
+- **Sliding windows** (Mistral, Qwen2, Gemma local layers; the ``sliding_window`` keyword): the
+  kernels' window, ``sliding_window - 1`` keys to the left.
+- **Encoders** (BERT-style, ``is_causal=False``) with a padding mask: as padded batches, without
+  the causal mask.
+- **A 4-D mask the model was given** (anything but padding): an additive bias, which needs the
+  bias kernels (``--set full`` images); KernelNotFound says so when the images lack them.
 
 GQA runs natively (K/V are not repeated). Training works (gradients through the autograd op
-``aotriton_rt.ops.torch.attention``), with the module's dropout.
+``aotriton_rt.ops.torch.attention``, and through the gathers), with the module's dropout.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 __all__ = ["NAME", "attention_forward", "register"]
@@ -34,59 +45,204 @@ NAME = "aotriton"
 _LIBRARY: dict[str, Any] = {"library": None}
 
 
+class _Lengths:
+    """Where a padding mask's real tokens are: flat indices, per-row (batch, position) indices,
+    ``cu_seqlens`` and the longest sequence (read from the device once)."""
+
+    __slots__ = ("batch", "pos", "cu", "max_len", "total")
+
+    def __init__(self, mask: Any) -> None:
+        import torch
+
+        keep = mask if mask.dtype == torch.bool else mask != 0
+        lens = keep.sum(-1, dtype=torch.int32)
+        flat = torch.nonzero(keep.reshape(-1)).flatten()
+        width = keep.shape[-1]
+        self.batch, self.pos = flat // width, flat % width
+        self.cu = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
+        self.max_len = int(lens.max()) if lens.numel() else 0
+        self.total = int(flat.numel())
+
+
+class _LengthsCache(threading.local):
+    """The last masks' lengths, per thread: every layer of one forward pass gets the same mask
+    tensor, so its lengths (one device read) are computed once. Keyed by the tensor itself
+    (weakly) and its version counter, so a mask changed in place is read again."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Any, int, tuple, _Lengths]] = []
+
+    def get(self, mask: Any, columns: int) -> _Lengths:
+        """The lengths of the last ``columns`` columns of ``mask``."""
+        version = mask._version
+        for ref, ver, cols, lengths in self.entries:
+            if ref() is mask and ver == version and cols == columns:
+                return lengths
+        lengths = _Lengths(mask[:, -columns:] if columns != mask.shape[-1] else mask)
+        self.entries = [(weakref.ref(mask), version, columns, lengths), *self.entries[:3]]
+        return lengths
+
+
+_CACHE = _LengthsCache()
+
+
+def _cu_from_positions(position_ids: Any) -> tuple[Any, int]:
+    """cu_seqlens of one flattened row of packed sequences: a new one starts where the position
+    id returns to its smallest value (0, or padding_idx + 1 for RoBERTa-like models)."""
+    import torch
+
+    pos = position_ids.reshape(-1)
+    starts = torch.nonzero(pos == pos.min()).flatten().to(torch.int32)
+    cu = torch.cat((starts, torch.tensor([pos.numel()], dtype=torch.int32, device=pos.device)))
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _packed(position_ids: Any, batch: int) -> bool:
+    """Whether ``position_ids`` describe several sequences packed into one row."""
+    import torch
+
+    if position_ids is None or batch != 1 or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return False
+    expect = torch.arange(position_ids.shape[1], device=position_ids.device) + position_ids.min()
+    return bool((expect != position_ids[0]).any())
+
+
+def _gather(x: Any, lengths: _Lengths) -> Any:
+    """The real tokens of a ``(B, H, S, D)`` array as packed ``(total, H, D)``: one gather."""
+    return x.transpose(1, 2)[lengths.batch, lengths.pos]
+
+
 def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: float = 0.0,
-                      scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any) -> tuple[Any, None]:
+                      scaling: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                      is_causal: bool | None = None, **kwargs: Any) -> tuple[Any, None]:
     """transformers ``AttentionInterface`` function on aotriton-rt: ``(attn_output (B, S, H, D), None)``."""
     import torch
 
     from ..errors import UnsupportedError
-    from ..ops.torch import attention
 
-    if kwargs.get("softcap") is not None:
+    if softcap is not None:
         raise UnsupportedError("aotriton attention does not support softcap; use eager or flex_attention")
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise UnsupportedError("aotriton attention does not support attention sinks; use eager")
     if kwargs.get("position_bias") is not None:
         raise UnsupportedError("aotriton attention does not take a position_bias; use sdpa")
-    q_len = query.shape[2]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    batch, _, q_len, _ = query.shape
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = None
+    if sliding_window is not None and sliding_window > 0:
+        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    dropout_p = float(dropout) if module.training else 0.0
+    call = {"causal": causal, "window": window, "scale": scaling, "dropout_p": dropout_p}
+
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return _padded(query, key, value, attention_mask, call), None
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if attention_mask is None and (cu_q is not None and cu_k is not None or _packed(kwargs.get("position_ids"), batch)):
+        return _flattened(query, key, value, kwargs, call), None
+
     bias = None
     if attention_mask is None:
-        causal = bool(causal) and q_len > 1
-        if causal and key.shape[2] > q_len:
-            # Only an empty static cache gives no mask here: its keys past the queries are unused.
-            key, value = key[:, :, :q_len], value[:, :, :q_len]
+        # No padding and every key written: a single query row sees them all; more rows see the
+        # keys up to their own position (bottom-right: a cached prefix is seen by every row).
+        causal = causal and q_len > 1
     else:
+        # A 4-D mask the caller built (not padding): an additive bias over the heads.
         causal = False
         mask = attention_mask[:, :, :, : key.shape[2]]
         if mask.dtype == torch.bool:
             bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
         else:
             bias = mask.to(query.dtype)
+    call["causal"] = causal
     # (B, H, S, D) views read as BSHD: the output comes back (B, S, H, D), contiguous, as transformers wants it.
-    q, k, v = query.transpose(1, 2), key.transpose(1,2), value.transpose(1, 2)
-    dropout_p = float(dropout) if module.training else 0.0
-    lib = _LIBRARY["library"]
-    inference = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-    if inference and not torch.compiler.is_compiling():
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if _inference(q, k, v):
         # Generation: the core operators directly, without the autograd op's dispatch. Decoding
         # steps (no mask, 1..16 query rows) go straight to the decode kernels' cached launch plan.
         from ..errors import ArgumentError, KernelNotFound
-        from ..ops import attention as core
         from ..ops.decode import MAX_SEQLEN_Q, decode_attention
 
         if bias is None and q_len <= MAX_SEQLEN_Q:
             try:
-                return decode_attention(q, k, v, causal=causal, scale=scaling, layout="bshd", cache_layout="bshd",
-                                        library=lib)[0], None
+                return decode_attention(q, k, v, causal=causal, window=window, scale=scaling, layout="bshd",
+                                        cache_layout="bshd", library=_LIBRARY["library"])[0], None
             except (ArgumentError, UnsupportedError, KernelNotFound):
                 pass  # not a decode shape for these images: the general path below
-        if dropout_p == 0.0:
-            return core.attention(q, k, v, causal=causal, align="bottom_right", bias=bias, scale=scaling,
-                                  layout="bshd", library=lib)[0], None
-    out = attention(q, k, v, causal=causal, align="bottom_right", bias=bias, dropout_p=dropout_p, scale=scaling,
-                    layout="bshd", library=lib)
-    return out, None
+    return _run(q, k, v, call, bias=bias), None
+
+
+def _inference(*arrays: Any) -> bool:
+    import torch
+
+    return (not (torch.is_grad_enabled() and any(a.requires_grad for a in arrays))
+            and not torch.compiler.is_compiling())
+
+
+def _run(q: Any, k: Any, v: Any, call: dict, **varlen: Any) -> Any:
+    """One attention call, bottom-right aligned: the core operator when nothing needs a gradient
+    (and no dropout), else the autograd op."""
+    lib = _LIBRARY["library"]
+    layout = "bshd" if q.dim() == 4 else "bhsd"
+    if call["dropout_p"] == 0.0 and _inference(q, k, v):
+        from ..ops import attention as core
+
+        return core.attention(q, k, v, causal=call["causal"], window=call["window"], align="bottom_right",
+                              scale=call["scale"], layout=layout, library=lib, **varlen)[0]
+    from ..ops.torch import attention
+
+    return attention(q, k, v, causal=call["causal"], window=call["window"], align="bottom_right",
+                     dropout_p=call["dropout_p"], scale=call["scale"], layout=layout, library=lib, **varlen)
+
+
+def _padded(query: Any, key: Any, value: Any, mask: Any, call: dict) -> Any:
+    """A batch with padding (``mask``: ``(B, L)``, true or nonzero at real tokens; the last ``L``
+    keys are the ones it describes, the last ``S_q`` of its columns the queries)."""
+    import torch
+
+    batch, heads, q_len, _ = query.shape
+    width = mask.shape[-1]
+    if key.shape[2] > width:
+        # A static cache longer than what has been written: its tail is unused.
+        key, value = key[:, :, :width], value[:, :, :width]
+    elif key.shape[2] < width:
+        mask = mask[:, -key.shape[2]:]  # a sliding-window cache keeps the last keys
+        width = key.shape[2]
+    keys = _CACHE.get(mask, width)
+    queries = keys if q_len == width else _CACHE.get(mask, q_len)
+    q, k, v = _gather(query, queries), _gather(key, keys), _gather(value, keys)
+    out = _run(q, k, v, call, cu_seqlens_q=queries.cu, cu_seqlens_k=keys.cu, max_seqlen_q=queries.max_len,
+               max_seqlen_k=keys.max_len)
+    full = torch.zeros((batch, q_len, heads, out.shape[-1]), dtype=out.dtype, device=out.device)
+    full[queries.batch, queries.pos] = out
+    return full
+
+
+def _flattened(query: Any, key: Any, value: Any, kwargs: dict, call: dict) -> Any:
+    """Packed sequences in one row: the variable-length kernels over the flattened batch."""
+    import torch
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        max_q = int(max_q) if max_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
+        max_k = int(max_k) if max_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
+    else:
+        cu_q, max_q = _cu_from_positions(kwargs["position_ids"])
+        cu_k, max_k = cu_q, max_q
+    batch, heads, q_len, _ = query.shape
+    q = query.transpose(1, 2).reshape(-1, heads, query.shape[-1])
+    k = key.transpose(1, 2).reshape(-1, key.shape[1], key.shape[-1])
+    v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[-1])
+    out = _run(q, k, v, call, cu_seqlens_q=cu_q.to(torch.int32), cu_seqlens_k=cu_k.to(torch.int32),
+               max_seqlen_q=max_q, max_seqlen_k=max_k)
+    return out.reshape(batch, q_len, heads, out.shape[-1])
+
+
+def _mask_function() -> Any:
+    """transformers' FlashAttention mask function (the 2-D padding mask, or None without padding)."""
+    from transformers import masking_utils
+
+    return masking_utils.flash_attention_mask
 
 
 def register(name: str = NAME, *, library: Any = None) -> str:
@@ -97,9 +253,9 @@ def register(name: str = NAME, *, library: Any = None) -> str:
     :class:`aotriton_rt.Library` to launch from (default: :func:`aotriton_rt.default_library`).
     """
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     _LIBRARY["library"] = library
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, _mask_function())
     return name

@@ -14,26 +14,31 @@ backward's config sweep (``bench/sm90_bwd.py``, ``python -m builder tune``). ``f
 #: any dim on the next bucket the images hold (up to 64 on 64, 65-128 on 128, 129-256 on 256).
 #: Their compile time would not fit the quickstart's budget (docs/performance.md).
 DEFAULT_HEAD_DIMS = (64, 128, 256)
-#: (head dim, CAUSAL) pairs whose dropout (training) variants are in the default set: the
-#: encoders that train with attention dropout (BERT, ViT: 64, no mask) and decoders at the common
-#: size (128, causal in either alignment: mode 1 takes the alignment at run time). Each dropout
-#: variant costs 2-11 CPU seconds to compile per target (causal ones the most), so the rest is in
-#: ``full`` only.
-DEFAULT_DROPOUT = ((64, 0), (128, 1))
+#: (head dim, CAUSAL) pairs whose dropout (training) variants are in the default set: none. Each
+#: dropout variant costs 2-11 CPU seconds to compile per target, and the build time went to the
+#: variable-length kernels that every padded batch needs (``DEFAULT_VARLEN_HEAD_DIMS``); training
+#: with attention dropout needs ``--set full`` (docs/performance.md, "What the default set holds").
+DEFAULT_DROPOUT: tuple[tuple[int, int], ...] = ()
 #: Mask modes compiled in the default set: none, and the band whose alignment is a run-time
 #: argument (``causal_align``), which serves top-left and bottom-right calls alike. Mode 2
 #: (bottom-right only, what images built before the argument serve such calls with) is in
 #: ``full`` and ``gputest``.
 DEFAULT_CAUSAL = (0, 1)
+#: Head dims with variable-length kernels (forward and backward) in the default set: padded and
+#: packed batches (the transformers integration unpads to ``cu_seqlens``) at the common sizes;
+#: 80 and 96 run padded on 128. Without dropout: a padded batch that trains with attention
+#: dropout needs ``--set full``.
+DEFAULT_VARLEN_HEAD_DIMS = (64, 128)
 
 
 def in_default_set(spec: dict, target: object) -> bool:
     """The default set (forward; see :func:`in_default_backward_set`), embedded in the runtime
     wheel: what common models need. fp16/bf16, head dims ``DEFAULT_HEAD_DIMS`` (equal q·k and
-    v), no mask or causal aligned either way (mode 1, ``DEFAULT_CAUSAL``); dropout (without the returned mask) for the
-    (head dim, mask) pairs of ``DEFAULT_DROPOUT``. Not in it (build ``--set full``): fp32, other
-    head-dim buckets (calls at those dims run zero-padded on the next compiled one), bias,
-    varlen, dropout elsewhere, the returned dropout mask, the atomic-dQ backward."""
+    v), no mask or causal aligned either way (mode 1, ``DEFAULT_CAUSAL``); variable lengths at
+    ``DEFAULT_VARLEN_HEAD_DIMS``; dropout (without the returned mask) for the (head dim, mask)
+    pairs of ``DEFAULT_DROPOUT``. Not in it (build ``--set full``): fp32, other head-dim buckets
+    (calls at those dims run zero-padded on the next compiled one), bias, varlen at other head
+    dims, dropout elsewhere, the returned dropout mask, the atomic-dQ backward."""
     causal = spec.get("CAUSAL", 0)
     dropout = spec.get("DROPOUT", 0)
     head_dim = spec.get("HEAD_DIM", 64)
@@ -42,7 +47,8 @@ def in_default_set(spec: dict, target: object) -> bool:
             and spec.get("HEAD_DIM_V", head_dim) == head_dim
             and causal in DEFAULT_CAUSAL
             and dropout in (0, 1) and not (dropout and (head_dim, causal) not in DEFAULT_DROPOUT)
-            and not spec.get("BIAS", 0) and not spec.get("VARLEN", 0)
+            and not spec.get("BIAS", 0)
+            and not (spec.get("VARLEN", 0) and (dropout or head_dim not in DEFAULT_VARLEN_HEAD_DIMS))
             and not spec.get("DQ_ATOMIC", 0))
 
 

@@ -1,9 +1,12 @@
 """Fixtures shared by runtime tests: the Triton cache of the differential launch tests
-(test_differential_hip.py, _cuda.py) and the sm90 GPU tests' image folder."""
+(test_differential_hip.py, _cuda.py), the sm90 GPU tests' image folder and the default images
+on the GPU."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,3 +31,22 @@ def sm90_images() -> str:
     if not folder:
         pytest.skip("set AOTRITON_RT_TEST_IMAGES to images built with --set gputest --targets sm90")
     return folder
+
+
+@pytest.fixture(scope="session")
+def default_lib(tmp_path_factory: pytest.TempPathFactory):
+    """A Library of the default images (what the runtime wheel embeds) for this GPU:
+    ``AOTRITON_RT_DEFAULT_IMAGES``, else the set built here for this GPU's arch."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU visible to torch")
+    import aotriton_rt
+
+    folder = os.environ.get("AOTRITON_RT_DEFAULT_IMAGES")
+    if not folder:
+        major, minor = torch.cuda.get_device_capability()
+        folder = str(tmp_path_factory.mktemp("default"))
+        subprocess.run([sys.executable, "-m", "builder", "build", "--set", "default", "--targets",
+                        f"sm{major}{minor}", "--out", folder, "-q", "-j", str(os.cpu_count() or 2)],
+                       cwd=Path(__file__).resolve().parents[2], check=True)
+    return aotriton_rt.Library(folder)

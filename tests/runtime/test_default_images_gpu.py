@@ -13,10 +13,6 @@ default --targets <arch>``); without it the set is built here for this GPU's arc
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -26,22 +22,7 @@ import aotriton_rt  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@pytest.fixture(scope="module")
-def default_lib(tmp_path_factory) -> aotriton_rt.Library:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU visible to torch")
-    folder = os.environ.get("AOTRITON_RT_DEFAULT_IMAGES")
-    if not folder:
-        major, minor = torch.cuda.get_device_capability()
-        folder = str(tmp_path_factory.mktemp("default"))
-        subprocess.run([sys.executable, "-m", "builder", "build", "--set", "default", "--targets",
-                        f"sm{major}{minor}", "--out", folder, "-q", "-j", str(os.cpu_count() or 2)],
-                       cwd=ROOT, check=True)
-    return aotriton_rt.Library(folder)
 
 
 def _specs(lib: aotriton_rt.Library, kernels: tuple[str, ...]) -> list[dict]:

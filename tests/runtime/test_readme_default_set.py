@@ -145,6 +145,9 @@ def _missing(call: tuple, libraries: dict[str, _DefaultSetLibrary]) -> list[str]
     options.pop("library", None)
     for name in ("return_lse", "deterministic"):
         options.pop(name, None)
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        if options.get(name) is not None:  # the block's CPU tensor: a device array of its length
+            options[name] = Dev(*tuple(options[name].shape), dtype="i32")
     cai_dtype = "fp16" if dtype == "bf16" else dtype  # CAI has no bf16; the dtype is patched into the specs
     arrays = [Dev(*s, dtype=cai_dtype) for s in (sq, sk, sv)]
     missing = []
@@ -195,7 +198,7 @@ def dispatch_as_the_default_set(monkeypatch: pytest.MonkeyPatch, default_set) ->
 
 def test_the_readme_has_attention_snippets_to_check() -> None:
     blocks = _readme_blocks()
-    assert blocks and any("dropout_p" in b for b in blocks) and any("backward" in b for b in blocks)
+    assert blocks and any("cu_seqlens_q" in b for b in blocks) and any("backward" in b for b in blocks)
 
 
 @pytest.mark.parametrize("index", range(len(_readme_blocks())))
@@ -224,14 +227,16 @@ def test_the_check_itself_catches_a_call_the_default_set_lacks(default_set, disp
     # fp32 and a bias are outside the default set: the same machinery must report them.
     shapes = ((2, 4, 128, 64),) * 3
     assert _missing((shapes, "fp32", {"causal": True}, False), default_set)
-    # Causal in either alignment, unequal lengths, with dropout (at 64 zero-padded on 128's variants).
-    lopsided = ((2, 4, 128, 64), (2, 4, 256, 64), (2, 4, 256, 64))
+    # Causal in either alignment, unequal lengths, a window (at 80 zero-padded on 128's variants).
+    lopsided = ((2, 4, 128, 80), (2, 4, 256, 80), (2, 4, 256, 80))
     for align in ("top_left", "bottom_right"):
-        assert _missing((lopsided, "fp16", {"causal": True, "align": align, "dropout_p": 0.1, "seed": 1}, True),
+        assert _missing((lopsided, "fp16", {"causal": True, "align": align, "window": (100, 0)}, True),
                         {"sm90": default_set["sm90"]}) == []
+    # Dropout went to the full set; so did the backward at 256.
+    assert _missing((lopsided, "fp16", {"causal": True, "dropout_p": 0.1, "seed": 1}, False),
+                    {"sm90": default_set["sm90"]})
     wide = ((2, 4, 128, 256), (2, 4, 256, 256), (2, 4, 256, 256))
-    assert _missing((wide, "fp16", {"causal": True, "dropout_p": 0.1, "seed": 1}, False),
-                    {"sm90": default_set["sm90"]})  # no dropout at 256
+    assert _missing((wide, "fp16", {"causal": True}, True), {"sm90": default_set["sm90"]})
 
 
 class _AsDtype:
