@@ -6,6 +6,7 @@ rejected and why, so "no variant" always comes with the fix.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,49 @@ def match(variants: Iterable[Variant], kernel: str, want: Mapping[str, Any],
     return sel
 
 
+#: Targets with an image wheel of the full set, installed as an extra of the runtime package
+#: (``pyproject.toml``'s ``images-<target>-full``; a test keeps the two in step).
+IMAGE_WHEEL_TARGETS = ("gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1151", "gfx1201", "sm80", "sm90")
+
+
+def remedy(kernel: str, archs: Iterable[str] | None) -> str:
+    """How to get the variants of ``kernel`` a device of ``archs`` needs: the image wheel of the
+    full set, or a build that adds them to an image folder."""
+    archs = list(archs or [])
+    wheels = [a for a in archs if a in IMAGE_WHEEL_TARGETS]
+    targets = ",".join(archs) if archs else "<target>"
+    build = (f"`python -m builder build --set full --kernels {kernel} --targets {targets} --add --out <image folder>`")
+    if wheels:
+        return f"install the full set for this GPU (`pip install 'aotriton-rt[images-{wheels[0]}-full]'`) or {build}"
+    return build
+
+
+def _summary(variants: list[Variant], kernel: str, want: Mapping[str, Any], archs: list[str] | None) -> str:
+    """One line saying why nothing matched: an unknown parameter, no variant for the device, or
+    the values the device's variants have for the first parameter that missed."""
+    mine = [v for v in variants if v.kernel == kernel]
+    names = sorted({k for v in mine for k in v.params} | {"num_warps", "num_stages"})
+    for key in want:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return f"{kernel!r} has no parameter {key!r}{hint}; its parameters: {', '.join(names)}"
+    here = [v for v in mine if archs is None or v.target.arch in archs]
+    if not here:
+        built = sorted({v.target.arch for v in mine})
+        return (f"these images hold {kernel!r} for {', '.join(built)}, none for {' or '.join(archs or [])}; "
+                + remedy(kernel, archs))
+    for key, value in want.items():
+        remaining = [v for v in here if key not in v.params or _same(v.params[key], value)]
+        if not remaining:
+            have = sorted({str(v.params[key]) for v in here if key in v.params})
+            where = f" on {'/'.join(archs)}" if archs else ""
+            return (f"no variant of {kernel!r} has {key}={value!r}{where} (these images have {key} "
+                    f"{', '.join(have)}); " + remedy(kernel, archs))
+        here = remaining
+    return f"no variant of {kernel!r} matches; " + remedy(kernel, archs)
+
+
 def select_one(variants: Iterable[Variant], kernel: str, want: Mapping[str, Any],
                archs: list[str] | None = None, *, known_kernels: Iterable[str] = ()) -> Variant:
     """The single best variant, or KernelNotFound with the rejection trace.
@@ -88,9 +132,7 @@ def select_one(variants: Iterable[Variant], kernel: str, want: Mapping[str, Any]
             known = sorted(set(known_kernels) | {v.kernel for v in variants})
             raise KernelNotFound(f"no kernel named {kernel!r} in the catalog; "
                                  f"kernels: {', '.join(known) or 'none'}")
-        asked = ", ".join(f"{k}={v!r}" for k, v in want.items()) or "no parameters"
-        raise KernelNotFound(f"no variant of {kernel!r} matches {asked}"
-                             f"{' on ' + '/'.join(archs) if archs else ''}; rejected:\n{sel.explain()}")
+        raise KernelNotFound(_summary(variants, kernel, want, archs))
     best = sel.accepted[0]
     rivals = [v for v in sel.accepted if v.target.arch == best.target.arch and v.spec != best.spec]
     if rivals:

@@ -811,7 +811,8 @@ def test_a_combination_the_images_lack_names_itself_and_the_build_command(synthe
     with pytest.raises(KernelNotFound, match=r"attention \(fp16, head dim 64, causal/window top-left\) needs "
                                              r"attn_fwd with dtype=fp16, HEAD_DIM=64, HEAD_DIM_V=64, CAUSAL=1, .*"
                                              r"which these images lack; build it \(`python -m builder build --set "
-                                             r"full --kernels attn_fwd`\)(.|\n)*CAUSAL=0, asked 1"):
+                                             r"full --kernels attn_fwd`\)(.|\n)*no variant of 'attn_fwd' has CAUSAL=1 "
+                                             r"\(these images have CAUSAL 0, 2\)"):
         op.attention_kernels(*qkv(S=64, Sk=96), causal=True, library=synthetic)
     with pytest.raises(KernelNotFound, match=r"attention \(fp16, head dim 64, causal/window top-left\) needs "
                                              r"attn_bwd_dkdv with .*CAUSAL=2, DROPOUT=0, VARLEN=0, BIAS=0"):

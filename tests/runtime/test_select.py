@@ -23,10 +23,14 @@ def test_selection_matches_config_constexprs_and_warps(variants):
     assert v.config.constexprs["BLOCK"] == 1024
 
 
-def test_no_match_lists_rejected_candidates_and_why(variants):
-    expected = r"(?s)no variant of 'add' matches dtype='fp64'.*dtype='fp16', asked 'fp64'"
-    with pytest.raises(KernelNotFound, match=expected):
+def test_no_match_says_in_one_line_what_the_images_have_and_how_to_get_more(variants):
+    with pytest.raises(KernelNotFound) as e:
         select_one(variants, "add", {"dtype": "fp64"}, ["sm90"])
+    message = str(e.value)
+    assert "\n" not in message
+    assert "no variant of 'add' has dtype='fp64' on sm90 (these images have dtype bf16, fp16, fp32)" in message
+    assert "pip install 'aotriton-rt[images-sm90-full]'" in message
+    assert "python -m builder build --set full --kernels add --targets sm90 --add --out" in message
 
 
 def test_unknown_kernel_lists_the_known_ones(variants):
@@ -37,6 +41,31 @@ def test_unknown_kernel_lists_the_known_ones(variants):
 def test_unknown_parameter_is_named(variants):
     with pytest.raises(KernelNotFound, match=r"has no parameter 'COLOR'"):
         select_one(variants, "add", {"COLOR": 1}, ["sm90"])
+
+
+def test_a_misspelt_parameter_is_one_line_with_the_likely_name(variants):
+    with pytest.raises(KernelNotFound) as e:
+        select_one(variants, "add", {"dtyp": "fp16"}, ["sm90"])
+    assert str(e.value).startswith("'add' has no parameter 'dtyp' (did you mean 'dtype'?); its parameters: ")
+    assert "\n" not in str(e.value)
+
+
+def test_no_variant_for_the_device_arch_names_the_archs_built_and_the_fix(variants):
+    with pytest.raises(KernelNotFound) as e:
+        select_one(variants, "add", {"dtype": "fp16"}, ["gfx90a"])
+    assert str(e.value).startswith("these images hold 'add' for gfx1100, gfx942, sm80, sm90, none for gfx90a; "
+                                   "install the full set for this GPU (`pip install 'aotriton-rt[images-gfx90a-full]'`)")
+
+
+def test_the_image_wheel_extras_named_in_errors_exist(variants):
+    tomllib = pytest.importorskip("tomllib")
+    from pathlib import Path
+
+    from aotriton_rt.select import IMAGE_WHEEL_TARGETS
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert {f"images-{t}-full" for t in IMAGE_WHEEL_TARGETS} == {e for e in extras if e.startswith("images-")}
 
 
 def test_wrong_arch_is_a_rejection_reason(variants):
