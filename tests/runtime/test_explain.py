@@ -307,7 +307,7 @@ def test_square_causal_calls_on_gputest_images_run_mode_2_only_for_the_dtype_bot
     """What tests/runtime/test_attention_sm90_gpu.py's persistent operator test expects per dtype:
     gputest holds D=128 mask mode 2 for bf16 only (in both forwards), so a square top-left causal
     call runs attn_fwd_sm90 mode 2 in bf16 and mode 1 in fp16, forced config or not."""
-    from builder.tune import ForcedConfig
+    from builder.tune import forced_config
     from tests.runtime.test_attention_sm90_gpu import _mode_run
 
     jobs = [j for name in ("attn_fwd", "attn_fwd_sm90") for j in expand(load_kernels()[name], [KNOWN["sm90"]],
@@ -321,6 +321,6 @@ def test_square_causal_calls_on_gputest_images_run_mode_2_only_for_the_dtype_bot
     assert {d: _mode_run(lib, d, 1) for d in ("fp16", "bf16")} == {"fp16": 1, "bf16": 1}
     for dtype in ("fp16", "bf16"):
         pick = op.explain(dtype=dtype, head_dim=128, seqlen_q=1100, seqlen_k=1100, causal=True, align="top_left",
-                          arch="sm90", library=ForcedConfig(lib, "attn_fwd_sm90", 6)).kernels[0]
+                          arch="sm90", library=forced_config(lib, "attn_fwd_sm90", 6)).kernels[0]
         assert (pick.kernel, pick.spec["CAUSAL"], pick.config, pick.params["PERSISTENT"]) == (
             "attn_fwd_sm90", _mode_run(lib, dtype, 2), 6, 132)

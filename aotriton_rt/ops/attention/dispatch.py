@@ -365,11 +365,7 @@ class LibraryKernels:
         self.choices: dict[tuple, Any] = {}  # call shape -> (spec, handle) / (mode, specs, handles)
         self.plans = PlanCache()  # call signature -> Plan (see plan.py)
         self.arch: dict[int, str] = {}
-        tuning: dict[str, Any] = {}
-        for cat in getattr(lib, "catalogs", ()):
-            for name, rules in (cat.tuning or {}).items():
-                tuning.setdefault(name, rules)  # the first folder's table wins, like its variants
-        self.tuning = tuning
+        self.tuning = lib.tuning  # the library's table (a view's own: Library.with_tuning)
 
     def available(self, name: str, params: Mapping[str, Any], args: Sequence[str] = ()) -> bool:
         """Whether the images hold ``name`` with ``params`` whose every matching variant takes
