@@ -13,14 +13,15 @@ variants (:mod:`aotriton_rt.select`), and per device loads modules; its
 :class:`~aotriton_rt.scratch.ScratchPool` owns the global scratch.
 The handles it gives out (:class:`~aotriton_rt.launch.Kernel`, where the launch happens) are
 cheap to create and cached; modules load lazily on the first launch on each device, once,
-under a lock. Launches from many threads are safe.
+under a lock. Launches from many threads are safe. :meth:`Library.with_tuning` gives a view of a
+library that runs the same images under other tuning rules.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,6 +33,7 @@ from .images import find, read_image
 from .launch import DeviceState, Kernel
 from .scratch import ScratchPool, check_scratch
 from .select import match, select_one
+from .tuning import validate_table
 
 T = TypeVar("T")
 
@@ -54,11 +56,11 @@ _STATE_LOCK = threading.RLock()  # reentrant: one state's factory may ask for an
 def operator_state(library: Any, key: str, factory: Callable[[Any], T]) -> T:
     """The state operator ``key`` keeps for ``library`` (caches, plans, flags), made by
     ``factory(library)`` on first use and kept on the library object itself: it lives exactly as
-    long as the library, and a view of a library (an object standing in for one, as the
-    builder's tuning views do) has its own.
+    long as the library, and a view of a library (:meth:`Library.with_tuning`) has its own.
 
-    Read through the object's ``__dict__`` so that a view forwarding unknown attributes to the
-    library it wraps never answers with that library's state."""
+    Read through the object's ``__dict__``, so that any object standing in for a library (tests
+    use a few) keeps its own state, and one forwarding unknown attributes to a library never
+    answers with that library's state."""
     states = vars(library).get("_operator_states")
     if states is None:
         states = vars(library).setdefault("_operator_states", {})
@@ -86,6 +88,11 @@ class Library:
         self.found = found
         # Only the catalogs' indexes are read here; a kernel's shards are read at its first use.
         self.catalogs = [Catalog.load(folder) for folder in found.folders]
+        tuning: dict[str, list] = {}
+        for cat in self.catalogs:
+            for name, rules in (cat.tuning or {}).items():
+                tuning.setdefault(name, rules)  # the first folder's table wins, like its variants
+        self._tuning = tuning
         self._folder: dict[str, Path] = {}
         self._by_kernel: dict[str, tuple[Variant, ...]] = {}
         self._all: list[Variant] | None = None
@@ -107,6 +114,47 @@ class Library:
         #: use, dropped with the library.
         self._operator_states: dict[str, Any] = {}
         _LIVE[id(self)] = self
+
+    @property
+    def tuning(self) -> dict[str, list]:
+        """The tuning table operators choose configs, kernels and schemes by (kernel name → rules,
+        :mod:`aotriton_rt.tuning`): the catalogs' (the first folder's wins a name), or a view's
+        own (:meth:`with_tuning`). Read it, never change it."""
+        return self._tuning
+
+    def with_tuning(self, rules: Mapping[str, list]) -> Library:
+        """A view of this library whose tuning table has ``rules`` (kernel name → rule list, as a
+        catalog's ``tuning``) in place of this one's rules for those names; other names keep
+        theirs. The view shares everything loaded (catalogs, the variants read, images, the
+        modules loaded per device, driver, scratch); it has its own tuning table, kernel handles
+        and operator state (plans, choices), so calls through it launch these images under its
+        rules while calls through this library are unaffected. Views nest.
+
+        Raises:
+            CatalogError: a malformed rule (as a catalog's would be at load).
+
+        Example::
+
+            portable = lib.with_tuning({"attn_fwd_kernel": [{"kernel": "attn_fwd"}]})
+            aotriton_rt.attention(q, k, v, library=portable)   # the portable forward everywhere
+        """
+        table = validate_table({**self._tuning, **rules}, "Library.with_tuning")
+        return self._view(table)
+
+    def _view(self, tuning: dict[str, list], cls: type[Library] | None = None) -> Library:
+        """A view of this library (see :meth:`with_tuning`) with table ``tuning``, of class ``cls``
+        (a subclass of this one's, e.g. a tool's view serving fewer variants; default: this one's):
+        a copy of this object's attributes, so every loaded thing is shared, with its own
+        ``tuning``, handles and operator state."""
+        view = object.__new__(cls or type(self))
+        # What this library sets later is the view's own to set: its driver once loaded (the
+        # process's one driver per backend, whoever loads it), the list of every variant.
+        vars(view).update(vars(self))
+        view._tuning = tuning
+        view._handles = {}
+        view._operator_states = {}
+        _LIVE[id(view)] = view
+        return view
 
     def __repr__(self) -> str:
         return (f"<aotriton_rt.Library {sum(len(c.target_kernels()) for c in self.catalogs)} kernel/target "

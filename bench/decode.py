@@ -43,7 +43,8 @@ Images: AOTRITON_RT_IMAGES (or the default library). Writes JSON under $OUT when
 ``--pdl``: the decode chain's PDL policies side by side in one process (sm90): each default
 contender (``ours``, ``p64``, ...) also as ``ours@on`` (PDL wherever compiled in) and ``ours@off``
 (never), the plain name being the runtime's per-call rule (``pdl_choice`` in
-``aotriton_rt/ops/decode/launch.py``); the order is shuffled every round with everything else,
+``aotriton_rt/ops/decode/launch.py``, which this benchmark wraps in its own process to force the
+policies: :func:`force_pdl_policies`); the order is shuffled every round with everything else,
 and a PDL table reports per shape the three times, the rule's decision and the per-round
 ratios on/off and rule/best-of-both (median [min-max]). ``--no-sdpa`` skips SDPA's backends (a
 faster policy-only run). ``AOTRITON_RT_CUDA_PDL=off`` still turns PDL off process-wide.
@@ -180,8 +181,42 @@ def plan_of(fn: Any) -> Any:
     return plans[-1] if plans else None
 
 
-#: ``--pdl`` contenders: name suffix -> the decode PDL policy (``_Kernels.pdl``); "" is the rule.
+#: ``--pdl`` contenders: name suffix -> the decode PDL policy (:data:`PDL_POLICY`); "" is the rule.
 PDL_TAGS = {"": "rule", "@on": "on", "@off": "off"}
+#: The PDL policy the next decode plan is made under: "rule" (the runtime's ``pdl_choice``), "on"
+#: (PDL wherever compiled in) or "off" (never). Each contender sets it before its call, so that a
+#: plan made again (the runtime keeps a bounded number) gets its contender's policy.
+PDL_POLICY = {"now": "rule"}
+
+
+def force_pdl_policies() -> None:
+    """Make this process's decode plans follow :data:`PDL_POLICY` (a measurement switch the runtime
+    does not have): the runtime's ``pdl_choice``, wrapped."""
+    from aotriton_rt.ops.decode import launch
+
+    rule = launch.pdl_choice
+    if getattr(rule, "forced_by_bench", False):
+        return
+
+    def choice(p: Any, num_splits: int) -> tuple[bool, str]:
+        policy = PDL_POLICY["now"]
+        if policy == "on":
+            return True, "PDL (policy 'on')"
+        if policy == "off":
+            return False, "no PDL (policy 'off')"
+        return rule(p, num_splits)
+
+    choice.forced_by_bench = True
+    launch.pdl_choice = choice
+
+
+def contender_library(lib: Any, rules: Any, default_rules: Any, policy: str) -> Any:
+    """The library a contender calls: ``lib`` itself for the images' own rules under the PDL rule,
+    else a ``Library.with_tuning`` view of it (launch plans are per library, so each contender's
+    are its own) with ``rules`` in place of the images' decode rules."""
+    if rules is default_rules:
+        return lib if policy == "rule" else lib.with_tuning({})
+    return lib.with_tuning({"attn_decode": rules})
 
 
 def _checked_sequences(batch: int, most: int = 4) -> list[int]:
@@ -225,7 +260,8 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
     tuning rules (what a plain call uses)."""
     dtype = torch.bfloat16
     D, Hkv = args.d, args.hkv
-    ks = dec._kernels_of(lib)
+    if args.pdl:
+        force_pdl_policies()
     Hq = Hkv * ratio
     gen = torch.Generator(device="cuda").manual_seed(B * 131 + S + ratio)
     q = torch.randn(B, 1, Hq, D, device="cuda", dtype=dtype, generator=gen)
@@ -272,17 +308,19 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
     pdl_used: dict[str, bool] = {}
     for tag, rules, forced in variants:
         for ptag, policy in policies if not tag else [("", "rule")]:
-            def ours(rules: Any = rules, forced: int | None = forced, policy: str = policy) -> Any:
-                ks.rules, ks.pdl = rules, policy
-                return dec.decode_attention(q, kc, vc, causal=True, num_splits=forced, library=lib)[0]
+            view = contender_library(lib, rules, default_rules, policy)
+
+            def ours(view: Any = view, forced: int | None = forced, policy: str = policy) -> Any:
+                PDL_POLICY["now"] = policy
+                return dec.decode_attention(q, kc, vc, causal=True, num_splits=forced, library=view)[0]
 
             todo = [(f"ours{tag}{ptag}", ours)]
             for page, (kp, vp, table) in paged_caches.items():
-                def paged(rules: Any = rules, forced: int | None = forced, kp: Any = kp, vp: Any = vp,
+                def paged(view: Any = view, forced: int | None = forced, kp: Any = kp, vp: Any = vp,
                           table: Any = table, policy: str = policy) -> Any:
-                    ks.rules, ks.pdl = rules, policy
+                    PDL_POLICY["now"] = policy
                     return dec.decode_attention(q, kp, vp, block_table=table, causal=True, num_splits=forced,
-                                                library=lib)[0]
+                                                library=view)[0]
                 todo.append((f"p{page}{tag}{ptag}", paged))
             for name, fn in todo:
                 err = _max_error(fn(), ref, checked)
@@ -294,7 +332,7 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
                 splits[name] = plan.num_splits if plan is not None else None
                 if plan is not None:
                     pdl_used[name] = bool(plan.pdl)
-    ks.pdl = "rule"
+    PDL_POLICY["now"] = "rule"
     graphs = {}
     for name, fn in contenders.items():
         try:
@@ -310,7 +348,7 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
             eager[name].append(eager_ms(contenders[name]))
             if name in graphs:
                 graph[name].append(graphs[name].ms())
-    ks.pdl = "rule"
+    PDL_POLICY["now"] = "rule"
     # A replay's output too, after every contender has run (a graph can outlive what it points at).
     for name, g in list(graphs.items()):
         g.graph.replay()

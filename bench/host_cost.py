@@ -126,7 +126,8 @@ def python_path(calls: int, rounds: int) -> dict[str, Any]:
             return lambda stream, args: None
 
     class NoOpLibrary:
-        catalogs: list = []
+        catalogs: list = []  # what checkouts before Library.tuning read the tuning table from
+        tuning: dict = {}
 
         def kernel(self, name: str, **params: Any) -> NoOp:
             return NoOp(name, params)

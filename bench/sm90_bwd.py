@@ -5,7 +5,7 @@ their first config, ``attn_bwd_dkdv`` and ``attn_bwd_dq`` with every sm90 config
 ``_SM90_DKDV_SWEEP`` / ``_SM90_DQ_SWEEP``) for the shapes asked into one image folder, or takes
 one built elsewhere (``--no-build --images DIR``: any folder holding them, e.g. a ``full`` build).
 Every config runs *through the operator* (``aotriton_rt.attention_backward``, split scheme) on a
-library view whose tuning table forces it (``builder.tune.ForcedConfig``, as ``python -m builder
+library view whose tuning table forces it (``builder.tune.forced_config``, as ``python -m builder
 tune`` does), the other backward kernel at its config #0; which config a call launched is read
 back from the operator and recorded.
 
@@ -154,11 +154,11 @@ def describe(params: dict) -> str:
 
 def view_of(lib, forced: dict[str, int]):
     """``lib`` with each kernel of ``forced`` sent to its config index."""
-    from builder.tune import ForcedConfig
+    from builder.tune import forced_config
 
     view = lib
     for kernel, index in sorted(forced.items()):
-        view = ForcedConfig(view, kernel, index)
+        view = forced_config(view, kernel, index)
     return view
 
 

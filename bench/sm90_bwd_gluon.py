@@ -118,20 +118,20 @@ def portable_atomic(lib, shape) -> bool:
 def contender_views(lib, shape) -> dict:
     """label -> (library view, the (dK/dV, dQ or convert) kernels and configs it must launch, the
     backward's scheme arguments), as the module docs list them."""
-    from builder.tune import ForcedConfig, forced_dkdv, forced_split
+    from builder.tune import forced_config, forced_dkdv, forced_split
 
     # A portable kernel runs whichever config the images' rules pick (None: any).
     views = {BASELINE: (forced_split(lib, PORTABLE, PORTABLE_DQ), ((PORTABLE, None), (PORTABLE_DQ, None)), SPLIT)}
     for i in gluon_configs(lib, shape):
-        views[f"g#{i}+port"] = (forced_split(ForcedConfig(lib, GLUON, i), GLUON, PORTABLE_DQ),
+        views[f"g#{i}+port"] = (forced_split(forced_config(lib, GLUON, i), GLUON, PORTABLE_DQ),
                                 ((GLUON, i), (PORTABLE_DQ, None)), SPLIT)
     dkdv = gluon_configs(lib, shape)
     if dkdv:
         for j in gluon_configs(lib, shape, GLUON_DQ):
-            view = forced_split(ForcedConfig(ForcedConfig(lib, GLUON, dkdv[0]), GLUON_DQ, j), GLUON, GLUON_DQ)
+            view = forced_split(forced_config(forced_config(lib, GLUON, dkdv[0]), GLUON_DQ, j), GLUON, GLUON_DQ)
             views[f"g#{dkdv[0]}+g#{j}"] = (view, ((GLUON, dkdv[0]), (GLUON_DQ, j)), SPLIT)
     for i in gluon_configs(lib, shape, atomic=1):
-        views[f"g#{i}+atom"] = (ForcedConfig(lib, GLUON, i), ((GLUON, i), (CONVERT, None)), ATOMIC)
+        views[f"g#{i}+atom"] = (forced_config(lib, GLUON, i), ((GLUON, i), (CONVERT, None)), ATOMIC)
     if portable_atomic(lib, shape):
         views["port+atom"] = (forced_dkdv(lib, PORTABLE), ((PORTABLE, None), (CONVERT, None)), ATOMIC)
     return views

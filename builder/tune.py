@@ -7,10 +7,10 @@ dtype, head dim and causal mask asked, and each sequence-length bin (powers of t
 spec the operator dispatches for that call and every config the image folder holds for it on this
 GPU's arch. Kernels with one config are skipped. Each config is then run *by the runtime*: the
 ordinary ``aotriton_rt.attention`` / ``attention_backward`` call on a library view whose tuning
-table forces that config (:class:`ForcedConfig`), so what is timed is what a user's call
-launches, images, packing and launch path included — never the JIT. Before timing, every
-config's result is compared with config 0's; a config that disagrees is recorded as wrong and
-never chosen.
+table forces that config (:func:`forced_config`, a ``Library.with_tuning`` view), so what is timed
+is what a user's call launches, images, packing and launch path included — never the JIT. Before
+timing, every config's result is compared with config 0's; a config that disagrees is recorded as
+wrong and never chosen.
 
 ``attn_bwd`` (:data:`BACKWARD`, asked by default and by ``--quick``) measures which kernels and
 scheme the backward runs: per combination and bin, every distinct *whole* backward the images
@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
+from aotriton_rt import Library
 from aotriton_rt.ops.attention.dispatch import ARCH_BACKWARDS, ARCH_FORWARDS, DKDV, DQ, family_of
 from aotriton_rt.tuning import DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES, MODE_RULES
 
@@ -65,87 +65,73 @@ DEFAULT_BINS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_BINS = (1024, 2048, 4096, 8192, 16384)
 
 
-class TuningOverride:
-    """A view of a :class:`aotriton_rt.Library` whose tuning table has ``rules`` (kernel name ->
-    rule list) in place of the library's rules for those names (other kernels keep theirs):
-    everything else (variants, images, driver) is the library's own, so calls through it launch
-    the library's images (see :func:`forced_forward`)."""
-
-    def __init__(self, lib: Any, rules: dict[str, list]) -> None:
-        self._lib = lib
-        table: dict[str, Any] = {}
-        for cat in lib.catalogs:
-            for name, kernel_rules in (cat.tuning or {}).items():
-                table.setdefault(name, kernel_rules)
-        self.catalogs = [SimpleNamespace(tuning={**table, **rules})]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._lib, name)
+def forced_forward(lib: Library, kernel: str) -> Library:
+    """A view of ``lib`` (:meth:`aotriton_rt.Library.with_tuning`) whose attention forwards run
+    ``kernel`` (one of :data:`FORWARDS`) wherever the images hold it for the call's spec, e.g.
+    ``forced_forward(lib, "attn_fwd")`` for the portable forward where the sm90 one would serve."""
+    return lib.with_tuning({KERNEL_RULES: [{"kernel": kernel}]})
 
 
-def forced_forward(lib: Any, kernel: str) -> TuningOverride:
-    """A view of ``lib`` whose attention forwards run ``kernel`` (one of :data:`FORWARDS`) wherever
-    the images hold it for the call's spec, e.g. ``forced_forward(lib, "attn_fwd")`` for the
-    portable forward where the sm90 one would serve."""
-    return TuningOverride(lib, {KERNEL_RULES: [{"kernel": kernel}]})
-
-
-def forced_dkdv(lib: Any, kernel: str) -> TuningOverride:
+def forced_dkdv(lib: Library, kernel: str) -> Library:
     """A view of ``lib`` whose split attention backwards run ``kernel`` (one of :data:`DKDV_KERNELS`)
     as their dK/dV kernel wherever the images hold it for the call's spec, e.g.
     ``forced_dkdv(lib, "attn_bwd_dkdv")`` for the portable one where the sm90 one would serve."""
-    return TuningOverride(lib, {DKDV_KERNEL_RULES: [{"kernel": kernel}]})
+    return lib.with_tuning({DKDV_KERNEL_RULES: [{"kernel": kernel}]})
 
 
-class WithoutVariants(TuningOverride):
-    """A view of a :class:`aotriton_rt.Library` whose dispatch does not see the variants ``hide``
-    is true for (its tuning table is the library's): calls through it run on what is left, as
-    if the images lacked them (see :func:`without_mask_mode`)."""
+class WithoutVariants(Library):
+    """A view of a :class:`aotriton_rt.Library` (made by :func:`without_mask_mode`; its tuning
+    table is the library's) that serves none of the variants ``_hide`` is true for: calls through
+    it run on what is left, as if the images lacked them. Its tuning views keep hiding them."""
 
-    def __init__(self, lib: Any, hide: Any) -> None:
-        super().__init__(lib, {})
-        self._hide = hide
+    _hide: Callable[[Any], bool]
 
-    def variants_of(self, name: str) -> list:
-        return [v for v in self._lib.variants_of(name) if not self._hide(v)]
+    def variants_of(self, name: str) -> tuple:
+        return tuple(v for v in super().variants_of(name) if not self._hide(v))
 
 
-def without_mask_mode(lib: Any, mode: int) -> WithoutVariants:
+def without_mask_mode(lib: Library, mode: int) -> Library:
     """A view of ``lib`` without the attention variants of mask mode ``mode``, e.g.
     ``without_mask_mode(lib, 2)``: bottom-right calls then run on mode 1, aligned by its
     ``causal_align`` argument, as on the default set (which compiles no mode 2)."""
-    return WithoutVariants(lib, lambda v: v.spec.get("CAUSAL") == mode)
+    hidden = lib._hide if isinstance(lib, WithoutVariants) else None
+    view = lib._view(lib.tuning, type(lib) if hidden else WithoutVariants)
+    view._hide = lambda v: v.spec.get("CAUSAL") == mode or (hidden is not None and hidden(v))
+    return view
 
 
-def forced_split(lib: Any, dkdv: str, dq: str) -> TuningOverride:
+def forced_split(lib: Library, dkdv: str, dq: str) -> Library:
     """A view of ``lib`` whose split attention backwards run ``dkdv`` (one of :data:`DKDV_KERNELS`)
     and ``dq`` (one of :data:`DQ_KERNELS`) wherever the images hold them for the call's spec, e.g.
     ``forced_split(lib, "attn_bwd_dkdv_sm90", "attn_bwd_dq")``: the Gluon dK/dV beside the portable dQ."""
-    return TuningOverride(lib, {DKDV_KERNEL_RULES: [{"kernel": dkdv}], DQ_KERNEL_RULES: [{"kernel": dq}]})
+    return lib.with_tuning({DKDV_KERNEL_RULES: [{"kernel": dkdv}], DQ_KERNEL_RULES: [{"kernel": dq}]})
 
 
-class ForcedConfig(TuningOverride):
-    """A :class:`TuningOverride` sending every call of ``kernel`` to config ``index`` (and, for a
-    forward, dK/dV or dQ kernel, every forward or split backward to that kernel; the other
-    backward role keeps the images' own routing)."""
-
-    def __init__(self, lib: Any, kernel: str, index: int) -> None:
-        rules = {kernel: [{"config": index}]}
-        if kernel in FORWARDS:
-            rules[KERNEL_RULES] = [{"kernel": kernel}]
-        if kernel in DKDV_KERNELS:
-            rules[DKDV_KERNEL_RULES] = [{"kernel": kernel}]
-        if kernel in DQ_KERNELS:
-            rules[DQ_KERNEL_RULES] = [{"kernel": kernel}]
-        super().__init__(lib, rules)
+def config_rules(kernel: str, index: int) -> dict[str, list]:
+    """The rules that send every call of ``kernel`` to config ``index`` (and, for a forward, dK/dV
+    or dQ kernel, every forward or split backward to that kernel; the other backward role keeps
+    the images' own routing)."""
+    rules: dict[str, list] = {kernel: [{"config": index}]}
+    if kernel in FORWARDS:
+        rules[KERNEL_RULES] = [{"kernel": kernel}]
+    if kernel in DKDV_KERNELS:
+        rules[DKDV_KERNEL_RULES] = [{"kernel": kernel}]
+    if kernel in DQ_KERNELS:
+        rules[DQ_KERNEL_RULES] = [{"kernel": kernel}]
+    return rules
 
 
-def backward_contenders(lib: Any, arch: str, dtype: str, head_dim: int,
-                        causal: bool) -> tuple[dict[str, Any], list[tuple[int, dict, TuningOverride]]]:
+def forced_config(lib: Library, kernel: str, index: int) -> Library:
+    """A view of ``lib`` sending every call of ``kernel`` to config ``index`` (:func:`config_rules`)."""
+    return lib.with_tuning(config_rules(kernel, index))
+
+
+def backward_contenders(lib: Library, arch: str, dtype: str, head_dim: int,
+                        causal: bool) -> tuple[dict[str, Any], list[tuple[int, dict, Library]]]:
     """What a :data:`BACKWARD` entry times for a call: the call's spec (the one ``attn_bwd_mode``
     rules are matched against, :func:`aotriton_rt.ops.attention.dispatch.mode_spec`) and every
     distinct whole backward the images can run for it, as ``(index, params, view)``: ``view`` a
-    :class:`TuningOverride` forcing the scheme and each part's kernel, ``params`` what it then
+    tuning view of ``lib`` forcing the scheme and each part's kernel, ``params`` what it then
     runs, as the operator's own explain says (``{"scheme": "split", "attn_bwd_preprocess": ...,
     "attn_bwd_dkdv": "attn_bwd_dkdv_sm90", "attn_bwd_dq": "attn_bwd_dq"}``: part -> kernel).
 
@@ -161,7 +147,7 @@ def backward_contenders(lib: Any, arch: str, dtype: str, head_dim: int,
     from aotriton_rt.ops.attention import explain
 
     own = ARCH_BACKWARDS.get(arch, {})
-    kept: dict[tuple, tuple[dict, TuningOverride]] = {}
+    kept: dict[tuple, tuple[dict, Library]] = {}
     spec: dict[str, Any] = {}
     for scheme in SCHEMES:
         for dkdv in dict.fromkeys((own.get(DKDV, DKDV), DKDV)):
@@ -169,7 +155,7 @@ def backward_contenders(lib: Any, arch: str, dtype: str, head_dim: int,
                 rules: dict[str, list] = {MODE_RULES: [{"mode": scheme}], DKDV_KERNEL_RULES: [{"kernel": dkdv}]}
                 if dq is not None:
                     rules[DQ_KERNEL_RULES] = [{"kernel": dq}]
-                view = TuningOverride(lib, rules)
+                view = lib.with_tuning(rules)
                 try:
                     ex = explain(dtype=dtype, head_dim=head_dim, seqlen_q=1024, causal=causal, backward=True,
                                  deterministic=False, arch=arch, library=view)
@@ -266,7 +252,7 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
     from aotriton_rt.errors import KernelNotFound
     from aotriton_rt.ops.attention import explain
 
-    views: dict[tuple[str, int], ForcedConfig] = {}
+    views: dict[tuple[str, int], Library] = {}
     entries: list[tuning.Entry] = []
     timing = {"rounds": rounds, "seed": seed, "flush_l2": flush_l2, "device": device, "clock": clock}
     for dtype, d, causal in itertools.product(dtypes, head_dims, causals):
@@ -308,7 +294,7 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
                 log(f"{label}: {len(configs)} config built, nothing to choose")
                 continue
             for index, _ in configs:
-                views.setdefault((kernel, index), ForcedConfig(lib, kernel, index))
+                views.setdefault((kernel, index), forced_config(lib, kernel, index))
             contenders = [(index, params, views[(kernel, index)]) for index, params in configs]
             for n in bins:
                 entry = _measure_bin(lib, kernel, backward, spec, contenders, dtype, d, causal,

@@ -21,15 +21,13 @@ from typing import Any
 
 from ..errors import CatalogError
 from .files import canonical_bytes, parse_json, read_bounded, write_atomic
-from .schema import (
+from .index import (
     CATALOG_FILE,
     MAX_CATALOG_BYTES,
     MAX_SHARD_BYTES,
     SCHEMA,
     SCHEMA_VERSION,
     ShardRef,
-    Target,
-    Variant,
     _unique_keys,
     index_from_json,
     index_to_json,
@@ -37,6 +35,7 @@ from .schema import (
     shard_path,
     shard_to_json,
 )
+from .schema import Target, Variant
 
 #: The fix for a catalog.json over MAX_CATALOG_BYTES (an inline catalog left by an older install).
 _TOO_LARGE = ("catalog.MAX_CATALOG_BYTES bounds what every Library() parses; a larger catalog must be the "

@@ -12,6 +12,10 @@ keeps the one it was given.
 
 Every failing call goes through ``CudaDriver.check``, which raises ``DriverError`` with
 ``cuGetErrorName`` / ``cuGetErrorString`` and a hint.
+
+This module is longer than the runtime's others because it is one concern, the whole CUDA
+binding (the ctypes signatures, the driver protocol's calls and the two launchers they build), kept
+in one file per backend so that a backend reads top to bottom.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ layout, R0000, which this driver does not read). The ctypes backend reads these 
 
 Every failing call goes through ``HipDriver.check`` (``hipGetErrorName`` /
 ``hipGetErrorString`` plus a hint).
+
+This module is longer than the runtime's others because it is one concern, the whole HIP binding
+(both call paths, hip-python and ctypes, the driver protocol's calls and the launcher), kept in
+one file per backend so that a backend reads top to bottom.
 """
 
 from __future__ import annotations

@@ -108,3 +108,34 @@ def test_the_pdl_table_pairs_the_three_policies_round_by_round(bench, capsys) ->
                                      if not n.startswith("sdpa")}}])
     line = capsys.readouterr().out.splitlines()[3]
     assert line.split()[:6] == ["8", "8192", "4:1", "|", "-", "-"] and "69.0" in line and "nan" in line
+
+
+def test_the_forced_pdl_policies_wrap_the_runtimes_rule_in_the_benchmarks_process(
+        bench, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aotriton_rt.ops.decode import launch
+    from tests.runtime.test_decode_pdl_rule import _plan
+
+    rule = launch.pdl_choice
+    monkeypatch.setattr(launch, "pdl_choice", rule)  # put back after the test
+    monkeypatch.setitem(bench.PDL_POLICY, "now", "rule")
+    bench.force_pdl_policies()
+    forced = launch.pdl_choice
+    bench.force_pdl_policies()  # once is enough: never wrapped twice
+    assert launch.pdl_choice is forced and forced is not rule
+    slow, fast = _plan(8, 8192), _plan(1, 2048, paged=True)
+    assert forced(slow, 5) == rule(slow, 5) and forced(slow, 5)[0] is False
+    bench.PDL_POLICY["now"] = "on"
+    assert forced(slow, 5) == (True, "PDL (policy 'on')")
+    bench.PDL_POLICY["now"] = "off"
+    assert forced(fast, 7) == (False, "no PDL (policy 'off')")
+
+
+def test_contenders_with_other_rules_or_a_forced_policy_call_views_with_plans_of_their_own(bench) -> None:
+    class Lib:
+        def with_tuning(self, rules: dict) -> tuple:
+            return ("view", rules)
+
+    lib, images = Lib(), [{"arch": "sm90", "config": 2}]
+    assert bench.contender_library(lib, images, images, "rule") is lib
+    assert bench.contender_library(lib, images, images, "off") == ("view", {})
+    assert bench.contender_library(lib, [{"config": 0}], images, "rule") == ("view", {"attn_decode": [{"config": 0}]})

@@ -81,11 +81,14 @@ class _Variant:
 
 
 class _Lib:
-    """What contender_views reads of a Library: variants and catalogs (tuning)."""
+    """What contender_views reads of a Library: variants, and tuning views (``with_tuning``)."""
 
-    def __init__(self, variants: list) -> None:
+    def __init__(self, variants: list, tuning: dict | None = None) -> None:
         self._variants = variants
-        self.catalogs = []
+        self.tuning = tuning or {}
+
+    def with_tuning(self, rules: dict) -> _Lib:
+        return _Lib(self._variants, {**self.tuning, **rules})
 
     def variants_of(self, name: str) -> list:
         return [v for v in self._variants if v.kernel == name]
@@ -105,11 +108,11 @@ def test_the_contenders_pair_each_gluon_dkdv_config_with_the_portable_dq_and_con
         "g#0+g#0": ((bench.GLUON, 0), (bench.GLUON_DQ, 0)),
         "g#0+g#1": ((bench.GLUON, 0), (bench.GLUON_DQ, 1)),
         "g#0+g#2": ((bench.GLUON, 0), (bench.GLUON_DQ, 2))}
-    table = views["g#0+g#1"][0].catalogs[0].tuning
+    table = views["g#0+g#1"][0].tuning
     assert table["attn_bwd_dkdv_kernel"] == [{"kernel": bench.GLUON}]
     assert table["attn_bwd_dq_kernel"] == [{"kernel": bench.GLUON_DQ}]
     assert table[bench.GLUON] == [{"config": 0}] and table[bench.GLUON_DQ] == [{"config": 1}]
-    assert views["g#1+port"][0].catalogs[0].tuning["attn_bwd_dq_kernel"] == [{"kernel": "attn_bwd_dq"}]
+    assert views["g#1+port"][0].tuning["attn_bwd_dq_kernel"] == [{"kernel": "attn_bwd_dq"}]
     assert all(scheme == {"deterministic": True} for _, _, scheme in views.values())
 
 
@@ -125,9 +128,9 @@ def test_the_atomic_contenders_run_each_gluon_atomic_dkdv_config_and_the_portabl
         "port+atom": ((("attn_bwd_dkdv", None), ("attn_bwd_dq_convert", None)),
                       {"deterministic": False, "scheme": "atomic"})}
     assert {"g#0+port", "g#1+port"} <= set(views)  # the split contenders stay
-    tuning = views["g#1+atom"][0].catalogs[0].tuning
+    tuning = views["g#1+atom"][0].tuning
     assert tuning["attn_bwd_dkdv_kernel"] == [{"kernel": bench.GLUON}] and tuning[bench.GLUON] == [{"config": 1}]
-    assert views["port+atom"][0].catalogs[0].tuning["attn_bwd_dkdv_kernel"] == [{"kernel": "attn_bwd_dkdv"}]
+    assert views["port+atom"][0].tuning["attn_bwd_dkdv_kernel"] == [{"kernel": "attn_bwd_dkdv"}]
     # Images without the portable atomic dK/dV: no port+atom.
     assert "port+atom" not in bench.contender_views(_Lib(held[:4]), shape)
 

@@ -11,7 +11,7 @@ import pytest
 
 import aotriton_rt
 from builder import tuning
-from builder.tune import ForcedConfig, contender_name, measure
+from builder.tune import contender_name, forced_config, measure
 from tests.runtime.test_attention_op import _synthetic_variant
 
 BASE = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
@@ -42,7 +42,7 @@ class Operator:
     def __call__(self, q, k, v, *, causal, library):
         import torch
 
-        rules = library.catalogs[0].tuning.get("attn_fwd") if isinstance(library, ForcedConfig) else None
+        rules = library.tuning.get("attn_fwd")
         self.config = rules[0]["config"] if rules else 0
         self.seen.add(self.config)
         out = q.float() * (3.0 if self.config == 2 else 1.0)
@@ -89,7 +89,7 @@ def test_a_forced_view_makes_the_dispatcher_pick_that_config_and_leaves_the_libr
     from tests.runtime.test_attention_op import qkv
 
     for index in (0, 1, 2):
-        handle = op.attention_kernels(*qkv(S=300, D=128), causal=True, library=ForcedConfig(lib, "attn_fwd", index))
+        handle = op.attention_kernels(*qkv(S=300, D=128), causal=True, library=forced_config(lib, "attn_fwd", index))
         assert handle["attn_fwd"].candidates[0].config.index == index
     assert op.attention_kernels(*qkv(S=300, D=128), library=lib)["attn_fwd"].candidates[0].config.index == 0
     assert lib.catalogs[0].tuning == {}
@@ -217,3 +217,28 @@ def test_a_scheme_held_only_at_a_wider_head_dim_is_not_a_contender(tmp_path: Pat
     # The D=128 call has it at its own head dim (and no split scheme: nothing else to compare).
     assert [contender_name(c[1]) for c in backward_contenders(lib, "sm90", "fp16", 128, False)[1]] == [
         "atomic:dkdv+dq_convert"]
+
+
+def test_a_view_without_mask_mode_2_runs_bottom_right_calls_on_mode_1_and_its_tuning_views_keep_hiding_it(
+        tmp_path: Path) -> None:
+    from aotriton_rt.ops import attention as op
+    from builder.tune import forced_config, without_mask_mode
+    from tests.runtime.test_attention_op import qkv
+
+    variants = [_synthetic_variant("attn_fwd", {**BASE, "CAUSAL": c}, i) for c in (1, 2) for i in (0, 1)]
+    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                       "triton_version": "3.6.0", "tuning": {},
+                                                       "variants": variants}))
+    lib = aotriton_rt.Library(tmp_path)
+
+    def forward(library: aotriton_rt.Library):
+        return op.attention_kernels(*qkv(S=300, Sk=400, D=128), causal=True, align="bottom_right",
+                                    library=library)["attn_fwd"]
+
+    view = without_mask_mode(lib, 2)
+    assert isinstance(view, aotriton_rt.Library) and {v.spec["CAUSAL"] for v in view.variants_of("attn_fwd")} == {1}
+    assert forward(lib).params["CAUSAL"] == 2 and forward(view).params["CAUSAL"] == 1
+    forced = forward(forced_config(view, "attn_fwd", 1))
+    assert (forced.params["CAUSAL"], forced.candidates[0].config.index) == (1, 1)
+    assert {c.spec["CAUSAL"] for c in forward(view).candidates} == {1}  # its handles hold no mode 2 either
+    assert len(lib.variants_of("attn_fwd")) == 4

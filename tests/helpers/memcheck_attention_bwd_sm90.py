@@ -57,7 +57,7 @@ for name in args.kernels.split(","):
         scheme = {"deterministic": False, "scheme": "atomic"} if atomic else {"deterministic": True}
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[v.spec["dtype"]]
         # The aligned sibling follows its family's rules, and runs where the lengths allow.
-        forced = tune.ForcedConfig(lib, family_of(name), v.config.index)
+        forced = tune.forced_config(lib, family_of(name), v.config.index)
         aligns = {"bottom_right": forced} if causal == 2 else {"top_left": forced}
         if causal == 1 and hide is not None:
             aligns["bottom_right"] = hide(forced, 2)

@@ -45,14 +45,14 @@ def _rand(torch: Any, shape: tuple, dtype: Any, seed: int) -> Any:
 
 
 def forward_cases(torch: Any, aotriton_rt: Any, lib: Any) -> list[Case]:
-    from builder.tune import ForcedConfig
+    from builder.tune import forced_config
 
     shapes = [(1, 8, 2048, 128, True), (2, 8, 333, 128, True), (1, 2, 1000, 64, True),
               (2, 4, 512, 128, False), (1, 1, 64, 64, False), (2, 4, 5, 64, True), (4, 16, 1024, 128, True)]
     views: list[tuple[str, Any]] = [("routed", lib)]
     for kernel in ("attn_fwd", "attn_fwd_sm90"):
         for index in sorted({v.config.index for v in lib.variants_of(kernel)}):
-            views.append((f"{kernel}#{index}", ForcedConfig(lib, kernel, index)))
+            views.append((f"{kernel}#{index}", forced_config(lib, kernel, index)))
     cases = []
     for dtype_name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         for i, (b, h, n, d, causal) in enumerate(shapes):

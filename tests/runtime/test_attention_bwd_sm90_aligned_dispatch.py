@@ -196,12 +196,12 @@ def test_a_rule_naming_the_family_runs_the_sibling_and_one_naming_the_portable_k
 
 def test_forced_views_of_the_family_run_the_sibling_at_aligned_lengths_with_the_forced_config(tmp_path: Path) -> None:
     """What builder.tune and the GPU tests force: a view naming the family's config."""
-    from builder.tune import ForcedConfig, forced_dkdv
+    from builder.tune import forced_config, forced_dkdv
 
     lib = _with_sibling(tmp_path)
     for index in (0, 1):
         for S, name in ((16384, ALIGNED), (16383, NAME)):
-            handle = _dkdv(ForcedConfig(lib, NAME, index), S)
+            handle = _dkdv(forced_config(lib, NAME, index), S)
             assert (handle.name, handle.candidates[0].config.index) == (name, index)
     assert _dkdv(forced_dkdv(lib, "attn_bwd_dkdv"), 16384).name == "attn_bwd_dkdv"
 

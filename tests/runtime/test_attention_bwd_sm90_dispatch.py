@@ -125,7 +125,7 @@ def test_a_dq_rule_naming_a_kernel_that_does_not_serve_the_call_keeps_the_arch_o
 
 
 def test_forced_views_run_any_pair_of_dkdv_and_dq(tmp_path: Path) -> None:
-    from builder.tune import DQ_KERNELS, ForcedConfig, forced_split
+    from builder.tune import DQ_KERNELS, forced_config, forced_split
 
     assert DQ_KERNELS == ("attn_bwd_dq", DQ_NAME)
     lib = aotriton_rt.Library(_images(tmp_path, gluon_dq=True))
@@ -134,10 +134,10 @@ def test_forced_views_run_any_pair_of_dkdv_and_dq(tmp_path: Path) -> None:
             view = forced_split(lib, dkdv, dq)
             assert (_dkdv(view).name, _dq(view).name) == (dkdv, dq)
     # Timing a portable dQ config must time the portable kernel; a Gluon dQ config its own.
-    assert _dq(ForcedConfig(lib, "attn_bwd_dq", 0)).name == "attn_bwd_dq"
-    gluon = _dq(ForcedConfig(lib, DQ_NAME, 1))
+    assert _dq(forced_config(lib, "attn_bwd_dq", 0)).name == "attn_bwd_dq"
+    gluon = _dq(forced_config(lib, DQ_NAME, 1))
     assert gluon.name == DQ_NAME and gluon.candidates[0].config.index == 1
-    assert _dkdv(ForcedConfig(lib, DQ_NAME, 1)).name == NAME  # the other role keeps its routing
+    assert _dkdv(forced_config(lib, DQ_NAME, 1)).name == NAME  # the other role keeps its routing
 
 
 def test_a_malformed_dq_kernel_rule_is_refused_when_the_catalog_loads(tmp_path: Path) -> None:
@@ -170,15 +170,15 @@ def test_a_rule_naming_a_kernel_that_does_not_serve_the_call_keeps_the_arch_one(
 
 
 def test_forced_views_run_either_dkdv(tmp_path: Path) -> None:
-    from builder.tune import DKDV_KERNELS, ForcedConfig, forced_dkdv
+    from builder.tune import DKDV_KERNELS, forced_config, forced_dkdv
 
     assert DKDV_KERNELS == ("attn_bwd_dkdv", NAME)
     lib = aotriton_rt.Library(_images(tmp_path))
     assert _dkdv(forced_dkdv(lib, "attn_bwd_dkdv")).name == "attn_bwd_dkdv"
     assert _dkdv(forced_dkdv(lib, NAME)).name == NAME
     # Timing a portable config must time the portable kernel, not the arch one that would serve.
-    assert _dkdv(ForcedConfig(lib, "attn_bwd_dkdv", 0)).name == "attn_bwd_dkdv"
-    gluon = _dkdv(ForcedConfig(lib, NAME, 1))
+    assert _dkdv(forced_config(lib, "attn_bwd_dkdv", 0)).name == "attn_bwd_dkdv"
+    gluon = _dkdv(forced_config(lib, NAME, 1))
     assert gluon.name == NAME and gluon.candidates[0].config.index == 1
 
 
@@ -269,12 +269,12 @@ def test_a_dkdv_rule_naming_the_portable_kernel_the_images_lack_keeps_the_gluon_
 
 def test_forced_views_run_either_atomic_dkdv_and_its_configs(tmp_path: Path) -> None:
     """What the GPU tests and bench/sm90_bwd_gluon.py force: scheme='atomic' on views of builder.tune."""
-    from builder.tune import ForcedConfig, forced_dkdv
+    from builder.tune import forced_config, forced_dkdv
 
     lib = aotriton_rt.Library(_images(tmp_path, atomic=("rest", "portable", "gluon")))
     assert _atomic(forced_dkdv(lib, DKDV))[DKDV].name == DKDV
     for index in (0, 1):
-        handle = _atomic(ForcedConfig(lib, NAME, index))[DKDV]
+        handle = _atomic(forced_config(lib, NAME, index))[DKDV]
         assert handle.name == NAME and handle.candidates[0].config.index == index
         assert handle.candidates[0].spec["DQ_ATOMIC"] == 1
 

@@ -2,7 +2,7 @@
 against an fp32 reference (marker ``gpu``).
 
 Every built variant of each (each dtype, head dim, mask mode and tile config) runs through the
-operator (``attention_backward``) on a library view that forces it (``builder.tune.ForcedConfig``;
+operator (``attention_backward``) on a library view that forces it (``builder.tune.forced_config``;
 a dQ variant runs beside the portable dK/dV, so its checks are its own): the split scheme, and for
 the dK/dV kernel's ``DQ_ATOMIC=1`` variants the atomic scheme (``scheme="atomic"``: preprocess
 zeroing DQacc, the Gluon dK/dV adding dS·K into it, the convert kernel), whose dQ is then the Gluon
@@ -140,7 +140,7 @@ def _views(lib, name: str, index: int, bottom_right: bool, mode: int):
     from builder import tune
 
     # The aligned sibling follows its family's rules: forcing the family's config runs it where it serves.
-    gluon = tune.ForcedConfig(lib, family_of(name), index)
+    gluon = tune.forced_config(lib, family_of(name), index)
     if name == DQ_NAME:
         gluon = tune.forced_split(gluon, "attn_bwd_dkdv", DQ_NAME)
     portable = tune.forced_split(lib, "attn_bwd_dkdv", "attn_bwd_dq")
@@ -280,7 +280,7 @@ def test_the_operator_picks_the_gluon_dkdv_by_default_where_the_images_hold_it(s
     from aotriton_rt.ops.attention import attention_kernels
 
     bench, lib, found = setup
-    if lib.catalogs and any("attn_bwd_dkdv_kernel" in (c.tuning or {}) for c in lib.catalogs):
+    if "attn_bwd_dkdv_kernel" in lib.tuning:
         pytest.skip("these images carry attn_bwd_dkdv_kernel rules")
     spec = found[0].spec
     D, dtype = spec["HEAD_DIM"], DTYPES[spec["dtype"]]
@@ -295,7 +295,7 @@ def test_the_operator_picks_the_gluon_dq_by_default_where_the_images_hold_it(set
     from aotriton_rt.ops.attention import attention_kernels
 
     bench, lib, found = setup_dq
-    if lib.catalogs and any("attn_bwd_dq_kernel" in (c.tuning or {}) for c in lib.catalogs):
+    if "attn_bwd_dq_kernel" in lib.tuning:
         pytest.skip("these images carry attn_bwd_dq_kernel rules")
     spec = found[0].spec
     D, dtype = spec["HEAD_DIM"], DTYPES[spec["dtype"]]
@@ -311,7 +311,7 @@ def test_the_atomic_scheme_runs_the_gluon_dkdv_where_the_images_hold_its_atomic_
     from aotriton_rt.ops.attention import attention_kernels
 
     bench, lib, found = setup
-    if lib.catalogs and any("attn_bwd_dkdv_kernel" in (c.tuning or {}) for c in lib.catalogs):
+    if "attn_bwd_dkdv_kernel" in lib.tuning:
         pytest.skip("these images carry attn_bwd_dkdv_kernel rules")
     atomic = [v for v in found if v.spec.get("DQ_ATOMIC")]
     if not atomic:

@@ -121,7 +121,7 @@ def dispatch_arch_kernels() -> tuple[str, ...]:
 
 
 class InterpretedLibrary:
-    """What the operator uses of a Library: ``kernel()``, ``catalogs`` (tuning), availability."""
+    """What the operator uses of a Library: ``kernel()``, ``tuning``, availability."""
 
     def __init__(self, missing: tuple[str, ...] = ()) -> None:
         from builder.registry import load_kernels
@@ -130,7 +130,7 @@ class InterpretedLibrary:
         # Kernels (or "name:PARAM=value") these "images" lack; always the per-arch Gluon kernels,
         # which the interpreter does not run.
         self.missing = (*dispatch_arch_kernels(), *missing)
-        self.catalogs: list = []
+        self.tuning: dict = {}
         self.launches: list = []
 
     def has(self, name: str, params: dict) -> bool:
@@ -1054,7 +1054,7 @@ def test_operator_modules_import_no_framework_and_the_package_maps_its_names() -
 class _Recorder:
     """A library that hands out the parameters it is asked for."""
 
-    catalogs: list = []
+    tuning: dict = {}
 
     def __init__(self) -> None:
         self.asked: list[tuple[str, dict]] = []

@@ -184,7 +184,7 @@ def test_the_operator_runs_a_persistent_config_a_tuning_rule_picks(variants, cau
     # checked on the CPU by tests/runtime/test_explain.py; this version first runs on a GPU in the
     # next GPU session.)
     from aotriton_rt.ops.attention.explain import explain
-    from builder.tune import ForcedConfig, without_mask_mode
+    from builder.tune import forced_config, without_mask_mode
 
     lib = variants[0][0]
     modes = {d: _mode_run(lib, d, mode) for d in ("fp16", "bf16")}
@@ -203,7 +203,7 @@ def test_the_operator_runs_a_persistent_config_a_tuning_rule_picks(variants, cau
         _, k = _padded(B, Sk, Hk, 128, dtype, gen)
         _, vv = _padded(B, Sk, Hk, 128, dtype, gen)
         for index in found:
-            forced = ForcedConfig(lib, "attn_fwd_sm90", index)
+            forced = forced_config(lib, "attn_fwd_sm90", index)
             if mode == 1:
                 forced = without_mask_mode(forced, 2)
             (pick,) = explain(dtype=dtype_name, head_dim=128, seqlen_q=Sq, seqlen_k=Sk, causal=causal, align=align,

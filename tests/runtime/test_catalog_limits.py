@@ -16,7 +16,7 @@ import pytest
 
 from aotriton_rt import tuning
 from aotriton_rt.catalog import CATALOG_FILE, MAX_CATALOG_BYTES, MAX_INDEX_BYTES, SCHEMA, SCHEMA_VERSION, Catalog
-from aotriton_rt.catalog.schema import MAX_SHARDS
+from aotriton_rt.catalog.index import MAX_SHARDS
 from aotriton_rt.errors import CatalogError
 from aotriton_rt.library import Library
 

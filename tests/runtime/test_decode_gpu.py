@@ -163,25 +163,18 @@ def test_every_tuning_config_matches_the_reference_on_paged_and_contiguous_cache
                                                                                   config: int, page: Any) -> None:
     """The configs the catalog's rules may pick (sm90: #2 for large batches; paged binaries
     with their own stage counts) each give the same answer, with and without splits."""
-    from aotriton_rt.ops import decode as dec
-
-    ks = dec._kernels_of(lib)
-    saved = ks.rules
     gen = torch.Generator(device="cuda").manual_seed(100 + config)
     lens = [3000, 1, 700, 256]
     c = _cache(lens, 1, 8, 128, torch.bfloat16, page, gen, "bshd")
     q = torch.randn(len(lens), 1, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
     ref_hi, _ = _reference(q, c["keys"], c["vals"], True, None, torch.float32)
     ref_lo, _ = _reference(q, c["keys"], c["vals"], True, None, torch.bfloat16)
-    try:
-        ks.rules = [{"config": config}]
-        for splits in (1, 5):
-            kv = (c["k"].clone(), c["v"].clone())
-            out, _ = decode_attention(q, *kv, cache_seqlens=c["lens"], block_table=c["table"], k_new=c["k_new"],
-                                      v_new=c["v_new"], causal=True, num_splits=splits, check=True, library=lib)
-            _close(f"out (config {config}, {splits} splits)", out, ref_hi, ref_lo, EPS["bf16"])
-    finally:
-        ks.rules = saved
+    forced = lib.with_tuning({"attn_decode": [{"config": config}]})
+    for splits in (1, 5):
+        kv = (c["k"].clone(), c["v"].clone())
+        out, _ = decode_attention(q, *kv, cache_seqlens=c["lens"], block_table=c["table"], k_new=c["k_new"],
+                                  v_new=c["v_new"], causal=True, num_splits=splits, check=True, library=forced)
+        _close(f"out (config {config}, {splits} splits)", out, ref_hi, ref_lo, EPS["bf16"])
 
 
 @pytest.mark.parametrize("page", [16, 32, 48, 64, 80, 96, 128, 256])
@@ -221,26 +214,25 @@ def _pdl_expected() -> bool:
 
 @pytest.mark.parametrize("policy", ["on", "off"])
 @pytest.mark.parametrize("page", [None, 16])
-def test_each_launch_of_the_decode_chain_reads_what_the_kernel_before_it_wrote(lib: aotriton_rt.Library,
-                                                                              page: Any, policy: str) -> None:
+def test_each_launch_of_the_decode_chain_reads_what_the_kernel_before_it_wrote(
+        lib: aotriton_rt.Library, page: Any, policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Append, decode and combine launch back to back after torch kernels that write their
     inputs (the query, the new rows) just before: on sm90 they are PDL launches that may start
     before their predecessor finished, and must wait for it (griddepcontrol.wait) before reading.
     Eagerly and replayed from a CUDA graph, each call matches the reference of its own inputs;
     the call before leaves other partials where this call's will be (the allocator hands the
     same block back), so a combine that read early would return those. Under both PDL policies
-    (the per-call rule picks one of them): PDL launches, and the same variants launched plainly."""
+    (the per-call rule picks one of them): PDL launches, and the same variants launched plainly,
+    forced here as bench/decode.py --pdl forces them (its own process's pdl_choice, a view with
+    plans of its own)."""
     from aotriton_rt.ops import decode as dec
+    from aotriton_rt.ops.decode import launch
 
-    ks = dec._kernels_of(lib)
-    ks.pdl = policy
-    try:
-        _chain_reads_its_predecessors_writes(lib, page)
-        # The plans made under this policy (a policy switch retires the earlier ones).
-        plans = [plan for plan in dec._LAUNCHES.values() if plan.ks is ks and plan.generation is ks.generation]
-        assert plans and all(plan.pdl is (policy == "on") for plan in plans), [plan.pdl_reason for plan in plans]
-    finally:
-        ks.pdl = "rule"
+    monkeypatch.setattr(launch, "pdl_choice", lambda p, num_splits: (policy == "on", f"policy {policy!r}"))
+    view = lib.with_tuning({})
+    _chain_reads_its_predecessors_writes(view, page)
+    plans = [plan for plan in dec._LAUNCHES.values() if plan.ks is dec._kernels_of(view)]
+    assert plans and all(plan.pdl is (policy == "on") for plan in plans), [plan.pdl_reason for plan in plans]
 
 
 def _chain_reads_its_predecessors_writes(lib: aotriton_rt.Library, page: Any) -> None:
@@ -305,7 +297,6 @@ def test_the_pdl_rule_launches_large_contiguous_split_calls_plainly_and_they_mat
     q = torch.randn(len(lens), 1, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
     ref_hi, _ = _reference(q, c["keys"], c["vals"], True, None, torch.float32)
     ref_lo, _ = _reference(q, c["keys"], c["vals"], True, None, torch.bfloat16)
-    assert dec._kernels_of(lib).pdl == "rule"
 
     def step() -> Any:
         return decode_attention(q, c["k"], c["v"], cache_seqlens=c["lens"], block_table=c["table"], k_new=c["k_new"],

@@ -143,7 +143,7 @@ class _Library:
         from builder.registry import load_kernels
 
         self.decls = load_kernels()
-        self.catalogs: list = []
+        self.tuning: dict = {}
         self.variants = [SimpleNamespace(target=SimpleNamespace(backend="cuda", arch="sm90"))]
 
     def targets(self) -> list[tuple[str, str]]:
@@ -406,7 +406,7 @@ def test_attention_routes_only_calls_the_decode_kernels_express() -> None:
 
     from aotriton_rt.ops.decode import route_from_attention
 
-    lacking = SimpleNamespace(variants=[], catalogs=[], variants_of=lambda name: [])  # no decode kernels
+    lacking = SimpleNamespace(variants=[], tuning={}, variants_of=lambda name: [])  # no decode kernels
     q, k = Dev(2, 8, 1, 64), Dev(2, 2, 300, 64)
     base = {"causal": True, "window": None, "align": "bottom_right", "bias": None, "dropout_p": 0.0, "scale": None,
             "cu_seqlens_q": None, "cu_seqlens_k": None, "layout": "bhsd", "out": None, "lse": None,

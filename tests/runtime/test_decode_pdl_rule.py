@@ -4,7 +4,8 @@
   off): the contiguous split calls PDL made slower launch plainly, the latency-bound ones, the
   unsplit ones and every paged one keep PDL.
 - The decision reaches ``Kernel.prepare`` for every launch of the chain (append, decode,
-  combine), is taken once per plan, and a policy switch (benchmarks) retires the old plans.
+  combine) and is taken once per plan; plans follow their library's tuning rules, and the decode
+  state has no switch for either (benchmarks force policies in their own process).
 - ``Kernel.prepare(pdl=False)`` launches a PDL variant through the real CUDA driver against the
   fake libcuda without the launch attribute, and keeps that launcher (in test_driver_cuda.py).
 """
@@ -15,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from aotriton_rt import ArgumentError
 from aotriton_rt.ops import decode as op
 from aotriton_rt.ops.decode import SplitRule, num_splits_for
 from aotriton_rt.ops.decode import launch as dl
@@ -84,12 +84,6 @@ def test_the_threshold_counts_the_bytes_a_call_reads_across_gqa_ratios_dtypes_an
     assert dl.pdl_choice(_plan(1, 12288 - 64), 8)[0] is True
 
 
-def test_the_policy_overrides_the_rule_both_ways() -> None:
-    slow, fast = _plan(8, 8192), _plan(1, 2048, paged=True)
-    assert dl.pdl_choice(slow, 5, "on") == (True, "PDL (policy 'on')")
-    assert dl.pdl_choice(fast, 7, "off") == (False, "no PDL (policy 'off')")
-
-
 # ---------------------------------------------------------------------------------------------
 # The decision through decode_attention: the real plans over recording kernel handles.
 # ---------------------------------------------------------------------------------------------
@@ -153,26 +147,25 @@ def test_every_launch_of_the_chain_is_prepared_with_the_plans_decision_once(
     assert prepared == [(n, True) for n in CHAIN]  # paged: PDL whatever the size
 
 
-def test_a_policy_switch_retires_the_plans_made_under_the_old_policy(recording: Any) -> None:
+def test_each_library_plans_under_its_own_rules_and_the_state_has_no_switches(
+        recording: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other split rules are another library (a ``Library.with_tuning`` view): its calls make their
+    own plans under its rules; the decode state offers no setter for the rules or a PDL policy."""
+    import torch
+
+    from tests.runtime import test_decode_op as t
+
     lib, prepared, launches = recording
     ks = dl._kernels_of(lib)
-    try:
-        _call(lib, paged=True)
-        first = ks.generation
-        ks.pdl = "rule"  # the same policy: plans stay
-        ks.rules = ks.rules
-        assert ks.generation is first
-        _call(lib, paged=True)
-        assert prepared == [(n, True) for n in CHAIN]
-        ks.pdl = "off"
-        assert ks.generation is not first
-        launches.clear()
-        _call(lib, paged=True)
-        # A new plan (its first call through the handles), prepared without PDL, then launched so.
-        assert [w for w, _, _ in launches] == ["call"] * 3 + ["prepared"] * 3
-        assert prepared[3:] == [(n, False) for n in CHAIN]
-        with pytest.raises(ArgumentError, match=r"decode PDL policy must be one of rule, on, off, got 'never'"):
-            ks.pdl = "never"
-        assert ks.pdl == "off"
-    finally:
-        ks.pdl = "rule"
+    with pytest.raises(AttributeError):
+        ks.rules = [{"splits": {"max_splits": 1}}]
+    assert not hasattr(ks, "pdl") and not hasattr(ks, "generation") and not hasattr(dl, "PDL_POLICIES")
+    one_split = t._Library()
+    one_split.tuning = {"attn_decode": [{"splits": {"max_splits": 1}}]}
+    monkeypatch.setattr(one_split, "kernel", lambda name, **params: t._AddressHandle(one_split.decls[name], params))
+    q, k = torch.randn(2, 1, 8, 64).half(), torch.randn(2, 4096, 2, 64).half()
+    for library in (lib, one_split, lib, one_split):
+        op.decode_attention(q, k, torch.randn_like(k), causal=True, check=False, library=library)
+    plans = {plan.ks.lib: plan for plan in op._LAUNCHES.values()}
+    assert len(op._LAUNCHES) == 2 and dl._kernels_of(one_split).rules == one_split.tuning["attn_decode"]
+    assert plans[lib].num_splits > 1 and plans[one_split].num_splits == 1

@@ -307,7 +307,7 @@ def test_square_causal_calls_on_gputest_images_run_mode_2_only_for_the_dtype_bot
     """What tests/runtime/test_attention_sm90_gpu.py's persistent operator test expects per dtype:
     gputest holds D=128 mask mode 2 for bf16 only (in both forwards), so a square top-left causal
     call runs attn_fwd_sm90 mode 2 in bf16 and mode 1 in fp16, forced config or not."""
-    from builder.tune import ForcedConfig
+    from builder.tune import forced_config
     from tests.runtime.test_attention_sm90_gpu import _mode_run
 
     jobs = [j for name in ("attn_fwd", "attn_fwd_sm90") for j in expand(load_kernels()[name], [KNOWN["sm90"]],
@@ -321,6 +321,101 @@ def test_square_causal_calls_on_gputest_images_run_mode_2_only_for_the_dtype_bot
     assert {d: _mode_run(lib, d, 1) for d in ("fp16", "bf16")} == {"fp16": 1, "bf16": 1}
     for dtype in ("fp16", "bf16"):
         pick = op.explain(dtype=dtype, head_dim=128, seqlen_q=1100, seqlen_k=1100, causal=True, align="top_left",
-                          arch="sm90", library=ForcedConfig(lib, "attn_fwd_sm90", 6)).kernels[0]
+                          arch="sm90", library=forced_config(lib, "attn_fwd_sm90", 6)).kernels[0]
         assert (pick.kernel, pick.spec["CAUSAL"], pick.config, pick.params["PERSISTENT"]) == (
             "attn_fwd_sm90", _mode_run(lib, dtype, 2), 6, 132)
+
+
+def _matrix_images(folder: Path) -> aotriton_rt.Library:
+    """Synthetic sm90 images (never launched) where most decisions have two answers: fp16 D=64 and
+    D=128, the portable kernels of both backward schemes, sm90's forward, dK/dV (its aligned-length
+    sibling too) and dQ at D=128, several configs, and tuning rules choosing kernels, configs (one
+    that is not built) and the scheme per length bin."""
+    def spec(d: int, causal: int, **more: int) -> dict:
+        return {**BASE, "HEAD_DIM": d, "HEAD_DIM_V": d, "CAUSAL": causal, **more}
+
+    variants = []
+    for d in (64, 128):
+        variants += [_synthetic_variant("attn_fwd", spec(d, c), i) for c in (0, 1, 2) for i in (0, 1)]
+        variants += [_synthetic_variant("attn_bwd_preprocess", {"dtype": "fp16", "HEAD_DIM": d, "HEAD_DIM_V": d,
+                                                                "VARLEN": 0, "DQ_ATOMIC": a}) for a in (0, 1)]
+        variants += [_synthetic_variant("attn_bwd_dkdv", spec(d, c, DQ_ATOMIC=a)) for c in (0, 2) for a in (0, 1)]
+        variants += [_synthetic_variant("attn_bwd_dq", spec(d, c)) for c in (0, 2)]
+        variants.append(_synthetic_variant("attn_bwd_dq_convert", {"dtype": "fp16", "HEAD_DIM": d, "VARLEN": 0}))
+    variants.append(_synthetic_variant("attn_bwd_dkdv", spec(64, 0, DQ_ATOMIC=0), 1))
+    variants += [_synthetic_variant("attn_fwd_sm90", spec(128, c), i) for c in (0, 1) for i in (0, 6)]
+    variants += [_synthetic_variant(name, spec(128, 2, DQ_ATOMIC=0), i)
+                 for name in ("attn_bwd_dkdv_sm90", "attn_bwd_dkdv_sm90_a16") for i in (0, 1)]
+    variants.append(_synthetic_variant("attn_bwd_dkdv_sm90", spec(128, 2, DQ_ATOMIC=1)))
+    variants += [_synthetic_variant("attn_bwd_dq_sm90", spec(128, c), i) for c in (0, 2) for i in (0, 1)]
+    table = {
+        "attn_fwd": [{"arch": "sm90", "spec": {"HEAD_DIM": 64}, "seqlen_q": [2048, None], "config": 1},
+                     {"spec": {"CAUSAL": 2}, "seqlen_k": [None, 511], "config": 2}],  # config 2 is not built
+        "attn_fwd_kernel": [{"arch": "sm90", "seqlen_q": [None, 1023], "kernel": "attn_fwd"}],
+        "attn_fwd_sm90": [{"seqlen_q": [4096, None], "config": 6}],
+        "attn_bwd_mode": [{"spec": {"HEAD_DIM": 64, "CAUSAL": 0}, "seqlen_k": [4096, None], "mode": "atomic"}],
+        "attn_bwd_dkdv": [{"spec": {"HEAD_DIM": 64, "CAUSAL": 0, "DQ_ATOMIC": 0}, "config": 1}],
+        "attn_bwd_dkdv_sm90": [{"seqlen_k": [4096, None], "config": 1}],
+        "attn_bwd_dq_kernel": [{"spec": {"CAUSAL": 0}, "seqlen_q": [None, 2047], "kernel": "attn_bwd_dq"}],
+        "attn_bwd_dq_sm90": [{"seqlen_q": [4096, None], "config": 1}],
+    }
+    (folder / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                     "triton_version": "3.6.0", "tuning": table,
+                                                     "variants": variants}))
+    return aotriton_rt.Library(folder)
+
+
+def _matrix() -> list[dict]:
+    calls = []
+    for d in (64, 128):
+        for causal, align in ((False, "top_left"), (True, "top_left"), (True, "bottom_right")):
+            for sq, sk in ((100, 100), (300, 500), (1000, 1500), (2048, 3000), (4096, 4096), (16384, 16384),
+                           (8000, 8000)):
+                fact = {"head_dim": d, "causal": causal, "align": align, "sq": sq, "sk": sk}
+                calls.append({**fact, "backward": False})
+                for deterministic, scheme in ((False, None), (True, None), (False, "atomic"), (False, "split")):
+                    calls.append({**fact, "backward": True, "deterministic": deterministic, "scheme": scheme})
+    return calls
+
+
+def test_explain_reports_exactly_the_kernels_and_configs_the_operator_launches(tmp_path: Path) -> None:
+    """Over a matrix of calls (head dims, masks and alignments, equal, unequal, aligned and ragged
+    lengths in every tuning bin, forward and backward, each scheme, deterministic or not): each
+    kernel explain names is the operator's handle for its role, and the variant explain reports is
+    the one that handle runs on sm90 (config included); where the images lack a kernel both say so."""
+    from aotriton_rt.select import select_one
+
+    lib = _matrix_images(tmp_path)
+    seen = set()
+    for c in _matrix():
+        options = {"causal": c["causal"], "align": c["align"], "backward": c["backward"]}
+        if c["backward"]:
+            options.update(deterministic=c["deterministic"], scheme=c["scheme"])
+        try:
+            handles = op.attention_kernels(*qkv(B=1, H=2, S=c["sq"], Sk=c["sk"], D=c["head_dim"]), library=lib,
+                                           **options)
+        except KernelNotFound:
+            with pytest.raises(KernelNotFound):
+                op.explain(dtype="fp16", head_dim=c["head_dim"], seqlen_q=c["sq"], seqlen_k=c["sk"], arch="sm90",
+                           library=lib, **options)
+            seen.add("missing")
+            continue
+        ex = op.explain(dtype="fp16", head_dim=c["head_dim"], seqlen_q=c["sq"], seqlen_k=c["sk"], arch="sm90",
+                        library=lib, **options)
+        assert [p.role for p in ex.kernels] == list(handles), c
+        for pick in ex.kernels:
+            handle = handles[pick.role]
+            runs = select_one(handle.candidates, handle.name, handle.params, ["sm90"])
+            assert (handle.name, runs.key, runs.config.index) == (pick.kernel, pick.variant_key, pick.config), c
+            seen.add((pick.kernel, pick.config, pick.tuned))
+            if pick.note.startswith("config #2 is not in these images"):
+                seen.add("not built")
+        if c["backward"]:
+            assert ex.scheme == ("atomic" if "attn_bwd_dq_convert" in handles else "split"), c
+            seen.add(ex.scheme)
+    # The matrix reaches every kind of decision: both forwards, both schemes, sm90's backward kernels
+    # and the aligned sibling, tuned configs, a tuned config that is not built, and missing kernels.
+    assert {("attn_fwd", 1, True), ("attn_fwd", 0, False), "not built", ("attn_fwd_sm90", 6, True),
+            ("attn_fwd_sm90", 0, False), ("attn_bwd_dkdv", 1, True), ("attn_bwd_dkdv_sm90", 0, False),
+            ("attn_bwd_dkdv_sm90_a16", 1, True), ("attn_bwd_dq_sm90", 1, True), ("attn_bwd_dq", 0, False),
+            ("attn_bwd_dq_convert", 0, False), "split", "atomic", "missing"} <= seen, sorted(map(str, seen))

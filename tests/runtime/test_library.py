@@ -321,7 +321,7 @@ def test_operator_state_is_made_once_per_library_even_when_one_state_asks_for_an
     class Lib:
         pass
 
-    class View:  # stands in for a library, forwarding what it lacks (as builder's tuning views do)
+    class View:  # stands in for a library, forwarding what it lacks
         def __init__(self, lib):
             self._lib = lib
 
@@ -343,3 +343,32 @@ def test_operator_state_is_made_once_per_library_even_when_one_state_asks_for_an
     assert operator_state(b, "outer", outer) is not first
     view = View(a)
     assert operator_state(view, "outer", outer) is not first and made == [a, b, view]
+
+
+def test_a_tuning_view_shares_what_the_library_loaded_and_keeps_its_own_rules_and_state(tmp_path):
+    import aotriton_rt
+    from aotriton_rt.errors import CatalogError
+    from aotriton_rt.library import live_library, operator_state
+
+    folder = _folder(tmp_path)
+    catalog = json.loads((folder / "catalog.json").read_text())
+    own = {"add": [{"config": 0, "source": "images"}], "attn_fwd": [{"config": 1}]}
+    (folder / "catalog.json").write_text(json.dumps({**catalog, "tuning": own}))
+    lib = aotriton_rt.Library(folder)
+    variants = lib.variants_of("add")
+    view = lib.with_tuning({"attn_fwd": [{"config": 2}]})
+    assert type(view) is aotriton_rt.Library and view is not lib
+    assert view.tuning == {"add": own["add"], "attn_fwd": [{"config": 2}]} and lib.tuning == own
+    # Everything loaded is shared: catalogs, the variants read, modules per device, scratch, lock.
+    assert view.catalogs is lib.catalogs and view.variants_of("add") is variants
+    assert view._modules is lib._modules and view.scratch is lib.scratch and view._lock is lib._lock
+    # Its own handles and operator state; torch ops find it by id like any library.
+    assert view.kernel("add", dtype="fp32") is not lib.kernel("add", dtype="fp32")
+    assert view.kernel("add", dtype="fp32").candidates == lib.kernel("add", dtype="fp32").candidates
+    assert operator_state(view, "k", lambda lib: [lib]) == [view] and operator_state(lib, "k", lambda lib: []) == []
+    assert live_library(id(view)) is view
+    nested = view.with_tuning({"add": []})
+    assert nested.tuning == {"add": [], "attn_fwd": [{"config": 2}]} and view.tuning["add"] == own["add"]
+    with pytest.raises(CatalogError, match=r"^Library\.with_tuning: catalog tuning\['attn_fwd'\] rule "
+                                           r"\{'config': -1\}: config must be an integer >= 0$"):
+        lib.with_tuning({"attn_fwd": [{"config": -1}]})

@@ -69,7 +69,7 @@ DECODE_EXAMPLES = [
 class _DefaultSetLibrary:
     """What a library over the default set's catalog for one target answers, without images."""
 
-    catalogs: list = []
+    tuning: dict = {}
 
     def __init__(self, variants: list[Any]) -> None:
         self.variants = variants
@@ -168,7 +168,7 @@ def _missing(call: tuple, libraries: dict[str, _DefaultSetLibrary]) -> list[str]
 class _Recorder:
     """A library that holds every variant and records which ones dispatch asks for."""
 
-    catalogs: list = []
+    tuning: dict = {}
     variants: list = []
 
     def __init__(self) -> None:
@@ -242,7 +242,7 @@ def test_the_check_itself_catches_a_call_the_default_set_lacks(default_set, disp
 class _AsDtype:
     """A library answering as ``lib`` for the variants of ``dtype`` (the test arrays can only be fp16)."""
 
-    catalogs: list = []
+    tuning: dict = {}
     variants: list = []
 
     def __init__(self, lib: _DefaultSetLibrary, dtype: str) -> None:

@@ -54,10 +54,8 @@ def test_tune_writes_a_database_the_build_folds_and_explain_reports(gpu_images: 
     table, notes = tuning.fold([("tuning.json", db)], jobs)
     assert notes[0].endswith(" 0 dropped"), notes
     # The runtime on the folded table: the catalog's own rules replaced, as a build would write them.
-    lib = aotriton_rt.Library(gpu_images)
-    for cat in lib.catalogs:
-        # The forward this test tuned (the sm90 Gluon one would serve these calls otherwise).
-        cat.tuning = {**table, "attn_fwd_kernel": [{"kernel": "attn_fwd"}]}
+    # The forward this test tuned (the sm90 Gluon one would serve these calls otherwise).
+    lib = aotriton_rt.Library(gpu_images).with_tuning({**table, "attn_fwd_kernel": [{"kernel": "attn_fwd"}]})
     for n in (1000, 5000):
         ex = op.explain(dtype="fp16", head_dim=128, seqlen_q=n, causal=True, library=lib)
         assert ex.tuned, str(ex)
@@ -102,8 +100,7 @@ def test_tune_measures_the_backwards_kernels_and_scheme_and_deterministic_calls_
             for j in expand(load_kernels()[name], [KNOWN[db["arch"]]], "gputest", triton.__version__)]
     table, notes = tuning.fold([("bwd.json", db)], jobs)
     assert notes[0].endswith(" 0 dropped"), notes
-    for cat in lib.catalogs:
-        cat.tuning = table
+    lib = lib.with_tuning(table)
     for n in (1000, 5000):
         ex = op.explain(dtype="fp16", head_dim=64, seqlen_q=n, backward=True, library=lib)
         if "attn_bwd_mode" in table:

@@ -2,8 +2,11 @@
 images hold, and the per-library cache of kernel handles.
 
 :func:`forward_params` / :func:`backward_params` name the catalog variants a call needs;
-:class:`LibraryKernels` turns them into handles of one :class:`aotriton_rt.Library`, applying
-the catalog's tuning rules (:mod:`aotriton_rt.tuning`) and explaining what is missing.
+:func:`choose_forward` / :func:`choose_backward` take every decision of a call (spec, kernel,
+tuning config, backward scheme) into one record that says what was chosen and why
+(:class:`KernelChoice`, :class:`BackwardChoice`): :class:`LibraryKernels` launches from it and
+:func:`aotriton_rt.ops.attention.explain` prints it. :class:`LibraryKernels` turns the choices
+into handles of one :class:`aotriton_rt.Library` and explains what is missing.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...errors import KernelNotFound, UnsupportedError
 from ...tuning import (
@@ -21,9 +24,9 @@ from ...tuning import (
     DQ_KERNEL_RULES,
     KERNEL_RULES,
     MODE_RULES,
-    select_config,
+    Choice,
+    explain_config,
     select_kernel,
-    select_mode,
     seqlen_bin,
 )
 
@@ -359,17 +362,11 @@ class LibraryKernels:
 
     def __init__(self, lib: Any) -> None:
         self.lib = lib
-        self.lock = threading.Lock()
         self.available_cache: dict[tuple, bool] = {}
-        self.handles: dict[tuple, Any] = {}
         self.choices: dict[tuple, Any] = {}  # call shape -> (spec, handle) / (mode, specs, handles)
         self.plans = PlanCache()  # call signature -> Plan (see plan.py)
         self.arch: dict[int, str] = {}
-        tuning: dict[str, Any] = {}
-        for cat in getattr(lib, "catalogs", ()):
-            for name, rules in (cat.tuning or {}).items():
-                tuning.setdefault(name, rules)  # the first folder's table wins, like its variants
-        self.tuning = tuning
+        self.tuning = lib.tuning  # the library's table (a view's own: Library.with_tuning)
 
     def available(self, name: str, params: Mapping[str, Any], args: Sequence[str] = ()) -> bool:
         """Whether the images hold ``name`` with ``params`` whose every matching variant takes
@@ -412,63 +409,50 @@ class LibraryKernels:
                 seqlen_bin(call.seqlen_k) if tuned else 0, device, *extra)
 
     def forward(self, call: AttentionCall, device: int) -> tuple[dict[str, Any], Any]:
-        """The forward's spec and kernel handle for a call (cached per call shape)."""
+        """The forward's spec and kernel handle for a call (cached per call shape): what
+        :func:`choose_forward` chose."""
         key = self._call_key(call, device)
         hit = self.choices.get(key)
         if hit is None:
-            spec = forward_params(call, self.available)
-            name = forward_kernel(self, call, spec, lambda: self.device_arch(device))[0]
-            hit = self.choices[key] = (spec, self.handle(name, spec, call, device))
+            chosen = choose_forward(self, call, lambda: self.device_arch(device))
+            hit = self.choices[key] = (chosen.spec, self.handle(chosen, call))
         return hit
 
     def backward(self, call: AttentionCall, device: int, deterministic: bool, dbias: bool,
                  scheme: str | None = None) -> tuple[str, dict[str, dict[str, Any]], dict[str, Any]]:
-        """The backward's scheme, specs and handles for a call (cached per call shape)."""
+        """The backward's scheme, specs and handles for a call (cached per call shape): what
+        :func:`choose_backward` chose."""
         key = self._call_key(call, device, "bwd", deterministic, dbias, scheme, _fact_key(call))
         hit = self.choices.get(key)
         if hit is None:
-            mode = scheme
-            rules = self.tuning.get(MODE_RULES)
-            # A deterministic call never asks the scheme rules: the atomic scheme is not reproducible.
-            if rules and not deterministic and scheme is None:
-                mode = select_mode(rules, spec=mode_spec(call, self.available, dbias=dbias),
-                                   seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
-                                   arch=lambda: self.device_arch(device))
-            arch = lambda: self.device_arch(device)  # noqa: E731 - asked only where an arch kernel is held
-            mode, specs = backward_params(call, role_available(self, arch), deterministic=deterministic, dbias=dbias,
-                                          mode=mode)
-            handles = {role: self.handle(backward_kernel(self, call, role, spec, arch)[0], spec, call, device)
-                       for role, spec in specs.items()}
-            hit = self.choices[key] = (mode, specs, handles)
+            chosen = choose_backward(self, call, lambda: self.device_arch(device), deterministic=deterministic,
+                                     dbias=dbias, scheme=scheme)
+            hit = self.choices[key] = (chosen.mode, {role: k.spec for role, k in chosen.kernels.items()},
+                                       {role: self.handle(k, call) for role, k in chosen.kernels.items()})
         return hit
 
-    def handle(self, name: str, spec: dict[str, Any], call: AttentionCall, device: int) -> Any:
-        rules = self.tuning.get(family_of(name))  # an aligned sibling's configs follow its family's rules
-        key = (name, tuple(sorted(spec.items())), device,
-               seqlen_bin(call.seqlen_q) if rules else 0, seqlen_bin(call.seqlen_k) if rules else 0)
-        handle = self.handles.get(key)
-        if handle is not None:
-            return handle
-        params = dict(spec)
-        if rules:
-            index = select_config(rules, kernel=family_of(name), spec=spec, seqlen_q=call.seqlen_q,
-                                  seqlen_k=call.seqlen_k, arch=lambda: self.device_arch(device))
-            if index:
-                params.update(config_params(self.lib.variants_of(name), name, spec, index, self.device_arch(device)))
+    def handle(self, chosen: KernelChoice, call: AttentionCall) -> Any:
+        """The library's handle for a chosen kernel (the library caches it by its parameters)."""
         try:
-            handle = self.lib.kernel(name, **params)
+            return self.lib.kernel(chosen.kernel, **chosen.params)
         except KernelNotFound as e:
+            name = chosen.kernel
             raise KernelNotFound(
-                f"attention ({call.describe()}) needs {name} with {_show(spec)}, which these images lack; "
+                f"attention ({call.describe()}) needs {name} with {_show(chosen.spec)}, which these images lack; "
                 f"build it (`python -m builder build --set full --kernels {name}`) or use a supported "
                 f"combination. {e}") from None
-        with self.lock:
-            self.handles[key] = handle
-        return handle
+
+
+class Route(NamedTuple):
+    """Which kernel plays a part of a call, and why; ``reason`` is "" where nothing was to choose
+    (no other kernel serves the spec here)."""
+
+    kernel: str
+    reason: str
 
 
 def forward_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any],
-                   arch: str | Callable[[], str]) -> tuple[str, str]:
+                   arch: str | Callable[[], str]) -> Route:
     """(kernel name, reason): which forward kernel runs ``spec`` on ``arch`` (a callable is asked
     only when the images hold a per-architecture forward for the spec; the reason is "" then).
 
@@ -480,7 +464,7 @@ def forward_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any]
 
 
 def backward_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: dict[str, Any],
-                    arch: str | Callable[[], str]) -> tuple[str, str]:
+                    arch: str | Callable[[], str]) -> Route:
     """(kernel name, reason): which kernel plays ``role`` (a portable backward kernel's name, e.g.
     ``attn_bwd_dkdv``) of a backward for ``spec`` on ``arch``, as :func:`forward_kernel` does for
     the forward: the arch's own kernel (:data:`ARCH_BACKWARDS`) where the images hold it for this
@@ -493,37 +477,127 @@ def backward_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: di
     :meth:`LibraryKernels.aligned_sibling` allows (the reason then ends with
     :data:`ALIGNED_REASON`): rules name the family, the call's alignment picks its member."""
     if role not in BACKWARD_KERNEL_RULES:
-        return role, ""
+        return Route(role, "")
     owns = {a: kernels[role] for a, kernels in ARCH_BACKWARDS.items() if role in kernels}
     table, what = BACKWARD_KERNEL_RULES[role]
     name, why = _arch_kernel(ks, call, spec, arch, role, owns, table, what)
     sibling = ks.aligned_sibling(name, spec, call, needed_args(call, spec.get("CAUSAL", 0)))
     if sibling is not None:
-        return sibling, f"{why}; {ALIGNED_REASON}" if why else ALIGNED_REASON
-    return name, why
+        return Route(sibling, f"{why}; {ALIGNED_REASON}" if why else ALIGNED_REASON)
+    return Route(name, why)
+
 
 def _arch_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any], arch: str | Callable[[], str],
-                 portable: str, owns: Mapping[str, str], table: str, what: str) -> tuple[str, str]:
+                 portable: str, owns: Mapping[str, str], table: str, what: str) -> Route:
     needs = needed_args(call, spec.get("CAUSAL", 0))
     candidates = [name for name in dict.fromkeys(owns.values()) if ks.available(name, spec, needs)]
     if not candidates:
-        return portable, ""  # nothing to choose
+        return Route(portable, "")  # nothing to choose
     if callable(arch):
         arch = arch()
     own = owns.get(arch)
     if own not in candidates:
-        return portable, f"the portable {what} ({arch} has no per-architecture {what} for this spec here)"
+        return Route(portable, f"the portable {what} ({arch} has no per-architecture {what} for this spec here)")
     choice = select_kernel(ks.tuning.get(table), spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
                            arch=arch, table=table)
     if choice is not None:
         name = choice.rule["kernel"]
         if name == portable and not ks.available(portable, spec, needs):
-            return own, f"{choice.reason} names {name!r}, which these images lack for this spec; {own} runs"
+            return Route(own, f"{choice.reason} names {name!r}, which these images lack for this spec; {own} runs")
         if name == portable or name == own:
-            return name, choice.reason
-        return own, f"{choice.reason} names {name!r}, which does not serve this spec on {arch}; {own} runs"
-    return own, f"untuned (no rule of tuning[{table!r}] matches; heuristic: {arch}'s own {what}, preferred where " \
-                "the images hold it)"
+            return Route(name, choice.reason)
+        return Route(own, f"{choice.reason} names {name!r}, which does not serve this spec on {arch}; {own} runs")
+    return Route(own, f"untuned (no rule of tuning[{table!r}] matches; heuristic: {arch}'s own {what}, preferred "
+                      "where the images hold it)")
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """One kernel of a call as the dispatch chose it: what :class:`LibraryKernels` launches and
+    :func:`aotriton_rt.ops.attention.explain` prints.
+
+    ``role``: the part it plays, the portable kernel's name (``attn_bwd_dkdv`` for sm90's dK/dV
+    too); ``kernel`` and ``reason``: which kernel plays it and why (:class:`Route`); ``spec``: its
+    catalog spec; ``config``: what the tuning rules of the kernel's family (:func:`family_of`) ask;
+    ``params``: what the library is asked for, the spec and, where ``config`` names a config
+    other than 0 that the images hold on the arch, that config's constexprs, warps and stages
+    (otherwise the lowest config built runs).
+    """
+
+    role: str
+    kernel: str
+    spec: dict[str, Any]
+    reason: str
+    config: Choice
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BackwardChoice:
+    """A backward as the dispatch chose it: the scheme (``"split"`` or ``"atomic"``) and why, the
+    spec its ``tuning["attn_bwd_mode"]`` rules are matched against (:func:`mode_spec`), and its
+    kernels by role, in launch order."""
+
+    mode: str
+    reason: str
+    mode_spec: dict[str, Any]
+    kernels: dict[str, KernelChoice]
+
+
+def _resolved(arch: str | Callable[[], str]) -> str:
+    return arch() if callable(arch) else arch
+
+
+def choose_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: dict[str, Any],
+                  arch: str | Callable[[], str]) -> KernelChoice:
+    """The kernel playing ``role`` (``attn_fwd`` or a backward kernel's portable name) for ``spec``
+    on ``arch``, and its config: :func:`forward_kernel` or :func:`backward_kernel`, then the
+    config rules of its family (an aligned sibling's configs follow its family's). A callable
+    ``arch`` is asked only where a rule names an arch or a tuned config must be found."""
+    route = forward_kernel(ks, call, spec, arch) if role == FWD else backward_kernel(ks, call, role, spec, arch)
+    family = family_of(route.kernel)
+    rules = ks.tuning.get(family)
+    config = explain_config(rules, kernel=family, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
+                            arch=arch) if rules else Choice(family, 0)
+    params = dict(spec)
+    if config.config:
+        params.update(config_params(ks.lib.variants_of(route.kernel), route.kernel, spec, config.config,
+                                    _resolved(arch)))
+    return KernelChoice(role, route.kernel, dict(spec), route.reason, config, params)
+
+
+def choose_forward(ks: LibraryKernels, call: AttentionCall, arch: str | Callable[[], str]) -> KernelChoice:
+    """Every decision of a forward call on ``arch``: the spec (:func:`forward_params`), the kernel
+    and its config (:func:`choose_kernel`)."""
+    return choose_kernel(ks, call, FWD, forward_params(call, ks.available), arch)
+
+
+def choose_backward(ks: LibraryKernels, call: AttentionCall, arch: str | Callable[[], str], *,
+                    deterministic: bool = False, dbias: bool = True, scheme: str | None = None) -> BackwardChoice:
+    """Every decision of a backward call on ``arch``: the scheme (``scheme`` when given; else a
+    ``tuning["attn_bwd_mode"]`` rule, never asked by a deterministic call; else the split one),
+    the specs the images hold for it (:func:`backward_params`, which falls back to the scheme they
+    hold), and each kernel with its config (:func:`choose_kernel`)."""
+    asked = mode_spec(call, ks.available, dbias=dbias)
+    mode, reason = scheme, f"asked for (scheme={scheme!r})"
+    if scheme is None:
+        rules = ks.tuning.get(MODE_RULES)
+        reason = (f"untuned (no rule of tuning[{MODE_RULES!r}] matches; heuristic: the deterministic split scheme, "
+                  "bit-reproducible)")
+        if deterministic:
+            reason = f"deterministic=True (the atomic scheme is not reproducible; tuning[{MODE_RULES!r}] is not asked)"
+        elif rules:
+            choice = explain_config(rules, kernel=MODE_RULES, spec=asked, seqlen_q=call.seqlen_q,
+                                    seqlen_k=call.seqlen_k, arch=arch)
+            if choice.rule is not None:
+                mode, reason = choice.rule["mode"], choice.reason
+    got, specs = backward_params(call, role_available(ks, arch), deterministic=deterministic, dbias=dbias, mode=mode)
+    if mode is not None and got != mode:
+        reason += f"; the images lack the {mode} kernels, so {got} runs"
+    elif mode is None and got == "atomic":
+        reason = "the images hold only the atomic-dQ kernels"
+    return BackwardChoice(got, reason, asked, {role: choose_kernel(ks, call, role, spec, arch)
+                                               for role, spec in specs.items()})
 
 
 def _show(params: Mapping[str, Any]) -> str:

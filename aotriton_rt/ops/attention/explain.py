@@ -1,34 +1,22 @@
 """Why an attention call runs the kernels it runs: variant, tuning config and backward scheme.
 
 :func:`explain` answers from the call's facts alone (dtype, head dims, lengths, mask, ...): it
-takes the same decisions as the operator (:mod:`.dispatch`'s spec choice, the catalog's tuning
-rules through :func:`aotriton_rt.tuning.explain_config`) and says for each kernel whether its
-config is *tuned* (a rule matched: which rule, from which database, which length bin) or
+asks the operator's own decision (:func:`.dispatch.choose_forward`,
+:func:`.dispatch.choose_backward`: spec, kernel, tuning config and scheme, each with why) and
+prints it, with the variant the chosen handle runs on ``arch``; for each kernel it says whether
+its config is *tuned* (a rule matched: which rule, from which database, which length bin) or
 *untuned* (no rule: the documented heuristic, config 0). It launches nothing and needs no GPU
 when ``arch`` is given. ``python -m aotriton_rt explain attention ...`` prints it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import ArgumentError, KernelNotFound, NoDevice
-from ...tuning import MODE_RULES, Choice, explain_config
-from .dispatch import (
-    DTYPES,
-    FWD,
-    AttentionCall,
-    backward_kernel,
-    backward_params,
-    bucket,
-    family_of,
-    forward_kernel,
-    forward_params,
-    kernels_of,
-    mode_spec,
-    role_available,
-)
+from ...tuning import Choice
+from .dispatch import DTYPES, AttentionCall, KernelChoice, bucket, choose_backward, choose_forward, kernels_of
 
 __all__ = ["Explanation", "KernelPick", "explain"]
 
@@ -161,54 +149,30 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
     elif arch not in built:
         raise ArgumentError(f"arch {arch!r} has no images here; built: {', '.join(built) or 'none'}")
     if not backward:
-        spec = forward_params(call, ks.available)
-        name, why = forward_kernel(ks, call, spec, arch)
-        return Explanation(call, arch, [replace(_pick(ks, name, spec, call, arch), kernel_reason=why, role=FWD)])
-    mode, reason = scheme, f"asked for (scheme={scheme!r})"
-    rules = ks.tuning.get(MODE_RULES)
-    asked = mode_spec(call, ks.available)
-    if scheme is None:
-        reason = (f"untuned (no rule of tuning[{MODE_RULES!r}] matches; heuristic: the deterministic split scheme, "
-                  "bit-reproducible)")
-        if deterministic:
-            reason = f"deterministic=True (the atomic scheme is not reproducible; tuning[{MODE_RULES!r}] is not asked)"
-        elif rules:
-            choice = explain_config(rules, kernel=MODE_RULES, spec=asked, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                                    arch=arch)
-            if choice.rule is not None:
-                mode, reason = choice.rule["mode"], choice.reason
-    got, specs = backward_params(call, role_available(ks, arch), deterministic=deterministic, mode=mode)
-    if mode is not None and got != mode:
-        reason += f"; the images lack the {mode} kernels, so {got} runs"
-    elif mode is None and got == "atomic":
-        reason = "the images hold only the atomic-dQ kernels"
-    picks = []
-    for role, spec in specs.items():
-        name, why = backward_kernel(ks, call, role, spec, arch)
-        picks.append(replace(_pick(ks, name, spec, call, arch), kernel_reason=why, role=role))
-    return Explanation(call, arch, picks, got, reason, asked)
+        return Explanation(call, arch, [_pick(ks, choose_forward(ks, call, arch), call, arch)])
+    chosen = choose_backward(ks, call, arch, deterministic=deterministic, scheme=scheme)
+    return Explanation(call, arch, [_pick(ks, k, call, arch) for k in chosen.kernels.values()], chosen.mode,
+                       chosen.reason, chosen.mode_spec)
 
 
-def _pick(ks: Any, name: str, spec: dict[str, Any], call: AttentionCall, arch: str) -> KernelPick:
+def _pick(ks: Any, chosen: KernelChoice, call: AttentionCall, arch: str) -> KernelPick:
+    """``chosen`` in words, with the variant its handle runs on ``arch``: the library's pick among
+    those matching its parameters there (the lowest config, where its tuned one is not built)."""
     from ...select import match
 
-    family = family_of(name)  # an aligned sibling's configs follow its family's rules
-    rules = ks.tuning.get(family)
-    choice = explain_config(rules, kernel=family, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
-                            arch=arch) if rules else Choice(family, 0)
-    found = match(ks.lib.variants_of(name), name, spec, [arch]).accepted
+    name, choice = chosen.kernel, chosen.config
+    found = match(ks.lib.variants_of(name), name, chosen.spec, [arch]).accepted
     if not found:
         raise KernelNotFound(f"attention ({call.describe()}) needs {name} with "
-                             f"{', '.join(f'{k}={v}' for k, v in spec.items())} on {arch}, which these images lack")
-    by_index = {v.config.index: v for v in reversed(found)}
+                             f"{', '.join(f'{k}={v}' for k, v in chosen.spec.items())} on {arch}, which these images "
+                             "lack")
+    variant = match(found, name, chosen.params, [arch]).accepted[0]
     note = ""
-    variant = by_index.get(choice.config)
-    if variant is None:
-        # What dispatch does too (config_params gives {}): the lowest config built runs.
-        variant = found[0]
+    if variant.config.index != choice.config:
         note = f"config #{choice.config} is not in these images, so #{variant.config.index} runs"
-    elif len(by_index) == 1 and not choice.tuned:
+    elif len({v.config.index for v in found}) == 1 and not choice.tuned:
         note = "the only config built"
     params = {**variant.config.constexprs, "num_warps": variant.config.num_warps,
               "num_stages": variant.config.num_stages}
-    return KernelPick(name, dict(spec), variant.config.index, params, choice, variant.key, note)
+    return KernelPick(name, dict(chosen.spec), variant.config.index, params, choice, variant.key, note, chosen.reason,
+                      chosen.role)

@@ -192,8 +192,8 @@ class _DecodeForward:
     def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, out: Any, lse: Any, ptrs: tuple,
             seed: Any, offset: Any) -> tuple:
         launch = self.launch
-        # This plan's key pins all the decode plan depends on, but the library's tuning rules and PDL policy.
-        if launch is not None and launch.ks.generation is launch.generation:
+        # This plan's key pins all the decode plan depends on (the library, and so its tuning rules).
+        if launch is not None:
             return launch.run_fast(q, k, v, None, None, None, None, None)
         from ..decode import cached_launch, decode_attention
 

@@ -115,8 +115,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
                                         window, scale, num_splits, max_seqlen_k, layout, cache_layout, library)
     if key is not None:
         launch = _LAUNCHES.get(key)
-        # A plan holds while its library's tuning rules and PDL policy do (benchmarks swap them).
-        if launch is not None and launch.ks.generation is launch.generation:
+        if launch is not None:
             if launch.fast is not None:
                 return launch.run_fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
             return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)

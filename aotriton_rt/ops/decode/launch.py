@@ -39,10 +39,9 @@ def _sm_count(xp: Any, device: int) -> int | None:
 class _Kernels:
     """Decode handles per library. Which variants exist and the device's arch come from the
     attention operator's per-library caches (one kernel's shards read per question), the split
-    rules from its tuning table. ``rules`` and ``pdl`` (:data:`PDL_POLICIES`) stay settable
-    (benchmarks swap them); setting either to a new value retires the launch plans made under
-    the old one (``generation``: plans hold while it is theirs; one identity test per call).
-    ``faults`` holds the library's fault flags by (framework, device) (ops/decode/faults.py)."""
+    rules from the library's tuning table (other rules: a ``Library.with_tuning`` view, whose
+    plans are its own). ``faults`` holds the library's fault flags by (framework, device)
+    (ops/decode/faults.py)."""
 
     def __init__(self, lib: Any) -> None:
         from ..attention.dispatch import kernels_of
@@ -53,32 +52,11 @@ class _Kernels:
         self.sms: dict[int, int] = {}
         self.faults = fault_flags(lib)
         self.shared = kernels_of(lib)
-        self._rules = self.shared.tuning.get(DECODE)
-        self._pdl = "rule"
-        self.generation = object()
 
     @property
     def rules(self) -> Any:
-        """The ``tuning["attn_decode"]`` rules plans are made under (the catalog's by default)."""
-        return self._rules
-
-    @rules.setter
-    def rules(self, value: Any) -> None:
-        if value is not self._rules:
-            self._rules, self.generation = value, object()
-
-    @property
-    def pdl(self) -> str:
-        """How prepared launches use PDL: "rule" (:func:`pdl_choice`, the default), "on" (as the
-        variants were compiled), "off" (never); for measuring what the rule gives."""
-        return self._pdl
-
-    @pdl.setter
-    def pdl(self, value: str) -> None:
-        if value not in PDL_POLICIES:
-            raise ArgumentError(f"decode PDL policy must be one of {', '.join(PDL_POLICIES)}, got {value!r}")
-        if value != self._pdl:
-            self._pdl, self.generation = value, object()
+        """The ``tuning["attn_decode"]`` rules plans are made under (the library's)."""
+        return self.shared.tuning.get(DECODE)
 
     def has(self, name: str, params: Mapping[str, Any]) -> bool:
         """Whether the images hold ``name`` with ``params`` (cached)."""
@@ -119,8 +97,6 @@ def _kernels_of(library: Any) -> _Kernels:
     return operator_state(library if library is not None else default_library(), "decode", _Kernels)
 
 
-#: Values of ``_Kernels.pdl``: the rule below, PDL wherever compiled in, or never.
-PDL_POLICIES = ("rule", "on", "off")
 #: Contiguous split calls that read at least this many K/V bytes launch without PDL (see pdl_choice).
 PLAIN_MIN_KV_BYTES = 48 << 20
 _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -135,7 +111,7 @@ def kv_bytes(p: DecodePlan) -> int:
     return 2 * p.batch * p.heads_k * keys * p.head_dim * _ELEMENT_BYTES.get(p.dtype, 2)
 
 
-def pdl_choice(p: DecodePlan, num_splits: int, policy: str = "rule") -> tuple[bool, str]:
+def pdl_choice(p: DecodePlan, num_splits: int) -> tuple[bool, str]:
     """(launch the chain with PDL where compiled in, why): the decode chain's per-call decision.
 
     PDL lets append → decode → combine start before their predecessor ends (docs/attention.md).
@@ -146,11 +122,7 @@ def pdl_choice(p: DecodePlan, num_splits: int, policy: str = "rule") -> tuple[bo
     shape is not; unsplit calls (B=64: the batch fills the GPU) were not slower. So: a contiguous,
     split call of at least :data:`PLAIN_MIN_KV_BYTES` launches plainly, everything else with PDL.
     The cause of the loss is not known; the threshold sits between the fast 32 MiB and the slow
-    64 MiB rows. ``policy`` "on"/"off" overrides (benchmarks)."""
-    if policy == "on":
-        return True, "PDL (policy 'on')"
-    if policy == "off":
-        return False, "no PDL (policy 'off')"
+    64 MiB rows."""
     if p.paged:
         return True, "PDL: a paged cache (PDL measured 0-12% faster at every paged shape)"
     if num_splits == 1:
@@ -197,7 +169,7 @@ class _Launch:
 
     def __init__(self, p: DecodePlan, infos: dict, ks: _Kernels, layout: str, num_splits: int | None,
                  cache_seqlens: Any) -> None:
-        self.p, self.layout, self.ks, self.generation = p, layout, ks, ks.generation
+        self.p, self.layout, self.ks = p, layout, ks
         self.xp = xp = arrays_for(infos["q"].framework)
         spec = {"dtype": p.dtype, "HEAD_DIM": p.head_dim}
         arch = ks.device_arch(p.device)
@@ -212,7 +184,7 @@ class _Launch:
             num_splits = num_splits_for(p.batch, p.heads_k, row_blocks, p.seqlen_k_hint,
                                         _block_n(self.decode, p.device), sm, rule)
         self.num_splits = num_splits
-        self.pdl, self.pdl_reason = pdl_choice(p, num_splits, ks.pdl)
+        self.pdl, self.pdl_reason = pdl_choice(p, num_splits)
         self.combine = ks.handle(COMBINE, spec, 0, p.device) if num_splits > 1 else None
         q_shape = tuple(infos["q"].shape)
         self.q_shape = q_shape
