@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from .errors import KernelNotFound
 
@@ -50,6 +51,18 @@ def pick_target(backend: str, device_arch: str, built: list[str]) -> str:
         f"`python -m builder build --targets {device_arch} --add` (keeps the images already there) or "
         f"download it with "
         f"`python -m aotriton_rt download --arch {device_arch}`")
+
+
+def target_arch(lib: Any, device: int) -> str:
+    """The built arch whose images run on ``device`` of library ``lib`` (from the catalog indexes:
+    no shard is read)."""
+    built = lib.targets()
+    if len(built) == 1:
+        # Images of one arch: the device must run that arch, or the launch will say why.
+        return built[0][1]
+    driver = lib.driver
+    raw = normalize(driver.backend, driver.device_arch(max(device, 0)))
+    return pick_target(driver.backend, raw, sorted(a for b, a in built if b == driver.backend))
 
 
 def detect_targets() -> list[str]:

@@ -380,7 +380,7 @@ def operator_contenders(call: Call, t: dict[str, Any], images: str, workers: int
 
 def _aligned(kernel: str) -> bool:
     """Whether ``kernel`` is an aligned-length sibling (the dispatch's ``ALIGNED_SIBLINGS``)."""
-    from aotriton_rt.ops.attention.dispatch import family_of
+    from aotriton_rt.ops.attention.family import family_of
 
     return family_of(kernel) != kernel
 

@@ -143,7 +143,7 @@ def time_shape(torch, lib, shape: tuple, rounds: int, seed: int) -> dict:
 
     import aotriton_rt
     from aotriton_rt.ops.attention import attention_kernels
-    from aotriton_rt.ops.attention.dispatch import family_of
+    from aotriton_rt.ops.attention.family import family_of
     from builder.gputime import time_rounds
 
     dtype_name, D, causal, B, H, N = shape

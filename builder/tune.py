@@ -43,8 +43,17 @@ from pathlib import Path
 from typing import Any
 
 from aotriton_rt import Library
-from aotriton_rt.ops.attention.dispatch import ARCH_BACKWARDS, ARCH_FORWARDS, DKDV, DQ, family_of
-from aotriton_rt.tuning import DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES, MODE_RULES
+from aotriton_rt.ops.attention.family import (
+    ARCH_BACKWARDS,
+    ARCH_FORWARDS,
+    DKDV,
+    DKDV_KERNEL_RULES,
+    DQ,
+    DQ_KERNEL_RULES,
+    KERNEL_RULES,
+    MODE_RULES,
+    family_of,
+)
 
 from . import tuning
 
@@ -396,7 +405,7 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         import aotriton_rt
-        from aotriton_rt.ops.attention.dispatch import target_arch
+        from aotriton_rt.arch import target_arch
 
         if not torch.cuda.is_available():
             raise tuning.TuningError("tune needs a GPU (torch sees none); --recompute works without one")

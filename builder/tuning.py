@@ -51,8 +51,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotriton_rt.ops.attention.dispatch import ARCH_BACKWARDS, ARCH_FORWARDS, BACKWARD_KERNEL_RULES, DKDV, FWD
-from aotriton_rt.tuning import DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES, MODE_RULES, in_range, select_kernel
+from aotriton_rt.ops.attention.family import (
+    ARCH_BACKWARDS,
+    ARCH_FORWARDS,
+    BACKWARD_KERNEL_RULES,
+    DKDV,
+    DKDV_KERNEL_RULES,
+    DQ_KERNEL_RULES,
+    FWD,
+    KERNEL_RULES,
+    MODE_RULES,
+)
+from aotriton_rt.tuning import in_range, select_kernel
 
 SCHEMA = "aotriton-rt-tuning"
 SCHEMA_VERSION = 1

@@ -26,11 +26,25 @@ import jax.numpy as jnp
 from .. import interop
 from ..errors import ArgumentError
 from ..ops.attention import attention_kernels
-from ..ops.attention.problem import align_arg
+from ..ops.attention.family import (
+    BIAS_ALIGN,
+    CONVERT,
+    DKDV,
+    DQ,
+    FWD,
+    PRE,
+    backward_arguments,
+    bhs,
+    bias_row_width,
+    bias_strides,
+    contiguous_kernel_strides,
+    contiguous_strides,
+    forward_arguments,
+    lse_strides,
+    scalar_arguments,
+)
 from .kernels import JaxKernel, Out, Update
 
-FWD, PRE, DKDV, DQ, CONVERT = "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_dq_convert"
-_BIAS_ALIGN = 8
 _TRITON = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "int8": "i8",
            "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "uint32": "u32", "bool": "i1"}
 
@@ -48,12 +62,8 @@ class _Standin:
 
 
 def _describe(obj: _Standin, backend: str, stream: int | None) -> interop.ArrayInfo:
-    strides, step = [], 1
-    for n in reversed(obj.shape):
-        strides.append(step)
-        step *= max(n, 1)
     # A 256-aligned stand-in address: the validator checks layouts, no memory is read.
-    return interop.ArrayInfo(256, -1, obj.dtype, obj.shape, tuple(reversed(strides)), "jax")
+    return interop.ArrayInfo(256, -1, obj.dtype, obj.shape, contiguous_strides(obj.shape), "jax")
 
 
 def _no_pointer(obj: _Standin, backend: str, stream: int | None) -> tuple[int, int]:
@@ -155,8 +165,8 @@ def _facts(q: Any, k: Any, v: Any, cu_q: Any, o: _Options) -> _Facts:
         batch, (rows_q, heads_q, d), (rows_k, heads_k, _) = cu_q.shape[0] - 1, q.shape, k.shape
         seqlen_q, seqlen_k = o.max_seqlen_q, o.max_seqlen_k
     else:
-        (batch, heads_q, seqlen_q), _ = _bhs(q.shape, q.shape, o.layout, False)
-        (_, heads_k, seqlen_k), _ = _bhs(k.shape, k.shape, o.layout, False)
+        (batch, heads_q, seqlen_q), _ = bhs(q.shape, q.shape, o.layout, False)
+        (_, heads_k, seqlen_k), _ = bhs(k.shape, k.shape, o.layout, False)
         rows_q, rows_k, d = seqlen_q, seqlen_k, q.shape[-1]
     scale = 1.0 / math.sqrt(d) if o.scale is None else float(o.scale)
     left, right = o.window if o.window is not None else (-1, -1)
@@ -164,37 +174,14 @@ def _facts(q: Any, k: Any, v: Any, cu_q: Any, o: _Options) -> _Facts:
         right = 0
     masked = o.causal or left >= 0 or right >= 0
     seed, offset = (o.seed, o.offset) if o.dropout_p > 0 else (0, 0)
-    scalars = (("batch", batch), ("num_heads_q", heads_q), ("num_heads_k", heads_k), ("seqlen_q", seqlen_q),
-               ("seqlen_k", seqlen_k), ("sm_scale", scale), ("dropout_p", float(o.dropout_p)),
-               ("philox_seed", seed), ("philox_offset", offset), ("window_left", left), ("window_right", right),
-               ("causal_align", align_arg(2 if masked and o.align == "bottom_right" else 0)))
-    return _Facts(varlen, batch, heads_q, heads_k, seqlen_q, seqlen_k, rows_q, rows_k, d, v.shape[-1], scalars)
+    scalars = scalar_arguments(batch=batch, heads_q=heads_q, heads_k=heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                               scale=scale, dropout_p=float(o.dropout_p), seed=seed, offset=offset, window_left=left,
+                               window_right=right, causal_mode=2 if masked and o.align == "bottom_right" else 0)
+    return _Facts(varlen, batch, heads_q, heads_k, seqlen_q, seqlen_k, rows_q, rows_k, d, v.shape[-1],
+                  tuple(scalars.items()))
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def _bhs(shape: tuple, strides: tuple, layout: str, varlen: bool) -> tuple[tuple, tuple]:
-    if varlen:
-        return (1, shape[1], shape[0]), (0, strides[1], strides[0])
-    if layout == "bhsd":
-        return (shape[0], shape[1], shape[2]), (strides[0], strides[1], strides[2])
-    return (shape[0], shape[2], shape[1]), (strides[0], strides[2], strides[1])
-
-
-def _strides(shape: tuple, layout: str, varlen: bool) -> tuple[int, int, int]:
-    """Kernel (batch, head, row) strides of a contiguous array; 0 over axes of extent <= 1."""
-    extents, strides = _bhs(shape, _contiguous(shape), layout, varlen)
-    return tuple(0 if e <= 1 else s for e, s in zip(extents, strides))
-
-
-def _named(prefix: str, row: str, strides: tuple) -> dict[str, int]:
-    return {f"stride_{prefix}z": strides[0], f"stride_{prefix}h": strides[1], f"stride_{prefix}{row}": strides[2]}
+_strides = contiguous_kernel_strides  # (batch, head, row) kernel strides of a contiguous array
 
 
 def _pad(x: Any, width: int) -> Any:
@@ -202,30 +189,21 @@ def _pad(x: Any, width: int) -> Any:
     return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
-def _lse_strides(f: _Facts) -> tuple[int, int]:
-    cs = _contiguous(f.lse_shape())
-    return (0, cs[0]) if f.varlen else (cs[0], cs[1])
-
-
 def _bias_operand(bias: Any, f: _Facts) -> tuple[Any, tuple[int, int, int]]:
     """The bias as the kernels read it: stride 0 over broadcast dims, rows padded to 8 if needed."""
     extents = (1,) * (4 - bias.ndim) + tuple(bias.shape)
     full = f.bias_full()
-    if extents[3] == full[3] and full[3] % _BIAS_ALIGN == 0:
+    if extents[3] == full[3] and full[3] % BIAS_ALIGN == 0:
         arr = bias.reshape(extents)
     else:
-        width = -(-max(full[3], 1) // _BIAS_ALIGN) * _BIAS_ALIGN
-        arr = jnp.zeros(extents[:3] + (width,), bias.dtype)
+        arr = jnp.zeros(extents[:3] + (bias_row_width(full[3]),), bias.dtype)
         arr = arr.at[..., :full[3]].set(jnp.broadcast_to(bias.reshape(extents), extents[:3] + (full[3],)))
-    cs = _contiguous(arr.shape)
-    return arr, tuple(0 if e == 1 else s for e, s in zip(extents[:3], cs[:3]))
+    return arr, bias_strides(extents, contiguous_strides(arr.shape))
 
 
-def _bias_values(bias: Any, f: _Facts) -> dict[str, Any]:
-    if bias is None:
-        return {"Bias": None, **_named("b", "m", (0, 0, 0))}
-    arr, strides = _bias_operand(bias, f)
-    return {"Bias": arr, **_named("b", "m", strides)}
+def _add_bias(bias: Any, f: _Facts, arrays: dict[str, Any], strides: dict[str, Any]) -> None:
+    if bias is not None:
+        arrays["bias"], strides["bias"] = _bias_operand(bias, f)
 
 
 def _empty(f: _Facts) -> bool:
@@ -255,17 +233,15 @@ def _forward(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, o: _Option
         return (out, lse, mask) if return_mask else (out, lse)
     qp, kp, vp = _pad(q, wq), _pad(k, wq), _pad(v, wv)
     padded_out = tuple(q.shape[:-1]) + (wv,)
-    lse_strides = _lse_strides(f)
-    values = {"Q": qp, "K": kp, "V": vp, "Out": Out(padded_out, q.dtype), "LSE": Out(f.lse_shape(), jnp.float32),
-              "DropMask": Out(mask_shape, jnp.int8, zero=True) if return_mask else None,
-              **_named("q", "m", _strides(qp.shape, o.layout, f.varlen)),
-              **_named("k", "n", _strides(kp.shape, o.layout, f.varlen)),
-              **_named("v", "n", _strides(vp.shape, o.layout, f.varlen)),
-              **_named("o", "m", _strides(padded_out, o.layout, f.varlen)),
-              "stride_lz": lse_strides[0], "stride_lh": lse_strides[1], **dict(f.scalars),
-              "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
-              **_named("dm", "m", _contiguous(mask_shape)[:3] if return_mask else (0, 0, 0))}
-    values.update(_bias_values(bias, f))
+    lay, vl = o.layout, f.varlen
+    arrays = {"q": qp, "k": kp, "v": vp, "out": Out(padded_out, q.dtype), "lse": Out(f.lse_shape(), jnp.float32),
+              "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    strides = {"q": _strides(qp.shape, lay, vl), "k": _strides(kp.shape, lay, vl), "v": _strides(vp.shape, lay, vl),
+               "out": _strides(padded_out, lay, vl)}
+    if return_mask:
+        arrays["mask"], strides["mask"] = Out(mask_shape, jnp.int8, zero=True), contiguous_strides(mask_shape)[:3]
+    _add_bias(bias, f, arrays, strides)
+    values = forward_arguments(arrays, strides, lse_strides(f.lse_shape(), vl), dict(f.scalars))
     results = _launch(handle, o, values)
     out, lse = results[0], results[1]
     if wv != f.head_dim_v:
@@ -285,36 +261,27 @@ def _backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, bias: Any, 
     atomic = CONVERT in handles
     wq, wv = handles[PRE].params["HEAD_DIM"], handles[PRE].params["HEAD_DIM_V"]
     full = f.bias_full()
-    dbias_shape = full[:3] + (-(-max(full[3], 1) // _BIAS_ALIGN) * _BIAS_ALIGN,)
+    dbias_shape = full[:3] + (bias_row_width(full[3]),)
     if _empty(f):
         zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, k, v)]
         return (*zeros, None if bias is None else jnp.zeros(bias.shape, bias.dtype))
     qp, kp, vp, dop, op = _pad(q, wq), _pad(k, wq), _pad(v, wv), _pad(dout, wv), _pad(out, wv)
     dq_shape, dk_shape = tuple(q.shape[:-1]) + (wq,), tuple(k.shape[:-1]) + (wq,)
     dv_shape = tuple(v.shape[:-1]) + (wv,)
-    lse_strides = _lse_strides(f)
     lay, vl = o.layout, f.varlen
-    values = {"Q": qp, "K": kp, "V": vp, "DO": dop, "Out": op, "LSE": lse,
-              **_named("q", "m", _strides(qp.shape, lay, vl)), **_named("k", "n", _strides(kp.shape, lay, vl)),
-              **_named("v", "n", _strides(vp.shape, lay, vl)), **_named("do", "m", _strides(dop.shape, lay, vl)),
-              **_named("o", "m", _strides(op.shape, lay, vl)), **_named("dq", "m", _strides(dq_shape, lay, vl)),
-              **_named("dk", "n", _strides(dk_shape, lay, vl)), **_named("dv", "n", _strides(dv_shape, lay, vl)),
-              "stride_lz": lse_strides[0], "stride_lh": lse_strides[1], **dict(f.scalars),
-              "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
-    values.update(_bias_values(bias, f))
+    arrays = {"dout": dop, "q": qp, "k": kp, "v": vp, "out": op, "lse": lse, "cu_seqlens_q": cu_q,
+              "cu_seqlens_k": cu_k, "delta": Out(f.lse_shape(), jnp.float32)}
+    strides = {"dout": _strides(dop.shape, lay, vl), "q": _strides(qp.shape, lay, vl),
+               "k": _strides(kp.shape, lay, vl), "v": _strides(vp.shape, lay, vl), "out": _strides(op.shape, lay, vl),
+               "dq": _strides(dq_shape, lay, vl), "dk": _strides(dk_shape, lay, vl), "dv": _strides(dv_shape, lay, vl)}
+    _add_bias(bias, f, arrays, strides)
     if bias is not None:
-        values["DBias"] = Out(dbias_shape, q.dtype, zero=f.varlen)
-        values.update(_named("db", "m", _contiguous(dbias_shape)[:3]))
-    else:
-        values["DBias"] = None
-        values.update(_named("db", "m", (0, 0, 0)))
+        arrays["dbias"] = Out(dbias_shape, q.dtype, zero=f.varlen)
+        strides["dbias"] = contiguous_strides(dbias_shape)[:3]
     if atomic:
-        values["DQacc"] = Out(dq_shape, jnp.float32)
-        values.update(_named("dqa", "m", _strides(dq_shape, lay, vl)))
-    else:
-        values["DQacc"] = None
-        values.update(_named("dqa", "m", (0, 0, 0)))
-    values["Delta"] = Out(f.lse_shape(), jnp.float32)
+        arrays["dqacc"], strides["dqacc"] = Out(dq_shape, jnp.float32), _strides(dq_shape, lay, vl)
+    # One dict for the three launches: each takes the outputs of the one before.
+    values = backward_arguments(arrays, strides, lse_strides(f.lse_shape(), vl), dict(f.scalars))
     pre = _launch(handles[PRE], o, values)
     delta, dqacc = (pre[0], pre[1]) if atomic else (pre, None)
     values["Delta"] = delta

@@ -10,7 +10,7 @@ backward's config sweep (``bench/sm90_bwd.py``, ``python -m builder tune``). ``f
 #: Head dims compiled in the default set. Common open models use 64 (GPT-2, BERT, ViT, Whisper,
 #: Falcon, TinyLlama, SmolLM), 80 (Phi-2, Stable Diffusion), 96 (Phi-3), 128 (Llama, Mistral,
 #: Qwen, Gemma 3, DiT/Flux) and 256 (Gemma 1/2). 80 and 96 are not compiled: the operator runs
-#: them zero-padded on 128 (``aotriton_rt.ops.attention.dispatch.head_dim_buckets``), as it runs
+#: them zero-padded on 128 (``aotriton_rt.ops.attention.family.head_dim_buckets``), as it runs
 #: any dim on the next bucket the images hold (up to 64 on 64, 65-128 on 128, 129-256 on 256).
 #: Their compile time would not fit the quickstart's budget (docs/performance.md).
 DEFAULT_HEAD_DIMS = (64, 128, 256)

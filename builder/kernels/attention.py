@@ -36,11 +36,11 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 # programs.
 CAUSAL_GROUP_PROGRAMS: tl.constexpr = tl.constexpr(256)
 
-# Head-dim buckets the kernels are compiled for; a head dim between two buckets is zero-padded
-# by the operator to the next one (zero columns change neither q.k nor the visible output).
-HEAD_DIM_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
-# (qk, v) head-dim pairs compiled besides the equal ones: MLA-style 192/128.
-UNEQUAL_HEAD_DIMS = ((192, 128),)
+# Head-dim buckets the kernels are compiled for (a head dim between two buckets is zero-padded by
+# the operator to the next one: zero columns change neither q.k nor the visible output), the
+# (qk, v) pairs compiled besides the equal ones (MLA-style 192/128) and the dtypes: the family's,
+# which the runtime dispatches by. (Kept at five lines: a kernel's key includes its line number.)
+from aotriton_rt.ops.attention.family import DTYPES, FWD, HEAD_DIM_BUCKETS, UNEQUAL_HEAD_DIMS  # noqa: E402
 
 
 def next_power_of_2(n: int) -> int:
@@ -536,7 +536,6 @@ def attn_fwd(
 from builder.kernels._attention_sets import in_bwd_sweep_set, in_default_set, in_gputest_set  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernels
 
-DTYPES = ("fp16", "bf16", "fp32")
 # Strides of tensors whose rows are 16-element aligned in every contiguous BHSD / BSHD layout
 # with a bucketed head dim (every bucket is a multiple of 16): declaring it lets Triton emit
 # 16-byte vector loads. Bias rows (length seqlen_k) only promise 8, enough for 16-byte fp16
@@ -691,7 +690,7 @@ GQA_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0")
 ALIGN_CHECKS = ("causal_align == 0 or causal_align == 1",)
 
 KERNELS = [KernelDecl(
-    name="attn_fwd",
+    name=FWD,
     fn=attn_fwd,
     signature=_FWD_SIG,
     axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS, "HEAD_DIM_V": HEAD_DIM_BUCKETS,

@@ -648,9 +648,12 @@ _DQ_SIG = signature_of(attn_bwd_dq, _GRAD_PTRS)
 _DQ_DIV = divisibility_of(_DQ_SIG, aligned=("q", "k", "v", "do", "dq"), bias=("b",))
 _HEADS = {"HEAD_DIM": HEAD_DIM_BUCKETS, "HEAD_DIM_V": HEAD_DIM_BUCKETS}
 
+# Imported below the kernels: a kernel's key holds its line number.
+from aotriton_rt.ops.attention.family import CONVERT, DKDV, DQ, PRE  # noqa: E402
+
 KERNELS = [
     KernelDecl(
-        name="attn_bwd_preprocess",
+        name=PRE,
         fn=attn_bwd_preprocess,
         signature=_PRE_SIG,
         axes={"dtype": DTYPES, **_HEADS, "VARLEN": (0, 1), "DQ_ATOMIC": (0, 1)},
@@ -663,7 +666,7 @@ KERNELS = [
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_PRE_DIV),
     ),
     KernelDecl(
-        name="attn_bwd_dq_convert",
+        name=CONVERT,
         fn=attn_bwd_dq_convert,
         signature=_CONVERT_SIG,
         axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS, "VARLEN": (0, 1)},
@@ -675,7 +678,7 @@ KERNELS = [
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_CONVERT_DIV),
     ),
     KernelDecl(
-        name="attn_bwd_dkdv",
+        name=DKDV,
         fn=attn_bwd_dkdv,
         signature=_DKDV_SIG,
         axes={"dtype": DTYPES, **_HEADS, "CAUSAL": (0, 1, 2), "BIAS": (0, 1, 2), "DROPOUT": (0, 1),
@@ -690,7 +693,7 @@ KERNELS = [
         checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1") + stride_checks(_DKDV_DIV),
     ),
     KernelDecl(
-        name="attn_bwd_dq",
+        name=DQ,
         fn=attn_bwd_dq,
         signature=_DQ_SIG,
         axes={"dtype": DTYPES, **_HEADS, "CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1),

@@ -232,6 +232,7 @@ def attn_bwd_dq_sm90(
 # Registry declaration.
 # --------------------------------------------------------------------------------------------
 
+from aotriton_rt.ops.attention.family import DQ_SM90  # noqa: E402
 from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
 from builder.kernels.attention_bwd import _GRAD_PTRS  # noqa: E402
 from builder.kernels.attention_bwd_sm90 import CONSUMER_REGS, HEAD_DIMS, in_gputest_set  # noqa: E402
@@ -269,7 +270,7 @@ _SIG = signature_of(attn_bwd_dq_sm90, _GRAD_PTRS)
 _DIV = divisibility_of(_SIG, aligned=("q", "k", "v", "do", "dq"), bias=("b",))
 
 KERNEL = KernelDecl(
-    name="attn_bwd_dq_sm90",
+    name=DQ_SM90,
     fn=attn_bwd_dq_sm90,
     signature=_SIG,
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),

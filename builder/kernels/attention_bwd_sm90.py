@@ -466,7 +466,7 @@ def attn_bwd_dkdv_sm90(
 # Registry declaration.
 # --------------------------------------------------------------------------------------------
 
-from aotriton_rt.ops.attention.dispatch import ALIGNED_FACTS  # noqa: E402
+from aotriton_rt.ops.attention.family import ALIGNED_FACTS, ALIGNED_SIBLINGS, DKDV_SM90  # noqa: E402
 from builder.kernels._attention_sets import SM90_GLUON_BWD_HEAD_DIMS  # noqa: E402
 from builder.kernels._attention_sets import in_gputest_set as _in_bwd_gputest_set  # noqa: E402
 from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
@@ -527,7 +527,7 @@ _CHECKS = GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_k <= 65535", "dropout_
                                        "seqlen_k >= 1")
 
 KERNEL = KernelDecl(
-    name="attn_bwd_dkdv_sm90",
+    name=DKDV_SM90,
     fn=attn_bwd_dkdv_sm90,
     signature=_SIG,
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
@@ -557,11 +557,11 @@ def in_aligned_gputest_set(spec: dict, target: object) -> bool:
 #: ``ALIGNED_FACTS`` divisible by 16, for the split scheme only (``DQ_ATOMIC=0``, the default
 #: backward). The runtime runs it in place of ``attn_bwd_dkdv_sm90`` where the call's lengths and
 #: LSE strides are multiples of 16 and the images hold it for the spec (its tuning rules are the
-#: family's: aotriton_rt/ops/attention/dispatch.py, ``ALIGNED_SIBLINGS``); a ragged call keeps the
+#: family's: aotriton_rt/ops/attention/family.py, ``ALIGNED_SIBLINGS``); a ragged call keeps the
 #: plain kernel. A separate kernel name because one kernel's variants share their argument
 #: declarations (aotriton_rt/launch.py). In ``gputest`` and ``full``, not ``default``.
 ALIGNED_KERNEL = KernelDecl(
-    name="attn_bwd_dkdv_sm90_a16",
+    name=ALIGNED_SIBLINGS[DKDV_SM90],
     fn=attn_bwd_dkdv_sm90,
     signature=_SIG,
     axes={**KERNEL.axes, "DQ_ATOMIC": (0,)},

@@ -591,6 +591,7 @@ def attn_fwd_sm90(
 # Registry declaration.
 # --------------------------------------------------------------------------------------------
 
+from aotriton_rt.ops.attention.family import FWD_SM90  # noqa: E402
 from builder.kernels._attention_sets import in_gputest_set as _in_attn_fwd_gputest  # noqa: E402
 from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
@@ -694,7 +695,7 @@ _SIG = signature_of(attn_fwd_sm90, {
 _DIV = divisibility_of(_SIG, aligned=("q", "k", "v", "o"), bias=("b",))
 
 KERNEL = KernelDecl(
-    name="attn_fwd_sm90",
+    name=FWD_SM90,
     fn=attn_fwd_sm90,
     signature=_SIG,
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),

@@ -412,7 +412,8 @@ def aligned_built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_aligned_siblings_catalog_declares_the_four_facts_and_the_runtime_takes_it_for_aligned_calls_only(
         built: Path, aligned_built: Path) -> None:
-    from aotriton_rt.ops.attention.dispatch import ALIGNED_FACTS, _serves_aligned
+    from aotriton_rt.ops.attention.dispatch import _serves_aligned
+    from aotriton_rt.ops.attention.family import ALIGNED_FACTS
     from builder.build import prove_folder
 
     assert prove_folder(aligned_built) == 1

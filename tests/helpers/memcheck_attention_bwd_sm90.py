@@ -29,7 +29,7 @@ import torch
 
 import aotriton_rt
 from aotriton_rt.ops.attention import attention_kernels
-from aotriton_rt.ops.attention.dispatch import ALIGNED_SIBLINGS, family_of
+from aotriton_rt.ops.attention.family import ALIGNED_SIBLINGS, family_of
 from builder import tune
 
 ap = argparse.ArgumentParser()

@@ -13,16 +13,8 @@ import pytest
 
 import aotriton_rt
 from aotriton_rt.ops import attention as op
-from aotriton_rt.ops.attention.dispatch import (
-    ALIGNED_REASON,
-    ALIGNED_SIBLINGS,
-    DKDV,
-    AttentionCall,
-    aligned_facts,
-    backward_kernel,
-    family_of,
-    kernels_of,
-)
+from aotriton_rt.ops.attention.dispatch import ALIGNED_REASON, aligned_facts, backward_kernel, kernels_of
+from aotriton_rt.ops.attention.family import ALIGNED_SIBLINGS, DKDV, AttentionCall, family_of
 from tests.runtime.test_attention_bwd_sm90_dispatch import CAUSAL, NAME, _images
 from tests.runtime.test_attention_op import Dev, _synthetic_variant, qkv
 

@@ -13,7 +13,8 @@ import pytest
 
 import aotriton_rt
 from aotriton_rt.ops import attention as op
-from aotriton_rt.ops.attention.dispatch import DKDV, DQ, backward_kernel, kernels_of
+from aotriton_rt.ops.attention.dispatch import backward_kernel, kernels_of
+from aotriton_rt.ops.attention.family import DKDV, DQ
 from tests.runtime.test_attention_op import _synthetic_variant, qkv
 
 NAME = "attn_bwd_dkdv_sm90"
@@ -199,7 +200,7 @@ def test_images_without_the_gluon_dkdv_run_the_portable_one_and_explain_nothing(
 
 def test_roles_without_a_gluon_kernel_for_the_spec_keep_the_portable_kernels(tmp_path: Path) -> None:
     ks = kernels_of(aotriton_rt.Library(_images(tmp_path)))
-    call = op.dispatch.AttentionCall("fp16", 128, 128, 2, True, seqlen_q=300, seqlen_k=300)
+    call = op.AttentionCall("fp16", 128, 128, 2, True, seqlen_q=300, seqlen_k=300)
     # These images hold no Gluon atomic dK/dV and no Gluon dQ.
     assert backward_kernel(ks, call, DKDV, {**CAUSAL, "DQ_ATOMIC": 1}, "sm90") == (DKDV, "")
     assert backward_kernel(ks, call, DQ, CAUSAL, "sm90") == (DQ, "")

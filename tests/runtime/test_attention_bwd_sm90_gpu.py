@@ -136,7 +136,7 @@ def _views(lib, name: str, index: int, bottom_right: bool, mode: int):
     """(view forcing ``name``'s config ``index``, view of the portable kernels) for one case. A dQ
     variant runs beside the portable dK/dV. A bottom-right call on a mode-1 variant needs mode 2
     hidden (None, None when this tree cannot hide it)."""
-    from aotriton_rt.ops.attention.dispatch import family_of
+    from aotriton_rt.ops.attention.family import family_of
     from builder import tune
 
     # The aligned sibling follows its family's rules: forcing the family's config runs it where it serves.

@@ -114,7 +114,7 @@ class InterpretedKernel:
 def dispatch_arch_kernels() -> tuple[str, ...]:
     """The per-architecture Gluon kernels the dispatcher may pick (forwards and backward kernels, and
     their aligned-length siblings)."""
-    from aotriton_rt.ops.attention.dispatch import ALIGNED_SIBLINGS, ARCH_BACKWARDS, ARCH_FORWARDS
+    from aotriton_rt.ops.attention.family import ALIGNED_SIBLINGS, ARCH_BACKWARDS, ARCH_FORWARDS
 
     return tuple(dict.fromkeys((*ARCH_FORWARDS.values(), *(n for own in ARCH_BACKWARDS.values()
                                                             for n in own.values()), *ALIGNED_SIBLINGS.values())))
@@ -638,14 +638,6 @@ def test_tuning_rules_pick_the_first_match_by_arch_spec_and_length() -> None:
 def test_malformed_tuning_rules_are_catalog_errors(rules: Any, match: str) -> None:
     with pytest.raises(aotriton_rt.CatalogError, match=match):
         select_config(rules, kernel="attn_fwd", spec={}, seqlen_q=1, seqlen_k=1)
-
-
-def test_head_dim_buckets_mirror_the_builder_declarations() -> None:
-    from builder.kernels import attention as kernels
-
-    assert op.HEAD_DIM_BUCKETS == kernels.HEAD_DIM_BUCKETS
-    assert op.UNEQUAL_HEAD_DIMS == kernels.UNEQUAL_HEAD_DIMS
-    assert op.DTYPES == kernels.DTYPES
 
 
 # ---------------------------------------------------------------------------------------------

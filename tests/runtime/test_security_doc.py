@@ -39,7 +39,7 @@ NOT_LIMITS = {
 }
 #: Limits that are not named MAX_/LIMIT but are listed all the same.
 ALSO_LIMITS = {"aotriton_rt.catalog.files.XZ_MEMLIMIT", "aotriton_rt.rules.CUDA_GRID",
-               "aotriton_rt.ops.attention.dispatch.PLAN_CACHE_SIZE", "aotriton_rt.errors.SHOWN_CHARS",
+               "aotriton_rt.ops.attention.signature.PLAN_CACHE_SIZE", "aotriton_rt.errors.SHOWN_CHARS",
                "aotriton_rt.bundles.format.DEFAULT_MAX_UNPACKED", "aotriton_rt.bundles.fetch.DEFAULT_DEADLINE"}
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 

@@ -54,7 +54,8 @@ def test_no_variant_for_the_device_arch_names_the_archs_built_and_the_fix(varian
     with pytest.raises(KernelNotFound) as e:
         select_one(variants, "add", {"dtype": "fp16"}, ["gfx90a"])
     assert str(e.value).startswith("these images hold 'add' for gfx1100, gfx942, sm80, sm90, none for gfx90a; "
-                                   "install the full set for this GPU (`pip install 'aotriton-rt[images-gfx90a-full]'`)")
+                                   "install the full set for this GPU "
+                                   "(`pip install 'aotriton-rt[images-gfx90a-full]'`)")
 
 
 def test_the_image_wheel_extras_named_in_errors_exist(variants):

@@ -50,7 +50,8 @@ split scheme (preprocess, dk/dv, dq: bit-reproducible, and the faster one on the
 **How a call runs** (read :mod:`.plan` first): the call's signature (shapes, strides, dtypes,
 device, alignment, options) finds a plan, built once per signature: :mod:`.problem` validates,
 :mod:`.dispatch` chooses the kernels (tuning rules: :mod:`aotriton_rt.tuning`), and the plan fixes
-every argument but the addresses. Later calls allocate the outputs and launch. :mod:`.launch` is
+every argument but the addresses. :mod:`.family` says which kernels exist and names their
+arguments for every caller. Later calls allocate the outputs and launch. :mod:`.launch` is
 the general path for calls that need copies or padding; :mod:`.arrays` allocates and copies.
 """
 
@@ -62,18 +63,9 @@ from ... import interop
 from ...errors import ArgumentError
 from ...tuning import select_config, select_mode
 from . import plan as _plan
-from .dispatch import (
-    DTYPES,
-    HEAD_DIM_BUCKETS,
-    UNEQUAL_HEAD_DIMS,
-    AttentionCall,
-    backward_params,
-    bucket,
-    config_params,
-    forward_params,
-    head_dim_buckets,
-)
+from .dispatch import backward_params, config_params, forward_params
 from .explain import Explanation, KernelPick, explain
+from .family import DTYPES, HEAD_DIM_BUCKETS, UNEQUAL_HEAD_DIMS, AttentionCall, bucket, head_dim_buckets
 
 __all__ = [
     "AttentionCall",

@@ -8,17 +8,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import interop
-from .problem import (
+from .family import (
     ALIGN,
     BIAS_ALIGN,
-    I32_MAX,
-    Problem,
-    addressable,
     bhs,
+    bias_row_width,
+    bias_strides,
+    contiguous_kernel_strides,
     contiguous_strides,
     kernel_strides,
-    round_up,
 )
+from .family import lse_strides as contiguous_lse_strides
+from .problem import I32_MAX, Problem, addressable
 
 
 @dataclass
@@ -38,8 +39,7 @@ def operand(xp: Any, obj: Any, info: interop.ArrayInfo, layout: str, varlen: boo
     shape = tuple(info.shape[:-1]) + (width,)
     buf = xp.zeros(shape, info.dtype, obj) if width != info.shape[-1] else xp.empty(shape, info.dtype, obj)
     buf[..., :info.shape[-1]] = obj
-    extents, strides = bhs(shape, contiguous_strides(shape), layout, varlen)
-    return Operand(buf, kernel_strides(extents, strides))
+    return Operand(buf, contiguous_kernel_strides(shape, layout, varlen))
 
 
 class Output:
@@ -63,8 +63,7 @@ class Output:
             arr = xp.full(padded, fill, dtype, like)
         else:
             arr = xp.empty(padded, dtype, like)
-        extents, strides = bhs(padded, contiguous_strides(padded), layout, varlen)
-        self.array, self.strides = arr, kernel_strides(extents, strides)
+        self.array, self.strides = arr, contiguous_kernel_strides(padded, layout, varlen)
         if user is None and width == shape[-1]:
             self.result = arr
         else:
@@ -114,9 +113,7 @@ def lse_output(xp: Any, p: Problem, like: Any, user: Any, info: Any) -> LseOutpu
             return LseOutput(user, strides)
     shape = p.lse_shape()
     arr = xp.empty(shape, "fp32", like)
-    cs = contiguous_strides(shape)
-    strides = (0, cs[0]) if p.varlen else (cs[0], cs[1])
-    return LseOutput(arr, strides, None if user is None else xp.convert(user, info))
+    return LseOutput(arr, contiguous_lse_strides(shape, p.varlen), None if user is None else xp.convert(user, info))
 
 
 def _bias_extents(p: Problem) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -131,7 +128,7 @@ def bias_strides_in_place(p: Problem) -> tuple[int, int, int] | None:
     bi = p.bias_info
     extents, strides = _bias_extents(p)
     full = p.bias_full_shape()
-    kstrides = tuple(0 if e == 1 else s for e, s in zip(extents[:3], strides[:3]))
+    kstrides = bias_strides(extents, strides)
     keys_ok = extents[3] == full[3] and (strides[3] == 1 or full[3] <= 1)
     if keys_ok and bi.ptr % 16 == 0 and all(s >= 0 and s % BIAS_ALIGN == 0 for s in kstrides) \
             and kstrides[2] <= I32_MAX:
@@ -148,10 +145,8 @@ def bias_operand(xp: Any, p: Problem, like: Any) -> tuple[Any, tuple[int, int, i
         return xp.convert(p.bias, bi), kstrides
     extents, _ = _bias_extents(p)
     full = p.bias_full_shape()
-    width = round_up(max(full[3], 1), BIAS_ALIGN)
-    shape = extents[:3] + (width,)
+    shape = extents[:3] + (bias_row_width(full[3]),)
     buf = xp.zeros(shape, p.dtype, like)
     buf[..., :full[3]] = xp.reshape(xp.convert(p.bias, bi), extents)
-    cs = contiguous_strides(shape)
-    return buf, tuple(0 if e == 1 else s for e, s in zip(extents[:3], cs[:3]))
+    return buf, bias_strides(extents, contiguous_strides(shape))
 

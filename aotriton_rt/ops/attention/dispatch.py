@@ -2,119 +2,49 @@
 images hold, and the per-library cache of kernel handles.
 
 :func:`forward_params` / :func:`backward_params` name the catalog variants a call needs;
+
 :func:`choose_forward` / :func:`choose_backward` take every decision of a call (spec, kernel,
 tuning config, backward scheme) into one record that says what was chosen and why
 (:class:`KernelChoice`, :class:`BackwardChoice`): :class:`LibraryKernels` launches from it and
 :func:`aotriton_rt.ops.attention.explain` prints it. :class:`LibraryKernels` turns the choices
-into handles of one :class:`aotriton_rt.Library` and explains what is missing.
+into handles of one :class:`aotriton_rt.Library` and explains what is missing. Which kernels
+exist and which stands in for which on an arch: :mod:`.family`.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ...errors import KernelNotFound, UnsupportedError
-from ...tuning import (
-    DKDV_KERNEL_RULES,
-    DQ_KERNEL_RULES,
+from ...arch import target_arch
+from ...errors import KernelNotFound
+from ...tuning import Choice, explain_config, select_kernel, seqlen_bin
+from .family import (  # noqa: F401 - DTYPES and bucket: explain reads them here
+    ALIGN_ARG,
+    ALIGNED_FACTS,
+    ALIGNED_SIBLINGS,
+    ARCH_BACKWARDS,
+    ARCH_FORWARDS,
+    BACKWARD_KERNEL_RULES,
+    CONVERT,
+    DKDV,
+    DQ,
+    DTYPES,
+    FWD,
     KERNEL_RULES,
     MODE_RULES,
-    Choice,
-    explain_config,
-    select_kernel,
-    seqlen_bin,
+    PRE,
+    AttentionCall,
+    bucket,
+    family_of,
+    head_dim_buckets,
 )
+from .signature import PlanCache
 
-# Mirrors builder/kernels/attention.py (the runtime never imports the builder; a test keeps the
-# two equal): the head dims the kernels are compiled for, and the unequal q·k / v pairs.
-HEAD_DIM_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
-UNEQUAL_HEAD_DIMS = ((192, 128),)
-DTYPES = ("fp16", "bf16", "fp32")
-
-FWD = "attn_fwd"
-PRE = "attn_bwd_preprocess"
-DKDV = "attn_bwd_dkdv"
-DQ = "attn_bwd_dq"
-CONVERT = "attn_bwd_dq_convert"
-#: Per-architecture forwards: same arguments, mask modes, LSE and results as ``attn_fwd`` for the
-#: specs they are compiled for (builder/kernels/attention_sm90.py: fp16/bf16, head dim 64/128, no
-#: bias, dropout or varlen). Preferred on their arch when the images hold the call's spec, unless a
-#: ``tuning["attn_fwd_kernel"]`` rule names another kernel.
-ARCH_FORWARDS = {"sm90": "attn_fwd_sm90"}
-#: Per-architecture kernels of the backward, by the portable kernel they stand in for: same
-#: arguments, grid and results (builder/kernels/attention_bwd_sm90.py and attention_bwd_dq_sm90.py:
-#: the dK/dV and dQ kernels for fp16/bf16, head dim 64/128, no bias, dropout or varlen; the dK/dV
-#: one also with ``DQ_ATOMIC=1``, the atomic scheme's). Each is preferred on its arch when the
-#: images hold the call's spec, unless a rule of its role's table (:data:`BACKWARD_KERNEL_RULES`)
-#: names another kernel. A role counts as held when either kernel is (:func:`role_available`).
-ARCH_BACKWARDS = {"sm90": {DKDV: "attn_bwd_dkdv_sm90", DQ: "attn_bwd_dq_sm90"}}
-#: Aligned-length siblings, by the kernel they belong to: the same source, arguments, grid and
-#: configs, compiled with some of :data:`ALIGNED_FACTS` declared divisible beyond the family's
-#: promise (builder/kernels/attention_bwd_sm90.py: ``attn_bwd_dkdv_sm90_a16``, both lengths and the
-#: LSE/Delta strides multiples of 16, which shortens the Gluon dK/dV's unmasked tile). An
-#: implementation detail of its family, never a name rules use: where the family's kernel is chosen
-#: (by the heuristic or by a rule naming it), the sibling runs instead when the images hold it for
-#: the spec, the catalog declares it like the family but for these facts, and the call's values
-#: meet every divisibility it declares (:meth:`LibraryKernels.aligned_sibling`); config rules of
-#: the family (``tuning["attn_bwd_dkdv_sm90"]``) choose its config.
-ALIGNED_SIBLINGS = {"attn_bwd_dkdv_sm90": "attn_bwd_dkdv_sm90_a16"}
-#: The call facts an aligned sibling may declare divisible beyond its family (values from
-#: :func:`aligned_facts`).
-ALIGNED_FACTS = ("seqlen_q", "seqlen_k", "stride_lz", "stride_lh")
 #: What explain says of an aligned sibling that runs.
 ALIGNED_REASON = "aligned-length variant (seqlen and LSE strides multiples of 16)"
-#: Per role of the split backward: the tuning table whose rules name the kernel playing it, and
-#: the role in words (explain's reasons).
-BACKWARD_KERNEL_RULES = {DKDV: (DKDV_KERNEL_RULES, "dK/dV kernel"), DQ: (DQ_KERNEL_RULES, "dQ kernel")}
-#: The run-time argument that aligns a mask-mode-1 band: 0 top-left, 1 bottom-right (mode 2 is
-#: bottom-right whatever it says). Images built before it existed compiled mode 1 as top-left
-#: only, so a mode-1 variant serves a bottom-right call only if its arguments include it.
-ALIGN_ARG = "causal_align"
-
-
-@dataclass(frozen=True)
-class AttentionCall:
-    """The facts of one attention call that decide which kernels run.
-
-    ``causal`` is the call's mask (0 none, 1 band aligned top-left, 2 bottom-right);
-    ``causal_equivalent`` says the two alignments coincide for this call (equal lengths).
-    Kernels of mask mode 1 take the alignment as a run-time argument (:data:`ALIGN_ARG`), so
-    they serve either alignment; mode 2 serves bottom-right calls, and top-left ones of equal
-    lengths. ``dropout`` is 0 off, 1 on, 2 on and the mask returned.
-    """
-
-    dtype: str
-    head_dim: int
-    head_dim_v: int
-    causal: int = 0
-    causal_equivalent: bool = False
-    bias: bool = False
-    dropout: int = 0
-    varlen: bool = False
-    seqlen_q: int = 0
-    seqlen_k: int = 0
-    #: (stride_lz, stride_lh) of the LSE and Delta arrays the backward's kernels read (the
-    #: operator's contiguous ``(B, Hq, Sq)``: ``(Hq·Sq, Sq)``); None: unknown, so no aligned sibling.
-    lse_strides: tuple[int, int] | None = None
-
-    def describe(self) -> str:
-        """The combination in words, for error messages."""
-        parts = [self.dtype, f"head dim {self.head_dim}" + (f"/{self.head_dim_v}" if self.head_dim_v != self.head_dim
-                                                           else "")]
-        parts.append({0: "no mask", 1: "causal/window top-left", 2: "causal/window bottom-right"}[self.causal])
-        if self.bias:
-            parts.append("bias")
-        if self.dropout:
-            parts.append("dropout" + (" with mask" if self.dropout == 2 else ""))
-        if self.varlen:
-            parts.append("varlen")
-        return ", ".join(parts)
-
 
 #: ``available(kernel, params, args)``: whether the images hold such a variant, every matching
 #: one of which takes the run-time arguments ``args`` (a tuple, usually empty; ``(ALIGN_ARG,)``
@@ -124,31 +54,6 @@ Available = Callable[[str, Mapping[str, Any], tuple[str, ...]], bool]
 
 def _everything(name: str, params: Mapping[str, Any], args: Sequence[str] = ()) -> bool:
     return True
-
-
-def bucket(head_dim: int) -> int:
-    """The smallest compiled head-dim bucket holding ``head_dim`` (1..256)."""
-    for b in HEAD_DIM_BUCKETS:
-        if b >= head_dim:
-            return b
-    raise UnsupportedError(f"head dim {head_dim} exceeds the largest supported head dim {HEAD_DIM_BUCKETS[-1]}; "
-                           f"supported: 1..{HEAD_DIM_BUCKETS[-1]} (compiled buckets "
-                           f"{', '.join(map(str, HEAD_DIM_BUCKETS))}; others are zero-padded)")
-
-
-def head_dim_buckets(head_dim: int, head_dim_v: int) -> list[tuple[int, int]]:
-    """Compiled (q·k, v) head-dim pairs able to run these head dims, best first.
-
-    Equal dims use their bucket; an unequal pair runs as such when it is compiled
-    (``UNEQUAL_HEAD_DIMS``), and otherwise on the larger bucket for both (zero padding
-    changes neither the scores nor the kept output columns). After those come the wider
-    equal buckets, narrowest first: images that lack a bucket (the default set has no 80 or
-    96) run the call zero-padded on the next one they hold (80 and 96 on 128).
-    """
-    bq, bv = bucket(head_dim), bucket(head_dim_v)
-    wide = max(bq, bv)
-    first = [(bq, bv), (wide, wide)] if (bq, bv) in UNEQUAL_HEAD_DIMS else [(wide, wide)]
-    return first + [(b, b) for b in HEAD_DIM_BUCKETS if b > wide]
 
 
 def needed_args(call: AttentionCall, causal: int) -> tuple[str, ...]:
@@ -252,15 +157,6 @@ def mode_spec(call: AttentionCall, available: Available | None = None, *, dbias:
     return {k: v for k, v in specs[DKDV].items() if k != "DQ_ATOMIC"}
 
 
-def family_of(name: str) -> str:
-    """The kernel whose tuning rules ``name`` follows: its family for an aligned sibling
-    (:data:`ALIGNED_SIBLINGS`), else ``name`` itself."""
-    for family, sibling in ALIGNED_SIBLINGS.items():
-        if name == sibling:
-            return family
-    return name
-
-
 def aligned_facts(call: AttentionCall) -> dict[str, int] | None:
     """The values of :data:`ALIGNED_FACTS` that a fixed-length call passes its kernels; None for a
     variable-length call or unknown LSE strides (no aligned sibling then)."""
@@ -310,51 +206,6 @@ def _default_library() -> Any:
     from ...library import default_library
 
     return default_library()
-
-
-#: Plans kept per library; the least recently used goes first.
-PLAN_CACHE_SIZE = 1024
-
-
-class PlanCache:
-    """A bounded, thread-safe LRU of plans by call signature.
-
-    Lookups take no lock (``OrderedDict`` operations are atomic under the GIL); inserts and
-    evictions do. ``builds`` counts the plans made since the last :meth:`clear`, for tests and
-    benchmarks.
-    """
-
-    def __init__(self, capacity: int = PLAN_CACHE_SIZE) -> None:
-        self.capacity = capacity
-        self.builds = 0
-        self._plans: OrderedDict[tuple, Any] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-    def get(self, key: tuple) -> Any:
-        plan = self._plans.get(key)
-        if plan is not None:
-            try:
-                self._plans.move_to_end(key)
-            except KeyError:  # evicted by another thread meanwhile
-                pass
-        return plan
-
-    def put(self, key: tuple, plan: Any) -> None:
-        with self._lock:
-            self.builds += 1
-            self._plans[key] = plan
-            self._plans.move_to_end(key)
-            while len(self._plans) > self.capacity:
-                self._plans.popitem(last=False)
-
-    def clear(self) -> None:
-        """Forget every plan (and reset ``builds``)."""
-        with self._lock:
-            self._plans.clear()
-            self.builds = 0
 
 
 class LibraryKernels:
@@ -613,19 +464,6 @@ def config_params(variants: Sequence[Any], name: str, spec: Mapping[str, Any], i
                 all(v.spec.get(k) == val for k, val in spec.items()):
             return {**v.config.constexprs, "num_warps": v.config.num_warps, "num_stages": v.config.num_stages}
     return {}
-
-
-def target_arch(lib: Any, device: int) -> str:
-    """The built arch whose images run on ``device`` (from the catalog indexes: no shard is read)."""
-    from ... import arch as _arch
-
-    built = lib.targets()
-    if len(built) == 1:
-        # Images of one arch: the device must run that arch, or the launch will say why.
-        return built[0][1]
-    driver = lib.driver
-    raw = _arch.normalize(driver.backend, driver.device_arch(max(device, 0)))
-    return _arch.pick_target(driver.backend, raw, sorted(a for b, a in built if b == driver.backend))
 
 
 def _available(lib: Any, name: str, params: Mapping[str, Any]) -> bool:

@@ -12,9 +12,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from .arrays import Output, bias_operand, lse_output, operand
-from .dispatch import CONVERT, DKDV, DQ, PRE
+from .family import (
+    CONVERT,
+    DKDV,
+    DQ,
+    PRE,
+    backward_arguments,
+    bias_row_width,
+    contiguous_kernel_strides,
+    contiguous_strides,
+    forward_arguments,
+)
 from .framework import arrays_for
-from .problem import BIAS_ALIGN, Problem, bhs, contiguous_strides, kernel_strides, named, round_up
+from .problem import Problem
 
 
 def launch(handle: Any, values: Mapping[str, Any]) -> None:
@@ -46,14 +56,12 @@ def forward(p: Problem, handle: Any, spec: dict, out: Any, out_i: Any, lse: Any,
     qo = operand(xp, q, p.qi, p.layout, p.varlen, width_q)
     ko = operand(xp, k, p.ki, p.layout, p.varlen, width_q)
     vo = operand(xp, v, p.vi, p.layout, p.varlen, width_v)
-    values = {"Q": qo.array, "K": ko.array, "V": vo.array, "Out": o.array, "LSE": lse_out.array,
-              "DropMask": mask, **named("q", "m", qo.strides), **named("k", "n", ko.strides),
-              **named("v", "n", vo.strides), **named("o", "m", o.strides),
-              "stride_lz": lse_out.strides[0], "stride_lh": lse_out.strides[1], **p.scalars()}
-    values.update(_bias_values(xp, p, q))
-    values.update(_varlen_values(xp, p))
-    values.update(named("dm", "m", contiguous_strides(mask.shape)[:3]) if mask is not None
-                  else named("dm", "m", (0, 0, 0)))
+    arrays = {"q": qo.array, "k": ko.array, "v": vo.array, "out": o.array, "lse": lse_out.array, "mask": mask}
+    strides = {"q": qo.strides, "k": ko.strides, "v": vo.strides, "out": o.strides}
+    _add_bias_and_lengths(xp, p, q, arrays, strides)
+    if mask is not None:
+        strides["mask"] = contiguous_strides(mask.shape)[:3]
+    values = forward_arguments(arrays, strides, lse_out.strides, p.scalars())
     launch(handle, values)
     return _results(o.finish(), lse_out.finish(), mask, return_mask)
 
@@ -62,17 +70,13 @@ def _results(out: Any, lse: Any, mask: Any, return_mask: bool) -> tuple:
     return (out, lse, mask) if return_mask else (out, lse)
 
 
-def _bias_values(xp: Any, p: Problem, like: Any) -> dict[str, Any]:
-    if p.bias is None:
-        return {"Bias": None, **named("b", "m", (0, 0, 0))}
-    arr, strides = bias_operand(xp, p, like)
-    return {"Bias": arr, **named("b", "m", strides)}
-
-
-def _varlen_values(xp: Any, p: Problem) -> dict[str, Any]:
-    if not p.varlen:
-        return {"cu_seqlens_q": None, "cu_seqlens_k": None}
-    return {"cu_seqlens_q": xp.convert(p.cu_q, p.cu_qi), "cu_seqlens_k": xp.convert(p.cu_k, p.cu_ki)}
+def _add_bias_and_lengths(xp: Any, p: Problem, like: Any, arrays: dict[str, Any], strides: dict[str, Any]) -> None:
+    """The call's bias (as the kernels read it) and varlen arrays, where it has them."""
+    if p.bias is not None:
+        arrays["bias"], strides["bias"] = bias_operand(xp, p, like)
+    if p.varlen:
+        arrays["cu_seqlens_q"] = xp.convert(p.cu_q, p.cu_qi)
+        arrays["cu_seqlens_k"] = xp.convert(p.cu_k, p.cu_ki)
 
 
 def backward(p: Problem, specs: dict, handles: dict, mode: str, dout: Any, doi: Any, out: Any, oi: Any,
@@ -87,7 +91,7 @@ def backward(p: Problem, specs: dict, handles: dict, mode: str, dout: Any, doi: 
     if want_dbias:
         # The kernel writes the full, unbroadcast dS; rows padded to 8 keep its stride promise.
         # Under varlen the positions past each sequence are never visited: zero them.
-        shape = full[:3] + (round_up(max(full[3], 1), BIAS_ALIGN),)
+        shape = full[:3] + (bias_row_width(full[3]),)
         dbias_buf = xp.zeros(shape, p.dtype, q) if p.varlen else xp.empty(shape, p.dtype, q)
     if p.batch == 0 or p.heads_q == 0 or p.rows_q == 0 or p.rows_k == 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
         for g in (g_dq, g_dk, g_dv):
@@ -102,33 +106,22 @@ def backward(p: Problem, specs: dict, handles: dict, mode: str, dout: Any, doi: 
     oo = operand(xp, xp.convert(out, oi), oi, p.layout, p.varlen, width_v)
     # Delta is written with LSE's strides (the kernels share them): both are made contiguous.
     lse_arr = xp.contiguous(xp.convert(lse, li))
-    lse_strides = p.lse_strides()
     delta = xp.empty(p.lse_shape(), "fp32", q)
-    values = {"Q": qo.array, "K": ko.array, "V": vo.array, "DO": doo.array, "Out": oo.array, "LSE": lse_arr,
-              "Delta": delta, "DQ": g_dq.array, "DK": g_dk.array, "DV": g_dv.array,
-              **named("q", "m", qo.strides), **named("k", "n", ko.strides), **named("v", "n", vo.strides),
-              **named("do", "m", doo.strides), **named("o", "m", oo.strides), **named("dq", "m", g_dq.strides),
-              **named("dk", "n", g_dk.strides), **named("dv", "n", g_dv.strides),
-              "stride_lz": lse_strides[0], "stride_lh": lse_strides[1], **p.scalars()}
-    values.update(_bias_values(xp, p, q))
-    values.update(_varlen_values(xp, p))
+    arrays = {"dout": doo.array, "q": qo.array, "k": ko.array, "v": vo.array, "out": oo.array, "lse": lse_arr,
+              "delta": delta, "dq": g_dq.array, "dk": g_dk.array, "dv": g_dv.array, "dbias": dbias_buf}
+    strides = {"dout": doo.strides, "q": qo.strides, "k": ko.strides, "v": vo.strides, "out": oo.strides,
+               "dq": g_dq.strides, "dk": g_dk.strides, "dv": g_dv.strides}
+    _add_bias_and_lengths(xp, p, q, arrays, strides)
     if dbias_buf is not None:
-        values["DBias"] = dbias_buf
-        values.update(named("db", "m", contiguous_strides(dbias_buf.shape)[:3]))
-    else:
-        values["DBias"] = None
-        values.update(named("db", "m", (0, 0, 0)))
+        strides["dbias"] = contiguous_strides(dbias_buf.shape)[:3]
     if mode == "atomic":
         shape = tuple(p.qi.shape[:-1]) + (width_q,)
-        dqacc = xp.empty(shape, "fp32", q)
-        extents, strides = bhs(shape, contiguous_strides(shape), p.layout, p.varlen)
-        values["DQacc"] = dqacc
-        values.update(named("dqa", "m", kernel_strides(extents, strides)))
+        arrays["dqacc"] = xp.empty(shape, "fp32", q)
+        strides["dqacc"] = contiguous_kernel_strides(shape, p.layout, p.varlen)
         order = (PRE, DKDV, CONVERT)
     else:
-        values["DQacc"] = None
-        values.update(named("dqa", "m", (0, 0, 0)))
         order = (PRE, DKDV, DQ)
+    values = backward_arguments(arrays, strides, p.lse_strides(), p.scalars())
     for name in order:
         launch(handles[name], values)
     return (g_dq.finish(), g_dk.finish(), g_dv.finish(), _reduce_dbias(xp, p, dbias_buf))

@@ -14,7 +14,7 @@
    argument list with its scalars, strides and grid fixed and only the array slots open.
    Otherwise the plan keeps the validated problem and runs the general path of :mod:`.launch`
    (copies, padding, empty problems, dBias reduction) without validating or dispatching again.
-3. **Every call**: look the key up in the library's bounded LRU (:class:`.dispatch.PlanCache`),
+3. **Every call**: look the key up in the library's bounded LRU (:class:`.signature.PlanCache`),
    allocate the outputs, fill the array slots (integer addresses for torch tensors on a :class:`Kernel`,
    whose :meth:`~aotriton_rt.launch.Kernel.prepare` checked the scalars and computed the grid
    once; the arrays themselves for other handles) and launch on the framework's current stream.
@@ -37,20 +37,29 @@ from ...errors import ArgumentError
 from . import launch as general
 from . import problem as _problem
 from .arrays import bias_strides_in_place
-from .dispatch import CONVERT, DKDV, DQ, FWD, PRE, kernels_of
+from .dispatch import kernels_of
+from .family import (
+    ALIGN,
+    CONVERT,
+    DKDV,
+    DQ,
+    FWD,
+    PRE,
+    backward_arguments,
+    bhs,
+    contiguous_kernel_strides,
+    contiguous_strides,
+    forward_arguments,
+    kernel_strides,
+)
 from .framework import arrays_for
 from .problem import (
-    ALIGN,
     U64,
     Problem,
     addressable,
-    bhs,
     check_output,
     check_scheme,
-    contiguous_strides,
     int_arg,
-    kernel_strides,
-    named,
     prepare,
     same_device,
 )
@@ -145,8 +154,7 @@ def _bias_in_place(p: Problem) -> tuple[int, int, int] | None:
 
 
 def _fresh_strides(p: Problem, shape: tuple[int, ...]) -> tuple[int, ...]:
-    extents, strides = bhs(shape, contiguous_strides(shape), p.layout, p.varlen)
-    return kernel_strides(extents, strides)
+    return contiguous_kernel_strides(shape, p.layout, p.varlen)
 
 
 def _directable(p: Problem) -> bool:
@@ -229,17 +237,15 @@ class _DirectForward:
         self.fast = fast
         self.device = p.device
         self.infos = (p.qi, p.ki, p.vi, p.bias_info, p.cu_qi, p.cu_ki)
-        lse_strides = p.lse_strides()
-        values = {"Q": _Slot(0), "K": _Slot(1), "V": _Slot(2), "Out": _Slot(6), "LSE": _Slot(7),
-                  "DropMask": _Slot(8) if return_mask else None,
-                  **named("q", "m", strides["q"]), **named("k", "n", strides["k"]), **named("v", "n", strides["v"]),
-                  **named("o", "m", _fresh_strides(p, self.out_shape)),
-                  "stride_lz": lse_strides[0], "stride_lh": lse_strides[1], **p.scalars(),
-                  "Bias": _Slot(3) if p.bias_info is not None else None, **named("b", "m", strides["bias"]),
-                  "cu_seqlens_q": _Slot(4) if p.varlen else None, "cu_seqlens_k": _Slot(5) if p.varlen else None,
-                  **named("dm", "m", contiguous_strides(self.mask_shape)[:3] if return_mask else (0, 0, 0))}
-        if p.dropout_p:
-            values["philox_seed"], values["philox_offset"] = _Slot(9), _Slot(10)
+        arrays = {"q": _Slot(0), "k": _Slot(1), "v": _Slot(2), "out": _Slot(6), "lse": _Slot(7)}
+        strides = {**strides, "out": _fresh_strides(p, self.out_shape)}
+        if return_mask:
+            arrays["mask"], strides["mask"] = _Slot(8), contiguous_strides(self.mask_shape)[:3]
+        if p.bias_info is not None:
+            arrays["bias"] = _Slot(3)
+        if p.varlen:
+            arrays["cu_seqlens_q"], arrays["cu_seqlens_k"] = _Slot(4), _Slot(5)
+        values = forward_arguments(arrays, strides, p.lse_strides(), _scalars(p, 9))
         self.launches = (_Launch(handle, values, p.device, fast, 11),)
         self.stream = _stream_getter(p, q) if fast else None
 
@@ -266,6 +272,15 @@ class _DirectForward:
             arrays = [None if a is None else xp.convert(a, i) for a, i in zip((q, k, v, bias, cu_q, cu_k), self.infos)]
             self.launches[0]((*arrays, o, lse_out, mask, seed, offset), 0)
         return (o, lse_out, mask) if self.mask_shape is not None else (o, lse_out)
+
+
+def _scalars(p: Problem, seed_slot: int) -> dict[str, Any]:
+    """The problem's scalars; with dropout, ``philox_seed``/``philox_offset`` are open slots
+    (``seed_slot`` and the next): per-call values, never part of a plan."""
+    scalars = p.scalars()
+    if p.dropout_p:
+        scalars["philox_seed"], scalars["philox_offset"] = _Slot(seed_slot), _Slot(seed_slot + 1)
+    return scalars
 
 
 def _stream_getter(p: Problem, q: Any) -> Any:
@@ -396,22 +411,17 @@ class _DirectBackward:
         self.fast = fast
         self.device = p.device
         self.infos = (infos[0], p.qi, p.ki, p.vi, infos[1], infos[2], p.bias_info, p.cu_qi, p.cu_ki)
-        lse_strides = p.lse_strides()
-        values = {"DO": _Slot(0), "Q": _Slot(1), "K": _Slot(2), "V": _Slot(3), "Out": _Slot(4), "LSE": _Slot(5),
-                  "Bias": _Slot(6) if p.bias_info is not None else None,
-                  "cu_seqlens_q": _Slot(7) if p.varlen else None, "cu_seqlens_k": _Slot(8) if p.varlen else None,
-                  "DQ": _Slot(9), "DK": _Slot(10), "DV": _Slot(11), "Delta": _Slot(12),
-                  "DQacc": _Slot(13) if mode == "atomic" else None, "DBias": None,
-                  **named("q", "m", strides["q"]), **named("k", "n", strides["k"]), **named("v", "n", strides["v"]),
-                  **named("do", "m", strides["do"]), **named("o", "m", strides["o"]),
-                  **named("dq", "m", _fresh_strides(p, self.shapes[0])),
-                  **named("dk", "n", _fresh_strides(p, self.shapes[1])),
-                  **named("dv", "n", _fresh_strides(p, self.shapes[2])),
-                  **named("b", "m", strides["bias"]), **named("db", "m", (0, 0, 0)),
-                  **named("dqa", "m", _fresh_strides(p, self.dqacc_shape) if self.dqacc_shape else (0, 0, 0)),
-                  "stride_lz": lse_strides[0], "stride_lh": lse_strides[1], **p.scalars()}
-        if p.dropout_p:
-            values["philox_seed"], values["philox_offset"] = _Slot(14), _Slot(15)
+        arrays = {"dout": _Slot(0), "q": _Slot(1), "k": _Slot(2), "v": _Slot(3), "out": _Slot(4), "lse": _Slot(5),
+                  "dq": _Slot(9), "dk": _Slot(10), "dv": _Slot(11), "delta": _Slot(12)}
+        strides = {**strides, "dq": _fresh_strides(p, self.shapes[0]), "dk": _fresh_strides(p, self.shapes[1]),
+                   "dv": _fresh_strides(p, self.shapes[2])}
+        if p.bias_info is not None:
+            arrays["bias"] = _Slot(6)
+        if p.varlen:
+            arrays["cu_seqlens_q"], arrays["cu_seqlens_k"] = _Slot(7), _Slot(8)
+        if mode == "atomic":
+            arrays["dqacc"], strides["dqacc"] = _Slot(13), _fresh_strides(p, self.dqacc_shape)
+        values = backward_arguments(arrays, strides, p.lse_strides(), _scalars(p, 14))
         order = (PRE, DKDV, CONVERT) if mode == "atomic" else (PRE, DKDV, DQ)
         self.launches = tuple(_Launch(handles[name], values, p.device, fast, 16) for name in order)
         self.stream = _stream_getter(p, q) if fast else None
@@ -503,8 +513,8 @@ def _build_backward(library: Any, arrays: tuple, grads: tuple, deterministic: An
             and specs[PRE]["HEAD_DIM"] == p.head_dim
             and specs[PRE]["HEAD_DIM_V"] == p.head_dim_v):
         strides = {"q": _in_place_strides(p, p.qi, p.head_dim), "k": _in_place_strides(p, p.ki, p.head_dim),
-                   "v": _in_place_strides(p, p.vi, p.head_dim_v), "do": _in_place_strides(p, doi, p.head_dim_v),
-                   "o": _in_place_strides(p, oi, p.head_dim_v), "bias": _bias_in_place(p)}
+                   "v": _in_place_strides(p, p.vi, p.head_dim_v), "dout": _in_place_strides(p, doi, p.head_dim_v),
+                   "out": _in_place_strides(p, oi, p.head_dim_v), "bias": _bias_in_place(p)}
     if strides is None or None in strides.values():
         return ks, _GeneralBackward(stripped, specs, handles, mode, (doi, oi, li), grad_infos, want_dbias)
     fast = _fast_handles(p, list(handles.values()), list(arrays))

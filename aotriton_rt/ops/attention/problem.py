@@ -3,8 +3,8 @@
 Every argument is checked here before anything is allocated or launched, and every refusal names
 the offending argument, its value and what is supported. The result, a :class:`Problem`, holds
 the facts later steps need: sizes, layout, dtype, device, the mask and the kernels' scalar
-arguments. The layout helpers at the end say how a ``(batch, heads, rows, dim)`` array is
-addressed by the kernels.
+arguments (named by :mod:`.family`, which also gives the strides of a ``(batch, heads, rows,
+dim)`` array as the kernels address it).
 """
 
 from __future__ import annotations
@@ -17,12 +17,9 @@ from typing import Any
 
 from ... import interop
 from ...errors import ArgumentError, UnsupportedError
-from .dispatch import DTYPES, HEAD_DIM_BUCKETS, AttentionCall
+from .family import DTYPES, HEAD_DIM_BUCKETS, AttentionCall, bhs, lse_strides, scalar_arguments
 from .framework import arrays_for
 
-# Declared stride divisibility (elements): Q/K/V/Out and gradients 16, Bias/dBias 8.
-ALIGN = 16
-BIAS_ALIGN = 8
 GRID_Y = 65535  # batch * heads is the grid's y extent
 I32_MAX = 2**31 - 1
 U64 = 2**64
@@ -104,26 +101,17 @@ class Problem:
         contiguous :meth:`lse_shape` (the forward writes it so, the backward reads the caller's
         in place only when it is, else a contiguous copy); varlen rows are packed per head. Not
         padded: multiples of 16 exactly when ``seqlen_q`` is (fixed lengths)."""
-        cs = contiguous_strides(self.lse_shape())
-        return (0, cs[0]) if self.varlen else (cs[0], cs[1])
+        return lse_strides(self.lse_shape(), self.varlen)
 
     def bias_full_shape(self) -> tuple[int, int, int, int]:
         return (self.batch, self.heads_q, self.seqlen_q, self.seqlen_k)
 
     def scalars(self) -> dict[str, Any]:
-        return {"batch": self.batch, "num_heads_q": self.heads_q, "num_heads_k": self.heads_k,
-                "seqlen_q": self.seqlen_q, "seqlen_k": self.seqlen_k, "sm_scale": self.scale,
-                "dropout_p": self.dropout_p, "philox_seed": self.seed, "philox_offset": self.offset,
-                "window_left": self.window_left, "window_right": self.window_right,
-                "causal_align": align_arg(self.causal_mode)}
-
-
-def align_arg(causal_mode: int) -> int:
-    """The kernels' ``causal_align`` for a call's mask: 1 for a bottom-right band, else 0 (a
-    mode-1 kernel aligns its band by it; mode 2 and unmasked kernels ignore it; images built
-    before it existed do not take it, and launches pick arguments by the variant's names)."""
-    return 1 if causal_mode == 2 else 0
-
+        """The kernels' scalar arguments (:func:`.family.scalar_arguments`)."""
+        return scalar_arguments(batch=self.batch, heads_q=self.heads_q, heads_k=self.heads_k, seqlen_q=self.seqlen_q,
+                                seqlen_k=self.seqlen_k, scale=self.scale, dropout_p=self.dropout_p, seed=self.seed,
+                                offset=self.offset, window_left=self.window_left, window_right=self.window_right,
+                                causal_mode=self.causal_mode)
 
 
 def int_arg(value: Any, name: str, low: int, high: int | None = None) -> int:
@@ -343,43 +331,11 @@ def check_scheme(scheme: Any, deterministic: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout: (batch, head, row) extents and strides as the kernels see them.
+# Layout: whether the kernels can address an array in place (strides: :mod:`.family`).
 # ---------------------------------------------------------------------------------------------
-
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= max(extent, 1)
-    return tuple(reversed(strides))
-
-
-def round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def bhs(shape: Sequence[int], strides: Sequence[int], layout: str, varlen: bool
-         ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(extents, strides) of the batch, head and row axes; batch is absent (0) under varlen."""
-    if varlen:
-        return (1, shape[1], shape[0]), (0, strides[1], strides[0])
-    if layout == "bhsd":
-        return (shape[0], shape[1], shape[2]), (strides[0], strides[1], strides[2])
-    return (shape[0], shape[2], shape[1]), (strides[0], strides[2], strides[1])
-
-
-def kernel_strides(extents: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
-    # An axis of extent 1 is never stepped over; 0 satisfies any divisibility the kernel assumes.
-    return tuple(0 if e <= 1 else s for e, s in zip(extents, strides))
-
 
 def addressable(info: interop.ArrayInfo, strides: Sequence[int], width: int, multiple: int) -> bool:
     """Can the kernels read this array in place as rows of ``width`` elements?"""
     dim_ok = info.shape[-1] == width and (info.strides[-1] == 1 or info.shape[-1] <= 1)
     return (dim_ok and info.ptr % 16 == 0 and all(s >= 0 and s % multiple == 0 for s in strides)
             and strides[-1] <= I32_MAX)
-
-
-def named(prefix: str, row: str, strides: Sequence[int]) -> dict[str, int]:
-    return {f"stride_{prefix}z": strides[0], f"stride_{prefix}h": strides[1], f"stride_{prefix}{row}": strides[2]}
-

@@ -5,12 +5,15 @@ strides, dtype, device and whether the address is 16-byte aligned (exact torch t
 ``shape``/``stride()``/``dtype``/``get_device()``/``data_ptr()``, anything else through
 :func:`aotriton_rt.interop.describe`); :func:`_typed` keeps an option's type in the key, so that
 ``causal=1`` never finds the plan of ``causal=True``. :mod:`.plan` builds the key from these and
-keeps the plans in the library's :class:`~.dispatch.PlanCache`.
+keeps the plans in the library's :class:`PlanCache` (one per library, on its
+:class:`~.dispatch.LibraryKernels`).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from . import problem as _problem
@@ -62,3 +65,52 @@ def _typed(value: Any) -> tuple:
     if type(value) in (tuple, list):
         return (type(value), *(_typed(v) for v in value))
     return (type(value), value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plans of one library, by signature.
+# ---------------------------------------------------------------------------------------------
+
+#: Plans kept per library; the least recently used goes first.
+PLAN_CACHE_SIZE = 1024
+
+
+class PlanCache:
+    """A bounded, thread-safe LRU of plans by call signature.
+
+    Lookups take no lock (``OrderedDict`` operations are atomic under the GIL); inserts and
+    evictions do. ``builds`` counts the plans made since the last :meth:`clear`, for tests and
+    benchmarks.
+    """
+
+    def __init__(self, capacity: int = PLAN_CACHE_SIZE) -> None:
+        self.capacity = capacity
+        self.builds = 0
+        self._plans: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, key: tuple) -> Any:
+        plan = self._plans.get(key)
+        if plan is not None:
+            try:
+                self._plans.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile
+                pass
+        return plan
+
+    def put(self, key: tuple, plan: Any) -> None:
+        with self._lock:
+            self.builds += 1
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
+            while len(self._plans) > self.capacity:
+                self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget every plan (and reset ``builds``)."""
+        with self._lock:
+            self._plans.clear()
+            self.builds = 0

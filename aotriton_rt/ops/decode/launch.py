@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from ... import interop
 from ...errors import ArgumentError, KernelNotFound
+from ..attention.family import named
 from ..attention.framework import arrays_for
 from . import validate
 from .faults import fault_flag, fault_flags
@@ -202,9 +203,9 @@ class _Launch:
                      "num_heads_k": p.heads_k, "seqlen_q": p.seqlen_q, "seqlen_new": p.seqlen_new,
                      "capacity": p.capacity, "num_pages": p.num_pages, "page_size": p.page_size, "sm_scale": p.scale,
                      "window_left": p.window_left, "window_right": p.window_right, "num_splits": num_splits,
-                     **_named("q", "m", p.q_strides), **_named("k", "n", p.k_strides),
-                     **_named("v", "n", p.v_strides), **_named("o", "m", o_strides),
-                     **_named("kn", "m", p.kn_strides), **_named("vn", "m", p.vn_strides),
+                     **named("q", "m", p.q_strides), **named("k", "n", p.k_strides),
+                     **named("v", "n", p.v_strides), **named("o", "m", o_strides),
+                     **named("kn", "m", p.kn_strides), **named("vn", "m", p.vn_strides),
                      "stride_lz": p.heads_q * p.seqlen_q, "stride_lh": p.seqlen_q}
         self.fast = self._prepare() if xp.framework == "torch" and p.device >= 0 and not p.q_copy else None
         self.lens = None  # the constant lengths array of "full"/"int" calls, made on the first fast call
@@ -320,7 +321,7 @@ class _Launch:
             if p.q_copy:
                 q = xp.contiguous(q)
                 p.q_strides = _effective((p.batch, p.heads_q, p.seqlen_q), _bshd(_describe(q, "q"), self.layout)[1])
-                self.base.update(_named("q", "m", p.q_strides))
+                self.base.update(named("q", "m", p.q_strides))
             block_table = xp.convert(block_table, infos["block_table"]) if p.paged else None
             if k_new is not None:
                 k_new, v_new = xp.convert(k_new, infos["k_new"]), xp.convert(v_new, infos["v_new"])
@@ -349,9 +350,5 @@ def _bshd_contiguous(shape: tuple, layout: str) -> tuple[int, int, int]:
     """(batch, head, row) strides of a contiguous array of ``shape`` in ``layout``."""
     b, x, y, d = shape
     return (x * y * d, d, y * d) if layout == "bshd" else (x * y * d, y * d, d)
-
-
-def _named(prefix: str, row: str, strides: Sequence[int]) -> dict[str, int]:
-    return {f"stride_{prefix}z": strides[0], f"stride_{prefix}h": strides[1], f"stride_{prefix}{row}": strides[2]}
 
 
