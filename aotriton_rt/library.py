@@ -19,6 +19,7 @@ library that runs the same images under other tuning rules.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -37,16 +38,18 @@ from .tuning import validate_table
 
 T = TypeVar("T")
 
-#: Every live Library by ``id()``: the torch ops carry a library as that integer (their schema
-#: takes tensors and scalars only), and code compiled by torch.compile must find it without
-#: having registered it while tracing. It holds no state of a library, only the way back to it,
-#: and being weak it never keeps one alive (an id is reused only after its library is gone).
+#: Every live Library by its :attr:`Library.op_key`: the torch ops carry a library as that
+#: integer (their schema takes tensors and scalars only), and code compiled by torch.compile must
+#: find it without having registered it while tracing. Keys are serial numbers, never reused; the
+#: registry holds no state of a library, only the way back to it, and being weak it never keeps
+#: one alive.
 _LIVE: weakref.WeakValueDictionary[int, Library] = weakref.WeakValueDictionary()
+_OP_KEYS = itertools.count(1)  # 0 is "the default library" in the ops' schema
 
 
 def live_library(key: int) -> Library | None:
-    """The live :class:`Library` whose ``id()`` is ``key``, or None. This is the one registry by
-    ``id()``, and it stays: a custom op's schema can carry the library only as an integer."""
+    """The live :class:`Library` whose :attr:`~Library.op_key` is ``key``, or None: a custom op's
+    schema can carry the library only as an integer."""
     return _LIVE.get(key)
 
 
@@ -113,7 +116,9 @@ class Library:
         #: attention dispatch caches and plans, the decode handles and fault flags. Made on first
         #: use, dropped with the library.
         self._operator_states: dict[str, Any] = {}
-        _LIVE[id(self)] = self
+        #: This library's key in the torch ops' schema (:func:`live_library`): a serial number.
+        self.op_key = next(_OP_KEYS)
+        _LIVE[self.op_key] = self
 
     @property
     def tuning(self) -> dict[str, list]:
@@ -153,7 +158,8 @@ class Library:
         view._tuning = tuning
         view._handles = {}
         view._operator_states = {}
-        _LIVE[id(view)] = view
+        view.op_key = next(_OP_KEYS)
+        _LIVE[view.op_key] = view
         return view
 
     def __repr__(self) -> str:

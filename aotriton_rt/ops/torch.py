@@ -24,6 +24,7 @@ subclasses go through the custom ops.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -36,28 +37,50 @@ from .attention import plan as _core_plan
 
 __all__ = ["attention", "attention_bwd", "attention_fwd", "register_library"]
 
+#: Library objects that are not Libraries, by the key :func:`register_library` gave them (kept
+#: for the process: a traced graph may call with the key at any time).
 _LIBRARIES: dict[int, Any] = {0: None}
+#: Keys for those objects, from a range no Library's ``op_key`` reaches, and each registered
+#: object's key by its ``id()`` (safe: ``_LIBRARIES`` keeps the object, so its id is never reused).
+_OP_KEYS = itertools.count(1 << 62)
+_FOREIGN: dict[int, int] = {}
 _I64 = 2**63
 _OFFSET_STEP = 4  # torch advances its Philox offset in multiples of 4 (one 128-bit draw)
 
 
 def _library_key(library: Any) -> int:
-    # Operators take only tensors and scalars: a Library travels as its id(). Nothing is
-    # registered while torch.compile traces (a traced registration would be a side effect
-    # replayed after the graph, whose op would not find it): Libraries are found through
-    # aotriton_rt.library.live_library, other library objects once an eager call (or
-    # register_library) has registered them.
+    # Operators take only tensors and scalars: a library travels as an integer key, a Library's
+    # own ``op_key`` (found again through aotriton_rt.library.live_library, also from code
+    # torch.compile traced). Other library objects (wrappers, test doubles) get a key when an
+    # eager call (or register_library) registers them; nothing is registered while torch.compile
+    # traces (a traced registration would be a side effect replayed after the graph).
     if library is None:
         return 0
-    return id(library) if _compiling() else register_library(library)
+    key = getattr(library, "op_key", None)
+    if type(key) is int and live_library(key) is library:
+        return key
+    if _compiling():
+        key = _FOREIGN.get(id(library))
+        if key is None:
+            raise ArgumentError("the library passed to aotriton_rt's torch ops is neither an aotriton_rt.Library "
+                                "nor registered: call aotriton_rt.ops.torch.register_library(library) before "
+                                "torch.compile first traces a call with it")
+        return key
+    return register_library(library)
 
 
 def register_library(library: Any) -> int:
     """Make a library object that is not an :class:`aotriton_rt.Library` (a wrapper, a test
-    double) usable by the ops from code torch.compile traces; returns its key. Libraries need
-    nothing: every live one is found by its ``id()``."""
-    key = id(library)
-    _LIBRARIES[key] = library
+    double) usable by the ops from code torch.compile traces; returns its key (a serial number).
+    Libraries need nothing: each carries its own key."""
+    key = getattr(library, "op_key", None)
+    if type(key) is int and live_library(key) is library:
+        return key
+    key = _FOREIGN.get(id(library))
+    if key is None:
+        key = next(_OP_KEYS)
+        _FOREIGN[id(library)] = key
+        _LIBRARIES[key] = library
     return key
 
 

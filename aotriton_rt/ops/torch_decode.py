@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import decode as _core
-from .torch import _LIBRARIES, _library_key
+from .torch import _library, _library_key
 
 __all__ = ["decode_attention", "decode_attention_op", "decode_attention_append_op"]
 
@@ -36,7 +36,7 @@ def _call(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | N
     return _core.decode_attention(
         q, k_cache, v_cache, cache_seqlens=lens, block_table=block_table, k_new=k_new, v_new=v_new, causal=causal,
         window=window, scale=scale, num_splits=num_splits or None, max_seqlen_k=None if max_seqlen_k < 0
-        else max_seqlen_k, layout=layout, cache_layout=cache_layout, library=_LIBRARIES[library])
+        else max_seqlen_k, layout=layout, cache_layout=cache_layout, library=_library(library))
 
 
 def _fake(q: Tensor, layout: str) -> tuple[Tensor, Tensor]:

@@ -434,15 +434,19 @@ def test_the_address_flavour_runs_the_backward_kernels_on_shared_scratch(lib: Re
     assert dkdv["LSE"] == lse.data_ptr() == dqk["LSE"] and dkdv["stride_dkh"] == 24 * 32
 
 
-def test_the_torch_ops_find_a_library_by_its_id_without_registering_it(built_images: Any) -> None:
+def test_the_torch_ops_find_a_library_by_its_key_without_registering_it(built_images: Any) -> None:
     # torch.compile traces the key without registering anything (a traced registration would run
-    # after the graph); every live Library is found by id(), other objects must be registered.
+    # after the graph); every live Library is found by its op_key (a serial number, never reused),
+    # other objects must be registered.
     import aotriton_rt
     from aotriton_rt.ops import torch as op_torch
 
     lib = aotriton_rt.Library(built_images)
-    assert id(lib) not in op_torch._LIBRARIES and op_torch._library(id(lib)) is lib
+    key = op_torch._library_key(lib)
+    assert key == lib.op_key and key not in op_torch._LIBRARIES and op_torch._library(key) is lib
+    assert aotriton_rt.Library(built_images).op_key != key
     double = object()
     with pytest.raises(aotriton_rt.ArgumentError, match=r"register_library\(library\) before torch.compile"):
-        op_torch._library(id(double))
+        op_torch._library(key + (1 << 61))
     assert op_torch._library(op_torch.register_library(double)) is double
+    assert op_torch.register_library(double) == op_torch._library_key(double)

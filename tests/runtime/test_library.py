@@ -362,11 +362,11 @@ def test_a_tuning_view_shares_what_the_library_loaded_and_keeps_its_own_rules_an
     # Everything loaded is shared: catalogs, the variants read, modules per device, scratch, lock.
     assert view.catalogs is lib.catalogs and view.variants_of("add") is variants
     assert view._modules is lib._modules and view.scratch is lib.scratch and view._lock is lib._lock
-    # Its own handles and operator state; torch ops find it by id like any library.
+    # Its own handles and operator state; torch ops find it by its own key like any library.
     assert view.kernel("add", dtype="fp32") is not lib.kernel("add", dtype="fp32")
     assert view.kernel("add", dtype="fp32").candidates == lib.kernel("add", dtype="fp32").candidates
     assert operator_state(view, "k", lambda lib: [lib]) == [view] and operator_state(lib, "k", lambda lib: []) == []
-    assert live_library(id(view)) is view
+    assert live_library(view.op_key) is view and view.op_key != lib.op_key
     nested = view.with_tuning({"add": []})
     assert nested.tuning == {"add": [], "attn_fwd": [{"config": 2}]} and view.tuning["add"] == own["add"]
     with pytest.raises(CatalogError, match=r"^Library\.with_tuning: catalog tuning\['attn_fwd'\] rule "
