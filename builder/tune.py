@@ -1,8 +1,9 @@
 """``python -m builder tune``: time every built config of the attention kernels on this GPU, through
 the runtime, into a tuning database (:mod:`builder.tuning` owns its format and decisions).
 
-For each kernel asked (default ``attn_fwd``, ``attn_fwd_sm90``, ``attn_bwd_dkdv``, ``attn_bwd_dq``; any
-kernel that an attention forward or deterministic backward call launches on this arch), each combination of
+For each kernel asked (default: ``attn_fwd`` and each arch's own forward, ``attn_fwd_sm90``, as the
+family declares them, then ``attn_bwd_dkdv``, ``attn_bwd_dq``; any kernel that an attention forward or
+deterministic backward call launches on this arch), each combination of
 dtype, head dim and causal mask asked, and each sequence-length bin (powers of two), it finds the
 spec the operator dispatches for that call and every config the image folder holds for it on this
 GPU's arch. Kernels with one config are skipped. Each config is then run *by the runtime*: the
@@ -67,7 +68,8 @@ DQ_KERNELS = (DQ, *dict.fromkeys(own[DQ] for own in ARCH_BACKWARDS.values() if D
 BACKWARD = tuning.BACKWARD
 #: The backward's schemes, in contender order (the split one, the default, first).
 SCHEMES = ("split", "atomic")
-TUNABLE = ("attn_fwd", "attn_fwd_sm90", "attn_bwd_dkdv", "attn_bwd_dq", BACKWARD)
+#: What ``tune`` measures by default: every forward, the portable backward kernels' configs, the backward.
+TUNABLE = (*FORWARDS, DKDV, DQ, BACKWARD)
 #: What ``--quick`` measures: which forward serves each bin (and its configs), and which backward.
 QUICK = (*FORWARDS, BACKWARD)
 DEFAULT_BINS = (512, 1024, 2048, 4096, 8192, 16384)

@@ -57,6 +57,7 @@ from aotriton_rt.ops.attention.family import (
     BACKWARD_KERNEL_RULES,
     DKDV,
     DKDV_KERNEL_RULES,
+    DQ,
     DQ_KERNEL_RULES,
     FWD,
     KERNEL_RULES,
@@ -66,10 +67,14 @@ from aotriton_rt.tuning import in_range, select_kernel
 
 SCHEMA = "aotriton-rt-tuning"
 SCHEMA_VERSION = 1
-#: The length whose bins a kernel's rules are keyed on: the one that sizes its grid.
-LENGTH_AXIS = {"attn_fwd": "seqlen_q", "attn_fwd_sm90": "seqlen_q", "attn_bwd_dq": "seqlen_q",
-               "attn_bwd_dkdv": "seqlen_k", KERNEL_RULES: "seqlen_q", DKDV_KERNEL_RULES: "seqlen_k",
-               DQ_KERNEL_RULES: "seqlen_q", MODE_RULES: "seqlen_k"}
+_PORTABLE_AXIS = {FWD: "seqlen_q", DQ: "seqlen_q", DKDV: "seqlen_k"}
+#: The length whose bins a kernel's rules are keyed on: the one that sizes its grid. An arch's own
+#: kernel (``ARCH_FORWARDS``, ``ARCH_BACKWARDS``) takes the axis of the kernel it stands in for, so
+#: that a family entry is all a new one needs here.
+LENGTH_AXIS = {**_PORTABLE_AXIS, **{own: _PORTABLE_AXIS[FWD] for own in ARCH_FORWARDS.values()},
+               **{own: _PORTABLE_AXIS[role] for kernels in ARCH_BACKWARDS.values() for role, own in kernels.items()},
+               KERNEL_RULES: "seqlen_q", DKDV_KERNEL_RULES: "seqlen_k", DQ_KERNEL_RULES: "seqlen_q",
+               MODE_RULES: "seqlen_k"}
 #: Per arch forward (the runtime's ``ARCH_FORWARDS``), the portable kernel it stands in for;
 #: their choices are rules under ``KERNEL_RULES``.
 STANDS_IN_FOR = {own: FWD for own in ARCH_FORWARDS.values()}

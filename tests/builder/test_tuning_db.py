@@ -63,6 +63,19 @@ def test_the_dkdv_kernel_is_binned_on_the_key_length() -> None:
                       "db, measured at seqlen_k 1024..1024", "expect": {"i": 0}}]
 
 
+def test_an_arch_kernel_is_binned_on_the_length_of_the_kernel_it_stands_in_for() -> None:
+    from aotriton_rt.ops.attention.family import ARCH_BACKWARDS, ARCH_FORWARDS, FWD
+
+    stand_ins = [(FWD, own) for own in ARCH_FORWARDS.values()] + [
+        (role, own) for kernels in ARCH_BACKWARDS.values() for role, own in kernels.items()]
+    assert ("attn_bwd_dkdv", "attn_bwd_dkdv_sm90") in stand_ins
+    for role, own in stand_ins:
+        assert tuning.LENGTH_AXIS[own] == tuning.LENGTH_AXIS[role], own
+    spec = {"dtype": "fp16", "HEAD_DIM": 64}
+    (rule,) = tuning.decide([_entry(1024, [1, 2], spec, "attn_bwd_dkdv_sm90")], "sm90", "db")["attn_bwd_dkdv_sm90"]
+    assert rule["seqlen_k"] == [None, None] and "seqlen_q" not in rule
+
+
 def test_the_same_measurements_give_the_same_bytes_in_any_order() -> None:
     entries = [_entry(n, [n + 0.02, n * 0.9, n * 1.3]) for n in (512, 1024, 4096)]
     entries.append(_entry(1024, [5.0, 5.0], {**FWD, "HEAD_DIM": 64, "HEAD_DIM_V": 64}))
