@@ -51,6 +51,9 @@ class ConfigDecl:
 
 
 SpecFn = Callable[[dict, Target], Any]
+#: A per-spec value: ``spec -> value`` (the spec's axis values by name), e.g. divisibility that a
+#: masked variant drops.
+PerSpec = Callable[[Mapping[str, Any]], Any]
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,12 @@ class KernelDecl:
     grid: tuple[str, str, str]
     axes: Mapping[str, Sequence[Any]] = field(default_factory=dict)
     configs: Sequence[ConfigDecl] | SpecFn = (ConfigDecl(),)
-    divisibility: Mapping[str, int] | None = None
+    # Static, or per spec (``spec -> mapping``): what each variant's binary may assume.
+    divisibility: Mapping[str, int] | PerSpec | None = None
     exclude: SpecFn | None = None
     sets: Mapping[str, SpecFn] = field(default_factory=dict)
-    checks: tuple[str, ...] = ()
+    # Static, or per spec (``spec -> sequence of rules``): what each variant's launch checks.
+    checks: Sequence[str] | PerSpec = ()
     # Catalog tuning rules for one target (``tuning[name]`` in the catalog; the builder adds
     # ``"arch"``): e.g. the decode kernels' split rule. None: no rules.
     tuning: Callable[[Target], list[dict]] | None = None
@@ -88,6 +93,22 @@ class KernelDecl:
                                  "argument nor used as {" + axis + "} in the signature")
         if "full" in self.sets:
             raise ValueError(f"kernel {self.name}: the full set is everything; it takes no predicate")
+
+    def divisibility_for(self, spec: Mapping[str, Any]) -> Mapping[str, int] | None:
+        """The divisibility ``spec``'s variants promise (None: the default, 16 on every pointer)."""
+        div = self.divisibility(dict(spec)) if callable(self.divisibility) else self.divisibility
+        if div is not None and not isinstance(div, Mapping):
+            raise ValueError(f"kernel {self.name}: divisibility of spec {dict(spec)} must be a mapping of "
+                             f"argument names to integers, got {type(div).__name__}")
+        return div
+
+    def checks_for(self, spec: Mapping[str, Any]) -> tuple[str, ...]:
+        """The launch checks of ``spec``'s variants."""
+        checks = self.checks(dict(spec)) if callable(self.checks) else self.checks
+        if isinstance(checks, str) or not all(isinstance(c, str) for c in checks):
+            raise ValueError(f"kernel {self.name}: checks of spec {dict(spec)} must be a sequence of strings, "
+                             f"got {checks!r}")
+        return tuple(checks)
 
     def configs_for(self, spec: dict, target: Target) -> list[ConfigDecl]:
         configs = self.configs(spec, target) if callable(self.configs) else self.configs
@@ -202,9 +223,9 @@ def expand(kernel: KernelDecl, targets: Sequence[Target], build_set: str, triton
                 if missing:
                     raise ValueError(f"kernel {kernel.name}: constexpr {', '.join(missing)} has no "
                                      f"value in spec {spec} or config #{index}")
-                divisibility = _divisibility(kernel, signature)
+                divisibility = _divisibility(kernel, signature, spec)
                 job = Job(kernel.name, "", target, spec, index, config, signature, constexprs,
-                          divisibility, tuple(kernel.grid), tuple(kernel.checks), package)
+                          divisibility, tuple(kernel.grid), kernel.checks_for(spec), package)
                 jobs.append(_with_key(job, source_key, triton_version))
     return jobs
 
@@ -234,10 +255,15 @@ def _check_types(kernel: KernelDecl, signature: dict) -> None:
                              f"cannot pass; use a pointer or one of {', '.join(SCALAR_TYPES)}")
 
 
-def _divisibility(kernel: KernelDecl, signature: dict) -> dict:
-    if kernel.divisibility is None:
+def _divisibility(kernel: KernelDecl, signature: dict, spec: Mapping[str, Any] | None = None) -> dict:
+    """The non-constexpr arguments' divisibility of ``spec``'s variants (a per-spec declaration
+    needs ``spec``)."""
+    if callable(kernel.divisibility) and spec is None:
+        raise ValueError(f"kernel {kernel.name}: its divisibility is per spec; pass the spec")
+    div = kernel.divisibility_for(spec or {})
+    if div is None:
         return {n: 16 for n, t in signature.items() if t.startswith("*")}
-    return {n: d for n, d in kernel.divisibility.items() if signature.get(n, "constexpr") != "constexpr"}
+    return {n: d for n, d in div.items() if signature.get(n, "constexpr") != "constexpr"}
 
 
 def _with_key(job: Job, source_key: str, triton_version: str) -> Job:

@@ -160,9 +160,9 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
         # Generation: the core operators directly, without the autograd op's dispatch. Decoding
         # steps (no mask, 1..16 query rows) go straight to the decode kernels' cached launch plan.
         from ..errors import ArgumentError, KernelNotFound
-        from ..ops.decode import MAX_SEQLEN_Q, decode_attention
+        from ..ops.decode import ROUTED_SEQLEN_Q, decode_attention
 
-        if bias is None and q_len <= MAX_SEQLEN_Q:
+        if bias is None and q_len <= ROUTED_SEQLEN_Q:
             try:
                 return decode_attention(q, k, v, causal=causal, window=window, scale=scaling, layout="bshd",
                                         cache_layout="bshd", library=_LIBRARY["library"])[0], None

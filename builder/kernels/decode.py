@@ -4,13 +4,16 @@ Three kernels, launched by ``aotriton_rt/ops/decode.py`` (see docs/attention.md,
 
 - ``attn_decode_append`` writes ``seqlen_new`` new key/value rows per sequence into the cache at
   positions ``cache_seqlens[b] + i`` (through the block table when ``PAGED``).
-- ``attn_decode`` computes attention of ``seqlen_q`` (1..16) query rows per sequence against the
-  first ``cache_seqlens[b] + seqlen_new`` cache rows. One program per (query-row block, split,
+- ``attn_decode`` computes attention of ``seqlen_q`` query rows per sequence (any number up to
+  ``MAX_SEQLEN_Q``: one token, a speculative draft, a chunk of a prompt) against the first
+  ``cache_seqlens[b] + seqlen_new`` cache rows. One program per (query-row block, split,
   batch * kv head): the rows of its tile are the GQA group's query heads times the query rows
-  (``row = g * seqlen_q + i``), so every K/V tile is read once for the whole group. The visible
-  keys of the sequence are cut into ``num_splits`` equal runs of whole key blocks; each program
-  writes its run's normalised partial output and logsumexp (fp32) to scratch, or, with one
-  split, the final output directly.
+  (``row = g * seqlen_q + i``), so every K/V tile is read once for the whole group. The keys
+  the tile's own rows may see (from its first row's window start to its last row's window
+  end: a causal tile early in a long run reads only the keys up to it) are cut into
+  ``num_splits`` equal runs of whole key blocks; each program writes its run's normalised
+  partial output and logsumexp (fp32) to scratch, or, with one split, the final output
+  directly.
 - ``attn_decode_combine`` merges the splits' partials per (kv head group row, batch * kv head).
 
 Programmatic dependent launch (CUDA sm90+, the ``PDL`` constexpr of the sm90 configs, launched
@@ -24,6 +27,13 @@ accesses.
 Masks are bottom-right aligned (the queries are the sequence's last ``seqlen_q`` rows): key ``j``
 is visible from query ``i`` when ``i + diag - window_left <= j <= i + diag + window_right`` with
 ``diag = len_k - seqlen_q``; a negative side is unbounded, causal is ``window_right = 0``.
+
+Head dims: ``HEAD_DIM`` is a compiled bucket. ``PADDED_D=0`` variants read rows of exactly
+``HEAD_DIM`` elements with 16-byte aligned addresses and strides (16-byte vector loads: the fast
+path). ``PADDED_D=1`` variants take any ``head_dim`` in ``[1, HEAD_DIM]`` at run time and mask
+every load and store along the head dim with ``offs_d < head_dim``, assuming no alignment beyond
+the element's own (a head dim of 59 fp16 has 118-byte rows), so any cache is read in place;
+columns past ``head_dim`` are never touched. Split partials keep ``HEAD_DIM``-wide rows.
 
 Cache layouts (explicit strides, head dim contiguous): contiguous ``K + b*stride_kz +
 h*stride_kh + n*stride_kn`` (e.g. ``(B, S_cache, H_kv, D)``); paged ``K + page*stride_kz +
@@ -66,8 +76,12 @@ FAULT_PAGE: tl.constexpr = tl.constexpr(2)
 # Head dims the decode kernels are compiled for: the attention buckets (the cache is read in
 # place, so its head dim must be one of them).
 HEAD_DIM_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
-# Longest query run per sequence (speculative decoding drafts): 16.
-MAX_SEQLEN_Q = 16
+# Longest query run per sequence: with capacities up to 2**28 rows (the runtime's bound), key
+# positions, window ends and ``capacity + seqlen_q`` stay inside int32.
+MAX_SEQLEN_Q = 2**28
+# Query rows per KV head (GQA group times seqlen_q): row indices and the combine kernel's grid x
+# stay inside int32 with a tile to spare.
+MAX_GROUP_ROWS = 2**30
 
 
 @triton.jit
@@ -158,8 +172,9 @@ def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_
 
 @triton.jit
 def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left, right, qk_scale,
-            page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d,
-            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr):
+            page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
+            HEAD_DIM: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+            PREC: tl.constexpr):
     """Online softmax of the tile's query rows over key blocks ``start..end`` (see _block_offsets
     for MODE); returns the updated (acc, l_i, m_i, page_sign): ``page_sign`` ORed with the table
     entries' sign words (negative once one was out of range)."""
@@ -170,10 +185,10 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len
                                             stride_kn, stride_vz, stride_vn, MODE, BLOCK_N)
         page_sign = page_sign | sign
         # K as (dim, keys): loads run along the contiguous head dim.
-        k = tl.load(K_head + k_off[None, :] + offs_d[:, None], mask=_and_dim(col_ok[None, :], offs_d, HEAD_DIM, 0),
-                    other=0.0)
-        v = tl.load(V_head + v_off[:, None] + offs_d[None, :], mask=_and_dim(col_ok[:, None], offs_d, HEAD_DIM, 1),
-                    other=0.0)
+        k = tl.load(K_head + k_off[None, :] + offs_d[:, None],
+                    mask=_and_dim(col_ok[None, :], offs_d, head_dim, HEAD_DIM, PADDED_D, 0), other=0.0)
+        v = tl.load(V_head + v_off[:, None] + offs_d[None, :],
+                    mask=_and_dim(col_ok[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1), other=0.0)
         qk = tl.dot(q, k, input_precision=PREC)
         rel = cols[None, :] - qi[:, None] - diag
         visible = (rel >= -left) & (rel <= right) & col_ok[None, :]
@@ -211,10 +226,16 @@ def _successor_may_launch(PDL: tl.constexpr):
 
 
 @triton.jit
-def _and_dim(mask, offs_d, HEAD_DIM: tl.constexpr, DIM_AXIS: tl.constexpr):
-    """``mask`` and the head-dim bound along DIM_AXIS of a 2-D tile; a power-of-two head dim
-    (the tile's own width) needs no bound and gets none."""
-    if HEAD_DIM != triton.next_power_of_2(HEAD_DIM):
+def _and_dim(mask, offs_d, head_dim, HEAD_DIM: tl.constexpr, PADDED_D: tl.constexpr, DIM_AXIS: tl.constexpr):
+    """``mask`` and the head-dim bound along DIM_AXIS of a 2-D tile: the run-time ``head_dim``
+    with PADDED_D, else HEAD_DIM, which a power-of-two head dim (the tile's own width) needs
+    not and does not get."""
+    if PADDED_D:
+        if DIM_AXIS == 0:
+            mask = mask & (offs_d < head_dim)[:, None]
+        else:
+            mask = mask & (offs_d < head_dim)[None, :]
+    elif HEAD_DIM != triton.next_power_of_2(HEAD_DIM):
         if DIM_AXIS == 0:
             mask = mask & (offs_d < HEAD_DIM)[:, None]
         else:
@@ -249,9 +270,9 @@ def attn_decode(
     stride_lz, stride_lh,
     stride_btz,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_new, capacity, num_pages, page_size, num_splits,
-    sm_scale, window_left, window_right,
-    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    sm_scale, window_left, window_right, head_dim,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Split-KV attention of seqlen_q query rows per sequence against its KV cache.
 
@@ -261,7 +282,7 @@ def attn_decode(
     normalised output and logsumexp to PartO / PartL (fp32, rows ``((bk*num_splits + split) *
     group*seqlen_q + tile row)``, PartO rows HEAD_DIM wide) for attn_decode_combine. A length or
     table entry out of range (see the module doc) is ORed into ``Faults`` and makes the tile's
-    output and logsumexp NaN.
+    output and logsumexp NaN. ``head_dim``: the rows' width, HEAD_DIM unless PADDED_D.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -279,21 +300,30 @@ def attn_decode(
     heads = off_hk * group + rows // seqlen_q
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    row_mask = _and_dim(row_ok[:, None], offs_d, HEAD_DIM, 1)
+    row_mask = _and_dim(row_ok[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1)
     _after_predecessor(PDL)
 
+    # Row offsets in int64: a long query run times its row stride may pass 2**31 elements.
     q_ptrs = (Q + off_b.to(tl.int64) * stride_qz + heads.to(tl.int64)[:, None] * stride_qh
-              + qi[:, None] * stride_qm + offs_d[None, :])
+              + qi.to(tl.int64)[:, None] * stride_qm + offs_d[None, :])
     q = tl.load(q_ptrs, mask=row_mask, other=0.0)
 
     len_k, fault = _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity)
     diag = len_k - seqlen_q
+    # A side wider than every key is unbounded; capped there, ``diag - left`` cannot wrap.
     unbounded = capacity + seqlen_q
-    left = tl.where(window_left < 0, unbounded, window_left)
-    right = tl.where(window_right < 0, unbounded, window_right)
-    # Keys any row of the tile may see (rows 0..seqlen_q-1), cut into num_splits runs of blocks.
-    lo = tl.maximum(diag - left, 0)
-    hi = tl.minimum(seqlen_q + diag + right, len_k)
+    left = tl.where((window_left < 0) | (window_left > unbounded), unbounded, window_left)
+    right = tl.where((window_right < 0) | (window_right > unbounded), unbounded, window_right)
+    # Keys the tile's rows may see: its query rows run from q_first to q_last unless the tile
+    # crosses into the next head's rows (then it holds both ends of the run). Cut into
+    # num_splits runs of blocks.
+    first = pid_m * BLOCK_M
+    last = tl.minimum(first + BLOCK_M, rows_total) - 1
+    one_head = first // seqlen_q == last // seqlen_q
+    q_first = tl.where(one_head, first % seqlen_q, 0)
+    q_last = tl.where(one_head, last % seqlen_q, seqlen_q - 1)
+    lo = tl.maximum(q_first + diag - left, 0)
+    hi = tl.minimum(q_last + 1 + diag + right, len_k)
     hi = tl.maximum(hi, lo)
     lo = lo // BLOCK_N * BLOCK_N
     per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
@@ -318,17 +348,18 @@ def attn_decode(
         if page_size % BLOCK_N == 0:
             acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k,
                                               qi, diag, left, right, qk_scale, page_size, num_pages, stride_kz,
-                                              stride_kn, stride_vz, stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 1,
-                                              PREC)
+                                              stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim, HEAD_DIM,
+                                              PADDED_D, BLOCK_N, 1, PREC)
         else:
             acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k,
                                               qi, diag, left, right, qk_scale, page_size, num_pages, stride_kz,
-                                              stride_kn, stride_vz, stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 2,
-                                              PREC)
+                                              stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim, HEAD_DIM,
+                                              PADDED_D, BLOCK_N, 2, PREC)
     else:
         acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k, qi,
                                           diag, left, right, qk_scale, page_size, num_pages, stride_kz, stride_kn,
-                                          stride_vz, stride_vn, offs_n, offs_d, HEAD_DIM, BLOCK_N, 0, PREC)
+                                          stride_vz, stride_vn, offs_n, offs_d, head_dim, HEAD_DIM, PADDED_D, BLOCK_N,
+                                          0, PREC)
 
     _successor_may_launch(PDL)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -340,7 +371,7 @@ def attn_decode(
     lse = tl.where(fault != 0, float("nan"), lse)
     _record_fault(Faults, fault)
     o_ptrs = (Out + off_b.to(tl.int64) * stride_oz + heads.to(tl.int64)[:, None] * stride_oh
-              + qi[:, None] * stride_om + offs_d[None, :])
+              + qi.to(tl.int64)[:, None] * stride_om + offs_d[None, :])
     l_ptrs = LSE + off_b.to(tl.int64) * stride_lz + heads.to(tl.int64) * stride_lh + qi
     if num_splits == 1:
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_mask)
@@ -357,8 +388,8 @@ def attn_decode_combine(
     Out, LSE, PartO, PartL,
     stride_oz, stride_oh, stride_om,
     stride_lz, stride_lh,
-    batch, num_heads_q, num_heads_k, seqlen_q, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0,
+    batch, num_heads_q, num_heads_k, seqlen_q, num_splits, head_dim,
+    HEAD_DIM: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Merge attn_decode's split partials: out = sum_s exp(lse_s - lse) * out_s.
 
@@ -393,7 +424,7 @@ def attn_decode_combine(
         s_ok = s < num_splits
         idx = base + s.to(tl.int64) * rows_total
         w = tl.math.exp2((tl.load(PartL + idx, mask=s_ok, other=float("-inf")) - m_sub) * LOG2E)
-        o_mask = _and_dim(s_ok[:, None], offs_d, HEAD_DIM, 1)
+        o_mask = _and_dim(s_ok[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1)
         o = tl.load(PartO + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)
         acc += w[:, None] * o
         den += w
@@ -402,8 +433,10 @@ def attn_decode_combine(
     _successor_may_launch(PDL)
     out = tl.sum(acc, 0) / safe
     lse = tl.where(total == 0.0, float("-inf"), m_sub + tl.log(safe))
-    o_ptrs = Out + off_b.to(tl.int64) * stride_oz + head.to(tl.int64) * stride_oh + qi * stride_om + offs_d
-    if HEAD_DIM != BLOCK_D:
+    o_ptrs = Out + off_b.to(tl.int64) * stride_oz + head.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om + offs_d
+    if PADDED_D:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
+    elif HEAD_DIM != BLOCK_D:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
     else:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty))
@@ -418,8 +451,9 @@ def attn_decode_append(
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
     stride_btz,
-    batch, num_heads_k, seqlen_new, capacity, num_pages, page_size,
-    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = 0,
+    batch, num_heads_k, seqlen_new, capacity, num_pages, page_size, head_dim,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     """Write new rows (b, h, i) of KNew / VNew to cache row ``cache_seqlens[b] + i`` of head h.
 
@@ -451,7 +485,7 @@ def attn_decode_append(
     if not PAGED:
         K_head += off_b.to(tl.int64) * stride_kz
         V_head += off_b.to(tl.int64) * stride_vz
-    mask = _and_dim(ok[:, None], offs_d, HEAD_DIM, 1)
+    mask = _and_dim(ok[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1)
     src = off_b.to(tl.int64) * stride_knz + off_hk.to(tl.int64) * stride_knh + rows[:, None] * stride_knm
     kn = tl.load(KNew + src + offs_d[None, :], mask=mask, other=0.0)
     src = off_b.to(tl.int64) * stride_vnz + off_hk.to(tl.int64) * stride_vnh + rows[:, None] * stride_vnm
@@ -467,20 +501,25 @@ def attn_decode_append(
 # --------------------------------------------------------------------------------------------
 
 DTYPES = ("fp16", "bf16", "fp32")
-# What the default build holds: what most decoders run (fp16/bf16 at head dims 64 and 128).
+# What the default build holds: what most decoders run (fp16/bf16 at head dims 64 and 128), as
+# is and masked (PADDED_D=1: every head dim 1..64 and 65..128, e.g. 80 and 96 on 128).
 DEFAULT_HEAD_DIMS = (64, 128)
-# Beyond the default set, what tests/runtime/test_decode_gpu.py launches: (dtype, HEAD_DIM).
+# Beyond the default set, what tests/runtime/test_decode_gpu.py and test_decode_kvcache_gpu.py
+# launch: (dtype, HEAD_DIM) as is (PADDED_D=0) and masked (PADDED_D=1: fp16 at 256 serves the
+# head dim 256 masked, the path of any bucket the images hold only masked).
 GPUTEST = (("fp32", 64), ("fp32", 128), ("fp16", 80), ("bf16", 256), ("fp16", 32))
+GPUTEST_PADDED = (("fp16", 256),)
 
 
 def in_decode_default_set(spec: dict, target: object) -> bool:
-    """fp16/bf16 at head dims 64 and 128, contiguous and paged caches."""
+    """fp16/bf16 at head dims 64 and 128, contiguous and paged caches, as is and masked."""
     return spec["dtype"] in ("fp16", "bf16") and spec["HEAD_DIM"] in DEFAULT_HEAD_DIMS
 
 
 def in_decode_gputest_set(spec: dict, target: object) -> bool:
     """The default set plus the (dtype, head dim) pairs the GPU tests launch."""
-    return in_decode_default_set(spec, target) or (spec["dtype"], spec["HEAD_DIM"]) in GPUTEST
+    pairs = GPUTEST_PADDED if spec.get("PADDED_D") else GPUTEST
+    return in_decode_default_set(spec, target) or (spec["dtype"], spec["HEAD_DIM"]) in pairs
 
 
 def uses_pdl(target: object) -> bool:
@@ -591,49 +630,79 @@ _APPEND_SIG = signature_of(attn_decode_append, {
     "CacheSeqlens": "*i32", "Faults": "*i32"})
 _APPEND_DIV = {**{n: d for n, d in divisibility_of(_APPEND_SIG, aligned=("kn", "vn", "k", "v")).items()
                   if n not in _INDEX_POINTERS}, "page_size": 16}
+# The caller's arrays read or written along the head dim (pointer, then its strides' letter):
+# PADDED_D=1 variants promise nothing of them (rows of any width, any element-aligned address).
+_CALLER_ROWS = {"Q": "q", "K": "k", "V": "v", "Out": "o", "KNew": "kn", "VNew": "vn"}
+
+
+def _per_padding(div: dict) -> tuple:
+    """(divisibility, stride checks) as functions of the spec: ``div`` and its stride checks for
+    PADDED_D=0; for PADDED_D=1, ``div`` without the caller's rows (pointers and strides)."""
+    strides = {f"stride_{t}{s}" for t in _CALLER_ROWS.values() for s in ("z", "h", "m", "n")}
+    masked = {n: d for n, d in div.items() if n not in _CALLER_ROWS and n not in strides}
+
+    def divisibility(spec: dict) -> dict:
+        return masked if spec.get("PADDED_D") else div
+
+    def checks(spec: dict) -> tuple[str, ...]:
+        return stride_checks(divisibility(spec))
+
+    return divisibility, checks
+
+
+def _head_dim_checks(spec: dict) -> tuple[str, ...]:
+    """The run-time head dim: the bucket itself, or for PADDED_D=1 any width up to it."""
+    return ("head_dim >= 1", "head_dim <= HEAD_DIM") if spec.get("PADDED_D") else ("head_dim == HEAD_DIM",)
+
+
+_DECODE_DIVS, _DECODE_STRIDES = _per_padding(_DECODE_DIV)
+_COMBINE_DIVS, _COMBINE_STRIDES = _per_padding(_COMBINE_DIV)
+_APPEND_DIVS, _APPEND_STRIDES = _per_padding(_APPEND_DIV)
 _SHAPE_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0", "seqlen_q >= 1",
-                 f"seqlen_q <= {MAX_SEQLEN_Q}", "batch * num_heads_k <= 65535")
+                 f"seqlen_q <= {MAX_SEQLEN_Q}", f"num_heads_q // num_heads_k * seqlen_q <= {MAX_GROUP_ROWS}",
+                 "batch * num_heads_k <= 65535")
 _PAGE_CHECKS = ("page_size >= 16", "page_size % 16 == 0", "num_pages >= 1", "capacity >= 0")
 _SETS = {"default": in_decode_default_set, "gputest": in_decode_gputest_set}
+_AXES = {"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS}
 
 KERNELS = [
     KernelDecl(
         name="attn_decode",
         fn=attn_decode,
         signature=_DECODE_SIG,
-        axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS, "PAGED": (0, 1)},
+        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0, 1)},
         configs=decode_configs,
         grid=("cdiv(num_heads_q // num_heads_k * seqlen_q, BLOCK_M)", "num_splits", "batch * num_heads_k"),
-        divisibility=_DECODE_DIV,
+        divisibility=_DECODE_DIVS,
         sets=_SETS,
         # sm90's deeper-pipeline config (#2, picked by decode_tuning for calls that fill the GPU)
         # and #1 only in gputest and full: the default build leaves out that rule with them.
         set_configs={"default": 1},
         tuning=decode_tuning,
-        checks=_SHAPE_CHECKS + _PAGE_CHECKS + ("num_splits >= 1", "num_splits <= 65535", "seqlen_new >= 0")
-        + stride_checks(_DECODE_DIV),
+        checks=lambda spec: _SHAPE_CHECKS + _PAGE_CHECKS + _head_dim_checks(spec)
+        + ("num_splits >= 1", "num_splits <= 65535", "seqlen_new >= 0") + _DECODE_STRIDES(spec),
     ),
     KernelDecl(
         name="attn_decode_combine",
         fn=attn_decode_combine,
         signature=_COMBINE_SIG,
-        axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS},
+        axes={**_AXES, "PADDED_D": (0, 1)},
         configs=combine_configs,
         grid=("num_heads_q // num_heads_k * seqlen_q", "batch * num_heads_k", "1"),
-        divisibility=_COMBINE_DIV,
+        divisibility=_COMBINE_DIVS,
         sets=_SETS,
-        checks=_SHAPE_CHECKS + ("num_splits >= 1",) + stride_checks(_COMBINE_DIV),
+        checks=lambda spec: _SHAPE_CHECKS + _head_dim_checks(spec) + ("num_splits >= 1",) + _COMBINE_STRIDES(spec),
     ),
     KernelDecl(
         name="attn_decode_append",
         fn=attn_decode_append,
         signature=_APPEND_SIG,
-        axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS, "PAGED": (0, 1)},
+        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0, 1)},
         configs=append_configs,
         grid=("cdiv(seqlen_new, BLOCK_R)", "batch * num_heads_k", "1"),
-        divisibility=_APPEND_DIV,
+        divisibility=_APPEND_DIVS,
         sets=_SETS,
-        checks=("num_heads_k >= 1", "batch * num_heads_k <= 65535", "seqlen_new >= 1") + _PAGE_CHECKS
-        + stride_checks(_APPEND_DIV),
+        checks=lambda spec: ("num_heads_k >= 1", "batch * num_heads_k <= 65535", "seqlen_new >= 1") + _PAGE_CHECKS
+        + _head_dim_checks(spec) + _APPEND_STRIDES(spec),
     ),
 ]

@@ -22,17 +22,18 @@ from builder.targets import KNOWN, parse_targets
 SPEC = {"dtype": "bf16", "HEAD_DIM": 128}
 
 
-def _job(name: str, arch: str, config: int = 0) -> Any:
-    want = {**SPEC, **({"PAGED": 1} if name != "attn_decode_combine" else {})}
+def _job(name: str, arch: str, config: int = 0, padded: int = 0) -> Any:
+    want = {**SPEC, **({"PAGED": 1} if name != "attn_decode_combine" else {}), "PADDED_D": padded}
     jobs = [j for j in expand(load_kernels()[name], parse_targets(arch), "gputest", "3.6.0")
             if j.spec == want and j.config_index == config]
     assert len(jobs) == 1, (name, arch, [j.spec for j in jobs])
     return jobs[0]
 
 
+@pytest.mark.parametrize("padded", [0, 1], ids=["as_is", "masked"])
 @pytest.mark.parametrize("name", ["attn_decode_append", "attn_decode", "attn_decode_combine"])
-def test_sm90_decode_chain_variants_launch_with_pdl_and_wait_for_their_predecessor(name: str) -> None:
-    job = _job(name, "sm90")
+def test_sm90_decode_chain_variants_launch_with_pdl_and_wait_for_their_predecessor(name: str, padded: int) -> None:
+    job = _job(name, "sm90", padded=padded)
     assert job.constexprs["PDL"] == 1 and job.options()["launch_pdl"] is True
     variant, raw, _, ptx = compile_job_with_ptx(job)
     assert variant.pdl is True and variant.to_json()["launch"]["pdl"] is True
@@ -69,7 +70,7 @@ def test_every_decode_config_turns_pdl_on_exactly_for_cuda_sm90() -> None:
         for arch in ("sm80", "sm86", "sm89", "sm90", "gfx942", "gfx1100"):
             target = KNOWN[arch]
             for dtype in kernels.DTYPES:
-                spec = {"dtype": dtype, "HEAD_DIM": 128, "PAGED": 1}
+                spec = {"dtype": dtype, "HEAD_DIM": 128, "PAGED": 1, "PADDED_D": 1}
                 for config in decl.configs_for(spec, target):
                     on = arch == "sm90"
                     assert config.constexprs["PDL"] == int(on), (decl.name, arch, config)

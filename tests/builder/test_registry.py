@@ -145,6 +145,28 @@ def test_expand_assumes_16_byte_pointers_unless_told_otherwise() -> None:
     assert _expand(_axpy(divisibility={}), [SM90])[0].divisibility == {}
 
 
+def test_divisibility_and_checks_may_be_declared_per_spec() -> None:
+    # A masked variant (EVEN=False) promises nothing of its arguments; the even one their alignment.
+    kernel = _axpy(divisibility=lambda spec: {"x_ptr": 16, "y_ptr": 16, "n": 16} if spec["EVEN"] else {},
+                   checks=lambda spec: ("n % BLOCK == 0",) if spec["EVEN"] else ["n >= 1"])
+    jobs = {(j.spec["dtype"], j.spec["EVEN"]): j for j in _expand(kernel, [SM90])}
+    assert jobs[("fp16", True)].divisibility == {"x_ptr": 16, "y_ptr": 16, "n": 16}
+    assert jobs[("fp16", True)].checks == ("n % BLOCK == 0",)
+    assert jobs[("bf16", False)].divisibility == {} and jobs[("bf16", False)].checks == ("n >= 1",)
+    # Both are part of a variant's key: the same spec otherwise declared builds another binary.
+    static = {(j.spec["dtype"], j.spec["EVEN"]): j for j in _expand(_axpy(), [SM90])}
+    assert static[("fp16", True)].key != jobs[("fp16", True)].key
+    assert kernel.divisibility_for({"dtype": "fp16", "EVEN": False}) == {}
+    with pytest.raises(ValueError, match=r"kernel axpy: its divisibility is per spec; pass the spec"):
+        registry._divisibility(kernel, jobs[("fp16", True)].signature)
+    with pytest.raises(ValueError, match=r"kernel axpy: checks of spec \{'dtype': 'fp16', 'EVEN': False\} must be a "
+                                         r"sequence of strings, got 'n > 0'"):
+        _expand(_axpy(checks=lambda spec: "n > 0"), [SM90])
+    with pytest.raises(ValueError, match=r"kernel axpy: divisibility of spec .* must be a mapping of argument names "
+                                         r"to integers, got list"):
+        _expand(_axpy(divisibility=lambda spec: [16]), [SM90])
+
+
 def test_expand_drops_excluded_specs_per_target() -> None:
     kernel = _axpy(exclude=lambda spec, t: spec["dtype"] == "bf16" and t.arch == "gfx1100")
     jobs = _expand(kernel, [GFX1100, SM90])

@@ -43,23 +43,27 @@ POINTER_STRIDE = 1 << 32
 STREAM = 0x5000
 
 # Values that the kernels' run-time checks constrain (see builder/kernels/attention*.py).
-# Decode kernels check seqlen_q <= 16, page sizes in multiples of 16 and positive split counts;
-# attention kernels take causal_align 0 or 1 (1: a non-zero word, so a misplaced one shows).
+# Decode kernels check page sizes in multiples of 16, positive split counts and their head dim
+# (``head_dim``: HEAD_DIM as is, at most HEAD_DIM masked; see argument_values); attention kernels
+# take causal_align 0 or 1 (1: a non-zero word, so a misplaced one shows).
 _FIXED_INTS = {"batch": 5, "num_heads_q": 9, "num_heads_k": 3, "seqlen_q": 3, "seqlen_new": 2, "page_size": 32,
                "num_pages": 7, "capacity": 96, "num_splits": 4, "causal_align": 1}
 _FIXED_FLOATS = {"dropout_p": 0.25, "sm_scale": 0.125}
 _INT_BASE = {"i8": 0, "i16": 0, "i32": 0, "u8": 0, "u16": 0, "u32": 0, "i64": 1 << 32, "u64": 1 << 63}
 
 
-def argument_values(args: Sequence[Any]) -> list[Any]:
+def argument_values(args: Sequence[Any], params: Mapping[str, Any]) -> list[Any]:
     """The value each argument gets in both launches: an address for pointers (see the module
-    docstring), a number for scalars. ``args`` are catalog ``Arg`` objects."""
+    docstring), a number for scalars. ``args`` are catalog ``Arg`` objects, ``params`` the
+    variant's spec and constexprs."""
     values: list[Any] = []
     for i, a in enumerate(args):
         if a.is_pointer:
             values.append(POINTER_BASE + (i + 1) * POINTER_STRIDE)
         elif a.type.startswith(("fp", "bf")):
             values.append(_FIXED_FLOATS.get(a.name, 0.375 + 0.125 * (i % 4)))
+        elif a.name == "head_dim":  # the decode kernels' row width: the bucket, or one less masked
+            values.append(params["HEAD_DIM"] - (1 if params.get("PADDED_D") else 0))
         elif a.name in _FIXED_INTS:
             values.append(_FIXED_INTS[a.name])
         else:
@@ -181,7 +185,7 @@ def launch_both(images: Path, arch: str, jit_log: Path, aot_log: Path) -> list[s
     os.environ["FAKEHIP_LOG" if backend == "hip" else "FAKECUDA_LOG"] = str(jit_log)
     _set_triton_allocator(jit_log)
     for v in variants:
-        values = argument_values(v.args)
+        values = argument_values(v.args, v.params)
         named = {a.name: x for a, x in zip(v.args, values)}
         grid = evaluate_grid(v.grid, {**named, **v.params})
         call = [FakeTensor(x, a.type) if a.is_pointer else x for a, x in zip(v.args, values)]
@@ -206,7 +210,7 @@ def launch_both(images: Path, arch: str, jit_log: Path, aot_log: Path) -> list[s
         k = lib.kernel(v.kernel, raw_pointers=True, num_warps=v.config.num_warps,
                        num_stages=v.config.num_stages, **v.params)
         _mark(aot_log, v.key)
-        k(*argument_values(v.args), stream=STREAM)
+        k(*argument_values(v.args, v.params), stream=STREAM)
         assert k.variant(0).key == v.key, (k.variant(0).key, v.key)
     return [v.key for v in variants]
 

@@ -98,7 +98,8 @@ class _Handle:
         if "PDL" in self.constexprs:
             self.constexprs["PDL"] = 0  # griddepcontrol is PTX: the interpreter runs launches in order
         self.signature = _resolve_signature(decl, spec)
-        self.divisibility = _divisibility(decl, self.signature)
+        self.divisibility = _divisibility(decl, self.signature, spec)
+        self.checks = decl.checks_for(spec)
         self.arg_names = [n for n, t in self.signature.items() if t != "constexpr"]
 
     def variant(self, device: int = 0) -> Any:
@@ -119,13 +120,14 @@ class _Handle:
                 if value is None:
                     values[name] = torch.empty(0, dtype=torch.float32 if "fp" in t else torch.int32)
                     continue
-                assert value.data_ptr() % 16 == 0, f"{name} misaligned"
+                div = self.divisibility.get(name, 1)
+                assert value.data_ptr() % div == 0, f"{self.decl.name}.{name} misaligned for {div}"
             else:
                 div = self.divisibility.get(name)
                 assert not div or value % div == 0, f"{self.decl.name}.{name}={value} not a multiple of {div}"
         names = list(values)
         vals = [0 if self.signature[n].startswith("*") else values[n] for n in names]
-        for check in self.decl.checks:
+        for check in self.checks:
             assert compile_expr(check, names, self.constexprs, "check")(*vals), f"{self.decl.name}: {check}"
         grid = tuple(compile_expr(g, names, self.constexprs, "grid")(*vals) for g in self.decl.grid)
         LAUNCHES.append((self.decl.name, grid))
@@ -137,17 +139,32 @@ BLOCK_N = [16]
 
 
 class _Library:
-    def __init__(self) -> None:
+    """Images holding every decode variant of the sources (``held``: only the specs it accepts)."""
+
+    def __init__(self, held: Any = None) -> None:
         from types import SimpleNamespace
 
         from builder.registry import load_kernels
 
         self.decls = load_kernels()
         self.tuning: dict = {}
+        self.held = held or (lambda name, spec: True)
         self.variants = [SimpleNamespace(target=SimpleNamespace(backend="cuda", arch="sm90"))]
 
     def targets(self) -> list[tuple[str, str]]:
         return sorted({(v.target.backend, v.target.arch) for v in self.variants})
+
+    def variants_of(self, name: str) -> list:
+        """One stand-in catalog variant per spec of ``name`` the images hold (for selection)."""
+        import itertools
+        from types import SimpleNamespace
+
+        decl = self.decls[name]
+        axes = list(decl.axes)
+        specs = [dict(zip(axes, values)) for values in itertools.product(*decl.axes.values())]
+        return [SimpleNamespace(kernel=name, target=SimpleNamespace(backend="cuda", arch="sm90"), params=spec,
+                                config=SimpleNamespace(num_warps=4, num_stages=1, index=0), key=str(spec))
+                for spec in specs if self.held(name, spec)]
 
     def kernel(self, name: str, **params: Any) -> _Handle:
         return _Handle(self.decls[name], params)
@@ -350,8 +367,11 @@ def _dtype_of(d: Dev) -> str:
 
 
 REFUSALS = [
-    ("too_many_query_rows", lambda: _dec(Dev(2, 17, 8, 64)), ArgumentError,
-     r"q has 17 query rows per sequence; decode attention takes 1\.\.16 \(use aotriton_rt\.attention for prefill\)"),
+    ("too_many_query_rows", lambda: _dec(Dev(2, 2**28 + 1, 8, 64)), ArgumentError,
+     r"q has 268435457 query rows per sequence; decode attention takes 1\.\.MAX_SEQLEN_Q \(2\*\*28\) \(use "
+     r"aotriton_rt\.attention for longer runs\)"),
+    ("too_many_rows_per_kv_head", lambda: _dec(Dev(2, 2**28, 16, 64)), ArgumentError,
+     r"8 query heads per KV head times 268435456 query rows exceed MAX_GROUP_ROWS \(2\*\*30\) rows per KV head"),
     ("page_size_not_multiple_of_16", lambda: _dec(k=Dev(10, 24, 2, 64), block_table=Dev(2, 4, dtype="i32")),
      ArgumentError, r"page size 24 \(k_cache\.shape\[1\]\) is not a multiple of 16"),
     ("length_beyond_block_table", lambda: _dec(k=Dev(10, 16, 2, 64), block_table=Dev(2, 4, dtype="i32"),
@@ -375,14 +395,21 @@ REFUSALS = [
      r"k_new and v_new come together"),
     ("k_new_heads", lambda: _dec(cache_seqlens=3, k_new=Dev(2, 1, 8, 64), v_new=Dev(2, 1, 8, 64)), ArgumentError,
      r"k_new must hold \(batch, rows, kv heads, head dim\) = \(2, n, 2, 64\)"),
-    ("head_dim_not_a_bucket", lambda: _dec(Dev(2, 1, 8, 72), Dev(2, 256, 2, 72)), UnsupportedError,
-     r"head dim 72: the cache is read in place, so its head dim must be one of 16, 32, 48"),
+    ("head_dim_past_the_largest_bucket", lambda: _dec(Dev(2, 1, 8, 257), Dev(2, 256, 2, 257)), UnsupportedError,
+     r"head dim 257 exceeds the largest supported head dim 256; supported: 1\.\.256 \(compiled buckets 16, 32, "
+     r"48, 64, 80, 96, 128, 160, 192, 224, 256; others are read masked on the next one\)"),
+    ("head_dim_zero", lambda: _dec(Dev(2, 1, 8, 0), Dev(2, 256, 2, 0)), ArgumentError,
+     r"head dim 0: q, the caches and k_new/v_new need at least one column"),
     ("gqa_ratio", lambda: _dec(Dev(2, 1, 6, 64), Dev(2, 256, 4, 64)), ArgumentError,
      r"q has 6 heads, not a multiple of the cache's 4 KV heads"),
     ("cache_batch", lambda: _dec(k=Dev(3, 256, 2, 64)), ArgumentError,
      r"k_cache has batch 3 but q has batch 2 \(a paged cache needs block_table\)"),
-    ("cache_strides", lambda: _dec(k=Dev(2, 256, 2, 64, strides=(256 * 2 * 72, 2 * 72, 72, 1))), ArgumentError,
-     r"k_cache must have a contiguous head dim, a 16-byte aligned address and strides that are multiples of 16"),
+    ("cache_head_dim_not_contiguous", lambda: _dec(k=Dev(2, 256, 2, 64, strides=(256 * 2 * 128, 2 * 128, 128, 2))),
+     ArgumentError, r"k_cache must have a contiguous head dim and non-negative strides \(it is read in place\), got "
+     r"strides \(65536, 256, 128, 2\)"),
+    ("k_new_head_dim_not_contiguous", lambda: _dec(cache_seqlens=3, k_new=Dev(2, 1, 2, 64, strides=(256, 128, 2, 2)),
+                                                   v_new=Dev(2, 1, 2, 64)), ArgumentError,
+     r"k_new must have a contiguous head dim and non-negative strides"),
     ("dtype_mismatch", lambda: _dec(k=Dev(2, 256, 2, 64, dtype="fp32"), v=Dev(2, 256, 2, 64)), ArgumentError,
      r"k_cache has dtype fp32 but q has fp16"),
     ("cache_seqlens_shape", lambda: _dec(cache_seqlens=Dev(3, dtype="i32")), ArgumentError,
@@ -415,6 +442,7 @@ def test_attention_routes_only_calls_the_decode_kernels_express() -> None:
                    {"window": 3}, {}):
         assert route_from_attention(q, k, k, **{**base, **change}) is None, change
     assert route_from_attention(Dev(2, 8, 17, 64), k, k, **base) is None  # 17 query rows: prefill
+    assert op.ROUTED_SEQLEN_Q == 16 < op.MAX_SEQLEN_Q
 
 
 def test_a_decode_shaped_attention_call_is_validated_before_images_are_looked_for(monkeypatch) -> None:
@@ -557,7 +585,7 @@ def test_decode_kernel_compiles_ahead_of_time_with_vector_cache_loads(arch: str,
     from builder.registry import expand, load_kernels
     from builder.targets import parse_targets
 
-    want = {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": paged}
+    want = {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": paged, "PADDED_D": 0}
     jobs = [j for j in expand(load_kernels()["attn_decode"], parse_targets(arch), "default", "3.6.0")
             if j.spec == want and j.config_index == 0]
     from builder.abi import prove
@@ -593,7 +621,8 @@ def test_a_paged_cache_keeps_as_many_kv_tiles_in_flight_as_a_contiguous_one(conf
 
     jobs = {j.spec["PAGED"]: j for j in expand(load_kernels()["attn_decode"], parse_targets("sm90"), "gputest",
                                                "3.6.0")
-            if j.spec["dtype"] == "bf16" and j.spec["HEAD_DIM"] == 128 and j.config_index == config}
+            if j.spec["dtype"] == "bf16" and j.spec["HEAD_DIM"] == 128 and not j.spec["PADDED_D"]
+            and j.config_index == config}
     contiguous, paged = compile_job(jobs[0])[0].shared, compile_job(jobs[1])[0].shared
     tile = 2 * 64 * 128 * 2  # one K and one V tile of 64 keys
     assert contiguous >= 2 * tile
@@ -605,6 +634,7 @@ def test_decode_head_dims_and_limits_mirror_the_builder() -> None:
 
     assert op.HEAD_DIM_BUCKETS == kernels.HEAD_DIM_BUCKETS
     assert op.MAX_SEQLEN_Q == kernels.MAX_SEQLEN_Q
+    assert op.MAX_GROUP_ROWS == kernels.MAX_GROUP_ROWS
 
 
 def test_decode_kernels_are_in_the_default_and_gputest_sets() -> None:
@@ -614,10 +644,14 @@ def test_decode_kernels_are_in_the_default_and_gputest_sets() -> None:
     for k in kernels.KERNELS:
         for dtype in ("fp16", "bf16"):
             for d in (64, 128):
-                spec = {"dtype": dtype, "HEAD_DIM": d, "PAGED": 1}
-                assert k.sets["default"](spec, KNOWN["sm90"]) and k.sets["gputest"](spec, KNOWN["gfx942"])
-        assert k.sets["gputest"]({"dtype": "fp32", "HEAD_DIM": 128}, KNOWN["sm90"])
-        assert not k.sets["default"]({"dtype": "fp32", "HEAD_DIM": 128}, KNOWN["sm90"])
+                for padded in (0, 1):
+                    spec = {"dtype": dtype, "HEAD_DIM": d, "PAGED": 1, "PADDED_D": padded}
+                    assert k.sets["default"](spec, KNOWN["sm90"]) and k.sets["gputest"](spec, KNOWN["gfx942"])
+            assert not k.sets["default"]({"dtype": dtype, "HEAD_DIM": 80, "PADDED_D": 1}, KNOWN["sm90"])
+        assert k.sets["gputest"]({"dtype": "fp32", "HEAD_DIM": 128, "PADDED_D": 0}, KNOWN["sm90"])
+        assert not k.sets["default"]({"dtype": "fp32", "HEAD_DIM": 128, "PADDED_D": 0}, KNOWN["sm90"])
+        assert k.sets["gputest"]({"dtype": "fp16", "HEAD_DIM": 256, "PADDED_D": 1}, KNOWN["sm90"])
+        assert not k.sets["gputest"]({"dtype": "fp16", "HEAD_DIM": 256, "PADDED_D": 0}, KNOWN["sm90"])
 
 
 if __name__ == "__main__":

@@ -172,8 +172,11 @@ _COVERED_BY_OTHERS = ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "at
 def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
     """attn_decode_append, attn_decode (two splits) and attn_decode_combine as one jitted program,
     against an fp32 reference: two sequences with different cached lengths, two new rows each,
-    GQA 2:1, bottom-right causal; a paged spec reads a shuffled block table of 16-row pages."""
-    dtype, d, paged = _JNP[spec["dtype"]], spec["HEAD_DIM"], spec["PAGED"]
+    GQA 2:1, bottom-right causal; a paged spec reads a shuffled block table of 16-row pages. A
+    masked spec (PADDED_D=1) runs a head dim 5 below its bucket (split partials stay bucket wide)."""
+    dtype, bucket, paged = _JNP[spec["dtype"]], spec["HEAD_DIM"], spec["PAGED"]
+    padded = spec.get("PADDED_D", 0)  # images built before the masked variants have no such axis
+    d = bucket - 5 if padded else bucket
     b, hq, hk, sq, splits, page, blocks = 2, 4, 2, 2, 2, 16, 6
     capacity, group = page * blocks, hq // hk
     lens = np.array([37, 80], np.int32)  # rows cached before the append
@@ -209,8 +212,8 @@ def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
               "stride_lz": hq * sq, "stride_lh": sq, "stride_btz": blocks if paged else 0,
               "batch": b, "num_heads_q": hq, "num_heads_k": hk, "seqlen_q": sq, "seqlen_new": sq,
               "capacity": capacity, "num_pages": num_pages, "page_size": page, "sm_scale": d ** -0.5,
-              "window_left": -1, "window_right": 0, "num_splits": splits}
-    params = {"dtype": spec["dtype"], "HEAD_DIM": d}
+              "window_left": -1, "window_right": 0, "num_splits": splits, "head_dim": d}
+    params = {"dtype": spec["dtype"], "HEAD_DIM": bucket, **({"PADDED_D": padded} if "PADDED_D" in spec else {})}
     append = aj.kernel("attn_decode_append", library=lib, **params, PAGED=paged)
     decode = aj.kernel("attn_decode", library=lib, **params, PAGED=paged)
     combine = aj.kernel("attn_decode_combine", library=lib, **params)
@@ -224,7 +227,7 @@ def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
                               CacheSeqlens=lens, Faults=aj.Update(faults))
         _, _, part_o, part_l, faults = call(decode, Q=q, K=kc, V=vc, Out=aj.Out(q.shape, q.dtype),
                                             LSE=aj.Out((b, hq, sq), jnp.float32),
-                                            PartO=aj.Out((part_rows, d), jnp.float32),
+                                            PartO=aj.Out((part_rows, bucket), jnp.float32),
                                             PartL=aj.Out((part_rows,), jnp.float32), BlockTable=table,
                                             CacheSeqlens=lens, Faults=aj.Update(faults))
         out, lse = call(combine, Out=aj.Out(q.shape, q.dtype), LSE=aj.Out((b, hq, sq), jnp.float32), PartO=part_o,

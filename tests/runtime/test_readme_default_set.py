@@ -251,6 +251,11 @@ class _AsDtype:
     def kernel(self, name: str, **params: Any) -> Any:
         return self.lib.kernel(name, **{**params, "dtype": self.dtype})
 
+    def variants_of(self, name: str) -> list:
+        """``dtype``'s variants of ``name``, as the fp16 ones the arrays ask for."""
+        return [SimpleNamespace(**{**v.__dict__, "params": {**v.params, "dtype": "fp16"}})
+                for v in self.lib.variants if v.kernel == name and v.params.get("dtype") == self.dtype]
+
 
 @pytest.mark.parametrize("example", DECODE_EXAMPLES, ids=lambda e: e[0])
 def test_every_example_decode_call_runs_on_the_default_set_of_every_default_target(example: tuple, default_set) -> None:
@@ -281,7 +286,20 @@ def test_every_example_decode_call_runs_on_the_default_set_of_every_default_targ
 def test_the_decode_check_catches_a_head_dim_the_default_set_lacks(default_set) -> None:
     from aotriton_rt.ops import decode
 
-    lacks = r"attn_decode with dtype=fp16, HEAD_DIM=80, PAGED=0, which these images lack.*'dtype': 'bf16'"
+    lacks = (r"attn_decode with dtype=fp16, HEAD_DIM=160, PAGED=0, PADDED_D=0 \(head dim 160 is a bucket and the "
+             r"arrays are 16-byte aligned; the images hold no masked variant at a bucket >= 160 either\), which "
+             r"these images lack.*'dtype': 'bf16'")
     with pytest.raises(KernelNotFound, match=lacks):
-        decode.decode_kernels(Dev(2, 1, 8, 80), Dev(2, 64, 2, 80), Dev(2, 64, 2, 80),
+        decode.decode_kernels(Dev(2, 1, 8, 160), Dev(2, 64, 2, 160), Dev(2, 64, 2, 160),
                               cache_seqlens=Dev(2, dtype="i32"), library=_AsDtype(default_set["sm90"], "bf16"))
+
+
+@pytest.mark.parametrize("d,bucket", [(80, 128), (96, 128), (59, 64), (1, 64), (128, 128)])
+def test_the_default_set_runs_every_decode_head_dim_up_to_128(default_set, d: int, bucket: int) -> None:
+    from aotriton_rt.ops import decode
+
+    for arch, lib in default_set.items():
+        kernels = decode.decode_kernels(Dev(2, 1, 8, d), Dev(2, 64, 2, d), Dev(2, 64, 2, d),
+                                        cache_seqlens=Dev(2, dtype="i32"), library=_AsDtype(lib, "bf16"))
+        spec = kernels["attn_decode"].params
+        assert (spec["HEAD_DIM"], spec["PADDED_D"]) == (bucket, int(d != bucket)), (arch, spec)

@@ -1,8 +1,9 @@
 """Decode attention over a KV cache: split-KV kernels, contiguous and paged caches.
 
-In the spirit of FlashAttention's ``flash_attn_with_kvcache``: a few query rows per sequence
-(1..16: one generated token, or a speculative draft) attend to that sequence's cached keys and
-values, optionally after appending new ones to the cache in the same call::
+FlashAttention-2's ``flash_attn_with_kvcache``: query rows per sequence (one generated token, a
+speculative draft, or a chunk of a prompt: any number up to :data:`MAX_SEQLEN_Q`) attend to that
+sequence's cached keys and values, optionally after appending new ones to the cache in the same
+call::
 
     out, lse = aotriton_rt.ops.decode.decode_attention(
         q, k_cache, v_cache, cache_seqlens=lens, k_new=k, v_new=v, causal=True)
@@ -14,6 +15,12 @@ values, optionally after appending new ones to the cache in the same call::
 sequence ``b`` is row ``n % page_size`` of page ``block_table[b, n // page_size]``; the page size
 must be a multiple of 16. ``k_new``/``v_new``: ``(B, Sn, Hkv, D)`` (or ``(B, Hkv, Sn, D)`` with
 ``layout="bhsd"``).
+
+**Head dims.** Any ``D`` in 1..256, read in place. A ``D`` that is a compiled bucket (16, 32, 48,
+64, 80, 96, 128, 160, 192, 224, 256) with 16-byte aligned caches runs its bucket's variants as
+is (16-byte loads); any other ``D``, or unaligned caches, runs the smallest bucket >= ``D`` the
+images hold with every row access masked to ``D`` columns (``PADDED_D=1``: nothing past column
+``D`` is read or written, no copy).
 
 **Lengths.** ``cache_seqlens`` (an int, or an int32 ``(B,)`` device array) counts the rows
 already in the cache; new rows are written at ``cache_seqlens[b] + i`` and the queries see
@@ -32,14 +39,16 @@ after (device synchronisations; :class:`~aotriton_rt.FaultError` when set).
 **Masks.** Bottom-right aligned (the queries are the sequence's last ``Sq`` rows): ``causal``
 hides keys after each query, ``window=(left, right)`` is a sliding window (-1 unbounded).
 
-**Splits.** One program per (GQA group tile, split, batch x KV head); the keys of each sequence
-are cut into ``num_splits`` runs, whose partials ``attn_decode_combine`` merges (a second
-launch). Default: enough programs for
+**Splits.** One program per (GQA group tile, split, batch x KV head); the keys each tile's
+query rows may see (a causal tile of a long run: only those up to its rows) are cut into
+``num_splits`` runs, whose partials ``attn_decode_combine`` merges (a second launch). Long
+query runs fill the GPU with their tiles and take one split. Default: enough programs for
 ``waves`` per SM, each split at least ``min_blocks`` key blocks, from the catalog's
 ``tuning["attn_decode"]`` rules (``{"arch": "sm90", "splits": {"waves": 2, "min_blocks": 4,
 "max_splits": 64}}``; a rule may also pick a ``config`` and apply only from a work size on,
 ``min_batch_heads``, or to one cache kind, ``paged``), else
-:data:`DEFAULT_SPLIT_RULES`.
+:data:`DEFAULT_SPLIT_RULES`; lowered so that the fp32 partials stay under
+:data:`MAX_SCRATCH_BYTES` (an explicit ``num_splits`` past it is refused).
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from ... import interop
 from ...errors import AotritonError, ArgumentError, KernelNotFound, UnsupportedError
 from ..attention.signature import _typed
 from .faults import FAULT_LENGTH, FAULT_PAGE, clear_faults, describe_faults, raise_faults, read_faults
-from .launch import _kernels_of, _Launch
+from .launch import MAX_SCRATCH_BYTES, _kernels_of, _Launch
 from .splits import DEFAULT_SPLIT_RULES, SplitRule, num_splits_for, split_rule
 from .validate import (
     _LAYOUTS,
@@ -58,7 +67,9 @@ from .validate import (
     COMBINE,
     DECODE,
     HEAD_DIM_BUCKETS,
+    MAX_GROUP_ROWS,
     MAX_SEQLEN_Q,
+    ROUTED_SEQLEN_Q,
     DecodePlan,
     _check_contents,
     _debug,
@@ -66,10 +77,12 @@ from .validate import (
     _int,
     _plan,
 )
+from .variants import with_paged
 
-__all__ = ["DEFAULT_SPLIT_RULES", "FAULT_LENGTH", "FAULT_PAGE", "HEAD_DIM_BUCKETS", "MAX_SEQLEN_Q", "DecodePlan",
-           "SplitRule", "cached_launch", "clear_faults", "decode_attention", "decode_kernels", "describe_faults",
-           "num_splits_for", "read_faults", "route_from_attention", "route_options", "split_rule"]
+__all__ = ["DEFAULT_SPLIT_RULES", "FAULT_LENGTH", "FAULT_PAGE", "HEAD_DIM_BUCKETS", "MAX_GROUP_ROWS",
+           "MAX_SCRATCH_BYTES", "MAX_SEQLEN_Q", "ROUTED_SEQLEN_Q", "DecodePlan", "SplitRule", "cached_launch",
+           "clear_faults", "decode_attention", "decode_kernels", "describe_faults", "num_splits_for", "read_faults",
+           "route_from_attention", "route_options", "split_rule"]
 
 
 def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None, block_table: Any = None,
@@ -78,10 +91,11 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
                      num_splits: int | None = None, max_seqlen_k: int | None = None, layout: str = "bshd",
                      cache_layout: str = "bshd", out: Any = None, check: bool | None = None,
                      library: Any = None) -> tuple[Any, Any]:
-    """Attention of 1..16 query rows per sequence against a (contiguous or paged) KV cache.
+    """Attention of query rows per sequence against a (contiguous or paged) KV cache.
 
     Arguments:
-        q: ``(B, Sq, Hq, D)`` (``layout="bshd"``) or ``(B, Hq, Sq, D)``; fp16, bf16 or fp32.
+        q: ``(B, Sq, Hq, D)`` (``layout="bshd"``) or ``(B, Hq, Sq, D)``; fp16, bf16 or fp32;
+            ``Sq`` from 1 to :data:`MAX_SEQLEN_Q`, ``D`` from 1 to 256.
         k_cache, v_cache: ``(B, S_cache, Hkv, D)`` (``cache_layout`` as for q), or paged
             ``(num_pages, page_size, Hkv, D)`` with ``block_table``. Read (and appended to) in place.
         cache_seqlens: rows already cached per sequence: an int, a host integer array (CPU tensor,
@@ -91,7 +105,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             with Hkv heads.
         causal, window: bottom-right aligned causal mask and sliding window ``(left, right)``.
         scale: default ``1/sqrt(D)``.
-        num_splits: override the split count (default: the catalog's rule, see the module docs).
+        num_splits: override the split count (default: the catalog's rule, see the module docs);
+            refused when its partials would pass :data:`MAX_SCRATCH_BYTES`.
         max_seqlen_k: an upper bound of the keys any sequence sees, for the split count only
             (default: ``cache_seqlens + Sn`` when an int, else the capacity).
         out: preallocated output shaped like q.
@@ -105,10 +120,16 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
 
     Raises:
         ArgumentError: malformed shapes, dtypes, strides, lengths the cache cannot hold, a page
-            size that is not a multiple of 16; nothing has run.
-        UnsupportedError: a head dim that is not a compiled bucket, sizes past the grid.
+            size that is not a multiple of 16, more than :data:`MAX_SEQLEN_Q` query rows (or
+            :data:`MAX_GROUP_ROWS` per KV head); nothing has run.
+        UnsupportedError: a head dim past 256, sizes past the grid.
         FaultError: with ``check``, the fault flag was set (see :func:`read_faults`).
         KernelNotFound: the images lack the decode kernels for this dtype / head dim.
+
+    Example::
+
+        out, lse = decode_attention(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                                    k_new=k, v_new=v, causal=True)
     """
     debug = _debug(check)
     key = None if debug else _torch_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, causal,
@@ -141,7 +162,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         seqlens = launch.seqlens(xp.convert(q, infos["q"]), cache_seqlens, infos)
         table = xp.convert(block_table, infos["block_table"]) if p.paged else None
         _check_contents(xp, p, seqlens, table)
-    if key is not None and not p.q_copy:
+    if key is not None and not launch.q_copy:
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
         _LAUNCHES[key] = launch
@@ -206,11 +227,11 @@ def decode_kernels(q: Any, k_cache: Any, v_cache: Any, *, library: Any = None, *
     if options:
         raise ArgumentError(f"unknown option(s) {', '.join(sorted(options))}")
     ks = _kernels_of(library)
-    spec = {"dtype": p.dtype, "HEAD_DIM": p.head_dim}
-    handles = {DECODE: ks.handle(DECODE, {**spec, "PAGED": int(p.paged)}, 0, p.device),
-               COMBINE: ks.handle(COMBINE, spec, 0, p.device)}
+    spec, why = ks.choose(p, p.aligned)
+    handles = {DECODE: ks.handle(DECODE, with_paged(spec, p.paged), 0, p.device, why),
+               COMBINE: ks.handle(COMBINE, spec, 0, p.device, why)}
     if p.seqlen_new:
-        handles[APPEND] = ks.handle(APPEND, {**spec, "PAGED": int(p.paged)}, 0, p.device)
+        handles[APPEND] = ks.handle(APPEND, with_paged(spec, p.paged), 0, p.device, why)
     return handles
 
 
@@ -242,9 +263,11 @@ def route_options(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: An
                   lse: Any, return_mask: Any, library: Any) -> dict[str, Any] | None:
     """The :func:`decode_attention` options of an ``attention()`` call that can run there, else None.
 
-    Taken: dense (no cu_seqlens) forward calls with 1..16 query rows, no bias, no dropout, no
-    preallocated ``out``/``lse``, equal q/k/v head dims that are a compiled bucket, K/V readable
-    in place, and a mask the decode kernels express: none, or causal/window aligned bottom-right
+    Taken: dense (no cu_seqlens) forward calls with 1..:data:`ROUTED_SEQLEN_Q` query rows (longer
+    runs are prefill, faster on the attention kernels; :func:`decode_attention` itself takes them
+    when asked), no bias, no dropout, no preallocated ``out``/``lse``, equal q/k/v head dims whose
+    decode variants (as is or masked, :mod:`.variants`) the images hold, K/V readable in place,
+    and a mask the decode kernels express: none, or causal/window aligned bottom-right
     (or top-left with equal lengths, where the alignments coincide). The results equal the
     prefill kernel's (same ``out`` layout, ``lse`` fp32 ``(B, Hq, Sq)``), so the backward is
     unchanged. Anything else, any refusal, or images without the decode kernels: None, and
@@ -258,7 +281,7 @@ def route_options(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: An
         if len(qi.shape) != 4:
             return None
         seqlen_q = qi.shape[2] if layout == "bhsd" else qi.shape[1]
-        if not 1 <= seqlen_q <= MAX_SEQLEN_Q or qi.shape[3] not in HEAD_DIM_BUCKETS:
+        if not 1 <= seqlen_q <= ROUTED_SEQLEN_Q:
             return None
         ki = interop.describe(k)
         if len(ki.shape) != 4:
@@ -274,10 +297,13 @@ def route_options(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: An
             return None
         if interop.describe(v).shape[-1] != qi.shape[3]:
             return None
-        spec = {"dtype": qi.dtype, "HEAD_DIM": qi.shape[3]}
+        # The decode call's own validation: a call it refuses (shapes, strides) stays with attention().
+        p, _ = _plan(q, k, v, cache_seqlens=None, block_table=None, k_new=None, v_new=None, causal=causal is True,
+                     window=window, scale=scale, max_seqlen_k=None, layout=layout, cache_layout=layout)
         try:
             ks = _kernels_of(library)
-            if not all(ks.has(name, params) for name, params in ((DECODE, {**spec, "PAGED": 0}), (COMBINE, spec))):
+            spec, _ = ks.choose(p, p.aligned)
+            if not (ks.has(DECODE, with_paged(spec, False)) and ks.has(COMBINE, spec)):
                 return None
         except AotritonError:
             return None  # no images (yet): attention() validates the call first, then reports that

@@ -21,10 +21,12 @@ from .validate import (
     DecodePlan,
     _aligned,
     _bshd,
+    _check_in_place,
     _check_length,
     _describe,
     _effective,
 )
+from .variants import choose, with_paged
 
 
 def _sm_count(xp: Any, device: int) -> int | None:
@@ -66,7 +68,11 @@ class _Kernels:
     def device_arch(self, device: int) -> str:
         return self.shared.device_arch(device)
 
-    def handle(self, name: str, spec: Mapping[str, Any], config: int, device: int) -> Any:
+    def choose(self, p: DecodePlan, aligned: bool) -> tuple[dict[str, Any], str]:
+        """(spec without ``PAGED``, why) of the variants that serve ``p`` (ops/decode/variants.py)."""
+        return choose(p.dtype, p.head_dim, aligned, p.paged, self.has)
+
+    def handle(self, name: str, spec: Mapping[str, Any], config: int, device: int, why: str = "") -> Any:
         key = (name, tuple(sorted(spec.items())), config, device)
         hit = self.handles.get(key)
         if hit is not None:
@@ -84,8 +90,9 @@ class _Kernels:
             hit = self.lib.kernel(name, **params)
         except KernelNotFound as e:
             shown = ", ".join(f"{k}={v}" for k, v in spec.items())
-            raise KernelNotFound(f"decode attention needs {name} with {shown}, which these images lack; build it "
-                                 f"(`python -m builder build --set full --kernels {name}`). {e}") from None
+            because = f" ({why})" if why else ""
+            raise KernelNotFound(f"decode attention needs {name} with {shown}{because}, which these images lack; "
+                                 f"build it (`python -m builder build --set full --kernels {name}`). {e}") from None
         with self.lock:
             self.handles[key] = hit
         return hit
@@ -96,6 +103,34 @@ def _kernels_of(library: Any) -> _Kernels:
     from ...library import default_library, operator_state
 
     return operator_state(library if library is not None else default_library(), "decode", _Kernels)
+
+
+#: The most fp32 scratch a call's split partials (PartO, PartL) may take: the automatic split
+#: count is lowered to stay under it, an explicit ``num_splits`` past it is refused. Calls with
+#: many query rows fill the GPU with their row tiles and take one split (no scratch).
+MAX_SCRATCH_BYTES = 256 << 20
+
+
+def scratch_bytes(p: DecodePlan, bucket: int, num_splits: int) -> int:
+    """Bytes of the split partials: ``bucket``-wide fp32 rows and a logsumexp per (sequence, KV
+    head, split, query row); 0 for one split (no combine)."""
+    if num_splits <= 1:
+        return 0
+    return p.batch * p.heads_k * num_splits * p.group_rows * (bucket + 1) * 4
+
+
+def fit_splits(p: DecodePlan, bucket: int, num_splits: int, explicit: bool) -> int:
+    """``num_splits`` lowered until the partials fit :data:`MAX_SCRATCH_BYTES` (``explicit``: the
+    caller's count, refused with ArgumentError instead)."""
+    if scratch_bytes(p, bucket, num_splits) <= MAX_SCRATCH_BYTES:
+        return num_splits
+    if explicit:
+        mib = scratch_bytes(p, bucket, num_splits) / (1 << 20)
+        raise ArgumentError(f"num_splits={num_splits} needs {mib:.0f} MiB of fp32 scratch for the split partials, "
+                            f"past MAX_SCRATCH_BYTES ({MAX_SCRATCH_BYTES >> 20} MiB); pass fewer splits or leave "
+                            f"num_splits=None")
+    per_split = scratch_bytes(p, bucket, 2) // 2
+    return max(1, MAX_SCRATCH_BYTES // per_split) if per_split else num_splits
 
 
 #: Contiguous split calls that read at least this many K/V bytes launch without PDL (see pdl_choice).
@@ -172,42 +207,50 @@ class _Launch:
                  cache_seqlens: Any) -> None:
         self.p, self.layout, self.ks = p, layout, ks
         self.xp = xp = arrays_for(infos["q"].framework)
-        spec = {"dtype": p.dtype, "HEAD_DIM": p.head_dim}
+        q_shape = tuple(infos["q"].shape)
+        oi = infos.get("out")
+        o_strides = _bshd(oi, layout)[1] if oi is not None else _bshd_contiguous(q_shape, layout)
+        o_strides = _effective((p.batch, p.heads_q, p.seqlen_q), o_strides)
+        if oi is not None:
+            _check_in_place(oi, "out", o_strides)
+        # The variants: as is where the head dim is a bucket and the arrays are aligned (an
+        # unaligned q is then copied), else masked on the smallest bucket the images hold.
+        spec, why = ks.choose(p, p.aligned and (oi is None or _aligned(oi, o_strides)))
+        self.spec, self.why = spec, why
+        self.bucket = spec["HEAD_DIM"]
+        self.q_copy = p.q_copy or (not spec.get("PADDED_D") and not _aligned(infos["q"], p.q_strides))
         arch = ks.device_arch(p.device)
         rule, config = split_rule(ks.rules, arch, batch_heads=p.batch * p.heads_k, paged=p.paged)
-        self.decode = ks.handle(DECODE, {**spec, "PAGED": int(p.paged)}, config, p.device)
-        self.append = ks.handle(APPEND, {**spec, "PAGED": int(p.paged)}, 0, p.device) if p.seqlen_new else None
+        paged = with_paged(spec, p.paged)
+        self.decode = ks.handle(DECODE, paged, config, p.device, why)
+        self.append = ks.handle(APPEND, paged, 0, p.device, why) if p.seqlen_new else None
         row_blocks = -(-p.group_rows // _block_m(self.decode, p.device))
+        explicit = num_splits is not None
         if num_splits is None:
             sm = ks.sms.get(p.device)
             if sm is None:
                 sm = ks.sms[p.device] = _sm_count(xp, p.device) or _SM_COUNTS.get(arch, 100)
             num_splits = num_splits_for(p.batch, p.heads_k, row_blocks, p.seqlen_k_hint,
                                         _block_n(self.decode, p.device), sm, rule)
+        num_splits = fit_splits(p, self.bucket, num_splits, explicit)
         self.num_splits = num_splits
         self.pdl, self.pdl_reason = pdl_choice(p, num_splits)
-        self.combine = ks.handle(COMBINE, spec, 0, p.device) if num_splits > 1 else None
-        q_shape = tuple(infos["q"].shape)
+        self.combine = ks.handle(COMBINE, spec, 0, p.device, why) if num_splits > 1 else None
         self.q_shape = q_shape
         self.lse_shape = (p.batch, p.heads_q, p.seqlen_q)
         self.part_rows = p.batch * p.heads_k * num_splits * p.group_rows
-        oi = infos.get("out")
-        o_strides = _bshd(oi, layout)[1] if oi is not None else _bshd_contiguous(q_shape, layout)
-        o_strides = _effective((p.batch, p.heads_q, p.seqlen_q), o_strides)
-        if oi is not None and not _aligned(oi, o_strides):
-            raise ArgumentError(f"out must have a contiguous head dim, a 16-byte aligned address and strides that "
-                                f"are multiples of 16 elements, got strides {tuple(oi.strides)}")
         self.lens_mode = ("full" if cache_seqlens is None else "int" if isinstance(cache_seqlens, int)
                           else "host" if validate._host_lengths(cache_seqlens) is not None else "array")
         self.base = {"stride_btz": p.bt_stride, "batch": p.batch, "num_heads_q": p.heads_q,
                      "num_heads_k": p.heads_k, "seqlen_q": p.seqlen_q, "seqlen_new": p.seqlen_new,
                      "capacity": p.capacity, "num_pages": p.num_pages, "page_size": p.page_size, "sm_scale": p.scale,
                      "window_left": p.window_left, "window_right": p.window_right, "num_splits": num_splits,
+                     "head_dim": p.head_dim,
                      **named("q", "m", p.q_strides), **named("k", "n", p.k_strides),
                      **named("v", "n", p.v_strides), **named("o", "m", o_strides),
                      **named("kn", "m", p.kn_strides), **named("vn", "m", p.vn_strides),
                      "stride_lz": p.heads_q * p.seqlen_q, "stride_lh": p.seqlen_q}
-        self.fast = self._prepare() if xp.framework == "torch" and p.device >= 0 and not p.q_copy else None
+        self.fast = self._prepare() if xp.framework == "torch" and p.device >= 0 and not self.q_copy else None
         self.lens = None  # the constant lengths array of "full"/"int" calls, made on the first fast call
         self.flag = None  # the library's fault flag for this device, fetched on the first call
 
@@ -256,8 +299,8 @@ class _Launch:
                 lens = self._constant_lens(q, cache_seqlens)
         stream = self.stream(p.device)
         if self.combine is not None:  # one allocation: the partial outputs, then their logsumexps
-            part_o = torch.empty((self.part_rows * (p.head_dim + 1),), dtype=torch.float32, device=dev).data_ptr()
-            part_l = part_o + self.part_rows * p.head_dim * 4
+            part_o = torch.empty((self.part_rows * (self.bucket + 1),), dtype=torch.float32, device=dev).data_ptr()
+            part_l = part_o + self.part_rows * self.bucket * 4
         else:
             part_o = part_l = 0
         # In _POINTERS order.
@@ -318,7 +361,7 @@ class _Launch:
         xp, p = self.xp, self.p
         if infos is not None:  # first call: any framework, converted once
             q, k, v = (xp.convert(a, infos[n]) for a, n in ((q, "q"), (k, "k_cache"), (v, "v_cache")))
-            if p.q_copy:
+            if self.q_copy:
                 q = xp.contiguous(q)
                 p.q_strides = _effective((p.batch, p.heads_q, p.seqlen_q), _bshd(_describe(q, "q"), self.layout)[1])
                 self.base.update(named("q", "m", p.q_strides))
@@ -338,7 +381,7 @@ class _Launch:
         if self.append is not None:
             self.append(*[values[n] for n in self.append.arg_names])
         if self.combine is not None:
-            values["PartO"] = xp.empty((self.part_rows, p.head_dim), "fp32", q)
+            values["PartO"] = xp.empty((self.part_rows, self.bucket), "fp32", q)
             values["PartL"] = xp.empty((self.part_rows,), "fp32", q)
         self.decode(*[values[n] for n in self.decode.arg_names])
         if self.combine is not None:

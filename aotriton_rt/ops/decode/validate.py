@@ -15,16 +15,23 @@ from ..attention.problem import _describe, window_sides  # shared with the atten
 DECODE = "attn_decode"
 COMBINE = "attn_decode_combine"
 APPEND = "attn_decode_append"
-# Mirrors builder/kernels/decode.py (the runtime never imports the builder; a test keeps them equal).
+# Mirror builder/kernels/decode.py (the runtime never imports the builder; a test keeps them equal).
 HEAD_DIM_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
-MAX_SEQLEN_Q = 16
+#: Longest query run per sequence decode_attention takes (key positions, window ends and
+#: ``capacity + seqlen_q`` stay inside the kernels' int32 arithmetic).
+MAX_SEQLEN_Q = 2**28
+#: Most query rows per KV head (GQA group times query rows): the kernels' 32-bit row index and
+#: the combine kernel's grid x.
+MAX_GROUP_ROWS = 2**30
+#: Longest query run that ``attention()`` and the transformers integration send to the decode
+#: kernels by themselves (one token or a speculative draft); longer runs are prefill, which the
+#: attention kernels do faster. ``decode_attention`` takes up to :data:`MAX_SEQLEN_Q`.
+ROUTED_SEQLEN_Q = 16
 DTYPES = ("fp16", "bf16", "fp32")
 _ALIGN = 16
 _GRID = 65535
 _MAX_CAPACITY = 2**28  # lengths + windows stay far inside int32 in the kernels
 _LAYOUTS = ("bshd", "bhsd")
-
-
 
 
 
@@ -55,6 +62,9 @@ class DecodePlan:
     scale: float
     device: int
     q_copy: bool
+    #: Every array read or written in place along the head dim (caches, appended rows) has a
+    #: 16-byte aligned address and strides: what the PADDED_D=0 variants assume.
+    aligned: bool = True
 
     @property
     def group_rows(self) -> int:
@@ -79,9 +89,31 @@ def _bshd(info: interop.ArrayInfo, layout: str) -> tuple[tuple[int, int, int, in
     return (b, n, h, d), (s[0], s[1], s[2])
 
 
+def _dim_contiguous(info: interop.ArrayInfo) -> bool:
+    return info.strides[-1] == 1 or info.shape[-1] <= 1
+
+
 def _aligned(info: interop.ArrayInfo, strides: Sequence[int]) -> bool:
-    dim_ok = info.strides[-1] == 1 or info.shape[-1] <= 1
-    return dim_ok and info.ptr % 16 == 0 and all(s >= 0 and s % _ALIGN == 0 for s in strides)
+    return _dim_contiguous(info) and info.ptr % 16 == 0 and all(s >= 0 and s % _ALIGN == 0 for s in strides)
+
+
+def _check_in_place(info: interop.ArrayInfo, name: str, strides: Sequence[int]) -> None:
+    """Refuse an array the kernels cannot address in place: a head dim that is not contiguous,
+    or a negative stride."""
+    if not _dim_contiguous(info) or any(s < 0 for s in strides):
+        raise ArgumentError(f"{name} must have a contiguous head dim and non-negative strides (it is read in "
+                            f"place), got strides {tuple(info.strides)}")
+
+
+def check_head_dim(d: int) -> None:
+    """Refuse a head dim no bucket holds (the attention operator's wording)."""
+    if d < 1:
+        raise ArgumentError(f"head dim {d}: q, the caches and k_new/v_new need at least one column")
+    if d > HEAD_DIM_BUCKETS[-1]:
+        raise UnsupportedError(f"head dim {d} exceeds the largest supported head dim {HEAD_DIM_BUCKETS[-1]}; "
+                               f"supported: 1..{HEAD_DIM_BUCKETS[-1]} (compiled buckets "
+                               f"{', '.join(map(str, HEAD_DIM_BUCKETS))}; others are read masked on the next "
+                               f"one)")
 
 
 def _effective(extents: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
@@ -116,8 +148,8 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
                             f"same rows")
     (batch, seqlen_q, heads_q, d), q_strides = _bshd(qi, layout)
     if not 1 <= seqlen_q <= MAX_SEQLEN_Q:
-        raise ArgumentError(f"q has {seqlen_q} query rows per sequence; decode attention takes 1..{MAX_SEQLEN_Q} "
-                            f"(use aotriton_rt.attention for prefill)")
+        raise ArgumentError(f"q has {seqlen_q} query rows per sequence; decode attention takes 1..MAX_SEQLEN_Q "
+                            f"(2**28) (use aotriton_rt.attention for longer runs)")
     paged = block_table is not None
     if paged:
         num_pages, page_size, heads_k, dk = ki.shape
@@ -149,22 +181,24 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
         v_strides = _effective((batch, heads_k, capacity), v_strides)
     if dk != d:
         raise ArgumentError(f"k_cache has head dim {dk} but q has {d}")
-    if d not in HEAD_DIM_BUCKETS:
-        raise UnsupportedError(f"head dim {d}: the cache is read in place, so its head dim must be one of "
-                               f"{', '.join(map(str, HEAD_DIM_BUCKETS))}; allocate the cache padded to the next one")
+    check_head_dim(d)
     if heads_k < 1 or heads_q % heads_k:
         raise ArgumentError(f"q has {heads_q} heads, not a multiple of the cache's {heads_k} KV heads")
+    if heads_q // heads_k * seqlen_q > MAX_GROUP_ROWS:
+        raise ArgumentError(f"{heads_q // heads_k} query heads per KV head times {seqlen_q} query rows exceed "
+                            f"MAX_GROUP_ROWS (2**30) rows per KV head, the kernels' 32-bit row index; split the "
+                            f"query rows into shorter runs")
     if batch * heads_k > _GRID:
         raise UnsupportedError(f"batch * kv heads = {batch * heads_k} exceeds {_GRID}, the kernels' grid limit")
     if capacity > _MAX_CAPACITY:
         raise UnsupportedError(f"a cache of {capacity} rows per sequence exceeds {_MAX_CAPACITY}")
     for name, info, strides in (("k_cache", ki, k_strides), ("v_cache", vi, v_strides)):
-        if not _aligned(info, strides):
-            raise ArgumentError(f"{name} must have a contiguous head dim, a 16-byte aligned address and strides "
-                                f"that are multiples of 16 elements (it is read and written in place), got "
-                                f"strides {tuple(info.strides)}")
+        _check_in_place(info, name, strides)
+    aligned = _aligned(ki, k_strides) and _aligned(vi, v_strides)
     q_strides = _effective((batch, heads_q, seqlen_q), q_strides)
-    q_copy = not _aligned(qi, q_strides)
+    # A q the kernels cannot address is copied; one that is merely unaligned only where the
+    # aligned (PADDED_D=0) variants run (_Launch decides).
+    q_copy = not _dim_contiguous(qi) or any(s < 0 for s in q_strides)
 
     seqlen_new = 0
     kn_strides = vn_strides = (0, 0, 0)
@@ -191,9 +225,8 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
         kn_strides = _effective((batch, heads_k, seqlen_new), kn_strides)
         vn_strides = _effective((batch, heads_k, seqlen_new), vn_strides)
         for name, info, strides in (("k_new", kni, kn_strides), ("v_new", vni, vn_strides)):
-            if not _aligned(info, strides):
-                raise ArgumentError(f"{name} must have a contiguous head dim, a 16-byte aligned address and strides "
-                                    f"that are multiples of 16 elements, got strides {tuple(info.strides)}")
+            _check_in_place(info, name, strides)
+            aligned = aligned and _aligned(info, strides)
     if seqlen_new > capacity:
         raise ArgumentError(f"appending {seqlen_new} rows exceeds the cache's capacity of {capacity} rows per "
                             f"sequence")
@@ -235,7 +268,7 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
                                 f"be on one GPU")
     plan = DecodePlan(qi.dtype, d, batch, heads_q, heads_k, seqlen_q, seqlen_new, capacity, paged, page_size,
                       num_pages, hint, q_strides, k_strides, v_strides, kn_strides, vn_strides, bt_stride, left, right,
-                      float(scale), device, q_copy)
+                      float(scale), device, q_copy, aligned)
     return plan, infos
 
 

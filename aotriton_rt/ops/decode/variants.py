@@ -1,0 +1,58 @@
+"""Which decode variants serve a call: the compiled head-dim bucket, and whether its rows are read
+as is (``PADDED_D=0``) or masked to the call's head dim (``PADDED_D=1``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .validate import COMBINE, DECODE, HEAD_DIM_BUCKETS
+
+#: ``has(kernel, params)``: whether the images hold such a variant.
+Has = Callable[[str, Mapping[str, Any]], bool]
+
+
+def candidates(dtype: str, head_dim: int, aligned: bool) -> list[tuple[dict[str, Any], str]]:
+    """(spec without ``PAGED``, why), best first, for a call at ``head_dim``.
+
+    As is at the head dim itself when it is a bucket and every array read in place is 16-byte
+    aligned (``aligned``): 16-byte loads, the fast path. Then masked on each bucket from the
+    smallest holding ``head_dim`` up (images that lack a bucket run the call on the next one
+    they hold). Last, for images built before the masked variants existed (no ``PADDED_D``
+    parameter), the head dim's own bucket as is: new images never match it, having failed
+    the first candidate.
+    """
+    exact = head_dim in HEAD_DIM_BUCKETS and aligned
+    found: list[tuple[dict[str, Any], str]] = []
+    if exact:
+        found.append(({"dtype": dtype, "HEAD_DIM": head_dim, "PADDED_D": 0},
+                      f"head dim {head_dim} is a bucket and the arrays are 16-byte aligned"))
+    if head_dim in HEAD_DIM_BUCKETS and not aligned:
+        why = f"head dim {head_dim}: the arrays are not 16-byte aligned, so rows are read masked"
+    else:
+        why = f"head dim {head_dim} is read masked"
+    for bucket in HEAD_DIM_BUCKETS:
+        if bucket >= head_dim:
+            found.append(({"dtype": dtype, "HEAD_DIM": bucket, "PADDED_D": 1}, f"{why} on the {bucket} bucket"))
+    if exact:
+        found.append(({"dtype": dtype, "HEAD_DIM": head_dim}, f"head dim {head_dim}: images without masked "
+                                                               f"variants"))
+    return found
+
+
+def with_paged(spec: Mapping[str, Any], paged: bool) -> dict[str, Any]:
+    """``spec`` of the kernels with a ``PAGED`` axis (decode, append), in the axes' order."""
+    return {"dtype": spec["dtype"], "HEAD_DIM": spec["HEAD_DIM"], "PAGED": int(paged), **spec}
+
+
+def choose(dtype: str, head_dim: int, aligned: bool, paged: bool, has: Has) -> tuple[dict[str, Any], str]:
+    """The first of :func:`candidates` whose decode and combine kernels the images hold, and why;
+    when none, the first (so the library's KernelNotFound says what is missing)."""
+    found = candidates(dtype, head_dim, aligned)
+    for spec, why in found:
+        if has(DECODE, with_paged(spec, paged)) and has(COMBINE, spec):
+            return spec, why
+    spec, why = found[0]
+    if spec.get("PADDED_D") == 0:
+        why += f"; the images hold no masked variant at a bucket >= {head_dim} either"
+    return spec, why
