@@ -41,21 +41,31 @@ def cmd_build(args) -> int:
     from .build import build
 
     jobs, version = _jobs(args)
+    cache = _cache(args, version)
     tuning = _tuning_table(args, jobs, registry.tuning_of(registry.load_kernels(), jobs))
     out = Path(args.out)
+    how = f"with {args.jobs} workers"
     print(f"building {len(jobs)} variants ({args.set} set"
-          f"{', shard ' + args.shard if args.shard else ''}) into {out} with {args.jobs} workers",
-          file=sys.stderr)
-    # Triton's own cache would make "compiled" counts lie; ours is the output folder.
-    with tempfile.TemporaryDirectory(prefix="aotriton-build-") as cache:
-        os.environ["TRITON_CACHE_DIR"] = cache
+          f"{', shard ' + args.shard if args.shard else ''}) into {out} {how}"
+          f"{f', compile cache {cache.root}' if cache is not None else ''}", file=sys.stderr)
+    # Triton's own cache would make "compiled" counts lie; ours are the output folder and --cache.
+    with tempfile.TemporaryDirectory(prefix="aotriton-build-") as triton_cache:
+        os.environ["TRITON_CACHE_DIR"] = triton_cache
         summary = build(jobs, out, workers=args.jobs, timeout=args.timeout,
                         keep_going=args.keep_going, triton_version=version, quiet=args.quiet, tuning=tuning,
                         existing="keep" if args.add else "replace" if args.replace else "refuse",
-                        timings=Path(args.timings) if args.timings else None)
+                        timings=Path(args.timings) if args.timings else None, cache=cache)
     for line in summary.lines():
         print(line)
     return 0
+
+
+def _cache(args, triton_version: str):
+    """The compile cache of --cache, else of $AOTRITON_BUILDER_CACHE; None with --no-cache or neither."""
+    from .cache import ENV, CompileCache
+
+    folder = None if args.no_cache else args.cache or os.environ.get(ENV)
+    return CompileCache(Path(folder), triton_version) if folder else None
 
 
 def _tuning_table(args, jobs: list, declared: dict) -> dict:
@@ -144,6 +154,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--timings", metavar="FILE",
                    help="append one JSON line per compiled variant to FILE: kernel, target, spec, config, "
                         "CPU seconds (worker and compiler subprocesses), wall seconds, image and PTX sizes")
+    caches = b.add_mutually_exclusive_group()
+    caches.add_argument("--cache", metavar="DIR",
+                        help="compile cache: read variants from DIR before compiling, store each one compiled "
+                             "(default: $AOTRITON_BUILDER_CACHE, if set)")
+    caches.add_argument("--no-cache", action="store_true",
+                        help="use no compile cache, even if $AOTRITON_BUILDER_CACHE is set")
     b.set_defaults(func=cmd_build)
 
     sp = sub.add_parser("list", help="print what would be built, without building", formatter_class=fmt,
@@ -190,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .abi import AbiError
     from .build import BuildError
+    from .cache import CacheError
     from .targets import UnknownTarget
     from .tuning import TuningError
     from .wheels import WheelError
@@ -197,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (BuildError, UnknownTarget, ValueError, AbiError, AotritonError, WheelError, TuningError) as e:
+    except (BuildError, CacheError, UnknownTarget, ValueError, AbiError, AotritonError, WheelError,
+            TuningError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except ImportError as e:
