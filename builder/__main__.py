@@ -40,11 +40,13 @@ def cmd_build(args) -> int:
     from . import registry
     from .build import build
 
+    executor = _executor(args)
     jobs, version = _jobs(args)
     cache = _cache(args, version)
     tuning = _tuning_table(args, jobs, registry.tuning_of(registry.load_kernels(), jobs))
     out = Path(args.out)
-    how = f"with {args.jobs} workers"
+    how = (f"as Ray tasks{' on ' + args.address if args.address else ''}" if executor is not None
+           else f"with {args.jobs} workers")
     print(f"building {len(jobs)} variants ({args.set} set"
           f"{', shard ' + args.shard if args.shard else ''}) into {out} {how}"
           f"{f', compile cache {cache.root}' if cache is not None else ''}", file=sys.stderr)
@@ -54,10 +56,23 @@ def cmd_build(args) -> int:
         summary = build(jobs, out, workers=args.jobs, timeout=args.timeout,
                         keep_going=args.keep_going, triton_version=version, quiet=args.quiet, tuning=tuning,
                         existing="keep" if args.add else "replace" if args.replace else "refuse",
-                        timings=Path(args.timings) if args.timings else None, cache=cache)
+                        timings=Path(args.timings) if args.timings else None, executor=executor, cache=cache)
     for line in summary.lines():
         print(line)
     return 0
+
+
+def _executor(args):
+    """None for the local pool (``-j``), else the Ray executor, Ray's presence checked now."""
+    if args.executor != "ray":
+        for option, given in (("--address", args.address), ("--retries", args.retries)):
+            if given is not None:
+                raise ValueError(f"{option} is for --executor ray")
+        return None
+    from .cluster import RayExecutor, import_ray
+
+    import_ray()
+    return RayExecutor(args.address, 3 if args.retries is None else args.retries)
 
 
 def _cache(args, triton_version: str):
@@ -154,6 +169,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--timings", metavar="FILE",
                    help="append one JSON line per compiled variant to FILE: kernel, target, spec, config, "
                         "CPU seconds (worker and compiler subprocesses), wall seconds, image and PTX sizes")
+    b.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="what compiles: local worker processes (-j), or Ray tasks (needs the cluster extra)")
+    b.add_argument("--address", metavar="ADDR",
+                   help="with --executor ray: the Ray cluster (auto, HOST:6379, ray://HOST:10001); default: "
+                        "RAY_ADDRESS, a cluster started on this machine, or a new local one")
+    b.add_argument("--retries", type=int, metavar="N",
+                   help="with --executor ray: how often a task whose worker died is run again (default 3)")
     caches = b.add_mutually_exclusive_group()
     caches.add_argument("--cache", metavar="DIR",
                         help="compile cache: read variants from DIR before compiling, store each one compiled "
