@@ -172,8 +172,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="what compiles: local worker processes (-j), or Ray tasks (needs the cluster extra)")
     b.add_argument("--address", metavar="ADDR",
-                   help="with --executor ray: the Ray cluster (auto, HOST:6379, ray://HOST:10001); default: "
-                        "RAY_ADDRESS, a cluster started on this machine, or a new local one")
+                   help="with --executor ray: the Ray cluster (auto: the one `ray start` runs on this machine; "
+                        "HOST:6379; ray://HOST:10001); default: RAY_ADDRESS, else a new Ray instance here")
     b.add_argument("--retries", type=int, metavar="N",
                    help="with --executor ray: how often a task whose worker died is run again (default 3)")
     caches = b.add_mutually_exclusive_group()

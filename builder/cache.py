@@ -74,7 +74,7 @@ _WRITE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW",
 
 
 class CacheError(Exception):
-    """The cache folder cannot be used at all (it is not a folder, or this system cannot open
+    """The cache folder cannot be used at all (it cannot be created, or this system cannot open
     files without following links)."""
 
 
@@ -120,8 +120,6 @@ class CompileCache:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CacheError(f"cannot create the compile cache folder {self.root}: {e.strerror or e}") from e
-        if not self.root.is_dir():
-            raise CacheError(f"the compile cache {self.root} is not a folder")
 
     def path(self, key: str) -> Path:
         """Where the entry of ``key`` is (for messages; every access goes through descriptors)."""
@@ -137,7 +135,10 @@ class CompileCache:
                 :meth:`put` to replace).
         """
         where = self.path(job.key)
-        folder = self._folder(job.key, create=False)
+        try:
+            folder = self._folder(job.key, create=False)
+        except OSError as e:  # e.g. a folder this user may not read
+            raise BadEntry(where.parent, f"cannot be opened: {e.strerror or e}") from None
         if folder is None:
             return None
         try:

@@ -45,10 +45,10 @@ class RayExecutor:
     """Compile jobs as Ray tasks on the cluster at ``address``.
 
     Args:
-        address: what ``ray.init(address=...)`` takes: ``"auto"`` (the cluster this machine is a
-            node of), ``"HOST:6379"`` or ``"ray://HOST:10001"``. None: ``ray.init()``'s own rule:
-            ``RAY_ADDRESS`` if set, else a cluster started with ``ray start`` on this machine,
-            else a new Ray instance on this machine, shut down when the build ends.
+        address: what ``ray.init(address=...)`` takes: ``"auto"`` (the cluster started with
+            ``ray start`` on this machine), ``"HOST:6379"`` or ``"ray://HOST:10001"``. None:
+            ``RAY_ADDRESS`` if set, else a new Ray instance on this machine, shut down when the
+            build ends (never a cluster that ``ray start`` left behind: a stale one would hang).
         retries: how many times Ray runs a task again when its worker dies.
 
     If Ray is already initialised in this process (``ray.init`` called by the caller), that
@@ -65,7 +65,7 @@ class RayExecutor:
         ray = import_ray()
         started_here = not ray.is_initialized()
         if started_here:
-            ray.init(address=self.address)
+            ray.init(address=self.address or os.environ.get("RAY_ADDRESS") or "local")
         task = ray.remote(num_cpus=1, max_retries=self.retries)(_compile_task)
         pending = list(reversed(jobs))
         running: dict = {}  # ObjectRef -> (job, submitted)

@@ -23,7 +23,7 @@ pytest.importorskip("msgpack", reason="the ABI proof reads AMDGPU metadata with 
 
 from aotriton_rt.catalog import Catalog, canonical_bytes  # noqa: E402
 from builder.build import Summary, build, prove_folder  # noqa: E402
-from builder.cache import MAGIC, MAX_ENTRY_BYTES, BadEntry, CompileCache  # noqa: E402
+from builder.cache import MAGIC, MAX_ENTRY_BYTES, BadEntry, CacheError, CompileCache  # noqa: E402
 from builder.registry import Job, expand, load_kernels  # noqa: E402
 from builder.targets import parse_targets  # noqa: E402
 
@@ -231,11 +231,34 @@ def test_an_entry_that_cannot_be_stored_is_reported_once_and_the_build_goes_on(
 
 
 def test_a_cache_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
-    from builder.cache import CacheError
-
     (tmp_path / "file").write_text("")
     with pytest.raises(CacheError, match=r"^cannot create the compile cache folder .*/file: File exists$"):
         CompileCache(tmp_path / "file", VERSION)
+
+
+def test_a_system_that_cannot_open_without_following_links_gets_no_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "supports_dir_fd", set())
+    with pytest.raises(CacheError, match=r"^the compile cache needs a system that opens files without following "
+                                         r"links \(O_NOFOLLOW and dir_fd\): Linux or macOS$"):
+        CompileCache(tmp_path / "cache", VERSION)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_cache_folder_that_cannot_be_opened_counts_as_a_bad_entry(cache: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    job = _hip(_jobs())
+    compile_cache = CompileCache(cache, VERSION)
+    real_open = os.open
+
+    def refuse(path, flags, *args, **kw):
+        if path == job.key[:2]:
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(BadEntry, match=rf"{re.escape(job.key[:2])}: cannot be opened: Permission denied$"):
+        compile_cache.get(job)
 
 
 # --------------------------------------------------------------------------- the command line

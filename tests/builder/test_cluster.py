@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -44,11 +46,11 @@ def _tree(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _cli(*args: str | Path) -> subprocess.CompletedProcess:
+def _cli(*args: str | Path, **extra_env: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("AOTRITON_BUILDER_ANY_TRITON", "AOTRITON_BUILDER_CACHE", "RAY_ADDRESS")}
+           if k not in ("AOTRITON_BUILDER_ANY_TRITON", "AOTRITON_BUILDER_CACHE", "RAY_ADDRESS")} | extra_env
     return subprocess.run([sys.executable, "-m", "builder", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=300)
 
 
 def _jobs(kernel: str, targets: str, package: str = FIXTURE) -> list[registry.Job]:
@@ -76,8 +78,17 @@ def pool_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_command_line_builds_with_ray_the_same_bytes_as_the_process_pool(pool_build: Path,
                                                                               tmp_path: Path) -> None:
     pytest.importorskip("ray", reason=NEEDS_RAY)
+    # The address file a `ray start` leaves behind, of a cluster long gone: without --address the
+    # build starts its own Ray instead of waiting for that one (Ray's temporary folder must be
+    # short: its sockets live there).
+    ray_tmp = Path(tempfile.mkdtemp(prefix="aotriton-ray-", dir="/tmp"))
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9")
     started = time.monotonic()
-    done = _cli("build", *SELECT, "--out", tmp_path / "ray", "--executor", "ray")
+    try:
+        done = _cli("build", *SELECT, "--out", tmp_path / "ray", "--executor", "ray", RAY_TMPDIR=str(ray_tmp))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     seconds = time.monotonic() - started
     assert done.returncode == 0, done.stderr
     assert f"building 18 variants (default set) into {tmp_path / 'ray'} as Ray tasks" in done.stderr
@@ -92,6 +103,8 @@ def test_ray_options_without_the_ray_executor_are_refused(tmp_path: Path, capsys
     assert capsys.readouterr().err == "error: --address is for --executor ray\n"
     assert main(["build", *SELECT, "--out", str(tmp_path), "--retries", "1"]) == 1
     assert capsys.readouterr().err == "error: --retries is for --executor ray\n"
+    with pytest.raises(ValueError, match=r"^retries must be >= 0, got -1$"):
+        RayExecutor(retries=-1)
     assert not any(tmp_path.iterdir())
 
 
