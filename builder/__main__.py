@@ -40,22 +40,47 @@ def cmd_build(args) -> int:
     from . import registry
     from .build import build
 
+    executor = _executor(args)
     jobs, version = _jobs(args)
+    cache = _cache(args, version)
     tuning = _tuning_table(args, jobs, registry.tuning_of(registry.load_kernels(), jobs))
     out = Path(args.out)
+    how = (f"as Ray tasks{' on ' + args.address if args.address else ''}" if executor is not None
+           else f"with {args.jobs} workers")
     print(f"building {len(jobs)} variants ({args.set} set"
-          f"{', shard ' + args.shard if args.shard else ''}) into {out} with {args.jobs} workers",
-          file=sys.stderr)
-    # Triton's own cache would make "compiled" counts lie; ours is the output folder.
-    with tempfile.TemporaryDirectory(prefix="aotriton-build-") as cache:
-        os.environ["TRITON_CACHE_DIR"] = cache
+          f"{', shard ' + args.shard if args.shard else ''}) into {out} {how}"
+          f"{f', compile cache {cache.root}' if cache is not None else ''}", file=sys.stderr)
+    # Triton's own cache would make "compiled" counts lie; ours are the output folder and --cache.
+    with tempfile.TemporaryDirectory(prefix="aotriton-build-") as triton_cache:
+        os.environ["TRITON_CACHE_DIR"] = triton_cache
         summary = build(jobs, out, workers=args.jobs, timeout=args.timeout,
                         keep_going=args.keep_going, triton_version=version, quiet=args.quiet, tuning=tuning,
                         existing="keep" if args.add else "replace" if args.replace else "refuse",
-                        timings=Path(args.timings) if args.timings else None)
+                        timings=Path(args.timings) if args.timings else None, executor=executor, cache=cache)
     for line in summary.lines():
         print(line)
     return 0
+
+
+def _executor(args):
+    """None for the local pool (``-j``), else the Ray executor, Ray's presence checked now."""
+    if args.executor != "ray":
+        for option, given in (("--address", args.address), ("--retries", args.retries)):
+            if given is not None:
+                raise ValueError(f"{option} is for --executor ray")
+        return None
+    from .cluster import RayExecutor, import_ray
+
+    import_ray()
+    return RayExecutor(args.address, 3 if args.retries is None else args.retries)
+
+
+def _cache(args, triton_version: str):
+    """The compile cache of --cache, else of $AOTRITON_BUILDER_CACHE; None with --no-cache or neither."""
+    from .cache import ENV, CompileCache
+
+    folder = None if args.no_cache else args.cache or os.environ.get(ENV)
+    return CompileCache(Path(folder), triton_version) if folder else None
 
 
 def _tuning_table(args, jobs: list, declared: dict) -> dict:
@@ -144,6 +169,19 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--timings", metavar="FILE",
                    help="append one JSON line per compiled variant to FILE: kernel, target, spec, config, "
                         "CPU seconds (worker and compiler subprocesses), wall seconds, image and PTX sizes")
+    b.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="what compiles: local worker processes (-j), or Ray tasks (needs the cluster extra)")
+    b.add_argument("--address", metavar="ADDR",
+                   help="with --executor ray: the Ray cluster (auto: the one `ray start` runs on this machine; "
+                        "HOST:6379; ray://HOST:10001); default: RAY_ADDRESS, else a new Ray instance here")
+    b.add_argument("--retries", type=int, metavar="N",
+                   help="with --executor ray: how often a task whose worker died is run again (default 3)")
+    caches = b.add_mutually_exclusive_group()
+    caches.add_argument("--cache", metavar="DIR",
+                        help="compile cache: read variants from DIR before compiling, store each one compiled "
+                             "(default: $AOTRITON_BUILDER_CACHE, if set)")
+    caches.add_argument("--no-cache", action="store_true",
+                        help="use no compile cache, even if $AOTRITON_BUILDER_CACHE is set")
     b.set_defaults(func=cmd_build)
 
     sp = sub.add_parser("list", help="print what would be built, without building", formatter_class=fmt,
@@ -190,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .abi import AbiError
     from .build import BuildError
+    from .cache import CacheError
     from .targets import UnknownTarget
     from .tuning import TuningError
     from .wheels import WheelError
@@ -197,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (BuildError, UnknownTarget, ValueError, AbiError, AotritonError, WheelError, TuningError) as e:
+    except (BuildError, CacheError, UnknownTarget, ValueError, AbiError, AotritonError, WheelError,
+            TuningError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except ImportError as e:

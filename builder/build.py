@@ -1,28 +1,30 @@
 """Building an image folder: parallel, bounded, incremental, reproducible.
 
-Jobs run in worker processes (``-j``), each with a per-job timeout: a worker that overruns is
-killed and replaced, and its job is reported as failed by name. Variants whose key is already
-in the output folder's catalog, with an intact image, are reused. Outputs are written atomically
-and the catalog last, in canonical form, so two clean builds give identical bytes.
+Variants whose key is already in the output folder's catalog, with an intact image, are reused;
+then those in the compile cache, if one is given (:mod:`builder.cache`), are read from it. The
+rest are compiled by an executor, each with a per-job timeout: local worker processes (``-j``,
+:mod:`builder.pool`) or Ray tasks (:mod:`builder.cluster`); a job that overruns is killed and
+reported as failed by name. Outputs are written atomically and the catalog last, in canonical
+form, so two clean builds give identical bytes, whichever executor compiled them and whether or
+not they came from the cache.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import resource
 import sys
 import time
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
 from pathlib import Path
+from typing import Protocol
 
 from aotriton_rt.catalog import CATALOG_FILE, SHARD_FILE, Catalog, Variant, check_image, write_atomic
 from aotriton_rt.errors import ImageMismatch
 
+from .cache import BadEntry, CompileCache
+from .pool import Done, LocalPool
 from .registry import Job
 
 PINNED_TRITON = "3.6.0"
@@ -30,6 +32,14 @@ PINNED_TRITON = "3.6.0"
 
 class BuildError(Exception):
     pass
+
+
+class Executor(Protocol):
+    """What compiles a build's jobs: :class:`builder.pool.LocalPool` (the default) or
+    :class:`builder.cluster.RayExecutor`. ``run`` calls ``done`` once per job, as each finishes,
+    fails or runs past ``timeout`` seconds, and returns when every job has been reported."""
+
+    def run(self, jobs: Sequence[Job], timeout: float, done: Done) -> None: ...
 
 
 @dataclass
@@ -41,11 +51,16 @@ class Summary:
     packed_bytes: int = 0
     seconds: float = 0.0
     kept: int = 0  # variants of earlier builds kept beside this build's (existing="keep")
+    cached: int = 0  # variants read from the compile cache
+    discarded: int = 0  # compile-cache entries found bad, compiled again
 
     def lines(self) -> list[str]:
         ratio = 100.0 * self.packed_bytes / self.raw_bytes if self.raw_bytes else 0.0
         kept = f", kept {self.kept} of earlier builds" if self.kept else ""
-        out = [f"compiled {self.compiled}, reused {self.reused}, failed {len(self.failed)}{kept}; "
+        cached = f", from cache {self.cached}" if self.cached or self.discarded else ""
+        if self.discarded:
+            cached += f" ({self.discarded} bad {'entry' if self.discarded == 1 else 'entries'} compiled again)"
+        out = [f"compiled {self.compiled}, reused {self.reused}{cached}, failed {len(self.failed)}{kept}; "
                f"images {self.packed_bytes / 1e6:.2f} MB xz from {self.raw_bytes / 1e6:.2f} MB raw "
                f"({ratio:.1f}%); {self.seconds:.1f} s"]
         out += [f"FAILED {label}: {reason}" for label, reason in self.failed]
@@ -60,89 +75,6 @@ def check_triton_version() -> str:
                          f"is installed: pip install triton=={PINNED_TRITON} "
                          "(or set AOTRITON_BUILDER_ANY_TRITON=1 to build anyway)")
     return triton.__version__
-
-
-def cpu_seconds() -> float:
-    """User + system CPU seconds of this process and of its waited-for children (ptxas, ld.lld)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-def _worker(conn) -> None:
-    from .compile import compile_job_with_ptx
-
-    first = True
-    while True:
-        job = conn.recv()
-        if job is None:
-            return
-        try:
-            cpu, wall = cpu_seconds(), time.monotonic()
-            variant, raw, packed, ptx = compile_job_with_ptx(job)
-            from .abi import prove
-
-            prove(variant, raw)
-            cost = {"cpu_s": round(cpu_seconds() - cpu, 3), "wall_s": round(time.monotonic() - wall, 3),
-                    "first": first}  # a worker's first job also imports Triton and the kernels
-            conn.send(("ok", (variant, packed, ptx, cost)))
-        except BaseException as e:  # noqa: BLE001 - every failure is reported by name
-            detail = "".join(traceback.format_exception_only(type(e), e)).strip()
-            conn.send(("error", detail.splitlines()[-1][:500]))
-        first = False
-
-
-class _Pool:
-    """Worker processes with one job each at a time, killable on timeout."""
-
-    def __init__(self, n: int) -> None:
-        self.ctx = mp.get_context("spawn")
-        self.n = n
-        self.idle: list = []
-
-    def _spawn(self):
-        parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_worker, args=(child,), daemon=True)
-        proc.start()
-        child.close()
-        return proc, parent
-
-    def run(self, jobs: Sequence[Job], timeout: float, done: Callable[[Job, str, object], None]) -> None:
-        pending = list(reversed(jobs))
-        busy: dict = {}  # conn -> (proc, job, started)
-        try:
-            while pending or busy:
-                while pending and len(busy) < self.n:
-                    proc, conn = self.idle.pop() if self.idle else self._spawn()
-                    job = pending.pop()
-                    conn.send(job)
-                    busy[conn] = (proc, job, time.monotonic())
-                now = time.monotonic()
-                deadline = min(started + timeout for _, _, started in busy.values())
-                ready = wait(list(busy), timeout=max(0.0, deadline - now))
-                for conn in ready:
-                    proc, job, _ = busy.pop(conn)
-                    try:
-                        status, payload = conn.recv()
-                    except (EOFError, OSError):
-                        status, payload = "error", f"worker died (exit code {proc.exitcode})"
-                        proc.join()
-                    else:
-                        self.idle.append((proc, conn))
-                    done(job, status, payload)
-                now = time.monotonic()
-                for conn, (proc, job, started) in list(busy.items()):
-                    if now - started >= timeout:
-                        proc.kill()
-                        proc.join()
-                        del busy[conn]
-                        done(job, "error", f"timed out after {timeout:g} s")
-        finally:
-            for _, conn in self.idle:
-                conn.send(None)
-            for proc, _ in self.idle:
-                proc.join(timeout=5)
-            for proc, _, _ in busy.values():
-                proc.kill()
 
 
 #: What a build does with variants already in the output folder that it would not build.
@@ -257,9 +189,17 @@ def _progress(total: int, quiet: bool):
 
 def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_going: bool,
           triton_version: str, quiet: bool = False, existing: str = "refuse", tuning: dict | None = None,
-          timings: Path | None = None) -> Summary:
+          timings: Path | None = None, executor: Executor | None = None,
+          cache: CompileCache | None = None) -> Summary:
     """Compile ``jobs`` into the image folder ``out``, with the ``tuning`` table
     (``registry.tuning_of``; default empty).
+
+    ``executor`` compiles what is neither in ``out`` nor in ``cache``: by default ``workers``
+    local processes (:class:`builder.pool.LocalPool`); :class:`builder.cluster.RayExecutor` runs
+    the same jobs as Ray tasks. ``cache`` (:class:`builder.cache.CompileCache`): variants are
+    read from it before compiling, and each one compiled is stored in it; an entry that fails
+    its checks is compiled again (counted in ``Summary.discarded``). The folder written is the
+    same bytes whichever executor compiled it and whether or not the cache held it.
 
     ``timings``: a file to which one JSON line per compiled variant is appended (kernel, target,
     spec, config index, CPU seconds of the worker and its compiler subprocesses, wall seconds,
@@ -294,7 +234,10 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
             summary.reused += 1
         else:
             todo.append(job)
+    if cache is not None:
+        todo = _from_cache(cache, todo, out, variants, summary, quiet)
     bar = _progress(len(todo), quiet)
+    cache_error: list[str] = []
     record = timings.open("a", encoding="utf-8") if timings is not None else None
 
     def done(job: Job, status: str, payload) -> None:
@@ -314,6 +257,14 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
                 write_atomic(out / variant.ptx.path, ptx)
             variants[job.key] = variant
             summary.compiled += 1
+            if cache is not None:
+                try:
+                    cache.put(job, variant, packed, ptx)
+                except OSError as e:
+                    if not cache_error:  # once: the build goes on, it only stores nothing
+                        cache_error.append(str(e))
+                        print(f"compile cache: cannot store {job.label} in {cache.root}: {e.strerror or e}; "
+                              "building on without storing", file=sys.stderr)
         else:
             summary.failed.append((job.label, str(payload)))
             if not quiet:
@@ -323,7 +274,7 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
 
     try:
         if todo:
-            _Pool(max(1, min(workers, len(todo)))).run(todo, timeout, done)
+            (executor or LocalPool(min(workers, len(todo)))).run(todo, timeout, done)
     finally:
         if record is not None:
             record.close()
@@ -346,6 +297,31 @@ def build(jobs: Sequence[Job], out: Path, *, workers: int, timeout: float, keep_
     _remove_stale(out, catalog_files(catalog) | written)
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def _from_cache(cache: CompileCache, jobs: Sequence[Job], out: Path, variants: dict[str, Variant],
+                summary: Summary, quiet: bool) -> list[Job]:
+    """Write the variants of ``jobs`` that ``cache`` holds into ``out``; return the others."""
+    todo = []
+    for job in jobs:
+        try:
+            hit = cache.get(job)
+        except BadEntry as e:
+            summary.discarded += 1
+            if not quiet:
+                print(f"compile cache: discarded {e.path}: {e.reason}; compiling {job.label} again", file=sys.stderr)
+            hit = None
+        if hit is None:
+            todo.append(job)
+            continue
+        path = out / hit.variant.image.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, hit.image)
+        if hit.ptx is not None:
+            write_atomic(out / hit.variant.ptx.path, hit.ptx)
+        variants[job.key] = hit.variant
+        summary.cached += 1
+    return todo
 
 
 def catalog_files(catalog: Catalog) -> set[str]:

@@ -1,6 +1,7 @@
 """Compiling one variant: a Job in, a compressed image and its catalog :class:`Variant` out.
 
-Runs inside worker processes (see build.py). Only this module and the kernel files import triton.
+Runs inside workers: the local pool's processes (``pool.py``) or Ray tasks (``cluster.py``), both
+through :func:`run_job`. Only this module and the kernel files import triton.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ import dataclasses
 import hashlib
 import lzma
 import os
+import resource
+import time
+import traceback
 from functools import cache
 
 from aotriton_rt.catalog import IMAGE_FORMATS, Arg, Config, Image, Variant, image_path
@@ -42,6 +46,44 @@ def compile_env() -> dict[str, str]:
 @cache
 def _kernels(package: str):
     return load_kernels(package)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its waited-for children (ptxas, ld.lld)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_compiled_here = False  # whether this worker process has run a job yet
+
+
+def run_job(job: Job) -> tuple[str, object]:
+    """What a worker does with one job: compile it, prove its ABI against the fresh binary, and
+    measure what it cost. Returns ``("ok", (variant, xz image, xz PTX or None, cost))`` or
+    ``("error", the error's last line)``; never raises, so every failure reaches the build by name.
+
+    ``cost``: CPU seconds of this process and its compiler subprocesses, wall seconds, and whether
+    this was the worker's first job (which also paid for importing Triton and the kernels).
+    """
+    global _compiled_here
+    first, _compiled_here = not _compiled_here, True
+    try:
+        cpu, wall = cpu_seconds(), time.monotonic()
+        variant, raw, packed, ptx = compile_job_with_ptx(job)
+        from .abi import prove
+
+        prove(variant, raw)
+        cost = {"cpu_s": round(cpu_seconds() - cpu, 3), "wall_s": round(time.monotonic() - wall, 3), "first": first}
+        return "ok", (variant, packed, ptx, cost)
+    except BaseException as e:  # noqa: BLE001 - every failure is reported by name
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        return "error", detail.splitlines()[-1][:500]
+
+
+def config_of(job: Job) -> Config:
+    """The catalog :class:`Config` a compile of ``job`` records."""
+    return Config(job.config_index, dict(job.config.constexprs), job.config.num_warps, job.config.num_stages,
+                  dict(job.config.options))
 
 
 def compile_job(job: Job) -> tuple[Variant, bytes, bytes]:
@@ -97,8 +139,7 @@ def compile_job_with_ptx(job: Job) -> tuple[Variant, bytes, bytes, bytes | None]
 
     variant = Variant(
         key=job.key, kernel=job.kernel, symbol=md.name, target=job.target, spec=dict(job.spec),
-        config=Config(job.config_index, dict(job.config.constexprs), job.config.num_warps,
-                             job.config.num_stages, dict(job.config.options)),
+        config=config_of(job),
         args=args[:len(runtime_args)], hidden_args=args[len(runtime_args):], param_size=param_size,
         scratch={"global_size": getattr(md, "global_scratch_size", 0) or 0,
                  "global_align": getattr(md, "global_scratch_align", 1) or 1,

@@ -266,15 +266,21 @@ def _divisibility(kernel: KernelDecl, signature: dict, spec: Mapping[str, Any] |
     return {n: d for n, d in div.items() if signature.get(n, "constexpr") != "constexpr"}
 
 
-def _with_key(job: Job, source_key: str, triton_version: str) -> Job:
+def key_of(job: Job, source_key: str, triton_version: str) -> str:
+    """The key of ``job`` (its own ``key`` field aside) for the kernel source ``source_key``
+    (``fn.cache_key``) and Triton ``triton_version``: a Ray worker recomputes it to check that it
+    has the source the build was expanded from."""
     text = json.dumps({
         "source": source_key, "kernel": job.kernel, "target": job.target.to_json(),
         "signature": job.signature, "constexprs": job.constexprs, "divisibility": job.divisibility,
         "options": job.options(), "grid": job.grid, "checks": job.checks, "triton": triton_version,
         "spec": job.spec, "config_index": job.config_index,
     }, sort_keys=True, default=str)
-    key = hashlib.sha256(text.encode()).hexdigest()
-    return Job(**{**job.__dict__, "key": key})
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _with_key(job: Job, source_key: str, triton_version: str) -> Job:
+    return Job(**{**job.__dict__, "key": key_of(job, source_key, triton_version)})
 
 
 def known_sets(kernels: Mapping[str, KernelDecl]) -> list[str]:

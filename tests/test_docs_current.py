@@ -8,6 +8,7 @@ no wording from working notes reaches the user docs.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -91,18 +92,35 @@ def test_readme_quickstart_figures_are_performance_md_measurement():
     assert _quickstart_figures(quick, "README.md") == _quickstart_figures(headline, "docs/performance.md")
 
 
-def test_catalog_md_full_set_size_is_the_registry_count():
-    pytest.importorskip("triton", reason="the builder's registry imports the kernels, which need triton")
+@functools.cache
+def _full_set_count() -> int:
+    """What `python -m builder list --set full` counts for the default targets."""
     from builder import registry, targets
 
     kernels = registry.load_kernels()
     chosen = targets.parse_targets("default")
-    count = sum(len(registry.expand(k, chosen, "full", "3.6.0")) for k in kernels.values())
+    return sum(len(registry.expand(k, chosen, "full", "3.6.0")) for k in kernels.values())
+
+
+def test_catalog_md_full_set_size_is_the_registry_count():
+    pytest.importorskip("triton", reason="the builder's registry imports the kernels, which need triton")
+    count = _full_set_count()
     text = _read(ROOT / "docs" / "catalog.md")
     m = re.search(r"tens of thousands of variants \((?:about )?([\d ]+?) for the seven default", text)
     assert m, "docs/catalog.md no longer states the full set's size"
     assert int(m.group(1).replace(" ", "")) == count, (
         f"docs/catalog.md says {m.group(1)} full-set variants; `python -m builder list --set full` counts {count}")
+
+
+def test_builder_md_and_readme_full_set_size_is_the_registry_count():
+    pytest.importorskip("triton", reason="the builder's registry imports the kernels, which need triton")
+    count = _full_set_count()
+    builder = _read(ROOT / "docs" / "builder.md")
+    m = re.search(r"`python -m builder list --set full`: ([\d,]+) variants for the seven default", builder)
+    assert m, "docs/builder.md no longer states the full set's size in 'How long the full set takes'"
+    assert int(m.group(1).replace(",", "")) == count, f"docs/builder.md says {m.group(1)}; the registry counts {count}"
+    m = re.search(r"The full set\s+\(([\d,]+) variants", _read(ROOT / "README.md"))
+    assert m and int(m.group(1).replace(",", "")) == count, f"README.md's full-set size is not {count}"
 
 
 def test_noimage_md_examples_carry_the_catalog_schema_version():

@@ -23,6 +23,7 @@ from .files import (
     canonical_bytes,
     check_file,
     check_image,
+    check_image_bytes,
     open_regular,
     parse_json,
     read_bounded,
@@ -62,6 +63,6 @@ __all__ = [
     "POINTER_SIZE",
     "SCALAR_TYPES", "SCHEMA", "SCHEMA_VERSION", "SHARD_FILE", "SHARD_SCHEMA", "TRITON_SCALARS", "XZ_MEMLIMIT",
     "Arg", "Catalog", "Config", "Image", "ShardRef", "Target", "Variant", "canonical_bytes", "check_file",
-    "check_image", "image_path", "index_bytes", "is_pointer_type", "open_regular", "parse_json",
+    "check_image", "check_image_bytes", "image_path", "index_bytes", "is_pointer_type", "open_regular", "parse_json",
     "read_bounded", "shard_path", "write_atomic",
 ]

@@ -1,7 +1,8 @@
 """Reading and writing the files of an image folder safely: bounded reads of regular files,
 canonical JSON, atomic writes, and the one check of a file against its catalog digests
-(:func:`check_file`, :func:`check_image`), used by the loader, the builder (build, merge,
-verify) and the bundle installer and verifier.
+(:func:`check_file`, :func:`check_image`; :func:`check_image_bytes` for bytes already read),
+used by the loader, the builder (build, merge, verify, its compile cache) and the bundle
+installer and verifier.
 """
 
 from __future__ import annotations
@@ -141,8 +142,27 @@ def check_image(folder: Path, image: Image, *, decompress: bool = True) -> bytes
     """
     path = folder / image.path
     data = check_file(path, image.size, image.sha256)
-    if not decompress:
-        return data
+    return _unpack(path, image, data) if decompress else data
+
+
+def check_image_bytes(data: bytes, image: Image, where: Path, *, decompress: bool = True) -> bytes:
+    """:func:`check_image` for an image's bytes already read from ``where`` (e.g. one part of a
+    builder's compile-cache entry): the same size and digest checks, the same messages."""
+    if len(data) != image.size:
+        raise ImageMismatch(f"image {where} is {len(data)} bytes but the catalog says {image.size}; it is "
+                            "corrupt or modified. Rebuild or re-download it", path=where, problem="size",
+                            detail=len(data))
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != image.sha256:
+        raise ImageMismatch(f"image {where} is corrupt: sha256 {digest[:16]}... but the catalog says "
+                            f"{image.sha256[:16]}...; it was not loaded. Rebuild or re-download it",
+                            path=where, problem="sha256")
+    return _unpack(where, image, data) if decompress else data
+
+
+def _unpack(path: Path, image: Image, data: bytes) -> bytes:
+    """The raw binary of ``data`` (the image's stored bytes, digest already checked), after
+    checking its size and sha256 against the catalog's ``raw_size``/``raw_sha256``."""
     raw_size = image.raw_size
     if image.compression == "xz":
         try:
