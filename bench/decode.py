@@ -167,17 +167,19 @@ def shapes_of(args: argparse.Namespace) -> list[tuple[int, int]]:
     return out
 
 
-def splits_used(fn: Any) -> int | None:
-    """The split count of the launch plan that ``fn()`` (one decode call) makes."""
-    plan = plan_of(fn)
+def splits_used(fn: Any, library: Any) -> int | None:
+    """The split count of the launch plan that ``fn()`` (one decode call on ``library``) makes."""
+    plan = plan_of(fn, library)
     return plan.num_splits if plan is not None else None
 
 
-def plan_of(fn: Any) -> Any:
-    """The launch plan that ``fn()`` (one decode call) makes (its split count, its PDL decision)."""
-    dec._LAUNCHES.clear()
+def plan_of(fn: Any, library: Any) -> Any:
+    """The launch plan that ``fn()`` (one decode call on ``library``) makes (its split count, its
+    PDL decision)."""
+    launches = dec._kernels_of(library).launches
+    launches.clear()
     fn()
-    plans = list(dec._LAUNCHES.values())
+    plans = list(launches.values())
     return plans[-1] if plans else None
 
 
@@ -328,7 +330,7 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
                     print(f"  {name} B={B} S={S} gqa={ratio}: wrong (max error {err:.3g}); skipped")
                     continue
                 contenders[name] = fn
-                plan = plan_of(fn)
+                plan = plan_of(fn, view)
                 splits[name] = plan.num_splits if plan is not None else None
                 if plan is not None:
                     pdl_used[name] = bool(plan.pdl)

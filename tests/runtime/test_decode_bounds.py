@@ -271,9 +271,7 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(interop, "stream_getter", lambda framework: (lambda device: 0x77))
     lib = _Library()
     monkeypatch.setattr(lib, "kernel", lambda name, **params: _AddressHandle(lib.decls[name], params))
-    op._LAUNCHES.clear()
-    yield lib
-    op._LAUNCHES.clear()
+    yield lib  # a fresh library: its launch cache starts empty and goes with it
 
 
 def _arrays(paged: bool) -> dict:
@@ -391,7 +389,7 @@ def test_a_repeated_call_with_a_bad_typed_option_is_refused_as_a_fresh_call_is(
     a = _arrays(False)
     for _ in range(2):  # the second takes the cached plan
         op.decode_attention(**a, cache_seqlens=7, check=False, library=recording, **valid)
-    assert op._LAUNCHES
+    assert op._kernels_of(recording).launches
     with pytest.raises(ArgumentError, match=match):
         op.decode_attention(**a, cache_seqlens=7, check=False, library=recording, **bad)
 

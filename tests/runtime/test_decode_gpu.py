@@ -231,7 +231,7 @@ def test_each_launch_of_the_decode_chain_reads_what_the_kernel_before_it_wrote(
     monkeypatch.setattr(launch, "pdl_choice", lambda p, num_splits: (policy == "on", f"policy {policy!r}"))
     view = lib.with_tuning({})
     _chain_reads_its_predecessors_writes(view, page)
-    plans = [plan for plan in dec._LAUNCHES.values() if plan.ks is dec._kernels_of(view)]
+    plans = list(dec._kernels_of(view).launches.values())
     assert plans and all(plan.pdl is (policy == "on") for plan in plans), [plan.pdl_reason for plan in plans]
 
 
@@ -302,10 +302,10 @@ def test_the_pdl_rule_launches_large_contiguous_split_calls_plainly_and_they_mat
         return decode_attention(q, c["k"], c["v"], cache_seqlens=c["lens"], block_table=c["table"], k_new=c["k_new"],
                                 v_new=c["v_new"], causal=True, library=lib)[0]
 
-    dec._LAUNCHES.clear()
+    dec._kernels_of(lib).launches.clear()
     for i in range(3):
         _close(f"eager call {i}", step(), ref_hi, ref_lo, EPS["bf16"])
-    (plan,) = dec._LAUNCHES.values()
+    (plan,) = dec._kernels_of(lib).launches.values()
     assert plan.num_splits > 1 and plan.pdl is (page is not None), plan.pdl_reason
     warm = torch.cuda.Stream()
     warm.wait_stream(torch.cuda.current_stream())
@@ -405,7 +405,7 @@ def test_a_graph_without_lengths_keeps_its_lengths_after_its_plan_is_dropped(lib
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, _ = decode_attention(q, k, v, causal=True, library=lib)
-    dec._LAUNCHES.clear()
+    dec._kernels_of(lib).launches.clear()
     torch.cuda.synchronize()
     junk = [torch.zeros((B,), dtype=torch.int32, device="cuda") for _ in range(256)]  # takes any freed small block
     graph.replay()

@@ -250,12 +250,12 @@ def run_case(name: str, case: dict) -> dict:
     errors: dict[str, float] = {}
     failed: list[str] = []
     if c.get("repeat"):
-        op._LAUNCHES.clear()
+        op._kernels_of(lib).launches.clear()
         again = [op.decode_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
                                      causal=c["causal"], num_splits=c["splits"], check=False, library=lib)
                  for _ in range(2)]
-        if len(op._LAUNCHES) != 1:
-            failed.append(f"{len(op._LAUNCHES)} cached launch plans after two equal calls")
+        if len(op._kernels_of(lib).launches) != 1:
+            failed.append(f"{len(op._kernels_of(lib).launches)} cached launch plans after two equal calls")
         for o2, l2 in again:
             if not (torch.equal(o2, out) and torch.equal(l2, lse)):
                 failed.append("a repeated call computed something else")
@@ -719,7 +719,7 @@ def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_ar
     kn, vn = torch.randn(B, 1, Hk, D).half(), torch.randn(B, 1, Hk, D).half()
     seqlens = {"array": torch.tensor([37, 60], dtype=torch.int32), "full": None, "int": 50}[lens]
     new = {"k_new": kn, "v_new": vn} if lens != "full" else {}
-    op._LAUNCHES.clear()
+    op._kernels_of(lib).launches.clear()
     LAUNCHES.clear()
     outs = [op.decode_attention(q, k, v, cache_seqlens=seqlens, block_table=table, num_splits=3, causal=True,
                                 check=False, library=lib, **new) for _ in range(3)]
@@ -747,4 +747,5 @@ def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_ar
             assert a["CacheSeqlens"] == b["CacheSeqlens"] == seqlens.data_ptr()
         else:  # the constant lengths array is made once per plan and reused
             assert b["CacheSeqlens"] == c["CacheSeqlens"] != 0
-    assert op._LAUNCHES and all(launch.fast is not None for launch in op._LAUNCHES.values())
+    cached = op._kernels_of(lib).launches
+    assert cached and all(launch.fast is not None for launch in cached.values())

@@ -103,11 +103,9 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(interop, "stream_getter", lambda framework: (lambda device: 0x77))
     lib = t._Library()
     monkeypatch.setattr(lib, "kernel", lambda name, **params: t._AddressHandle(lib.decls[name], params))
-    op._LAUNCHES.clear()
     t.LAUNCHES.clear()
     t.PREPARED.clear()
-    yield lib, t.PREPARED, t.LAUNCHES
-    op._LAUNCHES.clear()
+    yield lib, t.PREPARED, t.LAUNCHES  # a fresh library: its launch cache starts empty
 
 
 def _call(lib: Any, paged: bool, times: int = 2) -> None:
@@ -135,10 +133,10 @@ def test_every_launch_of_the_chain_is_prepared_with_the_plans_decision_once(
     _call(lib, paged=False, times=3)  # 256 KiB of K/V: PDL
     assert prepared == [(n, True) for n in CHAIN]  # one plan: prepared once, launched twice
     assert [w for w, _, _ in launches].count("prepared") == 2 * len(CHAIN)
-    (plan,) = op._LAUNCHES.values()
+    (plan,) = op._kernels_of(lib).launches.values()
     assert plan.pdl is True and plan.pdl_reason.startswith("PDL: 0.2 MiB of K/V < 48 MiB")
     monkeypatch.setattr(dl, "PLAIN_MIN_KV_BYTES", 1 << 10)
-    op._LAUNCHES.clear()
+    op._kernels_of(lib).launches.clear()
     prepared.clear()
     _call(lib, paged=False)
     assert prepared == [(n, False) for n in CHAIN]
@@ -166,6 +164,9 @@ def test_each_library_plans_under_its_own_rules_and_the_state_has_no_switches(
     q, k = torch.randn(2, 1, 8, 64).half(), torch.randn(2, 4096, 2, 64).half()
     for library in (lib, one_split, lib, one_split):
         op.decode_attention(q, k, torch.randn_like(k), causal=True, check=False, library=library)
-    plans = {plan.ks.lib: plan for plan in op._LAUNCHES.values()}
-    assert len(op._LAUNCHES) == 2 and dl._kernels_of(one_split).rules == one_split.tuning["attn_decode"]
+    # Each library keeps its own plans: one call signature, one plan per library.
+    plans = {library: plan for library in (lib, one_split) for plan in dl._kernels_of(library).launches.values()}
+    assert [len(dl._kernels_of(library).launches) for library in (lib, one_split)] == [1, 1]
+    assert all(plan.ks.lib is library for library, plan in plans.items())
+    assert dl._kernels_of(one_split).rules == one_split.tuning["attn_decode"]
     assert plans[lib].num_splits > 1 and plans[one_split].num_splits == 1

@@ -59,7 +59,7 @@ from ... import interop
 from ...errors import AotritonError, ArgumentError, KernelNotFound, UnsupportedError
 from ..attention.signature import _typed
 from .faults import FAULT_LENGTH, FAULT_PAGE, clear_faults, describe_faults, raise_faults, read_faults
-from .launch import MAX_SCRATCH_BYTES, _kernels_of, _Launch
+from .launch import MAX_LAUNCHES, MAX_SCRATCH_BYTES, _kernels_of, _Launch
 from .splits import DEFAULT_SPLIT_RULES, SplitRule, num_splits_for, split_rule
 from .validate import (
     _LAYOUTS,
@@ -133,9 +133,14 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     """
     debug = _debug(check)
     key = None if debug else _torch_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, causal,
-                                        window, scale, num_splits, max_seqlen_k, layout, cache_layout, library)
+                                        window, scale, num_splits, max_seqlen_k, layout, cache_layout)
+    ks = None
     if key is not None:
-        launch = _LAUNCHES.get(key)
+        try:
+            ks = _kernels_of(library)
+        except AotritonError:  # no images: the validation below speaks first
+            ks = None
+        launch = ks.launches.get(key) if ks is not None else None
         if launch is not None:
             if launch.fast is not None:
                 return launch.run_fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
@@ -156,27 +161,22 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             raise ArgumentError(f"out must have shape {tuple(infos['q'].shape)} and dtype {p.dtype}, got "
                                 f"{tuple(out_i.shape)} {out_i.dtype}")
         infos["out"] = out_i
-    launch = _Launch(p, infos, _kernels_of(library), layout, num_splits, cache_seqlens)
+    launch = _Launch(p, infos, ks if ks is not None else _kernels_of(library), layout, num_splits, cache_seqlens)
     xp = launch.xp
     if debug:
         seqlens = launch.seqlens(xp.convert(q, infos["q"]), cache_seqlens, infos)
         table = xp.convert(block_table, infos["block_table"]) if p.paged else None
         _check_contents(xp, p, seqlens, table)
     if key is not None and not launch.q_copy:
-        if len(_LAUNCHES) >= _MAX_LAUNCHES:
-            _LAUNCHES.clear()
-        _LAUNCHES[key] = launch
+        if len(launch.ks.launches) >= MAX_LAUNCHES:
+            launch.ks.launches.clear()
+        launch.ks.launches[key] = launch
     result = launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos)
     if debug:
         raise_faults(launch.ks, p.device)
     return result
 
 
-
-# Launch plans of recent torch calls, by everything that decides them (shapes, strides, dtypes,
-# devices, alignment, options): a repeated decode step skips validation and planning.
-_LAUNCHES: dict[tuple, _Launch] = {}
-_MAX_LAUNCHES = 256
 
 
 def cached_launch(q: Any, k_cache: Any, v_cache: Any, *, causal: bool = False, window: Any = None,
@@ -188,19 +188,20 @@ def cached_launch(q: Any, k_cache: Any, v_cache: Any, *, causal: bool = False, w
     on: they keep it and call ``run_fast(q, k, v, None, None, None, None, None)`` directly.
     """
     key = _torch_key(q, k_cache, v_cache, None, None, None, None, None, causal, window, scale, None, None, layout,
-                     cache_layout, library)
-    launch = _LAUNCHES.get(key) if key is not None else None
+                     cache_layout)
+    launch = _kernels_of(library).launches.get(key) if key is not None else None
     return launch if launch is not None and launch.fast is not None else None
 
 
 def _torch_key(q: Any, k: Any, v: Any, lens: Any, table: Any, kn: Any, vn: Any, out: Any, *options: Any
                ) -> tuple | None:
-    """A key for the launch cache when every array is a torch tensor (else None: full checks)."""
+    """A key for the library's launch cache (``_Kernels.launches``) when every array is a torch
+    tensor (else None: full checks)."""
     if type(q).__name__ != "Tensor" or type(q).__module__ != "torch":
         return None
     # Options typed: causal=1 or num_splits=True must not find the plan of True or 1 and skip
     # the validation that refuses them.
-    parts: list = [id(options[-1]) if options[-1] is not None else 0, *(_typed(o) for o in options[:-1])]
+    parts: list = [_typed(o) for o in options]
     for t in (q, k, v, lens, table, kn, vn, out):
         if t is None or type(t) is int:
             parts.append(t)

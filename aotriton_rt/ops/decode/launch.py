@@ -39,6 +39,10 @@ def _sm_count(xp: Any, device: int) -> int | None:
         return None
 
 
+#: Launch plans a library keeps (``_Kernels.launches``) before it drops them all.
+MAX_LAUNCHES = 256
+
+
 class _Kernels:
     """Decode handles per library. Which variants exist and the device's arch come from the
     attention operator's per-library caches (one kernel's shards read per question), the split
@@ -55,6 +59,10 @@ class _Kernels:
         self.sms: dict[int, int] = {}
         self.faults = fault_flags(lib)
         self.shared = kernels_of(lib)
+        #: Launch plans of recent torch calls, by everything that decides them (shapes, strides,
+        #: dtypes, devices, alignment, options): a repeated decode step skips validation and
+        #: planning. Bounded (:data:`MAX_LAUNCHES`, cleared when full); lives with the library.
+        self.launches: dict[tuple, Any] = {}
 
     @property
     def rules(self) -> Any:
