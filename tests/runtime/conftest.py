@@ -50,3 +50,17 @@ def default_lib(tmp_path_factory: pytest.TempPathFactory):
                         f"sm{major}{minor}", "--out", folder, "-q", "-j", str(os.cpu_count() or 2)],
                        cwd=Path(__file__).resolve().parents[2], check=True)
     return aotriton_rt.Library(folder)
+
+
+@pytest.fixture(scope="module")
+def decode_lib(gpu_images: Path):
+    """A Library of the GPU test images that holds the decode kernels (else the test skips)."""
+    torch = pytest.importorskip("torch")
+    import aotriton_rt
+
+    library = aotriton_rt.Library(gpu_images)
+    if "attn_decode" not in library.kernels:
+        pytest.skip(f"the images at {gpu_images} have no decode kernels; build them with `python -m builder build "
+                    f"--set gputest --targets sm90` and set AOTRITON_RT_TEST_IMAGES")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return library

@@ -31,13 +31,8 @@ MASKS = {"causal": (True, None), "local": (False, (13, 5))}
 
 
 @pytest.fixture(scope="module")
-def lib(gpu_images: Any) -> aotriton_rt.Library:
-    library = aotriton_rt.Library(gpu_images)
-    if "attn_decode" not in library.kernels:
-        pytest.skip(f"the images at {gpu_images} have no decode kernels; build them with `python -m builder build "
-                    f"--set gputest --targets sm90` and set AOTRITON_RT_TEST_IMAGES")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return library
+def lib(decode_lib: aotriton_rt.Library) -> aotriton_rt.Library:
+    return decode_lib
 
 
 @pytest.mark.parametrize("dtype_name", ["fp16", "bf16"])
