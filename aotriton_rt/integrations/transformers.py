@@ -17,6 +17,9 @@ padding. Padding therefore never becomes a dense bias:
   lengths are read once per forward pass, not per layer), attention runs on the variable-length
   kernels, and the output is scattered back with zeros at padded query positions. Queries align
   bottom-right with their keys per sequence, so a cached prefix is seen by every new token.
+  Decoding steps of a left-padded batch (1..16 new rows, no gradient) skip the gathers: the
+  split-KV decode kernels read the cache in place from each row's first real column
+  (``cache_leftpad``).
 - **Packed sequences** (``DataCollatorWithFlattening``: ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` keywords, or ``position_ids`` that restart within a single row): the
   variable-length kernels on the flattened batch, no cross-sequence attention.
@@ -47,9 +50,10 @@ _LIBRARY: dict[str, Any] = {"library": None}
 
 class _Lengths:
     """Where a padding mask's real tokens are: flat indices, per-row (batch, position) indices,
-    ``cu_seqlens`` and the longest sequence (read from the device once)."""
+    ``cu_seqlens`` and the longest sequence (read from the device once); whether it is a pure
+    left padding (per row: zeros, then ones) and each row's first real column (int32)."""
 
-    __slots__ = ("batch", "pos", "cu", "max_len", "total")
+    __slots__ = ("batch", "pos", "cu", "max_len", "total", "left_padded", "starts")
 
     def __init__(self, mask: Any) -> None:
         import torch
@@ -62,6 +66,9 @@ class _Lengths:
         self.cu = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
         self.max_len = int(lens.max()) if lens.numel() else 0
         self.total = int(flat.numel())
+        self.starts = (width - lens).to(torch.int32)
+        columns = torch.arange(width, device=keep.device)
+        self.left_padded = bool(torch.equal(keep, columns[None, :] >= self.starts[:, None]))
 
 
 class _LengthsCache(threading.local):
@@ -208,6 +215,10 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, call: dict) -> Any:
         mask = mask[:, -key.shape[2]:]  # a sliding-window cache keeps the last keys
         width = key.shape[2]
     keys = _CACHE.get(mask, width)
+    if keys.left_padded and q_len < width:
+        out = _left_padded_decode(query, key, value, keys, call)
+        if out is not None:
+            return out
     queries = keys if q_len == width else _CACHE.get(mask, q_len)
     q, k, v = _gather(query, queries), _gather(key, keys), _gather(value, keys)
     out = _run(q, k, v, call, cu_seqlens_q=queries.cu, cu_seqlens_k=keys.cu, max_seqlen_q=queries.max_len,
@@ -215,6 +226,34 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, call: dict) -> Any:
     full = torch.zeros((batch, q_len, heads, out.shape[-1]), dtype=out.dtype, device=out.device)
     full[queries.batch, queries.pos] = out
     return full
+
+
+def _left_padded_decode(query: Any, key: Any, value: Any, keys: _Lengths, call: dict) -> Any:
+    """A decoding step of a left-padded batch (1..ROUTED_SEQLEN_Q new rows after a cached
+    prefix): the decode kernels on the cache in place, each row's keys from its first real
+    column (``cache_leftpad``), nothing gathered. None when it cannot run there (a gradient,
+    dropout, a shape or images the decode kernels refuse): the gathering path then serves."""
+    import torch
+
+    from ..errors import ArgumentError, KernelNotFound, UnsupportedError
+    from ..ops.decode import ROUTED_SEQLEN_Q, decode_attention
+
+    q_len, width = query.shape[2], key.shape[2]
+    if q_len > ROUTED_SEQLEN_Q or call["dropout_p"] != 0.0 or not _inference(query, key, value):
+        return None
+    # (B, H, S, D) views read as BSHD: the output comes back (B, S, H, D), as transformers wants it.
+    try:
+        out = decode_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                               cache_seqlens=width, cache_leftpad=keys.starts, causal=call["causal"],
+                               window=call["window"], scale=call["scale"], layout="bshd", cache_layout="bshd",
+                               library=_LIBRARY["library"])[0]
+    except (ArgumentError, UnsupportedError, KernelNotFound):
+        return None
+    if q_len > 1:
+        # Queries at padded columns output zeros (causal rows there already see no key).
+        real = (width - q_len + torch.arange(q_len, device=out.device))[None, :] >= keys.starts[:, None]
+        out.masked_fill_(~real[:, :, None, None], 0)
+    return out
 
 
 def _flattened(query: Any, key: Any, value: Any, kwargs: dict, call: dict) -> Any:

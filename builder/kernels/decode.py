@@ -27,6 +27,9 @@ accesses.
 Masks are bottom-right aligned (the queries are the sequence's last ``seqlen_q`` rows): key ``j``
 is visible from query ``i`` when ``i + diag - window_left <= j <= i + diag + window_right`` with
 ``diag = len_k - seqlen_q``; a negative side is unbounded, causal is ``window_right = 0``.
+A left-padded sequence (``CacheStart[b] > 0``, FlashAttention-2's ``cache_leftpad``) sees only
+keys ``CacheStart[b] <= j < len_k``: the alignment stays relative to the end, and the rows
+before its start are never read (nor their block-table entries).
 
 Head dims: ``HEAD_DIM`` is a compiled bucket. ``PADDED_D=0`` variants read rows of exactly
 ``HEAD_DIM`` elements with 16-byte aligned addresses and strides (16-byte vector loads: the fast
@@ -45,11 +48,12 @@ entries are the caller's contract, and no value of them makes a kernel read or w
 arrays: lengths are clamped to ``[0, capacity]`` (so table columns stay below the table's width),
 page indices to ``[0, num_pages)``, and the append kernel drops rows whose
 position or page is out of range instead of writing them. A kernel that meets such a value ORs
-its bit into the int32 at ``Faults`` (``FAULT_LENGTH``: ``cache_seqlens[b] < 0`` or
-``cache_seqlens[b] + seqlen_new > capacity``; ``FAULT_PAGE``: a referenced table entry outside
-``[0, num_pages)``), and ``attn_decode`` writes NaN to that sequence's output and logsumexp (the
-combine kernel carries the NaN through), so a bad answer is never a plausible one. On the
-in-range path this is an add and an OR per table entry and a store predicated off: no branch.
+its bit into the int32 at ``Faults`` (``FAULT_LENGTH``: ``cache_seqlens[b] < 0``,
+``cache_seqlens[b] + seqlen_new > capacity`` or ``CacheStart[b]`` outside ``[0, capacity]``;
+``FAULT_PAGE``: a referenced table entry outside ``[0, num_pages)``), and ``attn_decode``
+writes NaN to that sequence's output and logsumexp (the combine kernel carries the NaN through),
+so a bad answer is never a plausible one. On the in-range path this is an add and an OR per
+table entry and a store predicated off: no branch.
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def _page_of(bt_row, entry, ok, num_pages):
 
 
 @triton.jit
-def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_kz, stride_kn, stride_vz,
+def _block_offsets(start_n, offs_n, start_b, len_k, bt_row, page_size, num_pages, stride_kz, stride_kn, stride_vz,
                    stride_vn, MODE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Element offsets (int64, BLOCK_N) of the K and V rows of the key block at ``start_n``, and
     the OR of its table entries' sign words (negative when one was out of range; see _page_of).
@@ -135,9 +139,11 @@ def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_
     page, one block-table entry per block and a contiguous run of rows (the contiguous cache's
     addressing from a per-block base). MODE 2: any page of a multiple of 16 rows: each 16-row
     chunk of the block lies in one page (blocks start at multiples of BLOCK_N), one entry per
-    chunk, broadcast over its rows. Scalar entry loads keep the K/V copies direct loads for the
-    software pipeliner; a per-key gather of the table became shared-memory copies of page ids
-    and their read-back (80 extra copies and 200 shared loads per block in the sm90 binary).
+    chunk, broadcast over its rows (a chunk wholly before the sequence's first row ``start_b``
+    reads no entry: a left-padded sequence's table need not map those rows). Scalar entry
+    loads keep the K/V copies direct loads for the software pipeliner; a per-key gather of the
+    table became shared-memory copies of page ids and their read-back (80 extra copies and 200
+    shared loads per block in the sm90 binary).
     """
     if MODE == 0:
         rows = (start_n + offs_n).to(tl.int64)
@@ -162,7 +168,7 @@ def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_
             entry = tl.where(edge, entry + 1, entry)
             row = tl.where(edge, row - page_size, row)
         first = start_n + c * CHUNK
-        page, sign_c = _page_of(bt_row, entry, first < len_k, num_pages)
+        page, sign_c = _page_of(bt_row, entry, (first < len_k) & (first + CHUNK > start_b), num_pages)
         sign = sign | sign_c
         k_off = tl.where(chunk == c, page * stride_kz + row.to(tl.int64) * stride_kn, k_off)
         v_off = tl.where(chunk == c, page * stride_vz + row.to(tl.int64) * stride_vn, v_off)
@@ -171,17 +177,19 @@ def _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k, qi, diag, left, right, qk_scale,
+def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, start_b, len_k, qi, diag, left, right,
+            qk_scale,
             page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
             HEAD_DIM: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
             PREC: tl.constexpr):
     """Online softmax of the tile's query rows over key blocks ``start..end`` (see _block_offsets
     for MODE); returns the updated (acc, l_i, m_i, page_sign): ``page_sign`` ORed with the table
-    entries' sign words (negative once one was out of range)."""
+    entries' sign words (negative once one was out of range). Rows before ``start_b`` (a left
+    padding) and from ``len_k`` on are neither loaded nor seen."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        col_ok = cols < len_k
-        k_off, v_off, sign = _block_offsets(start_n, offs_n, len_k, bt_row, page_size, num_pages, stride_kz,
+        col_ok = (cols >= start_b) & (cols < len_k)
+        k_off, v_off, sign = _block_offsets(start_n, offs_n, start_b, len_k, bt_row, page_size, num_pages, stride_kz,
                                             stride_kn, stride_vz, stride_vn, MODE, BLOCK_N)
         page_sign = page_sign | sign
         # K as (dim, keys): loads run along the contiguous head dim.
@@ -255,6 +263,15 @@ def _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity):
 
 
 @triton.jit
+def _sequence_start(CacheStart, off_b, len_k, capacity):
+    """(this sequence's first key row, its left padding ``cache_leftpad[b]`` clamped to ``[0,
+    len_k]``; FAULT_LENGTH when it is outside ``[0, capacity]``, else 0)."""
+    start = tl.load(CacheStart + off_b)
+    fault = tl.where((start < 0) | (start > capacity), FAULT_LENGTH, 0)
+    return tl.minimum(tl.maximum(start, 0), len_k), fault
+
+
+@triton.jit
 def _record_fault(Faults, fault):
     """OR ``fault`` (0 or FAULT_* bits) into the flag: one atomic, predicated off when 0."""
     tl.atomic_or(Faults, fault, mask=fault != 0, sem="relaxed")
@@ -262,7 +279,7 @@ def _record_fault(Faults, fault):
 
 @triton.jit
 def attn_decode(
-    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens, Faults,
+    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens, CacheStart, Faults,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
@@ -283,6 +300,8 @@ def attn_decode(
     group*seqlen_q + tile row)``, PartO rows HEAD_DIM wide) for attn_decode_combine. A length or
     table entry out of range (see the module doc) is ORed into ``Faults`` and makes the tile's
     output and logsumexp NaN. ``head_dim``: the rows' width, HEAD_DIM unless PADDED_D.
+    ``CacheStart``: each sequence's first key row (FlashAttention-2's ``cache_leftpad``; zeros
+    without one): its keys are rows ``[CacheStart[b], len_k)``, the rows before never read.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -309,6 +328,8 @@ def attn_decode(
     q = tl.load(q_ptrs, mask=row_mask, other=0.0)
 
     len_k, fault = _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity)
+    start_b, start_fault = _sequence_start(CacheStart, off_b, len_k, capacity)
+    fault = fault | start_fault
     diag = len_k - seqlen_q
     # A side wider than every key is unbounded; capped there, ``diag - left`` cannot wrap.
     unbounded = capacity + seqlen_q
@@ -322,7 +343,7 @@ def attn_decode(
     one_head = first // seqlen_q == last // seqlen_q
     q_first = tl.where(one_head, first % seqlen_q, 0)
     q_last = tl.where(one_head, last % seqlen_q, seqlen_q - 1)
-    lo = tl.maximum(q_first + diag - left, 0)
+    lo = tl.maximum(q_first + diag - left, start_b)
     hi = tl.minimum(q_last + 1 + diag + right, len_k)
     hi = tl.maximum(hi, lo)
     lo = lo // BLOCK_N * BLOCK_N
@@ -346,20 +367,20 @@ def attn_decode(
         # A block inside one page (pages a multiple of BLOCK_N): one table entry per block;
         # smaller or odd pages: one per 16-row chunk. A uniform branch, both loops in the binary.
         if page_size % BLOCK_N == 0:
-            acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k,
-                                              qi, diag, left, right, qk_scale, page_size, num_pages, stride_kz,
-                                              stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim, HEAD_DIM,
-                                              PADDED_D, BLOCK_N, 1, PREC)
+            acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end,
+                                              start_b, len_k, qi, diag, left, right, qk_scale, page_size, num_pages,
+                                              stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
+                                              HEAD_DIM, PADDED_D, BLOCK_N, 1, PREC)
         else:
-            acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k,
-                                              qi, diag, left, right, qk_scale, page_size, num_pages, stride_kz,
-                                              stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim, HEAD_DIM,
-                                              PADDED_D, BLOCK_N, 2, PREC)
+            acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end,
+                                              start_b, len_k, qi, diag, left, right, qk_scale, page_size, num_pages,
+                                              stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
+                                              HEAD_DIM, PADDED_D, BLOCK_N, 2, PREC)
     else:
-        acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, len_k, qi,
-                                          diag, left, right, qk_scale, page_size, num_pages, stride_kz, stride_kn,
-                                          stride_vz, stride_vn, offs_n, offs_d, head_dim, HEAD_DIM, PADDED_D, BLOCK_N,
-                                          0, PREC)
+        acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, start_b,
+                                          len_k, qi, diag, left, right, qk_scale, page_size, num_pages, stride_kz,
+                                          stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim, HEAD_DIM, PADDED_D,
+                                          BLOCK_N, 0, PREC)
 
     _successor_may_launch(PDL)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -617,9 +638,10 @@ def append_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
 
 _DECODE_SIG = signature_of(attn_decode, {
     "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
-    "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32", "Faults": "*i32"})
+    "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32", "CacheStart": "*i32",
+    "Faults": "*i32"})
 # Lengths and block tables may be any int32 views (e.g. a slice of a longer lengths array).
-_INDEX_POINTERS = ("BlockTable", "CacheSeqlens", "Faults")
+_INDEX_POINTERS = ("BlockTable", "CacheSeqlens", "CacheStart", "Faults")
 _DECODE_DIV = {**{n: d for n, d in divisibility_of(_DECODE_SIG, aligned=("q", "k", "v", "o")).items()
                   if n not in _INDEX_POINTERS}, "page_size": 16}
 _COMBINE_SIG = signature_of(attn_decode_combine, {"Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",

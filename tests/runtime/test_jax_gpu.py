@@ -229,7 +229,8 @@ def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
                                             LSE=aj.Out((b, hq, sq), jnp.float32),
                                             PartO=aj.Out((part_rows, bucket), jnp.float32),
                                             PartL=aj.Out((part_rows,), jnp.float32), BlockTable=table,
-                                            CacheSeqlens=lens, Faults=aj.Update(faults))
+                                            CacheSeqlens=lens, CacheStart=jnp.zeros((b,), jnp.int32),
+                                            Faults=aj.Update(faults))
         out, lse = call(combine, Out=aj.Out(q.shape, q.dtype), LSE=aj.Out((b, hq, sq), jnp.float32), PartO=part_o,
                         PartL=part_l)
         return out, lse, kc, vc, faults

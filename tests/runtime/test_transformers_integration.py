@@ -80,10 +80,20 @@ def served(monkeypatch: pytest.MonkeyPatch) -> str:
         return _reference(q, k, v, dropout_p=0.0, path="core", **kw), None
 
     def decode(q: Any, k: Any, v: Any, *, causal: bool, window: Any, scale: Any, layout: str, cache_layout: str,
-               library: Any) -> tuple:
+               library: Any, cache_seqlens: Any = None, cache_leftpad: Any = None) -> tuple:
         assert cache_layout == "bshd"
-        return _reference(q, k, v, causal=causal, window=window, align="bottom_right", dropout_p=0.0, scale=scale,
-                          layout=layout, library=library, path="decode"), None
+        if cache_leftpad is None:
+            assert cache_seqlens is None
+            return _reference(q, k, v, causal=causal, window=window, align="bottom_right", dropout_p=0.0,
+                              scale=scale, layout=layout, library=library, path="decode"), None
+        # A left-padded decoding step: sequence b's keys are cache rows [start, cache_seqlens).
+        assert isinstance(cache_seqlens, int) and cache_leftpad.dtype == torch.int32 and layout == "bshd"
+        CALLS.append({"q_len": q.shape[1], "k_len": cache_seqlens, "causal": causal, "bias": False,
+                      "window": window, "varlen": False, "path": "decode_leftpad",
+                      "starts": cache_leftpad.tolist()})
+        out = torch.stack([_one(q[b], k[b, s:cache_seqlens], v[b, s:cache_seqlens], causal, window, scale, None)
+                           for b, s in enumerate(cache_leftpad.tolist())])
+        return out, None
 
     monkeypatch.setattr(op_torch, "attention", _reference)
     monkeypatch.setattr(op_core, "attention", core)
@@ -206,6 +216,15 @@ def test_greedy_generation_of_a_left_padded_batch_matches_sdpa(served: str, name
         got = ours.generate(ids, attention_mask=mask, **kw)
     assert torch.equal(got, want)
     assert not any(c["bias"] for c in CALLS)
+    # The decoding steps read the cache in place from each row's first real token (sliding-window
+    # layers whose window holds no padding get no mask: the plain decode path).
+    steps = [c for c in CALLS if c["q_len"] == 1]
+    padded = [c for c in steps if c["path"] == "decode_leftpad"]
+    assert all(c["path"] in ("decode", "decode_leftpad") for c in steps), steps
+    assert padded or name == "mistral_window"  # its 4-key window never holds padding here
+    assert all(c["starts"] == [3, 0, 5] for c in padded if c["k_len"] > 8)
+    if name in ("llama", "qwen2", "phi3"):
+        assert padded == steps
 
 
 def test_generation_without_padding_decodes_one_row_at_a_time(served: str) -> None:

@@ -90,7 +90,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
                      window: tuple[int, int] | None = None, scale: float | None = None,
                      num_splits: int | None = None, max_seqlen_k: int | None = None, layout: str = "bshd",
                      cache_layout: str = "bshd", out: Any = None, check: bool | None = None,
-                     library: Any = None) -> tuple[Any, Any]:
+                     cache_leftpad: Any = None, library: Any = None) -> tuple[Any, Any]:
     """Attention of query rows per sequence against a (contiguous or paged) KV cache.
 
     Arguments:
@@ -110,7 +110,11 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         max_seqlen_k: an upper bound of the keys any sequence sees, for the split count only
             (default: ``cache_seqlens + Sn`` when an int, else the capacity).
         out: preallocated output shaped like q.
-        check: read lengths and block table back and check them before launch, and the fault
+        cache_leftpad: each sequence's first cache row (FlashAttention-2's left padding): an int32
+            ``(B,)`` device array or a host integer array (checked before launch); sequence b
+            attends to rows ``[cache_leftpad[b], cache_seqlens[b] + Sn)``, the rows before never
+            read; masks stay aligned to the end. Needs ``0 <= cache_leftpad[b] <= cache_seqlens[b]``.
+        check: read lengths, starts and block table back and check them before launch, and the fault
             flag after (default: ``AOTRITON_RT_DEBUG``).
         library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
 
@@ -132,8 +136,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
                                     k_new=k, v_new=v, causal=True)
     """
     debug = _debug(check)
-    key = None if debug else _torch_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, causal,
-                                        window, scale, num_splits, max_seqlen_k, layout, cache_layout)
+    key = None if debug else _torch_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, k_new, v_new,
+                                        out, causal, window, scale, num_splits, max_seqlen_k, layout, cache_layout)
     ks = None
     if key is not None:
         try:
@@ -143,12 +147,14 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         launch = ks.launches.get(key) if ks is not None else None
         if launch is not None:
             if launch.fast is not None:
-                return launch.run_fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
-            return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
+                return launch.run_fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out,
+                                       cache_leftpad)
+            return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out,
+                              cache_leftpad=cache_leftpad)
     try:
         p, infos = _plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                          v_new=v_new, causal=causal, window=window, scale=scale, max_seqlen_k=max_seqlen_k,
-                         layout=layout, cache_layout=cache_layout)
+                         layout=layout, cache_layout=cache_layout, cache_leftpad=cache_leftpad)
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("decode_attention", "it has no JAX version: call it outside jax.jit, on "
                                    "concrete arrays", q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
@@ -161,17 +167,20 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             raise ArgumentError(f"out must have shape {tuple(infos['q'].shape)} and dtype {p.dtype}, got "
                                 f"{tuple(out_i.shape)} {out_i.dtype}")
         infos["out"] = out_i
-    launch = _Launch(p, infos, ks if ks is not None else _kernels_of(library), layout, num_splits, cache_seqlens)
+    launch = _Launch(p, infos, ks if ks is not None else _kernels_of(library), layout, num_splits, cache_seqlens,
+                     cache_leftpad)
     xp = launch.xp
     if debug:
         seqlens = launch.seqlens(xp.convert(q, infos["q"]), cache_seqlens, infos)
         table = xp.convert(block_table, infos["block_table"]) if p.paged else None
-        _check_contents(xp, p, seqlens, table)
+        starts = launch.starts(xp.convert(q, infos["q"]), cache_leftpad, cache_seqlens, infos) \
+            if cache_leftpad is not None else None
+        _check_contents(xp, p, seqlens, table, starts)
     if key is not None and not launch.q_copy:
         if len(launch.ks.launches) >= MAX_LAUNCHES:
             launch.ks.launches.clear()
         launch.ks.launches[key] = launch
-    result = launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos)
+    result = launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos, cache_leftpad)
     if debug:
         raise_faults(launch.ks, p.device)
     return result
@@ -187,14 +196,14 @@ def cached_launch(q: Any, k_cache: Any, v_cache: Any, *, causal: bool = False, w
     For the attention operator's plans, whose own key already pins everything this plan depends
     on: they keep it and call ``run_fast(q, k, v, None, None, None, None, None)`` directly.
     """
-    key = _torch_key(q, k_cache, v_cache, None, None, None, None, None, causal, window, scale, None, None, layout,
-                     cache_layout)
+    key = _torch_key(q, k_cache, v_cache, None, None, None, None, None, None, causal, window, scale, None, None,
+                     layout, cache_layout)
     launch = _kernels_of(library).launches.get(key) if key is not None else None
     return launch if launch is not None and launch.fast is not None else None
 
 
-def _torch_key(q: Any, k: Any, v: Any, lens: Any, table: Any, kn: Any, vn: Any, out: Any, *options: Any
-               ) -> tuple | None:
+def _torch_key(q: Any, k: Any, v: Any, lens: Any, starts: Any, table: Any, kn: Any, vn: Any, out: Any,
+               *options: Any) -> tuple | None:
     """A key for the library's launch cache (``_Kernels.launches``) when every array is a torch
     tensor (else None: full checks)."""
     if type(q).__name__ != "Tensor" or type(q).__module__ != "torch":
@@ -202,7 +211,7 @@ def _torch_key(q: Any, k: Any, v: Any, lens: Any, table: Any, kn: Any, vn: Any, 
     # Options typed: causal=1 or num_splits=True must not find the plan of True or 1 and skip
     # the validation that refuses them.
     parts: list = [_typed(o) for o in options]
-    for t in (q, k, v, lens, table, kn, vn, out):
+    for t in (q, k, v, lens, starts, table, kn, vn, out):
         if t is None or type(t) is int:
             parts.append(t)
         elif type(t) is type(q):
@@ -220,6 +229,7 @@ def decode_kernels(q: Any, k_cache: Any, v_cache: Any, *, library: Any = None, *
     """The kernel handles :func:`decode_attention` with these arguments launches (nothing runs);
     for benchmarks that time the exact binaries or report their configs."""
     p, _ = _plan(q, k_cache, v_cache, cache_seqlens=options.pop("cache_seqlens", None),
+                 cache_leftpad=options.pop("cache_leftpad", None),
                  block_table=options.pop("block_table", None), k_new=options.pop("k_new", None),
                  v_new=options.pop("v_new", None), causal=options.pop("causal", False),
                  window=options.pop("window", None), scale=options.pop("scale", None),

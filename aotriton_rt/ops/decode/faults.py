@@ -18,12 +18,13 @@ from typing import Any
 from ...errors import FaultError
 
 # Mirrors builder/kernels/decode.py (a test keeps them equal).
-#: ``cache_seqlens[b] < 0`` or ``cache_seqlens[b] + Sn`` past the capacity.
+#: ``cache_seqlens[b] < 0``, ``cache_seqlens[b] + Sn`` past the capacity, or ``cache_leftpad[b]``
+#: outside ``[0, capacity]``.
 FAULT_LENGTH = 1
 #: A block-table entry the sequence's rows reference outside ``[0, num_pages)``.
 FAULT_PAGE = 2
 _WHAT = {FAULT_LENGTH: "cache_seqlens[b] + appended rows outside [0, capacity] (the cache's length, or "
-                       "block_table.shape[1] * page_size)",
+                       "block_table.shape[1] * page_size), or a cache_leftpad start outside it",
          FAULT_PAGE: "a referenced block_table entry outside [0, num_pages)"}
 
 

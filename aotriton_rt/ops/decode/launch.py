@@ -58,6 +58,9 @@ class _Kernels:
         self.handles: dict[tuple, Any] = {}
         self.sms: dict[int, int] = {}
         self.faults = fault_flags(lib)
+        #: The zero starts of calls without ``cache_leftpad``, by (framework, device, length)
+        #: (:func:`zero_starts`); live with the library, as the fault flags.
+        self.zero_starts: dict[tuple, Any] = {}
         self.shared = kernels_of(lib)
         #: Launch plans of recent torch calls, by everything that decides them (shapes, strides,
         #: dtypes, devices, alignment, options): a repeated decode step skips validation and
@@ -202,17 +205,34 @@ _MAX_CONSTANT_LENS = 4096
 
 #: The array arguments of the decode kernels, in the order run_fast gathers their addresses.
 _POINTERS = ("Q", "K", "V", "Out", "LSE", "BlockTable", "CacheSeqlens", "KNew", "VNew", "PartO", "PartL",
-             "Faults")
+             "Faults", "CacheStart")
 #: Arguments of decode kernels in images built before the fused split merge was removed: always
 #: null (those kernels then leave the merge to attn_decode_combine, as the current ones do).
 _RETIRED = {"Counters": None}
+
+
+def zero_starts(ks: _Kernels, xp: Any, like: Any, device: int, batch: int) -> Any:
+    """The ``CacheStart`` of calls without ``cache_leftpad``: an int32 zeros array of at least
+    ``batch`` entries (a power of two from 64, so a library keeps at most 11 per device), owned by
+    the library like its fault flags (ops/decode/faults.py): never freed while it lives, since a
+    captured CUDA graph keeps reading its address; read only, so shared by calls on every stream
+    once its zero fill has run. One made while a graph is captured serves that call only."""
+    size = max(64, 1 << max(batch - 1, 0).bit_length())
+    key = (xp.framework, device, size)
+    zeros = ks.zero_starts.get(key)
+    if zeros is not None:
+        return zeros
+    zeros = xp.zeros((size,), "i32", like)
+    if not xp.settle_for_sharing(like):
+        return zeros
+    return ks.zero_starts.setdefault(key, zeros)
 
 
 class _Launch:
     """Everything one call shape launches: handles, split count, scalar arguments."""
 
     def __init__(self, p: DecodePlan, infos: dict, ks: _Kernels, layout: str, num_splits: int | None,
-                 cache_seqlens: Any) -> None:
+                 cache_seqlens: Any, cache_leftpad: Any = None) -> None:
         self.p, self.layout, self.ks = p, layout, ks
         self.xp = xp = arrays_for(infos["q"].framework)
         q_shape = tuple(infos["q"].shape)
@@ -259,8 +279,14 @@ class _Launch:
                      **named("kn", "m", p.kn_strides), **named("vn", "m", p.vn_strides),
                      "stride_lz": p.heads_q * p.seqlen_q, "stride_lh": p.seqlen_q}
         self.fast = self._prepare() if xp.framework == "torch" and p.device >= 0 and not self.q_copy else None
+        self.starts_mode = ("zeros" if cache_leftpad is None else
+                            "host" if validate._host_starts(cache_leftpad) is not None else "array")
+        if cache_leftpad is not None and "CacheStart" not in self.decode.arg_names:
+            raise KernelNotFound("cache_leftpad needs attn_decode with a CacheStart argument; these images were built "
+                                 "before it: rebuild them (`python -m builder build --kernels attn_decode`)")
         self.lens = None  # the constant lengths array of "full"/"int" calls, made on the first fast call
         self.flag = None  # the library's fault flag for this device, fetched on the first call
+        self.zeros = None  # the library's zero starts (calls without cache_leftpad), fetched on the first call
 
     def _prepare(self) -> list | None:
         """Integer-address launches for torch tensors (as the attention plans do): per kernel,
@@ -290,7 +316,7 @@ class _Launch:
         return prepared
 
     def run_fast(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
-                 out: Any) -> tuple[Any, Any]:
+                 out: Any, cache_leftpad: Any = None) -> tuple[Any, Any]:
         """A repeated torch call: allocate, fill the address slots, launch (no per-call checks)."""
         torch, p, dev = self.torch, self.p, q.device
         o = out if out is not None else torch.empty(self.q_shape, dtype=self.tdtype, device=dev)
@@ -315,7 +341,8 @@ class _Launch:
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                      block_table.data_ptr() if block_table is not None else 0, lens.data_ptr(),
                      k_new.data_ptr() if k_new is not None else 0, v_new.data_ptr() if v_new is not None else 0,
-                     part_o, part_l, (self.flag if self.flag is not None else self._flag(q)).data_ptr())
+                     part_o, part_l, (self.flag if self.flag is not None else self._flag(q)).data_ptr(),
+                     self.starts(q, cache_leftpad, cache_seqlens).data_ptr())
         for launch, template, slots in self.fast:
             args = list(template)
             for i, j in slots:
@@ -348,6 +375,28 @@ class _Launch:
             self.flag = flag
         return flag
 
+    def starts(self, like: Any, cache_leftpad: Any, cache_seqlens: Any, infos: dict | None = None) -> Any:
+        """The ``CacheStart`` array: the library's zeros without ``cache_leftpad``, a host one
+        checked (a cached plan skips _plan) and copied, a device one as is."""
+        if self.starts_mode == "zeros":
+            if self.zeros is None:
+                zeros = zero_starts(self.ks, self.xp, like, self.p.device, self.p.batch)
+                if self.ks.zero_starts.get((self.xp.framework, self.p.device, len(zeros))) is not zeros:
+                    return zeros
+                self.zeros = zeros
+            return self.zeros
+        if self.starts_mode == "host":
+            starts = validate._host_starts(cache_leftpad)
+            if len(starts) != self.p.batch:
+                raise ArgumentError(f"cache_leftpad must have shape ({self.p.batch},), got {len(starts)} starts")
+            lens = (validate._host_lengths(cache_seqlens) if self.lens_mode == "host" else
+                    [cache_seqlens] * self.p.batch if self.lens_mode == "int" else None)
+            validate.check_starts(starts, lens, self.p.capacity)
+            if self.xp.framework == "torch":
+                return self.xp.torch.tensor(starts, dtype=self.xp.torch.int32, device=like.device)
+            return self.xp.cupy.asarray(starts, dtype="int32")
+        return cache_leftpad if infos is None else self.xp.convert(cache_leftpad, infos["cache_leftpad"])
+
     def seqlens(self, like: Any, cache_seqlens: Any, infos: dict | None = None) -> Any:
         if self.lens_mode == "host":  # checked on the host every call (a cached plan skips _plan)
             lens = validate._host_lengths(cache_seqlens)
@@ -365,7 +414,7 @@ class _Launch:
         return cache_seqlens if infos is None else self.xp.convert(cache_seqlens, infos["cache_seqlens"])
 
     def run(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any,
-            infos: dict | None = None) -> tuple[Any, Any]:
+            infos: dict | None = None, cache_leftpad: Any = None) -> tuple[Any, Any]:
         xp, p = self.xp, self.p
         if infos is not None:  # first call: any framework, converted once
             q, k, v = (xp.convert(a, infos[n]) for a, n in ((q, "q"), (k, "k_cache"), (v, "v_cache")))
@@ -383,7 +432,8 @@ class _Launch:
         if p.batch == 0 or p.heads_q == 0:
             return o, lse
         values = {**self.base, "Q": q, "K": k, "V": v, "Out": o, "LSE": lse, "BlockTable": block_table,
-                  "CacheSeqlens": self.seqlens(q, cache_seqlens, infos), "KNew": k_new, "VNew": v_new,
+                  "CacheSeqlens": self.seqlens(q, cache_seqlens, infos),
+                  "CacheStart": self.starts(q, cache_leftpad, cache_seqlens, infos), "KNew": k_new, "VNew": v_new,
                   "PartO": None, "PartL": None, "Faults": self.flag if self.flag is not None else self._flag(q),
                   **_RETIRED}
         if self.append is not None:

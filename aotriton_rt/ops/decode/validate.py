@@ -128,8 +128,8 @@ def _check_dtype(info: interop.ArrayInfo, name: str, dtype: str) -> None:
 
 
 def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
-          causal: bool, window: Any, scale: Any, max_seqlen_k: Any, layout: str, cache_layout: str
-          ) -> tuple[DecodePlan, dict[str, Any]]:
+          causal: bool, window: Any, scale: Any, max_seqlen_k: Any, layout: str, cache_layout: str,
+          cache_leftpad: Any = None) -> tuple[DecodePlan, dict[str, Any]]:
     if layout not in _LAYOUTS:
         raise ArgumentError(f"layout must be 'bshd' (batch, seqlen, heads, head_dim) or 'bhsd', got {layout!r}")
     if cache_layout not in _LAYOUTS:
@@ -249,6 +249,10 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
         hint = cache_seqlens + seqlen_new
     if max_seqlen_k is not None:
         hint = _int(max_seqlen_k, "max_seqlen_k", 0, capacity)
+    if cache_leftpad is not None:
+        lens = host if host is not None else None if cache_seqlens is None or "cache_seqlens" in infos \
+            else [cache_seqlens] * batch
+        _check_leftpad(cache_leftpad, batch, capacity, lens, infos)
 
     if not isinstance(causal, bool):
         raise ArgumentError(f"causal must be True or False, got {causal!r}")
@@ -273,14 +277,52 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
 
 
 
+def _check_leftpad(cache_leftpad: Any, batch: int, capacity: int, lens: list[int] | None, infos: dict) -> None:
+    """Refuse a malformed ``cache_leftpad``, and host values outside ``[0, cache_seqlens[b]]``
+    (``lens``: the cached lengths when known on the host; else ``[0, capacity]``)."""
+    host = _host_starts(cache_leftpad)
+    if host is None:
+        if isinstance(cache_leftpad, (bool, int)):
+            raise ArgumentError(f"cache_leftpad must be an int32 array of shape ({batch},), got {cache_leftpad!r}")
+        li = _describe(cache_leftpad, "cache_leftpad")
+        infos["cache_leftpad"] = li
+        if li.dtype != "i32" or tuple(li.shape) != (batch,) or (batch > 1 and li.strides[0] != 1):
+            raise ArgumentError(f"cache_leftpad must be a contiguous int32 array of shape ({batch},), got "
+                                f"{li.dtype} {tuple(li.shape)}")
+        return
+    if len(host) != batch:
+        raise ArgumentError(f"cache_leftpad must have shape ({batch},), got {len(host)} starts")
+    check_starts(host, lens, capacity)
+
+
+def check_starts(starts: Sequence[int], lens: Sequence[int] | None, capacity: int) -> None:
+    """Refuse a left padding past its sequence's cached rows (``lens``; None: the capacity)."""
+    for b, start in enumerate(starts):
+        top = capacity if lens is None else lens[b]
+        if not 0 <= start <= top:
+            what = f"cache_seqlens[{b}] = {top}" if lens is not None else f"the capacity {capacity}"
+            raise ArgumentError(f"cache_leftpad[{b}] = {start} must be in [0, {top}] ({what}): a sequence's keys "
+                                f"start within its cached rows")
+
+
 def _host_lengths(obj: Any) -> list[int] | None:
+    """``cache_seqlens`` on the host (see :func:`_host_ints`)."""
+    return _host_ints(obj, "cache_seqlens")
+
+
+def _host_starts(obj: Any) -> list[int] | None:
+    """``cache_leftpad`` on the host (see :func:`_host_ints`)."""
+    return _host_ints(obj, "cache_leftpad")
+
+
+def _host_ints(obj: Any, name: str) -> list[int] | None:
     """The lengths of a host array (a CPU torch tensor, a NumPy array), checked before launch and
     copied to the device per call; None for anything else (an int, None, a device array).
     Module-level so that tests running everything on the CPU can take CPU tensors as device arrays."""
     kind = (type(obj).__module__.split(".")[0], type(obj).__name__)
     if kind == ("torch", "Tensor") and obj.device.type == "cpu" or kind == ("numpy", "ndarray"):
         if obj.ndim != 1 or "int" not in str(obj.dtype):
-            raise ArgumentError(f"cache_seqlens must be a 1-D integer array, got {obj.dtype} {tuple(obj.shape)}")
+            raise ArgumentError(f"{name} must be a 1-D integer array, got {obj.dtype} {tuple(obj.shape)}")
         return [int(n) for n in obj.tolist()]
     return None
 
@@ -308,17 +350,22 @@ def _host(xp: Any, x: Any) -> list:
     return x.tolist() if xp.framework == "torch" else xp.cupy.asnumpy(x).tolist()
 
 
-def _check_contents(xp: Any, p: DecodePlan, seqlens: Any, table: Any) -> None:
-    """Debug mode: every length within capacity and every referenced page in [0, num_pages)."""
+def _check_contents(xp: Any, p: DecodePlan, seqlens: Any, table: Any, starts: Any = None) -> None:
+    """Debug mode: every length within capacity, every start within its length and every
+    referenced page in [0, num_pages)."""
     lens = _host(xp, seqlens)
     rows = _host(xp, table) if table is not None else None
+    firsts = _host(xp, starts) if starts is not None else [0] * len(lens)
+    if starts is not None:
+        check_starts(firsts, lens, p.capacity)
     for b, n in enumerate(lens):
         total = n + p.seqlen_new
         if n < 0 or total > p.capacity:
             raise ArgumentError(f"cache_seqlens[{b}] = {n} plus {p.seqlen_new} new rows is outside the {p.capacity} "
                                 f"rows {'block_table can address' if p.paged else 'k_cache holds'}")
         if rows is not None:
-            for j, page in enumerate(rows[b][:-(-total // p.page_size)]):
+            skip = firsts[b] // p.page_size  # pages wholly before a left padding's start are never read
+            for j, page in enumerate(rows[b][skip:-(-total // p.page_size)], skip):
                 if not 0 <= page < p.num_pages:
                     raise ArgumentError(f"block_table[{b}, {j}] = {page} is not a page of the cache "
                                         f"(0..{p.num_pages - 1}); sequence {b} has {total} rows")
