@@ -29,7 +29,7 @@ from aotriton_rt import ArgumentError
 from aotriton_rt.ops import decode as op
 from tests.helpers.interpreter import patch_interpreter, report_cases, run_sharded
 from tests.runtime.test_decode_bounds import recording  # noqa: F401 - the fixture
-from tests.runtime.test_decode_op import _Handle, _install_cpu, _Library
+from tests.runtime.test_decode_op import _Handle, _install_cpu, _Library, fp64_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 16  # the interpreter runs BLOCK_M = BLOCK_N = 16 (test_decode_op._Handle)
@@ -219,20 +219,7 @@ def run_case(name: str, case: dict) -> dict:
     errors = {}
     for b in range(B):
         n = total[b]
-        kk = keys[b].double().transpose(0, 1).repeat_interleave(group, 0)
-        vv = vals[b].double().transpose(0, 1).repeat_interleave(group, 0)
-        s = q[b].double().transpose(0, 1) @ kk.transpose(-1, -2) * scale
-        rel = torch.arange(n)[None, :] - torch.arange(Sq)[:, None] - (n - Sq)
-        vis = torch.ones(Sq, n, dtype=torch.bool)
-        if left >= 0:
-            vis &= rel >= -left
-        if right >= 0:
-            vis &= rel <= right
-        s = s.masked_fill(~vis, float("-inf"))
-        row_ok = vis.any(-1)
-        s_safe = torch.where(row_ok[:, None], s, 0.0)
-        ref = ((torch.softmax(s_safe, -1) * row_ok[:, None]) @ vv).transpose(0, 1)
-        ref_lse = torch.where(row_ok, torch.logsumexp(s_safe, -1), float("-inf"))
+        ref, ref_lse = fp64_reference(q[b], keys[b], vals[b], group, scale, left, right)
         err = (got[b].double() - ref).abs().max().item()
         gl = lse[b].double()
         lerr = torch.where(torch.isinf(gl) & torch.isinf(ref_lse), 0.0, (gl - ref_lse).abs()).max().item()

@@ -24,7 +24,7 @@ from aotriton_rt import ArgumentError
 from aotriton_rt.ops import decode as op
 from tests.helpers.interpreter import patch_interpreter, report_cases, run_sharded
 from tests.runtime.test_decode_bounds import _append, _arrays, recording  # noqa: F401 - the fixture
-from tests.runtime.test_decode_op import BLOCK_N, _install_cpu, _Library
+from tests.runtime.test_decode_op import BLOCK_N, _install_cpu, _Library, fp64_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,20 +110,7 @@ def run_case(name: str, case: dict) -> dict:
             if not (got[b].isnan().all() and lse[b].isnan().all()):
                 failed.append(f"sequence {b} with start {s0} past the capacity did not answer NaN")
             continue
-        kk = keys[b][s0:].double().transpose(0, 1).repeat_interleave(group, 0)
-        vv = vals[b][s0:].double().transpose(0, 1).repeat_interleave(group, 0)
-        s = q[b].double().transpose(0, 1) @ kk.transpose(-1, -2) * scale
-        rel = torch.arange(s0, n)[None, :] - torch.arange(Sq)[:, None] - (n - Sq)
-        vis = torch.ones(Sq, n - s0, dtype=torch.bool)
-        if left >= 0:
-            vis &= rel >= -left
-        if right >= 0:
-            vis &= rel <= right
-        s = s.masked_fill(~vis, float("-inf"))
-        row_ok = vis.any(-1)
-        s_safe = torch.where(row_ok[:, None], s, 0.0)
-        ref = ((torch.softmax(s_safe, -1) * row_ok[:, None]) @ vv).transpose(0, 1)
-        ref_lse = torch.where(row_ok, torch.logsumexp(s_safe, -1), float("-inf"))
+        ref, ref_lse = fp64_reference(q[b], keys[b], vals[b], group, scale, left, right, start=s0)
         err = (got[b].double() - ref).abs().max().item()
         gl = lse[b].double()
         lerr = torch.where(torch.isinf(gl) & torch.isinf(ref_lse), 0.0, (gl - ref_lse).abs()).max().item()

@@ -190,6 +190,31 @@ def _install_cpu() -> None:
     validate._host_lengths = lambda obj: None  # CPU tensors stand for device arrays here
 
 
+def fp64_reference(q: Any, keys: Any, vals: Any, group: int, scale: float, left: int, right: int,
+                   start: int = 0) -> tuple[Any, Any]:
+    """One sequence's decode attention in fp64: q ``(Sq, Hq, D)`` against its cache rows ``keys``
+    / ``vals`` ``(n, Hk, D)``, of which rows from ``start`` on are its keys; the queries are the
+    last ``Sq`` rows (bottom-right), ``left``/``right`` the window (-1: unbounded). Returns
+    ``(out (Sq, Hq, D), lse (Hq, Sq))``: rows that see no key give 0 and -inf."""
+    import torch
+
+    sq, n = q.shape[0], keys.shape[0]
+    kk = keys[start:].double().transpose(0, 1).repeat_interleave(group, 0)  # (Hq, n - start, D)
+    vv = vals[start:].double().transpose(0, 1).repeat_interleave(group, 0)
+    s = q.double().transpose(0, 1) @ kk.transpose(-1, -2) * scale
+    rel = torch.arange(start, n)[None, :] - torch.arange(sq)[:, None] - (n - sq)
+    vis = torch.ones(sq, n - start, dtype=torch.bool)
+    if left >= 0:
+        vis &= rel >= -left
+    if right >= 0:
+        vis &= rel <= right
+    s = s.masked_fill(~vis, float("-inf"))
+    row_ok = vis.any(-1)
+    s_safe = torch.where(row_ok[:, None], s, 0.0)
+    ref = ((torch.softmax(s_safe, -1) * row_ok[:, None]) @ vv).transpose(0, 1)
+    return ref, torch.where(row_ok, torch.logsumexp(s_safe, -1), float("-inf"))
+
+
 def run_case(name: str, case: dict) -> dict:
     import torch
 
@@ -267,24 +292,7 @@ def run_case(name: str, case: dict) -> dict:
     group = Hq // Hk
     for b in range(B):
         n = total[b]
-        kk = keys[b].double().transpose(0, 1).repeat_interleave(group, 0)  # (Hq, n, D)
-        vv = vals[b].double().transpose(0, 1).repeat_interleave(group, 0)
-        qq = q[b].double().transpose(0, 1)  # (Hq, Sq, D)
-        s = qq @ kk.transpose(-1, -2) * scale
-        i = torch.arange(Sq)[:, None]
-        j = torch.arange(n)[None, :]
-        rel = j - i - (n - Sq)
-        vis = torch.ones(Sq, n, dtype=torch.bool)
-        if left >= 0:
-            vis &= rel >= -left
-        if right >= 0:
-            vis &= rel <= right
-        s = s.masked_fill(~vis, float("-inf"))
-        row_ok = vis.any(-1)
-        s_safe = torch.where(row_ok[:, None], s, 0.0)
-        p = torch.softmax(s_safe, -1) * row_ok[:, None]
-        ref = (p @ vv).transpose(0, 1)  # (Sq, Hq, D)
-        ref_lse = torch.where(row_ok, torch.logsumexp(s_safe, -1), float("-inf"))
+        ref, ref_lse = fp64_reference(q[b], keys[b], vals[b], group, scale, left, right)
         got = out[b].double()
         err = (got - ref).abs().max().item() if n else got.abs().max().item()
         errors[f"out{b}"] = err
