@@ -50,10 +50,10 @@ _LIBRARY: dict[str, Any] = {"library": None}
 
 class _Lengths:
     """Where a padding mask's real tokens are: flat indices, per-row (batch, position) indices,
-    ``cu_seqlens`` and the longest sequence (read from the device once); whether it is a pure
-    left padding (per row: zeros, then ones) and each row's first real column (int32)."""
+    ``cu_seqlens`` and the longest sequence (read from the device once); each row's first real
+    column if the mask is a pure left padding (:meth:`left_starts`, asked by decoding steps only)."""
 
-    __slots__ = ("batch", "pos", "cu", "max_len", "total", "left_padded", "starts")
+    __slots__ = ("keep", "lens", "batch", "pos", "cu", "max_len", "total", "_starts")
 
     def __init__(self, mask: Any) -> None:
         import torch
@@ -62,13 +62,24 @@ class _Lengths:
         lens = keep.sum(-1, dtype=torch.int32)
         flat = torch.nonzero(keep.reshape(-1)).flatten()
         width = keep.shape[-1]
+        self.keep, self.lens = keep, lens
         self.batch, self.pos = flat // width, flat % width
         self.cu = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))
         self.max_len = int(lens.max()) if lens.numel() else 0
         self.total = int(flat.numel())
-        self.starts = (width - lens).to(torch.int32)
-        columns = torch.arange(width, device=keep.device)
-        self.left_padded = bool(torch.equal(keep, columns[None, :] >= self.starts[:, None]))
+        self._starts: Any = ...  # not asked yet
+
+    def left_starts(self) -> Any:
+        """Each row's first real column (int32) when every row is zeros then ones, else None;
+        one device read, on first use."""
+        if self._starts is ...:
+            import torch
+
+            width = self.keep.shape[-1]
+            starts = (width - self.lens).to(torch.int32)
+            columns = torch.arange(width, device=self.keep.device)
+            self._starts = starts if torch.equal(self.keep, columns[None, :] >= starts[:, None]) else None
+        return self._starts
 
 
 class _LengthsCache(threading.local):
@@ -163,18 +174,11 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     call["causal"] = causal
     # (B, H, S, D) views read as BSHD: the output comes back (B, S, H, D), contiguous, as transformers wants it.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if _inference(q, k, v):
-        # Generation: the core operators directly, without the autograd op's dispatch. Decoding
-        # steps (no mask, 1..16 query rows) go straight to the decode kernels' cached launch plan.
-        from ..errors import ArgumentError, KernelNotFound
-        from ..ops.decode import ROUTED_SEQLEN_Q, decode_attention
-
-        if bias is None and q_len <= ROUTED_SEQLEN_Q:
-            try:
-                return decode_attention(q, k, v, causal=causal, window=window, scale=scaling, layout="bshd",
-                                        cache_layout="bshd", library=_LIBRARY["library"])[0], None
-            except (ArgumentError, UnsupportedError, KernelNotFound):
-                pass  # not a decode shape for these images: the general path below
+    if bias is None:
+        # Decoding steps (no mask, 1..16 query rows) go straight to the decode kernels' cached plan.
+        out = _decode(q, k, v, call)
+        if out is not None:
+            return out, None
     return _run(q, k, v, call, bias=bias), None
 
 
@@ -215,8 +219,9 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, call: dict) -> Any:
         mask = mask[:, -key.shape[2]:]  # a sliding-window cache keeps the last keys
         width = key.shape[2]
     keys = _CACHE.get(mask, width)
-    if keys.left_padded and q_len < width:
-        out = _left_padded_decode(query, key, value, keys, call)
+    if q_len < width:
+        starts = keys.left_starts()
+        out = None if starts is None else _left_padded_decode(query, key, value, starts, call)
         if out is not None:
             return out
     queries = keys if q_len == width else _CACHE.get(mask, q_len)
@@ -228,30 +233,37 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, call: dict) -> Any:
     return full
 
 
-def _left_padded_decode(query: Any, key: Any, value: Any, keys: _Lengths, call: dict) -> Any:
-    """A decoding step of a left-padded batch (1..ROUTED_SEQLEN_Q new rows after a cached
-    prefix): the decode kernels on the cache in place, each row's keys from its first real
-    column (``cache_leftpad``), nothing gathered. None when it cannot run there (a gradient,
-    dropout, a shape or images the decode kernels refuse): the gathering path then serves."""
-    import torch
-
+def _decode(q: Any, k: Any, v: Any, call: dict, **lengths: Any) -> Any:
+    """A decoding step (1..ROUTED_SEQLEN_Q query rows of ``(B, S, H, D)`` views against the
+    cache) on the decode kernels, with the cache read in place, ``lengths`` as
+    :func:`aotriton_rt.ops.decode.decode_attention` takes them; the output ``(B, S, H, D)``. None
+    when it cannot run there (a gradient or dropout to honour, a shape or images the decode
+    kernels refuse): the caller's general path then serves."""
     from ..errors import ArgumentError, KernelNotFound, UnsupportedError
     from ..ops.decode import ROUTED_SEQLEN_Q, decode_attention
 
-    q_len, width = query.shape[2], key.shape[2]
-    if q_len > ROUTED_SEQLEN_Q or call["dropout_p"] != 0.0 or not _inference(query, key, value):
+    if q.shape[1] > ROUTED_SEQLEN_Q or call["dropout_p"] != 0.0 or not _inference(q, k, v):
         return None
-    # (B, H, S, D) views read as BSHD: the output comes back (B, S, H, D), as transformers wants it.
     try:
-        out = decode_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                               cache_seqlens=width, cache_leftpad=keys.starts, causal=call["causal"],
-                               window=call["window"], scale=call["scale"], layout="bshd", cache_layout="bshd",
-                               library=_LIBRARY["library"])[0]
+        return decode_attention(q, k, v, causal=call["causal"], window=call["window"], scale=call["scale"],
+                                layout="bshd", cache_layout="bshd", library=_LIBRARY["library"], **lengths)[0]
     except (ArgumentError, UnsupportedError, KernelNotFound):
         return None
-    if q_len > 1:
+
+
+def _left_padded_decode(query: Any, key: Any, value: Any, starts: Any, call: dict) -> Any:
+    """A decoding step of a left-padded batch (new rows after a cached prefix; ``starts``: each
+    row's first real column): the decode kernels on the cache in place (``cache_leftpad``),
+    nothing gathered; None where :func:`_decode` declines."""
+    import torch
+
+    q_len, width = query.shape[2], key.shape[2]
+    # (B, H, S, D) views read as BSHD: the output comes back (B, S, H, D), as transformers wants it.
+    out = _decode(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), call, cache_seqlens=width,
+                  cache_leftpad=starts)
+    if out is not None and q_len > 1:
         # Queries at padded columns output zeros (causal rows there already see no key).
-        real = (width - q_len + torch.arange(q_len, device=out.device))[None, :] >= keys.starts[:, None]
+        real = (width - q_len + torch.arange(q_len, device=out.device))[None, :] >= starts[:, None]
         out.masked_fill_(~real[:, :, None, None], 0)
     return out
 
