@@ -56,8 +56,8 @@ def _library_key(library: Any) -> int:
     # traces (a traced registration would be a side effect replayed after the graph).
     if library is None:
         return 0
-    key = getattr(library, "op_key", None)
-    if type(key) is int and live_library(key) is library:
+    key = _own_key(library)
+    if key is not None:
         return key
     if _compiling():
         key = _FOREIGN.get(id(library))
@@ -69,12 +69,18 @@ def _library_key(library: Any) -> int:
     return register_library(library)
 
 
+def _own_key(library: Any) -> int | None:
+    """A Library's own ``op_key`` (None for other objects, a copy of a Library included)."""
+    key = getattr(library, "op_key", None)
+    return key if type(key) is int and live_library(key) is library else None
+
+
 def register_library(library: Any) -> int:
     """Make a library object that is not an :class:`aotriton_rt.Library` (a wrapper, a test
     double) usable by the ops from code torch.compile traces; returns its key (a serial number).
     Libraries need nothing: each carries its own key."""
-    key = getattr(library, "op_key", None)
-    if type(key) is int and live_library(key) is library:
+    key = _own_key(library)
+    if key is not None:
         return key
     key = _FOREIGN.get(id(library))
     if key is None:
