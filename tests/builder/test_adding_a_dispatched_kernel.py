@@ -26,13 +26,13 @@ pytest.importorskip("elftools", reason="the ABI proof reads ELF files with pyelf
 
 import aotriton_rt  # noqa: E402
 import aotriton_rt.drivers  # noqa: E402
-from aotriton_rt import interop  # noqa: E402
 from aotriton_rt.catalog import Catalog  # noqa: E402
 from aotriton_rt.ops import attention as op  # noqa: E402
 from aotriton_rt.ops.attention import family, plan, problem  # noqa: E402
 from builder.build import build, check_triton_version, prove_folder  # noqa: E402
 from builder.registry import expand, load_kernels  # noqa: E402
 from builder.targets import parse_targets  # noqa: E402
+from tests.helpers.cpu_arrays import cpu_describer  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "adding-a-kernel.md"
 HEADING = "## A kernel that an operator dispatches to"
@@ -113,16 +113,7 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> RecordingDriver:
     """The recording driver, and CPU torch tensors taken as arrays on its device 0."""
     fake = RecordingDriver()
     monkeypatch.setattr(aotriton_rt.drivers, "get_driver", lambda backend: fake)
-    names = {torch.float16: "fp16", torch.float32: "fp32"}
-    describe = problem._describe
-
-    def cpu_describe(obj: Any, name: str) -> interop.ArrayInfo:
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            return interop.ArrayInfo(obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()),
-                                     "torch")
-        return describe(obj, name)
-
-    monkeypatch.setattr(problem, "_describe", cpu_describe)
+    monkeypatch.setattr(problem, "_describe", cpu_describer(problem._describe))
     monkeypatch.setattr(plan, "_stream_getter", lambda p, q: lambda device: 0)
     return fake
 

@@ -24,10 +24,10 @@ import importlib  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from aotriton_rt import interop  # noqa: E402
 from aotriton_rt.jax.kernels import Out, Update  # noqa: E402
 from aotriton_rt.ops import attention as op  # noqa: E402
 from aotriton_rt.ops.attention import dispatch, family, plan, problem  # noqa: E402
+from tests.helpers.cpu_arrays import cpu_describer  # noqa: E402
 from tests.runtime.test_attention_op import InterpretedKernel, InterpretedLibrary  # noqa: E402
 
 # The module (``aotriton_rt.jax.attention`` names the function the package exports).
@@ -65,15 +65,7 @@ def library(missing: tuple[str, ...]) -> RecordingLibrary:
 
 @pytest.fixture(autouse=True)
 def cpu_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = problem._describe
-
-    def describe(obj: Any, name: str) -> interop.ArrayInfo:
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            return interop.ArrayInfo(obj.data_ptr(), 0, _NAMES[obj.dtype], tuple(obj.shape), tuple(obj.stride()),
-                                     "torch")
-        return real(obj, name)
-
-    monkeypatch.setattr(problem, "_describe", describe)
+    monkeypatch.setattr(problem, "_describe", cpu_describer(problem._describe))
     monkeypatch.setattr(dispatch, "_available", lambda lib, name, params: lib.has(name, params))
     # These handles are this checkout's declarations: a variant takes the arguments its source declares.
     monkeypatch.setattr(dispatch, "_takes", lambda lib, name, params, args: all(

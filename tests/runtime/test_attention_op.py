@@ -144,21 +144,11 @@ class InterpretedLibrary:
 
 def _install_cpu_operator() -> None:
     """Let the operator take CPU tensors and interpreted libraries (this process only)."""
-    import torch
 
-    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-             torch.int64: "i64", torch.int8: "i8"}
     from aotriton_rt.ops.attention import dispatch, problem
+    from tests.helpers.cpu_arrays import cpu_describer
 
-    describe = problem._describe
-
-    def cpu_describe(obj: Any, name: str) -> interop.ArrayInfo:
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            return interop.ArrayInfo(obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()),
-                                     "torch")
-        return describe(obj, name)
-
-    problem._describe = cpu_describe
+    problem._describe = cpu_describer(problem._describe)
     dispatch._available = lambda lib, name, params: lib.has(name, params)
     # The interpreter runs this checkout's kernels: a variant takes the arguments its source declares.
     dispatch._takes = lambda lib, name, params, args: all(a in lib.decls[name].signature for a in args)

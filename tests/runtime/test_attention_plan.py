@@ -15,9 +15,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from aotriton_rt import ArgumentError, UnsupportedError, interop  # noqa: E402
+from aotriton_rt import ArgumentError, UnsupportedError  # noqa: E402
 from aotriton_rt.ops import attention as op  # noqa: E402
 from aotriton_rt.ops.attention import dispatch, plan, problem, signature  # noqa: E402
+from tests.helpers.cpu_arrays import cpu_describer  # noqa: E402
 from tests.runtime.test_attention_op import InterpretedKernel, InterpretedLibrary  # noqa: E402
 
 _NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
@@ -52,16 +53,8 @@ ON_DEVICE_1: set[int] = set()  # data pointers that "live" on device 1
 
 @pytest.fixture(autouse=True)
 def cpu_arrays(monkeypatch: pytest.MonkeyPatch, lib: RecordingLibrary) -> None:
-    real = problem._describe
-
-    def describe(obj: Any, name: str) -> interop.ArrayInfo:
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            device = 1 if obj.data_ptr() in ON_DEVICE_1 else 0
-            return interop.ArrayInfo(obj.data_ptr(), device, _NAMES[obj.dtype], tuple(obj.shape),
-                                     tuple(obj.stride()), "torch")
-        return real(obj, name)
-
-    monkeypatch.setattr(problem, "_describe", describe)
+    monkeypatch.setattr(problem, "_describe", cpu_describer(problem._describe,
+                                                            lambda ptr: 1 if ptr in ON_DEVICE_1 else 0))
     monkeypatch.setattr(dispatch, "_available", lambda library, name, params: library.has(name, params))
     lib.launches.clear()
     dispatch.kernels_of(lib).plans.clear()

@@ -171,22 +171,12 @@ class _Library:
 
 
 def _install_cpu() -> None:
-    import torch
 
-    from aotriton_rt import interop
 
-    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
     from aotriton_rt.ops.decode import validate
+    from tests.helpers.cpu_arrays import cpu_describer
 
-    describe = validate._describe
-
-    def cpu_describe(obj: Any, name: str) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            return interop.ArrayInfo(obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()),
-                                     "torch")
-        return describe(obj, name)
-
-    validate._describe = cpu_describe
+    validate._describe = cpu_describer(validate._describe)
     validate._host_lengths = lambda obj: None  # CPU tensors stand for device arrays here
 
 
