@@ -131,7 +131,7 @@ def select_one(variants: Iterable[Variant], kernel: str, want: Mapping[str, Any]
         if not sel.rejected:
             known = sorted(set(known_kernels) | {v.kernel for v in variants})
             raise KernelNotFound(f"no kernel named {kernel!r} in the catalog; "
-                                 f"kernels: {', '.join(known) or 'none'}")
+                                 f"kernels: {', '.join(known) or 'none'}; " + remedy(kernel, archs))
         raise KernelNotFound(_summary(variants, kernel, want, archs))
     best = sel.accepted[0]
     rivals = [v for v in sel.accepted if v.target.arch == best.target.arch and v.spec != best.spec]

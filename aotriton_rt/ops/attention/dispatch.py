@@ -289,9 +289,8 @@ class LibraryKernels:
         except KernelNotFound as e:
             name = chosen.kernel
             raise KernelNotFound(
-                f"attention ({call.describe()}) needs {name} with {_show(chosen.spec)}, which these images lack; "
-                f"build it (`python -m builder build --set full --kernels {name}`) or use a supported "
-                f"combination. {e}") from None
+                f"attention ({call.describe()}) needs {name} with {_show(chosen.spec)}, which these images lack "
+                f"(or use a supported combination): {e}") from None
 
 
 class Route(NamedTuple):

@@ -158,14 +158,14 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
 def _pick(ks: Any, chosen: KernelChoice, call: AttentionCall, arch: str) -> KernelPick:
     """``chosen`` in words, with the variant its handle runs on ``arch``: the library's pick among
     those matching its parameters there (the lowest config, where its tuned one is not built)."""
-    from ...select import match
+    from ...select import match, remedy
 
     name, choice = chosen.kernel, chosen.config
     found = match(ks.lib.variants_of(name), name, chosen.spec, [arch]).accepted
     if not found:
         raise KernelNotFound(f"attention ({call.describe()}) needs {name} with "
                              f"{', '.join(f'{k}={v}' for k, v in chosen.spec.items())} on {arch}, which these images "
-                             "lack")
+                             f"lack; {remedy(name, [arch])}")
     variant = match(found, name, chosen.params, [arch]).accepted[0]
     note = ""
     if variant.config.index != choice.config:

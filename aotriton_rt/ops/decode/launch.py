@@ -102,8 +102,8 @@ class _Kernels:
         except KernelNotFound as e:
             shown = ", ".join(f"{k}={v}" for k, v in spec.items())
             because = f" ({why})" if why else ""
-            raise KernelNotFound(f"decode attention needs {name} with {shown}{because}, which these images lack; "
-                                 f"build it (`python -m builder build --set full --kernels {name}`). {e}") from None
+            raise KernelNotFound(f"decode attention needs {name} with {shown}{because}, which these images lack: "
+                                 f"{e}") from None
         with self.lock:
             self.handles[key] = hit
         return hit
