@@ -33,19 +33,24 @@ def describe_faults(bits: int) -> str:
     return "; ".join(text for bit, text in _WHAT.items() if bits & bit) or "none"
 
 
-def fault_flag(ks: Any, xp: Any, like: Any, device: int) -> Any:
-    """The flag of ``ks`` (a library's decode kernels) for ``like``'s framework and device, made
-    zero on first use and shared with calls on every stream once its zero fill has run. One made
-    while a CUDA graph is being captured (its memory the graph's pool, its fill a node) serves
-    that call only."""
-    key = (xp.framework, device)
-    flag = ks.faults.get(key)
-    if flag is not None:
-        return flag
-    flag = xp.zeros((1,), "i32", like)
+def shared_zeros(table: dict, key: tuple, xp: Any, like: Any, size: int) -> tuple[Any, bool]:
+    """``(array, kept)``: the int32 zeros array of ``size`` that ``table`` (a library's, which owns
+    it) keeps under ``key``, made on first use and shared with calls on every stream once its zero
+    fill has run (``kept`` True); or, made while a CUDA graph is being captured (its memory the
+    graph's pool, its fill a node), one that serves that call only (``kept`` False)."""
+    found = table.get(key)
+    if found is not None:
+        return found, True
+    zeros = xp.zeros((size,), "i32", like)
     if not xp.settle_for_sharing(like):
-        return flag
-    return ks.faults.setdefault(key, flag)  # one atomic step: the first flag made wins
+        return zeros, False
+    return table.setdefault(key, zeros), True  # one atomic step: the first array made wins
+
+
+def fault_flag(ks: Any, xp: Any, like: Any, device: int) -> tuple[Any, bool]:
+    """The flag of ``ks`` (a library's decode kernels) for ``like``'s framework and device
+    (:func:`shared_zeros`)."""
+    return shared_zeros(ks.faults, (xp.framework, device), xp, like, 1)
 
 
 def fault_flags(library: Any) -> dict[tuple[str, int], Any]:

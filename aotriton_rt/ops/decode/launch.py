@@ -12,7 +12,7 @@ from ...errors import ArgumentError, KernelNotFound
 from ..attention.family import named
 from ..attention.framework import arrays_for
 from . import validate
-from .faults import fault_flag, fault_flags
+from .faults import fault_flag, fault_flags, shared_zeros
 from .splits import _SM_COUNTS, num_splits_for, split_rule
 from .validate import (
     APPEND,
@@ -211,21 +211,13 @@ _POINTERS = ("Q", "K", "V", "Out", "LSE", "BlockTable", "CacheSeqlens", "KNew", 
 _RETIRED = {"Counters": None}
 
 
-def zero_starts(ks: _Kernels, xp: Any, like: Any, device: int, batch: int) -> Any:
+def zero_starts(ks: _Kernels, xp: Any, like: Any, device: int, batch: int) -> tuple[Any, bool]:
     """The ``CacheStart`` of calls without ``cache_leftpad``: an int32 zeros array of at least
     ``batch`` entries (a power of two from 64, so a library keeps at most 11 per device), owned by
-    the library like its fault flags (ops/decode/faults.py): never freed while it lives, since a
-    captured CUDA graph keeps reading its address; read only, so shared by calls on every stream
-    once its zero fill has run. One made while a graph is captured serves that call only."""
+    the library like its fault flags (:func:`shared_zeros`): never freed while it lives, since a
+    captured CUDA graph keeps reading its address; read only, so shared by calls on every stream."""
     size = max(64, 1 << max(batch - 1, 0).bit_length())
-    key = (xp.framework, device, size)
-    zeros = ks.zero_starts.get(key)
-    if zeros is not None:
-        return zeros
-    zeros = xp.zeros((size,), "i32", like)
-    if not xp.settle_for_sharing(like):
-        return zeros
-    return ks.zero_starts.setdefault(key, zeros)
+    return shared_zeros(ks.zero_starts, (xp.framework, device, size), xp, like, size)
 
 
 class _Launch:
@@ -370,8 +362,8 @@ class _Launch:
         return lens
 
     def _flag(self, like: Any) -> Any:
-        flag = fault_flag(self.ks, self.xp, like, self.p.device)
-        if self.ks.faults.get((self.xp.framework, self.p.device)) is flag:
+        flag, kept = fault_flag(self.ks, self.xp, like, self.p.device)
+        if kept:
             self.flag = flag
         return flag
 
@@ -380,8 +372,8 @@ class _Launch:
         checked (a cached plan skips _plan) and copied, a device one as is."""
         if self.starts_mode == "zeros":
             if self.zeros is None:
-                zeros = zero_starts(self.ks, self.xp, like, self.p.device, self.p.batch)
-                if self.ks.zero_starts.get((self.xp.framework, self.p.device, len(zeros))) is not zeros:
+                zeros, kept = zero_starts(self.ks, self.xp, like, self.p.device, self.p.batch)
+                if not kept:
                     return zeros
                 self.zeros = zeros
             return self.zeros
