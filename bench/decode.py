@@ -29,8 +29,12 @@ repeated per query head would be 64 GiB at B=64, 32k cache, GQA 8:1).
 
 ``--llama``: the generation benchmark: a randomly initialised Llama-style model (16
 layers, hidden 2048, 16 query / 4 KV heads, head dim 128, bf16; no download) generating 128
-tokens for 8 sequences from 512-token prompts through transformers' attention interface; see
-``llama`` for the contenders (aotriton-rt and SDPA under each of its backends) and the method.
+tokens for 8 sequences through transformers' attention interface, in two batch modes
+(``--llama-padding``, both by default): ``none``, 8 prompts of 512 tokens; ``left``, 8 prompts of
+512, 448, ..., 64 tokens left-padded to 512 (pad token 0, attention mask 0 on the pads), as a
+transformers user batches prompts of different lengths. Per mode: ``generate``, a prefill
+forward and a training step (its loss leaves the pads out); see ``llama`` for the contenders
+(aotriton-rt and SDPA under each of its backends) and the method. One table per mode.
 
     python bench/decode.py                                   # the kernel table
     python bench/decode.py --config 0 1 2 --b 8 64 --cache 8192
@@ -39,6 +43,7 @@ tokens for 8 sequences from 512-token prompts through transformers' attention in
     python bench/decode.py --shapes 8x512 8x768 8x1024 1x2048 1x8192 --hkv 4 --gqa 4 --page \
         --splits 1 --config 0 --min-blocks 1 2 8 --rounds 9
     python bench/decode.py --llama --rounds 5
+    python bench/decode.py --llama --llama-padding left --llama-sdpa default cudnn --rounds 3
 Images: AOTRITON_RT_IMAGES (or the default library). Writes JSON under $OUT when set.
 ``--pdl``: the decode chain's PDL policies side by side in one process (sm90): each default
 contender (``ours``, ``p64``, ...) also as ``ours@on`` (PDL wherever compiled in) and ``ours@off``
@@ -494,6 +499,47 @@ def summary(rows: list[dict]) -> None:
 #: backend forced (``sdpa_kernel``); one that refuses a call of the model is dropped, with why.
 LLAMA_SDPA = ("default", "flash", "cudnn", "efficient")
 LLAMA_PROMPT, LLAMA_NEW, LLAMA_BATCH = 512, 128, 8
+#: Batch modes of the generation benchmark: ``none``, 8 prompts of 512 tokens (an all-ones mask);
+#: ``left``, 8 prompts of :data:`LLAMA_LENGTHS` tokens left-padded to 512.
+LLAMA_PADDING = ("none", "left")
+#: The left-padded batch's prompt lengths, in a fixed shuffled order over the sequences.
+LLAMA_LENGTHS = (512, 448, 384, 320, 256, 192, 128, 64)
+
+
+def llama_batch(padding: str, device: str = "cuda") -> dict:
+    """The prompts of one batch mode, as a transformers user batching them would pass them.
+
+    ``none``: ``LLAMA_BATCH x LLAMA_PROMPT`` random tokens, an all-ones mask, no position ids
+    (the model's own). ``left``: the same tokens cut to :data:`LLAMA_LENGTHS` (shuffled
+    deterministically over the sequences) and left-padded to ``LLAMA_PROMPT`` with token 0
+    (the model's ``pad_token_id``) and mask 0; position ids as ``generate`` makes them (0 on
+    the pads, then 0..length-1), for the forwards called outside ``generate``.
+
+    Returns ``{"prompt", "mask", "positions", "lengths"}`` (``positions`` None for ``none``).
+    """
+    gen = torch.Generator(device=device).manual_seed(1)
+    prompt = torch.randint(3, 32000, (LLAMA_BATCH, LLAMA_PROMPT), device=device, generator=gen)
+    if padding == "none":
+        return {"prompt": prompt, "mask": torch.ones_like(prompt), "positions": None,
+                "lengths": [LLAMA_PROMPT] * LLAMA_BATCH}
+    if padding != "left":
+        raise ValueError(f"padding must be one of {LLAMA_PADDING}, got {padding!r}")
+    lengths = list(LLAMA_LENGTHS)
+    random.Random(7).shuffle(lengths)
+    first = LLAMA_PROMPT - torch.tensor(lengths, device=device)
+    mask = (torch.arange(LLAMA_PROMPT, device=device)[None, :] >= first[:, None]).to(prompt.dtype)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    return {"prompt": prompt * mask, "mask": mask, "positions": positions, "lengths": lengths}
+
+
+def train_loss(logits: Any, mask: Any, padded: bool) -> Any:
+    """The training step's scalar: the mean of the fp32 logits, over the real tokens' positions
+    only when the batch is ``padded`` (the pads' logits get no gradient)."""
+    logits = logits.float()
+    if not padded:
+        return logits.mean()
+    weights = mask.to(logits.dtype)[..., None]
+    return (logits * weights).sum() / (weights.sum() * logits.shape[-1])
 
 
 def _sdpa_context(backend: str | None) -> Any:
@@ -508,20 +554,25 @@ def _sdpa_context(backend: str | None) -> Any:
 
 
 def llama(args: argparse.Namespace, lib: Any) -> dict:
-    """The generation benchmark, per contender: ``generate`` wall time (128 greedy tokens
-    for 8 x 512-token prompts), a prefill forward, a training step (forward + backward), and per
-    decode step the host wall time, the GPU time and the attention kernels' GPU time (profiled).
+    """The generation benchmark, per batch mode (``--llama-padding``, :func:`llama_batch`) and
+    contender: ``generate`` wall time (128 greedy tokens for 8 prompts padded to 512 tokens), a
+    prefill forward, a training step (forward + backward of :func:`train_loss`, which leaves the
+    pads out), and per decode step the host wall time, the GPU time and the attention kernels'
+    GPU time (profiled).
 
     Contenders: ``aotriton`` (``aotriton_rt.integrations.transformers``) and ``sdpa:<backend>``
     for torch's own choice (``sdpa:default``, what ``attn_implementation="sdpa"`` runs) and each
-    SDPA backend forced. Method: every contender is warmed up by a full-length ``generate`` (every
-    cache length the timed runs see: shape-keyed plan caches, e.g. cuDNN's, are as warm as they
-    get; the cold time is reported), a prefill and a training step; rounds run the contenders
-    in a shuffled order; medians and spread (max-min)/median; ``generate`` never compiles
-    (``disable_compile``) and every contender gets transformers' default cache class (checked:
-    the class each ``generate`` returned is reported). The earlier version warmed up with 8
-    tokens, so the first timed ``generate`` of each contender met 120 cache lengths it had not
-    seen, and timed only SDPA's default backend.
+    SDPA backend forced; a backend that refuses a mode's calls (flash takes no padding mask) is
+    dropped from that mode only. Method: every contender is warmed up per mode by a full-length
+    ``generate`` (every cache length the timed runs see: shape-keyed plan caches, e.g. cuDNN's,
+    are as warm as they get; the cold time is reported, and the second mode's is that of a
+    process that has run the first), a prefill and a training step; each round runs every
+    (mode, contender) pair in one shuffled order; medians and spread (max-min)/median;
+    ``generate`` never compiles (``disable_compile``) and every contender gets transformers'
+    default cache class (checked: the class each ``generate`` returned is reported). Greedy
+    tokens are compared with aotriton's of the same mode.
+
+    Returns ``{mode: {"padding", "prompt_lengths", "contenders", "ours", "results"}}``.
     """
     import transformers
 
@@ -534,37 +585,41 @@ def llama(args: argparse.Namespace, lib: Any) -> dict:
                                       bos_token_id=1, eos_token_id=None)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    prompt = torch.randint(3, 32000, (LLAMA_BATCH, LLAMA_PROMPT), device="cuda", generator=gen)
-    mask = torch.ones_like(prompt)
-    kw = {"max_new_tokens": LLAMA_NEW, "min_new_tokens": LLAMA_NEW, "do_sample": False, "attention_mask": mask,
-          "pad_token_id": 0, "eos_token_id": None, "disable_compile": True, "return_dict_in_generate": True}
-    contenders = {name: (name, None), **{f"sdpa:{be}": ("sdpa", be) for be in args.llama_sdpa}}
+    batches = {mode: llama_batch(mode) for mode in dict.fromkeys(args.llama_padding)}
+    kw = {"max_new_tokens": LLAMA_NEW, "min_new_tokens": LLAMA_NEW, "do_sample": False, "pad_token_id": 0,
+          "eos_token_id": None, "disable_compile": True, "return_dict_in_generate": True}
+    everyone = {name: (name, None), **{f"sdpa:{be}": ("sdpa", be) for be in args.llama_sdpa}}
+    contenders = {mode: dict(everyone) for mode in batches}
 
-    def generate(key: str) -> tuple[float, Any]:
-        impl, be = contenders[key]
+    def generate(mode: str, key: str) -> tuple[float, Any]:
+        impl, be = everyone[key]
+        batch = batches[mode]
         model.set_attn_implementation(impl)
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.no_grad(), _sdpa_context(be):
-            out = model.generate(prompt, **kw)
+            out = model.generate(batch["prompt"], attention_mask=batch["mask"], **kw)
         torch.cuda.synchronize()
         return time.perf_counter() - t, out
 
-    def prefill_ms(key: str) -> float:
-        impl, be = contenders[key]
+    def prefill_ms(mode: str, key: str) -> float:
+        impl, be = everyone[key]
+        batch = batches[mode]
         model.set_attn_implementation(impl)
         with torch.no_grad(), _sdpa_context(be):
-            return eager_ms(lambda: model(prompt, attention_mask=mask), 300)
+            return eager_ms(lambda: model(batch["prompt"], attention_mask=batch["mask"],
+                                          position_ids=batch["positions"]), 300)
 
-    def train_ms(key: str) -> float:
-        impl, be = contenders[key]
+    def train_ms(mode: str, key: str) -> float:
+        impl, be = everyone[key]
+        batch = batches[mode]
+        padded = batch["positions"] is not None
         model.set_attn_implementation(impl)
         model.train()
 
         def step() -> None:
-            out = model(prompt, attention_mask=mask)
-            out.logits.float().mean().backward()
+            out = model(batch["prompt"], attention_mask=batch["mask"], position_ids=batch["positions"])
+            train_loss(out.logits, batch["mask"], padded).backward()
         try:
             with _sdpa_context(be):
                 return eager_ms(step, 800)
@@ -572,38 +627,46 @@ def llama(args: argparse.Namespace, lib: Any) -> dict:
             model.zero_grad(set_to_none=True)
             model.eval()
 
-    results: dict[str, dict] = {}
-    tokens = {}
-    for key in list(contenders):
-        try:
-            cold, out = generate(key)
-            tokens[key] = out.sequences[:, LLAMA_PROMPT:]
-            results[key] = {"cold_generate_ms": cold * 1e3, "cache": type(out.past_key_values).__name__,
-                            "generate_ms": [], "prefill_ms": [], "train_ms": []}
-            prefill_ms(key)
-            train_ms(key)
-        except RuntimeError as e:  # an SDPA backend that refuses one of the model's calls
-            if key == name:
-                raise
-            print(f"  {key}: dropped ({str(e).splitlines()[0][:120]})", flush=True)
-            results.pop(key, None)
-            contenders.pop(key)
-    order = list(contenders)
+    results: dict[str, dict[str, dict]] = {mode: {} for mode in batches}
+    tokens: dict[str, dict[str, Any]] = {mode: {} for mode in batches}
+    for mode in batches:
+        for key in list(contenders[mode]):
+            try:
+                cold, out = generate(mode, key)
+                tokens[mode][key] = out.sequences[:, LLAMA_PROMPT:]
+                results[mode][key] = {"cold_generate_ms": cold * 1e3, "cache": type(out.past_key_values).__name__,
+                                      "generate_ms": [], "prefill_ms": [], "train_ms": []}
+                prefill_ms(mode, key)
+                train_ms(mode, key)
+            except RuntimeError as e:  # an SDPA backend that refuses one of the model's calls
+                if key == name:
+                    raise
+                print(f"  padding={mode} {key}: dropped ({str(e).splitlines()[0][:120]})", flush=True)
+                results[mode].pop(key, None)
+                contenders[mode].pop(key)
+    order = [(mode, key) for mode in contenders for key in contenders[mode]]
     for r in range(args.rounds):
         random.Random(1000 + r).shuffle(order)
-        for key in order:
-            results[key]["generate_ms"].append(generate(key)[0] * 1e3)
-            results[key]["prefill_ms"].append(prefill_ms(key))
-            results[key]["train_ms"].append(train_ms(key))
+        for mode, key in order:
+            res = results[mode][key]
+            res["generate_ms"].append(generate(mode, key)[0] * 1e3)
+            res["prefill_ms"].append(prefill_ms(mode, key))
+            res["train_ms"].append(train_ms(mode, key))
         print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{k} {results[k]['generate_ms'][-1]:.0f} ms" for k in order), flush=True)
-    for key in contenders:
-        impl, be = contenders[key]
-        results[key]["decode_step"] = decode_step_profile(model, impl, be, prompt, mask)
-        results[key]["greedy_agreement_with_aotriton"] = (tokens[key] == tokens[name]).float().mean().item()
-    result = {"contenders": list(contenders), "ours": name, "results": results}
-    llama_summary(result)
-    return result
+            f"{mode}/{key} {results[mode][key]['generate_ms'][-1]:.0f} ms" for mode, key in order), flush=True)
+    out: dict[str, dict] = {}
+    for mode, batch in batches.items():
+        for key in contenders[mode]:
+            impl, be = everyone[key]
+            res = results[mode][key]
+            res["decode_step"] = decode_step_profile(model, impl, be, batch["prompt"], batch["mask"],
+                                                     positions=batch["positions"])
+            res["greedy_agreement_with_aotriton"] = (tokens[mode][key] == tokens[mode][name]).float().mean().item()
+        out[mode] = {"padding": mode, "prompt_lengths": batch["lengths"], "contenders": list(contenders[mode]),
+                     "ours": name, "results": results[mode]}
+    for mode in out:
+        llama_summary(out[mode])
+    return out
 
 
 def _median_spread(values: list[float]) -> tuple[float, float]:
@@ -612,9 +675,17 @@ def _median_spread(values: list[float]) -> tuple[float, float]:
 
 
 def llama_summary(result: dict) -> None:
-    """The compact table of the generation benchmark and the acceptance's ratios."""
+    """One batch mode's compact table of the generation benchmark and the acceptance's ratios,
+    labelled ``padding=<mode>`` (a result without ``padding`` is the unpadded batch)."""
     res, ours = result["results"], result["ours"]
-    print(f"\nLLAMA (16 layers, hidden 2048, 16/4 heads, D=128, bf16; {LLAMA_BATCH} x {LLAMA_PROMPT} prompt, "
+    mode = result.get("padding", "none")
+    lengths = result.get("prompt_lengths") or [LLAMA_PROMPT] * LLAMA_BATCH
+    if mode == "none":
+        prompts = f"{len(lengths)} x {LLAMA_PROMPT} prompt"
+    else:
+        prompts = (f"{len(lengths)} prompts of {min(lengths)}..{max(lengths)} tokens, {mode}-padded to "
+                   f"{LLAMA_PROMPT}")
+    print(f"\nLLAMA padding={mode} (16 layers, hidden 2048, 16/4 heads, D=128, bf16; {prompts}, "
           f"{LLAMA_NEW} new tokens; medians, ±spread)")
     print(f"{'contender':<16} {'generate ms':>14} {'cold ms':>8} {'prefill ms':>12} {'train ms':>12} | decode step: "
           f"{'wall us':>8} {'GPU us':>7} {'attn us':>8} | cache, attention kernels")
@@ -628,6 +699,11 @@ def llama_summary(result: dict) -> None:
         print(f"{key:<16} {g:>9.0f} ±{gs * 100:>2.0f}% {r['cold_generate_ms']:>8.0f} {p:>8.1f} ±{ps * 100:>2.0f}% "
               f"{t:>8.1f} ±{ts * 100:>2.0f}% | {d['wall_us_per_step']:>21.0f} {d['gpu_us_per_step']:>7.0f} "
               f"{d['attn_us_per_step']:>8.1f} | {r['cache']}, {kernels}")
+    agree = {k: r["greedy_agreement_with_aotriton"] for k, r in res.items()
+             if k != ours and "greedy_agreement_with_aotriton" in r}
+    if agree:
+        print(f"padding={mode}: greedy tokens equal to aotriton's: "
+              + ", ".join(f"{k} {v * 100:.1f}%" for k, v in agree.items()))
     sdpa = [k for k in result["contenders"] if k.startswith("sdpa")]
     if ours not in res or not sdpa:
         return
@@ -639,11 +715,11 @@ def llama_summary(result: dict) -> None:
         ratios = ", ".join(f"{w.removesuffix('_ms')} x{med[peer][w] / med[ours][w]:.2f}"
                            for w in ("generate_ms", "prefill_ms", "train_ms"))
         attn = res[ours]["decode_step"]["attn_us_per_step"] / max(res[peer]["decode_step"]["attn_us_per_step"], 1e-9)
-        print(f"aotriton vs {peer}{' (fastest SDPA generate)' if peer == best else ''}: speed {ratios} "
+        print(f"padding={mode}: aotriton vs {peer}{' (fastest SDPA generate)' if peer == best else ''}: speed {ratios} "
               f"(> 1: aotriton faster); attention GPU time per decode step ours/theirs {attn:.2f} (target <= 0.8)")
     caches = {res[k]["cache"] for k in res}
     if len(caches) > 1:
-        print(f"WARNING: the contenders' generate used different cache classes: {sorted(caches)}")
+        print(f"WARNING: padding={mode}: the contenders' generate used different cache classes: {sorted(caches)}")
 
 
 ATTENTION_KERNELS = ("attn", "flash", "fmha", "sdpa", "attention", "gqa")
@@ -655,19 +731,21 @@ def is_attention_kernel(name: str) -> bool:
     return any(s in name.lower() for s in ATTENTION_KERNELS)
 
 
-def decode_step_profile(model: Any, impl: str, backend: str | None, prompt: Any, mask: Any, steps: int = 16
-                        ) -> dict:
+def decode_step_profile(model: Any, impl: str, backend: str | None, prompt: Any, mask: Any, steps: int = 16,
+                        positions: Any = None) -> dict:
     """Per cached decoding step (``steps`` of them after a prefill, the model's own forward as
     ``generate`` calls it): host wall time (unprofiled loop), GPU time of all kernels and of the
-    attention kernels (``is_attention_kernel``), from the profiler."""
+    attention kernels (``is_attention_kernel``), from the profiler. ``positions``: the prompt's
+    position ids for a padded batch (each step then takes the next one, as ``generate`` does);
+    None: the model's own."""
     from torch.profiler import ProfilerActivity, profile
 
     model.set_attn_implementation(impl)
 
     def run(profiled: bool) -> tuple[float, Any]:
         with torch.no_grad(), _sdpa_context(backend):
-            out = model(prompt, attention_mask=mask, use_cache=True)
-            cache, tok, m = out.past_key_values, out.logits[:, -1:].argmax(-1), mask
+            out = model(prompt, attention_mask=mask, position_ids=positions, use_cache=True)
+            cache, tok, m, pos = out.past_key_values, out.logits[:, -1:].argmax(-1), mask, positions
             torch.cuda.synchronize()
             prof = profile(activities=[ProfilerActivity.CUDA]) if profiled else None
             if prof is not None:
@@ -675,7 +753,8 @@ def decode_step_profile(model: Any, impl: str, backend: str | None, prompt: Any,
             t = time.perf_counter()
             for _ in range(steps):
                 m = torch.cat([m, torch.ones_like(tok)], 1)
-                out = model(tok, attention_mask=m, past_key_values=cache, use_cache=True)
+                pos = None if pos is None else pos[:, -1:] + 1
+                out = model(tok, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True)
                 cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
@@ -700,7 +779,8 @@ def decode_step_profile(model: Any, impl: str, backend: str | None, prompt: Any,
             "attn_us_per_step": attn / steps, "kernels": names}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--b", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--cache", type=int, nargs="+", default=[2048, 4096, 8192, 32768])
@@ -723,12 +803,19 @@ def main() -> None:
     ap.add_argument("--llama", action="store_true", help="the generation benchmark instead of the kernel table")
     ap.add_argument("--llama-sdpa", nargs="+", default=list(LLAMA_SDPA), choices=LLAMA_SDPA,
                     help="SDPA contenders of --llama: torch's own choice and forced backends")
+    ap.add_argument("--llama-padding", nargs="+", default=list(LLAMA_PADDING), choices=LLAMA_PADDING,
+                    help="batch modes of --llama: none (8 x 512-token prompts), left (8 prompts of 64..512 "
+                         "tokens left-padded to 512); default both")
     ap.add_argument("--pdl", action="store_true",
                     help="also time the default contenders with PDL always on (@on) and off (@off): the rule vs both")
     ap.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=True,
                     help="time SDPA's backends (--no-sdpa: aotriton-rt's contenders only)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     images = os.environ.get("AOTRITON_RT_IMAGES")
     lib = aotriton_rt.Library(images) if images else aotriton_rt.default_library()
     pdl = os.environ.get("AOTRITON_RT_CUDA_PDL", "on")

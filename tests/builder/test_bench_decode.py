@@ -62,24 +62,82 @@ def test_attention_kernels_are_told_from_the_rest_by_name(bench) -> None:
         assert not bench.is_attention_kernel(name), name
 
 
+def _llama_contender(gen: float, attn: float, cache: str = "DynamicCache", agree: float = 1.0) -> dict:
+    return {"generate_ms": [gen, gen * 1.1, gen * 0.9], "prefill_ms": [18.0] * 3, "train_ms": [60.0] * 3,
+            "cold_generate_ms": gen * 3, "cache": cache, "greedy_agreement_with_aotriton": agree,
+            "decode_step": {"wall_us_per_step": gen * 1e3 / 128, "gpu_us_per_step": 900.0,
+                            "attn_us_per_step": attn, "kernels": {"attn_decode": attn}}}
+
+
 def test_the_llama_summary_compares_ours_with_sdpas_default_and_fastest_backend(bench, capsys) -> None:
-    def contender(gen: float, attn: float, cache: str = "DynamicCache") -> dict:
-        return {"generate_ms": [gen, gen * 1.1, gen * 0.9], "prefill_ms": [18.0] * 3, "train_ms": [60.0] * 3,
-                "cold_generate_ms": gen * 3, "cache": cache,
-                "decode_step": {"wall_us_per_step": gen * 1e3 / 128, "gpu_us_per_step": 900.0,
-                                "attn_us_per_step": attn, "kernels": {"attn_decode": attn}}}
-    result = {"contenders": ["aotriton", "sdpa:default", "sdpa:flash"], "ours": "aotriton",
-              "results": {"aotriton": contender(1600.0, 80.0), "sdpa:default": contender(4800.0, 100.0),
-                          "sdpa:flash": contender(1400.0, 120.0)}}
+    result = {"padding": "none", "prompt_lengths": [512] * 8, "contenders": ["aotriton", "sdpa:default", "sdpa:flash"],
+              "ours": "aotriton", "results": {"aotriton": _llama_contender(1600.0, 80.0),
+                                              "sdpa:default": _llama_contender(4800.0, 100.0),
+                                              "sdpa:flash": _llama_contender(1400.0, 120.0, agree=0.75)}}
     bench.llama_summary(result)
     out = capsys.readouterr().out
-    assert "aotriton vs sdpa:default: speed generate x3.00, prefill x1.00, train x1.00" in out
+    assert "LLAMA padding=none (" in out and "8 x 512 prompt, 128 new tokens" in out
+    assert "padding=none: aotriton vs sdpa:default: speed generate x3.00, prefill x1.00, train x1.00" in out
     assert "ours/theirs 0.80 (target <= 0.8)" in out
-    assert "aotriton vs sdpa:flash (fastest SDPA generate): speed generate x0.88" in out
+    assert "padding=none: aotriton vs sdpa:flash (fastest SDPA generate): speed generate x0.88" in out
     assert "ours/theirs 0.67" in out and "WARNING" not in out
+    assert "greedy tokens equal to aotriton's: sdpa:default 100.0%, sdpa:flash 75.0%" in out
     result["results"]["sdpa:flash"]["cache"] = "StaticCache"
     bench.llama_summary(result)
-    assert "different cache classes: ['DynamicCache', 'StaticCache']" in capsys.readouterr().out
+    assert "padding=none: the contenders' generate used different cache classes: ['DynamicCache', 'StaticCache']" \
+        in capsys.readouterr().out
+
+
+def test_the_llama_summary_labels_the_left_padded_mode_and_its_prompt_lengths(bench, capsys) -> None:
+    # A padded mode without flash (it takes no padding mask): the fastest SDPA is cuDNN.
+    result = {"padding": "left", "prompt_lengths": [256, 64, 512, 448, 128, 384, 320, 192],
+              "contenders": ["aotriton", "sdpa:default", "sdpa:cudnn"], "ours": "aotriton",
+              "results": {"aotriton": _llama_contender(2000.0, 90.0), "sdpa:default": _llama_contender(3000.0, 100.0),
+                          "sdpa:cudnn": _llama_contender(2500.0, 100.0)}}
+    bench.llama_summary(result)
+    out = capsys.readouterr().out
+    assert "LLAMA padding=left (" in out and "8 prompts of 64..512 tokens, left-padded to 512" in out
+    assert "padding=left: aotriton vs sdpa:default: speed generate x1.50" in out
+    assert "padding=left: aotriton vs sdpa:cudnn (fastest SDPA generate): speed generate x1.25" in out
+    assert "padding=none" not in out
+
+
+def test_the_left_padded_batch_holds_prompts_of_every_length_padded_on_the_left(bench) -> None:
+    import torch
+
+    plain, left = bench.llama_batch("none", device="cpu"), bench.llama_batch("left", device="cpu")
+    assert plain["positions"] is None and bool(plain["mask"].all()) and plain["lengths"] == [512] * 8
+    assert sorted(left["lengths"], reverse=True) == list(bench.LLAMA_LENGTHS)
+    assert left["lengths"] != sorted(left["lengths"]) and left["lengths"] == bench.llama_batch("left", "cpu")["lengths"]
+    mask, prompt, pos = left["mask"], left["prompt"], left["positions"]
+    assert prompt.shape == mask.shape == pos.shape == (8, 512)
+    for b, n in enumerate(left["lengths"]):
+        assert mask[b].tolist() == [0] * (512 - n) + [1] * n  # left padding: the real tokens end the row
+        assert bool((prompt[b, : 512 - n] == 0).all()) and bool((prompt[b, 512 - n:] >= 3).all())
+        assert pos[b].tolist() == [0] * (512 - n) + list(range(n))  # as generate() makes them
+    # The real tokens are the unpadded batch's own (the prompts differ in length only).
+    assert torch.equal(prompt[mask == 1], plain["prompt"][mask == 1])
+    with pytest.raises(ValueError, match="padding must be one of"):
+        bench.llama_batch("right", device="cpu")
+
+
+def test_the_padded_training_loss_gives_the_pads_no_gradient(bench) -> None:
+    import torch
+
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    logits = torch.randn(2, 4, 5, dtype=torch.bfloat16, requires_grad=True)
+    loss = bench.train_loss(logits, mask, padded=True)
+    assert loss.item() == pytest.approx(logits.float()[mask == 1].mean().item(), rel=1e-5)
+    loss.backward()
+    assert bool((logits.grad[0, :2] == 0).all()) and bool((logits.grad[mask == 1] != 0).all())
+    assert bench.train_loss(logits, mask, padded=False).item() == pytest.approx(logits.float().mean().item())
+
+
+def test_the_command_line_runs_both_batch_modes_by_default(bench) -> None:
+    assert bench.parse_args(["--llama"]).llama_padding == ["none", "left"]
+    assert bench.parse_args(["--llama", "--llama-padding", "left"]).llama_padding == ["left"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--llama", "--llama-padding", "right"])
 
 
 def test_the_pdl_table_pairs_the_three_policies_round_by_round(bench, capsys) -> None:
