@@ -36,6 +36,18 @@ transformers user batches prompts of different lengths. Per mode: ``generate``, 
 forward and a training step (its loss leaves the pads out); see ``llama`` for the contenders
 (aotriton-rt and SDPA under each of its backends) and the method. One table per mode.
 
+``--prefill``: causal prefill (every sequence's S query rows against its own S keys) from a
+paged cache against the contiguous variable-length forward, at equal work: per ``--prefill-shapes
+BxS`` (default 8x1024 4x4096 1x8192), ``--hkv`` 8 KV heads with ``--gqa`` 4 (32 query heads), D=128,
+bf16. Contenders, shuffled every round: ``varlen``, ``aotriton_rt.attention`` on packed
+``(B*S, H, D)`` q/k/v with ``cu_seqlens`` (the reference); ``ours``, ``decode_attention`` with q's
+S rows against a contiguous cache that already holds them (``cache_seqlens`` = S, nothing
+appended); ``p16``, ``p256`` (``--page``): the same against shuffled pages; ``sdpa:flash``
+(``--no-sdpa`` drops it) on dense ``(B, H, S, D)`` views. Timed eager and from a CUDA graph as
+the kernel table; reported: TFLOP/s of the medians, each contender's time over varlen's per
+round (median [min-max]; the paged ones' target is <= 1.10) and the max |out - varlen| per
+contender, checked once per shape before timing.
+
     python bench/decode.py                                   # the kernel table
     python bench/decode.py --config 0 1 2 --b 8 64 --cache 8192
     python bench/decode.py --b 1 8 64 --cache 2048 8192 32768 --gqa 4 --page 16 64 256
@@ -44,6 +56,7 @@ forward and a training step (its loss leaves the pads out); see ``llama`` for th
         --splits 1 --config 0 --min-blocks 1 2 8 --rounds 9
     python bench/decode.py --llama --rounds 5
     python bench/decode.py --llama --llama-padding left --llama-sdpa default cudnn --rounds 3
+    python bench/decode.py --prefill --rounds 5 --prefill-shapes 8x1024 4x4096 1x8192
 Images: AOTRITON_RT_IMAGES (or the default library). Writes JSON under $OUT when set.
 ``--pdl``: the decode chain's PDL policies side by side in one process (sm90): each default
 contender (``ours``, ``p64``, ...) also as ``ours@on`` (PDL wherever compiled in) and ``ours@off``
@@ -163,12 +176,36 @@ def shapes_of(args: argparse.Namespace) -> list[tuple[int, int]]:
     """(batch, cache length) pairs: ``--shapes BxS ...`` as listed, else every --b with every --cache."""
     if not args.shapes:
         return [(b, s) for b in args.b for s in args.cache]
+    return parse_pairs(args.shapes, "--shapes", "8x512")
+
+
+def parse_pairs(items: list[str], flag: str, example: str) -> list[tuple[int, int]]:
+    """``BxS`` strings as (B, S) pairs of positive integers; a malformed one exits naming ``flag``."""
     out = []
-    for item in args.shapes:
+    for item in items:
         b, sep, s = item.lower().partition("x")
         if not (sep and b.isdigit() and s.isdigit() and int(b) > 0 and int(s) > 0):
-            raise SystemExit(f"--shapes: {item!r} is not BxS (e.g. 8x512)")
+            raise SystemExit(f"{flag}: {item!r} is not BxS (e.g. {example})")
         out.append((int(b), int(s)))
+    return out
+
+
+def paged_copies(kc: Any, vc: Any, pages: list[int], gen: Any) -> dict[int, tuple[Any, Any, Any]]:
+    """Per page size dividing the cache length: ``(k_pages, v_pages, block_table)``, a copy of the
+    contiguous ``(B, S, Hkv, D)`` caches as ``(B * S / page, page, Hkv, D)`` pages in a shuffled
+    order and its int32 ``(B, S / page)`` table."""
+    B, S, Hkv, D = kc.shape
+    out = {}
+    for page in pages:
+        if S % page:
+            continue
+        blocks = S // page
+        perm = torch.randperm(B * blocks, device=kc.device, generator=gen)
+        kp = torch.empty(B * blocks, page, Hkv, D, device=kc.device, dtype=kc.dtype)
+        vp = torch.empty_like(kp)
+        kp[perm] = kc.reshape(B * blocks, page, Hkv, D)
+        vp[perm] = vc.reshape(B * blocks, page, Hkv, D)
+        out[page] = (kp, vp, perm.view(B, blocks).to(torch.int32))
     return out
 
 
@@ -275,17 +312,7 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
     kc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
     vc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
     # One shuffled-page copy of the cache per page size: (num_pages, page, Hkv, D) and its table.
-    paged_caches = {}
-    for page in args.page:
-        if S % page:
-            continue
-        blocks = S // page
-        perm = torch.randperm(B * blocks, device="cuda", generator=gen)
-        kp = torch.empty(B * blocks, page, Hkv, D, device="cuda", dtype=dtype)
-        vp = torch.empty_like(kp)
-        kp[perm] = kc.view(B * blocks, page, Hkv, D)
-        vp[perm] = vc.view(B * blocks, page, Hkv, D)
-        paged_caches[page] = (kp, vp, perm.view(B, blocks).to(torch.int32))
+    paged_caches = paged_copies(kc, vc, args.page, gen)
     # SDPA's layout: (B, H, S, D) views of the same memory.
     qs, ks_, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
     checked = _checked_sequences(B)
@@ -779,12 +806,171 @@ def decode_step_profile(model: Any, impl: str, backend: str | None, prompt: Any,
             "attn_us_per_step": attn / steps, "kernels": names}
 
 
+# ------------------------------------------------------------------------------------------------
+# Prefill from a paged cache against the contiguous variable-length forward.
+# ------------------------------------------------------------------------------------------------
+
+#: ``--prefill`` shapes: batch x query rows (each sequence's whole prompt, causal).
+PREFILL_SHAPES = ("8x1024", "4x4096", "1x8192")
+#: The paged contenders' acceptance: their time within this factor of the varlen forward's.
+PREFILL_TARGET = 1.10
+
+
+def causal_flops(B: int, S: int, Hq: int, D: int) -> int:
+    """FLOPs of a causal forward with S query rows against S keys: two matmuls (QKᵀ and PV) of
+    2·D FLOPs per visible (query, key) pair, S(S+1)/2 pairs per head."""
+    return 4 * B * Hq * D * (S * (S + 1) // 2)
+
+
+def prefill_row(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int) -> dict:
+    """Time the prefill contenders at one shape (see ``--prefill`` in the module docs): the same
+    q/k/v as the varlen forward's packed arrays, ``decode_attention``'s contiguous and paged
+    caches (holding the S rows, ``cache_seqlens`` = S, nothing appended) and SDPA's dense views."""
+    dtype = torch.bfloat16
+    D, Hkv = args.d, args.hkv
+    Hq = Hkv * ratio
+    gen = torch.Generator(device="cuda").manual_seed(B * 131 + S + ratio)
+    q = torch.randn(B, S, Hq, D, device="cuda", dtype=dtype, generator=gen)
+    kc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
+    vc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
+    lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device="cuda")
+    qp, kp, vp = q.view(B * S, Hq, D), kc.view(B * S, Hkv, D), vc.view(B * S, Hkv, D)
+    paged_caches = paged_copies(kc, vc, args.page, gen)
+    skipped = [page for page in args.page if page not in paged_caches]
+    if skipped:
+        print(f"  B={B} S={S}: page sizes {skipped} do not divide {S}; skipped")
+    # name -> (the timed call, its output as (B, S, Hq, D))
+    contenders: dict[str, tuple[Any, Any]] = {}
+
+    def varlen() -> Any:
+        return aotriton_rt.attention(qp, kp, vp, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S,
+                                     max_seqlen_k=S, library=lib)[0]
+    contenders["varlen"] = (varlen, lambda o: o.view(B, S, Hq, D))
+
+    def ours() -> Any:
+        return dec.decode_attention(q, kc, vc, cache_seqlens=lens, causal=True, library=lib)[0]
+    contenders["ours"] = (ours, lambda o: o)
+    for page, (kpg, vpg, table) in paged_caches.items():
+        def paged(kpg: Any = kpg, vpg: Any = vpg, table: Any = table) -> Any:
+            return dec.decode_attention(q, kpg, vpg, cache_seqlens=lens, block_table=table, causal=True,
+                                        library=lib)[0]
+        contenders[f"p{page}"] = (paged, lambda o: o)
+    if args.sdpa:
+        qs, ks_, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+
+        def flash() -> Any:
+            from torch.nn.attention import sdpa_kernel
+
+            with sdpa_kernel(_sdpa_backend("flash")):
+                return torch.nn.functional.scaled_dot_product_attention(qs, ks_, vs, is_causal=True, enable_gqa=True)
+        contenders["sdpa:flash"] = (flash, lambda o: o.transpose(1, 2))
+    outputs, errors = {}, {}
+    for name, (fn, as_bshd) in list(contenders.items()):
+        try:
+            outputs[name] = as_bshd(fn())
+            torch.cuda.synchronize()
+        except (RuntimeError, aotriton_rt.AotritonError) as e:  # SDPA's flash without GQA, a kernel not built
+            if name == "varlen":
+                raise
+            print(f"  B={B} S={S} {name}: dropped ({str(e).splitlines()[0][:120]})", flush=True)
+            contenders.pop(name)
+    ref = outputs["varlen"]
+    for name, o in outputs.items():
+        if name != "varlen":
+            errors[name] = (o.float() - ref.float()).abs().max().item()
+    del outputs
+    print(f"  B={B} S={S} {Hq}/{Hkv} heads: max |out - varlen| "
+          + ", ".join(f"{n} {e:.3g}" for n, e in errors.items()), flush=True)
+    graphs = {}
+    for name, (fn, _) in contenders.items():
+        try:
+            graphs[name] = Graphed(fn, calls=10)
+        except (RuntimeError, aotriton_rt.AotritonError) as e:  # a call that cannot be captured: eager only
+            print(f"  {name}: no CUDA graph ({str(e)[:80]})")
+    eager = {n: [] for n in contenders}
+    graph = {n: [] for n in graphs}
+    order = list(contenders)
+    for r in range(args.rounds):
+        random.Random(r).shuffle(order)
+        for name in order:
+            eager[name].append(eager_ms(contenders[name][0]))
+            if name in graphs:
+                graph[name].append(graphs[name].ms())
+    del graphs
+    flops = causal_flops(B, S, Hq, D)
+    row = {"B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "pages": list(paged_caches), "flops": flops,
+           "max_error_vs_varlen": errors, "eager": {n: _stats(v) for n, v in eager.items()},
+           "graph": {n: _stats(v) for n, v in graph.items() if v}}
+    times = {"eager": eager, "graph": graph}
+    row["vs_varlen"] = {}
+    for mode in ("eager", "graph"):
+        for s in row[mode].values():
+            s["tflops"] = flops / (s["median_us"] * 1e-6) / 1e12
+        base = times[mode].get("varlen")
+        row["vs_varlen"][mode] = {n: _round_ratios(v, base) for n, v in times[mode].items()
+                                  if n != "varlen" and base and len(v) == len(base)}
+    return row
+
+
+def _round_ratios(times: list[float], base: list[float]) -> dict:
+    """This contender's time over the base's, round by round: median, min and max."""
+    ratios = [t / b for t, b in zip(times, base)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def prefill_table(args: argparse.Namespace, lib: Any) -> list[dict]:
+    rows = []
+    for B, S in parse_pairs(args.prefill_shapes, "--prefill-shapes", "8x1024"):
+        for ratio in args.gqa:
+            rows.append(prefill_row(args, lib, B, S, ratio))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_summary(rows: list[dict]) -> None:
+    """The ``--prefill`` table: per shape and contender, TFLOP/s from the CUDA-graph medians (the
+    eager ones where no graph was timed), the time over varlen's per round (median [min-max]),
+    the max error against varlen; then each page size's ratios against the target."""
+    print(f"\nPREFILL (causal, bf16; TFLOP/s = causal FLOPs / median time, CUDA-graph replay [eager]; "
+          f"/varlen = time / varlen's, per round: median [min-max], paged target <= {PREFILL_TARGET:.2f})")
+    print(f"{'B':>3} {'S':>6} {'heads':>6} {'contender':<11} | {'TFLOP/s':>8} {'[eager]':>8} | "
+          f"{'/varlen':>7} {'[min-max]':>11} {'eager':>6} | {'max err':>8}")
+    for r in rows:
+        for name in r["eager"]:
+            s = r["graph"].get(name)
+            e = r["eager"][name]
+            mode = "graph" if s else "eager"
+            tflops = f"{s['tflops']:>8.1f}" if s else f"{'-':>8}"
+            vs, ve = r["vs_varlen"].get(mode, {}).get(name), r["vs_varlen"].get("eager", {}).get(name)
+            ratio = (f"{vs['median']:>7.2f} [{vs['min']:.2f}-{vs['max']:.2f}]" if vs else f"{'':>7} {'':>11}")
+            err = r["max_error_vs_varlen"].get(name)
+            eager_ratio = f"{ve['median']:.2f}" if ve else ""
+            print(f"{r['B']:>3} {r['S']:>6} {r['Hq']:>3}/{r['Hkv']:<2} {name:<11} | {tflops} {e['tflops']:>8.1f} | "
+                  f"{ratio} {eager_ratio:>6} | "
+                  + (f"{err:>8.3g}" if err is not None else f"{'-':>8}") + (" WRONG" if (err or 0) > 5e-2 else ""))
+    pages = sorted({p for r in rows for p in r.get("pages", [])})
+    for page in pages:
+        name, parts, worst = f"p{page}", [], 0.0
+        for r in rows:
+            mode = "graph" if name in r["vs_varlen"].get("graph", {}) else "eager"
+            v = r["vs_varlen"].get(mode, {}).get(name)
+            if v is None:
+                continue
+            worst = max(worst, v["median"])
+            parts.append(f"{r['B']}x{r['S']} {v['median']:.2f}" + ("" if mode == "graph" else " (eager)"))
+        if parts:
+            verdict = "within" if worst <= PREFILL_TARGET else "NOT within"
+            print(f"{name}/varlen: {', '.join(parts)}: {verdict} {(PREFILL_TARGET - 1) * 100:.0f}% of varlen")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line (``argv``, default ``sys.argv[1:]``)."""
+    """The command line (``argv``, default ``sys.argv[1:]``), with ``--gqa``'s default per mode."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--b", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--cache", type=int, nargs="+", default=[2048, 4096, 8192, 32768])
-    ap.add_argument("--gqa", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--gqa", type=int, nargs="+", default=None,
+                    help="query heads per KV head (default: 4 8; --prefill: 4)")
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--shapes", nargs="*", default=[],
@@ -806,12 +992,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--llama-padding", nargs="+", default=list(LLAMA_PADDING), choices=LLAMA_PADDING,
                     help="batch modes of --llama: none (8 x 512-token prompts), left (8 prompts of 64..512 "
                          "tokens left-padded to 512); default both")
+    ap.add_argument("--prefill", action="store_true",
+                    help="causal prefill from paged caches (--page) vs the varlen forward, instead of the kernel table")
+    ap.add_argument("--prefill-shapes", nargs="+", default=list(PREFILL_SHAPES),
+                    help=f"BxS pairs of --prefill: batch x query rows (default: {' '.join(PREFILL_SHAPES)})")
     ap.add_argument("--pdl", action="store_true",
                     help="also time the default contenders with PDL always on (@on) and off (@off): the rule vs both")
     ap.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=True,
                     help="time SDPA's backends (--no-sdpa: aotriton-rt's contenders only)")
     ap.add_argument("--json", default=None)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.gqa is None:
+        args.gqa = [4] if args.prefill else [4, 8]
+    return args
 
 
 def main() -> None:
@@ -824,7 +1017,10 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name(), "args": vars(args), "pdl": pdl}
     if args.llama:
         result["llama"] = llama(args, lib)
-    else:
+    if args.prefill:
+        result["prefill"] = {"rows": prefill_table(args, lib)}
+        prefill_summary(result["prefill"]["rows"])
+    if not (args.llama or args.prefill):
         rows = kernel_table(args, lib)
         result["rows"] = rows
         summary(rows)

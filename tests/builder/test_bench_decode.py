@@ -133,11 +133,45 @@ def test_the_padded_training_loss_gives_the_pads_no_gradient(bench) -> None:
     assert bench.train_loss(logits, mask, padded=False).item() == pytest.approx(logits.float().mean().item())
 
 
-def test_the_command_line_runs_both_batch_modes_by_default(bench) -> None:
-    assert bench.parse_args(["--llama"]).llama_padding == ["none", "left"]
-    assert bench.parse_args(["--llama", "--llama-padding", "left"]).llama_padding == ["left"]
+def test_the_command_line_runs_both_batch_modes_and_one_gqa_ratio_for_prefill(bench) -> None:
+    args = bench.parse_args(["--llama"])
+    assert args.llama_padding == ["none", "left"] and args.gqa == [4, 8]
+    args = bench.parse_args(["--prefill", "--prefill-shapes", "8x1024", "1x8192"])
+    assert args.gqa == [4] and args.page == [16, 256] and args.prefill_shapes == ["8x1024", "1x8192"]
+    assert bench.parse_args(["--prefill", "--gqa", "8"]).gqa == [8]
     with pytest.raises(SystemExit):
         bench.parse_args(["--llama", "--llama-padding", "right"])
+    with pytest.raises(SystemExit, match=r"--prefill-shapes: '8by1024' is not BxS \(e.g. 8x1024\)"):
+        bench.parse_pairs(["8by1024"], "--prefill-shapes", "8x1024")
+
+
+def test_the_prefill_summary_holds_the_paged_caches_to_ten_percent_of_varlen(bench, capsys) -> None:
+    assert bench.causal_flops(1, 2, 1, 1) == 12  # 3 visible pairs x 2 matmuls x 2 FLOPs
+    assert bench._round_ratios([1.1, 1.0, 1.3], [1.0, 1.0, 1.0]) == {
+        "median": pytest.approx(1.1), "min": pytest.approx(1.0), "max": pytest.approx(1.3)}
+
+    def row(B: int, S: int, times: dict[str, list[float]], graphed: bool = True) -> dict:
+        flops = bench.causal_flops(B, S, 32, 128)
+        stats = {n: {**bench._stats(v), "tflops": flops / (sorted(v)[1] * 1e-3) / 1e12} for n, v in times.items()}
+        ratios = {n: bench._round_ratios(v, times["varlen"]) for n, v in times.items() if n != "varlen"}
+        return {"B": B, "S": S, "Hq": 32, "Hkv": 8, "D": 128, "pages": [16, 256], "flops": flops,
+                "max_error_vs_varlen": {n: 0.004 for n in times if n != "varlen"} | {"p16": 0.2},
+                "eager": stats, "graph": stats if graphed else {},
+                "vs_varlen": {"eager": ratios, "graph": ratios if graphed else {}}}
+
+    small = row(8, 1024, {"varlen": [0.20, 0.21, 0.19], "p256": [0.21, 0.22, 0.20], "p16": [0.24, 0.25, 0.23]})
+    long = row(1, 8192, {"varlen": [1.0, 1.0, 1.0], "p256": [1.02, 1.01, 1.03], "p16": [1.05, 1.04, 1.06]},
+               graphed=False)
+    bench.prefill_summary([small, long])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    p256 = next(line for line in lines if line.split()[:4] == ["8", "1024", "32/8", "p256"])
+    assert p256.split()[8:11] == ["1.05", "[1.05-1.05]", "1.05"]  # 0.21/0.20, 0.22/0.21, 0.20/0.19 round by round
+    varlen = next(line for line in lines if line.split()[:4] == ["1", "8192", "32/8", "varlen"])
+    assert varlen.split()[4:8] == ["|", "-", f"{bench.causal_flops(1, 8192, 32, 128) / 1e-3 / 1e12:.1f}", "|"]
+    assert "WRONG" in next(line for line in lines if line.split()[:4] == ["8", "1024", "32/8", "p16"])
+    assert "p256/varlen: 8x1024 1.05, 1x8192 1.02 (eager): within 10% of varlen" in out
+    assert "p16/varlen: 8x1024 1.20, 1x8192 1.05 (eager): NOT within 10% of varlen" in out
 
 
 def test_the_pdl_table_pairs_the_three_policies_round_by_round(bench, capsys) -> None:
