@@ -29,8 +29,24 @@ repeated per query head would be 64 GiB at B=64, 32k cache, GQA 8:1).
 
 ``--llama``: the generation benchmark: a randomly initialised Llama-style model (16
 layers, hidden 2048, 16 query / 4 KV heads, head dim 128, bf16; no download) generating 128
-tokens for 8 sequences from 512-token prompts through transformers' attention interface; see
-``llama`` for the contenders (aotriton-rt and SDPA under each of its backends) and the method.
+tokens for 8 sequences through transformers' attention interface, in two batch modes
+(``--llama-padding``, both by default): ``none``, 8 prompts of 512 tokens; ``left``, 8 prompts of
+512, 448, ..., 64 tokens left-padded to 512 (pad token 0, attention mask 0 on the pads), as a
+transformers user batches prompts of different lengths. Per mode: ``generate``, a prefill
+forward and a training step (its loss leaves the pads out); see ``llama`` for the contenders
+(aotriton-rt and SDPA under each of its backends) and the method. One table per mode.
+
+``--prefill``: causal prefill (every sequence's S query rows against its own S keys) from a
+paged cache against the contiguous variable-length forward, at equal work: per ``--prefill-shapes
+BxS`` (default 8x1024 4x4096 1x8192), ``--hkv`` 8 KV heads with ``--gqa`` 4 (32 query heads), D=128,
+bf16. Contenders, shuffled every round: ``varlen``, ``aotriton_rt.attention`` on packed
+``(B*S, H, D)`` q/k/v with ``cu_seqlens`` (the reference); ``ours``, ``decode_attention`` with q's
+S rows against a contiguous cache that already holds them (``cache_seqlens`` = S, nothing
+appended); ``p16``, ``p256`` (``--page``): the same against shuffled pages; ``sdpa:flash``
+(``--no-sdpa`` drops it) on dense ``(B, H, S, D)`` views. Timed eager and from a CUDA graph as
+the kernel table; reported: TFLOP/s of the medians, each contender's time over varlen's per
+round (median [min-max]; the paged ones' target is <= 1.10) and the max |out - varlen| per
+contender, checked once per shape before timing.
 
     python bench/decode.py                                   # the kernel table
     python bench/decode.py --config 0 1 2 --b 8 64 --cache 8192
@@ -39,6 +55,8 @@ tokens for 8 sequences from 512-token prompts through transformers' attention in
     python bench/decode.py --shapes 8x512 8x768 8x1024 1x2048 1x8192 --hkv 4 --gqa 4 --page \
         --splits 1 --config 0 --min-blocks 1 2 8 --rounds 9
     python bench/decode.py --llama --rounds 5
+    python bench/decode.py --llama --llama-padding left --llama-sdpa default cudnn --rounds 3
+    python bench/decode.py --prefill --rounds 5 --prefill-shapes 8x1024 4x4096 1x8192
 Images: AOTRITON_RT_IMAGES (or the default library). Writes JSON under $OUT when set.
 ``--pdl``: the decode chain's PDL policies side by side in one process (sm90): each default
 contender (``ours``, ``p64``, ...) also as ``ours@on`` (PDL wherever compiled in) and ``ours@off``
@@ -158,12 +176,36 @@ def shapes_of(args: argparse.Namespace) -> list[tuple[int, int]]:
     """(batch, cache length) pairs: ``--shapes BxS ...`` as listed, else every --b with every --cache."""
     if not args.shapes:
         return [(b, s) for b in args.b for s in args.cache]
+    return parse_pairs(args.shapes, "--shapes", "8x512")
+
+
+def parse_pairs(items: list[str], flag: str, example: str) -> list[tuple[int, int]]:
+    """``BxS`` strings as (B, S) pairs of positive integers; a malformed one exits naming ``flag``."""
     out = []
-    for item in args.shapes:
+    for item in items:
         b, sep, s = item.lower().partition("x")
         if not (sep and b.isdigit() and s.isdigit() and int(b) > 0 and int(s) > 0):
-            raise SystemExit(f"--shapes: {item!r} is not BxS (e.g. 8x512)")
+            raise SystemExit(f"{flag}: {item!r} is not BxS (e.g. {example})")
         out.append((int(b), int(s)))
+    return out
+
+
+def paged_copies(kc: Any, vc: Any, pages: list[int], gen: Any) -> dict[int, tuple[Any, Any, Any]]:
+    """Per page size dividing the cache length: ``(k_pages, v_pages, block_table)``, a copy of the
+    contiguous ``(B, S, Hkv, D)`` caches as ``(B * S / page, page, Hkv, D)`` pages in a shuffled
+    order and its int32 ``(B, S / page)`` table."""
+    B, S, Hkv, D = kc.shape
+    out = {}
+    for page in pages:
+        if S % page:
+            continue
+        blocks = S // page
+        perm = torch.randperm(B * blocks, device=kc.device, generator=gen)
+        kp = torch.empty(B * blocks, page, Hkv, D, device=kc.device, dtype=kc.dtype)
+        vp = torch.empty_like(kp)
+        kp[perm] = kc.reshape(B * blocks, page, Hkv, D)
+        vp[perm] = vc.reshape(B * blocks, page, Hkv, D)
+        out[page] = (kp, vp, perm.view(B, blocks).to(torch.int32))
     return out
 
 
@@ -270,17 +312,7 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
     kc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
     vc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
     # One shuffled-page copy of the cache per page size: (num_pages, page, Hkv, D) and its table.
-    paged_caches = {}
-    for page in args.page:
-        if S % page:
-            continue
-        blocks = S // page
-        perm = torch.randperm(B * blocks, device="cuda", generator=gen)
-        kp = torch.empty(B * blocks, page, Hkv, D, device="cuda", dtype=dtype)
-        vp = torch.empty_like(kp)
-        kp[perm] = kc.view(B * blocks, page, Hkv, D)
-        vp[perm] = vc.view(B * blocks, page, Hkv, D)
-        paged_caches[page] = (kp, vp, perm.view(B, blocks).to(torch.int32))
+    paged_caches = paged_copies(kc, vc, args.page, gen)
     # SDPA's layout: (B, H, S, D) views of the same memory.
     qs, ks_, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
     checked = _checked_sequences(B)
@@ -494,6 +526,47 @@ def summary(rows: list[dict]) -> None:
 #: backend forced (``sdpa_kernel``); one that refuses a call of the model is dropped, with why.
 LLAMA_SDPA = ("default", "flash", "cudnn", "efficient")
 LLAMA_PROMPT, LLAMA_NEW, LLAMA_BATCH = 512, 128, 8
+#: Batch modes of the generation benchmark: ``none``, 8 prompts of 512 tokens (an all-ones mask);
+#: ``left``, 8 prompts of :data:`LLAMA_LENGTHS` tokens left-padded to 512.
+LLAMA_PADDING = ("none", "left")
+#: The left-padded batch's prompt lengths, in a fixed shuffled order over the sequences.
+LLAMA_LENGTHS = (512, 448, 384, 320, 256, 192, 128, 64)
+
+
+def llama_batch(padding: str, device: str = "cuda") -> dict:
+    """The prompts of one batch mode, as a transformers user batching them would pass them.
+
+    ``none``: ``LLAMA_BATCH x LLAMA_PROMPT`` random tokens, an all-ones mask, no position ids
+    (the model's own). ``left``: the same tokens cut to :data:`LLAMA_LENGTHS` (shuffled
+    deterministically over the sequences) and left-padded to ``LLAMA_PROMPT`` with token 0
+    (the model's ``pad_token_id``) and mask 0; position ids as ``generate`` makes them (0 on
+    the pads, then 0..length-1), for the forwards called outside ``generate``.
+
+    Returns ``{"prompt", "mask", "positions", "lengths"}`` (``positions`` None for ``none``).
+    """
+    gen = torch.Generator(device=device).manual_seed(1)
+    prompt = torch.randint(3, 32000, (LLAMA_BATCH, LLAMA_PROMPT), device=device, generator=gen)
+    if padding == "none":
+        return {"prompt": prompt, "mask": torch.ones_like(prompt), "positions": None,
+                "lengths": [LLAMA_PROMPT] * LLAMA_BATCH}
+    if padding != "left":
+        raise ValueError(f"padding must be one of {LLAMA_PADDING}, got {padding!r}")
+    lengths = list(LLAMA_LENGTHS)
+    random.Random(7).shuffle(lengths)
+    first = LLAMA_PROMPT - torch.tensor(lengths, device=device)
+    mask = (torch.arange(LLAMA_PROMPT, device=device)[None, :] >= first[:, None]).to(prompt.dtype)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    return {"prompt": prompt * mask, "mask": mask, "positions": positions, "lengths": lengths}
+
+
+def train_loss(logits: Any, mask: Any, padded: bool) -> Any:
+    """The training step's scalar: the mean of the fp32 logits, over the real tokens' positions
+    only when the batch is ``padded`` (the pads' logits get no gradient)."""
+    logits = logits.float()
+    if not padded:
+        return logits.mean()
+    weights = mask.to(logits.dtype)[..., None]
+    return (logits * weights).sum() / (weights.sum() * logits.shape[-1])
 
 
 def _sdpa_context(backend: str | None) -> Any:
@@ -508,20 +581,25 @@ def _sdpa_context(backend: str | None) -> Any:
 
 
 def llama(args: argparse.Namespace, lib: Any) -> dict:
-    """The generation benchmark, per contender: ``generate`` wall time (128 greedy tokens
-    for 8 x 512-token prompts), a prefill forward, a training step (forward + backward), and per
-    decode step the host wall time, the GPU time and the attention kernels' GPU time (profiled).
+    """The generation benchmark, per batch mode (``--llama-padding``, :func:`llama_batch`) and
+    contender: ``generate`` wall time (128 greedy tokens for 8 prompts padded to 512 tokens), a
+    prefill forward, a training step (forward + backward of :func:`train_loss`, which leaves the
+    pads out), and per decode step the host wall time, the GPU time and the attention kernels'
+    GPU time (profiled).
 
     Contenders: ``aotriton`` (``aotriton_rt.integrations.transformers``) and ``sdpa:<backend>``
     for torch's own choice (``sdpa:default``, what ``attn_implementation="sdpa"`` runs) and each
-    SDPA backend forced. Method: every contender is warmed up by a full-length ``generate`` (every
-    cache length the timed runs see: shape-keyed plan caches, e.g. cuDNN's, are as warm as they
-    get; the cold time is reported), a prefill and a training step; rounds run the contenders
-    in a shuffled order; medians and spread (max-min)/median; ``generate`` never compiles
-    (``disable_compile``) and every contender gets transformers' default cache class (checked:
-    the class each ``generate`` returned is reported). The earlier version warmed up with 8
-    tokens, so the first timed ``generate`` of each contender met 120 cache lengths it had not
-    seen, and timed only SDPA's default backend.
+    SDPA backend forced; a backend that refuses a mode's calls (flash takes no padding mask) is
+    dropped from that mode only. Method: every contender is warmed up per mode by a full-length
+    ``generate`` (every cache length the timed runs see: shape-keyed plan caches, e.g. cuDNN's,
+    are as warm as they get; the cold time is reported, and the second mode's is that of a
+    process that has run the first), a prefill and a training step; each round runs every
+    (mode, contender) pair in one shuffled order; medians and spread (max-min)/median;
+    ``generate`` never compiles (``disable_compile``) and every contender gets transformers'
+    default cache class (checked: the class each ``generate`` returned is reported). Greedy
+    tokens are compared with aotriton's of the same mode.
+
+    Returns ``{mode: {"padding", "prompt_lengths", "contenders", "ours", "results"}}``.
     """
     import transformers
 
@@ -534,37 +612,41 @@ def llama(args: argparse.Namespace, lib: Any) -> dict:
                                       bos_token_id=1, eos_token_id=None)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    prompt = torch.randint(3, 32000, (LLAMA_BATCH, LLAMA_PROMPT), device="cuda", generator=gen)
-    mask = torch.ones_like(prompt)
-    kw = {"max_new_tokens": LLAMA_NEW, "min_new_tokens": LLAMA_NEW, "do_sample": False, "attention_mask": mask,
-          "pad_token_id": 0, "eos_token_id": None, "disable_compile": True, "return_dict_in_generate": True}
-    contenders = {name: (name, None), **{f"sdpa:{be}": ("sdpa", be) for be in args.llama_sdpa}}
+    batches = {mode: llama_batch(mode) for mode in dict.fromkeys(args.llama_padding)}
+    kw = {"max_new_tokens": LLAMA_NEW, "min_new_tokens": LLAMA_NEW, "do_sample": False, "pad_token_id": 0,
+          "eos_token_id": None, "disable_compile": True, "return_dict_in_generate": True}
+    everyone = {name: (name, None), **{f"sdpa:{be}": ("sdpa", be) for be in args.llama_sdpa}}
+    contenders = {mode: dict(everyone) for mode in batches}
 
-    def generate(key: str) -> tuple[float, Any]:
-        impl, be = contenders[key]
+    def generate(mode: str, key: str) -> tuple[float, Any]:
+        impl, be = everyone[key]
+        batch = batches[mode]
         model.set_attn_implementation(impl)
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.no_grad(), _sdpa_context(be):
-            out = model.generate(prompt, **kw)
+            out = model.generate(batch["prompt"], attention_mask=batch["mask"], **kw)
         torch.cuda.synchronize()
         return time.perf_counter() - t, out
 
-    def prefill_ms(key: str) -> float:
-        impl, be = contenders[key]
+    def prefill_ms(mode: str, key: str) -> float:
+        impl, be = everyone[key]
+        batch = batches[mode]
         model.set_attn_implementation(impl)
         with torch.no_grad(), _sdpa_context(be):
-            return eager_ms(lambda: model(prompt, attention_mask=mask), 300)
+            return eager_ms(lambda: model(batch["prompt"], attention_mask=batch["mask"],
+                                          position_ids=batch["positions"]), 300)
 
-    def train_ms(key: str) -> float:
-        impl, be = contenders[key]
+    def train_ms(mode: str, key: str) -> float:
+        impl, be = everyone[key]
+        batch = batches[mode]
+        padded = batch["positions"] is not None
         model.set_attn_implementation(impl)
         model.train()
 
         def step() -> None:
-            out = model(prompt, attention_mask=mask)
-            out.logits.float().mean().backward()
+            out = model(batch["prompt"], attention_mask=batch["mask"], position_ids=batch["positions"])
+            train_loss(out.logits, batch["mask"], padded).backward()
         try:
             with _sdpa_context(be):
                 return eager_ms(step, 800)
@@ -572,38 +654,46 @@ def llama(args: argparse.Namespace, lib: Any) -> dict:
             model.zero_grad(set_to_none=True)
             model.eval()
 
-    results: dict[str, dict] = {}
-    tokens = {}
-    for key in list(contenders):
-        try:
-            cold, out = generate(key)
-            tokens[key] = out.sequences[:, LLAMA_PROMPT:]
-            results[key] = {"cold_generate_ms": cold * 1e3, "cache": type(out.past_key_values).__name__,
-                            "generate_ms": [], "prefill_ms": [], "train_ms": []}
-            prefill_ms(key)
-            train_ms(key)
-        except RuntimeError as e:  # an SDPA backend that refuses one of the model's calls
-            if key == name:
-                raise
-            print(f"  {key}: dropped ({str(e).splitlines()[0][:120]})", flush=True)
-            results.pop(key, None)
-            contenders.pop(key)
-    order = list(contenders)
+    results: dict[str, dict[str, dict]] = {mode: {} for mode in batches}
+    tokens: dict[str, dict[str, Any]] = {mode: {} for mode in batches}
+    for mode in batches:
+        for key in list(contenders[mode]):
+            try:
+                cold, out = generate(mode, key)
+                tokens[mode][key] = out.sequences[:, LLAMA_PROMPT:]
+                results[mode][key] = {"cold_generate_ms": cold * 1e3, "cache": type(out.past_key_values).__name__,
+                                      "generate_ms": [], "prefill_ms": [], "train_ms": []}
+                prefill_ms(mode, key)
+                train_ms(mode, key)
+            except RuntimeError as e:  # an SDPA backend that refuses one of the model's calls
+                if key == name:
+                    raise
+                print(f"  padding={mode} {key}: dropped ({str(e).splitlines()[0][:120]})", flush=True)
+                results[mode].pop(key, None)
+                contenders[mode].pop(key)
+    order = [(mode, key) for mode in contenders for key in contenders[mode]]
     for r in range(args.rounds):
         random.Random(1000 + r).shuffle(order)
-        for key in order:
-            results[key]["generate_ms"].append(generate(key)[0] * 1e3)
-            results[key]["prefill_ms"].append(prefill_ms(key))
-            results[key]["train_ms"].append(train_ms(key))
+        for mode, key in order:
+            res = results[mode][key]
+            res["generate_ms"].append(generate(mode, key)[0] * 1e3)
+            res["prefill_ms"].append(prefill_ms(mode, key))
+            res["train_ms"].append(train_ms(mode, key))
         print(f"  round {r + 1}/{args.rounds}: " + ", ".join(
-            f"{k} {results[k]['generate_ms'][-1]:.0f} ms" for k in order), flush=True)
-    for key in contenders:
-        impl, be = contenders[key]
-        results[key]["decode_step"] = decode_step_profile(model, impl, be, prompt, mask)
-        results[key]["greedy_agreement_with_aotriton"] = (tokens[key] == tokens[name]).float().mean().item()
-    result = {"contenders": list(contenders), "ours": name, "results": results}
-    llama_summary(result)
-    return result
+            f"{mode}/{key} {results[mode][key]['generate_ms'][-1]:.0f} ms" for mode, key in order), flush=True)
+    out: dict[str, dict] = {}
+    for mode, batch in batches.items():
+        for key in contenders[mode]:
+            impl, be = everyone[key]
+            res = results[mode][key]
+            res["decode_step"] = decode_step_profile(model, impl, be, batch["prompt"], batch["mask"],
+                                                     positions=batch["positions"])
+            res["greedy_agreement_with_aotriton"] = (tokens[mode][key] == tokens[mode][name]).float().mean().item()
+        out[mode] = {"padding": mode, "prompt_lengths": batch["lengths"], "contenders": list(contenders[mode]),
+                     "ours": name, "results": results[mode]}
+    for mode in out:
+        llama_summary(out[mode])
+    return out
 
 
 def _median_spread(values: list[float]) -> tuple[float, float]:
@@ -612,9 +702,17 @@ def _median_spread(values: list[float]) -> tuple[float, float]:
 
 
 def llama_summary(result: dict) -> None:
-    """The compact table of the generation benchmark and the acceptance's ratios."""
+    """One batch mode's compact table of the generation benchmark and the acceptance's ratios,
+    labelled ``padding=<mode>`` (a result without ``padding`` is the unpadded batch)."""
     res, ours = result["results"], result["ours"]
-    print(f"\nLLAMA (16 layers, hidden 2048, 16/4 heads, D=128, bf16; {LLAMA_BATCH} x {LLAMA_PROMPT} prompt, "
+    mode = result.get("padding", "none")
+    lengths = result.get("prompt_lengths") or [LLAMA_PROMPT] * LLAMA_BATCH
+    if mode == "none":
+        prompts = f"{len(lengths)} x {LLAMA_PROMPT} prompt"
+    else:
+        prompts = (f"{len(lengths)} prompts of {min(lengths)}..{max(lengths)} tokens, {mode}-padded to "
+                   f"{LLAMA_PROMPT}")
+    print(f"\nLLAMA padding={mode} (16 layers, hidden 2048, 16/4 heads, D=128, bf16; {prompts}, "
           f"{LLAMA_NEW} new tokens; medians, ±spread)")
     print(f"{'contender':<16} {'generate ms':>14} {'cold ms':>8} {'prefill ms':>12} {'train ms':>12} | decode step: "
           f"{'wall us':>8} {'GPU us':>7} {'attn us':>8} | cache, attention kernels")
@@ -628,6 +726,11 @@ def llama_summary(result: dict) -> None:
         print(f"{key:<16} {g:>9.0f} ±{gs * 100:>2.0f}% {r['cold_generate_ms']:>8.0f} {p:>8.1f} ±{ps * 100:>2.0f}% "
               f"{t:>8.1f} ±{ts * 100:>2.0f}% | {d['wall_us_per_step']:>21.0f} {d['gpu_us_per_step']:>7.0f} "
               f"{d['attn_us_per_step']:>8.1f} | {r['cache']}, {kernels}")
+    agree = {k: r["greedy_agreement_with_aotriton"] for k, r in res.items()
+             if k != ours and "greedy_agreement_with_aotriton" in r}
+    if agree:
+        print(f"padding={mode}: greedy tokens equal to aotriton's: "
+              + ", ".join(f"{k} {v * 100:.1f}%" for k, v in agree.items()))
     sdpa = [k for k in result["contenders"] if k.startswith("sdpa")]
     if ours not in res or not sdpa:
         return
@@ -639,11 +742,11 @@ def llama_summary(result: dict) -> None:
         ratios = ", ".join(f"{w.removesuffix('_ms')} x{med[peer][w] / med[ours][w]:.2f}"
                            for w in ("generate_ms", "prefill_ms", "train_ms"))
         attn = res[ours]["decode_step"]["attn_us_per_step"] / max(res[peer]["decode_step"]["attn_us_per_step"], 1e-9)
-        print(f"aotriton vs {peer}{' (fastest SDPA generate)' if peer == best else ''}: speed {ratios} "
+        print(f"padding={mode}: aotriton vs {peer}{' (fastest SDPA generate)' if peer == best else ''}: speed {ratios} "
               f"(> 1: aotriton faster); attention GPU time per decode step ours/theirs {attn:.2f} (target <= 0.8)")
     caches = {res[k]["cache"] for k in res}
     if len(caches) > 1:
-        print(f"WARNING: the contenders' generate used different cache classes: {sorted(caches)}")
+        print(f"WARNING: padding={mode}: the contenders' generate used different cache classes: {sorted(caches)}")
 
 
 ATTENTION_KERNELS = ("attn", "flash", "fmha", "sdpa", "attention", "gqa")
@@ -655,19 +758,21 @@ def is_attention_kernel(name: str) -> bool:
     return any(s in name.lower() for s in ATTENTION_KERNELS)
 
 
-def decode_step_profile(model: Any, impl: str, backend: str | None, prompt: Any, mask: Any, steps: int = 16
-                        ) -> dict:
+def decode_step_profile(model: Any, impl: str, backend: str | None, prompt: Any, mask: Any, steps: int = 16,
+                        positions: Any = None) -> dict:
     """Per cached decoding step (``steps`` of them after a prefill, the model's own forward as
     ``generate`` calls it): host wall time (unprofiled loop), GPU time of all kernels and of the
-    attention kernels (``is_attention_kernel``), from the profiler."""
+    attention kernels (``is_attention_kernel``), from the profiler. ``positions``: the prompt's
+    position ids for a padded batch (each step then takes the next one, as ``generate`` does);
+    None: the model's own."""
     from torch.profiler import ProfilerActivity, profile
 
     model.set_attn_implementation(impl)
 
     def run(profiled: bool) -> tuple[float, Any]:
         with torch.no_grad(), _sdpa_context(backend):
-            out = model(prompt, attention_mask=mask, use_cache=True)
-            cache, tok, m = out.past_key_values, out.logits[:, -1:].argmax(-1), mask
+            out = model(prompt, attention_mask=mask, position_ids=positions, use_cache=True)
+            cache, tok, m, pos = out.past_key_values, out.logits[:, -1:].argmax(-1), mask, positions
             torch.cuda.synchronize()
             prof = profile(activities=[ProfilerActivity.CUDA]) if profiled else None
             if prof is not None:
@@ -675,7 +780,8 @@ def decode_step_profile(model: Any, impl: str, backend: str | None, prompt: Any,
             t = time.perf_counter()
             for _ in range(steps):
                 m = torch.cat([m, torch.ones_like(tok)], 1)
-                out = model(tok, attention_mask=m, past_key_values=cache, use_cache=True)
+                pos = None if pos is None else pos[:, -1:] + 1
+                out = model(tok, attention_mask=m, position_ids=pos, past_key_values=cache, use_cache=True)
                 cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
@@ -700,11 +806,171 @@ def decode_step_profile(model: Any, impl: str, backend: str | None, prompt: Any,
             "attn_us_per_step": attn / steps, "kernels": names}
 
 
-def main() -> None:
+# ------------------------------------------------------------------------------------------------
+# Prefill from a paged cache against the contiguous variable-length forward.
+# ------------------------------------------------------------------------------------------------
+
+#: ``--prefill`` shapes: batch x query rows (each sequence's whole prompt, causal).
+PREFILL_SHAPES = ("8x1024", "4x4096", "1x8192")
+#: The paged contenders' acceptance: their time within this factor of the varlen forward's.
+PREFILL_TARGET = 1.10
+
+
+def causal_flops(B: int, S: int, Hq: int, D: int) -> int:
+    """FLOPs of a causal forward with S query rows against S keys: two matmuls (QKᵀ and PV) of
+    2·D FLOPs per visible (query, key) pair, S(S+1)/2 pairs per head."""
+    return 4 * B * Hq * D * (S * (S + 1) // 2)
+
+
+def prefill_row(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int) -> dict:
+    """Time the prefill contenders at one shape (see ``--prefill`` in the module docs): the same
+    q/k/v as the varlen forward's packed arrays, ``decode_attention``'s contiguous and paged
+    caches (holding the S rows, ``cache_seqlens`` = S, nothing appended) and SDPA's dense views."""
+    dtype = torch.bfloat16
+    D, Hkv = args.d, args.hkv
+    Hq = Hkv * ratio
+    gen = torch.Generator(device="cuda").manual_seed(B * 131 + S + ratio)
+    q = torch.randn(B, S, Hq, D, device="cuda", dtype=dtype, generator=gen)
+    kc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
+    vc = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=gen)
+    lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device="cuda")
+    qp, kp, vp = q.view(B * S, Hq, D), kc.view(B * S, Hkv, D), vc.view(B * S, Hkv, D)
+    paged_caches = paged_copies(kc, vc, args.page, gen)
+    skipped = [page for page in args.page if page not in paged_caches]
+    if skipped:
+        print(f"  B={B} S={S}: page sizes {skipped} do not divide {S}; skipped")
+    # name -> (the timed call, its output as (B, S, Hq, D))
+    contenders: dict[str, tuple[Any, Any]] = {}
+
+    def varlen() -> Any:
+        return aotriton_rt.attention(qp, kp, vp, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S,
+                                     max_seqlen_k=S, library=lib)[0]
+    contenders["varlen"] = (varlen, lambda o: o.view(B, S, Hq, D))
+
+    def ours() -> Any:
+        return dec.decode_attention(q, kc, vc, cache_seqlens=lens, causal=True, library=lib)[0]
+    contenders["ours"] = (ours, lambda o: o)
+    for page, (kpg, vpg, table) in paged_caches.items():
+        def paged(kpg: Any = kpg, vpg: Any = vpg, table: Any = table) -> Any:
+            return dec.decode_attention(q, kpg, vpg, cache_seqlens=lens, block_table=table, causal=True,
+                                        library=lib)[0]
+        contenders[f"p{page}"] = (paged, lambda o: o)
+    if args.sdpa:
+        qs, ks_, vs = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+
+        def flash() -> Any:
+            from torch.nn.attention import sdpa_kernel
+
+            with sdpa_kernel(_sdpa_backend("flash")):
+                return torch.nn.functional.scaled_dot_product_attention(qs, ks_, vs, is_causal=True, enable_gqa=True)
+        contenders["sdpa:flash"] = (flash, lambda o: o.transpose(1, 2))
+    outputs, errors = {}, {}
+    for name, (fn, as_bshd) in list(contenders.items()):
+        try:
+            outputs[name] = as_bshd(fn())
+            torch.cuda.synchronize()
+        except (RuntimeError, aotriton_rt.AotritonError) as e:  # SDPA's flash without GQA, a kernel not built
+            if name == "varlen":
+                raise
+            print(f"  B={B} S={S} {name}: dropped ({str(e).splitlines()[0][:120]})", flush=True)
+            contenders.pop(name)
+    ref = outputs["varlen"]
+    for name, o in outputs.items():
+        if name != "varlen":
+            errors[name] = (o.float() - ref.float()).abs().max().item()
+    del outputs
+    print(f"  B={B} S={S} {Hq}/{Hkv} heads: max |out - varlen| "
+          + ", ".join(f"{n} {e:.3g}" for n, e in errors.items()), flush=True)
+    graphs = {}
+    for name, (fn, _) in contenders.items():
+        try:
+            graphs[name] = Graphed(fn, calls=10)
+        except (RuntimeError, aotriton_rt.AotritonError) as e:  # a call that cannot be captured: eager only
+            print(f"  {name}: no CUDA graph ({str(e)[:80]})")
+    eager = {n: [] for n in contenders}
+    graph = {n: [] for n in graphs}
+    order = list(contenders)
+    for r in range(args.rounds):
+        random.Random(r).shuffle(order)
+        for name in order:
+            eager[name].append(eager_ms(contenders[name][0]))
+            if name in graphs:
+                graph[name].append(graphs[name].ms())
+    del graphs
+    flops = causal_flops(B, S, Hq, D)
+    row = {"B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "pages": list(paged_caches), "flops": flops,
+           "max_error_vs_varlen": errors, "eager": {n: _stats(v) for n, v in eager.items()},
+           "graph": {n: _stats(v) for n, v in graph.items() if v}}
+    times = {"eager": eager, "graph": graph}
+    row["vs_varlen"] = {}
+    for mode in ("eager", "graph"):
+        for s in row[mode].values():
+            s["tflops"] = flops / (s["median_us"] * 1e-6) / 1e12
+        base = times[mode].get("varlen")
+        row["vs_varlen"][mode] = {n: _round_ratios(v, base) for n, v in times[mode].items()
+                                  if n != "varlen" and base and len(v) == len(base)}
+    return row
+
+
+def _round_ratios(times: list[float], base: list[float]) -> dict:
+    """This contender's time over the base's, round by round: median, min and max."""
+    ratios = [t / b for t, b in zip(times, base)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def prefill_table(args: argparse.Namespace, lib: Any) -> list[dict]:
+    rows = []
+    for B, S in parse_pairs(args.prefill_shapes, "--prefill-shapes", "8x1024"):
+        for ratio in args.gqa:
+            rows.append(prefill_row(args, lib, B, S, ratio))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_summary(rows: list[dict]) -> None:
+    """The ``--prefill`` table: per shape and contender, TFLOP/s from the CUDA-graph medians (the
+    eager ones where no graph was timed), the time over varlen's per round (median [min-max]),
+    the max error against varlen; then each page size's ratios against the target."""
+    print(f"\nPREFILL (causal, bf16; TFLOP/s = causal FLOPs / median time, CUDA-graph replay [eager]; "
+          f"/varlen = time / varlen's, per round: median [min-max], paged target <= {PREFILL_TARGET:.2f})")
+    print(f"{'B':>3} {'S':>6} {'heads':>6} {'contender':<11} | {'TFLOP/s':>8} {'[eager]':>8} | "
+          f"{'/varlen':>7} {'[min-max]':>11} {'eager':>6} | {'max err':>8}")
+    for r in rows:
+        for name in r["eager"]:
+            s = r["graph"].get(name)
+            e = r["eager"][name]
+            mode = "graph" if s else "eager"
+            tflops = f"{s['tflops']:>8.1f}" if s else f"{'-':>8}"
+            vs, ve = r["vs_varlen"].get(mode, {}).get(name), r["vs_varlen"].get("eager", {}).get(name)
+            ratio = (f"{vs['median']:>7.2f} [{vs['min']:.2f}-{vs['max']:.2f}]" if vs else f"{'':>7} {'':>11}")
+            err = r["max_error_vs_varlen"].get(name)
+            eager_ratio = f"{ve['median']:.2f}" if ve else ""
+            print(f"{r['B']:>3} {r['S']:>6} {r['Hq']:>3}/{r['Hkv']:<2} {name:<11} | {tflops} {e['tflops']:>8.1f} | "
+                  f"{ratio} {eager_ratio:>6} | "
+                  + (f"{err:>8.3g}" if err is not None else f"{'-':>8}") + (" WRONG" if (err or 0) > 5e-2 else ""))
+    pages = sorted({p for r in rows for p in r.get("pages", [])})
+    for page in pages:
+        name, parts, worst = f"p{page}", [], 0.0
+        for r in rows:
+            mode = "graph" if name in r["vs_varlen"].get("graph", {}) else "eager"
+            v = r["vs_varlen"].get(mode, {}).get(name)
+            if v is None:
+                continue
+            worst = max(worst, v["median"])
+            parts.append(f"{r['B']}x{r['S']} {v['median']:.2f}" + ("" if mode == "graph" else " (eager)"))
+        if parts:
+            verdict = "within" if worst <= PREFILL_TARGET else "NOT within"
+            print(f"{name}/varlen: {', '.join(parts)}: {verdict} {(PREFILL_TARGET - 1) * 100:.0f}% of varlen")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv[1:]``), with ``--gqa``'s default per mode."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--b", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--cache", type=int, nargs="+", default=[2048, 4096, 8192, 32768])
-    ap.add_argument("--gqa", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--gqa", type=int, nargs="+", default=None,
+                    help="query heads per KV head (default: 4 8; --prefill: 4)")
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--shapes", nargs="*", default=[],
@@ -723,12 +989,26 @@ def main() -> None:
     ap.add_argument("--llama", action="store_true", help="the generation benchmark instead of the kernel table")
     ap.add_argument("--llama-sdpa", nargs="+", default=list(LLAMA_SDPA), choices=LLAMA_SDPA,
                     help="SDPA contenders of --llama: torch's own choice and forced backends")
+    ap.add_argument("--llama-padding", nargs="+", default=list(LLAMA_PADDING), choices=LLAMA_PADDING,
+                    help="batch modes of --llama: none (8 x 512-token prompts), left (8 prompts of 64..512 "
+                         "tokens left-padded to 512); default both")
+    ap.add_argument("--prefill", action="store_true",
+                    help="causal prefill from paged caches (--page) vs the varlen forward, instead of the kernel table")
+    ap.add_argument("--prefill-shapes", nargs="+", default=list(PREFILL_SHAPES),
+                    help=f"BxS pairs of --prefill: batch x query rows (default: {' '.join(PREFILL_SHAPES)})")
     ap.add_argument("--pdl", action="store_true",
                     help="also time the default contenders with PDL always on (@on) and off (@off): the rule vs both")
     ap.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=True,
                     help="time SDPA's backends (--no-sdpa: aotriton-rt's contenders only)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.gqa is None:
+        args.gqa = [4] if args.prefill else [4, 8]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     images = os.environ.get("AOTRITON_RT_IMAGES")
     lib = aotriton_rt.Library(images) if images else aotriton_rt.default_library()
     pdl = os.environ.get("AOTRITON_RT_CUDA_PDL", "on")
@@ -737,7 +1017,10 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name(), "args": vars(args), "pdl": pdl}
     if args.llama:
         result["llama"] = llama(args, lib)
-    else:
+    if args.prefill:
+        result["prefill"] = {"rows": prefill_table(args, lib)}
+        prefill_summary(result["prefill"]["rows"])
+    if not (args.llama or args.prefill):
         rows = kernel_table(args, lib)
         result["rows"] = rows
         summary(rows)

@@ -62,24 +62,116 @@ def test_attention_kernels_are_told_from_the_rest_by_name(bench) -> None:
         assert not bench.is_attention_kernel(name), name
 
 
+def _llama_contender(gen: float, attn: float, cache: str = "DynamicCache", agree: float = 1.0) -> dict:
+    return {"generate_ms": [gen, gen * 1.1, gen * 0.9], "prefill_ms": [18.0] * 3, "train_ms": [60.0] * 3,
+            "cold_generate_ms": gen * 3, "cache": cache, "greedy_agreement_with_aotriton": agree,
+            "decode_step": {"wall_us_per_step": gen * 1e3 / 128, "gpu_us_per_step": 900.0,
+                            "attn_us_per_step": attn, "kernels": {"attn_decode": attn}}}
+
+
 def test_the_llama_summary_compares_ours_with_sdpas_default_and_fastest_backend(bench, capsys) -> None:
-    def contender(gen: float, attn: float, cache: str = "DynamicCache") -> dict:
-        return {"generate_ms": [gen, gen * 1.1, gen * 0.9], "prefill_ms": [18.0] * 3, "train_ms": [60.0] * 3,
-                "cold_generate_ms": gen * 3, "cache": cache,
-                "decode_step": {"wall_us_per_step": gen * 1e3 / 128, "gpu_us_per_step": 900.0,
-                                "attn_us_per_step": attn, "kernels": {"attn_decode": attn}}}
-    result = {"contenders": ["aotriton", "sdpa:default", "sdpa:flash"], "ours": "aotriton",
-              "results": {"aotriton": contender(1600.0, 80.0), "sdpa:default": contender(4800.0, 100.0),
-                          "sdpa:flash": contender(1400.0, 120.0)}}
+    result = {"padding": "none", "prompt_lengths": [512] * 8, "contenders": ["aotriton", "sdpa:default", "sdpa:flash"],
+              "ours": "aotriton", "results": {"aotriton": _llama_contender(1600.0, 80.0),
+                                              "sdpa:default": _llama_contender(4800.0, 100.0),
+                                              "sdpa:flash": _llama_contender(1400.0, 120.0, agree=0.75)}}
     bench.llama_summary(result)
     out = capsys.readouterr().out
-    assert "aotriton vs sdpa:default: speed generate x3.00, prefill x1.00, train x1.00" in out
+    assert "LLAMA padding=none (" in out and "8 x 512 prompt, 128 new tokens" in out
+    assert "padding=none: aotriton vs sdpa:default: speed generate x3.00, prefill x1.00, train x1.00" in out
     assert "ours/theirs 0.80 (target <= 0.8)" in out
-    assert "aotriton vs sdpa:flash (fastest SDPA generate): speed generate x0.88" in out
+    assert "padding=none: aotriton vs sdpa:flash (fastest SDPA generate): speed generate x0.88" in out
     assert "ours/theirs 0.67" in out and "WARNING" not in out
+    assert "greedy tokens equal to aotriton's: sdpa:default 100.0%, sdpa:flash 75.0%" in out
     result["results"]["sdpa:flash"]["cache"] = "StaticCache"
     bench.llama_summary(result)
-    assert "different cache classes: ['DynamicCache', 'StaticCache']" in capsys.readouterr().out
+    assert "padding=none: the contenders' generate used different cache classes: ['DynamicCache', 'StaticCache']" \
+        in capsys.readouterr().out
+
+
+def test_the_llama_summary_labels_the_left_padded_mode_and_its_prompt_lengths(bench, capsys) -> None:
+    # A padded mode without flash (it takes no padding mask): the fastest SDPA is cuDNN.
+    result = {"padding": "left", "prompt_lengths": [256, 64, 512, 448, 128, 384, 320, 192],
+              "contenders": ["aotriton", "sdpa:default", "sdpa:cudnn"], "ours": "aotriton",
+              "results": {"aotriton": _llama_contender(2000.0, 90.0), "sdpa:default": _llama_contender(3000.0, 100.0),
+                          "sdpa:cudnn": _llama_contender(2500.0, 100.0)}}
+    bench.llama_summary(result)
+    out = capsys.readouterr().out
+    assert "LLAMA padding=left (" in out and "8 prompts of 64..512 tokens, left-padded to 512" in out
+    assert "padding=left: aotriton vs sdpa:default: speed generate x1.50" in out
+    assert "padding=left: aotriton vs sdpa:cudnn (fastest SDPA generate): speed generate x1.25" in out
+    assert "padding=none" not in out
+
+
+def test_the_left_padded_batch_holds_prompts_of_every_length_padded_on_the_left(bench) -> None:
+    import torch
+
+    plain, left = bench.llama_batch("none", device="cpu"), bench.llama_batch("left", device="cpu")
+    assert plain["positions"] is None and bool(plain["mask"].all()) and plain["lengths"] == [512] * 8
+    assert sorted(left["lengths"], reverse=True) == list(bench.LLAMA_LENGTHS)
+    assert left["lengths"] != sorted(left["lengths"]) and left["lengths"] == bench.llama_batch("left", "cpu")["lengths"]
+    mask, prompt, pos = left["mask"], left["prompt"], left["positions"]
+    assert prompt.shape == mask.shape == pos.shape == (8, 512)
+    for b, n in enumerate(left["lengths"]):
+        assert mask[b].tolist() == [0] * (512 - n) + [1] * n  # left padding: the real tokens end the row
+        assert bool((prompt[b, : 512 - n] == 0).all()) and bool((prompt[b, 512 - n:] >= 3).all())
+        assert pos[b].tolist() == [0] * (512 - n) + list(range(n))  # as generate() makes them
+    # The real tokens are the unpadded batch's own (the prompts differ in length only).
+    assert torch.equal(prompt[mask == 1], plain["prompt"][mask == 1])
+    with pytest.raises(ValueError, match="padding must be one of"):
+        bench.llama_batch("right", device="cpu")
+
+
+def test_the_padded_training_loss_gives_the_pads_no_gradient(bench) -> None:
+    import torch
+
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    logits = torch.randn(2, 4, 5, dtype=torch.bfloat16, requires_grad=True)
+    loss = bench.train_loss(logits, mask, padded=True)
+    assert loss.item() == pytest.approx(logits.float()[mask == 1].mean().item(), rel=1e-5)
+    loss.backward()
+    assert bool((logits.grad[0, :2] == 0).all()) and bool((logits.grad[mask == 1] != 0).all())
+    assert bench.train_loss(logits, mask, padded=False).item() == pytest.approx(logits.float().mean().item())
+
+
+def test_the_command_line_runs_both_batch_modes_and_one_gqa_ratio_for_prefill(bench) -> None:
+    args = bench.parse_args(["--llama"])
+    assert args.llama_padding == ["none", "left"] and args.gqa == [4, 8]
+    args = bench.parse_args(["--prefill", "--prefill-shapes", "8x1024", "1x8192"])
+    assert args.gqa == [4] and args.page == [16, 256] and args.prefill_shapes == ["8x1024", "1x8192"]
+    assert bench.parse_args(["--prefill", "--gqa", "8"]).gqa == [8]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--llama", "--llama-padding", "right"])
+    with pytest.raises(SystemExit, match=r"--prefill-shapes: '8by1024' is not BxS \(e.g. 8x1024\)"):
+        bench.parse_pairs(["8by1024"], "--prefill-shapes", "8x1024")
+
+
+def test_the_prefill_summary_holds_the_paged_caches_to_ten_percent_of_varlen(bench, capsys) -> None:
+    assert bench.causal_flops(1, 2, 1, 1) == 12  # 3 visible pairs x 2 matmuls x 2 FLOPs
+    assert bench._round_ratios([1.1, 1.0, 1.3], [1.0, 1.0, 1.0]) == {
+        "median": pytest.approx(1.1), "min": pytest.approx(1.0), "max": pytest.approx(1.3)}
+
+    def row(B: int, S: int, times: dict[str, list[float]], graphed: bool = True) -> dict:
+        flops = bench.causal_flops(B, S, 32, 128)
+        stats = {n: {**bench._stats(v), "tflops": flops / (sorted(v)[1] * 1e-3) / 1e12} for n, v in times.items()}
+        ratios = {n: bench._round_ratios(v, times["varlen"]) for n, v in times.items() if n != "varlen"}
+        return {"B": B, "S": S, "Hq": 32, "Hkv": 8, "D": 128, "pages": [16, 256], "flops": flops,
+                "max_error_vs_varlen": {n: 0.004 for n in times if n != "varlen"} | {"p16": 0.2},
+                "eager": stats, "graph": stats if graphed else {},
+                "vs_varlen": {"eager": ratios, "graph": ratios if graphed else {}}}
+
+    small = row(8, 1024, {"varlen": [0.20, 0.21, 0.19], "p256": [0.21, 0.22, 0.20], "p16": [0.24, 0.25, 0.23]})
+    long = row(1, 8192, {"varlen": [1.0, 1.0, 1.0], "p256": [1.02, 1.01, 1.03], "p16": [1.05, 1.04, 1.06]},
+               graphed=False)
+    bench.prefill_summary([small, long])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    p256 = next(line for line in lines if line.split()[:4] == ["8", "1024", "32/8", "p256"])
+    assert p256.split()[8:11] == ["1.05", "[1.05-1.05]", "1.05"]  # 0.21/0.20, 0.22/0.21, 0.20/0.19 round by round
+    varlen = next(line for line in lines if line.split()[:4] == ["1", "8192", "32/8", "varlen"])
+    assert varlen.split()[4:8] == ["|", "-", f"{bench.causal_flops(1, 8192, 32, 128) / 1e-3 / 1e12:.1f}", "|"]
+    assert "WRONG" in next(line for line in lines if line.split()[:4] == ["8", "1024", "32/8", "p16"])
+    assert "p256/varlen: 8x1024 1.05, 1x8192 1.02 (eager): within 10% of varlen" in out
+    assert "p16/varlen: 8x1024 1.20, 1x8192 1.05 (eager): NOT within 10% of varlen" in out
 
 
 def test_the_pdl_table_pairs_the_three_policies_round_by_round(bench, capsys) -> None:
