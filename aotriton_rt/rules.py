@@ -149,18 +149,37 @@ def _integer_arguments_only(tree: ast.AST, types: Mapping[str, str], text: str, 
 def check_rule(text: str, names: Sequence[str], constants: Mapping[str, Any], *,
                types: Mapping[str, str] | None = None, what: str = "rule") -> None:
     """Raise CatalogError if ``text`` is not a rule over ``names`` and integer ``constants``;
-    with ``types`` (argument name -> catalog type), a grid rule over integer arguments only."""
-    _check_rule_cached(text, tuple(names), tuple(sorted(constants.items())),
-                       None if types is None else tuple(sorted(types.items())), what)
+    with ``types`` (argument name -> catalog type), a grid rule over integer arguments only.
+
+    A rule's validity depends only on the names it uses: whether each is an argument, and the
+    value of each compile-time one. The check is cached on exactly that, so the thousands of
+    variants of a catalog, which differ in values their rules do not name, share a few dozen
+    checks (a catalog shard is read on the first call: this is on that call's path)."""
+    used = rule_names(text, what)
+    argument = frozenset(n for n in used if n in names)
+    folded = tuple((n, constants[n]) for n in used if n not in argument and n in constants)
+    named_types = None if types is None else tuple((n, types.get(n)) for n in sorted(argument))
+    _check_rule_cached(text, tuple(sorted(argument)), folded, named_types, what)
 
 
 @functools.lru_cache(maxsize=4096)
-def _check_rule_cached(text: str, names: tuple[str, ...], constants: tuple, types: tuple | None,
+def rule_names(text: str, what: str = "rule") -> tuple[str, ...]:
+    """The names a rule uses (sorted; called functions' names excluded), from its parsed tree.
+
+    Raises:
+        CatalogError: the rule does not parse (see :func:`check_rule`)."""
+    tree = _parse_rule(text, what)
+    calls = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    return tuple(sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and id(n) not in calls}))
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_rule_cached(text: str, arguments: tuple[str, ...], constants: tuple, types: tuple | None,
                        what: str) -> None:
     tree = _parse_rule(text, what)
     if types is not None:
-        _integer_arguments_only(tree, dict(types), text, what)
-    _emit(tree.body, {n: i for i, n in enumerate(names)}, dict(constants), text, what)
+        _integer_arguments_only(tree, {n: t for n, t in types if t is not None}, text, what)
+    _emit(tree.body, {n: i for i, n in enumerate(arguments)}, dict(constants), text, what)
 
 
 def compile_expr(text: str, names: Sequence[str], constants: Mapping[str, Any], what: str,

@@ -14,13 +14,14 @@ The two files that hold the entries, the index (``catalog.json``) and its shards
 
 from __future__ import annotations
 
+import functools
 import keyword
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CatalogError
-from ..rules import check_rule
+from ..rules import check_rule, rule_names
 from .reader import _Reader, _show
 
 _POINTER = re.compile(r"^\*(fp8e4nv|fp8e5|fp16|bf16|fp32|fp64|i1|i8|i16|i32|i64|u8|u16|u32|u64)$")
@@ -371,18 +372,49 @@ class _Shared:
 
 
 def _check_rules(v: Variant, path: str, source: str) -> None:
-    """Parse every grid and check rule of ``v`` now, so that a bad one names its JSON path."""
+    """Parse every grid and check rule of ``v`` now, so that a bad one names its JSON path.
+
+    A shard's variants share a few rule lists and differ in values those rules mostly do not
+    name: the verdict is cached on the rules and the values they use (see :func:`check_rule`)."""
     names = tuple(a.name for a in v.args)
+    try:
+        used = _rule_names(tuple(v.grid), tuple(v.checks))
+    except CatalogError:
+        used = ()  # a rule that does not parse: _checked_rules names it below
     params = v.params
-    # A grid rule may name integer scalars only (checks may compare anything).
-    types = {a.name: a.type for a in v.args}
-    for field_name, rules, kw in (("grid", v.grid, {"types": types, "what": f"grid rule of {v.kernel}"}),
-                                  ("checks", v.checks, {})):
+    values = tuple((n, params[n]) for n in used if n in params and n not in names)
+    types = tuple((a.name, a.type) for a in v.args if a.name in used)
+    args = (names, tuple(v.grid), tuple(v.checks), values, types, v.kernel)
+    try:
+        hash(args)
+    except TypeError:  # a compile-time value that is not a scalar: checked (and refused) uncached
+        error = _checked_rules.__wrapped__(*args)
+    else:
+        error = _checked_rules(*args)
+    if error is not None:
+        field_name, i, message = error
+        raise CatalogError(f"{source}: {path}.{field_name}[{i}]: {message}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _rule_names(grid: tuple[str, ...], checks: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(n for text in (*grid, *checks) for n in rule_names(text, "rule"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _checked_rules(names: tuple[str, ...], grid: tuple[str, ...], checks: tuple[str, ...], values: tuple,
+                   types: tuple, kernel: str) -> tuple[str, int, str] | None:
+    """None, or (field, index, message) of the first rule that fails its check."""
+    params = dict(values)
+    kinds = dict(types)
+    for field_name, rules, kw in (("grid", grid, {"types": kinds, "what": f"grid rule of {kernel}"}),
+                                  ("checks", checks, {})):
         for i, text in enumerate(rules):
             try:
                 check_rule(text, names, params, **kw)
             except CatalogError as e:
-                raise CatalogError(f"{source}: {path}.{field_name}[{i}]: {e}") from None
+                return field_name, i, str(e)
+    return None
 
 
 def _relative_path(r: _Reader, key: str) -> str:

@@ -207,9 +207,12 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(q, k, v, bias, cu_q, cu_k, out, lse)
     ctx.options = dict(zip(_FWD_OPTIONS, options))
     ctx.mark_non_differentiable(lse, mask)
+    ctx.set_materialize_grads(False)  # see _EagerAttention.forward
 
 
-def _backward(ctx: Any, dout: Tensor, dlse: Tensor | None, dmask: Tensor | None) -> tuple:
+def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None, dmask: Tensor | None) -> tuple:
+    if dout is None:
+        return (None,) * (6 + len(_FWD_OPTIONS))
     q, k, v, bias, cu_q, cu_k, out, lse = ctx.saved_tensors
     o = ctx.options
     bias_grad = bias is not None and ctx.needs_input_grad[3]
@@ -290,11 +293,16 @@ class _EagerAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, bias, cu_q, cu_k, out, lse)
         ctx.options = options
         ctx.mark_non_differentiable(*result[1:])
+        # The backward reads only ``out``'s gradient: without this, autograd fills a zeros tensor
+        # (an allocation and a kernel) for the lse (and mask) it hands to every backward call.
+        ctx.set_materialize_grads(False)
         return tuple(result)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dout: Tensor, *unused: Any) -> tuple:
+    def backward(ctx: Any, dout: Tensor | None, *unused: Any) -> tuple:
+        if dout is None:
+            return (None,) * 7
         q, k, v, bias, cu_q, cu_k, out, lse = ctx.saved_tensors
         o = ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[3]
