@@ -570,8 +570,10 @@ def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     program. sm90 alternates: #1 128-key steps with 8 warps (half the loop overhead, twice the
     bytes per stage), #2 four stages (three K/V tiles in flight, still two programs per SM at
     D=128), which the catalog rule (``decode_tuning``) picks for batches that fill the GPU
-    without splits; ``bench/decode.py --config`` forces any. Paged caches get more stages for
-    the same ring (``_stages``).
+    without splits; #3 the prefill tile, 128 query rows (64 at D=256) over three stages, for long
+    query runs (a prompt's chunk against the cache; ``SM90_PREFILL_ROWS``), where a 16-row tile
+    reads every K/V block eight times as often. ``bench/decode.py --config`` forces any. Paged
+    caches get more stages for the same ring (``_stages``).
     """
     d = next_power_of_2(spec["HEAD_DIM"])
     if spec["dtype"] == "fp32":
@@ -588,9 +590,11 @@ def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     limit = SHARED_LIMIT.get(target.arch, 99 * 1024)
     two_per_sm = max(2, min(3, limit // 2 // stage))
     if target.arch == "sm90":
+        wide = d <= 128
         return (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),
                 _cfg(target, 16, 2 * bn, 8, _stages(2, spec, target)),
-                _cfg(target, 16, bn, 4, _stages(4, spec, target)))
+                _cfg(target, 16, bn, 4, _stages(4, spec, target)),
+                _cfg(target, 128 if wide else 64, bn, 8 if wide else 4, _stages(3 if wide else 2, spec, target)))
     return (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),)
 
 
@@ -614,6 +618,10 @@ def _stages(stages: int, spec: dict, target: object) -> int:
 # 0.97-1.00x cuDNN where config #0 got 0.87-0.88x (B=64, 8 KV heads, 2k-32k cache). Below it the
 # splits already give every SM work and the two measured within 2%.
 SM90_DEEP_FROM = 212
+# sm90: from this many query rows per (sequence, KV head) pair on (the GQA group times the query
+# rows: a chunk of a prompt, a long draft), config #3's prefill tile (128 query rows, 8 warps,
+# three K/V stages) reuses each K/V block for 8x the rows of the 16-row decode tiles.
+SM90_PREFILL_ROWS = 256
 
 
 def decode_tuning(target: object) -> list[dict]:
@@ -623,8 +631,10 @@ def decode_tuning(target: object) -> list[dict]:
     occupancy: two on sm80/sm90, whose shared memory holds two 3-stage rings; two on CDNA/RDNA,
     one stage), splits of at least 4 key blocks, at most 64."""
     splits = {"waves": 2, "min_blocks": 4, "max_splits": 64}
-    deep = [{"min_batch_heads": SM90_DEEP_FROM, "config": 2, "splits": splits}] if target.arch == "sm90" else []
-    return deep + [{"splits": splits}]
+    if target.arch != "sm90":
+        return [{"splits": splits}]
+    return [{"min_rows": SM90_PREFILL_ROWS, "config": 3, "splits": splits},
+            {"min_batch_heads": SM90_DEEP_FROM, "config": 2, "splits": splits}, {"splits": splits}]
 
 
 def combine_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:

@@ -522,6 +522,10 @@ def test_a_catalog_rule_can_pick_a_config_from_a_work_size_on_and_per_cache_kind
         split_rule([{"min_batch_heads": -1}], "sm90")
     with pytest.raises(CatalogError, match=r"\[0\]\.paged must be true or false, got 1"):
         split_rule([{"paged": 1}], "sm90")
+    with pytest.raises(CatalogError, match=r"\[0\]\.min_rows must be an integer in \[0, 2\*\*40\], got True"):
+        split_rule([{"min_rows": True}], "sm90")
+    assert split_rule([{"min_rows": 256, "config": 3}, {}], "sm90", rows=255) == (SplitRule(2, 4, 64), 0)
+    assert split_rule([{"min_rows": 256, "config": 3}, {}], "sm90", rows=256) == (SplitRule(2, 4, 64), 3)
 
 
 def test_the_build_puts_the_decode_split_rule_of_each_target_in_the_catalog(tmp_path: Path) -> None:
@@ -535,11 +539,14 @@ def test_the_build_puts_the_decode_split_rule_of_each_target_in_the_catalog(tmp_
             for j in registry.expand(kernels[name], parse_targets("sm90,gfx942"), "gputest", "3.6.0")]
     table = registry.tuning_of(kernels, jobs)
     assert set(table) == {"attn_decode"}
-    assert sorted(r["arch"] for r in table["attn_decode"]) == ["gfx942", "sm90", "sm90"]
+    assert sorted(r["arch"] for r in table["attn_decode"]) == ["gfx942", "sm90", "sm90", "sm90"]
     assert split_rule(table["attn_decode"], "gfx942") == (SplitRule(2, 4, 64), 0)
     # sm90: the deeper pipeline (config #2) once the call fills the GPU without splits.
     assert split_rule(table["attn_decode"], "sm90", batch_heads=64 * 8) == (SplitRule(2, 4, 64), 2)
     assert split_rule(table["attn_decode"], "sm90", batch_heads=8 * 8) == (SplitRule(2, 4, 64), 0)
+    # sm90: the prefill tile (config #3) for a long query run, whatever the batch.
+    assert split_rule(table["attn_decode"], "sm90", batch_heads=1, rows=4 * 64) == (SplitRule(2, 4, 64), 3)
+    assert split_rule(table["attn_decode"], "sm90", batch_heads=64 * 8, rows=4 * 63) == (SplitRule(2, 4, 64), 2)
     # The default set builds config #0 only: its catalog has the split rule without the config rule.
     default = registry.expand(kernels["attn_decode"], parse_targets("sm90"), "default", "3.6.0")
     assert {j.config_index for j in default} == {0}

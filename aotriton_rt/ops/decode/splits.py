@@ -50,12 +50,15 @@ def num_splits_for(batch: int, heads_k: int, row_blocks: int, seqlen_k: int, blo
     return -(-blocks // -(-blocks // splits))
 
 
-def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = False) -> tuple[SplitRule, int]:
+def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = False, rows: int = 1
+               ) -> tuple[SplitRule, int]:
     """(split rule, config index) from catalog ``tuning["attn_decode"]`` rules for ``arch``.
 
     Rules are objects, the first that matches wins: ``arch`` (optional) the target,
     ``min_batch_heads`` (optional) at least that many (sequence, KV head) pairs in the call
-    (``batch_heads``: the work size before splitting), ``paged`` (optional) the cache kind.
+    (``batch_heads``: the work size before splitting), ``min_rows`` (optional) at least that many
+    query rows per (sequence, KV head) pair (``rows``: the GQA group times the query rows; a
+    prefill-sized run takes a larger tile), ``paged`` (optional) the cache kind.
     ``splits`` (optional) overrides fields of the default rule, ``config`` (optional) picks a
     tuning config. A ``combine`` key (the removed fused split merge's switch) is refused.
     """
@@ -76,10 +79,13 @@ def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = Fal
         least = rule.get("min_batch_heads", 0)
         if isinstance(least, bool) or not isinstance(least, int) or not 0 <= least <= 2**31:
             raise CatalogError(f"{where}.min_batch_heads must be an integer in [0, 2**31], got {least!r}")
+        least_rows = rule.get("min_rows", 0)
+        if isinstance(least_rows, bool) or not isinstance(least_rows, int) or not 0 <= least_rows <= 2**40:
+            raise CatalogError(f"{where}.min_rows must be an integer in [0, 2**40], got {least_rows!r}")
         kind = rule.get("paged")
         if kind is not None and not isinstance(kind, bool):
             raise CatalogError(f"{where}.paged must be true or false, got {kind!r}")
-        if batch_heads < least or (kind is not None and kind != bool(paged)):
+        if batch_heads < least or rows < least_rows or (kind is not None and kind != bool(paged)):
             continue
         splits = rule.get("splits", {})
         if not isinstance(splits, dict) or set(splits) - {"waves", "min_blocks", "max_splits"}:
