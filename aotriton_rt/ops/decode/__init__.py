@@ -144,7 +144,10 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             ks = _kernels_of(library)
         except AotritonError:  # no images: the validation below speaks first
             ks = None
-        launch = ks.launches.get(key) if ks is not None else None
+        try:
+            launch = ks.launches.get(key) if ks is not None else None
+        except TypeError:  # an unhashable option (a list inside a window): no caching
+            key = launch = None
         if launch is not None:
             if launch.fast is not None:
                 return launch.run_fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out,
@@ -179,7 +182,10 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     if key is not None and not launch.q_copy:
         if len(launch.ks.launches) >= MAX_LAUNCHES:
             launch.ks.launches.clear()
-        launch.ks.launches[key] = launch
+        try:
+            launch.ks.launches[key] = launch
+        except TypeError:  # an unhashable option: this call is not cached
+            pass
     result = launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos, cache_leftpad)
     if debug:
         raise_faults(launch.ks, p.device)
@@ -198,7 +204,10 @@ def cached_launch(q: Any, k_cache: Any, v_cache: Any, *, causal: bool = False, w
     """
     key = _torch_key(q, k_cache, v_cache, None, None, None, None, None, None, causal, window, scale, None, None,
                      layout, cache_layout)
-    launch = _kernels_of(library).launches.get(key) if key is not None else None
+    try:
+        launch = _kernels_of(library).launches.get(key) if key is not None else None
+    except TypeError:  # an unhashable option: no cached launch
+        return None
     return launch if launch is not None and launch.fast is not None else None
 
 
@@ -215,13 +224,13 @@ def _torch_key(q: Any, k: Any, v: Any, lens: Any, starts: Any, table: Any, kn: A
         if t is None or type(t) is int:
             parts.append(t)
         elif type(t) is type(q):
-            parts.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0))
+            # get_device() and is_cuda, not .device: a torch.device object per tensor per call
+            # costs more than the rest of the entry (-1 for CPU and meta alike: neither ever
+            # has a plan, both are refused before one is made).
+            parts.append((t.shape, t.stride(), t.dtype, t.get_device(), t.is_cuda, t.data_ptr() % 16 == 0))
         else:
             return None
-    try:
-        return tuple(parts) if hash(tuple(parts)) is not None else None
-    except TypeError:  # an unhashable option (a list window): no caching
-        return None
+    return tuple(parts)
 
 
 
