@@ -9,7 +9,8 @@ DIR: ``python -m builder build --set gputest --targets sm90 --out DIR``. Rows:
   fp16, against ``F.scaled_dot_product_attention`` with its default, efficient, flash and cuDNN
   backends; forward + backward through autograd against SDPA's;
 - a decode step, q (8, 32, 1, 128) bf16, k/v (8, 8, 4096, 128): wall time per call against the
-  kernel's own time from CUDA events (and SDPA's wall time);
+  kernel's own time from CUDA events (and SDPA's wall time); and at batch 1 with 2,048 keys,
+  eager wall time per call against SDPA's, shuffled;
 - ``import aotriton_rt`` and the first attention call in a fresh process (torch and CUDA up);
 - with ``--full-images`` (or a catalog synthesised to ``--synth`` variants from DIR's): opening
   the library + the first call, the memory that adds, and catalog bytes per variant.
@@ -346,6 +347,14 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
         graph_us.append(start.elapsed_time(end) / n * 1e3)
     results["decode"] = {"wall": wall, "events_per_call": summary(kernel), "graph_per_call": summary(graph_us)}
 
+    # Decode at batch 1 (a single stream generating): eager wall per call, ours and SDPA's, shuffled.
+    q1 = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k1, v1 = (torch.randn(1, 8, 2048, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    results["decode_b1"] = {n: summary(s) for n, s in per_call_rounds(
+        {"aotriton_rt decode, batch 1, 2048 keys": lambda: aotriton_rt.attention(q1, k1, v1, library=lib),
+         "SDPA decode (enable_gqa), batch 1, 2048 keys": lambda: F.scaled_dot_product_attention(
+             q1, k1, v1, enable_gqa=True)}, max(args.calls // 2, 50), args.rounds, sync).items()}
+
     results["fresh_process"] = fresh_process(args.images, args.fresh)
     full = args.full_images
     if full is None and args.synth:
@@ -377,6 +386,10 @@ def table(results: dict[str, Any]) -> str:
     for name, s in dec["wall"].items():
         rows.append(f"| {name}: wall per call | {fmt(s)} | {s['median'] / ev:.3f}x our kernel (graph) |")
     rows.append(f"| decode: our kernel per call, CUDA graph of calls | {fmt(dec['graph_per_call'])} | |")
+    b1 = results.get("decode_b1", {})
+    sdpa_b1 = next((v["median"] for n, v in b1.items() if n.startswith("SDPA")), float("nan"))
+    for name, s in b1.items():
+        rows.append(f"| {name}: wall per call | {fmt(s)} | {s['median'] / sdpa_b1:.2f}x SDPA |")
     rows.append(f"| decode: our calls per call by CUDA events (eager) | {fmt(dec['events_per_call'])} | |")
     fp = results["fresh_process"]
     rows.append(f"| import aotriton_rt (alone; heavy modules: {fp['import_heavy_modules']}) | "
