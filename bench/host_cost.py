@@ -152,11 +152,15 @@ def python_path(calls: int, rounds: int) -> dict[str, Any]:
                 return (obj.shape, obj.stride(), obj.dtype, obj.get_device() + 1 + obj.is_cuda, not ptr & 15), ptr
             return real_sig(obj, name)
 
-        plan._sig = sig  # plan.forward/backward look _sig up in plan's namespace
+        # Each plan module looks these up in its own namespace: plan.py (the forward, and the
+        # backward before it moved to backward_plan.py) and backward_plan.py where it exists.
+        backward_plan = sys.modules.get("aotriton_rt.ops.attention.backward_plan")
+        for module in (plan, backward_plan) if backward_plan is not None else (plan,):
+            module._sig = sig
+            module._fast_handles = lambda p, handles, arrays: True
+            module._stream_getter = lambda p, q: (lambda device: 0)
         # Where the signature helpers live: plan.py before they moved to signature.py.
         sys.modules.get("aotriton_rt.ops.attention.signature", plan)._tensor = torch.Tensor
-        plan._fast_handles = lambda p, handles, arrays: True
-        plan._stream_getter = lambda p, q: (lambda device: 0)
     else:
         op._describe = describe
         op._available = lambda library, name, params: name != "attn_bwd_dq_convert"

@@ -33,6 +33,7 @@ from torch import Tensor
 from ..errors import ArgumentError
 from ..library import live_library
 from . import attention as _core
+from .attention import backward_plan as _core_backward_plan
 from .attention import plan as _core_plan
 
 __all__ = ["attention", "attention_bwd", "attention_fwd", "register_library"]
@@ -306,7 +307,7 @@ class _EagerAttention(torch.autograd.Function):
         q, k, v, bias, cu_q, cu_k, out, lse = ctx.saved_tensors
         o = ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = _core_plan.backward(
+        dq, dk, dv, dbias = _core_backward_plan.backward(
             dout, q, k, v, out, lse, deterministic=o["deterministic"], scheme=None, bias_grad=bias_grad, dq=None,
             dk=None, dv=None, library=o["library"], causal=o["causal"], window=o["window"], align=o["align"],
             bias=bias, dropout_p=o["dropout_p"], seed=o["seed"], offset=o["offset"], scale=o["scale"],

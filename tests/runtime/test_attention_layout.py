@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from aotriton_rt.jax.kernels import Out, Update  # noqa: E402
 from aotriton_rt.ops import attention as op  # noqa: E402
-from aotriton_rt.ops.attention import dispatch, family, plan, problem  # noqa: E402
+from aotriton_rt.ops.attention import backward_plan, dispatch, family, plan, problem  # noqa: E402
 from tests.helpers.cpu_arrays import cpu_describer  # noqa: E402
 from tests.runtime.test_attention_op import InterpretedKernel, InterpretedLibrary  # noqa: E402
 
@@ -271,9 +271,9 @@ def test_the_direct_plan_the_general_path_and_jax_launch_the_same_backward_argum
     call = Call(case)
     bias_grad = bool(case.get("bias_grad"))
     kind, direct = eager_backward(lib, call, general=False, bias_grad=bias_grad)
-    assert kind is (plan._DirectBackward if _direct_serves(case, True) else plan._GeneralBackward)
+    assert kind is (backward_plan._DirectBackward if _direct_serves(case, True) else backward_plan._GeneralBackward)
     kind, general = eager_backward(lib, call, general=True, bias_grad=bias_grad)
-    assert kind is plan._GeneralBackward
+    assert kind is backward_plan._GeneralBackward
     last = family.CONVERT if case.get("scheme") == "atomic" else family.DQ
     assert [launch[0] for launch in general] == [family.PRE, family.DKDV, last]
     assert direct == general
@@ -291,7 +291,7 @@ def test_a_bias_without_its_gradient_runs_the_direct_plan_with_the_general_paths
     lib = library(())
     call = Call(case)
     kind, direct = eager_backward(lib, call, general=False, bias_grad=False)
-    assert kind is plan._DirectBackward
+    assert kind is backward_plan._DirectBackward
     _, general = eager_backward(lib, call, general=True, bias_grad=False)
     assert direct == general
     _, with_grad = eager_backward(lib, call, general=True, bias_grad=True)

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from aotriton_rt import ArgumentError, UnsupportedError  # noqa: E402
 from aotriton_rt.ops import attention as op  # noqa: E402
-from aotriton_rt.ops.attention import dispatch, plan, problem, signature  # noqa: E402
+from aotriton_rt.ops.attention import backward_plan, dispatch, plan, problem, signature  # noqa: E402
 from tests.helpers.cpu_arrays import cpu_describer  # noqa: E402
 from tests.runtime.test_attention_op import InterpretedKernel, InterpretedLibrary  # noqa: E402
 
@@ -389,9 +389,10 @@ def addresses(monkeypatch: pytest.MonkeyPatch, lib: RecordingLibrary) -> list:
         return signature._described_sig(obj, name)
 
     monkeypatch.setattr(RecordingKernel, "prepare", prepare, raising=False)
-    monkeypatch.setattr(plan, "_sig", sig)
-    monkeypatch.setattr(plan, "_fast_handles", lambda p, handles, arrays: True)
-    monkeypatch.setattr(plan, "_stream_getter", lambda p, q: (lambda device: 0x77))
+    for module in (plan, backward_plan):  # each plan module looks these up in its own namespace
+        monkeypatch.setattr(module, "_sig", sig)
+        monkeypatch.setattr(module, "_fast_handles", lambda p, handles, arrays: True)
+        monkeypatch.setattr(module, "_stream_getter", lambda p, q: (lambda device: 0x77))
     return prepared
 
 

@@ -47,12 +47,13 @@ variant and config a call runs and why (tuned by which rule, or untuned). The ba
 split scheme (preprocess, dk/dv, dq: bit-reproducible, and the faster one on the H200) unless
 ``scheme="atomic"`` or a catalog tuning rule asks for atomic dQ, or the images hold only that.
 
-**How a call runs** (read :mod:`.plan` first): the call's signature (shapes, strides, dtypes,
-device, alignment, options) finds a plan, built once per signature: :mod:`.problem` validates,
-:mod:`.dispatch` chooses the kernels (tuning rules: :mod:`aotriton_rt.tuning`), and the plan fixes
-every argument but the addresses. :mod:`.family` says which kernels exist and names their
-arguments for every caller. Later calls allocate the outputs and launch. :mod:`.launch` is
-the general path for calls that need copies or padding; :mod:`.arrays` allocates and copies.
+**How a call runs** (read :mod:`.plan` first; the backward's plans are :mod:`.backward_plan`):
+the call's signature (shapes, strides, dtypes, device, alignment, options) finds a plan, built
+once per signature: :mod:`.problem` validates, :mod:`.dispatch` chooses the kernels (tuning
+rules: :mod:`aotriton_rt.tuning`), and the plan fixes every argument but the addresses.
+:mod:`.family` says which kernels exist and names their arguments for every caller. Later calls
+allocate the outputs and launch. :mod:`.launch` is the general path for calls that need copies
+or padding; :mod:`.arrays` allocates and copies.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from typing import Any
 from ... import interop
 from ...errors import ArgumentError
 from ...tuning import select_config, select_mode
+from . import backward_plan as _backward_plan
 from . import plan as _plan
 from .dispatch import backward_params, config_params, forward_params
 from .explain import Explanation, KernelPick, explain
@@ -164,11 +166,12 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
         dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, bias=b, causal=True)
     """
     try:
-        return _plan.backward(dout, q, k, v, out, lse, causal=causal, window=window, align=align, bias=bias,
-                              dropout_p=dropout_p, seed=seed, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
-                              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                              layout=layout, deterministic=deterministic, scheme=scheme, bias_grad=bias_grad, dq=dq,
-                              dk=dk, dv=dv, library=library)
+        return _backward_plan.backward(dout, q, k, v, out, lse, causal=causal, window=window, align=align,
+                                       bias=bias, dropout_p=dropout_p, seed=seed, offset=offset, scale=scale,
+                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout,
+                                       deterministic=deterministic, scheme=scheme, bias_grad=bias_grad, dq=dq,
+                                       dk=dk, dv=dv, library=library)
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("attention_backward",
                                    "use jax.grad of aotriton_rt.jax.attention there (docs/jax.md)", dout=dout, q=q,

@@ -215,7 +215,7 @@ class LibraryKernels:
         self.lib = lib
         self.available_cache: dict[tuple, bool] = {}
         self.choices: dict[tuple, Any] = {}  # call shape -> (spec, handle) / (mode, specs, handles)
-        self.plans = PlanCache()  # call signature -> Plan (see plan.py)
+        self.plans = PlanCache()  # call signature -> Plan (see plan.py, backward_plan.py)
         self.arch: dict[int, str] = {}
         self.tuning = lib.tuning  # the library's table (a view's own: Library.with_tuning)
 

@@ -1,8 +1,9 @@
 """The attention kernels: which exist, which stands in for which on an arch, and how they are called.
 
-One declaration read by every caller: the eager plan (:mod:`.plan`), the general path
-(:mod:`.launch`), JAX (:mod:`aotriton_rt.jax.attention`), the dispatch step (:mod:`.dispatch`)
-and the builder (``builder/kernels/attention*.py``, ``builder/tune.py``, ``builder/tuning.py``).
+One declaration read by every caller: the eager plans (:mod:`.plan`, :mod:`.backward_plan`), the
+general path (:mod:`.launch`), JAX (:mod:`aotriton_rt.jax.attention`), the dispatch step
+(:mod:`.dispatch`) and the builder (``builder/kernels/attention*.py``, ``builder/tune.py``,
+``builder/tuning.py``).
 
 - **Kernels**: the portable forward and backward kernels (:data:`FWD`, :data:`PRE`,
   :data:`DKDV`, :data:`DQ`, :data:`CONVERT`), each arch's own kernels standing in for them

@@ -3,7 +3,7 @@
 This path copies what the kernels cannot read in place (misaligned or strided operands, head dims
 padded to their bucket, caller outputs of another layout), handles empty problems without a
 launch and reduces dBias over broadcast dimensions. A call whose plan found none of that needed
-skips it: :mod:`.plan` fills a prebuilt argument list instead.
+skips it: :mod:`.plan` (or :mod:`.backward_plan`) fills a prebuilt argument list instead.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
 strides, dtype, device and whether the address is 16-byte aligned (exact torch tensors through
 ``shape``/``stride()``/``dtype``/``get_device()``/``data_ptr()``, anything else through
 :func:`aotriton_rt.interop.describe`); :func:`_typed` keeps an option's type in the key, so that
-``causal=1`` never finds the plan of ``causal=True``. :mod:`.plan` builds the key from these and
-keeps the plans in the library's :class:`PlanCache` (one per library, on its
-:class:`~.dispatch.LibraryKernels`).
+``causal=1`` never finds the plan of ``causal=True``. :mod:`.plan` (forward) and
+:mod:`.backward_plan` build the key from these and keep the plans in the library's
+:class:`PlanCache` (one per library, on its :class:`~.dispatch.LibraryKernels`).
 """
 
 from __future__ import annotations
