@@ -167,10 +167,15 @@ def python_path(calls: int, rounds: int) -> dict[str, Any]:
     q, k, v = (torch.randn(1, 1, 64, 64).to(torch.float16) for _ in range(3))
     out, lse = op.attention(q, k, v, library=lib)
     dout = torch.randn_like(out)
+    from aotriton_rt.ops import torch as op_torch
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grad = torch.randn_like(out)
     contenders = {
         "attention (1,1,64,64) fp16": lambda: op.attention(q, k, v, library=lib),
         "attention causal": lambda: op.attention(q, k, v, causal=True, library=lib),
         "attention_backward": lambda: op.attention_backward(dout, q, k, v, out, lse, library=lib),
+        "autograd forward+backward": lambda: op_torch.attention(*leaves, library=lib).backward(grad),
         "torch.empty x2 (floor)": lambda: (torch.empty((1, 1, 64, 64), dtype=torch.float16),
                                            torch.empty((1, 1, 64), dtype=torch.float32)),
     }

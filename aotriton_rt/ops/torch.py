@@ -271,10 +271,11 @@ def _eager(*tensors: Any) -> int:
 
 def _forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_q: Tensor | None, cu_k: Tensor | None,
                   o: dict) -> tuple:
-    """The operator's forward plan for the options :func:`attention` gathered (no dispatcher)."""
-    return _core_plan.forward(q, k, v, o["causal"], o["window"], o["align"], bias, o["dropout_p"], o["seed"],
-                              o["offset"], o["scale"], cu_q, cu_k, o["max_seqlen_q"], o["max_seqlen_k"], o["layout"],
-                              None, None, o["return_mask"], o["library"])
+    """(plan key, result) of the operator's forward for the options :func:`attention` gathered
+    (no dispatcher)."""
+    return _core_plan.forward_keyed(q, k, v, o["causal"], o["window"], o["align"], bias, o["dropout_p"], o["seed"],
+                                    o["offset"], o["scale"], cu_q, cu_k, o["max_seqlen_q"], o["max_seqlen_k"],
+                                    o["layout"], None, None, o["return_mask"], o["library"])
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -289,10 +290,11 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_q: Tensor | None,
                 cu_k: Tensor | None, options: dict) -> tuple:
-        result = _forward_plan(q, k, v, bias, cu_q, cu_k, options)
+        key, result = _forward_plan(q, k, v, bias, cu_q, cu_k, options)
         out, lse = result[:2]
         ctx.save_for_backward(q, k, v, bias, cu_q, cu_k, out, lse)
         ctx.options = options
+        ctx.forward_key = key  # the backward finds its plan from it (backward_plan.backward_after)
         ctx.mark_non_differentiable(*result[1:])
         # The backward reads only ``out``'s gradient: without this, autograd fills a zeros tensor
         # (an allocation and a kernel) for the lse (and mask) it hands to every backward call.
@@ -307,12 +309,11 @@ class _EagerAttention(torch.autograd.Function):
         q, k, v, bias, cu_q, cu_k, out, lse = ctx.saved_tensors
         o = ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = _core_backward_plan.backward(
-            dout, q, k, v, out, lse, deterministic=o["deterministic"], scheme=None, bias_grad=bias_grad, dq=None,
-            dk=None, dv=None, library=o["library"], causal=o["causal"], window=o["window"], align=o["align"],
-            bias=bias, dropout_p=o["dropout_p"], seed=o["seed"], offset=o["offset"], scale=o["scale"],
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=o["max_seqlen_q"], max_seqlen_k=o["max_seqlen_k"],
-            layout=o["layout"])
+        dq, dk, dv, dbias = _core_backward_plan.backward_after(
+            ctx.forward_key, dout, q, k, v, out, lse, deterministic=o["deterministic"], bias_grad=bias_grad,
+            library=o["library"], causal=o["causal"], window=o["window"], align=o["align"], bias=bias,
+            dropout_p=o["dropout_p"], seed=o["seed"], offset=o["offset"], scale=o["scale"], cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k, max_seqlen_q=o["max_seqlen_q"], max_seqlen_k=o["max_seqlen_k"], layout=o["layout"])
         return dq, dk, dv, dbias if bias_grad else None, None, None, None
 
 
@@ -368,7 +369,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
         if route == _AUTOGRAD:
             result = _EagerAttention.apply(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, options)
         else:
-            result = _forward_plan(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, options)
+            result = _forward_plan(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, options)[1]
         out, lse = result[:2]
         mask = result[2] if return_mask else None
     else:

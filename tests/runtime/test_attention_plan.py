@@ -444,3 +444,37 @@ def test_the_torch_ops_find_a_library_by_its_key_without_registering_it(built_im
         op_torch._library(key + (1 << 61))
     assert op_torch._library(op_torch.register_library(double)) is double
     assert op_torch.register_library(double) == op_torch._library_key(double)
+
+
+def test_eager_training_steps_find_the_backward_plan_from_the_forward_key(lib: RecordingLibrary,
+                                                                          addresses: list) -> None:
+    from aotriton_rt.ops import torch as op_torch
+
+    def step(grad_of: Any) -> tuple[list, list, list]:
+        leaves = [t.requires_grad_() for t in qkv()]
+        out = op_torch.attention(*leaves, causal=True, library=lib)
+        launched(lib)
+        out.backward(grad_of(out))
+        return leaves, out, launched(lib)
+
+    leaves, out, _ = step(torch.ones_like)
+    built = builds(lib)
+    assert built == 2  # the forward plan and the backward found from its key
+    # A second step with new tensors: no plan built, each pointer slot holds this step's arrays.
+    leaves, out, calls = step(torch.ones_like)
+    assert builds(lib) == built
+    pre, dkdv, dq = (values for _, values in calls)
+    q, k, v = leaves
+    assert dkdv["Q"] == q.data_ptr() and dkdv["K"] == k.data_ptr() and dkdv["V"] == v.data_ptr()
+    assert pre["Out"] == out.data_ptr() and dkdv["DK"] == k.grad.data_ptr() and dq["DQ"] == q.grad.data_ptr()
+    # A gradient of another signature (an expanded one: stride 0 everywhere) gets its own plan,
+    # read in place through its own strides or through the general path, never the first plan's.
+    leaves, out, calls = step(lambda o: torch.ones((), dtype=o.dtype).expand(o.shape))
+    assert builds(lib) == built + 1
+    assert [name for name, _ in calls] == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
+    # deterministic=True changes only the backward: the same forward plan, a backward plan of its
+    # own (the same expanded gradient as the step before, so only the flag tells them apart).
+    leaves = [t.requires_grad_() for t in qkv()]
+    op_torch.attention(*leaves, causal=True, deterministic=True, library=lib).sum().backward()
+    assert builds(lib) == built + 2

@@ -139,6 +139,42 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, determini
     return plan.run(arrays, grads, ptrs, options["seed"], options["offset"])
 
 
+def backward_after(forward_key: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
+                   deterministic: bool, bias_grad: bool, library: Any, **options: Any) -> tuple:
+    """The backward of a forward call planned under ``forward_key`` (:func:`.plan.forward_keyed`),
+    on that call's own operands and fresh outputs: the eager autograd path.
+
+    The forward key already pins the signatures of q, k, v, bias and the lengths and every option;
+    ``out`` and ``lse`` are that plan's fresh outputs, whose shapes, strides and alignment it fixes.
+    So the backward plan is found from the forward key, ``dout``'s signature and the two flags (both
+    bools here), without re-reading the other eight arrays and eight options on every step. The
+    caller guarantees that contract (torch tensors saved by the forward, ``out``/``lse`` not given
+    to it); without a key this is :func:`backward`.
+    """
+    bias, cu_q, cu_k = options["bias"], options["cu_seqlens_q"], options["cu_seqlens_k"]
+    plan = key = None
+    if forward_key is not None:
+        try:
+            sd, pd = _sig(dout, "dout")
+            key = ("bwd after", forward_key, sd, deterministic, bias_grad)
+            ks = kernels_of(library)
+            plan = ks.plans.get(key)
+        except Exception:  # anything odd: the full path below validates and says what
+            key = plan = None
+    if plan is None:
+        if key is None:
+            return backward(dout, q, k, v, out, lse, deterministic=deterministic, scheme=None, bias_grad=bias_grad,
+                            dq=None, dk=None, dv=None, library=library, **options)
+        arrays = (dout, q, k, v, out, lse, bias, cu_q, cu_k)
+        ks, plan = _build_backward(library, arrays, (None, None, None), deterministic, None, bias_grad, options)
+        ks.plans.put(key, plan)
+    arrays = (dout, q, k, v, out, lse, bias, cu_q, cu_k)
+    ptrs = (pd, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            0 if bias is None else bias.data_ptr(), 0 if cu_q is None else cu_q.data_ptr(),
+            0 if cu_k is None else cu_k.data_ptr())
+    return plan.run(arrays, (None, None, None), ptrs, options["seed"], options["offset"])
+
+
 _BWD_OPTIONS = ("causal", "window", "align", "dropout_p", "scale", "max_seqlen_q", "max_seqlen_k", "layout")
 
 

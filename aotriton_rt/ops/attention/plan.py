@@ -291,6 +291,16 @@ def forward(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: 
             offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
             layout: Any, out: Any, lse: Any, return_mask: Any, library: Any) -> tuple:
     """:func:`aotriton_rt.attention`: find or build the plan of this call's signature and run it."""
+    return forward_keyed(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
+                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library)[1]
+
+
+def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: Any, dropout_p: Any,
+                  seed: Any, offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
+                  max_seqlen_k: Any, layout: Any, out: Any, lse: Any, return_mask: Any, library: Any) -> tuple:
+    """(plan key, result) of :func:`forward`: the key (None when the call has none) pins every
+    operand's signature and option, which lets an autograd backward find its own plan from it
+    and the gradient's signature alone (:func:`.backward_plan.backward_after`)."""
     ks = None
     try:
         sq, pq = _sig(q, "q")
@@ -330,7 +340,8 @@ def forward(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: 
             pq, pk, pv = (_described_sig(a, n)[1] for a, n in ((q, "q"), (k, "k"), (v, "v")))
             pb = _described_sig(bias, "bias")[1]
             pcq, pck = _described_sig(cu_seqlens_q, "cu")[1], _described_sig(cu_seqlens_k, "cu")[1]
-    return plan.run(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, out, lse, (pq, pk, pv, pb, pcq, pck), seed, offset)
+    return key, plan.run(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, out, lse, (pq, pk, pv, pb, pcq, pck), seed,
+                         offset)
 
 
 def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, out: Any, lse: Any,
