@@ -77,9 +77,10 @@ class KernelDecl:
     tuning: Callable[[Target], list[dict]] | None = None
     # Which configs a build set keeps, by set name: a count keeps the first ones (#0 is what the
     # operators launch untuned), e.g. {"default": 1} leaves a target's alternates to the other
-    # sets; a function of the spec names the indices to keep (they keep their numbers, which the
-    # tuning database's rules use).
-    set_configs: Mapping[str, int | Callable[[Mapping[str, Any]], Sequence[int]]] = field(default_factory=dict)
+    # sets; a function of the spec and the target names the indices to keep (they keep their
+    # numbers, which the tuning database's rules use).
+    set_configs: Mapping[str, int | Callable[[Mapping[str, Any], Target], Sequence[int]]] = field(
+        default_factory=dict)
 
     def __post_init__(self) -> None:
         arg_names = list(getattr(self.fn, "arg_names", []))
@@ -238,7 +239,7 @@ def _kept_configs(kernel: KernelDecl, build_set: str, spec: dict, target: Target
         return configs
     if isinstance(keep, int):
         return configs[:keep]
-    wanted = sorted(set(keep(spec)))
+    wanted = sorted(set(keep(spec, target)))
     if any(not 0 <= i < len(configs) for i in wanted):
         raise ValueError(f"kernel {kernel.name}: set {build_set!r} keeps configs {wanted} of spec {spec}, "
                          f"which has {len(configs)}")

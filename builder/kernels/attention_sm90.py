@@ -671,7 +671,7 @@ def in_default_set(spec: dict, target: object) -> bool:
     return spec["CAUSAL"] in (0, 1)  # both of HEAD_DIMS
 
 
-def default_configs(spec: dict) -> tuple[int, ...]:
+def default_configs(spec: dict, target: object = None) -> tuple[int, ...]:
     """The default set's configs of a spec, under their full-table numbers: at D=128 the one-tile
     #0 (15-20% over attn_fwd at N >= 4096 on the H200) and both persistent configs (#6 with
     ping-pong, #7 without: 0.87-0.88x cuDNN at N=1024 against #0's 0.60-0.68x, and the database's

@@ -543,6 +543,12 @@ def in_decode_gputest_set(spec: dict, target: object) -> bool:
     return in_decode_default_set(spec, target) or (spec["dtype"], spec["HEAD_DIM"]) in pairs
 
 
+def default_decode_configs(spec: dict, target: object) -> tuple[int, ...]:
+    """The default set's decode configs: #0 everywhere, and on sm90 the prefill tile #3 (a chunk
+    of a prompt against the cache at about twice #0's speed: docs/performance.md, "Decode")."""
+    return (0, 3) if target.arch == "sm90" and spec["dtype"] != "fp32" else (0,)
+
+
 def uses_pdl(target: object) -> bool:
     """Programmatic dependent launch for the decode chain (append, decode, combine): CUDA sm90
     and later (``griddepcontrol`` is an sm90 PTX instruction); sm80 and HIP launch plainly."""
@@ -709,7 +715,7 @@ KERNELS = [
         sets=_SETS,
         # sm90's deeper-pipeline config (#2, picked by decode_tuning for calls that fill the GPU)
         # and #1 only in gputest and full: the default build leaves out that rule with them.
-        set_configs={"default": 1},
+        set_configs={"default": default_decode_configs},
         tuning=decode_tuning,
         checks=lambda spec: _SHAPE_CHECKS + _PAGE_CHECKS + _head_dim_checks(spec)
         + ("num_splits >= 1", "num_splits <= 65535", "seqlen_new >= 0") + _DECODE_STRIDES(spec),

@@ -194,7 +194,7 @@ def test_a_set_may_keep_only_the_first_configs_and_the_others_keep_all() -> None
 
 
 def test_a_set_may_name_the_configs_it_keeps_per_spec_and_they_keep_their_numbers() -> None:
-    kernel = _axpy(set_configs={"default": lambda spec: (1,) if spec["dtype"] == "fp32" else (0, 1)})
+    kernel = _axpy(set_configs={"default": lambda spec, target: (1,) if spec["dtype"] == "fp32" else (0, 1)})
     default = _expand(kernel, [GFX942], build_set="default")  # two configs there (#1 is HIP's)
     assert {j.config_index for j in default if j.spec["dtype"] == "fp32"} == {1}
     assert {j.config_index for j in default if j.spec["dtype"] == "fp16"} == {0, 1}
@@ -202,7 +202,7 @@ def test_a_set_may_name_the_configs_it_keeps_per_spec_and_they_keep_their_number
             for j in _expand(kernel, [GFX942], build_set="full")}
     for j in default:  # config #1 kept alone is still #1: the same variant, the same key
         assert full[(j.target.arch, tuple(sorted(j.spec.items())), j.config_index)] == j.key
-    bad = _axpy(set_configs={"default": lambda spec: (2,)})
+    bad = _axpy(set_configs={"default": lambda spec, target: (2,)})
     with pytest.raises(ValueError, match=r"kernel axpy: set 'default' keeps configs \[2\] of spec .* which has 2"):
         _expand(bad, [GFX942], build_set="default")
 

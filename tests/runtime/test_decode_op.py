@@ -547,11 +547,14 @@ def test_the_build_puts_the_decode_split_rule_of_each_target_in_the_catalog(tmp_
     # sm90: the prefill tile (config #3) for a long query run, whatever the batch.
     assert split_rule(table["attn_decode"], "sm90", batch_heads=1, rows=4 * 64) == (SplitRule(2, 4, 64), 3)
     assert split_rule(table["attn_decode"], "sm90", batch_heads=64 * 8, rows=4 * 63) == (SplitRule(2, 4, 64), 2)
-    # The default set builds config #0 only: its catalog has the split rule without the config rule.
-    default = registry.expand(kernels["attn_decode"], parse_targets("sm90"), "default", "3.6.0")
-    assert {j.config_index for j in default} == {0}
+    # The default set builds #0 and, on sm90, the prefill tile #3: its catalog has their rules and
+    # the split rule, not the large-batch rule of the config it lacks (#2).
+    default = registry.expand(kernels["attn_decode"], parse_targets("sm90,gfx942"), "default", "3.6.0")
+    assert {(j.target.arch, j.config_index) for j in default} == {("sm90", 0), ("sm90", 3), ("gfx942", 0)}
+    splits = {"waves": 2, "min_blocks": 4, "max_splits": 64}
     assert registry.tuning_of(kernels, default) == {"attn_decode": [
-        {"arch": "sm90", "splits": {"waves": 2, "min_blocks": 4, "max_splits": 64}}]}
+        {"arch": "sm90", "min_rows": 256, "config": 3, "splits": splits}, {"arch": "sm90", "splits": splits},
+        {"arch": "gfx942", "splits": splits}]}
     # Shards built from one commit repeat the rules; merging keeps each once.
     for shard in ("a", "b"):
         (tmp_path / shard).mkdir()
