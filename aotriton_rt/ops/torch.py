@@ -41,10 +41,8 @@ __all__ = ["attention", "attention_bwd", "attention_fwd", "register_library"]
 #: Library objects that are not Libraries, by the key :func:`register_library` gave them (kept
 #: for the process: a traced graph may call with the key at any time).
 _LIBRARIES: dict[int, Any] = {0: None}
-#: Keys for those objects, from a range no Library's ``op_key`` reaches, and each registered
-#: object's key by its ``id()`` (safe: ``_LIBRARIES`` keeps the object, so its id is never reused).
+#: Keys for those objects, from a range no Library's ``op_key`` reaches.
 _OP_KEYS = itertools.count(1 << 62)
-_FOREIGN: dict[int, int] = {}
 _I64 = 2**63
 _OFFSET_STEP = 4  # torch advances its Philox offset in multiples of 4 (one 128-bit draw)
 
@@ -61,7 +59,7 @@ def _library_key(library: Any) -> int:
     if key is not None:
         return key
     if _compiling():
-        key = _FOREIGN.get(id(library))
+        key = _foreign_key(library)
         if key is None:
             raise ArgumentError("the library passed to aotriton_rt's torch ops is neither an aotriton_rt.Library "
                                 "nor registered: call aotriton_rt.ops.torch.register_library(library) before "
@@ -83,12 +81,20 @@ def register_library(library: Any) -> int:
     key = _own_key(library)
     if key is not None:
         return key
-    key = _FOREIGN.get(id(library))
+    key = _foreign_key(library)
     if key is None:
         key = next(_OP_KEYS)
-        _FOREIGN[id(library)] = key
         _LIBRARIES[key] = library
     return key
+
+
+def _foreign_key(library: Any) -> int | None:
+    """The key :func:`register_library` gave this very object (by identity: a wrapper may define
+    ``==`` or no hash), or None."""
+    for key, known in list(_LIBRARIES.items()):
+        if known is library and key:
+            return key
+    return None
 
 
 def _library(key: int) -> Any:
