@@ -418,9 +418,36 @@ def test_custom_op_passes_opcheck(lib: aotriton_rt.Library) -> None:
     gen = torch.Generator(device="cuda").manual_seed(7)
     c = _cache([100, 37], 0, 2, 64, torch.float16, 16, gen)
     q = torch.randn(2, 1, 8, 64, device="cuda", generator=gen, dtype=torch.float16)
-    torch.library.opcheck(decode_attention_op, (q, c["k"], c["v"], c["lens"], -1, c["table"], True, -1, 0, 0.125, 0,
-                                                -1, "bshd", "bshd", _library_key(lib)),
+    torch.library.opcheck(decode_attention_op, (q, c["k"], c["v"], c["lens"], -1, c["table"], None, True, -1, 0, 0.125,
+                                                0, -1, "bshd", "bshd", _library_key(lib)),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_torch_op_passes_cache_leftpad_through(lib: aotriton_rt.Library, paged: bool) -> None:
+    """``ops.torch_decode.decode_attention(cache_leftpad=)`` (the custom op) gives the operator's
+    result bit for bit, appended rows included, and differs from a call without the starts."""
+    from aotriton_rt.ops.torch_decode import decode_attention as op_decode
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    page = 16 if paged else None
+    q = torch.randn(3, 2, 8, 64, device="cuda", generator=gen, dtype=torch.float16)
+    kn, vn = (torch.randn(3, 2, 2, 64, device="cuda", generator=gen, dtype=torch.float16) for _ in range(2))
+    starts = torch.tensor([0, 9, 33], dtype=torch.int32, device="cuda")
+    results = []
+    for through_op in (False, True):  # a fresh, equal cache each time: the call appends to it
+        c = _cache([40, 23, 57], 2, 2, 64, torch.float16, page, torch.Generator(device="cuda").manual_seed(10))
+        call = op_decode if through_op else decode_attention
+        out = call(q, c["k"], c["v"], cache_seqlens=c["lens"], block_table=c["table"], cache_leftpad=starts,
+                   k_new=kn, v_new=vn, causal=True, library=lib)
+        results.append(out[0] if isinstance(out, tuple) else out)
+    assert torch.equal(results[0], results[1]) and results[1].isfinite().all()
+    c = _cache([40, 23, 57], 0, 2, 64, torch.float16, page, torch.Generator(device="cuda").manual_seed(10))
+    q = q[:, :1].contiguous()
+    padded = op_decode(q, c["k"], c["v"], cache_seqlens=c["lens"], block_table=c["table"], cache_leftpad=starts,
+                       library=lib)
+    whole = op_decode(q, c["k"], c["v"], cache_seqlens=c["lens"], block_table=c["table"], library=lib)
+    assert torch.equal(padded[0], whole[0]) and not torch.equal(padded[1:], whole[1:])
 
 
 def test_paged_lengths_past_the_block_table_are_refused_in_debug_mode(lib: aotriton_rt.Library) -> None:
