@@ -40,6 +40,7 @@ _LAZY = {
     "attention": ("ops.attention", "attention"),
     "attention_backward": ("ops.attention", "attention_backward"),
     "decode_attention": ("ops.decode", "decode_attention"),
+    "warmup": ("ops.attention.warmup", "warmup"),
 }
 
 

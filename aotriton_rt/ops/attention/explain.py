@@ -122,22 +122,10 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
 
         print(explain(dtype="bf16", head_dim=128, seqlen_q=4096, causal=True, arch="sm90"))
     """
-    if dtype not in DTYPES:
-        raise ArgumentError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if align not in ("top_left", "bottom_right"):
-        raise ArgumentError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
-    seqlen_q = _length(seqlen_q, "seqlen_q")
-    seqlen_k = _length(seqlen_q if seqlen_k is None else seqlen_k, "seqlen_k")
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    for d in (head_dim, head_dim_v):
-        bucket(d)  # refuses head dims past the largest bucket, as the call would
     if scheme not in (None, "split", "atomic"):
         raise ArgumentError(f"scheme must be None, 'split' or 'atomic', got {scheme!r}")
-    # The operator's LSE/Delta are contiguous (B, H, seqlen_q): strides (H·seqlen_q, seqlen_q), which
-    # are multiples of 16 exactly when seqlen_q is, whatever H; one head's stand in for them.
-    call = AttentionCall(dtype, head_dim, head_dim_v, (1 if align == "top_left" else 2) if causal else 0,
-                         bool(causal) and seqlen_q == seqlen_k, bool(bias), int(bool(dropout)), bool(varlen),
-                         seqlen_q, seqlen_k, None if varlen else (seqlen_q, seqlen_q))
+    call = call_of(dtype=dtype, head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim_v=head_dim_v,
+                   causal=causal, align=align, bias=bias, dropout=dropout, varlen=varlen)
     ks = kernels_of(library)
     built = sorted({a for _, a in ks.lib.targets()})
     if arch is None:
@@ -153,6 +141,27 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
     chosen = choose_backward(ks, call, arch, deterministic=deterministic, scheme=scheme)
     return Explanation(call, arch, [_pick(ks, k, call, arch) for k in chosen.kernels.values()], chosen.mode,
                        chosen.reason, chosen.mode_spec)
+
+
+def call_of(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = None, head_dim_v: int | None = None,
+            causal: bool = False, align: str = "top_left", bias: bool = False, dropout: bool = False,
+            varlen: bool = False) -> AttentionCall:
+    """The dispatch's view of a call with these facts (validated as the call itself would be):
+    what :func:`explain` explains and :func:`.warmup.warmup` readies."""
+    if dtype not in DTYPES:
+        raise ArgumentError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if align not in ("top_left", "bottom_right"):
+        raise ArgumentError(f"align must be 'top_left' or 'bottom_right', got {align!r}")
+    seqlen_q = _length(seqlen_q, "seqlen_q")
+    seqlen_k = _length(seqlen_q if seqlen_k is None else seqlen_k, "seqlen_k")
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    for d in (head_dim, head_dim_v):
+        bucket(d)  # refuses head dims past the largest bucket, as the call would
+    # The operator's LSE/Delta are contiguous (B, H, seqlen_q): strides (H·seqlen_q, seqlen_q), which
+    # are multiples of 16 exactly when seqlen_q is, whatever H; one head's stand in for them.
+    return AttentionCall(dtype, head_dim, head_dim_v, (1 if align == "top_left" else 2) if causal else 0,
+                         bool(causal) and seqlen_q == seqlen_k, bool(bias), int(bool(dropout)), bool(varlen),
+                         seqlen_q, seqlen_k, None if varlen else (seqlen_q, seqlen_q))
 
 
 def _pick(ks: Any, chosen: KernelChoice, call: AttentionCall, arch: str) -> KernelPick:
