@@ -119,6 +119,35 @@ def eager_ms(fn: Any, budget_ms: float = 60.0) -> float:
     return start.elapsed_time(end) / calls
 
 
+def graphed(contenders: dict[str, Any], calls: int) -> dict[str, Graphed]:
+    """Each contender captured as :class:`Graphed` (``calls`` calls per replay); one that cannot
+    be captured (a backend's refusal, or ours) is left to the eager rounds, with a line saying so."""
+    import aotriton_rt
+
+    graphs = {}
+    for name, fn in contenders.items():
+        try:
+            graphs[name] = Graphed(fn, calls=calls)
+        except (RuntimeError, aotriton_rt.AotritonError) as e:
+            print(f"  {name}: no CUDA graph ({str(e)[:80]})")
+    return graphs
+
+
+def timed_rounds(contenders: dict[str, Any], graphs: dict[str, Graphed], rounds: int
+                 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(eager ms, graph-replay ms) per contender and round, the order shuffled (seeded) per round."""
+    eager: dict[str, list[float]] = {n: [] for n in contenders}
+    graph: dict[str, list[float]] = {n: [] for n in graphs}
+    order = list(contenders)
+    for r in range(rounds):
+        random.Random(r).shuffle(order)
+        for name in order:
+            eager[name].append(eager_ms(contenders[name]))
+            if name in graphs:
+                graph[name].append(graphs[name].ms())
+    return eager, graph
+
+
 class Graphed:
     """``calls`` invocations of ``fn`` captured in one CUDA graph; ``ms()`` times a replay."""
 
@@ -367,21 +396,8 @@ def one_shape(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int, de
                 if plan is not None:
                     pdl_used[name] = bool(plan.pdl)
     PDL_POLICY["now"] = "rule"
-    graphs = {}
-    for name, fn in contenders.items():
-        try:
-            graphs[name] = Graphed(fn)
-        except RuntimeError as e:  # a backend that cannot be captured: eager only
-            print(f"  {name}: no CUDA graph ({str(e)[:80]})")
-    eager = {n: [] for n in contenders}
-    graph = {n: [] for n in graphs}
-    order = list(contenders)
-    for r in range(args.rounds):
-        random.Random(r).shuffle(order)
-        for name in order:
-            eager[name].append(eager_ms(contenders[name]))
-            if name in graphs:
-                graph[name].append(graphs[name].ms())
+    graphs = graphed(contenders, 20)
+    eager, graph = timed_rounds(contenders, graphs, args.rounds)
     PDL_POLICY["now"] = "rule"
     # A replay's output too, after every contender has run (a graph can outlive what it points at).
     for name, g in list(graphs.items()):
@@ -890,21 +906,9 @@ def prefill_row(args: argparse.Namespace, lib: Any, B: int, S: int, ratio: int) 
     del outputs
     print(f"  B={B} S={S} {Hq}/{Hkv} heads: max |out - varlen| "
           + ", ".join(f"{n} {e:.3g}" for n, e in errors.items()), flush=True)
-    graphs = {}
-    for name, (fn, _) in contenders.items():
-        try:
-            graphs[name] = Graphed(fn, calls=10)
-        except (RuntimeError, aotriton_rt.AotritonError) as e:  # a call that cannot be captured: eager only
-            print(f"  {name}: no CUDA graph ({str(e)[:80]})")
-    eager = {n: [] for n in contenders}
-    graph = {n: [] for n in graphs}
-    order = list(contenders)
-    for r in range(args.rounds):
-        random.Random(r).shuffle(order)
-        for name in order:
-            eager[name].append(eager_ms(contenders[name][0]))
-            if name in graphs:
-                graph[name].append(graphs[name].ms())
+    calls = {name: fn for name, (fn, _) in contenders.items()}
+    graphs = graphed(calls, 10)
+    eager, graph = timed_rounds(calls, graphs, args.rounds)
     del graphs
     flops = causal_flops(B, S, Hq, D)
     row = {"B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "pages": list(paged_caches), "flops": flops,
