@@ -1,8 +1,10 @@
-"""bench/decode.py's forced contenders and summary (the GPU timing runs on the H200 only)."""
+"""bench/decode.py's forced contenders and summary, and its --llama and --prefill modes
+(bench/llama.py, bench/prefill.py); the GPU timing runs on the H200 only."""
 
 from __future__ import annotations
 
 import argparse
+import types
 
 import pytest
 
@@ -11,9 +13,14 @@ from tests.helpers.benches import load_bench
 
 
 @pytest.fixture(scope="module")
-def bench():
+def bench() -> types.SimpleNamespace:
+    """The decode benchmark's modules (what they share, the two modes, the kernel table) as one
+    namespace."""
     pytest.importorskip("torch")
-    return load_bench("decode.py")
+    merged = types.SimpleNamespace()
+    for script in ("gpu_common.py", "llama.py", "prefill.py", "decode.py"):
+        vars(merged).update({k: v for k, v in vars(load_bench(script)).items() if not k.startswith("__")})
+    return merged
 
 
 def _args(**kw) -> argparse.Namespace:
