@@ -59,7 +59,7 @@ from ... import interop
 from ...errors import AotritonError, ArgumentError, KernelNotFound, UnsupportedError
 from ..attention.signature import _typed
 from .faults import FAULT_LENGTH, FAULT_PAGE, clear_faults, describe_faults, raise_faults, read_faults
-from .launch import MAX_LAUNCHES, MAX_SCRATCH_BYTES, _kernels_of, _Launch
+from .launch import MAX_SCRATCH_BYTES, _kernels_of, _Launch
 from .splits import DEFAULT_SPLIT_RULES, SplitRule, num_splits_for, split_rule
 from .validate import (
     _LAYOUTS,
@@ -144,10 +144,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             ks = _kernels_of(library)
         except AotritonError:  # no images: the validation below speaks first
             ks = None
-        try:
-            launch = ks.launches.get(key) if ks is not None else None
-        except TypeError:  # an unhashable option (a list inside a window): no caching
-            key = launch = None
+        launch = ks.launch_of(key) if ks is not None else None
         if launch is not None:
             if launch.fast is not None:
                 return launch.run_fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out,
@@ -180,12 +177,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             if cache_leftpad is not None else None
         _check_contents(xp, p, seqlens, table, starts)
     if key is not None and not launch.q_copy:
-        if len(launch.ks.launches) >= MAX_LAUNCHES:
-            launch.ks.launches.clear()
-        try:
-            launch.ks.launches[key] = launch
-        except TypeError:  # an unhashable option: this call is not cached
-            pass
+        launch.ks.keep_launch(key, launch)
     result = launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos, cache_leftpad)
     if debug:
         raise_faults(launch.ks, p.device)
@@ -204,10 +196,7 @@ def cached_launch(q: Any, k_cache: Any, v_cache: Any, *, causal: bool = False, w
     """
     key = _torch_key(q, k_cache, v_cache, None, None, None, None, None, None, causal, window, scale, None, None,
                      layout, cache_layout)
-    try:
-        launch = _kernels_of(library).launches.get(key) if key is not None else None
-    except TypeError:  # an unhashable option: no cached launch
-        return None
+    launch = _kernels_of(library).launch_of(key)
     return launch if launch is not None and launch.fast is not None else None
 
 

@@ -67,6 +67,27 @@ class _Kernels:
         #: planning. Bounded (:data:`MAX_LAUNCHES`, cleared when full); lives with the library.
         self.launches: dict[tuple, Any] = {}
 
+    def launch_of(self, key: tuple | None) -> Any:
+        """The kept launch plan of a call key (:func:`.._torch_key`), or None: none kept, no key,
+        or a key that holds an unhashable option (a list inside a window), which is never kept."""
+        if key is None:
+            return None
+        try:
+            return self.launches.get(key)
+        except TypeError:
+            return None
+
+    def keep_launch(self, key: tuple, launch: Any) -> None:
+        """Keep a launch plan under its call key; all are dropped when :data:`MAX_LAUNCHES` are
+        kept, and a key with an unhashable option is not kept."""
+        try:
+            hash(key)
+        except TypeError:
+            return
+        if len(self.launches) >= MAX_LAUNCHES:
+            self.launches.clear()
+        self.launches[key] = launch
+
     @property
     def rules(self) -> Any:
         """The ``tuning["attn_decode"]`` rules plans are made under (the library's)."""
