@@ -152,6 +152,7 @@ def backward_after(forward_key: Any, dout: Any, q: Any, k: Any, v: Any, out: Any
     to it); without a key this is :func:`backward`.
     """
     bias, cu_q, cu_k = options["bias"], options["cu_seqlens_q"], options["cu_seqlens_k"]
+    arrays = (dout, q, k, v, out, lse, bias, cu_q, cu_k)
     plan = key = None
     if forward_key is not None:
         try:
@@ -165,10 +166,8 @@ def backward_after(forward_key: Any, dout: Any, q: Any, k: Any, v: Any, out: Any
         if key is None:
             return backward(dout, q, k, v, out, lse, deterministic=deterministic, scheme=None, bias_grad=bias_grad,
                             dq=None, dk=None, dv=None, library=library, **options)
-        arrays = (dout, q, k, v, out, lse, bias, cu_q, cu_k)
         ks, plan = _build_backward(library, arrays, (None, None, None), deterministic, None, bias_grad, options)
         ks.plans.put(key, plan)
-    arrays = (dout, q, k, v, out, lse, bias, cu_q, cu_k)
     ptrs = (pd, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             0 if bias is None else bias.data_ptr(), 0 if cu_q is None else cu_q.data_ptr(),
             0 if cu_k is None else cu_k.data_ptr())
