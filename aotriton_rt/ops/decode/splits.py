@@ -50,6 +50,15 @@ def num_splits_for(batch: int, heads_k: int, row_blocks: int, seqlen_k: int, blo
     return -(-blocks // -(-blocks // splits))
 
 
+def _bounded(obj: dict, key: str, lo: int, hi: int, where: str, shown: str | None = None) -> int:
+    """``obj[key]`` (default 0), an integer (not a bool) in ``[lo, hi]``, else CatalogError
+    naming ``where.key`` and the bounds (``hi`` written as ``shown`` when given)."""
+    value = obj.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise CatalogError(f"{where}.{key} must be an integer in [{lo}, {shown or hi}], got {value!r}")
+    return value
+
+
 def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = False, rows: int = 1
                ) -> tuple[SplitRule, int]:
     """(split rule, config index) from catalog ``tuning["attn_decode"]`` rules for ``arch``.
@@ -76,12 +85,8 @@ def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = Fal
                                f"always merged by attn_decode_combine); drop the key, got {rule['combine']!r}")
         if "arch" in rule and rule["arch"] != arch:
             continue
-        least = rule.get("min_batch_heads", 0)
-        if isinstance(least, bool) or not isinstance(least, int) or not 0 <= least <= 2**31:
-            raise CatalogError(f"{where}.min_batch_heads must be an integer in [0, 2**31], got {least!r}")
-        least_rows = rule.get("min_rows", 0)
-        if isinstance(least_rows, bool) or not isinstance(least_rows, int) or not 0 <= least_rows <= 2**40:
-            raise CatalogError(f"{where}.min_rows must be an integer in [0, 2**40], got {least_rows!r}")
+        least = _bounded(rule, "min_batch_heads", 0, 2**31, where, "2**31")
+        least_rows = _bounded(rule, "min_rows", 0, 2**40, where, "2**40")
         kind = rule.get("paged")
         if kind is not None and not isinstance(kind, bool):
             raise CatalogError(f"{where}.paged must be true or false, got {kind!r}")
@@ -90,13 +95,9 @@ def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = Fal
         splits = rule.get("splits", {})
         if not isinstance(splits, dict) or set(splits) - {"waves", "min_blocks", "max_splits"}:
             raise CatalogError(f"{where}.splits must be an object with waves, min_blocks, max_splits; got {splits!r}")
-        fields = {}
-        for key, (lo, hi) in {"waves": (1, 64), "min_blocks": (1, 4096), "max_splits": (1, 1024)}.items():
-            if key in splits:
-                value = splits[key]
-                if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                    raise CatalogError(f"{where}.splits.{key} must be an integer in [{lo}, {hi}], got {value!r}")
-                fields[key] = value
+        fields = {key: _bounded(splits, key, lo, hi, f"{where}.splits")
+                  for key, (lo, hi) in {"waves": (1, 64), "min_blocks": (1, 4096), "max_splits": (1, 1024)}.items()
+                  if key in splits}
         config = rule.get("config", 0)
         if isinstance(config, bool) or not isinstance(config, int) or not 0 <= config < 64:
             raise CatalogError(f"{where}.config must be an integer in [0, 64), got {config!r}")
