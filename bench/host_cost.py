@@ -198,6 +198,11 @@ t0 = time.perf_counter()
 import aotriton_rt
 t1 = time.perf_counter()
 lib = aotriton_rt.Library(sys.argv[1])
+warm_ms = None
+if len(sys.argv) > 2:
+    w = time.perf_counter()
+    aotriton_rt.warmup(dtype="fp16", head_dim=64, seqlen=64, library=lib)
+    warm_ms = (time.perf_counter() - w) * 1e3
 t2 = time.perf_counter()
 out, lse = aotriton_rt.attention(q, k, v, library=lib)
 torch.cuda.synchronize()
@@ -207,7 +212,7 @@ torch.cuda.synchronize()
 t4 = time.perf_counter()
 rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"import_ms": (t1 - t0) * 1e3, "open_ms": (t2 - t1) * 1e3, "first_call_ms": (t3 - t2) * 1e3,
-                  "second_call_ms": (t4 - t3) * 1e3, "open_plus_first_ms": (t3 - t1) * 1e3,
+                  "second_call_ms": (t4 - t3) * 1e3, "warmup_ms": warm_ms, "open_plus_first_ms": (t3 - t1) * 1e3,
                   "added_mb": (rss1 - rss0) / 1024, "variants": sum(c.count for c in lib.catalogs),
                   "shards": sum(len(c.target_kernels()) for c in lib.catalogs),
                   "shards_read": sum(len(c.target_kernels()) - len(c.shard_refs()) for c in lib.catalogs)}))
@@ -219,18 +224,22 @@ IMPORT = ("import sys, time; t = time.perf_counter(); import aotriton_rt; d = ti
 
 
 def fresh_process(images: Path, repeats: int = 5) -> dict[str, Any]:
-    runs = []
+    """First-call rows from fresh processes; alternately with ``aotriton_rt.warmup`` called
+    between open and the first call (the ``warmed_`` keys)."""
+    runs, warmed = [], []
     for _ in range(repeats):
-        out = subprocess.run([sys.executable, "-c", FIRST_CALL, str(images)], capture_output=True, text=True,
-                             cwd=ROOT, check=True).stdout
-        runs.append(json.loads(out.strip().splitlines()[-1]))
+        for extra, into in (((), runs), (("warm",), warmed)):
+            out = subprocess.run([sys.executable, "-c", FIRST_CALL, str(images), *extra], capture_output=True,
+                                 text=True, cwd=ROOT, check=True).stdout
+            into.append(json.loads(out.strip().splitlines()[-1]))
     imports = []
     for _ in range(repeats):
         ms, heavy = subprocess.run([sys.executable, "-c", IMPORT], capture_output=True, text=True, cwd=ROOT,
                                    check=True).stdout.split()
         imports.append(float(ms))
     counts = ("variants", "shards", "shards_read")
-    result = {key: summary([r[key] for r in runs]) for key in runs[0] if key not in counts}
+    result = {key: summary([r[key] for r in runs]) for key in runs[0] if key not in counts and key != "warmup_ms"}
+    result.update({f"warmed_{key}": summary([r[key] for r in warmed]) for key in ("warmup_ms", "first_call_ms")})
     result.update({key: runs[0][key] for key in counts})
     result["import_alone_ms"] = summary(imports)
     result["import_heavy_modules"] = heavy
@@ -406,6 +415,9 @@ def table(results: dict[str, Any]) -> str:
     for key in ("open_ms", "first_call_ms", "open_plus_first_ms", "second_call_ms", "added_mb"):
         unit = "MB" if key.endswith("mb") else "ms"
         rows.append(f"| fresh process ({fp['variants']} variants): {key[:-3]} | {fp[key]['median']:.2f} {unit} | |")
+    for key in ("warmed_warmup_ms", "warmed_first_call_ms"):
+        if key in fp:
+            rows.append(f"| fresh process: {key[:-3].replace('_', ' ')} | {fp[key]['median']:.2f} ms | |")
     if "full_set" in results:
         fs = results["full_set"]
         for key in ("open_ms", "first_call_ms", "open_plus_first_ms", "added_mb"):
