@@ -15,7 +15,6 @@ import functools
 import operator
 import sys
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
