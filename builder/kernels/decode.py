@@ -847,6 +847,19 @@ _SHAPE_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0", "seqlen_q
                  "batch * num_heads_k <= 65535")
 _PAGE_CHECKS = ("page_size >= 16", "page_size % 16 == 0", "num_pages >= 1", "capacity >= 0")
 _SETS = {"default": in_decode_default_set, "gputest": in_decode_gputest_set}
+
+
+def _in_route_default_set(spec: dict, target: object) -> bool:
+    """The route's kernels in the default build: sm90 (where the varlen forward they feed was
+    measured), fp16/bf16 at head dims 64 and 128 (the route runs compiled head dims only)."""
+    return target.arch == "sm90" and (not spec or in_decode_default_set(spec, target))
+
+
+def _in_route_gputest_set(spec: dict, target: object) -> bool:
+    return not spec or in_decode_gputest_set(spec, target)
+
+
+_ROUTE_SETS = {"default": _in_route_default_set, "gputest": _in_route_gputest_set}
 _AXES = {"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS}
 
 KERNELS = [
@@ -893,6 +906,7 @@ KERNELS = [
     # NaN for the sequences whose lengths or table entries were out of range.
     KernelDecl(
         name="attn_decode_lengths",
+        sets=_ROUTE_SETS,
         fn=attn_decode_lengths,
         signature=_LENGTHS_SIG,
         configs=lambda spec, target: (ConfigDecl(num_warps=4, num_stages=1, **_pdl({"BLOCK_B": 1024}, target)),),
@@ -905,11 +919,11 @@ KERNELS = [
         name="attn_decode_pack",
         fn=attn_decode_pack,
         signature=_PACK_SIG,
-        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0, 1)},
+        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0,)},
         configs=lambda spec, target: (ConfigDecl(num_warps=4, num_stages=1, **_pdl({"BLOCK_R": 32}, target)),),
         grid=("cdiv(capacity, BLOCK_R)", "batch * num_heads_k", "1"),
         divisibility=_PACK_DIVS,
-        sets=_SETS,
+        sets=_ROUTE_SETS,
         checks=lambda spec: ("num_heads_k >= 1", "batch * num_heads_k <= 65535", "seqlen_new >= 0")
         + _PAGE_CHECKS + _head_dim_checks(spec) + _PACK_STRIDES(spec),
     ),
@@ -917,11 +931,11 @@ KERNELS = [
         name="attn_decode_poison",
         fn=attn_decode_poison,
         signature=_POISON_SIG,
-        axes={**_AXES, "PADDED_D": (0, 1)},
+        axes={**_AXES, "PADDED_D": (0,)},
         configs=lambda spec, target: (ConfigDecl(num_warps=4, num_stages=1, **_pdl({"BLOCK_M": 64}, target)),),
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_POISON_DIVS,
-        sets=_SETS,
+        sets=_ROUTE_SETS,
         checks=lambda spec: ("batch * num_heads_q <= 65535", "seqlen_q >= 1") + _head_dim_checks(spec)
         + _POISON_STRIDES(spec),
     ),
