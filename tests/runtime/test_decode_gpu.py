@@ -507,14 +507,15 @@ def _hostile(paged: bool, lens: list, new: int, changes: dict, gen: Any) -> dict
             "lens": torch.tensor(lens, dtype=torch.int32, device="cuda")}
 
 
+@pytest.mark.parametrize("Sq", [1, 128], ids=["one_row", "long_run"])  # 128: the varlen route
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_tables_and_lengths_stay_in_bounds_answer_nan_and_set_the_fault_flag(
-        lib: aotriton_rt.Library, name: str, splits: int) -> None:
+        lib: aotriton_rt.Library, name: str, splits: int, Sq: int) -> None:
     paged, lens, new, changes, bits = HOSTILE[name]
     gen = torch.Generator(device="cuda").manual_seed(sum(map(ord, name)))
     c = _hostile(paged, lens, new, changes, gen)
-    q = torch.randn(3, 1, 8, 64, device="cuda", generator=gen).half()
+    q = torch.randn(3, Sq, 8, 64, device="cuda", generator=gen).half()
     args = {"cache_seqlens": c["lens"], "block_table": c["table"], "k_new": c["k_new"], "v_new": c["v_new"],
             "num_splits": splits, "library": lib}
     before = (c["buf"].clone(), c["vbuf"].clone())
