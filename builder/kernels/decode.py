@@ -518,6 +518,140 @@ def attn_decode_append(
 
 
 # --------------------------------------------------------------------------------------------
+# Packing a cache for the variable-length forward (long query runs: a prompt against its cache).
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def attn_decode_lengths(CuQ, CuK, SeqFaults, CacheSeqlens, CacheStart, batch, seqlen_q, seqlen_new, capacity,
+                        BLOCK_B: tl.constexpr, PDL: tl.constexpr = 0):
+    """The variable-length forward's prefix sums for a cache, and each sequence's fault bits.
+
+    Grid: (1, 1, 1). ``CuQ[b] = b * seqlen_q`` (the query rows, dense, packed as they lie);
+    ``CuK[b + 1] - CuK[b]``: sequence b's live cache rows ``[CacheStart[b], cache_seqlens[b] +
+    seqlen_new)``, its length and start clamped as ``attn_decode`` clamps them. ``SeqFaults[b]``:
+    FAULT_LENGTH when a clamp was needed, else 0 (``attn_decode_pack`` ORs FAULT_PAGE into it, and
+    ``attn_decode_poison`` answers NaN for every sequence it flags). A faulting sequence keeps at
+    least one packed row, which the pack kernel fills with NaN. Totals stay in int32: the runtime
+    bounds ``batch * capacity``.
+    """
+    _after_predecessor(PDL)
+    offs = tl.arange(0, BLOCK_B)
+    tl.store(CuK + offs, 0, mask=offs == 0)
+    tl.store(CuQ + offs, 0, mask=offs == 0)
+    carry = tl.sum(offs * 0, 0)
+    for b0 in range(0, batch, BLOCK_B):
+        bs = b0 + offs
+        ok = bs < batch
+        cached = tl.load(CacheSeqlens + bs, mask=ok, other=0)
+        start = tl.load(CacheStart + bs, mask=ok, other=0)
+        bad = (cached < 0) | (cached > capacity - seqlen_new) | (start < 0) | (start > capacity)
+        len_k = tl.minimum(tl.maximum(cached, 0), capacity - seqlen_new) + seqlen_new
+        first = tl.minimum(tl.maximum(start, 0), len_k)
+        n = tl.where(bad, tl.maximum(len_k - first, 1), len_k - first)
+        n = tl.where(ok, n, 0)
+        tl.store(CuK + 1 + bs, carry + tl.cumsum(n, 0), mask=ok)
+        tl.store(CuQ + 1 + bs, (bs + 1) * seqlen_q, mask=ok)
+        tl.store(SeqFaults + bs, tl.where(bad, FAULT_LENGTH, 0), mask=ok)
+        carry += tl.sum(n, 0)
+    _successor_may_launch(PDL)
+
+
+@triton.jit
+def attn_decode_pack(
+    K, V, KOut, VOut, CuK, BlockTable, CacheSeqlens, CacheStart, SeqFaults, Faults,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_okm, stride_okh,
+    stride_ovm, stride_ovh,
+    stride_btz,
+    batch, num_heads_k, seqlen_new, capacity, num_pages, page_size, head_dim,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = 0,
+):
+    """Copy sequence b's live rows of KV head h, cache rows ``[CacheStart[b], cache_seqlens[b] +
+    seqlen_new)`` (after the append), to packed rows ``CuK[b] + i`` of KOut / VOut: the layout of
+    the variable-length forward, which then serves a long query run against the cache at its speed.
+    Packed rows are ``HEAD_DIM`` wide (zeros past ``head_dim``) and 16-byte aligned.
+
+    Grid: (cdiv(capacity, BLOCK_R), batch * num_heads_k, 1). Lengths, starts and table entries
+    are clamped as ``attn_decode`` clamps them (never a read outside the cache); a sequence with
+    a length fault has all its packed rows written NaN, and a row whose table entry is outside
+    ``[0, num_pages)`` is written NaN and FAULT_PAGE ORed into ``SeqFaults[b]`` and ``Faults``.
+    """
+    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    pid_r = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    off_b = pid_bk // num_heads_k
+    off_hk = pid_bk % num_heads_k
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    _after_predecessor(PDL)
+    len_k, fault = _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity)
+    first, start_fault = _sequence_start(CacheStart, off_b, len_k, capacity)
+    fault = fault | start_fault
+    n = tl.where(fault != 0, tl.maximum(len_k - first, 1), len_k - first)
+    if pid_r * BLOCK_R < n:
+        live = rows < n
+        pos = first + rows
+        src_ok = live & (pos < len_k) & (fault == 0)
+        bt_row = BlockTable + off_b.to(tl.int64) * stride_btz
+        k_off, v_off, page_ok = _kv_offsets(bt_row, tl.where(src_ok, pos, 0), src_ok, page_size, num_pages,
+                                            stride_kz, stride_kn, stride_vz, stride_vn, PAGED)
+        bad_row = live & ((fault != 0) | (src_ok & ~page_ok))
+        page_fault = tl.max(tl.where(src_ok & ~page_ok, FAULT_PAGE, 0), 0)
+        K_head = K + off_hk.to(tl.int64) * stride_kh
+        V_head = V + off_hk.to(tl.int64) * stride_vh
+        if not PAGED:
+            K_head += off_b.to(tl.int64) * stride_kz
+            V_head += off_b.to(tl.int64) * stride_vz
+        load = _and_dim((src_ok & page_ok)[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1)
+        k = tl.load(K_head + k_off[:, None] + offs_d[None, :], mask=load, other=0.0)
+        v = tl.load(V_head + v_off[:, None] + offs_d[None, :], mask=load, other=0.0)
+        k = tl.where(bad_row[:, None], float("nan"), k)
+        v = tl.where(bad_row[:, None], float("nan"), v)
+        dest = (tl.load(CuK + off_b) + rows).to(tl.int64)
+        # Packed rows are HEAD_DIM wide whatever the cache's head dim: columns past it are
+        # written 0 (the masked load's), so the forward reads them in place at the bucket.
+        store = live[:, None] & (offs_d[None, :] < HEAD_DIM)
+        _successor_may_launch(PDL)
+        tl.store(KOut + dest[:, None] * stride_okm + off_hk.to(tl.int64) * stride_okh + offs_d[None, :],
+                 k.to(KOut.dtype.element_ty), mask=store)
+        tl.store(VOut + dest[:, None] * stride_ovm + off_hk.to(tl.int64) * stride_ovh + offs_d[None, :],
+                 v.to(VOut.dtype.element_ty), mask=store)
+        tl.atomic_or(SeqFaults + off_b, page_fault, mask=page_fault != 0, sem="relaxed")
+        _record_fault(Faults, fault | page_fault)
+    else:
+        _successor_may_launch(PDL)
+
+
+@triton.jit
+def attn_decode_poison(Out, LSE, SeqFaults, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
+                       batch, num_heads_q, seqlen_q, head_dim,
+                       HEAD_DIM: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr = 0):
+    """NaN over the output and logsumexp rows of every sequence ``SeqFaults`` flags, after the
+    variable-length forward (``attn_decode``'s answer for a faulting sequence: never a plausible
+    one). Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1); a clean sequence's programs
+    store nothing."""
+    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // num_heads_q
+    off_h = pid_bh % num_heads_q
+    _after_predecessor(PDL)
+    bad = tl.load(SeqFaults + off_b) != 0
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (rows < seqlen_q) & bad
+    nan = tl.full([BLOCK_M, BLOCK_D], float("nan"), dtype=tl.float32)
+    o_ptrs = (Out + off_b.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
+              + rows.to(tl.int64)[:, None] * stride_om + offs_d[None, :])
+    _successor_may_launch(PDL)
+    tl.store(o_ptrs, nan.to(Out.dtype.element_ty), mask=_and_dim(ok[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1))
+    tl.store(LSE + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + rows,
+             tl.full([BLOCK_M], float("nan"), dtype=tl.float32), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------
 # Registry declarations.
 # --------------------------------------------------------------------------------------------
 
@@ -668,6 +802,16 @@ _APPEND_SIG = signature_of(attn_decode_append, {
     "CacheSeqlens": "*i32", "Faults": "*i32"})
 _APPEND_DIV = {**{n: d for n, d in divisibility_of(_APPEND_SIG, aligned=("kn", "vn", "k", "v")).items()
                   if n not in _INDEX_POINTERS}, "page_size": 16}
+_LENGTHS_SIG = signature_of(attn_decode_lengths, {"CuQ": "*i32", "CuK": "*i32", "SeqFaults": "*i32",
+                                                  "CacheSeqlens": "*i32", "CacheStart": "*i32"})
+_LENGTHS_DIV = {n: 1 for n in ("CuQ", "CuK", "SeqFaults", "CacheSeqlens", "CacheStart")}
+_PACK_SIG = signature_of(attn_decode_pack, {
+    "K": "*{dtype}", "V": "*{dtype}", "KOut": "*{dtype}", "VOut": "*{dtype}", "CuK": "*i32", "BlockTable": "*i32",
+    "CacheSeqlens": "*i32", "CacheStart": "*i32", "SeqFaults": "*i32", "Faults": "*i32"})
+_PACK_DIV = {**{n: d for n, d in divisibility_of(_PACK_SIG, aligned=("k", "v", "ok", "ov")).items()
+                if n not in (*_INDEX_POINTERS, "CuK", "SeqFaults")}, "page_size": 16}
+_POISON_SIG = signature_of(attn_decode_poison, {"Out": "*{dtype}", "LSE": "*fp32", "SeqFaults": "*i32"})
+_POISON_DIV = {n: d for n, d in divisibility_of(_POISON_SIG, aligned=("o",)).items() if n != "SeqFaults"}
 # The caller's arrays read or written along the head dim (pointer, then its strides' letter):
 # PADDED_D=1 variants promise nothing of them (rows of any width, any element-aligned address).
 _CALLER_ROWS = {"Q": "q", "K": "k", "V": "v", "Out": "o", "KNew": "kn", "VNew": "vn"}
@@ -696,11 +840,26 @@ def _head_dim_checks(spec: dict) -> tuple[str, ...]:
 _DECODE_DIVS, _DECODE_STRIDES = _per_padding(_DECODE_DIV)
 _COMBINE_DIVS, _COMBINE_STRIDES = _per_padding(_COMBINE_DIV)
 _APPEND_DIVS, _APPEND_STRIDES = _per_padding(_APPEND_DIV)
+_PACK_DIVS, _PACK_STRIDES = _per_padding(_PACK_DIV)
+_POISON_DIVS, _POISON_STRIDES = _per_padding(_POISON_DIV)
 _SHAPE_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0", "seqlen_q >= 1",
                  f"seqlen_q <= {MAX_SEQLEN_Q}", f"num_heads_q // num_heads_k * seqlen_q <= {MAX_GROUP_ROWS}",
                  "batch * num_heads_k <= 65535")
 _PAGE_CHECKS = ("page_size >= 16", "page_size % 16 == 0", "num_pages >= 1", "capacity >= 0")
 _SETS = {"default": in_decode_default_set, "gputest": in_decode_gputest_set}
+
+
+def _in_route_default_set(spec: dict, target: object) -> bool:
+    """The route's kernels in the default build: sm90 (where the varlen forward they feed was
+    measured), fp16/bf16 at head dims 64 and 128 (the route runs compiled head dims only)."""
+    return target.arch == "sm90" and (not spec or in_decode_default_set(spec, target))
+
+
+def _in_route_gputest_set(spec: dict, target: object) -> bool:
+    return not spec or in_decode_gputest_set(spec, target)
+
+
+_ROUTE_SETS = {"default": _in_route_default_set, "gputest": _in_route_gputest_set}
 _AXES = {"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS}
 
 KERNELS = [
@@ -742,5 +901,42 @@ KERNELS = [
         sets=_SETS,
         checks=lambda spec: ("num_heads_k >= 1", "batch * num_heads_k <= 65535", "seqlen_new >= 1") + _PAGE_CHECKS
         + _head_dim_checks(spec) + _APPEND_STRIDES(spec),
+    ),
+    # The long-query-run route: prefix sums and packed K/V for the variable-length forward, and
+    # NaN for the sequences whose lengths or table entries were out of range.
+    KernelDecl(
+        name="attn_decode_lengths",
+        sets=_ROUTE_SETS,
+        fn=attn_decode_lengths,
+        signature=_LENGTHS_SIG,
+        configs=lambda spec, target: (ConfigDecl(num_warps=4, num_stages=1, **_pdl({"BLOCK_B": 1024}, target)),),
+        grid=("1", "1", "1"),
+        divisibility=lambda spec: _LENGTHS_DIV,
+        checks=lambda spec: ("batch >= 1", "seqlen_q >= 1", f"seqlen_q <= {MAX_SEQLEN_Q}", "seqlen_new >= 0",
+                             "capacity >= 0", "batch * capacity <= 2147483647"),
+    ),
+    KernelDecl(
+        name="attn_decode_pack",
+        fn=attn_decode_pack,
+        signature=_PACK_SIG,
+        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0,)},
+        configs=lambda spec, target: (ConfigDecl(num_warps=4, num_stages=1, **_pdl({"BLOCK_R": 32}, target)),),
+        grid=("cdiv(capacity, BLOCK_R)", "batch * num_heads_k", "1"),
+        divisibility=_PACK_DIVS,
+        sets=_ROUTE_SETS,
+        checks=lambda spec: ("num_heads_k >= 1", "batch * num_heads_k <= 65535", "seqlen_new >= 0")
+        + _PAGE_CHECKS + _head_dim_checks(spec) + _PACK_STRIDES(spec),
+    ),
+    KernelDecl(
+        name="attn_decode_poison",
+        fn=attn_decode_poison,
+        signature=_POISON_SIG,
+        axes={**_AXES, "PADDED_D": (0,)},
+        configs=lambda spec, target: (ConfigDecl(num_warps=4, num_stages=1, **_pdl({"BLOCK_M": 64}, target)),),
+        grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
+        divisibility=_POISON_DIVS,
+        sets=_ROUTE_SETS,
+        checks=lambda spec: ("batch * num_heads_q <= 65535", "seqlen_q >= 1") + _head_dim_checks(spec)
+        + _POISON_STRIDES(spec),
     ),
 ]

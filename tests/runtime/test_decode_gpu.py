@@ -450,6 +450,36 @@ def test_the_torch_op_passes_cache_leftpad_through(lib: aotriton_rt.Library, pag
     assert torch.equal(padded[0], whole[0]) and not torch.equal(padded[1:], whole[1:])
 
 
+@pytest.mark.parametrize("mask", ["causal", "window", "none"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_the_varlen_route_agrees_with_the_decode_kernels(lib: aotriton_rt.Library, paged: bool, mask: str) -> None:
+    """A 192-row run takes the variable-length route; the same call with ``out=`` (which keeps it
+    on the decode kernels) gives the same answer, left padding and appended rows included."""
+    from aotriton_rt.ops import decode as dec
+    from aotriton_rt.ops.decode import launch
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    Sq, D = 192, 128
+    c = _cache([500, 0, 77], Sq, 2, D, torch.bfloat16, 16 if paged else None, gen)
+    q = torch.randn(3, Sq, 8, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    starts = torch.tensor([0, 0, 40], dtype=torch.int32, device="cuda")
+    options = {"causal": mask == "causal", "window": (100, 3) if mask == "window" else None,
+               "cache_leftpad": starts, "library": lib}
+    kc, vc = c["k"].clone(), c["v"].clone()
+    routed = decode_attention(q, kc, vc, cache_seqlens=c["lens"], block_table=c["table"], k_new=c["k_new"],
+                              v_new=c["v_new"], **options)
+    plans = [p for p in dec._kernels_of(lib).launches.values() if p.p.seqlen_q == Sq]
+    if not any(p.varlen for p in plans):
+        pytest.skip("these images lack the route's kernels or the varlen forward at bf16, head dim 128")
+    out = torch.empty_like(q)
+    kept = decode_attention(q, c["k"], c["v"], cache_seqlens=c["lens"], block_table=c["table"], k_new=c["k_new"],
+                            v_new=c["v_new"], out=out, **options)
+    assert launch.VARLEN_SEQLEN_Q <= Sq
+    for got, want in zip(routed, kept):
+        assert got.isfinite().all() == want.isfinite().all()
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2, equal_nan=True)
+
+
 def test_paged_lengths_past_the_block_table_are_refused_in_debug_mode(lib: aotriton_rt.Library) -> None:
     gen = torch.Generator(device="cuda").manual_seed(8)
     c = _cache([40, 10], 0, 2, 64, torch.float16, 16, gen)
@@ -507,14 +537,15 @@ def _hostile(paged: bool, lens: list, new: int, changes: dict, gen: Any) -> dict
             "lens": torch.tensor(lens, dtype=torch.int32, device="cuda")}
 
 
+@pytest.mark.parametrize("Sq", [1, 128], ids=["one_row", "long_run"])  # 128: the varlen route
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_tables_and_lengths_stay_in_bounds_answer_nan_and_set_the_fault_flag(
-        lib: aotriton_rt.Library, name: str, splits: int) -> None:
+        lib: aotriton_rt.Library, name: str, splits: int, Sq: int) -> None:
     paged, lens, new, changes, bits = HOSTILE[name]
     gen = torch.Generator(device="cuda").manual_seed(sum(map(ord, name)))
     c = _hostile(paged, lens, new, changes, gen)
-    q = torch.randn(3, 1, 8, 64, device="cuda", generator=gen).half()
+    q = torch.randn(3, Sq, 8, 64, device="cuda", generator=gen).half()
     args = {"cache_seqlens": c["lens"], "block_table": c["table"], "k_new": c["k_new"], "v_new": c["v_new"],
             "num_splits": splits, "library": lib}
     before = (c["buf"].clone(), c["vbuf"].clone())

@@ -27,6 +27,7 @@ import pytest
 
 from aotriton_rt import ArgumentError
 from aotriton_rt.ops import decode as op
+from aotriton_rt.ops.decode.launch import VARLEN_SEQLEN_Q
 from tests.helpers.interpreter import patch_interpreter, report_cases, run_sharded
 from tests.runtime.test_decode_bounds import recording  # noqa: F401 - the fixture
 from tests.runtime.test_decode_op import _Handle, _install_cpu, _Library, fp64_reference
@@ -62,6 +63,8 @@ CASES: dict[str, dict] = {
                                        "run": (32, 0)},
     "one_twenty_eight_rows_causal_reads_per_tile": {"Sq": 128, "Hq": 2, "Hk": 1, "new": 128, "causal": True,
                                                     "lens": (0, 30), "cap": 160, "count": True, "run": (32, 0)},
+    "one_twenty_eight_rows_an_empty_sequence_two_sided_window": {"Sq": 128, "Hq": 2, "Hk": 1, "window": (9, 4),
+                                                                 "lens": (0, 150), "cap": 160, "run": (32, 0)},
     "one_twenty_eight_rows_paged_window_gqa_splits": {"Sq": 128, "Hq": 2, "Hk": 1, "paged": 16, "causal": True,
                                                       "window": (40, 0), "lens": (150, 60), "cap": 160,
                                                       "splits": 2, "run": (32, 0)},
@@ -204,11 +207,17 @@ def run_case(name: str, case: dict) -> dict:
     failed: list[str] = []
     if out is not None and got.data_ptr() != out.data_ptr():
         failed.append("out was not written in place")
-    runs = {(spec["HEAD_DIM"], spec.get("PADDED_D")) for _, spec in RUNS}
+    runs = {(spec["HEAD_DIM"], spec.get("PADDED_D")) for k, spec in RUNS if k.startswith("attn_decode") and
+            "HEAD_DIM" in spec}
     if runs != {tuple(c["run"])}:
         failed.append(f"launched (HEAD_DIM, PADDED_D) {sorted(runs)}, expected {c['run']}")
     launched = [k for k, _ in RUNS]
-    if ("attn_decode_combine" in launched) != (c["splits"] > 1) or ("attn_decode_append" in launched) != bool(new):
+    # Long runs at a compiled head dim go through the variable-length forward (no splits there).
+    routed = Sq >= VARLEN_SEQLEN_Q and c["run"][1] == 0 and out is None
+    if routed != ("attn_decode_pack" in launched):
+        failed.append(f"launches {launched}: the variable-length route {'not ' if routed else ''}expected")
+    if ("attn_decode_append" in launched) != bool(new) or \
+            not routed and ("attn_decode_combine" in launched) != (c["splits"] > 1):
         failed.append(f"launches {launched}")
     tol = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 4e-2}[c["dtype"]]
     scale = 1 / math.sqrt(D)
@@ -238,11 +247,14 @@ def run_case(name: str, case: dict) -> dict:
                 failed.append(f"{what}: a column past the head dim was written")
     result = {"errors": errors, "failed": failed}
     if loaded is not None:
-        want = expected_key_loads(total, Hk, group, Sq, D, left, right)
+        per_tile = expected_key_loads(total, Hk, group, Sq, D, left, right)
         whole = expected_key_loads(total, Hk, group, Sq, D, left, right, whole_run=True)
-        result["key_loads"] = {"loaded": loaded, "per_tile": want, "whole_run": whole}
+        # The variable-length route packs the cache once: each live key row read exactly once.
+        want = sum(total) * Hk * D if routed else per_tile
+        result["key_loads"] = {"loaded": loaded, "want": want, "per_tile": per_tile, "whole_run": whole}
         if loaded != want:
-            failed.append(f"loaded {loaded} K elements, the per-tile ranges hold {want} (whole run: {whole})")
+            failed.append(f"loaded {loaded} K elements, expected {want} (per-tile ranges: {per_tile}, "
+                          f"whole run: {whole})")
     return result
 
 
@@ -272,10 +284,12 @@ def test_any_query_length_and_head_dim_matches_fp64_under_the_interpreter(interp
     assert any(k.startswith("out") for k in result["errors"])
 
 
-def test_a_causal_run_of_128_rows_reads_only_the_keys_up_to_each_tile(interpreted: dict) -> None:
-    # Sequences of 128 and 158 keys (0 and 30 cached): 61% of what one range per run read.
+def test_a_causal_run_of_128_rows_reads_each_key_once(interpreted: dict) -> None:
+    # Sequences of 128 and 158 keys (0 and 30 cached). Packed for the variable-length forward,
+    # every key is read once: less than the decode kernels' per-tile ranges (61% of one range
+    # per run), which already read only the keys up to each tile.
     loads = interpreted["one_twenty_eight_rows_causal_reads_per_tile"]["key_loads"]
-    assert loads["loaded"] == loads["per_tile"] < 0.65 * loads["whole_run"], loads
+    assert loads["loaded"] == loads["want"] < loads["per_tile"] < 0.65 * loads["whole_run"], loads
 
 
 def test_images_without_masked_variants_run_bucket_head_dims_as_before() -> None:

@@ -18,6 +18,9 @@ from .validate import (
     APPEND,
     COMBINE,
     DECODE,
+    LENGTHS,
+    PACK,
+    POISON,
     DecodePlan,
     _aligned,
     _bshd,
@@ -292,7 +295,13 @@ class _Launch:
                      **named("v", "n", p.v_strides), **named("o", "m", o_strides),
                      **named("kn", "m", p.kn_strides), **named("vn", "m", p.vn_strides),
                      "stride_lz": p.heads_q * p.seqlen_q, "stride_lh": p.seqlen_q}
-        self.fast = self._prepare() if xp.framework == "torch" and p.device >= 0 and not self.q_copy else None
+        self.varlen = _varlen_route(p, ks, spec, layout, infos, oi is None)
+        if self.varlen:
+            self.lengths = ks.handle(LENGTHS, {}, 0, p.device, why)
+            self.pack = ks.handle(PACK, paged, 0, p.device, why)
+            self.poison = ks.handle(POISON, spec, 0, p.device, why)
+        fast = xp.framework == "torch" and p.device >= 0 and not self.q_copy and not self.varlen
+        self.fast = self._prepare() if fast else None
         self.starts_mode = ("zeros" if cache_leftpad is None else
                             "host" if validate._host_starts(cache_leftpad) is not None else "array")
         if cache_leftpad is not None and "CacheStart" not in self.decode.arg_names:
@@ -452,6 +461,8 @@ class _Launch:
                   **_RETIRED}
         if self.append is not None:
             self.append(*[values[n] for n in self.append.arg_names])
+        if self.varlen:
+            return self._run_varlen(q, values, o, lse)
         if self.combine is not None:
             values["PartO"] = xp.empty((self.part_rows, self.bucket), "fp32", q)
             values["PartL"] = xp.empty((self.part_rows,), "fp32", q)
@@ -459,6 +470,63 @@ class _Launch:
         if self.combine is not None:
             self.combine(*[values[n] for n in self.combine.arg_names])
         return o, lse
+
+
+    def _run_varlen(self, q: Any, values: dict, o: Any, lse: Any) -> tuple[Any, Any]:
+        """A long query run through the variable-length forward: each sequence's live cache rows
+        packed (``attn_decode_lengths``, ``attn_decode_pack``), the forward on them aligned
+        bottom-right with the call's mask, then NaN for every sequence whose lengths or table
+        entries were out of range (``attn_decode_poison``): the decode kernels' answers."""
+        from ..attention import attention
+
+        xp, p = self.xp, self.p
+        B, Sq, Hq, Hk, D = p.batch, p.seqlen_q, p.heads_q, p.heads_k, p.head_dim
+        rows = max(B * p.capacity, 1)
+        ko, vo = xp.empty((rows, Hk, D), p.dtype, q), xp.empty((rows, Hk, D), p.dtype, q)
+        values.update(CuQ=xp.empty((B + 1,), "i32", q), CuK=xp.empty((B + 1,), "i32", q),
+                      SeqFaults=xp.empty((B,), "i32", q), KOut=ko, VOut=vo, stride_okm=Hk * D, stride_okh=D,
+                      stride_ovm=Hk * D, stride_ovh=D)
+        for handle in (self.lengths, self.pack):
+            handle(*[values[n] for n in handle.arg_names])
+        left, right = p.window_left, p.window_right
+        mask = ({"causal": True} if left < 0 and right == 0 else {} if left < 0 and right < 0
+                else {"window": (left, right)})
+        _, lse_packed = attention(q.reshape(B * Sq, Hq, D), ko, vo, **mask, align="bottom_right", scale=p.scale,
+                                  cu_seqlens_q=values["CuQ"], cu_seqlens_k=values["CuK"], max_seqlen_q=Sq,
+                                  max_seqlen_k=p.capacity, out=o.reshape(B * Sq, Hq, D), library=self.ks.lib)
+        per_sequence = lse_packed.reshape(Hq, B, Sq)
+        if xp.framework == "torch":
+            lse.copy_(per_sequence.permute(1, 0, 2))
+        else:
+            lse[...] = per_sequence.transpose(1, 0, 2)
+        self.poison(*[{**values, "Out": o, "LSE": lse}[n] for n in self.poison.arg_names])
+        return o, lse
+
+
+#: Query rows per sequence from which a call whose images hold the packing kernels and the
+#: variable-length forward runs there (docs/performance.md, "Decode": the forward reads a packed
+#: cache at 0.9x-plus of its own speed where the decode kernels' prefill tile reaches 0.5x).
+VARLEN_SEQLEN_Q = 128
+
+
+def _varlen_route(p: DecodePlan, ks: _Kernels, spec: dict, layout: str, infos: dict, fresh_out: bool) -> bool:
+    """Whether a call runs through the variable-length forward (:meth:`_Launch._run_varlen`): a
+    long query run at a compiled head dim, ``bshd`` arrays whose rows pack as they lie, packed
+    K/V within :data:`MAX_SCRATCH_BYTES`, and images that hold every kernel of the route."""
+    if p.seqlen_q < VARLEN_SEQLEN_Q or spec.get("PADDED_D") or spec["HEAD_DIM"] != p.head_dim or layout != "bshd":
+        return False
+    packed = (p.seqlen_q * p.heads_q * p.head_dim, p.head_dim, p.heads_q * p.head_dim)  # (batch, head, row)
+    sizes = (p.batch, p.heads_q, p.seqlen_q)
+    if not fresh_out or any(n > 1 and st != want for n, st, want in zip(sizes, p.q_strides, packed)):
+        return False
+    itemsize = {"fp16": 2, "bf16": 2, "fp32": 4}[p.dtype]
+    if 2 * p.batch * p.capacity * p.heads_k * p.head_dim * itemsize > MAX_SCRATCH_BYTES:
+        return False
+    causal = 0 if p.window_left < 0 and p.window_right < 0 else 1
+    forward = {"dtype": p.dtype, "HEAD_DIM": p.head_dim, "HEAD_DIM_V": p.head_dim, "CAUSAL": causal, "BIAS": 0,
+               "DROPOUT": 0, "VARLEN": 1}
+    return (ks.has(LENGTHS, {}) and ks.has(PACK, with_paged(spec, p.paged)) and ks.has(POISON, spec)
+            and ks.has("attn_fwd", forward))
 
 
 def _bshd_contiguous(shape: tuple, layout: str) -> tuple[int, int, int]:

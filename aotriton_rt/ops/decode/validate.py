@@ -15,6 +15,9 @@ from ..attention.problem import _describe, window_sides  # shared with the atten
 DECODE = "attn_decode"
 COMBINE = "attn_decode_combine"
 APPEND = "attn_decode_append"
+LENGTHS = "attn_decode_lengths"
+PACK = "attn_decode_pack"
+POISON = "attn_decode_poison"
 # Mirror builder/kernels/decode.py (the runtime never imports the builder; a test keeps them equal).
 HEAD_DIM_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
 #: Longest query run per sequence decode_attention takes (key positions, window ends and
