@@ -16,6 +16,7 @@ import ctypes
 import json
 import lzma
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -107,6 +108,22 @@ def main() -> None:
             results[name] = per_launch_us(fn, args.launches, args.repeats, sync_fn)
         except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
             results[name] = f"unavailable: {type(e).__name__}: {e}"[:120]
+
+    # ``add`` against torch.add, alternating per round (order shuffled, seeded): the ratio per
+    # round, as host speed drifts between rounds here.
+    pair = {"aotriton_rt add": lambda: add(x, y, out, N_ELEMS), "torch.add(out=)": lambda: torch.add(x, y, out=out)}
+    per_round: dict[str, list[float]] = {n: [] for n in pair}
+    for r in range(args.repeats):
+        order = list(pair)
+        random.Random(r).shuffle(order)
+        for name in order:
+            per_round[name].append(per_launch_us(pair[name], args.launches, 1, sync))
+    ratios = [a / b for a, b in zip(per_round["aotriton_rt add"], per_round["torch.add(out=)"])]
+    for name, samples in per_round.items():
+        print(f"{name:24s} {statistics.median(samples):6.2f} us ({min(samples):.2f}-{max(samples):.2f})")
+    print(f"aotriton_rt add / torch.add per round: median {statistics.median(ratios):.2f} "
+          f"({min(ratios):.2f}-{max(ratios):.2f}); target <= 1.10")
+    results["add vs torch.add (ratio, median of rounds)"] = f"{statistics.median(ratios):.3f}"
 
     grid = (1,)
     run("aotriton_rt (torch tensors)", lambda: add(x, y, out, N_ELEMS))
