@@ -194,12 +194,13 @@ def launch_both(images: Path, arch: str, jit_log: Path, aot_log: Path) -> list[s
         constexprs = {k: c for k, c in constexprs.items() if k in fn.arg_names}
         options = {"num_warps": v.config.num_warps, "num_stages": v.config.num_stages, **v.config.options}
         _mark(jit_log, v.key)
-        if all(a.divisibility in (1, 16) for a in v.args):
+        if all(a.divisibility == 16 if a.is_pointer else a.divisibility in (1, 16) for a in v.args):
             fn[grid](*call, **constexprs, **options)
         else:
-            # The JIT only ever infers divisibility 16; a variant built with another hint (8 for
-            # bias strides) goes through triton.compile with the builder's own hints instead,
-            # then Triton's own loader and launcher, exactly as a JIT launch would.
+            # The JIT only ever infers divisibility 16 (and every fake pointer here is aligned);
+            # a variant built with another hint (8 for bias strides, none for index arrays that
+            # may be any int32 view) goes through triton.compile with the builder's own hints
+            # instead, then Triton's own loader and launcher, exactly as a JIT launch would.
             _compiled(fn, v, constexprs, options)[grid](*_in_order(fn, v, call, constexprs), stream=STREAM)
 
     import aotriton_rt

@@ -64,6 +64,7 @@ from ... import interop
 from ...errors import ArgumentError
 from ...tuning import select_config, select_mode
 from . import backward_plan as _backward_plan
+from . import express as _express
 from . import plan as _plan
 from .dispatch import backward_params, config_params, forward_params
 from .explain import Explanation, KernelPick, explain
@@ -203,3 +204,6 @@ def attention_kernels(q: Any, k: Any, v: Any, *, backward: bool = False, determi
         raise ArgumentError(f"unknown option(s) {', '.join(sorted(options))}")
     return _plan.kernels(q, k, v, backward=backward, deterministic=deterministic, scheme=scheme,
                          return_mask=return_mask, bias_grad=bias_grad, library=library, options=chosen)
+
+
+_plan.EXPRESS = _express

@@ -188,6 +188,11 @@ class _GeneralForward:
         return general.forward(p, self.handle, self.spec, out, self.out_i, lse, self.lse_i, self.return_mask)
 
 
+#: ``express.py``, the route to the decode kernels, installed by the package's ``__init__`` (plan
+#: imports nothing of the decode operator, whose long query runs call :func:`forward`).
+EXPRESS: Any = None
+
+
 class _DecodeForward:
     """A call the decode kernels serve (:func:`aotriton_rt.ops.decode.route_options`)."""
 
@@ -201,10 +206,8 @@ class _DecodeForward:
         # This plan's key pins all the decode plan depends on (the library, and so its tuning rules).
         if launch is not None:
             return launch.run_fast(q, k, v, None, None, None, None, None)
-        from ..decode import cached_launch, decode_attention
-
-        result = decode_attention(q, k, v, **self.options)
-        self.launch = cached_launch(q, k, v, **self.options)
+        result = EXPRESS.decode_attention(q, k, v, **self.options)
+        self.launch = EXPRESS.cached_launch(q, k, v, **self.options)
         return result
 
 
@@ -357,10 +360,8 @@ def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, ou
     # preallocated outputs run on the split-KV decode kernels when the images hold them (their
     # out/lse equal the prefill's, so the backward is unchanged). A family returns its own plan
     # object (anything with this `run`) before the attn_fwd dispatch below.
-    if p.rows_q <= 16:
-        from ..decode import route_options
-
-        opts = route_options(q, k, v, out=out, lse=lse, return_mask=return_mask, library=library,
+    if p.rows_q <= 16 and EXPRESS is not None:
+        opts = EXPRESS.route_options(q, k, v, out=out, lse=lse, return_mask=return_mask, library=library,
                              **{n: options[n] for n in ("causal", "window", "align", "bias", "dropout_p", "scale",
                                                        "cu_seqlens_q", "cu_seqlens_k", "layout")})
         if opts is not None:

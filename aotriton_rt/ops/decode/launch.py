@@ -478,7 +478,7 @@ class _Launch:
         packed (``attn_decode_lengths``, ``attn_decode_pack``), the forward on them aligned
         bottom-right with the call's mask, then NaN for every sequence whose lengths or table
         entries were out of range (``attn_decode_poison``): the decode kernels' answers."""
-        from ..attention import attention
+        from ..attention.plan import forward
 
         xp, p = self.xp, self.p
         B, Sq, Hq, Hk, D = p.batch, p.seqlen_q, p.heads_q, p.heads_k, p.head_dim
@@ -490,13 +490,13 @@ class _Launch:
         for handle in (self.lengths, self.pack):
             handle(*[values[n] for n in handle.arg_names])
         left, right = p.window_left, p.window_right
-        mask = ({"causal": True} if left < 0 and right == 0 else {} if left < 0 and right < 0
-                else {"window": (left, right)})
+        causal, window = (True, None) if left < 0 and right == 0 else (False, None) if left < 0 and right < 0 \
+            else (False, (left, right))
         # No out=: a fresh (B * Sq, Hq, D) output is the call's (B, Sq, Hq, D) one, and lets the
         # forward take its direct plan (the general one, which out= needs, costs ~100 µs more).
-        packed, lse_packed = attention(q.reshape(B * Sq, Hq, D), ko, vo, **mask, align="bottom_right",
-                                       scale=p.scale, cu_seqlens_q=values["CuQ"], cu_seqlens_k=values["CuK"],
-                                       max_seqlen_q=Sq, max_seqlen_k=p.capacity, library=self.ks.lib)
+        packed, lse_packed = forward(q.reshape(B * Sq, Hq, D), ko, vo, causal, window, "bottom_right", None, 0.0,
+                                     None, 0, p.scale, values["CuQ"], values["CuK"], Sq, p.capacity, "bhsd", None,
+                                     None, False, self.ks.lib)
         o = packed.reshape(self.q_shape)
         per_sequence = lse_packed.reshape(Hq, B, Sq)
         if xp.framework == "torch":
