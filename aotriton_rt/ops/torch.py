@@ -35,6 +35,7 @@ from ..library import live_library
 from . import attention as _core
 from .attention import backward_plan as _core_backward_plan
 from .attention import plan as _core_plan
+from .attention import sinks as _core_sinks
 
 __all__ = ["attention", "attention_bwd", "attention_fwd", "register_library"]
 
@@ -122,10 +123,10 @@ def _window(window_left: int, window_right: int) -> tuple[int, int] | None:
 
 
 @torch.library.custom_op("aotriton_rt::attention_fwd", mutates_args=())
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_seqlens_q: Tensor | None,
-                  cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                  window_left: int, window_right: int, align: str, dropout_p: float, seed: int, offset: int,
-                  scale: float, layout: str, return_mask: bool, deterministic: bool, library: int
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None,
+                  cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+                  causal: bool, window_left: int, window_right: int, align: str, dropout_p: float, seed: int,
+                  offset: int, scale: float, layout: str, return_mask: bool, deterministic: bool, library: int
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """Forward: (out, lse, mask); mask is an empty int8 tensor unless ``return_mask``.
 
@@ -137,7 +138,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_seqle
         q, k, v, causal=causal, window=_window(window_left, window_right), align=align, bias=bias,
         dropout_p=dropout_p, seed=_unsigned(seed), offset=_unsigned(offset), scale=scale,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
-        max_seqlen_k=max_seqlen_k if varlen else None, layout=layout, return_mask=return_mask,
+        max_seqlen_k=max_seqlen_k if varlen else None, layout=layout, return_mask=return_mask, sinks=sinks,
         library=_library(library))
     if return_mask:
         return result
@@ -158,10 +159,10 @@ def _seqlen(t: Tensor, layout: str) -> int:
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_seqlens_q: Tensor | None,
-                        cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                        window_left: int, window_right: int, align: str, dropout_p: float, seed: int, offset: int,
-                        scale: float, layout: str, return_mask: bool, deterministic: bool, library: int
+def _attention_fwd_fake(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None,
+                        cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+                        causal: bool, window_left: int, window_right: int, align: str, dropout_p: float, seed: int,
+                        offset: int, scale: float, layout: str, return_mask: bool, deterministic: bool, library: int
                         ) -> tuple[Tensor, Tensor, Tensor]:
     varlen = cu_seqlens_q is not None
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
@@ -177,31 +178,36 @@ def _attention_fwd_fake(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu
 
 @torch.library.custom_op("aotriton_rt::attention_bwd", mutates_args=())
 def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Tensor | None,
-                  cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
-                  causal: bool, window_left: int, window_right: int, align: str, dropout_p: float, seed: int,
-                  offset: int, scale: float, layout: str, deterministic: bool, bias_grad: bool, library: int
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Backward: (dq, dk, dv, dbias); dbias is an empty tensor without a bias or ``bias_grad``."""
+                  sinks: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int,
+                  max_seqlen_k: int, causal: bool, window_left: int, window_right: int, align: str, dropout_p: float,
+                  seed: int, offset: int, scale: float, layout: str, deterministic: bool, bias_grad: bool,
+                  library: int
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward: (dq, dk, dv, dbias, dsinks); dbias is an empty tensor without a bias or
+    ``bias_grad``, dsinks one without sinks."""
     varlen = cu_seqlens_q is not None
-    dq, dk, dv, dbias = _core.attention_backward(
+    grads = _core.attention_backward(
         dout, q, k, v, out, lse, causal=causal, window=_window(window_left, window_right), align=align, bias=bias,
         dropout_p=dropout_p, seed=_unsigned(seed), offset=_unsigned(offset), scale=scale,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
         max_seqlen_k=max_seqlen_k if varlen else None, layout=layout, deterministic=deterministic,
-        bias_grad=bias_grad, library=_library(library))
+        bias_grad=bias_grad, sinks=sinks, library=_library(library))
+    dq, dk, dv, dbias = grads[:4]
     if dbias is None:
         dbias = q.new_empty((0,))
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, grads[4] if sinks is not None else q.new_empty((0,))
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        bias: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+def _attention_bwd_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Tensor | None,
+                        sinks: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                         max_seqlen_q: int, max_seqlen_k: int, causal: bool, window_left: int, window_right: int,
                         align: str, dropout_p: float, seed: int, offset: int, scale: float, layout: str,
-                        deterministic: bool, bias_grad: bool, library: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        deterministic: bool, bias_grad: bool, library: int
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dbias = bias.new_empty(bias.shape) if bias is not None and bias_grad else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dsinks
 
 
 _FWD_OPTIONS = ("max_seqlen_q", "max_seqlen_k", "causal", "window_left", "window_right", "align", "dropout_p",
@@ -209,9 +215,9 @@ _FWD_OPTIONS = ("max_seqlen_q", "max_seqlen_k", "causal", "window_left", "window
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, bias, cu_q, cu_k, *options = inputs
+    q, k, v, bias, sinks, cu_q, cu_k, *options = inputs
     out, lse, mask = output
-    ctx.save_for_backward(q, k, v, bias, cu_q, cu_k, out, lse)
+    ctx.save_for_backward(q, k, v, bias, sinks, cu_q, cu_k, out, lse)
     ctx.options = dict(zip(_FWD_OPTIONS, options))
     ctx.mark_non_differentiable(lse, mask)
     ctx.set_materialize_grads(False)  # see _EagerAttention.forward
@@ -219,15 +225,17 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None, dmask: Tensor | None) -> tuple:
     if dout is None:
-        return (None,) * (6 + len(_FWD_OPTIONS))
-    q, k, v, bias, cu_q, cu_k, out, lse = ctx.saved_tensors
+        return (None,) * (7 + len(_FWD_OPTIONS))
+    q, k, v, bias, sinks, cu_q, cu_k, out, lse = ctx.saved_tensors
     o = ctx.options
     bias_grad = bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = attention_bwd(
-        dout, q, k, v, out, lse, bias, cu_q, cu_k, o["max_seqlen_q"], o["max_seqlen_k"], o["causal"],
+    dq, dk, dv, dbias, dsinks = attention_bwd(
+        dout, q, k, v, out, lse, bias, sinks, cu_q, cu_k, o["max_seqlen_q"], o["max_seqlen_k"], o["causal"],
         o["window_left"], o["window_right"], o["align"], o["dropout_p"], o["seed"], o["offset"], o["scale"],
         o["layout"], o["deterministic"], bias_grad, o["library"])
-    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * (2 + len(_FWD_OPTIONS))
+    sinks_grad = sinks is not None and ctx.needs_input_grad[4]
+    return (dq, dk, dv, dbias if bias_grad else None, dsinks if sinks_grad else None) + \
+        (None,) * (2 + len(_FWD_OPTIONS))
 
 
 torch.library.register_autograd("aotriton_rt::attention_fwd", _backward, setup_context=_setup_context)
@@ -275,13 +283,22 @@ def _eager(*tensors: Any) -> int:
     return _AUTOGRAD if grad and _grad_enabled() else _DIRECT
 
 
-def _forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_q: Tensor | None, cu_k: Tensor | None,
-                  o: dict) -> tuple:
+def _forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None, cu_q: Tensor | None,
+                  cu_k: Tensor | None, o: dict) -> tuple:
     """(plan key, result) of the operator's forward for the options :func:`attention` gathered
-    (no dispatcher)."""
-    return _core_plan.forward_keyed(q, k, v, o["causal"], o["window"], o["align"], bias, o["dropout_p"], o["seed"],
-                                    o["offset"], o["scale"], cu_q, cu_k, o["max_seqlen_q"], o["max_seqlen_k"],
-                                    o["layout"], None, None, o["return_mask"], o["library"])
+    (no dispatcher); with ``sinks``, the result made the sinks' in place (fresh outputs)."""
+    key, result = _core_plan.forward_keyed(q, k, v, o["causal"], o["window"], o["align"], bias, o["dropout_p"],
+                                           o["seed"], o["offset"], o["scale"], cu_q, cu_k, o["max_seqlen_q"],
+                                           o["max_seqlen_k"], o["layout"], None, None, o["return_mask"], o["library"])
+    if sinks is not None:
+        _core_sinks.apply_sinks(result[0], result[1], sinks, heads_q=lse_heads(result[1], cu_q is not None),
+                                layout=o["layout"], varlen=cu_q is not None, library=o["library"])
+    return key, result
+
+
+def lse_heads(lse: Tensor, varlen: bool) -> int:
+    """The query heads of a forward's logsumexp: ``(B, Hq, Sq)``, or ``(Hq, total)`` varlen."""
+    return lse.shape[0] if varlen else lse.shape[1]
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -294,11 +311,11 @@ class _EagerAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cu_q: Tensor | None,
-                cu_k: Tensor | None, options: dict) -> tuple:
-        key, result = _forward_plan(q, k, v, bias, cu_q, cu_k, options)
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None,
+                cu_q: Tensor | None, cu_k: Tensor | None, options: dict) -> tuple:
+        key, result = _forward_plan(q, k, v, bias, sinks, cu_q, cu_k, options)
         out, lse = result[:2]
-        ctx.save_for_backward(q, k, v, bias, cu_q, cu_k, out, lse)
+        ctx.save_for_backward(q, k, v, bias, sinks, cu_q, cu_k, out, lse)
         ctx.options = options
         ctx.forward_key = key  # the backward finds its plan from it (backward_plan.backward_after)
         ctx.mark_non_differentiable(*result[1:])
@@ -311,8 +328,8 @@ class _EagerAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dout: Tensor | None, *unused: Any) -> tuple:
         if dout is None:
-            return (None,) * 7
-        q, k, v, bias, cu_q, cu_k, out, lse = ctx.saved_tensors
+            return (None,) * 8
+        q, k, v, bias, sinks, cu_q, cu_k, out, lse = ctx.saved_tensors
         o = ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dbias = _core_backward_plan.backward_after(
@@ -320,7 +337,11 @@ class _EagerAttention(torch.autograd.Function):
             library=o["library"], causal=o["causal"], window=o["window"], align=o["align"], bias=bias,
             dropout_p=o["dropout_p"], seed=o["seed"], offset=o["offset"], scale=o["scale"], cu_seqlens_q=cu_q,
             cu_seqlens_k=cu_k, max_seqlen_q=o["max_seqlen_q"], max_seqlen_k=o["max_seqlen_k"], layout=o["layout"])
-        return dq, dk, dv, dbias if bias_grad else None, None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            dsinks = _core_sinks.sinks_grad(dout, out, lse, sinks, heads_q=lse_heads(lse, cu_q is not None),
+                                            layout=o["layout"], varlen=cu_q is not None, library=o["library"])
+        return dq, dk, dv, dbias if bias_grad else None, dsinks, None, None, None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: tuple[int, int] | None = None,
@@ -328,12 +349,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
               offset: int | None = None, scale: float | None = None, cu_seqlens_q: Tensor | None = None,
               cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               layout: str = "bhsd", deterministic: bool = False, return_lse: bool = False,
-              return_mask: bool = False, library: Any = None) -> Tensor | tuple[Tensor, ...]:
+              return_mask: bool = False, sinks: Tensor | None = None, library: Any = None
+              ) -> Tensor | tuple[Tensor, ...]:
     """Differentiable attention on torch tensors (works under ``torch.compile``).
 
-    Options as :func:`aotriton_rt.ops.attention.attention`; gradients flow to q, k, v and
-    bias. ``seed``/``offset``: the dropout Philox pair, drawn from torch's generator when
-    ``seed`` is None. ``deterministic=True``: the backward runs the bit-reproducible scheme.
+    Options as :func:`aotriton_rt.ops.attention.attention`; gradients flow to q, k, v, bias
+    and ``sinks`` (attention sinks: one logit per query head, see there). ``seed``/``offset``:
+    the dropout Philox pair, drawn from torch's generator when ``seed`` is None.
+    ``deterministic=True``: the backward runs the bit-reproducible scheme.
 
     Returns:
         ``out``; ``(out, lse)`` with ``return_lse``; the dropout keep-mask appended with
@@ -362,7 +385,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
         raise ArgumentError(f"seed and offset must be in [0, 2**64), got seed={seed}, offset={offset}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    route = _eager(q, k, v, bias, cu_seqlens_q, cu_seqlens_k)
+    route = _eager(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k)
     if route != _OP and type(causal) is bool and type(return_mask) is bool and type(deterministic) is bool:
         # No mode or compiler watching: the op's own body directly (the same plans; the
         # dispatcher round trip costs more than the whole launch), under an autograd.Function
@@ -373,14 +396,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
                    "max_seqlen_q": max_seqlen_q if varlen else None, "max_seqlen_k": max_seqlen_k if varlen else None,
                    "layout": layout, "return_mask": return_mask, "deterministic": deterministic, "library": library}
         if route == _AUTOGRAD:
-            result = _EagerAttention.apply(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, options)
+            result = _EagerAttention.apply(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, options)
         else:
-            result = _forward_plan(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, options)[1]
+            result = _forward_plan(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, options)[1]
         out, lse = result[:2]
         mask = result[2] if return_mask else None
     else:
         out, lse, mask = attention_fwd(
-            q, k, v, bias, cu_seqlens_q, cu_seqlens_k, -1 if max_seqlen_q is None else max_seqlen_q,
+            q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, -1 if max_seqlen_q is None else max_seqlen_q,
             -1 if max_seqlen_k is None else max_seqlen_k, causal, left, right, align, float(dropout_p), _signed(seed),
             _signed(offset), float(scale), layout, return_mask, deterministic, _library_key(library))
     result: tuple = (out,)

@@ -559,12 +559,12 @@ def test_torch_ops_pass_opcheck(lib: Any) -> None:
     k = torch.randn(2, 2, 97, 64, device=DEVICE, dtype=torch.float16)
     v = torch.randn(2, 2, 97, 64, device=DEVICE, dtype=torch.float16)
     bias = torch.randn(4, 67, 97, device=DEVICE, dtype=torch.float16)
-    fwd = (q, k, v, bias, None, None, -1, -1, True, -1, -1, "bottom_right", 0.1, 5, 8, 0.125, "bhsd", False, True,
+    fwd = (q, k, v, bias, None, None, None, -1, -1, True, -1, -1, "bottom_right", 0.1, 5, 8, 0.125, "bhsd", False, True,
            key)
     torch.library.opcheck(torch.ops.aotriton_rt.attention_fwd.default, fwd)
     out, lse, _ = torch.ops.aotriton_rt.attention_fwd(*fwd)
-    bwd = (torch.randn_like(out), q, k, v, out, lse, bias, None, None, -1, -1, True, -1, -1, "bottom_right", 0.1, 5,
-           8, 0.125, "bhsd", True, True, key)
+    bwd = (torch.randn_like(out), q, k, v, out, lse, bias, None, None, None, -1, -1, True, -1, -1, "bottom_right",
+           0.1, 5, 8, 0.125, "bhsd", True, True, key)
     torch.library.opcheck(torch.ops.aotriton_rt.attention_bwd.default, bwd)
 
 

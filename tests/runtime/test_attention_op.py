@@ -411,12 +411,12 @@ def _opcheck(lib: InterpretedLibrary, q: Any, k: Any, v: Any) -> dict:
 
     failed: list[str] = []
     key = op_torch._library_key(lib)
-    fwd_args = (q, k, v, None, None, None, -1, -1, True, -1, -1, "top_left", 0.0, 0, 0, 0.25, "bhsd", False,
+    fwd_args = (q, k, v, None, None, None, None, -1, -1, True, -1, -1, "top_left", 0.0, 0, 0, 0.25, "bhsd", False,
                 False, key)
     try:
         torch.library.opcheck(torch.ops.aotriton_rt.attention_fwd.default, fwd_args)
         out, lse, _ = torch.ops.aotriton_rt.attention_fwd(*fwd_args)
-        bwd_args = (torch.randn_like(out), q, k, v, out, lse, None, None, None, -1, -1, True, -1, -1, "top_left",
+        bwd_args = (torch.randn_like(out), q, k, v, out, lse, None, None, None, None, -1, -1, True, -1, -1, "top_left",
                     0.0, 0, 0, 0.25, "bhsd", True, False, key)
         torch.library.opcheck(torch.ops.aotriton_rt.attention_bwd.default, bwd_args)
     except Exception as exc:  # reported to the test
@@ -1010,16 +1010,18 @@ def test_fake_backward_gives_gradients_shaped_like_their_inputs() -> None:
         out = torch.empty(2, 33, 8, 24, device="cuda")
         lse = torch.empty(2, 8, 33, device="cuda")
         bias = torch.empty(8, 1, 50, device="cuda")
-        dq, dk, dv, dbias = torch.ops.aotriton_rt.attention_bwd(
-            out, q, k, v, out, lse, bias, None, None, -1, -1, False, -1, -1, "top_left", 0.0, 0, 0, 0.1, "bshd",
-            False, True, 0)
+        sinks = torch.empty(8, device="cuda", dtype=torch.bfloat16)
+        dq, dk, dv, dbias, dsinks = torch.ops.aotriton_rt.attention_bwd(
+            out, q, k, v, out, lse, bias, sinks, None, None, -1, -1, False, -1, -1, "top_left", 0.0, 0, 0, 0.1,
+            "bshd", False, True, 0)
         assert (dq.shape, dk.shape, dv.shape, dbias.shape) == ((2, 33, 8, 40), (2, 50, 2, 40), (2, 50, 2, 24),
                                                                (8, 1, 50))
+        assert (dsinks.shape, dsinks.dtype) == ((8,), torch.bfloat16)
         assert dq.is_contiguous() and dk.is_contiguous()
-        *_, none = torch.ops.aotriton_rt.attention_bwd(
-            out, q, k, v, out, lse, bias, None, None, -1, -1, False, -1, -1, "top_left", 0.0, 0, 0, 0.1, "bshd",
-            False, False, 0)
-        assert none.shape == (0,)
+        *_, none, no_sinks = torch.ops.aotriton_rt.attention_bwd(
+            out, q, k, v, out, lse, bias, None, None, None, -1, -1, False, -1, -1, "top_left", 0.0, 0, 0, 0.1,
+            "bshd", False, False, 0)
+        assert none.shape == (0,) and no_sinks.shape == (0,)
 
 
 def test_operator_modules_import_no_framework_and_the_package_maps_its_names() -> None:

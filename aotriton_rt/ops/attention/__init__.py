@@ -66,6 +66,7 @@ from ...tuning import select_config, select_mode
 from . import backward_plan as _backward_plan
 from . import express as _express
 from . import plan as _plan
+from . import sinks as _sinks
 from .dispatch import backward_params, config_params, forward_params
 from .explain import Explanation, KernelPick, explain
 from .family import DTYPES, HEAD_DIM_BUCKETS, UNEQUAL_HEAD_DIMS, AttentionCall, bucket, head_dim_buckets
@@ -95,7 +96,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
               align: str = "top_left", bias: Any = None, dropout_p: float = 0.0, seed: int | None = None,
               offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
               max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
-              out: Any = None, lse: Any = None, return_mask: bool = False, library: Any = None) -> tuple:
+              out: Any = None, lse: Any = None, return_mask: bool = False, sinks: Any = None,
+              library: Any = None) -> tuple:
     """Scaled dot-product attention forward: ``softmax(q kᵀ · scale + bias, masked) v`` and its logsumexp.
 
     Arguments:
@@ -115,6 +117,9 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
         layout: ``"bhsd"`` or ``"bshd"`` (ignored for packed varlen arrays).
         out, lse: preallocated outputs (else allocated, see the module docs).
         return_mask: also return the dropout keep-mask (testing).
+        sinks: attention sinks (gpt-oss's ``s_aux``): one logit per query head, a float GPU
+            vector ``(Hq,)``, joining every row's softmax without a value. ``out`` and ``lse``
+            are then the sink's (a row that sees no key outputs 0 and has ``lse`` = its sink).
         library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
 
     Returns:
@@ -131,12 +136,22 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
         out, lse = attention(q, k, v, causal=True, dropout_p=0.1, seed=1234)
     """
     try:
-        return _plan.forward(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
-                             cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library)
+        result = _plan.forward(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
+                               cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library)
+        if sinks is not None:
+            _sinks.apply_sinks(result[0], result[1], sinks, heads_q=_heads_q(q, layout, cu_seqlens_q),
+                               layout=layout, varlen=cu_seqlens_q is not None, library=library)
+        return result
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("attention", "use aotriton_rt.jax.attention there (docs/jax.md)", q=q, k=k, v=v,
                                    bias=bias)
         raise
+
+
+def _heads_q(q: Any, layout: str, cu_seqlens_q: Any) -> int:
+    """q's head count (after the operator has validated q)."""
+    shape = interop.describe(q).shape
+    return shape[1] if cu_seqlens_q is not None or layout == "bhsd" else shape[2]
 
 
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
@@ -145,7 +160,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
                        cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
                        max_seqlen_k: int | None = None, layout: str = "bhsd", deterministic: bool = False,
                        scheme: str | None = None, bias_grad: bool = True, dq: Any = None, dk: Any = None,
-                       dv: Any = None, library: Any = None) -> tuple:
+                       dv: Any = None, sinks: Any = None, library: Any = None) -> tuple:
     """Gradients of :func:`attention` with respect to q, k, v and the bias.
 
     Takes the forward's inputs, its ``out`` and ``lse``, the gradient ``dout`` (shaped like
@@ -155,10 +170,14 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
     and dbias stay reproducible, dq does not), as a catalog tuning rule may. ``bias_grad=False``
     skips dbias (saves a ``(B, Hq, Sq, Sk)`` buffer). ``dq``/``dk``/``dv``: preallocated outputs.
 
+    With ``sinks``, ``out`` and ``lse`` are the forward's with the same sinks, and the sinks'
+    gradient comes fifth.
+
     Returns:
         ``(dq, dk, dv, dbias)``: shaped like q, k, v (dk/dv summed over each GQA group) and like
         ``bias`` (summed over its broadcast dims); ``dbias`` is None without a bias or with
-        ``bias_grad=False``.
+        ``bias_grad=False``. With ``sinks``: ``(dq, dk, dv, dbias, dsinks)``, ``dsinks`` shaped
+        and typed like ``sinks``.
 
     Raises: as :func:`attention`.
 
@@ -167,12 +186,17 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
         dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, bias=b, causal=True)
     """
     try:
-        return _backward_plan.backward(dout, q, k, v, out, lse, causal=causal, window=window, align=align,
+        grads = _backward_plan.backward(dout, q, k, v, out, lse, causal=causal, window=window, align=align,
                                        bias=bias, dropout_p=dropout_p, seed=seed, offset=offset, scale=scale,
                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout,
                                        deterministic=deterministic, scheme=scheme, bias_grad=bias_grad, dq=dq,
                                        dk=dk, dv=dv, library=library)
+        if sinks is not None:
+            grads = tuple(grads) + (_sinks.sinks_grad(dout, out, lse, sinks,
+                                                      heads_q=_heads_q(q, layout, cu_seqlens_q), layout=layout,
+                                                      varlen=cu_seqlens_q is not None, library=library),)
+        return grads
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("attention_backward",
                                    "use jax.grad of aotriton_rt.jax.attention there (docs/jax.md)", dout=dout, q=q,

@@ -47,6 +47,9 @@ class TorchArrays:
     def contiguous(self, x: Any) -> Any:
         return x.contiguous()
 
+    def as_fp32(self, x: Any) -> Any:
+        return x.to(self.torch.float32).contiguous()
+
     def max_len(self, cu: Any) -> int:
         return int((cu[1:] - cu[:-1]).max().item()) if cu.shape[0] > 1 else 0
 
@@ -103,6 +106,9 @@ class CupyArrays:
 
     def contiguous(self, x: Any) -> Any:
         return self.cupy.ascontiguousarray(x)
+
+    def as_fp32(self, x: Any) -> Any:
+        return self.cupy.ascontiguousarray(x, dtype="float32")
 
     def max_len(self, cu: Any) -> int:
         return int((cu[1:] - cu[:-1]).max()) if cu.shape[0] > 1 else 0

@@ -1,0 +1,111 @@
+"""Attention sinks as an epilogue of any attention forward, and their gradient.
+
+A sink is a learnable logit per query head that joins every row's softmax without a value
+(gpt-oss; FlashAttention-3's ``learnable_sink``): ``p_j = exp(x_j - L')`` with
+``L' = logaddexp(L, s_h)``, where ``L`` is the row's logsumexp over its visible keys. Given a
+forward's ``(Out, LSE)`` over the keys alone, the sink's result is exact from them:
+
+- ``attn_sinks`` rescales each row in place, ``Out *= exp(L - L')``, ``LSE = L'`` (a row that saw
+  no key keeps ``Out = 0`` and takes ``LSE = s_h``; a NaN row stays NaN);
+- the backward kernels, given that ``(Out, LSE)``, compute dQ, dK and dV with the sink in the
+  softmax as they are: the sink's own term in ``dS`` vanishes (it has no value) and
+  ``Delta = rowsum(dO * Out)`` is taken over the rescaled output;
+- ``attn_sinks_bwd`` writes the sink's gradient, ``dS_h = -sum over rows of exp(s_h - L') *
+  rowsum(dO * Out)``, as one partial sum per (row block, batch, head), summed by the caller in a
+  fixed order (reproducible).
+
+Both take rows as ``(batch, head, row)`` with strides, so dense, packed (varlen: batch 1) and
+decode layouts share them; the head dim is looped over in chunks of ``BLOCK_D`` (any width).
+"""
+
+import triton
+import triton.language as tl
+
+from builder.kernels.attention import signature_of
+from builder.registry import ConfigDecl, KernelDecl
+
+SINKS = "attn_sinks"
+SINKS_BWD = "attn_sinks_bwd"
+
+
+@triton.jit
+def attn_sinks(Out, LSE, Sinks, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, batch, num_heads, rows,
+               head_dim,
+               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid: (cdiv(rows, BLOCK_M), batch * num_heads, 1). LSE rows have unit stride; Out's head
+    dim too. Sinks: fp32, one per head."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // num_heads
+    off_h = pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    l_ptrs = LSE + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + offs_m
+    lse = tl.load(l_ptrs, mask=row_ok, other=0.0)
+    sink = tl.load(Sinks + off_h)
+    top = tl.maximum(lse, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)  # both -inf: no key and a sink of -inf
+    new = top + tl.log(tl.exp(lse - top) + tl.exp(sink - top))
+    scale = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - new))
+    tl.store(l_ptrs, new, mask=row_ok)
+    O_rows = Out + off_b.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh \
+        + offs_m.to(tl.int64)[:, None] * stride_om
+    for d0 in range(0, head_dim, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask = row_ok[:, None] & (offs_d[None, :] < head_dim)
+        o = tl.load(O_rows + offs_d[None, :], mask=mask, other=0.0)
+        tl.store(O_rows + offs_d[None, :], (o.to(tl.float32) * scale[:, None]).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def attn_sinks_bwd(DOut, Out, LSE, Sinks, Partial,
+                   stride_doz, stride_doh, stride_dom, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
+                   batch, num_heads, rows, head_dim,
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid: (cdiv(rows, BLOCK_M), batch * num_heads, 1). Partial: fp32 (cdiv(rows, BLOCK_M),
+    batch, num_heads), each program's ``-sum exp(s - L') * rowsum(dO * Out)`` over its rows."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = pid_bh // num_heads
+    off_h = pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    lse = tl.load(LSE + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + offs_m, mask=row_ok,
+                  other=float("inf"))
+    sink = tl.load(Sinks + off_h)
+    rows64 = offs_m.to(tl.int64)[:, None]
+    DO_rows = DOut + off_b.to(tl.int64) * stride_doz + off_h.to(tl.int64) * stride_doh + rows64 * stride_dom
+    O_rows = Out + off_b.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh + rows64 * stride_om
+    delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for d0 in range(0, head_dim, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask = row_ok[:, None] & (offs_d[None, :] < head_dim)
+        do = tl.load(DO_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        o = tl.load(O_rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        delta += tl.sum(do * o, 1)
+    # A sink of -inf takes no share (and a row with no key beside it has lse' = -inf too).
+    p = tl.where(row_ok, tl.exp(sink - lse), 0.0)
+    p = tl.where(sink == float("-inf"), 0.0, p)
+    tl.store(Partial + (pid_m.to(tl.int64) * batch + off_b) * num_heads + off_h, -tl.sum(p * delta, 0))
+
+
+_SIG = signature_of(attn_sinks, {"Out": "*{dtype}", "LSE": "*fp32", "Sinks": "*fp32"})
+_BWD_SIG = signature_of(attn_sinks_bwd, {"DOut": "*{dtype}", "Out": "*{dtype}", "LSE": "*fp32", "Sinks": "*fp32",
+                                         "Partial": "*fp32"})
+# Element-aligned rows of any width: the caller's arrays need no alignment beyond their dtype's.
+_SHAPES = ("num_heads >= 1", "rows >= 1", "head_dim >= 1", "stride_om >= 0", "stride_lh >= 0")
+_GRID = ("cdiv(rows, BLOCK_M)", "batch * num_heads", "1")
+
+
+def _configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
+    return (ConfigDecl(constexprs={"BLOCK_M": 64, "BLOCK_D": 64}, num_warps=4, num_stages=1),)
+
+
+KERNELS = [
+    KernelDecl(name=SINKS, fn=attn_sinks, signature=_SIG, axes={"dtype": ("fp16", "bf16", "fp32")},
+               configs=_configs, grid=_GRID, divisibility={}, sets={"default": lambda spec, target: True},
+               checks=_SHAPES),
+    KernelDecl(name=SINKS_BWD, fn=attn_sinks_bwd, signature=_BWD_SIG, axes={"dtype": ("fp16", "bf16", "fp32")},
+               configs=_configs, grid=_GRID, divisibility={}, sets={"default": lambda spec, target: True},
+               checks=_SHAPES + ("batch >= 1",)),
+]
