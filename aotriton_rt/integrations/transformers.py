@@ -140,8 +140,6 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
 
     if softcap is not None:
         raise UnsupportedError("aotriton attention does not support softcap; use eager or flex_attention")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise UnsupportedError("aotriton attention does not support attention sinks; use eager")
     if kwargs.get("position_bias") is not None:
         raise UnsupportedError("aotriton attention does not take a position_bias; use sdpa")
     batch, _, q_len, _ = query.shape
@@ -150,7 +148,9 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     if sliding_window is not None and sliding_window > 0:
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
     dropout_p = float(dropout) if module.training else 0.0
-    call = {"causal": causal, "window": window, "scale": scaling, "dropout_p": dropout_p}
+    # gpt-oss passes its per-head sink logits as ``s_aux``.
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    call = {"causal": causal, "window": window, "scale": scaling, "dropout_p": dropout_p, "sinks": sinks}
 
     if attention_mask is not None and attention_mask.dim() == 2:
         return _padded(query, key, value, attention_mask, call), None
@@ -185,7 +185,7 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
 def _inference(*arrays: Any) -> bool:
     import torch
 
-    return (not (torch.is_grad_enabled() and any(a.requires_grad for a in arrays))
+    return (not (torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in arrays))
             and not torch.compiler.is_compiling())
 
 
@@ -194,15 +194,16 @@ def _run(q: Any, k: Any, v: Any, call: dict, **varlen: Any) -> Any:
     (and no dropout), else the autograd op."""
     lib = _LIBRARY["library"]
     layout = "bshd" if q.dim() == 4 else "bhsd"
-    if call["dropout_p"] == 0.0 and _inference(q, k, v):
+    if call["dropout_p"] == 0.0 and _inference(q, k, v, call["sinks"]):
         from ..ops import attention as core
 
         return core.attention(q, k, v, causal=call["causal"], window=call["window"], align="bottom_right",
-                              scale=call["scale"], layout=layout, library=lib, **varlen)[0]
+                              scale=call["scale"], layout=layout, sinks=call["sinks"], library=lib, **varlen)[0]
     from ..ops.torch import attention
 
     return attention(q, k, v, causal=call["causal"], window=call["window"], align="bottom_right",
-                     dropout_p=call["dropout_p"], scale=call["scale"], layout=layout, library=lib, **varlen)
+                     dropout_p=call["dropout_p"], scale=call["scale"], layout=layout, sinks=call["sinks"],
+                     library=lib, **varlen)
 
 
 def _padded(query: Any, key: Any, value: Any, mask: Any, call: dict) -> Any:
@@ -242,11 +243,13 @@ def _decode(q: Any, k: Any, v: Any, call: dict, **lengths: Any) -> Any:
     from ..errors import ArgumentError, KernelNotFound, UnsupportedError
     from ..ops.decode import ROUTED_SEQLEN_Q, decode_attention
 
-    if q.shape[1] > ROUTED_SEQLEN_Q or call["dropout_p"] != 0.0 or not _inference(q, k, v):
+    sinks = call["sinks"]
+    if q.shape[1] > ROUTED_SEQLEN_Q or call["dropout_p"] != 0.0 or not _inference(q, k, v, sinks):
         return None
     try:
         return decode_attention(q, k, v, causal=call["causal"], window=call["window"], scale=call["scale"],
-                                layout="bshd", cache_layout="bshd", library=_LIBRARY["library"], **lengths)[0]
+                                layout="bshd", cache_layout="bshd", sinks=sinks, library=_LIBRARY["library"],
+                                **lengths)[0]
     except (ArgumentError, UnsupportedError, KernelNotFound):
         return None
 

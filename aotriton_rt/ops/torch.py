@@ -292,7 +292,8 @@ def _forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: T
                                            o["max_seqlen_k"], o["layout"], None, None, o["return_mask"], o["library"])
     if sinks is not None:
         _core_sinks.apply_sinks(result[0], result[1], sinks, heads_q=lse_heads(result[1], cu_q is not None),
-                                layout=o["layout"], varlen=cu_q is not None, library=o["library"])
+                                layout=o["layout"], cu_seqlens_q=cu_q, max_seqlen_q=o["max_seqlen_q"],
+                                library=o["library"])
     return key, result
 
 
@@ -340,7 +341,8 @@ class _EagerAttention(torch.autograd.Function):
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[4]:
             dsinks = _core_sinks.sinks_grad(dout, out, lse, sinks, heads_q=lse_heads(lse, cu_q is not None),
-                                            layout=o["layout"], varlen=cu_q is not None, library=o["library"])
+                                            layout=o["layout"], cu_seqlens_q=cu_q, max_seqlen_q=o["max_seqlen_q"],
+                                            library=o["library"])
         return dq, dk, dv, dbias if bias_grad else None, dsinks, None, None, None
 
 

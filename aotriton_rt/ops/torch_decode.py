@@ -30,14 +30,14 @@ __all__ = ["decode_attention", "decode_attention_op", "decode_attention_append_o
 def _call(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
           block_table: Tensor | None, cache_leftpad: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
           causal: bool, window_left: int, window_right: int, scale: float, num_splits: int, max_seqlen_k: int,
-          layout: str, cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
+          layout: str, cache_layout: str, library: int, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     lens: Any = cache_seqlens if cache_seqlens is not None else (cache_len if cache_len >= 0 else None)
     window = None if window_left == -1 and window_right == -1 else (window_left, window_right)
     return _core.decode_attention(
         q, k_cache, v_cache, cache_seqlens=lens, block_table=block_table, cache_leftpad=cache_leftpad, k_new=k_new,
         v_new=v_new, causal=causal, window=window, scale=scale, num_splits=num_splits or None,
         max_seqlen_k=None if max_seqlen_k < 0 else max_seqlen_k, layout=layout, cache_layout=cache_layout,
-        library=_library(library))
+        sinks=sinks, library=_library(library))
 
 
 def _fake(q: Tensor, layout: str) -> tuple[Tensor, Tensor]:
@@ -47,20 +47,20 @@ def _fake(q: Tensor, layout: str) -> tuple[Tensor, Tensor]:
 
 @torch.library.custom_op("aotriton_rt::decode_attention", mutates_args=())
 def decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
-                        block_table: Tensor | None, cache_leftpad: Tensor | None, causal: bool, window_left: int,
-                        window_right: int, scale: float, num_splits: int, max_seqlen_k: int, layout: str,
-                        cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
+                        block_table: Tensor | None, cache_leftpad: Tensor | None, sinks: Tensor | None, causal: bool,
+                        window_left: int, window_right: int, scale: float, num_splits: int, max_seqlen_k: int,
+                        layout: str, cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
     """(out, lse) of q against the caches (nothing appended). ``cache_len`` is a host length
     for every sequence (-1: use ``cache_seqlens``, or the whole cache when that is None);
-    ``cache_leftpad``: each sequence's first cache row (None: 0)."""
+    ``cache_leftpad``: each sequence's first cache row (None: 0); ``sinks``: attention sinks."""
     return _call(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, cache_leftpad, None, None, causal,
-                 window_left, window_right, scale, num_splits, max_seqlen_k, layout, cache_layout, library)
+                 window_left, window_right, scale, num_splits, max_seqlen_k, layout, cache_layout, library, sinks)
 
 
 @decode_attention_op.register_fake
 def _decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
-                 block_table: Tensor | None, cache_leftpad: Tensor | None, causal: bool, window_left: int,
-                 window_right: int, scale: float, num_splits: int, max_seqlen_k: int, layout: str,
+                 block_table: Tensor | None, cache_leftpad: Tensor | None, sinks: Tensor | None, causal: bool,
+                 window_left: int, window_right: int, scale: float, num_splits: int, max_seqlen_k: int, layout: str,
                  cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
     return _fake(q, layout)
 
@@ -68,18 +68,18 @@ def _decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
 @torch.library.custom_op("aotriton_rt::decode_attention_append", mutates_args=("k_cache", "v_cache"))
 def decode_attention_append_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None,
                                cache_len: int, block_table: Tensor | None, cache_leftpad: Tensor | None,
-                               k_new: Tensor, v_new: Tensor, causal: bool, window_left: int, window_right: int,
-                               scale: float, num_splits: int, max_seqlen_k: int, layout: str, cache_layout: str,
-                               library: int) -> tuple[Tensor, Tensor]:
+                               sinks: Tensor | None, k_new: Tensor, v_new: Tensor, causal: bool, window_left: int,
+                               window_right: int, scale: float, num_splits: int, max_seqlen_k: int, layout: str,
+                               cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
     """As ``decode_attention`` after writing k_new/v_new at ``cache_seqlens[b] + i``."""
     return _call(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, cache_leftpad, k_new, v_new, causal,
-                 window_left, window_right, scale, num_splits, max_seqlen_k, layout, cache_layout, library)
+                 window_left, window_right, scale, num_splits, max_seqlen_k, layout, cache_layout, library, sinks)
 
 
 @decode_attention_append_op.register_fake
 def _append_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
-                 block_table: Tensor | None, cache_leftpad: Tensor | None, k_new: Tensor, v_new: Tensor,
-                 causal: bool, window_left: int, window_right: int, scale: float, num_splits: int,
+                 block_table: Tensor | None, cache_leftpad: Tensor | None, sinks: Tensor | None, k_new: Tensor,
+                 v_new: Tensor, causal: bool, window_left: int, window_right: int, scale: float, num_splits: int,
                  max_seqlen_k: int, layout: str, cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
     return _fake(q, layout)
 
@@ -89,7 +89,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
                      causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
                      num_splits: int | None = None, max_seqlen_k: int | None = None, layout: str = "bshd",
                      cache_layout: str = "bshd", cache_leftpad: Tensor | None = None, return_lse: bool = False,
-                     library: Any = None) -> Tensor | tuple[Tensor, Tensor]:
+                     sinks: Tensor | None = None, library: Any = None) -> Tensor | tuple[Tensor, Tensor]:
     """Decode attention on torch tensors through the custom ops (see
     :func:`aotriton_rt.ops.decode.decode_attention` for the arguments).
 
@@ -119,8 +119,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
               layout, cache_layout, _library_key(library))
     if k_new is None and v_new is None:
         out, lse = decode_attention_op(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, cache_leftpad,
-                                       *common)
+                                       sinks, *common)
     else:
         out, lse = decode_attention_append_op(q, k_cache, v_cache, cache_seqlens, cache_len, block_table,
-                                              cache_leftpad, k_new, v_new, *common)
+                                              cache_leftpad, sinks, k_new, v_new, *common)
     return (out, lse) if return_lse else out

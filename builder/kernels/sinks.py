@@ -14,8 +14,10 @@ forward's ``(Out, LSE)`` over the keys alone, the sink's result is exact from th
   rowsum(dO * Out)``, as one partial sum per (row block, batch, head), summed by the caller in a
   fixed order (reproducible).
 
-Both take rows as ``(batch, head, row)`` with strides, so dense, packed (varlen: batch 1) and
-decode layouts share them; the head dim is looped over in chunks of ``BLOCK_D`` (any width).
+Both take rows as ``(batch, head, row)`` with strides, so dense and decode layouts share them;
+packed (varlen) batches pass ``varlen=1`` and ``CuQ``, and sequence ``b``'s rows are
+``CuQ[b] .. CuQ[b + 1]`` (``rows``: the longest), so rows past the last sequence are never
+touched. The head dim is looped over in chunks of ``BLOCK_D`` (any width).
 """
 
 import triton
@@ -29,17 +31,32 @@ SINKS_BWD = "attn_sinks_bwd"
 
 
 @triton.jit
-def attn_sinks(Out, LSE, Sinks, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, batch, num_heads, rows,
-               head_dim,
-               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rows_of(CuQ, off_b, rows, total, varlen):
+    """(first row, row count) of sequence ``off_b``: ``CuQ[b]``, ``CuQ[b + 1] - CuQ[b]`` when
+    ``varlen``, else (0, rows); clamped to ``rows`` rows inside the arrays' ``total``, whatever
+    ``CuQ`` holds."""
+    first = 0
+    count = rows
+    if varlen != 0:
+        first = tl.minimum(tl.maximum(tl.load(CuQ + off_b), 0), total)
+        end = tl.minimum(tl.maximum(tl.load(CuQ + off_b + 1), first), total)
+        count = tl.minimum(end - first, rows)
+    return first, count
+
+
+@triton.jit
+def attn_sinks(Out, LSE, Sinks, CuQ, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, batch, num_heads, rows,
+               total, head_dim, varlen, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid: (cdiv(rows, BLOCK_M), batch * num_heads, 1). LSE rows have unit stride; Out's head
     dim too. Sinks: fp32, one per head."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = pid_bh // num_heads
     off_h = pid_bh % num_heads
+    first, count = _rows_of(CuQ, off_b, rows, total, varlen)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < rows
+    row_ok = offs_m < count
+    offs_m = first + offs_m
     l_ptrs = LSE + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + offs_m
     lse = tl.load(l_ptrs, mask=row_ok, other=0.0)
     sink = tl.load(Sinks + off_h)
@@ -58,9 +75,9 @@ def attn_sinks(Out, LSE, Sinks, stride_oz, stride_oh, stride_om, stride_lz, stri
 
 
 @triton.jit
-def attn_sinks_bwd(DOut, Out, LSE, Sinks, Partial,
+def attn_sinks_bwd(DOut, Out, LSE, Sinks, Partial, CuQ,
                    stride_doz, stride_doh, stride_dom, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
-                   batch, num_heads, rows, head_dim,
+                   batch, num_heads, rows, total, head_dim, varlen,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid: (cdiv(rows, BLOCK_M), batch * num_heads, 1). Partial: fp32 (cdiv(rows, BLOCK_M),
     batch, num_heads), each program's ``-sum exp(s - L') * rowsum(dO * Out)`` over its rows."""
@@ -68,8 +85,10 @@ def attn_sinks_bwd(DOut, Out, LSE, Sinks, Partial,
     pid_bh = tl.program_id(1)
     off_b = pid_bh // num_heads
     off_h = pid_bh % num_heads
+    first, count = _rows_of(CuQ, off_b, rows, total, varlen)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < rows
+    row_ok = offs_m < count
+    offs_m = first + offs_m
     lse = tl.load(LSE + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + offs_m, mask=row_ok,
                   other=float("inf"))
     sink = tl.load(Sinks + off_h)
@@ -89,11 +108,12 @@ def attn_sinks_bwd(DOut, Out, LSE, Sinks, Partial,
     tl.store(Partial + (pid_m.to(tl.int64) * batch + off_b) * num_heads + off_h, -tl.sum(p * delta, 0))
 
 
-_SIG = signature_of(attn_sinks, {"Out": "*{dtype}", "LSE": "*fp32", "Sinks": "*fp32"})
+_SIG = signature_of(attn_sinks, {"Out": "*{dtype}", "LSE": "*fp32", "Sinks": "*fp32", "CuQ": "*i32"})
 _BWD_SIG = signature_of(attn_sinks_bwd, {"DOut": "*{dtype}", "Out": "*{dtype}", "LSE": "*fp32", "Sinks": "*fp32",
-                                         "Partial": "*fp32"})
+                                         "Partial": "*fp32", "CuQ": "*i32"})
 # Element-aligned rows of any width: the caller's arrays need no alignment beyond their dtype's.
-_SHAPES = ("num_heads >= 1", "rows >= 1", "head_dim >= 1", "stride_om >= 0", "stride_lh >= 0")
+_SHAPES = ("num_heads >= 1", "rows >= 1", "head_dim >= 1", "stride_om >= 0", "stride_lh >= 0",
+           "varlen == 0 or varlen == 1", "total >= 0")
 _GRID = ("cdiv(rows, BLOCK_M)", "batch * num_heads", "1")
 
 

@@ -79,7 +79,11 @@ CASES: dict[str, dict] = {
     "bhsd_fp16_head_dim_80": {"layout": "bhsd", "shape": (2, 3, 70, 80), "dtype": "fp16"},
     "bshd_bf16_empty_and_nan_rows": {"layout": "bshd", "shape": (2, 2, 33, 64), "dtype": "bf16", "empty": (0, 5),
                                      "nan": (1, 7)},
-    "varlen_fp32_head_dim_24": {"layout": "varlen", "shape": (1, 4, 131, 24), "dtype": "fp32", "empty": (0, 130)},
+    # Packed: sequences of 40, 0 and 91 rows, then 9 rows past the last one (NaN lse: untouched).
+    "varlen_fp32_head_dim_24": {"layout": "varlen", "shape": (1, 4, 140, 24), "dtype": "fp32", "empty": (0, 130),
+                                "cu": (0, 40, 40, 131)},
+    # Lengths past the arrays: clamped to them, nothing outside read or written.
+    "varlen_hostile_lengths": {"layout": "varlen", "shape": (1, 2, 50, 16), "dtype": "fp16", "cu": (-7, 30, 10**6)},
     "decode_bshd_a_sink_of_minus_inf": {"layout": "bshd", "shape": (3, 8, 2, 128), "dtype": "fp16",
                                         "minus_inf_head": 5, "empty": (2, 1)},
 }
@@ -133,10 +137,28 @@ def run_case(name: str, case: dict) -> dict:
     terms = torch.exp(s64 - new) * delta
     want_grad = -torch.where(torch.isnan(terms) & ~torch.isnan(new), 0.0, terms).sum((0, 2))
     lz, lh = (0, lse.stride(0)) if layout == "varlen" else (lse.stride(0), lse.stride(1))
-    grid = ((S + 63) // 64, B * H)
-    attn_sinks[grid](out, lse, sinks, *ostr, lz, lh, B, H, S, D, BLOCK_M=64, BLOCK_D=64)
-    partial = torch.full((grid[0], B, H), 7.0)
-    attn_sinks_bwd[grid](dout, out, lse, sinks, partial, *dstr, *ostr, lz, lh, B, H, S, D, BLOCK_M=64, BLOCK_D=64)
+    cu = case.get("cu")
+    if cu is not None:
+        # Only the sequences' rows (clamped to the arrays) take the sink; the others keep their
+        # values and add nothing to the gradient.
+        lo, hi = min(max(cu[0], 0), S), min(max(cu[-1], 0), S)
+        inside = torch.zeros(S, dtype=torch.bool)
+        inside[lo:hi] = True
+        keep = ~inside
+        want_out[:, :, keep] = o64[:, :, keep]
+        new[:, :, keep] = l64[:, :, keep]
+        terms[:, :, keep] = 0.0
+        want_grad = -torch.where(torch.isnan(terms) & ~torch.isnan(new), 0.0, terms).sum((0, 2))
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        batch, rows = len(cu) - 1, S
+    else:
+        cu_t, batch, rows = None, B, S
+    grid = ((rows + 63) // 64, batch * H)
+    attn_sinks[grid](out, lse, sinks, cu_t, *ostr, lz, lh, batch, H, rows, S, D, int(cu is not None),
+                     BLOCK_M=64, BLOCK_D=64)
+    partial = torch.full((grid[0], batch, H), 7.0)
+    attn_sinks_bwd[grid](dout, out, lse, sinks, partial, cu_t, *dstr, *ostr, lz, lh, batch, H, rows, S, D,
+                         int(cu is not None), BLOCK_M=64, BLOCK_D=64)
     got_grad = partial.double().sum((0, 1))
     failed = []
     tol = {"fp16": 2e-3, "bf16": 1.6e-2, "fp32": 1e-5}[case["dtype"]]

@@ -140,7 +140,7 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library)
         if sinks is not None:
             _sinks.apply_sinks(result[0], result[1], sinks, heads_q=_heads_q(q, layout, cu_seqlens_q),
-                               layout=layout, varlen=cu_seqlens_q is not None, library=library)
+                               layout=layout, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, library=library)
         return result
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("attention", "use aotriton_rt.jax.attention there (docs/jax.md)", q=q, k=k, v=v,
@@ -195,7 +195,8 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
         if sinks is not None:
             grads = tuple(grads) + (_sinks.sinks_grad(dout, out, lse, sinks,
                                                       heads_q=_heads_q(q, layout, cu_seqlens_q), layout=layout,
-                                                      varlen=cu_seqlens_q is not None, library=library),)
+                                                      cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                                                      library=library),)
         return grads
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("attention_backward",

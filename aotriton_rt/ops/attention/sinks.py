@@ -39,7 +39,8 @@ def check_sinks(sinks: Any, heads_q: int, device: int) -> interop.ArrayInfo:
 
 
 def _rows(info: interop.ArrayInfo, name: str, layout: str, varlen: bool) -> tuple[int, int, int, int, int, int]:
-    """(batch, heads, rows, batch stride, head stride, row stride) of an out-like array."""
+    """(batch, heads, rows, batch stride, head stride, row stride) of an out-like array (varlen:
+    batch 1, rows the packed total)."""
     shape, st = tuple(info.shape), tuple(info.strides)
     if st[-1] != 1 and shape[-1] > 1:
         raise ArgumentError(f"{name} must have a unit stride along the head dim, got strides {st}")
@@ -62,23 +63,37 @@ def _fp32(xp: Any, sinks: Any, info: interop.ArrayInfo) -> Any:
     return xp.as_fp32(xp.convert(sinks, info))
 
 
-def apply_sinks(out: Any, lse: Any, sinks: Any, *, heads_q: int, layout: str, varlen: bool,
-                library: Any = None) -> None:
-    """Make the forward's ``(out, lse)`` over the keys the result with ``sinks``, in place."""
+def _sequences(xp: Any, rows: int, cu_seqlens_q: Any, max_seqlen_q: int | None) -> tuple[int, int]:
+    """(sequences, rows per sequence at most) of a packed batch: ``cu_seqlens_q``'s length less
+    one, ``max_seqlen_q`` (read from the lengths when None), never past the packed ``rows``."""
+    info = interop.describe(cu_seqlens_q)
+    if max_seqlen_q is None:
+        max_seqlen_q = xp.max_len(xp.convert(cu_seqlens_q, info))
+    return max(info.shape[0] - 1, 0), min(int(max_seqlen_q), rows)
+
+
+def apply_sinks(out: Any, lse: Any, sinks: Any, *, heads_q: int, layout: str, cu_seqlens_q: Any = None,
+                max_seqlen_q: int | None = None, library: Any = None) -> None:
+    """Make the forward's ``(out, lse)`` over the keys the result with ``sinks``, in place
+    (packed batches: only the rows of ``cu_seqlens_q``'s sequences)."""
     oi, li = interop.describe(out), interop.describe(lse)
     si = check_sinks(sinks, heads_q, oi.device)
+    varlen = cu_seqlens_q is not None
     batch, heads, rows, oz, oh, om = _rows(oi, "out", layout, varlen)
+    total = rows
+    xp = arrays_for(oi.framework)
+    if varlen:
+        batch, rows = _sequences(xp, total, cu_seqlens_q, max_seqlen_q)
     if batch * heads * rows == 0:
         return
     lz, lh = _lse_rows(li, varlen)
-    xp = arrays_for(oi.framework)
     s32 = _fp32(xp, sinks, si)
     handle = (library or default_library()).kernel(SINKS, dtype=oi.dtype)
-    handle(out, lse, s32, oz, oh, om, lz, lh, batch, heads, rows, oi.shape[-1])
+    handle(out, lse, s32, cu_seqlens_q, oz, oh, om, lz, lh, batch, heads, rows, total, oi.shape[-1], int(varlen))
 
 
-def sinks_grad(dout: Any, out: Any, lse: Any, sinks: Any, *, heads_q: int, layout: str, varlen: bool,
-               library: Any = None) -> Any:
+def sinks_grad(dout: Any, out: Any, lse: Any, sinks: Any, *, heads_q: int, layout: str, cu_seqlens_q: Any = None,
+               max_seqlen_q: int | None = None, library: Any = None) -> Any:
     """The gradient of ``sinks`` (shaped and typed like it) from the forward's final ``(out,
     lse)`` and ``dout``: ``-sum over rows of exp(sink - lse) * rowsum(dout * out)``."""
     oi, li, di = interop.describe(out), interop.describe(lse), interop.describe(dout)
@@ -86,16 +101,21 @@ def sinks_grad(dout: Any, out: Any, lse: Any, sinks: Any, *, heads_q: int, layou
     if tuple(di.shape) != tuple(oi.shape) or di.dtype != oi.dtype:
         raise ArgumentError(f"dout must match out's shape {tuple(oi.shape)} and dtype {oi.dtype}, got "
                             f"{tuple(di.shape)} {di.dtype}")
+    varlen = cu_seqlens_q is not None
     batch, heads, rows, oz, oh, om = _rows(oi, "out", layout, varlen)
     _, _, _, dz, dh, dm = _rows(di, "dout", layout, varlen)
     lz, lh = _lse_rows(li, varlen)
     xp = arrays_for(oi.framework)
     like = xp.convert(out, oi)
+    total = rows
+    if varlen:
+        batch, rows = _sequences(xp, total, cu_seqlens_q, max_seqlen_q)
     if batch * heads * rows == 0:
         return xp.zeros((heads_q,), si.dtype, like)
     s32 = _fp32(xp, sinks, si)
     handle = (library or default_library()).kernel(SINKS_BWD, dtype=oi.dtype)
     block_m = handle.variant(max(oi.device, 0)).config.constexprs["BLOCK_M"]
     partial = xp.empty((-(-rows // block_m), batch, heads), "fp32", like)
-    handle(dout, out, lse, s32, partial, dz, dh, dm, oz, oh, om, lz, lh, batch, heads, rows, oi.shape[-1])
+    handle(dout, out, lse, s32, partial, cu_seqlens_q, dz, dh, dm, oz, oh, om, lz, lh, batch, heads, rows, total,
+           oi.shape[-1], int(varlen))
     return xp.reshape(xp.sum_keep(partial, (0, 1), si.dtype), (heads_q,))

@@ -90,7 +90,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
                      window: tuple[int, int] | None = None, scale: float | None = None,
                      num_splits: int | None = None, max_seqlen_k: int | None = None, layout: str = "bshd",
                      cache_layout: str = "bshd", out: Any = None, check: bool | None = None,
-                     cache_leftpad: Any = None, library: Any = None) -> tuple[Any, Any]:
+                     cache_leftpad: Any = None, sinks: Any = None, library: Any = None) -> tuple[Any, Any]:
     """Attention of query rows per sequence against a (contiguous or paged) KV cache.
 
     Arguments:
@@ -116,6 +116,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             read; masks stay aligned to the end. Needs ``0 <= cache_leftpad[b] <= cache_seqlens[b]``.
         check: read lengths, starts and block table back and check them before launch, and the fault
             flag after (default: ``AOTRITON_RT_DEBUG``).
+        sinks: attention sinks, one logit per query head (``(Hq,)``, as for
+            :func:`aotriton_rt.attention`): out and lse are the sinks'.
         library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
 
     Returns:
@@ -135,6 +137,20 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         out, lse = decode_attention(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
                                     k_new=k, v_new=v, causal=True)
     """
+    result = _decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, window, scale,
+                     num_splits, max_seqlen_k, layout, cache_layout, out, check, cache_leftpad, library)
+    if sinks is not None:
+        from ..attention.sinks import apply_sinks
+
+        heads_q = interop.describe(q).shape[2 if layout == "bshd" else 1]
+        apply_sinks(result[0], result[1], sinks, heads_q=heads_q, layout=layout, library=library)
+    return result
+
+
+def _decode(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
+            causal: bool, window: Any, scale: Any, num_splits: Any, max_seqlen_k: Any, layout: str,
+            cache_layout: str, out: Any, check: Any, cache_leftpad: Any, library: Any) -> tuple[Any, Any]:
+    """:func:`decode_attention` without sinks."""
     debug = _debug(check)
     key = None if debug else _torch_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, k_new, v_new,
                                         out, causal, window, scale, num_splits, max_seqlen_k, layout, cache_layout)
