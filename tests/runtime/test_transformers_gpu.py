@@ -2,10 +2,11 @@
 
 Tiny randomly initialised models of several families (Llama with GQA, Mistral with a sliding
 window shorter than the prompts, Qwen2, Phi-3 at head dim 96, Gemma 3 with local and global
-layers, a BERT encoder) run in bf16 with ``attn_implementation="aotriton"`` and with SDPA, on a
-left-padded batch and on packed sequences. The reference is the same model in fp32 with SDPA:
-ours must be as close to it as bf16 SDPA is (logits on real tokens, loss gradients), and greedy
-generations must agree with bf16 SDPA's on at least 95% of the tokens.
+layers, gpt-oss with attention sinks and a window on alternate layers, a BERT encoder) run in
+bf16 with ``attn_implementation="aotriton"`` and with SDPA, on a left-padded batch and on packed
+sequences. The reference is the same model in fp32 with SDPA (eager attention for gpt-oss, which
+SDPA cannot run): ours must be as close to it as bf16 SDPA (eager) is (logits on real tokens,
+loss gradients), and greedy generations must agree with bf16 SDPA's on at least 95% of the tokens.
 
 Images: ``AOTRITON_RT_DEFAULT_IMAGES`` (``python -m builder build --set default --targets
 <arch>``), else built here for this GPU's arch (the ``default_lib`` fixture).
@@ -34,6 +35,12 @@ MODELS = {
     "gemma3_local": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                      {"num_key_value_heads": 2, "head_dim": 128, "sliding_window": 16,
                       "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),
+    # Attention sinks (s_aux) on every layer, a window on alternate ones; SDPA cannot run them,
+    # so the reference and the bf16 baseline are transformers' eager attention.
+    "gpt_oss_sinks": ("GptOssConfig", "GptOssForCausalLM",
+                      {"num_key_value_heads": 2, "head_dim": 64, "sliding_window": 16, "num_local_experts": 4,
+                       "num_experts_per_tok": 2, "intermediate_size": 256,
+                       "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     # Without dropout: the comparison needs equal computations (the default images hold no dropout).
     "bert": ("BertConfig", "BertForMaskedLM", {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}),
 }
@@ -41,13 +48,18 @@ DECODERS = [m for m in MODELS if m != "bert"]
 LENGTHS = (37, 120, 5, 77)  # left-padded prompts
 
 
+#: The reference attention where SDPA cannot serve a model.
+REFERENCE = {"gpt_oss_sinks": "eager"}
+
+
 def _models(name: str, attn: str) -> tuple[Any, Any, Any]:
-    """(fp32 SDPA reference, bf16 SDPA, bf16 aotriton) with the same weights, on the GPU."""
+    """(fp32 SDPA reference, bf16 SDPA, bf16 aotriton) with the same weights, on the GPU (eager
+    instead of SDPA for the models in :data:`REFERENCE`)."""
     config_cls, model_cls, extras = MODELS[name]
     config = getattr(transformers, config_cls)(**{**_COMMON, **extras})
     torch.manual_seed(0)
     ref = getattr(transformers, model_cls)(copy.deepcopy(config)).cuda().eval()
-    ref.set_attn_implementation("sdpa")
+    ref.set_attn_implementation(REFERENCE.get(name, "sdpa"))
     sdpa = copy.deepcopy(ref).to(torch.bfloat16)
     ours = copy.deepcopy(ref).to(torch.bfloat16)
     ours.set_attn_implementation(attn)
