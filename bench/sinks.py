@@ -1,0 +1,86 @@
+"""What attention sinks cost: the same calls with and without ``sinks=``, alternating.
+
+    python -m bench.sinks [--images DIR] [--rounds 5]
+
+Rows (bf16, gpt-oss's attention: head dim 64, 64 query / 8 KV heads): prefill forwards, causal
+and with gpt-oss's 128-key window, dense; the forward + backward of a training step; decode
+steps against contiguous caches. Each contender runs as a CUDA graph of 10 calls (and eagerly),
+in a shuffled order every round; the ratio is per round, with sinks over without (aim <= 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from typing import Any
+
+import torch
+
+import aotriton_rt
+from aotriton_rt.ops import torch as op_torch
+from bench.gpu_common import graphed, timed_rounds
+
+HQ, HK, D = 64, 8, 64
+
+
+def _rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
+    """name -> {"plain": fn, "sinks": fn} for every row."""
+    rows: dict[str, dict[str, Any]] = {}
+    sinks = torch.randn(HQ, device="cuda", generator=gen)
+    for B, S in ((4, 4096), (16, 1024)):
+        q = torch.randn(B, S, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(B, S, HK, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        for mask, kw in (("causal", {"causal": True}), ("window 128", {"window": (127, 0)})):
+            def call(s: Any, q: Any = q, k: Any = k, v: Any = v, kw: dict = kw) -> Any:
+                return aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", sinks=s, library=lib,
+                                             **kw)[0]
+            rows[f"forward {B}x{S} {mask}"] = {"plain": lambda c=call: c(None), "sinks": lambda c=call: c(sinks)}
+    B, S = 4, 2048
+    q = torch.randn(B, S, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k, v = (torch.randn(B, S, HK, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+            for _ in range(2))
+    leaf = sinks.clone().requires_grad_()
+    dout = torch.randn(B, S, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def step(s: Any) -> None:
+        out = op_torch.attention(q, k, v, causal=True, layout="bshd", sinks=s, library=lib)
+        out.backward(dout)
+    rows[f"forward+backward {B}x{S} causal"] = {"plain": lambda: step(None), "sinks": lambda: step(leaf)}
+    for B, S in ((1, 8192), (32, 2048)):
+        q = torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        kc, vc = (torch.randn(B, S, HK, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+
+        def dec(s: Any, q: Any = q, kc: Any = kc, vc: Any = vc, lens: Any = lens) -> Any:
+            return aotriton_rt.decode_attention(q, kc, vc, cache_seqlens=lens, sinks=s, library=lib)[0]
+        rows[f"decode B={B} {S} keys"] = {"plain": lambda d=dec: d(None), "sinks": lambda d=dec: d(sinks)}
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--images", default=os.environ.get("AOTRITON_RT_IMAGES"))
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    lib = aotriton_rt.Library(args.images) if args.images else aotriton_rt.default_library()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = _rows(lib, gen)
+    print(f"SINKS (bf16, D={D}, {HQ}/{HK} heads; time with sinks / without, per round: median [min-max]; "
+          "aim <= 1.05)")
+    print(f"{'row':34s} | {'without us':>10s} {'with us':>9s} | {'graph x':>7s} {'[min-max]':>11s} | {'eager x':>7s}")
+    for name, pair in rows.items():
+        training = name.startswith("forward+backward")
+        graphs = {} if training else graphed(pair, 10)
+        eager, graph = timed_rounds(pair, graphs, args.rounds)
+        times = graph if set(graphs) == set(pair) else eager
+        ratios = [a / b for a, b in zip(times["sinks"], times["plain"])]
+        eager_ratio = statistics.median(a / b for a, b in zip(eager["sinks"], eager["plain"]))
+        print(f"{name:34s} | {1e3 * statistics.median(times['plain']):10.1f} "
+              f"{1e3 * statistics.median(times['sinks']):9.1f} | {statistics.median(ratios):7.3f} "
+              f"[{min(ratios):.3f}-{max(ratios):.3f}] | {eager_ratio:7.3f}" + ("  (eager)" if training else ""),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
