@@ -43,7 +43,7 @@ def _rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
     leaf = sinks.clone().requires_grad_()
     dout = torch.randn(B, S, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
 
-    def step(s: Any) -> None:
+    def step(s: Any, q: Any = q, k: Any = k, v: Any = v, dout: Any = dout) -> None:
         out = op_torch.attention(q, k, v, causal=True, layout="bshd", sinks=s, library=lib)
         out.backward(dout)
     rows[f"forward+backward {B}x{S} causal"] = {"plain": lambda: step(None), "sinks": lambda: step(leaf)}

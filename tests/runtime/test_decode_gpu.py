@@ -418,9 +418,11 @@ def test_custom_op_passes_opcheck(lib: aotriton_rt.Library) -> None:
     gen = torch.Generator(device="cuda").manual_seed(7)
     c = _cache([100, 37], 0, 2, 64, torch.float16, 16, gen)
     q = torch.randn(2, 1, 8, 64, device="cuda", generator=gen, dtype=torch.float16)
-    torch.library.opcheck(decode_attention_op, (q, c["k"], c["v"], c["lens"], -1, c["table"], None, True, -1, 0, 0.125,
-                                                0, -1, "bshd", "bshd", _library_key(lib)),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    sinks = torch.randn(8, device="cuda", generator=gen)
+    for s in (None, sinks):
+        torch.library.opcheck(decode_attention_op, (q, c["k"], c["v"], c["lens"], -1, c["table"], None, s, True, -1, 0,
+                                                    0.125, 0, -1, "bshd", "bshd", _library_key(lib)),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
 @pytest.mark.parametrize("paged", [False, True])
