@@ -24,8 +24,9 @@ transformers = pytest.importorskip("transformers")
 CALLS: list[dict] = []
 
 
-def _one(q: Any, k: Any, v: Any, causal: bool, window: Any, scale: Any, bias: Any) -> Any:
-    """fp64 attention of one sequence, (S, H, D) in and out, bottom-right aligned."""
+def _one(q: Any, k: Any, v: Any, causal: bool, window: Any, scale: Any, bias: Any, sinks: Any = None) -> Any:
+    """fp64 attention of one sequence, (S, H, D) in and out, bottom-right aligned; ``sinks``: one
+    logit per head in every row's softmax (gpt-oss)."""
     qd, kd, vd = (t.transpose(0, 1).double() for t in (q, k, v))
     group = qd.shape[0] // kd.shape[0]
     kd, vd = kd.repeat_interleave(group, 0), vd.repeat_interleave(group, 0)
@@ -43,6 +44,10 @@ def _one(q: Any, k: Any, v: Any, causal: bool, window: Any, scale: Any, bias: An
     if right >= 0:
         hidden |= rel > right
     s = s.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().reshape(-1, 1, 1).expand(-1, sq, 1)
+        p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]
+        return (p @ vd).transpose(0, 1).to(q.dtype)
     seen = torch.isfinite(s).any(-1, keepdim=True)
     p = torch.softmax(torch.where(seen, s, 0.0), -1) * seen
     return (p @ vd).transpose(0, 1).to(q.dtype)
@@ -51,21 +56,21 @@ def _one(q: Any, k: Any, v: Any, causal: bool, window: Any, scale: Any, bias: An
 def _reference(q: Any, k: Any, v: Any, *, causal: bool, window: Any = None, align: str, bias: Any = None,
                dropout_p: float, scale: Any, layout: str, library: Any, cu_seqlens_q: Any = None,
                cu_seqlens_k: Any = None, max_seqlen_q: Any = None, max_seqlen_k: Any = None,
-               path: str = "autograd") -> Any:
+               path: str = "autograd", sinks: Any = None) -> Any:
     assert align == "bottom_right" and dropout_p == 0.0
     CALLS.append({"q_len": q.shape[-3], "k_len": k.shape[-3], "causal": causal, "bias": bias is not None,
-                  "window": window, "varlen": cu_seqlens_q is not None, "path": path})
+                  "window": window, "varlen": cu_seqlens_q is not None, "path": path, "sinks": sinks is not None})
     if cu_seqlens_q is not None:
         assert q.dim() == 3 and cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
         assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         assert max_seqlen_q == max(b - a for a, b in zip(cq, cq[1:]))
-        parts = [_one(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]], causal, window, scale, None)
-                 for i in range(len(cq) - 1)]
+        parts = [_one(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]], causal, window, scale, None,
+                      sinks) for i in range(len(cq) - 1)]
         return torch.cat(parts)
     assert layout == "bshd"
     return torch.stack([_one(q[b], k[b], v[b], causal, window, scale, None if bias is None else
-                             bias[b if bias.shape[0] > 1 else 0].expand(q.shape[2], -1, -1))
+                             bias[b if bias.shape[0] > 1 else 0].expand(q.shape[2], -1, -1), sinks)
                         for b in range(q.shape[0])])
 
 
@@ -80,19 +85,19 @@ def served(monkeypatch: pytest.MonkeyPatch) -> str:
         return _reference(q, k, v, dropout_p=0.0, path="core", **kw), None
 
     def decode(q: Any, k: Any, v: Any, *, causal: bool, window: Any, scale: Any, layout: str, cache_layout: str,
-               library: Any, cache_seqlens: Any = None, cache_leftpad: Any = None) -> tuple:
+               library: Any, cache_seqlens: Any = None, cache_leftpad: Any = None, sinks: Any = None) -> tuple:
         assert cache_layout == "bshd"
         if cache_leftpad is None:
             assert cache_seqlens is None
             return _reference(q, k, v, causal=causal, window=window, align="bottom_right", dropout_p=0.0,
-                              scale=scale, layout=layout, library=library, path="decode"), None
+                              scale=scale, layout=layout, library=library, path="decode", sinks=sinks), None
         # A left-padded decoding step: sequence b's keys are cache rows [start, cache_seqlens).
         assert isinstance(cache_seqlens, int) and cache_leftpad.dtype == torch.int32 and layout == "bshd"
         CALLS.append({"q_len": q.shape[1], "k_len": cache_seqlens, "causal": causal, "bias": False,
                       "window": window, "varlen": False, "path": "decode_leftpad",
                       "starts": cache_leftpad.tolist()})
-        out = torch.stack([_one(q[b], k[b, s:cache_seqlens], v[b, s:cache_seqlens], causal, window, scale, None)
-                           for b, s in enumerate(cache_leftpad.tolist())])
+        out = torch.stack([_one(q[b], k[b, s:cache_seqlens], v[b, s:cache_seqlens], causal, window, scale, None,
+                                sinks) for b, s in enumerate(cache_leftpad.tolist())])
         return out, None
 
     monkeypatch.setattr(op_torch, "attention", _reference)
@@ -114,8 +119,14 @@ MODELS = {
     "gemma3_local": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                      {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 5, "layer_types":
                       ["sliding_attention", "full_attention"]}),
+    # Sinks on every layer, a window on one; every expert on every token (no routing flips).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 5, "num_local_experts": 2,
+                 "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"]}),
     "bert": ("BertConfig", "BertForMaskedLM", {"num_hidden_layers": 2, "intermediate_size": 128}),
 }
+#: The reference attention where SDPA cannot run a model (gpt-oss's sinks).
+REFERENCE = {"gpt_oss": "eager"}
 DECODERS = [m for m in MODELS if m != "bert"]
 
 
@@ -127,7 +138,7 @@ def _pair(name: str, attn: str) -> tuple[Any, Any]:
     ours = getattr(transformers, model_cls)(copy.deepcopy(config)).eval()
     ours.load_state_dict(sdpa.state_dict())
     ours.set_attn_implementation(attn)
-    sdpa.set_attn_implementation("sdpa")
+    sdpa.set_attn_implementation(REFERENCE.get(name, "sdpa"))
     return sdpa, ours
 
 
@@ -152,6 +163,7 @@ def test_a_left_padded_batch_matches_sdpa_on_the_real_tokens_and_arrives_as_leng
     assert all(c["causal"] == (name != "bert") for c in CALLS)
     if name in ("mistral_window", "gemma3_local"):
         assert any(c["window"] is not None for c in CALLS), "the sliding window did not reach the kernels"
+    assert all(c["sinks"] == (name == "gpt_oss") for c in CALLS), "gpt-oss's sinks did not reach every call"
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -201,6 +213,7 @@ def test_a_padded_training_step_gives_sdpas_gradients(served: str, name: str) ->
         model.config.attention_dropout = 0.0
         model(ids, attention_mask=mask, labels=labels).loss.backward()
     assert CALLS and all(c["path"] == "autograd" and c["varlen"] for c in CALLS)
+    assert all(c["sinks"] == (name == "gpt_oss") for c in CALLS)
     for (n, p), (_, r) in zip(ours.named_parameters(), sdpa.named_parameters()):
         if r.grad is not None:
             torch.testing.assert_close(p.grad, r.grad, atol=1e-5, rtol=1e-4, msg=n)
