@@ -154,8 +154,11 @@ def run_case(name: str, case: dict) -> dict:
     else:
         cu_t, batch, rows = None, B, S
     grid = ((rows + 63) // 64, batch * H)
-    attn_sinks[grid](out, lse, sinks, cu_t, *ostr, lz, lh, batch, H, rows, S, D, int(cu is not None),
-                     BLOCK_M=64, BLOCK_D=64)
+    # The epilogue: rows flattened; a packed batch is one batch of S rows.
+    fb = 1 if cu is not None else B
+    attn_sinks[((fb * S * H + 63) // 64,)](out, lse, sinks, cu_t, *ostr, lz, lh, fb, H, S, D,
+                                            len(cu) - 1 if cu is not None else 0, int(cu is not None),
+                                            ALIGNED=0, BLOCK_R=64, BLOCK_D=64)
     partial = torch.full((grid[0], batch, H), 7.0)
     attn_sinks_bwd[grid](dout, out, lse, sinks, partial, cu_t, *dstr, *ostr, lz, lh, batch, H, rows, S, D,
                          int(cu is not None), BLOCK_M=64, BLOCK_D=64)

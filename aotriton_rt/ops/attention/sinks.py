@@ -75,21 +75,22 @@ def _sequences(xp: Any, rows: int, cu_seqlens_q: Any, max_seqlen_q: int | None) 
 def apply_sinks(out: Any, lse: Any, sinks: Any, *, heads_q: int, layout: str, cu_seqlens_q: Any = None,
                 max_seqlen_q: int | None = None, library: Any = None) -> None:
     """Make the forward's ``(out, lse)`` over the keys the result with ``sinks``, in place
-    (packed batches: only the rows of ``cu_seqlens_q``'s sequences)."""
+    (packed batches: only the rows of ``cu_seqlens_q``'s sequences; ``max_seqlen_q`` unused)."""
     oi, li = interop.describe(out), interop.describe(lse)
     si = check_sinks(sinks, heads_q, oi.device)
     varlen = cu_seqlens_q is not None
     batch, heads, rows, oz, oh, om = _rows(oi, "out", layout, varlen)
-    total = rows
-    xp = arrays_for(oi.framework)
-    if varlen:
-        batch, rows = _sequences(xp, total, cu_seqlens_q, max_seqlen_q)
     if batch * heads * rows == 0:
         return
     lz, lh = _lse_rows(li, varlen)
+    seqs = max(interop.describe(cu_seqlens_q).shape[0] - 1, 0) if varlen else 0
+    xp = arrays_for(oi.framework)
     s32 = _fp32(xp, sinks, si)
-    handle = (library or default_library()).kernel(SINKS, dtype=oi.dtype)
-    handle(out, lse, s32, cu_seqlens_q, oz, oh, om, lz, lh, batch, heads, rows, total, oi.shape[-1], int(varlen))
+    head_dim = oi.shape[-1]
+    step = 4 if oi.dtype == "fp32" else 8  # elements in 16 bytes
+    aligned = oi.ptr % 16 == 0 and all(x % step == 0 for x in (oz, oh, om, head_dim))
+    handle = (library or default_library()).kernel(SINKS, dtype=oi.dtype, ALIGNED=int(aligned))
+    handle(out, lse, s32, cu_seqlens_q, oz, oh, om, lz, lh, batch, heads, rows, head_dim, seqs, int(varlen))
 
 
 def sinks_grad(dout: Any, out: Any, lse: Any, sinks: Any, *, heads_q: int, layout: str, cu_seqlens_q: Any = None,
