@@ -45,9 +45,10 @@ STREAM = 0x5000
 # Values that the kernels' run-time checks constrain (see builder/kernels/attention*.py).
 # Decode kernels check page sizes in multiples of 16, positive split counts and their head dim
 # (``head_dim``: HEAD_DIM as is, at most HEAD_DIM masked; see argument_values); attention kernels
-# take causal_align 0 or 1 (1: a non-zero word, so a misplaced one shows).
+# take causal_align 0 or 1 (1: a non-zero word, so a misplaced one shows), the sinks kernels a
+# varlen flag of 0 or 1.
 _FIXED_INTS = {"batch": 5, "num_heads_q": 9, "num_heads_k": 3, "seqlen_q": 3, "seqlen_new": 2, "page_size": 32,
-               "num_pages": 7, "capacity": 96, "num_splits": 4, "causal_align": 1}
+               "num_pages": 7, "capacity": 96, "num_splits": 4, "causal_align": 1, "varlen": 1, "seqs": 3}
 _FIXED_FLOATS = {"dropout_p": 0.25, "sm_scale": 0.125}
 _INT_BASE = {"i8": 0, "i16": 0, "i32": 0, "u8": 0, "u16": 0, "u32": 0, "i64": 1 << 32, "u64": 1 << 63}
 
@@ -62,7 +63,7 @@ def argument_values(args: Sequence[Any], params: Mapping[str, Any]) -> list[Any]
             values.append(POINTER_BASE + (i + 1) * POINTER_STRIDE)
         elif a.type.startswith(("fp", "bf")):
             values.append(_FIXED_FLOATS.get(a.name, 0.375 + 0.125 * (i % 4)))
-        elif a.name == "head_dim":  # the decode kernels' row width: the bucket, or one less masked
+        elif a.name == "head_dim" and "HEAD_DIM" in params:  # decode: the bucket, or one less masked
             values.append(params["HEAD_DIM"] - (1 if params.get("PADDED_D") else 0))
         elif a.name in _FIXED_INTS:
             values.append(_FIXED_INTS[a.name])
