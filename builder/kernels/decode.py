@@ -465,6 +465,16 @@ def attn_decode_combine(
 
 
 @triton.jit
+def _row_tile(num_heads_k, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(sequence, KV head, this program's BLOCK_R row indices, the head dim's offsets) of a
+    ``(cdiv(rows, BLOCK_R), batch * num_heads_k)`` grid (the append and pack kernels')."""
+    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    pid_bk = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return pid_bk // num_heads_k, pid_bk % num_heads_k, rows, tl.arange(0, BLOCK_D)
+
+
+@triton.jit
 def attn_decode_append(
     KNew, VNew, K, V, BlockTable, CacheSeqlens, Faults,
     stride_knz, stride_knh, stride_knm,
@@ -482,13 +492,7 @@ def attn_decode_append(
     whose table entry is outside ``[0, num_pages)`` are not written, and their fault is ORed into
     ``Faults`` (the runtime refuses such calls when it knows the lengths; see the module doc).
     """
-    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
-    pid_r = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    off_b = pid_bk // num_heads_k
-    off_hk = pid_bk % num_heads_k
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_d = tl.arange(0, BLOCK_D)
+    off_b, off_hk, rows, offs_d = _row_tile(num_heads_k, BLOCK_R, HEAD_DIM)
     _after_predecessor(PDL)
     cached = tl.load(CacheSeqlens + off_b)
     live = rows < seqlen_new
@@ -578,19 +582,13 @@ def attn_decode_pack(
     a length fault has all its packed rows written NaN, and a row whose table entry is outside
     ``[0, num_pages)`` is written NaN and FAULT_PAGE ORed into ``SeqFaults[b]`` and ``Faults``.
     """
-    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
-    pid_r = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    off_b = pid_bk // num_heads_k
-    off_hk = pid_bk % num_heads_k
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_d = tl.arange(0, BLOCK_D)
+    off_b, off_hk, rows, offs_d = _row_tile(num_heads_k, BLOCK_R, HEAD_DIM)
     _after_predecessor(PDL)
     len_k, fault = _sequence_length(CacheSeqlens, off_b, seqlen_new, capacity)
     first, start_fault = _sequence_start(CacheStart, off_b, len_k, capacity)
     fault = fault | start_fault
     n = tl.where(fault != 0, tl.maximum(len_k - first, 1), len_k - first)
-    if pid_r * BLOCK_R < n:
+    if tl.program_id(0) * BLOCK_R < n:
         live = rows < n
         pos = first + rows
         src_ok = live & (pos < len_k) & (fault == 0)
