@@ -344,7 +344,7 @@ def test_the_torch_wrapper_runs_the_plan_directly_unless_a_mode_needs_the_op(
     assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
     # The custom op's autograd formula (what torch.compile records) launches the same kernels.
     op_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out_op = real(*op_leaves, None, None, None, -1, -1, True, -1, -1, "top_left", 0.0, 0, 0, q.shape[-1] ** -0.5,
+    out_op = real(*op_leaves, None, None, None, None, -1, -1, True, -1, -1, "top_left", 0.0, 0, 0, q.shape[-1] ** -0.5,
                   "bhsd", False, False, op_torch._library_key(lib))[0]
     out_op.backward(grad)
     scalars = [(name, {n: x for n, x in values.items() if not isinstance(x, torch.Tensor)}) for name, values in
