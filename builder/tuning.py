@@ -163,6 +163,14 @@ def winner(timings: Iterable[Timing], tolerance: float = DEFAULT_TOLERANCE) -> T
     return min((t for t in timed if _round(t.us) <= best * (1.0 + tolerance)), key=lambda t: t.index)
 
 
+def _measured_specs(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The specs a database rule may name for a built variant: its own and, for the forward's
+    ``SOFTCAP=0`` variants, the spec without the axis (databases measured before it existed)."""
+    if spec.get("SOFTCAP") == 0:
+        return [spec, {k: v for k, v in spec.items() if k != "SOFTCAP"}]
+    return [spec]
+
+
 def _spec_key(spec: Mapping[str, Any]) -> str:
     return json.dumps(dict(spec), sort_keys=True)
 
@@ -516,10 +524,11 @@ def fold(databases: Sequence[tuple[str, Mapping[str, Any]]], jobs: Sequence[Any]
     lowest: dict[tuple[str, str, str], int] = {}
     for job in jobs:
         archs.add((job.kernel, job.target.arch))
-        where = (job.kernel, job.target.arch, _spec_key(job.spec))
-        specs.add(where)
-        built[(*where, job.config_index)] = _job_params(job)
-        lowest[where] = min(lowest.get(where, job.config_index), job.config_index)
+        for spec in _measured_specs(job.spec):
+            where = (job.kernel, job.target.arch, _spec_key(spec))
+            specs.add(where)
+            built[(*where, job.config_index)] = _job_params(job)
+            lowest[where] = min(lowest.get(where, job.config_index), job.config_index)
     table: dict[str, list] = {}
     notes: list[str] = []
     for name, db in databases:

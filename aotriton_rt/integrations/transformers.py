@@ -138,8 +138,6 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
 
     from ..errors import UnsupportedError
 
-    if softcap is not None:
-        raise UnsupportedError("aotriton attention does not support softcap; use eager or flex_attention")
     if kwargs.get("position_bias") is not None:
         raise UnsupportedError("aotriton attention does not take a position_bias; use sdpa")
     batch, _, q_len, _ = query.shape
@@ -150,7 +148,8 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
     dropout_p = float(dropout) if module.training else 0.0
     # gpt-oss passes its per-head sink logits as ``s_aux``.
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    call = {"causal": causal, "window": window, "scale": scaling, "dropout_p": dropout_p, "sinks": sinks}
+    call = {"causal": causal, "window": window, "scale": scaling, "dropout_p": dropout_p, "sinks": sinks,
+            "softcap": softcap or None}
 
     if attention_mask is not None and attention_mask.dim() == 2:
         return _padded(query, key, value, attention_mask, call), None
@@ -198,12 +197,13 @@ def _run(q: Any, k: Any, v: Any, call: dict, **varlen: Any) -> Any:
         from ..ops import attention as core
 
         return core.attention(q, k, v, causal=call["causal"], window=call["window"], align="bottom_right",
-                              scale=call["scale"], layout=layout, sinks=call["sinks"], library=lib, **varlen)[0]
+                              scale=call["scale"], layout=layout, sinks=call["sinks"], softcap=call["softcap"],
+                              library=lib, **varlen)[0]
     from ..ops.torch import attention
 
     return attention(q, k, v, causal=call["causal"], window=call["window"], align="bottom_right",
                      dropout_p=call["dropout_p"], scale=call["scale"], layout=layout, sinks=call["sinks"],
-                     library=lib, **varlen)
+                     softcap=call["softcap"], library=lib, **varlen)
 
 
 def _padded(query: Any, key: Any, value: Any, mask: Any, call: dict) -> Any:
@@ -244,7 +244,8 @@ def _decode(q: Any, k: Any, v: Any, call: dict, **lengths: Any) -> Any:
     from ..ops.decode import ROUTED_SEQLEN_Q, decode_attention
 
     sinks = call["sinks"]
-    if q.shape[1] > ROUTED_SEQLEN_Q or call["dropout_p"] != 0.0 or not _inference(q, k, v, sinks):
+    if q.shape[1] > ROUTED_SEQLEN_Q or call["dropout_p"] != 0.0 or not _inference(q, k, v, sinks) or \
+            call["softcap"]:  # the decode kernels have no softcap: the forward serves those steps
         return None
     try:
         return decode_attention(q, k, v, causal=call["causal"], window=call["window"], scale=call["scale"],

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, UnsupportedError
 from ..library import live_library
 from . import attention as _core
 from .attention import backward_plan as _core_backward_plan
@@ -118,6 +118,10 @@ def _unsigned(i64: int) -> int:
     return i64 + 2**64 if i64 < 0 else i64
 
 
+_NO_SOFTCAP_BACKWARD = ("softcap has no backward yet (the forward runs with it): call under torch.no_grad() or "
+                        "train without softcap")
+
+
 def _window(window_left: int, window_right: int) -> tuple[int, int] | None:
     return None if window_left == -1 and window_right == -1 else (window_left, window_right)
 
@@ -126,9 +130,10 @@ def _window(window_left: int, window_right: int) -> tuple[int, int] | None:
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None,
                   cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
                   causal: bool, window_left: int, window_right: int, align: str, dropout_p: float, seed: int,
-                  offset: int, scale: float, layout: str, return_mask: bool, deterministic: bool, library: int
-                  ) -> tuple[Tensor, Tensor, Tensor]:
-    """Forward: (out, lse, mask); mask is an empty int8 tensor unless ``return_mask``.
+                  offset: int, scale: float, layout: str, return_mask: bool, deterministic: bool, library: int,
+                  softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward: (out, lse, mask); mask is an empty int8 tensor unless ``return_mask``; ``softcap``
+    0.0 for none (forward only: its backward refuses).
 
     ``max_seqlen_*`` are -1 without cu_seqlens, ``window_*`` -1 for an unbounded side;
     ``deterministic`` only travels to the backward.
@@ -139,7 +144,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: T
         dropout_p=dropout_p, seed=_unsigned(seed), offset=_unsigned(offset), scale=scale,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
         max_seqlen_k=max_seqlen_k if varlen else None, layout=layout, return_mask=return_mask, sinks=sinks,
-        library=_library(library))
+        softcap=softcap or None, library=_library(library))
     if return_mask:
         return result
     out, lse = result
@@ -162,8 +167,8 @@ def _seqlen(t: Tensor, layout: str) -> int:
 def _attention_fwd_fake(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None,
                         cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
                         causal: bool, window_left: int, window_right: int, align: str, dropout_p: float, seed: int,
-                        offset: int, scale: float, layout: str, return_mask: bool, deterministic: bool, library: int
-                        ) -> tuple[Tensor, Tensor, Tensor]:
+                        offset: int, scale: float, layout: str, return_mask: bool, deterministic: bool, library: int,
+                        softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     varlen = cu_seqlens_q is not None
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(_lse_shape(q, layout, varlen), dtype=torch.float32)
@@ -211,7 +216,7 @@ def _attention_bwd_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
 
 
 _FWD_OPTIONS = ("max_seqlen_q", "max_seqlen_k", "causal", "window_left", "window_right", "align", "dropout_p",
-                "seed", "offset", "scale", "layout", "return_mask", "deterministic", "library")
+                "seed", "offset", "scale", "layout", "return_mask", "deterministic", "library", "softcap")
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -228,6 +233,8 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None, dmask: Tensor 
         return (None,) * (7 + len(_FWD_OPTIONS))
     q, k, v, bias, sinks, cu_q, cu_k, out, lse = ctx.saved_tensors
     o = ctx.options
+    if o["softcap"]:
+        raise UnsupportedError(_NO_SOFTCAP_BACKWARD)
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias, dsinks = attention_bwd(
         dout, q, k, v, out, lse, bias, sinks, cu_q, cu_k, o["max_seqlen_q"], o["max_seqlen_k"], o["causal"],
@@ -289,7 +296,8 @@ def _forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: T
     (no dispatcher); with ``sinks``, the result made the sinks' in place (fresh outputs)."""
     key, result = _core_plan.forward_keyed(q, k, v, o["causal"], o["window"], o["align"], bias, o["dropout_p"],
                                            o["seed"], o["offset"], o["scale"], cu_q, cu_k, o["max_seqlen_q"],
-                                           o["max_seqlen_k"], o["layout"], None, None, o["return_mask"], o["library"])
+                                           o["max_seqlen_k"], o["layout"], None, None, o["return_mask"], o["library"],
+                                           o["softcap"])
     if sinks is not None:
         _core_sinks.apply_sinks(result[0], result[1], sinks, heads_q=lse_heads(result[1], cu_q is not None),
                                 layout=o["layout"], cu_seqlens_q=cu_q, max_seqlen_q=o["max_seqlen_q"],
@@ -351,12 +359,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
               offset: int | None = None, scale: float | None = None, cu_seqlens_q: Tensor | None = None,
               cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               layout: str = "bhsd", deterministic: bool = False, return_lse: bool = False,
-              return_mask: bool = False, sinks: Tensor | None = None, library: Any = None
-              ) -> Tensor | tuple[Tensor, ...]:
+              return_mask: bool = False, sinks: Tensor | None = None, softcap: float | None = None,
+              library: Any = None) -> Tensor | tuple[Tensor, ...]:
     """Differentiable attention on torch tensors (works under ``torch.compile``).
 
     Options as :func:`aotriton_rt.ops.attention.attention`; gradients flow to q, k, v, bias
-    and ``sinks`` (attention sinks: one logit per query head, see there). ``seed``/``offset``:
+    and ``sinks`` (attention sinks: one logit per query head, see there). ``softcap``: the
+    logit softcap (forward only: a call that would record a gradient is refused). ``seed``/``offset``:
     the dropout Philox pair, drawn from torch's generator when ``seed`` is None.
     ``deterministic=True``: the backward runs the bit-reproducible scheme.
 
@@ -388,6 +397,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
     if scale is None:
         scale = q.shape[-1] ** -0.5
     route = _eager(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k)
+    if softcap and route == _AUTOGRAD:
+        raise UnsupportedError(_NO_SOFTCAP_BACKWARD)
     if route != _OP and type(causal) is bool and type(return_mask) is bool and type(deterministic) is bool:
         # No mode or compiler watching: the op's own body directly (the same plans; the
         # dispatcher round trip costs more than the whole launch), under an autograd.Function
@@ -396,7 +407,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
         options = {"causal": causal, "window": _window(left, right), "align": align, "dropout_p": float(dropout_p),
                    "seed": seed, "offset": offset, "scale": float(scale),
                    "max_seqlen_q": max_seqlen_q if varlen else None, "max_seqlen_k": max_seqlen_k if varlen else None,
-                   "layout": layout, "return_mask": return_mask, "deterministic": deterministic, "library": library}
+                   "layout": layout, "return_mask": return_mask, "deterministic": deterministic, "library": library,
+                   "softcap": float(softcap or 0.0)}
         if route == _AUTOGRAD:
             result = _EagerAttention.apply(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, options)
         else:
@@ -407,7 +419,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
         out, lse, mask = attention_fwd(
             q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, -1 if max_seqlen_q is None else max_seqlen_q,
             -1 if max_seqlen_k is None else max_seqlen_k, causal, left, right, align, float(dropout_p), _signed(seed),
-            _signed(offset), float(scale), layout, return_mask, deterministic, _library_key(library))
+            _signed(offset), float(scale), layout, return_mask, deterministic, _library_key(library),
+            float(softcap or 0.0))
     result: tuple = (out,)
     if return_lse:
         result += (lse,)

@@ -31,6 +31,11 @@ DEFAULT_CAUSAL = (0, 1)
 DEFAULT_VARLEN_HEAD_DIMS = (64, 128)
 
 
+#: Softcap forwards in the default set: Gemma 2's head dim, causal and windowed (mode 1), dense and
+#: packed (the padded batches the transformers integration unpads), no dropout.
+DEFAULT_SOFTCAP_HEAD_DIMS = (256,)
+
+
 def in_default_set(spec: dict, target: object) -> bool:
     """The default set (forward; see :func:`in_default_backward_set`), embedded in the runtime
     wheel: what common models need. fp16/bf16, head dims ``DEFAULT_HEAD_DIMS`` (equal q·k and
@@ -42,6 +47,9 @@ def in_default_set(spec: dict, target: object) -> bool:
     causal = spec.get("CAUSAL", 0)
     dropout = spec.get("DROPOUT", 0)
     head_dim = spec.get("HEAD_DIM", 64)
+    if spec.get("SOFTCAP", 0):
+        return (spec.get("dtype") in ("fp16", "bf16") and head_dim in DEFAULT_SOFTCAP_HEAD_DIMS
+                and spec.get("HEAD_DIM_V") == head_dim and causal == 1 and not dropout and not spec.get("BIAS"))
     return (spec.get("dtype") in ("fp16", "bf16")
             and head_dim in DEFAULT_HEAD_DIMS
             and spec.get("HEAD_DIM_V", head_dim) == head_dim
@@ -146,7 +154,12 @@ def _in_gputest_combo(spec: dict, combo: tuple) -> bool:
 
 
 def in_gputest_set(spec: dict, target: object) -> bool:
-    """The GPU test matrix: the default set plus every feature at a few head dims (``GPUTEST``)."""
+    """The GPU test matrix: the default set plus every feature at a few head dims (``GPUTEST``),
+    and softcap also at head dim 64 (fp16 and bf16, no mask or mode 1, dense and packed)."""
+    if spec.get("SOFTCAP", 0):
+        return in_default_set(spec, target) or (
+            spec.get("dtype") in ("fp16", "bf16") and spec.get("HEAD_DIM") == spec.get("HEAD_DIM_V") == 64
+            and spec.get("CAUSAL") in (0, 1) and not spec.get("DROPOUT") and not spec.get("BIAS"))
     return in_default_set(spec, target) or any(_in_gputest_combo(spec, c) for c in GPUTEST)
 
 

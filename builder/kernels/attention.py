@@ -157,12 +157,30 @@ def _causal_order(num_blocks, num_bh, HEAVY_LAST: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from one exp2, accurate to ~1e-7 absolute everywhere, overflow-free (HIP and CUDA)."""
+    e = tl.math.exp2(-2.0 * LOG2E * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _softcapped(qk, qk_scale, softcap):
+    """Raw scores ``q.k`` made softcapped so that the caller's ``* qk_scale`` (sm_scale * LOG2E)
+    gives ``softcap * tanh(q.k * sm_scale / softcap)`` in log2 units (FlashAttention-2's softcap,
+    before the bias and the masks). Needs ``qk_scale != 0`` and ``softcap > 0``."""
+    cap = softcap * LOG2E
+    return _tanh(qk * (qk_scale / cap)) * (cap / qk_scale)
+
+
+@triton.jit
 def _fwd_block(
     acc, l_i, m_i, q, start_n, k_ptrs, v_ptrs, b_ptrs, k_desc, v_desc, DM_base, stride_dmm,
     offs_m, offs_n, offs_dk, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
-    philox_seed, philox_offset, bh, dropout_p,
+    philox_seed, philox_offset, bh, dropout_p, softcap,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, PREC: tl.constexpr, USE_TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) by the key block at start_n.
 
@@ -192,6 +210,8 @@ def _fwd_block(
     else:
         k = tl.load(k_ptrs)
     qk = tl.dot(q, k, input_precision=PREC)
+    if SOFTCAP:
+        qk = _softcapped(qk, qk_scale, softcap)
     if MASKED and CAUSAL == 0 and BIAS == 0:
         # Only the sequence end masks: one FMA per score applies the scale and a per-key -inf.
         key_bias = tl.where(offs_n < seqlen_k - start_n, 0.0, float("-inf"))
@@ -264,10 +284,10 @@ def _fwd_blocks(
     start, end,
     offs_m, rows_b, offs_n, offs_dk, offs_dv,
     seqlen_q, seqlen_k, diag, left, right, qk_scale,
-    philox_seed, philox_offset, bh, dropout_p,
+    philox_seed, philox_offset, bh, dropout_p, softcap,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """_fwd_block over the key blocks start, start+BLOCK_N, ... < end (one loop)."""
     # K is read transposed, (dim, keys), so q @ k needs no layout change in registers.
@@ -281,8 +301,8 @@ def _fwd_blocks(
         acc, l_i, m_i = _fwd_block(
             acc, l_i, m_i, q, start_n, k_ptrs, v_ptrs, b_ptrs, k_desc, v_desc, DM_base, stride_dmm,
             offs_m, offs_n, offs_dk, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
-            philox_seed, philox_offset, bh, dropout_p,
-            MASKED, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, PREC, USE_TMA)
+            philox_seed, philox_offset, bh, dropout_p, softcap,
+            MASKED, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, PREC, USE_TMA, SOFTCAP)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
         if BIAS != 0:
@@ -298,7 +318,7 @@ def _fwd_tile(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-    TMA_STORE: tl.constexpr,
+    TMA_STORE: tl.constexpr, softcap, SOFTCAP: tl.constexpr,
 ):
     """Output rows and logsumexp of query block pid_m of one (sequence, head).
 
@@ -355,9 +375,9 @@ def _fwd_tile(
             stride_kn, stride_vn, stride_bm, stride_dmm, lo, hi,
             offs_m, rows_b, offs_n, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale,
-            philox_seed, philox_offset, bh, dropout_p,
+            philox_seed, philox_offset, bh, dropout_p, softcap,
             True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
-            USE_TMA, True)
+            USE_TMA, True, SOFTCAP)
     else:
         # Boundary blocks first, the unmasked run last (the softmax does not care about the
         # order of key blocks): what only the masks need is dead by the hot loop, which
@@ -368,25 +388,25 @@ def _fwd_tile(
                 stride_kn, stride_vn, stride_bm, stride_dmm, lo, f1,
                 offs_m, rows_b, offs_n, offs_dk, offs_dv,
                 len_q, len_k, diag, left, right, qk_scale,
-                philox_seed, philox_offset, bh, dropout_p,
+                philox_seed, philox_offset, bh, dropout_p, softcap,
                 True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
-                USE_TMA, False)
+                USE_TMA, False, SOFTCAP)
         acc, l_i, m_i = _fwd_blocks(
             acc, l_i, m_i, q, K_base, V_base, B_base, DM_base, k_desc, v_desc,
             stride_kn, stride_vn, stride_bm, stride_dmm, f2, hi,
             offs_m, rows_b, offs_n, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale,
-            philox_seed, philox_offset, bh, dropout_p,
+            philox_seed, philox_offset, bh, dropout_p, softcap,
             True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
-            USE_TMA, False)
+            USE_TMA, False, SOFTCAP)
         acc, l_i, m_i = _fwd_blocks(
             acc, l_i, m_i, q, K_base, V_base, B_base, DM_base, k_desc, v_desc,
             stride_kn, stride_vn, stride_bm, stride_dmm, f1, f2,
             offs_m, rows_b, offs_n, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale,
-            philox_seed, philox_offset, bh, dropout_p,
+            philox_seed, philox_offset, bh, dropout_p, softcap,
             False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
-            USE_TMA, False)
+            USE_TMA, False, SOFTCAP)
 
     # Epilogue: rows that saw no key have l = 0; they output 0 and logsumexp -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -420,10 +440,11 @@ def attn_fwd(
     stride_lz, stride_lh,
     stride_dmz, stride_dmh, stride_dmm,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
-    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Attention forward: Out = softmax(Q K^T * sm_scale + Bias, masked) V and its logsumexp.
 
@@ -441,7 +462,9 @@ def attn_fwd(
     and below as two inlined copies (faster there, twice the compile time). USE_TMA / WARP_SPEC
     (tuning, sm90 only): K/V/Q/Out through device-side tensor descriptors, and warp-specialized
     key loops (unpaired: the key loop must be the kernel's only loop); descriptors need the
-    runtime's global scratch.
+    runtime's global scratch. SOFTCAP: scores become ``softcap * tanh(q.k * sm_scale / softcap)``
+    before the bias and the masks (FlashAttention-2's logit softcap; ``softcap > 0`` and
+    ``sm_scale != 0``, checked at launch); SOFTCAP=0 variants ignore ``softcap``.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -503,7 +526,7 @@ def attn_fwd(
                     k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
                     len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
                     causal_align, bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-                    BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, False)
+                    BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, False, softcap, SOFTCAP)
         else:
             # Two inlined tiles: each tile's TMA store buffer can share memory with its K/V ring.
             for t in tl.static_range(2):
@@ -519,14 +542,14 @@ def attn_fwd(
                         k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
                         len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
                         causal_align, bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-                        BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, True)
+                        BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, True, softcap, SOFTCAP)
     else:
         _fwd_tile(
             pid_m, Q_head, O_head, L_head, K_base, V_base, B_base, DM_base,
             k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
             len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
             bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-            BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, not WARP_SPEC)
+            BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, not WARP_SPEC, softcap, SOFTCAP)
 
 
 # --------------------------------------------------------------------------------------------
@@ -563,7 +586,7 @@ def signature_of(fn: triton.JITFunction, pointers: dict[str, str]) -> dict[str, 
             sig[name] = "constexpr"
         elif name.startswith("stride_"):
             sig[name] = "i64" if name[-1] in "zh" else "i32"
-        elif name in ("sm_scale", "dropout_p"):
+        elif name in ("sm_scale", "dropout_p", "softcap"):
             sig[name] = "fp32"
         elif name.startswith("philox_"):
             sig[name] = "u64"
@@ -601,6 +624,19 @@ def head_dim_excluded(spec: dict, target: object) -> str | None:
     if dk is not None and dv is not None and dk != dv and (dk, dv) not in UNEQUAL_HEAD_DIMS:
         return f"head dims {dk}/{dv}: unequal pairs are only {UNEQUAL_HEAD_DIMS}"
     return None
+
+
+def fwd_excluded(spec: dict, target: object) -> str | None:
+    """:func:`head_dim_excluded`, and softcap only without a bias or a returned dropout mask (the
+    full set would double for combinations no model has)."""
+    if spec.get("SOFTCAP") and (spec.get("BIAS") or spec.get("DROPOUT") == 2):
+        return "softcap is compiled without bias and without the returned dropout mask"
+    return head_dim_excluded(spec, target)
+
+
+def fwd_checks(spec: dict) -> tuple[str, ...]:
+    """The forward's launch checks; softcap variants also need a positive cap and a non-zero scale."""
+    return _FWD_CHECKS + (("softcap > 0", "sm_scale != 0") if spec.get("SOFTCAP") else ())
 
 
 def block_d(spec: dict) -> int:
@@ -689,22 +725,25 @@ GQA_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0")
 # The band's alignment under CAUSAL=1 (attention.py's module docs): a multiplier, so only 0 and 1.
 ALIGN_CHECKS = ("causal_align == 0 or causal_align == 1",)
 
+_FWD_CHECKS = GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1") + \
+    stride_checks(_FWD_DIV)
+
 KERNELS = [KernelDecl(
     name=FWD,
     fn=attn_fwd,
     signature=_FWD_SIG,
     axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS, "HEAD_DIM_V": HEAD_DIM_BUCKETS,
-          "CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1, 2), "VARLEN": (0, 1)},
+          "CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1, 2), "VARLEN": (0, 1), "SOFTCAP": (0, 1)},
     configs=fwd_configs,
     # Causal programs do two query blocks each (see attn_fwd); warp-specialized builds (bench
     # candidates only) do one.
     grid=("cdiv(seqlen_q, BLOCK_M * (1 + min(CAUSAL, 1) * (1 - WARP_SPEC)))", "batch * num_heads_q", "1"),
     divisibility=_FWD_DIV,
-    exclude=head_dim_excluded,
+    exclude=fwd_excluded,
     sets={"default": in_default_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
     # sm90's alternates (bench candidates, no catalog rule picks them) only in gputest and full:
     # each would add a compile to the quickstart for no speed. The backward's sweep needs the
     # forward's outputs only.
     set_configs={"default": 1, "bwdsweep": 1},
-    checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1") + stride_checks(_FWD_DIV),
+    checks=fwd_checks,
 )]

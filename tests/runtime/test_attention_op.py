@@ -96,7 +96,7 @@ class InterpretedKernel:
                 assert not div or value % div == 0, f"{self.name}.{name}={value} not a multiple of {div}"
         names = list(values)
         vals = [values[n] if not self.signature[n].startswith("*") else 0 for n in names]
-        for check in self.decl.checks:
+        for check in self.decl.checks_for(self.spec):
             assert compile_expr(check, names, self.constexprs, "check")(*vals), f"{self.name}: `{check}` fails"
         grid = tuple(compile_expr(g, names, self.constexprs, "grid")(*vals) for g in self.decl.grid)
         self.lib.launches.append((self.name, self.spec, {n: v.data_ptr() for n, v in values.items()
@@ -196,12 +196,82 @@ CASES: dict[str, dict] = {
     "torch_op_autograd_dropout_bias": {"api": "torch", "dropout": 0.2, "bias": "heads", "causal": True},
     "torch_op_varlen_fp16": {"api": "torch", "dtype": "fp16", "varlen": ((7, 11), (21, 13))},
     "torch_opcheck_and_compile": {"api": "opcheck"},
+    # Logit softcap (forward only; its backward refuses): small caps, so tanh bends every score.
+    "softcap_bf16_causal_bottom_right": {"softcap": 1.5, "dtype": "bf16", "causal": True, "align": "bottom_right",
+                                         "Sq": 29, "Sk": 41},
+    "softcap_fp32_varlen_window_gqa": {"softcap": 0.75, "varlen": ((5, 9), (17, 31), (23, 4)), "window": (3, 2),
+                                       "align": "bottom_right", "Hq": 4, "Hk": 2},
+    "softcap_fp16_no_mask_head_dim_40_padded": {"softcap": 2.0, "dtype": "fp16", "D": 40, "layout": "bshd"},
+    "softcap_torch_op_no_grad": {"softcap": 1.0, "api": "torch", "causal": True},
 }
 
 
 def _bias_shape(kind: str, B: int, H: int, Sq: int, Sk: int) -> tuple[int, ...]:
     return {"full": (B, H, Sq, Sk), "heads": (H, Sq, Sk), "rows_keys": (Sq, Sk), "batch_heads_rows": (B, H, Sq, 1)
             }[kind]
+
+
+def _softcap_case(c: dict, lib: Any, q: Any, k: Any, v: Any, opts: dict, qs: list, ks: list, vs: list,
+                  lens_q: list, lens_k: list, unlay: Any) -> dict:
+    """A softcapped forward against fp64 (``softcap * tanh(s / softcap)`` on the scaled scores,
+    before the masks); it runs ``attn_fwd``'s SOFTCAP variant, never the decode kernels, and its
+    backward refuses by name."""
+    import torch
+
+    from aotriton_rt.errors import UnsupportedError
+    from aotriton_rt.ops import torch as op_torch
+
+    failed: list[str] = []
+    errors: dict[str, float] = {}
+    cap = c["softcap"]
+    if c["api"] == "torch":
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        try:
+            op_torch.attention(*leaves, **opts, softcap=cap, library=lib)
+            failed.append("a softcapped call recording a gradient was not refused")
+        except UnsupportedError as e:
+            if "softcap has no backward" not in str(e):
+                failed.append(f"refused with {e}")
+        with torch.no_grad():
+            out, lse = op_torch.attention(*leaves, **opts, softcap=cap, return_lse=True, library=lib)
+    else:
+        out, lse = op.attention(q, k, v, **opts, softcap=cap, library=lib)
+        try:
+            op.attention_backward(out, q, k, v, out, lse, **opts, softcap=cap, library=lib)
+            failed.append("attention_backward with softcap was not refused")
+        except UnsupportedError:
+            pass
+    ran = [(n, s) for n, s, _ in lib.launches]
+    if [n for n, _ in ran] != ["attn_fwd"] or ran[0][1].get("SOFTCAP") != 1:
+        failed.append(f"launched {ran}, expected one attn_fwd with SOFTCAP=1")
+    tol = {"fp32": 2e-4, "fp16": 2e-2, "bf16": 8e-2}[c["dtype"]]
+    group = c["Hq"] // c["Hk"]
+    outs = unlay(out, lens_q)
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        s = qs[b].double() @ ks[b].double().repeat_interleave(group, 0).transpose(-1, -2) / math.sqrt(c["D"])
+        s = cap * torch.tanh(s / cap)
+        i, j = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
+        wl, wr = c["window"] if c["window"] else (-1, -1)
+        if c["causal"]:
+            wr = 0
+        vis = torch.ones(lq, lk, dtype=torch.bool)
+        if c["causal"] or c["window"]:
+            rel = j - i - (lk - lq if c["align"] == "bottom_right" else 0)
+            vis = vis & (rel >= -wl if wl >= 0 else vis) & (rel <= wr if wr >= 0 else vis)
+        row_ok = vis.any(-1)
+        s = torch.where(vis, s, float("-inf"))
+        s_safe = torch.where(row_ok[:, None], s, 0.0)
+        o = (torch.softmax(s_safe, -1) * row_ok[:, None]) @ vs[b].double().repeat_interleave(group, 0)
+        lse_ref = torch.where(row_ok, torch.logsumexp(s_safe, -1), float("-inf"))
+        got_lse = lse[:, int(opts["cu_seqlens_q"][b]):int(opts["cu_seqlens_q"][b]) + lq] if c["varlen"] else lse[b]
+        for what, got, ref in (("out", outs[b], o), ("lse", got_lse, lse_ref)):
+            got, ref = got.double(), ref.double()
+            both_inf = torch.isinf(ref) & torch.isinf(got)
+            err = float(torch.where(both_inf, 0.0, (got - ref).abs()).max())
+            errors[what] = max(errors.get(what, 0.0), err)
+            if not err <= tol * max(1.0, float(ref[torch.isfinite(ref)].abs().max())):
+                failed.append(f"{what} of sequence {b}: max error {err:.3g}")
+    return {"name": c["name"], "failed": failed, "errors": errors}
 
 
 def run_case(name: str, case: dict) -> dict:
@@ -275,6 +345,9 @@ def run_case(name: str, case: dict) -> dict:
     failed: list[str] = []
     errors: dict[str, float] = {}
     mask = None
+    softcap = c.get("softcap")
+    if softcap:
+        return _softcap_case({**c, "name": name}, lib, q, k, v, opts, qs, ks, vs, lens_q, lens_k, unlay)
 
     if c["api"] == "opcheck":
         return _opcheck(lib, q, k, v)
@@ -495,10 +568,15 @@ def only(*allowed: tuple[str, dict], takes: tuple[str, ...] = ("causal_align",))
 def test_forward_params_follow_the_call_with_the_head_dim_bucket() -> None:
     call = AttentionCall("bf16", 40, 40, causal=2, bias=True, dropout=2, varlen=True)
     assert forward_params(call) == {"dtype": "bf16", "HEAD_DIM": 48, "HEAD_DIM_V": 48, "CAUSAL": 2, "BIAS": 1,
-                                    "DROPOUT": 2, "VARLEN": 1}
+                                    "DROPOUT": 2, "VARLEN": 1, "SOFTCAP": 0}
     plain = AttentionCall("fp32", 64, 64)
     assert forward_params(plain) == {"dtype": "fp32", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0,
-                                     "DROPOUT": 0, "VARLEN": 0}
+                                     "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0}
+    capped = AttentionCall("bf16", 256, 256, causal=1, softcap=True)
+    assert forward_params(capped)["SOFTCAP"] == 1
+    # Images built before the axis (no variant has the parameter): the same spec without it.
+    assert forward_params(plain, lambda name, params, args: "SOFTCAP" not in params) == \
+        {"dtype": "fp32", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
 
 
 def test_equal_lengths_run_on_whichever_causal_alignment_the_images_hold() -> None:
@@ -666,7 +744,7 @@ def _synthetic_variant(name: str, spec: dict, index: int = 0, arch: str = "sm90"
             "scratch": {"global_size": 0, "global_align": 1, "profile_size": 0, "profile_align": 1},
             "num_warps": config.num_warps, "num_ctas": 1, "cluster_dims": [1, 1, 1], "shared": 0,
             "launch": {"cooperative": False, "pdl": False}, "grid": list(decl.grid),
-            "checks": [c for c in decl.checks if not any(a in c for a in without)],
+            "checks": [c for c in decl.checks_for(spec) if not any(a in c for a in without)],
             "triton_version": "3.6.0"}
     key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     body["key"] = key
@@ -1131,6 +1209,8 @@ def test_operator_runs_the_real_kernels_and_matches_fp64_under_the_interpreter(i
     result = interpreted[name]
     assert not result["failed"], f"{name}: {result['failed']} (errors {result['errors']})"
     expected = {"out"} if CASES[name].get("api") == "opcheck" else {"out", "lse", "dq", "dk", "dv"}
+    if CASES[name].get("softcap"):
+        expected = {"out", "lse"}
     if CASES[name].get("bias"):
         expected.add("dbias")
     assert expected <= set(result["errors"]), f"{name}: not every output was compared"

@@ -24,13 +24,16 @@ transformers = pytest.importorskip("transformers")
 CALLS: list[dict] = []
 
 
-def _one(q: Any, k: Any, v: Any, causal: bool, window: Any, scale: Any, bias: Any, sinks: Any = None) -> Any:
+def _one(q: Any, k: Any, v: Any, causal: bool, window: Any, scale: Any, bias: Any, sinks: Any = None,
+         softcap: Any = None) -> Any:
     """fp64 attention of one sequence, (S, H, D) in and out, bottom-right aligned; ``sinks``: one
     logit per head in every row's softmax (gpt-oss)."""
     qd, kd, vd = (t.transpose(0, 1).double() for t in (q, k, v))
     group = qd.shape[0] // kd.shape[0]
     kd, vd = kd.repeat_interleave(group, 0), vd.repeat_interleave(group, 0)
     s = qd @ kd.transpose(-1, -2) * (scale if scale is not None else qd.shape[-1] ** -0.5)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if bias is not None:
         s = s + bias.double()
     sq, sk = s.shape[-2:]
@@ -56,21 +59,22 @@ def _one(q: Any, k: Any, v: Any, causal: bool, window: Any, scale: Any, bias: An
 def _reference(q: Any, k: Any, v: Any, *, causal: bool, window: Any = None, align: str, bias: Any = None,
                dropout_p: float, scale: Any, layout: str, library: Any, cu_seqlens_q: Any = None,
                cu_seqlens_k: Any = None, max_seqlen_q: Any = None, max_seqlen_k: Any = None,
-               path: str = "autograd", sinks: Any = None) -> Any:
+               path: str = "autograd", sinks: Any = None, softcap: Any = None) -> Any:
     assert align == "bottom_right" and dropout_p == 0.0
     CALLS.append({"q_len": q.shape[-3], "k_len": k.shape[-3], "causal": causal, "bias": bias is not None,
-                  "window": window, "varlen": cu_seqlens_q is not None, "path": path, "sinks": sinks is not None})
+                  "window": window, "varlen": cu_seqlens_q is not None, "path": path, "sinks": sinks is not None,
+                  "softcap": softcap})
     if cu_seqlens_q is not None:
         assert q.dim() == 3 and cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
         assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         assert max_seqlen_q == max(b - a for a, b in zip(cq, cq[1:]))
         parts = [_one(q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]], causal, window, scale, None,
-                      sinks) for i in range(len(cq) - 1)]
+                      sinks, softcap) for i in range(len(cq) - 1)]
         return torch.cat(parts)
     assert layout == "bshd"
     return torch.stack([_one(q[b], k[b], v[b], causal, window, scale, None if bias is None else
-                             bias[b if bias.shape[0] > 1 else 0].expand(q.shape[2], -1, -1), sinks)
+                             bias[b if bias.shape[0] > 1 else 0].expand(q.shape[2], -1, -1), sinks, softcap)
                         for b in range(q.shape[0])])
 
 
@@ -123,10 +127,14 @@ MODELS = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 5, "num_local_experts": 2,
                  "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"]}),
+    # Logit softcap (a cap of 5: tanh bends these scores) on every layer, a window on one.
+    "gemma2_softcap": ("Gemma2Config", "Gemma2ForCausalLM",
+                       {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 5, "attn_logit_softcapping": 5.0,
+                        "final_logit_softcapping": None, "layer_types": ["sliding_attention", "full_attention"]}),
     "bert": ("BertConfig", "BertForMaskedLM", {"num_hidden_layers": 2, "intermediate_size": 128}),
 }
-#: The reference attention where SDPA cannot run a model (gpt-oss's sinks).
-REFERENCE = {"gpt_oss": "eager"}
+#: The reference attention where SDPA cannot run a model (gpt-oss's sinks, Gemma 2's softcap).
+REFERENCE = {"gpt_oss": "eager", "gemma2_softcap": "eager"}
 DECODERS = [m for m in MODELS if m != "bert"]
 
 
@@ -164,6 +172,7 @@ def test_a_left_padded_batch_matches_sdpa_on_the_real_tokens_and_arrives_as_leng
     if name in ("mistral_window", "gemma3_local"):
         assert any(c["window"] is not None for c in CALLS), "the sliding window did not reach the kernels"
     assert all(c["sinks"] == (name == "gpt_oss") for c in CALLS), "gpt-oss's sinks did not reach every call"
+    assert all((c["softcap"] == 5.0) == (name == "gemma2_softcap") for c in CALLS), "Gemma 2's softcap was lost"
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -269,12 +278,3 @@ def test_a_4d_mask_of_the_callers_own_becomes_a_bias(served: str) -> None:
                       layout="bshd", library=None)
     torch.testing.assert_close(out, want)
     assert CALLS[0]["bias"] and not CALLS[0]["causal"]
-
-
-def test_softcap_is_refused_with_a_clear_error() -> None:
-    from aotriton_rt import UnsupportedError
-    from aotriton_rt.integrations.transformers import attention_forward
-
-    q = torch.zeros(1, 2, 3, 16)
-    with pytest.raises(UnsupportedError, match=r"aotriton attention does not support softcap"):
-        attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)

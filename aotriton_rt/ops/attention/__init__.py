@@ -61,7 +61,7 @@ from __future__ import annotations
 from typing import Any
 
 from ... import interop
-from ...errors import ArgumentError
+from ...errors import ArgumentError, UnsupportedError
 from ...tuning import select_config, select_mode
 from . import backward_plan as _backward_plan
 from . import express as _express
@@ -97,7 +97,7 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
               offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
               max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
               out: Any = None, lse: Any = None, return_mask: bool = False, sinks: Any = None,
-              library: Any = None) -> tuple:
+              softcap: float | None = None, library: Any = None) -> tuple:
     """Scaled dot-product attention forward: ``softmax(q kᵀ · scale + bias, masked) v`` and its logsumexp.
 
     Arguments:
@@ -120,6 +120,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
         sinks: attention sinks (gpt-oss's ``s_aux``): one logit per query head, a float GPU
             vector ``(Hq,)``, joining every row's softmax without a value. ``out`` and ``lse``
             are then the sink's (a row that sees no key outputs 0 and has ``lse`` = its sink).
+        softcap: logit softcap (Gemma 2): scores become ``softcap * tanh(scores / softcap)``
+            (after ``scale``, before the bias and the masks); None or 0: none. Forward only.
         library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
 
     Returns:
@@ -137,7 +139,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
     """
     try:
         result = _plan.forward(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
-                               cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library)
+                               cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library,
+                               softcap)
         if sinks is not None:
             _sinks.apply_sinks(result[0], result[1], sinks, heads_q=_heads_q(q, layout, cu_seqlens_q),
                                layout=layout, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, library=library)
@@ -160,7 +163,8 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
                        cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
                        max_seqlen_k: int | None = None, layout: str = "bhsd", deterministic: bool = False,
                        scheme: str | None = None, bias_grad: bool = True, dq: Any = None, dk: Any = None,
-                       dv: Any = None, sinks: Any = None, library: Any = None) -> tuple:
+                       dv: Any = None, sinks: Any = None, softcap: float | None = None,
+                       library: Any = None) -> tuple:
     """Gradients of :func:`attention` with respect to q, k, v and the bias.
 
     Takes the forward's inputs, its ``out`` and ``lse``, the gradient ``dout`` (shaped like
@@ -185,6 +189,9 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
 
         dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, bias=b, causal=True)
     """
+    if softcap is not None and softcap != 0:
+        raise UnsupportedError("softcap has no backward yet (the forward runs with it): train without "
+                               "softcap, or with the eager attention")
     try:
         grads = _backward_plan.backward(dout, q, k, v, out, lse, causal=causal, window=window, align=align,
                                        bias=bias, dropout_p=dropout_p, seed=seed, offset=offset, scale=scale,

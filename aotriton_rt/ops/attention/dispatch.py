@@ -36,6 +36,7 @@ from .family import (  # noqa: F401 - DTYPES and bucket: explain reads them here
     KERNEL_RULES,
     MODE_RULES,
     PRE,
+    SOFTCAP_ARG,
     AttentionCall,
     bucket,
     family_of,
@@ -58,17 +59,26 @@ def _everything(name: str, params: Mapping[str, Any], args: Sequence[str] = ()) 
 
 def needed_args(call: AttentionCall, causal: int) -> tuple[str, ...]:
     """The run-time arguments a variant of mask mode ``causal`` must take to serve ``call``:
-    :data:`ALIGN_ARG` when a mode-1 band must be aligned bottom-right, else none."""
-    return (ALIGN_ARG,) if causal == 1 and call.causal == 2 and not call.causal_equivalent else ()
+    :data:`ALIGN_ARG` when a mode-1 band must be aligned bottom-right, :data:`SOFTCAP_ARG` for a
+    softcapped call."""
+    align = (ALIGN_ARG,) if causal == 1 and call.causal == 2 and not call.causal_equivalent else ()
+    return align + ((SOFTCAP_ARG,) if call.softcap else ())
 
 
-def _first(name: str, candidates: list[dict], available: Available, call: AttentionCall) -> dict:
-    # The first candidate the images hold; if none, the first, so that the library's
+def portable_only(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` without what only the portable forward declares (``SOFTCAP=0``): the parameters
+    a per-architecture kernel's variants are matched by."""
+    return {k: v for k, v in spec.items() if k != "SOFTCAP"} if spec.get("SOFTCAP") == 0 else spec
+
+
+def _first(name: str, candidates: list[dict], available: Available, call: AttentionCall,
+           missing: int = 0) -> dict:
+    # The first candidate the images hold; if none, candidate ``missing``, so that the library's
     # KernelNotFound explains what is missing.
     for c in candidates:
         if available(name, c, needed_args(call, c["CAUSAL"])):
             return c
-    return candidates[0]
+    return candidates[missing]
 
 
 def _causal_modes(call: AttentionCall) -> list[int]:
@@ -87,9 +97,14 @@ def forward_params(call: AttentionCall, available: Available | None = None) -> d
     """
     available = available or _everything
     candidates = [{"dtype": call.dtype, "HEAD_DIM": dk, "HEAD_DIM_V": dv, "CAUSAL": c, "BIAS": int(call.bias),
-                   "DROPOUT": call.dropout, "VARLEN": int(call.varlen)}
+                   "DROPOUT": call.dropout, "VARLEN": int(call.varlen), "SOFTCAP": int(call.softcap)}
                   for dk, dv in head_dim_buckets(call.head_dim, call.head_dim_v) for c in _causal_modes(call)]
-    return _first(FWD, candidates, available, call)
+    if call.softcap:
+        return _first(FWD, candidates, available, call)
+    # Images built before the SOFTCAP axis: their variants have no such parameter. When nothing
+    # serves the call, the first of these names what is missing (not the axis).
+    legacy = [{k: v for k, v in c.items() if k != "SOFTCAP"} for c in candidates]
+    return _first(FWD, candidates + legacy, available, call, missing=len(candidates))
 
 
 def backward_params(call: AttentionCall, available: Available | None = None, *, deterministic: bool = False,
@@ -256,7 +271,7 @@ class LibraryKernels:
         # Lengths matter only to tuning rules, and to those only through their ranges.
         tuned = bool(self.tuning)
         return (call.dtype, call.head_dim, call.head_dim_v, call.causal, call.causal_equivalent, call.bias,
-                call.dropout, call.varlen, seqlen_bin(call.seqlen_q) if tuned else 0,
+                call.dropout, call.varlen, call.softcap, seqlen_bin(call.seqlen_q) if tuned else 0,
                 seqlen_bin(call.seqlen_k) if tuned else 0, device, *extra)
 
     def forward(self, call: AttentionCall, device: int) -> tuple[dict[str, Any], Any]:
@@ -340,6 +355,9 @@ def backward_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: di
 def _arch_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any], arch: str | Callable[[], str],
                  portable: str, owns: Mapping[str, str], table: str, what: str) -> Route:
     needs = needed_args(call, spec.get("CAUSAL", 0))
+    if spec.get("SOFTCAP"):
+        return Route(portable, "")  # the per-architecture kernels have no softcap
+    spec = portable_only(spec)
     candidates = [name for name in dict.fromkeys(owns.values()) if ks.available(name, spec, needs)]
     if not candidates:
         return Route(portable, "")  # nothing to choose
@@ -405,6 +423,8 @@ def choose_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: dict
     config rules of its family (an aligned sibling's configs follow its family's). A callable
     ``arch`` is asked only where a rule names an arch or a tuned config must be found."""
     route = forward_kernel(ks, call, spec, arch) if role == FWD else backward_kernel(ks, call, role, spec, arch)
+    if route.kernel != role:
+        spec = portable_only(spec)
     family = family_of(route.kernel)
     rules = ks.tuning.get(family)
     config = explain_config(rules, kernel=family, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,

@@ -31,8 +31,8 @@ __all__ = [
     "ALIGN", "ALIGN_ARG", "ALIGNED_FACTS", "ALIGNED_SIBLINGS", "ARCH_BACKWARDS", "ARCH_FORWARDS", "AttentionCall",
     "BACKWARD_KERNEL_RULES", "BIAS_ALIGN", "CONVERT", "DKDV", "DKDV_KERNEL_RULES", "DKDV_SM90", "DKDV_SM90_A16", "DQ",
     "DQ_KERNEL_RULES", "DQ_SM90", "DTYPES", "FWD", "FWD_SM90", "HEAD_DIM_BUCKETS", "KERNEL_RULES", "MODE_RULES", "PRE",
-    "SCALARS", "UNEQUAL_HEAD_DIMS", "align_arg", "backward_arguments", "bhs", "bias_row_width", "bias_strides",
-    "bucket",
+    "SCALARS", "SOFTCAP_ARG", "UNEQUAL_HEAD_DIMS", "align_arg", "backward_arguments", "bhs", "bias_row_width",
+    "bias_strides", "bucket",
     "contiguous_kernel_strides", "contiguous_strides", "family_of", "forward_arguments", "head_dim_buckets",
     "kernel_strides", "lse_strides", "named", "scalar_arguments",
 ]
@@ -94,6 +94,8 @@ BACKWARD_KERNEL_RULES = {DKDV: (DKDV_KERNEL_RULES, "dK/dV kernel"), DQ: (DQ_KERN
 #: bottom-right whatever it says). Images built before it existed compiled mode 1 as top-left
 #: only, so a mode-1 variant serves a bottom-right call only if its arguments include it.
 ALIGN_ARG = "causal_align"
+#: The forward's run-time logit softcap (0 for none; read by its ``SOFTCAP=1`` variants only).
+SOFTCAP_ARG = "softcap"
 #: Declared stride divisibility (elements): Q/K/V/Out and the gradients 16, Bias/dBias 8.
 ALIGN = 16
 BIAS_ALIGN = 8
@@ -157,6 +159,8 @@ class AttentionCall:
     #: (stride_lz, stride_lh) of the LSE and Delta arrays the backward's kernels read (the
     #: operator's contiguous ``(B, Hq, Sq)``: ``(Hq·Sq, Sq)``); None: unknown, so no aligned sibling.
     lse_strides: tuple[int, int] | None = None
+    #: Scores logit-softcapped (the forward's ``SOFTCAP`` variants).
+    softcap: bool = False
 
     def describe(self) -> str:
         """The combination in words, for error messages."""
@@ -169,6 +173,8 @@ class AttentionCall:
             parts.append("dropout" + (" with mask" if self.dropout == 2 else ""))
         if self.varlen:
             parts.append("varlen")
+        if self.softcap:
+            parts.append("softcap")
         return ", ".join(parts)
 
 
@@ -237,7 +243,7 @@ def named(prefix: str, row: str, strides: Sequence[int]) -> dict[str, int]:
 
 #: The problem's scalar arguments, as every attention kernel names them (:func:`scalar_arguments`).
 SCALARS = ("batch", "num_heads_q", "num_heads_k", "seqlen_q", "seqlen_k", "sm_scale", "dropout_p", "philox_seed",
-           "philox_offset", "window_left", "window_right", ALIGN_ARG)
+           "philox_offset", "window_left", "window_right", ALIGN_ARG, SOFTCAP_ARG)
 _NONE = (0, 0, 0)
 _FORWARD_ARRAYS = frozenset(("q", "k", "v", "out", "lse", "mask", "bias", "cu_seqlens_q", "cu_seqlens_k"))
 _FORWARD_STRIDES = frozenset(("q", "k", "v", "out", "mask", "bias"))
@@ -255,13 +261,13 @@ def align_arg(causal_mode: int) -> int:
 
 def scalar_arguments(*, batch: int, heads_q: int, heads_k: int, seqlen_q: int, seqlen_k: int, scale: float,
                      dropout_p: float, seed: int, offset: int, window_left: int, window_right: int,
-                     causal_mode: int) -> dict[str, Any]:
+                     causal_mode: int, softcap: float = 0.0) -> dict[str, Any]:
     """The problem's scalars by kernel argument name (:data:`SCALARS`). ``seqlen_q``/``seqlen_k``
     are the dense lengths, or the longest under varlen; ``seed``/``offset`` are 0 without dropout."""
     return {"batch": batch, "num_heads_q": heads_q, "num_heads_k": heads_k, "seqlen_q": seqlen_q,
             "seqlen_k": seqlen_k, "sm_scale": scale, "dropout_p": dropout_p, "philox_seed": seed,
             "philox_offset": offset, "window_left": window_left, "window_right": window_right,
-            ALIGN_ARG: align_arg(causal_mode)}
+            ALIGN_ARG: align_arg(causal_mode), SOFTCAP_ARG: softcap}
 
 
 def _check(what: str, given: Mapping[str, Any], known: frozenset) -> None:

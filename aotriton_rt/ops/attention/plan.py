@@ -292,15 +292,17 @@ def _stream_getter(p: Problem, q: Any) -> Any:
 
 def forward(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: Any, dropout_p: Any, seed: Any,
             offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
-            layout: Any, out: Any, lse: Any, return_mask: Any, library: Any) -> tuple:
+            layout: Any, out: Any, lse: Any, return_mask: Any, library: Any, softcap: Any = None) -> tuple:
     """:func:`aotriton_rt.attention`: find or build the plan of this call's signature and run it."""
     return forward_keyed(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
-                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library)[1]
+                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library,
+                         softcap)[1]
 
 
 def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: Any, dropout_p: Any,
                   seed: Any, offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
-                  max_seqlen_k: Any, layout: Any, out: Any, lse: Any, return_mask: Any, library: Any) -> tuple:
+                  max_seqlen_k: Any, layout: Any, out: Any, lse: Any, return_mask: Any, library: Any,
+                  softcap: Any = None) -> tuple:
     """(plan key, result) of :func:`forward`: the key (None when the call has none) pins every
     operand's signature and option, which lets an autograd backward find its own plan from it
     and the gradient's signature alone (:func:`.backward_plan.backward_after`)."""
@@ -325,7 +327,7 @@ def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, 
             extra += (_sig(out, "out")[0], _sig(lse, "lse")[0])
         key = ("fwd", sq, sk, sv, sb, causal.__class__, causal, None if window is None else _typed(window), align,
                dropout_p.__class__, dropout_p, scale.__class__, scale, layout, return_mask.__class__, return_mask,
-               *extra)
+               softcap.__class__, softcap, *extra)
         ks = kernels_of(library)
         plan = ks.plans.get(key)
     except Exception:  # anything odd: the full validation below says what
@@ -335,7 +337,7 @@ def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, 
         ks, plan = _build_forward(library, q, k, v, causal=causal, window=window, align=align, bias=bias,
                                   dropout_p=dropout_p, seed=seed, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                  layout=layout, out=out, lse=lse, return_mask=return_mask)
+                                  layout=layout, out=out, lse=lse, return_mask=return_mask, softcap=softcap)
         if key is not None:
             ks.plans.put(key, plan)
         else:
@@ -360,7 +362,7 @@ def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, ou
     # preallocated outputs run on the split-KV decode kernels when the images hold them (their
     # out/lse equal the prefill's, so the backward is unchanged). A family returns its own plan
     # object (anything with this `run`) before the attn_fwd dispatch below.
-    if p.rows_q <= 16 and EXPRESS is not None:
+    if p.rows_q <= 16 and EXPRESS is not None and not p.softcap:
         opts = EXPRESS.route_options(q, k, v, out=out, lse=lse, return_mask=return_mask, library=library,
                              **{n: options[n] for n in ("causal", "window", "align", "bias", "dropout_p", "scale",
                                                        "cu_seqlens_q", "cu_seqlens_k", "layout")})

@@ -79,11 +79,12 @@ class Problem:
     cu_k: Any = None
     cu_qi: interop.ArrayInfo | None = None
     cu_ki: interop.ArrayInfo | None = None
+    softcap: float = 0.0  # 0: none
 
     def call(self, dropout: int) -> AttentionCall:
         return AttentionCall(self.dtype, self.head_dim, self.head_dim_v, self.causal_mode, self.causal_equivalent,
                              self.bias is not None, dropout, self.varlen, self.seqlen_q, self.seqlen_k,
-                             self.lse_strides())
+                             self.lse_strides(), bool(self.softcap))
 
     def out_shape(self, width: int | None = None) -> tuple[int, ...]:
         d = self.head_dim_v if width is None else width
@@ -111,7 +112,7 @@ class Problem:
         return scalar_arguments(batch=self.batch, heads_q=self.heads_q, heads_k=self.heads_k, seqlen_q=self.seqlen_q,
                                 seqlen_k=self.seqlen_k, scale=self.scale, dropout_p=self.dropout_p, seed=self.seed,
                                 offset=self.offset, window_left=self.window_left, window_right=self.window_right,
-                                causal_mode=self.causal_mode)
+                                causal_mode=self.causal_mode, softcap=self.softcap)
 
 
 def int_arg(value: Any, name: str, low: int, high: int | None = None) -> int:
@@ -175,9 +176,21 @@ def mask_mode(causal: Any, window: Any, align: str, seqlen_q: int, seqlen_k: int
     return (1 if align == "top_left" else 2), equivalent, left, right
 
 
+def check_softcap(softcap: Any, scale: float) -> float:
+    """The logit softcap as a float, 0.0 for none (None or 0); ArgumentError unless a finite
+    positive number, or with a zero ``scale`` (the kernels divide by it)."""
+    if softcap is None or (type(softcap) in (int, float) and softcap == 0):
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ArgumentError(f"softcap must be a finite number > 0 (None or 0: no softcap), got {softcap!r}")
+    if scale == 0:
+        raise ArgumentError("softcap needs a non-zero scale")
+    return float(softcap)
+
+
 def prepare(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, bias: Any, dropout_p: Any,
              seed: Any, offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
-             max_seqlen_k: Any, layout: str) -> Problem:
+             max_seqlen_k: Any, layout: str, softcap: Any = None) -> Problem:
     if layout not in LAYOUTS:
         raise ArgumentError(f"layout must be 'bhsd' (batch, heads, seqlen, head_dim) or 'bshd' (batch, seqlen, "
                             f"heads, head_dim), got {layout!r}")
@@ -265,6 +278,7 @@ def prepare(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, bia
         raise ArgumentError(f"scale must be a finite number, got {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ArgumentError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    softcap = check_softcap(softcap, scale)
     if dropout_p > 0:
         if seed is None:
             raise ArgumentError(f"dropout_p={dropout_p} needs seed= (and offset=): the backward must replay the "
@@ -289,7 +303,7 @@ def prepare(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, bia
 
     p = Problem(q, k, v, qi, ki, vi, layout, varlen, batch, heads_q, heads_k, seqlen_q, seqlen_k, rows_q, rows_k,
                  dq_, dv_, qi.dtype, device, causal_mode, equivalent, left, right, float(scale), float(dropout_p),
-                 seed, offset, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, cu_qi=cu_qi, cu_ki=cu_ki)
+                 seed, offset, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, cu_qi=cu_qi, cu_ki=cu_ki, softcap=softcap)
     if bias is not None:
         bi = _describe(bias, "bias")
         if bi.dtype != qi.dtype:
