@@ -211,6 +211,21 @@ def _bias_shape(kind: str, B: int, H: int, Sq: int, Sk: int) -> tuple[int, ...]:
             }[kind]
 
 
+def _visible(c: dict, lq: int, lk: int) -> tuple:
+    """(visible (lq, lk) bools, rows that see a key) of a case's mask for one sequence."""
+    import torch
+
+    i, j = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
+    vis = torch.ones(lq, lk, dtype=torch.bool)
+    wl, wr = c["window"] if c["window"] else (-1, -1)
+    if c["causal"]:
+        wr = 0
+    if c["causal"] or c["window"]:
+        rel = j - i - (lk - lq if c["align"] == "bottom_right" else 0)
+        vis = vis & (rel >= -wl if wl >= 0 else vis) & (rel <= wr if wr >= 0 else vis)
+    return vis, vis.any(-1)
+
+
 def _softcap_case(c: dict, lib: Any, q: Any, k: Any, v: Any, opts: dict, qs: list, ks: list, vs: list,
                   lens_q: list, lens_k: list, unlay: Any) -> dict:
     """A softcapped forward against fp64 (``softcap * tanh(s / softcap)`` on the scaled scores,
@@ -250,15 +265,7 @@ def _softcap_case(c: dict, lib: Any, q: Any, k: Any, v: Any, opts: dict, qs: lis
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         s = qs[b].double() @ ks[b].double().repeat_interleave(group, 0).transpose(-1, -2) / math.sqrt(c["D"])
         s = cap * torch.tanh(s / cap)
-        i, j = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
-        wl, wr = c["window"] if c["window"] else (-1, -1)
-        if c["causal"]:
-            wr = 0
-        vis = torch.ones(lq, lk, dtype=torch.bool)
-        if c["causal"] or c["window"]:
-            rel = j - i - (lk - lq if c["align"] == "bottom_right" else 0)
-            vis = vis & (rel >= -wl if wl >= 0 else vis) & (rel <= wr if wr >= 0 else vis)
-        row_ok = vis.any(-1)
+        vis, row_ok = _visible(c, lq, lk)
         s = torch.where(vis, s, float("-inf"))
         s_safe = torch.where(row_ok[:, None], s, 0.0)
         o = (torch.softmax(s_safe, -1) * row_ok[:, None]) @ vs[b].double().repeat_interleave(group, 0)
@@ -437,15 +444,7 @@ def run_case(name: str, case: dict) -> dict:
         s = qr @ kr.repeat_interleave(group, 0).transpose(-1, -2) * scale
         if full_bias is not None:
             s = s + full_bias[b, :, :lq, :lk]
-        i, j = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
-        vis = torch.ones(lq, lk, dtype=torch.bool)
-        wl, wr = c["window"] if c["window"] else (-1, -1)
-        if c["causal"]:
-            wr = 0
-        if c["causal"] or c["window"]:
-            rel = j - i - (lk - lq if c["align"] == "bottom_right" else 0)
-            vis = vis & (rel >= -wl if wl >= 0 else vis) & (rel <= wr if wr >= 0 else vis)
-        row_ok = vis.any(-1)
+        vis, row_ok = _visible(c, lq, lk)
         s = torch.where(vis, s, float("-inf"))
         s_safe = torch.where(row_ok[:, None], s, 0.0)
         pr = torch.softmax(s_safe, -1) * row_ok[:, None]
