@@ -1,11 +1,13 @@
-"""What attention sinks cost: the same calls with and without ``sinks=``, alternating.
+"""What attention sinks (and the logit softcap) cost: the same calls with and without, alternating.
 
-    python -m bench.sinks [--images DIR] [--rounds 5]
+    python -m bench.sinks [--images DIR] [--rounds 5] [--softcap]
 
 Rows (bf16, gpt-oss's attention: head dim 64, 64 query / 8 KV heads): prefill forwards, causal
 and with gpt-oss's 128-key window, dense; the forward + backward of a training step; decode
 steps against contiguous caches. Each contender runs as a CUDA graph of 10 calls (and eagerly),
 in a shuffled order every round; the ratio is per round, with sinks over without (aim <= 1.05).
+``--softcap``: instead, Gemma 2's forward (head dim 256, 16/8 heads, cap 50) with and without
+``softcap=``, causal and with a 4096-key window.
 """
 
 from __future__ import annotations
@@ -58,16 +60,30 @@ def _rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def _softcap_rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    for B, S in ((4, 4096), (1, 8192)):
+        q = torch.randn(B, S, 16, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(B, S, 8, 256, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        for mask, kw in (("causal", {"causal": True}), ("window 4096", {"window": (4095, 0)})):
+            def call(cap: Any, q: Any = q, k: Any = k, v: Any = v, kw: dict = kw) -> Any:
+                return aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", softcap=cap, library=lib,
+                                             **kw)[0]
+            rows[f"D=256 forward {B}x{S} {mask}"] = {"plain": lambda c=call: c(None), "sinks": lambda c=call: c(50.0)}
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--images", default=os.environ.get("AOTRITON_RT_IMAGES"))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--softcap", action="store_true", help="the softcap's rows instead of the sinks'")
     args = ap.parse_args()
     lib = aotriton_rt.Library(args.images) if args.images else aotriton_rt.default_library()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = _rows(lib, gen)
-    print(f"SINKS (bf16, D={D}, {HQ}/{HK} heads; time with sinks / without, per round: median [min-max]; "
-          "aim <= 1.05)")
+    rows = _softcap_rows(lib, gen) if args.softcap else _rows(lib, gen)
+    what = "SOFTCAP (bf16, D=256, 16/8 heads, cap 50" if args.softcap else f"SINKS (bf16, D={D}, {HQ}/{HK} heads"
+    print(f"{what}; time with / without, per round: median [min-max]; aim <= 1.05)")
     print(f"{'row':34s} | {'without us':>10s} {'with us':>9s} | {'graph x':>7s} {'[min-max]':>11s} | {'eager x':>7s}")
     for name, pair in rows.items():
         training = name.startswith("forward+backward")

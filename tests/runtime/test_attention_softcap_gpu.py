@@ -1,0 +1,96 @@
+"""The logit softcap on the GPU, on the default images (marker ``gpu``), against an fp32 reference.
+
+Gemma 2's shapes (head dim 256, causal and with a sliding window, GQA), dense and packed batches
+whose arrays carry NaN rows past the last sequence, odd lengths; the torch op without a gradient;
+the refusal of a softcapped call that would record one. The reference applies
+``softcap * tanh(scores / softcap)`` to the scaled scores before the mask (FlashAttention-2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+CAP = 50.0  # Gemma 2's attn_logit_softcapping
+TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
+
+
+def _reference(q: Any, k: Any, v: Any, cap: float, left: int, right: int) -> Any:
+    """(B, H, Sq, D) fp32; k/v (B, Hk, Sk, D); the window bottom-right aligned (-1: unbounded)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    sq, sk = q.shape[2], k.shape[2]
+    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None, :]
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if left >= 0:
+        visible &= j >= i - left
+    if right >= 0:
+        visible &= j <= i + right
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
+    s = (cap * torch.tanh(s / cap)).masked_fill(~visible, float("-inf"))
+    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v)
+
+
+def _rel(a: Any, b: Any) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("window", [None, (63, 0)], ids=["causal", "window"])
+def test_gemma2_shapes_dense(default_lib: Any, dtype: Any, window: Any) -> None:
+    import aotriton_rt
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    B, Hq, Hk, S, D = 2, 8, 4, 301, 256
+    # Scores of a few tens: the cap bends them (Gemma 2's logits reach the cap).
+    q, k, v = (torch.randn(B, S, h, D, device="cuda", generator=gen).mul(3).to(dtype) for h in (Hq, Hk, Hk))
+    kw = {"window": window} if window else {"causal": True}
+    out, lse = aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", softcap=CAP,
+                                     library=default_lib, **kw)
+    left, right = window if window else (-1, 0)
+    ref = _reference(*(t.float().transpose(1, 2) for t in (q, k, v)), CAP, left, right).transpose(1, 2)
+    plain = _reference(*(t.float().transpose(1, 2) for t in (q, k, v)), 1e9, left, right).transpose(1, 2)
+    assert _rel(ref, plain) > 10 * TOL[dtype], "the cap does not bend these scores: the test would prove nothing"
+    assert _rel(out, ref) <= TOL[dtype], f"{_rel(out, ref):.3g}"
+    assert torch.isfinite(lse).all()
+
+
+def test_gemma2_packed_with_nan_past_the_last_sequence(default_lib: Any) -> None:
+    import aotriton_rt
+
+    dtype, D, Hq, Hk = torch.bfloat16, 256, 8, 4
+    lens = [37, 1, 200, 64]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    total = int(cu[-1])
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(total + 11, h, D, device="cuda", generator=gen).mul(3).to(dtype) for h in (Hq, Hk, Hk))
+    for t in (q, k, v):
+        t[total:] = float("nan")
+    out, _ = aotriton_rt.attention(q[:total], k[:total], v[:total], causal=True, align="bottom_right",
+                                   cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+                                   softcap=CAP, library=default_lib)
+    for b, n in enumerate(lens):
+        a = int(cu[b])
+        ref = _reference(*(t[a:a + n].float().transpose(0, 1)[None] for t in (q, k, v)), CAP, -1, 0)
+        got = out[a:a + n].float().transpose(0, 1)[None]
+        assert _rel(got, ref) <= TOL[dtype], f"sequence {b}: {_rel(got, ref):.3g}"
+
+
+def test_the_torch_op_runs_without_a_gradient_and_refuses_one(default_lib: Any) -> None:
+    from aotriton_rt.errors import UnsupportedError
+    from aotriton_rt.ops import torch as op_torch
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 77, 256, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
+    with torch.no_grad():
+        out = op_torch.attention(q, k, v, causal=True, softcap=CAP, library=default_lib)
+    ref = _reference(q.float(), k.float(), v.float(), CAP, -1, 0)
+    assert _rel(out, ref) <= TOL[torch.bfloat16]
+    with pytest.raises(UnsupportedError, match="softcap has no backward yet"):
+        op_torch.attention(q.requires_grad_(), k, v, causal=True, softcap=CAP, library=default_lib)
