@@ -128,6 +128,8 @@ class Problem:
              "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
         if kernel in ("dkdv", "dkdva"):
             s["DQ_ATOMIC"] = atomic
+        if kernel == "fwd":
+            s["SOFTCAP"] = 0
         return s
 
     def args(self, kernel: str, mock: bool = False) -> list:
@@ -146,7 +148,7 @@ class Problem:
         scal = (1.0 / math.sqrt(self.D), 0.0, 0, 0, -1, 0 if self.causal else -1, 1 if self.causal == 2 else 0)
         if kernel == "fwd":
             return [t("q"), t("k"), t("v"), t("dummy"), t("o"), t("lse"), t("dummy8"), t("dummy32"),
-                    t("dummy32"), *strides * 4, *none, self.lz, self.lh, *none, *sizes, *scal]
+                    t("dummy32"), *strides * 4, *none, self.lz, self.lh, *none, *sizes, *scal, 0.0]  # softcap: none
         if kernel in ("pre", "prea"):
             return [t("o"), t("do"), t("delta"), t(dqa), t("dummy32"), *strides * 2, *dqa_strides,
                     self.lz, self.lh, self.B, self.H, self.N]

@@ -84,7 +84,7 @@ def in_bwd_sweep_set(spec: dict, target: object) -> bool:
             and spec.get("HEAD_DIM_V", head_dim) == head_dim
             and spec.get("CAUSAL", 0) in (0, 2)
             and not spec.get("BIAS", 0) and not spec.get("DROPOUT", 0) and not spec.get("VARLEN", 0)
-            and not spec.get("DQ_ATOMIC", 0))
+            and not spec.get("DQ_ATOMIC", 0) and not spec.get("SOFTCAP", 0))
 
 
 # The feature combinations tests/runtime/test_attention_gpu.py launches beyond the default set,

@@ -481,11 +481,12 @@ def attn_fwd_sm90(
     stride_lz, stride_lh,
     stride_dmz, stride_dmh, stride_dmm,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
-    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):
     """Attention forward (see attn_fwd): Out = softmax(Q K^T * sm_scale, masked) V and its logsumexp.
 
@@ -699,7 +700,7 @@ KERNEL = KernelDecl(
     fn=attn_fwd_sm90,
     signature=_SIG,
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
-          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,)},
+          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "SOFTCAP": (0,)},
     configs=sm90_fwd_configs,
     grid=GRID,
     divisibility=_DIV,

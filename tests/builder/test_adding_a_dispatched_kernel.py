@@ -38,7 +38,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "adding-a-kernel.md"
 HEADING = "## A kernel that an operator dispatches to"
 PACKAGE = "dispatched_kernel_example"
 TOY = "attn_fwd_toy"
-SPEC = {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+SPEC = {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
+        "SOFTCAP": 0}
 UNTUNED = ("untuned (no rule of tuning['attn_fwd_kernel'] matches; heuristic: sm80's own forward, preferred where "
            "the images hold it)")
 

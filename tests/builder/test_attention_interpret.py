@@ -220,8 +220,8 @@ def run_case(name: str, case: dict) -> dict:
         attn_fwd[grid](
             q, k, v, bias, out, lse, dmask, cu_q, cu_k,
             sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, soz, soh, som, sbz, sbh, sbm, slz, slh,
-            sdmz, sdmh, sdmm, *common, BIAS=1 if bias_kind else 0, BLOCK_M=c["BM"], BLOCK_N=c["BN"],
-            USE_TMA=c.get("tma", 0), WARP_SPEC=c.get("ws", 0), **flags)
+            sdmz, sdmh, sdmm, *common, softcap=0.0, BIAS=1 if bias_kind else 0, BLOCK_M=c["BM"], BLOCK_N=c["BN"],
+            USE_TMA=c.get("tma", 0), WARP_SPEC=c.get("ws", 0), SOFTCAP=0, **flags)
 
     forward(out, lse, dmask)
     atomic = c.get("atomic", 0)
@@ -387,7 +387,8 @@ def _compile(item: tuple) -> dict:
     from builder.targets import parse_targets
 
     name, arch, want, index, _ = item
-    base = {"HEAD_DIM_V": want.get("HEAD_DIM"), "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "DQ_ATOMIC": 0}
+    base = {"HEAD_DIM_V": want.get("HEAD_DIM"), "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "DQ_ATOMIC": 0,
+            "SOFTCAP": 0}
     want = {**{k: v for k, v in base.items() if v is not None}, **want}
     jobs = [j for j in expand(load_kernels()[name], parse_targets(arch), "full", "3.6.0")
             if all(j.spec.get(k, v) == v for k, v in want.items()) and j.config_index == index]
@@ -475,8 +476,9 @@ def test_every_sm90_forward_config_matches_an_fp32_reference_on_the_gpu(index: i
     grid = KERNELS[0].grid_of(seqlen_q=Sq, batch=B, num_heads_q=H, CAUSAL=causal, **cfg.constexprs)
     attn_fwd[grid](q, k, v, q, out, lse, none, none, none, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                    *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, H, H, Sq, Sk, scale, 0.0, 0, 0,
-                   -1, 0 if causal else -1, 1, HEAD_DIM=D, HEAD_DIM_V=D, CAUSAL=causal, BIAS=0, DROPOUT=0,
-                   VARLEN=0, **cfg.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.options)
+                   -1, 0 if causal else -1, 1, 0.0, HEAD_DIM=D, HEAD_DIM_V=D, CAUSAL=causal, BIAS=0, DROPOUT=0,
+                   VARLEN=0, SOFTCAP=0, **cfg.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                   **cfg.options)
     s = (q.float() @ k.float().transpose(-1, -2)) * scale
     if causal:
         i = torch.arange(Sq, device="cuda")[:, None]

@@ -86,7 +86,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from builder.registry import expand
     from builder.targets import parse_targets
 
-    want = {"dtype": "bf16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 2, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+    want = {"dtype": "bf16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 2, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
+            "SOFTCAP": 0}
     jobs = [j for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "full", "3.6.0")
             if j.spec == want and j.config_index in (0, 3)]
     assert len(jobs) == 2 and [j.config.constexprs["WARP_SPECIALIZE"] for j in jobs] == [1, 0]
@@ -290,7 +291,7 @@ def test_the_grid_rule_launches_one_program_per_tile_or_the_persistent_grid() ->
     from builder.kernels.attention_sm90 import TILES
 
     kernel = _kernels()["attn_fwd_sm90"]
-    spec = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+    spec = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0}
     persistent = len(TILES[128])
 
     def grid(causal, index, B, H, N):
@@ -311,7 +312,7 @@ def _build_persistent(tmp_path_factory: pytest.TempPathFactory, head_dim: int) -
     from builder.targets import parse_targets
 
     want = {"dtype": "bf16", "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0,
-            "VARLEN": 0}
+            "VARLEN": 0, "SOFTCAP": 0}
     jobs = [j for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "gputest", "3.6.0")
             if j.spec == want and j.config_index == len(TILES[head_dim])]
     assert len(jobs) == 1 and jobs[0].constexprs["PERSISTENT"] > 0 and jobs[0].constexprs["PINGPONG"] == 1

@@ -15,7 +15,8 @@ from builder.targets import KNOWN
 from builder.tuning import Entry, Timing, TuningError
 
 ROOT = Path(__file__).resolve().parents[2]
-FWD = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+FWD = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
+       "SOFTCAP": 0}
 
 
 def _params(spec: dict, index: int, arch: str = "sm90", kernel: str = "attn_fwd") -> dict:
@@ -486,7 +487,8 @@ def test_a_build_without_the_winning_config_chooses_the_forward_its_own_configs_
                                                      "at seqlen_q 1024..1024")
     assert [(r["seqlen_q"], r["config"]) for r in table[own]] == [([4096, None], 0)]  # #6 not built: #0 runs
     assert notes[-1] == ('sm90.json: attn_fwd_kernel {"BIAS": 0, "CAUSAL": 0, "DROPOUT": 0, "HEAD_DIM": 128, '
-                         '"HEAD_DIM_V": 128, "VARLEN": 0, "dtype": "fp16"} at seqlen_q 1024: attn_fwd in this build, '
+                         '"HEAD_DIM_V": 128, "SOFTCAP": 0, "VARLEN": 0, "dtype": "fp16"} at seqlen_q 1024: attn_fwd in '
+                         'this build, '
                          'where the database chose attn_fwd_sm90 (whose winning config this build does not hold)')
     assert notes[0].endswith(" 2 dropped")  # the two config rules whose winner (#1, #6) is not built
 

@@ -336,11 +336,9 @@ def test_every_argument_the_builder_declares_is_named_by_the_family() -> None:
 
 
 def test_each_stand_in_takes_the_arguments_of_the_kernel_it_stands_in_for() -> None:
-    # But the softcap: only the portable forward has it (the dispatch never sends a softcapped
-    # call to a per-architecture kernel; tests/runtime/test_attention_op.py's softcap cases).
     assert _stand_ins()
     for portable, own in _stand_ins():
-        assert _args(own) == [a for a in _args(portable) if a != family.SOFTCAP_ARG], own
+        assert _args(own) == _args(portable), own
 
 
 def test_the_argument_builders_refuse_names_they_do_not_know() -> None:

@@ -163,7 +163,7 @@ def test_persistent_gluon_forward_variants_compute_every_tile_of_ragged_problems
 # among attn_fwd's variants), else mode 1; the other cases mode 1 (the default set's only causal
 # mode; mode 2 hidden here).
 OPERATOR_CASES = [(False, "top_left", 0), (True, "top_left", 2), (True, "top_left", 1), (True, "bottom_right", 1)]
-_PLAIN_D128 = {"HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+_PLAIN_D128 = {"HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0}
 
 
 def _mode_run(lib, dtype_name: str, mode: int) -> int:

@@ -301,7 +301,8 @@ from builder.targets import parse_targets
 if __name__ == "__main__":
     base = {"dtype": "bf16", "HEAD_DIM": 64, "HEAD_DIM_V": 64}
     mask = {"CAUSAL": 1, "DROPOUT": 0, "VARLEN": 0}  # mode 1, as the default set: aligned at run time
-    want = {("attn_fwd", "sm90"): {**base, **mask, "BIAS": 0}, ("attn_fwd", "gfx942"): {**base, **mask, "BIAS": 0},
+    fwd = {**base, **mask, "BIAS": 0, "SOFTCAP": 0}
+    want = {("attn_fwd", "sm90"): fwd, ("attn_fwd", "gfx942"): fwd,
             ("attn_bwd_preprocess", "sm90"): {**base, "VARLEN": 0, "DQ_ATOMIC": 0},
             ("attn_bwd_dkdv", "sm90"): {**base, **mask, "BIAS": 0, "DQ_ATOMIC": 0},
             ("attn_bwd_dq", "sm90"): {**base, **mask, "BIAS": 0}}

@@ -135,6 +135,8 @@ MODELS = {
 }
 #: The reference attention where SDPA cannot run a model (gpt-oss's sinks, Gemma 2's softcap).
 REFERENCE = {"gpt_oss": "eager", "gemma2_softcap": "eager"}
+#: Models whose attention has no backward here yet (the softcap's): no training test.
+INFERENCE_ONLY = ("gemma2_softcap",)
 DECODERS = [m for m in MODELS if m != "bert"]
 
 
@@ -212,7 +214,7 @@ def test_packed_sequences_from_the_collators_keywords(served: str) -> None:
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("name", [m for m in DECODERS if m not in INFERENCE_ONLY])
 def test_a_padded_training_step_gives_sdpas_gradients(served: str, name: str) -> None:
     sdpa, ours = _pair(name, served)
     ids, mask = _left_padded(3, 10, [3, 0, 6], seed=8)
@@ -241,6 +243,9 @@ def test_greedy_generation_of_a_left_padded_batch_matches_sdpa(served: str, name
     # The decoding steps read the cache in place from each row's first real token (sliding-window
     # layers whose window holds no padding get no mask: the plain decode path).
     steps = [c for c in CALLS if c["q_len"] == 1]
+    if name == "gemma2_softcap":  # the decode kernels have no softcap: its steps run the forward
+        assert steps and all(c["path"] == "core" and c["softcap"] == 5.0 for c in steps), steps
+        return
     padded = [c for c in steps if c["path"] == "decode_leftpad"]
     assert all(c["path"] in ("decode", "decode_leftpad") for c in steps), steps
     assert padded or name == "mistral_window"  # its 4-key window never holds padding here

@@ -65,12 +65,6 @@ def needed_args(call: AttentionCall, causal: int) -> tuple[str, ...]:
     return align + ((SOFTCAP_ARG,) if call.softcap else ())
 
 
-def portable_only(spec: dict[str, Any]) -> dict[str, Any]:
-    """``spec`` without what only the portable forward declares (``SOFTCAP=0``): the parameters
-    a per-architecture kernel's variants are matched by."""
-    return {k: v for k, v in spec.items() if k != "SOFTCAP"} if spec.get("SOFTCAP") == 0 else spec
-
-
 def _first(name: str, candidates: list[dict], available: Available, call: AttentionCall,
            missing: int = 0) -> dict:
     # The first candidate the images hold; if none, candidate ``missing``, so that the library's
@@ -355,9 +349,6 @@ def backward_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: di
 def _arch_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any], arch: str | Callable[[], str],
                  portable: str, owns: Mapping[str, str], table: str, what: str) -> Route:
     needs = needed_args(call, spec.get("CAUSAL", 0))
-    if spec.get("SOFTCAP"):
-        return Route(portable, "")  # the per-architecture kernels have no softcap
-    spec = portable_only(spec)
     candidates = [name for name in dict.fromkeys(owns.values()) if ks.available(name, spec, needs)]
     if not candidates:
         return Route(portable, "")  # nothing to choose
@@ -423,8 +414,6 @@ def choose_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: dict
     config rules of its family (an aligned sibling's configs follow its family's). A callable
     ``arch`` is asked only where a rule names an arch or a tuned config must be found."""
     route = forward_kernel(ks, call, spec, arch) if role == FWD else backward_kernel(ks, call, role, spec, arch)
-    if route.kernel != role:
-        spec = portable_only(spec)
     family = family_of(route.kernel)
     rules = ks.tuning.get(family)
     config = explain_config(rules, kernel=family, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
