@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import ArgumentError, UnsupportedError
+from ..errors import ArgumentError
 from ..library import live_library
 from . import attention as _core
 from .attention import backward_plan as _core_backward_plan
@@ -118,10 +118,6 @@ def _unsigned(i64: int) -> int:
     return i64 + 2**64 if i64 < 0 else i64
 
 
-_NO_SOFTCAP_BACKWARD = ("softcap has no backward yet (the forward runs with it): call under torch.no_grad() or "
-                        "train without softcap")
-
-
 def _window(window_left: int, window_right: int) -> tuple[int, int] | None:
     return None if window_left == -1 and window_right == -1 else (window_left, window_right)
 
@@ -186,7 +182,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   sinks: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int,
                   max_seqlen_k: int, causal: bool, window_left: int, window_right: int, align: str, dropout_p: float,
                   seed: int, offset: int, scale: float, layout: str, deterministic: bool, bias_grad: bool,
-                  library: int
+                  library: int, softcap: float = 0.0
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward: (dq, dk, dv, dbias, dsinks); dbias is an empty tensor without a bias or
     ``bias_grad``, dsinks one without sinks."""
@@ -196,7 +192,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         dropout_p=dropout_p, seed=_unsigned(seed), offset=_unsigned(offset), scale=scale,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
         max_seqlen_k=max_seqlen_k if varlen else None, layout=layout, deterministic=deterministic,
-        bias_grad=bias_grad, sinks=sinks, library=_library(library))
+        bias_grad=bias_grad, sinks=sinks, softcap=softcap or None, library=_library(library))
     dq, dk, dv, dbias = grads[:4]
     if dbias is None:
         dbias = q.new_empty((0,))
@@ -208,7 +204,7 @@ def _attention_bwd_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                         sinks: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                         max_seqlen_q: int, max_seqlen_k: int, causal: bool, window_left: int, window_right: int,
                         align: str, dropout_p: float, seed: int, offset: int, scale: float, layout: str,
-                        deterministic: bool, bias_grad: bool, library: int
+                        deterministic: bool, bias_grad: bool, library: int, softcap: float = 0.0
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dbias = bias.new_empty(bias.shape) if bias is not None and bias_grad else q.new_empty((0,))
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
@@ -233,13 +229,11 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None, dmask: Tensor 
         return (None,) * (7 + len(_FWD_OPTIONS))
     q, k, v, bias, sinks, cu_q, cu_k, out, lse = ctx.saved_tensors
     o = ctx.options
-    if o["softcap"]:
-        raise UnsupportedError(_NO_SOFTCAP_BACKWARD)
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias, dsinks = attention_bwd(
         dout, q, k, v, out, lse, bias, sinks, cu_q, cu_k, o["max_seqlen_q"], o["max_seqlen_k"], o["causal"],
         o["window_left"], o["window_right"], o["align"], o["dropout_p"], o["seed"], o["offset"], o["scale"],
-        o["layout"], o["deterministic"], bias_grad, o["library"])
+        o["layout"], o["deterministic"], bias_grad, o["library"], o["softcap"])
     sinks_grad = sinks is not None and ctx.needs_input_grad[4]
     return (dq, dk, dv, dbias if bias_grad else None, dsinks if sinks_grad else None) + \
         (None,) * (2 + len(_FWD_OPTIONS))
@@ -345,7 +339,8 @@ class _EagerAttention(torch.autograd.Function):
             ctx.forward_key, dout, q, k, v, out, lse, deterministic=o["deterministic"], bias_grad=bias_grad,
             library=o["library"], causal=o["causal"], window=o["window"], align=o["align"], bias=bias,
             dropout_p=o["dropout_p"], seed=o["seed"], offset=o["offset"], scale=o["scale"], cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k, max_seqlen_q=o["max_seqlen_q"], max_seqlen_k=o["max_seqlen_k"], layout=o["layout"])
+            cu_seqlens_k=cu_k, max_seqlen_q=o["max_seqlen_q"], max_seqlen_k=o["max_seqlen_k"], layout=o["layout"],
+            softcap=o["softcap"] or None)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[4]:
             dsinks = _core_sinks.sinks_grad(dout, out, lse, sinks, heads_q=lse_heads(lse, cu_q is not None),
@@ -365,7 +360,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
 
     Options as :func:`aotriton_rt.ops.attention.attention`; gradients flow to q, k, v, bias
     and ``sinks`` (attention sinks: one logit per query head, see there). ``softcap``: the
-    logit softcap (forward only: a call that would record a gradient is refused). ``seed``/``offset``:
+    logit softcap (gradients included). ``seed``/``offset``:
     the dropout Philox pair, drawn from torch's generator when ``seed`` is None.
     ``deterministic=True``: the backward runs the bit-reproducible scheme.
 
@@ -397,8 +392,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
     if scale is None:
         scale = q.shape[-1] ** -0.5
     route = _eager(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k)
-    if softcap and route == _AUTOGRAD:
-        raise UnsupportedError(_NO_SOFTCAP_BACKWARD)
     if route != _OP and type(causal) is bool and type(return_mask) is bool and type(deterministic) is bool:
         # No mode or compiler watching: the op's own body directly (the same plans; the
         # dispatcher round trip costs more than the whole launch), under an autograd.Function

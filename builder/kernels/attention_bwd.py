@@ -30,9 +30,11 @@ from builder.kernels.attention import (
     _hip_options,
     _sequence,
     _span,
+    _tanh,
     _window,
     block_d,
     divisibility_of,
+    fwd_excluded,
     head_dim_excluded,
     signature_of,
     stride_checks,
@@ -135,10 +137,10 @@ def _dkdv_blocks(
     stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam,
     start, end, offs_m, offs_dk, offs_dv,
     len_q, len_k, diag, left, right, qk_scale, sm_scale,
-    philox_seed, philox_offset, bh, dropout_p,
+    philox_seed, philox_offset, bh, dropout_p, softcap,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Accumulate dk, dv of one key block over query blocks start, start+BLOCK_M, ... < end.
 
@@ -165,7 +167,12 @@ def _dkdv_blocks(
             delta = tl.load(D_base + rows)
         # Rows that saw no key stored -inf: +inf here makes their probabilities 0, not NaN.
         lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
-        qkT = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+        qkT = tl.dot(k, tl.trans(q), input_precision=PREC)
+        if SOFTCAP:
+            tT = _tanh(qkT * (qk_scale / (softcap * LOG2E)))
+            qkT = tT * (softcap * LOG2E)
+        else:
+            qkT = qkT * qk_scale
         if BIAS != 0:
             bmask = (rows[None, :] < len_q) & (cols[:, None] < len_k)
             biasT = tl.load(B_base + rows[None, :] * stride_bm + cols[:, None], mask=bmask, other=0.0)
@@ -192,6 +199,8 @@ def _dkdv_blocks(
         else:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)  # d(softcap * tanh(s / softcap)) / ds
         if BIAS == 2:
             tl.store(DB_base + rows[None, :] * stride_dbm + cols[:, None],
                      dsT.to(DB_base.dtype.element_ty),
@@ -234,10 +243,11 @@ def attn_bwd_dkdv(
     stride_dqaz, stride_dqah, stride_dqam,
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
-    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """dK, dV of one key block of one key/value head, summed over its GQA query heads.
 
@@ -323,20 +333,20 @@ def attn_bwd_dkdv(
                 dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base, q_desc, do_desc,
                 stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam, lo, f1, offs_m, offs_dk, offs_dv,
                 len_q, len_k, diag, left, right, qk_scale, sm_scale, philox_seed, philox_offset, bh,
-                dropout_p, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC,
-                USE_TMA)
+                dropout_p, softcap, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC,
+                USE_TMA, SOFTCAP)
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base, q_desc, do_desc,
             stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam, f1, f2, offs_m, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale, sm_scale, philox_seed, philox_offset, bh,
-            dropout_p, False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC,
-                USE_TMA)
+            dropout_p, softcap, False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC,
+                USE_TMA, SOFTCAP)
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base, q_desc, do_desc,
             stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam, f2, hi, offs_m, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale, sm_scale, philox_seed, philox_offset, bh,
-            dropout_p, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC,
-                USE_TMA)
+            dropout_p, softcap, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC,
+                USE_TMA, SOFTCAP)
         if BIAS == 2 and CAUSAL != 0:
             _zero_dbias(DB_base, stride_dbm, cols, 0, lo, len_q, len_k, offs_m, BLOCK_M)
             hi_up = (hi + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -365,10 +375,10 @@ def _dq_blocks(
     stride_kn, stride_vn, stride_bm,
     start, end, offs_n, offs_dk, offs_dv,
     len_q, len_k, diag, left, right, qk_scale,
-    philox_seed, philox_offset, bh, dropout_p,
+    philox_seed, philox_offset, bh, dropout_p, softcap,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Accumulate dq of one query block over key blocks start, start+BLOCK_N, ... < end (with
     USE_TMA, k and v through tensor descriptors, as q and dO in _dkdv_blocks)."""
@@ -384,7 +394,12 @@ def _dq_blocks(
         else:
             k = _load_rows(k_ptrs, cols, len_k, offs_dk, HEAD_DIM, MASKED)
             v = _load_rows(v_ptrs, cols, len_k, offs_dv, HEAD_DIM_V, MASKED)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if SOFTCAP:
+            t = _tanh(qk * (qk_scale / (softcap * LOG2E)))
+            qk = t * (softcap * LOG2E)
+        else:
+            qk = qk * qk_scale
         if BIAS != 0:
             b_ptrs = B_base + rows_b[:, None] * stride_bm + cols[None, :]
             if MASKED:
@@ -405,6 +420,8 @@ def _dq_blocks(
                                  dropout_p)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -422,10 +439,11 @@ def attn_bwd_dq(
     stride_dqz, stride_dqh, stride_dqm,
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
-    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """dQ of one query block of one query head.
 
@@ -501,20 +519,20 @@ def attn_bwd_dq(
             dq, q, do, lse, delta, rows, K_base, V_base, B_base, k_desc, v_desc, stride_kn, stride_vn,
             stride_bm,
             lo, f1, offs_n, offs_dk, offs_dv, len_q, len_k, diag, left, right, qk_scale,
-            philox_seed, philox_offset, bh, dropout_p,
-            True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA)
+            philox_seed, philox_offset, bh, dropout_p, softcap,
+            True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA, SOFTCAP)
     dq = _dq_blocks(
         dq, q, do, lse, delta, rows, K_base, V_base, B_base, k_desc, v_desc, stride_kn, stride_vn,
             stride_bm,
         f1, f2, offs_n, offs_dk, offs_dv, len_q, len_k, diag, left, right, qk_scale,
-        philox_seed, philox_offset, bh, dropout_p,
-        False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA)
+        philox_seed, philox_offset, bh, dropout_p, softcap,
+        False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA, SOFTCAP)
     dq = _dq_blocks(
         dq, q, do, lse, delta, rows, K_base, V_base, B_base, k_desc, v_desc, stride_kn, stride_vn,
             stride_bm,
         f2, hi, offs_n, offs_dk, offs_dv, len_q, len_k, diag, left, right, qk_scale,
-        philox_seed, philox_offset, bh, dropout_p,
-        True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA)
+        philox_seed, philox_offset, bh, dropout_p, softcap,
+        True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA, SOFTCAP)
 
     dq = dq * sm_scale
     dqmask = rows[:, None] < len_q
@@ -651,6 +669,13 @@ _HEADS = {"HEAD_DIM": HEAD_DIM_BUCKETS, "HEAD_DIM_V": HEAD_DIM_BUCKETS}
 # Imported below the kernels: a kernel's key holds its line number.
 from aotriton_rt.ops.attention.family import CONVERT, DKDV, DQ, PRE  # noqa: E402
 
+
+def _softcap_checks(base: tuple[str, ...]):
+    """The checks of a dK/dV or dQ spec: ``base``, and for softcap variants a positive cap and a
+    non-zero scale (as the forward's)."""
+    return lambda spec: base + (("softcap > 0", "sm_scale != 0") if spec.get("SOFTCAP") else ())
+
+
 KERNELS = [
     KernelDecl(
         name=PRE,
@@ -682,29 +707,31 @@ KERNELS = [
         fn=attn_bwd_dkdv,
         signature=_DKDV_SIG,
         axes={"dtype": DTYPES, **_HEADS, "CAUSAL": (0, 1, 2), "BIAS": (0, 1, 2), "DROPOUT": (0, 1),
-              "VARLEN": (0, 1), "DQ_ATOMIC": (0, 1)},
+              "VARLEN": (0, 1), "DQ_ATOMIC": (0, 1), "SOFTCAP": (0, 1)},
         configs=dkdv_configs,
         grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
         divisibility=_DKDV_DIV,
-        exclude=head_dim_excluded,
+        exclude=fwd_excluded,
         sets={"default": in_default_backward_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
         # sm90's sweep alternates only in bwdsweep and full (see _SM90_DKDV_SWEEP).
         set_configs={"default": 1, "gputest": 1},
-        checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1") + stride_checks(_DKDV_DIV),
+        checks=_softcap_checks(GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1")
+                               + stride_checks(_DKDV_DIV)),
     ),
     KernelDecl(
         name=DQ,
         fn=attn_bwd_dq,
         signature=_DQ_SIG,
         axes={"dtype": DTYPES, **_HEADS, "CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1),
-              "VARLEN": (0, 1)},
+              "VARLEN": (0, 1), "SOFTCAP": (0, 1)},
         configs=dq_configs,
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_DQ_DIV,
-        exclude=head_dim_excluded,
+        exclude=fwd_excluded,
         sets={"default": in_default_backward_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
         # sm90's sweep alternates only in bwdsweep and full (see _SM90_DKDV_SWEEP).
         set_configs={"default": 1, "gputest": 1},
-        checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1") + stride_checks(_DQ_DIV),
+        checks=_softcap_checks(GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1")
+                               + stride_checks(_DQ_DIV)),
     ),
 ]

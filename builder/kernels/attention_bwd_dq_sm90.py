@@ -146,10 +146,10 @@ def attn_bwd_dq_sm90(
     stride_dqz, stride_dqh, stride_dqm,
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
-    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr, SOFTCAP: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """dQ of one query block of one query head (see attn_bwd_dq).
@@ -274,7 +274,7 @@ KERNEL = KernelDecl(
     fn=attn_bwd_dq_sm90,
     signature=_SIG,
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
-          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,)},
+          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "SOFTCAP": (0,)},
     configs=sm90_dq_configs,
     grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
     divisibility=_DIV,

@@ -349,10 +349,11 @@ def attn_bwd_dkdv_sm90(
     stride_dqaz, stride_dqah, stride_dqam,
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
-    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
+    sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
     DQ_ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr,
+    SOFTCAP: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_SHARE: gl.constexpr,
 ):
     """dK, dV of one key block of one key/value head, summed over its GQA query heads (see
@@ -531,7 +532,7 @@ KERNEL = KernelDecl(
     fn=attn_bwd_dkdv_sm90,
     signature=_SIG,
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
-          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "DQ_ATOMIC": (0, 1)},
+          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "DQ_ATOMIC": (0, 1), "SOFTCAP": (0,)},
     configs=sm90_dkdv_configs,
     grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
     divisibility=_DIV,

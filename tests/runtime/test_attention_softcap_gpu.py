@@ -1,8 +1,8 @@
 """The logit softcap on the GPU, on the default images (marker ``gpu``), against an fp32 reference.
 
-Gemma 2's shapes (head dim 256, causal and with a sliding window, GQA), dense and packed batches
-whose arrays carry NaN rows past the last sequence, odd lengths; the torch op without a gradient;
-the refusal of a softcapped call that would record one. The reference applies
+Gemma 2's shapes (head dim 256, causal and with a sliding window, GQA; the default images), dense
+and packed batches whose arrays carry NaN rows past the last sequence, odd lengths; the torch op's
+gradients at head dim 64 (the gputest images). The reference applies
 ``softcap * tanh(scores / softcap)`` to the scaled scores before the mask (FlashAttention-2).
 """
 
@@ -82,15 +82,22 @@ def test_gemma2_packed_with_nan_past_the_last_sequence(default_lib: Any) -> None
         assert _rel(got, ref) <= TOL[dtype], f"sequence {b}: {_rel(got, ref):.3g}"
 
 
-def test_the_torch_op_runs_without_a_gradient_and_refuses_one(default_lib: Any) -> None:
-    from aotriton_rt.errors import UnsupportedError
+def test_the_torch_op_forward_and_gradients_at_head_dim_64(gpu_images: Any) -> None:
+    """The gputest images' softcap backward (head dim 64): q, k, v gradients against fp32 autograd."""
+    import aotriton_rt
     from aotriton_rt.ops import torch as op_torch
 
+    lib = aotriton_rt.Library(gpu_images)
     gen = torch.Generator(device="cuda").manual_seed(3)
-    q, k, v = (torch.randn(1, 4, 77, 256, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
-    with torch.no_grad():
-        out = op_torch.attention(q, k, v, causal=True, softcap=CAP, library=default_lib)
-    ref = _reference(q.float(), k.float(), v.float(), CAP, -1, 0)
+    q, k, v = (torch.randn(2, 4, 173, 64, device="cuda", generator=gen).mul(3).to(torch.bfloat16)
+               for _ in range(3))
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = op_torch.attention(*leaves, causal=True, softcap=5.0, library=lib)
+    dout = torch.randn(out.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    out.backward(dout)
+    refs = [t.detach().float().clone().requires_grad_() for t in (q, k, v)]
+    ref = _reference(*refs, 5.0, -1, 0)
+    ref.backward(dout.float())
     assert _rel(out, ref) <= TOL[torch.bfloat16]
-    with pytest.raises(UnsupportedError, match="softcap has no backward yet"):
-        op_torch.attention(q.requires_grad_(), k, v, causal=True, softcap=CAP, library=default_lib)
+    for name, got, want in zip("qkv", leaves, refs):
+        assert _rel(got.grad, want.grad) <= 2 * TOL[torch.bfloat16], f"d{name}: {_rel(got.grad, want.grad):.3g}"

@@ -43,7 +43,7 @@ MODELS = {
                        "num_experts_per_tok": 2, "intermediate_size": 256,
                        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     # Gemma 2's logit softcap (50, at head dim 256) on every layer, a window on one; inference
-    # only (the softcap has no backward yet).
+    # only here (the default images hold no head-dim-256 backward).
     "gemma2_softcap": ("Gemma2Config", "Gemma2ForCausalLM",
                        {"num_key_value_heads": 2, "head_dim": 256, "sliding_window": 16, "attn_logit_softcapping": 50.0,
                         "final_logit_softcapping": None,
@@ -57,7 +57,7 @@ LENGTHS = (37, 120, 5, 77)  # left-padded prompts
 
 #: The reference attention where SDPA cannot serve a model.
 REFERENCE = {"gpt_oss_sinks": "eager", "gemma2_softcap": "eager"}
-#: Models whose attention has no backward here yet: logits and generation only.
+#: Models the default images serve for inference only (no head-dim-256 backward): logits and generation.
 INFERENCE_ONLY = ("gemma2_softcap",)
 
 
@@ -107,7 +107,7 @@ def test_padded_logits_and_gradients_are_as_close_to_fp32_as_sdpa(name_registere
         got = _err(ours(ids, attention_mask=mask).logits[real], want)
     assert got <= 2 * base + 1e-2, f"logits: ours {got:.3g} from fp32, bf16 SDPA {base:.3g}"
     if name in INFERENCE_ONLY:
-        return  # gradients: the softcap's backward is not written (training refuses by name)
+        return  # gradients: the default images hold no head-dim-256 backward
     labels = ids.masked_fill(mask == 0, -100)
     grads = []
     for model in (ref, sdpa, ours):

@@ -61,7 +61,7 @@ from __future__ import annotations
 from typing import Any
 
 from ... import interop
-from ...errors import ArgumentError, UnsupportedError
+from ...errors import ArgumentError
 from ...tuning import select_config, select_mode
 from . import backward_plan as _backward_plan
 from . import express as _express
@@ -121,7 +121,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
             vector ``(Hq,)``, joining every row's softmax without a value. ``out`` and ``lse``
             are then the sink's (a row that sees no key outputs 0 and has ``lse`` = its sink).
         softcap: logit softcap (Gemma 2): scores become ``softcap * tanh(scores / softcap)``
-            (after ``scale``, before the bias and the masks); None or 0: none. Forward only.
+            (after ``scale``, before the bias and the masks); None or 0: none; the backward takes
+            the same value.
         library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
 
     Returns:
@@ -189,16 +190,13 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
 
         dq, dk, dv, dbias = attention_backward(dout, q, k, v, out, lse, bias=b, causal=True)
     """
-    if softcap is not None and softcap != 0:
-        raise UnsupportedError("softcap has no backward yet (the forward runs with it): train without "
-                               "softcap, or with the eager attention")
     try:
         grads = _backward_plan.backward(dout, q, k, v, out, lse, causal=causal, window=window, align=align,
                                        bias=bias, dropout_p=dropout_p, seed=seed, offset=offset, scale=scale,
                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout,
                                        deterministic=deterministic, scheme=scheme, bias_grad=bias_grad, dq=dq,
-                                       dk=dk, dv=dv, library=library)
+                                       dk=dk, dv=dv, library=library, softcap=softcap)
         if sinks is not None:
             grads = tuple(grads) + (_sinks.sinks_grad(dout, out, lse, sinks,
                                                       heads_q=_heads_q(q, layout, cu_seqlens_q), layout=layout,

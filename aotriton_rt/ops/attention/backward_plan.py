@@ -174,7 +174,8 @@ def backward_after(forward_key: Any, dout: Any, q: Any, k: Any, v: Any, out: Any
     return plan.run(arrays, (None, None, None), ptrs, options["seed"], options["offset"])
 
 
-_BWD_OPTIONS = ("causal", "window", "align", "dropout_p", "scale", "max_seqlen_q", "max_seqlen_k", "layout")
+_BWD_OPTIONS = ("causal", "window", "align", "dropout_p", "scale", "max_seqlen_q", "max_seqlen_k", "layout",
+                "softcap")
 
 
 def _build_backward(library: Any, arrays: tuple, grads: tuple, deterministic: Any, scheme: Any, bias_grad: Any,

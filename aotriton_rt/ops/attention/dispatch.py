@@ -57,12 +57,11 @@ def _everything(name: str, params: Mapping[str, Any], args: Sequence[str] = ()) 
     return True
 
 
-def needed_args(call: AttentionCall, causal: int) -> tuple[str, ...]:
-    """The run-time arguments a variant of mask mode ``causal`` must take to serve ``call``:
-    :data:`ALIGN_ARG` when a mode-1 band must be aligned bottom-right, :data:`SOFTCAP_ARG` for a
-    softcapped call."""
-    align = (ALIGN_ARG,) if causal == 1 and call.causal == 2 and not call.causal_equivalent else ()
-    return align + ((SOFTCAP_ARG,) if call.softcap else ())
+def needed_args(call: AttentionCall, spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """The run-time arguments a variant of ``spec`` must take to serve ``call``: :data:`ALIGN_ARG`
+    when a mode-1 band must be aligned bottom-right, :data:`SOFTCAP_ARG` for a softcap variant."""
+    align = (ALIGN_ARG,) if spec.get("CAUSAL", 0) == 1 and call.causal == 2 and not call.causal_equivalent else ()
+    return align + ((SOFTCAP_ARG,) if spec.get("SOFTCAP") else ())
 
 
 def _first(name: str, candidates: list[dict], available: Available, call: AttentionCall,
@@ -70,7 +69,7 @@ def _first(name: str, candidates: list[dict], available: Available, call: Attent
     # The first candidate the images hold; if none, candidate ``missing``, so that the library's
     # KernelNotFound explains what is missing.
     for c in candidates:
-        if available(name, c, needed_args(call, c["CAUSAL"])):
+        if available(name, c, needed_args(call, c)):
             return c
     return candidates[missing]
 
@@ -115,9 +114,11 @@ def backward_params(call: AttentionCall, available: Available | None = None, *, 
     dropout = int(bool(call.dropout))
     bias_dkdv = (2 if dbias else 1) if call.bias else 0
 
-    def scheme(atomic: int, dk: int, dv: int, causal: int) -> dict[str, dict[str, Any]]:
+    def scheme(atomic: int, dk: int, dv: int, causal: int, keyed: bool = True) -> dict[str, dict[str, Any]]:
         common = {"dtype": call.dtype, "HEAD_DIM": dk, "HEAD_DIM_V": dv}
         masks = {"CAUSAL": causal, "DROPOUT": dropout, "VARLEN": int(call.varlen)}
+        if keyed:  # images built before the SOFTCAP axis: their dK/dV and dQ have no such parameter
+            masks["SOFTCAP"] = int(call.softcap)
         kernels = {PRE: {**common, "VARLEN": int(call.varlen), "DQ_ATOMIC": atomic},
                    DKDV: {**common, **masks, "BIAS": bias_dkdv, "DQ_ATOMIC": atomic}}
         if atomic:
@@ -129,14 +130,15 @@ def backward_params(call: AttentionCall, available: Available | None = None, *, 
     shapes = [(dk, dv, c) for dk, dv in head_dim_buckets(call.head_dim, call.head_dim_v)
               for c in _causal_modes(call)]
     order = [1, 0] if mode == "atomic" else [0, 1]
-    for atomic in order:
-        if atomic and deterministic:
-            continue
-        for dk, dv, c in shapes:
-            kernels = scheme(atomic, dk, dv, c)
-            if all(available(n, p, needed_args(call, p.get("CAUSAL", 0))) for n, p in kernels.items()):
-                return ("atomic" if atomic else "split"), kernels
-    return "split", scheme(0, *shapes[0])
+    for keyed in ((True,) if call.softcap else (True, False)):
+        for atomic in order:
+            if atomic and deterministic:
+                continue
+            for dk, dv, c in shapes:
+                kernels = scheme(atomic, dk, dv, c, keyed)
+                if all(available(n, p, needed_args(call, p)) for n, p in kernels.items()):
+                    return ("atomic" if atomic else "split"), kernels
+    return "split", scheme(0, *shapes[0], call.softcap)
 
 
 def role_available(ks: LibraryKernels, arch: str | Callable[[], str]) -> Available:
@@ -340,7 +342,7 @@ def backward_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: di
     owns = {a: kernels[role] for a, kernels in ARCH_BACKWARDS.items() if role in kernels}
     table, what = BACKWARD_KERNEL_RULES[role]
     name, why = _arch_kernel(ks, call, spec, arch, role, owns, table, what)
-    sibling = ks.aligned_sibling(name, spec, call, needed_args(call, spec.get("CAUSAL", 0)))
+    sibling = ks.aligned_sibling(name, spec, call, needed_args(call, spec))
     if sibling is not None:
         return Route(sibling, f"{why}; {ALIGNED_REASON}" if why else ALIGNED_REASON)
     return Route(name, why)
@@ -348,7 +350,7 @@ def backward_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: di
 
 def _arch_kernel(ks: LibraryKernels, call: AttentionCall, spec: dict[str, Any], arch: str | Callable[[], str],
                  portable: str, owns: Mapping[str, str], table: str, what: str) -> Route:
-    needs = needed_args(call, spec.get("CAUSAL", 0))
+    needs = needed_args(call, spec)
     candidates = [name for name in dict.fromkeys(owns.values()) if ks.available(name, spec, needs)]
     if not candidates:
         return Route(portable, "")  # nothing to choose
