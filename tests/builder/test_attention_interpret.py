@@ -237,8 +237,9 @@ def run_case(name: str, case: dict) -> dict:
     attn_bwd_dkdv[(triton.cdiv(Sk, c["BN"]), B * Hk, 1)](
         q, k, v, bias, do, dk, dv, dbias, dqacc, lse, delta, cu_q, cu_k,
         sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, sbz, sbh, sbm, sdoz, sdoh, sdom,
-        skz, skh, skn, svz, svh, svn, sdbz, sdbh, sdbm, sdqaz, sdqah, sdqam, slz, slh, *common,
-        BIAS=bias_flag, DQ_ATOMIC=atomic, BLOCK_M=c["BM"], BLOCK_N=c["BN"], USE_TMA=c.get("tma", 0), **flags)
+        skz, skh, skn, svz, svh, svn, sdbz, sdbh, sdbm, sdqaz, sdqah, sdqam, slz, slh, *common, softcap=0.0,
+        BIAS=bias_flag, DQ_ATOMIC=atomic, BLOCK_M=c["BM"], BLOCK_N=c["BN"], USE_TMA=c.get("tma", 0), SOFTCAP=0,
+        **flags)
     if atomic:
         attn_bwd_dq_convert[(triton.cdiv(Sq, c["BM"]), B * Hq, 1)](
             dqacc, dq, cu_q, sdqaz, sdqah, sdqam, sqz, sqh, sqm, B, Hq, Sq,
@@ -247,8 +248,8 @@ def run_case(name: str, case: dict) -> dict:
         attn_bwd_dq[(triton.cdiv(Sq, c["BM"]), B * Hq, 1)](
             q, k, v, bias, do, dq, lse, delta, cu_q, cu_k,
             sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, sbz, sbh, sbm, sdoz, sdoh, sdom,
-            sqz, sqh, sqm, slz, slh, *common,
-            BIAS=bias_flag, BLOCK_M=c["BM"], BLOCK_N=c["BN"], USE_TMA=c.get("tma", 0), **flags)
+            sqz, sqh, sqm, slz, slh, *common, softcap=0.0,
+            BIAS=bias_flag, BLOCK_M=c["BM"], BLOCK_N=c["BN"], USE_TMA=c.get("tma", 0), SOFTCAP=0, **flags)
 
     errors: dict[str, float] = {}
     failed: list[str] = []

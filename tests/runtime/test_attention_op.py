@@ -615,7 +615,7 @@ def test_backward_prefers_split_and_takes_atomic_dq_only_when_asked_or_alone() -
     assert mode == "atomic"
     assert list(kernels) == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq_convert"]
     assert kernels["attn_bwd_dkdv"] == {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2,
-                                        "DROPOUT": 0, "VARLEN": 0, "BIAS": 2, "DQ_ATOMIC": 1}
+                                        "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0, "BIAS": 2, "DQ_ATOMIC": 1}
     assert kernels["attn_bwd_dq_convert"] == {"dtype": "fp16", "HEAD_DIM": 128, "VARLEN": 0}
     # Images with only the atomic kernels: atomic, unless the call must be deterministic.
     no_dq = lambda name, params, args: name != "attn_bwd_dq"

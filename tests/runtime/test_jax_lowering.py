@@ -304,8 +304,8 @@ if __name__ == "__main__":
     fwd = {**base, **mask, "BIAS": 0, "SOFTCAP": 0}
     want = {("attn_fwd", "sm90"): fwd, ("attn_fwd", "gfx942"): fwd,
             ("attn_bwd_preprocess", "sm90"): {**base, "VARLEN": 0, "DQ_ATOMIC": 0},
-            ("attn_bwd_dkdv", "sm90"): {**base, **mask, "BIAS": 0, "DQ_ATOMIC": 0},
-            ("attn_bwd_dq", "sm90"): {**base, **mask, "BIAS": 0}}
+            ("attn_bwd_dkdv", "sm90"): {**base, **mask, "BIAS": 0, "DQ_ATOMIC": 0, "SOFTCAP": 0},
+            ("attn_bwd_dq", "sm90"): {**base, **mask, "BIAS": 0, "SOFTCAP": 0}}
     kernels = registry.load_kernels()
     jobs = [j for (name, arch), spec in want.items()
             for j in registry.expand(kernels[name], parse_targets(arch), "full", "3.6.0")
