@@ -128,7 +128,7 @@ class Problem:
              "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
         if kernel in ("dkdv", "dkdva"):
             s["DQ_ATOMIC"] = atomic
-        if kernel == "fwd":
+        if kernel in ("fwd", "dkdv", "dkdva", "dq"):
             s["SOFTCAP"] = 0
         return s
 
@@ -155,11 +155,11 @@ class Problem:
         if kernel in ("dkdv", "dkdva"):
             return [t("q"), t("k"), t("v"), t("dummy"), t("do"), t("dk"), t("dv"), t("dummy"), t(dqa), t("lse"),
                     t("delta"), t("dummy32"), t("dummy32"), *strides * 3, *none, *strides * 3, *none,
-                    *dqa_strides, self.lz, self.lh, *sizes, *scal]
+                    *dqa_strides, self.lz, self.lh, *sizes, *scal, 0.0]  # softcap: none
         if kernel == "conv":
             return [t("dqa"), t("dq"), t("dummy32"), *strides * 2, self.B, self.H, self.N]
         return [t("q"), t("k"), t("v"), t("dummy"), t("do"), t("dq"), t("lse"), t("delta"), t("dummy32"),
-                t("dummy32"), *strides * 3, *none, *strides * 2, self.lz, self.lh, *sizes, *scal]
+                t("dummy32"), *strides * 3, *none, *strides * 2, self.lz, self.lh, *sizes, *scal, 0.0]
 
     def grid(self, kernel: str, cfg: dict) -> tuple[int, int, int]:
         """The registry's grid rule (causal forward programs pair query blocks, for one)."""
