@@ -101,3 +101,72 @@ def test_the_torch_op_forward_and_gradients_at_head_dim_64(gpu_images: Any) -> N
     assert _rel(out, ref) <= TOL[torch.bfloat16]
     for name, got, want in zip("qkv", leaves, refs):
         assert _rel(got.grad, want.grad) <= 2 * TOL[torch.bfloat16], f"d{name}: {_rel(got.grad, want.grad):.3g}"
+
+
+def _grads(q: Any, k: Any, v: Any, dout: Any, cap: float, left: int, right: int) -> list:
+    """fp32 autograd gradients of :func:`_reference` (bhsd)."""
+    leaves = [t.detach().float().clone().requires_grad_() for t in (q, k, v)]
+    _reference(*leaves, cap, left, right).backward(dout.float())
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("scheme", ["split", "atomic"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_backward_schemes_gqa_and_masks_at_head_dim_64(gpu_images: Any, scheme: str, mask: str) -> None:
+    """Both backward schemes (the atomic one sums dQ with fp32 atomics), GQA 8:2, unequal lengths
+    (bottom-right causal and window), every gradient against fp32 autograd."""
+    import aotriton_rt
+
+    lib = aotriton_rt.Library(gpu_images)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    B, Hq, Hk, Sq, Sk, D, cap = 2, 8, 2, 157, 211, 64, 8.0
+    q = torch.randn(B, Hq, Sq, D, device="cuda", generator=gen).mul(2).to(torch.float16)
+    k, v = (torch.randn(B, Hk, Sk, D, device="cuda", generator=gen).mul(2).to(torch.float16) for _ in range(2))
+    kw, (left, right) = {"none": ({}, (-1, -1)), "causal": ({"causal": True}, (-1, 0)),
+                         "window": ({"window": (40, 0)}, (40, 0))}[mask]
+    out, lse = aotriton_rt.attention(q, k, v, align="bottom_right", softcap=cap, library=lib, **kw)
+    dout = torch.randn(out.shape, device="cuda", generator=gen).to(torch.float16)
+    dq, dk, dv, _ = aotriton_rt.attention_backward(dout, q, k, v, out, lse, align="bottom_right", softcap=cap,
+                                                   scheme=scheme, library=lib, **kw)
+    ref = _reference(*(t.float() for t in (q, k, v)), cap, left, right)
+    plain = _reference(*(t.float() for t in (q, k, v)), 1e9, left, right)
+    assert _rel(ref, plain) > 0.05, "the cap does not bend these scores"
+    assert _rel(out, ref) <= TOL[torch.float16]
+    for name, got, want in zip("qkv", (dq, dk, dv), _grads(q, k, v, dout, cap, left, right)):
+        assert _rel(got, want) <= 2 * TOL[torch.float16], f"d{name}: {_rel(got, want):.3g}"
+
+
+def test_backward_packed_with_softcap_and_sinks(gpu_images: Any) -> None:
+    """Packed sequences (varlen, causal), softcap together with attention sinks: dq, dk, dv and
+    dsinks against fp32 autograd of the softcapped scores with a sink column in the softmax."""
+    import aotriton_rt
+
+    lib = aotriton_rt.Library(gpu_images)
+    dtype, D, Hq, Hk, cap = torch.bfloat16, 64, 4, 2, 6.0
+    lens = [45, 1, 130, 64]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    total = int(cu[-1])
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(total, h, D, device="cuda", generator=gen).mul(2).to(dtype) for h in (Hq, Hk, Hk))
+    sinks = torch.randn(Hq, device="cuda", generator=gen)
+    kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+              softcap=cap, sinks=sinks, library=lib)
+    out, lse = aotriton_rt.attention(q, k, v, **kw)
+    dout = torch.randn(out.shape, device="cuda", generator=gen).to(dtype)
+    dq, dk, dv, _, dsinks = aotriton_rt.attention_backward(dout, q, k, v, out, lse, **kw)
+    leaves = [t.detach().float().clone().requires_grad_() for t in (q, k, v, sinks)]
+    rq, rk, rv, rs = leaves
+    outs = []
+    for b, n in enumerate(lens):
+        a = int(cu[b])
+        qb, kb, vb = (t[a:a + n].transpose(0, 1).repeat_interleave(Hq // t.shape[1], 0) for t in (rq, rk, rv))
+        s = torch.einsum("hqd,hkd->hqk", qb, kb) * D ** -0.5
+        s = (cap * torch.tanh(s / cap)).masked_fill(torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1),
+                                                    float("-inf"))
+        s = torch.cat([s, rs[:, None, None].expand(Hq, n, 1)], -1)
+        outs.append(torch.einsum("hqk,hkd->qhd", torch.softmax(s, -1)[..., :n], vb))
+    ref = torch.cat(outs)
+    ref.backward(dout.float())
+    assert _rel(out, ref) <= TOL[dtype]
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), (dq, dk, dv, dsinks), [t.grad for t in leaves]):
+        assert _rel(got, want) <= 2 * TOL[dtype], f"{name}: {_rel(got, want):.3g}"
