@@ -90,17 +90,19 @@ class _Options:
     library: Any = None
     arch: str | None = None
     same_cu: bool = False
+    softcap: float | None = None
 
     def eager(self) -> dict[str, Any]:
         return {"causal": self.causal, "window": self.window, "align": self.align, "dropout_p": self.dropout_p,
                 "seed": self.seed, "offset": self.offset, "scale": self.scale, "max_seqlen_q": self.max_seqlen_q,
-                "max_seqlen_k": self.max_seqlen_k, "layout": self.layout}
+                "max_seqlen_k": self.max_seqlen_k, "layout": self.layout, "softcap": self.softcap}
 
 
 def _options(causal: Any, window: Any, align: Any, dropout_p: Any, seed: Any, offset: Any, scale: Any,
              max_seqlen_q: Any, max_seqlen_k: Any, layout: Any, deterministic: Any, scheme: Any, library: Any,
-             arch: Any, cu_q: Any, cu_k: Any) -> _Options:
+             arch: Any, cu_q: Any, cu_k: Any, softcap: Any = None) -> _Options:
     for name, value in (("seed", seed), ("offset", offset), ("scale", scale), ("dropout_p", dropout_p),
+                        ("softcap", softcap),
                         ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, (jax.core.Tracer, jax.Array)):
             raise ArgumentError(f"{name} must be a Python number under jax.jit (jaxlib's Triton call fixes kernel "
@@ -111,7 +113,7 @@ def _options(causal: Any, window: Any, align: Any, dropout_p: Any, seed: Any, of
     if isinstance(window, list):
         window = tuple(window)
     return _Options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout,
-                    deterministic, scheme, library, arch, cu_q is not None and cu_q is cu_k)
+                    deterministic, scheme, library, arch, cu_q is not None and cu_q is cu_k, softcap)
 
 
 def _standin(x: Any, name: str) -> _Standin | None:
@@ -176,7 +178,8 @@ def _facts(q: Any, k: Any, v: Any, cu_q: Any, o: _Options) -> _Facts:
     seed, offset = (o.seed, o.offset) if o.dropout_p > 0 else (0, 0)
     scalars = scalar_arguments(batch=batch, heads_q=heads_q, heads_k=heads_k, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                scale=scale, dropout_p=float(o.dropout_p), seed=seed, offset=offset, window_left=left,
-                               window_right=right, causal_mode=2 if masked and o.align == "bottom_right" else 0)
+                               window_right=right, causal_mode=2 if masked and o.align == "bottom_right" else 0,
+                               softcap=float(o.softcap or 0.0))
     return _Facts(varlen, batch, heads_q, heads_k, seqlen_q, seqlen_k, rows_q, rows_k, d, v.shape[-1],
                   tuple(scalars.items()))
 
@@ -323,7 +326,8 @@ def attention_forward(q: Any, k: Any, v: Any, *, causal: bool = False, window: t
                       align: str = "top_left", bias: Any = None, dropout_p: float = 0.0, seed: int | None = None,
                       offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                       max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
-                      return_mask: bool = False, library: Any = None, arch: str | None = None) -> tuple:
+                      return_mask: bool = False, softcap: float | None = None, library: Any = None,
+                      arch: str | None = None) -> tuple:
     """``(out, lse)`` (and the dropout mask with ``return_mask``) of :func:`aotriton_rt.attention`, as JAX
     arrays, traceable under ``jax.jit``; not differentiable (see :func:`attention`).
 
@@ -332,7 +336,7 @@ def attention_forward(q: Any, k: Any, v: Any, *, causal: bool = False, window: t
     UnsupportedError / KernelNotFound while tracing.
     """
     o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout, False,
-                 None, library, arch, cu_seqlens_q, cu_seqlens_k)
+                 None, library, arch, cu_seqlens_q, cu_seqlens_k, softcap)
     return _forward(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, o, return_mask)
 
 
@@ -341,10 +345,11 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
                        dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, scale: float | None = None,
                        cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
                        max_seqlen_k: int | None = None, layout: str = "bhsd", deterministic: bool = False,
-                       scheme: str | None = None, library: Any = None, arch: str | None = None) -> tuple:
+                       scheme: str | None = None, softcap: float | None = None, library: Any = None,
+                       arch: str | None = None) -> tuple:
     """``(dq, dk, dv, dbias)`` of :func:`aotriton_rt.attention_backward`, as JAX arrays, under ``jax.jit``."""
     o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout,
-                 deterministic, scheme, library, arch, cu_seqlens_q, cu_seqlens_k)
+                 deterministic, scheme, library, arch, cu_seqlens_q, cu_seqlens_k, softcap)
     return _backward(dout, q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, o)
 
 
@@ -452,8 +457,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
               align: str = "top_left", bias: Any = None, dropout_p: float = 0.0, seed: int | None = None,
               offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
               max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
-              deterministic: bool = False, scheme: str | None = None, library: Any = None,
-              arch: str | None = None) -> Any:
+              deterministic: bool = False, scheme: str | None = None, softcap: float | None = None,
+              library: Any = None, arch: str | None = None) -> Any:
     """Differentiable attention on JAX arrays: ``out`` of :func:`aotriton_rt.attention`, with a
     ``jax.custom_vjp`` running the operator's backward kernels (gradients for q, k, v and bias).
 
@@ -468,5 +473,5 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
         dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     """
     o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout,
-                 deterministic, scheme, library, arch, cu_seqlens_q, cu_seqlens_k)
+                 deterministic, scheme, library, arch, cu_seqlens_q, cu_seqlens_k, softcap)
     return _differentiable(o)(q, k, v, bias, cu_seqlens_q, cu_seqlens_k)

@@ -95,7 +95,7 @@ def _run_case(lib, v, B: int, Sq: int, Sk: int, left: int, right: int, Hq: int, 
                         num_stages=v.config.num_stages)
     handle(q, k, vv, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *vv.stride()[:3],
            *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, Hq, Hk, Sq, Sk, scale, 0.0, 0, 0,
-           win_left, win_right, align)
+           win_left, win_right, align, 0.0)  # softcap: none
     torch.cuda.synchronize()
     ref, ref_lse = _reference(q, k, vv, causal, win_left, win_right, scale, align)
     tol = 1e-2 if v.spec["dtype"] == "fp16" else 3e-2

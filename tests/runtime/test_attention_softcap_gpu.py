@@ -49,14 +49,14 @@ def test_gemma2_shapes_dense(default_lib: Any, dtype: Any, window: Any) -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
     B, Hq, Hk, S, D = 2, 8, 4, 301, 256
     # Scores of a few tens: the cap bends them (Gemma 2's logits reach the cap).
-    q, k, v = (torch.randn(B, S, h, D, device="cuda", generator=gen).mul(3).to(dtype) for h in (Hq, Hk, Hk))
+    q, k, v = (torch.randn(B, S, h, D, device="cuda", generator=gen).mul(5).to(dtype) for h in (Hq, Hk, Hk))
     kw = {"window": window} if window else {"causal": True}
     out, lse = aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", softcap=CAP,
                                      library=default_lib, **kw)
     left, right = window if window else (-1, 0)
     ref = _reference(*(t.float().transpose(1, 2) for t in (q, k, v)), CAP, left, right).transpose(1, 2)
     plain = _reference(*(t.float().transpose(1, 2) for t in (q, k, v)), 1e9, left, right).transpose(1, 2)
-    assert _rel(ref, plain) > 10 * TOL[dtype], "the cap does not bend these scores: the test would prove nothing"
+    assert _rel(ref, plain) > 3 * TOL[dtype], "the cap does not bend these scores: the test would prove nothing"
     assert _rel(out, ref) <= TOL[dtype], f"{_rel(out, ref):.3g}"
     assert torch.isfinite(lse).all()
 
@@ -69,7 +69,7 @@ def test_gemma2_packed_with_nan_past_the_last_sequence(default_lib: Any) -> None
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
     total = int(cu[-1])
     gen = torch.Generator(device="cuda").manual_seed(2)
-    q, k, v = (torch.randn(total + 11, h, D, device="cuda", generator=gen).mul(3).to(dtype) for h in (Hq, Hk, Hk))
+    q, k, v = (torch.randn(total + 11, h, D, device="cuda", generator=gen).mul(5).to(dtype) for h in (Hq, Hk, Hk))
     for t in (q, k, v):
         t[total:] = float("nan")
     out, _ = aotriton_rt.attention(q[:total], k[:total], v[:total], causal=True, align="bottom_right",

@@ -118,6 +118,8 @@ def _attention_options(spec: dict) -> tuple[dict, tuple[int, int, int, int, int,
         opts["bias"] = True
     if spec.get("DROPOUT"):
         opts.update(dropout_p=0.2, seed=1234, offset=7)
+    if spec.get("SOFTCAP"):
+        opts["softcap"] = 2.0  # unit-variance inputs: scores of a few units, which this cap bends
     sq, sk = (200, 333) if causal else (257, 257)
     return opts, (2, 4, 2, sq, sk, spec["HEAD_DIM"])
 

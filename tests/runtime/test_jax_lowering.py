@@ -484,11 +484,13 @@ def feature_lib(attn_lib, tmp_path_factory) -> aotriton_rt.Library:
     shutil_copy = __import__("shutil").copytree
     shutil_copy(attn_lib.found.folders[0], folder, dirs_exist_ok=True)
     cat = _inline(folder)
-    axes = {"attn_fwd": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1, 2), "VARLEN": (0, 1)},
+    axes = {"attn_fwd": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1, 2), "VARLEN": (0, 1),
+                         "SOFTCAP": (0, 1)},
             "attn_bwd_preprocess": {"VARLEN": (0, 1), "DQ_ATOMIC": (0,)},
             "attn_bwd_dkdv": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1, 2), "DROPOUT": (0, 1), "VARLEN": (0, 1),
-                              "DQ_ATOMIC": (0,)},
-            "attn_bwd_dq": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1), "VARLEN": (0, 1)}}
+                              "DQ_ATOMIC": (0,), "SOFTCAP": (0, 1)},
+            "attn_bwd_dq": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1), "VARLEN": (0, 1),
+                            "SOFTCAP": (0, 1)}}
     variants = []
     for v in cat["variants"]:
         if v["target"]["arch"] != "sm90":
@@ -543,6 +545,27 @@ def test_every_attention_feature_traces_and_lowers_forward_and_backward(feature_
         v = next(x for x in lib.variants if x.kernel == name)
         sc = _scalars(c if name == "attn_fwd" else calls[2], v)
         assert (sc["philox_seed"], sc["philox_offset"]) == (7, 3) and sc["dropout_p"] == pytest.approx(0.25)
+
+
+def test_softcap_lowers_to_the_softcap_variants_with_the_cap_baked_in(feature_lib) -> None:
+    lib = feature_lib
+    q = jax.ShapeDtypeStruct((2, 4, 100, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 129, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return aj.attention(q, k, v, causal=True, softcap=30.0, library=lib, arch="sm90").astype(jnp.float32).sum()
+
+    calls = _lowers(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
+    assert [c["name"] for c in calls] == ["attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    for call, name in zip((calls[0], calls[2], calls[3]), ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")):
+        variant = next(v for v in lib.variants if v.kernel == name)
+        assert _scalars(call, variant)["softcap"] == pytest.approx(30.0), name
+    # Without a cap the same call passes 0 (the SOFTCAP=0 variants never read it).
+    plain = _lowers(lambda q, k, v: aj.attention_forward(q, k, v, causal=True, library=lib, arch="sm90"), q, k, k)
+    fwd = next(v for v in lib.variants if v.kernel == "attn_fwd")
+    assert _scalars(plain[0], fwd)["softcap"] == 0.0
+    with pytest.raises(aotriton_rt.ArgumentError, match="softcap"):
+        jax.eval_shape(lambda q, k, v: aj.attention(q, k, v, softcap=-1.0, library=lib, arch="sm90"), q, k, k)
 
 
 def test_the_dropout_mask_the_layouts_and_varlen_lower(feature_lib) -> None:

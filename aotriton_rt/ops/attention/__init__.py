@@ -227,7 +227,7 @@ def attention_kernels(q: Any, k: Any, v: Any, *, backward: bool = False, determi
         print(fwd.variant(0).config)
     """
     names = ("causal", "window", "align", "bias", "dropout_p", "seed", "offset", "scale", "cu_seqlens_q",
-             "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "layout")
+             "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "layout", "softcap")
     defaults = {"causal": False, "align": "top_left", "dropout_p": 0.0, "offset": 0, "layout": "bhsd"}
     chosen = {n: options.pop(n, defaults.get(n)) for n in names}
     if options:
