@@ -6,8 +6,9 @@ Rows (bf16, gpt-oss's attention: head dim 64, 64 query / 8 KV heads): prefill fo
 and with gpt-oss's 128-key window, dense; the forward + backward of a training step; decode
 steps against contiguous caches. Each contender runs as a CUDA graph of 10 calls (and eagerly),
 in a shuffled order every round; the ratio is per round, with sinks over without (aim <= 1.05).
-``--softcap``: instead, Gemma 2's forward (head dim 256, 16/8 heads, cap 50) with and without
-``softcap=``, causal and with a 4096-key window.
+``--softcap``: instead, Gemma 2's attention with and without ``softcap=`` (cap 50), causal and
+with a 4096-key window: the 2B/9B forward (head dim 256, 16/8 heads), the 27B forward (head dim
+128, 32/16 heads) and the 27B training step (forward + backward).
 """
 
 from __future__ import annotations
@@ -62,14 +63,25 @@ def _rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
 
 def _softcap_rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
-    for B, S in ((4, 4096), (1, 8192)):
-        q = torch.randn(B, S, 16, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k, v = (torch.randn(B, S, 8, 256, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-        for mask, kw in (("causal", {"causal": True}), ("window 4096", {"window": (4095, 0)})):
-            def call(cap: Any, q: Any = q, k: Any = k, v: Any = v, kw: dict = kw) -> Any:
-                return aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", softcap=cap, library=lib,
-                                             **kw)[0]
-            rows[f"D=256 forward {B}x{S} {mask}"] = {"plain": lambda c=call: c(None), "sinks": lambda c=call: c(50.0)}
+    for d, hq, hk in ((256, 16, 8), (128, 32, 16)):
+        for B, S in ((4, 4096), (1, 8192)):
+            q = torch.randn(B, S, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            k, v = (torch.randn(B, S, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+            for mask, kw in (("causal", {"causal": True}), ("window 4096", {"window": (4095, 0)})):
+                def call(cap: Any, q: Any = q, k: Any = k, v: Any = v, kw: dict = kw) -> Any:
+                    return aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", softcap=cap,
+                                                 library=lib, **kw)[0]
+                rows[f"D={d} forward {B}x{S} {mask}"] = {"plain": lambda c=call: c(None),
+                                                         "sinks": lambda c=call: c(50.0)}
+    B, S = 2, 4096
+    q = torch.randn(B, S, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k, v = (torch.randn(B, S, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(B, S, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def step(cap: Any) -> None:
+        op_torch.attention(q, k, v, causal=True, layout="bshd", softcap=cap, library=lib).backward(dout)
+    rows[f"forward+backward D=128 {B}x{S} causal"] = {"plain": lambda: step(None), "sinks": lambda: step(50.0)}
     return rows
 
 
@@ -82,7 +94,7 @@ def main() -> None:
     lib = aotriton_rt.Library(args.images) if args.images else aotriton_rt.default_library()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = _softcap_rows(lib, gen) if args.softcap else _rows(lib, gen)
-    what = "SOFTCAP (bf16, D=256, 16/8 heads, cap 50" if args.softcap else f"SINKS (bf16, D={D}, {HQ}/{HK} heads"
+    what = "SOFTCAP (bf16, Gemma 2's heads, cap 50" if args.softcap else f"SINKS (bf16, D={D}, {HQ}/{HK} heads"
     print(f"{what}; time with / without, per round: median [min-max]; aim <= 1.05)")
     print(f"{'row':34s} | {'without us':>10s} {'with us':>9s} | {'graph x':>7s} {'[min-max]':>11s} | {'eager x':>7s}")
     for name, pair in rows.items():

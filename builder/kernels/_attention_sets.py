@@ -31,9 +31,10 @@ DEFAULT_CAUSAL = (0, 1)
 DEFAULT_VARLEN_HEAD_DIMS = (64, 128)
 
 
-#: Softcap forwards in the default set: Gemma 2's head dim, causal and windowed (mode 1), dense and
-#: packed (the padded batches the transformers integration unpads), no dropout.
-DEFAULT_SOFTCAP_HEAD_DIMS = (256,)
+#: Softcap forwards in the default set: Gemma 2's head dims (256 for 2B and 9B, 128 for 27B), causal
+#: and windowed (mode 1), dense and packed (the padded batches the transformers integration
+#: unpads), no dropout.
+DEFAULT_SOFTCAP_HEAD_DIMS = (128, 256)
 
 
 def in_default_set(spec: dict, target: object) -> bool:

@@ -73,14 +73,32 @@ def _load_block(idx, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, 
 
 
 @gluon.jit
-def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale,
-             MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+def _cap_constants(softcap, qk_scale, SOFTCAP: gl.constexpr):
+    """(cap_c, cap_k) of _softmax's softcap: ``softcap * LOG2E / qk_scale`` (raw-score units) and
+    ``2 * qk_scale / softcap``; (0, 0) without SOFTCAP (never read then)."""
+    if SOFTCAP:
+        cap_c = softcap * LOG2E / qk_scale
+        cap_k = 2.0 * qk_scale / softcap
+    else:
+        cap_c = qk_scale * 0.0
+        cap_k = qk_scale * 0.0
+    return cap_c, cap_k
+
+
+@gluon.jit
+def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale, cap_c, cap_k,
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr):
     """(p, new row maximum, rescale factor) of one S block; m is in log2 units (scaled scores).
 
     Unmasked blocks fold the scale into the exponent (needs qk_scale >= 0: a negative scale sends
     every block through the masked path, see attn_fwd_sm90). Rows that have seen no visible key
-    keep m = -inf and subtract 0 (no NaN); their p stays 0.
+    keep m = -inf and subtract 0 (no NaN); their p stays 0. SOFTCAP: the raw scores are softcapped
+    first, ``cap_c * tanh(s * cap_k / 2)`` as ``cap_c - 2 cap_c / (1 + exp2(s * cap_k))`` (attn_fwd's
+    _softcapped; monotonic in s, so the unmasked path's scaled row maximum still holds).
     """
+    if SOFTCAP:
+        s_acc = cap_c - gl.fdiv(gl.full(s_acc.shape, 2.0, gl.float32, s_acc.type.layout) * cap_c,
+                                1.0 + gl.exp2(s_acc * cap_k))
     if MASKED:
         qk = s_acc * qk_scale
         keys = start_n + cols
@@ -126,9 +144,9 @@ def _pass_turn(turn, c: gl.constexpr, PINGPONG: gl.constexpr):
 @gluon.jit
 def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn,
               O_head, L_head, stride_om, start_m, len_q, len_k, qk_scale, diag, left, right,
-              lo, f1, f2, n1, n2, n, q_desc, k_desc, v_desc,
+              lo, f1, f2, n1, n2, n, q_desc, k_desc, v_desc, cap_c, cap_k,
               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-              INLINE: gl.constexpr):
+              INLINE: gl.constexpr, SOFTCAP: gl.constexpr):
     """Consumer warp group c: rows start_m + c*HALF ... of the program's tile, the whole key loop.
 
     INLINE (no loader warp): the consumer issues the TMA loads itself: Q and the first STAGES
@@ -143,15 +161,15 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
                         BLOCK_N, STAGES)
     _attend(c, q_smem, k_smem, v_smem, q_bar, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head, stride_om,
             start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n, k_desc, v_desc, 0, 0, 0,
-            CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE, False)
+            cap_c, cap_k, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE, False, SOFTCAP)
 
 
 @gluon.jit
 def _attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn,
             O_head, L_head, stride_om, start_m, len_q, len_k, qk_scale, diag, left, right,
-            lo, f1, f2, n1, n2, n, k_desc, v_desc, ring, turns, q_phase,
+            lo, f1, f2, n1, n2, n, k_desc, v_desc, ring, turns, q_phase, cap_c, cap_k,
             CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-            INLINE: gl.constexpr, RELEASE_Q: gl.constexpr):
+            INLINE: gl.constexpr, RELEASE_Q: gl.constexpr, SOFTCAP: gl.constexpr):
     """Consumer c's part of one query tile: its n key blocks from ring position ``ring`` on (after
     ``turns`` matmul groups), then O and LSE of its rows stored. The tile's Q is the q_phase-th
     load into its Q slot; with RELEASE_Q the slot is handed back on q_free as soon as the tile's
@@ -188,7 +206,7 @@ def _attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_r
         s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
         start0 = _key_block(0, lo, f1, f2, n1, n2, BLOCK_N)
         p32, m_i, alpha = _softmax(s_acc, m_i, start0, rows, cols, len_k, diag, left, right, qk_scale,
-                                   True, CAUSAL)
+                                   cap_c, cap_k, True, CAUSAL, SOFTCAP)
         l_i = gl.sum(p32, 1)
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
@@ -198,13 +216,13 @@ def _attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_r
     for idx in range(1, masked_end):
         acc, p, l_i, m_i = _step(idx, c, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn,
                                  s_zero, rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
-                                 n, k_desc, v_desc, ring, turns, True, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE,
-                                 p_layout, o_layout)
+                                 n, k_desc, v_desc, ring, turns, cap_c, cap_k, True, CAUSAL, BLOCK_N, STAGES,
+                                 PINGPONG, INLINE, p_layout, o_layout, SOFTCAP)
     for idx in range(masked_end, n):
         acc, p, l_i, m_i = _step(idx, c, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn,
                                  s_zero, rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
-                                 n, k_desc, v_desc, ring, turns, False, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE,
-                                 p_layout, o_layout)
+                                 n, k_desc, v_desc, ring, turns, cap_c, cap_k, False, CAUSAL, BLOCK_N, STAGES,
+                                 PINGPONG, INLINE, p_layout, o_layout, SOFTCAP)
     if RELEASE_Q:
         # Every Q.K^T of the tile has retired (each _step waits for its S): Q's slot may be refilled.
         mbarrier.arrive(q_free.index(c), count=1)
@@ -235,8 +253,10 @@ def _attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_r
 @gluon.jit
 def _step(idx, c: gl.constexpr, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn, s_zero,
           rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2, n, k_desc, v_desc, ring, turns,
+          cap_c, cap_k,
           MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          PINGPONG: gl.constexpr, INLINE: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
+          PINGPONG: gl.constexpr, INLINE: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr,
+          SOFTCAP: gl.constexpr):
     """One pipelined key block idx >= 1 of consumer c (see _consumer). ring: the ring position of
     the tile's block 0 (slot ring % STAGES); turns: the consumer's matmul groups before the tile."""
     it = ring + idx
@@ -254,7 +274,7 @@ def _step(idx, c: gl.constexpr, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_
     s_acc = warpgroup_mma_wait(1, deps=(s_acc,))
     start_n = _key_block(idx, lo, f1, f2, n1, n2, BLOCK_N)
     p32, m_i, alpha = _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale,
-                               MASKED, CAUSAL)
+                               cap_c, cap_k, MASKED, CAUSAL, SOFTCAP)
     l_i = l_i * alpha + gl.sum(p32, 1)
     p = gl.convert_layout(p32.to(p.dtype), p_layout)
     acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -381,8 +401,9 @@ def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_
 def _persistent_consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn,
                          Out, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
                          num_m, tiles, num_heads_q, len_q, len_k, qk_scale, diag, left, right, sm_scale,
-                         k_desc, v_desc, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, PINGPONG: gl.constexpr, PAIRS: gl.constexpr):
+                         k_desc, v_desc, cap_c, cap_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, PAIRS: gl.constexpr,
+                         SOFTCAP: gl.constexpr):
     """Consumer warp group c of a persistent program: the loader's tiles in the same order, each
     with the non-persistent consumer's pipeline and epilogue (_attend), ring position and
     ping-pong turns carried from tile to tile."""
@@ -400,7 +421,7 @@ def _persistent_consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free,
         lo, f1, f2, n1, n2, n = _band(start_m, len_k, diag, left, right, sm_scale, CAUSAL, BLOCK_M, BLOCK_N)
         _attend(c, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn, O_head, L_head, stride_om,
                 start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n, k_desc, v_desc, ring,
-                turns, j, CAUSAL, BLOCK_N, STAGES, PINGPONG, False, True)
+                turns, j, cap_c, cap_k, CAUSAL, BLOCK_N, STAGES, PINGPONG, False, True, SOFTCAP)
         ring += n
         turns += gl.where(n > 0, n + 1, 0)
 
@@ -408,10 +429,10 @@ def _persistent_consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free,
 @gluon.jit
 def _attn_fwd_persistent(Q, K, V, Out, LSE, stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                          stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
-                         batch, num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right,
+                         batch, num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right, softcap,
                          HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr):
+                         CONSUMER_REGS: gl.constexpr, SOFTCAP: gl.constexpr):
     """attn_fwd_sm90 with PERSISTENT: programs loop over (query block, batch * head) tiles."""
     HALF: gl.constexpr = BLOCK_M // 2
     BLOCK_D: gl.constexpr = HEAD_DIM
@@ -420,6 +441,7 @@ def _attn_fwd_persistent(Q, K, V, Out, LSE, stride_qz, stride_qh, stride_qm, str
     num_m = (len_q + BLOCK_M - 1) // BLOCK_M
     tiles = num_m * batch * num_heads_q
     qk_scale = sm_scale * LOG2E
+    cap_c, cap_k = _cap_constants(softcap, qk_scale, SOFTCAP)
 
     # One 4-D (batch, head, row, dim) descriptor per tensor serves every tile of the program.
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_D], dtype)
@@ -458,12 +480,12 @@ def _attn_fwd_persistent(Q, K, V, Out, LSE, stride_qz, stride_qh, stride_qm, str
     gl.warp_specialize([
         (_persistent_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn, Out, LSE,
                                 stride_oz, stride_oh, stride_om, stride_lz, stride_lh, num_m, tiles, num_heads_q,
-                                len_q, len_k, qk_scale, diag, left, right, sm_scale, k_desc, v_desc, CAUSAL,
-                                BLOCK_M, BLOCK_N, STAGES, PINGPONG, PAIRS)),
+                                len_q, len_k, qk_scale, diag, left, right, sm_scale, k_desc, v_desc, cap_c, cap_k,
+                                CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, PAIRS, SOFTCAP)),
         (_persistent_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn, Out, LSE,
                                 stride_oz, stride_oh, stride_om, stride_lz, stride_lh, num_m, tiles, num_heads_q,
-                                len_q, len_k, qk_scale, diag, left, right, sm_scale, k_desc, v_desc, CAUSAL,
-                                BLOCK_M, BLOCK_N, STAGES, PINGPONG, PAIRS)),
+                                len_q, len_k, qk_scale, diag, left, right, sm_scale, k_desc, v_desc, cap_c, cap_k,
+                                CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, PAIRS, SOFTCAP)),
         (_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready,
                               kv_free, num_m, tiles, num_heads_q, group, len_k, diag, left, right, sm_scale,
                               CAUSAL, BLOCK_M, BLOCK_N, STAGES, PAIRS)),
@@ -497,6 +519,7 @@ def attn_fwd_sm90(
     registers per thread of the second consumer warp group (the loader warp gets 24).
     WARP_SPECIALIZE 0: no loader warp and one consumer of BLOCK_M rows (4 warps) that issues its
     own TMA loads (a fallback, and small enough for two programs per SM with short key blocks).
+    SOFTCAP: attn_fwd's logit softcap on the raw scores (``softcap > 0``, ``sm_scale != 0``).
     """
     gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0, "attn_fwd_sm90: no bias, dropout or varlen")
     gl.static_assert(HEAD_DIM == HEAD_DIM_V, "attn_fwd_sm90: equal q.k and v head dims")
@@ -523,8 +546,8 @@ def attn_fwd_sm90(
         gl.static_assert(WARP_SPECIALIZE == 1, "attn_fwd_sm90: PERSISTENT needs the loader warp")
         _attn_fwd_persistent(Q, K, V, Out, LSE, stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                              stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
-                             batch, num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right,
-                             HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMER_REGS)
+                             batch, num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right, softcap,
+                             HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMER_REGS, SOFTCAP)
     else:
         pid_m = gl.program_id(0)
         if CAUSAL != 0:
@@ -554,6 +577,7 @@ def attn_fwd_sm90(
 
         lo, f1, f2, n1, n2, n = _band(start_m, len_k, diag, left, right, sm_scale, CAUSAL, BLOCK_M, BLOCK_N)
         qk_scale = sm_scale * LOG2E
+        cap_c, cap_k = _cap_constants(softcap, qk_scale, SOFTCAP)
 
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF, BLOCK_D], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
@@ -575,17 +599,19 @@ def attn_fwd_sm90(
             gl.warp_specialize([
                 (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
                              stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                             q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, PINGPONG, False)),
+                             q_desc, k_desc, v_desc, cap_c, cap_k, CAUSAL, BLOCK_N, STAGES, PINGPONG, False,
+                             SOFTCAP)),
                 (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
                              stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                             q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, PINGPONG, False)),
+                             q_desc, k_desc, v_desc, cap_c, cap_k, CAUSAL, BLOCK_N, STAGES, PINGPONG, False,
+                             SOFTCAP)),
                 (_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free,
                            start_m, lo, f1, f2, n1, n2, n, BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             _consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
                       stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                      q_desc, k_desc, v_desc, CAUSAL, BLOCK_N, STAGES, 0, True)
+                      q_desc, k_desc, v_desc, cap_c, cap_k, CAUSAL, BLOCK_N, STAGES, 0, True, SOFTCAP)
 
 
 # --------------------------------------------------------------------------------------------
@@ -593,6 +619,7 @@ def attn_fwd_sm90(
 # --------------------------------------------------------------------------------------------
 
 from aotriton_rt.ops.attention.family import FWD_SM90  # noqa: E402
+from builder.kernels._attention_sets import in_default_set as _in_attn_fwd_default  # noqa: E402
 from builder.kernels._attention_sets import in_gputest_set as _in_attn_fwd_gputest  # noqa: E402
 from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
@@ -668,8 +695,9 @@ def in_gputest_set(spec: dict, target: object) -> bool:
 def in_default_set(spec: dict, target: object) -> bool:
     """Head dims 64 and 128 (fp16/bf16, no mask and causal mode 1, which serves both alignments),
     in the configs :func:`default_configs` names; the tuning database sends the lengths where
-    ``attn_fwd`` is faster back to it."""
-    return spec["CAUSAL"] in (0, 1)  # both of HEAD_DIMS
+    ``attn_fwd`` is faster back to it. Softcap variants where the default set holds their
+    ``attn_fwd`` twin (a Gluon variant without one is never dispatched)."""
+    return spec["CAUSAL"] in (0, 1) and (not spec.get("SOFTCAP") or _in_attn_fwd_default(spec, target))
 
 
 def default_configs(spec: dict, target: object = None) -> tuple[int, ...]:
@@ -695,21 +723,29 @@ _SIG = signature_of(attn_fwd_sm90, {
     "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"})
 _DIV = divisibility_of(_SIG, aligned=("q", "k", "v", "o"), bias=("b",))
 
+# TMA descriptors need a non-empty extent in every dimension.
+_CHECKS = (GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "seqlen_q >= 1", "seqlen_k >= 1",
+                                       # A persistent program numbers the tiles in 32 bits.
+                                       "cdiv(seqlen_q, BLOCK_M) * batch * num_heads_q <= 1073741824")
+           + stride_checks(_DIV))
+
+
+def _checks(spec: dict) -> tuple[str, ...]:
+    """The launch checks; softcap variants also need a positive cap and a non-zero scale."""
+    return _CHECKS + (("softcap > 0", "sm_scale != 0") if spec.get("SOFTCAP") else ())
+
+
 KERNEL = KernelDecl(
     name=FWD_SM90,
     fn=attn_fwd_sm90,
     signature=_SIG,
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
-          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "SOFTCAP": (0,)},
+          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "SOFTCAP": (0, 1)},
     configs=sm90_fwd_configs,
     grid=GRID,
     divisibility=_DIV,
     exclude=_excluded,
     sets={"default": in_default_set, "gputest": in_gputest_set, "levers": in_levers_set},
     set_configs={"default": default_configs},
-    # TMA descriptors need a non-empty extent in every dimension.
-    checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "seqlen_q >= 1", "seqlen_k >= 1",
-                                        # A persistent program numbers the tiles in 32 bits.
-                                        "cdiv(seqlen_q, BLOCK_M) * batch * num_heads_q <= 1073741824")
-    + stride_checks(_DIV),
+    checks=_checks,
 )

@@ -43,15 +43,16 @@ def test_the_default_set_holds_the_one_tile_and_persistent_configs_at_128_and_th
     # No mask and mode 1 (it takes the band's alignment at run time, so it serves both alignments),
     # both dtypes; the configs under their full-table numbers, which the tuning database's rules use.
     jobs = expand(_kernels()["attn_fwd_sm90"], parse_targets("sm80,sm90,gfx942"), "default", "3.6.0")
-    full = {(j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.config_index): j.constexprs
+    full = {(j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.spec["SOFTCAP"], j.config_index): j.constexprs
             for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "full", "3.6.0")}
     assert {j.target.arch for j in jobs} == {"sm90"}
-    got = {(j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.config_index) for j in jobs}
-    assert got == {(dt, d, c, i) for dt in ("bf16", "fp16") for c in (0, 1)
+    got = {(j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.spec["SOFTCAP"], j.config_index) for j in jobs}
+    # Softcap (Gemma 2 27B's head dim 128) where the default set holds the attn_fwd twin: mode 1.
+    assert got == {(dt, d, c, cap, i) for dt in ("bf16", "fp16") for c in (0, 1)
                    for d, indices in ((128, (0, len(TILES[128]), len(TILES[128]) + 1)), (64, (len(TILES[64]),)))
-                   for i in indices}
+                   for cap in ((0, 1) if d == 128 and c == 1 else (0,)) for i in indices}
     for j in jobs:
-        key = (j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.config_index)
+        key = (j.spec["dtype"], j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.spec["SOFTCAP"], j.config_index)
         assert j.constexprs == full[key]  # the same variant (and key) as the full set's
         assert j.constexprs["PERSISTENT"] == (0 if j.config_index == 0 else PERSISTENT_PROGRAMS)
 

@@ -170,3 +170,49 @@ def test_backward_packed_with_softcap_and_sinks(gpu_images: Any) -> None:
     assert _rel(out, ref) <= TOL[dtype]
     for name, got, want in zip(("dq", "dk", "dv", "dsinks"), (dq, dk, dv, dsinks), [t.grad for t in leaves]):
         assert _rel(got, want) <= 2 * TOL[dtype], f"{name}: {_rel(got, want):.3g}"
+
+
+@pytest.mark.parametrize("kernel", ["attn_fwd", "attn_fwd_sm90"])
+@pytest.mark.parametrize("window", [None, (100, 0)], ids=["causal", "window"])
+def test_head_dim_128_on_each_forward_kernel(default_lib: Any, kernel: str, window: Any) -> None:
+    """Gemma 2 27B's head dim on the default images, forced onto the portable and (on sm90) the
+    Gluon forward: both softcap the same scores."""
+    import aotriton_rt
+    from builder.tune import forced_forward
+
+    if kernel == "attn_fwd_sm90" and not any(v.kernel == kernel and v.spec.get("SOFTCAP")
+                                             for v in default_lib.variants):
+        pytest.skip("these images hold no softcap variant of the sm90 forward (not an sm90 build)")
+    lib = forced_forward(default_lib, kernel)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    B, Hq, Hk, S, D = 2, 8, 2, 777, 128
+    q, k, v = (torch.randn(B, S, h, D, device="cuda", generator=gen).mul(4).to(torch.bfloat16) for h in (Hq, Hk, Hk))
+    kw = {"window": window} if window else {"causal": True}
+    out, _ = aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", softcap=CAP, library=lib, **kw)
+    ran = aotriton_rt.attention_kernels(q, k, v, layout="bshd", align="bottom_right", softcap=CAP, library=lib,
+                                        **kw)["attn_fwd"]
+    assert ran.name == kernel
+    left, right = window if window else (-1, 0)
+    ref = _reference(*(t.float().transpose(1, 2) for t in (q, k, v)), CAP, left, right).transpose(1, 2)
+    assert _rel(out, ref) <= TOL[torch.bfloat16], f"{_rel(out, ref):.3g}"
+
+
+def test_saturated_scores_give_the_capped_softmax(gpu_images: Any) -> None:
+    """Scores of thousands with a cap of 1: tanh saturates at +-1 (exp2 overflows to inf or
+    underflows to 0 inside it) and the output is still the reference's, finite, in the forward
+    and the gradients."""
+    import aotriton_rt
+
+    lib = aotriton_rt.Library(gpu_images)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 150, 64, device="cuda", generator=gen).mul(30).to(torch.float16) for _ in range(3))
+    v = v / 30
+    out, lse = aotriton_rt.attention(q, k, v, softcap=1.0, library=lib)
+    ref = _reference(q.float(), k.float(), v.float(), 1.0, -1, -1)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert _rel(out, ref) <= TOL[torch.float16]
+    dout = torch.randn(out.shape, device="cuda", generator=gen).to(torch.float16)
+    grads = aotriton_rt.attention_backward(dout, q, k, v, out, lse, softcap=1.0, library=lib)[:3]
+    for name, got, want in zip("qkv", grads, _grads(q, k, v, dout, 1.0, -1, -1)):
+        assert torch.isfinite(got).all(), f"d{name}"
+        assert (got.float() - want).abs().max() <= 2 * TOL[torch.float16] * want.abs().max().clamp_min(1.0), f"d{name}"

@@ -155,6 +155,8 @@ def test_every_catalog_kernel_is_callable_under_jit(lib: Any, aj: Any) -> None:
             _attention_case(aj, forced_forward(lib, v.kernel), v.spec, expect_kernel=v.kernel)
         elif v.kernel == "attn_decode":
             _decode_case(aj, lib, v.spec)  # with attn_decode_append and attn_decode_combine
+        elif v.kernel in _HELPER_CASES:
+            _HELPER_CASES[v.kernel](aj, lib, v.spec)
         elif v.kernel not in _COVERED_BY_OTHERS:
             pytest.fail(f"no jit case for catalog kernel {v.kernel}: add one to this test")
     assert seen
@@ -169,6 +171,135 @@ _ARCH_FORWARDS = ("attn_fwd_sm90",)
 _COVERED_BY_OTHERS = ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_dq_convert",
                       "attn_bwd_dkdv_sm90", "attn_bwd_dkdv_sm90_a16", "attn_bwd_dq_sm90", "attn_decode_append",
                       "attn_decode_combine")
+
+
+# -- the eager paths' helper kernels (the decode route's packing, attention sinks), each on its own --
+
+_FAULT_LENGTH = 1  # builder/kernels/decode.py
+
+
+def _route_inputs() -> tuple:
+    """Three sequences against a 64-row cache: a clean one, one whose length is out of range (a
+    fault: its packed rows and outputs are NaN), one with 4 rows of left padding. The packed
+    lengths and prefix sums the lengths kernel must produce."""
+    lens, starts, capacity, seqlen_q = np.array([10, 69, 30], np.int32), np.array([0, 0, 4], np.int32), 64, 2
+    n = np.array([10, 64, 26], np.int32)  # the bad sequence keeps its clamped 64 rows
+    cu_k = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+    faults = np.array([0, _FAULT_LENGTH, 0], np.int32)
+    return lens, starts, capacity, seqlen_q, cu_k, faults
+
+
+def _lengths_case(aj: Any, lib: Any, spec: dict) -> None:
+    lens, starts, capacity, seqlen_q, cu_k, faults = _route_inputs()
+    b = len(lens)
+    k = aj.kernel("attn_decode_lengths", library=lib, **spec)
+    cq, ck, sf = jax.jit(lambda lens, starts: k(aj.Out((b + 1,), jnp.int32), aj.Out((b + 1,), jnp.int32),
+                                                aj.Out((b,), jnp.int32), lens, starts, b, seqlen_q, 0,
+                                                capacity))(jnp.asarray(lens), jnp.asarray(starts))
+    assert np.array_equal(np.asarray(cq), np.arange(b + 1) * seqlen_q)
+    assert np.array_equal(np.asarray(ck), cu_k) and np.array_equal(np.asarray(sf), faults), (ck, sf)
+    SUMMARY.append({"case": f"attn_decode_lengths {spec}", "exact": True})
+
+
+def _pack_case(aj: Any, lib: Any, spec: dict) -> None:
+    """Non-paged caches (B, capacity, Hk, D) and paged ones (4 shuffled pages of 16 rows per
+    sequence) packed into the varlen forward's (total, Hk, D) rows."""
+    lens, starts, capacity, _, cu_k, faults = _route_inputs()
+    b, hk, d, page = len(lens), 2, spec["HEAD_DIM"], 16
+    dtype, paged = _JNP[spec["dtype"]], spec["PAGED"]
+    rng = np.random.default_rng(1)
+    dense = rng.standard_normal((2, b, capacity, hk, d)).astype(np.float32)
+    if paged:
+        blocks = capacity // page
+        table = rng.permutation(b * blocks).reshape(b, blocks).astype(np.int32)
+        caches = np.zeros((2, b * blocks, page, hk, d), np.float32)
+        for z in range(b):
+            for r in range(capacity):
+                caches[:, table[z, r // page], r % page] = dense[:, z, r]
+        rows = page * hk * d
+    else:
+        table, caches, rows = None, dense, capacity * hk * d
+    kc, vc = (jnp.asarray(c, dtype) for c in caches)
+    total = int(cu_k[-1])
+    k = aj.kernel("attn_decode_pack", library=lib, **spec)
+    values = {"stride_kz": rows, "stride_kh": d, "stride_kn": hk * d, "stride_vz": rows, "stride_vh": d,
+              "stride_vn": hk * d, "stride_okm": hk * d, "stride_okh": d, "stride_ovm": hk * d, "stride_ovh": d,
+              "stride_btz": capacity // page if paged else 0, "batch": b, "num_heads_k": hk, "seqlen_new": 0,
+              "capacity": capacity, "num_pages": kc.shape[0] if paged else 1, "page_size": page, "head_dim": d}
+
+    def run(kc: Any, vc: Any, cu: Any, table: Any, lens: Any, starts: Any, sf: Any, fl: Any) -> tuple:
+        arrays = {"K": kc, "V": vc, "KOut": aj.Out((total, hk, d), dtype), "VOut": aj.Out((total, hk, d), dtype),
+                  "CuK": cu, "BlockTable": table, "CacheSeqlens": lens, "CacheStart": starts,
+                  "SeqFaults": aj.Update(sf), "Faults": aj.Update(fl)}
+        return k(*[arrays[n] if n in arrays else values[n] for n in k.arg_names])
+
+    ko, vo, sf, fl = jax.jit(run)(kc, vc, jnp.asarray(cu_k), None if table is None else jnp.asarray(table),
+                                  jnp.asarray(lens), jnp.asarray(starts), jnp.asarray(faults),
+                                  jnp.zeros((1,), jnp.int32))
+    want = np.full((2, total, hk, d), np.nan, np.float32)
+    for z, (n0, n1) in enumerate(zip(cu_k[:-1], cu_k[1:])):
+        if not faults[z]:
+            want[:, n0:n1] = np.asarray(jnp.asarray(jnp.asarray(dense[:, z, starts[z]:starts[z] + n1 - n0], dtype),
+                                                    jnp.float32))
+    got = np.stack([np.asarray(jnp.asarray(x, jnp.float32)) for x in (ko, vo)])
+    assert np.array_equal(got, want, equal_nan=True), f"attn_decode_pack {spec}: wrong packed rows"
+    assert np.array_equal(np.asarray(sf), faults) and int(np.asarray(fl)[0]) == _FAULT_LENGTH
+    SUMMARY.append({"case": f"attn_decode_pack {spec}", "exact": True})
+
+
+def _poison_case(aj: Any, lib: Any, spec: dict) -> None:
+    _, _, _, sq, _, faults = _route_inputs()
+    b, hq, d, dtype = len(faults), 4, spec["HEAD_DIM"], _JNP[spec["dtype"]]
+    out = jax.random.normal(jax.random.PRNGKey(2), (b, sq, hq, d), dtype)
+    lse = jax.random.normal(jax.random.PRNGKey(3), (b, hq, sq), jnp.float32)
+    k = aj.kernel("attn_decode_poison", library=lib, **spec)
+    o2, l2 = jax.jit(lambda o, ls, f: k(aj.Update(o), aj.Update(ls), f, sq * hq * d, d, hq * d, hq * sq, sq, b, hq, sq,
+                                       d))(out, lse, jnp.asarray(faults))
+    bad = faults != 0
+    o_np, l_np = np.array(jnp.asarray(out, jnp.float32)), np.array(lse)
+    o_np[bad], l_np[bad] = np.nan, np.nan
+    assert np.array_equal(np.asarray(jnp.asarray(o2, jnp.float32)), o_np, equal_nan=True)
+    assert np.array_equal(np.asarray(l2), l_np, equal_nan=True)
+    SUMMARY.append({"case": f"attn_decode_poison {spec}", "exact": True})
+
+
+def _sinks_case(aj: Any, lib: Any, spec: dict) -> None:  # attn_sinks (spec with ALIGNED) or attn_sinks_bwd
+    """attn_sinks rescales a forward's (out, lse) by a sink logit per head; attn_sinks_bwd gives
+    each program's share of the sinks' gradient. Dense (B, S, H, D) rows, one sink of -inf."""
+    b, s, h, d = 2, 37, 4, 64
+    dtype = _JNP[spec["dtype"]]
+    keys = jax.random.split(jax.random.PRNGKey(4), 4)
+    out = jax.random.normal(keys[0], (b, s, h, d), dtype)
+    lse = jax.random.normal(keys[1], (b, h, s), jnp.float32)
+    sinks = jnp.array([0.5, -1.0, float("-inf"), 2.0], jnp.float32)
+    strides = (s * h * d, d, h * d, h * s, s)
+    f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))  # noqa: E731
+    if spec.get("ALIGNED") is not None:  # the forward's rescale
+        k = aj.kernel("attn_sinks", library=lib, **spec)
+        o2, l2 = jax.jit(lambda o, ls, sk: k(aj.Update(o), aj.Update(ls), sk, None, *strides, b, h, s, d, 0, 0))(
+            out, lse, sinks)
+        new = np.logaddexp(f32(lse), f32(sinks)[None, :, None])
+        want_o = f32(out) * np.exp(f32(lse) - new).transpose(0, 2, 1)[..., None]
+        assert np.abs(f32(l2) - new).max() < 1e-5
+        err = _rel(o2, want_o)
+        assert err < (1e-5 if spec["dtype"] == "fp32" else 1e-2), err
+    else:
+        block_m = lib.kernel("attn_sinks_bwd", **spec).variant(0).config.constexprs["BLOCK_M"]
+        k = aj.kernel("attn_sinks_bwd", library=lib, **spec)
+        dout = jax.random.normal(keys[2], (b, s, h, d), dtype)
+        blocks = -(-s // block_m)
+        part = jax.jit(lambda do, o, ls, sk: k(do, o, ls, sk, aj.Out((blocks, b, h), jnp.float32), None,
+                                              *strides[:3], *strides, b, h, s, s, d, 0))(dout, out, lse, sinks)
+        delta = (f32(dout) * f32(out)).sum(-1).transpose(0, 2, 1)  # (b, h, s)
+        p = np.where(np.isneginf(f32(sinks))[None, :, None], 0.0, np.exp(f32(sinks)[None, :, None] - f32(lse)))
+        want = -(p * delta).sum(-1)
+        err = _rel(f32(part).sum(0), want)
+        assert err < 1e-2, err
+    SUMMARY.append({"case": f"sinks {spec}", "rel_err": "ok"})
+
+
+_HELPER_CASES = {"attn_decode_lengths": _lengths_case, "attn_decode_pack": _pack_case,
+                 "attn_decode_poison": _poison_case, "attn_sinks": _sinks_case, "attn_sinks_bwd": _sinks_case}
 
 
 def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
