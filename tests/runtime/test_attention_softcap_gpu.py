@@ -178,6 +178,7 @@ def test_head_dim_128_on_each_forward_kernel(default_lib: Any, kernel: str, wind
     """Gemma 2 27B's head dim on the default images, forced onto the portable and (on sm90) the
     Gluon forward: both softcap the same scores."""
     import aotriton_rt
+    from aotriton_rt.ops.attention import attention_kernels
     from builder.tune import forced_forward
 
     if kernel == "attn_fwd_sm90" and not any(v.kernel == kernel and v.spec.get("SOFTCAP")
@@ -189,8 +190,8 @@ def test_head_dim_128_on_each_forward_kernel(default_lib: Any, kernel: str, wind
     q, k, v = (torch.randn(B, S, h, D, device="cuda", generator=gen).mul(4).to(torch.bfloat16) for h in (Hq, Hk, Hk))
     kw = {"window": window} if window else {"causal": True}
     out, _ = aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", softcap=CAP, library=lib, **kw)
-    ran = aotriton_rt.attention_kernels(q, k, v, layout="bshd", align="bottom_right", softcap=CAP, library=lib,
-                                        **kw)["attn_fwd"]
+    ran = attention_kernels(q, k, v, layout="bshd", align="bottom_right", softcap=CAP, library=lib,
+                             **kw)["attn_fwd"]
     assert ran.name == kernel
     left, right = window if window else (-1, 0)
     ref = _reference(*(t.float().transpose(1, 2) for t in (q, k, v)), CAP, left, right).transpose(1, 2)
