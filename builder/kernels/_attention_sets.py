@@ -68,8 +68,11 @@ DEFAULT_BACKWARD_HEAD_DIMS = (64, 128)
 
 def in_default_backward_set(spec: dict, target: object) -> bool:
     """The default set's backward kernels: the forward's combinations at
-    ``DEFAULT_BACKWARD_HEAD_DIMS`` (causal in both alignments, as the forward)."""
-    return in_default_set(spec, target) and spec.get("HEAD_DIM", 64) in DEFAULT_BACKWARD_HEAD_DIMS
+    ``DEFAULT_BACKWARD_HEAD_DIMS`` (causal in both alignments, as the forward), without softcap:
+    the default set serves Gemma 2's inference (forward and decode); training it with the cap
+    needs ``--set full`` or ``gputest`` (its backward would put the quickstart past budget)."""
+    return (in_default_set(spec, target) and spec.get("HEAD_DIM", 64) in DEFAULT_BACKWARD_HEAD_DIMS
+            and not spec.get("SOFTCAP", 0))
 
 
 def in_bwd_sweep_set(spec: dict, target: object) -> bool:

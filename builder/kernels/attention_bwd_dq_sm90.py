@@ -233,6 +233,7 @@ def attn_bwd_dq_sm90(
 # --------------------------------------------------------------------------------------------
 
 from aotriton_rt.ops.attention.family import DQ_SM90  # noqa: E402
+from builder.kernels._attention_sets import in_default_backward_set  # noqa: E402
 from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
 from builder.kernels.attention_bwd import _GRAD_PTRS  # noqa: E402
 from builder.kernels.attention_bwd_sm90 import CONSUMER_REGS, HEAD_DIMS, in_gputest_set  # noqa: E402
@@ -279,7 +280,8 @@ KERNEL = KernelDecl(
     grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
     divisibility=_DIV,
     exclude=_excluded,
-    sets={"default": lambda spec, target: False, "gputest": in_gputest_set},
+    sets={"default": in_default_backward_set, "gputest": in_gputest_set},
+    set_configs={"default": 1},
     # attn_bwd_dq's checks, and TMA descriptors need a non-empty extent in every dimension.
     checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1", "seqlen_q >= 1",
                                          "seqlen_k >= 1") + stride_checks(_DIV),

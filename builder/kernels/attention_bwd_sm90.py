@@ -468,7 +468,7 @@ def attn_bwd_dkdv_sm90(
 # --------------------------------------------------------------------------------------------
 
 from aotriton_rt.ops.attention.family import ALIGNED_FACTS, ALIGNED_SIBLINGS, DKDV_SM90  # noqa: E402
-from builder.kernels._attention_sets import SM90_GLUON_BWD_HEAD_DIMS  # noqa: E402
+from builder.kernels._attention_sets import SM90_GLUON_BWD_HEAD_DIMS, in_default_backward_set  # noqa: E402
 from builder.kernels._attention_sets import in_gputest_set as _in_bwd_gputest_set  # noqa: E402
 from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
 from builder.kernels.attention_bwd import _GRAD_PTRS  # noqa: E402
@@ -537,7 +537,8 @@ KERNEL = KernelDecl(
     grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
     divisibility=_DIV,
     exclude=_excluded,
-    sets={"default": lambda spec, target: False, "gputest": in_gputest_set},
+    sets={"default": in_default_backward_set, "gputest": in_gputest_set},
+    set_configs={"default": 1},
     checks=_CHECKS + stride_checks(_DIV),
 )
 
@@ -560,7 +561,7 @@ def in_aligned_gputest_set(spec: dict, target: object) -> bool:
 #: LSE strides are multiples of 16 and the images hold it for the spec (its tuning rules are the
 #: family's: aotriton_rt/ops/attention/family.py, ``ALIGNED_SIBLINGS``); a ragged call keeps the
 #: plain kernel. A separate kernel name because one kernel's variants share their argument
-#: declarations (aotriton_rt/launch.py). In ``gputest`` and ``full``, not ``default``.
+#: declarations (aotriton_rt/launch.py). In every set; ``default`` keeps config #0.
 ALIGNED_KERNEL = KernelDecl(
     name=ALIGNED_SIBLINGS[DKDV_SM90],
     fn=attn_bwd_dkdv_sm90,
@@ -570,7 +571,8 @@ ALIGNED_KERNEL = KernelDecl(
     grid=KERNEL.grid,
     divisibility=_DIV_A16,
     exclude=_excluded,
-    sets={"default": lambda spec, target: False, "gputest": in_aligned_gputest_set},
+    sets={"default": in_default_backward_set, "gputest": in_aligned_gputest_set},
+    set_configs={"default": 1},
     checks=_CHECKS + stride_checks(_DIV_A16),
 )
 KERNELS = [ALIGNED_KERNEL]

@@ -115,7 +115,7 @@ def _key(job, drop=()):
     return tuple(sorted((k, v) for k, v in job.spec.items() if k not in drop))
 
 
-def test_gputest_holds_every_served_spec_and_default_none(gluon: Gluon) -> None:
+def test_gputest_and_default_hold_every_served_spec(gluon: Gluon) -> None:
     from builder.registry import expand
     from builder.targets import parse_targets
 
@@ -136,7 +136,16 @@ def test_gputest_holds_every_served_spec_and_default_none(gluon: Gluon) -> None:
     if gluon.schemes:
         assert ({split_twin(j) for j in gputest if j.spec["DQ_ATOMIC"]}
                 == {split_twin(j) for j in gputest if not j.spec["DQ_ATOMIC"]})
-    assert expand(_kernels()[gluon.name], targets, "default", "3.6.0") == []
+    # The default set: config #0 of the split scheme, on sm90, for every fixed-length spec whose
+    # portable backward the default set holds (varlen and the atomic scheme stay portable).
+    default = expand(_kernels()[gluon.name], targets, "default", "3.6.0")
+    portable_default = {_key(j) for j in expand(_kernels()[gluon.portable], targets, "default", "3.6.0")
+                        if j.target.arch == "sm90" and not j.spec.get("VARLEN") and not j.spec.get("DQ_ATOMIC")
+                        and j.spec["HEAD_DIM"] in (64, 128)}
+    assert default and {(j.target.arch, j.config_index) for j in default} == {("sm90", 0)}
+    assert not any(j.spec.get("DQ_ATOMIC") for j in default)
+    assert {_key(j) for j in default} == portable_default
+    assert {j.spec["CAUSAL"] for j in default} == {0, 1}
 
 
 def test_gputest_holds_the_rest_of_each_gluon_atomic_backward_but_not_the_portable_atomic_dkdv() -> None:

@@ -404,7 +404,12 @@ def test_fold_keeps_backward_decisions_only_where_the_build_can_make_them() -> N
     # Without the Gluon kernels there is no kernel choice to make, and without the atomic dK/dV no scheme.
     portable = tuning.fold([("sm90.json", db)], _backward_jobs(("attn_bwd_dkdv", "attn_bwd_dq")))[0]
     assert set(portable) == {"attn_bwd_mode"}
-    assert tuning.fold([("sm90.json", db)], _backward_jobs(("attn_bwd_dq", OWN_DQ), "default"))[0] == {}
+    # The default set holds the Gluon kernels at modes 0 and 1 (the mode-2 rule applies to mode 1)
+    # but not the atomic scheme: the kernel choice is folded, no scheme.
+    default = tuning.fold([("sm90.json", db)], _backward_jobs(("attn_bwd_dq", OWN_DQ), "default"))[0]
+    assert [(r["spec"]["CAUSAL"], r["kernel"]) for r in default.pop("attn_bwd_dq_kernel")] == [
+        (0, "attn_bwd_dq"), (1, "attn_bwd_dq")]
+    assert default == {}
 
 
 def test_an_entry_measured_by_a_benchmark_says_so_in_its_rules_and_survives_recompute(tmp_path: Path) -> None:

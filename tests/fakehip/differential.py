@@ -65,8 +65,9 @@ def argument_values(args: Sequence[Any], params: Mapping[str, Any]) -> list[Any]
             values.append(_FIXED_FLOATS.get(a.name, 0.375 + 0.125 * (i % 4)))
         elif a.name == "head_dim" and "HEAD_DIM" in params:  # decode: the bucket, or one less masked
             values.append(params["HEAD_DIM"] - (1 if params.get("PADDED_D") else 0))
-        elif a.name in _FIXED_INTS:
-            values.append(_FIXED_INTS[a.name])
+        elif a.name in _FIXED_INTS:  # scaled to the divisibility a variant declares (aligned siblings)
+            x = _FIXED_INTS[a.name]
+            values.append(x * a.divisibility if a.divisibility > 1 and x % a.divisibility else x)
         else:
             step = a.divisibility if a.divisibility > 1 else 2
             values.append(_INT_BASE[a.type] + step * (3 + 2 * i) + (1 if a.divisibility <= 1 else 0))
@@ -148,14 +149,15 @@ def _set_triton_allocator(log: Path) -> None:
 def _compiled(fn: Any, v: Any, constexprs: dict, options: dict) -> Any:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+
+    from builder.compile import source_class
 
     types = {a.name: a.type for a in v.args}
     signature = {n: types.get(n, "constexpr") for n in fn.arg_names}
     attrs = {(fn.arg_names.index(a.name),): [["tt.divisibility", a.divisibility]]
              for a in v.args if a.divisibility != 1}
     arch = v.target.arch if v.target.backend == "hip" else int(v.target.arch[2:])
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = source_class(fn)(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget(v.target.backend, arch, v.target.warp_size), options=options)
 
 

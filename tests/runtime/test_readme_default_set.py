@@ -183,9 +183,12 @@ class _Recorder:
 def dispatch_as_the_default_set(monkeypatch: pytest.MonkeyPatch, default_set) -> None:
     # Where the call has a choice (causal alignment for equal lengths), dispatch takes what the
     # default set holds: availability comes from the sm90 default set (the same on every target).
-    # The arch's own forwards (sm90's Gluon one) serve a subset of attn_fwd's specs on one arch:
-    # every call must be servable by the portable kernels on every target, so they are left out.
-    monkeypatch.setattr(dispatch, "_available", lambda lib, name, params: name not in dispatch.ARCH_FORWARDS.values()
+    # The arch's own kernels (sm90's Gluon forward and backward, the aligned sibling) serve a
+    # subset of the portable kernels' specs on one arch: every call must be servable by the
+    # portable kernels on every target, so they are left out.
+    own = (set(dispatch.ARCH_FORWARDS.values()) | set(dispatch.ALIGNED_SIBLINGS.values())
+           | {k for kernels in dispatch.ARCH_BACKWARDS.values() for k in kernels.values()})
+    monkeypatch.setattr(dispatch, "_available", lambda lib, name, params: name not in own
                         and bool(match(default_set["sm90"].variants, name,
                                        {k: v for k, v in params.items() if k != "dtype"}).accepted))
     # Its mask-mode-1 kernels take causal_align (they are this checkout's): they serve bottom-right calls.
