@@ -68,13 +68,14 @@ def test_the_registry_declares_the_aligned_sibling_as_its_family_but_for_the_len
                 for j in expand(kernels[name], targets, build_set, "3.6.0")}
 
     # The split scheme's variants of the family, spec for spec and config for config, on sm90 only.
-    for build_set in ("gputest", "full"):
+    for build_set in ("gputest", "full", "default"):
         mine, family = jobs(ALIGNED, build_set), jobs(NAME, build_set)
         assert mine and set(mine) == {k for k in family if dict(k[0])["DQ_ATOMIC"] == 0}, build_set
         assert all(j.config == family[k].config and j.key != family[k].key for k, j in mine.items())
         assert all(j.divisibility["seqlen_k"] == 16 for j in mine.values())
     assert len(jobs(ALIGNED, "gputest")) == 20 and len(jobs(ALIGNED, "full")) == 24
-    assert jobs(ALIGNED, "default") == {}
+    # The default set: config #0 of the two dtypes, head dims 64 and 128, mask modes 0 and 1.
+    assert len(jobs(ALIGNED, "default")) == 8 and {k[1] for k in jobs(ALIGNED, "default")} == {0}
 
 
 def test_an_aligned_call_runs_the_sibling_and_a_ragged_one_the_plain_kernel(tmp_path: Path) -> None:
