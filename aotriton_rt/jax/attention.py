@@ -8,6 +8,10 @@ path does (head dims zero-padded to the compiled bucket, contiguous strides, bia
 to 8 when needed) and launches the same kernels through :mod:`aotriton_rt.jax.kernels`, so the
 outputs under ``jax.jit`` are those of the eager path.
 
+Attention sinks are applied around the kernels in ``jax.numpy`` (:mod:`aotriton_rt.jax.sinks`):
+the forward's ``(out, lse)`` rescaled, the backward kernels fed the rescaled pair, the sinks'
+gradient a reduction beside them.
+
 Dropout's ``seed``/``offset`` and every option are static (Python values fixed at trace time):
 jaxlib's Triton call bakes scalar arguments into the compiled program. Varlen batches need
 ``max_seqlen_q``/``max_seqlen_k`` (the eager path would read them from the device).
@@ -43,6 +47,8 @@ from ..ops.attention.family import (
     lse_strides,
     scalar_arguments,
 )
+from ..ops.attention.sinks import check_sinks
+from . import sinks as _sinks
 from .kernels import JaxKernel, Out, Update
 
 _TRITON = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "int8": "i8",
@@ -129,6 +135,19 @@ def _kernels(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, o: _Option
                              deterministic=o.deterministic, scheme=o.scheme, return_mask=return_mask,
                              bias_grad=True, library=o.library, bias=_standin(bias, "bias"), cu_seqlens_q=cq,
                              cu_seqlens_k=ck, **o.eager())
+
+
+def _check_sinks(sinks: Any, lse: Any) -> None:
+    """The eager path's checks of ``sinks`` (a float vector, one per query head: the lse's
+    second-last axis, dense or packed) and its messages."""
+    if not (hasattr(sinks, "shape") and hasattr(sinks, "dtype")):
+        raise ArgumentError(f"sinks must be an array of one logit per query head, got {type(sinks).__name__}")
+    check_sinks(_Standin(sinks, "sinks"), lse.shape[-2], -1)
+
+
+def _with_sinks(out: Any, lse: Any, sinks: Any, cu_q: Any, o: _Options) -> tuple[Any, Any]:
+    _check_sinks(sinks, lse)
+    return _sinks.apply_sinks(out, lse, sinks, layout=o.layout, cu_seqlens_q=cu_q)
 
 
 @functools.lru_cache(maxsize=256)
@@ -326,18 +345,22 @@ def attention_forward(q: Any, k: Any, v: Any, *, causal: bool = False, window: t
                       align: str = "top_left", bias: Any = None, dropout_p: float = 0.0, seed: int | None = None,
                       offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                       max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
-                      return_mask: bool = False, softcap: float | None = None, library: Any = None,
-                      arch: str | None = None) -> tuple:
+                      return_mask: bool = False, sinks: Any = None, softcap: float | None = None,
+                      library: Any = None, arch: str | None = None) -> tuple:
     """``(out, lse)`` (and the dropout mask with ``return_mask``) of :func:`aotriton_rt.attention`, as JAX
     arrays, traceable under ``jax.jit``; not differentiable (see :func:`attention`).
 
-    Arguments as :func:`aotriton_rt.attention`; all options are static. ``arch``: the target to
-    lower for without a GPU (e.g. ``"sm90"``). Raises the eager path's ArgumentError /
-    UnsupportedError / KernelNotFound while tracing.
+    Arguments as :func:`aotriton_rt.attention`; all options are static. ``sinks``: a (traced)
+    ``(Hq,)`` float array, one logit per query head; ``out`` and ``lse`` are then the sinks'.
+    ``arch``: the target to lower for without a GPU (e.g. ``"sm90"``). Raises the eager path's
+    ArgumentError / UnsupportedError / KernelNotFound while tracing.
     """
     o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout, False,
                  None, library, arch, cu_seqlens_q, cu_seqlens_k, softcap)
-    return _forward(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, o, return_mask)
+    result = _forward(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, o, return_mask)
+    if sinks is None:
+        return result
+    return _with_sinks(result[0], result[1], sinks, cu_seqlens_q, o) + tuple(result[2:])
 
 
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,
@@ -345,12 +368,21 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
                        dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, scale: float | None = None,
                        cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
                        max_seqlen_k: int | None = None, layout: str = "bhsd", deterministic: bool = False,
-                       scheme: str | None = None, softcap: float | None = None, library: Any = None,
-                       arch: str | None = None) -> tuple:
-    """``(dq, dk, dv, dbias)`` of :func:`aotriton_rt.attention_backward`, as JAX arrays, under ``jax.jit``."""
+                       scheme: str | None = None, sinks: Any = None, softcap: float | None = None,
+                       library: Any = None, arch: str | None = None) -> tuple:
+    """``(dq, dk, dv, dbias)`` of :func:`aotriton_rt.attention_backward`, as JAX arrays, under ``jax.jit``.
+
+    With ``sinks``, ``out`` and ``lse`` are :func:`attention_forward`'s with the same sinks, and
+    their gradient comes fifth: ``(dq, dk, dv, dbias, dsinks)``, ``dsinks`` shaped and typed like
+    ``sinks``.
+    """
     o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout,
                  deterministic, scheme, library, arch, cu_seqlens_q, cu_seqlens_k, softcap)
-    return _backward(dout, q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, o)
+    grads = _backward(dout, q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, o)
+    if sinks is None:
+        return grads
+    _check_sinks(sinks, lse)
+    return grads + (_sinks.sinks_grad(dout, out, lse, sinks, layout=o.layout, cu_seqlens_q=cu_seqlens_q),)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,25 +453,30 @@ def _backward_core(o: _Options, has_bias: bool) -> Any:
 @functools.lru_cache(maxsize=256)
 def _differentiable(o: _Options) -> Any:
     @jax.custom_vjp
-    def attn(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any) -> Any:
-        return fwd(q, k, v, bias, cu_q, cu_k)[0]
+    def attn(q: Any, k: Any, v: Any, bias: Any, sinks: Any, cu_q: Any, cu_k: Any) -> Any:
+        return fwd(q, k, v, bias, sinks, cu_q, cu_k)[0]
 
-    def fwd(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any) -> tuple:
+    def fwd(q: Any, k: Any, v: Any, bias: Any, sinks: Any, cu_q: Any, cu_k: Any) -> tuple:
         if cu_q is None:
             out, lse = _forward_core(o, bias is not None)(q, k, v, *([] if bias is None else [bias]))
         else:
             out, lse = _forward(q, k, v, bias, cu_q, cu_k, o)
-        return out, (q, k, v, bias, cu_q, cu_k, out, lse)
+        if sinks is not None:  # outside the kernels' vmap rule: a mapped sinks maps with it
+            out, lse = _with_sinks(out, lse, sinks, cu_q, o)
+        return out, (q, k, v, bias, sinks, cu_q, cu_k, out, lse)
 
     def bwd(res: tuple, dout: Any) -> tuple:
-        q, k, v, bias, cu_q, cu_k, out, lse = res
+        q, k, v, bias, sinks, cu_q, cu_k, out, lse = res
         dout = dout.astype(q.dtype)
+        # With sinks, (out, lse) are the sinks': the backward kernels give their dq, dk, dv as is.
         if cu_q is None:
             dq, dk, dv, dbias = _backward_core(o, bias is not None)(dout, q, k, v, out, lse,
                                                                     *([] if bias is None else [bias]))
         else:
             dq, dk, dv, dbias = _backward(dout, q, k, v, out, lse, bias, cu_q, cu_k, o)
-        return dq, dk, dv, dbias, _int_zero(cu_q), _int_zero(cu_k)
+        dsinks = None if sinks is None else _sinks.sinks_grad(dout, out, lse, sinks, layout=o.layout,
+                                                              cu_seqlens_q=cu_q)
+        return dq, dk, dv, dbias, dsinks, _int_zero(cu_q), _int_zero(cu_k)
 
     attn.defvjp(fwd, bwd)
     return attn
@@ -457,10 +494,11 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
               align: str = "top_left", bias: Any = None, dropout_p: float = 0.0, seed: int | None = None,
               offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
               max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
-              deterministic: bool = False, scheme: str | None = None, softcap: float | None = None,
-              library: Any = None, arch: str | None = None) -> Any:
+              deterministic: bool = False, scheme: str | None = None, sinks: Any = None,
+              softcap: float | None = None, library: Any = None, arch: str | None = None) -> Any:
     """Differentiable attention on JAX arrays: ``out`` of :func:`aotriton_rt.attention`, with a
-    ``jax.custom_vjp`` running the operator's backward kernels (gradients for q, k, v and bias).
+    ``jax.custom_vjp`` running the operator's backward kernels (gradients for q, k, v, bias and
+    ``sinks``: a traced ``(Hq,)`` float array of one logit per query head, gpt-oss's ``s_aux``).
 
     Works under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (a mapped axis is folded into the
     batch: one launch per kernel; varlen calls under vmap run once per mapped element).
@@ -474,4 +512,4 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
     """
     o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout,
                  deterministic, scheme, library, arch, cu_seqlens_q, cu_seqlens_k, softcap)
-    return _differentiable(o)(q, k, v, bias, cu_seqlens_q, cu_seqlens_k)
+    return _differentiable(o)(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k)

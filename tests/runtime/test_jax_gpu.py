@@ -470,7 +470,9 @@ def _attention_case(aj: Any, lib: Any, spec: dict, expect_kernel: str | None = N
 
 # -- features, gradients against references ---------------------------------------------------
 
-def _reference(q, k, v, bias=None, causal=False, align="top_left", window=None):
+def _reference(q, k, v, bias=None, causal=False, align="top_left", window=None, sinks=None):
+    """fp32 attention of (B, H, S, D) arrays; with ``sinks`` gpt-oss's: the sink joins each row's
+    softmax, then is dropped."""
     qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
     group = qf.shape[1] // kf.shape[1]
     kf, vf = jnp.repeat(kf, group, axis=1), jnp.repeat(vf, group, axis=1)
@@ -489,7 +491,11 @@ def _reference(q, k, v, bias=None, causal=False, align="top_left", window=None):
     if left >= 0:
         keep &= j >= i + diag - left
     s = jnp.where(keep, s, -jnp.inf)
-    p = jnp.where(keep.any(1)[:, None], jax.nn.softmax(s, axis=-1), 0.0)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], s.shape[:3] + (1,))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], -1), axis=-1)[..., :-1]
+    else:
+        p = jnp.where(keep.any(1)[:, None], jax.nn.softmax(s, axis=-1), 0.0)
     return jnp.einsum("bhqk,bhkd->bhqd", p, vf)
 
 
@@ -530,6 +536,116 @@ def test_vmap_of_attention_equals_a_loop(lib: Any, aj: Any) -> None:
     batched = jax.jit(jax.vmap(f))(q, k, v)
     looped = jnp.stack([f(q[i], k[i], v[i]) for i in range(3)])
     assert np.array_equal(_np(batched), _np(looped))
+
+
+# -- attention sinks: the jnp epilogue around the kernels ---------------------------------------
+
+SINK_CASES = {
+    "causal gqa": dict(causal=True),
+    "causal bottom_right Sq<Sk": dict(causal=True, align="bottom_right"),
+    "sliding window": dict(window=(64, 0)),
+    "sliding window both sides, bshd": dict(window=(32, 16), layout="bshd"),
+    "causal, bf16 sinks": dict(causal=True, sinks_dtype=jnp.bfloat16),
+}
+
+
+def _sink_inputs(opts: dict) -> tuple:
+    """(q, k, v, dout) bf16 (B, H, S, D) with GQA 4/2, 200 queries and 333 keys, and sinks near the
+    rows' logsumexp (a few units), so each takes a large share of its row."""
+    q, k, v, dout, _ = _inputs(jnp.bfloat16, 2, 4, 2, 200, 333, 64, 64, False)
+    sinks = jnp.linspace(2.0, 6.0, 4).astype(opts.pop("sinks_dtype", jnp.float32))
+    return q, k, v, dout, sinks
+
+
+def _bshd(x: Any) -> Any:
+    return x.transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("name", list(SINK_CASES))
+def test_sinks_forward_under_jit_matches_the_eager_path_and_an_fp32_reference(lib: Any, aj: Any, name: str) -> None:
+    import torch  # the eager path's outputs
+
+    opts = dict(SINK_CASES[name])
+    q, k, v, dout, sinks = _sink_inputs(opts)
+    bshd = opts.get("layout") == "bshd"
+    args = tuple(_bshd(x) if bshd else x for x in (q, k, v, dout))
+    try:
+        out, lse = jax.jit(lambda q, k, v, s: aj.attention_forward(q, k, v, sinks=s, library=lib, **opts))(
+            *args[:3], sinks)
+    except aotriton_rt.KernelNotFound as e:
+        pytest.skip(f"images lack this combination: {e}"[:200])
+    eager_out, eager_lse = aotriton_rt.attention(*args[:3], sinks=sinks, library=lib, **opts)
+    torch.cuda.synchronize()
+    plain = {n: o for n, o in opts.items() if n != "layout"}
+    ref = _reference(q, k, v, sinks=sinks, **plain)
+    err = _rel(_bshd(out) if bshd else out, ref)
+    assert _rel(_reference(q, k, v, **plain), ref) > 0.1, "the sinks barely change the output: the test proves little"
+    # The epilogue is jnp (XLA's exp and log), the eager one a kernel: equal to rounding.
+    eager_err, lse_diff = _rel(out, eager_out), float(np.abs(_np(lse) - _np(eager_lse)).max())
+    # The same (out, lse) into both backwards: the same kernels give the same dq, dk, dv; the
+    # sinks' gradient is summed in another order.
+    grads = jax.jit(lambda do, q, k, v, o, ls, s: aj.attention_backward(do, q, k, v, o, ls, sinks=s, library=lib,
+                                                                        **opts))(args[3], *args[:3], out, lse, sinks)
+    eager_g = aotriton_rt.attention_backward(args[3], *args[:3], out, lse, sinks=sinks, library=lib, **opts)
+    torch.cuda.synchronize()
+    same = [np.array_equal(_np(g), _np(e)) for g, e in zip(grads[:3], eager_g[:3])]
+    dsinks_err = _rel(grads[4], eager_g[4])
+    SUMMARY.append({"case": f"sinks forward {name}", "rel_err": f"{err:.1e}", "vs_eager": f"{eager_err:.1e}",
+                    "lse_diff": f"{lse_diff:.1e}", "bwd_identical_to_eager": same,
+                    "dsinks_vs_eager": f"{dsinks_err:.1e}"})
+    assert err < 2e-2 and eager_err < 1e-2 and lse_diff < 1e-4, (err, eager_err, lse_diff)
+    assert all(same) and grads[4].dtype == sinks.dtype and dsinks_err < 1e-2, (same, dsinks_err)
+
+
+@pytest.mark.parametrize("name", list(SINK_CASES))
+def test_grad_with_sinks_under_jit_matches_an_fp32_reference(lib: Any, aj: Any, name: str) -> None:
+    opts = dict(SINK_CASES[name])
+    q, k, v, dout, sinks = _sink_inputs(opts)
+    bshd = opts.pop("layout", None) == "bshd"
+
+    def ours(q, k, v, s):
+        if bshd:
+            return _bshd(aj.attention(_bshd(q), _bshd(k), _bshd(v), sinks=s, layout="bshd", library=lib, **opts))
+        return aj.attention(q, k, v, sinks=s, library=lib, **opts)
+
+    def loss(fn):
+        return lambda q, k, v, s: (fn(q, k, v, s).astype(jnp.float32) * dout.astype(jnp.float32)).sum()
+
+    ref = lambda q, k, v, s: _reference(q, k, v, sinks=s, **opts)  # noqa: E731
+    try:
+        got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    except aotriton_rt.KernelNotFound as e:
+        pytest.skip(f"images lack this combination: {e}"[:200])
+    want = jax.grad(loss(ref), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    errs = [_rel(g, w) for g, w in zip(got, want)]
+    SUMMARY.append({"case": f"grad with sinks {name}", "rel_errs dq dk dv dsinks": [f"{e:.1e}" for e in errs]})
+    assert got[3].dtype == sinks.dtype and got[3].shape == sinks.shape
+    assert max(errs) < 2e-2, errs
+
+
+def test_vmap_of_attention_with_sinks_equals_a_loop(lib: Any, aj: Any) -> None:
+    q, k, v, dout, _ = _inputs(jnp.bfloat16, 3, 4, 2, 128, 160, 64, 64, False)
+    sinks = jnp.stack([jnp.linspace(1.0, 5.0, 4), jnp.linspace(5.0, 1.0, 4), jnp.full((4,), 3.0)])
+
+    def f(q, k, v, s):
+        return aj.attention(q[None], k[None], v[None], causal=True, window=(48, 0), sinks=s, library=lib)[0]
+
+    def grad(q, k, v, s, do):
+        return jax.grad(lambda *a: (f(*a).astype(jnp.float32) * do.astype(jnp.float32)).sum(),
+                        argnums=(0, 1, 2, 3))(q, k, v, s)
+
+    batched = jax.jit(jax.vmap(f))(q, k, v, sinks)
+    looped = jnp.stack([jax.jit(f)(q[i], k[i], v[i], sinks[i]) for i in range(3)])
+    # The same kernels on a folded batch and the same elementwise epilogue: equal, at most an
+    # ulp apart should XLA fuse the epilogue differently for the two shapes.
+    fwd_err = _rel(batched, looped)
+    got = jax.jit(jax.vmap(grad))(q, k, v, sinks, dout)
+    want = [jnp.stack(g) for g in zip(*[jax.jit(grad)(q[i], k[i], v[i], sinks[i], dout[i]) for i in range(3)])]
+    errs = [_rel(g, w) for g, w in zip(got, want)]
+    SUMMARY.append({"case": "vmap with sinks", "identical": bool(np.array_equal(_np(batched), _np(looped))),
+                    "fwd_rel_err": f"{fwd_err:.1e}", "rel_errs dq dk dv dsinks": [f"{e:.1e}" for e in errs]})
+    assert got[3].shape == sinks.shape
+    assert fwd_err < 5e-3 and max(errs) < 1e-2, (fwd_err, errs)
 
 
 # -- a transformer block training under jit ---------------------------------------------------

@@ -603,3 +603,108 @@ def test_a_call_with_no_programs_launches_nothing_and_returns_zeros(lib, feature
     hlo = lower(lambda q: aj.attention(q, q, q, library=feature_lib, arch="sm90"),
                 jax.ShapeDtypeStruct((0, 4, 16, 64), jnp.bfloat16)).as_text()
     assert "custom_call" not in hlo
+
+
+
+def _ancestry(values: list) -> tuple[set[str], set[int], set]:
+    """What the values are computed from: the op names on the way, the function arguments
+    reached, and the custom calls (operations) reached, whose own operands are not followed."""
+    from jax._src.lib.mlir import ir
+
+    names, args, calls, seen = set(), set(), set(), set()
+    stack = list(values)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, ir.BlockArgument) or getattr(ir.BlockArgument, "isinstance", lambda v: False)(value):
+            args.add(ir.BlockArgument(value).arg_number)  # older bindings hand out plain Values
+            continue
+        op = value.owner
+        if op in seen:
+            continue
+        seen.add(op)
+        names.add(op.name)
+        if op.name == "stablehlo.custom_call":
+            calls.add(op)
+            continue
+        stack.extend(op.operands)
+    return names, args, calls
+
+
+def test_sinks_lower_to_the_same_kernels_with_the_rescale_between_forward_and_backward(feature_lib) -> None:
+    lib = feature_lib
+    q = jax.ShapeDtypeStruct((2, 4, 100, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 129, 64), jnp.bfloat16)  # GQA 4/2
+    sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
+
+    def grads(with_sinks: bool):
+        def loss(q, k, v, s):
+            out = aj.attention(q, k, v, causal=True, window=(16, 0), sinks=s if with_sinks else None, library=lib,
+                               arch="sm90")
+            return out.astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2, 3) if with_sinks else (0, 1, 2))
+
+    # The same four kernels with or without sinks: the sinks are jnp around them.
+    low = lower(grads(True), q, k, k, sinks)
+    assert [c["name"] for c in calls_of(low)] == ["attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    module = low.compiler_ir("stablehlo")  # held: the operations below live in it
+    ops = [op.operation for op in _custom_calls(module.operation, [])]
+    fwd, pre, dkdv = ops[0], ops[1], ops[2]
+    # Without sinks the backward kernels read the forward kernel's (out, lse) as they are ...
+    plain_module = lower(grads(False), q, k, k, sinks).compiler_ir("stablehlo")
+    plain = [op.operation for op in _custom_calls(plain_module.operation, [])]
+    assert any(x.owner == plain[0] for x in plain[1].operands)
+    # ... with sinks, a rescaled pair: computed from the forward's results and the sinks (argument
+    # 3) through exp and log, and the dK/dV kernel reads no forward result directly either.
+    for op in (pre, dkdv):
+        assert not any(x.owner == fwd for x in op.operands)
+    names, args, calls = _ancestry(list(pre.operands))
+    assert fwd in calls and 3 in args and {"stablehlo.exponential", "stablehlo.log"} <= names, (names, args)
+    # dsinks: a reduction over the rows of what the forward and the sinks gave, beside the kernels.
+    main = next(op for op in module.body.operations
+                if op.operation.attributes["sym_name"].value == "main")
+    ret = list(main.regions[0].blocks[0].operations)[-1]
+    names, args, calls = _ancestry([ret.operands[3]])
+    assert fwd in calls and 3 in args and {"stablehlo.reduce", "stablehlo.exponential"} <= names, (names, args)
+    assert not calls & set(ops[1:])  # the sinks' gradient needs none of the backward kernels
+    # Shapes and dtypes: the sinks' gradient comes back like the sinks (bf16 here).
+    got = jax.eval_shape(grads(True), q, k, k, jax.ShapeDtypeStruct((4,), jnp.bfloat16))
+    assert [(tuple(g.shape), g.dtype) for g in got] == [(q.shape, q.dtype), (k.shape, k.dtype), (k.shape, k.dtype),
+                                                        ((4,), jnp.bfloat16)]
+    with pytest.raises(ArgumentError, match=r"sinks must have shape \(4,\): one logit per query head, got \(2,\)"):
+        jax.eval_shape(grads(True), q, k, k, jax.ShapeDtypeStruct((2,), jnp.float32))
+    # Packed sequences: the sinks' rows are the lse's (Hq, total).
+    packed = jax.ShapeDtypeStruct((300, 4, 64), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((3,), jnp.int32)
+
+    def packed_loss(q, k, v, s, cu):
+        out = aj.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=200, max_seqlen_k=200,
+                           causal=True, sinks=s, library=lib, arch="sm90")
+        return out.astype(jnp.float32).sum()
+
+    low = lower(jax.grad(packed_loss, argnums=(0, 1, 2, 3)), packed, packed, packed, sinks, cu)
+    assert len(calls_of(low)) == 4 and tuple(jax.tree.leaves(low.out_info)[3].shape) == (4,)
+
+
+def test_sinks_lower_for_rocm_and_under_vmap(attn_lib, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("AOTRITON_RT_JAX_HSACO_DIR", str(tmp_path))
+    sinks = jax.ShapeDtypeStruct((4,), jnp.float32)
+    f = lambda q, k, v, s: aj.attention_forward(q, k, v, causal=True, align="bottom_right", sinks=s,  # noqa: E731
+                                                library=attn_lib, arch="gfx942")
+    low = lower(f, QA, KA, KA, sinks, platform="rocm")
+    assert kernel_call_of(low)["name"] == "attn_fwd"
+    hlo = low.as_text()
+    assert "stablehlo.log" in hlo and "stablehlo.exponential" in hlo
+    assert [tuple(o.shape) for o in jax.tree.leaves(low.out_info)] == [QA.shape, (2, 4, 200)]
+    # vmap with a sinks array per element: still one launch per kernel, the mapped axis folded into
+    # the batch, the sinks' gradient one row per element.
+    def loss(q, k, v, s):
+        return aj.attention(q, k, v, causal=True, align="bottom_right", sinks=s, library=attn_lib,
+                            arch="sm90").astype(jnp.float32).sum()
+
+    mapped = [jax.ShapeDtypeStruct((3,) + x.shape, x.dtype) for x in (QA, KA, KA, sinks)]
+    low = lower(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3))), *mapped)
+    hlo = low.as_text()
+    assert hlo.count("triton_kernel_call_ffi") == 4 and "stablehlo.while" not in hlo
+    fwd = next(x for x in attn_lib.variants if x.kernel == "attn_fwd" and x.target.arch == "sm90")
+    assert _scalars(calls_of(low)[0], fwd)["batch"] == 6
+    assert tuple(jax.tree.leaves(low.out_info)[3].shape) == (3, 4)
