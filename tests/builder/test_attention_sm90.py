@@ -460,3 +460,35 @@ def test_the_persistent_bench_times_head_dim_64_in_the_gputest_sets_d64_specs_af
     (contender,) = sm90_persistent.contenders_of(str(built_persistent_d64))
     assert contender.label.startswith("persistent#4 128x128 w4s1 ") and "PERSISTENT=132" in contender.label
     assert contender.variant.spec["HEAD_DIM"] == 64
+
+
+def test_the_softcapped_gluon_forward_caps_with_one_hardware_tanh_per_score(tmp_path: Path) -> None:
+    """SOFTCAP=1: one MUFU.TANH per score (``tanh.approx.f32``) and no reciprocal, beside the
+    softmax's MUFU.EX2: the special-function unit bounds this kernel, and the portable kernel's
+    tanh (an exp2 and a division) took two of its operations per score. The wgmmas stay
+    asynchronous and nothing spills."""
+    import lzma
+
+    from aotriton_rt.catalog import Catalog
+    from builder.build import build
+    from builder.registry import expand
+    from builder.targets import parse_targets
+    from tests.helpers.sass import sass_ops
+
+    want = {"dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0,
+            "VARLEN": 0, "SOFTCAP": 1}
+    jobs = [j for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "default", "3.6.0")
+            if j.spec == want and j.config_index == 0]
+    assert len(jobs) == 1
+    summary = build(jobs, tmp_path, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
+    assert summary.failed == [] and summary.compiled == 1
+    (variant,) = Catalog.load(tmp_path / "catalog.json").variants
+    ops = sass_ops(lzma.decompress((tmp_path / variant.image.path).read_bytes()))
+    mufu = {op: n for op, n in ops.items() if op.startswith("MUFU")}
+    # Per score: one TANH beside the softmax's EX2 (which also rescales rows); the few reciprocals
+    # are per row or per program (the cap's constants, the epilogue's 1/l), not per score.
+    assert mufu["MUFU.TANH"] >= 256 and mufu["MUFU.TANH"] <= mufu["MUFU.EX2"], mufu
+    assert mufu.get("MUFU.RCP", 0) < mufu["MUFU.TANH"] // 16, mufu
+    hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
+    assert hgmma >= 8 * ops.get("WARPGROUP.ARRIVE", 0) > 0
+    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, "register spills"
