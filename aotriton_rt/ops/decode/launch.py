@@ -290,7 +290,7 @@ class _Launch:
                      "num_heads_k": p.heads_k, "seqlen_q": p.seqlen_q, "seqlen_new": p.seqlen_new,
                      "capacity": p.capacity, "num_pages": p.num_pages, "page_size": p.page_size, "sm_scale": p.scale,
                      "window_left": p.window_left, "window_right": p.window_right, "num_splits": num_splits,
-                     "head_dim": p.head_dim,
+                     "head_dim": p.head_dim, "softcap": 0.0,
                      **named("q", "m", p.q_strides), **named("k", "n", p.k_strides),
                      **named("v", "n", p.v_strides), **named("o", "m", o_strides),
                      **named("kn", "m", p.kn_strides), **named("vn", "m", p.vn_strides),
