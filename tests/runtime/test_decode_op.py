@@ -5,10 +5,15 @@
   compared with an fp64 reference: contiguous and paged caches, random block tables, pages the
   sequences do not reference filled with NaN, ``cache_seqlens`` 0, 1 and not multiples of the
   page, appends that cross page boundaries, 1..16 query rows, GQA tiles taller than one block,
-  causal, sliding windows, several splits merged by the combine kernel.
+  causal, sliding windows, several splits merged by the combine kernel; the logit softcap
+  (``c * tanh(s / c)``, through ``decode_attention`` and through ``aotriton_rt.attention``'s
+  route to the decode kernels, which images built before the decode softcap leave to the forward).
 - Refusals before any launch (arrays are ``__cuda_array_interface__`` descriptions of memory
   that is never touched): lengths past what the cache or block table can address, page sizes
-  that are not multiples of 16, and the debug-mode checks of device lengths and block tables.
+  that are not multiples of 16, softcaps that are negative or not finite, and the debug-mode
+  checks of device lengths and block tables.
+- The softcap's launch argument and plan key, and images built before it (``KernelNotFound``
+  for a capped call, an uncapped one runs).
 - The split rule and its catalog overrides as pure functions.
 """
 
@@ -88,6 +93,11 @@ CASES: dict[str, dict] = {
     "softcap_scale_negative_no_mask": {"softcap": 0.75, "scale": -0.3, "Sq": 2, "lens": (37, 1, 80), "splits": 2},
     "softcap_repeated_call_takes_the_cached_plan": {"softcap": 1.5, "paged": 16, "lens": (37, 1, 16), "splits": 2,
                                                     "repeat": True},
+    # aotriton_rt.attention with a softcap and a few query rows: the decode kernels serve it (the
+    # express route), or, in images whose decode kernel predates the cap, the SOFTCAP=1 forward.
+    "attention_routes_a_softcapped_decode_step": {"api": "attention", "softcap": 1.5, "Sq": 3, "Sk": 45},
+    "attention_softcap_on_old_decode_images_runs_the_forward": {"api": "attention", "softcap": 1.5, "Sq": 3,
+                                                                "Sk": 45, "old": True},
 }
 
 
@@ -349,10 +359,59 @@ def run_case(name: str, case: dict) -> dict:
     return {"name": name, "errors": errors, "failed": failed, "launches": LAUNCHES[:]}
 
 
+def run_attention_case(name: str, case: dict) -> dict:
+    """``aotriton_rt.attention`` on a decode-shaped softcapped call (bottom-right causal, GQA, bshd):
+    which kernels ran, and the answer against fp64."""
+    import torch
+
+    c = {"B": 2, "Hq": 8, "Hk": 2, "D": 32, **case}
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    B, Hq, Hk, Sq, Sk, D = c["B"], c["Hq"], c["Hk"], c["Sq"], c["Sk"], c["D"]
+    q = torch.randn(B, Sq, Hq, D, generator=gen) * 2
+    k, v = torch.randn(B, Sk, Hk, D, generator=gen), torch.randn(B, Sk, Hk, D, generator=gen)
+    lib = _Library()
+    if c.get("old"):  # attn_decode variants without the softcap argument
+        listed = lib.variants_of
+
+        def variants_of(kname: str) -> list:
+            found = listed(kname)
+            for variant in found if kname == "attn_decode" else ():
+                variant.args = [a for a in variant.args if a.name != "softcap"]
+            return found
+
+        lib.variants_of = variants_of
+    from aotriton_rt import interop
+    from tests.helpers.cpu_arrays import cpu_describer
+
+    LAUNCHES.clear()
+    real = interop.describe
+    cpu = cpu_describer(lambda obj, name: real(obj))
+    interop.describe = lambda obj, **kw: cpu(obj, "")  # the route's own look at the arrays
+    try:
+        out, lse = aotriton_rt.attention(q, k, v, causal=True, align="bottom_right", layout="bshd",
+                                         softcap=c["softcap"], library=lib)
+    finally:
+        interop.describe = real
+    failed: list[str] = []
+    ran = [n for n, _ in LAUNCHES]
+    want = ["attn_fwd"] if c.get("old") else ["attn_decode"]
+    if [n for n in ran if n != "attn_decode_combine"] != want:
+        failed.append(f"launches {ran}, expected {want}")
+    errors: dict[str, float] = {}
+    for b in range(B):
+        ref, ref_lse = fp64_reference(q[b], k[b], v[b], Hq // Hk, D ** -0.5, -1, 0, softcap=c["softcap"])
+        errors[f"out{b}"] = err = (out[b].double() - ref).abs().max().item()
+        errors[f"lse{b}"] = lerr = (lse[b].double() - ref_lse).abs().max().item()
+        if not (err <= 1e-4 and lerr <= 1e-3):
+            failed.append(f"sequence {b}: out error {err}, lse error {lerr}")
+    return {"errors": errors, "failed": failed, "launches": LAUNCHES[:]}
+
+
 def _main(names: list[str]) -> None:
     patch_interpreter()
     _install_cpu()
-    report_cases(names, lambda name: run_case(name, CASES[name]))
+    report_cases(names, lambda name: (run_attention_case if CASES[name].get("api") == "attention" else run_case)(
+        name, CASES[name]))
 
 
 # ---------------------------------------------------------------------------------------------
