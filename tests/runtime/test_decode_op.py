@@ -1003,3 +1003,40 @@ def test_a_catalog_mixing_old_and_new_decode_variants_serves_a_capped_call_from_
         "variants": [variants[0], variants[2]]}))
     with pytest.raises(aotriton_rt.KernelNotFound, match=r"softcap=30\.0 needs attn_decode with a softcap argument"):
         op.decode_attention(**a, cache_seqlens=50, softcap=30.0, library=aotriton_rt.Library(tmp_path / "old"))
+
+
+def test_the_torch_ops_take_the_softcap_after_the_scale_and_pass_it_to_the_operator(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aotriton_rt::decode_attention(_append)``: a ``float softcap`` in the schema, checked by the
+    wrapper as the operator checks it, passed through unchanged; the fake implementation traces
+    it (opcheck on CPU tensors, the operator replaced by one of the same shapes)."""
+    import torch
+
+    from aotriton_rt.ops import torch_decode
+
+    for name in ("decode_attention", "decode_attention_append"):
+        schema = str(getattr(torch.ops.aotriton_rt, name).default._schema)
+        assert "float scale, float softcap, SymInt num_splits" in schema, schema
+    seen: list = []
+
+    def operator(q: Any, k: Any, v: Any, **kw: Any) -> tuple:
+        seen.append((kw["softcap"], kw["k_new"] is not None))
+        b, s, h, _ = q.shape
+        return q * 2, torch.zeros(b, h, s)
+
+    monkeypatch.setattr(torch_decode._core, "decode_attention", operator)
+    q, k = torch.randn(2, 1, 8, 64).half(), torch.randn(2, 64, 2, 64).half()
+    kn = torch.randn(2, 1, 2, 64).half()
+    lens = torch.tensor([3, 40], dtype=torch.int32)
+    torch_decode.decode_attention(q, k, k, cache_seqlens=lens, softcap=30.0)
+    torch_decode.decode_attention(q, k, k, cache_seqlens=lens, k_new=kn, v_new=kn, softcap=12)
+    torch_decode.decode_attention(q, k, k, cache_seqlens=lens)
+    assert seen == [(30.0, False), (12.0, True), (0.0, False)]
+    for bad, match in ((-1.0, r"got -1\.0"), (float("nan"), "got nan"), (True, "got True")):
+        with pytest.raises(ArgumentError, match=fr"softcap must be a finite number > 0 .*{match}"):
+            torch_decode.decode_attention(q, k, k, cache_seqlens=lens, softcap=bad)
+    with pytest.raises(ArgumentError, match=r"softcap needs a non-zero scale"):
+        torch_decode.decode_attention(q, k, k, cache_seqlens=lens, scale=0.0, softcap=30.0)
+    torch.library.opcheck(torch_decode.decode_attention_op,
+                          (q, k, k, lens, -1, None, None, None, True, -1, 0, 0.125, 30.0, 0, -1, "bshd", "bshd", 0),
+                          test_utils=("test_schema", "test_faketensor"))
