@@ -970,6 +970,27 @@ def test_the_express_route_takes_a_softcap_only_where_the_decode_kernel_does(mon
     assert route_options(q, k, k, **call, library=current, softcap=-1.0) is None  # attention() refuses it
 
 
+def test_a_capped_attention_call_on_the_express_route_keeps_its_decode_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aotriton_rt.attention`` with a cap and one query row: the decode kernel gets the cap on the
+    first call and from the kept plan (prepared launches) on the next ones."""
+    import torch
+
+    from aotriton_rt import interop
+    from aotriton_rt.ops.attention import problem
+    from tests.helpers.cpu_arrays import cpu_describer
+
+    lib = _recording_library(monkeypatch)
+    monkeypatch.setattr(problem, "_describe", cpu_describer(problem._describe))
+    cpu = cpu_describer(lambda obj, name, real=interop.describe: real(obj))
+    monkeypatch.setattr(interop, "describe", lambda obj, **kw: cpu(obj, ""))
+    q, k = torch.randn(2, 8, 1, 64).half(), torch.randn(2, 2, 300, 64).half()
+    LAUNCHES.clear()
+    for _ in range(3):
+        aotriton_rt.attention(q, k, k, causal=True, align="bottom_right", softcap=30.0, library=lib)
+    decode = [(how, args["softcap"]) for how, name, args in LAUNCHES if name == "attn_decode"]
+    assert decode == [("call", 30.0), ("prepared", 30.0), ("prepared", 30.0)], decode
+
+
 def test_a_catalog_mixing_old_and_new_decode_variants_serves_a_capped_call_from_the_new_ones(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through a real Library over a synthetic catalog (handles are made, nothing launches): the
