@@ -8,7 +8,8 @@ steps against contiguous caches. Each contender runs as a CUDA graph of 10 calls
 in a shuffled order every round; the ratio is per round, with sinks over without (aim <= 1.05).
 ``--softcap``: instead, Gemma 2's attention with and without ``softcap=`` (cap 50), causal and
 with a 4096-key window: the 2B/9B forward (head dim 256, 16/8 heads), the 27B forward (head dim
-128, 32/16 heads) and the 27B training step (forward + backward).
+128, 32/16 heads), the 27B training step (forward + backward) and its decode steps against
+contiguous caches (the decode kernels' run-time cap).
 """
 
 from __future__ import annotations
@@ -82,6 +83,14 @@ def _softcap_rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
     def step(cap: Any) -> None:
         op_torch.attention(q, k, v, causal=True, layout="bshd", softcap=cap, library=lib).backward(dout)
     rows[f"forward+backward D=128 {B}x{S} causal"] = {"plain": lambda: step(None), "sinks": lambda: step(50.0)}
+    for B, S in ((1, 8192), (32, 2048)):
+        q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        kc, vc = (torch.randn(B, S, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+
+        def dec(cap: float, q: Any = q, kc: Any = kc, vc: Any = vc, lens: Any = lens) -> Any:
+            return aotriton_rt.decode_attention(q, kc, vc, cache_seqlens=lens, softcap=cap, library=lib)[0]
+        rows[f"D=128 decode B={B} {S} keys"] = {"plain": lambda d=dec: d(0.0), "sinks": lambda d=dec: d(50.0)}
     return rows
 
 

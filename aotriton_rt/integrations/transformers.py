@@ -237,20 +237,20 @@ def _padded(query: Any, key: Any, value: Any, mask: Any, call: dict) -> Any:
 def _decode(q: Any, k: Any, v: Any, call: dict, **lengths: Any) -> Any:
     """A decoding step (1..ROUTED_SEQLEN_Q query rows of ``(B, S, H, D)`` views against the
     cache) on the decode kernels, with the cache read in place, ``lengths`` as
-    :func:`aotriton_rt.ops.decode.decode_attention` takes them; the output ``(B, S, H, D)``. None
-    when it cannot run there (a gradient or dropout to honour, a shape or images the decode
-    kernels refuse): the caller's general path then serves."""
+    :func:`aotriton_rt.ops.decode.decode_attention` takes them; the output ``(B, S, H, D)``; a
+    softcap (Gemma 2) and sinks (gpt-oss) go along. None when it cannot run there (a gradient or
+    dropout to honour, a shape or images the decode kernels refuse, e.g. a softcap on images
+    built before the decode kernel took it): the caller's general path then serves."""
     from ..errors import ArgumentError, KernelNotFound, UnsupportedError
     from ..ops.decode import ROUTED_SEQLEN_Q, decode_attention
 
     sinks = call["sinks"]
-    if q.shape[1] > ROUTED_SEQLEN_Q or call["dropout_p"] != 0.0 or not _inference(q, k, v, sinks) or \
-            call["softcap"]:  # the decode kernels have no softcap: the forward serves those steps
+    if q.shape[1] > ROUTED_SEQLEN_Q or call["dropout_p"] != 0.0 or not _inference(q, k, v, sinks):
         return None
     try:
         return decode_attention(q, k, v, causal=call["causal"], window=call["window"], scale=call["scale"],
-                                layout="bshd", cache_layout="bshd", sinks=sinks, library=_LIBRARY["library"],
-                                **lengths)[0]
+                                softcap=call["softcap"], layout="bshd", cache_layout="bshd", sinks=sinks,
+                                library=_LIBRARY["library"], **lengths)[0]
     except (ArgumentError, UnsupportedError, KernelNotFound):
         return None
 

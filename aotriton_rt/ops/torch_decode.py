@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import decode as _core
+from .attention.problem import check_softcap
 from .torch import _library, _library_key
 
 __all__ = ["decode_attention", "decode_attention_op", "decode_attention_append_op"]
@@ -29,13 +30,14 @@ __all__ = ["decode_attention", "decode_attention_op", "decode_attention_append_o
 
 def _call(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
           block_table: Tensor | None, cache_leftpad: Tensor | None, k_new: Tensor | None, v_new: Tensor | None,
-          causal: bool, window_left: int, window_right: int, scale: float, num_splits: int, max_seqlen_k: int,
-          layout: str, cache_layout: str, library: int, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+          causal: bool, window_left: int, window_right: int, scale: float, softcap: float, num_splits: int,
+          max_seqlen_k: int, layout: str, cache_layout: str, library: int, sinks: Tensor | None = None
+          ) -> tuple[Tensor, Tensor]:
     lens: Any = cache_seqlens if cache_seqlens is not None else (cache_len if cache_len >= 0 else None)
     window = None if window_left == -1 and window_right == -1 else (window_left, window_right)
     return _core.decode_attention(
         q, k_cache, v_cache, cache_seqlens=lens, block_table=block_table, cache_leftpad=cache_leftpad, k_new=k_new,
-        v_new=v_new, causal=causal, window=window, scale=scale, num_splits=num_splits or None,
+        v_new=v_new, causal=causal, window=window, scale=scale, softcap=softcap, num_splits=num_splits or None,
         max_seqlen_k=None if max_seqlen_k < 0 else max_seqlen_k, layout=layout, cache_layout=cache_layout,
         sinks=sinks, library=_library(library))
 
@@ -48,20 +50,22 @@ def _fake(q: Tensor, layout: str) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("aotriton_rt::decode_attention", mutates_args=())
 def decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
                         block_table: Tensor | None, cache_leftpad: Tensor | None, sinks: Tensor | None, causal: bool,
-                        window_left: int, window_right: int, scale: float, num_splits: int, max_seqlen_k: int,
-                        layout: str, cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
+                        window_left: int, window_right: int, scale: float, softcap: float, num_splits: int,
+                        max_seqlen_k: int, layout: str, cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
     """(out, lse) of q against the caches (nothing appended). ``cache_len`` is a host length
     for every sequence (-1: use ``cache_seqlens``, or the whole cache when that is None);
-    ``cache_leftpad``: each sequence's first cache row (None: 0); ``sinks``: attention sinks."""
+    ``cache_leftpad``: each sequence's first cache row (None: 0); ``sinks``: attention sinks;
+    ``softcap``: the logit softcap (0.0: none)."""
     return _call(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, cache_leftpad, None, None, causal,
-                 window_left, window_right, scale, num_splits, max_seqlen_k, layout, cache_layout, library, sinks)
+                 window_left, window_right, scale, softcap, num_splits, max_seqlen_k, layout, cache_layout, library,
+                 sinks)
 
 
 @decode_attention_op.register_fake
 def _decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
                  block_table: Tensor | None, cache_leftpad: Tensor | None, sinks: Tensor | None, causal: bool,
-                 window_left: int, window_right: int, scale: float, num_splits: int, max_seqlen_k: int, layout: str,
-                 cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
+                 window_left: int, window_right: int, scale: float, softcap: float, num_splits: int,
+                 max_seqlen_k: int, layout: str, cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
     return _fake(q, layout)
 
 
@@ -69,27 +73,30 @@ def _decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
 def decode_attention_append_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None,
                                cache_len: int, block_table: Tensor | None, cache_leftpad: Tensor | None,
                                sinks: Tensor | None, k_new: Tensor, v_new: Tensor, causal: bool, window_left: int,
-                               window_right: int, scale: float, num_splits: int, max_seqlen_k: int, layout: str,
-                               cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
+                               window_right: int, scale: float, softcap: float, num_splits: int, max_seqlen_k: int,
+                               layout: str, cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
     """As ``decode_attention`` after writing k_new/v_new at ``cache_seqlens[b] + i``."""
     return _call(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, cache_leftpad, k_new, v_new, causal,
-                 window_left, window_right, scale, num_splits, max_seqlen_k, layout, cache_layout, library, sinks)
+                 window_left, window_right, scale, softcap, num_splits, max_seqlen_k, layout, cache_layout, library,
+                 sinks)
 
 
 @decode_attention_append_op.register_fake
 def _append_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
                  block_table: Tensor | None, cache_leftpad: Tensor | None, sinks: Tensor | None, k_new: Tensor,
-                 v_new: Tensor, causal: bool, window_left: int, window_right: int, scale: float, num_splits: int,
-                 max_seqlen_k: int, layout: str, cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
+                 v_new: Tensor, causal: bool, window_left: int, window_right: int, scale: float, softcap: float,
+                 num_splits: int, max_seqlen_k: int, layout: str, cache_layout: str, library: int
+                 ) -> tuple[Tensor, Tensor]:
     return _fake(q, layout)
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqlens: Tensor | int | None = None,
                      block_table: Tensor | None = None, k_new: Tensor | None = None, v_new: Tensor | None = None,
                      causal: bool = False, window: tuple[int, int] | None = None, scale: float | None = None,
-                     num_splits: int | None = None, max_seqlen_k: int | None = None, layout: str = "bshd",
-                     cache_layout: str = "bshd", cache_leftpad: Tensor | None = None, return_lse: bool = False,
-                     sinks: Tensor | None = None, library: Any = None) -> Tensor | tuple[Tensor, Tensor]:
+                     softcap: float = 0.0, num_splits: int | None = None, max_seqlen_k: int | None = None,
+                     layout: str = "bshd", cache_layout: str = "bshd", cache_leftpad: Tensor | None = None,
+                     return_lse: bool = False, sinks: Tensor | None = None,
+                     library: Any = None) -> Tensor | tuple[Tensor, Tensor]:
     """Decode attention on torch tensors through the custom ops (see
     :func:`aotriton_rt.ops.decode.decode_attention` for the arguments).
 
@@ -115,8 +122,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
         cache_len, cache_seqlens = cache_seqlens, None
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    common = (causal, left, right, float(scale), int(num_splits or 0), -1 if max_seqlen_k is None else max_seqlen_k,
-              layout, cache_layout, _library_key(library))
+    # Checked here, as the operator would: the op's schema takes a plain float (0.0: none).
+    softcap = check_softcap(softcap, scale)
+    common = (causal, left, right, float(scale), softcap, int(num_splits or 0),
+              -1 if max_seqlen_k is None else max_seqlen_k, layout, cache_layout, _library_key(library))
     if k_new is None and v_new is None:
         out, lse = decode_attention_op(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, cache_leftpad,
                                        sinks, *common)

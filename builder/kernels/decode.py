@@ -31,6 +31,15 @@ A left-padded sequence (``CacheStart[b] > 0``, FlashAttention-2's ``cache_leftpa
 keys ``CacheStart[b] <= j < len_k``: the alignment stays relative to the end, and the rows
 before its start are never read (nor their block-table entries).
 
+Logit softcap (Gemma 2; FlashAttention-2's ``softcap``): with the run-time ``softcap > 0``, the
+scores ``s = q.k * sm_scale`` become ``softcap * tanh(s / softcap)`` before the masks and the
+softmax (the forward's ``_softcapped``: one exp2 and one fast division per score). A run-time
+value behind a uniform branch per key block, not a compiled axis: every variant serves calls
+with and without a cap, and calls without one skip it (sm90: 4 more instructions per key
+block, 462 against 458; in the paged kernel's 16-row-chunk loop 32 more, 668 against 636, its
+per-chunk load masks kept in registers across the branch). The shared-memory ring and the
+16-byte K/V copies are those of the kernel without it (tests/builder/test_decode_paged_offsets.py).
+
 Head dims: ``HEAD_DIM`` is a compiled bucket. ``PADDED_D=0`` variants read rows of exactly
 ``HEAD_DIM`` elements with 16-byte aligned addresses and strides (16-byte vector loads: the fast
 path). ``PADDED_D=1`` variants take any ``head_dim`` in ``[1, HEAD_DIM]`` at run time and mask
@@ -66,6 +75,7 @@ from builder.kernels.attention import (
     LN2,
     LOG2E,
     SHARED_LIMIT,
+    _softcapped,
     divisibility_of,
     next_power_of_2,
     signature_of,
@@ -178,14 +188,16 @@ def _block_offsets(start_n, offs_n, start_b, len_k, bt_row, page_size, num_pages
 
 @triton.jit
 def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, start_b, len_k, qi, diag, left, right,
-            qk_scale,
+            qk_scale, softcap,
             page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
             HEAD_DIM: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
             PREC: tl.constexpr):
     """Online softmax of the tile's query rows over key blocks ``start..end`` (see _block_offsets
     for MODE); returns the updated (acc, l_i, m_i, page_sign): ``page_sign`` ORed with the table
     entries' sign words (negative once one was out of range). Rows before ``start_b`` (a left
-    padding) and from ``len_k`` on are neither loaded nor seen."""
+    padding) and from ``len_k`` on are neither loaded nor seen. ``softcap > 0``: scores become
+    ``softcap * tanh(q.k * sm_scale / softcap)`` before the masks (the forward's ``_softcapped``;
+    a uniform branch per key block, so one binary serves calls with and without a cap)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         col_ok = (cols >= start_b) & (cols < len_k)
@@ -198,6 +210,8 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, sta
         v = tl.load(V_head + v_off[:, None] + offs_d[None, :],
                     mask=_and_dim(col_ok[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1), other=0.0)
         qk = tl.dot(q, k, input_precision=PREC)
+        if softcap > 0:
+            qk = _softcapped(qk, qk_scale, softcap)
         rel = cols[None, :] - qi[:, None] - diag
         visible = (rel >= -left) & (rel <= right) & col_ok[None, :]
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
@@ -287,7 +301,7 @@ def attn_decode(
     stride_lz, stride_lh,
     stride_btz,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_new, capacity, num_pages, page_size, num_splits,
-    sm_scale, window_left, window_right, head_dim,
+    sm_scale, window_left, window_right, head_dim, softcap,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0,
 ):
@@ -302,6 +316,9 @@ def attn_decode(
     output and logsumexp NaN. ``head_dim``: the rows' width, HEAD_DIM unless PADDED_D.
     ``CacheStart``: each sequence's first key row (FlashAttention-2's ``cache_leftpad``; zeros
     without one): its keys are rows ``[CacheStart[b], len_k)``, the rows before never read.
+    ``softcap``: FlashAttention-2's logit softcap, scores ``softcap * tanh(q.k * sm_scale /
+    softcap)`` before the masks and the softmax; 0 for none (a run-time value: every variant
+    takes it; ``softcap > 0`` needs ``sm_scale != 0``, checked at launch).
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -368,19 +385,19 @@ def attn_decode(
         # smaller or odd pages: one per 16-row chunk. A uniform branch, both loops in the binary.
         if page_size % BLOCK_N == 0:
             acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end,
-                                              start_b, len_k, qi, diag, left, right, qk_scale, page_size, num_pages,
-                                              stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
-                                              HEAD_DIM, PADDED_D, BLOCK_N, 1, PREC)
+                                              start_b, len_k, qi, diag, left, right, qk_scale, softcap, page_size,
+                                              num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d,
+                                              head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 1, PREC)
         else:
             acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end,
-                                              start_b, len_k, qi, diag, left, right, qk_scale, page_size, num_pages,
-                                              stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
-                                              HEAD_DIM, PADDED_D, BLOCK_N, 2, PREC)
+                                              start_b, len_k, qi, diag, left, right, qk_scale, softcap, page_size,
+                                              num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d,
+                                              head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 2, PREC)
     else:
         acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, start_b,
-                                          len_k, qi, diag, left, right, qk_scale, page_size, num_pages, stride_kz,
-                                          stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim, HEAD_DIM, PADDED_D,
-                                          BLOCK_N, 0, PREC)
+                                          len_k, qi, diag, left, right, qk_scale, softcap, page_size, num_pages,
+                                          stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
+                                          HEAD_DIM, PADDED_D, BLOCK_N, 0, PREC)
 
     _successor_may_launch(PDL)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -844,6 +861,8 @@ _SHAPE_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0", "seqlen_q
                  f"seqlen_q <= {MAX_SEQLEN_Q}", f"num_heads_q // num_heads_k * seqlen_q <= {MAX_GROUP_ROWS}",
                  "batch * num_heads_k <= 65535")
 _PAGE_CHECKS = ("page_size >= 16", "page_size % 16 == 0", "num_pages >= 1", "capacity >= 0")
+# The logit softcap: 0 (none) or positive (NaN fails both), and a cap divides by the scale.
+_SOFTCAP_CHECKS = ("softcap >= 0", "softcap == 0 or sm_scale != 0")
 _SETS = {"default": in_decode_default_set, "gputest": in_decode_gputest_set}
 
 
@@ -875,7 +894,7 @@ KERNELS = [
         set_configs={"default": default_decode_configs},
         tuning=decode_tuning,
         checks=lambda spec: _SHAPE_CHECKS + _PAGE_CHECKS + _head_dim_checks(spec)
-        + ("num_splits >= 1", "num_splits <= 65535", "seqlen_new >= 0") + _DECODE_STRIDES(spec),
+        + ("num_splits >= 1", "num_splits <= 65535", "seqlen_new >= 0") + _SOFTCAP_CHECKS + _DECODE_STRIDES(spec),
     ),
     KernelDecl(
         name="attn_decode_combine",

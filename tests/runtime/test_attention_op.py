@@ -679,7 +679,7 @@ def _synthetic_variant(name: str, spec: dict, index: int = 0, arch: str = "sm90"
 
     decl = load_kernels()[name]
     signature = _resolve_signature(decl, spec)
-    div = _divisibility(decl, signature)
+    div = _divisibility(decl, signature, spec)
     args, offset = [], 0
     for arg, t in signature.items():
         if t == "constexpr" or arg in without:

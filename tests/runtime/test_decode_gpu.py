@@ -34,8 +34,10 @@ def lib(decode_lib: aotriton_rt.Library) -> aotriton_rt.Library:
     return decode_lib
 
 
-def _reference(q: Any, keys: list, vals: list, causal: bool, window: Any, dtype: Any) -> tuple[Any, Any]:
-    """(out (B, Sq, Hq, D), lse (B, Hq, Sq)) per sequence in ``dtype``; keys[b]: (n, Hk, D)."""
+def _reference(q: Any, keys: list, vals: list, causal: bool, window: Any, dtype: Any, softcap: float = 0.0
+               ) -> tuple[Any, Any]:
+    """(out (B, Sq, Hq, D), lse (B, Hq, Sq)) per sequence in ``dtype``; keys[b]: (n, Hk, D);
+    ``softcap`` (0: none) makes the scaled scores ``softcap * tanh(s / softcap)`` before the mask."""
     outs, lses = [], []
     B, Sq, Hq, D = q.shape
     left, right = window if window else (-1, -1)
@@ -47,6 +49,8 @@ def _reference(q: Any, keys: list, vals: list, causal: bool, window: Any, dtype:
         kk = keys[b].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
         vv = vals[b].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
         s = q[b].to(dtype).transpose(0, 1) @ kk.transpose(-1, -2) / math.sqrt(D)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         rel = torch.arange(n, device=q.device)[None, :] - torch.arange(Sq, device=q.device)[:, None] - (n - Sq)
         vis = torch.ones_like(rel, dtype=torch.bool)
         if left >= 0:
@@ -419,9 +423,9 @@ def test_custom_op_passes_opcheck(lib: aotriton_rt.Library) -> None:
     c = _cache([100, 37], 0, 2, 64, torch.float16, 16, gen)
     q = torch.randn(2, 1, 8, 64, device="cuda", generator=gen, dtype=torch.float16)
     sinks = torch.randn(8, device="cuda", generator=gen)
-    for s in (None, sinks):
+    for s, softcap in ((None, 0.0), (sinks, 0.0), (None, 30.0)):
         torch.library.opcheck(decode_attention_op, (q, c["k"], c["v"], c["lens"], -1, c["table"], None, s, True, -1, 0,
-                                                    0.125, 0, -1, "bshd", "bshd", _library_key(lib)),
+                                                    0.125, softcap, 0, -1, "bshd", "bshd", _library_key(lib)),
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 

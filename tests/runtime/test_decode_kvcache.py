@@ -8,7 +8,9 @@
   view into a buffer whose columns past the head dim hold NaN where a case says so: the masked
   (``PADDED_D=1``) variants must neither read them (no NaN in the answer) nor write them (they
   stay NaN in the caches and ``out``). Each case names the variant it must run: as is at a
-  bucket with aligned arrays, masked otherwise or when the images lack the exact one.
+  bucket with aligned arrays, masked otherwise or when the images lack the exact one. The logit
+  softcap at a masked head dim and on 128-row runs: through the variable-length forward's
+  ``SOFTCAP=1`` variant, or on the decode kernels where the images' forward has none.
 - Each query tile reads only the keys its own rows can see: the K elements a call loads are
   counted and equal the per-tile ranges (a causal run of 128 rows reads 61% of what cutting
   every tile at the run's ends read).
@@ -84,6 +86,20 @@ CASES: dict[str, dict] = {
     "head_dim_200_on_224": {"D": 200, "Sq": 2, "paged": 16, "new": 1, "causal": True, "pad": 24, "run": (224, 1)},
     "head_dim_256_masked_when_only_that_is_held": {"D": 256, "dtype": "fp16", "Sq": 2, "new": 1, "causal": True,
                                                    "held": _images_without((256, 0)), "splits": 2, "run": (256, 1)},
+    # Logit softcap (scores scaled up by "amp" so that a cap of 1.5 bends them): the decode
+    # kernels at a masked head dim; a long run through the variable-length forward's SOFTCAP=1
+    # variant; the same run on the decode kernels when the images' forward has no softcap.
+    "softcap_head_dim_59_masked_paged_nan_columns": {"softcap": 1.5, "amp": 2.0, "D": 59, "Sq": 3, "paged": 16,
+                                                     "new": 2, "causal": True, "pad": 5, "splits": 2,
+                                                     "run": (64, 1)},
+    "softcap_128_rows_paged_window_through_the_varlen_forward": {"softcap": 1.5, "amp": 2.0, "Sq": 128, "Hq": 2,
+                                                                 "Hk": 1, "paged": 16, "new": 5, "causal": True,
+                                                                 "window": (40, 0), "lens": (150, 30), "cap": 160,
+                                                                 "run": (32, 0)},
+    "softcap_128_rows_on_the_decode_kernels_without_a_capped_forward": {
+        "softcap": 1.5, "amp": 2.0, "Sq": 128, "Hq": 2, "Hk": 1, "causal": True, "lens": (0, 30), "new": 128,
+        "cap": 160, "splits": 2, "held": lambda name, spec: not (name == "attn_fwd" and spec.get("SOFTCAP")),
+        "routed": False, "run": (32, 0)},
 }
 
 
@@ -168,7 +184,7 @@ def run_case(name: str, case: dict) -> dict:
     keys = [randn(n, Hk, D) for n in total]
     vals = [randn(n, Hk, D) for n in total]
     q = view(B, Sq, Hq)
-    q.copy_(randn(B, Sq, Hq, D))
+    q.copy_((torch.randn(B, Sq, Hq, D, generator=gen) * c.get("amp", 1.0)).to(dtype))
     if c["paged"]:
         ps = c["paged"]
         num_pages = sum(-(-n // ps) for n in total) + 3
@@ -199,9 +215,11 @@ def run_case(name: str, case: dict) -> dict:
     RUNS.clear()
     storage = k_cache.untyped_storage()
     K_LOADS[:] = [[storage.data_ptr(), storage.data_ptr() + storage.nbytes(), 0]] if c.get("count") else []
+    softcap = c.get("softcap", 0.0)
     got, lse = op.decode_attention(q, k_cache, v_cache, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
                                    block_table=table, k_new=k_new, v_new=v_new, causal=c["causal"],
-                                   window=c["window"], num_splits=c["splits"], out=out, check=True, library=lib)
+                                   window=c["window"], num_splits=c["splits"], out=out, softcap=softcap, check=True,
+                                   library=lib)
     loaded = K_LOADS[0][2] if K_LOADS else None
     K_LOADS.clear()
     failed: list[str] = []
@@ -213,12 +231,15 @@ def run_case(name: str, case: dict) -> dict:
         failed.append(f"launched (HEAD_DIM, PADDED_D) {sorted(runs)}, expected {c['run']}")
     launched = [k for k, _ in RUNS]
     # Long runs at a compiled head dim go through the variable-length forward (no splits there).
-    routed = Sq >= VARLEN_SEQLEN_Q and c["run"][1] == 0 and out is None
+    routed = c.get("routed", Sq >= VARLEN_SEQLEN_Q and c["run"][1] == 0 and out is None)
     if routed != ("attn_decode_pack" in launched):
         failed.append(f"launches {launched}: the variable-length route {'not ' if routed else ''}expected")
     if ("attn_decode_append" in launched) != bool(new) or \
             not routed and ("attn_decode_combine" in launched) != (c["splits"] > 1):
         failed.append(f"launches {launched}")
+    capped = [spec.get("SOFTCAP") for k, spec in RUNS if k == "attn_fwd"]
+    if routed and softcap and capped != [1]:
+        failed.append(f"the variable-length forward ran with SOFTCAP {capped}, expected [1]")
     tol = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 4e-2}[c["dtype"]]
     scale = 1 / math.sqrt(D)
     left, right = c["window"] if c["window"] else (-1, -1)
@@ -228,7 +249,12 @@ def run_case(name: str, case: dict) -> dict:
     errors = {}
     for b in range(B):
         n = total[b]
-        ref, ref_lse = fp64_reference(q[b], keys[b], vals[b], group, scale, left, right)
+        ref, ref_lse = fp64_reference(q[b], keys[b], vals[b], group, scale, left, right, softcap=softcap)
+        if softcap:
+            bent = (fp64_reference(q[b], keys[b], vals[b], group, scale, left, right)[0] - ref).abs().max().item()
+            errors[f"bent{b}"] = bent
+            if not bent > 10 * tol:
+                failed.append(f"the cap bends sequence {b}'s answer by only {bent}: the case would prove nothing")
         err = (got[b].double() - ref).abs().max().item()
         gl = lse[b].double()
         lerr = torch.where(torch.isinf(gl) & torch.isinf(ref_lse), 0.0, (gl - ref_lse).abs()).max().item()

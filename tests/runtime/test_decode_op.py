@@ -5,10 +5,15 @@
   compared with an fp64 reference: contiguous and paged caches, random block tables, pages the
   sequences do not reference filled with NaN, ``cache_seqlens`` 0, 1 and not multiples of the
   page, appends that cross page boundaries, 1..16 query rows, GQA tiles taller than one block,
-  causal, sliding windows, several splits merged by the combine kernel.
+  causal, sliding windows, several splits merged by the combine kernel; the logit softcap
+  (``c * tanh(s / c)``, through ``decode_attention`` and through ``aotriton_rt.attention``'s
+  route to the decode kernels, which images built before the decode softcap leave to the forward).
 - Refusals before any launch (arrays are ``__cuda_array_interface__`` descriptions of memory
   that is never touched): lengths past what the cache or block table can address, page sizes
-  that are not multiples of 16, and the debug-mode checks of device lengths and block tables.
+  that are not multiples of 16, softcaps that are negative or not finite, and the debug-mode
+  checks of device lengths and block tables.
+- The softcap's launch argument and plan key, and images built before it (``KernelNotFound``
+  for a capped call, an uncapped one runs).
 - The split rule and its catalog overrides as pure functions.
 """
 
@@ -75,6 +80,24 @@ CASES: dict[str, dict] = {
     # Splits of paged caches and of GQA tiles under a two-sided window, merged by the combine kernel.
     "paged_splits_some_empty": {"paged": 16, "lens": (37, 1, 16, 0), "splits": 3},
     "gqa_window_splits": {"Sq": 2, "Hq": 8, "Hk": 2, "window": (30, 3), "lens": (70, 12, 45), "splits": 4},
+    # Logit softcap: caps of about the scores' size (q.k * scale ~ N(0, 1) here, scaled up by
+    # "amp"), so tanh bends every score; split partials merged by the combine kernel.
+    "softcap_contiguous_gqa_splits": {"softcap": 1.5, "amp": 2.0, "Hq": 8, "Hk": 2, "splits": 3},
+    "softcap_paged_16_speculative_causal_append_fp16": {"softcap": 2.0, "amp": 2.0, "paged": 16, "Sq": 4,
+                                                       "new": 3, "causal": True, "lens": (14, 45, 0),
+                                                       "dtype": "fp16", "splits": 2},
+    "softcap_pages_of_48_in_blocks_of_64_window_bf16": {"softcap": 1.0, "amp": 3.0, "paged": 48, "block_n": 64,
+                                                       "Sq": 3, "causal": True, "window": (40, 0),
+                                                       "lens": (191, 47, 100), "dtype": "bf16", "splits": 2,
+                                                       "cap": 192},
+    "softcap_scale_negative_no_mask": {"softcap": 0.75, "scale": -0.3, "Sq": 2, "lens": (37, 1, 80), "splits": 2},
+    "softcap_repeated_call_takes_the_cached_plan": {"softcap": 1.5, "paged": 16, "lens": (37, 1, 16), "splits": 2,
+                                                    "repeat": True},
+    # aotriton_rt.attention with a softcap and a few query rows: the decode kernels serve it (the
+    # express route), or, in images whose decode kernel predates the cap, the SOFTCAP=1 forward.
+    "attention_routes_a_softcapped_decode_step": {"api": "attention", "softcap": 1.5, "Sq": 3, "Sk": 45},
+    "attention_softcap_on_old_decode_images_runs_the_forward": {"api": "attention", "softcap": 1.5, "Sq": 3,
+                                                                "Sk": 45, "old": True},
 }
 
 
@@ -162,8 +185,10 @@ class _Library:
         decl = self.decls[name]
         axes = list(decl.axes)
         specs = [dict(zip(axes, values)) for values in itertools.product(*decl.axes.values())]
+        # The arguments this checkout's source declares (images built before one lack it).
+        args = [SimpleNamespace(name=n) for n, t in decl.signature.items() if t != "constexpr"]
         return [SimpleNamespace(kernel=name, target=SimpleNamespace(backend="cuda", arch="sm90"), params=spec,
-                                config=SimpleNamespace(num_warps=4, num_stages=1, index=0), key=str(spec))
+                                config=SimpleNamespace(num_warps=4, num_stages=1, index=0), key=str(spec), args=args)
                 for spec in specs if self.held(name, spec)]
 
     def kernel(self, name: str, **params: Any) -> _Handle:
@@ -183,10 +208,11 @@ def _install_cpu() -> None:
 
 
 def fp64_reference(q: Any, keys: Any, vals: Any, group: int, scale: float, left: int, right: int,
-                   start: int = 0) -> tuple[Any, Any]:
+                   start: int = 0, softcap: float = 0.0) -> tuple[Any, Any]:
     """One sequence's decode attention in fp64: q ``(Sq, Hq, D)`` against its cache rows ``keys``
     / ``vals`` ``(n, Hk, D)``, of which rows from ``start`` on are its keys; the queries are the
-    last ``Sq`` rows (bottom-right), ``left``/``right`` the window (-1: unbounded). Returns
+    last ``Sq`` rows (bottom-right), ``left``/``right`` the window (-1: unbounded); ``softcap``
+    (0: none) makes the scores ``softcap * tanh(s / softcap)`` before the mask. Returns
     ``(out (Sq, Hq, D), lse (Hq, Sq))``: rows that see no key give 0 and -inf."""
     import torch
 
@@ -194,6 +220,8 @@ def fp64_reference(q: Any, keys: Any, vals: Any, group: int, scale: float, left:
     kk = keys[start:].double().transpose(0, 1).repeat_interleave(group, 0)  # (Hq, n - start, D)
     vv = vals[start:].double().transpose(0, 1).repeat_interleave(group, 0)
     s = q.double().transpose(0, 1) @ kk.transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     rel = torch.arange(start, n)[None, :] - torch.arange(sq)[:, None] - (n - sq)
     vis = torch.ones(sq, n - start, dtype=torch.bool)
     if left >= 0:
@@ -225,7 +253,7 @@ def run_case(name: str, case: dict) -> dict:
     # The logical sequences: keys/values of every row each sequence will hold after the append.
     keys = [randn(n, Hk, D) for n in total]
     vals = [randn(n, Hk, D) for n in total]
-    q = randn(B, Sq, Hq, D)
+    q = (torch.randn(B, Sq, Hq, D, generator=gen) * c.get("amp", 1.0)).to(dtype)
     nan = float("nan")
     if c["paged"]:
         ps = c["paged"]
@@ -261,30 +289,44 @@ def run_case(name: str, case: dict) -> dict:
     LAUNCHES.clear()
     BLOCK_N[0] = c.get("block_n", 16)
     lib = _Library()
+    softcap, scale = c.get("softcap", 0.0), c.get("scale")
     out, lse = op.decode_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, k_new=k_new,
                                    v_new=v_new, causal=c["causal"], window=c["window"], num_splits=c["splits"],
-                                   cache_layout=c["cache_layout"], check=True, library=lib)
+                                   cache_layout=c["cache_layout"], scale=scale, softcap=softcap, check=True,
+                                   library=lib)
     errors: dict[str, float] = {}
     failed: list[str] = []
     if c.get("repeat"):
         op._kernels_of(lib).launches.clear()
         again = [op.decode_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
-                                     causal=c["causal"], num_splits=c["splits"], check=False, library=lib)
+                                     causal=c["causal"], num_splits=c["splits"], softcap=softcap, check=False,
+                                     library=lib)
                  for _ in range(2)]
         if len(op._kernels_of(lib).launches) != 1:
             failed.append(f"{len(op._kernels_of(lib).launches)} cached launch plans after two equal calls")
         for o2, l2 in again:
             if not (torch.equal(o2, out) and torch.equal(l2, lse)):
                 failed.append("a repeated call computed something else")
+        if softcap:  # the same call without the cap: another plan, another answer
+            plain, _ = op.decode_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                           causal=c["causal"], num_splits=c["splits"], check=False, library=lib)
+            if len(op._kernels_of(lib).launches) != 2 or torch.equal(plain, out):
+                failed.append("a call without the softcap took the capped call's plan")
     tol = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 4e-2}[c["dtype"]]
-    scale = 1 / math.sqrt(D)
+    scale = 1 / math.sqrt(D) if scale is None else scale
     left, right = c["window"] if c["window"] else (-1, -1)
     if c["causal"]:
         right = 0
     group = Hq // Hk
     for b in range(B):
         n = total[b]
-        ref, ref_lse = fp64_reference(q[b], keys[b], vals[b], group, scale, left, right)
+        ref, ref_lse = fp64_reference(q[b], keys[b], vals[b], group, scale, left, right, softcap=softcap)
+        if softcap and n > 1:  # (one key takes all the weight, capped or not)
+            uncapped, _ = fp64_reference(q[b], keys[b], vals[b], group, scale, left, right)
+            bent = (uncapped - ref).abs().max().item()
+            errors[f"bent{b}"] = bent
+            if not bent > 10 * tol:
+                failed.append(f"the cap bends sequence {b}'s answer by only {bent}: the case would prove nothing")
         got = out[b].double()
         err = (got - ref).abs().max().item() if n else got.abs().max().item()
         errors[f"out{b}"] = err
@@ -307,6 +349,8 @@ def run_case(name: str, case: dict) -> dict:
                 if not torch.equal(got_k, keys[b][r]):
                     failed.append(f"appended row {r} of sequence {b} is not in the cache")
     kernels = [name for name, _ in LAUNCHES]
+    if softcap and "attn_decode" not in kernels:
+        failed.append(f"launches {kernels}: the decode kernel did not run")
     want_combine = (c["splits"] or 1) > 1
     if c["splits"] is not None and want_combine != ("attn_decode_combine" in kernels):
         failed.append(f"launches {kernels} for {c['splits']} splits")
@@ -315,10 +359,59 @@ def run_case(name: str, case: dict) -> dict:
     return {"name": name, "errors": errors, "failed": failed, "launches": LAUNCHES[:]}
 
 
+def run_attention_case(name: str, case: dict) -> dict:
+    """``aotriton_rt.attention`` on a decode-shaped softcapped call (bottom-right causal, GQA, bshd):
+    which kernels ran, and the answer against fp64."""
+    import torch
+
+    c = {"B": 2, "Hq": 8, "Hk": 2, "D": 32, **case}
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    B, Hq, Hk, Sq, Sk, D = c["B"], c["Hq"], c["Hk"], c["Sq"], c["Sk"], c["D"]
+    q = torch.randn(B, Sq, Hq, D, generator=gen) * 2
+    k, v = torch.randn(B, Sk, Hk, D, generator=gen), torch.randn(B, Sk, Hk, D, generator=gen)
+    lib = _Library()
+    if c.get("old"):  # attn_decode variants without the softcap argument
+        listed = lib.variants_of
+
+        def variants_of(kname: str) -> list:
+            found = listed(kname)
+            for variant in found if kname == "attn_decode" else ():
+                variant.args = [a for a in variant.args if a.name != "softcap"]
+            return found
+
+        lib.variants_of = variants_of
+    from aotriton_rt import interop
+    from tests.helpers.cpu_arrays import cpu_describer
+
+    LAUNCHES.clear()
+    real = interop.describe
+    cpu = cpu_describer(lambda obj, name: real(obj))
+    interop.describe = lambda obj, **kw: cpu(obj, "")  # the route's own look at the arrays
+    try:
+        out, lse = aotriton_rt.attention(q, k, v, causal=True, align="bottom_right", layout="bshd",
+                                         softcap=c["softcap"], library=lib)
+    finally:
+        interop.describe = real
+    failed: list[str] = []
+    ran = [n for n, _ in LAUNCHES]
+    want = ["attn_fwd"] if c.get("old") else ["attn_decode"]
+    if [n for n in ran if n != "attn_decode_combine"] != want:
+        failed.append(f"launches {ran}, expected {want}")
+    errors: dict[str, float] = {}
+    for b in range(B):
+        ref, ref_lse = fp64_reference(q[b], k[b], v[b], Hq // Hk, D ** -0.5, -1, 0, softcap=c["softcap"])
+        errors[f"out{b}"] = err = (out[b].double() - ref).abs().max().item()
+        errors[f"lse{b}"] = lerr = (lse[b].double() - ref_lse).abs().max().item()
+        if not (err <= 1e-4 and lerr <= 1e-3):
+            failed.append(f"sequence {b}: out error {err}, lse error {lerr}")
+    return {"errors": errors, "failed": failed, "launches": LAUNCHES[:]}
+
+
 def _main(names: list[str]) -> None:
     patch_interpreter()
     _install_cpu()
-    report_cases(names, lambda name: run_case(name, CASES[name]))
+    report_cases(names, lambda name: (run_attention_case if CASES[name].get("api") == "attention" else run_case)(
+        name, CASES[name]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,6 +511,15 @@ REFUSALS = [
      r"causal=True hides every key right of the diagonal, but window=\(4, 2\) asks for 2 keys there"),
     ("num_splits", lambda: _dec(num_splits=0), ArgumentError, r"num_splits must be in \[1, 1024\], got 0"),
     ("negative_length", lambda: _dec(cache_seqlens=-1), ArgumentError, r"cache_seqlens must be >= 0, got -1"),
+    ("negative_softcap", lambda: _dec(softcap=-30.0), ArgumentError,
+     r"softcap must be a finite number > 0 \(None or 0: no softcap\), got -30\.0"),
+    ("nan_softcap", lambda: _dec(softcap=float("nan")), ArgumentError,
+     r"softcap must be a finite number > 0 .*got nan"),
+    ("infinite_softcap", lambda: _dec(softcap=float("inf")), ArgumentError,
+     r"softcap must be a finite number > 0 .*got inf"),
+    ("boolean_softcap", lambda: _dec(softcap=True), ArgumentError, r"softcap must be a finite number > 0 .*got True"),
+    ("softcap_with_a_zero_scale", lambda: _dec(softcap=50.0, scale=0.0), ArgumentError,
+     r"softcap needs a non-zero scale"),
 ]
 
 
@@ -761,3 +863,201 @@ def test_a_repeated_torch_call_launches_prepared_kernels_with_the_first_calls_ar
             assert b["CacheSeqlens"] == c["CacheSeqlens"] != 0
     cached = op._kernels_of(lib).launches
     assert cached and all(launch.fast is not None for launch in cached.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The logit softcap: its launch argument, its plans, images built before it.
+# ---------------------------------------------------------------------------------------------
+
+def _recording_library(monkeypatch: pytest.MonkeyPatch, *, take_softcap: bool = True) -> _Library:
+    """CPU torch tensors stand for device 0 arrays; the kernels record their launches (as
+    :class:`_AddressHandle`). ``take_softcap=False``: images built before ``attn_decode`` took
+    the softcap (neither its catalog variants nor its handles have the argument)."""
+    import torch
+
+    from aotriton_rt import interop
+    from aotriton_rt.ops.decode import validate
+
+    names = {torch.float16: "fp16", torch.int32: "i32"}
+    real = validate._describe
+    monkeypatch.setattr(validate, "_describe", lambda obj, name: interop.ArrayInfo(
+        obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()), "torch")
+        if isinstance(obj, torch.Tensor) else real(obj, name))
+    monkeypatch.setattr(validate, "_host_lengths", lambda obj: None)
+    monkeypatch.setattr(interop, "stream_getter", lambda framework: (lambda device: 0x77))
+    lib = _Library()
+
+    def kernel(name: str, **params: Any) -> _AddressHandle:
+        handle = _AddressHandle(lib.decls[name], params)
+        if not take_softcap:
+            handle.arg_names = [n for n in handle.arg_names if n != "softcap"]
+        return handle
+
+    def variants_of(name: str, listed: Any = lib.variants_of) -> list:
+        found = listed(name)
+        for v in found if not take_softcap else ():
+            v.args = [a for a in v.args if a.name != "softcap"]
+        return found
+
+    monkeypatch.setattr(lib, "kernel", kernel)
+    monkeypatch.setattr(lib, "variants_of", variants_of)
+    return lib
+
+
+def _decode_arrays(paged: bool) -> dict:
+    import torch
+
+    q = torch.randn(2, 1, 8, 64).half()
+    if paged:
+        k = torch.randn(8, 16, 2, 64).half()
+        table = torch.arange(8, dtype=torch.int32).reshape(2, 4)
+    else:
+        k, table = torch.randn(2, 64, 2, 64).half(), None
+    return {"q": q, "k_cache": k, "v_cache": torch.randn_like(k), "block_table": table,
+            "cache_seqlens": torch.tensor([37, 60], dtype=torch.int32)}
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_the_softcap_reaches_the_decode_kernel_on_first_and_repeated_calls_and_keys_the_plan(
+        monkeypatch: pytest.MonkeyPatch, paged: bool) -> None:
+    lib = _recording_library(monkeypatch)
+    a = _decode_arrays(paged)
+    op._kernels_of(lib).launches.clear()
+    LAUNCHES.clear()
+    for softcap in (30.0, 30.0, 30.0, 0.0, 0.0, None, 12.5):
+        op.decode_attention(**a, num_splits=2, causal=True, softcap=softcap, check=False, library=lib)
+    decode = [(how, args["softcap"]) for how, name, args in LAUNCHES if name == "attn_decode"]
+    # First call of a signature: the handle; then the prepared launch, with the same cap.
+    assert decode == [("call", 30.0), ("prepared", 30.0), ("prepared", 30.0), ("call", 0.0), ("prepared", 0.0),
+                      ("call", 0.0), ("call", 12.5)]
+    assert not any("softcap" in args for _, name, args in LAUNCHES if name != "attn_decode")  # combine: none
+    # One plan per cap (None and 0.0 are typed apart, and compute alike).
+    assert sorted(launch.p.softcap for launch in op._kernels_of(lib).launches.values()) == [0.0, 0.0, 12.5, 30.0]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_images_built_before_the_decode_softcap_refuse_a_capped_call_and_run_an_uncapped_one(
+        monkeypatch: pytest.MonkeyPatch, paged: bool) -> None:
+    lib = _recording_library(monkeypatch, take_softcap=False)
+    a = _decode_arrays(paged)
+    LAUNCHES.clear()
+    for _ in range(2):  # refused again: a refused call keeps no plan
+        with pytest.raises(aotriton_rt.KernelNotFound,
+                           match=fr"softcap=30\.0 needs attn_decode with a softcap argument; these images were built "
+                                 fr"before it \(dtype=fp16, HEAD_DIM=64, PAGED={int(paged)}, PADDED_D=0\): rebuild "
+                                 fr"them \(`python -m builder build --kernels attn_decode`\)"):
+            op.decode_attention(**a, causal=True, softcap=30.0, check=False, library=lib)
+    assert not LAUNCHES and not op._kernels_of(lib).launches
+    for softcap in (0.0, None):
+        op.decode_attention(**a, causal=True, softcap=softcap, num_splits=2, check=False, library=lib)
+    decode = [args for _, name, args in LAUNCHES if name == "attn_decode"]
+    assert len(decode) == 2 and not any("softcap" in args for args in decode)
+
+
+def test_the_express_route_takes_a_softcap_only_where_the_decode_kernel_does(monkeypatch: pytest.MonkeyPatch
+                                                                            ) -> None:
+    from aotriton_rt.ops.decode import route_options
+
+    q, k = Dev(2, 8, 1, 64), Dev(2, 2, 300, 64)
+    call = {"causal": True, "window": None, "align": "bottom_right", "bias": None, "dropout_p": 0.0, "scale": None,
+            "cu_seqlens_q": None, "cu_seqlens_k": None, "layout": "bhsd", "out": None, "lse": None,
+            "return_mask": False}
+    current, old = _recording_library(monkeypatch), _recording_library(monkeypatch, take_softcap=False)
+    assert route_options(q, k, k, **call, library=current, softcap=30.0)["softcap"] == 30.0
+    assert route_options(q, k, k, **call, library=current)["softcap"] == 0.0
+    assert route_options(q, k, k, **call, library=old, softcap=30.0) is None  # attention()'s forward serves it
+    assert route_options(q, k, k, **call, library=old)["softcap"] == 0.0
+    assert route_options(q, k, k, **call, library=current, softcap=-1.0) is None  # attention() refuses it
+
+
+def test_a_capped_attention_call_on_the_express_route_keeps_its_decode_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aotriton_rt.attention`` with a cap and one query row: the decode kernel gets the cap on the
+    first call and from the kept plan (prepared launches) on the next ones."""
+    import torch
+
+    from aotriton_rt import interop
+    from aotriton_rt.ops.attention import problem
+    from tests.helpers.cpu_arrays import cpu_describer
+
+    lib = _recording_library(monkeypatch)
+    monkeypatch.setattr(problem, "_describe", cpu_describer(problem._describe))
+    cpu = cpu_describer(lambda obj, name, real=interop.describe: real(obj))
+    monkeypatch.setattr(interop, "describe", lambda obj, **kw: cpu(obj, ""))
+    q, k = torch.randn(2, 8, 1, 64).half(), torch.randn(2, 2, 300, 64).half()
+    LAUNCHES.clear()
+    for _ in range(3):
+        aotriton_rt.attention(q, k, k, causal=True, align="bottom_right", softcap=30.0, library=lib)
+    decode = [(how, args["softcap"]) for how, name, args in LAUNCHES if name == "attn_decode"]
+    assert decode == [("call", 30.0), ("prepared", 30.0), ("prepared", 30.0)], decode
+
+
+def test_a_catalog_mixing_old_and_new_decode_variants_serves_a_capped_call_from_the_new_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a real Library over a synthetic catalog (handles are made, nothing launches): the
+    as-is D=64 variant predates the softcap, the masked one takes it."""
+    import torch
+
+    from aotriton_rt import interop
+    from aotriton_rt.ops.decode import validate
+    from tests.runtime.test_attention_op import _synthetic_variant
+
+    names = {torch.float16: "fp16", torch.int32: "i32"}
+    monkeypatch.setattr(validate, "_describe", lambda obj, name: interop.ArrayInfo(
+        obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()), "torch"))
+    base = {"dtype": "fp16", "HEAD_DIM": 64}
+    variants = [_synthetic_variant("attn_decode", {**base, "PAGED": 0, "PADDED_D": 0}, without=("softcap",)),
+                _synthetic_variant("attn_decode", {**base, "PAGED": 0, "PADDED_D": 1})]
+    variants += [_synthetic_variant("attn_decode_combine", {**base, "PADDED_D": d}) for d in (0, 1)]
+    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                       "triton_version": "3.6.0", "variants": variants}))
+    lib = aotriton_rt.Library(tmp_path)
+    a = _decode_arrays(False)
+    a.pop("cache_seqlens")
+    capped = op.decode_kernels(**a, softcap=30.0, library=lib)["attn_decode"]
+    plain = op.decode_kernels(**a, library=lib)["attn_decode"]
+    assert capped.params["PADDED_D"] == 1 and "softcap" in capped.arg_names
+    assert plain.params["PADDED_D"] == 0 and "softcap" not in plain.arg_names
+    # Only old variants: a capped call is refused before anything launches.
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "catalog.json").write_text(json.dumps({
+        "schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0",
+        "variants": [variants[0], variants[2]]}))
+    with pytest.raises(aotriton_rt.KernelNotFound, match=r"softcap=30\.0 needs attn_decode with a softcap argument"):
+        op.decode_attention(**a, cache_seqlens=50, softcap=30.0, library=aotriton_rt.Library(tmp_path / "old"))
+
+
+def test_the_torch_ops_take_the_softcap_after_the_scale_and_pass_it_to_the_operator(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aotriton_rt::decode_attention(_append)``: a ``float softcap`` in the schema, checked by the
+    wrapper as the operator checks it, passed through unchanged; the fake implementation traces
+    it (opcheck on CPU tensors, the operator replaced by one of the same shapes)."""
+    import torch
+
+    from aotriton_rt.ops import torch_decode
+
+    for name in ("decode_attention", "decode_attention_append"):
+        schema = str(getattr(torch.ops.aotriton_rt, name).default._schema)
+        assert "float scale, float softcap, SymInt num_splits" in schema, schema
+    seen: list = []
+
+    def operator(q: Any, k: Any, v: Any, **kw: Any) -> tuple:
+        seen.append((kw["softcap"], kw["k_new"] is not None))
+        b, s, h, _ = q.shape
+        return q * 2, torch.zeros(b, h, s)
+
+    monkeypatch.setattr(torch_decode._core, "decode_attention", operator)
+    q, k = torch.randn(2, 1, 8, 64).half(), torch.randn(2, 64, 2, 64).half()
+    kn = torch.randn(2, 1, 2, 64).half()
+    lens = torch.tensor([3, 40], dtype=torch.int32)
+    torch_decode.decode_attention(q, k, k, cache_seqlens=lens, softcap=30.0)
+    torch_decode.decode_attention(q, k, k, cache_seqlens=lens, k_new=kn, v_new=kn, softcap=12)
+    torch_decode.decode_attention(q, k, k, cache_seqlens=lens)
+    assert seen == [(30.0, False), (12.0, True), (0.0, False)]
+    for bad, match in ((-1.0, r"got -1\.0"), (float("nan"), "got nan"), (True, "got True")):
+        with pytest.raises(ArgumentError, match=fr"softcap must be a finite number > 0 .*{match}"):
+            torch_decode.decode_attention(q, k, k, cache_seqlens=lens, softcap=bad)
+    with pytest.raises(ArgumentError, match=r"softcap needs a non-zero scale"):
+        torch_decode.decode_attention(q, k, k, cache_seqlens=lens, scale=0.0, softcap=30.0)
+    torch.library.opcheck(torch_decode.decode_attention_op,
+                          (q, k, k, lens, -1, None, None, None, True, -1, 0, 0.125, 30.0, 0, -1, "bshd", "bshd", 0),
+                          test_utils=("test_schema", "test_faketensor"))

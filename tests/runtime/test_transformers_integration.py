@@ -89,19 +89,21 @@ def served(monkeypatch: pytest.MonkeyPatch) -> str:
         return _reference(q, k, v, dropout_p=0.0, path="core", **kw), None
 
     def decode(q: Any, k: Any, v: Any, *, causal: bool, window: Any, scale: Any, layout: str, cache_layout: str,
-               library: Any, cache_seqlens: Any = None, cache_leftpad: Any = None, sinks: Any = None) -> tuple:
+               library: Any, cache_seqlens: Any = None, cache_leftpad: Any = None, sinks: Any = None,
+               softcap: Any = 0.0) -> tuple:
         assert cache_layout == "bshd"
         if cache_leftpad is None:
             assert cache_seqlens is None
             return _reference(q, k, v, causal=causal, window=window, align="bottom_right", dropout_p=0.0,
-                              scale=scale, layout=layout, library=library, path="decode", sinks=sinks), None
+                              scale=scale, layout=layout, library=library, path="decode", sinks=sinks,
+                              softcap=softcap), None
         # A left-padded decoding step: sequence b's keys are cache rows [start, cache_seqlens).
         assert isinstance(cache_seqlens, int) and cache_leftpad.dtype == torch.int32 and layout == "bshd"
         CALLS.append({"q_len": q.shape[1], "k_len": cache_seqlens, "causal": causal, "bias": False,
                       "window": window, "varlen": False, "path": "decode_leftpad",
-                      "starts": cache_leftpad.tolist()})
+                      "starts": cache_leftpad.tolist(), "softcap": softcap})
         out = torch.stack([_one(q[b], k[b, s:cache_seqlens], v[b, s:cache_seqlens], causal, window, scale, None,
-                                sinks) for b, s in enumerate(cache_leftpad.tolist())])
+                                sinks, softcap) for b, s in enumerate(cache_leftpad.tolist())])
         return out, None
 
     monkeypatch.setattr(op_torch, "attention", _reference)
@@ -244,9 +246,8 @@ def test_greedy_generation_of_a_left_padded_batch_matches_sdpa(served: str, name
     # The decoding steps read the cache in place from each row's first real token (sliding-window
     # layers whose window holds no padding get no mask: the plain decode path).
     steps = [c for c in CALLS if c["q_len"] == 1]
-    if name == "gemma2_softcap":  # the decode kernels have no softcap: its steps run the forward
-        assert steps and all(c["path"] == "core" and c["softcap"] == 5.0 for c in steps), steps
-        return
+    # Gemma 2's softcap goes to the decode kernels with every step (and no other model's).
+    assert steps and all((c["softcap"] == 5.0) == (name == "gemma2_softcap") for c in steps), steps
     padded = [c for c in steps if c["path"] == "decode_leftpad"]
     assert all(c["path"] in ("decode", "decode_leftpad") for c in steps), steps
     assert padded or name == "mistral_window"  # its 4-key window never holds padding here

@@ -360,12 +360,14 @@ def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, ou
     call = p.call(2 if return_mask else 1 if p.dropout_p else 0)
     # THE routing point for other kernel families: 1..16 query rows without bias, dropout or
     # preallocated outputs run on the split-KV decode kernels when the images hold them (their
-    # out/lse equal the prefill's, so the backward is unchanged). A family returns its own plan
-    # object (anything with this `run`) before the attn_fwd dispatch below.
-    if p.rows_q <= 16 and EXPRESS is not None and not p.softcap:
+    # out/lse equal the prefill's, so the backward is unchanged; a softcap goes along where the
+    # images' decode kernel takes it). A family returns its own plan object (anything with this
+    # `run`) before the attn_fwd dispatch below.
+    if p.rows_q <= 16 and EXPRESS is not None:
         opts = EXPRESS.route_options(q, k, v, out=out, lse=lse, return_mask=return_mask, library=library,
-                             **{n: options[n] for n in ("causal", "window", "align", "bias", "dropout_p", "scale",
-                                                       "cu_seqlens_q", "cu_seqlens_k", "layout")})
+                                     softcap=p.softcap,
+                                     **{n: options[n] for n in ("causal", "window", "align", "bias", "dropout_p",
+                                                                "scale", "cu_seqlens_q", "cu_seqlens_k", "layout")})
         if opts is not None:
             return ks, _DecodeForward(opts)
     spec, handle = ks.forward(call, p.device)

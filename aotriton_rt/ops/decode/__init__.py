@@ -39,6 +39,12 @@ after (device synchronisations; :class:`~aotriton_rt.FaultError` when set).
 **Masks.** Bottom-right aligned (the queries are the sequence's last ``Sq`` rows): ``causal``
 hides keys after each query, ``window=(left, right)`` is a sliding window (-1 unbounded).
 
+**Logit softcap.** ``softcap=c > 0`` (Gemma 2; FlashAttention-2's ``softcap``): scores ``s =
+q·k * scale`` become ``c * tanh(s / c)`` before the masks and the softmax, as
+:func:`aotriton_rt.attention` computes them. A run-time argument of every decode variant;
+images built before it existed refuse a capped call with :class:`KernelNotFound` (a call
+without a cap runs on them as before).
+
 **Splits.** One program per (GQA group tile, split, batch x KV head); the keys each tile's
 query rows may see (a causal tile of a long run: only those up to its rows) are cut into
 ``num_splits`` runs, whose partials ``attn_decode_combine`` merges (a second launch). Long
@@ -59,7 +65,7 @@ from ... import interop
 from ...errors import AotritonError, ArgumentError, KernelNotFound, UnsupportedError
 from ..attention.signature import _typed
 from .faults import FAULT_LENGTH, FAULT_PAGE, clear_faults, describe_faults, raise_faults, read_faults
-from .launch import MAX_SCRATCH_BYTES, _kernels_of, _Launch
+from .launch import MAX_SCRATCH_BYTES, _kernels_of, _Launch, decode_args
 from .splits import DEFAULT_SPLIT_RULES, SplitRule, num_splits_for, split_rule
 from .validate import (
     _LAYOUTS,
@@ -88,8 +94,8 @@ __all__ = ["DEFAULT_SPLIT_RULES", "FAULT_LENGTH", "FAULT_PAGE", "HEAD_DIM_BUCKET
 def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None, block_table: Any = None,
                      k_new: Any = None, v_new: Any = None, causal: bool = False,
                      window: tuple[int, int] | None = None, scale: float | None = None,
-                     num_splits: int | None = None, max_seqlen_k: int | None = None, layout: str = "bshd",
-                     cache_layout: str = "bshd", out: Any = None, check: bool | None = None,
+                     softcap: float = 0.0, num_splits: int | None = None, max_seqlen_k: int | None = None,
+                     layout: str = "bshd", cache_layout: str = "bshd", out: Any = None, check: bool | None = None,
                      cache_leftpad: Any = None, sinks: Any = None, library: Any = None) -> tuple[Any, Any]:
     """Attention of query rows per sequence against a (contiguous or paged) KV cache.
 
@@ -105,6 +111,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             with Hkv heads.
         causal, window: bottom-right aligned causal mask and sliding window ``(left, right)``.
         scale: default ``1/sqrt(D)``.
+        softcap: logit softcap (Gemma 2): scores ``s = q·k * scale`` become ``softcap *
+            tanh(s / softcap)`` before the masks; 0 (or None) for none.
         num_splits: override the split count (default: the catalog's rule, see the module docs);
             refused when its partials would pass :data:`MAX_SCRATCH_BYTES`.
         max_seqlen_k: an upper bound of the keys any sequence sees, for the split count only
@@ -127,10 +135,12 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
     Raises:
         ArgumentError: malformed shapes, dtypes, strides, lengths the cache cannot hold, a page
             size that is not a multiple of 16, more than :data:`MAX_SEQLEN_Q` query rows (or
-            :data:`MAX_GROUP_ROWS` per KV head); nothing has run.
+            :data:`MAX_GROUP_ROWS` per KV head), a softcap that is negative, not finite, or
+            with a zero scale; nothing has run.
         UnsupportedError: a head dim past 256, sizes past the grid.
         FaultError: with ``check``, the fault flag was set (see :func:`read_faults`).
-        KernelNotFound: the images lack the decode kernels for this dtype / head dim.
+        KernelNotFound: the images lack the decode kernels for this dtype / head dim, or (with
+            ``softcap``) were built before the decode kernel took the cap.
 
     Example::
 
@@ -138,7 +148,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
                                     k_new=k, v_new=v, causal=True)
     """
     result = _decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, window, scale,
-                     num_splits, max_seqlen_k, layout, cache_layout, out, check, cache_leftpad, library)
+                     softcap, num_splits, max_seqlen_k, layout, cache_layout, out, check, cache_leftpad, library)
     if sinks is not None:
         from ..attention.sinks import apply_sinks
 
@@ -148,12 +158,13 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
 
 
 def _decode(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
-            causal: bool, window: Any, scale: Any, num_splits: Any, max_seqlen_k: Any, layout: str,
+            causal: bool, window: Any, scale: Any, softcap: Any, num_splits: Any, max_seqlen_k: Any, layout: str,
             cache_layout: str, out: Any, check: Any, cache_leftpad: Any, library: Any) -> tuple[Any, Any]:
     """:func:`decode_attention` without sinks."""
     debug = _debug(check)
     key = None if debug else _torch_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, k_new, v_new,
-                                        out, causal, window, scale, num_splits, max_seqlen_k, layout, cache_layout)
+                                        out, causal, window, scale, num_splits, max_seqlen_k, layout, cache_layout,
+                                        softcap)
     ks = None
     if key is not None:
         try:
@@ -170,7 +181,7 @@ def _decode(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table:
     try:
         p, infos = _plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                          v_new=v_new, causal=causal, window=window, scale=scale, max_seqlen_k=max_seqlen_k,
-                         layout=layout, cache_layout=cache_layout, cache_leftpad=cache_leftpad)
+                         layout=layout, cache_layout=cache_layout, cache_leftpad=cache_leftpad, softcap=softcap)
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("decode_attention", "it has no JAX version: call it outside jax.jit, on "
                                    "concrete arrays", q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
@@ -203,7 +214,8 @@ def _decode(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table:
 
 
 def cached_launch(q: Any, k_cache: Any, v_cache: Any, *, causal: bool = False, window: Any = None,
-                  scale: Any = None, layout: str = "bshd", cache_layout: str = "bshd", library: Any = None) -> Any:
+                  scale: Any = None, softcap: Any = 0.0, layout: str = "bshd", cache_layout: str = "bshd",
+                  library: Any = None) -> Any:
     """The launch plan a :func:`decode_attention` call with these arguments (no lengths, table,
     append or ``out``) made and cached, when it runs repeated calls with integer addresses; else None.
 
@@ -211,7 +223,7 @@ def cached_launch(q: Any, k_cache: Any, v_cache: Any, *, causal: bool = False, w
     on: they keep it and call ``run_fast(q, k, v, None, None, None, None, None)`` directly.
     """
     key = _torch_key(q, k_cache, v_cache, None, None, None, None, None, None, causal, window, scale, None, None,
-                     layout, cache_layout)
+                     layout, cache_layout, softcap)
     launch = _kernels_of(library).launch_of(key)
     return launch if launch is not None and launch.fast is not None else None
 
@@ -248,7 +260,7 @@ def decode_kernels(q: Any, k_cache: Any, v_cache: Any, *, library: Any = None, *
                  v_new=options.pop("v_new", None), causal=options.pop("causal", False),
                  window=options.pop("window", None), scale=options.pop("scale", None),
                  max_seqlen_k=options.pop("max_seqlen_k", None), layout=options.pop("layout", "bshd"),
-                 cache_layout=options.pop("cache_layout", "bshd"))
+                 cache_layout=options.pop("cache_layout", "bshd"), softcap=options.pop("softcap", None))
     if options:
         raise ArgumentError(f"unknown option(s) {', '.join(sorted(options))}")
     ks = _kernels_of(library)
@@ -266,7 +278,7 @@ def decode_kernels(q: Any, k_cache: Any, v_cache: Any, *, library: Any = None, *
 
 def route_from_attention(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: Any, bias: Any,
                          dropout_p: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, layout: Any, out: Any,
-                         lse: Any, return_mask: Any, library: Any) -> tuple[Any, Any] | None:
+                         lse: Any, return_mask: Any, library: Any, softcap: Any = None) -> tuple[Any, Any] | None:
     """``(out, lse)`` from the decode kernels when an ``attention()`` call can run there, else None.
 
     :func:`route_options` decides; the attention operator's plans call it once per call
@@ -274,7 +286,7 @@ def route_from_attention(q: Any, k: Any, v: Any, *, causal: Any, window: Any, al
     """
     opts = route_options(q, k, v, causal=causal, window=window, align=align, bias=bias, dropout_p=dropout_p,
                          scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, layout=layout, out=out,
-                         lse=lse, return_mask=return_mask, library=library)
+                         lse=lse, return_mask=return_mask, library=library, softcap=softcap)
     if opts is None:
         return None
     try:
@@ -285,7 +297,7 @@ def route_from_attention(q: Any, k: Any, v: Any, *, causal: Any, window: Any, al
 
 def route_options(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: Any, bias: Any,
                   dropout_p: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, layout: Any, out: Any,
-                  lse: Any, return_mask: Any, library: Any) -> dict[str, Any] | None:
+                  lse: Any, return_mask: Any, library: Any, softcap: Any = None) -> dict[str, Any] | None:
     """The :func:`decode_attention` options of an ``attention()`` call that can run there, else None.
 
     Taken: dense (no cu_seqlens) forward calls with 1..:data:`ROUTED_SEQLEN_Q` query rows (longer
@@ -293,10 +305,11 @@ def route_options(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: An
     when asked), no bias, no dropout, no preallocated ``out``/``lse``, equal q/k/v head dims whose
     decode variants (as is or masked, :mod:`.variants`) the images hold, K/V readable in place,
     and a mask the decode kernels express: none, or causal/window aligned bottom-right
-    (or top-left with equal lengths, where the alignments coincide). The results equal the
-    prefill kernel's (same ``out`` layout, ``lse`` fp32 ``(B, Hq, Sq)``), so the backward is
-    unchanged. Anything else, any refusal, or images without the decode kernels: None, and
-    ``attention()`` runs as before (its own validation reports malformed calls).
+    (or top-left with equal lengths, where the alignments coincide). A logit ``softcap`` goes
+    along when the images' decode kernel takes it (else None: images built before it). The
+    results equal the prefill kernel's (same ``out`` layout, ``lse`` fp32 ``(B, Hq, Sq)``), so
+    the backward is unchanged. Anything else, any refusal, or images without the decode kernels:
+    None, and ``attention()`` runs as before (its own validation reports malformed calls).
     """
     if (bias is not None or dropout_p or cu_seqlens_q is not None or cu_seqlens_k is not None or out is not None
             or lse is not None or return_mask or layout not in _LAYOUTS):
@@ -324,15 +337,16 @@ def route_options(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: An
             return None
         # The decode call's own validation: a call it refuses (shapes, strides) stays with attention().
         p, _ = _plan(q, k, v, cache_seqlens=None, block_table=None, k_new=None, v_new=None, causal=causal is True,
-                     window=window, scale=scale, max_seqlen_k=None, layout=layout, cache_layout=layout)
+                     window=window, scale=scale, max_seqlen_k=None, layout=layout, cache_layout=layout,
+                     softcap=softcap)
         try:
             ks = _kernels_of(library)
             spec, _ = ks.choose(p, p.aligned)
-            if not (ks.has(DECODE, with_paged(spec, False)) and ks.has(COMBINE, spec)):
+            if not (ks.has(DECODE, with_paged(spec, False), decode_args(p)) and ks.has(COMBINE, spec)):
                 return None
         except AotritonError:
             return None  # no images (yet): attention() validates the call first, then reports that
-        return {"causal": causal is True, "window": window, "scale": scale, "layout": layout,
+        return {"causal": causal is True, "window": window, "scale": scale, "softcap": p.softcap, "layout": layout,
                 "cache_layout": layout, "library": library}
     except (ArgumentError, UnsupportedError, KernelNotFound):
         return None

@@ -9,7 +9,7 @@ from typing import Any
 
 from ... import interop
 from ...errors import ArgumentError, KernelNotFound
-from ..attention.family import named
+from ..attention.family import SOFTCAP_ARG, named
 from ..attention.framework import arrays_for
 from . import validate
 from .faults import fault_flag, fault_flags, shared_zeros
@@ -96,16 +96,22 @@ class _Kernels:
         """The ``tuning["attn_decode"]`` rules plans are made under (the library's)."""
         return self.shared.tuning.get(DECODE)
 
-    def has(self, name: str, params: Mapping[str, Any]) -> bool:
-        """Whether the images hold ``name`` with ``params`` (cached)."""
-        return self.shared.available(name, params)
+    def has(self, name: str, params: Mapping[str, Any], args: tuple[str, ...] = ()) -> bool:
+        """Whether the images hold ``name`` with ``params``, every such variant taking the run-time
+        arguments ``args`` (cached)."""
+        return self.shared.available(name, params, args)
 
     def device_arch(self, device: int) -> str:
         return self.shared.device_arch(device)
 
     def choose(self, p: DecodePlan, aligned: bool) -> tuple[dict[str, Any], str]:
-        """(spec without ``PAGED``, why) of the variants that serve ``p`` (ops/decode/variants.py)."""
-        return choose(p.dtype, p.head_dim, aligned, p.paged, self.has)
+        """(spec without ``PAGED``, why) of the variants that serve ``p`` (ops/decode/variants.py):
+        for a softcapped call, variants whose ``attn_decode`` takes the cap (:func:`decode_args`)."""
+        args = decode_args(p)
+        if not args:
+            return choose(p.dtype, p.head_dim, aligned, p.paged, self.has)
+        return choose(p.dtype, p.head_dim, aligned, p.paged,
+                      lambda name, params: self.has(name, params, args if name == DECODE else ()))
 
     def handle(self, name: str, spec: Mapping[str, Any], config: int, device: int, why: str = "") -> Any:
         key = (name, tuple(sorted(spec.items())), config, device)
@@ -131,6 +137,12 @@ class _Kernels:
         with self.lock:
             self.handles[key] = hit
         return hit
+
+
+def decode_args(p: DecodePlan) -> tuple[str, ...]:
+    """The run-time arguments ``attn_decode`` must take to serve ``p``: ``softcap`` for a
+    softcapped call (images built before the argument existed have variants without it)."""
+    return (SOFTCAP_ARG,) if p.softcap else ()
 
 
 def _kernels_of(library: Any) -> _Kernels:
@@ -290,12 +302,17 @@ class _Launch:
                      "num_heads_k": p.heads_k, "seqlen_q": p.seqlen_q, "seqlen_new": p.seqlen_new,
                      "capacity": p.capacity, "num_pages": p.num_pages, "page_size": p.page_size, "sm_scale": p.scale,
                      "window_left": p.window_left, "window_right": p.window_right, "num_splits": num_splits,
-                     "head_dim": p.head_dim,
+                     "head_dim": p.head_dim, SOFTCAP_ARG: p.softcap,
                      **named("q", "m", p.q_strides), **named("k", "n", p.k_strides),
                      **named("v", "n", p.v_strides), **named("o", "m", o_strides),
                      **named("kn", "m", p.kn_strides), **named("vn", "m", p.vn_strides),
                      "stride_lz": p.heads_q * p.seqlen_q, "stride_lh": p.seqlen_q}
         self.varlen = _varlen_route(p, ks, spec, layout, infos, oi is None)
+        if p.softcap and not self.varlen and SOFTCAP_ARG not in self.decode.arg_names:
+            # Never a silent answer without the cap: the variant would ignore it.
+            raise KernelNotFound(f"softcap={p.softcap} needs attn_decode with a softcap argument; these images were "
+                                 f"built before it ({', '.join(f'{k}={v}' for k, v in paged.items())}): rebuild "
+                                 f"them (`python -m builder build --kernels attn_decode`)")
         if self.varlen:
             self.lengths = ks.handle(LENGTHS, {}, 0, p.device, why)
             self.pack = ks.handle(PACK, paged, 0, p.device, why)
@@ -496,7 +513,7 @@ class _Launch:
         # forward take its direct plan (the general one, which out= needs, costs ~100 µs more).
         packed, lse_packed = forward(q.reshape(B * Sq, Hq, D), ko, vo, causal, window, "bottom_right", None, 0.0,
                                      None, 0, p.scale, values["CuQ"], values["CuK"], Sq, p.capacity, "bhsd", None,
-                                     None, False, self.ks.lib)
+                                     None, False, self.ks.lib, p.softcap or None)
         o = packed.reshape(self.q_shape)
         per_sequence = lse_packed.reshape(Hq, B, Sq)
         if xp.framework == "torch":
@@ -516,7 +533,8 @@ VARLEN_SEQLEN_Q = 128
 def _varlen_route(p: DecodePlan, ks: _Kernels, spec: dict, layout: str, infos: dict, fresh_out: bool) -> bool:
     """Whether a call runs through the variable-length forward (:meth:`_Launch._run_varlen`): a
     long query run at a compiled head dim, ``bshd`` arrays whose rows pack as they lie, packed
-    K/V within :data:`MAX_SCRATCH_BYTES`, and images that hold every kernel of the route."""
+    K/V within :data:`MAX_SCRATCH_BYTES`, and images that hold every kernel of the route (for a
+    softcapped call, a forward compiled with the cap: ``SOFTCAP=1`` taking ``softcap``)."""
     if p.seqlen_q < VARLEN_SEQLEN_Q or spec.get("PADDED_D") or spec["HEAD_DIM"] != p.head_dim or layout != "bshd":
         return False
     packed = (p.seqlen_q * p.heads_q * p.head_dim, p.head_dim, p.heads_q * p.head_dim)  # (batch, head, row)
@@ -529,8 +547,9 @@ def _varlen_route(p: DecodePlan, ks: _Kernels, spec: dict, layout: str, infos: d
     causal = 0 if p.window_left < 0 and p.window_right < 0 else 1
     forward = {"dtype": p.dtype, "HEAD_DIM": p.head_dim, "HEAD_DIM_V": p.head_dim, "CAUSAL": causal, "BIAS": 0,
                "DROPOUT": 0, "VARLEN": 1}
+    capped = ({"SOFTCAP": 1}, (SOFTCAP_ARG,)) if p.softcap else ({}, ())
     return (ks.has(LENGTHS, {}) and ks.has(PACK, with_paged(spec, p.paged)) and ks.has(POISON, spec)
-            and ks.has("attn_fwd", forward))
+            and ks.has("attn_fwd", {**forward, **capped[0]}, capped[1]))
 
 
 def _bshd_contiguous(shape: tuple, layout: str) -> tuple[int, int, int]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ... import interop
 from ...errors import ArgumentError, UnsupportedError
-from ..attention.problem import _describe, window_sides  # shared with the attention operator
+from ..attention.problem import _describe, check_softcap, window_sides  # shared with the attention operator
 
 DECODE = "attn_decode"
 COMBINE = "attn_decode_combine"
@@ -68,6 +68,8 @@ class DecodePlan:
     #: Every array read or written in place along the head dim (caches, appended rows) has a
     #: 16-byte aligned address and strides: what the PADDED_D=0 variants assume.
     aligned: bool = True
+    #: The logit softcap (scores ``softcap * tanh(s / softcap)``); 0.0 for none.
+    softcap: float = 0.0
 
     @property
     def group_rows(self) -> int:
@@ -132,7 +134,7 @@ def _check_dtype(info: interop.ArrayInfo, name: str, dtype: str) -> None:
 
 def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
           causal: bool, window: Any, scale: Any, max_seqlen_k: Any, layout: str, cache_layout: str,
-          cache_leftpad: Any = None) -> tuple[DecodePlan, dict[str, Any]]:
+          cache_leftpad: Any = None, softcap: Any = None) -> tuple[DecodePlan, dict[str, Any]]:
     if layout not in _LAYOUTS:
         raise ArgumentError(f"layout must be 'bshd' (batch, seqlen, heads, head_dim) or 'bhsd', got {layout!r}")
     if cache_layout not in _LAYOUTS:
@@ -264,6 +266,7 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
         scale = 1.0 / math.sqrt(d)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ArgumentError(f"scale must be a finite number, got {scale!r}")
+    softcap = check_softcap(softcap, scale)
     device = -1
     for name, info in infos.items():
         if info.device < 0:
@@ -275,7 +278,7 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
                                 f"be on one GPU")
     plan = DecodePlan(qi.dtype, d, batch, heads_q, heads_k, seqlen_q, seqlen_new, capacity, paged, page_size,
                       num_pages, hint, q_strides, k_strides, v_strides, kn_strides, vn_strides, bt_stride, left, right,
-                      float(scale), device, q_copy, aligned)
+                      float(scale), device, q_copy, aligned, softcap)
     return plan, infos
 
 
