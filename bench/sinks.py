@@ -1,6 +1,6 @@
 """What attention sinks (and the logit softcap) cost: the same calls with and without, alternating.
 
-    python -m bench.sinks [--images DIR] [--rounds 5] [--softcap]
+    python -m bench.sinks [--images DIR] [--rounds 5] [--softcap [--baseline DIR]]
 
 Rows (bf16, gpt-oss's attention: head dim 64, 64 query / 8 KV heads): prefill forwards, causal
 and with gpt-oss's 128-key window, dense; the forward + backward of a training step; decode
@@ -9,7 +9,8 @@ in a shuffled order every round; the ratio is per round, with sinks over without
 ``--softcap``: instead, Gemma 2's attention with and without ``softcap=`` (cap 50), causal and
 with a 4096-key window: the 2B/9B forward (head dim 256, 16/8 heads), the 27B forward (head dim
 128, 32/16 heads), the 27B training step (forward + backward) and its decode steps against
-contiguous caches (the decode kernels' run-time cap).
+contiguous caches (the decode kernels' run-time cap); with ``--baseline DIR`` also the uncapped
+decode steps on these images against DIR's (images built before the cap was an argument).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def _softcap_rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
+def _softcap_rows(lib: Any, gen: Any, base: Any = None) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for d, hq, hk in ((256, 16, 8), (128, 32, 16)):
         for B, S in ((4, 4096), (1, 8192)):
@@ -91,6 +92,10 @@ def _softcap_rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
         def dec(cap: float, q: Any = q, kc: Any = kc, vc: Any = vc, lens: Any = lens) -> Any:
             return aotriton_rt.decode_attention(q, kc, vc, cache_seqlens=lens, softcap=cap, library=lib)[0]
         rows[f"D=128 decode B={B} {S} keys"] = {"plain": lambda d=dec: d(0.0), "sinks": lambda d=dec: d(50.0)}
+        if base is not None:  # the run-time cap's cost to uncapped calls: these images against the others
+            def old(q: Any = q, kc: Any = kc, vc: Any = vc, lens: Any = lens) -> Any:
+                return aotriton_rt.decode_attention(q, kc, vc, cache_seqlens=lens, library=base)[0]
+            rows[f"D=128 decode B={B} {S} no cap vs base"] = {"plain": old, "sinks": lambda d=dec: d(0.0)}
     return rows
 
 
@@ -99,10 +104,13 @@ def main() -> None:
     ap.add_argument("--images", default=os.environ.get("AOTRITON_RT_IMAGES"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--softcap", action="store_true", help="the softcap's rows instead of the sinks'")
+    ap.add_argument("--baseline", default=None,
+                    help="with --softcap: also time uncapped decode steps on these images against DIR's")
     args = ap.parse_args()
     lib = aotriton_rt.Library(args.images) if args.images else aotriton_rt.default_library()
+    base = aotriton_rt.Library(args.baseline) if args.baseline else None
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = _softcap_rows(lib, gen) if args.softcap else _rows(lib, gen)
+    rows = _softcap_rows(lib, gen, base) if args.softcap else _rows(lib, gen)
     what = "SOFTCAP (bf16, Gemma 2's heads, cap 50" if args.softcap else f"SINKS (bf16, D={D}, {HQ}/{HK} heads"
     print(f"{what}; time with / without, per round: median [min-max]; aim <= 1.05)")
     print(f"{'row':34s} | {'without us':>10s} {'with us':>9s} | {'graph x':>7s} {'[min-max]':>11s} | {'eager x':>7s}")
