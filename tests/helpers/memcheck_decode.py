@@ -152,6 +152,10 @@ case("paged 256, seven splits merged by the combine kernel", run, d=128, dtype=t
 for _ in range(2):  # again: the prepared launches
     case("paged 16, six splits, prepared launch", run, page=16, lens=(900, 1, 17), num_splits=6)
 case("fp32", run, dtype=torch.float32, lens=(60, 0, 9), num_splits=2)
+case("softcap, paged 16, splits, window", run, page=16, sq=2, lens=(200, 3, 64), causal=True, window=(31, 0),
+     num_splits=3, softcap=30.0)
+case("softcap, head dim 128 bf16 contiguous, append", run, d=128, dtype=torch.bfloat16, lens=(500, 0, 2), new=2,
+     softcap=50.0)
 
 
 def clamped(name):
