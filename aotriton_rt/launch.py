@@ -388,8 +388,9 @@ def _stream_getter(obj: Any) -> Callable[[Any, int, str], int]:
     producers: the stream they name, checked and mapped to the backend's handle by
     :func:`interop.cai_launch_stream` (None: the default stream; 1 and 2: the legacy and
     per-thread default streams; 0, negatives, 2**64 and up, non-integers: ArgumentError).
-    Everything else (JAX and other DLPack producers, raw pointers): the legacy default stream,
-    which is also the stream DLPack producers were told the data is consumed on.
+    Everything else (JAX and other DLPack producers, raw pointers), and arrays of a type whose
+    interface refuses their dtype (JAX's bf16 arrays): the legacy default stream, which is also
+    the stream DLPack producers were told the data is consumed on.
     """
     module = type(obj).__module__.partition(".")[0]
     if module in ("torch", "cupy"):
@@ -399,7 +400,10 @@ def _stream_getter(obj: Any) -> Callable[[Any, int, str], int]:
         check = interop.cai_launch_stream
 
         def getter(o: Any, dev: int, backend: str) -> int:
-            s = o.__cuda_array_interface__.get("stream")
+            try:
+                s = o.__cuda_array_interface__.get("stream")
+            except AttributeError:  # a type that has the interface for some dtypes only (JAX: not
+                return 0  # bf16): such arrays go through DLPack, consumed on the default stream
             # A handle (> 2) in range is the common case; the rest is checked and mapped.
             return s if type(s) is int and 2 < s <= _MAX_STREAM else check(o, backend)
     else:

@@ -424,6 +424,28 @@ def test_cai_stream_becomes_the_stream_the_driver_means(backend, given, launched
     assert launch._stream_getter(obj)(obj, 0, backend) == launched
 
 
+class _CAIForSomeDtypes:
+    """JAX's arrays: the interface is a property of the type that raises for bf16 buffers."""
+
+    def __init__(self, bf16: bool) -> None:
+        self.bf16 = bf16
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        if self.bf16:
+            raise AttributeError("__cuda_array_interface__ is not supported for BF16 buffers.")
+        return {"data": (0x7F0000000000, False), "shape": (4,), "typestr": "<f4", "version": 3, "stream": 0xBEEF}
+
+
+def test_an_array_whose_type_refuses_the_interface_for_its_dtype_launches_on_the_default_stream():
+    from aotriton_rt import launch
+
+    # The getter is decided once per type: whichever array of the type comes first.
+    first, bf16 = _CAIForSomeDtypes(False), _CAIForSomeDtypes(True)
+    getter = launch._stream_getter(first)
+    assert getter(first, 0, "cuda") == 0xBEEF and getter(bf16, 0, "cuda") == 0
+
+
 @pytest.mark.parametrize("given,message", [
     (0, "stream 0, which the protocol forbids"),
     (-1, r"stream -1, which is not a stream handle: it must be None, 1, 2 or a handle in \(2, 2\*\*64\)"),
