@@ -81,7 +81,8 @@ def _softcap_rows(lib: Any, gen: Any, base: Any = None) -> dict[str, dict[str, A
             for _ in range(2))
     dout = torch.randn(B, S, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
 
-    def step(cap: Any) -> None:
+    # The arrays are bound now: the decode loop below rebinds q.
+    def step(cap: Any, q: Any = q, k: Any = k, v: Any = v, dout: Any = dout) -> None:
         op_torch.attention(q, k, v, causal=True, layout="bshd", softcap=cap, library=lib).backward(dout)
     rows[f"forward+backward D=128 {B}x{S} causal"] = {"plain": lambda: step(None), "sinks": lambda: step(50.0)}
     for B, S in ((1, 8192), (32, 2048)):

@@ -535,6 +535,23 @@ def test_forward_params_follow_the_call_with_the_head_dim_bucket() -> None:
         {"dtype": "fp32", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
 
 
+def test_an_uncapped_call_never_takes_a_softcap_variant_of_images_that_have_the_axis() -> None:
+    # Images with the SOFTCAP axis holding this spec capped only (the default set at head dim 256
+    # varlen): the spec without the axis would match the SOFTCAP=1 variants, which refuse
+    # softcap=0. The call's own SOFTCAP=0 spec is named instead, so KernelNotFound says what is missing.
+    images = [{"HEAD_DIM": 256, "VARLEN": 1, "SOFTCAP": 1}, {"HEAD_DIM": 128, "VARLEN": 1, "SOFTCAP": 0}]
+
+    def available(name: str, params: dict, args: tuple[str, ...]) -> bool:
+        return any(all(v.get(k, params[k]) == params[k] for k in params if k in ("HEAD_DIM", "VARLEN", "SOFTCAP"))
+                   and all(k in v or k not in ("SOFTCAP",) for k in params) for v in images)
+
+    call = AttentionCall("bf16", 256, 256, causal=1, varlen=True)
+    assert forward_params(call, available)["SOFTCAP"] == 0
+    assert all(p.get("SOFTCAP", 0) == 0 for p in backward_params(call, available)[1].values())
+    # Images built before the axis: the unkeyed spec, as before.
+    assert "SOFTCAP" not in forward_params(call, lambda name, params, args: "SOFTCAP" not in params)
+
+
 def test_equal_lengths_run_on_whichever_causal_alignment_the_images_hold() -> None:
     top_left = AttentionCall("fp16", 64, 64, causal=1, causal_equivalent=True)
     assert forward_params(top_left)["CAUSAL"] == 2
@@ -589,7 +606,7 @@ def test_head_dims_take_the_smallest_bucket_and_unequal_pairs_only_where_compile
 
 def test_head_dims_whose_bucket_the_images_lack_run_zero_padded_on_the_next_bucket_they_hold() -> None:
     # The default set compiles 64, 128 and 256: Phi-3's 96 and Phi-2's 80 run on 128, forward and backward.
-    held = lambda name, params, args: params["HEAD_DIM"] in (64, 128, 256)
+    held = lambda name, params, args: params.get("HEAD_DIM") in (64, 128, 256)
     for d in (80, 96, 112):
         call = AttentionCall("bf16", d, d, causal=2, dropout=1)
         assert forward_params(call, held)["HEAD_DIM"] == 128 and forward_params(call, held)["HEAD_DIM_V"] == 128

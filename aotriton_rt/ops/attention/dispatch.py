@@ -74,6 +74,13 @@ def _first(name: str, candidates: list[dict], available: Available, call: Attent
     return candidates[missing]
 
 
+def held_axis(available: Available, name: str, axis: str) -> bool:
+    """Whether the images' variants of ``name`` have the 0/1 spec axis ``axis`` (images built
+    before it existed have none). A candidate spec that leaves such an axis out matches its
+    variants of either value, so it may be offered only to images without the axis."""
+    return any(available(name, {axis: value}, ()) for value in (0, 1))
+
+
 def _causal_modes(call: AttentionCall) -> list[int]:
     if call.causal == 2 or (call.causal and call.causal_equivalent):
         # Mode 2 first: images built before mode 1 took its alignment at run time hold mode 2 for
@@ -92,7 +99,7 @@ def forward_params(call: AttentionCall, available: Available | None = None) -> d
     candidates = [{"dtype": call.dtype, "HEAD_DIM": dk, "HEAD_DIM_V": dv, "CAUSAL": c, "BIAS": int(call.bias),
                    "DROPOUT": call.dropout, "VARLEN": int(call.varlen), "SOFTCAP": int(call.softcap)}
                   for dk, dv in head_dim_buckets(call.head_dim, call.head_dim_v) for c in _causal_modes(call)]
-    if call.softcap:
+    if call.softcap or held_axis(available, FWD, "SOFTCAP"):
         return _first(FWD, candidates, available, call)
     # Images built before the SOFTCAP axis: their variants have no such parameter. When nothing
     # serves the call, the first of these names what is missing (not the axis).
@@ -130,7 +137,7 @@ def backward_params(call: AttentionCall, available: Available | None = None, *, 
     shapes = [(dk, dv, c) for dk, dv in head_dim_buckets(call.head_dim, call.head_dim_v)
               for c in _causal_modes(call)]
     order = [1, 0] if mode == "atomic" else [0, 1]
-    for keyed in ((True,) if call.softcap else (True, False)):
+    for keyed in ((True,) if call.softcap or held_axis(available, DKDV, "SOFTCAP") else (True, False)):
         for atomic in order:
             if atomic and deterministic:
                 continue

@@ -547,7 +547,10 @@ def _varlen_route(p: DecodePlan, ks: _Kernels, spec: dict, layout: str, infos: d
     causal = 0 if p.window_left < 0 and p.window_right < 0 else 1
     forward = {"dtype": p.dtype, "HEAD_DIM": p.head_dim, "HEAD_DIM_V": p.head_dim, "CAUSAL": causal, "BIAS": 0,
                "DROPOUT": 0, "VARLEN": 1}
-    capped = ({"SOFTCAP": 1}, (SOFTCAP_ARG,)) if p.softcap else ({}, ())
+    # Uncapped: SOFTCAP=0 where the images' forward has the axis (an unkeyed spec would match the
+    # SOFTCAP=1 variants, which refuse softcap=0); images built before the axis have none.
+    capped = (({"SOFTCAP": 1}, (SOFTCAP_ARG,)) if p.softcap else
+              ({"SOFTCAP": 0} if any(ks.has("attn_fwd", {"SOFTCAP": s}) for s in (0, 1)) else {}, ()))
     return (ks.has(LENGTHS, {}) and ks.has(PACK, with_paged(spec, p.paged)) and ks.has(POISON, spec)
             and ks.has("attn_fwd", {**forward, **capped[0]}, capped[1]))
 
