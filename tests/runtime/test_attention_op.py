@@ -524,15 +524,39 @@ def only(*allowed: tuple[str, dict], takes: tuple[str, ...] = ("causal_align",))
 def test_forward_params_follow_the_call_with_the_head_dim_bucket() -> None:
     call = AttentionCall("bf16", 40, 40, causal=2, bias=True, dropout=2, varlen=True)
     assert forward_params(call) == {"dtype": "bf16", "HEAD_DIM": 48, "HEAD_DIM_V": 48, "CAUSAL": 2, "BIAS": 1,
-                                    "DROPOUT": 2, "VARLEN": 1, "SOFTCAP": 0}
+                                    "DROPOUT": 2, "VARLEN": 1, "SOFTCAP": 0, "ALIBI": 0}
     plain = AttentionCall("fp32", 64, 64)
     assert forward_params(plain) == {"dtype": "fp32", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0,
-                                     "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0}
+                                     "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0, "ALIBI": 0}
     capped = AttentionCall("bf16", 256, 256, causal=1, softcap=True)
-    assert forward_params(capped)["SOFTCAP"] == 1
-    # Images built before the axis (no variant has the parameter): the same spec without it.
-    assert forward_params(plain, lambda name, params, args: "SOFTCAP" not in params) == \
-        {"dtype": "fp32", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+    assert forward_params(capped)["SOFTCAP"] == 1 and forward_params(capped)["ALIBI"] == 0
+    assert forward_params(AttentionCall("bf16", 128, 128, causal=1, alibi=True))["ALIBI"] == 1
+    # Images built before an axis (no variant has the parameter): the same spec without it, and
+    # without the newer ones (images before SOFTCAP predate ALIBI too).
+    before_softcap = {"dtype": "fp32", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0,
+                      "VARLEN": 0}
+    assert forward_params(plain, lambda name, params, args: "SOFTCAP" not in params) == before_softcap
+    assert forward_params(plain, lambda name, params, args: "ALIBI" not in params) == {**before_softcap, "SOFTCAP": 0}
+    assert forward_params(capped, lambda name, params, args: "ALIBI" not in params)["SOFTCAP"] == 1
+
+
+def test_an_alibi_call_asks_for_alibi_variants_only_and_names_the_axis_when_images_lack_it() -> None:
+    call = AttentionCall("fp16", 64, 64, causal=2, alibi=True)
+    before_alibi = lambda name, params, args: "ALIBI" not in params
+    assert forward_params(call, before_alibi)["ALIBI"] == 1
+    mode, kernels = backward_params(call, before_alibi)
+    assert kernels["attn_bwd_dkdv"]["ALIBI"] == 1 and kernels["attn_bwd_dq"]["ALIBI"] == 1
+    assert "ALIBI" not in kernels["attn_bwd_preprocess"]
+    # The ALiBi variants take the slopes (a variant that does not is never picked).
+    assert dispatch_needed_args(call, forward_params(call)) == ("alibi_slopes",)
+    mode, kernels = backward_params(AttentionCall("fp16", 64, 64, alibi=True), mode="atomic")
+    assert mode == "atomic" and kernels["attn_bwd_dkdv"]["ALIBI"] == 1 and kernels["attn_bwd_dkdv"]["DQ_ATOMIC"] == 1
+
+
+def dispatch_needed_args(call: AttentionCall, spec: dict) -> tuple[str, ...]:
+    from aotriton_rt.ops.attention.dispatch import needed_args
+
+    return needed_args(call, spec)
 
 
 def test_equal_lengths_run_on_whichever_causal_alignment_the_images_hold() -> None:
@@ -615,7 +639,7 @@ def test_backward_prefers_split_and_takes_atomic_dq_only_when_asked_or_alone() -
     assert mode == "atomic"
     assert list(kernels) == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq_convert"]
     assert kernels["attn_bwd_dkdv"] == {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2,
-                                        "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0, "BIAS": 2, "DQ_ATOMIC": 1}
+                                        "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0, "ALIBI": 0, "BIAS": 2, "DQ_ATOMIC": 1}
     assert kernels["attn_bwd_dq_convert"] == {"dtype": "fp16", "HEAD_DIM": 128, "VARLEN": 0}
     # Images with only the atomic kernels: atomic, unless the call must be deterministic.
     no_dq = lambda name, params, args: name != "attn_bwd_dq"

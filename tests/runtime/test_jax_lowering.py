@@ -301,11 +301,11 @@ from builder.targets import parse_targets
 if __name__ == "__main__":
     base = {"dtype": "bf16", "HEAD_DIM": 64, "HEAD_DIM_V": 64}
     mask = {"CAUSAL": 1, "DROPOUT": 0, "VARLEN": 0}  # mode 1, as the default set: aligned at run time
-    fwd = {**base, **mask, "BIAS": 0, "SOFTCAP": 0}
+    fwd = {**base, **mask, "BIAS": 0, "SOFTCAP": 0, "ALIBI": 0}
     want = {("attn_fwd", "sm90"): fwd, ("attn_fwd", "gfx942"): fwd,
             ("attn_bwd_preprocess", "sm90"): {**base, "VARLEN": 0, "DQ_ATOMIC": 0},
-            ("attn_bwd_dkdv", "sm90"): {**base, **mask, "BIAS": 0, "DQ_ATOMIC": 0, "SOFTCAP": 0},
-            ("attn_bwd_dq", "sm90"): {**base, **mask, "BIAS": 0, "SOFTCAP": 0}}
+            ("attn_bwd_dkdv", "sm90"): {**base, **mask, "BIAS": 0, "DQ_ATOMIC": 0, "SOFTCAP": 0, "ALIBI": 0},
+            ("attn_bwd_dq", "sm90"): {**base, **mask, "BIAS": 0, "SOFTCAP": 0, "ALIBI": 0}}
     kernels = registry.load_kernels()
     jobs = [j for (name, arch), spec in want.items()
             for j in registry.expand(kernels[name], parse_targets(arch), "full", "3.6.0")
@@ -485,18 +485,21 @@ def feature_lib(attn_lib, tmp_path_factory) -> aotriton_rt.Library:
     shutil_copy(attn_lib.found.folders[0], folder, dirs_exist_ok=True)
     cat = _inline(folder)
     axes = {"attn_fwd": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1, 2), "VARLEN": (0, 1),
-                         "SOFTCAP": (0, 1)},
+                         "SOFTCAP": (0, 1), "ALIBI": (0, 1)},
             "attn_bwd_preprocess": {"VARLEN": (0, 1), "DQ_ATOMIC": (0,)},
             "attn_bwd_dkdv": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1, 2), "DROPOUT": (0, 1), "VARLEN": (0, 1),
-                              "DQ_ATOMIC": (0,), "SOFTCAP": (0, 1)},
+                              "DQ_ATOMIC": (0,), "SOFTCAP": (0, 1), "ALIBI": (0, 1)},
             "attn_bwd_dq": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1), "VARLEN": (0, 1),
-                            "SOFTCAP": (0, 1)}}
+                            "SOFTCAP": (0, 1), "ALIBI": (0, 1)}}
     variants = []
     for v in cat["variants"]:
         if v["target"]["arch"] != "sm90":
             continue
         names = list(axes[v["kernel"]])
         for d, values in itertools.product((64, 80), itertools.product(*axes[v["kernel"]].values())):
+            spec = dict(zip(names, values))
+            if spec.get("ALIBI") and (spec["BIAS"] or spec["SOFTCAP"]):
+                continue  # not compiled (builder/kernels/attention.py, fwd_excluded)
             clone = copy.deepcopy(v)
             clone["spec"].update(dict(zip(names, values)), HEAD_DIM=d, HEAD_DIM_V=d)
             clone["key"] = hashlib.sha256(json.dumps(clone, sort_keys=True).encode()).hexdigest()
