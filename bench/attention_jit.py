@@ -130,6 +130,7 @@ class Problem:
             s["DQ_ATOMIC"] = atomic
         if kernel in ("fwd", "dkdv", "dkdva", "dq"):
             s["SOFTCAP"] = 0
+            s["ALIBI"] = 0
         return s
 
     def args(self, kernel: str, mock: bool = False) -> list:
@@ -148,18 +149,19 @@ class Problem:
         scal = (1.0 / math.sqrt(self.D), 0.0, 0, 0, -1, 0 if self.causal else -1, 1 if self.causal == 2 else 0)
         if kernel == "fwd":
             return [t("q"), t("k"), t("v"), t("dummy"), t("o"), t("lse"), t("dummy8"), t("dummy32"),
-                    t("dummy32"), *strides * 4, *none, self.lz, self.lh, *none, *sizes, *scal, 0.0]  # softcap: none
+                    t("dummy32"), *strides * 4, *none, self.lz, self.lh, *none, *sizes, *scal,
+                    0.0, t("lse"), 0]  # softcap, alibi_slopes and stride_az: none
         if kernel in ("pre", "prea"):
             return [t("o"), t("do"), t("delta"), t(dqa), t("dummy32"), *strides * 2, *dqa_strides,
                     self.lz, self.lh, self.B, self.H, self.N]
         if kernel in ("dkdv", "dkdva"):
             return [t("q"), t("k"), t("v"), t("dummy"), t("do"), t("dk"), t("dv"), t("dummy"), t(dqa), t("lse"),
                     t("delta"), t("dummy32"), t("dummy32"), *strides * 3, *none, *strides * 3, *none,
-                    *dqa_strides, self.lz, self.lh, *sizes, *scal, 0.0]  # softcap: none
+                    *dqa_strides, self.lz, self.lh, *sizes, *scal, 0.0, t("lse"), 0]  # no softcap or ALiBi
         if kernel == "conv":
             return [t("dqa"), t("dq"), t("dummy32"), *strides * 2, self.B, self.H, self.N]
         return [t("q"), t("k"), t("v"), t("dummy"), t("do"), t("dq"), t("lse"), t("delta"), t("dummy32"),
-                t("dummy32"), *strides * 3, *none, *strides * 2, self.lz, self.lh, *sizes, *scal, 0.0]
+                t("dummy32"), *strides * 3, *none, *strides * 2, self.lz, self.lh, *sizes, *scal, 0.0, t("lse"), 0]
 
     def grid(self, kernel: str, cfg: dict) -> tuple[int, int, int]:
         """The registry's grid rule (causal forward programs pair query blocks, for one)."""

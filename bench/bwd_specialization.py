@@ -57,7 +57,7 @@ KERNELS = ("attn_bwd_preprocess", "attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90")
 MODES = ("aot", "aot+lse", "aot+lse+len", "jit")
 _EXTRA = {"aot": {}, "aot+lse": {"stride_lz": 16, "stride_lh": 16},
           "aot+lse+len": {"stride_lz": 16, "stride_lh": 16, "seqlen_q": 16, "seqlen_k": 16}}
-_FP32 = {"LSE", "Delta", "DQacc"}
+_FP32 = {"LSE", "Delta", "DQacc", "alibi_slopes"}
 
 
 class Call:
@@ -73,7 +73,7 @@ class Call:
             "batch": B, "num_heads_q": H, "num_heads_k": H, "seqlen_q": N, "seqlen_k": N,
             "sm_scale": 1 / math.sqrt(D), "dropout_p": 0.0, "philox_seed": 0, "philox_offset": 0,
             "window_left": -1, "window_right": 0 if causal else -1, "causal_align": 0, "softcap": 0.0,
-            "stride_lz": H * N, "stride_lh": N}
+            "stride_az": 0, "stride_lz": H * N, "stride_lh": N}
         for prefix, row, strides in (("q", "m", bshd), ("k", "n", bshd), ("v", "n", bshd), ("do", "m", bshd),
                                      ("o", "m", bshd), ("dq", "m", cont), ("dk", "n", cont), ("dv", "n", cont),
                                      ("b", "m", none), ("db", "m", none), ("dqa", "m", none)):
@@ -98,7 +98,8 @@ def job_of(kernel: str, call: Call) -> Any:
     from builder.targets import parse_targets
 
     want = {"dtype": call.dtype, "HEAD_DIM": call.D, "HEAD_DIM_V": call.D, "CAUSAL": call.causal, "BIAS": 0,
-            "DROPOUT": 0, "VARLEN": 0, "DQ_ATOMIC": 0, "SOFTCAP": 0}
+            "DROPOUT": 0, "VARLEN": 0, "DQ_ATOMIC": 0, "SOFTCAP": 0,
+            "ALIBI": 0}
     for job in expand(load_kernels()[kernel], parse_targets("sm90"), "full", triton.__version__):
         if job.config_index == 0 and all(want[k] == v for k, v in job.spec.items()):
             return job

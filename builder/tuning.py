@@ -163,12 +163,21 @@ def winner(timings: Iterable[Timing], tolerance: float = DEFAULT_TOLERANCE) -> T
     return min((t for t in timed if _round(t.us) <= best * (1.0 + tolerance)), key=lambda t: t.index)
 
 
+#: Spec axes added after tuning databases were first measured, newest first.
+LATE_AXES = ("ALIBI", "SOFTCAP")
+
+
 def _measured_specs(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    """The specs a database rule may name for a built variant: its own and, for the forward's
-    ``SOFTCAP=0`` variants, the spec without the axis (databases measured before it existed)."""
-    if spec.get("SOFTCAP") == 0:
-        return [spec, {k: v for k, v in spec.items() if k != "SOFTCAP"}]
-    return [spec]
+    """The specs a database rule may name for a built variant: its own and, while its late axes
+    (:data:`LATE_AXES`, newest first) are 0, the spec without them (databases measured before the
+    axes existed: before ``ALIBI``, or before ``SOFTCAP`` and ``ALIBI``)."""
+    specs, dropped = [spec], set()
+    for axis in LATE_AXES:
+        if spec.get(axis) != 0:
+            break
+        dropped.add(axis)
+        specs.append({k: v for k, v in spec.items() if k not in dropped})
+    return specs
 
 
 def _spec_key(spec: Mapping[str, Any]) -> str:

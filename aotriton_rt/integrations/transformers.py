@@ -34,6 +34,11 @@ padding. Padding therefore never becomes a dense bias:
 
 GQA runs natively (K/V are not repeated). Training works (gradients through the autograd op
 ``aotriton_rt.ops.torch.attention``, and through the gathers), with the module's dropout.
+
+ALiBi models (BLOOM, MPT, Falcon with ``alibi``) never reach this function: transformers computes
+their attention in the models' own modules (BLOOM's ``baddbmm`` over its alibi tensor, Falcon's
+alibi added to a 4-D mask) and passes no slopes to an attention implementation. Call
+``aotriton_rt.attention(..., alibi_slopes=...)`` for them directly.
 """
 
 from __future__ import annotations

@@ -127,14 +127,14 @@ def _standin(x: Any, name: str) -> _Standin | None:
 
 
 def _kernels(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, o: _Options, *, backward: bool = False,
-             return_mask: bool = False) -> dict[str, Any]:
+             return_mask: bool = False, alibi: Any = None) -> dict[str, Any]:
     """Validation and dispatch by the eager operator: the handles its call would launch."""
     cq = _standin(cu_q, "cu_seqlens_q")
     ck = cq if o.same_cu else _standin(cu_k, "cu_seqlens_k")
     return attention_kernels(_Standin(q, "q"), _Standin(k, "k"), _Standin(v, "v"), backward=backward,
                              deterministic=o.deterministic, scheme=o.scheme, return_mask=return_mask,
                              bias_grad=True, library=o.library, bias=_standin(bias, "bias"), cu_seqlens_q=cq,
-                             cu_seqlens_k=ck, **o.eager())
+                             cu_seqlens_k=ck, alibi_slopes=_standin(alibi, "alibi_slopes"), **o.eager())
 
 
 def _check_sinks(sinks: Any, lse: Any) -> None:
@@ -223,9 +223,14 @@ def _bias_operand(bias: Any, f: _Facts) -> tuple[Any, tuple[int, int, int]]:
     return arr, bias_strides(extents, contiguous_strides(arr.shape))
 
 
-def _add_bias(bias: Any, f: _Facts, arrays: dict[str, Any], strides: dict[str, Any]) -> None:
+def _add_bias(bias: Any, f: _Facts, arrays: dict[str, Any], strides: dict[str, Any], alibi: Any = None) -> None:
+    """The bias as the kernels read it and the ALiBi slopes (contiguous: batch stride 0 for ``(Hq,)``
+    or a batch of one), where the call has them."""
     if bias is not None:
         arrays["bias"], strides["bias"] = _bias_operand(bias, f)
+    if alibi is not None:
+        per_sequence = alibi.ndim == 2 and f.batch > 1
+        arrays["alibi"], strides["alibi"] = alibi, (alibi.shape[-1] if per_sequence else 0,)
 
 
 def _empty(f: _Facts) -> bool:
@@ -241,9 +246,9 @@ def _launch(handle: Any, o: _Options, values: dict[str, Any]) -> Any:
 # Forward and backward on traced arrays.
 # ---------------------------------------------------------------------------------------------
 
-def _forward(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, o: _Options, return_mask: bool = False
-             ) -> tuple:
-    handle = _kernels(q, k, v, bias, cu_q, cu_k, o, return_mask=return_mask)[FWD]
+def _forward(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, o: _Options, return_mask: bool = False,
+             alibi: Any = None) -> tuple:
+    handle = _kernels(q, k, v, bias, cu_q, cu_k, o, return_mask=return_mask, alibi=alibi)[FWD]
     f = _facts(q, k, v, cu_q, o)
     wq, wv = handle.params["HEAD_DIM"], handle.params["HEAD_DIM_V"]
     out_shape = tuple(q.shape[:-1]) + (f.head_dim_v,)
@@ -262,7 +267,7 @@ def _forward(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, o: _Option
                "out": _strides(padded_out, lay, vl)}
     if return_mask:
         arrays["mask"], strides["mask"] = Out(mask_shape, jnp.int8, zero=True), contiguous_strides(mask_shape)[:3]
-    _add_bias(bias, f, arrays, strides)
+    _add_bias(bias, f, arrays, strides, alibi)
     values = forward_arguments(arrays, strides, lse_strides(f.lse_shape(), vl), dict(f.scalars))
     results = _launch(handle, o, values)
     out, lse = results[0], results[1]
@@ -272,8 +277,8 @@ def _forward(q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, o: _Option
 
 
 def _backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, bias: Any, cu_q: Any, cu_k: Any,
-              o: _Options) -> tuple:
-    handles = _kernels(q, k, v, bias, cu_q, cu_k, o, backward=True)
+              o: _Options, alibi: Any = None) -> tuple:
+    handles = _kernels(q, k, v, bias, cu_q, cu_k, o, backward=True, alibi=alibi)
     f = _facts(q, k, v, cu_q, o)
     for name, x, shape, dtype in (("dout", dout, out.shape, q.dtype), ("out", out, tuple(q.shape[:-1]) +
                                   (f.head_dim_v,), q.dtype), ("lse", lse, f.lse_shape(), jnp.float32)):
@@ -296,7 +301,7 @@ def _backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, bias: Any, 
     strides = {"dout": _strides(dop.shape, lay, vl), "q": _strides(qp.shape, lay, vl),
                "k": _strides(kp.shape, lay, vl), "v": _strides(vp.shape, lay, vl), "out": _strides(op.shape, lay, vl),
                "dq": _strides(dq_shape, lay, vl), "dk": _strides(dk_shape, lay, vl), "dv": _strides(dv_shape, lay, vl)}
-    _add_bias(bias, f, arrays, strides)
+    _add_bias(bias, f, arrays, strides, alibi)
     if bias is not None:
         arrays["dbias"] = Out(dbias_shape, q.dtype, zero=f.varlen)
         strides["dbias"] = contiguous_strides(dbias_shape)[:3]
@@ -346,18 +351,20 @@ def attention_forward(q: Any, k: Any, v: Any, *, causal: bool = False, window: t
                       offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
                       max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
                       return_mask: bool = False, sinks: Any = None, softcap: float | None = None,
+                      alibi_slopes: Any = None,
                       library: Any = None, arch: str | None = None) -> tuple:
     """``(out, lse)`` (and the dropout mask with ``return_mask``) of :func:`aotriton_rt.attention`, as JAX
     arrays, traceable under ``jax.jit``; not differentiable (see :func:`attention`).
 
-    Arguments as :func:`aotriton_rt.attention`; all options are static. ``sinks``: a (traced)
-    ``(Hq,)`` float array, one logit per query head; ``out`` and ``lse`` are then the sinks'.
-    ``arch``: the target to lower for without a GPU (e.g. ``"sm90"``). Raises the eager path's
-    ArgumentError / UnsupportedError / KernelNotFound while tracing.
+    Arguments as :func:`aotriton_rt.attention`; all options are static (``alibi_slopes`` is an
+    array, traced like q). ``sinks``: a (traced) ``(Hq,)`` float array, one logit per query head;
+    ``out`` and ``lse`` are then the sinks'. ``arch``: the target to lower for without a GPU (e.g.
+    ``"sm90"``). Raises the eager path's ArgumentError / UnsupportedError / KernelNotFound while
+    tracing.
     """
     o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout, False,
                  None, library, arch, cu_seqlens_q, cu_seqlens_k, softcap)
-    result = _forward(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, o, return_mask)
+    result = _forward(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, o, return_mask, alibi_slopes)
     if sinks is None:
         return result
     return _with_sinks(result[0], result[1], sinks, cu_seqlens_q, o) + tuple(result[2:])
@@ -369,7 +376,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
                        cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, max_seqlen_q: int | None = None,
                        max_seqlen_k: int | None = None, layout: str = "bhsd", deterministic: bool = False,
                        scheme: str | None = None, sinks: Any = None, softcap: float | None = None,
-                       library: Any = None, arch: str | None = None) -> tuple:
+                       alibi_slopes: Any = None, library: Any = None, arch: str | None = None) -> tuple:
     """``(dq, dk, dv, dbias)`` of :func:`aotriton_rt.attention_backward`, as JAX arrays, under ``jax.jit``.
 
     With ``sinks``, ``out`` and ``lse`` are :func:`attention_forward`'s with the same sinks, and
@@ -378,7 +385,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
     """
     o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout,
                  deterministic, scheme, library, arch, cu_seqlens_q, cu_seqlens_k, softcap)
-    grads = _backward(dout, q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, o)
+    grads = _backward(dout, q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, o, alibi_slopes)
     if sinks is None:
         return grads
     _check_sinks(sinks, lse)
@@ -409,35 +416,55 @@ def _fold_bias(bias: Any, batched: bool, size: int, batch: int) -> tuple[Any, tu
     return x.reshape((size * batch,) + padded[1:]), shape
 
 
+def _fold_alibi(alibi: Any, batched: bool, size: int, batch: int) -> Any:
+    """The slopes for the folded (V*B) batch: shared ``(Hq,)`` ones as they are, else ``(V*B, Hq)``."""
+    shape = tuple(alibi.shape[1:]) if batched else tuple(alibi.shape)
+    if not batched and len(shape) == 1:
+        return alibi
+    x = alibi.reshape(((size,) if batched else ()) + ((1,) if len(shape) == 1 else shape[:1]) + shape[-1:])
+    return jnp.broadcast_to(x, (size, batch, shape[-1])).reshape(size * batch, shape[-1])
+
+
+def _extras(extra: tuple, has_bias: bool, has_alibi: bool) -> tuple[Any, Any]:
+    """(bias, alibi) from a core's trailing arrays (each present only when the call has it)."""
+    return (extra[0] if has_bias else None), (extra[int(has_bias)] if has_alibi else None)
+
+
 @functools.lru_cache(maxsize=256)
-def _forward_core(o: _Options, has_bias: bool) -> Any:
+def _forward_core(o: _Options, has_bias: bool, has_alibi: bool = False) -> Any:
     @jax.custom_batching.custom_vmap
-    def core(q: Any, k: Any, v: Any, *bias: Any) -> tuple:
-        return _forward(q, k, v, bias[0] if has_bias else None, None, None, o)
+    def core(q: Any, k: Any, v: Any, *extra: Any) -> tuple:
+        bias, alibi = _extras(extra, has_bias, has_alibi)
+        return _forward(q, k, v, bias, None, None, o, alibi=alibi)
 
     @core.def_vmap
-    def rule(size: int, batched: list, q: Any, k: Any, v: Any, *bias: Any) -> tuple:
+    def rule(size: int, batched: list, q: Any, k: Any, v: Any, *extra: Any) -> tuple:
         b = q.shape[1] if batched[0] else q.shape[0]
         folded = [_fold(x, m, size) for x, m in zip((q, k, v), batched)]
-        fb = _fold_bias(bias[0], batched[3], size, b)[0] if has_bias else None
-        out, lse = _forward(*folded, fb, None, None, o)
+        bias, alibi = _extras(extra, has_bias, has_alibi)
+        fb = _fold_bias(bias, batched[3], size, b)[0] if has_bias else None
+        fa = _fold_alibi(alibi, batched[3 + has_bias], size, b) if has_alibi else None
+        out, lse = _forward(*folded, fb, None, None, o, alibi=fa)
         return (_unfold(out, size), _unfold(lse, size)), (True, True)
 
     return core
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_core(o: _Options, has_bias: bool) -> Any:
+def _backward_core(o: _Options, has_bias: bool, has_alibi: bool = False) -> Any:
     @jax.custom_batching.custom_vmap
-    def core(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *bias: Any) -> tuple:
-        return _backward(dout, q, k, v, out, lse, bias[0] if has_bias else None, None, None, o)
+    def core(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *extra: Any) -> tuple:
+        bias, alibi = _extras(extra, has_bias, has_alibi)
+        return _backward(dout, q, k, v, out, lse, bias, None, None, o, alibi)
 
     @core.def_vmap
-    def rule(size: int, batched: list, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *bias: Any) -> tuple:
+    def rule(size: int, batched: list, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *extra: Any) -> tuple:
         b = q.shape[1] if batched[1] else q.shape[0]
         folded = [_fold(x, m, size) for x, m in zip((dout, q, k, v, out, lse), batched)]
-        fb, shape = _fold_bias(bias[0], batched[6], size, b) if has_bias else (None, None)
-        dq, dk, dv, dbias = _backward(*folded, fb, None, None, o)
+        bias, alibi = _extras(extra, has_bias, has_alibi)
+        fb, shape = _fold_bias(bias, batched[6], size, b) if has_bias else (None, None)
+        fa = _fold_alibi(alibi, batched[6 + has_bias], size, b) if has_alibi else None
+        dq, dk, dv, dbias = _backward(*folded, fb, None, None, o, fa)
         grads = (_unfold(dq, size), _unfold(dk, size), _unfold(dv, size))
         if dbias is not None:
             dbias = _unfold(dbias, size)  # (V, B, h, s, k): sum over what the caller's bias broadcast
@@ -453,30 +480,34 @@ def _backward_core(o: _Options, has_bias: bool) -> Any:
 @functools.lru_cache(maxsize=256)
 def _differentiable(o: _Options) -> Any:
     @jax.custom_vjp
-    def attn(q: Any, k: Any, v: Any, bias: Any, sinks: Any, cu_q: Any, cu_k: Any) -> Any:
-        return fwd(q, k, v, bias, sinks, cu_q, cu_k)[0]
+    def attn(q: Any, k: Any, v: Any, bias: Any, sinks: Any, cu_q: Any, cu_k: Any, alibi: Any) -> Any:
+        return fwd(q, k, v, bias, sinks, cu_q, cu_k, alibi)[0]
 
-    def fwd(q: Any, k: Any, v: Any, bias: Any, sinks: Any, cu_q: Any, cu_k: Any) -> tuple:
+    def fwd(q: Any, k: Any, v: Any, bias: Any, sinks: Any, cu_q: Any, cu_k: Any, alibi: Any) -> tuple:
+        extra = [x for x in (bias, alibi) if x is not None]
         if cu_q is None:
-            out, lse = _forward_core(o, bias is not None)(q, k, v, *([] if bias is None else [bias]))
+            out, lse = _forward_core(o, bias is not None, alibi is not None)(q, k, v, *extra)
         else:
-            out, lse = _forward(q, k, v, bias, cu_q, cu_k, o)
+            out, lse = _forward(q, k, v, bias, cu_q, cu_k, o, alibi=alibi)
         if sinks is not None:  # outside the kernels' vmap rule: a mapped sinks maps with it
             out, lse = _with_sinks(out, lse, sinks, cu_q, o)
-        return out, (q, k, v, bias, sinks, cu_q, cu_k, out, lse)
+        return out, (q, k, v, bias, sinks, cu_q, cu_k, alibi, out, lse)
 
     def bwd(res: tuple, dout: Any) -> tuple:
-        q, k, v, bias, sinks, cu_q, cu_k, out, lse = res
+        q, k, v, bias, sinks, cu_q, cu_k, alibi, out, lse = res
         dout = dout.astype(q.dtype)
         # With sinks, (out, lse) are the sinks': the backward kernels give their dq, dk, dv as is.
         if cu_q is None:
-            dq, dk, dv, dbias = _backward_core(o, bias is not None)(dout, q, k, v, out, lse,
-                                                                    *([] if bias is None else [bias]))
+            extra = [x for x in (bias, alibi) if x is not None]
+            dq, dk, dv, dbias = _backward_core(o, bias is not None, alibi is not None)(dout, q, k, v, out, lse,
+                                                                                       *extra)
         else:
-            dq, dk, dv, dbias = _backward(dout, q, k, v, out, lse, bias, cu_q, cu_k, o)
+            dq, dk, dv, dbias = _backward(dout, q, k, v, out, lse, bias, cu_q, cu_k, o, alibi)
         dsinks = None if sinks is None else _sinks.sinks_grad(dout, out, lse, sinks, layout=o.layout,
                                                               cu_seqlens_q=cu_q)
-        return dq, dk, dv, dbias, dsinks, _int_zero(cu_q), _int_zero(cu_k)
+        # The slopes are a constant (FlashAttention-2 gives them no gradient): a zero cotangent.
+        dalibi = None if alibi is None else jnp.zeros_like(alibi)
+        return dq, dk, dv, dbias, dsinks, _int_zero(cu_q), _int_zero(cu_k), dalibi
 
     attn.defvjp(fwd, bwd)
     return attn
@@ -495,7 +526,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
               offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
               max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
               deterministic: bool = False, scheme: str | None = None, sinks: Any = None,
-              softcap: float | None = None, library: Any = None, arch: str | None = None) -> Any:
+              softcap: float | None = None, alibi_slopes: Any = None, library: Any = None,
+              arch: str | None = None) -> Any:
     """Differentiable attention on JAX arrays: ``out`` of :func:`aotriton_rt.attention`, with a
     ``jax.custom_vjp`` running the operator's backward kernels (gradients for q, k, v, bias and
     ``sinks``: a traced ``(Hq,)`` float array of one logit per query head, gpt-oss's ``s_aux``).
@@ -503,7 +535,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
     Works under ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (a mapped axis is folded into the
     batch: one launch per kernel; varlen calls under vmap run once per mapped element).
     Options are static Python values; see :func:`aotriton_rt.attention` for their meaning and
-    ``docs/jax.md`` for what differs from the eager path.
+    ``docs/jax.md`` for what differs from the eager path. ``alibi_slopes`` (ALiBi) is an fp32 array
+    ``(Hq,)`` or ``(B, Hq)``, traced like q, and gets a zero gradient.
 
     Example::
 
@@ -512,4 +545,4 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
     """
     o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout,
                  deterministic, scheme, library, arch, cu_seqlens_q, cu_seqlens_k, softcap)
-    return _differentiable(o)(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k)
+    return _differentiable(o)(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes)

@@ -127,9 +127,9 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: T
                   cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
                   causal: bool, window_left: int, window_right: int, align: str, dropout_p: float, seed: int,
                   offset: int, scale: float, layout: str, return_mask: bool, deterministic: bool, library: int,
-                  softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                  softcap: float = 0.0, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Forward: (out, lse, mask); mask is an empty int8 tensor unless ``return_mask``; ``softcap``
-    0.0 for none (forward only: its backward refuses).
+    0.0 for none; ``alibi_slopes`` None for none (no gradient flows to them).
 
     ``max_seqlen_*`` are -1 without cu_seqlens, ``window_*`` -1 for an unbounded side;
     ``deterministic`` only travels to the backward.
@@ -140,7 +140,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: T
         dropout_p=dropout_p, seed=_unsigned(seed), offset=_unsigned(offset), scale=scale,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
         max_seqlen_k=max_seqlen_k if varlen else None, layout=layout, return_mask=return_mask, sinks=sinks,
-        softcap=softcap or None, library=_library(library))
+        softcap=softcap or None, alibi_slopes=alibi_slopes, library=_library(library))
     if return_mask:
         return result
     out, lse = result
@@ -164,7 +164,7 @@ def _attention_fwd_fake(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, si
                         cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
                         causal: bool, window_left: int, window_right: int, align: str, dropout_p: float, seed: int,
                         offset: int, scale: float, layout: str, return_mask: bool, deterministic: bool, library: int,
-                        softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                        softcap: float = 0.0, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     varlen = cu_seqlens_q is not None
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(_lse_shape(q, layout, varlen), dtype=torch.float32)
@@ -182,7 +182,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   sinks: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int,
                   max_seqlen_k: int, causal: bool, window_left: int, window_right: int, align: str, dropout_p: float,
                   seed: int, offset: int, scale: float, layout: str, deterministic: bool, bias_grad: bool,
-                  library: int, softcap: float = 0.0
+                  library: int, softcap: float = 0.0, alibi_slopes: Tensor | None = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward: (dq, dk, dv, dbias, dsinks); dbias is an empty tensor without a bias or
     ``bias_grad``, dsinks one without sinks."""
@@ -192,7 +192,8 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         dropout_p=dropout_p, seed=_unsigned(seed), offset=_unsigned(offset), scale=scale,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
         max_seqlen_k=max_seqlen_k if varlen else None, layout=layout, deterministic=deterministic,
-        bias_grad=bias_grad, sinks=sinks, softcap=softcap or None, library=_library(library))
+        bias_grad=bias_grad, sinks=sinks, softcap=softcap or None, alibi_slopes=alibi_slopes,
+        library=_library(library))
     dq, dk, dv, dbias = grads[:4]
     if dbias is None:
         dbias = q.new_empty((0,))
@@ -204,8 +205,8 @@ def _attention_bwd_fake(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                         sinks: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                         max_seqlen_q: int, max_seqlen_k: int, causal: bool, window_left: int, window_right: int,
                         align: str, dropout_p: float, seed: int, offset: int, scale: float, layout: str,
-                        deterministic: bool, bias_grad: bool, library: int, softcap: float = 0.0
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        deterministic: bool, bias_grad: bool, library: int, softcap: float = 0.0,
+                        alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dbias = bias.new_empty(bias.shape) if bias is not None and bias_grad else q.new_empty((0,))
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dsinks
@@ -216,27 +217,28 @@ _FWD_OPTIONS = ("max_seqlen_q", "max_seqlen_k", "causal", "window_left", "window
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, bias, sinks, cu_q, cu_k, *options = inputs
+    q, k, v, bias, sinks, cu_q, cu_k, *options, alibi = inputs
     out, lse, mask = output
-    ctx.save_for_backward(q, k, v, bias, sinks, cu_q, cu_k, out, lse)
-    ctx.options = dict(zip(_FWD_OPTIONS, options))
+    ctx.save_for_backward(q, k, v, bias, sinks, cu_q, cu_k, out, lse, alibi)
+    ctx.options = dict(zip(_FWD_OPTIONS, options, strict=True))
     ctx.mark_non_differentiable(lse, mask)
     ctx.set_materialize_grads(False)  # see _EagerAttention.forward
 
 
 def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None, dmask: Tensor | None) -> tuple:
     if dout is None:
-        return (None,) * (7 + len(_FWD_OPTIONS))
-    q, k, v, bias, sinks, cu_q, cu_k, out, lse = ctx.saved_tensors
+        return (None,) * (8 + len(_FWD_OPTIONS))
+    q, k, v, bias, sinks, cu_q, cu_k, out, lse, alibi = ctx.saved_tensors
     o = ctx.options
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias, dsinks = attention_bwd(
         dout, q, k, v, out, lse, bias, sinks, cu_q, cu_k, o["max_seqlen_q"], o["max_seqlen_k"], o["causal"],
         o["window_left"], o["window_right"], o["align"], o["dropout_p"], o["seed"], o["offset"], o["scale"],
-        o["layout"], o["deterministic"], bias_grad, o["library"], o["softcap"])
+        o["layout"], o["deterministic"], bias_grad, o["library"], o["softcap"], alibi)
     sinks_grad = sinks is not None and ctx.needs_input_grad[4]
+    # No gradient for cu_seqlens, the options and the ALiBi slopes (a constant, as in FlashAttention-2).
     return (dq, dk, dv, dbias if bias_grad else None, dsinks if sinks_grad else None) + \
-        (None,) * (2 + len(_FWD_OPTIONS))
+        (None,) * (3 + len(_FWD_OPTIONS))
 
 
 torch.library.register_autograd("aotriton_rt::attention_fwd", _backward, setup_context=_setup_context)
@@ -285,13 +287,13 @@ def _eager(*tensors: Any) -> int:
 
 
 def _forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None, cu_q: Tensor | None,
-                  cu_k: Tensor | None, o: dict) -> tuple:
+                  cu_k: Tensor | None, alibi: Tensor | None, o: dict) -> tuple:
     """(plan key, result) of the operator's forward for the options :func:`attention` gathered
     (no dispatcher); with ``sinks``, the result made the sinks' in place (fresh outputs)."""
     key, result = _core_plan.forward_keyed(q, k, v, o["causal"], o["window"], o["align"], bias, o["dropout_p"],
                                            o["seed"], o["offset"], o["scale"], cu_q, cu_k, o["max_seqlen_q"],
                                            o["max_seqlen_k"], o["layout"], None, None, o["return_mask"], o["library"],
-                                           o["softcap"])
+                                           o["softcap"], alibi)
     if sinks is not None:
         _core_sinks.apply_sinks(result[0], result[1], sinks, heads_q=lse_heads(result[1], cu_q is not None),
                                 layout=o["layout"], cu_seqlens_q=cu_q, max_seqlen_q=o["max_seqlen_q"],
@@ -315,10 +317,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None,
-                cu_q: Tensor | None, cu_k: Tensor | None, options: dict) -> tuple:
-        key, result = _forward_plan(q, k, v, bias, sinks, cu_q, cu_k, options)
+                cu_q: Tensor | None, cu_k: Tensor | None, alibi: Tensor | None, options: dict) -> tuple:
+        key, result = _forward_plan(q, k, v, bias, sinks, cu_q, cu_k, alibi, options)
         out, lse = result[:2]
-        ctx.save_for_backward(q, k, v, bias, sinks, cu_q, cu_k, out, lse)
+        ctx.save_for_backward(q, k, v, bias, sinks, cu_q, cu_k, out, lse, alibi)
         ctx.options = options
         ctx.forward_key = key  # the backward finds its plan from it (backward_plan.backward_after)
         ctx.mark_non_differentiable(*result[1:])
@@ -331,8 +333,8 @@ class _EagerAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dout: Tensor | None, *unused: Any) -> tuple:
         if dout is None:
-            return (None,) * 8
-        q, k, v, bias, sinks, cu_q, cu_k, out, lse = ctx.saved_tensors
+            return (None,) * 9
+        q, k, v, bias, sinks, cu_q, cu_k, out, lse, alibi = ctx.saved_tensors
         o = ctx.options
         bias_grad = bias is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dbias = _core_backward_plan.backward_after(
@@ -340,13 +342,13 @@ class _EagerAttention(torch.autograd.Function):
             library=o["library"], causal=o["causal"], window=o["window"], align=o["align"], bias=bias,
             dropout_p=o["dropout_p"], seed=o["seed"], offset=o["offset"], scale=o["scale"], cu_seqlens_q=cu_q,
             cu_seqlens_k=cu_k, max_seqlen_q=o["max_seqlen_q"], max_seqlen_k=o["max_seqlen_k"], layout=o["layout"],
-            softcap=o["softcap"] or None)
+            softcap=o["softcap"] or None, alibi_slopes=alibi)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[4]:
             dsinks = _core_sinks.sinks_grad(dout, out, lse, sinks, heads_q=lse_heads(lse, cu_q is not None),
                                             layout=o["layout"], cu_seqlens_q=cu_q, max_seqlen_q=o["max_seqlen_q"],
                                             library=o["library"])
-        return dq, dk, dv, dbias if bias_grad else None, dsinks, None, None, None
+        return dq, dk, dv, dbias if bias_grad else None, dsinks, None, None, None, None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: tuple[int, int] | None = None,
@@ -355,12 +357,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
               cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               layout: str = "bhsd", deterministic: bool = False, return_lse: bool = False,
               return_mask: bool = False, sinks: Tensor | None = None, softcap: float | None = None,
-              library: Any = None) -> Tensor | tuple[Tensor, ...]:
+              alibi_slopes: Tensor | None = None, library: Any = None) -> Tensor | tuple[Tensor, ...]:
     """Differentiable attention on torch tensors (works under ``torch.compile``).
 
     Options as :func:`aotriton_rt.ops.attention.attention`; gradients flow to q, k, v, bias
     and ``sinks`` (attention sinks: one logit per query head, see there). ``softcap``: the
-    logit softcap (gradients included). ``seed``/``offset``:
+    logit softcap (gradients included). ``alibi_slopes``: ALiBi's fp32 slopes, ``(Hq,)`` or
+    ``(B, Hq)`` (a constant: no gradient flows to them, as in FlashAttention-2). ``seed``/``offset``:
     the dropout Philox pair, drawn from torch's generator when ``seed`` is None.
     ``deterministic=True``: the backward runs the bit-reproducible scheme.
 
@@ -391,7 +394,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
         raise ArgumentError(f"seed and offset must be in [0, 2**64), got seed={seed}, offset={offset}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    route = _eager(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k)
+    route = _eager(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     if route != _OP and type(causal) is bool and type(return_mask) is bool and type(deterministic) is bool:
         # No mode or compiler watching: the op's own body directly (the same plans; the
         # dispatcher round trip costs more than the whole launch), under an autograd.Function
@@ -403,9 +406,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
                    "layout": layout, "return_mask": return_mask, "deterministic": deterministic, "library": library,
                    "softcap": float(softcap or 0.0)}
         if route == _AUTOGRAD:
-            result = _EagerAttention.apply(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, options)
+            result = _EagerAttention.apply(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options)
         else:
-            result = _forward_plan(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, options)[1]
+            result = _forward_plan(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options)[1]
         out, lse = result[:2]
         mask = result[2] if return_mask else None
     else:
@@ -413,7 +416,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
             q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, -1 if max_seqlen_q is None else max_seqlen_q,
             -1 if max_seqlen_k is None else max_seqlen_k, causal, left, right, align, float(dropout_p), _signed(seed),
             _signed(offset), float(scale), layout, return_mask, deterministic, _library_key(library),
-            float(softcap or 0.0))
+            float(softcap or 0.0), alibi_slopes)
     result: tuple = (out,)
     if return_lse:
         result += (lse,)

@@ -44,7 +44,10 @@ def in_default_set(spec: dict, target: object) -> bool:
     ``DEFAULT_VARLEN_HEAD_DIMS``; dropout (without the returned mask) for the (head dim, mask)
     pairs of ``DEFAULT_DROPOUT``. Not in it (build ``--set full``): fp32, other head-dim buckets
     (calls at those dims run zero-padded on the next compiled one), bias, varlen at other head
-    dims, dropout elsewhere, the returned dropout mask, the atomic-dQ backward."""
+    dims, dropout elsewhere, the returned dropout mask, the atomic-dQ backward, ALiBi (the set is at
+    its build-time budget: docs/performance.md)."""
+    if spec.get("ALIBI", 0):
+        return False
     causal = spec.get("CAUSAL", 0)
     dropout = spec.get("DROPOUT", 0)
     head_dim = spec.get("HEAD_DIM", 64)
@@ -88,7 +91,7 @@ def in_bwd_sweep_set(spec: dict, target: object) -> bool:
             and spec.get("HEAD_DIM_V", head_dim) == head_dim
             and spec.get("CAUSAL", 0) in (0, 2)
             and not spec.get("BIAS", 0) and not spec.get("DROPOUT", 0) and not spec.get("VARLEN", 0)
-            and not spec.get("DQ_ATOMIC", 0) and not spec.get("SOFTCAP", 0))
+            and not spec.get("DQ_ATOMIC", 0) and not spec.get("SOFTCAP", 0) and not spec.get("ALIBI", 0))
 
 
 # The feature combinations tests/runtime/test_attention_gpu.py launches beyond the default set,
@@ -157,9 +160,29 @@ def _in_gputest_combo(spec: dict, combo: tuple) -> bool:
     return spec.get("BIAS", 0) == (1 if bias else 0)  # attn_fwd, attn_bwd_dq
 
 
+#: Head dims of the ALiBi variants in the gputest set (``in_gputest_alibi``).
+GPUTEST_ALIBI_HEAD_DIMS = (64, 128)
+
+
+def in_gputest_alibi(spec: dict, target: object) -> bool:
+    """The ALiBi variants (``ALIBI=1``) of the GPU test matrix (tests/runtime/test_attention_alibi_gpu.py):
+    fp16 and bf16 at head dims ``GPUTEST_ALIBI_HEAD_DIMS`` (equal q·k and v), no mask and mask mode
+    1 (both alignments), dense and packed, without dropout; and at fp16, head dim 64, mode 1, dense,
+    also with dropout (its returned mask included) and the atomic-dQ scheme's dK/dV."""
+    head_dim = spec.get("HEAD_DIM")
+    if (not spec.get("ALIBI", 0) or spec.get("dtype") not in ("fp16", "bf16") or head_dim not in GPUTEST_ALIBI_HEAD_DIMS
+            or spec.get("HEAD_DIM_V") != head_dim or spec.get("CAUSAL") not in (0, 1)):
+        return False
+    one = spec["dtype"] == "fp16" and head_dim == 64 and spec["CAUSAL"] == 1 and not spec.get("VARLEN")
+    return (not spec.get("DROPOUT") and not spec.get("DQ_ATOMIC")) or one
+
+
 def in_gputest_set(spec: dict, target: object) -> bool:
     """The GPU test matrix: the default set plus every feature at a few head dims (``GPUTEST``),
-    and softcap also at head dim 64 (fp16 and bf16, no mask or mode 1, dense and packed)."""
+    softcap also at head dim 64 (fp16 and bf16, no mask or mode 1, dense and packed), and ALiBi
+    at :func:`in_gputest_alibi`'s combinations."""
+    if spec.get("ALIBI", 0):
+        return in_gputest_alibi(spec, target)
     if spec.get("SOFTCAP", 0):
         return in_default_set(spec, target) or (
             spec.get("dtype") in ("fp16", "bf16") and spec.get("HEAD_DIM") == spec.get("HEAD_DIM_V") == 64

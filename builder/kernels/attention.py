@@ -177,13 +177,35 @@ def _softcapped(qk, qk_scale, softcap):
 
 
 @triton.jit
+def _alibi_factor(alibi_slopes, stride_az, off_b, off_h, ALIBI: tl.constexpr):
+    """``-slope * LOG2E`` of query head off_h of sequence off_b: the factor of :func:`_alibi` in the
+    kernels' log2 units (scores are multiplied by ``sm_scale * LOG2E`` before exp2). Slopes are fp32,
+    ``alibi_slopes[off_b * stride_az + off_h]`` (stride_az 0: shared by the batch). 0 without ALIBI
+    (never read then: the slopes pointer may be 0)."""
+    if ALIBI:
+        factor = tl.load(alibi_slopes + off_b.to(tl.int64) * stride_az + off_h) * -LOG2E
+    else:
+        factor = tl.full([], 0.0, tl.float32)
+    return factor
+
+
+@triton.jit
+def _alibi(alibi_k, rows, cols, len_q, len_k):
+    """FlashAttention-2's ALiBi term of a tile in log2 units, ``alibi_k * |i + len_k - len_q - j|``
+    (``alibi_k`` from :func:`_alibi_factor`): query row i and key j aligned bottom-right, whatever
+    the mask's alignment. ``rows`` / ``cols`` are broadcastable 2-D positions in the sequence
+    (per sequence under VARLEN, as len_q / len_k are)."""
+    return alibi_k * tl.abs(rows - cols + (len_k - len_q)).to(tl.float32)
+
+
+@triton.jit
 def _fwd_block(
     acc, l_i, m_i, q, start_n, k_ptrs, v_ptrs, b_ptrs, k_desc, v_desc, DM_base, stride_dmm,
     offs_m, offs_n, offs_dk, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
-    philox_seed, philox_offset, bh, dropout_p, softcap,
+    philox_seed, philox_offset, bh, dropout_p, softcap, alibi_k,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, PREC: tl.constexpr, USE_TMA: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Online-softmax update of (acc, l_i, m_i) by the key block at start_n.
 
@@ -215,7 +237,7 @@ def _fwd_block(
     qk = tl.dot(q, k, input_precision=PREC)
     if SOFTCAP:
         qk = _softcapped(qk, qk_scale, softcap)
-    if MASKED and CAUSAL == 0 and BIAS == 0:
+    if MASKED and CAUSAL == 0 and BIAS == 0 and ALIBI == 0:
         # Only the sequence end masks: one FMA per score applies the scale and a per-key -inf.
         key_bias = tl.where(offs_n < seqlen_k - start_n, 0.0, float("-inf"))
         qk = qk * qk_scale + key_bias[None, :]
@@ -223,7 +245,8 @@ def _fwd_block(
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
-    elif MASKED or BIAS != 0:
+    elif MASKED or BIAS != 0 or ALIBI != 0:
+        # A bias (a tensor's or ALiBi's) varies along the row: the scale goes on every score.
         qk = qk * qk_scale
         if BIAS != 0:
             if MASKED:
@@ -231,6 +254,8 @@ def _fwd_block(
             else:
                 bias = tl.load(b_ptrs)
             qk += bias.to(tl.float32) * LOG2E
+        if ALIBI != 0:
+            qk += _alibi(alibi_k, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k)
         if MASKED:
             if CAUSAL != 0:
                 # The sequence end folds into each row's right edge: j < seqlen_k is
@@ -287,10 +312,10 @@ def _fwd_blocks(
     start, end,
     offs_m, rows_b, offs_n, offs_dk, offs_dv,
     seqlen_q, seqlen_k, diag, left, right, qk_scale,
-    philox_seed, philox_offset, bh, dropout_p, softcap,
+    philox_seed, philox_offset, bh, dropout_p, softcap, alibi_k,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SOFTCAP: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """_fwd_block over the key blocks start, start+BLOCK_N, ... < end (one loop)."""
     # K is read transposed, (dim, keys), so q @ k needs no layout change in registers.
@@ -304,8 +329,8 @@ def _fwd_blocks(
         acc, l_i, m_i = _fwd_block(
             acc, l_i, m_i, q, start_n, k_ptrs, v_ptrs, b_ptrs, k_desc, v_desc, DM_base, stride_dmm,
             offs_m, offs_n, offs_dk, offs_dv, seqlen_q, seqlen_k, diag, left, right, qk_scale,
-            philox_seed, philox_offset, bh, dropout_p, softcap,
-            MASKED, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, PREC, USE_TMA, SOFTCAP)
+            philox_seed, philox_offset, bh, dropout_p, softcap, alibi_k,
+            MASKED, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, PREC, USE_TMA, SOFTCAP, ALIBI)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
         if BIAS != 0:
@@ -321,7 +346,7 @@ def _fwd_tile(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-    TMA_STORE: tl.constexpr, softcap, SOFTCAP: tl.constexpr,
+    TMA_STORE: tl.constexpr, softcap, SOFTCAP: tl.constexpr, alibi_k, ALIBI: tl.constexpr,
 ):
     """Output rows and logsumexp of query block pid_m of one (sequence, head).
 
@@ -378,9 +403,9 @@ def _fwd_tile(
             stride_kn, stride_vn, stride_bm, stride_dmm, lo, hi,
             offs_m, rows_b, offs_n, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale,
-            philox_seed, philox_offset, bh, dropout_p, softcap,
+            philox_seed, philox_offset, bh, dropout_p, softcap, alibi_k,
             True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
-            USE_TMA, True, SOFTCAP)
+            USE_TMA, True, SOFTCAP, ALIBI)
     else:
         # Boundary blocks first, the unmasked run last (the softmax does not care about the
         # order of key blocks): what only the masks need is dead by the hot loop, which
@@ -391,25 +416,25 @@ def _fwd_tile(
                 stride_kn, stride_vn, stride_bm, stride_dmm, lo, f1,
                 offs_m, rows_b, offs_n, offs_dk, offs_dv,
                 len_q, len_k, diag, left, right, qk_scale,
-                philox_seed, philox_offset, bh, dropout_p, softcap,
+                philox_seed, philox_offset, bh, dropout_p, softcap, alibi_k,
                 True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
-                USE_TMA, False, SOFTCAP)
+                USE_TMA, False, SOFTCAP, ALIBI)
         acc, l_i, m_i = _fwd_blocks(
             acc, l_i, m_i, q, K_base, V_base, B_base, DM_base, k_desc, v_desc,
             stride_kn, stride_vn, stride_bm, stride_dmm, f2, hi,
             offs_m, rows_b, offs_n, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale,
-            philox_seed, philox_offset, bh, dropout_p, softcap,
+            philox_seed, philox_offset, bh, dropout_p, softcap, alibi_k,
             True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
-            USE_TMA, False, SOFTCAP)
+            USE_TMA, False, SOFTCAP, ALIBI)
         acc, l_i, m_i = _fwd_blocks(
             acc, l_i, m_i, q, K_base, V_base, B_base, DM_base, k_desc, v_desc,
             stride_kn, stride_vn, stride_bm, stride_dmm, f1, f2,
             offs_m, rows_b, offs_n, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale,
-            philox_seed, philox_offset, bh, dropout_p, softcap,
+            philox_seed, philox_offset, bh, dropout_p, softcap, alibi_k,
             False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC,
-            USE_TMA, False, SOFTCAP)
+            USE_TMA, False, SOFTCAP, ALIBI)
 
     # Epilogue: rows that saw no key have l = 0; they output 0 and logsumexp -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -444,10 +469,11 @@ def attn_fwd(
     stride_dmz, stride_dmh, stride_dmm,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
+    alibi_slopes, stride_az,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Attention forward: Out = softmax(Q K^T * sm_scale + Bias, masked) V and its logsumexp.
 
@@ -467,7 +493,10 @@ def attn_fwd(
     key loops (unpaired: the key loop must be the kernel's only loop); descriptors need the
     runtime's global scratch. SOFTCAP: scores become ``softcap * tanh(q.k * sm_scale / softcap)``
     before the bias and the masks (FlashAttention-2's logit softcap; ``softcap > 0`` and
-    ``sm_scale != 0``, checked at launch); SOFTCAP=0 variants ignore ``softcap``.
+    ``sm_scale != 0``, checked at launch); SOFTCAP=0 variants ignore ``softcap``. ALIBI: each
+    scaled score gets FlashAttention-2's ALiBi term ``-slope * |i + seqlen_k - seqlen_q - j|`` (the
+    sequence's own lengths), with ``slope = alibi_slopes[b * stride_az + h]`` (fp32; ``stride_az``
+    0 shares the slopes across the batch); ALIBI=0 variants ignore both arguments.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -511,6 +540,7 @@ def attn_fwd(
         k_desc = K_base
         v_desc = V_base
     bh = off_b * num_heads_q + off_h
+    alibi_k = _alibi_factor(alibi_slopes, stride_az, off_b, off_h, ALIBI)
 
     if PAIRED:
         last = tl.cdiv(len_q, BLOCK_M) - 1 - pid_m
@@ -529,7 +559,7 @@ def attn_fwd(
                     k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
                     len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
                     causal_align, bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-                    BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, False, softcap, SOFTCAP)
+                    BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, False, softcap, SOFTCAP, alibi_k, ALIBI)
         else:
             # Two inlined tiles: each tile's TMA store buffer can share memory with its K/V ring.
             for t in tl.static_range(2):
@@ -545,14 +575,14 @@ def attn_fwd(
                         k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
                         len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
                         causal_align, bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-                        BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, True, softcap, SOFTCAP)
+                        BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, True, softcap, SOFTCAP, alibi_k, ALIBI)
     else:
         _fwd_tile(
             pid_m, Q_head, O_head, L_head, K_base, V_base, B_base, DM_base,
             k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
             len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
             bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-            BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, not WARP_SPEC, softcap, SOFTCAP)
+            BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, not WARP_SPEC, softcap, SOFTCAP, alibi_k, ALIBI)
 
 
 # --------------------------------------------------------------------------------------------
@@ -598,10 +628,15 @@ def signature_of(fn: triton.JITFunction, pointers: dict[str, str]) -> dict[str, 
     return sig
 
 
+#: Pointers the kernels read one element at a time (a slope per program): no alignment promised
+#: beyond the element's, so any view of a caller's array is read in place.
+UNALIGNED_POINTERS = ("alibi_slopes",)
+
+
 def divisibility_of(sig: dict[str, str], aligned: tuple[str, ...], bias: tuple[str, ...] = ()) -> dict:
-    """Every pointer 16-byte aligned; the strides of ``aligned`` tensors (stride_<t>z/h/m) 16 and of
-    ``bias`` tensors 8."""
-    div = {n: 16 for n, t in sig.items() if t.startswith("*")}
+    """Every pointer but :data:`UNALIGNED_POINTERS` 16-byte aligned; the strides of ``aligned``
+    tensors (stride_<t>z/h/m) 16 and of ``bias`` tensors 8."""
+    div = {n: 16 for n, t in sig.items() if t.startswith("*") and n not in UNALIGNED_POINTERS}
     for name in sig:
         if name.startswith("stride_"):
             tensor = name[len("stride_"):-1]
@@ -630,10 +665,13 @@ def head_dim_excluded(spec: dict, target: object) -> str | None:
 
 
 def fwd_excluded(spec: dict, target: object) -> str | None:
-    """:func:`head_dim_excluded`, and softcap only without a bias or dropout (the full set would
-    grow by a quarter for combinations no model has)."""
+    """:func:`head_dim_excluded`, softcap only without a bias or dropout (the full set would grow
+    by a quarter for combinations no model has), and ALiBi only without a bias tensor or softcap
+    (a bias can carry ALiBi's term itself; no model combines ALiBi with a softcap)."""
     if spec.get("SOFTCAP") and (spec.get("BIAS") or spec.get("DROPOUT")):
         return "softcap is compiled without bias and without dropout"
+    if spec.get("ALIBI") and (spec.get("BIAS") or spec.get("SOFTCAP")):
+        return "ALiBi is compiled without a bias tensor and without softcap"
     return head_dim_excluded(spec, target)
 
 
@@ -719,9 +757,15 @@ def fwd_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
                    options=_hip_options(target, 2)),)
 
 
+def _gputest_configs(spec: dict, target: object) -> tuple[int, ...]:
+    """The gputest set's forward configs: every one (sm90's alternates for the tuning tests), but
+    config #0 alone for ALiBi variants (the GPU tests run what the operator launches)."""
+    return (0,) if spec.get("ALIBI") else tuple(range(len(fwd_configs(spec, target))))
+
+
 _FWD_SIG = signature_of(attn_fwd, {
     "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Bias": "*{dtype}", "Out": "*{dtype}",
-    "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"})
+    "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "alibi_slopes": "*fp32"})
 _FWD_DIV = divisibility_of(_FWD_SIG, aligned=("q", "k", "v", "o"), bias=("b",))
 # Checks shared by the attention kernels; the GQA ratio must be whole and the head grid fits in y.
 GQA_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0")
@@ -736,7 +780,8 @@ KERNELS = [KernelDecl(
     fn=attn_fwd,
     signature=_FWD_SIG,
     axes={"dtype": DTYPES, "HEAD_DIM": HEAD_DIM_BUCKETS, "HEAD_DIM_V": HEAD_DIM_BUCKETS,
-          "CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1, 2), "VARLEN": (0, 1), "SOFTCAP": (0, 1)},
+          "CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1, 2), "VARLEN": (0, 1), "SOFTCAP": (0, 1),
+          "ALIBI": (0, 1)},
     configs=fwd_configs,
     # Causal programs do two query blocks each (see attn_fwd); warp-specialized builds (bench
     # candidates only) do one.
@@ -747,6 +792,6 @@ KERNELS = [KernelDecl(
     # sm90's alternates (bench candidates, no catalog rule picks them) only in gputest and full:
     # each would add a compile to the quickstart for no speed. The backward's sweep needs the
     # forward's outputs only.
-    set_configs={"default": 1, "bwdsweep": 1},
+    set_configs={"default": 1, "bwdsweep": 1, "gputest": _gputest_configs},
     checks=fwd_checks,
 )]

@@ -25,6 +25,8 @@ from builder.kernels.attention import (
     GQA_CHECKS,
     HEAD_DIM_BUCKETS,
     LOG2E,
+    _alibi,
+    _alibi_factor,
     _causal_order,
     _dropout_keep,
     _hip_options,
@@ -137,10 +139,10 @@ def _dkdv_blocks(
     stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam,
     start, end, offs_m, offs_dk, offs_dv,
     len_q, len_k, diag, left, right, qk_scale, sm_scale,
-    philox_seed, philox_offset, bh, dropout_p, softcap,
+    philox_seed, philox_offset, bh, dropout_p, softcap, alibi_k,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Accumulate dk, dv of one key block over query blocks start, start+BLOCK_M, ... < end.
 
@@ -177,6 +179,9 @@ def _dkdv_blocks(
             bmask = (rows[None, :] < len_q) & (cols[:, None] < len_k)
             biasT = tl.load(B_base + rows[None, :] * stride_bm + cols[:, None], mask=bmask, other=0.0)
             qkT += biasT.to(tl.float32) * LOG2E
+        if ALIBI:
+            # A constant of q and k: it enters P, not dS's formula.
+            qkT += _alibi(alibi_k, rows[None, :], cols[:, None], len_q, len_k)
         pT = tl.math.exp2(qkT - lse[None, :])
         if MASKED:
             visible = rows[None, :] < len_q
@@ -244,10 +249,11 @@ def attn_bwd_dkdv(
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
+    alibi_slopes, stride_az,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """dK, dV of one key block of one key/value head, summed over its GQA query heads.
 
@@ -256,7 +262,8 @@ def attn_bwd_dkdv(
     broadcast dimensions). DQ_ATOMIC: also add dQ (scaled, fp32) into DQacc, which
     attn_bwd_preprocess zeroed and attn_bwd_dq_convert casts; then attn_bwd_dq is not run.
     USE_TMA (tuning, sm90 only): the streamed q and dO tiles through device-side tensor
-    descriptors (one pair per query head, in the runtime's global scratch).
+    descriptors (one pair per query head, in the runtime's global scratch). ALIBI: the forward's
+    ALiBi term (its slopes and ``stride_az``) in the recomputed scores of each query head.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -307,6 +314,7 @@ def attn_bwd_dkdv(
     for g in range(0, group):
         off_h = off_hk * group + g
         bh = off_b * num_heads_q + off_h
+        alibi_k = _alibi_factor(alibi_slopes, stride_az, off_b, off_h, ALIBI)
         Q_base = Q + off_bz * stride_qz + off_h.to(tl.int64) * stride_qh + q_row0 * stride_qm
         DO_base = DO + off_bz * stride_doz + off_h.to(tl.int64) * stride_doh + q_row0 * stride_dom
         L_base = LSE + off_b.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh + q_start
@@ -333,20 +341,20 @@ def attn_bwd_dkdv(
                 dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base, q_desc, do_desc,
                 stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam, lo, f1, offs_m, offs_dk, offs_dv,
                 len_q, len_k, diag, left, right, qk_scale, sm_scale, philox_seed, philox_offset, bh,
-                dropout_p, softcap, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC,
-                USE_TMA, SOFTCAP)
+                dropout_p, softcap, alibi_k, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC,
+                DQ_ATOMIC, USE_TMA, SOFTCAP, ALIBI)
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base, q_desc, do_desc,
             stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam, f1, f2, offs_m, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale, sm_scale, philox_seed, philox_offset, bh,
-            dropout_p, softcap, False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC,
-                USE_TMA, SOFTCAP)
+            dropout_p, softcap, alibi_k, False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC,
+            DQ_ATOMIC, USE_TMA, SOFTCAP, ALIBI)
         dk, dv = _dkdv_blocks(
             dk, dv, k, v, cols, Q_base, DO_base, B_base, DB_base, L_base, D_base, DQA_base, q_desc, do_desc,
             stride_qm, stride_dom, stride_bm, stride_dbm, stride_dqam, f2, hi, offs_m, offs_dk, offs_dv,
             len_q, len_k, diag, left, right, qk_scale, sm_scale, philox_seed, philox_offset, bh,
-            dropout_p, softcap, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC, DQ_ATOMIC,
-                USE_TMA, SOFTCAP)
+            dropout_p, softcap, alibi_k, True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, PREC,
+            DQ_ATOMIC, USE_TMA, SOFTCAP, ALIBI)
         if BIAS == 2 and CAUSAL != 0:
             _zero_dbias(DB_base, stride_dbm, cols, 0, lo, len_q, len_k, offs_m, BLOCK_M)
             hi_up = (hi + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -375,10 +383,10 @@ def _dq_blocks(
     stride_kn, stride_vn, stride_bm,
     start, end, offs_n, offs_dk, offs_dv,
     len_q, len_k, diag, left, right, qk_scale,
-    philox_seed, philox_offset, bh, dropout_p, softcap,
+    philox_seed, philox_offset, bh, dropout_p, softcap, alibi_k,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
+    USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Accumulate dq of one query block over key blocks start, start+BLOCK_N, ... < end (with
     USE_TMA, k and v through tensor descriptors, as q and dO in _dkdv_blocks)."""
@@ -407,6 +415,8 @@ def _dq_blocks(
             else:
                 bias = tl.load(b_ptrs)
             qk += bias.to(tl.float32) * LOG2E
+        if ALIBI:
+            qk += _alibi(alibi_k, rows[:, None], cols[None, :], len_q, len_k)
         p = tl.math.exp2(qk - lse[:, None])
         if MASKED:
             visible = cols[None, :] < len_k
@@ -440,15 +450,17 @@ def attn_bwd_dq(
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
+    alibi_slopes, stride_az,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """dQ of one query block of one query head.
 
     Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1). BIAS only matters as 0 / non-0 here.
     USE_TMA (tuning, sm90 only): the streamed k and v tiles through device-side tensor descriptors.
+    ALIBI: the forward's ALiBi term in the recomputed scores.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -504,6 +516,7 @@ def attn_bwd_dq(
 
     qk_scale = sm_scale * LOG2E
     bh = off_b * num_heads_q + off_h
+    alibi_k = _alibi_factor(alibi_slopes, stride_az, off_b, off_h, ALIBI)
     diag, left, right = _window(len_q, len_k, window_left, window_right, causal_align, CAUSAL)
     if CAUSAL != 0:
         lo, f1, f2, hi = _span(start_m, BLOCK_M, len_k, diag, left, right, BLOCK_N)
@@ -519,20 +532,20 @@ def attn_bwd_dq(
             dq, q, do, lse, delta, rows, K_base, V_base, B_base, k_desc, v_desc, stride_kn, stride_vn,
             stride_bm,
             lo, f1, offs_n, offs_dk, offs_dv, len_q, len_k, diag, left, right, qk_scale,
-            philox_seed, philox_offset, bh, dropout_p, softcap,
-            True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA, SOFTCAP)
+            philox_seed, philox_offset, bh, dropout_p, softcap, alibi_k,
+            True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA, SOFTCAP, ALIBI)
     dq = _dq_blocks(
         dq, q, do, lse, delta, rows, K_base, V_base, B_base, k_desc, v_desc, stride_kn, stride_vn,
             stride_bm,
         f1, f2, offs_n, offs_dk, offs_dv, len_q, len_k, diag, left, right, qk_scale,
-        philox_seed, philox_offset, bh, dropout_p, softcap,
-        False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA, SOFTCAP)
+        philox_seed, philox_offset, bh, dropout_p, softcap, alibi_k,
+        False, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA, SOFTCAP, ALIBI)
     dq = _dq_blocks(
         dq, q, do, lse, delta, rows, K_base, V_base, B_base, k_desc, v_desc, stride_kn, stride_vn,
             stride_bm,
         f2, hi, offs_n, offs_dk, offs_dv, len_q, len_k, diag, left, right, qk_scale,
-        philox_seed, philox_offset, bh, dropout_p, softcap,
-        True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA, SOFTCAP)
+        philox_seed, philox_offset, bh, dropout_p, softcap, alibi_k,
+        True, CAUSAL, BIAS, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PREC, USE_TMA, SOFTCAP, ALIBI)
 
     dq = dq * sm_scale
     dqmask = rows[:, None] < len_q
@@ -655,7 +668,7 @@ def preprocess_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
 _GRAD_PTRS = {"Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Bias": "*{dtype}", "DO": "*{dtype}",
               "DQ": "*{dtype}", "DK": "*{dtype}", "DV": "*{dtype}", "DBias": "*{dtype}", "DQacc": "*fp32",
               "LSE": "*fp32", "Delta": "*fp32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32",
-              "Out": "*{dtype}"}
+              "Out": "*{dtype}", "alibi_slopes": "*fp32"}
 _PRE_SIG = signature_of(attn_bwd_preprocess, _GRAD_PTRS)
 _PRE_DIV = divisibility_of(_PRE_SIG, aligned=("o", "do", "dqa"))
 _CONVERT_SIG = signature_of(attn_bwd_dq_convert, _GRAD_PTRS)
@@ -707,7 +720,7 @@ KERNELS = [
         fn=attn_bwd_dkdv,
         signature=_DKDV_SIG,
         axes={"dtype": DTYPES, **_HEADS, "CAUSAL": (0, 1, 2), "BIAS": (0, 1, 2), "DROPOUT": (0, 1),
-              "VARLEN": (0, 1), "DQ_ATOMIC": (0, 1), "SOFTCAP": (0, 1)},
+              "VARLEN": (0, 1), "DQ_ATOMIC": (0, 1), "SOFTCAP": (0, 1), "ALIBI": (0, 1)},
         configs=dkdv_configs,
         grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
         divisibility=_DKDV_DIV,
@@ -723,7 +736,7 @@ KERNELS = [
         fn=attn_bwd_dq,
         signature=_DQ_SIG,
         axes={"dtype": DTYPES, **_HEADS, "CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1),
-              "VARLEN": (0, 1), "SOFTCAP": (0, 1)},
+              "VARLEN": (0, 1), "SOFTCAP": (0, 1), "ALIBI": (0, 1)},
         configs=dq_configs,
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_DQ_DIV,

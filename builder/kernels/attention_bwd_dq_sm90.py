@@ -147,16 +147,17 @@ def attn_bwd_dq_sm90(
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
+    alibi_slopes, stride_az,
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr, SOFTCAP: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """dQ of one query block of one query head (see attn_bwd_dq).
 
     Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1). Bias, cu_seqlens_* and the dropout
-    arguments are accepted (attn_bwd_dq's argument list) and ignored: BIAS, DROPOUT and VARLEN are
-    0. causal_align aligns mask mode 1's band (0 top-left, 1 bottom-right). HEAD_DIM == HEAD_DIM_V
+    arguments are accepted (attn_bwd_dq's argument list) and ignored: BIAS, DROPOUT, VARLEN, SOFTCAP
+    and ALIBI are 0. causal_align aligns mask mode 1's band (0 top-left, 1 bottom-right). HEAD_DIM == HEAD_DIM_V
     (64 or 128). USE_TMA is 1 (K and V always come through TMA). BLOCK_M is two consumers' 64
     queries. STAGES: K/V slots in the ring. CONSUMER_REGS: registers per thread of the consumer
     warp groups (the loader warp gets 24).
@@ -275,7 +276,7 @@ KERNEL = KernelDecl(
     fn=attn_bwd_dq_sm90,
     signature=_SIG,
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
-          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "SOFTCAP": (0,)},
+          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "SOFTCAP": (0,), "ALIBI": (0,)},
     configs=sm90_dq_configs,
     grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
     divisibility=_DIV,

@@ -350,18 +350,19 @@ def attn_bwd_dkdv_sm90(
     stride_lz, stride_lh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
+    alibi_slopes, stride_az,
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
     DQ_ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr,
-    SOFTCAP: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_SHARE: gl.constexpr,
 ):
     """dK, dV of one key block of one key/value head, summed over its GQA query heads (see
     attn_bwd_dkdv); with DQ_ATOMIC also this block's share of dQ (scaled, fp32) added into DQacc.
 
     Grid: (cdiv(seqlen_k, BLOCK_N), batch * num_heads_k, 1). Bias, DBias, cu_seqlens_* and the
-    dropout arguments are accepted (attn_bwd_dkdv's argument list) and ignored: BIAS, DROPOUT and
-    VARLEN are 0 (DQacc too without DQ_ATOMIC; with it BLOCK_M is 64, one consumer's keys, so dQ's
+    dropout arguments are accepted (attn_bwd_dkdv's argument list) and ignored: BIAS, DROPOUT,
+    VARLEN, SOFTCAP and ALIBI are 0 (DQacc too without DQ_ATOMIC; with it BLOCK_M is 64, one consumer's keys, so dQ's
     tile has dK's shape). HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). USE_TMA is 1
     (Q and dO always come through TMA; it is there for the argument list's constexpr set).
     BLOCK_N is two consumers' 64 keys. STAGES: Q/dO slots in the ring. CONSUMER_REGS: registers
@@ -532,7 +533,7 @@ KERNEL = KernelDecl(
     fn=attn_bwd_dkdv_sm90,
     signature=_SIG,
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
-          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "DQ_ATOMIC": (0, 1), "SOFTCAP": (0,)},
+          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "DQ_ATOMIC": (0, 1), "SOFTCAP": (0,), "ALIBI": (0,)},
     configs=sm90_dkdv_configs,
     grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
     divisibility=_DIV,

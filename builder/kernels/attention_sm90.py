@@ -511,17 +511,19 @@ def attn_fwd_sm90(
     stride_dmz, stride_dmh, stride_dmm,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
+    alibi_slopes, stride_az,
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
-    SOFTCAP: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
 ):
     """Attention forward (see attn_fwd): Out = softmax(Q K^T * sm_scale, masked) V and its logsumexp.
 
     Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1). Bias, DropMask, cu_seqlens_* and the
     dropout arguments are accepted (attn_fwd's argument list) and ignored: BIAS, DROPOUT and VARLEN
-    are 0. HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). STAGES: K/V slots in the ring.
+    are 0; so are alibi_slopes and stride_az (ALIBI is 0: ALiBi calls run attn_fwd). HEAD_DIM ==
+    HEAD_DIM_V, a power of two (64 or 128). STAGES: K/V slots in the ring.
     PINGPONG: the two consumers take turns issuing their matmuls (see _take_turn). CONSUMER_REGS:
     registers per thread of the second consumer warp group (the loader warp gets 24).
     WARP_SPECIALIZE 0: no loader warp and one consumer of BLOCK_M rows (4 warps) that issues its
@@ -529,6 +531,7 @@ def attn_fwd_sm90(
     SOFTCAP: attn_fwd's logit softcap on the raw scores (``softcap > 0``, ``sm_scale != 0``).
     """
     gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0, "attn_fwd_sm90: no bias, dropout or varlen")
+    gl.static_assert(ALIBI == 0, "attn_fwd_sm90: no ALiBi")
     gl.static_assert(HEAD_DIM == HEAD_DIM_V, "attn_fwd_sm90: equal q.k and v head dims")
     gl.static_assert(PINGPONG <= WARP_SPECIALIZE, "attn_fwd_sm90: PINGPONG needs two consumers")
     CONSUMERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
@@ -727,7 +730,7 @@ GRID = ("cdiv(seqlen_q, BLOCK_M) * (1 - min(PERSISTENT, 1))"
 
 _SIG = signature_of(attn_fwd_sm90, {
     "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Bias": "*{dtype}", "Out": "*{dtype}",
-    "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32"})
+    "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "alibi_slopes": "*fp32"})
 _DIV = divisibility_of(_SIG, aligned=("q", "k", "v", "o"), bias=("b",))
 
 # TMA descriptors need a non-empty extent in every dimension.
@@ -747,7 +750,7 @@ KERNEL = KernelDecl(
     fn=attn_fwd_sm90,
     signature=_SIG,
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
-          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "SOFTCAP": (0, 1)},
+          "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "SOFTCAP": (0, 1), "ALIBI": (0,)},
     configs=sm90_fwd_configs,
     grid=GRID,
     divisibility=_DIV,

@@ -39,7 +39,7 @@ HEADING = "## A kernel that an operator dispatches to"
 PACKAGE = "dispatched_kernel_example"
 TOY = "attn_fwd_toy"
 SPEC = {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
-        "SOFTCAP": 0}
+        "SOFTCAP": 0, "ALIBI": 0}
 UNTUNED = ("untuned (no rule of tuning['attn_fwd_kernel'] matches; heuristic: sm80's own forward, preferred where "
            "the images hold it)")
 

@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 pytest.importorskip("elftools")
 
 NAME = "attn_bwd_dkdv_sm90"
-BASE = {"BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "DQ_ATOMIC": 0, "SOFTCAP": 0}
+BASE = {"BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "DQ_ATOMIC": 0, "SOFTCAP": 0, "ALIBI": 0}
 ATOMIC = {**BASE, "DQ_ATOMIC": 1}
 #: The variants compiled here: D=128 bottom-right causal (the training shape), D=128 top-left
 #: (window arguments), D=64 without a mask; then the atomic scheme's at D=128 top-left (BUILT[1]'s

@@ -115,7 +115,7 @@ def _index_of(name: str, spec: dict, **want) -> int:
 
 
 D128 = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
-        "SOFTCAP": 0}
+        "SOFTCAP": 0, "ALIBI": 0}
 D64 = {**D128, "dtype": "bf16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0}
 # (kernel, spec, the config's parameters): config 0, the TMA alternates of both kernels (one the
 # 32-row dK/dV tile that spills least at D=128), and dQ at D=64 with and without the register cap.

@@ -86,6 +86,23 @@ CASES: dict[str, dict] = {
     # here, the last group short): every (block, head) must still be computed exactly once.
     "causal_program_order_head_groups": {"B": 3, "Hq": 6, "Hk": 3, "Sq": 29, "Sk": 40, "causal": 2,
                                          "group_programs": 8},
+    # ALiBi (FlashAttention-2's: -slope * |i + Sk - Sq - j|, bottom-right positions whatever the mask's
+    # alignment), shared by the batch ("heads") or per sequence ("batch"); lengths Sq != Sk both ways.
+    "alibi_no_mask_sq_lt_sk": {"alibi": "heads"},
+    "alibi_no_mask_sq_gt_sk_per_batch_fp16": {"alibi": "batch", "Sq": 53, "Sk": 37, "dtype": "fp16"},
+    "alibi_causal_bottom_right_empty_rows_gqa": {"alibi": "batch", "causal": 2, "Sq": 53, "Sk": 37, "Hq": 4,
+                                                  "Hk": 2},
+    "alibi_causal_top_left_mode_1": {"alibi": "heads", "causal": 1, "align": 0, "BM": 32},
+    "alibi_varlen_window_per_sequence": {"alibi": "batch", "varlen": ((5, 9), (17, 31), (1, 1), (40, 23)),
+                                         "causal": 1, "align": 1, "window": (6, 2)},
+    "alibi_head_dim_128_runtime_tile_loop_bf16": {"alibi": "heads", "D": 128, "dtype": "bf16", "causal": 1,
+                                                  "align": 1, "Sq": 61, "Sk": 61},
+    "alibi_dropout_mqa": {"alibi": "batch", "dropout": 0.25, "Hq": 3, "Hk": 1, "causal": 2},
+    "alibi_atomic_dq_varlen": {"alibi": "batch", "atomic": 1, "varlen": ((13, 29), (30, 17)), "causal": 2},
+    "alibi_tma_gqa_bshd": {"alibi": "heads", "tma": 1, "Hq": 4, "Hk": 2, "layout": "bshd", "causal": 1,
+                           "window": (-1, 3)},
+    "alibi_tma_ws_causal_bottom_right": {"alibi": "batch", "tma": 1, "ws": 1, "causal": 2, "Sq": 45, "Sk": 70},
+    "alibi_negative_scale": {"alibi": "heads", "scale": -2.0, "causal": 2, "window": (9, 4)},
 }
 
 
@@ -201,6 +218,14 @@ def run_case(name: str, case: dict) -> dict:
     else:
         bias = dbias = nothing
         sbz = sbh = sbm = sdbz = sdbh = sdbm = 0
+    # ALiBi slopes (fp32): one per query head, shared by the batch (stride 0) or per sequence.
+    alibi_kind = c.get("alibi")
+    if alibi_kind:
+        slopes = (torch.rand(B if alibi_kind == "batch" else 1, Hq, generator=gen) * 0.4 + 0.05)
+        saz = slopes.stride(0) if alibi_kind == "batch" else 0
+    else:
+        slopes, saz = torch.empty(0), 0
+    alibi = {"alibi_slopes": slopes, "stride_az": saz, "ALIBI": 1 if alibi_kind else 0}
     p_drop = c["dropout"]
     dropout = 2 if p_drop else 0
     seed, offset = 0x1234_5678_9ABC, 77
@@ -221,7 +246,7 @@ def run_case(name: str, case: dict) -> dict:
             q, k, v, bias, out, lse, dmask, cu_q, cu_k,
             sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, soz, soh, som, sbz, sbh, sbm, slz, slh,
             sdmz, sdmh, sdmm, *common, softcap=0.0, BIAS=1 if bias_kind else 0, BLOCK_M=c["BM"], BLOCK_N=c["BN"],
-            USE_TMA=c.get("tma", 0), WARP_SPEC=c.get("ws", 0), SOFTCAP=0, **flags)
+            USE_TMA=c.get("tma", 0), WARP_SPEC=c.get("ws", 0), SOFTCAP=0, **alibi, **flags)
 
     forward(out, lse, dmask)
     atomic = c.get("atomic", 0)
@@ -239,7 +264,7 @@ def run_case(name: str, case: dict) -> dict:
         sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, sbz, sbh, sbm, sdoz, sdoh, sdom,
         skz, skh, skn, svz, svh, svn, sdbz, sdbh, sdbm, sdqaz, sdqah, sdqam, slz, slh, *common, softcap=0.0,
         BIAS=bias_flag, DQ_ATOMIC=atomic, BLOCK_M=c["BM"], BLOCK_N=c["BN"], USE_TMA=c.get("tma", 0), SOFTCAP=0,
-        **flags)
+        **alibi, **flags)
     if atomic:
         attn_bwd_dq_convert[(triton.cdiv(Sq, c["BM"]), B * Hq, 1)](
             dqacc, dq, cu_q, sdqaz, sdqah, sdqam, sqz, sqh, sqm, B, Hq, Sq,
@@ -249,7 +274,8 @@ def run_case(name: str, case: dict) -> dict:
             q, k, v, bias, do, dq, lse, delta, cu_q, cu_k,
             sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, sbz, sbh, sbm, sdoz, sdoh, sdom,
             sqz, sqh, sqm, slz, slh, *common, softcap=0.0,
-            BIAS=bias_flag, BLOCK_M=c["BM"], BLOCK_N=c["BN"], USE_TMA=c.get("tma", 0), SOFTCAP=0, **flags)
+            BIAS=bias_flag, BLOCK_M=c["BM"], BLOCK_N=c["BN"], USE_TMA=c.get("tma", 0), SOFTCAP=0, **alibi,
+            **flags)
 
     errors: dict[str, float] = {}
     failed: list[str] = []
@@ -295,6 +321,10 @@ def run_case(name: str, case: dict) -> dict:
             s = s + br
         i = torch.arange(lq)[:, None]
         j = torch.arange(lk)[None, :]
+        if alibi_kind:
+            # After the scale, per sequence: its own lengths align i and j bottom-right.
+            slope = slopes[b if alibi_kind == "batch" else 0].double()[:, None, None]
+            s = s - slope * (i + lk - lq - j).abs()
         if causal:
             diag = lk - lq if causal == 2 or align else 0
             rel = j - i - diag
@@ -379,6 +409,9 @@ COMPILES = [
     ("attn_bwd_dq", "sm90", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 2, "VARLEN": 1}, 0, "wgmma"),
     ("attn_bwd_dkdv", "sm90", {"dtype": "fp16", "HEAD_DIM": 128, "DQ_ATOMIC": 1}, 0, ""),
     ("attn_bwd_preprocess", "gfx942", {"dtype": "fp16", "HEAD_DIM": 128, "DQ_ATOMIC": 1}, 0, ""),
+    # ALiBi: the 4-warp causal tile (two programs per SM) and the backward's dQ keep their limits.
+    ("attn_fwd", "sm90", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 1, "ALIBI": 1}, 0, "wgmma"),
+    ("attn_bwd_dq", "sm90", {"dtype": "bf16", "HEAD_DIM": 64, "CAUSAL": 1, "VARLEN": 1, "ALIBI": 1}, 0, "wgmma"),
 ]
 
 
@@ -389,7 +422,7 @@ def _compile(item: tuple) -> dict:
 
     name, arch, want, index, _ = item
     base = {"HEAD_DIM_V": want.get("HEAD_DIM"), "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "DQ_ATOMIC": 0,
-            "SOFTCAP": 0}
+            "SOFTCAP": 0, "ALIBI": 0}
     want = {**{k: v for k, v in base.items() if v is not None}, **want}
     jobs = [j for j in expand(load_kernels()[name], parse_targets(arch), "full", "3.6.0")
             if all(j.spec.get(k, v) == v for k, v in want.items()) and j.config_index == index]
@@ -456,7 +489,7 @@ def test_every_sm90_forward_config_matches_an_fp32_reference_on_the_gpu(index: i
     from builder.targets import KNOWN
 
     spec = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": causal, "BIAS": 0, "DROPOUT": 0,
-            "VARLEN": 0}
+            "VARLEN": 0, "ALIBI": 0}
     configs = fwd_configs(spec, KNOWN["sm90"])
     if index >= len(configs):
         pytest.skip(f"the sm90 table has {len(configs)} forward configs")
@@ -477,9 +510,9 @@ def test_every_sm90_forward_config_matches_an_fp32_reference_on_the_gpu(index: i
     grid = KERNELS[0].grid_of(seqlen_q=Sq, batch=B, num_heads_q=H, CAUSAL=causal, **cfg.constexprs)
     attn_fwd[grid](q, k, v, q, out, lse, none, none, none, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                    *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, H, H, Sq, Sk, scale, 0.0, 0, 0,
-                   -1, 0 if causal else -1, 1, 0.0, HEAD_DIM=D, HEAD_DIM_V=D, CAUSAL=causal, BIAS=0, DROPOUT=0,
-                   VARLEN=0, SOFTCAP=0, **cfg.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                   **cfg.options)
+                   -1, 0 if causal else -1, 1, 0.0, lse, 0, HEAD_DIM=D, HEAD_DIM_V=D, CAUSAL=causal, BIAS=0,
+                   DROPOUT=0, VARLEN=0, SOFTCAP=0, ALIBI=0, **cfg.constexprs, num_warps=cfg.num_warps,
+                   num_stages=cfg.num_stages, **cfg.options)
     s = (q.float() @ k.float().transpose(-1, -2)) * scale
     if causal:
         i = torch.arange(Sq, device="cuda")[:, None]

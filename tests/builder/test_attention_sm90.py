@@ -88,7 +88,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from builder.targets import parse_targets
 
     want = {"dtype": "bf16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 2, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
-            "SOFTCAP": 0}
+            "SOFTCAP": 0, "ALIBI": 0}
     jobs = [j for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "full", "3.6.0")
             if j.spec == want and j.config_index in (0, 3)]
     assert len(jobs) == 2 and [j.config.constexprs["WARP_SPECIALIZE"] for j in jobs] == [1, 0]
@@ -140,7 +140,7 @@ def test_a_catalog_that_lies_about_the_gluon_binary_fails_the_abi_proof(built: P
     with pytest.raises(AbiError, match=r"num_warps .*catalog has \(128, 1, 1\), binary has \(384, 1, 1\)"):
         prove(wrong_warps, raw)
     args = [dict(a) for a in variant.to_json()["args"]]
-    args[-1]["offset"] += 4  # causal_align moved
+    args[-1]["offset"] += 4  # the last argument moved
     with pytest.raises(AbiError, match=r"ABI mismatch in attn_fwd_sm90 .*args\[\d+\]\.offset"):
         prove({**variant.to_json(), "args": args}, raw)
 
@@ -313,7 +313,7 @@ def _build_persistent(tmp_path_factory: pytest.TempPathFactory, head_dim: int) -
     from builder.targets import parse_targets
 
     want = {"dtype": "bf16", "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0,
-            "VARLEN": 0, "SOFTCAP": 0}
+            "VARLEN": 0, "SOFTCAP": 0, "ALIBI": 0}
     jobs = [j for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "gputest", "3.6.0")
             if j.spec == want and j.config_index == len(TILES[head_dim])]
     assert len(jobs) == 1 and jobs[0].constexprs["PERSISTENT"] > 0 and jobs[0].constexprs["PINGPONG"] == 1

@@ -16,7 +16,7 @@ from builder.tuning import Entry, Timing, TuningError
 
 ROOT = Path(__file__).resolve().parents[2]
 FWD = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
-       "SOFTCAP": 0}
+       "SOFTCAP": 0, "ALIBI": 0}
 
 
 def _params(spec: dict, index: int, arch: str = "sm90", kernel: str = "attn_fwd") -> dict:
@@ -151,6 +151,25 @@ def test_fold_keeps_rules_whose_config_the_build_holds_as_measured_and_strips_ex
     assert all("expect" not in r for r in table["attn_fwd"])
     assert table["attn_fwd"][2]["source"] == "tuning database sm90 (H200), measured at seqlen_q 4096..4096"
     assert table["attn_decode"] == [{"arch": "sm90", "config": 0}]  # the kernels' own rules follow
+
+
+def test_databases_measured_before_the_late_axes_fold_onto_the_variants_that_leave_them_at_zero() -> None:
+    # A rule measured before ALIBI (or before SOFTCAP and ALIBI) names its spec without them: it
+    # serves the build's variants with those axes at 0, and its spec (a subset) is what the rule keeps.
+    jobs = _jobs(causal=2) + [j for j in expand(load_kernels()["attn_fwd"], [KNOWN["sm90"]], "full", "3.6.0")
+                              if j.spec == {**FWD, "ALIBI": 1}]
+    assert {j.spec["ALIBI"] for j in jobs} == {0, 1}
+    for gone in (("ALIBI",), ("ALIBI", "SOFTCAP")):
+        old = {k: v for k, v in FWD.items() if k not in gone}
+        db = tuning.database([_entry(1024, [10, 12], old), _entry(4096, [90, 80], old)], arch="sm90", machine={},
+                             method={})
+        table, notes = tuning.fold([("sm90.json", db)], jobs)
+        assert notes == ["sm90.json: 2 rules folded, 0 dropped"], gone
+        assert [(r["spec"], r["config"]) for r in table["attn_fwd"]] == [(old, 0), (old, 1)]
+    assert tuning._measured_specs({**FWD, "ALIBI": 1}) == [{**FWD, "ALIBI": 1}]
+    assert tuning._measured_specs({**FWD, "SOFTCAP": 1}) == [{**FWD, "SOFTCAP": 1},
+                                                              {k: v for k, v in FWD.items() if k != "ALIBI"} | {
+                                                                  "SOFTCAP": 1}]
 
 
 def test_rules_measured_on_mode_2_serve_a_build_of_mode_1_only_like_the_default_set() -> None:
@@ -491,9 +510,9 @@ def test_a_build_without_the_winning_config_chooses_the_forward_its_own_configs_
     assert table["attn_fwd_kernel"][0]["source"] == ("tuning database sm90 (H200), attn_fwd_sm90 vs attn_fwd measured "
                                                      "at seqlen_q 1024..1024")
     assert [(r["seqlen_q"], r["config"]) for r in table[own]] == [([4096, None], 0)]  # #6 not built: #0 runs
-    assert notes[-1] == ('sm90.json: attn_fwd_kernel {"BIAS": 0, "CAUSAL": 0, "DROPOUT": 0, "HEAD_DIM": 128, '
-                         '"HEAD_DIM_V": 128, "SOFTCAP": 0, "VARLEN": 0, "dtype": "fp16"} at seqlen_q 1024: attn_fwd in '
-                         'this build, '
+    assert notes[-1] == ('sm90.json: attn_fwd_kernel {"ALIBI": 0, "BIAS": 0, "CAUSAL": 0, "DROPOUT": 0, "HEAD_DIM": '
+                         '128, "HEAD_DIM_V": 128, "SOFTCAP": 0, "VARLEN": 0, "dtype": "fp16"} at seqlen_q 1024: '
+                         'attn_fwd in this build, '
                          'where the database chose attn_fwd_sm90 (whose winning config this build does not hold)')
     assert notes[0].endswith(" 2 dropped")  # the two config rules whose winner (#1, #6) is not built
 

@@ -42,7 +42,7 @@ for v in variants:
             handle(q, k, vv, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *vv.stride()[:3],
                    *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, Hq, Hk, Sq, Sk, 1 / math.sqrt(D),
                    0.0, 0, 0, -1, 0 if causal else -1, align,
-                   2.0 if v.spec.get("SOFTCAP") else 0.0)
+                   2.0 if v.spec.get("SOFTCAP") else 0.0, None, 0)  # softcap; no ALiBi
             torch.cuda.synchronize()
             assert not out.isnan().any(), f"NaN output {v.spec} #{v.config.index} {(B, Hq, Hk, Sq, Sk)} align {align}"
     print(f"ok {v.spec['dtype']} D{D} causal{causal} #{v.config.index}", flush=True)

@@ -108,6 +108,13 @@ CASES: dict[str, dict[str, Any]] = {
     "atomic_varlen_bias_copied": {"scheme": "atomic", "varlen": ((7, 21), (30, 30)), "bias": (1, 1, 1, 1),
                                   "bias_grad": True, "copied": True},
     "atomic_padded_80_bshd": {"scheme": "atomic", "D": 80, "layout": "bshd", "missing": _NO_80_96},
+    # ALiBi slopes (fp32): shared by the batch ("heads", batch stride 0) or per sequence ("batch").
+    "alibi_heads_causal_bshd": {"alibi": "heads", "causal": True, "layout": "bshd"},
+    "alibi_per_sequence_varlen_gqa": {"alibi": "batch", "varlen": ((5, 9), (17, 31), (16, 16)), "causal": True,
+                                      "Hq": 4, "Hk": 2},
+    "alibi_per_sequence_padded_80": {"alibi": "batch", "D": 80, "missing": _NO_80_96},
+    "alibi_atomic_dropout_window": {"alibi": "batch", "scheme": "atomic", "dropout_p": 0.1, "seed": 3,
+                                    "window": (6, 0), "align": "bottom_right", "Sk": 40},
 }
 
 _OPTIONS = ("causal", "window", "align", "dropout_p", "seed", "offset", "layout")
@@ -146,6 +153,9 @@ class Call:
         self.qkv = [array(*s) for s in shapes]
         bias = case.get("bias")
         self.bias = None if bias is None else array(*((B, Hq, Sq, Sk) if bias == "full" else bias))
+        alibi = case.get("alibi")
+        self.alibi = None if alibi is None else rng.uniform(0.05, 0.5, (Hq,) if alibi == "heads" else (B, Hq)
+                                                            ).astype(np.float32)
         self.dout, self.out = array(*out_shape), array(*out_shape)
         self.lse = array(*lse_shape, dtype=np.float32)
         self.out_shape = out_shape
@@ -155,14 +165,14 @@ class Call:
         q, k, v = (t(a) for a in self.qkv)
         cu = (None, None) if self.cu is None else (t(self.cu[0]), t(self.cu[1]))
         return {"q": q, "k": k, "v": v, "bias": t(self.bias), "cu_seqlens_q": cu[0], "cu_seqlens_k": cu[1],
-                "dout": t(self.dout), "out": t(self.out), "lse": t(self.lse)}
+                "dout": t(self.dout), "out": t(self.out), "lse": t(self.lse), "alibi_slopes": t(self.alibi)}
 
     def jax(self) -> dict[str, Any]:
         j = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
         q, k, v = (j(a) for a in self.qkv)
         cu = (None, None) if self.cu is None else (j(self.cu[0]), j(self.cu[1]))
         return {"q": q, "k": k, "v": v, "bias": j(self.bias), "cu_seqlens_q": cu[0], "cu_seqlens_k": cu[1],
-                "dout": j(self.dout), "out": j(self.out), "lse": j(self.lse)}
+                "dout": j(self.dout), "out": j(self.out), "lse": j(self.lse), "alibi_slopes": j(self.alibi)}
 
 
 def _shown(value: Any) -> Any:
@@ -203,7 +213,7 @@ def eager_forward(lib: RecordingLibrary, call: Call, general: bool) -> tuple[typ
     out = torch.empty(call.out_shape, dtype=torch.float16) if general else None
     op.attention(a["q"], a["k"], a["v"], bias=a["bias"], cu_seqlens_q=a["cu_seqlens_q"],
                  cu_seqlens_k=a["cu_seqlens_k"], out=out, return_mask=call.case.get("return_mask", False),
-                 library=lib, **call.options)
+                 alibi_slopes=a["alibi_slopes"], library=lib, **call.options)
     return _plan_kind(lib), _launches(lib)
 
 
@@ -212,7 +222,8 @@ def eager_backward(lib: RecordingLibrary, call: Call, general: bool, bias_grad: 
     dq = torch.empty_like(a["q"]) if general else None
     op.attention_backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], bias=a["bias"],
                           cu_seqlens_q=a["cu_seqlens_q"], cu_seqlens_k=a["cu_seqlens_k"],
-                          scheme=call.case.get("scheme"), bias_grad=bias_grad, dq=dq, library=lib, **call.options)
+                          scheme=call.case.get("scheme"), bias_grad=bias_grad, dq=dq, alibi_slopes=a["alibi_slopes"],
+                          library=lib, **call.options)
     return _plan_kind(lib), _launches(lib)
 
 
@@ -232,7 +243,7 @@ def jax_forward(lib: RecordingLibrary, call: Call, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(jax_attention, "_launch", _recording_launch(lib))
     jax_attention.attention_forward(a["q"], a["k"], a["v"], bias=a["bias"], cu_seqlens_q=a["cu_seqlens_q"],
                                     cu_seqlens_k=a["cu_seqlens_k"], return_mask=call.case.get("return_mask", False),
-                                    library=lib, **call.options)
+                                    alibi_slopes=a["alibi_slopes"], library=lib, **call.options)
     return _launches(lib)
 
 
@@ -241,7 +252,8 @@ def jax_backward(lib: RecordingLibrary, call: Call, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(jax_attention, "_launch", _recording_launch(lib))
     jax_attention.attention_backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], bias=a["bias"],
                                      cu_seqlens_q=a["cu_seqlens_q"], cu_seqlens_k=a["cu_seqlens_k"],
-                                     scheme=call.case.get("scheme"), library=lib, **call.options)
+                                     scheme=call.case.get("scheme"), alibi_slopes=a["alibi_slopes"], library=lib,
+                                     **call.options)
     return _launches(lib)
 
 

@@ -89,7 +89,8 @@ class InterpretedKernel:
                     continue
                 assert isinstance(value, torch.Tensor), f"{self.name}.{name}: {type(value)}"
                 assert value.dtype == dtypes[t[1:]], f"{self.name}.{name}: {value.dtype} for {t}"
-                assert value.data_ptr() % 16 == 0, f"{self.name}.{name}: misaligned"
+                align = self.divisibility.get(name, value.element_size())  # ALiBi slopes: their element's
+                assert value.data_ptr() % align == 0, f"{self.name}.{name}: misaligned"
             else:
                 assert isinstance(value, float if t == "fp32" else int), f"{self.name}.{name}={value!r} ({t})"
                 div = self.divisibility.get(name)
@@ -204,6 +205,23 @@ CASES: dict[str, dict] = {
     "softcap_fp16_no_mask_head_dim_40_padded": {"softcap": 2.0, "dtype": "fp16", "D": 40, "layout": "bshd"},
     "softcap_torch_op_autograd": {"softcap": 1.0, "api": "torch", "causal": True},
     "softcap_atomic_dq": {"softcap": 1.25, "available": "atomic", "causal": True, "D": 40},
+    # ALiBi (FlashAttention-2's: -slope * |i + Sk - Sq - j| after the scale, queries and keys aligned
+    # bottom-right whatever the mask's alignment), forward and backward. Slopes shared by the batch
+    # ("heads"), per sequence ("batch"), or a 4-byte aligned view read in place ("view").
+    "alibi_causal_bottom_right_sq_lt_sk": {"alibi": "heads", "causal": True, "align": "bottom_right"},
+    "alibi_bf16_no_mask_sq_gt_sk_per_batch_bshd": {"alibi": "batch", "dtype": "bf16", "Sq": 41, "Sk": 19,
+                                                   "layout": "bshd"},
+    "alibi_top_left_causal_gqa_view": {"alibi": "view", "causal": True, "Hq": 4, "Hk": 2},
+    "alibi_varlen_window_gqa_per_sequence": {"alibi": "batch", "varlen": ((5, 9), (17, 31), (23, 4)),
+                                             "window": (3, 2), "align": "bottom_right", "Hq": 4, "Hk": 2},
+    "alibi_dropout_mask_replayed": {"alibi": "heads", "dropout": 0.3, "causal": True, "align": "bottom_right"},
+    "alibi_atomic_dq_head_dim_40_padded": {"alibi": "batch", "available": "atomic", "causal": True, "D": 40},
+    # A short query run (the decode kernels' territory): the decode kernels have no ALiBi.
+    "alibi_five_query_rows_not_routed_to_decode": {"alibi": "batch", "Sq": 5, "causal": True,
+                                                   "align": "bottom_right", "layout": "bshd", "dtype": "fp16"},
+    "alibi_torch_op_autograd_varlen": {"alibi": "batch", "api": "torch", "varlen": ((7, 11), (21, 13)),
+                                       "causal": True, "align": "bottom_right"},
+    "alibi_torch_opcheck_and_compile": {"alibi": "heads", "api": "opcheck"},
 }
 
 
@@ -225,6 +243,35 @@ def _visible(c: dict, lq: int, lk: int) -> tuple:
         rel = j - i - (lk - lq if c["align"] == "bottom_right" else 0)
         vis = vis & (rel >= -wl if wl >= 0 else vis) & (rel <= wr if wr >= 0 else vis)
     return vis, vis.any(-1)
+
+
+def _alibi_slopes(kind: str | None, B: int, H: int, gen: Any) -> Any:
+    """The case's ALiBi slopes (fp32), or None: ``(H,)``, ``(B, H)``, or a ``(B, H)`` view at a
+    4-byte offset into a larger buffer (``view``: the kernels read it in place)."""
+    import torch
+
+    if not kind:
+        return None
+    slopes = torch.rand(B if kind != "heads" else 1, H, generator=gen) * 0.4 + 0.05
+    if kind == "heads":
+        return slopes[0]
+    if kind == "view":
+        buffer = torch.full((B * H + 1,), float("nan"))
+        buffer[1:] = slopes.flatten()
+        return buffer[1:].view(B, H)
+    return slopes
+
+
+def _check_alibi_launches(lib: Any, alibi: Any, failed: list) -> None:
+    """An ALiBi call ran the ALIBI=1 variants of every kernel with the axis, each reading the
+    caller's slopes in place."""
+    if alibi is None:
+        return
+    for name, spec, ptrs in lib.launches:
+        if "ALIBI" in lib.decls[name].axes and (spec.get("ALIBI") != 1 or ptrs["alibi_slopes"] != alibi.data_ptr()):
+            failed.append(f"alibi: launched {name} with ALIBI={spec.get('ALIBI')}, expected 1 and the slopes in place")
+    if not any(n == "attn_fwd" or n == "attn_bwd_dkdv" for n, _, _ in lib.launches):
+        failed.append(f"alibi: launched {[n for n, _, _ in lib.launches]}")
 
 
 def _check_softcap_forward(lib: Any, softcap: Any, failed: list) -> None:
@@ -308,9 +355,12 @@ def run_case(name: str, case: dict) -> dict:
     softcap = c.get("softcap")
     if softcap:
         opts["softcap"] = softcap
+    alibi = _alibi_slopes(c.get("alibi"), B, Hq, gen)
+    if alibi is not None:
+        opts["alibi_slopes"] = alibi
 
     if c["api"] == "opcheck":
-        return _opcheck(lib, q, k, v)
+        return _opcheck(lib, q, k, v, alibi)
     if c["api"] == "core":
         if p_drop:
             opts.update(dropout_p=p_drop, seed=0x1234_5678_9ABC, offset=77)
@@ -331,6 +381,7 @@ def run_case(name: str, case: dict) -> dict:
             if (q_ptr == q.data_ptr()) != (c["views"] == "aligned"):
                 failed.append(f"views={c['views']!r}: q {'was' if q_ptr == q.data_ptr() else 'was not'} read in place")
         _check_softcap_forward(lib, softcap, failed)
+        _check_alibi_launches(lib, alibi, failed)
         lib.launches.clear()
         scheme = "atomic" if c.get("available") == "atomic" and not c.get("deterministic") else None
         grads = op.attention_backward(dout, q, k, v, out, lse, **opts, deterministic=c.get("deterministic", False),
@@ -353,11 +404,13 @@ def run_case(name: str, case: dict) -> dict:
             if torch.equal(mask, nxt):
                 failed.append("successive calls drew the same mask")
         _check_softcap_forward(lib, softcap, failed)
+        _check_alibi_launches(lib, alibi, failed)
         lib.launches.clear()
         out.backward(dout)
         grads = [t.grad for t in leaves] + [bias.grad if bias is not None else None]
         out, lse = out.detach(), lse.detach()
 
+    _check_alibi_launches(lib, alibi, failed)
     launched = [n for n, _, _ in lib.launches]
     if c.get("available") == "atomic" and not c.get("deterministic"):
         expect = ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq_convert"]
@@ -399,6 +452,10 @@ def run_case(name: str, case: dict) -> dict:
         s = qr @ kr.repeat_interleave(group, 0).transpose(-1, -2) * scale
         if softcap:
             s = softcap * torch.tanh(s / softcap)
+        if alibi is not None:
+            # After the scale; i and j aligned bottom-right with the sequence's own lengths.
+            slope = (alibi if alibi.dim() == 1 else alibi[b]).double()[:, None, None]
+            s = s - slope * (torch.arange(lq)[:, None] + lk - lq - torch.arange(lk)[None, :]).abs()
         if full_bias is not None:
             s = s + full_bias[b, :, :lq, :lk]
         vis, row_ok = _visible(c, lq, lk)
@@ -430,8 +487,9 @@ def run_case(name: str, case: dict) -> dict:
     return {"name": name, "errors": errors, "failed": failed}
 
 
-def _opcheck(lib: InterpretedLibrary, q: Any, k: Any, v: Any) -> dict:
-    """torch.library.opcheck on both ops, and a torch.compile training step (aot_eager)."""
+def _opcheck(lib: InterpretedLibrary, q: Any, k: Any, v: Any, alibi: Any = None) -> dict:
+    """torch.library.opcheck on both ops, and a torch.compile training step (aot_eager); with
+    ``alibi`` (slopes), every call passes them."""
     import copy
 
     import torch
@@ -441,12 +499,12 @@ def _opcheck(lib: InterpretedLibrary, q: Any, k: Any, v: Any) -> dict:
     failed: list[str] = []
     key = op_torch._library_key(lib)
     fwd_args = (q, k, v, None, None, None, None, -1, -1, True, -1, -1, "top_left", 0.0, 0, 0, 0.25, "bhsd", False,
-                False, key)
+                False, key) + ((0.0, alibi) if alibi is not None else ())
     try:
         torch.library.opcheck(torch.ops.aotriton_rt.attention_fwd.default, fwd_args)
         out, lse, _ = torch.ops.aotriton_rt.attention_fwd(*fwd_args)
         bwd_args = (torch.randn_like(out), q, k, v, out, lse, None, None, None, None, -1, -1, True, -1, -1, "top_left",
-                    0.0, 0, 0, 0.25, "bhsd", True, False, key)
+                    0.0, 0, 0, 0.25, "bhsd", True, False, key) + ((0.0, alibi) if alibi is not None else ())
         torch.library.opcheck(torch.ops.aotriton_rt.attention_bwd.default, bwd_args)
     except Exception as exc:  # reported to the test
         failed.append(f"opcheck: {type(exc).__name__}: {str(exc)[:1500]}")
@@ -457,7 +515,7 @@ def _opcheck(lib: InterpretedLibrary, q: Any, k: Any, v: Any) -> dict:
     op_torch.register_library(fresh)
 
     def step(q: Any, k: Any, v: Any) -> Any:
-        return op_torch.attention(q, k, v, causal=True, library=fresh).float().square().mean()
+        return op_torch.attention(q, k, v, causal=True, alibi_slopes=alibi, library=fresh).float().square().mean()
 
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -524,15 +582,39 @@ def only(*allowed: tuple[str, dict], takes: tuple[str, ...] = ("causal_align",))
 def test_forward_params_follow_the_call_with_the_head_dim_bucket() -> None:
     call = AttentionCall("bf16", 40, 40, causal=2, bias=True, dropout=2, varlen=True)
     assert forward_params(call) == {"dtype": "bf16", "HEAD_DIM": 48, "HEAD_DIM_V": 48, "CAUSAL": 2, "BIAS": 1,
-                                    "DROPOUT": 2, "VARLEN": 1, "SOFTCAP": 0}
+                                    "DROPOUT": 2, "VARLEN": 1, "SOFTCAP": 0, "ALIBI": 0}
     plain = AttentionCall("fp32", 64, 64)
     assert forward_params(plain) == {"dtype": "fp32", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0,
-                                     "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0}
+                                     "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0, "ALIBI": 0}
     capped = AttentionCall("bf16", 256, 256, causal=1, softcap=True)
-    assert forward_params(capped)["SOFTCAP"] == 1
-    # Images built before the axis (no variant has the parameter): the same spec without it.
-    assert forward_params(plain, lambda name, params, args: "SOFTCAP" not in params) == \
-        {"dtype": "fp32", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0}
+    assert forward_params(capped)["SOFTCAP"] == 1 and forward_params(capped)["ALIBI"] == 0
+    assert forward_params(AttentionCall("bf16", 128, 128, causal=1, alibi=True))["ALIBI"] == 1
+    # Images built before an axis (no variant has the parameter): the same spec without it, and
+    # without the newer ones (images before SOFTCAP predate ALIBI too).
+    before_softcap = {"dtype": "fp32", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0,
+                      "VARLEN": 0}
+    assert forward_params(plain, lambda name, params, args: "SOFTCAP" not in params) == before_softcap
+    assert forward_params(plain, lambda name, params, args: "ALIBI" not in params) == {**before_softcap, "SOFTCAP": 0}
+    assert forward_params(capped, lambda name, params, args: "ALIBI" not in params)["SOFTCAP"] == 1
+
+
+def test_an_alibi_call_asks_for_alibi_variants_only_and_names_the_axis_when_images_lack_it() -> None:
+    call = AttentionCall("fp16", 64, 64, causal=2, alibi=True)
+    before_alibi = lambda name, params, args: "ALIBI" not in params
+    assert forward_params(call, before_alibi)["ALIBI"] == 1
+    mode, kernels = backward_params(call, before_alibi)
+    assert kernels["attn_bwd_dkdv"]["ALIBI"] == 1 and kernels["attn_bwd_dq"]["ALIBI"] == 1
+    assert "ALIBI" not in kernels["attn_bwd_preprocess"]
+    # The ALiBi variants take the slopes (a variant that does not is never picked).
+    assert dispatch_needed_args(call, forward_params(call)) == ("alibi_slopes",)
+    mode, kernels = backward_params(AttentionCall("fp16", 64, 64, alibi=True), mode="atomic")
+    assert mode == "atomic" and kernels["attn_bwd_dkdv"]["ALIBI"] == 1 and kernels["attn_bwd_dkdv"]["DQ_ATOMIC"] == 1
+
+
+def dispatch_needed_args(call: AttentionCall, spec: dict) -> tuple[str, ...]:
+    from aotriton_rt.ops.attention.dispatch import needed_args
+
+    return needed_args(call, spec)
 
 
 def test_an_uncapped_call_never_takes_a_softcap_variant_of_images_that_have_the_axis() -> None:
@@ -632,7 +714,7 @@ def test_backward_prefers_split_and_takes_atomic_dq_only_when_asked_or_alone() -
     assert mode == "atomic"
     assert list(kernels) == ["attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq_convert"]
     assert kernels["attn_bwd_dkdv"] == {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2,
-                                        "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0, "BIAS": 2, "DQ_ATOMIC": 1}
+                                        "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0, "ALIBI": 0, "BIAS": 2, "DQ_ATOMIC": 1}
     assert kernels["attn_bwd_dq_convert"] == {"dtype": "fp16", "HEAD_DIM": 128, "VARLEN": 0}
     # Images with only the atomic kernels: atomic, unless the call must be deterministic.
     no_dq = lambda name, params, args: name != "attn_bwd_dq"
@@ -803,6 +885,40 @@ def test_an_old_mode_1_variant_never_serves_a_bottom_right_call_and_a_new_one_do
         op.attention_kernels(*lopsided, causal=True, align="bottom_right", backward=True, library=old)
 
 
+def test_alibi_calls_on_images_without_the_axis_name_the_kernel_and_alibi_1(tmp_path: Path) -> None:
+    spec = {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
+            "SOFTCAP": 0}
+
+    def images(folder: Path, axis: bool) -> aotriton_rt.Library:
+        # Without the axis: images built before it (their kernels take no slopes either).
+        folder.mkdir()
+        alibi, without = ({"ALIBI": 0}, ()) if axis else ({}, ("alibi_slopes", "stride_az"))
+        variants = [_synthetic_variant("attn_fwd", {**spec, **alibi}, without=without),
+                    _synthetic_variant("attn_bwd_preprocess", {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64,
+                                                               "VARLEN": 0, "DQ_ATOMIC": 0}),
+                    _synthetic_variant("attn_bwd_dkdv", {**spec, **alibi, "DQ_ATOMIC": 0}, without=without),
+                    _synthetic_variant("attn_bwd_dq", {**spec, **alibi}, without=without)]
+        (folder / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                         "triton_version": "3.6.0", "variants": variants}))
+        return aotriton_rt.Library(folder)
+
+    old, new = images(tmp_path / "old", False), images(tmp_path / "new", True)
+    for lib, alibi in ((old, {}), (new, {"ALIBI": 0})):  # calls without slopes run as before
+        assert op.attention_kernels(*qkv(), library=lib)["attn_fwd"].params == {**spec, **alibi}
+        assert op.attention_kernels(*qkv(), backward=True, library=lib)["attn_bwd_dq"].params == {**spec, **alibi}
+    slopes = Dev(4, dtype="fp32")
+    with pytest.raises(KernelNotFound, match=r"^attention \(fp16, head dim 64, no mask, ALiBi\) needs attn_fwd with "
+                                             r"dtype=fp16, .*SOFTCAP=0, ALIBI=1, which these images lack .*'attn_fwd' "
+                                             r"has no parameter 'ALIBI'"):
+        op.attention_kernels(*qkv(), alibi_slopes=slopes, library=old)
+    with pytest.raises(KernelNotFound, match=r"ALiBi\) needs attn_bwd_dkdv with .*ALIBI=1.*has no parameter 'ALIBI'"):
+        op.attention_kernels(*qkv(), alibi_slopes=slopes, backward=True, library=old)
+    # Images with the axis but not the variant (the default set): the variant, and what they hold.
+    with pytest.raises(KernelNotFound, match=r"ALiBi\) needs attn_fwd with .*ALIBI=1, .*no variant of 'attn_fwd' "
+                                             r"has ALIBI=1 \(these images have ALIBI 0\)"):
+        op.attention_kernels(*qkv(), alibi_slopes=slopes, library=new)
+
+
 def test_the_launch_values_carry_the_alignment_of_a_bottom_right_band() -> None:
     from aotriton_rt.ops.attention.problem import prepare
 
@@ -960,6 +1076,26 @@ REFUSALS = [
                                       cu_seqlens_q=Dev(3, dtype="i32"), cu_seqlens_k=Dev(3, dtype="i32"),
                                       max_seqlen_q=-5, max_seqlen_k=50), ArgumentError,
      r"max_seqlen_q must be in \[0, 2147483647\], got -5"),
+    ("alibi_not_an_array", lambda: _fwd(*qkv(), alibi_slopes=[0.5] * 4), ArgumentError,
+     r"^alibi_slopes: cannot pass list as a GPU array"),
+    ("alibi_dtype", lambda: _fwd(*qkv(), alibi_slopes=Dev(4, dtype="fp16")), ArgumentError,
+     r"alibi_slopes must be float32, got fp16; convert it, e\.g\. slopes\.float\(\)"),
+    ("alibi_heads", lambda: _fwd(*qkv(), alibi_slopes=Dev(2, dtype="fp32")), ArgumentError,
+     r"alibi_slopes must have shape \(4,\) \(a slope per query head\) or \(2, 4\) \(per sequence and query "
+     r"head\), got \(2,\)"),
+    ("alibi_batch", lambda: _fwd(*qkv(), alibi_slopes=Dev(3, 4, dtype="fp32")), ArgumentError,
+     r"alibi_slopes must have shape \(4,\) .* or \(2, 4\) .*, got \(3, 4\)"),
+    ("alibi_varlen_batch", lambda: _fwd(Dev(100, 4, 64), Dev(100, 4, 64), Dev(100, 4, 64),
+                                        cu_seqlens_q=Dev(4, dtype="i32"), cu_seqlens_k=Dev(4, dtype="i32"),
+                                        max_seqlen_q=50, max_seqlen_k=50, alibi_slopes=Dev(2, 4, dtype="fp32")),
+     ArgumentError, r"alibi_slopes must have shape \(4,\) .* or \(3, 4\) .*, got \(2, 4\)"),
+    ("alibi_strided", lambda: _fwd(*qkv(), alibi_slopes=Dev(2, 4, dtype="fp32", strides=(8, 2))), ArgumentError,
+     r"alibi_slopes must be contiguous along the heads \(stride 1\), got stride 2; pass slopes\.contiguous\(\)"),
+    ("alibi_with_bias", lambda: _fwd(*qkv(), bias=Dev(64, 64), alibi_slopes=Dev(4, dtype="fp32")), UnsupportedError,
+     r"alibi_slopes with bias= is not compiled: the ALiBi kernels take no bias tensor; add the ALiBi term to the "
+     r"bias instead \(-slope \* \|i \+ seqlen_k - seqlen_q - j\|\), or drop one"),
+    ("alibi_with_softcap", lambda: _fwd(*qkv(), softcap=30.0, alibi_slopes=Dev(4, dtype="fp32")), UnsupportedError,
+     r"alibi_slopes with softcap= is not compiled \(no model combines them\); drop one"),
 ]
 
 
@@ -989,6 +1125,7 @@ def _bwd(**kw: Any) -> Any:
     ({"scheme": "fused"}, r"scheme must be None, 'split' or 'atomic', got 'fused'"),
     ({"dq": Dev(2, 4, 64, 64, dtype="fp32")}, r"dq must have shape \(2, 4, 64, 64\) and dtype fp16"),
     ({"dropout_p": 0.2}, r"dropout_p=0\.2 needs seed="),
+    ({"alibi_slopes": Dev(2, 4, dtype="fp16")}, r"alibi_slopes must be float32, got fp16"),
 ])
 def test_backward_refuses_malformed_calls_before_any_launch(kw: dict, match: str) -> None:
     with pytest.raises(ArgumentError, match=match):
@@ -1015,6 +1152,8 @@ def test_arrays_on_two_devices_are_refused(two_devices: None) -> None:
         op.attention(q, k, v)
     with pytest.raises(ArgumentError, match=r"bias is on device 1 but q is on device 0"):
         op.attention(q, v, v, bias=Dev(64, 64, ptr=0x2000_0000_1000))
+    with pytest.raises(ArgumentError, match=r"alibi_slopes is on device 1 but q is on device 0"):
+        op.attention(q, v, v, alibi_slopes=Dev(4, dtype="fp32", ptr=0x2000_0000_2000))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1046,6 +1185,11 @@ def test_fake_forward_gives_the_real_output_shapes_for_every_layout() -> None:
                                             max_seqlen_q=30, max_seqlen_k=30, dropout_p=0.5, seed=1,
                                             return_lse=True, return_mask=True)
         assert out.shape == (70, 8, 64) and lse.shape == (8, 70) and mask.shape == (3, 8, 30, 30)
+        # ALiBi slopes change no shape, through the op and its schema's optional tensor.
+        slopes = torch.empty(3, 8, device="cuda")
+        out, lse = op_torch.attention(packed, kv, kv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=30,
+                                      max_seqlen_k=30, alibi_slopes=slopes, return_lse=True)
+        assert out.shape == (70, 8, 64) and lse.shape == (8, 70)
 
 
 def test_fake_backward_gives_gradients_shaped_like_their_inputs() -> None:
@@ -1073,6 +1217,10 @@ def test_fake_backward_gives_gradients_shaped_like_their_inputs() -> None:
             out, q, k, v, out, lse, bias, None, None, None, -1, -1, False, -1, -1, "top_left", 0.0, 0, 0, 0.1,
             "bshd", False, False, 0)
         assert none.shape == (0,) and no_sinks.shape == (0,)
+        grads = torch.ops.aotriton_rt.attention_bwd(
+            out, q, k, v, out, lse, None, None, None, None, -1, -1, True, -1, -1, "top_left", 0.0, 0, 0, 0.1,
+            "bshd", False, False, 0, 0.0, torch.empty(2, 8, device="cuda"))
+        assert [g.shape for g in grads[:3]] == [(2, 33, 8, 40), (2, 50, 2, 40), (2, 50, 2, 24)]
 
 
 def test_operator_modules_import_no_framework_and_the_package_maps_its_names() -> None:

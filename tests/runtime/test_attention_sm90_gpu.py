@@ -98,7 +98,7 @@ def _run_case(lib, v, B: int, Sq: int, Sk: int, left: int, right: int, Hq: int, 
                         num_stages=v.config.num_stages)
     handle(q, k, vv, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *vv.stride()[:3],
            *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, Hq, Hk, Sq, Sk, scale, 0.0, 0, 0,
-           win_left, win_right, align, cap)
+           win_left, win_right, align, cap, None, 0)  # no ALiBi (alibi_slopes, stride_az)
     torch.cuda.synchronize()
     ref, ref_lse = _reference(q, k, vv, causal, win_left, win_right, scale, align, cap)
     tol = 1e-2 if v.spec["dtype"] == "fp16" else 3e-2
@@ -166,7 +166,7 @@ def test_persistent_gluon_forward_variants_compute_every_tile_of_ragged_problems
 # among attn_fwd's variants), else mode 1; the other cases mode 1 (the default set's only causal
 # mode; mode 2 hidden here).
 OPERATOR_CASES = [(False, "top_left", 0), (True, "top_left", 2), (True, "top_left", 1), (True, "bottom_right", 1)]
-_PLAIN_D128 = {"HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0}
+_PLAIN_D128 = {"HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0, "ALIBI": 0}
 
 
 def _mode_run(lib, dtype_name: str, mode: int) -> int:

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 import aotriton_rt
-from aotriton_rt import ArgumentError, KernelNotFound
+from aotriton_rt import ArgumentError, KernelNotFound, UnsupportedError
 from aotriton_rt.ops import attention as op
 from aotriton_rt.tuning import explain_config
 from builder import tuning
 from builder.registry import expand, load_kernels
 from builder.targets import KNOWN
-from tests.runtime.test_attention_op import _synthetic_variant, qkv
+from tests.runtime.test_attention_op import Dev, _synthetic_variant, qkv
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "SOFTCAP": 0}
@@ -42,8 +42,10 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """sm90 images (synthetic, never launched): fp16 forward at D=64 and D=128, configs 0 and 1, no
     mask and causal, and the split backward at D=128; the tuning table folded from _database()."""
     specs = [{**BASE, "HEAD_DIM": d, "HEAD_DIM_V": d, "CAUSAL": c} for d in (64, 128) for c in (0, 2)]
+    # The images' variants predate the ALIBI axis; the builder's (ALIBI=0) take the database's rules too.
     jobs = [j for j in expand(load_kernels()["attn_fwd"], [KNOWN["sm90"]], "full", "3.6.0")
-            if j.spec in specs and j.config_index < 2]
+            if {k: v for k, v in j.spec.items() if k != "ALIBI"} in specs and not j.spec["ALIBI"]
+            and j.config_index < 2]
     table, notes = tuning.fold([("sm90.json", _database())], jobs)
     assert notes == ["sm90.json: 2 rules folded, 0 dropped"]
     variants = [_synthetic_variant("attn_fwd", spec, i) for spec in specs for i in (0, 1)]
@@ -150,6 +152,50 @@ def test_the_explain_command_prints_the_pick_without_a_gpu(tuned: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "aotriton_rt", "explain", "attention", "--images", str(tuned),
                           "--arch", "gfx942", "--seqlen", "64"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.strip() == "error: arch 'gfx942' has no images here; built: sm90"
+
+
+def test_alibi_calls_explain_the_portable_alibi_kernels_where_sm90_runs_its_own(tmp_path: Path) -> None:
+    """Images holding sm90's forward and backward kernels (ALIBI=0 only, as they are compiled) and
+    the portable kernels with and without ALiBi: a call with slopes runs the portable ALIBI=1
+    kernels, forward and backward, and explain says so (the Gluon kernels serve no such spec)."""
+    spec = {**BASE, "CAUSAL": 1, "ALIBI": 0}
+    pre = {k: BASE[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}
+    variants = [_synthetic_variant(name, {**spec, "ALIBI": a, **extra}) for a in (0, 1)
+                for name, extra in (("attn_fwd", {}), ("attn_bwd_dkdv", {"DQ_ATOMIC": 0}), ("attn_bwd_dq", {}))]
+    variants += [_synthetic_variant("attn_fwd_sm90", spec), _synthetic_variant("attn_bwd_dkdv_sm90",
+                                                                               {**spec, "DQ_ATOMIC": 0}),
+                 _synthetic_variant("attn_bwd_dq_sm90", spec),
+                 _synthetic_variant("attn_bwd_preprocess", {**pre, "DQ_ATOMIC": 0})]
+    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                       "triton_version": "3.6.0", "variants": variants}))
+    lib = aotriton_rt.Library(tmp_path)
+    facts = {"dtype": "fp16", "head_dim": 128, "seqlen_q": 1000, "seqlen_k": 1500, "causal": True,
+             "align": "bottom_right", "arch": "sm90", "library": lib}
+    plain = op.explain(**facts, backward=True)
+    assert [p.kernel for p in plain.kernels] == ["attn_bwd_preprocess", "attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90"]
+    assert op.explain(**facts).kernels[0].kernel == "attn_fwd_sm90"
+    fwd = op.explain(**facts, alibi=True)
+    (pick,) = fwd.kernels
+    assert (pick.kernel, pick.spec["ALIBI"], pick.kernel_reason) == ("attn_fwd", 1, "")
+    assert str(fwd).startswith("attention forward on sm90: fp16, head dim 128, causal/window bottom-right, ALiBi, "
+                               "seqlen_q 1000, seqlen_k 1500\n  attn_fwd[dtype=fp16, HEAD_DIM=128, HEAD_DIM_V=128, "
+                               "CAUSAL=1, BIAS=0, DROPOUT=0, VARLEN=0, SOFTCAP=0, ALIBI=1] config #0")
+    bwd = op.explain(**facts, alibi=True, backward=True)
+    assert [(p.kernel, p.spec.get("ALIBI")) for p in bwd.kernels] == [
+        ("attn_bwd_preprocess", None), ("attn_bwd_dkdv", 1), ("attn_bwd_dq", 1)]
+    # explain names the same kernels the operator launches for a call with slopes.
+    handles = op.attention_kernels(*qkv(S=1000, Sk=1500, D=128), causal=True, align="bottom_right",
+                                   alibi_slopes=Dev(4, dtype="fp32"), backward=True, library=lib)
+    assert [(h.name, h.params.get("ALIBI")) for h in handles.values()] == [
+        ("attn_bwd_preprocess", None), ("attn_bwd_dkdv", 1), ("attn_bwd_dq", 1)]
+    run = subprocess.run([sys.executable, "-m", "aotriton_rt", "explain", "attention", "--images", str(tmp_path),
+                          "--arch", "sm90", "--seqlen", "1000", "--seqlen-k", "1500", "--causal", "--align",
+                          "bottom_right", "--alibi"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == str(fwd).splitlines()
+    with pytest.raises(UnsupportedError, match=r"alibi with bias is not compiled: the ALiBi kernels take no bias "
+                                               r"tensor"):
+        op.explain(**facts, alibi=True, bias=True)
 
 
 def test_info_names_the_tuned_kernels_and_their_database(tuned: Path, tmp_path: Path) -> None:
@@ -273,7 +319,7 @@ def test_gputest_images_run_the_persistent_forward_at_1024_and_explain_names_it_
     def images(build_set: str, folder: Path) -> Path:
         jobs = [j for name in ("attn_fwd", "attn_fwd_sm90")
                 for j in expand(load_kernels()[name], [KNOWN["sm90"]], build_set, "3.6.0")
-                if j.spec.get("HEAD_DIM") == 128 and {**j.spec, "CAUSAL": 0} == {**BASE, "CAUSAL": 0}]
+                if j.spec.get("HEAD_DIM") == 128 and {**j.spec, "CAUSAL": 0} == {**BASE, "CAUSAL": 0, "ALIBI": 0}]
         table, _ = tuning.fold([("sm90.json", db)], jobs)
         folder.mkdir()
         (folder / "catalog.json").write_text(json.dumps({
@@ -313,7 +359,8 @@ def test_square_causal_calls_on_gputest_images_run_mode_2_only_for_the_dtype_bot
 
     jobs = [j for name in ("attn_fwd", "attn_fwd_sm90") for j in expand(load_kernels()[name], [KNOWN["sm90"]],
                                                                         "gputest", "3.6.0")
-            if j.spec.get("HEAD_DIM") == 128 and {**j.spec, "CAUSAL": 0, "dtype": "fp16"} == {**BASE, "CAUSAL": 0}]
+            if j.spec.get("HEAD_DIM") == 128
+            and {**j.spec, "CAUSAL": 0, "dtype": "fp16"} == {**BASE, "CAUSAL": 0, "ALIBI": 0}]
     (tmp_path / "catalog.json").write_text(json.dumps({
         "schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0", "tuning": {},
         "variants": [_synthetic_variant(j.kernel, j.spec, j.config_index) for j in jobs]}))

@@ -120,6 +120,9 @@ def _attention_options(spec: dict) -> tuple[dict, tuple[int, int, int, int, int,
         opts.update(dropout_p=0.2, seed=1234, offset=7)
     if spec.get("SOFTCAP"):
         opts["softcap"] = 2.0  # unit-variance inputs: scores of a few units, which this cap bends
+    if spec.get("ALIBI"):
+        # Per sequence (two, dense or packed) and query head (four): a traced operand, as q is.
+        opts["alibi_slopes"] = jnp.linspace(0.05, 0.4, 8, dtype=jnp.float32).reshape(2, 4)
     sq, sk = (200, 333) if causal else (257, 257)
     return opts, (2, 4, 2, sq, sk, spec["HEAD_DIM"])
 

@@ -301,11 +301,11 @@ from builder.targets import parse_targets
 if __name__ == "__main__":
     base = {"dtype": "bf16", "HEAD_DIM": 64, "HEAD_DIM_V": 64}
     mask = {"CAUSAL": 1, "DROPOUT": 0, "VARLEN": 0}  # mode 1, as the default set: aligned at run time
-    fwd = {**base, **mask, "BIAS": 0, "SOFTCAP": 0}
+    fwd = {**base, **mask, "BIAS": 0, "SOFTCAP": 0, "ALIBI": 0}
     want = {("attn_fwd", "sm90"): fwd, ("attn_fwd", "gfx942"): fwd,
             ("attn_bwd_preprocess", "sm90"): {**base, "VARLEN": 0, "DQ_ATOMIC": 0},
-            ("attn_bwd_dkdv", "sm90"): {**base, **mask, "BIAS": 0, "DQ_ATOMIC": 0, "SOFTCAP": 0},
-            ("attn_bwd_dq", "sm90"): {**base, **mask, "BIAS": 0, "SOFTCAP": 0}}
+            ("attn_bwd_dkdv", "sm90"): {**base, **mask, "BIAS": 0, "DQ_ATOMIC": 0, "SOFTCAP": 0, "ALIBI": 0},
+            ("attn_bwd_dq", "sm90"): {**base, **mask, "BIAS": 0, "SOFTCAP": 0, "ALIBI": 0}}
     kernels = registry.load_kernels()
     jobs = [j for (name, arch), spec in want.items()
             for j in registry.expand(kernels[name], parse_targets(arch), "full", "3.6.0")
@@ -485,18 +485,21 @@ def feature_lib(attn_lib, tmp_path_factory) -> aotriton_rt.Library:
     shutil_copy(attn_lib.found.folders[0], folder, dirs_exist_ok=True)
     cat = _inline(folder)
     axes = {"attn_fwd": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1, 2), "VARLEN": (0, 1),
-                         "SOFTCAP": (0, 1)},
+                         "SOFTCAP": (0, 1), "ALIBI": (0, 1)},
             "attn_bwd_preprocess": {"VARLEN": (0, 1), "DQ_ATOMIC": (0,)},
             "attn_bwd_dkdv": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1, 2), "DROPOUT": (0, 1), "VARLEN": (0, 1),
-                              "DQ_ATOMIC": (0,), "SOFTCAP": (0, 1)},
+                              "DQ_ATOMIC": (0,), "SOFTCAP": (0, 1), "ALIBI": (0, 1)},
             "attn_bwd_dq": {"CAUSAL": (0, 1, 2), "BIAS": (0, 1), "DROPOUT": (0, 1), "VARLEN": (0, 1),
-                            "SOFTCAP": (0, 1)}}
+                            "SOFTCAP": (0, 1), "ALIBI": (0, 1)}}
     variants = []
     for v in cat["variants"]:
         if v["target"]["arch"] != "sm90":
             continue
         names = list(axes[v["kernel"]])
         for d, values in itertools.product((64, 80), itertools.product(*axes[v["kernel"]].values())):
+            spec = dict(zip(names, values))
+            if spec.get("ALIBI") and (spec["BIAS"] or spec["SOFTCAP"]):
+                continue  # not compiled (builder/kernels/attention.py, fwd_excluded)
             clone = copy.deepcopy(v)
             clone["spec"].update(dict(zip(names, values)), HEAD_DIM=d, HEAD_DIM_V=d)
             clone["key"] = hashlib.sha256(json.dumps(clone, sort_keys=True).encode()).hexdigest()
@@ -566,6 +569,42 @@ def test_softcap_lowers_to_the_softcap_variants_with_the_cap_baked_in(feature_li
     assert _scalars(plain[0], fwd)["softcap"] == 0.0
     with pytest.raises(aotriton_rt.ArgumentError, match="softcap"):
         jax.eval_shape(lambda q, k, v: aj.attention(q, k, v, softcap=-1.0, library=lib, arch="sm90"), q, k, k)
+
+
+def test_alibi_lowers_with_the_slopes_as_an_operand_under_grad_and_vmap(feature_lib) -> None:
+    lib = feature_lib
+    q = jax.ShapeDtypeStruct((2, 4, 100, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 2, 129, 64), jnp.bfloat16)
+    variant = {n: next(v for v in lib.variants if v.kernel == n) for n in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")}
+
+    def loss(q, k, v, slopes):
+        out = aj.attention(q, k, v, causal=True, align="bottom_right", alibi_slopes=slopes, library=lib, arch="sm90")
+        return out.astype(jnp.float32).sum()
+
+    # Shared by the batch (batch stride 0) or per sequence (stride Hq): a buffer every kernel reads.
+    for shape, stride in (((4,), 0), ((2, 4), 4)):
+        slopes = jax.ShapeDtypeStruct(shape, jnp.float32)
+        calls = _lowers(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, k, slopes)
+        assert [c["name"] for c in calls] == ["attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+        for call in (calls[0], calls[2], calls[3]):
+            sc = _scalars(call, variant[call["name"]])
+            assert (sc["alibi_slopes"], sc["stride_az"], sc["causal_align"]) == ("buffer", stride, 1), call["name"]
+        # The slopes are a constant: their gradient is zero, shaped like them.
+        grads = jax.eval_shape(jax.grad(loss, argnums=3), q, k, k, slopes)
+        assert grads.shape == shape and grads.dtype == jnp.float32
+    # Without slopes the same call passes a null pointer (the ALIBI=0 variants never read it).
+    plain = _lowers(lambda q, k, v: aj.attention_forward(q, k, v, causal=True, library=lib, arch="sm90"), q, k, k)
+    assert (_scalars(plain[0], variant["attn_fwd"])["alibi_slopes"], _scalars(plain[0], variant["attn_fwd"])[
+        "stride_az"]) == ("null", 0)
+    # vmap over shared slopes: one launch for the folded batch, the slopes per (element, sequence).
+    mapped = jax.ShapeDtypeStruct((3, 4), jnp.float32)
+    f = jax.vmap(lambda q, k, v, s: aj.attention(q, k, v, alibi_slopes=s, library=lib, arch="sm90"))
+    (call,) = _lowers(f, *(jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in (q, k, k)), mapped)
+    sc = _scalars(call, variant["attn_fwd"])
+    assert (sc["batch"], sc["alibi_slopes"], sc["stride_az"]) == (6, "buffer", 4)
+    with pytest.raises(aotriton_rt.ArgumentError, match=r"alibi_slopes must be float32, got bf16"):
+        jax.eval_shape(lambda q, k, v, s: aj.attention(q, k, v, alibi_slopes=s, library=lib, arch="sm90"), q, k, k,
+                       jax.ShapeDtypeStruct((4,), jnp.bfloat16))
 
 
 def test_the_dropout_mask_the_layouts_and_varlen_lower(feature_lib) -> None:

@@ -41,7 +41,7 @@ applied keep-mask (int8, 1 = kept; 0 outside the visible band).
 **Dispatch.** The kernel variant follows from the call: dtype, head-dim bucket (the smallest of
 16 32 48 64 80 96 128 160 192 224 256 that holds the head dim; narrower dims are zero-padded and
 sliced back; q·k / v pairs 192/128 run unequal, other unequal pairs on the larger bucket), mask
-mode, bias, dropout and varlen. The tuning config comes from the catalog's ``tuning`` table when
+mode, bias, dropout, varlen, softcap and ALiBi. The tuning config comes from the catalog's ``tuning`` table when
 it has rules for the kernel (see :func:`select_config`), else config 0; :func:`explain` says which
 variant and config a call runs and why (tuned by which rule, or untuned). The backward runs the
 split scheme (preprocess, dk/dv, dq: bit-reproducible, and the faster one on the H200) unless
@@ -97,7 +97,7 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
               offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
               max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
               out: Any = None, lse: Any = None, return_mask: bool = False, sinks: Any = None,
-              softcap: float | None = None, library: Any = None) -> tuple:
+              softcap: float | None = None, alibi_slopes: Any = None, library: Any = None) -> tuple:
     """Scaled dot-product attention forward: ``softmax(q kᵀ · scale + bias, masked) v`` and its logsumexp.
 
     Arguments:
@@ -123,6 +123,11 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
         softcap: logit softcap (Gemma 2): scores become ``softcap * tanh(scores / softcap)``
             (after ``scale``, before the bias and the masks); None or 0: none; the backward takes
             the same value.
+        alibi_slopes: ALiBi (FlashAttention-2's ``alibi_slopes``): fp32 GPU array ``(Hq,)`` or
+            ``(B, Hq)`` (per sequence); each score gets ``-slope[b, h] * |i + Sk - Sq - j|`` after
+            ``scale`` (queries and keys aligned bottom-right, per sequence under varlen, whatever
+            ``align`` says of the mask). Not with ``bias`` or ``softcap``; the backward takes the
+            same slopes (they get no gradient).
         library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
 
     Returns:
@@ -141,14 +146,14 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
     try:
         result = _plan.forward(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library,
-                               softcap)
+                               softcap, alibi_slopes)
         if sinks is not None:
             _sinks.apply_sinks(result[0], result[1], sinks, heads_q=_heads_q(q, layout, cu_seqlens_q),
                                layout=layout, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, library=library)
         return result
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("attention", "use aotriton_rt.jax.attention there (docs/jax.md)", q=q, k=k, v=v,
-                                   bias=bias)
+                                   bias=bias, alibi_slopes=alibi_slopes)
         raise
 
 
@@ -165,7 +170,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
                        max_seqlen_k: int | None = None, layout: str = "bhsd", deterministic: bool = False,
                        scheme: str | None = None, bias_grad: bool = True, dq: Any = None, dk: Any = None,
                        dv: Any = None, sinks: Any = None, softcap: float | None = None,
-                       library: Any = None) -> tuple:
+                       alibi_slopes: Any = None, library: Any = None) -> tuple:
     """Gradients of :func:`attention` with respect to q, k, v and the bias.
 
     Takes the forward's inputs, its ``out`` and ``lse``, the gradient ``dout`` (shaped like
@@ -176,7 +181,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
     skips dbias (saves a ``(B, Hq, Sq, Sk)`` buffer). ``dq``/``dk``/``dv``: preallocated outputs.
 
     With ``sinks``, ``out`` and ``lse`` are the forward's with the same sinks, and the sinks'
-    gradient comes fifth.
+    gradient comes fifth. ``alibi_slopes``: the forward's (no gradient is computed for them).
 
     Returns:
         ``(dq, dk, dv, dbias)``: shaped like q, k, v (dk/dv summed over each GQA group) and like
@@ -196,7 +201,8 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout,
                                        deterministic=deterministic, scheme=scheme, bias_grad=bias_grad, dq=dq,
-                                       dk=dk, dv=dv, library=library, softcap=softcap)
+                                       dk=dk, dv=dv, library=library, softcap=softcap,
+                                       alibi_slopes=alibi_slopes)
         if sinks is not None:
             grads = tuple(grads) + (_sinks.sinks_grad(dout, out, lse, sinks,
                                                       heads_q=_heads_q(q, layout, cu_seqlens_q), layout=layout,
@@ -206,7 +212,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("attention_backward",
                                    "use jax.grad of aotriton_rt.jax.attention there (docs/jax.md)", dout=dout, q=q,
-                                   k=k, v=v, out=out, lse=lse, bias=bias)
+                                   k=k, v=v, out=out, lse=lse, bias=bias, alibi_slopes=alibi_slopes)
         raise
 
 
@@ -227,7 +233,7 @@ def attention_kernels(q: Any, k: Any, v: Any, *, backward: bool = False, determi
         print(fwd.variant(0).config)
     """
     names = ("causal", "window", "align", "bias", "dropout_p", "seed", "offset", "scale", "cu_seqlens_q",
-             "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "layout", "softcap")
+             "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "layout", "softcap", "alibi_slopes")
     defaults = {"causal": False, "align": "top_left", "dropout_p": 0.0, "offset": 0, "layout": "bhsd"}
     chosen = {n: options.pop(n, defaults.get(n)) for n in names}
     if options:

@@ -18,6 +18,7 @@ from . import problem as _problem
 from .dispatch import kernels_of
 from .family import CONVERT, DKDV, DQ, PRE, backward_arguments, contiguous_strides
 from .plan import (
+    _add_alibi,
     _Allocator,
     _bias_in_place,
     _directable,
@@ -47,10 +48,10 @@ class _GeneralBackward:
     want_dbias: bool
 
     def run(self, arrays: tuple, grads: tuple, ptrs: tuple, seed: Any, offset: Any) -> tuple:
-        dout, q, k, v, out, lse, bias, cu_q, cu_k = arrays
+        dout, q, k, v, out, lse, bias, cu_q, cu_k, alibi = arrays
         p = self.problem
         seed, offset = _philox(seed, offset, p.dropout_p) if p.dropout_p else (0, 0)
-        p = replace(p, q=q, k=k, v=v, bias=bias, cu_q=cu_q, cu_k=cu_k, seed=seed, offset=offset)
+        p = replace(p, q=q, k=k, v=v, bias=bias, cu_q=cu_q, cu_k=cu_k, alibi=alibi, seed=seed, offset=offset)
         doi, oi, li = self.infos
         return general.backward(p, self.specs, self.handles, self.mode, dout, doi, out, oi, lse, li, grads,
                                 self.grad_infos, self.want_dbias)
@@ -59,7 +60,7 @@ class _GeneralBackward:
 class _DirectBackward:
     """Gradients allocated fresh, every operand read in place, no dBias: allocate, fill, launch."""
 
-    # Sources, per call: dout, q, k, v, out, lse, bias, cu_q, cu_k, dq, dk, dv, delta, dqacc, seed, offset.
+    # Sources, per call: dout, q, k, v, out, lse, bias, cu_q, cu_k, alibi, dq, dk, dv, delta, dqacc, seed, offset.
     def __init__(self, p: Problem, q: Any, mode: str, handles: dict, strides: dict[str, tuple], infos: tuple,
                  fast: bool) -> None:
         self.alloc = _Allocator(p, q)
@@ -70,20 +71,21 @@ class _DirectBackward:
         self.dropout_p = p.dropout_p
         self.fast = fast
         self.device = p.device
-        self.infos = (infos[0], p.qi, p.ki, p.vi, infos[1], infos[2], p.bias_info, p.cu_qi, p.cu_ki)
+        self.infos = (infos[0], p.qi, p.ki, p.vi, infos[1], infos[2], p.bias_info, p.cu_qi, p.cu_ki, p.alibi_info)
         arrays = {"dout": _Slot(0), "q": _Slot(1), "k": _Slot(2), "v": _Slot(3), "out": _Slot(4), "lse": _Slot(5),
-                  "dq": _Slot(9), "dk": _Slot(10), "dv": _Slot(11), "delta": _Slot(12)}
+                  "dq": _Slot(10), "dk": _Slot(11), "dv": _Slot(12), "delta": _Slot(13)}
         strides = {**strides, "dq": _fresh_strides(p, self.shapes[0]), "dk": _fresh_strides(p, self.shapes[1]),
                    "dv": _fresh_strides(p, self.shapes[2])}
         if p.bias_info is not None:
             arrays["bias"] = _Slot(6)
         if p.varlen:
             arrays["cu_seqlens_q"], arrays["cu_seqlens_k"] = _Slot(7), _Slot(8)
+        _add_alibi(p, arrays, strides, _Slot(9))
         if mode == "atomic":
-            arrays["dqacc"], strides["dqacc"] = _Slot(13), _fresh_strides(p, self.dqacc_shape)
-        values = backward_arguments(arrays, strides, p.lse_strides(), _scalars(p, 14))
+            arrays["dqacc"], strides["dqacc"] = _Slot(14), _fresh_strides(p, self.dqacc_shape)
+        values = backward_arguments(arrays, strides, p.lse_strides(), _scalars(p, 15))
         order = (PRE, DKDV, CONVERT) if mode == "atomic" else (PRE, DKDV, DQ)
-        self.launches = tuple(_Launch(handles[name], values, p.device, fast, 16) for name in order)
+        self.launches = tuple(_Launch(handles[name], values, p.device, fast, 17) for name in order)
         self.stream = _stream_getter(p, q) if fast else None
 
     def run(self, arrays: tuple, grads: tuple, ptrs: tuple, seed: Any, offset: Any) -> tuple:
@@ -113,13 +115,14 @@ class _DirectBackward:
 def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, deterministic: Any, scheme: Any,
              bias_grad: Any, dq: Any, dk: Any, dv: Any, library: Any, **options: Any) -> tuple:
     """:func:`aotriton_rt.attention_backward`: find or build the plan of this call's signature and run it."""
-    arrays = (dout, q, k, v, out, lse, options["bias"], options["cu_seqlens_q"], options["cu_seqlens_k"])
+    arrays = (dout, q, k, v, out, lse, options["bias"], options["cu_seqlens_q"], options["cu_seqlens_k"],
+              options["alibi_slopes"])
     grads = (dq, dk, dv)
     try:
         if options["cu_seqlens_q"] is not None or options["cu_seqlens_k"] is not None:
             if options["max_seqlen_q"] is None or options["max_seqlen_k"] is None:
                 raise LookupError
-        names = ("dout", "q", "k", "v", "out", "lse", "bias", "cu_seqlens_q", "cu_seqlens_k")
+        names = ("dout", "q", "k", "v", "out", "lse", "bias", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
         sigs = [_sig(a, n) if a is not None else (None, 0) for a, n in zip(arrays, names)]
         key = ("bwd", *(s for s, _ in sigs), *(_sig(g, "grad")[0] if g is not None else None for g in grads),
                options["cu_seqlens_q"] is options["cu_seqlens_k"],
@@ -151,8 +154,8 @@ def backward_after(forward_key: Any, dout: Any, q: Any, k: Any, v: Any, out: Any
     caller guarantees that contract (torch tensors saved by the forward, ``out``/``lse`` not given
     to it); without a key this is :func:`backward`.
     """
-    bias, cu_q, cu_k = options["bias"], options["cu_seqlens_q"], options["cu_seqlens_k"]
-    arrays = (dout, q, k, v, out, lse, bias, cu_q, cu_k)
+    bias, cu_q, cu_k, alibi = options["bias"], options["cu_seqlens_q"], options["cu_seqlens_k"], options["alibi_slopes"]
+    arrays = (dout, q, k, v, out, lse, bias, cu_q, cu_k, alibi)
     plan = key = None
     if forward_key is not None:
         try:
@@ -170,7 +173,7 @@ def backward_after(forward_key: Any, dout: Any, q: Any, k: Any, v: Any, out: Any
         ks.plans.put(key, plan)
     ptrs = (pd, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             0 if bias is None else bias.data_ptr(), 0 if cu_q is None else cu_q.data_ptr(),
-            0 if cu_k is None else cu_k.data_ptr())
+            0 if cu_k is None else cu_k.data_ptr(), 0 if alibi is None else alibi.data_ptr())
     return plan.run(arrays, (None, None, None), ptrs, options["seed"], options["offset"])
 
 
@@ -202,7 +205,7 @@ def _build_backward(library: Any, arrays: tuple, grads: tuple, deterministic: An
     call = p.call(1 if p.dropout_p else 0)
     want_dbias = bias is not None and bool(bias_grad)
     mode, specs, handles = ks.backward(call, p.device, deterministic, want_dbias, scheme)
-    stripped = replace(p, q=None, k=None, v=None, bias=None, cu_q=None, cu_k=None, seed=0, offset=0)
+    stripped = replace(p, q=None, k=None, v=None, bias=None, cu_q=None, cu_k=None, alibi=None, seed=0, offset=0)
     strides = None
     lse_ok = li.ptr % 16 == 0 and tuple(li.strides) == contiguous_strides(li.shape)
     if (all(g is None for g in grads) and not want_dbias and lse_ok and _directable(p)

@@ -22,6 +22,7 @@ from ...arch import target_arch
 from ...errors import KernelNotFound
 from ...tuning import Choice, explain_config, select_kernel, seqlen_bin
 from .family import (  # noqa: F401 - DTYPES and bucket: explain reads them here
+    ALIBI_ARG,
     ALIGN_ARG,
     ALIGNED_FACTS,
     ALIGNED_SIBLINGS,
@@ -59,9 +60,30 @@ def _everything(name: str, params: Mapping[str, Any], args: Sequence[str] = ()) 
 
 def needed_args(call: AttentionCall, spec: Mapping[str, Any]) -> tuple[str, ...]:
     """The run-time arguments a variant of ``spec`` must take to serve ``call``: :data:`ALIGN_ARG`
-    when a mode-1 band must be aligned bottom-right, :data:`SOFTCAP_ARG` for a softcap variant."""
+    when a mode-1 band must be aligned bottom-right, :data:`SOFTCAP_ARG` for a softcap variant,
+    :data:`ALIBI_ARG` for an ALiBi one."""
     align = (ALIGN_ARG,) if spec.get("CAUSAL", 0) == 1 and call.causal == 2 and not call.causal_equivalent else ()
-    return align + ((SOFTCAP_ARG,) if spec.get("SOFTCAP") else ())
+    return align + ((SOFTCAP_ARG,) if spec.get("SOFTCAP") else ()) + ((ALIBI_ARG,) if spec.get("ALIBI") else ())
+
+
+#: Spec axes added after images were first built, newest first. Images built before an axis have
+#: no such parameter: they serve the calls that leave it, and every newer axis, at 0.
+LATE_AXES = ("ALIBI", "SOFTCAP")
+_SPEC_ORDER = ("SOFTCAP", "ALIBI")  # as the kernels declare them
+
+
+def _late(call: AttentionCall, available: Available | None = None, name: str = "") -> list[dict[str, int]]:
+    """The late axes' part of a spec for each generation of images that may serve ``call``, newest
+    first: every axis; then, while the call leaves them at 0 and the images' variants of ``name``
+    do not have them (:func:`held_axis`: a spec without an axis would match its variants of value
+    1, which refuse the call), without the newest ones."""
+    values = {"SOFTCAP": int(call.softcap), "ALIBI": int(call.alibi)}
+    named = [LATE_AXES]
+    for i, axis in enumerate(LATE_AXES):
+        if values[axis] or (available is not None and held_axis(available, name, axis)):
+            break
+        named.append(LATE_AXES[i + 1:])
+    return [{a: values[a] for a in _SPEC_ORDER if a in axes} for axes in named]
 
 
 def _first(name: str, candidates: list[dict], available: Available, call: AttentionCall,
@@ -96,15 +118,15 @@ def forward_params(call: AttentionCall, available: Available | None = None) -> d
     variant; among equivalent choices (head-dim pairs, mask modes) the first available is taken.
     """
     available = available or _everything
-    candidates = [{"dtype": call.dtype, "HEAD_DIM": dk, "HEAD_DIM_V": dv, "CAUSAL": c, "BIAS": int(call.bias),
-                   "DROPOUT": call.dropout, "VARLEN": int(call.varlen), "SOFTCAP": int(call.softcap)}
-                  for dk, dv in head_dim_buckets(call.head_dim, call.head_dim_v) for c in _causal_modes(call)]
-    if call.softcap or held_axis(available, FWD, "SOFTCAP"):
-        return _first(FWD, candidates, available, call)
-    # Images built before the SOFTCAP axis: their variants have no such parameter. When nothing
-    # serves the call, the first of these names what is missing (not the axis).
-    legacy = [{k: v for k, v in c.items() if k != "SOFTCAP"} for c in candidates]
-    return _first(FWD, candidates + legacy, available, call, missing=len(candidates))
+    base = [{"dtype": call.dtype, "HEAD_DIM": dk, "HEAD_DIM_V": dv, "CAUSAL": c, "BIAS": int(call.bias),
+             "DROPOUT": call.dropout, "VARLEN": int(call.varlen)}
+            for dk, dv in head_dim_buckets(call.head_dim, call.head_dim_v) for c in _causal_modes(call)]
+    # Images built before a late axis (:data:`LATE_AXES`) have no such parameter. When nothing
+    # serves the call, the oldest generation's first candidate names what is missing: the axis
+    # only for a call that needs it (e.g. ``ALIBI=1``), else the real gap.
+    generations = _late(call, available, FWD)
+    candidates = [{**c, **late} for late in generations for c in base]
+    return _first(FWD, candidates, available, call, missing=len(base) * (len(generations) - 1))
 
 
 def backward_params(call: AttentionCall, available: Available | None = None, *, deterministic: bool = False,
@@ -121,11 +143,10 @@ def backward_params(call: AttentionCall, available: Available | None = None, *, 
     dropout = int(bool(call.dropout))
     bias_dkdv = (2 if dbias else 1) if call.bias else 0
 
-    def scheme(atomic: int, dk: int, dv: int, causal: int, keyed: bool = True) -> dict[str, dict[str, Any]]:
+    def scheme(atomic: int, dk: int, dv: int, causal: int, late: dict[str, int]) -> dict[str, dict[str, Any]]:
         common = {"dtype": call.dtype, "HEAD_DIM": dk, "HEAD_DIM_V": dv}
-        masks = {"CAUSAL": causal, "DROPOUT": dropout, "VARLEN": int(call.varlen)}
-        if keyed:  # images built before the SOFTCAP axis: their dK/dV and dQ have no such parameter
-            masks["SOFTCAP"] = int(call.softcap)
+        # ``late``: the late axes' values, as the images' generation names them (see _late).
+        masks = {"CAUSAL": causal, "DROPOUT": dropout, "VARLEN": int(call.varlen), **late}
         kernels = {PRE: {**common, "VARLEN": int(call.varlen), "DQ_ATOMIC": atomic},
                    DKDV: {**common, **masks, "BIAS": bias_dkdv, "DQ_ATOMIC": atomic}}
         if atomic:
@@ -137,15 +158,16 @@ def backward_params(call: AttentionCall, available: Available | None = None, *, 
     shapes = [(dk, dv, c) for dk, dv in head_dim_buckets(call.head_dim, call.head_dim_v)
               for c in _causal_modes(call)]
     order = [1, 0] if mode == "atomic" else [0, 1]
-    for keyed in ((True,) if call.softcap or held_axis(available, DKDV, "SOFTCAP") else (True, False)):
+    generations = _late(call, available, DKDV)
+    for late in generations:
         for atomic in order:
             if atomic and deterministic:
                 continue
             for dk, dv, c in shapes:
-                kernels = scheme(atomic, dk, dv, c, keyed)
+                kernels = scheme(atomic, dk, dv, c, late)
                 if all(available(n, p, needed_args(call, p)) for n, p in kernels.items()):
                     return ("atomic" if atomic else "split"), kernels
-    return "split", scheme(0, *shapes[0], call.softcap)
+    return "split", scheme(0, *shapes[0], generations[-1])
 
 
 def role_available(ks: LibraryKernels, arch: str | Callable[[], str]) -> Available:
@@ -274,7 +296,7 @@ class LibraryKernels:
         # Lengths matter only to tuning rules, and to those only through their ranges.
         tuned = bool(self.tuning)
         return (call.dtype, call.head_dim, call.head_dim_v, call.causal, call.causal_equivalent, call.bias,
-                call.dropout, call.varlen, call.softcap, seqlen_bin(call.seqlen_q) if tuned else 0,
+                call.dropout, call.varlen, call.softcap, call.alibi, seqlen_bin(call.seqlen_q) if tuned else 0,
                 seqlen_bin(call.seqlen_k) if tuned else 0, device, *extra)
 
     def forward(self, call: AttentionCall, device: int) -> tuple[dict[str, Any], Any]:

@@ -28,7 +28,8 @@ from ...errors import UnsupportedError
 from ...tuning import DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES, MODE_RULES
 
 __all__ = [
-    "ALIGN", "ALIGN_ARG", "ALIGNED_FACTS", "ALIGNED_SIBLINGS", "ARCH_BACKWARDS", "ARCH_FORWARDS", "AttentionCall",
+    "ALIBI_ARG", "ALIGN", "ALIGN_ARG", "ALIGNED_FACTS", "ALIGNED_SIBLINGS", "ARCH_BACKWARDS", "ARCH_FORWARDS",
+    "AttentionCall",
     "BACKWARD_KERNEL_RULES", "BIAS_ALIGN", "CONVERT", "DKDV", "DKDV_KERNEL_RULES", "DKDV_SM90", "DKDV_SM90_A16", "DQ",
     "DQ_KERNEL_RULES", "DQ_SM90", "DTYPES", "FWD", "FWD_SM90", "HEAD_DIM_BUCKETS", "KERNEL_RULES", "MODE_RULES", "PRE",
     "SCALARS", "SOFTCAP_ARG", "UNEQUAL_HEAD_DIMS", "align_arg", "backward_arguments", "bhs", "bias_row_width",
@@ -96,6 +97,9 @@ BACKWARD_KERNEL_RULES = {DKDV: (DKDV_KERNEL_RULES, "dK/dV kernel"), DQ: (DQ_KERN
 ALIGN_ARG = "causal_align"
 #: The forward's run-time logit softcap (0 for none; read by its ``SOFTCAP=1`` variants only).
 SOFTCAP_ARG = "softcap"
+#: The ALiBi slopes (fp32, one per query head, per sequence with the batch stride ``stride_az``;
+#: read by the ``ALIBI=1`` variants only, a null pointer elsewhere).
+ALIBI_ARG = "alibi_slopes"
 #: Declared stride divisibility (elements): Q/K/V/Out and the gradients 16, Bias/dBias 8.
 ALIGN = 16
 BIAS_ALIGN = 8
@@ -161,6 +165,8 @@ class AttentionCall:
     lse_strides: tuple[int, int] | None = None
     #: Scores logit-softcapped (the forward's ``SOFTCAP`` variants).
     softcap: bool = False
+    #: Scores with ALiBi's linear bias (the ``ALIBI`` variants).
+    alibi: bool = False
 
     def describe(self) -> str:
         """The combination in words, for error messages."""
@@ -175,6 +181,8 @@ class AttentionCall:
             parts.append("varlen")
         if self.softcap:
             parts.append("softcap")
+        if self.alibi:
+            parts.append("ALiBi")
         return ", ".join(parts)
 
 
@@ -245,11 +253,11 @@ def named(prefix: str, row: str, strides: Sequence[int]) -> dict[str, int]:
 SCALARS = ("batch", "num_heads_q", "num_heads_k", "seqlen_q", "seqlen_k", "sm_scale", "dropout_p", "philox_seed",
            "philox_offset", "window_left", "window_right", ALIGN_ARG, SOFTCAP_ARG)
 _NONE = (0, 0, 0)
-_FORWARD_ARRAYS = frozenset(("q", "k", "v", "out", "lse", "mask", "bias", "cu_seqlens_q", "cu_seqlens_k"))
-_FORWARD_STRIDES = frozenset(("q", "k", "v", "out", "mask", "bias"))
+_FORWARD_ARRAYS = frozenset(("q", "k", "v", "out", "lse", "mask", "bias", "cu_seqlens_q", "cu_seqlens_k", "alibi"))
+_FORWARD_STRIDES = frozenset(("q", "k", "v", "out", "mask", "bias", "alibi"))
 _BACKWARD_ARRAYS = frozenset(("dout", "q", "k", "v", "out", "lse", "bias", "cu_seqlens_q", "cu_seqlens_k", "dq",
-                              "dk", "dv", "delta", "dqacc", "dbias"))
-_BACKWARD_STRIDES = frozenset(("dout", "q", "k", "v", "out", "dq", "dk", "dv", "bias", "dbias", "dqacc"))
+                              "dk", "dv", "delta", "dqacc", "dbias", "alibi"))
+_BACKWARD_STRIDES = frozenset(("dout", "q", "k", "v", "out", "dq", "dk", "dv", "bias", "dbias", "dqacc", "alibi"))
 
 
 def align_arg(causal_mode: int) -> int:
@@ -281,10 +289,12 @@ def forward_arguments(arrays: Mapping[str, Any], strides: Mapping[str, Sequence[
 
     Arguments:
         arrays: ``q k v out lse`` and, where the call has them, ``mask`` (the dropout mask
-            returned), ``bias``, ``cu_seqlens_q``/``cu_seqlens_k``: whatever the caller launches
-            with (arrays, a plan's open slots, JAX buffers); absent ones are null.
+            returned), ``bias``, ``cu_seqlens_q``/``cu_seqlens_k``, ``alibi`` (the ALiBi slopes):
+            whatever the caller launches with (arrays, a plan's open slots, JAX buffers); absent
+            ones are null.
         strides: (batch, head, row) kernel strides of ``q k v out`` and of ``mask``/``bias`` when
-            given (absent: zeros).
+            given (absent: zeros); ``alibi``: ``(batch stride,)`` of the slopes, 0 when the batch
+            shares them (absent: 0).
         lse_strides: ``(stride_lz, stride_lh)`` of the LSE array.
         scalars: :func:`scalar_arguments`, possibly with some values replaced by a caller's slots.
 
@@ -305,7 +315,7 @@ def forward_arguments(arrays: Mapping[str, Any], strides: Mapping[str, Sequence[
             **named("q", "m", strides["q"]), **named("k", "n", strides["k"]), **named("v", "n", strides["v"]),
             **named("o", "m", strides["out"]), **named("b", "m", s("bias", _NONE)),
             **named("dm", "m", s("mask", _NONE)), "stride_lz": lse_strides[0], "stride_lh": lse_strides[1],
-            **scalars}
+            ALIBI_ARG: a("alibi"), "stride_az": s("alibi", _NONE)[0], **scalars}
 
 
 def backward_arguments(arrays: Mapping[str, Any], strides: Mapping[str, Sequence[int]], lse_strides: Sequence[int],
@@ -315,10 +325,11 @@ def backward_arguments(arrays: Mapping[str, Any], strides: Mapping[str, Sequence
 
     Arguments:
         arrays: ``dout q k v out lse delta dq dk dv`` and, where the call has them, ``bias``,
-            ``dbias``, ``dqacc`` (the atomic scheme's fp32 dQ), ``cu_seqlens_q``/``cu_seqlens_k``;
-            absent ones are null.
+            ``dbias``, ``dqacc`` (the atomic scheme's fp32 dQ), ``cu_seqlens_q``/``cu_seqlens_k``,
+            ``alibi``; absent ones are null.
         strides: (batch, head, row) kernel strides of ``dout q k v out dq dk dv`` and of
-            ``bias``/``dbias``/``dqacc`` when given (absent: zeros).
+            ``bias``/``dbias``/``dqacc`` when given (absent: zeros); ``alibi`` as for
+            :func:`forward_arguments`.
         lse_strides: ``(stride_lz, stride_lh)`` of the LSE array, which Delta shares.
         scalars: as for :func:`forward_arguments`.
     """
@@ -334,4 +345,4 @@ def backward_arguments(arrays: Mapping[str, Any], strides: Mapping[str, Sequence
             **named("dq", "m", strides["dq"]), **named("dk", "n", strides["dk"]), **named("dv", "n", strides["dv"]),
             **named("b", "m", s("bias", _NONE)), **named("db", "m", s("dbias", _NONE)),
             **named("dqa", "m", s("dqacc", _NONE)), "stride_lz": lse_strides[0], "stride_lh": lse_strides[1],
-            **scalars}
+            ALIBI_ARG: a("alibi"), "stride_az": s("alibi", _NONE)[0], **scalars}

@@ -71,12 +71,15 @@ def _results(out: Any, lse: Any, mask: Any, return_mask: bool) -> tuple:
 
 
 def _add_bias_and_lengths(xp: Any, p: Problem, like: Any, arrays: dict[str, Any], strides: dict[str, Any]) -> None:
-    """The call's bias (as the kernels read it) and varlen arrays, where it has them."""
+    """The call's bias (as the kernels read it), varlen arrays and ALiBi slopes (read in place:
+    the kernels read one slope per program), where it has them."""
     if p.bias is not None:
         arrays["bias"], strides["bias"] = bias_operand(xp, p, like)
     if p.varlen:
         arrays["cu_seqlens_q"] = xp.convert(p.cu_q, p.cu_qi)
         arrays["cu_seqlens_k"] = xp.convert(p.cu_k, p.cu_ki)
+    if p.alibi_info is not None:
+        arrays["alibi"], strides["alibi"] = xp.convert(p.alibi, p.alibi_info), (p.alibi_stride,)
 
 
 def backward(p: Problem, specs: dict, handles: dict, mode: str, dout: Any, doi: Any, out: Any, oi: Any,

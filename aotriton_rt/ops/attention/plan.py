@@ -180,11 +180,11 @@ class _GeneralForward:
     lse_i: Any
     return_mask: bool
 
-    def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, out: Any, lse: Any, ptrs: tuple,
-            seed: Any, offset: Any) -> tuple:
+    def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, alibi: Any, out: Any, lse: Any,
+            ptrs: tuple, seed: Any, offset: Any) -> tuple:
         p = self.problem
         seed, offset = _philox(seed, offset, p.dropout_p) if p.dropout_p else (0, 0)
-        p = replace(p, q=q, k=k, v=v, bias=bias, cu_q=cu_q, cu_k=cu_k, seed=seed, offset=offset)
+        p = replace(p, q=q, k=k, v=v, bias=bias, cu_q=cu_q, cu_k=cu_k, alibi=alibi, seed=seed, offset=offset)
         return general.forward(p, self.handle, self.spec, out, self.out_i, lse, self.lse_i, self.return_mask)
 
 
@@ -200,8 +200,8 @@ class _DecodeForward:
         self.options = options
         self.launch = None  # the decode plan, once a call has made one that takes integer addresses
 
-    def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, out: Any, lse: Any, ptrs: tuple,
-            seed: Any, offset: Any) -> tuple:
+    def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, alibi: Any, out: Any, lse: Any,
+            ptrs: tuple, seed: Any, offset: Any) -> tuple:
         launch = self.launch
         # This plan's key pins all the decode plan depends on (the library, and so its tuning rules).
         if launch is not None:
@@ -226,7 +226,7 @@ def _philox(seed: Any, offset: Any, dropout_p: float) -> tuple[int, int]:
 class _DirectForward:
     """Outputs allocated fresh, every operand read in place: allocate, fill, launch."""
 
-    # Sources, per call: q, k, v, bias, cu_q, cu_k, out, lse, mask, seed, offset.
+    # Sources, per call: q, k, v, bias, cu_q, cu_k, alibi, out, lse, mask, seed, offset.
     def __init__(self, p: Problem, q: Any, handle: Any, strides: dict[str, tuple], return_mask: bool,
                  fast: bool) -> None:
         self.alloc = _Allocator(p, q)
@@ -237,21 +237,22 @@ class _DirectForward:
         self.dropout_p = p.dropout_p
         self.fast = fast
         self.device = p.device
-        self.infos = (p.qi, p.ki, p.vi, p.bias_info, p.cu_qi, p.cu_ki)
-        arrays = {"q": _Slot(0), "k": _Slot(1), "v": _Slot(2), "out": _Slot(6), "lse": _Slot(7)}
+        self.infos = (p.qi, p.ki, p.vi, p.bias_info, p.cu_qi, p.cu_ki, p.alibi_info)
+        arrays = {"q": _Slot(0), "k": _Slot(1), "v": _Slot(2), "out": _Slot(7), "lse": _Slot(8)}
         strides = {**strides, "out": _fresh_strides(p, self.out_shape)}
         if return_mask:
-            arrays["mask"], strides["mask"] = _Slot(8), contiguous_strides(self.mask_shape)[:3]
+            arrays["mask"], strides["mask"] = _Slot(9), contiguous_strides(self.mask_shape)[:3]
         if p.bias_info is not None:
             arrays["bias"] = _Slot(3)
         if p.varlen:
             arrays["cu_seqlens_q"], arrays["cu_seqlens_k"] = _Slot(4), _Slot(5)
-        values = forward_arguments(arrays, strides, p.lse_strides(), _scalars(p, 9))
-        self.launches = (_Launch(handle, values, p.device, fast, 11),)
+        _add_alibi(p, arrays, strides, _Slot(6))
+        values = forward_arguments(arrays, strides, p.lse_strides(), _scalars(p, 10))
+        self.launches = (_Launch(handle, values, p.device, fast, 12),)
         self.stream = _stream_getter(p, q) if fast else None
 
-    def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, out: Any, lse: Any, ptrs: tuple,
-            seed: Any, offset: Any) -> tuple:
+    def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, alibi: Any, out: Any, lse: Any,
+            ptrs: tuple, seed: Any, offset: Any) -> tuple:
         if self.dropout_p:
             seed, offset = _philox(seed, offset, self.dropout_p)
         alloc = self.alloc
@@ -270,9 +271,16 @@ class _DirectForward:
             self.launches[0](src, self.stream(self.device))
         else:
             xp = alloc.xp
-            arrays = [None if a is None else xp.convert(a, i) for a, i in zip((q, k, v, bias, cu_q, cu_k), self.infos)]
+            arrays = [None if a is None else xp.convert(a, i)
+                      for a, i in zip((q, k, v, bias, cu_q, cu_k, alibi), self.infos)]
             self.launches[0]((*arrays, o, lse_out, mask, seed, offset), 0)
         return (o, lse_out, mask) if self.mask_shape is not None else (o, lse_out)
+
+
+def _add_alibi(p: Problem, arrays: dict[str, Any], strides: dict[str, Any], slot: Any) -> None:
+    """The ALiBi slopes' slot and batch stride, where the call has them."""
+    if p.alibi_info is not None:
+        arrays["alibi"], strides["alibi"] = slot, (p.alibi_stride,)
 
 
 def _scalars(p: Problem, seed_slot: int) -> dict[str, Any]:
@@ -292,17 +300,18 @@ def _stream_getter(p: Problem, q: Any) -> Any:
 
 def forward(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: Any, dropout_p: Any, seed: Any,
             offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
-            layout: Any, out: Any, lse: Any, return_mask: Any, library: Any, softcap: Any = None) -> tuple:
+            layout: Any, out: Any, lse: Any, return_mask: Any, library: Any, softcap: Any = None,
+            alibi_slopes: Any = None) -> tuple:
     """:func:`aotriton_rt.attention`: find or build the plan of this call's signature and run it."""
     return forward_keyed(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library,
-                         softcap)[1]
+                         softcap, alibi_slopes)[1]
 
 
 def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: Any, dropout_p: Any,
                   seed: Any, offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
                   max_seqlen_k: Any, layout: Any, out: Any, lse: Any, return_mask: Any, library: Any,
-                  softcap: Any = None) -> tuple:
+                  softcap: Any = None, alibi_slopes: Any = None) -> tuple:
     """(plan key, result) of :func:`forward`: the key (None when the call has none) pins every
     operand's signature and option, which lets an autograd backward find its own plan from it
     and the gradient's signature alone (:func:`.backward_plan.backward_after`)."""
@@ -312,6 +321,7 @@ def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, 
         sk, pk = _sig(k, "k")
         sv, pv = _sig(v, "v")
         sb, pb = _sig(bias, "bias") if bias is not None else (None, 0)
+        sa, pa = _sig(alibi_slopes, "alibi_slopes") if alibi_slopes is not None else (None, 0)
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         if varlen:
             if max_seqlen_q is None or max_seqlen_k is None:
@@ -327,17 +337,18 @@ def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, 
             extra += (_sig(out, "out")[0], _sig(lse, "lse")[0])
         key = ("fwd", sq, sk, sv, sb, causal.__class__, causal, None if window is None else _typed(window), align,
                dropout_p.__class__, dropout_p, scale.__class__, scale, layout, return_mask.__class__, return_mask,
-               softcap.__class__, softcap, *extra)
+               softcap.__class__, softcap, sa, *extra)
         ks = kernels_of(library)
         plan = ks.plans.get(key)
     except Exception:  # anything odd: the full validation below says what
         key = plan = None
-        pq = pk = pv = pb = pcq = pck = 0
+        pq = pk = pv = pb = pcq = pck = pa = 0
     if plan is None:
         ks, plan = _build_forward(library, q, k, v, causal=causal, window=window, align=align, bias=bias,
                                   dropout_p=dropout_p, seed=seed, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                  layout=layout, out=out, lse=lse, return_mask=return_mask, softcap=softcap)
+                                  layout=layout, out=out, lse=lse, return_mask=return_mask, softcap=softcap,
+                                  alibi_slopes=alibi_slopes)
         if key is not None:
             ks.plans.put(key, plan)
         else:
@@ -345,8 +356,9 @@ def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, 
             pq, pk, pv = (_described_sig(a, n)[1] for a, n in ((q, "q"), (k, "k"), (v, "v")))
             pb = _described_sig(bias, "bias")[1]
             pcq, pck = _described_sig(cu_seqlens_q, "cu")[1], _described_sig(cu_seqlens_k, "cu")[1]
-    return key, plan.run(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, out, lse, (pq, pk, pv, pb, pcq, pck), seed,
-                         offset)
+            pa = _described_sig(alibi_slopes, "alibi_slopes")[1]
+    return key, plan.run(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse,
+                         (pq, pk, pv, pb, pcq, pck, pa), seed, offset)
 
 
 def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, out: Any, lse: Any,
@@ -361,9 +373,9 @@ def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, ou
     # THE routing point for other kernel families: 1..16 query rows without bias, dropout or
     # preallocated outputs run on the split-KV decode kernels when the images hold them (their
     # out/lse equal the prefill's, so the backward is unchanged; a softcap goes along where the
-    # images' decode kernel takes it). A family returns its own plan object (anything with this
-    # `run`) before the attn_fwd dispatch below.
-    if p.rows_q <= 16 and EXPRESS is not None:
+    # images' decode kernel takes it, ALiBi slopes never). A family returns its own plan object
+    # (anything with this `run`) before the attn_fwd dispatch below.
+    if p.rows_q <= 16 and EXPRESS is not None and p.alibi_info is None:
         opts = EXPRESS.route_options(q, k, v, out=out, lse=lse, return_mask=return_mask, library=library,
                                      softcap=p.softcap,
                                      **{n: options[n] for n in ("causal", "window", "align", "bias", "dropout_p",
@@ -371,7 +383,7 @@ def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, ou
         if opts is not None:
             return ks, _DecodeForward(opts)
     spec, handle = ks.forward(call, p.device)
-    stripped = replace(p, q=None, k=None, v=None, bias=None, cu_q=None, cu_k=None, seed=0, offset=0)
+    stripped = replace(p, q=None, k=None, v=None, bias=None, cu_q=None, cu_k=None, alibi=None, seed=0, offset=0)
     strides = None
     if (out is None and lse is None and _directable(p) and spec["HEAD_DIM"] == p.head_dim
             and spec["HEAD_DIM_V"] == p.head_dim_v):
@@ -379,7 +391,7 @@ def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, ou
                    "v": _in_place_strides(p, p.vi, p.head_dim_v), "bias": _bias_in_place(p)}
     if strides is None or None in strides.values():
         return ks, _GeneralForward(stripped, handle, spec, out_i, lse_i, bool(return_mask))
-    fast = _fast_handles(p, [handle], [q, k, v, p.bias, p.cu_q, p.cu_k])
+    fast = _fast_handles(p, [handle], [q, k, v, p.bias, p.cu_q, p.cu_k, p.alibi])
     direct = _DirectForward(stripped, q, handle, strides, bool(return_mask), fast)
     if fast and direct.launches[0].prepared is None:
         direct = _DirectForward(stripped, q, handle, strides, bool(return_mask), False)

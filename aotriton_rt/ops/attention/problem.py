@@ -80,11 +80,14 @@ class Problem:
     cu_qi: interop.ArrayInfo | None = None
     cu_ki: interop.ArrayInfo | None = None
     softcap: float = 0.0  # 0: none
+    alibi: Any = None  # the ALiBi slopes, fp32 (Hq,) or (B, Hq)
+    alibi_info: interop.ArrayInfo | None = None
+    alibi_stride: int = 0  # the slopes' batch stride (0: shared by the batch)
 
     def call(self, dropout: int) -> AttentionCall:
         return AttentionCall(self.dtype, self.head_dim, self.head_dim_v, self.causal_mode, self.causal_equivalent,
                              self.bias is not None, dropout, self.varlen, self.seqlen_q, self.seqlen_k,
-                             self.lse_strides(), bool(self.softcap))
+                             self.lse_strides(), bool(self.softcap), self.alibi_info is not None)
 
     def out_shape(self, width: int | None = None) -> tuple[int, ...]:
         d = self.head_dim_v if width is None else width
@@ -188,9 +191,36 @@ def check_softcap(softcap: Any, scale: float) -> float:
     return float(softcap)
 
 
+def check_alibi(p: Problem, slopes: Any, infos: Sequence[tuple[str, interop.ArrayInfo]]) -> None:
+    """Validate the ALiBi slopes of problem ``p`` and record them on it: fp32, shape ``(Hq,)`` or
+    ``(B, Hq)``, contiguous along the heads, on the device of ``infos``' arrays. UnsupportedError
+    with a bias tensor or a softcap (no kernel combines them)."""
+    ai = _describe(slopes, "alibi_slopes")
+    if p.bias is not None:
+        raise UnsupportedError("alibi_slopes with bias= is not compiled: the ALiBi kernels take no bias tensor; "
+                               "add the ALiBi term to the bias instead (-slope * |i + seqlen_k - seqlen_q - j|), or "
+                               "drop one")
+    if p.softcap:
+        raise UnsupportedError("alibi_slopes with softcap= is not compiled (no model combines them); drop one")
+    if ai.dtype != "fp32":
+        raise ArgumentError(f"alibi_slopes must be float32, got {ai.dtype}; convert it, e.g. slopes.float()")
+    shape = tuple(ai.shape)
+    if shape not in ((p.heads_q,), (p.batch, p.heads_q)):
+        raise ArgumentError(f"alibi_slopes must have shape ({p.heads_q},) (a slope per query head) or "
+                            f"({p.batch}, {p.heads_q}) (per sequence and query head), got {shape}")
+    if p.heads_q > 1 and ai.strides[-1] != 1:
+        raise ArgumentError(f"alibi_slopes must be contiguous along the heads (stride 1), got stride "
+                            f"{ai.strides[-1]}; pass slopes.contiguous()")
+    stride = ai.strides[0] if len(shape) == 2 and p.batch > 1 else 0
+    if stride < 0:
+        raise ArgumentError(f"alibi_slopes has a negative batch stride {stride}; pass slopes.contiguous()")
+    same_device(list(infos) + [("alibi_slopes", ai)])
+    p.alibi, p.alibi_info, p.alibi_stride = slopes, ai, stride
+
+
 def prepare(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, bias: Any, dropout_p: Any,
              seed: Any, offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
-             max_seqlen_k: Any, layout: str, softcap: Any = None) -> Problem:
+             max_seqlen_k: Any, layout: str, softcap: Any = None, alibi_slopes: Any = None) -> Problem:
     if layout not in LAYOUTS:
         raise ArgumentError(f"layout must be 'bhsd' (batch, heads, seqlen, head_dim) or 'bshd' (batch, seqlen, "
                             f"heads, head_dim), got {layout!r}")
@@ -317,6 +347,8 @@ def prepare(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, bia
             raise ArgumentError(f"bias of shape {shape} does not broadcast to {what} = {full}")
         same_device(infos + [("bias", bi)])
         p.bias, p.bias_info = bias, bi
+    if alibi_slopes is not None:
+        check_alibi(p, alibi_slopes, infos)
     return p
 
 
