@@ -65,8 +65,8 @@ class StandIns:
     def __init__(self) -> None:
         self.batches: dict[str, list[int]] = {"forward": [], "backward": []}
 
-    def forward(self, q, k, v, bias, cu_q, cu_k, o, return_mask=False):
-        assert bias is None and cu_q is None and not return_mask
+    def forward(self, q, k, v, bias, cu_q, cu_k, o, return_mask=False, alibi=None):
+        assert bias is None and cu_q is None and not return_mask and alibi is None
         self.batches["forward"].append(q.shape[0])
         q, k, v = (_bhsd(x, o.layout) for x in (q, k, v))
         s, keep = _scores(q, k, o)
@@ -76,9 +76,9 @@ class StandIns:
         out = jnp.einsum("bhqk,bhkd->bhqd", p, vf).astype(q.dtype)
         return _bhsd(out, o.layout), lse
 
-    def backward(self, dout, q, k, v, out, lse, bias, cu_q, cu_k, o):
+    def backward(self, dout, q, k, v, out, lse, bias, cu_q, cu_k, o, alibi=None):
         """What the backward kernels compute from the (out, lse) they are handed."""
-        assert bias is None and cu_q is None
+        assert bias is None and cu_q is None and alibi is None
         self.batches["backward"].append(q.shape[0])
         dtypes = (q.dtype, k.dtype, v.dtype)
         dout, q, k, v, out = (_bhsd(x, o.layout).astype(jnp.float32) for x in (dout, q, k, v, out))
