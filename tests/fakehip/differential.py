@@ -285,10 +285,12 @@ def explain_kernarg(jit: bytes, aot: bytes, args: Sequence[Any]) -> str:
 
 
 def sample_jobs(targets: str, build_set: str = "default", per_kernel: int = 1,
-                kernels: str | None = None) -> list:
+                kernels: str | None = None, where: str | None = None) -> list:
     """``per_kernel`` variants of every kernel of ``build_set`` on each of ``targets``, rotating
     through each kernel's variants from one target to the next so that the sample covers
-    different specs and configs at the cost of one compile per kernel and target."""
+    different specs and configs at the cost of one compile per kernel and target. ``where``
+    (``"ALIBI=1"``, comma-separated pairs): only variants whose spec has those values."""
+    wanted = dict(pair.split("=") for pair in where.split(",")) if where else {}
     import triton
 
     from builder.registry import expand, load_kernels, select
@@ -300,18 +302,21 @@ def sample_jobs(targets: str, build_set: str = "default", per_kernel: int = 1,
         # change, and recompile, the sample of the others.
         start = zlib.crc32(target.arch.encode()) * per_kernel
         for kernel in select(load_kernels(), kernels):
-            jobs = sorted(expand(kernel, [target], build_set, triton.__version__), key=lambda j: j.label)
+            jobs = sorted((j for j in expand(kernel, [target], build_set, triton.__version__)
+                           if all(str(j.spec.get(k)) == v for k, v in wanted.items())), key=lambda j: j.label)
             for n in range(min(per_kernel, len(jobs))):
                 chosen.append(jobs[(start + n) % len(jobs)])
     return chosen
 
 
-def build_sample(out: Path, targets: str, build_set: str, per_kernel: int, kernels: str | None) -> int:
+def build_sample(out: Path, targets: str, build_set: str, per_kernel: int, kernels: str | None,
+                 where: str | None = None) -> int:
     """Build ``sample_jobs(...)`` into the image folder ``out`` with the builder; returns the
     number of variants."""
     from builder.build import build, check_triton_version
 
-    jobs = sample_jobs(targets, build_set, per_kernel, kernels)
+    jobs = sample_jobs(targets, build_set, per_kernel, kernels, where)
+    assert jobs, f"no {build_set} variant of {kernels or 'any kernel'} on {targets} has {where}"
     build(jobs, out, workers=2, timeout=600.0, keep_going=False,
           triton_version=check_triton_version(), quiet=True)
     return len(jobs)
@@ -400,7 +405,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "build":
         out_arg, targets_arg, set_arg, per_arg = sys.argv[2:6]
         print(build_sample(Path(out_arg), targets_arg, set_arg, int(per_arg),
-                           sys.argv[6] if len(sys.argv) > 6 else None))
+                           sys.argv[6] if len(sys.argv) > 6 else None, sys.argv[7] if len(sys.argv) > 7 else None))
     else:
         images_arg, arch_arg, jit_arg, aot_arg = sys.argv[1:5]
         print(json.dumps(launch_both(Path(images_arg), arch_arg, Path(jit_arg), Path(aot_arg))))

@@ -29,22 +29,28 @@ DEVICE_ARCH = {"gfx90a": "gfx90a:sramecc+:xnack-", "gfx942": "gfx942:sramecc+:xn
                "gfx950": "gfx950:sramecc+:xnack-", "gfx1100": "gfx1100", "gfx1151": "gfx1151",
                "gfx1201": "gfx1201", "gfx1250": "gfx1250"}
 LAUNCHES = ("hipModuleLaunchKernel", "hipModuleLaunchCooperativeKernel")
+#: The kernels whose feature variants (spec axes SOFTCAP, ALIBI) the gfx942 sample adds.
+FEATURE_KERNELS = "attn_fwd,attn_bwd_dkdv,attn_bwd_dq"
 
 
 @pytest.fixture(scope="session")
 def hip_sample_images(tmp_path_factory: pytest.TempPathFactory, triton_cache: Path) -> Path:
-    """The default set's kernels, one variant each per default HIP target, plus three variants
-    of the full set on gfx942 (bias, dropout, varlen paths of attention), built by the builder."""
+    """The default set's kernels, one variant each per default HIP target, plus variants of the
+    full set on gfx942: attention's bias, dropout and varlen paths, and its logit softcap and
+    ALiBi variants (forward, dK/dV, dQ each), built by the builder."""
     out = tmp_path_factory.mktemp("diff-hip")
     env = compile_env(triton_cache)
     run_python(["-m", "tests.fakehip.differential", "build", str(out), ",".join(HIP_TARGETS), "default", "1"], env)
-    full = tmp_path_factory.mktemp("diff-hip-full")
-    run_python(["-m", "tests.fakehip.differential", "build", str(full), "gfx942", "full", "1",
-                "attn_fwd,attn_bwd_dq"], env)
+    folders = [out]
+    for name, kernels, where in (("full", "attn_fwd,attn_bwd_dq", None),
+                                 ("softcap", FEATURE_KERNELS, "SOFTCAP=1"), ("alibi", FEATURE_KERNELS, "ALIBI=1")):
+        folders.append(tmp_path_factory.mktemp(f"diff-hip-{name}"))
+        run_python(["-m", "tests.fakehip.differential", "build", str(folders[-1]), "gfx942", "full", "1", kernels,
+                    *([where] if where else [])], env)
     from builder.merge import merge
 
     merged = tmp_path_factory.mktemp("diff-hip-merged")
-    merge([out, full], merged)
+    merge(folders, merged)
     return merged
 
 
@@ -71,6 +77,11 @@ def test_aotriton_launches_every_default_hip_kernel_as_tritons_own_launcher_does
     assert {"add", "softmax", "layernorm", "rmsnorm", "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dq",
             "attn_bwd_dkdv"} <= kernels
     assert differences(hip_sample_images, arch, jit, aot) == []
+    if arch == "gfx942":  # the feature variants were launched and compared too
+        for axis in ("SOFTCAP", "ALIBI"):
+            launched = {v.kernel for v in catalog.variants if v.target.arch == arch and v.spec.get(axis) == 1
+                        and v.key in jit and v.key in aot}
+            assert launched == set(FEATURE_KERNELS.split(",")), (axis, launched)
     # Both sides really launched, through the two different argument-passing styles.
     assert {r["launch"]["via"] for r in jit.values()} == {"kernelParams"}
     assert {r["launch"]["via"] for r in aot.values()} == {"extra"}
