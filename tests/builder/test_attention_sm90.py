@@ -478,7 +478,7 @@ def test_the_softcapped_gluon_forward_caps_with_one_hardware_tanh_per_score(tmp_
     want = {"dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0,
             "VARLEN": 0, "SOFTCAP": 1}
     jobs = [j for j in expand(_kernels()["attn_fwd_sm90"], parse_targets("sm90"), "default", "3.6.0")
-            if j.spec == want and j.config_index == 0]
+            if {**j.spec, **want} == j.spec and j.config_index == 0]
     assert len(jobs) == 1
     summary = build(jobs, tmp_path, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
     assert summary.failed == [] and summary.compiled == 1
