@@ -427,3 +427,39 @@ def test_an_explicit_split_count_past_the_scratch_bound_is_refused(recording: An
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     _main(sys.argv[1:])
+
+
+def test_the_long_query_route_takes_the_uncapped_forward_where_the_images_have_the_softcap_axis() -> None:
+    """The route runs the varlen forward only where the images hold it for the call: an uncapped
+    call needs SOFTCAP=0 where the forward has the axis (the default set holds D=256 varlen capped
+    only, whose variants refuse softcap=0), and images built before the axis serve it unkeyed."""
+    from aotriton_rt.ops.decode.launch import _varlen_route
+    from aotriton_rt.ops.decode.validate import DecodePlan
+
+    def plan(softcap: float) -> DecodePlan:
+        B, Sq, Hq, Hk, D, cap = 2, 128, 4, 2, 256, 512
+        return DecodePlan(dtype="bf16", head_dim=D, batch=B, heads_q=Hq, heads_k=Hk, seqlen_q=Sq, seqlen_new=0,
+                          capacity=cap, paged=False, page_size=0, num_pages=0, seqlen_k_hint=cap,
+                          q_strides=(Sq * Hq * D, D, Hq * D), k_strides=(cap * Hk * D, D, Hk * D),
+                          v_strides=(cap * Hk * D, D, Hk * D), kn_strides=(0, 0, 0), vn_strides=(0, 0, 0),
+                          bt_stride=0, window_left=-1, window_right=0, scale=0.0625, device=0, q_copy=False,
+                          softcap=softcap)
+
+    class Held:
+        def __init__(self, forwards: list[dict]) -> None:
+            self.forwards = forwards
+
+        def has(self, name: str, params: dict, args: tuple = ()) -> bool:
+            if name != "attn_fwd":
+                return True  # the packing kernels
+            return any(all(f.get(k, "absent") == v for k, v in params.items()) for f in self.forwards)
+
+    spec = {"dtype": "bf16", "HEAD_DIM": 256}
+    capped_only = Held([{"HEAD_DIM": 256, "VARLEN": 1, "CAUSAL": 1, "SOFTCAP": 1, "dtype": "bf16", "HEAD_DIM_V": 256,
+                         "BIAS": 0, "DROPOUT": 0}])
+    assert not _varlen_route(plan(0.0), capped_only, spec, "bshd", {}, True)
+    assert _varlen_route(plan(50.0), capped_only, spec, "bshd", {}, True)
+    before_axis = Held([{"HEAD_DIM": 256, "VARLEN": 1, "CAUSAL": 1, "dtype": "bf16", "HEAD_DIM_V": 256, "BIAS": 0,
+                         "DROPOUT": 0}])
+    assert _varlen_route(plan(0.0), before_axis, spec, "bshd", {}, True)
+    assert not _varlen_route(plan(50.0), before_axis, spec, "bshd", {}, True)
