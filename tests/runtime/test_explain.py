@@ -198,6 +198,45 @@ def test_alibi_calls_explain_the_portable_alibi_kernels_where_sm90_runs_its_own(
         op.explain(**facts, alibi=True, bias=True)
 
 
+def test_softcap_calls_explain_the_capped_kernels(tmp_path: Path) -> None:
+    """Images holding the forward with and without the cap (sm90's Gluon one too), the portable
+    backward capped and not, and sm90's Gluon backward uncapped only (as compiled): a capped
+    call runs the SOFTCAP=1 Gluon forward and the portable SOFTCAP=1 backward, an uncapped one
+    never a SOFTCAP=1 variant, and explain, its command and warmup's choice say the same."""
+    spec = {**BASE, "CAUSAL": 1, "ALIBI": 0}
+    pre = {k: BASE[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}
+    variants = [_synthetic_variant(name, {**spec, "SOFTCAP": c, **extra}) for c in (0, 1)
+                for name, extra in (("attn_fwd", {}), ("attn_fwd_sm90", {}), ("attn_bwd_dkdv", {"DQ_ATOMIC": 0}),
+                                    ("attn_bwd_dq", {}))]
+    variants += [_synthetic_variant("attn_bwd_dkdv_sm90", {**spec, "DQ_ATOMIC": 0}),
+                 _synthetic_variant("attn_bwd_dq_sm90", spec),
+                 _synthetic_variant("attn_bwd_preprocess", {**pre, "DQ_ATOMIC": 0})]
+    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                       "triton_version": "3.6.0", "variants": variants}))
+    lib = aotriton_rt.Library(tmp_path)
+    facts = {"dtype": "fp16", "head_dim": 128, "seqlen_q": 1000, "seqlen_k": 1500, "causal": True,
+             "align": "bottom_right", "arch": "sm90", "library": lib}
+    (fwd,) = op.explain(**facts, softcap=True).kernels
+    assert (fwd.kernel, fwd.spec["SOFTCAP"]) == ("attn_fwd_sm90", 1)
+    bwd = op.explain(**facts, softcap=True, backward=True)
+    assert [(p.kernel, p.spec.get("SOFTCAP")) for p in bwd.kernels] == [
+        ("attn_bwd_preprocess", None), ("attn_bwd_dkdv", 1), ("attn_bwd_dq", 1)]
+    assert "softcap" in str(bwd).splitlines()[0]
+    plain = op.explain(**facts, backward=True)
+    assert [(p.kernel, p.spec.get("SOFTCAP")) for p in plain.kernels] == [
+        ("attn_bwd_preprocess", None), ("attn_bwd_dkdv_sm90", 0), ("attn_bwd_dq_sm90", 0)]
+    assert op.explain(**facts).kernels[0].spec["SOFTCAP"] == 0
+    run = subprocess.run([sys.executable, "-m", "aotriton_rt", "explain", "attention", "--images", str(tmp_path),
+                          "--arch", "sm90", "--seqlen", "1000", "--seqlen-k", "1500", "--causal", "--align",
+                          "bottom_right", "--softcap", "--backward"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [*str(op.explain(**facts, softcap=True)).splitlines(), *str(bwd).splitlines()]
+    with pytest.raises(UnsupportedError, match=r"alibi_slopes with softcap= is not compiled"):
+        op.explain(**facts, alibi=True, softcap=True)
+    with pytest.raises(ArgumentError, match=r"softcap must be True or False \(whether the call passes it\), got 50"):
+        op.explain(**facts, softcap=50)
+
+
 def test_info_names_the_tuned_kernels_and_their_database(tuned: Path, tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "aotriton_rt", "info", "--images", str(tuned)], cwd=ROOT,
                          capture_output=True, text=True)

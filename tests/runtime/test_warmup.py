@@ -121,3 +121,23 @@ def test_malformed_facts_are_refused_before_anything_is_read(lib: ReadyingLibrar
         aotriton_rt.warmup(**{"dtype": "fp16", "head_dim": 32, "seqlen": 24, "library": lib, **facts})
     assert lib.readied == []
 
+
+
+def test_warmup_of_a_capped_or_alibi_call_readies_those_variants(lib: ReadyingLibrary, chosen: list[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # The recording images' variants take every run-time argument (softcap, alibi_slopes).
+    monkeypatch.setattr(dispatch, "_takes", lambda library, name, params, args: library.has(name, params))
+    dispatch.kernels_of(lib).choices.clear()
+    lib.readied.clear()
+    capped = aotriton_rt.warmup(dtype="bf16", head_dim=64, seqlen=128, causal=True, softcap=True, backward=True,
+                                library=lib)
+    assert [name for name, _ in lib.readied] == ["attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq"]
+    assert "SOFTCAP=1" in capped[0] and "SOFTCAP=1" in capped[2] and "SOFTCAP=1" in capped[3]
+    # The capped call that follows finds the warm-up's choice.
+    q, k, v = qkv(H=1, S=128, D=64, dtype=torch.bfloat16)
+    op.attention(q, k, v, causal=True, softcap=30.0, library=lib)
+    assert chosen == ["fwd", "bwd"]
+    lines = aotriton_rt.warmup(dtype="bf16", head_dim=64, seqlen=128, alibi=True, library=lib)
+    assert "ALIBI=1" in lines[0] and "SOFTCAP=0" in lines[0]
+    with pytest.raises(ArgumentError, match=r"alibi must be True or False"):
+        aotriton_rt.warmup(dtype="bf16", head_dim=64, seqlen=128, alibi="yes", library=lib)

@@ -92,8 +92,9 @@ def _length(value: Any, name: str) -> int:
 
 def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = None, head_dim_v: int | None = None,
             causal: bool = False, align: str = "top_left", bias: bool = False, dropout: bool = False,
-            varlen: bool = False, alibi: bool = False, backward: bool = False, deterministic: bool = False,
-            scheme: str | None = None, arch: str | None = None, library: Any = None) -> Explanation:
+            varlen: bool = False, alibi: bool = False, softcap: bool = False, backward: bool = False,
+            deterministic: bool = False, scheme: str | None = None, arch: str | None = None,
+            library: Any = None) -> Explanation:
     """Which variants and configs an attention call with these facts runs, and why.
 
     Arguments:
@@ -101,7 +102,9 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
         head_dim, head_dim_v: q·k and v head dims (``head_dim_v`` defaults to ``head_dim``).
         seqlen_q, seqlen_k: the lengths (``seqlen_k`` defaults to ``seqlen_q``); with varlen, the maxima.
         causal, align, bias, dropout, varlen: as for :func:`aotriton_rt.attention` (bias/dropout: present or not).
-        alibi: the call passes ``alibi_slopes`` (ALiBi variants; not with ``bias``).
+        alibi: the call passes ``alibi_slopes`` (ALiBi variants; not with ``bias`` or ``softcap``).
+        softcap: the call passes a logit ``softcap`` (its ``SOFTCAP=1`` variants; the value itself
+            changes no choice).
         backward, deterministic, scheme: explain the backward's kernels (and its scheme) instead.
         arch: the catalog arch to explain for (e.g. "sm90"); default: the one device 0 runs
             (no driver is needed when the images hold one arch; NoDevice, naming the archs to
@@ -126,7 +129,8 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
     if scheme not in (None, "split", "atomic"):
         raise ArgumentError(f"scheme must be None, 'split' or 'atomic', got {scheme!r}")
     call = call_of(dtype=dtype, head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim_v=head_dim_v,
-                   causal=causal, align=align, bias=bias, dropout=dropout, varlen=varlen, alibi=alibi)
+                   causal=causal, align=align, bias=bias, dropout=dropout, varlen=varlen, alibi=alibi,
+                   softcap=softcap)
     ks = kernels_of(library)
     built = sorted({a for _, a in ks.lib.targets()})
     if arch is None:
@@ -146,7 +150,7 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
 
 def call_of(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = None, head_dim_v: int | None = None,
             causal: bool = False, align: str = "top_left", bias: bool = False, dropout: bool = False,
-            varlen: bool = False, alibi: bool = False) -> AttentionCall:
+            varlen: bool = False, alibi: bool = False, softcap: bool = False) -> AttentionCall:
     """The dispatch's view of a call with these facts (validated as the call itself would be):
     what :func:`explain` explains and :func:`.warmup.warmup` readies."""
     if dtype not in DTYPES:
@@ -158,14 +162,19 @@ def call_of(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     for d in (head_dim, head_dim_v):
         bucket(d)  # refuses head dims past the largest bucket, as the call would
+    for name, flag in (("alibi", alibi), ("softcap", softcap)):
+        if not isinstance(flag, bool):
+            raise ArgumentError(f"{name} must be True or False (whether the call passes it), got {flag!r}")
     if alibi and bias:
         raise UnsupportedError("alibi with bias is not compiled: the ALiBi kernels take no bias tensor; add the ALiBi "
                                "term to the bias instead, or drop one")
+    if alibi and softcap:
+        raise UnsupportedError("alibi_slopes with softcap= is not compiled (no model combines them); drop one")
     # The operator's LSE/Delta are contiguous (B, H, seqlen_q): strides (H·seqlen_q, seqlen_q), which
     # are multiples of 16 exactly when seqlen_q is, whatever H; one head's stand in for them.
     return AttentionCall(dtype, head_dim, head_dim_v, (1 if align == "top_left" else 2) if causal else 0,
                          bool(causal) and seqlen_q == seqlen_k, bool(bias), int(bool(dropout)), bool(varlen),
-                         seqlen_q, seqlen_k, None if varlen else (seqlen_q, seqlen_q), alibi=bool(alibi))
+                         seqlen_q, seqlen_k, None if varlen else (seqlen_q, seqlen_q), softcap=softcap, alibi=alibi)
 
 
 def _pick(ks: Any, chosen: KernelChoice, call: AttentionCall, arch: str) -> KernelPick:

@@ -28,14 +28,15 @@ __all__ = ["warmup"]
 
 def warmup(*, dtype: str = "bf16", head_dim: int = 128, seqlen: int = 1024, seqlen_k: int | None = None,
            head_dim_v: int | None = None, causal: bool = False, align: str = "top_left", varlen: bool = False,
-           backward: bool = False, deterministic: bool = False, device: int = 0, library: Any = None,
-           background: bool = False) -> list[str] | Future:
+           softcap: bool = False, alibi: bool = False, backward: bool = False, deterministic: bool = False,
+           device: int = 0, library: Any = None, background: bool = False) -> list[str] | Future:
     """Load now what an attention call with these facts will launch on ``device``.
 
     Arguments:
         dtype, head_dim, head_dim_v, causal, align, varlen: the call's facts, as for
             :func:`aotriton_rt.attention` (head dims the images do not compile warm the bucket
             the call would run on).
+        softcap, alibi: the call passes a logit ``softcap`` / ``alibi_slopes`` (their variants).
         seqlen, seqlen_k: the lengths the call will see (``seqlen_k`` defaults to ``seqlen``):
             tuning rules choose kernels and configs by length range, so give a typical one.
         backward, deterministic: also ready the backward's kernels (the training step's).
@@ -64,7 +65,7 @@ def warmup(*, dtype: str = "bf16", head_dim: int = 128, seqlen: int = 1024, seql
     if isinstance(device, bool) or not isinstance(device, int) or device < 0:
         raise ArgumentError(f"device must be a device index >= 0, got {device!r}")
     call = call_of(dtype=dtype, head_dim=head_dim, seqlen_q=seqlen, seqlen_k=seqlen_k, head_dim_v=head_dim_v,
-                   causal=causal, align=align, varlen=varlen)
+                   causal=causal, align=align, varlen=varlen, softcap=softcap, alibi=alibi)
     if not isinstance(backward, bool) or not isinstance(deterministic, bool):
         raise ArgumentError(f"backward and deterministic must be True or False, got {backward!r}, {deterministic!r}")
 
