@@ -149,8 +149,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(explain(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim_v,
                           seqlen_q=args.seqlen, seqlen_k=args.seqlen_k, causal=args.causal, align=args.align,
                           bias=args.bias, dropout=args.dropout, varlen=args.varlen, alibi=args.alibi,
-                          softcap=args.softcap, backward=backward, deterministic=args.deterministic, arch=args.arch,
-                          library=lib))
+                          softcap=args.softcap, sinks=args.sinks, backward=backward,
+                          deterministic=args.deterministic, arch=args.arch, library=lib))
         except NoDevice:
             if args.arch:
                 raise
@@ -284,6 +284,7 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--varlen", action="store_true")
     ex.add_argument("--alibi", action="store_true", help="the call passes alibi_slopes (ALiBi)")
     ex.add_argument("--softcap", action="store_true", help="the call passes a logit softcap (softcap=)")
+    ex.add_argument("--sinks", action="store_true", help="the call passes attention sinks (sinks=)")
     ex.add_argument("--backward", action="store_true", help="also explain the backward's kernels and scheme")
     ex.add_argument("--deterministic", action="store_true", help="backward: the bit-reproducible scheme only")
     ex.add_argument("--arch", help="catalog arch, e.g. sm90 (default: the one GPU 0 runs)")

@@ -70,7 +70,7 @@ class InterpretedKernel:
         self.constexprs.update({k: 16 for k in ("BLOCK_M", "BLOCK_N") if k in self.constexprs})
         self.constexprs.update({k: 0 for k in ("USE_TMA", "WARP_SPEC") if k in self.constexprs})
         self.signature = _resolve_signature(decl, self.spec)
-        self.divisibility = _divisibility(decl, self.signature)
+        self.divisibility = _divisibility(decl, self.signature, self.spec)
         self.arg_names = [n for n, t in self.signature.items() if t != "constexpr"]
 
     def __call__(self, *args: Any, stream: Any = None) -> None:

@@ -233,6 +233,22 @@ def test_softcap_calls_explain_the_capped_kernels(tmp_path: Path) -> None:
     assert run.stdout.splitlines() == [*str(op.explain(**facts, softcap=True)).splitlines(), *str(bwd).splitlines()]
     with pytest.raises(UnsupportedError, match=r"alibi_slopes with softcap= is not compiled"):
         op.explain(**facts, alibi=True, softcap=True)
+    # With sinks: the sinks' kernel after the forward's (the epilogue, 16-byte steps at D=128) and
+    # after the backward's (their gradient); the images hold neither, which explain says as the call would.
+    with pytest.raises(KernelNotFound, match=r"needs attn_sinks with dtype=fp16, ALIGNED=1 on sm90"):
+        op.explain(**facts, sinks=True)
+    sinks = [_synthetic_variant("attn_sinks", {"dtype": "fp16", "ALIGNED": a}) for a in (0, 1)]
+    sinks.append(_synthetic_variant("attn_sinks_bwd", {"dtype": "fp16"}))
+    with_sinks = tmp_path / "with-sinks"
+    with_sinks.mkdir()
+    (with_sinks / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                         "triton_version": "3.6.0", "variants": variants + sinks}))
+    facts["library"] = aotriton_rt.Library(with_sinks)
+    assert [(p.kernel, p.spec) for p in op.explain(**facts, sinks=True).kernels[1:]] == [
+        ("attn_sinks", {"dtype": "fp16", "ALIGNED": 1})]
+    assert op.explain(**{**facts, "head_dim": 100}, sinks=True).kernels[1].spec["ALIGNED"] == 0
+    assert [p.kernel for p in op.explain(**facts, sinks=True, backward=True).kernels] == [
+        "attn_bwd_preprocess", "attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90", "attn_sinks_bwd"]
     with pytest.raises(ArgumentError, match=r"softcap must be True or False \(whether the call passes it\), got 50"):
         op.explain(**facts, softcap=50)
 

@@ -141,3 +141,8 @@ def test_warmup_of_a_capped_or_alibi_call_readies_those_variants(lib: ReadyingLi
     assert "ALIBI=1" in lines[0] and "SOFTCAP=0" in lines[0]
     with pytest.raises(ArgumentError, match=r"alibi must be True or False"):
         aotriton_rt.warmup(dtype="bf16", head_dim=64, seqlen=128, alibi="yes", library=lib)
+    # With sinks: their kernels after the forward (the 16-byte epilogue at D=64) and the backward.
+    lib.readied.clear()
+    lines = aotriton_rt.warmup(dtype="bf16", head_dim=64, seqlen=128, sinks=True, backward=True, library=lib)
+    assert [name for name, _ in lib.readied][-2:] == ["attn_sinks", "attn_sinks_bwd"]
+    assert "ALIGNED=1" in lines[-2]

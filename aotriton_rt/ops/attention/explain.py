@@ -92,8 +92,8 @@ def _length(value: Any, name: str) -> int:
 
 def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = None, head_dim_v: int | None = None,
             causal: bool = False, align: str = "top_left", bias: bool = False, dropout: bool = False,
-            varlen: bool = False, alibi: bool = False, softcap: bool = False, backward: bool = False,
-            deterministic: bool = False, scheme: str | None = None, arch: str | None = None,
+            varlen: bool = False, alibi: bool = False, softcap: bool = False, sinks: bool = False,
+            backward: bool = False, deterministic: bool = False, scheme: str | None = None, arch: str | None = None,
             library: Any = None) -> Explanation:
     """Which variants and configs an attention call with these facts runs, and why.
 
@@ -105,6 +105,9 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
         alibi: the call passes ``alibi_slopes`` (ALiBi variants; not with ``bias`` or ``softcap``).
         softcap: the call passes a logit ``softcap`` (its ``SOFTCAP=1`` variants; the value itself
             changes no choice).
+        sinks: the call passes ``sinks``: the sinks' kernel after the forward (``attn_sinks``, its
+            16-byte variant where the output's rows allow it) or after the backward
+            (``attn_sinks_bwd``, their gradient).
         backward, deterministic, scheme: explain the backward's kernels (and its scheme) instead.
         arch: the catalog arch to explain for (e.g. "sm90"); default: the one device 0 runs
             (no driver is needed when the images hold one arch; NoDevice, naming the archs to
@@ -141,11 +144,30 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
                            f"images hold: {', '.join(built)})") from None
     elif arch not in built:
         raise ArgumentError(f"arch {arch!r} has no images here; built: {', '.join(built) or 'none'}")
+    if not isinstance(sinks, bool):
+        raise ArgumentError(f"sinks must be True or False (whether the call passes it), got {sinks!r}")
+    tail = [_pick(ks, sinks_choice(call, backward), call, arch)] if sinks else []
     if not backward:
-        return Explanation(call, arch, [_pick(ks, choose_forward(ks, call, arch), call, arch)])
+        return Explanation(call, arch, [_pick(ks, choose_forward(ks, call, arch), call, arch), *tail])
     chosen = choose_backward(ks, call, arch, deterministic=deterministic, scheme=scheme)
-    return Explanation(call, arch, [_pick(ks, k, call, arch) for k in chosen.kernels.values()], chosen.mode,
-                       chosen.reason, chosen.mode_spec)
+    return Explanation(call, arch, [*(_pick(ks, k, call, arch) for k in chosen.kernels.values()), *tail],
+                       chosen.mode, chosen.reason, chosen.mode_spec)
+
+
+def sinks_choice(call: AttentionCall, backward: bool) -> KernelChoice:
+    """The sinks' kernel of a call with ``sinks`` (:mod:`.sinks`): after the forward, the epilogue
+    that joins them to each row's softmax, in 16-byte steps (``ALIGNED=1``) where the operator's
+    output rows allow it (a contiguous output whose v head dim is a multiple of 16 bytes); after
+    the backward, their gradient's reduction."""
+    from .sinks import SINKS, SINKS_BWD
+
+    if backward:
+        name, spec, why = SINKS_BWD, {"dtype": call.dtype}, "attention sinks: their gradient, after the backward"
+    else:
+        step = 4 if call.dtype == "fp32" else 8  # elements in 16 bytes
+        name, spec = SINKS, {"dtype": call.dtype, "ALIGNED": int(call.head_dim_v % step == 0)}
+        why = "attention sinks: the epilogue that joins them to each row's softmax"
+    return KernelChoice("sinks", name, spec, why, Choice(name, 0), dict(spec))
 
 
 def call_of(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = None, head_dim_v: int | None = None,

@@ -21,14 +21,15 @@ from typing import Any
 
 from ...errors import ArgumentError
 from .dispatch import kernels_of
-from .explain import call_of
+from .explain import call_of, sinks_choice
 
 __all__ = ["warmup"]
 
 
 def warmup(*, dtype: str = "bf16", head_dim: int = 128, seqlen: int = 1024, seqlen_k: int | None = None,
            head_dim_v: int | None = None, causal: bool = False, align: str = "top_left", varlen: bool = False,
-           softcap: bool = False, alibi: bool = False, backward: bool = False, deterministic: bool = False,
+           softcap: bool = False, alibi: bool = False, sinks: bool = False, backward: bool = False,
+           deterministic: bool = False,
            device: int = 0, library: Any = None, background: bool = False) -> list[str] | Future:
     """Load now what an attention call with these facts will launch on ``device``.
 
@@ -37,6 +38,7 @@ def warmup(*, dtype: str = "bf16", head_dim: int = 128, seqlen: int = 1024, seql
             :func:`aotriton_rt.attention` (head dims the images do not compile warm the bucket
             the call would run on).
         softcap, alibi: the call passes a logit ``softcap`` / ``alibi_slopes`` (their variants).
+        sinks: the call passes ``sinks`` (their kernels after the forward and the backward too).
         seqlen, seqlen_k: the lengths the call will see (``seqlen_k`` defaults to ``seqlen``):
             tuning rules choose kernels and configs by length range, so give a typical one.
         backward, deterministic: also ready the backward's kernels (the training step's).
@@ -66,6 +68,8 @@ def warmup(*, dtype: str = "bf16", head_dim: int = 128, seqlen: int = 1024, seql
         raise ArgumentError(f"device must be a device index >= 0, got {device!r}")
     call = call_of(dtype=dtype, head_dim=head_dim, seqlen_q=seqlen, seqlen_k=seqlen_k, head_dim_v=head_dim_v,
                    causal=causal, align=align, varlen=varlen, softcap=softcap, alibi=alibi)
+    if not isinstance(sinks, bool):
+        raise ArgumentError(f"sinks must be True or False (whether the call passes it), got {sinks!r}")
     if not isinstance(backward, bool) or not isinstance(deterministic, bool):
         raise ArgumentError(f"backward and deterministic must be True or False, got {backward!r}, {deterministic!r}")
 
@@ -75,6 +79,8 @@ def warmup(*, dtype: str = "bf16", head_dim: int = 128, seqlen: int = 1024, seql
         handles = [handle]
         if backward:
             handles += list(ks.backward(call, device, deterministic, False)[2].values())
+        if sinks:
+            handles += [ks.handle(sinks_choice(call, bwd), call) for bwd in (False, True)[:1 + backward]]
         return [_ready(h, device) for h in handles]
 
     if not background:
