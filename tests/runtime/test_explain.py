@@ -154,23 +154,36 @@ def test_the_explain_command_prints_the_pick_without_a_gpu(tuned: Path) -> None:
     assert bad.returncode == 1 and bad.stderr.strip() == "error: arch 'gfx942' has no images here; built: sm90"
 
 
+#: A bottom-right causal call whose lengths differ, explained for sm90.
+LOPSIDED = {"dtype": "fp16", "head_dim": 128, "seqlen_q": 1000, "seqlen_k": 1500, "causal": True,
+            "align": "bottom_right", "arch": "sm90"}
+
+
+def _feature_library(folder: Path, axis: str, portable: tuple[str, ...],
+                     extra: list | None = None) -> aotriton_rt.Library:
+    """Images of :data:`LOPSIDED`'s spec: ``portable`` kernels with ``axis`` 0 and 1, sm90's Gluon
+    backward and the preprocess with 0 only (as they are compiled), and ``extra`` variants."""
+    spec = {**BASE, "CAUSAL": 1, "ALIBI": 0}
+    pre = {k: BASE[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}
+    dkdv = {"DQ_ATOMIC": 0}
+    variants = [_synthetic_variant(name, {**spec, axis: a, **(dkdv if name == "attn_bwd_dkdv" else {})})
+                for a in (0, 1) for name in portable]
+    variants += [_synthetic_variant("attn_bwd_dkdv_sm90", {**spec, **dkdv}),
+                 _synthetic_variant("attn_bwd_dq_sm90", spec),
+                 _synthetic_variant("attn_bwd_preprocess", {**pre, **dkdv}), *(extra or [])]
+    folder.mkdir(exist_ok=True)
+    (folder / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                     "triton_version": "3.6.0", "variants": variants}))
+    return aotriton_rt.Library(folder)
+
+
 def test_alibi_calls_explain_the_portable_alibi_kernels_where_sm90_runs_its_own(tmp_path: Path) -> None:
     """Images holding sm90's forward and backward kernels (ALIBI=0 only, as they are compiled) and
     the portable kernels with and without ALiBi: a call with slopes runs the portable ALIBI=1
     kernels, forward and backward, and explain says so (the Gluon kernels serve no such spec)."""
-    spec = {**BASE, "CAUSAL": 1, "ALIBI": 0}
-    pre = {k: BASE[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}
-    variants = [_synthetic_variant(name, {**spec, "ALIBI": a, **extra}) for a in (0, 1)
-                for name, extra in (("attn_fwd", {}), ("attn_bwd_dkdv", {"DQ_ATOMIC": 0}), ("attn_bwd_dq", {}))]
-    variants += [_synthetic_variant("attn_fwd_sm90", spec), _synthetic_variant("attn_bwd_dkdv_sm90",
-                                                                               {**spec, "DQ_ATOMIC": 0}),
-                 _synthetic_variant("attn_bwd_dq_sm90", spec),
-                 _synthetic_variant("attn_bwd_preprocess", {**pre, "DQ_ATOMIC": 0})]
-    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
-                                                       "triton_version": "3.6.0", "variants": variants}))
-    lib = aotriton_rt.Library(tmp_path)
-    facts = {"dtype": "fp16", "head_dim": 128, "seqlen_q": 1000, "seqlen_k": 1500, "causal": True,
-             "align": "bottom_right", "arch": "sm90", "library": lib}
+    gluon_fwd = _synthetic_variant("attn_fwd_sm90", {**BASE, "CAUSAL": 1, "ALIBI": 0})
+    lib = _feature_library(tmp_path, "ALIBI", ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"), [gluon_fwd])
+    facts = {**LOPSIDED, "library": lib}
     plain = op.explain(**facts, backward=True)
     assert [p.kernel for p in plain.kernels] == ["attn_bwd_preprocess", "attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90"]
     assert op.explain(**facts).kernels[0].kernel == "attn_fwd_sm90"
@@ -203,19 +216,8 @@ def test_softcap_calls_explain_the_capped_kernels(tmp_path: Path) -> None:
     backward capped and not, and sm90's Gluon backward uncapped only (as compiled): a capped
     call runs the SOFTCAP=1 Gluon forward and the portable SOFTCAP=1 backward, an uncapped one
     never a SOFTCAP=1 variant, and explain, its command and warmup's choice say the same."""
-    spec = {**BASE, "CAUSAL": 1, "ALIBI": 0}
-    pre = {k: BASE[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}
-    variants = [_synthetic_variant(name, {**spec, "SOFTCAP": c, **extra}) for c in (0, 1)
-                for name, extra in (("attn_fwd", {}), ("attn_fwd_sm90", {}), ("attn_bwd_dkdv", {"DQ_ATOMIC": 0}),
-                                    ("attn_bwd_dq", {}))]
-    variants += [_synthetic_variant("attn_bwd_dkdv_sm90", {**spec, "DQ_ATOMIC": 0}),
-                 _synthetic_variant("attn_bwd_dq_sm90", spec),
-                 _synthetic_variant("attn_bwd_preprocess", {**pre, "DQ_ATOMIC": 0})]
-    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
-                                                       "triton_version": "3.6.0", "variants": variants}))
-    lib = aotriton_rt.Library(tmp_path)
-    facts = {"dtype": "fp16", "head_dim": 128, "seqlen_q": 1000, "seqlen_k": 1500, "causal": True,
-             "align": "bottom_right", "arch": "sm90", "library": lib}
+    capped = ("attn_fwd", "attn_fwd_sm90", "attn_bwd_dkdv", "attn_bwd_dq")
+    facts = {**LOPSIDED, "library": _feature_library(tmp_path / "capped", "SOFTCAP", capped)}
     (fwd,) = op.explain(**facts, softcap=True).kernels
     assert (fwd.kernel, fwd.spec["SOFTCAP"]) == ("attn_fwd_sm90", 1)
     bwd = op.explain(**facts, softcap=True, backward=True)
@@ -226,9 +228,10 @@ def test_softcap_calls_explain_the_capped_kernels(tmp_path: Path) -> None:
     assert [(p.kernel, p.spec.get("SOFTCAP")) for p in plain.kernels] == [
         ("attn_bwd_preprocess", None), ("attn_bwd_dkdv_sm90", 0), ("attn_bwd_dq_sm90", 0)]
     assert op.explain(**facts).kernels[0].spec["SOFTCAP"] == 0
-    run = subprocess.run([sys.executable, "-m", "aotriton_rt", "explain", "attention", "--images", str(tmp_path),
-                          "--arch", "sm90", "--seqlen", "1000", "--seqlen-k", "1500", "--causal", "--align",
-                          "bottom_right", "--softcap", "--backward"], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "aotriton_rt", "explain", "attention", "--images",
+                          str(tmp_path / "capped"), "--arch", "sm90", "--seqlen", "1000", "--seqlen-k", "1500",
+                          "--causal", "--align", "bottom_right", "--softcap", "--backward"], cwd=ROOT,
+                         capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == [*str(op.explain(**facts, softcap=True)).splitlines(), *str(bwd).splitlines()]
     with pytest.raises(UnsupportedError, match=r"alibi_slopes with softcap= is not compiled"):
@@ -239,11 +242,7 @@ def test_softcap_calls_explain_the_capped_kernels(tmp_path: Path) -> None:
         op.explain(**facts, sinks=True)
     sinks = [_synthetic_variant("attn_sinks", {"dtype": "fp16", "ALIGNED": a}) for a in (0, 1)]
     sinks.append(_synthetic_variant("attn_sinks_bwd", {"dtype": "fp16"}))
-    with_sinks = tmp_path / "with-sinks"
-    with_sinks.mkdir()
-    (with_sinks / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
-                                                         "triton_version": "3.6.0", "variants": variants + sinks}))
-    facts["library"] = aotriton_rt.Library(with_sinks)
+    facts["library"] = _feature_library(tmp_path / "with-sinks", "SOFTCAP", capped, sinks)
     assert [(p.kernel, p.spec) for p in op.explain(**facts, sinks=True).kernels[1:]] == [
         ("attn_sinks", {"dtype": "fp16", "ALIGNED": 1})]
     assert op.explain(**{**facts, "head_dim": 100}, sinks=True).kernels[1].spec["ALIGNED"] == 0
