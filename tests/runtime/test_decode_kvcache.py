@@ -463,3 +463,8 @@ def test_the_long_query_route_takes_the_uncapped_forward_where_the_images_have_t
                          "DROPOUT": 0}])
     assert _varlen_route(plan(0.0), before_axis, spec, "bshd", {}, True)
     assert not _varlen_route(plan(50.0), before_axis, spec, "bshd", {}, True)
+    # The same for ALiBi: decode calls never pass slopes, so an ALIBI=1 forward serves none.
+    alibi_only = Held([{**capped_only.forwards[0], "SOFTCAP": 0, "ALIBI": 1}])
+    assert not _varlen_route(plan(0.0), alibi_only, spec, "bshd", {}, True)
+    both = Held([{**capped_only.forwards[0], "SOFTCAP": 0, "ALIBI": a} for a in (0, 1)])
+    assert _varlen_route(plan(0.0), both, spec, "bshd", {}, True)

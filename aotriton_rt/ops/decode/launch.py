@@ -547,12 +547,13 @@ def _varlen_route(p: DecodePlan, ks: _Kernels, spec: dict, layout: str, infos: d
     causal = 0 if p.window_left < 0 and p.window_right < 0 else 1
     forward = {"dtype": p.dtype, "HEAD_DIM": p.head_dim, "HEAD_DIM_V": p.head_dim, "CAUSAL": causal, "BIAS": 0,
                "DROPOUT": 0, "VARLEN": 1}
-    # Uncapped: SOFTCAP=0 where the images' forward has the axis (an unkeyed spec would match the
-    # SOFTCAP=1 variants, which refuse softcap=0); images built before the axis have none.
-    capped = (({"SOFTCAP": 1}, (SOFTCAP_ARG,)) if p.softcap else
-              ({"SOFTCAP": 0} if any(ks.has("attn_fwd", {"SOFTCAP": s}) for s in (0, 1)) else {}, ()))
+    # The late axes at their value where the images' forward has them (an unkeyed spec would match
+    # the SOFTCAP=1 or ALIBI=1 variants, which refuse this call); images built before one have none.
+    late = {"SOFTCAP": int(bool(p.softcap)), "ALIBI": 0}
+    forward.update({axis: value for axis, value in late.items()
+                    if value or any(ks.has("attn_fwd", {axis: s}) for s in (0, 1))})
     return (ks.has(LENGTHS, {}) and ks.has(PACK, with_paged(spec, p.paged)) and ks.has(POISON, spec)
-            and ks.has("attn_fwd", {**forward, **capped[0]}, capped[1]))
+            and ks.has("attn_fwd", forward, (SOFTCAP_ARG,) if p.softcap else ()))
 
 
 def _bshd_contiguous(shape: tuple, layout: str) -> tuple[int, int, int]:
