@@ -21,6 +21,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.runtime.test_attention_gpu import band  # noqa: E402 - the visible band of a mask, as the operator's tests draw it
+
 DEVICE = "cuda"
 TOL = {"fp16": 6e-3, "bf16": 3e-2}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -135,14 +137,7 @@ def _reference(case: dict, q: Any, k: Any, v: Any, slope: Any, mask: Any = None,
     j = torch.arange(sk, device=DEVICE)[None, :]
     s = q @ k.transpose(-1, -2) * case["D"] ** -0.5
     s = s - slope[:, None, None] * (i + sk - sq - j).abs()  # ALiBi: after the scale, bottom-right positions
-    left, right = _sides(case)
-    visible = torch.ones(sq, sk, dtype=torch.bool, device=DEVICE)
-    if case["mask"] != "none":
-        rel = j - i - (sk - sq if case.get("align") == "bottom_right" else 0)
-        if left >= 0:
-            visible &= rel >= -left
-        if right >= 0:
-            visible &= rel <= right
+    visible = band(sq, sk, {"window": _sides(case), "align": case.get("align", "top_left")})
     s = s.masked_fill(~visible, float("-inf"))
     row_ok = visible.any(-1)
     safe = torch.where(row_ok[:, None], s, 0.0)

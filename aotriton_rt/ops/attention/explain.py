@@ -17,6 +17,7 @@ from typing import Any
 from ...errors import ArgumentError, KernelNotFound, NoDevice, UnsupportedError
 from ...tuning import Choice
 from .dispatch import DTYPES, AttentionCall, KernelChoice, bucket, choose_backward, choose_forward, kernels_of
+from .problem import ALIBI_WITH_SOFTCAP
 
 __all__ = ["Explanation", "KernelPick", "explain"]
 
@@ -159,13 +160,13 @@ def sinks_choice(call: AttentionCall, backward: bool) -> KernelChoice:
     that joins them to each row's softmax, in 16-byte steps (``ALIGNED=1``) where the operator's
     output rows allow it (a contiguous output whose v head dim is a multiple of 16 bytes); after
     the backward, their gradient's reduction."""
-    from .sinks import SINKS, SINKS_BWD
+    from .sinks import SINKS, SINKS_BWD, aligned
 
     if backward:
         name, spec, why = SINKS_BWD, {"dtype": call.dtype}, "attention sinks: their gradient, after the backward"
     else:
-        step = 4 if call.dtype == "fp32" else 8  # elements in 16 bytes
-        name, spec = SINKS, {"dtype": call.dtype, "ALIGNED": int(call.head_dim_v % step == 0)}
+        # A fresh contiguous output: its address aligned, its strides multiples of the head dim.
+        name, spec = SINKS, {"dtype": call.dtype, "ALIGNED": int(aligned(call.dtype, 0, (call.head_dim_v,)))}
         why = "attention sinks: the epilogue that joins them to each row's softmax"
     return KernelChoice("sinks", name, spec, why, Choice(name, 0), dict(spec))
 
@@ -191,7 +192,7 @@ def call_of(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
         raise UnsupportedError("alibi with bias is not compiled: the ALiBi kernels take no bias tensor; add the ALiBi "
                                "term to the bias instead, or drop one")
     if alibi and softcap:
-        raise UnsupportedError("alibi_slopes with softcap= is not compiled (no model combines them); drop one")
+        raise UnsupportedError(ALIBI_WITH_SOFTCAP)
     # The operator's LSE/Delta are contiguous (B, H, seqlen_q): strides (H·seqlen_q, seqlen_q), which
     # are multiples of 16 exactly when seqlen_q is, whatever H; one head's stand in for them.
     return AttentionCall(dtype, head_dim, head_dim_v, (1 if align == "top_left" else 2) if causal else 0,

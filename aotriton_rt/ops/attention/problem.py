@@ -191,6 +191,10 @@ def check_softcap(softcap: Any, scale: float) -> float:
     return float(softcap)
 
 
+#: Why a call with both ALiBi slopes and a softcap is refused (the call, explain and warmup).
+ALIBI_WITH_SOFTCAP = "alibi_slopes with softcap= is not compiled (no model combines them); drop one"
+
+
 def check_alibi(p: Problem, slopes: Any, infos: Sequence[tuple[str, interop.ArrayInfo]]) -> None:
     """Validate the ALiBi slopes of problem ``p`` and record them on it: fp32, shape ``(Hq,)`` or
     ``(B, Hq)``, contiguous along the heads, on the device of ``infos``' arrays. UnsupportedError
@@ -201,7 +205,7 @@ def check_alibi(p: Problem, slopes: Any, infos: Sequence[tuple[str, interop.Arra
                                "add the ALiBi term to the bias instead (-slope * |i + seqlen_k - seqlen_q - j|), or "
                                "drop one")
     if p.softcap:
-        raise UnsupportedError("alibi_slopes with softcap= is not compiled (no model combines them); drop one")
+        raise UnsupportedError(ALIBI_WITH_SOFTCAP)
     if ai.dtype != "fp32":
         raise ArgumentError(f"alibi_slopes must be float32, got {ai.dtype}; convert it, e.g. slopes.float()")
     shape = tuple(ai.shape)

@@ -72,6 +72,13 @@ def _sequences(xp: Any, rows: int, cu_seqlens_q: Any, max_seqlen_q: int | None) 
     return max(info.shape[0] - 1, 0), min(int(max_seqlen_q), rows)
 
 
+def aligned(dtype: str, ptr: int, extents: tuple[int, ...]) -> bool:
+    """Whether ``attn_sinks`` may take the output in 16-byte steps (its ``ALIGNED=1`` variant): a
+    16-byte aligned address and every stride and the head dim, ``extents``, whole 16-byte steps."""
+    step = 4 if dtype == "fp32" else 8  # elements in 16 bytes
+    return ptr % 16 == 0 and all(x % step == 0 for x in extents)
+
+
 def apply_sinks(out: Any, lse: Any, sinks: Any, *, heads_q: int, layout: str, cu_seqlens_q: Any = None,
                 max_seqlen_q: int | None = None, library: Any = None) -> None:
     """Make the forward's ``(out, lse)`` over the keys the result with ``sinks``, in place
@@ -87,9 +94,8 @@ def apply_sinks(out: Any, lse: Any, sinks: Any, *, heads_q: int, layout: str, cu
     xp = arrays_for(oi.framework)
     s32 = _fp32(xp, sinks, si)
     head_dim = oi.shape[-1]
-    step = 4 if oi.dtype == "fp32" else 8  # elements in 16 bytes
-    aligned = oi.ptr % 16 == 0 and all(x % step == 0 for x in (oz, oh, om, head_dim))
-    handle = (library or default_library()).kernel(SINKS, dtype=oi.dtype, ALIGNED=int(aligned))
+    handle = (library or default_library()).kernel(SINKS, dtype=oi.dtype,
+                                                    ALIGNED=int(aligned(oi.dtype, oi.ptr, (oz, oh, om, head_dim))))
     handle(out, lse, s32, cu_seqlens_q, oz, oh, om, lz, lh, batch, heads, rows, head_dim, seqs, int(varlen))
 
 

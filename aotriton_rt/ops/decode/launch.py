@@ -549,9 +549,10 @@ def _varlen_route(p: DecodePlan, ks: _Kernels, spec: dict, layout: str, infos: d
                "DROPOUT": 0, "VARLEN": 1}
     # The late axes at their value where the images' forward has them (an unkeyed spec would match
     # the SOFTCAP=1 or ALIBI=1 variants, which refuse this call); images built before one have none.
+    from ..attention.dispatch import held_axis
+
     late = {"SOFTCAP": int(bool(p.softcap)), "ALIBI": 0}
-    forward.update({axis: value for axis, value in late.items()
-                    if value or any(ks.has("attn_fwd", {axis: s}) for s in (0, 1))})
+    forward.update({axis: value for axis, value in late.items() if value or held_axis(ks.has, "attn_fwd", axis)})
     return (ks.has(LENGTHS, {}) and ks.has(PACK, with_paged(spec, p.paged)) and ks.has(POISON, spec)
             and ks.has("attn_fwd", forward, (SOFTCAP_ARG,) if p.softcap else ()))
 
