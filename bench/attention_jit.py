@@ -150,7 +150,7 @@ class Problem:
         if kernel == "fwd":
             return [t("q"), t("k"), t("v"), t("dummy"), t("o"), t("lse"), t("dummy8"), t("dummy32"),
                     t("dummy32"), *strides * 4, *none, self.lz, self.lh, *none, *sizes, *scal,
-                    0.0, t("lse"), 0]  # softcap, alibi_slopes and stride_az: none
+                    0.0, t("lse"), 0, t("lse"), 0]  # softcap, alibi_slopes, stride_az, Sinks, use_sinks: none
         if kernel in ("pre", "prea"):
             return [t("o"), t("do"), t("delta"), t(dqa), t("dummy32"), *strides * 2, *dqa_strides,
                     self.lz, self.lh, self.B, self.H, self.N]

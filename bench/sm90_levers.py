@@ -155,14 +155,14 @@ def make_inputs(torch, B: int, H: int, Sq: int, Sk: int, D: int, dtype, seed: in
 
 def launch_args(q, k, v, out, lse, causal: int, scale: float) -> list:
     """attn_fwd's argument list for a call of mask mode ``causal`` (2: bottom-right, which a mode-1
-    variant serves by its argument causal_align; images built before causal_align, softcap or the
-    ALiBi arguments take the list up to them: see :class:`Contender`)."""
+    variant serves by its argument causal_align; images built before causal_align, softcap, the
+    ALiBi or the sinks arguments take the list up to them: see :class:`Contender`)."""
     B, H, Sq, _ = q.shape
     Sk = k.shape[2]
     return [q, k, v, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, H, H, Sq, Sk, scale, 0.0, 0, 0,
-            -1, 0 if causal else -1, 1 if causal == 2 else 0, 0.0, None, 0]  # ..., causal_align, softcap,
-    # alibi_slopes, stride_az (no softcap or ALiBi)
+            -1, 0 if causal else -1, 1 if causal == 2 else 0, 0.0, None, 0, None, 0]  # ..., causal_align,
+    # softcap, alibi_slopes, stride_az, Sinks, use_sinks (no softcap, ALiBi or sinks)
 
 
 def reference(torch, q, k, v, causal: int, scale: float):

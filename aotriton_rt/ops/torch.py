@@ -289,15 +289,11 @@ def _eager(*tensors: Any) -> int:
 def _forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None, cu_q: Tensor | None,
                   cu_k: Tensor | None, alibi: Tensor | None, o: dict) -> tuple:
     """(plan key, result) of the operator's forward for the options :func:`attention` gathered
-    (no dispatcher); with ``sinks``, the result made the sinks' in place (fresh outputs)."""
+    (no dispatcher); with ``sinks``, the sinks' result (fresh outputs)."""
     key, result = _core_plan.forward_keyed(q, k, v, o["causal"], o["window"], o["align"], bias, o["dropout_p"],
                                            o["seed"], o["offset"], o["scale"], cu_q, cu_k, o["max_seqlen_q"],
                                            o["max_seqlen_k"], o["layout"], None, None, o["return_mask"], o["library"],
-                                           o["softcap"], alibi)
-    if sinks is not None:
-        _core_sinks.apply_sinks(result[0], result[1], sinks, heads_q=lse_heads(result[1], cu_q is not None),
-                                layout=o["layout"], cu_seqlens_q=cu_q, max_seqlen_q=o["max_seqlen_q"],
-                                library=o["library"])
+                                           o["softcap"], alibi, sinks)
     return key, result
 
 

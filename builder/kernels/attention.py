@@ -338,6 +338,20 @@ def _fwd_blocks(
 
 
 @triton.jit
+def _with_sink(inv_l, lse2, sink2):
+    """A sink logit ``sink2`` joined to rows of logsumexp ``lse2`` (both log2 units): the rows'
+    output factor ``inv_l`` times ``exp2(lse2 - lse2')`` and their new logsumexp ``lse2' =
+    log2(exp2(lse2) + exp2(sink2))`` (builder/kernels/sinks.py's ``attn_sinks``, in the epilogue).
+    A row that saw no key keeps output 0 and takes the sink's logit; a NaN stays NaN. A sink of
+    -inf (no sinks) returns both unchanged, bit for bit."""
+    top = tl.maximum(lse2, sink2)
+    top = tl.where(top == float("-inf"), 0.0, top)  # both -inf: no key and a sink of -inf
+    new = top + tl.math.log2(tl.math.exp2(lse2 - top) + tl.math.exp2(sink2 - top))
+    scale = tl.where(lse2 == float("-inf"), 0.0, tl.math.exp2(lse2 - new))
+    return inv_l * scale, new
+
+
+@triton.jit
 def _fwd_tile(
     pid_m, Q_head, O_head, L_head, K_base, V_base, B_base, DM_base, k_desc, v_desc,
     stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
@@ -345,9 +359,12 @@ def _fwd_tile(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-    TMA_STORE: tl.constexpr, softcap, SOFTCAP: tl.constexpr, alibi_k, ALIBI: tl.constexpr,
+    TMA_STORE: tl.constexpr, softcap, SOFTCAP: tl.constexpr, alibi_k, ALIBI: tl.constexpr, sink2,
 ):
     """Output rows and logsumexp of query block pid_m of one (sequence, head).
+
+    The head's sink logit ``sink2`` (log2 units; -inf without sinks) joins each row's softmax
+    (:func:`_with_sink`).
 
     TMA_STORE: write Out through a TMA descriptor. Its 32 KB staging buffer shares shared memory
     with the K/V ring only when nothing loops around this tile; warp-specialized kernels store
@@ -440,8 +457,10 @@ def _fwd_tile(
     inv_l = 1.0 / l_safe
     if DROPOUT != 0:
         inv_l = inv_l / (1.0 - dropout_p)
+    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+    inv_l, lse2 = _with_sink(inv_l, lse2, sink2)
     acc = acc * inv_l[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    lse = lse2 * LN2
     row_ok = offs_m < len_q
     tl.store(L_head + offs_m, lse, mask=row_ok)
     if USE_TMA and TMA_STORE:
@@ -468,7 +487,7 @@ def attn_fwd(
     stride_dmz, stride_dmh, stride_dmm,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
-    alibi_slopes, stride_az,
+    alibi_slopes, stride_az, Sinks, use_sinks,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
@@ -495,7 +514,10 @@ def attn_fwd(
     ``sm_scale != 0``, checked at launch); SOFTCAP=0 variants ignore ``softcap``. ALIBI: each
     scaled score gets FlashAttention-2's ALiBi term ``-slope * |i + seqlen_k - seqlen_q - j|`` (the
     sequence's own lengths), with ``slope = alibi_slopes[b * stride_az + h]`` (fp32; ``stride_az``
-    0 shares the slopes across the batch); ALIBI=0 variants ignore both arguments.
+    0 shares the slopes across the batch); ALIBI=0 variants ignore both arguments. ``use_sinks``
+    != 0: attention sinks (gpt-oss), ``Sinks[h]`` (fp32, one logit per query head) joins every
+    row's softmax denominator with no value, and LSE includes it (what ``attn_sinks`` makes of
+    the output without them); 0: ``Sinks`` is not read (any address).
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -540,6 +562,9 @@ def attn_fwd(
         v_desc = V_base
     bh = off_b * num_heads_q + off_h
     alibi_k = _alibi_factor(alibi_slopes, stride_az, off_b, off_h, ALIBI)
+    sink2 = float("-inf")  # joins nothing (_with_sink leaves every row exactly as it is)
+    if use_sinks != 0:
+        sink2 = tl.load(Sinks + off_h) * LOG2E
 
     if PAIRED:
         last = tl.cdiv(len_q, BLOCK_M) - 1 - pid_m
@@ -558,7 +583,7 @@ def attn_fwd(
                     k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
                     len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
                     causal_align, bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-                    BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, False, softcap, SOFTCAP, alibi_k, ALIBI)
+                    BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, False, softcap, SOFTCAP, alibi_k, ALIBI, sink2)
         else:
             # Two inlined tiles: each tile's TMA store buffer can share memory with its K/V ring.
             for t in tl.static_range(2):
@@ -574,14 +599,14 @@ def attn_fwd(
                         k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
                         len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
                         causal_align, bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-                        BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, True, softcap, SOFTCAP, alibi_k, ALIBI)
+                        BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, True, softcap, SOFTCAP, alibi_k, ALIBI, sink2)
     else:
         _fwd_tile(
             pid_m, Q_head, O_head, L_head, K_base, V_base, B_base, DM_base,
             k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
             len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
             bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-            BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, not WARP_SPEC, softcap, SOFTCAP, alibi_k, ALIBI)
+            BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, not WARP_SPEC, softcap, SOFTCAP, alibi_k, ALIBI, sink2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -627,9 +652,9 @@ def signature_of(fn: triton.JITFunction, pointers: dict[str, str]) -> dict[str, 
     return sig
 
 
-#: Pointers the kernels read one element at a time (a slope per program): no alignment promised
+#: Pointers the kernels read one element at a time (a slope or a sink per program): no alignment promised
 #: beyond the element's, so any view of a caller's array is read in place.
-UNALIGNED_POINTERS = ("alibi_slopes",)
+UNALIGNED_POINTERS = ("alibi_slopes", "Sinks")
 
 
 def divisibility_of(sig: dict[str, str], aligned: tuple[str, ...], bias: tuple[str, ...] = ()) -> dict:
@@ -764,7 +789,8 @@ def _gputest_configs(spec: dict, target: object) -> tuple[int, ...]:
 
 _FWD_SIG = signature_of(attn_fwd, {
     "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Bias": "*{dtype}", "Out": "*{dtype}",
-    "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "alibi_slopes": "*fp32"})
+    "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "alibi_slopes": "*fp32",
+    "Sinks": "*fp32"})
 _FWD_DIV = divisibility_of(_FWD_SIG, aligned=("q", "k", "v", "o"), bias=("b",))
 # Checks shared by the attention kernels; the GQA ratio must be whole and the head grid fits in y.
 GQA_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0")

@@ -151,7 +151,7 @@ def _pass_turn(turn, c: gl.constexpr, PINGPONG: gl.constexpr):
 @gluon.jit
 def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn,
               O_head, L_head, stride_om, start_m, len_q, len_k, qk_scale, diag, left, right,
-              lo, f1, f2, n1, n2, n, q_desc, k_desc, v_desc, cap_c, cap_k,
+              lo, f1, f2, n1, n2, n, q_desc, k_desc, v_desc, cap_c, cap_k, sink2,
               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
               INLINE: gl.constexpr, SOFTCAP: gl.constexpr):
     """Consumer warp group c: rows start_m + c*HALF ... of the program's tile, the whole key loop.
@@ -168,20 +168,32 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
                         BLOCK_N, STAGES)
     _attend(c, q_smem, k_smem, v_smem, q_bar, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head, stride_om,
             start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n, k_desc, v_desc, 0, 0, 0,
-            cap_c, cap_k, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE, False, SOFTCAP)
+            cap_c, cap_k, sink2, CAUSAL, BLOCK_N, STAGES, PINGPONG, INLINE, False, SOFTCAP)
+
+
+@gluon.jit
+def _with_sink(inv_l, lse2, sink2):
+    """attn_fwd's _with_sink: a sink logit ``sink2`` joined to rows of logsumexp ``lse2`` (log2
+    units); the rows' output factor and new logsumexp."""
+    top = gl.maximum(lse2, sink2)
+    top = gl.where(top == float("-inf"), 0.0, top)  # both -inf: no key and a sink of -inf
+    new = top + gl.log2(gl.exp2(lse2 - top) + gl.exp2(sink2 - top))
+    scale = gl.where(lse2 == float("-inf"), 0.0, gl.exp2(lse2 - new))
+    return inv_l * scale, new
 
 
 @gluon.jit
 def _attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn,
             O_head, L_head, stride_om, start_m, len_q, len_k, qk_scale, diag, left, right,
-            lo, f1, f2, n1, n2, n, k_desc, v_desc, ring, turns, q_phase, cap_c, cap_k,
+            lo, f1, f2, n1, n2, n, k_desc, v_desc, ring, turns, q_phase, cap_c, cap_k, sink2,
             CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
             INLINE: gl.constexpr, RELEASE_Q: gl.constexpr, SOFTCAP: gl.constexpr):
     """Consumer c's part of one query tile: its n key blocks from ring position ``ring`` on (after
     ``turns`` matmul groups), then O and LSE of its rows stored. The tile's Q is the q_phase-th
     load into its Q slot; with RELEASE_Q the slot is handed back on q_free as soon as the tile's
     last Q.K^T has retired (the persistent loader then loads the next tile's Q during the last P.V
-    and the stores)."""
+    and the stores). The head's sink logit ``sink2`` (log2 units; -inf without sinks) joins each
+    row's softmax (attn_fwd's ``_with_sink``)."""
     HALF: gl.constexpr = q_smem.shape[1]
     BLOCK_D: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
@@ -247,9 +259,10 @@ def _attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_r
 
     # Rows that saw no key have l = 0: output 0, logsumexp -inf.
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-    gl.store(L_head + rows, lse, mask=rows < len_q)
-    inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))
+    lse2 = gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+    inv, lse2 = _with_sink(1.0 / l_safe, lse2, sink2)
+    gl.store(L_head + rows, lse2 * LN2, mask=rows < len_q)
+    inv_l = gl.convert_layout(inv, gl.SliceLayout(1, o_layout))
     out = (acc * inv_l[:, None]).to(dtype)
     o_rows = start_m + c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
     o_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
@@ -405,10 +418,21 @@ def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_
 
 
 @gluon.jit
+def _sink_logit(Sinks, off_h, use_sinks, sm_scale):
+    """Head off_h's sink logit in log2 units (``Sinks[off_h] * LOG2E``), -inf without sinks (which
+    joins nothing: _with_sink leaves every row exactly as it is)."""
+    sink2 = gl.full([], float("-inf"), gl.float32)
+    if use_sinks != 0:
+        sink2 = gl.load(Sinks + off_h) * LOG2E
+    return sink2
+
+
+@gluon.jit
 def _persistent_consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn,
                          Out, LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
                          num_m, tiles, num_heads_q, len_q, len_k, qk_scale, diag, left, right, sm_scale,
-                         k_desc, v_desc, cap_c, cap_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                         k_desc, v_desc, cap_c, cap_k, Sinks, use_sinks, CAUSAL: gl.constexpr,
+                         BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, PAIRS: gl.constexpr,
                          SOFTCAP: gl.constexpr):
     """Consumer warp group c of a persistent program: the loader's tiles in the same order, each
@@ -426,9 +450,10 @@ def _persistent_consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free,
         O_head = Out + off_b.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
         L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
         lo, f1, f2, n1, n2, n = _band(start_m, len_k, diag, left, right, sm_scale, CAUSAL, BLOCK_M, BLOCK_N)
+        sink2 = _sink_logit(Sinks, off_h, use_sinks, sm_scale)
         _attend(c, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn, O_head, L_head, stride_om,
                 start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n, k_desc, v_desc, ring,
-                turns, j, cap_c, cap_k, CAUSAL, BLOCK_N, STAGES, PINGPONG, False, True, SOFTCAP)
+                turns, j, cap_c, cap_k, sink2, CAUSAL, BLOCK_N, STAGES, PINGPONG, False, True, SOFTCAP)
         ring += n
         turns += gl.where(n > 0, n + 1, 0)
 
@@ -437,7 +462,7 @@ def _persistent_consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free,
 def _attn_fwd_persistent(Q, K, V, Out, LSE, stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                          stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
                          batch, num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right, softcap,
-                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                         Sinks, use_sinks, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, SOFTCAP: gl.constexpr):
     """attn_fwd_sm90 with PERSISTENT: programs loop over (query block, batch * head) tiles."""
@@ -488,11 +513,11 @@ def _attn_fwd_persistent(Q, K, V, Out, LSE, stride_qz, stride_qh, stride_qm, str
         (_persistent_consumer, (0, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn, Out, LSE,
                                 stride_oz, stride_oh, stride_om, stride_lz, stride_lh, num_m, tiles, num_heads_q,
                                 len_q, len_k, qk_scale, diag, left, right, sm_scale, k_desc, v_desc, cap_c, cap_k,
-                                CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, PAIRS, SOFTCAP)),
+                                Sinks, use_sinks, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, PAIRS, SOFTCAP)),
         (_persistent_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn, Out, LSE,
                                 stride_oz, stride_oh, stride_om, stride_lz, stride_lh, num_m, tiles, num_heads_q,
                                 len_q, len_k, qk_scale, diag, left, right, sm_scale, k_desc, v_desc, cap_c, cap_k,
-                                CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, PAIRS, SOFTCAP)),
+                                Sinks, use_sinks, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, PAIRS, SOFTCAP)),
         (_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready,
                               kv_free, num_m, tiles, num_heads_q, group, len_k, diag, left, right, sm_scale,
                               CAUSAL, BLOCK_M, BLOCK_N, STAGES, PAIRS)),
@@ -511,7 +536,7 @@ def attn_fwd_sm90(
     stride_dmz, stride_dmh, stride_dmm,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_k,
     sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align, softcap,
-    alibi_slopes, stride_az,
+    alibi_slopes, stride_az, Sinks, use_sinks,
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
@@ -529,6 +554,7 @@ def attn_fwd_sm90(
     WARP_SPECIALIZE 0: no loader warp and one consumer of BLOCK_M rows (4 warps) that issues its
     own TMA loads (a fallback, and small enough for two programs per SM with short key blocks).
     SOFTCAP: attn_fwd's logit softcap on the raw scores (``softcap > 0``, ``sm_scale != 0``).
+    ``Sinks``/``use_sinks``: attn_fwd's attention sinks, joined in the epilogue.
     """
     gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0, "attn_fwd_sm90: no bias, dropout or varlen")
     gl.static_assert(ALIBI == 0, "attn_fwd_sm90: no ALiBi")
@@ -557,7 +583,8 @@ def attn_fwd_sm90(
         _attn_fwd_persistent(Q, K, V, Out, LSE, stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                              stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
                              batch, num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right, softcap,
-                             HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMER_REGS, SOFTCAP)
+                             Sinks, use_sinks, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMER_REGS,
+                             SOFTCAP)
     else:
         pid_m = gl.program_id(0)
         if CAUSAL != 0:
@@ -588,6 +615,7 @@ def attn_fwd_sm90(
         lo, f1, f2, n1, n2, n = _band(start_m, len_k, diag, left, right, sm_scale, CAUSAL, BLOCK_M, BLOCK_N)
         qk_scale = sm_scale * LOG2E
         cap_c, cap_k = _cap_constants(softcap, qk_scale, SOFTCAP)
+        sink2 = _sink_logit(Sinks, off_h, use_sinks, sm_scale)
 
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, HALF, BLOCK_D], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
@@ -609,19 +637,20 @@ def attn_fwd_sm90(
             gl.warp_specialize([
                 (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
                              stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                             q_desc, k_desc, v_desc, cap_c, cap_k, CAUSAL, BLOCK_N, STAGES, PINGPONG, False,
-                             SOFTCAP)),
+                             q_desc, k_desc, v_desc, cap_c, cap_k, sink2, CAUSAL, BLOCK_N, STAGES,
+                             PINGPONG, False, SOFTCAP)),
                 (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
                              stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                             q_desc, k_desc, v_desc, cap_c, cap_k, CAUSAL, BLOCK_N, STAGES, PINGPONG, False,
-                             SOFTCAP)),
+                             q_desc, k_desc, v_desc, cap_c, cap_k, sink2, CAUSAL, BLOCK_N, STAGES,
+                             PINGPONG, False, SOFTCAP)),
                 (_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free,
                            start_m, lo, f1, f2, n1, n2, n, BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             _consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
                       stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                      q_desc, k_desc, v_desc, cap_c, cap_k, CAUSAL, BLOCK_N, STAGES, 0, True, SOFTCAP)
+                      q_desc, k_desc, v_desc, cap_c, cap_k, sink2, CAUSAL, BLOCK_N, STAGES, 0, True,
+                      SOFTCAP)
 
 
 # --------------------------------------------------------------------------------------------
@@ -730,7 +759,8 @@ GRID = ("cdiv(seqlen_q, BLOCK_M) * (1 - min(PERSISTENT, 1))"
 
 _SIG = signature_of(attn_fwd_sm90, {
     "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Bias": "*{dtype}", "Out": "*{dtype}",
-    "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "alibi_slopes": "*fp32"})
+    "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "alibi_slopes": "*fp32",
+    "Sinks": "*fp32"})
 _DIV = divisibility_of(_SIG, aligned=("q", "k", "v", "o"), bias=("b",))
 
 # TMA descriptors need a non-empty extent in every dimension.

@@ -103,6 +103,13 @@ CASES: dict[str, dict] = {
                            "window": (-1, 3)},
     "alibi_tma_ws_causal_bottom_right": {"alibi": "batch", "tma": 1, "ws": 1, "causal": 2, "Sq": 45, "Sk": 70},
     "alibi_negative_scale": {"alibi": "heads", "scale": -2.0, "causal": 2, "window": (9, 4)},
+    # Attention sinks joined in the forward's epilogue (the backward kernels as they are).
+    "sinks_no_mask_fp16": {"sinks": True, "dtype": "fp16"},
+    "sinks_causal_bottom_right_empty_rows_gqa": {"sinks": True, "causal": 2, "Sq": 53, "Sk": 37, "Hq": 4, "Hk": 2},
+    "sinks_window_varlen_bf16": {"sinks": True, "causal": 1, "align": 1, "window": (5, 0), "dtype": "bf16",
+                                 "varlen": ((5, 9), (17, 31), (1, 1), (40, 23))},
+    "sinks_dropout_head_dim_128_runtime_tile_loop": {"sinks": True, "dropout": 0.25, "D": 128, "causal": 1},
+    "sinks_tma_ws_alibi": {"sinks": True, "alibi": "heads", "tma": 1, "ws": 1, "causal": 2, "Sq": 45, "Sk": 70},
 }
 
 
@@ -226,6 +233,10 @@ def run_case(name: str, case: dict) -> dict:
     else:
         slopes, saz = torch.empty(0), 0
     alibi = {"alibi_slopes": slopes, "stride_az": saz, "ALIBI": 1 if alibi_kind else 0}
+    # Sinks (fp32, one logit per query head), around the scores' size; one of -inf (a head without).
+    sinks_t = torch.randn(Hq, generator=gen) * 2.0 if c.get("sinks") else torch.empty(0)
+    if c.get("sinks"):
+        sinks_t[-1] = float("-inf")
     p_drop = c["dropout"]
     dropout = 2 if p_drop else 0
     seed, offset = 0x1234_5678_9ABC, 77
@@ -246,7 +257,8 @@ def run_case(name: str, case: dict) -> dict:
             q, k, v, bias, out, lse, dmask, cu_q, cu_k,
             sqz, sqh, sqm, skz, skh, skn, svz, svh, svn, soz, soh, som, sbz, sbh, sbm, slz, slh,
             sdmz, sdmh, sdmm, *common, softcap=0.0, BIAS=1 if bias_kind else 0, BLOCK_M=c["BM"], BLOCK_N=c["BN"],
-            USE_TMA=c.get("tma", 0), WARP_SPEC=c.get("ws", 0), SOFTCAP=0, **alibi, **flags)
+            USE_TMA=c.get("tma", 0), WARP_SPEC=c.get("ws", 0), SOFTCAP=0, Sinks=sinks_t,
+            use_sinks=int(bool(c.get("sinks"))), **alibi, **flags)
 
     forward(out, lse, dmask)
     atomic = c.get("atomic", 0)
@@ -337,9 +349,16 @@ def run_case(name: str, case: dict) -> dict:
             vis = torch.ones(lq, lk, dtype=torch.bool)
         s = s.masked_fill(~vis, float("-inf"))
         row_ok = vis.any(-1)
-        s_safe = torch.where(row_ok[:, None], s, 0.0)
-        p = torch.softmax(s_safe, -1) * row_ok[:, None]
-        lse_ref = torch.where(row_ok, torch.logsumexp(s_safe.detach(), -1), float("-inf"))
+        if c.get("sinks"):
+            # The sink joins every row's softmax with no value: L' = logsumexp(scores, sink).
+            sink = sinks_t.double()[:, None, None].expand(Hq, lq, 1)
+            full = torch.logsumexp(torch.cat([s, sink], -1), -1)
+            p = torch.exp(s - torch.where(torch.isinf(full), 0.0, full)[..., None])
+            lse_ref = full.detach()
+        else:
+            s_safe = torch.where(row_ok[:, None], s, 0.0)
+            p = torch.softmax(s_safe, -1) * row_ok[:, None]
+            lse_ref = torch.where(row_ok, torch.logsumexp(s_safe.detach(), -1), float("-inf"))
         if dropout:
             keep = dmask[b, :, :lq, :lk].bool() & vis
             kept += int(keep.sum())
@@ -510,7 +529,7 @@ def test_every_sm90_forward_config_matches_an_fp32_reference_on_the_gpu(index: i
     grid = KERNELS[0].grid_of(seqlen_q=Sq, batch=B, num_heads_q=H, CAUSAL=causal, **cfg.constexprs)
     attn_fwd[grid](q, k, v, q, out, lse, none, none, none, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                    *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, H, H, Sq, Sk, scale, 0.0, 0, 0,
-                   -1, 0 if causal else -1, 1, 0.0, lse, 0, HEAD_DIM=D, HEAD_DIM_V=D, CAUSAL=causal, BIAS=0,
+                   -1, 0 if causal else -1, 1, 0.0, lse, 0, lse, 0, HEAD_DIM=D, HEAD_DIM_V=D, CAUSAL=causal, BIAS=0,
                    DROPOUT=0, VARLEN=0, SOFTCAP=0, ALIBI=0, **cfg.constexprs, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages, **cfg.options)
     s = (q.float() @ k.float().transpose(-1, -2)) * scale

@@ -381,9 +381,10 @@ def test_ptxas_keeps_the_persistent_wgmmas_asynchronous_and_spills_nothing_in_th
     # k-steps of 16 per issue site: HEAD_DIM / 16 for Q.K^T (8 at D=128, 4 at D=64), BLOCK_N / 16 for P.V.
     assert hgmma >= head_dim // 16 * fences > 0, f"wgmma serialized by ptxas: {hgmma} HGMMA, {fences} fences"
     # The tile loop carries more than the one-tile kernel: ptxas (Triton 3.6) keeps one per-thread
-    # column offset in local memory, stored once and reloaded once per tile, outside the key loops.
+    # column offset in local memory, stored once and reloaded once per tile, outside the key loops;
+    # at D=128 also the sinks' pointer and flag (14 local accesses per tile, none in a key loop).
     assert loop_spills(cubin) == 0, "local memory traffic inside a wgmma loop"
-    assert ops.get("STL", 0) + ops.get("LDL", 0) <= 2, ops
+    assert ops.get("STL", 0) + ops.get("LDL", 0) <= (14 if head_dim == 128 else 2), ops
 
 
 if __name__ == "__main__":

@@ -79,8 +79,17 @@ def _reference(q, k, v, causal: int, left: int, right: int, scale: float, align:
     return p @ vf, lse
 
 
-def _run_case(lib, v, B: int, Sq: int, Sk: int, left: int, right: int, Hq: int, Hk: int, align: int) -> str | None:
-    """Run variant v once on NaN-padded inputs; None if it matches the fp32 reference, else why not."""
+def _with_sinks(out, lse, sinks):
+    """The reference's (out, lse) with each head's sink logit joined to every row's softmax."""
+    new = torch.logaddexp(lse, sinks[None, :, None])
+    scale = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - new))
+    return out * scale[..., None], new
+
+
+def _run_case(lib, v, B: int, Sq: int, Sk: int, left: int, right: int, Hq: int, Hk: int, align: int,
+              sinks: bool = False) -> str | None:
+    """Run variant v once on NaN-padded inputs (``sinks``: with attention sinks, one head's -inf);
+    None if it matches the fp32 reference, else why not."""
     causal, D = v.spec["CAUSAL"], v.spec["HEAD_DIM"]
     win_left, win_right = (left, right) if causal else (-1, -1)
     if causal and left < 0:
@@ -96,11 +105,16 @@ def _run_case(lib, v, B: int, Sq: int, Sk: int, left: int, right: int, Hq: int, 
     cap = 2.0 if v.spec.get("SOFTCAP") else 0.0  # unit-variance inputs: scores the cap bends
     handle = lib.kernel("attn_fwd_sm90", **v.spec, **v.config.constexprs, num_warps=v.config.num_warps,
                         num_stages=v.config.num_stages)
+    logits = torch.randn(Hq, device="cuda", generator=gen) * 2 + 5  # near the rows' logsumexp
+    logits[-1] = float("-inf")
     handle(q, k, vv, None, out, lse, None, None, None, *q.stride()[:3], *k.stride()[:3], *vv.stride()[:3],
            *out.stride()[:3], 0, 0, 0, *lse.stride()[:2], 0, 0, 0, B, Hq, Hk, Sq, Sk, scale, 0.0, 0, 0,
-           win_left, win_right, align, cap, None, 0)  # no ALiBi (alibi_slopes, stride_az)
+           win_left, win_right, align, cap, None, 0,  # no ALiBi (alibi_slopes, stride_az)
+           logits if sinks else None, int(sinks))  # Sinks, use_sinks
     torch.cuda.synchronize()
     ref, ref_lse = _reference(q, k, vv, causal, win_left, win_right, scale, align, cap)
+    if sinks:
+        ref, ref_lse = _with_sinks(ref, ref_lse, logits)
     tol = 1e-2 if v.spec["dtype"] == "fp16" else 3e-2
     err = (out.float() - ref).abs().max().item()
     finite = torch.isfinite(ref_lse)
@@ -109,7 +123,8 @@ def _run_case(lib, v, B: int, Sq: int, Sk: int, left: int, right: int, Hq: int, 
     pad_ok = bool(out_full[:, Sq:].isnan().all()) and bool(out_full[..., D:].isnan().all())
     if err <= tol and err_lse <= 1e-3 and lse_ok and pad_ok:
         return None
-    return (f"{v.spec} #{v.config.index} {v.config.constexprs} B{B} Hq{Hq} Hk{Hk} Sq{Sq} Sk{Sk} causal_align {align}: "
+    return (f"{v.spec} #{v.config.index} {v.config.constexprs} B{B} Hq{Hq} Hk{Hk} Sq{Sq} Sk{Sk} causal_align {align} "
+            f"sinks {sinks}: "
             f"out {err:.3g} lse {err_lse:.3g} lse-inf-rows-agree {lse_ok} padding-untouched {pad_ok}")
 
 
@@ -121,9 +136,10 @@ def test_every_gluon_forward_variant_matches_an_fp32_reference(variants, problem
     for lib, v, align in runs:
         if v.spec["CAUSAL"] == 0 and (left >= 0 or right >= 0):
             continue  # windows are a band: mask modes 1 and 2
-        failure = _run_case(lib, v, 2, Sq, Sk, left, right, Hq, Hk, align)
-        if failure:
-            failures.append(failure)
+        for sinks in (False, True):
+            failure = _run_case(lib, v, 2, Sq, Sk, left, right, Hq, Hk, align, sinks)
+            if failure:
+                failures.append(failure)
     assert not failures, "\n".join(failures)
 
 
@@ -154,8 +170,8 @@ def test_persistent_gluon_forward_variants_compute_every_tile_of_ragged_problems
     for lib, v in persistent:
         for align in ((0, 1) if v.spec["CAUSAL"] == 1 else (0,)):
             windows = ((-1, -1), (200, 30)) if v.spec["CAUSAL"] else ((-1, -1),)
-            for left, right in windows:
-                failure = _run_case(lib, v, B, Sq, Sk, left, right, Hq, Hk, align)
+            for (left, right), sinks in zip(windows, (True, False)):
+                failure = _run_case(lib, v, B, Sq, Sk, left, right, Hq, Hk, align, sinks)
                 if failure:
                     failures.append(f"{failure} window ({left}, {right})")
     assert not failures, "\n".join(failures)

@@ -160,13 +160,15 @@ LOPSIDED = {"dtype": "fp16", "head_dim": 128, "seqlen_q": 1000, "seqlen_k": 1500
 
 
 def _feature_library(folder: Path, axis: str, portable: tuple[str, ...],
-                     extra: list | None = None) -> aotriton_rt.Library:
+                     extra: list | None = None, without: tuple[str, ...] = ()) -> aotriton_rt.Library:
     """Images of :data:`LOPSIDED`'s spec: ``portable`` kernels with ``axis`` 0 and 1, sm90's Gluon
-    backward and the preprocess with 0 only (as they are compiled), and ``extra`` variants."""
+    backward and the preprocess with 0 only (as they are compiled), and ``extra`` variants;
+    ``without``: arguments the forward kernels lack (images built before them)."""
     spec = {**BASE, "CAUSAL": 1, "ALIBI": 0}
     pre = {k: BASE[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}
     dkdv = {"DQ_ATOMIC": 0}
-    variants = [_synthetic_variant(name, {**spec, axis: a, **(dkdv if name == "attn_bwd_dkdv" else {})})
+    variants = [_synthetic_variant(name, {**spec, axis: a, **(dkdv if name == "attn_bwd_dkdv" else {})},
+                                   without=without if name.startswith("attn_fwd") else ())
                 for a in (0, 1) for name in portable]
     variants += [_synthetic_variant("attn_bwd_dkdv_sm90", {**spec, **dkdv}),
                  _synthetic_variant("attn_bwd_dq_sm90", spec),
@@ -236,13 +238,22 @@ def test_softcap_calls_explain_the_capped_kernels(tmp_path: Path) -> None:
     assert run.stdout.splitlines() == [*str(op.explain(**facts, softcap=True)).splitlines(), *str(bwd).splitlines()]
     with pytest.raises(UnsupportedError, match=r"alibi_slopes with softcap= is not compiled"):
         op.explain(**facts, alibi=True, softcap=True)
-    # With sinks: the sinks' kernel after the forward's (the epilogue, 16-byte steps at D=128) and
-    # after the backward's (their gradient); the images hold neither, which explain says as the call would.
+    # With sinks: the forward joins them in its epilogue (no kernel after it), which its line says;
+    # the backward has their gradient's kernel after it, which these images lack, as the call would.
+    (fused,) = op.explain(**facts, sinks=True).kernels
+    assert fused.kernel == "attn_fwd_sm90"
+    assert fused.note == "the only config built; joins the attention sinks in its epilogue"
+    with pytest.raises(KernelNotFound, match=r"needs attn_sinks_bwd with dtype=fp16 on sm90"):
+        op.explain(**facts, sinks=True, backward=True)
+    # Images built before the forward took them: the sinks' kernel after the forward's (the epilogue
+    # pass, 16-byte steps at D=128) and after the backward's (their gradient).
+    old = ("Sinks", "use_sinks")
     with pytest.raises(KernelNotFound, match=r"needs attn_sinks with dtype=fp16, ALIGNED=1 on sm90"):
-        op.explain(**facts, sinks=True)
+        op.explain(**{**facts, "library": _feature_library(tmp_path / "old", "SOFTCAP", capped, without=old)},
+                   sinks=True)
     sinks = [_synthetic_variant("attn_sinks", {"dtype": "fp16", "ALIGNED": a}) for a in (0, 1)]
     sinks.append(_synthetic_variant("attn_sinks_bwd", {"dtype": "fp16"}))
-    facts["library"] = _feature_library(tmp_path / "with-sinks", "SOFTCAP", capped, sinks)
+    facts["library"] = _feature_library(tmp_path / "with-sinks", "SOFTCAP", capped, sinks, without=old)
     assert [(p.kernel, p.spec) for p in op.explain(**facts, sinks=True).kernels[1:]] == [
         ("attn_sinks", {"dtype": "fp16", "ALIGNED": 1})]
     assert op.explain(**{**facts, "head_dim": 100}, sinks=True).kernels[1].spec["ALIGNED"] == 0

@@ -146,10 +146,7 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
     try:
         result = _plan.forward(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library,
-                               softcap, alibi_slopes)
-        if sinks is not None:
-            _sinks.apply_sinks(result[0], result[1], sinks, heads_q=_heads_q(q, layout, cu_seqlens_q),
-                               layout=layout, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, library=library)
+                               softcap, alibi_slopes, sinks)
         return result
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("attention", "use aotriton_rt.jax.attention there (docs/jax.md)", q=q, k=k, v=v,

@@ -11,7 +11,7 @@ when ``arch`` is given. ``python -m aotriton_rt explain attention ...`` prints i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...errors import ArgumentError, KernelNotFound, NoDevice, UnsupportedError
@@ -106,9 +106,10 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
         alibi: the call passes ``alibi_slopes`` (ALiBi variants; not with ``bias`` or ``softcap``).
         softcap: the call passes a logit ``softcap`` (its ``SOFTCAP=1`` variants; the value itself
             changes no choice).
-        sinks: the call passes ``sinks``: the sinks' kernel after the forward (``attn_sinks``, its
-            16-byte variant where the output's rows allow it) or after the backward
-            (``attn_sinks_bwd``, their gradient).
+        sinks: the call passes ``sinks``: a forward variant that takes them joins them in its
+            epilogue (its line says so); one built before that has the sinks' kernel after it
+            (``attn_sinks``, its 16-byte variant where the output's rows allow it); the backward
+            has their gradient's kernel after it (``attn_sinks_bwd``).
         backward, deterministic, scheme: explain the backward's kernels (and its scheme) instead.
         arch: the catalog arch to explain for (e.g. "sm90"); default: the one device 0 runs
             (no driver is needed when the images hold one arch; NoDevice, naming the archs to
@@ -147,12 +148,26 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
         raise ArgumentError(f"arch {arch!r} has no images here; built: {', '.join(built) or 'none'}")
     if not isinstance(sinks, bool):
         raise ArgumentError(f"sinks must be True or False (whether the call passes it), got {sinks!r}")
-    tail = [_pick(ks, sinks_choice(call, backward), call, arch)] if sinks else []
     if not backward:
-        return Explanation(call, arch, [_pick(ks, choose_forward(ks, call, arch), call, arch), *tail])
+        forward = _pick(ks, choose_forward(ks, call, arch), call, arch)
+        if not sinks:
+            return Explanation(call, arch, [forward])
+        if _takes_sinks(ks, forward, arch):
+            note = "; ".join(n for n in (forward.note, "joins the attention sinks in its epilogue") if n)
+            return Explanation(call, arch, [replace(forward, note=note)])
+        return Explanation(call, arch, [forward, _pick(ks, sinks_choice(call, False), call, arch)])
+    tail = [_pick(ks, sinks_choice(call, backward), call, arch)] if sinks else []
     chosen = choose_backward(ks, call, arch, deterministic=deterministic, scheme=scheme)
     return Explanation(call, arch, [*(_pick(ks, k, call, arch) for k in chosen.kernels.values()), *tail],
                        chosen.mode, chosen.reason, chosen.mode_spec)
+
+
+def _takes_sinks(ks: Any, pick: KernelPick, arch: str) -> bool:
+    """Whether the variant ``pick`` names takes the forward's sinks arguments (:data:`SINKS_ARG`)."""
+    from .family import SINKS_ARG
+
+    return any(v.key == pick.variant_key and any(a.name == SINKS_ARG for a in v.args)
+               for v in ks.lib.variants_of(pick.kernel))
 
 
 def sinks_choice(call: AttentionCall, backward: bool) -> KernelChoice:

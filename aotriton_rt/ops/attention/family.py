@@ -32,7 +32,8 @@ __all__ = [
     "AttentionCall",
     "BACKWARD_KERNEL_RULES", "BIAS_ALIGN", "CONVERT", "DKDV", "DKDV_KERNEL_RULES", "DKDV_SM90", "DKDV_SM90_A16", "DQ",
     "DQ_KERNEL_RULES", "DQ_SM90", "DTYPES", "FWD", "FWD_SM90", "HEAD_DIM_BUCKETS", "KERNEL_RULES", "MODE_RULES", "PRE",
-    "SCALARS", "SOFTCAP_ARG", "UNEQUAL_HEAD_DIMS", "align_arg", "backward_arguments", "bhs", "bias_row_width",
+    "SCALARS", "SINKS_ARG", "SOFTCAP_ARG", "UNEQUAL_HEAD_DIMS", "USE_SINKS_ARG", "align_arg", "backward_arguments",
+    "bhs", "bias_row_width",
     "bias_strides", "bucket",
     "contiguous_kernel_strides", "contiguous_strides", "family_of", "forward_arguments", "head_dim_buckets",
     "kernel_strides", "lse_strides", "named", "scalar_arguments",
@@ -100,6 +101,10 @@ SOFTCAP_ARG = "softcap"
 #: The ALiBi slopes (fp32, one per query head, per sequence with the batch stride ``stride_az``;
 #: read by the ``ALIBI=1`` variants only, a null pointer elsewhere).
 ALIBI_ARG = "alibi_slopes"
+#: The forward kernels' attention sinks (fp32, one logit per query head) and whether to read them:
+#: images built before the arguments existed join the sinks by a pass over the outputs instead.
+SINKS_ARG = "Sinks"
+USE_SINKS_ARG = "use_sinks"
 #: Declared stride divisibility (elements): Q/K/V/Out and the gradients 16, Bias/dBias 8.
 ALIGN = 16
 BIAS_ALIGN = 8
@@ -315,7 +320,7 @@ def forward_arguments(arrays: Mapping[str, Any], strides: Mapping[str, Sequence[
             **named("q", "m", strides["q"]), **named("k", "n", strides["k"]), **named("v", "n", strides["v"]),
             **named("o", "m", strides["out"]), **named("b", "m", s("bias", _NONE)),
             **named("dm", "m", s("mask", _NONE)), "stride_lz": lse_strides[0], "stride_lh": lse_strides[1],
-            ALIBI_ARG: a("alibi"), "stride_az": s("alibi", _NONE)[0], **scalars}
+            ALIBI_ARG: a("alibi"), "stride_az": s("alibi", _NONE)[0], SINKS_ARG: None, USE_SINKS_ARG: 0, **scalars}
 
 
 def backward_arguments(arrays: Mapping[str, Any], strides: Mapping[str, Sequence[int]], lse_strides: Sequence[int],

@@ -40,11 +40,14 @@ from typing import Any
 
 from ...errors import ArgumentError
 from . import launch as general
+from . import sinks as _sinks
 from .arrays import bias_strides_in_place
 from .dispatch import kernels_of
 from .family import (
     ALIGN,
     FWD,
+    SINKS_ARG,
+    USE_SINKS_ARG,
     bhs,
     contiguous_kernel_strides,
     contiguous_strides,
@@ -179,9 +182,10 @@ class _GeneralForward:
     out_i: Any
     lse_i: Any
     return_mask: bool
+    fuses_sinks = False
 
     def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, alibi: Any, out: Any, lse: Any,
-            ptrs: tuple, seed: Any, offset: Any) -> tuple:
+            ptrs: tuple, seed: Any, offset: Any, sinks: Any = None) -> tuple:
         p = self.problem
         seed, offset = _philox(seed, offset, p.dropout_p) if p.dropout_p else (0, 0)
         p = replace(p, q=q, k=k, v=v, bias=bias, cu_q=cu_q, cu_k=cu_k, alibi=alibi, seed=seed, offset=offset)
@@ -196,12 +200,14 @@ EXPRESS: Any = None
 class _DecodeForward:
     """A call the decode kernels serve (:func:`aotriton_rt.ops.decode.route_options`)."""
 
+    fuses_sinks = False
+
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
         self.launch = None  # the decode plan, once a call has made one that takes integer addresses
 
     def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, alibi: Any, out: Any, lse: Any,
-            ptrs: tuple, seed: Any, offset: Any) -> tuple:
+            ptrs: tuple, seed: Any, offset: Any, sinks: Any = None) -> tuple:
         launch = self.launch
         # This plan's key pins all the decode plan depends on (the library, and so its tuning rules).
         if launch is not None:
@@ -224,11 +230,18 @@ def _philox(seed: Any, offset: Any, dropout_p: float) -> tuple[int, int]:
 
 
 class _DirectForward:
-    """Outputs allocated fresh, every operand read in place: allocate, fill, launch."""
+    """Outputs allocated fresh, every operand read in place: allocate, fill, launch.
 
-    # Sources, per call: q, k, v, bias, cu_q, cu_k, alibi, out, lse, mask, seed, offset.
+    ``sinks``: the call's sinks array description, when the forward kernel takes them (its
+    ``Sinks``/``use_sinks`` arguments: joined in its epilogue, ``fuses_sinks``); they are passed
+    as fp32, converted per call when given in another dtype (a new array of Hq values, which lives
+    until the call returns: the launch is on the framework's current stream, which its allocator
+    orders the array's reuse after).
+    """
+
+    # Sources, per call: q, k, v, bias, cu_q, cu_k, alibi, out, lse, mask, seed, offset, sinks.
     def __init__(self, p: Problem, q: Any, handle: Any, strides: dict[str, tuple], return_mask: bool,
-                 fast: bool) -> None:
+                 fast: bool, sinks: Any = None) -> None:
         self.alloc = _Allocator(p, q)
         self.dtype = p.dtype
         self.out_shape = p.out_shape()
@@ -248,11 +261,15 @@ class _DirectForward:
             arrays["cu_seqlens_q"], arrays["cu_seqlens_k"] = _Slot(4), _Slot(5)
         _add_alibi(p, arrays, strides, _Slot(6))
         values = forward_arguments(arrays, strides, p.lse_strides(), _scalars(p, 10))
-        self.launches = (_Launch(handle, values, p.device, fast, 12),)
+        self.sinks_info = sinks
+        self.fuses_sinks = sinks is not None
+        if sinks is not None:
+            values[SINKS_ARG], values[USE_SINKS_ARG] = _Slot(12), 1
+        self.launches = (_Launch(handle, values, p.device, fast, 13),)
         self.stream = _stream_getter(p, q) if fast else None
 
     def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, alibi: Any, out: Any, lse: Any,
-            ptrs: tuple, seed: Any, offset: Any) -> tuple:
+            ptrs: tuple, seed: Any, offset: Any, sinks: Any = None) -> tuple:
         if self.dropout_p:
             seed, offset = _philox(seed, offset, self.dropout_p)
         alloc = self.alloc
@@ -266,15 +283,26 @@ class _DirectForward:
         mask = None
         if self.mask_shape is not None:
             mask = alloc.xp.zeros(self.mask_shape, "i8", q)
+        s32 = None
+        if self.sinks_info is not None:
+            s32 = sinks if self.sinks_info.dtype == "fp32" else _sinks_fp32(alloc.xp, sinks, self.sinks_info)
         if self.fast:
-            src = (*ptrs, o.data_ptr(), lse_out.data_ptr(), 0 if mask is None else mask.data_ptr(), seed, offset)
+            src = (*ptrs, o.data_ptr(), lse_out.data_ptr(), 0 if mask is None else mask.data_ptr(), seed, offset,
+                   0 if s32 is None else s32.data_ptr())
             self.launches[0](src, self.stream(self.device))
         else:
             xp = alloc.xp
             arrays = [None if a is None else xp.convert(a, i)
                       for a, i in zip((q, k, v, bias, cu_q, cu_k, alibi), self.infos)]
-            self.launches[0]((*arrays, o, lse_out, mask, seed, offset), 0)
+            if s32 is not None and self.sinks_info.dtype == "fp32":
+                s32 = xp.convert(s32, self.sinks_info)
+            self.launches[0]((*arrays, o, lse_out, mask, seed, offset, s32), 0)
         return (o, lse_out, mask) if self.mask_shape is not None else (o, lse_out)
+
+
+def _sinks_fp32(xp: Any, sinks: Any, info: Any) -> Any:
+    """The sinks as an fp32 array of the framework (a new one: Hq values)."""
+    return xp.as_fp32(xp.convert(sinks, info))
 
 
 def _add_alibi(p: Problem, arrays: dict[str, Any], strides: dict[str, Any], slot: Any) -> None:
@@ -301,20 +329,22 @@ def _stream_getter(p: Problem, q: Any) -> Any:
 def forward(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: Any, dropout_p: Any, seed: Any,
             offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
             layout: Any, out: Any, lse: Any, return_mask: Any, library: Any, softcap: Any = None,
-            alibi_slopes: Any = None) -> tuple:
+            alibi_slopes: Any = None, sinks: Any = None) -> tuple:
     """:func:`aotriton_rt.attention`: find or build the plan of this call's signature and run it."""
     return forward_keyed(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library,
-                         softcap, alibi_slopes)[1]
+                         softcap, alibi_slopes, sinks)[1]
 
 
 def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, bias: Any, dropout_p: Any,
                   seed: Any, offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
                   max_seqlen_k: Any, layout: Any, out: Any, lse: Any, return_mask: Any, library: Any,
-                  softcap: Any = None, alibi_slopes: Any = None) -> tuple:
+                  softcap: Any = None, alibi_slopes: Any = None, sinks: Any = None) -> tuple:
     """(plan key, result) of :func:`forward`: the key (None when the call has none) pins every
     operand's signature and option, which lets an autograd backward find its own plan from it
-    and the gradient's signature alone (:func:`.backward_plan.backward_after`)."""
+    and the gradient's signature alone (:func:`.backward_plan.backward_after`). With ``sinks``
+    the result is the sinks' (:mod:`.sinks`): joined in the forward kernel's epilogue where it
+    takes them, else by the ``attn_sinks`` pass over the outputs."""
     ks = None
     try:
         sq, pq = _sig(q, "q")
@@ -322,6 +352,7 @@ def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, 
         sv, pv = _sig(v, "v")
         sb, pb = _sig(bias, "bias") if bias is not None else (None, 0)
         sa, pa = _sig(alibi_slopes, "alibi_slopes") if alibi_slopes is not None else (None, 0)
+        ss = _sig(sinks, "sinks")[0] if sinks is not None else None
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         if varlen:
             if max_seqlen_q is None or max_seqlen_k is None:
@@ -337,7 +368,7 @@ def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, 
             extra += (_sig(out, "out")[0], _sig(lse, "lse")[0])
         key = ("fwd", sq, sk, sv, sb, causal.__class__, causal, None if window is None else _typed(window), align,
                dropout_p.__class__, dropout_p, scale.__class__, scale, layout, return_mask.__class__, return_mask,
-               softcap.__class__, softcap, sa, *extra)
+               softcap.__class__, softcap, sa, ss, *extra)
         ks = kernels_of(library)
         plan = ks.plans.get(key)
     except Exception:  # anything odd: the full validation below says what
@@ -348,7 +379,7 @@ def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, 
                                   dropout_p=dropout_p, seed=seed, offset=offset, scale=scale, cu_seqlens_q=cu_seqlens_q,
                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                   layout=layout, out=out, lse=lse, return_mask=return_mask, softcap=softcap,
-                                  alibi_slopes=alibi_slopes)
+                                  alibi_slopes=alibi_slopes, sinks=sinks)
         if key is not None:
             ks.plans.put(key, plan)
         else:
@@ -357,13 +388,24 @@ def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, 
             pb = _described_sig(bias, "bias")[1]
             pcq, pck = _described_sig(cu_seqlens_q, "cu")[1], _described_sig(cu_seqlens_k, "cu")[1]
             pa = _described_sig(alibi_slopes, "alibi_slopes")[1]
-    return key, plan.run(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse,
-                         (pq, pk, pv, pb, pcq, pck, pa), seed, offset)
+    result = plan.run(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse,
+                      (pq, pk, pv, pb, pcq, pck, pa), seed, offset, sinks)
+    if sinks is not None and not plan.fuses_sinks:
+        _sinks.apply_sinks(result[0], result[1], sinks, heads_q=_heads_q(result[1], cu_seqlens_q is not None),
+                           layout=layout, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, library=library)
+    return key, result
 
 
-def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, out: Any, lse: Any,
+def _heads_q(lse: Any, varlen: bool) -> int:
+    """The query heads of a forward's logsumexp: ``(B, Hq, Sq)``, or ``(Hq, total)`` varlen."""
+    shape = lse.shape
+    return shape[0] if varlen else shape[1]
+
+
+def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, out: Any, lse: Any, sinks: Any = None,
                    **options: Any) -> tuple[Any, Any]:
     p = prepare(q, k, v, **options)
+    sinks_info = None if sinks is None else _sinks.check_sinks(sinks, p.heads_q, p.device)
     if return_mask and p.dropout_p == 0:
         raise ArgumentError("return_mask=True returns the dropout mask, so it needs dropout_p > 0")
     out_i = check_output(out, "out", p.out_shape(), p.dtype, p)
@@ -391,10 +433,11 @@ def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, ou
                    "v": _in_place_strides(p, p.vi, p.head_dim_v), "bias": _bias_in_place(p)}
     if strides is None or None in strides.values():
         return ks, _GeneralForward(stripped, handle, spec, out_i, lse_i, bool(return_mask))
-    fast = _fast_handles(p, [handle], [q, k, v, p.bias, p.cu_q, p.cu_k, p.alibi])
-    direct = _DirectForward(stripped, q, handle, strides, bool(return_mask), fast)
+    fused = sinks_info if sinks_info is not None and SINKS_ARG in handle.arg_names else None
+    fast = _fast_handles(p, [handle], [q, k, v, p.bias, p.cu_q, p.cu_k, p.alibi, sinks])
+    direct = _DirectForward(stripped, q, handle, strides, bool(return_mask), fast, fused)
     if fast and direct.launches[0].prepared is None:
-        direct = _DirectForward(stripped, q, handle, strides, bool(return_mask), False)
+        direct = _DirectForward(stripped, q, handle, strides, bool(return_mask), False, fused)
     return ks, direct
 
 

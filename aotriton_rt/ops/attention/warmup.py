@@ -22,6 +22,7 @@ from typing import Any
 from ...errors import ArgumentError
 from .dispatch import kernels_of
 from .explain import call_of, sinks_choice
+from .family import SINKS_ARG
 
 __all__ = ["warmup"]
 
@@ -80,7 +81,9 @@ def warmup(*, dtype: str = "bf16", head_dim: int = 128, seqlen: int = 1024, seql
         if backward:
             handles += list(ks.backward(call, device, deterministic, False)[2].values())
         if sinks:
-            handles += [ks.handle(sinks_choice(call, bwd), call) for bwd in (False, True)[:1 + backward]]
+            # A forward that takes the sinks joins them itself; older ones have the epilogue after them.
+            after = (False, True)[SINKS_ARG in handle.arg_names:1 + backward]
+            handles += [ks.handle(sinks_choice(call, bwd), call) for bwd in after]
         return [_ready(h, device) for h in handles]
 
     if not background:
