@@ -787,10 +787,13 @@ def _gputest_configs(spec: dict, target: object) -> tuple[int, ...]:
     return (0,) if spec.get("ALIBI") else tuple(range(len(fwd_configs(spec, target))))
 
 
-_FWD_SIG = signature_of(attn_fwd, {
+#: The forward's pointer types: attn_fwd's, and those of every kernel that stands in for it (its
+#: argument list, see docs/adding-a-kernel.md).
+FWD_POINTERS = {
     "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Bias": "*{dtype}", "Out": "*{dtype}",
     "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "alibi_slopes": "*fp32",
-    "Sinks": "*fp32"})
+    "Sinks": "*fp32"}
+_FWD_SIG = signature_of(attn_fwd, FWD_POINTERS)
 _FWD_DIV = divisibility_of(_FWD_SIG, aligned=("q", "k", "v", "o"), bias=("b",))
 # Checks shared by the attention kernels; the GQA ratio must be whole and the head grid fits in y.
 GQA_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0")

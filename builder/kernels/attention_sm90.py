@@ -660,7 +660,14 @@ def attn_fwd_sm90(
 from aotriton_rt.ops.attention.family import FWD_SM90  # noqa: E402
 from builder.kernels._attention_sets import in_default_set as _in_attn_fwd_default  # noqa: E402
 from builder.kernels._attention_sets import in_gputest_set as _in_attn_fwd_gputest  # noqa: E402
-from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
+from builder.kernels.attention import (  # noqa: E402
+    ALIGN_CHECKS,
+    FWD_POINTERS,
+    GQA_CHECKS,
+    divisibility_of,
+    signature_of,
+    stride_checks,
+)
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
 
 #: Head dims compiled: the ones whose portable sm90 forward trails cuDNN most (docs/performance.md).
@@ -757,10 +764,7 @@ GRID = ("cdiv(seqlen_q, BLOCK_M) * (1 - min(PERSISTENT, 1))"
         " + min(cdiv(cdiv(seqlen_q, BLOCK_M) * batch * num_heads_q, 1 + min(CAUSAL, 1)), PERSISTENT)",
         "batch * num_heads_q * (1 - min(PERSISTENT, 1)) + min(PERSISTENT, 1)", "1")
 
-_SIG = signature_of(attn_fwd_sm90, {
-    "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Bias": "*{dtype}", "Out": "*{dtype}",
-    "LSE": "*fp32", "DropMask": "*i8", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "alibi_slopes": "*fp32",
-    "Sinks": "*fp32"})
+_SIG = signature_of(attn_fwd_sm90, FWD_POINTERS)
 _DIV = divisibility_of(_SIG, aligned=("q", "k", "v", "o"), bias=("b",))
 
 # TMA descriptors need a non-empty extent in every dimension.

@@ -141,8 +141,25 @@ def test_warmup_of_a_capped_or_alibi_call_readies_those_variants(lib: ReadyingLi
     assert "ALIBI=1" in lines[0] and "SOFTCAP=0" in lines[0]
     with pytest.raises(ArgumentError, match=r"alibi must be True or False"):
         aotriton_rt.warmup(dtype="bf16", head_dim=64, seqlen=128, alibi="yes", library=lib)
-    # With sinks: their kernels after the forward (the 16-byte epilogue at D=64) and the backward.
+    # With sinks: the forward joins them itself (it takes Sinks), so only their gradient's kernel
+    # follows the backward; a forward without the arguments has the epilogue after it (the 16-byte
+    # one at D=64).
     lib.readied.clear()
-    lines = aotriton_rt.warmup(dtype="bf16", head_dim=64, seqlen=128, sinks=True, backward=True, library=lib)
-    assert [name for name, _ in lib.readied][-2:] == ["attn_sinks", "attn_sinks_bwd"]
-    assert "ALIGNED=1" in lines[-2]
+    aotriton_rt.warmup(dtype="bf16", head_dim=64, seqlen=128, sinks=True, backward=True, library=lib)
+    readied = [name for name, _ in lib.readied]
+    assert readied[0] == "attn_fwd" and readied[-1] == "attn_sinks_bwd" and "attn_sinks" not in readied
+    lib.readied.clear()
+    made = ReadyingLibrary.kernel
+
+    def built_before(self: ReadyingLibrary, name: str, **params: Any) -> ReadyingKernel:
+        kernel = made(self, name, **params)
+        kernel.arg_names = [n for n in kernel.arg_names if n not in ("Sinks", "use_sinks")]
+        return kernel
+
+    with monkeypatch.context() as m:
+        m.setattr(ReadyingLibrary, "kernel", built_before)
+        dispatch.kernels_of(lib).choices.clear()
+        lines = aotriton_rt.warmup(dtype="bf16", head_dim=64, seqlen=128, sinks=True, library=lib)
+    dispatch.kernels_of(lib).choices.clear()
+    assert [name for name, _ in lib.readied] == ["attn_fwd", "attn_sinks"]
+    assert "ALIGNED=1" in lines[-1]
