@@ -184,7 +184,7 @@ WIDE_HEAD_DIM = 512
 
 
 def in_gputest_wide(spec: dict, target: object) -> bool:
-    """The head dim 512 variants of the GPU test matrix (tests/runtime/test_attention_d512_gpu.py),
+    """The head dim 512 variants of the GPU test matrix (tests/runtime/test_attention_gpu.py, its ``d512`` cases),
     forward and split backward: fp16 and bf16, no mask and mask mode 1 (both alignments), dense;
     fp16 mode 1 also packed (varlen). No bias, dropout, softcap, ALiBi or atomic dQ. Only where
     the bucket is compiled at all (the kernels' ``exclude``)."""
