@@ -150,12 +150,15 @@ def wide_refusal(call: AttentionCall, spec: Mapping[str, Any], arch: str, backwa
         return None
     part = "backward" if backward else "forward"
     dims = f"{call.head_dim}" + (f"/{call.head_dim_v}" if call.head_dim_v != call.head_dim else "")
-    archs = ", ".join(WIDE_ARCHS[part])
+    *most, last = WIDE_ARCHS[part]
+    fixes = [f"a head dim up to {HEAD_DIM_BUCKETS[-2]}"]
+    if call.dtype not in WIDE_DTYPES:
+        fixes.append("/".join(WIDE_DTYPES))
+    if arch not in WIDE_ARCHS[part]:
+        fixes.append("a GPU of those archs")
     return (f"head dim {WIDE_HEAD_DIM} {part} is not available for {call.dtype} on {arch}: head dim {dims} runs on "
-            f"the {WIDE_HEAD_DIM} bucket, which is compiled for {' and '.join(WIDE_DTYPES)} on {archs} only (its "
-            f"tiles would spill registers elsewhere); use head dims up to {HEAD_DIM_BUCKETS[-2]}"
-            + (f", {' or '.join(WIDE_DTYPES)}" if call.dtype not in WIDE_DTYPES else "")
-            + (f" or one of {archs}" if arch not in WIDE_ARCHS[part] else ""))
+            f"the {WIDE_HEAD_DIM} bucket, compiled for {' and '.join(WIDE_DTYPES)} on {', '.join(most)} and {last} "
+            f"only (its tiles spill registers elsewhere); use {', or '.join(fixes)}")
 
 
 def head_dim_buckets(head_dim: int, head_dim_v: int) -> list[tuple[int, int]]:
