@@ -60,6 +60,9 @@ CASES: dict[str, dict] = {
     "head_dim_40_padded_to_48": {"D": 40, "pad_to": 48},
     "head_dim_80_bf16": {"D": 80, "dtype": "bf16", "Sq": 19, "Sk": 23},
     "qk_32_v_16": {"D": 32, "Dv": 16, "causal": 1},
+    # The widest bucket: a head dim zero-padded from 300 to 512, GQA, top-left causal.
+    "head_dim_300_padded_to_512_gqa_causal_fp16": {"D": 300, "pad_to": 512, "dtype": "fp16", "causal": 1, "B": 1,
+                                                   "Hq": 2, "Hk": 1, "Sq": 23, "Sk": 29},
     # Non-deterministic backward: dQ accumulated with fp32 atomics inside the dk/dv kernel.
     "atomic_dq_gqa_causal_bshd": {"atomic": 1, "Hq": 4, "Hk": 2, "layout": "bshd", "causal": 2},
     "atomic_dq_varlen_dropout_padded_head": {"atomic": 1, "varlen": ((13, 29), (30, 17)), "dropout": 0.2,

@@ -105,3 +105,21 @@ def test_explain_refuses_the_512_bucket_by_name_where_it_is_not_compiled(tmp_pat
     with pytest.raises(KernelNotFound, match=r"needs attn_fwd with .*HEAD_DIM=512.* on sm90, which these images lack"):
         op.explain(dtype="bf16", head_dim=512, seqlen_q=128, arch="sm90", library=lib)
 
+
+
+def test_decode_refuses_head_dim_512_so_short_queries_stay_with_the_attention_kernels(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from aotriton_rt.ops.decode import decode_attention, route_options
+    from tests.runtime.test_attention_op import Dev
+    from tests.runtime.test_decode_op import _recording_library
+
+    with pytest.raises(UnsupportedError, match=r"^head dim 512 exceeds the largest supported head dim 256; supported: "
+                                               r"1\.\.256 \(compiled buckets 16, .*, 256; others are read masked"):
+        decode_attention(Dev(2, 1, 8, 512), Dev(2, 256, 2, 512), Dev(2, 256, 2, 512))
+    call = {"causal": True, "window": None, "align": "bottom_right", "bias": None, "dropout_p": 0.0, "scale": None,
+            "cu_seqlens_q": None, "cu_seqlens_k": None, "layout": "bhsd", "out": None, "lse": None,
+            "return_mask": False}
+    lib = _recording_library(monkeypatch)
+    # One query row: the decode kernels take head dim 256, attention()'s own kernels take 512.
+    assert route_options(Dev(2, 8, 1, 256), *[Dev(2, 2, 300, 256)] * 2, **call, library=lib) is not None
+    assert route_options(Dev(2, 8, 1, 512), *[Dev(2, 2, 300, 512)] * 2, **call, library=lib) is None
