@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import aotriton_rt
-from aotriton_rt import KernelNotFound, UnsupportedError
+from aotriton_rt import KernelNotFound, NoDevice, UnsupportedError
 from aotriton_rt.ops import attention as op
 from aotriton_rt.ops.attention.dispatch import LibraryKernels, backward_params, forward_params
 from aotriton_rt.ops.attention.family import (
@@ -89,6 +89,19 @@ def test_a_call_on_the_512_bucket_where_it_is_compiled_names_the_missing_variant
         _kernels("sm90").forward(AttentionCall("fp16", 400, 400), 0)
     with pytest.raises(KernelNotFound, match=r"needs attn_fwd with dtype=fp16, HEAD_DIM=256"):
         _kernels("gfx1100").forward(AttentionCall("fp16", 256, 256), 0)
+
+
+def test_without_a_device_to_name_the_arch_a_missing_512_variant_stays_kernel_not_found(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # JAX lowers for a named arch on machines without a GPU: the refusal must not probe a driver.
+    ks = LibraryKernels(_NoImages())
+
+    def no_device(device: int) -> str:
+        raise NoDevice("no GPU backend is usable")
+
+    monkeypatch.setattr(ks, "device_arch", no_device)
+    with pytest.raises(KernelNotFound, match=r"needs attn_fwd with dtype=fp32, HEAD_DIM=512"):
+        ks.forward(AttentionCall("fp32", 512, 512), 0)
 
 
 def test_explain_refuses_the_512_bucket_by_name_where_it_is_not_compiled(tmp_path: Path) -> None:

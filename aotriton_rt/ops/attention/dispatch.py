@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ...arch import target_arch
-from ...errors import KernelNotFound, UnsupportedError
+from ...errors import DriverError, KernelNotFound, UnsupportedError
 from ...tuning import Choice, explain_config, select_kernel, seqlen_bin
 from .family import (  # noqa: F401 - DTYPES and bucket: explain reads them here
     ALIBI_ARG,
@@ -38,6 +38,7 @@ from .family import (  # noqa: F401 - DTYPES and bucket: explain reads them here
     MODE_RULES,
     PRE,
     SOFTCAP_ARG,
+    WIDE_HEAD_DIM,
     AttentionCall,
     bucket,
     family_of,
@@ -333,7 +334,7 @@ class LibraryKernels:
             return self.lib.kernel(chosen.kernel, **chosen.params)
         except KernelNotFound as e:
             name = chosen.kernel
-            why = refusal(call, chosen, arch() if arch is not None else None)
+            why = refusal(call, chosen, arch)
             if why is not None:
                 raise UnsupportedError(why) from None
             raise KernelNotFound(
@@ -498,11 +499,18 @@ def choose_backward(ks: LibraryKernels, call: AttentionCall, arch: str | Callabl
                                                for role, spec in specs.items()})
 
 
-def refusal(call: AttentionCall, chosen: KernelChoice, arch: str | None) -> str | None:
+def refusal(call: AttentionCall, chosen: KernelChoice, arch: str | Callable[[], str] | None) -> str | None:
     """Why no images can hold ``chosen`` for ``call`` on ``arch`` (:func:`.family.wide_refusal`),
-    or None (None too when ``arch`` is unknown)."""
-    if arch is None:
+    or None. A callable ``arch`` is asked only for a spec on the widest bucket; None, or one that
+    finds no device (e.g. JAX lowering for a named arch), gives None: the caller's
+    KernelNotFound stands."""
+    if arch is None or WIDE_HEAD_DIM not in (chosen.spec.get("HEAD_DIM"), chosen.spec.get("HEAD_DIM_V")):
         return None
+    if callable(arch):
+        try:
+            arch = arch()
+        except DriverError:
+            return None
     return wide_refusal(call, chosen.spec, arch, chosen.role != FWD)
 
 

@@ -132,7 +132,8 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
 
     Raises:
         ArgumentError: a malformed fact, or an ``arch`` the images do not hold.
-        UnsupportedError: a head dim beyond the largest bucket.
+        UnsupportedError: a head dim beyond the largest bucket, or on the 512 bucket where no
+            build compiles it for the dtype and ``arch`` (:func:`.family.wide_refusal`).
         KernelNotFound: the images lack a kernel the call needs (as the call itself would).
 
     Example::
