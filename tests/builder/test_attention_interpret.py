@@ -415,10 +415,10 @@ COMPILES = [
     # ALiBi: the 4-warp causal tile (two programs per SM) and the backward's dQ keep their limits.
     ("attn_fwd", "sm90", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 1, "ALIBI": 1}, 0, "wgmma"),
     ("attn_bwd_dq", "sm90", {"dtype": "bf16", "HEAD_DIM": 64, "CAUSAL": 1, "VARLEN": 1, "ALIBI": 1}, 0, "wgmma"),
-    # Head dim 512: the forward through TMA without a spill, the backward's tiles (16 or 32 rows,
-    # under wgmma's 64: mma.sync), CDNA's 8-wave forward in gfx942's 64 KB of LDS.
+    # Head dim 512 through TMA without a spill: the forward, and the backward's 32-row tiles
+    # (under wgmma's 64: mma.sync); CDNA's 8-wave forward in gfx942's 64 KB of LDS.
     ("attn_fwd", "sm90", {"dtype": "fp16", "HEAD_DIM": 512, "CAUSAL": 0}, 0, "wgmma nospill"),
-    ("attn_bwd_dkdv", "sm90", {"dtype": "bf16", "HEAD_DIM": 512, "CAUSAL": 1}, 0, "mma_sync"),
+    ("attn_bwd_dkdv", "sm90", {"dtype": "bf16", "HEAD_DIM": 512, "CAUSAL": 1}, 0, "mma_sync nospill"),
     ("attn_bwd_dq", "sm90", {"dtype": "fp16", "HEAD_DIM": 512, "CAUSAL": 0}, 0, "mma_sync nospill"),
     ("attn_fwd", "gfx942", {"dtype": "bf16", "HEAD_DIM": 512, "CAUSAL": 1}, 0, ""),
     ("attn_bwd_dkdv", "gfx942", {"dtype": "fp16", "HEAD_DIM": 512, "CAUSAL": 0}, 0, ""),

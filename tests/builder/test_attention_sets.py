@@ -59,8 +59,8 @@ def test_head_dim_512_configs_fit_each_target() -> None:
                                            j.config.num_warps, j.config.num_stages, j.config.constexprs["USE_TMA"])
                for j in _wide("gputest", "sm90,gfx942,gfx950,gfx90a") if j.kernel != "attn_bwd_preprocess"}
     assert configs[("attn_fwd", "sm90")] == (64, 32, 8, 2, 1)
-    assert configs[("attn_bwd_dkdv", "sm90")] == (16, 32, 8, 1, 0)
-    assert configs[("attn_bwd_dq", "sm90")] == (32, 32, 8, 1, 0)
+    assert configs[("attn_bwd_dkdv", "sm90")] == (32, 32, 8, 1, 1)
+    assert configs[("attn_bwd_dq", "sm90")] == (32, 64, 8, 1, 1)
     assert {configs[("attn_fwd", a)] for a in ("gfx942", "gfx950", "gfx90a")} == {(64, 32, 8, 1, 0)}
     assert configs[("attn_bwd_dkdv", "gfx942")] == (16, 16, 4, 1, 0)
     assert configs[("attn_bwd_dkdv", "gfx950")] == configs[("attn_bwd_dkdv", "gfx90a")] == (16, 32, 4, 1, 0)
