@@ -23,6 +23,11 @@ forward+backward 3.5×):
   saved), ``bwd`` (``torch.autograd.grad`` of one forward's output, graph retained), ``fwd+bwd``.
 - ``fa2-inf`` / ``fa2-train``: the same for ``sdpa_kernel(FLASH_ATTENTION)``, torch's
   FlashAttention-2 backend.
+- ``mea-inf`` / ``mea-train``, else ``math-inf`` / ``math-train``: torch's memory-efficient
+  backend (``EFFICIENT_ATTENTION``), else its math backend, the same way, timed only for a shape
+  whose forward and backward neither cuDNN nor FlashAttention-2 serves (head dims above 256, e.g.
+  ``d512``). The row's ``peers`` (printed with each shape and under the tables) names the SDPA
+  backends that ran, ``errors`` why the others did not.
 - ``base`` (with ``--baseline DIR``): the same operator calls on the images of ``DIR``, e.g. the
   kernels before a source change, built into their own folder: ``fwd``, ``bwd``; the ratios
   ``fwd/base`` and ``bwd/base`` say whether the change made them faster (> 1) or slower.
@@ -35,10 +40,13 @@ max. Tensors hold (B, N, H, D) memory seen as (B, H, N, D), read in place by eve
 
 Default shapes (``--shapes``; the benchmark grid), each fp16 and bf16, causal and not
 unless said: ``d128`` B4 H32 N4096 D128; ``d64`` B4 H32 N4096 D64; ``n1024`` B16 H32 N1024 D128;
-``n16384`` B4 H32 N16384 D128 causal. ``--n/--d/--b/--h`` give a grid of their own instead.
+``n16384`` B4 H32 N16384 D128 causal. Also asked for by name: ``d512`` B2 H16 N4096 D512 (needs
+images with the 512 bucket: ``gputest`` or ``full`` on sm90). ``--n/--d/--b/--h`` give a grid of
+their own instead.
 
     python bench/attention.py --images DIR --json out.json        # the benchmark grid, estimated 4-5 min
     python bench/attention.py --images DIR --shapes d128 --rounds 8
+    python bench/attention.py --images DIR --shapes d512 --rounds 8 --no-jit
     python bench/attention.py --images DIR --n 4096 --d 128 --dtype bf16 --causal 1 --no-jit
     python bench/attention.py --images NEW --baseline OLD --n 1024 4096 16384 --d 64 128 --causal 1 --no-jit
 """
@@ -69,12 +77,20 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, 
           "i32": torch.int32}
 #: name: (B, H, N, D, causal values); dtypes fp16 and bf16.
 SHAPES = {"d128": (4, 32, 4096, 128, (0, 1)), "d64": (4, 32, 4096, 64, (0, 1)),
-          "n1024": (16, 32, 1024, 128, (0, 1)), "n16384": (4, 32, 16384, 128, (1,))}
+          "n1024": (16, 32, 1024, 128, (0, 1)), "n16384": (4, 32, 16384, 128, (1,)),
+          "d512": (2, 16, 4096, 512, (0, 1))}
+#: The shapes timed by default (the benchmark grid); the others run when named in ``--shapes``.
+GRID = ("d128", "d64", "n1024", "n16384")
+#: torch SDPA backends: (backend, contender name), the first two always timed, the rest in order,
+#: the first one that serves a shape, only when neither of the first two does.
+SDPA_PEERS = (("cudnn", "cudnn"), ("flash", "fa2"), ("efficient", "mea"), ("math", "math"))
 #: contender -> (what it times, flops multiple of the forward).
 CONTENDERS = {
     "ours fwd": 1.0, "ours bwd": 2.5, "ours fwd+bwd": 3.5, "portable fwd": 1.0, "jit fwd": 1.0, "jit bwd": 2.5,
     "cudnn-inf fwd": 1.0, "cudnn-train fwd": 1.0, "cudnn-train bwd": 2.5, "cudnn-train fwd+bwd": 3.5,
     "fa2-inf fwd": 1.0, "fa2-train fwd": 1.0, "fa2-train bwd": 2.5, "fa2-train fwd+bwd": 3.5,
+    "mea-inf fwd": 1.0, "mea-train fwd": 1.0, "mea-train bwd": 2.5, "mea-train fwd+bwd": 3.5,
+    "math-inf fwd": 1.0, "math-train fwd": 1.0, "math-train bwd": 2.5, "math-train fwd+bwd": 3.5,
     "base fwd": 1.0, "base bwd": 2.5,
 }
 #: ratio name -> (ours, other).
@@ -83,6 +99,8 @@ RATIOS = {
     "bwd/cudnn": ("ours bwd", "cudnn-train bwd"), "f+b/cudnn": ("ours fwd+bwd", "cudnn-train fwd+bwd"),
     "fwd/jit": ("ours fwd", "jit fwd"), "bwd/jit": ("ours bwd", "jit bwd"),
     "fwd/fa2": ("ours fwd", "fa2-inf fwd"), "bwd/fa2": ("ours bwd", "fa2-train bwd"),
+    "fwd/mea": ("ours fwd", "mea-inf fwd"), "bwd/mea": ("ours bwd", "mea-train bwd"),
+    "fwd/math": ("ours fwd", "math-inf fwd"), "bwd/math": ("ours bwd", "math-train bwd"),
     "fwd/portable": ("ours fwd", "portable fwd"),
     "fwd/base": ("ours fwd", "base fwd"), "bwd/base": ("ours bwd", "base bwd"),
 }
@@ -198,7 +216,8 @@ def sdpa_contenders(p: Problem, backend: str, name: str) -> tuple[dict[str, Any]
     """``{name}-inf fwd``, ``{name}-train fwd/bwd/fwd+bwd`` for one SDPA backend; or the error."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+          "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     qg, kg, vg = (t.detach().requires_grad_() for t in (p.q, p.k, p.v))
 
@@ -223,8 +242,12 @@ def sdpa_contenders(p: Problem, backend: str, name: str) -> tuple[dict[str, Any]
     def both() -> Any:
         return torch.autograd.grad(train(), (qg, kg, vg), p.do)
 
-    return {f"{name}-inf fwd": inf, f"{name}-train fwd": train, f"{name}-train bwd": bwd,
-            f"{name}-train fwd+bwd": both}, None
+    forward = {f"{name}-inf fwd": inf, f"{name}-train fwd": train}
+    try:  # a backend may serve a shape's forward but not its backward
+        bwd()
+    except RuntimeError as exc:
+        return forward, "backward: " + str(exc).splitlines()[0][:200]
+    return {**forward, f"{name}-train bwd": bwd, f"{name}-train fwd+bwd": both}, None
 
 
 def operator_contenders(p: Problem, library: Any, name: str, deterministic: bool) -> dict[str, Any]:
@@ -286,10 +309,16 @@ def run(p: Problem, lib: Any, jit: Any, args: argparse.Namespace, base: Any = No
             fns.update(operator_contenders(p, base, "base", args.deterministic))
         except Exception as exc:  # noqa: BLE001 - e.g. the baseline lacks a kernel; the others still run
             row["errors"]["base"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    for backend, name in (("cudnn", "cudnn"), ("flash", "fa2")):
+    row["peers"], whole = [], False
+    for i, (backend, name) in enumerate(SDPA_PEERS):
+        if i >= 2 and whole:
+            break  # fallbacks only until one backend serves the shape's forward and backward
         got, err = sdpa_contenders(p, backend, name)
         if err:
             row["errors"][name] = err
+        if got:
+            row["peers"].append(backend + (" (forward only)" if err else ""))
+            whole = whole or not err
         fns.update(got)
     fns = {k: f for k, f in fns.items() if k not in args.skip}
     stats = time_rounds(fns, rounds=args.rounds, seed=args.seed, order=args.order, flush_l2=args.flush_l2,
@@ -333,7 +362,11 @@ def print_tables(rows: list[dict]) -> None:
                                              for k in shown))
     print("ours: AOT images through the operator; jit: the same calls on the Triton JIT with the AOT variant's "
           "config; cud-inf / fa2-inf: inputs without grad; -tr: inputs with grad (fwd alone, bwd alone, f+b); "
-          "fa2: torch SDPA's FlashAttention-2 backend; base: the operator on the --baseline images.")
+          "fa2: torch SDPA's FlashAttention-2 backend; mea / math: its memory-efficient / math backend (where "
+          "neither cuDNN nor FlashAttention-2 serves); base: the operator on the --baseline images.")
+    for r in rows:
+        if "peers" in r:
+            print(f"SDPA peers of {r['shape']}: {', '.join(r['peers']) or 'none'}")
 
 
 def problems(args: argparse.Namespace) -> list[tuple[int, int, int, int, bool, str]]:
@@ -358,7 +391,8 @@ def main() -> None:
     ap.add_argument("--images", default=None, help="image folder (default: the default search)")
     ap.add_argument("--baseline", default=None, help="a second image folder timed as 'base' in the same rounds "
                     "(e.g. the kernels before a change; ratios fwd/base, bwd/base)")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)} (default: all)")
+    ap.add_argument("--shapes", default=",".join(GRID), help=f"comma list of {', '.join(SHAPES)} (default: "
+                    f"{', '.join(GRID)})")
     ap.add_argument("--n", type=int, nargs="*", default=None, help="own grid: sequence lengths (replaces --shapes)")
     ap.add_argument("--d", type=int, nargs="*", default=None, help="own grid: head dims (replaces --shapes)")
     ap.add_argument("--b", type=int, default=4, help="own grid: batch")
@@ -418,7 +452,8 @@ def main() -> None:
         p = Problem(*shape)
         row = run(p, lib, jit, args, base)
         results["rows"].append(row)
-        print(f"{row['shape']}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items())
+        print(f"{row['shape']} (SDPA peers: {', '.join(row['peers']) or 'none'}): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in row["ratios"].items())
               + (f"  errors: {row['errors']}" if row["errors"] else ""), flush=True)
         del p
         torch.cuda.empty_cache()

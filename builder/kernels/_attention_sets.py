@@ -177,17 +177,40 @@ def in_gputest_alibi(spec: dict, target: object) -> bool:
     return (not spec.get("DROPOUT") and not spec.get("DQ_ATOMIC")) or one
 
 
+#: The widest head-dim bucket (``aotriton_rt.ops.attention.family.WIDE_HEAD_DIM``): in
+#: ``gputest`` at :func:`in_gputest_wide`'s combinations and in ``full``, never in the default set
+#: (each variant costs the quickstart's budget and common models stop at 256).
+WIDE_HEAD_DIM = 512
+
+
+def in_gputest_wide(spec: dict, target: object) -> bool:
+    """The head dim 512 variants of the GPU test matrix (tests/runtime/test_attention_gpu.py, its ``d512`` cases),
+    forward and split backward: fp16 and bf16, no mask and mask mode 1 (both alignments), dense;
+    fp16 mode 1 also packed (varlen). No bias, dropout, softcap, ALiBi or atomic dQ. Only where
+    the bucket is compiled at all (the kernels' ``exclude``)."""
+    if spec.get("HEAD_DIM") != WIDE_HEAD_DIM or spec.get("HEAD_DIM_V", WIDE_HEAD_DIM) != WIDE_HEAD_DIM:
+        return False
+    if "HEAD_DIM_V" not in spec:  # attn_bwd_dq_convert: only the atomic scheme runs it
+        return False
+    if spec.get("dtype") not in ("fp16", "bf16") or spec.get("CAUSAL", 1) not in (0, 1):
+        return False
+    if any(spec.get(axis, 0) for axis in ("BIAS", "DROPOUT", "SOFTCAP", "ALIBI", "DQ_ATOMIC")):
+        return False
+    return not spec.get("VARLEN", 0) or (spec["dtype"] == "fp16" and spec.get("CAUSAL", 1) == 1)
+
+
 def in_gputest_set(spec: dict, target: object) -> bool:
     """The GPU test matrix: the default set plus every feature at a few head dims (``GPUTEST``),
-    softcap also at head dim 64 (fp16 and bf16, no mask or mode 1, dense and packed), and ALiBi
-    at :func:`in_gputest_alibi`'s combinations."""
+    softcap also at head dim 64 (fp16 and bf16, no mask or mode 1, dense and packed), ALiBi
+    at :func:`in_gputest_alibi`'s combinations and head dim 512 at :func:`in_gputest_wide`'s."""
     if spec.get("ALIBI", 0):
         return in_gputest_alibi(spec, target)
     if spec.get("SOFTCAP", 0):
         return in_default_set(spec, target) or (
             spec.get("dtype") in ("fp16", "bf16") and spec.get("HEAD_DIM") == spec.get("HEAD_DIM_V") == 64
             and spec.get("CAUSAL") in (0, 1) and not spec.get("DROPOUT") and not spec.get("BIAS"))
-    return in_default_set(spec, target) or any(_in_gputest_combo(spec, c) for c in GPUTEST)
+    return (in_default_set(spec, target) or any(_in_gputest_combo(spec, c) for c in GPUTEST)
+            or in_gputest_wide(spec, target))
 
 
 #: Head dims of the sm90 Gluon backward (builder/kernels/attention_bwd_sm90.py's HEAD_DIMS are these).

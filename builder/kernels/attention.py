@@ -613,6 +613,7 @@ def attn_fwd(
 # Registry declarations (shared helpers are used by attention_bwd.py too).
 # --------------------------------------------------------------------------------------------
 
+from aotriton_rt.ops.attention.family import WIDE_ARCHS, WIDE_DTYPES, WIDE_HEAD_DIM, wide_compiled  # noqa: E402
 from builder.kernels._attention_sets import in_bwd_sweep_set, in_default_set, in_gputest_set  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernels
 
@@ -680,15 +681,19 @@ def stride_checks(div: dict[str, int]) -> tuple[str, ...]:
     return tuple(" and ".join(parts) for parts in groups.values())
 
 
-def head_dim_excluded(spec: dict, target: object) -> str | None:
-    """Unequal q.k / v head dims are compiled only for the pairs in UNEQUAL_HEAD_DIMS."""
+def head_dim_excluded(spec: dict, target: object, backward: bool = False) -> str | None:
+    """Unequal q.k / v head dims are compiled only for the pairs in UNEQUAL_HEAD_DIMS; the widest
+    bucket only where the family says the forward's (or with ``backward`` the backward's) kernels
+    fit (``wide_compiled``)."""
     dk, dv = spec.get("HEAD_DIM"), spec.get("HEAD_DIM_V")
     if dk is not None and dv is not None and dk != dv and (dk, dv) not in UNEQUAL_HEAD_DIMS:
         return f"head dims {dk}/{dv}: unequal pairs are only {UNEQUAL_HEAD_DIMS}"
+    if WIDE_HEAD_DIM in (dk, dv) and not wide_compiled(spec["dtype"], target.arch, backward):
+        return f"head dim {WIDE_HEAD_DIM}: compiled for {WIDE_DTYPES} on {WIDE_ARCHS} only"
     return None
 
 
-def fwd_excluded(spec: dict, target: object) -> str | None:
+def fwd_excluded(spec: dict, target: object, backward: bool = False) -> str | None:
     """:func:`head_dim_excluded`, softcap only without a bias or dropout (the full set would grow
     by a quarter for combinations no model has), and ALiBi only without a bias tensor or softcap
     (a bias can carry ALiBi's term itself; no model combines ALiBi with a softcap)."""
@@ -696,7 +701,7 @@ def fwd_excluded(spec: dict, target: object) -> str | None:
         return "softcap is compiled without bias and without dropout"
     if spec.get("ALIBI") and (spec.get("BIAS") or spec.get("SOFTCAP")):
         return "ALiBi is compiled without a bias tensor and without softcap"
-    return head_dim_excluded(spec, target)
+    return head_dim_excluded(spec, target, backward)
 
 
 def fwd_checks(spec: dict) -> tuple[str, ...]:
@@ -736,6 +741,10 @@ def _sm90_fwd_configs(spec: dict, d: int) -> tuple[ConfigDecl, ...]:
     """
     if d <= 64:
         return (_cfg(128, 64, 4, 3), _cfg(128, 64, 4, 2, tma=1), _cfg(128, 64, 8, 2, tma=1))
+    if d > 256:
+        # D=512: 64x32 through TMA, 8 warps, two K/V stages: 192 KB of shared memory, 242
+        # registers, no spills (without TMA: 320 bytes of spill stores; 64x64 tiles: 320 KB).
+        return (_cfg(64, 32, 8, 2, tma=1),)
     if d > 128:
         return (_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 2, tma=1))
     if spec["BIAS"] or spec["DROPOUT"]:
@@ -775,6 +784,10 @@ def fwd_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
         bm, bn, w = (64, 32, 4) if d <= 64 else (32, 32, 4) if d <= 128 else (32, 16, 4)
     elif rdna:
         bm, bn, w = (64, 32, 4) if d <= 128 else (32, 32, 4)
+    elif d > 256:
+        # D=512 (CDNA only): 8 waves hold the 64x512 fp32 accumulator without spilling (4 waves
+        # spill 150-200 VGPRs); K and V tiles fill gfx942's 64 KB of LDS exactly.
+        bm, bn, w = (64, 32, 8)
     else:
         bm, bn, w = (128, 64, 4) if d <= 128 else (64, 32, 4)
     return (ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, **_NO_TMA}, num_warps=w, num_stages=1,

@@ -60,6 +60,9 @@ CASES: dict[str, dict] = {
     "head_dim_40_padded_to_48": {"D": 40, "pad_to": 48},
     "head_dim_80_bf16": {"D": 80, "dtype": "bf16", "Sq": 19, "Sk": 23},
     "qk_32_v_16": {"D": 32, "Dv": 16, "causal": 1},
+    # The widest bucket: a head dim zero-padded from 300 to 512, GQA, top-left causal.
+    "head_dim_300_padded_to_512_gqa_causal_fp16": {"D": 300, "pad_to": 512, "dtype": "fp16", "causal": 1, "B": 1,
+                                                   "Hq": 2, "Hk": 1, "Sq": 23, "Sk": 29},
     # Non-deterministic backward: dQ accumulated with fp32 atomics inside the dk/dv kernel.
     "atomic_dq_gqa_causal_bshd": {"atomic": 1, "Hq": 4, "Hk": 2, "layout": "bshd", "causal": 2},
     "atomic_dq_varlen_dropout_padded_head": {"atomic": 1, "varlen": ((13, 29), (30, 17)), "dropout": 0.2,
@@ -431,6 +434,14 @@ COMPILES = [
     # ALiBi: the 4-warp causal tile (two programs per SM) and the backward's dQ keep their limits.
     ("attn_fwd", "sm90", {"dtype": "fp16", "HEAD_DIM": 128, "CAUSAL": 1, "ALIBI": 1}, 0, "wgmma"),
     ("attn_bwd_dq", "sm90", {"dtype": "bf16", "HEAD_DIM": 64, "CAUSAL": 1, "VARLEN": 1, "ALIBI": 1}, 0, "wgmma"),
+    # Head dim 512 through TMA without a spill: the forward, and the backward's 32-row tiles
+    # (under wgmma's 64: mma.sync); CDNA's 8-wave forward in gfx942's 64 KB of LDS.
+    ("attn_fwd", "sm90", {"dtype": "fp16", "HEAD_DIM": 512, "CAUSAL": 0}, 0, "wgmma nospill"),
+    ("attn_bwd_dkdv", "sm90", {"dtype": "bf16", "HEAD_DIM": 512, "CAUSAL": 1}, 0, "mma_sync nospill"),
+    ("attn_bwd_dq", "sm90", {"dtype": "fp16", "HEAD_DIM": 512, "CAUSAL": 0}, 0, "mma_sync nospill"),
+    ("attn_fwd", "gfx942", {"dtype": "bf16", "HEAD_DIM": 512, "CAUSAL": 1}, 0, ""),
+    ("attn_bwd_dkdv", "gfx942", {"dtype": "fp16", "HEAD_DIM": 512, "CAUSAL": 0}, 0, ""),
+    ("attn_bwd_dq", "gfx950", {"dtype": "bf16", "HEAD_DIM": 512, "CAUSAL": 1, "VARLEN": 1}, 0, ""),
 ]
 
 
@@ -479,7 +490,9 @@ def test_attention_variant_compiles_ahead_of_time_within_shared_memory(compiled:
         assert variant["scratch"]["global_size"] > 0
     else:
         assert variant["num_warps"] == variant["config"]["num_warps"]
-    if "sass_ops" in variant:
+    if "nospill" in expect:
+        assert variant["sass_ops"].get("STL", 0) == 0, "register spills"
+    if "sass_ops" in variant and "mma_sync" not in expect:
         ops = variant["sass_ops"]
         hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
         fences = ops.get("WARPGROUP.ARRIVE", 0)

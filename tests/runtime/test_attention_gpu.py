@@ -74,6 +74,19 @@ MATRIX: dict[str, dict] = {
     "fp16_qk192_v128_causal": _case(D=192, Dv=128, causal=True, S=131),
     "bf16_qk192_v128_causal_bshd": _case("bf16", D=192, Dv=128, causal=True, S=131, layout="bshd"),
     "fp16_qk64_v32_padded": _case(D=64, Dv=32),
+    # Head dim 512 (fp16/bf16; runs D in 257..512 zero-padded): both layouts and dtypes, padded
+    # dims, GQA, unequal lengths in both alignments, varlen, unequal q·k / v on the 512 bucket.
+    "fp16_d512": _case(D=512, S=131),
+    "bf16_d512_causal_bshd": _case("bf16", D=512, causal=True, S=131, layout="bshd"),
+    "fp16_d384_causal_padded_to_512": _case(D=384, causal=True, S=97),
+    "bf16_d300_padded_to_512": _case("bf16", D=300, S=67),
+    "fp16_d512_gqa_8_to_2_causal": _case(D=512, Hq=8, Hk=2, causal=True, S=131),
+    "fp16_d512_top_left_sq_lt_sk": _case(D=512, causal=True, Sq=67, Sk=131),
+    "bf16_d512_bottom_right_sq_gt_sk_empty_rows": _case("bf16", D=512, causal=True, align="bottom_right", Sq=131,
+                                                        Sk=67),
+    "fp16_d512_varlen_causal_bottom_right": _case(D=512, varlen=((37, 53), (129, 129), (1, 7)), causal=True,
+                                                  align="bottom_right"),
+    "fp16_qk512_v256_padded": _case(D=512, Dv=256, S=67),
     # Causal alignments with seqlen_q != seqlen_k (bottom-right with empty rows).
     "fp16_top_left_sq_lt_sk": _case(causal=True, Sq=113, Sk=257),
     "fp16_top_left_sq_gt_sk": _case(causal=True, Sq=257, Sk=113),

@@ -673,14 +673,16 @@ def test_head_dims_take_the_smallest_bucket_and_unequal_pairs_only_where_compile
     assert head_dim_buckets(192, 128)[:2] == [(192, 128), (192, 192)]
     assert head_dim_buckets(180, 100)[:2] == [(192, 128), (192, 192)]
     assert first(8, 24) == (32, 32)
-    assert head_dim_buckets(256, 64) == [(256, 256)]
+    assert head_dim_buckets(256, 64) == [(256, 256), (512, 512)]
     # Then every wider bucket, narrowest first: images without a bucket run on the next they hold.
     assert head_dim_buckets(80, 80) == [(80, 80), (96, 96), (128, 128), (160, 160), (192, 192), (224, 224),
-                                        (256, 256)]
-    assert head_dim_buckets(192, 128) == [(192, 128), (192, 192), (224, 224), (256, 256)]
-    with pytest.raises(UnsupportedError, match=r"head dim 257 exceeds the largest supported head dim 256; "
-                                               r"supported: 1\.\.256 \(compiled buckets 16, 32, 48"):
-        head_dim_buckets(64, 257)
+                                        (256, 256), (512, 512)]
+    assert head_dim_buckets(192, 128) == [(192, 128), (192, 192), (224, 224), (256, 256), (512, 512)]
+    # 257..512 on the 512 bucket, unequal pairs with a side above 256 too (only equal 512 is compiled).
+    assert head_dim_buckets(300, 300) == head_dim_buckets(512, 256) == head_dim_buckets(64, 257) == [(512, 512)]
+    with pytest.raises(UnsupportedError, match=r"head dim 513 exceeds the largest supported head dim 512; "
+                                               r"supported: 1\.\.512 \(compiled buckets 16, 32, 48"):
+        head_dim_buckets(64, 513)
     call = AttentionCall("fp16", 192, 128)
     assert forward_params(call)["HEAD_DIM_V"] == 128
     assert forward_params(call, only(("attn_fwd", {"HEAD_DIM_V": 192})))["HEAD_DIM_V"] == 192
@@ -1006,11 +1008,11 @@ REFUSALS = [
      r"v has seqlen 65 but k has 64; k and v hold the same keys"),
     ("qk_dim", lambda: _fwd(Dev(2, 4, 64, 32), *qkv()[1:]), ArgumentError,
      r"k has head dim 64 but q has 32; q·k needs equal head dims \(v's may differ\)"),
-    ("dim_too_big", lambda: _fwd(*qkv(D=320)), UnsupportedError,
-     r"the q·k head dim 320 exceeds the largest supported head dim 256; supported: 1\.\.256 \(compiled buckets "
-     r"16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256; others are zero-padded\)"),
-    ("v_dim_too_big", lambda: _fwd(*qkv()[:2], Dev(2, 4, 64, 512)), UnsupportedError,
-     r"the v head dim 512 exceeds the largest supported head dim 256"),
+    ("dim_too_big", lambda: _fwd(*qkv(D=520)), UnsupportedError,
+     r"the q·k head dim 520 exceeds the largest supported head dim 512; supported: 1\.\.512 \(compiled buckets "
+     r"16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 512; others are zero-padded\)"),
+    ("v_dim_too_big", lambda: _fwd(*qkv()[:2], Dev(2, 4, 64, 1024)), UnsupportedError,
+     r"the v head dim 1024 exceeds the largest supported head dim 512"),
     ("v_heads", lambda: _fwd(*qkv()[:2], Dev(2, 2, 64, 64)), ArgumentError,
      r"v has 2 heads but k has 4; k and v share their heads"),
     ("gqa_ratio", lambda: _fwd(*qkv(H=6, Hk=4)), ArgumentError,

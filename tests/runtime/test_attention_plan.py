@@ -184,8 +184,8 @@ def test_arrays_on_two_devices_are_refused_on_every_call(lib: RecordingLibrary) 
 
 def test_unsupported_shapes_stay_refused_with_their_type(lib: RecordingLibrary) -> None:
     for _ in range(2):
-        with pytest.raises(UnsupportedError, match=r"the q·k head dim 320 exceeds"):
-            op.attention(*qkv(D=320), library=lib)
+        with pytest.raises(UnsupportedError, match=r"the q·k head dim 520 exceeds"):
+            op.attention(*qkv(D=520), library=lib)
 
 
 def test_dropout_seeds_are_per_call_values_not_part_of_the_plan(lib: RecordingLibrary) -> None:

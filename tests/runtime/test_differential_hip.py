@@ -36,14 +36,15 @@ FEATURE_KERNELS = "attn_fwd,attn_bwd_dkdv,attn_bwd_dq"
 @pytest.fixture(scope="session")
 def hip_sample_images(tmp_path_factory: pytest.TempPathFactory, triton_cache: Path) -> Path:
     """The default set's kernels, one variant each per default HIP target, plus variants of the
-    full set on gfx942: attention's bias, dropout and varlen paths, and its logit softcap and
-    ALiBi variants (forward, dK/dV, dQ each), built by the builder."""
+    full set on gfx942: attention's bias, dropout and varlen paths, its logit softcap and ALiBi
+    variants and its head dim 512 bucket (forward, dK/dV, dQ each), built by the builder."""
     out = tmp_path_factory.mktemp("diff-hip")
     env = compile_env(triton_cache)
     run_python(["-m", "tests.fakehip.differential", "build", str(out), ",".join(HIP_TARGETS), "default", "1"], env)
     folders = [out]
     for name, kernels, where in (("full", "attn_fwd,attn_bwd_dq", None),
-                                 ("softcap", FEATURE_KERNELS, "SOFTCAP=1"), ("alibi", FEATURE_KERNELS, "ALIBI=1")):
+                                 ("softcap", FEATURE_KERNELS, "SOFTCAP=1"), ("alibi", FEATURE_KERNELS, "ALIBI=1"),
+                                 ("d512", FEATURE_KERNELS, "HEAD_DIM=512")):
         folders.append(tmp_path_factory.mktemp(f"diff-hip-{name}"))
         run_python(["-m", "tests.fakehip.differential", "build", str(folders[-1]), "gfx942", "full", "1", kernels,
                     *([where] if where else [])], env)
@@ -78,8 +79,8 @@ def test_aotriton_launches_every_default_hip_kernel_as_tritons_own_launcher_does
             "attn_bwd_dkdv"} <= kernels
     assert differences(hip_sample_images, arch, jit, aot) == []
     if arch == "gfx942":  # the feature variants were launched and compared too
-        for axis in ("SOFTCAP", "ALIBI"):
-            launched = {v.kernel for v in catalog.variants if v.target.arch == arch and v.spec.get(axis) == 1
+        for axis, value in (("SOFTCAP", 1), ("ALIBI", 1), ("HEAD_DIM", 512)):
+            launched = {v.kernel for v in catalog.variants if v.target.arch == arch and v.spec.get(axis) == value
                         and v.key in jit and v.key in aot}
             assert launched == set(FEATURE_KERNELS.split(",")), (axis, launched)
     # Both sides really launched, through the two different argument-passing styles.

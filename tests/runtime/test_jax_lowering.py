@@ -272,8 +272,8 @@ def test_attention_refuses_bad_input_at_trace_time_with_the_eager_errors(lib) ->
         jax.jit(f).trace(QKV, wrong, QKV)
     with pytest.raises(ArgumentError, match="must be 4-D"):
         jax.jit(f).trace(jax.ShapeDtypeStruct((4, 128, 64), jnp.bfloat16), QKV, QKV)
-    big = jax.ShapeDtypeStruct((2, 4, 128, 300), jnp.bfloat16)
-    with pytest.raises(UnsupportedError, match="exceeds the largest supported head dim 256"):
+    big = jax.ShapeDtypeStruct((2, 4, 128, 600), jnp.bfloat16)
+    with pytest.raises(UnsupportedError, match="exceeds the largest supported head dim 512"):
         jax.jit(f).trace(big, big, big)
     with pytest.raises(UnsupportedError, match="q has dtype i8; attention supports fp16, bf16, fp32"):
         jax.jit(f).trace(*[jax.ShapeDtypeStruct((2, 4, 128, 64), jnp.int8)] * 3)

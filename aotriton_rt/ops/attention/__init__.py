@@ -39,7 +39,7 @@ forward and the backward, reproducible across runs; ``return_mask=True`` also re
 applied keep-mask (int8, 1 = kept; 0 outside the visible band).
 
 **Dispatch.** The kernel variant follows from the call: dtype, head-dim bucket (the smallest of
-16 32 48 64 80 96 128 160 192 224 256 that holds the head dim; narrower dims are zero-padded and
+16 32 48 64 80 96 128 160 192 224 256 512 that holds the head dim; narrower dims are zero-padded and
 sliced back; q·k / v pairs 192/128 run unequal, other unequal pairs on the larger bucket), mask
 mode, bias, dropout, varlen, softcap and ALiBi. The tuning config comes from the catalog's ``tuning`` table when
 it has rules for the kernel (see :func:`select_config`), else config 0; :func:`explain` says which
@@ -104,7 +104,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
         q, k, v: GPU arrays of one dtype (fp16, bf16 or fp32), ``(B, H, S, D)`` for
             ``layout="bhsd"``, ``(B, S, H, D)`` for ``"bshd"``, or packed ``(total, H, D)`` with
             ``cu_seqlens_*``. k/v may have fewer heads than q (GQA/MQA: a divisor); v's head dim
-            may differ from q's. Head dims 1..256.
+            may differ from q's. Head dims 1..512 (257..512: fp16/bf16 on sm90, gfx90a, gfx942 and
+            gfx950 only; UnsupportedError elsewhere).
         causal: hide keys right of the diagonal (see ``align``).
         window: ``(left, right)`` sliding window around the diagonal; -1 leaves a side unbounded.
         align: ``"top_left"`` or ``"bottom_right"``: where the diagonal lies when the query and key

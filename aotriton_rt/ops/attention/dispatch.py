@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ...arch import target_arch
-from ...errors import KernelNotFound
+from ...errors import DriverError, KernelNotFound, UnsupportedError
 from ...tuning import Choice, explain_config, select_kernel, seqlen_bin
 from .family import (  # noqa: F401 - DTYPES and bucket: explain reads them here
     ALIBI_ARG,
@@ -38,10 +38,12 @@ from .family import (  # noqa: F401 - DTYPES and bucket: explain reads them here
     MODE_RULES,
     PRE,
     SOFTCAP_ARG,
+    WIDE_HEAD_DIM,
     AttentionCall,
     bucket,
     family_of,
     head_dim_buckets,
+    wide_refusal,
 )
 from .signature import PlanCache
 
@@ -306,7 +308,7 @@ class LibraryKernels:
         hit = self.choices.get(key)
         if hit is None:
             chosen = choose_forward(self, call, lambda: self.device_arch(device))
-            hit = self.choices[key] = (chosen.spec, self.handle(chosen, call))
+            hit = self.choices[key] = (chosen.spec, self.handle(chosen, call, lambda: self.device_arch(device)))
         return hit
 
     def backward(self, call: AttentionCall, device: int, deterministic: bool, dbias: bool,
@@ -319,15 +321,22 @@ class LibraryKernels:
             chosen = choose_backward(self, call, lambda: self.device_arch(device), deterministic=deterministic,
                                      dbias=dbias, scheme=scheme)
             hit = self.choices[key] = (chosen.mode, {role: k.spec for role, k in chosen.kernels.items()},
-                                       {role: self.handle(k, call) for role, k in chosen.kernels.items()})
+                                       {role: self.handle(k, call, lambda: self.device_arch(device))
+                                        for role, k in chosen.kernels.items()})
         return hit
 
-    def handle(self, chosen: KernelChoice, call: AttentionCall) -> Any:
-        """The library's handle for a chosen kernel (the library caches it by its parameters)."""
+    def handle(self, chosen: KernelChoice, call: AttentionCall, arch: Callable[[], str] | None = None) -> Any:
+        """The library's handle for a chosen kernel (the library caches it by its parameters).
+
+        Raises UnsupportedError when the images lack it because no build compiles it for the call
+        on ``arch`` (:func:`.family.wide_refusal`), else KernelNotFound naming what is missing."""
         try:
             return self.lib.kernel(chosen.kernel, **chosen.params)
         except KernelNotFound as e:
             name = chosen.kernel
+            why = refusal(call, chosen, arch)
+            if why is not None:
+                raise UnsupportedError(why) from None
             raise KernelNotFound(
                 f"attention ({call.describe()}) needs {name} with {_show(chosen.spec)}, which these images lack "
                 f"(or use a supported combination): {e}") from None
@@ -488,6 +497,21 @@ def choose_backward(ks: LibraryKernels, call: AttentionCall, arch: str | Callabl
         reason = "the images hold only the atomic-dQ kernels"
     return BackwardChoice(got, reason, asked, {role: choose_kernel(ks, call, role, spec, arch)
                                                for role, spec in specs.items()})
+
+
+def refusal(call: AttentionCall, chosen: KernelChoice, arch: str | Callable[[], str] | None) -> str | None:
+    """Why no images can hold ``chosen`` for ``call`` on ``arch`` (:func:`.family.wide_refusal`),
+    or None. A callable ``arch`` is asked only for a spec on the widest bucket; None, or one that
+    finds no device (e.g. JAX lowering for a named arch), gives None: the caller's
+    KernelNotFound stands."""
+    if arch is None or WIDE_HEAD_DIM not in (chosen.spec.get("HEAD_DIM"), chosen.spec.get("HEAD_DIM_V")):
+        return None
+    if callable(arch):
+        try:
+            arch = arch()
+        except DriverError:
+            return None
+    return wide_refusal(call, chosen.spec, arch, chosen.role != FWD)
 
 
 def _show(params: Mapping[str, Any]) -> str:

@@ -16,7 +16,16 @@ from typing import Any
 
 from ...errors import ArgumentError, KernelNotFound, NoDevice, UnsupportedError
 from ...tuning import Choice
-from .dispatch import DTYPES, AttentionCall, KernelChoice, bucket, choose_backward, choose_forward, kernels_of
+from .dispatch import (
+    DTYPES,
+    AttentionCall,
+    KernelChoice,
+    bucket,
+    choose_backward,
+    choose_forward,
+    kernels_of,
+    refusal,
+)
 from .problem import ALIBI_WITH_SOFTCAP
 
 __all__ = ["Explanation", "KernelPick", "explain"]
@@ -124,7 +133,8 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
 
     Raises:
         ArgumentError: a malformed fact, or an ``arch`` the images do not hold.
-        UnsupportedError: a head dim beyond the largest bucket.
+        UnsupportedError: a head dim beyond the largest bucket, or on the 512 bucket where no
+            build compiles it for the dtype and ``arch`` (:func:`.family.wide_refusal`).
         KernelNotFound: the images lack a kernel the call needs (as the call itself would).
 
     Example::
@@ -222,6 +232,9 @@ def _pick(ks: Any, chosen: KernelChoice, call: AttentionCall, arch: str) -> Kern
 
     name, choice = chosen.kernel, chosen.config
     found = match(ks.lib.variants_of(name), name, chosen.spec, [arch]).accepted
+    why = None if found else refusal(call, chosen, arch)
+    if why is not None:
+        raise UnsupportedError(why)
     if not found:
         raise KernelNotFound(f"attention ({call.describe()}) needs {name} with "
                              f"{', '.join(f'{k}={v}' for k, v in chosen.spec.items())} on {arch}, which these images "

@@ -32,11 +32,11 @@ __all__ = [
     "AttentionCall",
     "BACKWARD_KERNEL_RULES", "BIAS_ALIGN", "CONVERT", "DKDV", "DKDV_KERNEL_RULES", "DKDV_SM90", "DKDV_SM90_A16", "DQ",
     "DQ_KERNEL_RULES", "DQ_SM90", "DTYPES", "FWD", "FWD_SM90", "HEAD_DIM_BUCKETS", "KERNEL_RULES", "MODE_RULES", "PRE",
-    "SCALARS", "SINKS_ARG", "SOFTCAP_ARG", "UNEQUAL_HEAD_DIMS", "USE_SINKS_ARG", "align_arg", "backward_arguments",
-    "bhs", "bias_row_width",
+    "SCALARS", "SINKS_ARG", "SOFTCAP_ARG", "UNEQUAL_HEAD_DIMS", "USE_SINKS_ARG", "WIDE_ARCHS", "WIDE_DTYPES",
+    "WIDE_HEAD_DIM", "align_arg", "backward_arguments", "bhs", "bias_row_width",
     "bias_strides", "bucket",
     "contiguous_kernel_strides", "contiguous_strides", "family_of", "forward_arguments", "head_dim_buckets",
-    "kernel_strides", "lse_strides", "named", "scalar_arguments",
+    "kernel_strides", "lse_strides", "named", "scalar_arguments", "wide_compiled", "wide_refusal",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -46,9 +46,18 @@ __all__ = [
 #: The head dims the kernels are compiled for (others run zero-padded on the next), the unequal
 #: q·k / v pairs compiled as such, and the dtypes (``builder/kernels/attention.py`` declares its
 #: variants from these).
-HEAD_DIM_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256)
+HEAD_DIM_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256, 512)
 UNEQUAL_HEAD_DIMS = ((192, 128),)
 DTYPES = ("fp16", "bf16", "fp32")
+#: The widest bucket is compiled only where its kernels fit: fp16 and bf16 (fp32 tiles spill
+#: kilobytes of registers), forward and backward, on the archs with room for a 512-wide fp32
+#: accumulator (sm90's 255 registers beside 227 KB of shared memory; CDNA's 512 VGPRs with
+#: AGPRs). sm80-89 and RDNA spill hundreds to thousands of bytes per thread there
+#: (docs/attention.md, "Head dim 512"). Elsewhere a call that needs it is refused by name
+#: (:func:`wide_refusal`), not reported as a missing variant.
+WIDE_HEAD_DIM = 512
+WIDE_DTYPES = ("fp16", "bf16")
+WIDE_ARCHS = {"forward": ("sm90", "gfx90a", "gfx942", "gfx950"), "backward": ("sm90", "gfx90a", "gfx942", "gfx950")}
 
 FWD = "attn_fwd"
 PRE = "attn_bwd_preprocess"
@@ -120,13 +129,40 @@ def family_of(name: str) -> str:
 
 
 def bucket(head_dim: int) -> int:
-    """The smallest compiled head-dim bucket holding ``head_dim`` (1..256)."""
+    """The smallest compiled head-dim bucket holding ``head_dim`` (1..512)."""
     for b in HEAD_DIM_BUCKETS:
         if b >= head_dim:
             return b
     raise UnsupportedError(f"head dim {head_dim} exceeds the largest supported head dim {HEAD_DIM_BUCKETS[-1]}; "
                            f"supported: 1..{HEAD_DIM_BUCKETS[-1]} (compiled buckets "
                            f"{', '.join(map(str, HEAD_DIM_BUCKETS))}; others are zero-padded)")
+
+
+def wide_compiled(dtype: str, arch: str, backward: bool) -> bool:
+    """Whether the :data:`WIDE_HEAD_DIM` bucket is compiled for ``dtype`` on ``arch`` (the
+    forward's kernels, or with ``backward`` the backward's): the builder excludes the others."""
+    return dtype in WIDE_DTYPES and arch in WIDE_ARCHS["backward" if backward else "forward"]
+
+
+def wide_refusal(call: AttentionCall, spec: Mapping[str, Any], arch: str, backward: bool) -> str | None:
+    """Why ``spec`` (a kernel spec chosen for ``call``) cannot be in any images for ``arch``: its
+    head dims are the :data:`WIDE_HEAD_DIM` bucket, which is not compiled for the call's dtype
+    there (:func:`wide_compiled`); None otherwise."""
+    if WIDE_HEAD_DIM not in (spec.get("HEAD_DIM"), spec.get("HEAD_DIM_V")):
+        return None
+    if wide_compiled(call.dtype, arch, backward):
+        return None
+    part = "backward" if backward else "forward"
+    dims = f"{call.head_dim}" + (f"/{call.head_dim_v}" if call.head_dim_v != call.head_dim else "")
+    *most, last = WIDE_ARCHS[part]
+    fixes = [f"a head dim up to {HEAD_DIM_BUCKETS[-2]}"]
+    if call.dtype not in WIDE_DTYPES:
+        fixes.append("/".join(WIDE_DTYPES))
+    if arch not in WIDE_ARCHS[part]:
+        fixes.append("a GPU of those archs")
+    return (f"head dim {WIDE_HEAD_DIM} {part} is not available for {call.dtype} on {arch}: head dim {dims} runs on "
+            f"the {WIDE_HEAD_DIM} bucket, compiled for {' and '.join(WIDE_DTYPES)} on {', '.join(most)} and {last} "
+            f"only (its tiles spill registers elsewhere); use {', or '.join(fixes)}")
 
 
 def head_dim_buckets(head_dim: int, head_dim_v: int) -> list[tuple[int, int]]:
