@@ -209,6 +209,10 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, sta
                     mask=_and_dim(col_ok[None, :], offs_d, head_dim, HEAD_DIM, PADDED_D, 0), other=0.0)
         v = tl.load(V_head + v_off[:, None] + offs_d[None, :],
                     mask=_and_dim(col_ok[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1), other=0.0)
+        # An fp8 cache widens in registers to q's type (exact: every e4m3 value is an fp16 and a
+        # bf16); its scales are folded into qk_scale and the output by the caller.
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         qk = tl.dot(q, k, input_precision=PREC)
         if softcap > 0:
             qk = _softcapped(qk, qk_scale, softcap)
@@ -224,6 +228,31 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, sta
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i, page_sign
+
+
+@triton.jit
+def _kv_scales(KScale, VScale, off_b, off_hk, stride_ksz, stride_ksh, stride_vsz, stride_vsh, k_scale, v_scale,
+               FP8: tl.constexpr):
+    """(K scale, V scale), fp32, of sequence off_b's KV head off_hk in an fp8 cache: a real value
+    is the stored one times ``KScale[b*stride_ksz + h*stride_ksh] * k_scale`` (per-head scales:
+    strides (0, 1) for ``(Hkv,)``, (Hkv, 1) for ``(B, Hkv)``; a per-tensor one: strides 0, and
+    ``k_scale`` the value over an array holding 1.0). (1, 1) for a cache of q's type (no load)."""
+    if FP8:
+        ks = tl.load(KScale + off_b.to(tl.int64) * stride_ksz + off_hk.to(tl.int64) * stride_ksh) * k_scale
+        vs = tl.load(VScale + off_b.to(tl.int64) * stride_vsz + off_hk.to(tl.int64) * stride_vsh) * v_scale
+        return ks, vs
+    return 1.0, 1.0
+
+
+@triton.jit
+def _quantised(x, scale, KV: tl.constexpr):
+    """``x / scale`` in the fp8 type ``KV``: an fp32 division rounded to nearest (as torch's),
+    saturated to the format's largest finite value (448 for e4m3fn, 240 for e4m3fnuz), NaN kept,
+    then rounded to nearest even."""
+    FP8_MAX: tl.constexpr = 448.0 if KV == tl.float8e4nv else 240.0
+    y = tl.math.div_rn(x.to(tl.float32), tl.zeros_like(x.to(tl.float32)) + scale)
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+    return y.to(KV, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -293,15 +322,16 @@ def _record_fault(Faults, fault):
 
 @triton.jit
 def attn_decode(
-    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens, CacheStart, Faults,
+    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens, CacheStart, Faults, KScale, VScale,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
     stride_oz, stride_oh, stride_om,
     stride_lz, stride_lh,
     stride_btz,
+    stride_ksz, stride_ksh, stride_vsz, stride_vsh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_new, capacity, num_pages, page_size, num_splits,
-    sm_scale, window_left, window_right, head_dim, softcap,
+    sm_scale, window_left, window_right, head_dim, softcap, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0,
 ):
@@ -319,6 +349,8 @@ def attn_decode(
     ``softcap``: FlashAttention-2's logit softcap, scores ``softcap * tanh(q.k * sm_scale /
     softcap)`` before the masks and the softmax; 0 for none (a run-time value: every variant
     takes it; ``softcap > 0`` needs ``sm_scale != 0``, checked at launch).
+    ``KScale``/``VScale``, ``k_scale``/``v_scale``: an fp8 cache's dequantisation scales (see
+    :func:`_kv_scales`); variants with a cache of q's own type never read them.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -375,7 +407,10 @@ def attn_decode(
         V_head += off_b.to(tl.int64) * stride_vz
     bt_row = BlockTable + off_b.to(tl.int64) * stride_btz
 
-    qk_scale = sm_scale * LOG2E
+    ks, vs = _kv_scales(KScale, VScale, off_b, off_hk, stride_ksz, stride_ksh, stride_vsz, stride_vsh, k_scale,
+                        v_scale, K.dtype.element_ty != Q.dtype.element_ty)
+    # The program's KV head is fixed: its K scale folds into the score scale once.
+    qk_scale = sm_scale * ks * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -402,6 +437,8 @@ def attn_decode(
     _successor_may_launch(PDL)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
+    if K.dtype.element_ty != Q.dtype.element_ty:
+        acc = acc * vs  # linear: split partials scaled alike merge unchanged
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     # A faulting sequence answers NaN (never a plausible number); the flag says why.
     fault = fault | tl.where(page_sign < 0, FAULT_PAGE, 0)
@@ -493,13 +530,14 @@ def _row_tile(num_heads_k, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def attn_decode_append(
-    KNew, VNew, K, V, BlockTable, CacheSeqlens, Faults,
+    KNew, VNew, K, V, BlockTable, CacheSeqlens, Faults, KScale, VScale,
     stride_knz, stride_knh, stride_knm,
     stride_vnz, stride_vnh, stride_vnm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
     stride_btz,
-    batch, num_heads_k, seqlen_new, capacity, num_pages, page_size, head_dim,
+    stride_ksz, stride_ksh, stride_vsz, stride_vsh,
+    batch, num_heads_k, seqlen_new, capacity, num_pages, page_size, head_dim, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_R: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
@@ -508,6 +546,8 @@ def attn_decode_append(
     Grid: (cdiv(seqlen_new, BLOCK_R), batch * num_heads_k, 1). Rows outside ``[0, capacity)`` or
     whose table entry is outside ``[0, num_pages)`` are not written, and their fault is ORed into
     ``Faults`` (the runtime refuses such calls when it knows the lengths; see the module doc).
+    An fp8 cache (K's type is not KNew's) stores each value divided by its head's scale
+    (:func:`_kv_scales`, :func:`_quantised`).
     """
     off_b, off_hk, rows, offs_d = _row_tile(num_heads_k, BLOCK_R, HEAD_DIM)
     _after_predecessor(PDL)
@@ -532,6 +572,11 @@ def attn_decode_append(
     kn = tl.load(KNew + src + offs_d[None, :], mask=mask, other=0.0)
     src = off_b.to(tl.int64) * stride_vnz + off_hk.to(tl.int64) * stride_vnh + rows[:, None] * stride_vnm
     vn = tl.load(VNew + src + offs_d[None, :], mask=mask, other=0.0)
+    if K.dtype.element_ty != KNew.dtype.element_ty:
+        ks, vs = _kv_scales(KScale, VScale, off_b, off_hk, stride_ksz, stride_ksh, stride_vsz, stride_vsh, k_scale,
+                            v_scale, True)
+        kn = _quantised(kn, ks, K.dtype.element_ty)
+        vn = _quantised(vn, vs, V.dtype.element_ty)
     _successor_may_launch(PDL)
     tl.store(K_head + k_off[:, None] + offs_d[None, :], kn, mask=mask)
     tl.store(V_head + v_off[:, None] + offs_d[None, :], vn, mask=mask)
@@ -681,13 +726,48 @@ GPUTEST = (("fp32", 64), ("fp32", 128), ("fp16", 80), ("bf16", 256), ("fp16", 32
 GPUTEST_PADDED = (("fp16", 256),)
 
 
+#: fp8 (e4m3) KV caches, by Triton type, and the targets that hold their variants: OCP e4m3fn
+#: (torch's float8_e4m3fn) where the hardware converts it (sm90, gfx950), e4m3fnuz (torch's
+#: float8_e4m3fnuz, another exponent bias and no infinities) on gfx942, whose hardware has only it.
+FP8_KV = {"fp8e4nv": ("sm90", "gfx950"), "fp8e4b8": ("gfx942",)}
+#: The cache's element type (attn_decode and attn_decode_append's ``KV_DTYPE``): q's own, or fp8.
+KV_DTYPES = (*DTYPES, *FP8_KV)
+#: Head dims of the fp8 cache's variants in the default set (bf16 and fp16 queries, as is only).
+FP8_DEFAULT_HEAD_DIMS = (128,)
+#: ... and in gputest (as is and masked), for tests/runtime/test_decode_fp8_gpu.py.
+FP8_GPUTEST_HEAD_DIMS = (64, 128)
+
+
+def kv_excluded(spec: dict, target: object) -> str | None:
+    """A cache type other than q's is fp8 with fp16/bf16 queries, on the targets of ``FP8_KV``."""
+    kv = spec["KV_DTYPE"]
+    if kv == spec["dtype"]:
+        return None
+    if kv not in FP8_KV:
+        return f"a {kv} cache serves {kv} queries only"
+    if spec["dtype"] not in ("fp16", "bf16"):
+        return "an fp8 cache serves fp16 and bf16 queries"
+    if target.arch not in FP8_KV[kv]:
+        return f"{kv} caches are compiled for {', '.join(FP8_KV[kv])} only"
+    return None
+
+
+def _fp8(spec: dict) -> bool:
+    return spec.get("KV_DTYPE", spec["dtype"]) != spec["dtype"]
+
+
 def in_decode_default_set(spec: dict, target: object) -> bool:
-    """fp16/bf16 at head dims 64 and 128, contiguous and paged caches, as is and masked."""
-    return spec["dtype"] in ("fp16", "bf16") and spec["HEAD_DIM"] in DEFAULT_HEAD_DIMS
+    """fp16/bf16 at head dims 64 and 128, contiguous and paged caches, as is and masked; fp8
+    caches at ``FP8_DEFAULT_HEAD_DIMS`` as is."""
+    if spec["dtype"] not in ("fp16", "bf16") or spec["HEAD_DIM"] not in DEFAULT_HEAD_DIMS:
+        return False
+    return not _fp8(spec) or (spec["HEAD_DIM"] in FP8_DEFAULT_HEAD_DIMS and not spec.get("PADDED_D"))
 
 
 def in_decode_gputest_set(spec: dict, target: object) -> bool:
     """The default set plus the (dtype, head dim) pairs the GPU tests launch."""
+    if _fp8(spec):
+        return spec["HEAD_DIM"] in FP8_GPUTEST_HEAD_DIMS
     pairs = GPUTEST_PADDED if spec.get("PADDED_D") else GPUTEST
     return in_decode_default_set(spec, target) or (spec["dtype"], spec["HEAD_DIM"]) in pairs
 
@@ -801,20 +881,22 @@ def append_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     return (ConfigDecl(num_warps=4, num_stages=1, **_pdl({"BLOCK_R": 16}, target)),)
 
 
-_DECODE_SIG = signature_of(attn_decode, {
-    "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
+# K and V are typed by the cache's dtype (KV_DTYPE: q's own, or an fp8 format with its scales).
+_SCALES = {"KScale": "*fp32", "VScale": "*fp32"}
+_DECODE_SIG = {**signature_of(attn_decode, {
+    "Q": "*{dtype}", "K": "*{KV_DTYPE}", "V": "*{KV_DTYPE}", "Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
     "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32", "CacheStart": "*i32",
-    "Faults": "*i32"})
-# Lengths and block tables may be any int32 views (e.g. a slice of a longer lengths array).
-_INDEX_POINTERS = ("BlockTable", "CacheSeqlens", "CacheStart", "Faults")
+    "Faults": "*i32", **_SCALES}), "k_scale": "fp32", "v_scale": "fp32"}
+# Lengths, block tables and scales may be any int32 / fp32 views (e.g. a slice of a longer array).
+_INDEX_POINTERS = ("BlockTable", "CacheSeqlens", "CacheStart", "Faults", *_SCALES)
 _DECODE_DIV = {**{n: d for n, d in divisibility_of(_DECODE_SIG, aligned=("q", "k", "v", "o")).items()
                   if n not in _INDEX_POINTERS}, "page_size": 16}
 _COMBINE_SIG = signature_of(attn_decode_combine, {"Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
                                                   "PartL": "*fp32"})
 _COMBINE_DIV = divisibility_of(_COMBINE_SIG, aligned=("o",))
-_APPEND_SIG = signature_of(attn_decode_append, {
-    "KNew": "*{dtype}", "VNew": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "BlockTable": "*i32",
-    "CacheSeqlens": "*i32", "Faults": "*i32"})
+_APPEND_SIG = {**signature_of(attn_decode_append, {
+    "KNew": "*{dtype}", "VNew": "*{dtype}", "K": "*{KV_DTYPE}", "V": "*{KV_DTYPE}", "BlockTable": "*i32",
+    "CacheSeqlens": "*i32", "Faults": "*i32", **_SCALES}), "k_scale": "fp32", "v_scale": "fp32"}
 _APPEND_DIV = {**{n: d for n, d in divisibility_of(_APPEND_SIG, aligned=("kn", "vn", "k", "v")).items()
                   if n not in _INDEX_POINTERS}, "page_size": 16}
 _LENGTHS_SIG = signature_of(attn_decode_lengths, {"CuQ": "*i32", "CuK": "*i32", "SeqFaults": "*i32",
@@ -884,7 +966,8 @@ KERNELS = [
         name="attn_decode",
         fn=attn_decode,
         signature=_DECODE_SIG,
-        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0, 1)},
+        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0, 1), "KV_DTYPE": KV_DTYPES},
+        exclude=kv_excluded,
         configs=decode_configs,
         grid=("cdiv(num_heads_q // num_heads_k * seqlen_q, BLOCK_M)", "num_splits", "batch * num_heads_k"),
         divisibility=_DECODE_DIVS,
@@ -911,7 +994,8 @@ KERNELS = [
         name="attn_decode_append",
         fn=attn_decode_append,
         signature=_APPEND_SIG,
-        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0, 1)},
+        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0, 1), "KV_DTYPE": KV_DTYPES},
+        exclude=kv_excluded,
         configs=append_configs,
         grid=("cdiv(seqlen_new, BLOCK_R)", "batch * num_heads_k", "1"),
         divisibility=_APPEND_DIVS,

@@ -29,7 +29,8 @@ from builder.targets import parse_targets
 
 def _job(arch: str) -> Any:
     (job,) = [j for j in expand(load_kernels()["attn_decode"], parse_targets(arch), "default", "3.6.0")
-              if j.spec == {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": 1, "PADDED_D": 0} and j.config_index == 0]
+              if j.spec == {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": 1, "PADDED_D": 0, "KV_DTYPE": "bf16"}
+              and j.config_index == 0]
     return job
 
 

@@ -697,7 +697,7 @@ def test_decode_kernel_compiles_ahead_of_time_with_vector_cache_loads(arch: str,
     from builder.registry import expand, load_kernels
     from builder.targets import parse_targets
 
-    want = {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": paged, "PADDED_D": 0}
+    want = {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": paged, "PADDED_D": 0, "KV_DTYPE": "bf16"}
     jobs = [j for j in expand(load_kernels()["attn_decode"], parse_targets(arch), "default", "3.6.0")
             if j.spec == want and j.config_index == 0]
     from builder.abi import prove
@@ -1059,5 +1059,6 @@ def test_the_torch_ops_take_the_softcap_after_the_scale_and_pass_it_to_the_opera
     with pytest.raises(ArgumentError, match=r"softcap needs a non-zero scale"):
         torch_decode.decode_attention(q, k, k, cache_seqlens=lens, scale=0.0, softcap=30.0)
     torch.library.opcheck(torch_decode.decode_attention_op,
-                          (q, k, k, lens, -1, None, None, None, True, -1, 0, 0.125, 30.0, 0, -1, "bshd", "bshd", 0),
+                          (q, k, k, lens, -1, None, None, None, None, None, 0.0, 0.0, True, -1, 0, 0.125, 30.0, 0, -1,
+                           "bshd", "bshd", 0),
                           test_utils=("test_schema", "test_faketensor"))
