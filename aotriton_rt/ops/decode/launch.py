@@ -29,7 +29,7 @@ from .validate import (
     _describe,
     _effective,
 )
-from .variants import choose, shared, with_paged
+from .variants import choose, held_cache_axis, shared, with_paged
 
 
 def _sm_count(xp: Any, device: int) -> int | None:
@@ -111,10 +111,11 @@ class _Kernels:
         """(spec without ``PAGED``, why) of the variants that serve ``p`` (ops/decode/variants.py):
         for a softcapped call, variants whose ``attn_decode`` takes the cap (:func:`decode_args`)."""
         args = decode_args(p)
+        keyed = held_cache_axis(self.has)
         if not args:
-            return choose(p.dtype, p.head_dim, aligned, p.paged, self.has, p.kv_dtype)
+            return choose(p.dtype, p.head_dim, aligned, p.paged, self.has, p.kv_dtype, keyed)
         return choose(p.dtype, p.head_dim, aligned, p.paged,
-                      lambda name, params: self.has(name, params, args if name == DECODE else ()), p.kv_dtype)
+                      lambda name, params: self.has(name, params, args if name == DECODE else ()), p.kv_dtype, keyed)
 
     def handle(self, name: str, spec: Mapping[str, Any], config: int, device: int, why: str = "") -> Any:
         key = (name, tuple(sorted(spec.items())), config, device)

@@ -67,14 +67,23 @@ def with_paged(spec: Mapping[str, Any], paged: bool) -> dict[str, Any]:
     return {"dtype": spec["dtype"], "HEAD_DIM": spec["HEAD_DIM"], "PAGED": int(paged), **spec}
 
 
-def choose(dtype: str, head_dim: int, aligned: bool, paged: bool, has: Has, kv_dtype: str = ""
-           ) -> tuple[dict[str, Any], str]:
+def held_cache_axis(has: Has) -> bool:
+    """Whether the images' decode variants have the ``KV_DTYPE`` axis (images built before fp8
+    caches have none)."""
+    return any(has(DECODE, {KV_AXIS: t}) for t in (*DTYPES, *FP8_CACHES))
+
+
+def choose(dtype: str, head_dim: int, aligned: bool, paged: bool, has: Has, kv_dtype: str = "",
+           keyed: bool | None = None) -> tuple[dict[str, Any], str]:
     """The first of :func:`candidates` whose decode and combine kernels the images hold, and why;
     when none, the first (so the library's KernelNotFound says what is missing). ``kv_dtype``:
     the caches' type ("": q's). A cache of q's type is asked for by ``KV_DTYPE`` where the images
-    have the axis (else a spec without it would match their fp8 variants too)."""
+    have the axis (``keyed``; None: :func:`held_cache_axis` of ``has``), else a spec without it
+    would match their fp8 variants too."""
     kv_dtype = kv_dtype or dtype
-    keyed = kv_dtype != dtype or any(has(DECODE, {KV_AXIS: t}) for t in (*DTYPES, *FP8_CACHES))
+    if keyed is None:
+        keyed = held_cache_axis(has)
+    keyed = keyed or kv_dtype != dtype
     found = candidates(dtype, head_dim, aligned, kv_dtype if keyed else None)
     for spec, why in found:
         if has(DECODE, with_paged(spec, paged)) and has(COMBINE, shared(spec)):
