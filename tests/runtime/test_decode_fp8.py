@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import aotriton_rt.ops.decode as op
+from aotriton_rt.errors import ArgumentError, KernelNotFound, UnsupportedError
 from tests.helpers.interpreter import patch_interpreter, report_cases, run_sharded
 
 #: Interpreter cases: run_case's defaults overridden. ``scales``: "float" (one per cache),
@@ -262,6 +263,320 @@ def test_fp8_cache_decode_matches_fp64_of_the_dequantised_cache_under_the_interp
     result = interpreted[name]
     assert not result["failed"], f"{name}: {result['failed']}"
     assert any(k.startswith("out") for k in result["errors"])
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Without the interpreter: refusals, the launch arguments, variant choice, the builder's variants.
+# ---------------------------------------------------------------------------------------------
+
+def _names() -> dict:
+    import torch
+
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
+            torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8", torch.float8_e5m2: "fp8e5"}
+
+
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """CPU tensors stand for device 0 arrays (those whose address is in :data:`ELSEWHERE` for
+    device 1, fp8 ones too); the kernels record their launches (test_decode_op's)."""
+    import torch
+
+    from aotriton_rt import interop
+    from aotriton_rt.ops.decode import validate
+    from tests.runtime.test_decode_op import _recording_library
+
+    lib = _recording_library(monkeypatch)
+    names = _names()
+    monkeypatch.setattr(validate, "_describe", lambda obj, name: interop.ArrayInfo(
+        obj.data_ptr(), int(obj.data_ptr() in ELSEWHERE), names[obj.dtype], tuple(obj.shape), tuple(obj.stride()),
+        "torch") if isinstance(obj, torch.Tensor) else interop.describe(obj))
+    return lib
+
+
+#: Addresses of the tensors the recording fixture describes as on device 1.
+ELSEWHERE: set = set()
+
+
+def _call(lib: Any, kv: Any = None, q_dtype: Any = None, **kw: Any) -> Any:
+    import torch
+
+    kv = kv if kv is not None else torch.float8_e4m3fn
+    q = torch.randn(2, 1, 8, 64).to(q_dtype or torch.float16)
+    k = torch.randn(2, 64, 2, 64).to(kv)
+    args = {"cache_seqlens": torch.tensor([37, 60], dtype=torch.int32), "check": False, "library": lib, **kw}
+    return op.decode_attention(q, k, kw.pop("v_cache", None) if "v_cache" in kw else k.clone(), **{
+        n: a for n, a in args.items() if n != "v_cache"})
+
+
+def _refusals() -> list:
+    import torch
+
+    heads = torch.ones(2)
+    return [
+        ("no_scales", {}, ArgumentError,
+         r"an fp8 cache \(float8_e4m3fn\) needs k_scale and v_scale \(a real value is the stored one times its "
+         r"scale\): pass k_scale, e\.g\. 1\.0 for unscaled values"),
+        ("v_scale_missing", {"k_scale": 1.0}, ArgumentError, r"needs k_scale and v_scale .*pass v_scale"),
+        ("scales_without_an_fp8_cache", {"kv": torch.float16, "k_scale": 1.0, "v_scale": 1.0}, ArgumentError,
+         r"k_scale is for fp8 caches \(float8_e4m3fn, float8_e4m3fnuz\); the caches have q's dtype fp16: drop "
+         r"k_scale"),
+        ("fp32_queries", {"q_dtype": torch.float32, "k_scale": 1.0, "v_scale": 1.0}, UnsupportedError,
+         r"an fp8 cache \(k_cache float8_e4m3fn\) serves fp16 and bf16 queries; q has dtype fp32: pass q in fp16 "
+         r"or bf16"),
+        ("e5m2_cache", {"kv": torch.float8_e5m2, "k_scale": 1.0, "v_scale": 1.0}, UnsupportedError,
+         r"k_cache has dtype fp8e5; fp8 caches are e4m3: torch\.float8_e4m3fn \(sm90, gfx950\) or "
+         r"torch\.float8_e4m3fnuz \(gfx942\)"),
+        ("v_cache_of_another_type", {"v_cache": torch.zeros(2, 64, 2, 64).half(), "k_scale": 1.0, "v_scale": 1.0},
+         ArgumentError, r"v_cache has dtype fp16 but k_cache has fp8e4nv; the caches share one dtype"),
+        ("scale_shape", {"k_scale": torch.ones(8), "v_scale": heads}, ArgumentError,
+         r"k_scale must be a float, or a float32 array of shape \(\) or \(1,\) \(one scale\), \(2,\) \(one per "
+         r"KV head\) or \(2, 2\) \(per sequence and KV head\), got shape \(8,\)"),
+        ("scale_dtype", {"k_scale": heads, "v_scale": heads.half()}, ArgumentError,
+         r"v_scale must be float32, got fp16; convert it, e\.g\. v_scale\.float\(\)"),
+        ("zero_scale", {"k_scale": 0.0, "v_scale": 1.0}, ArgumentError,
+         r"k_scale must be a finite number > 0, got 0\.0"),
+        ("nan_scale", {"k_scale": 1.0, "v_scale": float("nan")}, ArgumentError,
+         r"v_scale must be a finite number > 0, got nan"),
+        ("boolean_scale", {"k_scale": True, "v_scale": 1.0}, ArgumentError,
+         r"k_scale must be a number or an fp32 array, got True"),
+        ("k_new_in_fp8", {"k_scale": 1.0, "v_scale": 1.0, "k_new": torch.zeros(2, 1, 2, 64).to(torch.float8_e4m3fn),
+                          "v_new": torch.zeros(2, 1, 2, 64).to(torch.float8_e4m3fn)}, ArgumentError,
+         r"k_new has dtype fp8e4nv but q has fp16; k_new and v_new come in q's dtype \(the kernels quantise them into "
+         r"the fp8 cache\)"),
+    ]
+
+
+#: The cases of :func:`_refusals` (made there: they hold torch tensors, imported only by the tests).
+REFUSAL_IDS = ("no_scales", "v_scale_missing", "scales_without_an_fp8_cache", "fp32_queries", "e5m2_cache",
+               "v_cache_of_another_type", "scale_shape", "scale_dtype", "zero_scale", "nan_scale", "boolean_scale",
+               "k_new_in_fp8")
+
+
+@pytest.mark.parametrize("index", range(len(REFUSAL_IDS)), ids=REFUSAL_IDS)
+def test_an_fp8_cache_call_with_bad_scales_or_dtypes_is_refused_before_any_launch(recording: Any,
+                                                                                   index: int) -> None:
+    from tests.runtime.test_decode_op import LAUNCHES
+
+    case, kw, exc, match = _refusals()[index]
+    assert case == REFUSAL_IDS[index]
+    LAUNCHES.clear()
+    with pytest.raises(exc, match=match):
+        _call(recording, **kw)
+    assert not LAUNCHES
+
+
+def test_scales_on_another_device_are_refused(recording: Any) -> None:
+    import torch
+
+    scale = torch.ones(2)
+    ELSEWHERE.add(scale.data_ptr())
+    try:
+        with pytest.raises(ArgumentError, match=r"k_scale is on device 1 but q is on device 0; every array must be on "
+                                                r"one GPU"):
+            _call(recording, k_scale=scale, v_scale=1.0)
+    finally:
+        ELSEWHERE.discard(scale.data_ptr())
+
+
+@pytest.mark.parametrize("kind", ["float", "zero_d", "head", "batch_head"])
+def test_the_scales_reach_both_kernels_by_strides_and_factor_on_first_and_prepared_launches(
+        recording: Any, kind: str) -> None:
+    """Floats: the library's 1.0 array with strides 0 and the value as the factor; arrays: their
+    addresses and (batch, head) strides, factor 1.0. A kept plan takes each call's scale arrays."""
+    import torch
+
+    from tests.runtime.test_decode_op import LAUNCHES
+
+    made = {"float": lambda: 0.25, "zero_d": lambda: torch.tensor(0.25), "head": lambda: torch.ones(2),
+            "batch_head": lambda: torch.ones(3, 2)[:2]}[kind]
+    strides = {"float": (0, 0), "zero_d": (0, 0), "head": (0, 1), "batch_head": (2, 1)}[kind]
+    kn = torch.randn(2, 1, 2, 64).half()
+    LAUNCHES.clear()
+    calls = []
+    for _ in range(3):
+        ks, vs = made(), made()
+        calls.append((ks, vs))
+        _call(recording, k_scale=ks, v_scale=vs, k_new=kn, v_new=kn.clone(), num_splits=2)
+    assert [(w, n) for w, n, _ in LAUNCHES] == [(w, n) for w in ("call", "prepared", "prepared")
+                                                 for n in ("attn_decode_append", "attn_decode", "attn_decode_combine")]
+    ones = set()
+    for i, (_, name, args) in enumerate(LAUNCHES):
+        if name == "attn_decode_combine":
+            assert "KScale" not in args
+            continue
+        ks, vs = calls[i // 3]
+        assert (args["stride_ksz"], args["stride_ksh"]) == (args["stride_vsz"], args["stride_vsh"]) == strides
+        if kind == "float":
+            assert args["k_scale"] == args["v_scale"] == 0.25 and args["KScale"] == args["VScale"] != 0
+            ones.add(args["KScale"])
+        else:
+            assert args["k_scale"] == args["v_scale"] == 1.0
+            assert (args["KScale"], args["VScale"]) == (ks.data_ptr(), vs.data_ptr())
+    assert len(ones) <= 1  # one 1.0 array, the library's
+
+
+def test_a_cache_of_q_type_passes_neutral_scales(recording: Any) -> None:
+    import torch
+
+    from tests.runtime.test_decode_op import LAUNCHES
+
+    LAUNCHES.clear()
+    _call(recording, kv=torch.float16)
+    (_, _, args), = [x for x in LAUNCHES if x[1] == "attn_decode"]
+    assert (args["KScale"], args["VScale"], args["k_scale"], args["v_scale"]) == (0, 0, 1.0, 1.0)
+
+
+def test_images_without_fp8_variants_refuse_an_fp8_cache_naming_the_variant_and_the_targets(
+        monkeypatch: pytest.MonkeyPatch, recording: Any) -> None:
+    lib = recording
+    monkeypatch.setattr(lib, "held", lambda name, spec: spec.get("KV_DTYPE", spec["dtype"]) == spec["dtype"]
+                        if "dtype" in spec else True)
+    real = lib.kernel
+
+    def kernel(name: str, **params: Any) -> Any:
+        if params.get("KV_DTYPE", "").startswith("fp8"):
+            raise KernelNotFound(f"no variant of {name} matches KV_DTYPE={params['KV_DTYPE']}")
+        return real(name, **params)
+
+    monkeypatch.setattr(lib, "kernel", kernel)
+    with pytest.raises(KernelNotFound, match=r"decode attention needs attn_decode with dtype=fp16, HEAD_DIM=64, "
+                                             r"PAGED=0, PADDED_D=0, KV_DTYPE=fp8e4nv \(.*a fp8e4nv cache "
+                                             r"\(float8_e4m3fn\) runs on variants built for sm90 and gfx950"):
+        _call(lib, k_scale=1.0, v_scale=1.0)
+
+
+def test_the_variant_choice_keys_the_cache_type_only_where_the_images_have_it() -> None:
+    from aotriton_rt.ops.decode.variants import choose, shared
+
+    def images(axis: bool, fp8: bool = True) -> Any:
+        def has(name: str, params: dict) -> bool:
+            kv = params.get("KV_DTYPE")
+            if kv is None:
+                return True
+            return axis and (kv == params.get("dtype", kv) or fp8 and kv == "fp8e4nv")
+        return has
+
+    old, _ = choose("bf16", 128, True, False, images(axis=False))
+    assert old == {"dtype": "bf16", "HEAD_DIM": 128, "PADDED_D": 0}
+    new, _ = choose("bf16", 128, True, False, images(axis=True))
+    assert new == {**old, "KV_DTYPE": "bf16"} and shared(new) == old
+    fp8, why = choose("bf16", 128, True, True, images(axis=True), "fp8e4nv")
+    assert fp8 == {**old, "KV_DTYPE": "fp8e4nv"} and "a fp8e4nv cache, dequantised in registers" in why
+
+
+def test_the_runtime_fp8_table_mirrors_the_builder() -> None:
+    from aotriton_rt.ops.decode import validate
+    from builder.kernels import decode as kernels
+
+    assert {t: archs for t, (_, archs) in validate.FP8_CACHES.items()} == kernels.FP8_KV
+    assert validate.DTYPES == kernels.DTYPES
+
+
+def test_fp8_variants_are_built_for_their_targets_and_sets_only() -> None:
+    """fp8e4nv on sm90 and gfx950, fp8e4b8 on gfx942, with fp16/bf16 queries: gputest at head dims
+    64 and 128 as is and masked, the default set at 128 as is."""
+    import collections
+
+    from builder.registry import expand, load_kernels
+    from builder.targets import parse_targets
+
+    decls = load_kernels()
+    targets = parse_targets("default")
+    for name in ("attn_decode", "attn_decode_append"):
+        for build_set, dims, padded in (("default", {128}, {0}), ("gputest", {64, 128}, {0, 1})):
+            found = collections.defaultdict(set)
+            for j in expand(decls[name], targets, build_set, "3.6.0"):
+                if j.spec["KV_DTYPE"] != j.spec["dtype"]:
+                    found[(j.target.arch, j.spec["KV_DTYPE"])].add((j.spec["dtype"], j.spec["HEAD_DIM"],
+                                                                     j.spec["PADDED_D"]))
+            want = {(d, h, p) for d in ("fp16", "bf16") for h in dims for p in padded}
+            assert dict(found) == {("sm90", "fp8e4nv"): want, ("gfx950", "fp8e4nv"): want,
+                                   ("gfx942", "fp8e4b8"): want}, (name, build_set)
+    for name in ("attn_decode_combine", "attn_decode_pack", "attn_decode_poison"):
+        assert "KV_DTYPE" not in decls[name].axes
+
+
+@pytest.mark.parametrize("paged", [0, 1], ids=["contiguous", "paged"])
+def test_the_sm90_fp8_variant_copies_16_byte_pieces_and_widens_with_the_e4m3_convert(paged: int) -> None:
+    """K arrives in 16-byte cp.async pieces (half the bytes of a bf16 row, so the copies halve);
+    the dots stay fp16 mma fed by ``cvt.rn.f16x2.e4m3x2`` (two values per instruction); the
+    append quantises with the saturating ``cvt.rn.satfinite.e4m3x2.f32``."""
+    import lzma
+    import re
+
+    from builder.compile import compile_job_with_ptx
+    from builder.registry import expand, load_kernels
+    from builder.targets import parse_targets
+
+    spec = {"dtype": "fp16", "HEAD_DIM": 128, "PAGED": paged, "PADDED_D": 0, "KV_DTYPE": "fp8e4nv"}
+    texts = {}
+    for name in ("attn_decode", "attn_decode_append"):
+        (job,) = [j for j in expand(load_kernels()[name], parse_targets("sm90"), "gputest", "3.6.0")
+                  if j.spec == spec and j.config_index == 0]
+        texts[name] = lzma.decompress(compile_job_with_ptx(job)[3]).decode()
+    ptx = texts["attn_decode"]
+    sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*, (0x[0-9a-f]+)", ptx)
+    assert sizes.count("0x10") >= 4, sizes
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+    assert "ld.global.b8" not in ptx and "ld.global.u8" not in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in texts["attn_decode_append"]
+
+
+@pytest.mark.parametrize("arch,kv", [("gfx942", "fp8e4b8"), ("gfx950", "fp8e4nv")])
+def test_the_hip_fp8_variants_compile(arch: str, kv: str) -> None:
+    from builder.abi import prove
+    from builder.compile import compile_job
+    from builder.registry import expand, load_kernels
+    from builder.targets import parse_targets
+
+    for name in ("attn_decode", "attn_decode_append"):
+        jobs = [j for j in expand(load_kernels()[name], parse_targets(arch), "default", "3.6.0")
+                if j.spec["KV_DTYPE"] == kv and j.spec["dtype"] == "bf16" and j.spec["PAGED"] == 1]
+        variant, raw, _ = compile_job(jobs[0])
+        assert raw[:4] == b"\x7fELF"
+        prove(variant, raw)
+
+
+def test_the_torch_ops_carry_tensor_and_float_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aotriton_rt::decode_attention(_append)``: ``Tensor? k_scale, Tensor? v_scale, float
+    k_scale_value, float v_scale_value`` after the sinks; the wrapper splits each scale into them
+    and checks floats as the operator does; opcheck traces the fake implementation."""
+    import torch
+
+    from aotriton_rt.ops import torch_decode
+
+    for name in ("decode_attention", "decode_attention_append"):
+        schema = str(getattr(torch.ops.aotriton_rt, name).default._schema)
+        assert ("Tensor? sinks, Tensor? k_scale, Tensor? v_scale, float k_scale_value, float v_scale_value"
+                in schema), schema
+    seen: list = []
+
+    def operator(q: Any, k: Any, v: Any, **kw: Any) -> tuple:
+        seen.append((kw["k_scale"], kw["v_scale"]))
+        b, s, h, _ = q.shape
+        return q * 2, torch.zeros(b, h, s)
+
+    monkeypatch.setattr(torch_decode._core, "decode_attention", operator)
+    q = torch.randn(2, 1, 8, 64).half()
+    k = torch.randn(2, 64, 2, 64).to(torch.float8_e4m3fn)
+    kn = torch.randn(2, 1, 2, 64).half()
+    lens = torch.tensor([3, 40], dtype=torch.int32)
+    heads = torch.ones(2)
+    torch_decode.decode_attention(q, k, k, cache_seqlens=lens, k_scale=0.5, v_scale=heads)
+    torch_decode.decode_attention(q, k, k, cache_seqlens=lens, k_new=kn, v_new=kn, k_scale=heads, v_scale=2)
+    torch_decode.decode_attention(q, q, q, cache_seqlens=lens)
+    assert seen[0][0] == 0.5 and seen[0][1] is heads and seen[1][0] is heads and seen[1][1] == 2.0
+    assert seen[2] == (None, None)
+    for bad in (0.0, -1.0, float("inf"), True):
+        with pytest.raises(ArgumentError, match=r"k_scale must be a finite number > 0"):
+            torch_decode.decode_attention(q, k, k, cache_seqlens=lens, k_scale=bad, v_scale=1.0)
+    half = torch.randn(2, 64, 2, 64).half()  # opcheck's schema test does arithmetic torch lacks for fp8 on CPU
+    torch.library.opcheck(torch_decode.decode_attention_op,
+                          (q, half, half, lens, -1, None, None, None, heads, None, 0.0, 0.5, True, -1, 0, 0.125, 0.0,
+                           0, -1, "bshd", "bshd", 0),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 if __name__ == "__main__":

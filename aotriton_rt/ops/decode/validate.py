@@ -310,6 +310,9 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
         kni, vni = _describe(k_new, "k_new"), _describe(v_new, "v_new")
         infos.update(k_new=kni, v_new=vni)
         for name, info in (("k_new", kni), ("v_new", vni)):
+            if kv_dtype != qi.dtype and info.dtype != qi.dtype:
+                raise ArgumentError(f"{name} has dtype {info.dtype} but q has {qi.dtype}; k_new and v_new come in "
+                                    f"q's dtype (the kernels quantise them into the fp8 cache)")
             _check_dtype(info, name, qi.dtype)
             if len(info.shape) != 4:
                 raise ArgumentError(f"{name} must be 4-D, got shape {tuple(info.shape)}")
