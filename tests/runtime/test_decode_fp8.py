@@ -442,7 +442,7 @@ def test_images_without_fp8_variants_refuse_an_fp8_cache_naming_the_variant_and_
 
     monkeypatch.setattr(lib, "kernel", kernel)
     with pytest.raises(KernelNotFound, match=r"decode attention needs attn_decode with dtype=fp16, HEAD_DIM=64, "
-                                             r"PAGED=0, PADDED_D=0, KV_DTYPE=fp8e4nv \(.*a fp8e4nv cache "
+                                             r"PAGED=0, PADDED_D=0, KV_DTYPE=fp8e4nv \(.*an fp8 cache "
                                              r"\(float8_e4m3fn\) runs on variants built for sm90 and gfx950"):
         _call(lib, k_scale=1.0, v_scale=1.0)
 
@@ -463,7 +463,7 @@ def test_the_variant_choice_keys_the_cache_type_only_where_the_images_have_it() 
     new, _ = choose("bf16", 128, True, False, images(axis=True))
     assert new == {**old, "KV_DTYPE": "bf16"} and shared(new) == old
     fp8, why = choose("bf16", 128, True, True, images(axis=True), "fp8e4nv")
-    assert fp8 == {**old, "KV_DTYPE": "fp8e4nv"} and "a fp8e4nv cache, dequantised in registers" in why
+    assert fp8 == {**old, "KV_DTYPE": "fp8e4nv"} and "an fp8 cache (fp8e4nv), dequantised in registers" in why
 
 
 def test_the_runtime_fp8_table_mirrors_the_builder() -> None:
@@ -577,6 +577,86 @@ def test_the_torch_ops_carry_tensor_and_float_scales(monkeypatch: pytest.MonkeyP
                           (q, half, half, lens, -1, None, None, None, heads, None, 0.0, 0.5, True, -1, 0, 0.125, 0.0,
                            0, -1, "bshd", "bshd", 0),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def _catalog(folder: Any, variants: list) -> Any:
+    import json
+
+    import aotriton_rt
+
+    folder.mkdir(exist_ok=True)
+    (folder / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                     "triton_version": "3.6.0", "variants": variants}))
+    return aotriton_rt.Library(folder)
+
+
+def test_explain_decode_shows_the_fp8_variant_its_config_and_splits(tmp_path: Any) -> None:
+    """``explain decode`` over a synthetic sm90 catalog (bf16 and fp8 caches, combine): the fp8
+    call runs the KV_DTYPE=fp8e4nv decode and append variants, a bf16 call the bf16 ones, and the
+    split count is the runtime's; an fp8 call on images without its variants is refused."""
+    from aotriton_rt.ops.decode.explain import explain
+    from tests.runtime.test_attention_op import _synthetic_variant
+
+    base = {"dtype": "bf16", "HEAD_DIM": 128}
+    variants = [_synthetic_variant(name, {**base, "PAGED": 1, "PADDED_D": 0, "KV_DTYPE": kv})
+                for name in ("attn_decode", "attn_decode_append") for kv in ("bf16", "fp8e4nv")]
+    variants.append(_synthetic_variant("attn_decode_combine", {**base, "PADDED_D": 0}))
+    lib = _catalog(tmp_path / "new", variants)
+    text = str(explain(dtype="bf16", head_dim=128, seqlen_k=8192, batch=2, kv_dtype="fp8e4nv", paged=True, append=1,
+                       arch="sm90", library=lib))
+    assert text.splitlines()[0] == ("decode on sm90: bf16 q, fp8e4nv cache, dequantised with k_scale/v_scale, head "
+                                    "dim 128, paged, batch 2, 32/8 heads, 1 query rows, 8192 keys, 1 appended")
+    assert "attn_decode_append[dtype=bf16, HEAD_DIM=128, PAGED=1, PADDED_D=0, KV_DTYPE=fp8e4nv] config #0" in text
+    assert "stores value / scale in the fp8 cache" in text
+    assert "attn_decode[dtype=bf16, HEAD_DIM=128, PAGED=1, PADDED_D=0, KV_DTYPE=fp8e4nv] config #0" in text
+    assert "an fp8 cache (fp8e4nv), dequantised in registers" in text and "13 split(s)" in text
+    assert "attn_decode_combine[dtype=bf16, HEAD_DIM=128, PADDED_D=0] config #0" in text
+    plain = str(explain(dtype="bf16", head_dim=128, seqlen_k=8192, batch=2, paged=True, arch="sm90", library=lib))
+    assert "KV_DTYPE=bf16" in plain and "fp8" not in plain
+    only_bf16 = _catalog(tmp_path / "old", [v for v in variants if v["spec"].get("KV_DTYPE") != "fp8e4nv"])
+    with pytest.raises(KernelNotFound, match=r"needs attn_decode with dtype=bf16, HEAD_DIM=128, PAGED=1, PADDED_D=0, "
+                                             r"KV_DTYPE=fp8e4nv on sm90 .*built for sm90 and gfx950"):
+        explain(dtype="bf16", head_dim=128, seqlen_k=8192, kv_dtype="fp8e4nv", paged=True, arch="sm90",
+                library=only_bf16)
+    with pytest.raises(UnsupportedError, match=r"an fp8 cache serves fp16 and bf16 queries, not fp32"):
+        explain(dtype="fp32", head_dim=128, seqlen_k=10, kv_dtype="fp8e4nv", arch="sm90", library=lib)
+    import subprocess
+
+    from tests.helpers.interpreter import ROOT
+
+    cli = subprocess.run([sys.executable, "-m", "aotriton_rt", "explain", "decode", "--images", str(tmp_path / "new"),
+                          "--arch", "sm90", "--dtype", "bf16", "--kv-dtype", "fp8e4nv", "--paged", "--seqlen", "1",
+                          "--seqlen-k", "8192", "--batch", "2", "--append", "1"],
+                         capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.strip() == text
+
+
+def test_images_built_before_the_cache_type_axis_serve_caches_of_q_type(tmp_path: Any) -> None:
+    """Variants without ``KV_DTYPE`` (images built before fp8 caches): a bf16 call is served
+    without asking for the axis; an fp8 call is refused naming the variant."""
+    import json
+
+    from aotriton_rt.ops.decode import variants as chooser
+    from tests.runtime.test_attention_op import _synthetic_variant
+
+    base = {"dtype": "bf16", "HEAD_DIM": 128}
+    new = _synthetic_variant("attn_decode", {**base, "PAGED": 0, "PADDED_D": 0, "KV_DTYPE": "bf16"})
+    old = json.loads(json.dumps(new))
+    del old["spec"]["KV_DTYPE"]
+    lib = _catalog(tmp_path, [old, _synthetic_variant("attn_decode_combine", {**base, "PADDED_D": 0})])
+    ks = op._kernels_of(lib)
+    spec, _ = ks.choose(_plan("bf16"), True)
+    assert spec == {**base, "PADDED_D": 0} and not chooser.held_cache_axis(ks.has)
+    spec, why = ks.choose(_plan("fp8e4nv"), True)
+    assert spec["KV_DTYPE"] == "fp8e4nv" and "runs on variants built for sm90 and gfx950" in why
+
+
+def _plan(kv: str) -> Any:
+    from aotriton_rt.ops.decode.validate import DecodePlan
+
+    return DecodePlan("bf16", 128, 2, 8, 2, 1, 0, 64, False, 16, 1, 64, (0, 0, 0), (0, 0, 0), (0, 0, 0), (0, 0, 0),
+                      (0, 0, 0), 0, -1, -1, 0.1, 0, False, kv_dtype=kv)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def candidates(dtype: str, head_dim: int, aligned: bool, kv_dtype: str | None = 
     if kv_dtype is None:
         return found
     if kv_dtype != dtype:
-        return [({**spec, KV_AXIS: kv_dtype}, f"{why}; a {kv_dtype} cache, dequantised in registers")
+        return [({**spec, KV_AXIS: kv_dtype}, f"{why}; an fp8 cache ({kv_dtype}), dequantised in registers")
                 for spec, why in found]
     return [({**spec, KV_AXIS: kv_dtype}, why) for spec, why in found]
 
@@ -91,7 +91,7 @@ def choose(dtype: str, head_dim: int, aligned: bool, paged: bool, has: Has, kv_d
     spec, why = found[0]
     if kv_dtype != dtype:
         targets = " and ".join(FP8_CACHES[kv_dtype][1]) if kv_dtype in FP8_CACHES else "no target"
-        why += (f"; a {kv_dtype} cache ({FP8_CACHES.get(kv_dtype, ('?',))[0]}) runs on variants built for "
+        why += (f"; an fp8 cache ({FP8_CACHES.get(kv_dtype, ('?',))[0]}) runs on variants built for "
                 f"{targets} (`python -m builder build --kernels attn_decode,attn_decode_append`)")
     if spec.get("PADDED_D") == 0:
         why += f"; the images hold no masked variant at a bucket >= {head_dim} either"
