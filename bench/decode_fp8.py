@@ -7,7 +7,9 @@ Contenders, in a shuffled order every round (bench/gpu_common.py's ``timed_round
 - ``bf16``: ``decode_attention`` on a contiguous bf16 cache ``(B, S, Hkv, D)``;
 - ``fp8``: the same rows quantised to e4m3 (``float8_e4m3fn``; ``float8_e4m3fnuz`` on gfx942)
   with one scale per KV head (``k_scale``/``v_scale`` of shape ``(Hkv,)``);
-- ``p16:bf16``, ``p16:fp8`` (``--page``, first size only): the same caches in shuffled pages.
+- ``p16:bf16``, ``p16:fp8`` (``--page``, first size only): the same caches in shuffled pages;
+- ``fp8#4``, ``p16:fp8#4``: with sm90's config #4 forced (V read as ``(D, keys)`` and transposed
+  after widening), where the images hold it (gputest, full).
 
 Each is timed from a CUDA graph of 10 calls (and eagerly). Reported: medians over ``--rounds``
 rounds with their spread ((max-min)/median), the K/V bandwidth (bytes read / time) as % of
@@ -46,6 +48,16 @@ def _error(out: Any, q: Any, k: Any, v: Any) -> float:
     return (out[0].float() - ref).abs().max().item()
 
 
+def _transposed_view(lib: Any) -> Any:
+    """A view of ``lib`` launching the fp8 decode variants' config #4, or None without it."""
+    held = any(v.config.index == 4 and v.spec.get("KV_DTYPE", "").startswith("fp8")
+               for v in lib.variants_of("attn_decode"))
+    if not held:
+        return None
+    return lib.with_tuning({"attn_decode": [{"config": 4, "splits": {"waves": 2, "min_blocks": 4,
+                                                                      "max_splits": 64}}]})
+
+
 def _contender(lib: Any, q: Any, lens: Any, k: Any, v: Any, table: Any, kw: dict) -> Any:
     return lambda: dec.decode_attention(q, k, v, cache_seqlens=lens, block_table=table, library=lib, **kw)[0]
 
@@ -76,8 +88,14 @@ def fp8_table(args: Any, lib: Any) -> list[dict]:
                     caches[f"p{size}:{name}"] = (kp, vp, table.cuda(), kw)
 
         fns = {name: _contender(lib, q, lens, *c) for name, c in caches.items()}
+        transposed = _transposed_view(lib)
+        if transposed is not None:
+            fns.update({f"{name}#4": _contender(transposed, q, lens, *c)
+                        for name, c in caches.items() if "fp8" in name})
         deq = (k8.float() * ks[None, None, :, None], v8.float() * vs[None, None, :, None])
         errors = {"bf16": _error(fns["bf16"](), q, kc, vc), "fp8": _error(fns["fp8"](), q, *deq)}
+        if "fp8#4" in fns:
+            errors["fp8#4"] = _error(fns["fp8#4"](), q, *deq)
         graphs = graphed(fns, 10)
         eager, graph = timed_rounds(fns, graphs, args.rounds)
         times = {n: graph[n] if n in graphs else eager[n] for n in fns}
@@ -88,11 +106,12 @@ def fp8_table(args: Any, lib: Any) -> list[dict]:
                                        "bw_pct": 100 * kv_bytes / (statistics.median(runs) * 1e-3) / (
                                            args.peak_tbs * 1e12)}
         for base in ("", f"p{args.page[0]}:" if args.page else None):
-            if base is None or f"{base}fp8" not in times:
-                continue
-            ratios = [a / b for a, b in zip(times[f"{base}bf16"], times[f"{base}fp8"])]
-            row.setdefault("speedup", {})[base.rstrip(":") or "contiguous"] = {
-                "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+            for tag in ("", "#4"):
+                if base is None or f"{base}fp8{tag}" not in times:
+                    continue
+                ratios = [a / b for a, b in zip(times[f"{base}bf16"], times[f"{base}fp8{tag}"])]
+                row.setdefault("speedup", {})[(base.rstrip(":") or "contiguous") + tag] = {
+                    "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
         rows.append(row)
         _print_row(row)
     return rows
@@ -100,7 +119,7 @@ def fp8_table(args: Any, lib: Any) -> list[dict]:
 
 def _print_row(row: dict) -> None:
     print(f"B={row['B']} S={row['S']} Hq={row['hq']} Hkv={row['hkv']} D={row['d']}  max error vs fp32: "
-          f"bf16 {row['errors']['bf16']:.2e}, fp8 {row['errors']['fp8']:.2e} (of its dequantised cache)")
+          + ", ".join(f"{n} {e:.2e}" for n, e in row["errors"].items()) + " (fp8: of its dequantised cache)")
     for name, st in row["contenders"].items():
         print(f"  {name:10s} {st['median_us']:9.1f} us  spread {100 * st['spread']:4.1f}%  "
               f"{st['bw_pct']:5.1f}% of peak{'' if st['graph'] else '  (eager)'}")

@@ -191,7 +191,7 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, sta
             qk_scale, softcap,
             page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
             HEAD_DIM: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-            PREC: tl.constexpr):
+            PREC: tl.constexpr, V_T: tl.constexpr):
     """Online softmax of the tile's query rows over key blocks ``start..end`` (see _block_offsets
     for MODE); returns the updated (acc, l_i, m_i, page_sign): ``page_sign`` ORed with the table
     entries' sign words (negative once one was out of range). Rows before ``start_b`` (a left
@@ -207,8 +207,16 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, sta
         # K as (dim, keys): loads run along the contiguous head dim.
         k = tl.load(K_head + k_off[None, :] + offs_d[:, None],
                     mask=_and_dim(col_ok[None, :], offs_d, head_dim, HEAD_DIM, PADDED_D, 0), other=0.0)
-        v = tl.load(V_head + v_off[:, None] + offs_d[None, :],
-                    mask=_and_dim(col_ok[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1), other=0.0)
+        if V_T:
+            # The P.V dot wants pairs of keys per thread, which an fp8 V in (keys, D) rows holds a
+            # byte apart: read it as K is read, 16-byte pieces along D, and transpose the widened
+            # tile (through shared memory as 16-bit values, ldmatrix.trans) instead.
+            vt = tl.load(V_head + v_off[None, :] + offs_d[:, None],
+                         mask=_and_dim(col_ok[None, :], offs_d, head_dim, HEAD_DIM, PADDED_D, 0), other=0.0)
+            v = tl.trans(vt.to(q.dtype))
+        else:
+            v = tl.load(V_head + v_off[:, None] + offs_d[None, :],
+                        mask=_and_dim(col_ok[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1), other=0.0)
         # An fp8 cache widens in registers to q's type (exact: every e4m3 value is an fp16 and a
         # bf16); its scales are folded into qk_scale and the output by the caller.
         k = k.to(q.dtype)
@@ -333,7 +341,7 @@ def attn_decode(
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_new, capacity, num_pages, page_size, num_splits,
     sm_scale, window_left, window_right, head_dim, softcap, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0, V_TRANSPOSED: tl.constexpr = 0,
 ):
     """Split-KV attention of seqlen_q query rows per sequence against its KV cache.
 
@@ -353,6 +361,8 @@ def attn_decode(
     :func:`_kv_scales`); variants with a cache of q's own type never read them.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
+    # An fp8 cache's V read as (D, keys) and transposed after widening (config #4 on sm90).
+    V_T: tl.constexpr = V_TRANSPOSED and K.dtype.element_ty != Q.dtype.element_ty
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -422,17 +432,17 @@ def attn_decode(
             acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end,
                                               start_b, len_k, qi, diag, left, right, qk_scale, softcap, page_size,
                                               num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d,
-                                              head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 1, PREC)
+                                              head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 1, PREC, V_T)
         else:
             acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end,
                                               start_b, len_k, qi, diag, left, right, qk_scale, softcap, page_size,
                                               num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d,
-                                              head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 2, PREC)
+                                              head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 2, PREC, V_T)
     else:
         acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, start_b,
                                           len_k, qi, diag, left, right, qk_scale, softcap, page_size, num_pages,
                                           stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
-                                          HEAD_DIM, PADDED_D, BLOCK_N, 0, PREC)
+                                          HEAD_DIM, PADDED_D, BLOCK_N, 0, PREC, V_T)
 
     _successor_may_launch(PDL)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -793,8 +803,10 @@ def _pdl(constexprs: dict, target: object, options: dict | None = None) -> dict:
             "options": {**(options or {}), **({"launch_pdl": True} if pdl else {})}}
 
 
-def _cfg(target: object, bm: int, bn: int, warps: int, stages: int, options: dict | None = None) -> ConfigDecl:
-    return ConfigDecl(num_warps=warps, num_stages=stages, **_pdl({"BLOCK_M": bm, "BLOCK_N": bn}, target, options))
+def _cfg(target: object, bm: int, bn: int, warps: int, stages: int, options: dict | None = None,
+         v_transposed: int = 0) -> ConfigDecl:
+    return ConfigDecl(num_warps=warps, num_stages=stages,
+                      **_pdl({"BLOCK_M": bm, "BLOCK_N": bn, "V_TRANSPOSED": v_transposed}, target, options))
 
 
 def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
@@ -826,10 +838,15 @@ def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     two_per_sm = max(2, min(3, limit // 2 // stage))
     if target.arch == "sm90":
         wide = d <= 128
-        return (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),
-                _cfg(target, 16, 2 * bn, 8, _stages(2, spec, target)),
-                _cfg(target, 16, bn, 4, _stages(4, spec, target)),
-                _cfg(target, 128 if wide else 64, bn, 8 if wide else 4, _stages(3 if wide else 2, spec, target)))
+        found = (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),
+                 _cfg(target, 16, 2 * bn, 8, _stages(2, spec, target)),
+                 _cfg(target, 16, bn, 4, _stages(4, spec, target)),
+                 _cfg(target, 128 if wide else 64, bn, 8 if wide else 4, _stages(3 if wide else 2, spec, target)))
+        if spec.get("KV_DTYPE", spec["dtype"]) != spec["dtype"]:
+            # #4: config #0 with an fp8 V read as (D, keys) and transposed after widening
+            # (docs/attention.md, "FP8 KV caches": fewer shared loads, more permutes).
+            found += (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target), v_transposed=1),)
+        return found
     return (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),)
 
 

@@ -34,6 +34,12 @@ CASES: dict[str, dict] = {
     "masked_head_dim_48_on_the_64_bucket": {"D": 48, "Hq": 4, "Hk": 1, "scales": "head", "paged": 16,
                                             "new": 1, "lens": (15, 33, 2)},
     "repeated_call_takes_the_cached_plan_with_new_scales": {"scales": "head", "repeat": True, "splits": 2},
+    # sm90's config #4: V read as (D, keys) and transposed after widening.
+    "v_transposed_paged_16_gqa_append_bf16": {"v_t": True, "dtype": "bf16", "paged": 16, "block_n": 64, "new": 2,
+                                              "Hq": 8, "Hk": 2, "lens": (37, 1, 70), "scales": "batch_head",
+                                              "causal": True, "splits": 2},
+    "v_transposed_masked_head_dim_48_window": {"v_t": True, "D": 48, "window": (20, 0), "Sq": 2,
+                                               "scales": "float"},
 }
 FP8_MAX = 448.0
 QUANTISATION = "quantisation_rounds_saturates_and_keeps_nan"
@@ -115,6 +121,16 @@ def run_case(name: str, case: dict) -> dict:
     LAUNCHES.clear()
     BLOCK_N[0] = c.get("block_n", 16)
     lib = _Library()
+    if c.get("v_t"):
+        made = lib.kernel
+
+        def kernel(name: str, **params: Any) -> Any:
+            handle = made(name, **params)
+            if "V_TRANSPOSED" in handle.constexprs:
+                handle.constexprs["V_TRANSPOSED"] = 1
+            return handle
+
+        lib.kernel = kernel
     softcap = c.get("softcap", 0.0)
     kw = {"cache_seqlens": seqlens, "block_table": table, "causal": c["causal"], "window": c["window"],
           "num_splits": c["splits"], "softcap": softcap, "cache_leftpad": starts, "library": lib}
@@ -522,6 +538,31 @@ def test_the_sm90_fp8_variant_copies_16_byte_pieces_and_widens_with_the_e4m3_con
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
     assert "ld.global.b8" not in ptx and "ld.global.u8" not in ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in texts["attn_decode_append"]
+
+
+def test_sm90_config_4_reads_an_fp8_v_along_the_head_dim_and_transposes_it_widened() -> None:
+    """Config #4 (gputest and full only): V arrives in 16-byte loads along D like K, is widened in
+    registers and reaches the P.V dot through ``ldmatrix.trans`` of 16-bit values (no byte loads
+    from shared memory); caches of q's type have no config #4."""
+    import lzma
+
+    from builder.compile import compile_job_with_ptx
+    from builder.registry import expand, load_kernels
+    from builder.targets import parse_targets
+
+    decl = load_kernels()["attn_decode"]
+    spec = {"dtype": "fp16", "HEAD_DIM": 128, "PAGED": 0, "PADDED_D": 0, "KV_DTYPE": "fp8e4nv"}
+    jobs = {j.config_index: j for j in expand(decl, parse_targets("sm90"), "gputest", "3.6.0") if j.spec == spec}
+    assert sorted(jobs) == [0, 1, 2, 3, 4] and jobs[4].constexprs["V_TRANSPOSED"] == 1
+    assert jobs[0].constexprs["V_TRANSPOSED"] == 0
+    default = {j.config_index for j in expand(decl, parse_targets("sm90"), "default", "3.6.0") if j.spec == spec}
+    assert default == {0, 3}
+    plain = {j.config_index for j in expand(decl, parse_targets("sm90"), "gputest", "3.6.0")
+             if j.spec == {**spec, "KV_DTYPE": "fp16"}}
+    assert plain == {0, 1, 2, 3}
+    ptx = lzma.decompress(compile_job_with_ptx(jobs[4])[3]).decode()
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "ld.shared.b8" not in ptx
+    assert ptx.count("ld.global.v4.b32") >= 12
 
 
 @pytest.mark.parametrize("arch,kv", [("gfx942", "fp8e4b8"), ("gfx950", "fp8e4nv")])
