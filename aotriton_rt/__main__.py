@@ -144,6 +144,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from .ops.attention import explain
 
     lib = Library(args.images) if args.images else default_library()
+    if args.op == "decode":
+        return _explain_decode(args, lib)
     for backward in (False, True) if args.backward else (False,):
         try:
             print(explain(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=args.head_dim_v,
@@ -158,6 +160,25 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"error: no GPU found on this machine to take the arch from; pass --arch {built[0]} (the "
                   f"images hold: {', '.join(built)})", file=sys.stderr)
             return EXIT_ERROR
+    return 0
+
+
+def _explain_decode(args: argparse.Namespace, lib: Any) -> int:
+    from .errors import NoDevice
+    from .ops.decode.explain import explain
+
+    try:
+        print(explain(dtype=args.dtype, head_dim=args.head_dim, seqlen_q=args.seqlen,
+                      seqlen_k=args.seqlen_k or args.seqlen, batch=args.batch, heads_q=args.heads_q,
+                      heads_k=args.heads_k, kv_dtype=args.kv_dtype, paged=args.paged, append=args.append,
+                      arch=args.arch, library=lib))
+    except NoDevice:
+        if args.arch:
+            raise
+        built = sorted({a for _, a in lib.targets()})
+        print(f"error: no GPU found on this machine to take the arch from; pass --arch {built[0]} (the "
+              f"images hold: {', '.join(built)})", file=sys.stderr)
+        return EXIT_ERROR
     return 0
 
 
@@ -270,8 +291,10 @@ def parser() -> argparse.ArgumentParser:
                         description="Print, for each kernel an attention call launches, its spec, the config "
                                     "index and parameters, and why: 'tuned' (the catalog rule, the tuning "
                                     "database it came from, the length bin) or 'untuned' (the heuristic). "
-                                    "Launches nothing; with --arch no GPU is needed.")
-    ex.add_argument("op", choices=["attention"], help="the operator")
+                                    "`explain decode`: the decode kernels of a call against a KV cache "
+                                    "(--seqlen query rows, --seqlen-k keys; fp8 caches with --kv-dtype), their "
+                                    "configs and split count. Launches nothing; with --arch no GPU is needed.")
+    ex.add_argument("op", choices=["attention", "decode"], help="the operator")
     ex.add_argument("--dtype", default="fp16", help="fp16, bf16 or fp32 (default fp16)")
     ex.add_argument("--head-dim", type=int, default=128, help="q·k head dim (default 128)")
     ex.add_argument("--head-dim-v", type=int, default=None, help="v head dim (default: --head-dim)")
@@ -287,6 +310,14 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--sinks", action="store_true", help="the call passes attention sinks (sinks=)")
     ex.add_argument("--backward", action="store_true", help="also explain the backward's kernels and scheme")
     ex.add_argument("--deterministic", action="store_true", help="backward: the bit-reproducible scheme only")
+    ex.add_argument("--batch", type=int, default=1, help="decode: sequences (default 1)")
+    ex.add_argument("--heads-q", type=int, default=32, help="decode: query heads (default 32)")
+    ex.add_argument("--heads-k", type=int, default=8, help="decode: KV heads (default 8)")
+    ex.add_argument("--kv-dtype", default=None,
+                    help="decode: the caches' type, fp8e4nv (float8_e4m3fn) or fp8e4b8 (float8_e4m3fnuz); "
+                         "default: --dtype")
+    ex.add_argument("--paged", action="store_true", help="decode: a paged cache")
+    ex.add_argument("--append", type=int, default=0, help="decode: rows appended per sequence (default 0)")
     ex.add_argument("--arch", help="catalog arch, e.g. sm90 (default: the one GPU 0 runs)")
     ex.add_argument("--images", help="an image folder (default: the documented search)")
     ex.set_defaults(func=cmd_explain)

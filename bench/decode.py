@@ -57,6 +57,11 @@ contender, checked once per shape before timing.
     python bench/decode.py --llama --rounds 5
     python bench/decode.py --llama --llama-padding left --llama-sdpa default cudnn --rounds 3
     python bench/decode.py --prefill --rounds 5 --prefill-shapes 8x1024 4x4096 1x8192
+    python bench/decode.py --fp8 --rounds 9 --fp8-shapes 32x8192 64x8192 --hkv 8 --gqa 4 --page 16
+
+``--fp8``: fp8 (e4m3) KV caches with per-head scales against bf16 ones (bench/decode_fp8.py):
+per ``--fp8-shapes BxS`` (default 32x8192 64x8192), contiguous and paged (the first ``--page``),
+alternating every round; medians, spreads and the per-round fp8 speedup, median [min-max].
 Images: AOTRITON_RT_IMAGES (or the default library). Writes JSON under $OUT when set.
 ``--pdl``: the decode chain's PDL policies side by side in one process (sm90): each default
 contender (``ours``, ``p64``, ...) also as ``ours@on`` (PDL wherever compiled in) and ``ours@off``
@@ -88,6 +93,7 @@ import torch  # noqa: E402
 
 import aotriton_rt  # noqa: E402
 from aotriton_rt.ops import decode as dec  # noqa: E402
+from bench.decode_fp8 import FP8_SHAPES, fp8_summary, fp8_table  # noqa: E402
 from bench.gpu_common import (  # noqa: E402
     SDPA_BACKENDS,
     _sdpa_backend,
@@ -459,6 +465,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also time the default contenders with PDL always on (@on) and off (@off): the rule vs both")
     ap.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=True,
                     help="time SDPA's backends (--no-sdpa: aotriton-rt's contenders only)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="fp8 (e4m3) KV caches against bf16 ones instead of the kernel table")
+    ap.add_argument("--fp8-shapes", nargs="+", default=list(FP8_SHAPES), help="BxS pairs of the --fp8 table")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.gqa is None:
@@ -479,7 +488,10 @@ def main() -> None:
     if args.prefill:
         result["prefill"] = {"rows": prefill_table(args, lib)}
         prefill_summary(result["prefill"]["rows"])
-    if not (args.llama or args.prefill):
+    if args.fp8:
+        result["fp8"] = {"rows": fp8_table(args, lib)}
+        fp8_summary(result["fp8"]["rows"])
+    if not (args.llama or args.prefill or args.fp8):
         rows = kernel_table(args, lib)
         result["rows"] = rows
         summary(rows)

@@ -191,7 +191,7 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, sta
             qk_scale, softcap,
             page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
             HEAD_DIM: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-            PREC: tl.constexpr):
+            PREC: tl.constexpr, V_T: tl.constexpr):
     """Online softmax of the tile's query rows over key blocks ``start..end`` (see _block_offsets
     for MODE); returns the updated (acc, l_i, m_i, page_sign): ``page_sign`` ORed with the table
     entries' sign words (negative once one was out of range). Rows before ``start_b`` (a left
@@ -207,8 +207,20 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, sta
         # K as (dim, keys): loads run along the contiguous head dim.
         k = tl.load(K_head + k_off[None, :] + offs_d[:, None],
                     mask=_and_dim(col_ok[None, :], offs_d, head_dim, HEAD_DIM, PADDED_D, 0), other=0.0)
-        v = tl.load(V_head + v_off[:, None] + offs_d[None, :],
-                    mask=_and_dim(col_ok[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1), other=0.0)
+        if V_T:
+            # The P.V dot wants pairs of keys per thread, which an fp8 V in (keys, D) rows holds a
+            # byte apart: read it as K is read, 16-byte pieces along D, and transpose the widened
+            # tile (through shared memory as 16-bit values, ldmatrix.trans) instead.
+            vt = tl.load(V_head + v_off[None, :] + offs_d[:, None],
+                         mask=_and_dim(col_ok[None, :], offs_d, head_dim, HEAD_DIM, PADDED_D, 0), other=0.0)
+            v = tl.trans(vt.to(q.dtype))
+        else:
+            v = tl.load(V_head + v_off[:, None] + offs_d[None, :],
+                        mask=_and_dim(col_ok[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1), other=0.0)
+        # An fp8 cache widens in registers to q's type (exact: every e4m3 value is an fp16 and a
+        # bf16); its scales are folded into qk_scale and the output by the caller.
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         qk = tl.dot(q, k, input_precision=PREC)
         if softcap > 0:
             qk = _softcapped(qk, qk_scale, softcap)
@@ -224,6 +236,31 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, sta
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i, page_sign
+
+
+@triton.jit
+def _kv_scales(KScale, VScale, off_b, off_hk, stride_ksz, stride_ksh, stride_vsz, stride_vsh, k_scale, v_scale,
+               FP8: tl.constexpr):
+    """(K scale, V scale), fp32, of sequence off_b's KV head off_hk in an fp8 cache: a real value
+    is the stored one times ``KScale[b*stride_ksz + h*stride_ksh] * k_scale`` (per-head scales:
+    strides (0, 1) for ``(Hkv,)``, (Hkv, 1) for ``(B, Hkv)``; a per-tensor one: strides 0, and
+    ``k_scale`` the value over an array holding 1.0). (1, 1) for a cache of q's type (no load)."""
+    if FP8:
+        ks = tl.load(KScale + off_b.to(tl.int64) * stride_ksz + off_hk.to(tl.int64) * stride_ksh) * k_scale
+        vs = tl.load(VScale + off_b.to(tl.int64) * stride_vsz + off_hk.to(tl.int64) * stride_vsh) * v_scale
+        return ks, vs
+    return 1.0, 1.0
+
+
+@triton.jit
+def _quantised(x, scale, KV: tl.constexpr):
+    """``x / scale`` in the fp8 type ``KV``: an fp32 division rounded to nearest (as torch's),
+    saturated to the format's largest finite value (448 for e4m3fn, 240 for e4m3fnuz), NaN kept,
+    then rounded to nearest even."""
+    FP8_MAX: tl.constexpr = 448.0 if KV == tl.float8e4nv else 240.0
+    y = tl.math.div_rn(x.to(tl.float32), tl.zeros_like(x.to(tl.float32)) + scale)
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+    return y.to(KV, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -293,17 +330,18 @@ def _record_fault(Faults, fault):
 
 @triton.jit
 def attn_decode(
-    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens, CacheStart, Faults,
+    Q, K, V, Out, LSE, PartO, PartL, BlockTable, CacheSeqlens, CacheStart, Faults, KScale, VScale,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
     stride_oz, stride_oh, stride_om,
     stride_lz, stride_lh,
     stride_btz,
+    stride_ksz, stride_ksh, stride_vsz, stride_vsh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_new, capacity, num_pages, page_size, num_splits,
-    sm_scale, window_left, window_right, head_dim, softcap,
+    sm_scale, window_left, window_right, head_dim, softcap, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0, V_TRANSPOSED: tl.constexpr = 0,
 ):
     """Split-KV attention of seqlen_q query rows per sequence against its KV cache.
 
@@ -319,8 +357,12 @@ def attn_decode(
     ``softcap``: FlashAttention-2's logit softcap, scores ``softcap * tanh(q.k * sm_scale /
     softcap)`` before the masks and the softmax; 0 for none (a run-time value: every variant
     takes it; ``softcap > 0`` needs ``sm_scale != 0``, checked at launch).
+    ``KScale``/``VScale``, ``k_scale``/``v_scale``: an fp8 cache's dequantisation scales (see
+    :func:`_kv_scales`); variants with a cache of q's own type never read them.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
+    # An fp8 cache's V read as (D, keys) and transposed after widening (config #4 on sm90).
+    V_T: tl.constexpr = V_TRANSPOSED and K.dtype.element_ty != Q.dtype.element_ty
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -375,7 +417,10 @@ def attn_decode(
         V_head += off_b.to(tl.int64) * stride_vz
     bt_row = BlockTable + off_b.to(tl.int64) * stride_btz
 
-    qk_scale = sm_scale * LOG2E
+    ks, vs = _kv_scales(KScale, VScale, off_b, off_hk, stride_ksz, stride_ksh, stride_vsz, stride_vsh, k_scale,
+                        v_scale, K.dtype.element_ty != Q.dtype.element_ty)
+    # The program's KV head is fixed: its K scale folds into the score scale once.
+    qk_scale = sm_scale * ks * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -387,21 +432,23 @@ def attn_decode(
             acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end,
                                               start_b, len_k, qi, diag, left, right, qk_scale, softcap, page_size,
                                               num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d,
-                                              head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 1, PREC)
+                                              head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 1, PREC, V_T)
         else:
             acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end,
                                               start_b, len_k, qi, diag, left, right, qk_scale, softcap, page_size,
                                               num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d,
-                                              head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 2, PREC)
+                                              head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 2, PREC, V_T)
     else:
         acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, start_b,
                                           len_k, qi, diag, left, right, qk_scale, softcap, page_size, num_pages,
                                           stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
-                                          HEAD_DIM, PADDED_D, BLOCK_N, 0, PREC)
+                                          HEAD_DIM, PADDED_D, BLOCK_N, 0, PREC, V_T)
 
     _successor_may_launch(PDL)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
+    if K.dtype.element_ty != Q.dtype.element_ty:
+        acc = acc * vs  # linear: split partials scaled alike merge unchanged
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     # A faulting sequence answers NaN (never a plausible number); the flag says why.
     fault = fault | tl.where(page_sign < 0, FAULT_PAGE, 0)
@@ -493,13 +540,14 @@ def _row_tile(num_heads_k, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def attn_decode_append(
-    KNew, VNew, K, V, BlockTable, CacheSeqlens, Faults,
+    KNew, VNew, K, V, BlockTable, CacheSeqlens, Faults, KScale, VScale,
     stride_knz, stride_knh, stride_knm,
     stride_vnz, stride_vnh, stride_vnm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
     stride_btz,
-    batch, num_heads_k, seqlen_new, capacity, num_pages, page_size, head_dim,
+    stride_ksz, stride_ksh, stride_vsz, stride_vsh,
+    batch, num_heads_k, seqlen_new, capacity, num_pages, page_size, head_dim, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_R: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
@@ -508,6 +556,8 @@ def attn_decode_append(
     Grid: (cdiv(seqlen_new, BLOCK_R), batch * num_heads_k, 1). Rows outside ``[0, capacity)`` or
     whose table entry is outside ``[0, num_pages)`` are not written, and their fault is ORed into
     ``Faults`` (the runtime refuses such calls when it knows the lengths; see the module doc).
+    An fp8 cache (K's type is not KNew's) stores each value divided by its head's scale
+    (:func:`_kv_scales`, :func:`_quantised`).
     """
     off_b, off_hk, rows, offs_d = _row_tile(num_heads_k, BLOCK_R, HEAD_DIM)
     _after_predecessor(PDL)
@@ -532,6 +582,11 @@ def attn_decode_append(
     kn = tl.load(KNew + src + offs_d[None, :], mask=mask, other=0.0)
     src = off_b.to(tl.int64) * stride_vnz + off_hk.to(tl.int64) * stride_vnh + rows[:, None] * stride_vnm
     vn = tl.load(VNew + src + offs_d[None, :], mask=mask, other=0.0)
+    if K.dtype.element_ty != KNew.dtype.element_ty:
+        ks, vs = _kv_scales(KScale, VScale, off_b, off_hk, stride_ksz, stride_ksh, stride_vsz, stride_vsh, k_scale,
+                            v_scale, True)
+        kn = _quantised(kn, ks, K.dtype.element_ty)
+        vn = _quantised(vn, vs, V.dtype.element_ty)
     _successor_may_launch(PDL)
     tl.store(K_head + k_off[:, None] + offs_d[None, :], kn, mask=mask)
     tl.store(V_head + v_off[:, None] + offs_d[None, :], vn, mask=mask)
@@ -681,13 +736,48 @@ GPUTEST = (("fp32", 64), ("fp32", 128), ("fp16", 80), ("bf16", 256), ("fp16", 32
 GPUTEST_PADDED = (("fp16", 256),)
 
 
+#: fp8 (e4m3) KV caches, by Triton type, and the targets that hold their variants: OCP e4m3fn
+#: (torch's float8_e4m3fn) where the hardware converts it (sm90, gfx950), e4m3fnuz (torch's
+#: float8_e4m3fnuz, another exponent bias and no infinities) on gfx942, whose hardware has only it.
+FP8_KV = {"fp8e4nv": ("sm90", "gfx950"), "fp8e4b8": ("gfx942",)}
+#: The cache's element type (attn_decode and attn_decode_append's ``KV_DTYPE``): q's own, or fp8.
+KV_DTYPES = (*DTYPES, *FP8_KV)
+#: Head dims of the fp8 cache's variants in the default set (bf16 and fp16 queries, as is only).
+FP8_DEFAULT_HEAD_DIMS = (128,)
+#: ... and in gputest (as is and masked), for tests/runtime/test_decode_fp8_gpu.py.
+FP8_GPUTEST_HEAD_DIMS = (64, 128)
+
+
+def kv_excluded(spec: dict, target: object) -> str | None:
+    """A cache type other than q's is fp8 with fp16/bf16 queries, on the targets of ``FP8_KV``."""
+    kv = spec["KV_DTYPE"]
+    if kv == spec["dtype"]:
+        return None
+    if kv not in FP8_KV:
+        return f"a {kv} cache serves {kv} queries only"
+    if spec["dtype"] not in ("fp16", "bf16"):
+        return "an fp8 cache serves fp16 and bf16 queries"
+    if target.arch not in FP8_KV[kv]:
+        return f"{kv} caches are compiled for {', '.join(FP8_KV[kv])} only"
+    return None
+
+
+def _fp8(spec: dict) -> bool:
+    return spec.get("KV_DTYPE", spec["dtype"]) != spec["dtype"]
+
+
 def in_decode_default_set(spec: dict, target: object) -> bool:
-    """fp16/bf16 at head dims 64 and 128, contiguous and paged caches, as is and masked."""
-    return spec["dtype"] in ("fp16", "bf16") and spec["HEAD_DIM"] in DEFAULT_HEAD_DIMS
+    """fp16/bf16 at head dims 64 and 128, contiguous and paged caches, as is and masked; fp8
+    caches at ``FP8_DEFAULT_HEAD_DIMS`` as is."""
+    if spec["dtype"] not in ("fp16", "bf16") or spec["HEAD_DIM"] not in DEFAULT_HEAD_DIMS:
+        return False
+    return not _fp8(spec) or (spec["HEAD_DIM"] in FP8_DEFAULT_HEAD_DIMS and not spec.get("PADDED_D"))
 
 
 def in_decode_gputest_set(spec: dict, target: object) -> bool:
     """The default set plus the (dtype, head dim) pairs the GPU tests launch."""
+    if _fp8(spec):
+        return spec["HEAD_DIM"] in FP8_GPUTEST_HEAD_DIMS
     pairs = GPUTEST_PADDED if spec.get("PADDED_D") else GPUTEST
     return in_decode_default_set(spec, target) or (spec["dtype"], spec["HEAD_DIM"]) in pairs
 
@@ -713,8 +803,10 @@ def _pdl(constexprs: dict, target: object, options: dict | None = None) -> dict:
             "options": {**(options or {}), **({"launch_pdl": True} if pdl else {})}}
 
 
-def _cfg(target: object, bm: int, bn: int, warps: int, stages: int, options: dict | None = None) -> ConfigDecl:
-    return ConfigDecl(num_warps=warps, num_stages=stages, **_pdl({"BLOCK_M": bm, "BLOCK_N": bn}, target, options))
+def _cfg(target: object, bm: int, bn: int, warps: int, stages: int, options: dict | None = None,
+         v_transposed: int = 0) -> ConfigDecl:
+    return ConfigDecl(num_warps=warps, num_stages=stages,
+                      **_pdl({"BLOCK_M": bm, "BLOCK_N": bn, "V_TRANSPOSED": v_transposed}, target, options))
 
 
 def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
@@ -746,10 +838,15 @@ def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     two_per_sm = max(2, min(3, limit // 2 // stage))
     if target.arch == "sm90":
         wide = d <= 128
-        return (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),
-                _cfg(target, 16, 2 * bn, 8, _stages(2, spec, target)),
-                _cfg(target, 16, bn, 4, _stages(4, spec, target)),
-                _cfg(target, 128 if wide else 64, bn, 8 if wide else 4, _stages(3 if wide else 2, spec, target)))
+        found = (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),
+                 _cfg(target, 16, 2 * bn, 8, _stages(2, spec, target)),
+                 _cfg(target, 16, bn, 4, _stages(4, spec, target)),
+                 _cfg(target, 128 if wide else 64, bn, 8 if wide else 4, _stages(3 if wide else 2, spec, target)))
+        if spec.get("KV_DTYPE", spec["dtype"]) != spec["dtype"]:
+            # #4: config #0 with an fp8 V read as (D, keys) and transposed after widening
+            # (docs/attention.md, "FP8 KV caches": fewer shared loads, more permutes).
+            found += (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target), v_transposed=1),)
+        return found
     return (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),)
 
 
@@ -801,20 +898,22 @@ def append_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     return (ConfigDecl(num_warps=4, num_stages=1, **_pdl({"BLOCK_R": 16}, target)),)
 
 
-_DECODE_SIG = signature_of(attn_decode, {
-    "Q": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
+# K and V are typed by the cache's dtype (KV_DTYPE: q's own, or an fp8 format with its scales).
+_SCALES = {"KScale": "*fp32", "VScale": "*fp32"}
+_DECODE_SIG = {**signature_of(attn_decode, {
+    "Q": "*{dtype}", "K": "*{KV_DTYPE}", "V": "*{KV_DTYPE}", "Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
     "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32", "CacheStart": "*i32",
-    "Faults": "*i32"})
-# Lengths and block tables may be any int32 views (e.g. a slice of a longer lengths array).
-_INDEX_POINTERS = ("BlockTable", "CacheSeqlens", "CacheStart", "Faults")
+    "Faults": "*i32", **_SCALES}), "k_scale": "fp32", "v_scale": "fp32"}
+# Lengths, block tables and scales may be any int32 / fp32 views (e.g. a slice of a longer array).
+_INDEX_POINTERS = ("BlockTable", "CacheSeqlens", "CacheStart", "Faults", *_SCALES)
 _DECODE_DIV = {**{n: d for n, d in divisibility_of(_DECODE_SIG, aligned=("q", "k", "v", "o")).items()
                   if n not in _INDEX_POINTERS}, "page_size": 16}
 _COMBINE_SIG = signature_of(attn_decode_combine, {"Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
                                                   "PartL": "*fp32"})
 _COMBINE_DIV = divisibility_of(_COMBINE_SIG, aligned=("o",))
-_APPEND_SIG = signature_of(attn_decode_append, {
-    "KNew": "*{dtype}", "VNew": "*{dtype}", "K": "*{dtype}", "V": "*{dtype}", "BlockTable": "*i32",
-    "CacheSeqlens": "*i32", "Faults": "*i32"})
+_APPEND_SIG = {**signature_of(attn_decode_append, {
+    "KNew": "*{dtype}", "VNew": "*{dtype}", "K": "*{KV_DTYPE}", "V": "*{KV_DTYPE}", "BlockTable": "*i32",
+    "CacheSeqlens": "*i32", "Faults": "*i32", **_SCALES}), "k_scale": "fp32", "v_scale": "fp32"}
 _APPEND_DIV = {**{n: d for n, d in divisibility_of(_APPEND_SIG, aligned=("kn", "vn", "k", "v")).items()
                   if n not in _INDEX_POINTERS}, "page_size": 16}
 _LENGTHS_SIG = signature_of(attn_decode_lengths, {"CuQ": "*i32", "CuK": "*i32", "SeqFaults": "*i32",
@@ -884,7 +983,8 @@ KERNELS = [
         name="attn_decode",
         fn=attn_decode,
         signature=_DECODE_SIG,
-        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0, 1)},
+        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0, 1), "KV_DTYPE": KV_DTYPES},
+        exclude=kv_excluded,
         configs=decode_configs,
         grid=("cdiv(num_heads_q // num_heads_k * seqlen_q, BLOCK_M)", "num_splits", "batch * num_heads_k"),
         divisibility=_DECODE_DIVS,
@@ -911,7 +1011,8 @@ KERNELS = [
         name="attn_decode_append",
         fn=attn_decode_append,
         signature=_APPEND_SIG,
-        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0, 1)},
+        axes={**_AXES, "PAGED": (0, 1), "PADDED_D": (0, 1), "KV_DTYPE": KV_DTYPES},
+        exclude=kv_excluded,
         configs=append_configs,
         grid=("cdiv(seqlen_new, BLOCK_R)", "batch * num_heads_k", "1"),
         divisibility=_APPEND_DIVS,

@@ -238,3 +238,18 @@ def test_contenders_with_other_rules_or_a_forced_policy_call_views_with_plans_of
     assert bench.contender_library(lib, images, images, "rule") is lib
     assert bench.contender_library(lib, images, images, "off") == ("view", {})
     assert bench.contender_library(lib, [{"config": 0}], images, "rule") == ("view", {"attn_decode": [{"config": 0}]})
+
+
+def test_the_fp8_mode_parses_its_shapes_and_reports_the_speedup_per_round(bench, capsys) -> None:
+    args = bench.parse_args(["--fp8", "--fp8-shapes", "32x8192", "64x8192"])
+    assert args.fp8 and bench.parse_pairs(args.fp8_shapes, "--fp8-shapes", "32x8192") == [(32, 8192), (64, 8192)]
+    fp8 = load_bench("decode_fp8.py")
+    stats = {"median_us": 100.0, "spread": 0.02, "bw_pct": 80.0, "graph": True}
+    row = {"B": 32, "S": 8192, "hq": 32, "hkv": 8, "d": 128, "errors": {"bf16": 1e-3, "fp8": 2e-3},
+           "contenders": {"bf16": stats, "fp8": {**stats, "median_us": 55.0}},
+           "speedup": {"contiguous": {"median": 1.82, "min": 1.75, "max": 1.9}}}
+    fp8._print_row(row)
+    fp8.fp8_summary([row])
+    text = capsys.readouterr().out
+    assert "fp8 speedup over bf16 (contiguous): 1.82x [1.75-1.90] (aim >= 1.7)" in text
+    assert "worst median speedup: 1.82x" in text

@@ -27,10 +27,21 @@ from builder.registry import expand, load_kernels
 from builder.targets import parse_targets
 
 
-def _job(arch: str) -> Any:
+def _job(arch: str, kv: str = "bf16") -> Any:
     (job,) = [j for j in expand(load_kernels()["attn_decode"], parse_targets(arch), "default", "3.6.0")
-              if j.spec == {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": 1, "PADDED_D": 0} and j.config_index == 0]
+              if j.spec == {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": 1, "PADDED_D": 0, "KV_DTYPE": kv}
+              and j.config_index == 0]
     return job
+
+
+def _sass(raw: bytes) -> str:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(raw)
+        f.flush()
+        return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def _loops(sass: str) -> list[tuple[collections.Counter, collections.Counter]]:
@@ -65,14 +76,8 @@ def _loops(sass: str) -> list[tuple[collections.Counter, collections.Counter]]:
 
 
 def test_a_chunked_key_block_costs_one_unsigned_division_not_two_signed_ones_per_chunk() -> None:
-    import triton
-
     variant, raw, _ = compile_job(_job("sm90"))
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(raw)
-        f.flush()
-        sass = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    sass = _sass(raw)
     # The paged binary holds both loops: blocks inside one page (first), 16-row chunks (second).
     (whole, whole_cap), (chunked, chunked_cap) = _loops(sass)
     for loop, cap in ((whole, whole_cap), (chunked, chunked_cap)):
@@ -88,6 +93,21 @@ def test_a_chunked_key_block_costs_one_unsigned_division_not_two_signed_ones_per
     # load masks kept across the branch), the whole-page one 4: 206 more against 178 before it.
     extra = sum(chunked.values()) - sum(whole.values())
     assert extra <= 215, f"the chunked loop runs {extra} more instructions per block than the whole-page one"
+
+
+def test_an_fp8_cache_keeps_the_chunk_walk_and_its_copies_in_both_paged_loops() -> None:
+    """The fp8 variant (bf16 queries) of the same kernel: no signed division either; its rows are
+    half as many bytes, so K arrives in four 16-byte copies per block where bf16 needed eight
+    (V, read as ``(keys, D)`` for the P·V dot, in eight 8-byte ones); the same table-entry copies;
+    the widening to bf16 goes through ``cvt.rn.f16x2.e4m3x2`` (two values per instruction)."""
+    variant, raw, _ = compile_job(_job("sm90", "fp8e4nv"))
+    (whole, _), (chunked, _) = _loops(_sass(raw))
+    for loop in (whole, chunked):
+        assert loop["IABS"] == 0 and loop["MUFU.RCP"] <= 1 and loop["IMAD.HI.U32"] + loop["IMAD.HI"] <= 3, loop
+        assert loop["LDGSTS.E.BYPASS.128"] == 4 and loop["LDGSTS.E.64"] == 8, loop
+        assert loop["F2FP.F16.E4M3.UNPACK_B"] == 64, loop
+    assert chunked["LDGSTS.E"] == 4 and whole["LDGSTS.E"] == 1
+    assert sum(chunked.values()) - sum(whole.values()) <= 215
 
 
 @pytest.mark.parametrize("arch", ["sm80", "gfx1100"])  # gfx942: test_decode_op.py

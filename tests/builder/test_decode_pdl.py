@@ -23,7 +23,8 @@ SPEC = {"dtype": "bf16", "HEAD_DIM": 128}
 
 
 def _job(name: str, arch: str, config: int = 0, padded: int = 0) -> Any:
-    want = {**SPEC, **({"PAGED": 1} if name != "attn_decode_combine" else {}), "PADDED_D": padded}
+    cache = {"PAGED": 1} if name != "attn_decode_combine" else {}
+    want = {**SPEC, **cache, "PADDED_D": padded, **({"KV_DTYPE": SPEC["dtype"]} if cache else {})}
     jobs = [j for j in expand(load_kernels()[name], parse_targets(arch), "gputest", "3.6.0")
             if j.spec == want and j.config_index == config]
     assert len(jobs) == 1, (name, arch, [j.spec for j in jobs])

@@ -66,12 +66,14 @@ def report_cases(names: list[str], run: Callable[[str], dict]) -> None:
 
 
 def patch_interpreter() -> None:
-    """Work around two Triton 3.6 interpreter defects; call in the child before running kernels.
+    """Work around three Triton 3.6 interpreter defects; call in the child before running kernels.
 
     It turns scalars into 1-element arrays and calls int() on them when a loop bound is a
     run-time value (numpy >= 2.4 refuses int() of a 1-d array), and its tl.dot multiplies bf16
     operands as their uint16 bit patterns: widen them to fp32 first (exact: a bf16 is the top
-    half of an fp32).
+    half of an fp32). Its own rounding to fp8 drops the carry of a mantissa that rounds up into
+    the next exponent (31.5 becomes 16, not 32), rounds ties up and turns NaN into 384: convert
+    to and from fp8 through torch, which rounds to nearest even as the GPUs' conversions do.
     """
     import numpy as np
     import triton.language as tl
@@ -96,3 +98,28 @@ def patch_interpreter() -> None:
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     builder.create_dot = dot
+    _convert_fp8_through_torch(builder)
+
+
+def _convert_fp8_through_torch(builder: type) -> None:
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    types = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2, tl.float16: torch.float16,
+             tl.bfloat16: torch.bfloat16, tl.float32: torch.float32}
+    fp8 = (tl.float8e4nv, tl.float8e5)
+    original = builder.create_fp_to_fp
+
+    def fp_to_fp(self, src, dst_type, rounding_mode):  # noqa: ANN001, ANN202 - interpreter internals
+        s, d = src.dtype.scalar, dst_type.scalar
+        if (s in fp8 or d in fp8) and s in types and d in types and rounding_mode in (None, ir.ROUNDING_MODE.RTNE):
+            raw = torch.from_numpy(np.ascontiguousarray(src.data).view(np.uint8).copy())
+            out = raw.view(types[s]).to(types[d]).view(torch.uint8).numpy()
+            data = out.view(interpreter._get_np_dtype(dst_type)).reshape(src.data.shape)
+            return interpreter.TensorHandle(data, d)
+        return original(self, src, dst_type, rounding_mode)
+
+    builder.create_fp_to_fp = fp_to_fp

@@ -7,7 +7,9 @@ Contiguous and paged caches (page sizes 16, 48, 64 and 256: smaller than a key b
 one block, several; a block table whose unused entries point far outside the cache, lengths 0,
 1 and past a page edge), appends across page edges, speculative query rows with GQA tiles
 taller than one block, sliding windows, forced splits (merged by the combine kernel; on sm90
-the chain's PDL launches), head dims 64, 80 and 128, fp32, the attention() route, and hostile
+the chain's PDL launches), head dims 64, 80 and 128, fp32, fp8 caches (per-head, per-sequence
+and float scales, appends quantised into them; float8_e4m3fnuz on gfx942, float8_e4m3fn
+elsewhere, on GPUs whose images hold them), the attention() route, and hostile
 inputs: pages past the cache (10**6 in a 3-column table), negative entries, lengths past the
 capacity, negative or near the int32 limit, appends through them, with and without the debug
 check. Without it the kernels must stay in bounds (memcheck: no error), answer NaN for the
@@ -30,6 +32,19 @@ from aotriton_rt.ops.decode import FAULT_LENGTH, FAULT_PAGE, decode_attention, r
 torch.manual_seed(0)
 dev = "cuda"
 lib = aotriton_rt.Library(os.environ["AOTRITON_RT_IMAGES"]) if os.environ.get("AOTRITON_RT_IMAGES") else None
+_ARCH = (torch.cuda.get_device_properties(0).gcnArchName.split(":")[0] if torch.version.hip else
+         "sm{}{}".format(*torch.cuda.get_device_capability()))
+#: The fp8 cache type of this GPU's images (None: none; the fp8 cases are skipped).
+FP8 = {"gfx942": torch.float8_e4m3fnuz, "gfx950": torch.float8_e4m3fn, "sm90": torch.float8_e4m3fn}.get(_ARCH)
+
+
+def to_fp8(k, v, b, hk, kind):
+    """The caches quantised to FP8 by a scale per KV head, and decode_attention's scale arguments
+    of ``kind``: "head" (Hkv,), "batch_head" (B, Hkv: the same per sequence), "float"."""
+    per_head = torch.rand(hk, device=dev) + 0.05 if kind != "float" else torch.full((hk,), 0.05, device=dev)
+    arg = {"head": per_head, "batch_head": per_head.expand(b, hk).contiguous(), "float": 0.05}[kind]
+    by = per_head[None, None, :, None]
+    return (k.float() / by).to(FP8), (v.float() / by).to(FP8), {"k_scale": arg, "v_scale": arg}
 
 
 def paged(lens, page, hk, d, dtype, spare=3):
@@ -45,7 +60,7 @@ def paged(lens, page, hk, d, dtype, spare=3):
     return k, torch.randn_like(k), table.to(dev)
 
 
-def run(name, b=3, hq=8, hk=2, sq=1, d=64, dtype=torch.float16, page=None, lens=(37, 0, 1), new=0, **opts):
+def run(name, b=3, hq=8, hk=2, sq=1, d=64, dtype=torch.float16, page=None, lens=(37, 0, 1), new=0, fp8=None, **opts):
     lens_new = [n + new for n in lens]
     if page:
         k, v, table = paged(lens_new, page, hk, d, dtype)
@@ -53,6 +68,12 @@ def run(name, b=3, hq=8, hk=2, sq=1, d=64, dtype=torch.float16, page=None, lens=
         cap = max(lens_new) + 5
         k = torch.randn(b, cap, hk, d, device=dev, dtype=dtype)
         v, table = torch.randn_like(k), None
+    if fp8:
+        if FP8 is None:
+            print(f"skip {name}: no fp8 cache variants for {_ARCH}", flush=True)
+            return
+        k, v, scales = to_fp8(k, v, b, hk, fp8)
+        opts = {**opts, **scales}
     q = torch.randn(b, sq, hq, d, device=dev, dtype=dtype)
     kn = torch.randn(b, new, hk, d, device=dev, dtype=dtype) if new else None
     vn = torch.randn_like(kn) if new else None
@@ -176,6 +197,16 @@ def attention_route(name):
     torch.cuda.synchronize()
 
 
+case("fp8 cache, per-head scales, contiguous, splits", run, d=128, dtype=torch.bfloat16, lens=(900, 0, 37),
+     fp8="head", num_splits=4)
+case("fp8 cache, per-sequence scales, paged 16, append across pages", run, d=128, dtype=torch.bfloat16, page=16,
+     lens=(47, 15, 0), new=3, sq=3, causal=True, fp8="batch_head", num_splits=2)
+case("fp8 cache, float scales, paged 64, fp16, head dim 64", run, page=64, lens=(130, 63, 1), new=1,
+     fp8="float", causal=True)
+case("fp8 cache, masked head dim 96, paged 48, window", run, d=96, dtype=torch.float16, page=48, lens=(200, 3, 96),
+     new=1, sq=2, causal=True, window=(31, 0), fp8="head", num_splits=3)
+case("fp8 cache, 160-row run on the decode kernels", run, d=128, dtype=torch.bfloat16, page=16, lens=(300, 0, 5),
+     sq=160, new=0, hq=16, hk=4, causal=True, fp8="head")
 case("lengths past the block table are clamped", clamped)
 case("attention() route", attention_route)
 for splits in (1, 3):

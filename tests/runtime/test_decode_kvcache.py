@@ -388,7 +388,7 @@ def test_a_long_unaligned_call_picks_the_masked_variants_and_copies_nothing(reco
     assert name == "attn_decode" and args["Q"] == q.data_ptr() and args["head_dim"] == 64
     assert args["stride_qm"] == 8 * 67 and args["seqlen_q"] == 128
     launch = next(iter(op._kernels_of(lib).launches.values()))
-    assert launch.spec == {"dtype": "fp16", "HEAD_DIM": 64, "PADDED_D": 1} and not launch.q_copy
+    assert launch.spec == {"dtype": "fp16", "HEAD_DIM": 64, "PADDED_D": 1, "KV_DTYPE": "fp16"} and not launch.q_copy
 
 
 def test_an_aligned_call_at_a_bucket_keeps_the_fast_path(recording: Any,  # noqa: F811
@@ -405,7 +405,7 @@ def test_an_aligned_call_at_a_bucket_keeps_the_fast_path(recording: Any,  # noqa
     LAUNCHES.clear()
     op.decode_attention(q, k, torch.randn_like(k), cache_seqlens=100, num_splits=2, library=lib)
     launch = next(iter(op._kernels_of(lib).launches.values()))
-    assert launch.spec == {"dtype": "fp16", "HEAD_DIM": 64, "PADDED_D": 0}
+    assert launch.spec == {"dtype": "fp16", "HEAD_DIM": 64, "PADDED_D": 0, "KV_DTYPE": "fp16"}
     assert launch.why == "head dim 64 is a bucket and the arrays are 16-byte aligned"
     # An unaligned q at the fast path is copied, as before: the caches decide the variant.
     LAUNCHES.clear()

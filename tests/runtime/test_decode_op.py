@@ -697,7 +697,7 @@ def test_decode_kernel_compiles_ahead_of_time_with_vector_cache_loads(arch: str,
     from builder.registry import expand, load_kernels
     from builder.targets import parse_targets
 
-    want = {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": paged, "PADDED_D": 0}
+    want = {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": paged, "PADDED_D": 0, "KV_DTYPE": "bf16"}
     jobs = [j for j in expand(load_kernels()["attn_decode"], parse_targets(arch), "default", "3.6.0")
             if j.spec == want and j.config_index == 0]
     from builder.abi import prove
@@ -734,7 +734,7 @@ def test_a_paged_cache_keeps_as_many_kv_tiles_in_flight_as_a_contiguous_one(conf
     jobs = {j.spec["PAGED"]: j for j in expand(load_kernels()["attn_decode"], parse_targets("sm90"), "gputest",
                                                "3.6.0")
             if j.spec["dtype"] == "bf16" and j.spec["HEAD_DIM"] == 128 and not j.spec["PADDED_D"]
-            and j.config_index == config}
+            and j.spec["KV_DTYPE"] == "bf16" and j.config_index == config}
     contiguous, paged = compile_job(jobs[0])[0].shared, compile_job(jobs[1])[0].shared
     tile = 2 * 64 * 128 * 2  # one K and one V tile of 64 keys
     assert contiguous >= 2 * tile
@@ -944,8 +944,8 @@ def test_images_built_before_the_decode_softcap_refuse_a_capped_call_and_run_an_
     for _ in range(2):  # refused again: a refused call keeps no plan
         with pytest.raises(aotriton_rt.KernelNotFound,
                            match=fr"softcap=30\.0 needs attn_decode with a softcap argument; these images were built "
-                                 fr"before it \(dtype=fp16, HEAD_DIM=64, PAGED={int(paged)}, PADDED_D=0\): rebuild "
-                                 fr"them \(`python -m builder build --kernels attn_decode`\)"):
+                                 fr"before it \(dtype=fp16, HEAD_DIM=64, PAGED={int(paged)}, PADDED_D=0, "
+                                 fr"KV_DTYPE=fp16\): rebuild them \(`python -m builder build --kernels attn_decode`\)"):
             op.decode_attention(**a, causal=True, softcap=30.0, check=False, library=lib)
     assert not LAUNCHES and not op._kernels_of(lib).launches
     for softcap in (0.0, None):
@@ -1005,8 +1005,9 @@ def test_a_catalog_mixing_old_and_new_decode_variants_serves_a_capped_call_from_
     monkeypatch.setattr(validate, "_describe", lambda obj, name: interop.ArrayInfo(
         obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()), "torch"))
     base = {"dtype": "fp16", "HEAD_DIM": 64}
-    variants = [_synthetic_variant("attn_decode", {**base, "PAGED": 0, "PADDED_D": 0}, without=("softcap",)),
-                _synthetic_variant("attn_decode", {**base, "PAGED": 0, "PADDED_D": 1})]
+    cache = {"KV_DTYPE": "fp16"}
+    variants = [_synthetic_variant("attn_decode", {**base, "PAGED": 0, "PADDED_D": 0, **cache}, without=("softcap",)),
+                _synthetic_variant("attn_decode", {**base, "PAGED": 0, "PADDED_D": 1, **cache})]
     variants += [_synthetic_variant("attn_decode_combine", {**base, "PADDED_D": d}) for d in (0, 1)]
     (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
                                                        "triton_version": "3.6.0", "variants": variants}))
@@ -1059,5 +1060,6 @@ def test_the_torch_ops_take_the_softcap_after_the_scale_and_pass_it_to_the_opera
     with pytest.raises(ArgumentError, match=r"softcap needs a non-zero scale"):
         torch_decode.decode_attention(q, k, k, cache_seqlens=lens, scale=0.0, softcap=30.0)
     torch.library.opcheck(torch_decode.decode_attention_op,
-                          (q, k, k, lens, -1, None, None, None, True, -1, 0, 0.125, 30.0, 0, -1, "bshd", "bshd", 0),
+                          (q, k, k, lens, -1, None, None, None, None, None, 0.0, 0.0, True, -1, 0, 0.125, 30.0, 0, -1,
+                           "bshd", "bshd", 0),
                           test_utils=("test_schema", "test_faketensor"))

@@ -88,6 +88,38 @@ def test_aotriton_launches_every_default_hip_kernel_as_tritons_own_launcher_does
     assert {r["launch"]["via"] for r in aot.values()} == {"extra"}
 
 
+#: The fp8 KV-cache decode variants, by target: the cache type each target's images hold.
+FP8_DECODE = {"gfx942": "fp8e4b8", "gfx950": "fp8e4nv"}
+
+
+@pytest.fixture(scope="module")
+def fp8_decode_images(tmp_path_factory: pytest.TempPathFactory, triton_cache: Path) -> Path:
+    """Two variants each of the fp8 cache's decode and append kernels on gfx942 (e4m3fnuz) and
+    gfx950 (e4m3fn), from the gputest set (as is and masked, contiguous and paged)."""
+    env = compile_env(triton_cache)
+    folders = []
+    for arch, kv in FP8_DECODE.items():
+        folders.append(tmp_path_factory.mktemp(f"diff-hip-{kv}"))
+        run_python(["-m", "tests.fakehip.differential", "build", str(folders[-1]), arch, "gputest", "2",
+                    "attn_decode,attn_decode_append", f"KV_DTYPE={kv}"], env)
+    from builder.merge import merge
+
+    merged = tmp_path_factory.mktemp("diff-hip-fp8-merged")
+    merge(folders, merged)
+    return merged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", sorted(FP8_DECODE))
+def test_aotriton_launches_the_fp8_cache_decode_kernels_as_tritons_own_launcher_does(
+        fp8_decode_images: Path, fake_lib: Path, tmp_path: Path, triton_cache: Path, arch: str) -> None:
+    jit, aot = launch_both(fp8_decode_images, arch, fake_lib, tmp_path, triton_cache)
+    catalog = Catalog.load(fp8_decode_images)
+    keys = {v.key for v in catalog.variants if v.target.arch == arch and v.spec.get("KV_DTYPE") == FP8_DECODE[arch]}
+    assert len(keys) == 4 and keys <= set(jit) and keys <= set(aot)
+    assert differences(fp8_decode_images, arch, jit, aot) == []
+
+
 # ---------------------------------------------------------------------------- the test can fail
 
 # Each mutation breaks one thing aotriton-rt decides at launch; the differential must see it.

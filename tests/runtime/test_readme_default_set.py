@@ -252,11 +252,17 @@ class _AsDtype:
         self.lib, self.dtype = lib, dtype
 
     def kernel(self, name: str, **params: Any) -> Any:
-        return self.lib.kernel(name, **{**params, "dtype": self.dtype})
+        cache = {"KV_DTYPE": self.dtype} if params.get("KV_DTYPE") == "fp16" else {}
+        return self.lib.kernel(name, **{**params, "dtype": self.dtype, **cache})
 
     def variants_of(self, name: str) -> list:
-        """``dtype``'s variants of ``name``, as the fp16 ones the arrays ask for."""
-        return [SimpleNamespace(**{**v.__dict__, "params": {**v.params, "dtype": "fp16"}})
+        """``dtype``'s variants of ``name``, as the fp16 ones the arrays ask for (a cache of q's
+        type too)."""
+        def as_fp16(params: dict) -> dict:
+            cache = {"KV_DTYPE": "fp16"} if params.get("KV_DTYPE") == self.dtype else {}
+            return {**params, "dtype": "fp16", **cache}
+
+        return [SimpleNamespace(**{**v.__dict__, "params": as_fp16(v.params)})
                 for v in self.lib.variants if v.kernel == name and v.params.get("dtype") == self.dtype]
 
 
@@ -289,7 +295,8 @@ def test_every_example_decode_call_runs_on_the_default_set_of_every_default_targ
 def test_the_decode_check_catches_a_head_dim_the_default_set_lacks(default_set) -> None:
     from aotriton_rt.ops import decode
 
-    lacks = (r"attn_decode with dtype=fp16, HEAD_DIM=160, PAGED=0, PADDED_D=0 \(head dim 160 is a bucket and the "
+    lacks = (r"attn_decode with dtype=fp16, HEAD_DIM=160, PAGED=0, PADDED_D=0, KV_DTYPE=fp16 \(head dim 160 is a "
+             r"bucket and the "
              r"arrays are 16-byte aligned; the images hold no masked variant at a bucket >= 160 either\), which "
              r"these images lack.*'dtype': 'bf16'")
     with pytest.raises(KernelNotFound, match=lacks):

@@ -83,7 +83,7 @@ from .validate import (
     _int,
     _plan,
 )
-from .variants import with_paged
+from .variants import shared, with_paged
 
 __all__ = ["DEFAULT_SPLIT_RULES", "FAULT_LENGTH", "FAULT_PAGE", "HEAD_DIM_BUCKETS", "MAX_GROUP_ROWS",
            "MAX_SCRATCH_BYTES", "MAX_SEQLEN_Q", "ROUTED_SEQLEN_Q", "DecodePlan", "SplitRule", "cached_launch",
@@ -96,7 +96,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
                      window: tuple[int, int] | None = None, scale: float | None = None,
                      softcap: float = 0.0, num_splits: int | None = None, max_seqlen_k: int | None = None,
                      layout: str = "bshd", cache_layout: str = "bshd", out: Any = None, check: bool | None = None,
-                     cache_leftpad: Any = None, sinks: Any = None, library: Any = None) -> tuple[Any, Any]:
+                     cache_leftpad: Any = None, sinks: Any = None, k_scale: Any = None, v_scale: Any = None,
+                     library: Any = None) -> tuple[Any, Any]:
     """Attention of query rows per sequence against a (contiguous or paged) KV cache.
 
     Arguments:
@@ -104,6 +105,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             ``Sq`` from 1 to :data:`MAX_SEQLEN_Q`, ``D`` from 1 to 256.
         k_cache, v_cache: ``(B, S_cache, Hkv, D)`` (``cache_layout`` as for q), or paged
             ``(num_pages, page_size, Hkv, D)`` with ``block_table``. Read (and appended to) in place.
+            q's dtype, or fp8 e4m3 with fp16/bf16 queries (``torch.float8_e4m3fn`` on sm90 and
+            gfx950, ``torch.float8_e4m3fnuz`` on gfx942) with ``k_scale`` and ``v_scale``.
         cache_seqlens: rows already cached per sequence: an int, a host integer array (CPU tensor,
             NumPy; checked before launch) or an int32 ``(B,)`` device array; None: the whole cache.
         block_table: int32 ``(B, max_blocks)`` page indices (a paged cache).
@@ -126,6 +129,12 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             flag after (default: ``AOTRITON_RT_DEBUG``).
         sinks: attention sinks, one logit per query head (``(Hq,)``, as for
             :func:`aotriton_rt.attention`): out and lse are the sinks'.
+        k_scale, v_scale: an fp8 cache's scales (required with one, refused without): a real
+            key is the stored value times its scale. A float > 0 (one per cache), or a float32
+            array on q's device of shape ``()`` or ``(1,)`` (one), ``(Hkv,)`` (per KV head) or
+            ``(B, Hkv)`` (per sequence and KV head). ``k_new``/``v_new`` (q's dtype) are stored
+            as ``value / scale`` rounded to nearest, saturated to the format's largest finite
+            value (448; 240 for e4m3fnuz), NaN kept.
         library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
 
     Returns:
@@ -136,11 +145,14 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
         ArgumentError: malformed shapes, dtypes, strides, lengths the cache cannot hold, a page
             size that is not a multiple of 16, more than :data:`MAX_SEQLEN_Q` query rows (or
             :data:`MAX_GROUP_ROWS` per KV head), a softcap that is negative, not finite, or
-            with a zero scale; nothing has run.
-        UnsupportedError: a head dim past 256, sizes past the grid.
+            with a zero scale, an fp8 cache without scales or scales without one, scales of the
+            wrong shape, dtype or device; nothing has run.
+        UnsupportedError: a head dim past 256, sizes past the grid, an fp8 cache with fp32
+            queries or of another fp8 format.
         FaultError: with ``check``, the fault flag was set (see :func:`read_faults`).
-        KernelNotFound: the images lack the decode kernels for this dtype / head dim, or (with
-            ``softcap``) were built before the decode kernel took the cap.
+        KernelNotFound: the images lack the decode kernels for this dtype / head dim / cache
+            type (fp8 variants are built for the targets named above), or (with ``softcap``)
+            were built before the decode kernel took the cap.
 
     Example::
 
@@ -148,7 +160,8 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
                                     k_new=k, v_new=v, causal=True)
     """
     result = _decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, window, scale,
-                     softcap, num_splits, max_seqlen_k, layout, cache_layout, out, check, cache_leftpad, library)
+                     softcap, num_splits, max_seqlen_k, layout, cache_layout, out, check, cache_leftpad, library,
+                     k_scale, v_scale)
     if sinks is not None:
         from ..attention.sinks import apply_sinks
 
@@ -159,12 +172,13 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
 
 def _decode(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
             causal: bool, window: Any, scale: Any, softcap: Any, num_splits: Any, max_seqlen_k: Any, layout: str,
-            cache_layout: str, out: Any, check: Any, cache_leftpad: Any, library: Any) -> tuple[Any, Any]:
+            cache_layout: str, out: Any, check: Any, cache_leftpad: Any, library: Any, k_scale: Any = None,
+            v_scale: Any = None) -> tuple[Any, Any]:
     """:func:`decode_attention` without sinks."""
     debug = _debug(check)
     key = None if debug else _torch_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, k_new, v_new,
                                         out, causal, window, scale, num_splits, max_seqlen_k, layout, cache_layout,
-                                        softcap)
+                                        softcap, scales=(k_scale, v_scale))
     ks = None
     if key is not None:
         try:
@@ -175,13 +189,14 @@ def _decode(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table:
         if launch is not None:
             if launch.fast is not None:
                 return launch.run_fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out,
-                                       cache_leftpad)
+                                       cache_leftpad, k_scale, v_scale)
             return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out,
-                              cache_leftpad=cache_leftpad)
+                              cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale)
     try:
         p, infos = _plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                          v_new=v_new, causal=causal, window=window, scale=scale, max_seqlen_k=max_seqlen_k,
-                         layout=layout, cache_layout=cache_layout, cache_leftpad=cache_leftpad, softcap=softcap)
+                         layout=layout, cache_layout=cache_layout, cache_leftpad=cache_leftpad, softcap=softcap,
+                         k_scale=k_scale, v_scale=v_scale)
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("decode_attention", "it has no JAX version: call it outside jax.jit, on "
                                    "concrete arrays", q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
@@ -205,7 +220,8 @@ def _decode(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table:
         _check_contents(xp, p, seqlens, table, starts)
     if key is not None and not launch.q_copy:
         launch.ks.keep_launch(key, launch)
-    result = launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos, cache_leftpad)
+    result = launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos, cache_leftpad,
+                        k_scale, v_scale)
     if debug:
         raise_faults(launch.ks, p.device)
     return result
@@ -229,16 +245,19 @@ def cached_launch(q: Any, k_cache: Any, v_cache: Any, *, causal: bool = False, w
 
 
 def _torch_key(q: Any, k: Any, v: Any, lens: Any, starts: Any, table: Any, kn: Any, vn: Any, out: Any,
-               *options: Any) -> tuple | None:
+               *options: Any, scales: tuple = (None, None)) -> tuple | None:
     """A key for the library's launch cache (``_Kernels.launches``) when every array is a torch
-    tensor (else None: full checks)."""
+    tensor (else None: full checks). ``scales``: an fp8 cache's (k_scale, v_scale), floats
+    (their values, typed: a plan bakes them in) or tensors."""
     if type(q).__name__ != "Tensor" or type(q).__module__ != "torch":
         return None
     # Options typed: causal=1 or num_splits=True must not find the plan of True or 1 and skip
     # the validation that refuses them.
     parts: list = [_typed(o) for o in options]
-    for t in (q, k, v, lens, starts, table, kn, vn, out):
-        if t is None or type(t) is int:
+    for t in (q, k, v, lens, starts, table, kn, vn, out, *scales):
+        if type(t) is float:
+            parts.append(("float", t))
+        elif t is None or type(t) is int:
             parts.append(t)
         elif type(t) is type(q):
             # get_device() and is_cuda, not .device: a torch.device object per tensor per call
@@ -260,13 +279,14 @@ def decode_kernels(q: Any, k_cache: Any, v_cache: Any, *, library: Any = None, *
                  v_new=options.pop("v_new", None), causal=options.pop("causal", False),
                  window=options.pop("window", None), scale=options.pop("scale", None),
                  max_seqlen_k=options.pop("max_seqlen_k", None), layout=options.pop("layout", "bshd"),
-                 cache_layout=options.pop("cache_layout", "bshd"), softcap=options.pop("softcap", None))
+                 cache_layout=options.pop("cache_layout", "bshd"), softcap=options.pop("softcap", None),
+                 k_scale=options.pop("k_scale", None), v_scale=options.pop("v_scale", None))
     if options:
         raise ArgumentError(f"unknown option(s) {', '.join(sorted(options))}")
     ks = _kernels_of(library)
     spec, why = ks.choose(p, p.aligned)
     handles = {DECODE: ks.handle(DECODE, with_paged(spec, p.paged), 0, p.device, why),
-               COMBINE: ks.handle(COMBINE, spec, 0, p.device, why)}
+               COMBINE: ks.handle(COMBINE, shared(spec), 0, p.device, why)}
     if p.seqlen_new:
         handles[APPEND] = ks.handle(APPEND, with_paged(spec, p.paged), 0, p.device, why)
     return handles
@@ -342,7 +362,7 @@ def route_options(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: An
         try:
             ks = _kernels_of(library)
             spec, _ = ks.choose(p, p.aligned)
-            if not (ks.has(DECODE, with_paged(spec, False), decode_args(p)) and ks.has(COMBINE, spec)):
+            if not (ks.has(DECODE, with_paged(spec, False), decode_args(p)) and ks.has(COMBINE, shared(spec))):
                 return None
         except AotritonError:
             return None  # no images (yet): attention() validates the call first, then reports that

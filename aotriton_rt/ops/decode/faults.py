@@ -38,13 +38,22 @@ def shared_zeros(table: dict, key: tuple, xp: Any, like: Any, size: int) -> tupl
     it) keeps under ``key``, made on first use and shared with calls on every stream once its zero
     fill has run (``kept`` True); or, made while a CUDA graph is being captured (its memory the
     graph's pool, its fill a node), one that serves that call only (``kept`` False)."""
+    return _shared(table, key, xp, like, lambda: xp.zeros((size,), "i32", like))
+
+
+def shared_ones(table: dict, key: tuple, xp: Any, like: Any) -> tuple[Any, bool]:
+    """``(array, kept)``: an fp32 array holding 1.0, kept as :func:`shared_zeros` keeps zeros."""
+    return _shared(table, key, xp, like, lambda: xp.full((1,), 1.0, "fp32", like))
+
+
+def _shared(table: dict, key: tuple, xp: Any, like: Any, make: Any) -> tuple[Any, bool]:
     found = table.get(key)
     if found is not None:
         return found, True
-    zeros = xp.zeros((size,), "i32", like)
+    made = make()
     if not xp.settle_for_sharing(like):
-        return zeros, False
-    return table.setdefault(key, zeros), True  # one atomic step: the first array made wins
+        return made, False
+    return table.setdefault(key, made), True  # one atomic step: the first array made wins
 
 
 def fault_flag(ks: Any, xp: Any, like: Any, device: int) -> tuple[Any, bool]:

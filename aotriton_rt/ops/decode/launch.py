@@ -12,7 +12,7 @@ from ...errors import ArgumentError, KernelNotFound
 from ..attention.family import SOFTCAP_ARG, named
 from ..attention.framework import arrays_for
 from . import validate
-from .faults import fault_flag, fault_flags, shared_zeros
+from .faults import fault_flag, fault_flags, shared_ones, shared_zeros
 from .splits import _SM_COUNTS, num_splits_for, split_rule
 from .validate import (
     APPEND,
@@ -29,7 +29,7 @@ from .validate import (
     _describe,
     _effective,
 )
-from .variants import choose, with_paged
+from .variants import choose, held_cache_axis, shared, with_paged
 
 
 def _sm_count(xp: Any, device: int) -> int | None:
@@ -64,6 +64,9 @@ class _Kernels:
         #: The zero starts of calls without ``cache_leftpad``, by (framework, device, length)
         #: (:func:`zero_starts`); live with the library, as the fault flags.
         self.zero_starts: dict[tuple, Any] = {}
+        #: The fp32 1.0 that scales given as floats are read from, by (framework, device)
+        #: (:meth:`_Launch.scale_ones`); live with the library, as the zero starts.
+        self.ones: dict[tuple, Any] = {}
         self.shared = kernels_of(lib)
         #: Launch plans of recent torch calls, by everything that decides them (shapes, strides,
         #: dtypes, devices, alignment, options): a repeated decode step skips validation and
@@ -108,10 +111,11 @@ class _Kernels:
         """(spec without ``PAGED``, why) of the variants that serve ``p`` (ops/decode/variants.py):
         for a softcapped call, variants whose ``attn_decode`` takes the cap (:func:`decode_args`)."""
         args = decode_args(p)
+        keyed = held_cache_axis(self.has)
         if not args:
-            return choose(p.dtype, p.head_dim, aligned, p.paged, self.has)
+            return choose(p.dtype, p.head_dim, aligned, p.paged, self.has, p.kv_dtype, keyed)
         return choose(p.dtype, p.head_dim, aligned, p.paged,
-                      lambda name, params: self.has(name, params, args if name == DECODE else ()))
+                      lambda name, params: self.has(name, params, args if name == DECODE else ()), p.kv_dtype, keyed)
 
     def handle(self, name: str, spec: Mapping[str, Any], config: int, device: int, why: str = "") -> Any:
         key = (name, tuple(sorted(spec.items())), config, device)
@@ -182,7 +186,7 @@ def fit_splits(p: DecodePlan, bucket: int, num_splits: int, explicit: bool) -> i
 
 #: Contiguous split calls that read at least this many K/V bytes launch without PDL (see pdl_choice).
 PLAIN_MIN_KV_BYTES = 48 << 20
-_ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+_ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8e4nv": 1, "fp8e4b8": 1}
 
 
 def kv_bytes(p: DecodePlan) -> int:
@@ -191,7 +195,7 @@ def kv_bytes(p: DecodePlan) -> int:
     keys = p.seqlen_k_hint
     if p.window_left >= 0:
         keys = min(keys, p.window_left + p.seqlen_q)
-    return 2 * p.batch * p.heads_k * keys * p.head_dim * _ELEMENT_BYTES.get(p.dtype, 2)
+    return 2 * p.batch * p.heads_k * keys * p.head_dim * _ELEMENT_BYTES.get(p.kv_dtype, 2)
 
 
 def pdl_choice(p: DecodePlan, num_splits: int) -> tuple[bool, str]:
@@ -241,7 +245,7 @@ _MAX_CONSTANT_LENS = 4096
 
 #: The array arguments of the decode kernels, in the order run_fast gathers their addresses.
 _POINTERS = ("Q", "K", "V", "Out", "LSE", "BlockTable", "CacheSeqlens", "KNew", "VNew", "PartO", "PartL",
-             "Faults", "CacheStart")
+             "Faults", "CacheStart", "KScale", "VScale")
 #: Arguments of decode kernels in images built before the fused split merge was removed: always
 #: null (those kernels then leave the merge to attn_decode_combine, as the current ones do).
 _RETIRED = {"Counters": None}
@@ -292,7 +296,7 @@ class _Launch:
         num_splits = fit_splits(p, self.bucket, num_splits, explicit)
         self.num_splits = num_splits
         self.pdl, self.pdl_reason = pdl_choice(p, num_splits)
-        self.combine = ks.handle(COMBINE, spec, 0, p.device, why) if num_splits > 1 else None
+        self.combine = ks.handle(COMBINE, shared(spec), 0, p.device, why) if num_splits > 1 else None
         self.q_shape = q_shape
         self.lse_shape = (p.batch, p.heads_q, p.seqlen_q)
         self.part_rows = p.batch * p.heads_k * num_splits * p.group_rows
@@ -302,7 +306,7 @@ class _Launch:
                      "num_heads_k": p.heads_k, "seqlen_q": p.seqlen_q, "seqlen_new": p.seqlen_new,
                      "capacity": p.capacity, "num_pages": p.num_pages, "page_size": p.page_size, "sm_scale": p.scale,
                      "window_left": p.window_left, "window_right": p.window_right, "num_splits": num_splits,
-                     "head_dim": p.head_dim, SOFTCAP_ARG: p.softcap,
+                     "head_dim": p.head_dim, SOFTCAP_ARG: p.softcap, **_scale_args(p),
                      **named("q", "m", p.q_strides), **named("k", "n", p.k_strides),
                      **named("v", "n", p.v_strides), **named("o", "m", o_strides),
                      **named("kn", "m", p.kn_strides), **named("vn", "m", p.vn_strides),
@@ -315,18 +319,23 @@ class _Launch:
                                  f"them (`python -m builder build --kernels attn_decode`)")
         if self.varlen:
             self.lengths = ks.handle(LENGTHS, {}, 0, p.device, why)
-            self.pack = ks.handle(PACK, paged, 0, p.device, why)
-            self.poison = ks.handle(POISON, spec, 0, p.device, why)
+            self.pack = ks.handle(PACK, shared(paged), 0, p.device, why)
+            self.poison = ks.handle(POISON, shared(spec), 0, p.device, why)
         fast = xp.framework == "torch" and p.device >= 0 and not self.q_copy and not self.varlen
         self.fast = self._prepare() if fast else None
         self.starts_mode = ("zeros" if cache_leftpad is None else
                             "host" if validate._host_starts(cache_leftpad) is not None else "array")
+        if p.fp8 and "KScale" not in self.decode.arg_names:
+            raise KernelNotFound(f"an fp8 cache ({p.kv_dtype}) needs attn_decode with KScale and VScale arguments; "
+                                 f"these images hold variants without them: rebuild them (`python -m builder build "
+                                 f"--kernels attn_decode,attn_decode_append`)")
         if cache_leftpad is not None and "CacheStart" not in self.decode.arg_names:
             raise KernelNotFound("cache_leftpad needs attn_decode with a CacheStart argument; these images were built "
                                  "before it: rebuild them (`python -m builder build --kernels attn_decode`)")
         self.lens = None  # the constant lengths array of "full"/"int" calls, made on the first fast call
         self.flag = None  # the library's fault flag for this device, fetched on the first call
         self.zeros = None  # the library's zero starts (calls without cache_leftpad), fetched on the first call
+        self.ones = None  # the library's 1.0 (scales given as floats), fetched on the first call
 
     def _prepare(self) -> list | None:
         """Integer-address launches for torch tensors (as the attention plans do): per kernel,
@@ -356,7 +365,7 @@ class _Launch:
         return prepared
 
     def run_fast(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
-                 out: Any, cache_leftpad: Any = None) -> tuple[Any, Any]:
+                 out: Any, cache_leftpad: Any = None, k_scale: Any = None, v_scale: Any = None) -> tuple[Any, Any]:
         """A repeated torch call: allocate, fill the address slots, launch (no per-call checks)."""
         torch, p, dev = self.torch, self.p, q.device
         o = out if out is not None else torch.empty(self.q_shape, dtype=self.tdtype, device=dev)
@@ -382,7 +391,8 @@ class _Launch:
                      block_table.data_ptr() if block_table is not None else 0, lens.data_ptr(),
                      k_new.data_ptr() if k_new is not None else 0, v_new.data_ptr() if v_new is not None else 0,
                      part_o, part_l, (self.flag if self.flag is not None else self._flag(q)).data_ptr(),
-                     self.starts(q, cache_leftpad, cache_seqlens).data_ptr())
+                     self.starts(q, cache_leftpad, cache_seqlens).data_ptr(),
+                     *self._scale_addresses(q, k_scale, v_scale))
         for launch, template, slots in self.fast:
             args = list(template)
             for i, j in slots:
@@ -408,6 +418,39 @@ class _Launch:
             lens = _CONSTANT_LENS.setdefault(key, lens)
         self.lens = lens
         return lens
+
+    def _scale_addresses(self, q: Any, k_scale: Any, v_scale: Any) -> tuple[int, int]:
+        """The fast path's KScale and VScale: the arrays' addresses, the library's 1.0 for floats,
+        0 for a cache of q's type (never read)."""
+        s = self.p.scales
+        if s is None:
+            return 0, 0
+        ones = 0 if s.k_array and s.v_array else self.scale_ones(q).data_ptr()
+        return (k_scale.data_ptr() if s.k_array else ones, v_scale.data_ptr() if s.v_array else ones)
+
+    def scale_ones(self, like: Any) -> Any:
+        """The fp32 1.0 a scale given as a float is read from (its value is the kernel's
+        ``k_scale``/``v_scale``): the library's, shared like its zero starts."""
+        if self.ones is not None:
+            return self.ones
+        ones, kept = shared_ones(self.ks.ones, (self.xp.framework, self.p.device), self.xp, like)
+        if kept:
+            self.ones = ones
+        return ones
+
+    def scale_arrays(self, like: Any, k_scale: Any, v_scale: Any, infos: dict | None) -> tuple[Any, Any]:
+        """The KScale and VScale arguments of the first (handle) launch: arrays converted, the
+        library's 1.0 for floats, None without an fp8 cache."""
+        s = self.p.scales
+        if s is None:
+            return None, None
+        found = []
+        for name, value, is_array in (("k_scale", k_scale, s.k_array), ("v_scale", v_scale, s.v_array)):
+            if not is_array:
+                found.append(self.scale_ones(like))
+            else:
+                found.append(value if infos is None else self.xp.convert(value, infos[name]))
+        return found[0], found[1]
 
     def _flag(self, like: Any) -> Any:
         flag, kept = fault_flag(self.ks, self.xp, like, self.p.device)
@@ -454,7 +497,8 @@ class _Launch:
         return cache_seqlens if infos is None else self.xp.convert(cache_seqlens, infos["cache_seqlens"])
 
     def run(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any,
-            infos: dict | None = None, cache_leftpad: Any = None) -> tuple[Any, Any]:
+            infos: dict | None = None, cache_leftpad: Any = None, k_scale: Any = None,
+            v_scale: Any = None) -> tuple[Any, Any]:
         xp, p = self.xp, self.p
         if infos is not None:  # first call: any framework, converted once
             q, k, v = (xp.convert(a, infos[n]) for a, n in ((q, "q"), (k, "k_cache"), (v, "v_cache")))
@@ -476,7 +520,7 @@ class _Launch:
                   "CacheSeqlens": self.seqlens(q, cache_seqlens, infos),
                   "CacheStart": self.starts(q, cache_leftpad, cache_seqlens, infos), "KNew": k_new, "VNew": v_new,
                   "PartO": None, "PartL": None, "Faults": self.flag if self.flag is not None else self._flag(q),
-                  **_RETIRED}
+                  **dict(zip(("KScale", "VScale"), self.scale_arrays(q, k_scale, v_scale, infos))), **_RETIRED}
         if self.append is not None:
             self.append(*[values[n] for n in self.append.arg_names])
         if self.varlen:
@@ -535,6 +579,8 @@ def _varlen_route(p: DecodePlan, ks: _Kernels, spec: dict, layout: str, infos: d
     long query run at a compiled head dim, ``bshd`` arrays whose rows pack as they lie, packed
     K/V within :data:`MAX_SCRATCH_BYTES`, and images that hold every kernel of the route (for a
     softcapped call, a forward compiled with the cap: ``SOFTCAP=1`` taking ``softcap``)."""
+    if p.fp8:
+        return False  # the packing kernels copy caches of q's type only
     if p.seqlen_q < VARLEN_SEQLEN_Q or spec.get("PADDED_D") or spec["HEAD_DIM"] != p.head_dim or layout != "bshd":
         return False
     packed = (p.seqlen_q * p.heads_q * p.head_dim, p.head_dim, p.heads_q * p.head_dim)  # (batch, head, row)
@@ -553,8 +599,18 @@ def _varlen_route(p: DecodePlan, ks: _Kernels, spec: dict, layout: str, infos: d
 
     late = {"SOFTCAP": int(bool(p.softcap)), "ALIBI": 0}
     forward.update({axis: value for axis, value in late.items() if value or held_axis(ks.has, "attn_fwd", axis)})
-    return (ks.has(LENGTHS, {}) and ks.has(PACK, with_paged(spec, p.paged)) and ks.has(POISON, spec)
+    return (ks.has(LENGTHS, {}) and ks.has(PACK, shared(with_paged(spec, p.paged))) and ks.has(POISON, shared(spec))
             and ks.has("attn_fwd", forward, (SOFTCAP_ARG,) if p.softcap else ()))
+
+
+def _scale_args(p: DecodePlan) -> dict[str, Any]:
+    """The scalar arguments of an fp8 cache's scales (:class:`~.validate.KVScales`); neutral ones
+    for a cache of q's type (its variants never read them)."""
+    s = p.scales
+    if s is None:
+        return {"stride_ksz": 0, "stride_ksh": 0, "stride_vsz": 0, "stride_vsh": 0, "k_scale": 1.0, "v_scale": 1.0}
+    return {"stride_ksz": s.k_strides[0], "stride_ksh": s.k_strides[1], "stride_vsz": s.v_strides[0],
+            "stride_vsh": s.v_strides[1], "k_scale": s.k_value, "v_scale": s.v_value}
 
 
 def _bshd_contiguous(shape: tuple, layout: str) -> tuple[int, int, int]:

@@ -31,11 +31,31 @@ MAX_GROUP_ROWS = 2**30
 #: attention kernels do faster. ``decode_attention`` takes up to :data:`MAX_SEQLEN_Q`.
 ROUTED_SEQLEN_Q = 16
 DTYPES = ("fp16", "bf16", "fp32")
+#: fp8 KV caches (e4m3), by catalog type: the torch dtype each is, and the targets whose images
+#: hold their variants (mirrors builder/kernels/decode.py's ``FP8_KV``; a test keeps them equal).
+FP8_CACHES = {"fp8e4nv": ("float8_e4m3fn", ("sm90", "gfx950")), "fp8e4b8": ("float8_e4m3fnuz", ("gfx942",))}
+#: Query dtypes an fp8 cache serves.
+FP8_QUERY_DTYPES = ("fp16", "bf16")
 _ALIGN = 16
 _GRID = 65535
 _MAX_CAPACITY = 2**28  # lengths + windows stay far inside int32 in the kernels
 _LAYOUTS = ("bshd", "bhsd")
 
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """An fp8 cache's dequantisation scales, as the kernels take them: a real value is the stored
+    one times ``KScale[b * k_strides[0] + h * k_strides[1]] * k_value`` (likewise V). A per-head
+    array: ``k_array`` True, its (batch, head) strides (0 along an axis it lacks), ``k_value`` 1.0;
+    a Python float: ``k_array`` False, strides (0, 0) over an array holding 1.0, ``k_value`` it."""
+
+    k_array: bool
+    v_array: bool
+    k_strides: tuple[int, int]
+    v_strides: tuple[int, int]
+    k_value: float
+    v_value: float
 
 
 @dataclass
@@ -70,6 +90,19 @@ class DecodePlan:
     aligned: bool = True
     #: The logit softcap (scores ``softcap * tanh(s / softcap)``); 0.0 for none.
     softcap: float = 0.0
+    #: The caches' element type: ``dtype``, or an fp8 type of :data:`FP8_CACHES` ("" means ``dtype``).
+    kv_dtype: str = ""
+    #: An fp8 cache's scales (:class:`KVScales`); None for a cache of q's type.
+    scales: KVScales | None = None
+
+    def __post_init__(self) -> None:
+        if not self.kv_dtype:
+            self.kv_dtype = self.dtype
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the caches are fp8 (dequantised by the kernels with :attr:`scales`)."""
+        return self.kv_dtype != self.dtype
 
     @property
     def group_rows(self) -> int:
@@ -132,9 +165,73 @@ def _check_dtype(info: interop.ArrayInfo, name: str, dtype: str) -> None:
                             f"share one dtype")
 
 
+def _cache_dtype(qi: interop.ArrayInfo, ki: interop.ArrayInfo, vi: interop.ArrayInfo) -> str:
+    """The caches' element type: q's, or an e4m3 type of :data:`FP8_CACHES` with fp16/bf16 queries."""
+    kv = ki.dtype
+    if kv.startswith("fp8"):
+        if kv not in FP8_CACHES:
+            raise UnsupportedError(f"k_cache has dtype {kv}; fp8 caches are e4m3: torch.float8_e4m3fn (sm90, "
+                                   f"gfx950) or torch.float8_e4m3fnuz (gfx942)")
+        if vi.dtype != kv:
+            raise ArgumentError(f"v_cache has dtype {vi.dtype} but k_cache has {kv}; the caches share one dtype")
+        if qi.dtype not in FP8_QUERY_DTYPES:
+            raise UnsupportedError(f"an fp8 cache (k_cache {FP8_CACHES[kv][0]}) serves fp16 and bf16 queries; q has "
+                                   f"dtype {qi.dtype}: pass q in fp16 or bf16")
+        return kv
+    for name, info in (("k_cache", ki), ("v_cache", vi)):
+        _check_dtype(info, name, qi.dtype)
+    return qi.dtype
+
+
+def _check_scales(k_scale: Any, v_scale: Any, fp8: bool, kv_dtype: str, batch: int, heads_k: int,
+                  infos: dict[str, Any]) -> KVScales | None:
+    """The fp8 cache's scales (:class:`KVScales`), or None for a cache of q's type; the arrays'
+    infos go into ``infos`` (for the device check). ArgumentError for scales without an fp8
+    cache, an fp8 cache without both, and malformed ones."""
+    if not fp8:
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None:
+                raise ArgumentError(f"{name} is for fp8 caches (float8_e4m3fn, float8_e4m3fnuz); the caches have "
+                                    f"q's dtype {kv_dtype}: drop {name}")
+        return None
+    parts = []
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if value is None:
+            raise ArgumentError(f"an fp8 cache ({FP8_CACHES[kv_dtype][0]}) needs k_scale and v_scale (a real value "
+                                f"is the stored one times its scale): pass {name}, e.g. 1.0 for unscaled values")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value) or value <= 0:
+                raise ArgumentError(f"{name} must be a finite number > 0, got {value!r}")
+            parts.append((False, (0, 0), float(value)))
+            continue
+        if isinstance(value, bool):
+            raise ArgumentError(f"{name} must be a number or an fp32 array, got {value!r}")
+        si = _describe(value, name)
+        if si.dtype != "fp32":
+            raise ArgumentError(f"{name} must be float32, got {si.dtype}; convert it, e.g. {name}.float()")
+        shape = tuple(si.shape)
+        if shape in ((), (1,)):
+            strides = (0, 0)
+        elif shape == (heads_k,):
+            strides = (0, si.strides[0] if heads_k > 1 else 0)
+        elif shape == (batch, heads_k):
+            strides = (si.strides[0] if batch > 1 else 0, si.strides[1] if heads_k > 1 else 0)
+        else:
+            raise ArgumentError(f"{name} must be a float, or a float32 array of shape () or (1,) (one scale), "
+                                f"({heads_k},) (one per KV head) or ({batch}, {heads_k}) (per sequence and KV "
+                                f"head), got shape {shape}")
+        if any(st < 0 for st in strides):
+            raise ArgumentError(f"{name} has negative strides {tuple(si.strides)}; pass {name}.contiguous()")
+        infos[name] = si
+        parts.append((True, strides, 1.0))
+    (ka, kst, kv), (va, vst, vv) = parts
+    return KVScales(ka, va, kst, vst, kv, vv)
+
+
 def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
           causal: bool, window: Any, scale: Any, max_seqlen_k: Any, layout: str, cache_layout: str,
-          cache_leftpad: Any = None, softcap: Any = None) -> tuple[DecodePlan, dict[str, Any]]:
+          cache_leftpad: Any = None, softcap: Any = None, k_scale: Any = None,
+          v_scale: Any = None) -> tuple[DecodePlan, dict[str, Any]]:
     if layout not in _LAYOUTS:
         raise ArgumentError(f"layout must be 'bshd' (batch, seqlen, heads, head_dim) or 'bhsd', got {layout!r}")
     if cache_layout not in _LAYOUTS:
@@ -143,8 +240,7 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
     if qi.dtype not in DTYPES:
         raise UnsupportedError(f"q has dtype {qi.dtype}; decode attention supports {', '.join(DTYPES)}")
     infos: dict[str, Any] = {"q": qi, "k_cache": ki, "v_cache": vi}
-    for name in ("k_cache", "v_cache"):
-        _check_dtype(infos[name], name, qi.dtype)
+    kv_dtype = _cache_dtype(qi, ki, vi)
     for name, info in infos.items():
         if len(info.shape) != 4:
             raise ArgumentError(f"{name} must be 4-D, got shape {tuple(info.shape)}")
@@ -200,6 +296,7 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
     for name, info, strides in (("k_cache", ki, k_strides), ("v_cache", vi, v_strides)):
         _check_in_place(info, name, strides)
     aligned = _aligned(ki, k_strides) and _aligned(vi, v_strides)
+    scales = _check_scales(k_scale, v_scale, kv_dtype != qi.dtype, kv_dtype, batch, heads_k, infos)
     q_strides = _effective((batch, heads_q, seqlen_q), q_strides)
     # A q the kernels cannot address is copied; one that is merely unaligned only where the
     # aligned (PADDED_D=0) variants run (_Launch decides).
@@ -213,6 +310,9 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
         kni, vni = _describe(k_new, "k_new"), _describe(v_new, "v_new")
         infos.update(k_new=kni, v_new=vni)
         for name, info in (("k_new", kni), ("v_new", vni)):
+            if kv_dtype != qi.dtype and info.dtype != qi.dtype:
+                raise ArgumentError(f"{name} has dtype {info.dtype} but q has {qi.dtype}; k_new and v_new come in "
+                                    f"q's dtype (the kernels quantise them into the fp8 cache)")
             _check_dtype(info, name, qi.dtype)
             if len(info.shape) != 4:
                 raise ArgumentError(f"{name} must be 4-D, got shape {tuple(info.shape)}")
@@ -278,7 +378,7 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
                                 f"be on one GPU")
     plan = DecodePlan(qi.dtype, d, batch, heads_q, heads_k, seqlen_q, seqlen_new, capacity, paged, page_size,
                       num_pages, hint, q_strides, k_strides, v_strides, kn_strides, vn_strides, bt_stride, left, right,
-                      float(scale), device, q_copy, aligned, softcap)
+                      float(scale), device, q_copy, aligned, softcap, kv_dtype, scales)
     return plan, infos
 
 
