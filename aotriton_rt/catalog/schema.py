@@ -24,7 +24,7 @@ from ..errors import CatalogError
 from ..rules import check_rule, rule_names
 from .reader import _Reader, _show
 
-_POINTER = re.compile(r"^\*(fp8e4nv|fp8e5|fp16|bf16|fp32|fp64|i1|i8|i16|i32|i64|u8|u16|u32|u64)$")
+_POINTER = re.compile(r"^\*(fp8e4nv|fp8e4b8|fp8e5|fp16|bf16|fp32|fp64|i1|i8|i16|i32|i64|u8|u16|u32|u64)$")
 #: Every scalar type Triton 3.6 passes by value: (size in bytes, struct code the runtime packs it
 #: with). A scalar is aligned to its size; i1 and u1 travel as a byte (Triton's launchers use
 #: int8_t). The struct code is None for the types the runtime does not pack (no catalog may
