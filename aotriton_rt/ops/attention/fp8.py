@@ -17,6 +17,7 @@ from typing import Any
 from ... import interop
 from ...errors import ArgumentError, KernelNotFound, UnsupportedError
 from ...tuning import Choice
+from . import problem as _problem
 from .arrays import Output, lse_output, operand
 from .dispatch import KernelChoice, _causal_modes, kernels_of
 from .family import (
@@ -29,7 +30,6 @@ from .family import (
     forward_arguments,
 )
 from .framework import arrays_for
-from . import problem as _problem
 from .problem import Problem, prepare, same_device
 
 #: torch's names of the e4m3 formats, for messages.
@@ -110,8 +110,8 @@ def refuse_options(**given: Any) -> None:
 def refuse_grad(*arrays: Any) -> None:
     """UnsupportedError when an input asks for a gradient: FP8 attention has no backward."""
     if any(getattr(a, "requires_grad", False) for a in arrays):
-        raise UnsupportedError("FP8 attention is inference only (no backward): q, k, v require grad; "
-                               "run it under torch.no_grad() or detach them, or train in bf16/fp16")
+        raise UnsupportedError("FP8 attention is inference only (no backward): an input requires grad; "
+                               "run it under torch.no_grad() or detach the inputs, or train in bf16/fp16")
 
 
 def prepare_fp8(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, scale: Any, cu_seqlens_q: Any,
@@ -162,7 +162,7 @@ def forward(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, sca
     """:func:`aotriton_rt.attention` on fp8 q, k, v: ``(out, lse)``."""
     from .problem import check_output
 
-    refuse_grad(q, k, v)
+    refuse_grad(q, k, v, q_descale, k_descale, v_descale)
     od = out_dtype_of(out_dtype)
     p, descales = prepare_fp8(q, k, v, causal=causal, window=window, align=align, scale=scale,
                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
