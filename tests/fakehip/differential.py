@@ -90,7 +90,8 @@ def fake_tensor_type():
 
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
               "fp64": torch.float64, "i8": torch.int8, "i16": torch.int16, "i32": torch.int32,
-              "i64": torch.int64, "u8": torch.uint8}
+              "i64": torch.int64, "u8": torch.uint8, "fp8e4nv": torch.float8_e4m3fn,
+              "fp8e4b8": torch.float8_e4m3fnuz}
 
     class FakeTensor:
         def __init__(self, address: int, type_: str) -> None:

@@ -149,6 +149,31 @@ def test_fp8_variant_compiles_to_fp8_matrix_instructions(arch: str) -> None:
         assert "bf16" not in " ".join(line for line in asm["amdgcn"].splitlines() if "v_mfma" in line)
 
 
+def test_explain_names_the_fp8_variant_and_refuses_what_it_lacks(tmp_path: Path) -> None:
+    import json
+
+    import aotriton_rt
+    from aotriton_rt.ops.attention import explain
+    from tests.runtime.test_attention_op import _synthetic_variant
+
+    spec = {"dtype": "fp8e4nv", "out_dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 1, "VARLEN": 0}
+    (tmp_path / "catalog.json").write_text(json.dumps({
+        "schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0",
+        "variants": [_synthetic_variant("attn_fwd_fp8", spec, i) for i in (0, 1)]}))
+    lib = aotriton_rt.Library(tmp_path)
+    ex = explain(dtype="fp8e4nv", head_dim=96, seqlen_q=4096, causal=True, align="bottom_right", arch="sm90",
+                 library=lib)
+    assert [k.kernel for k in ex.kernels] == ["attn_fwd_fp8"] and ex.kernels[0].spec == spec
+    assert "attn_fwd_fp8[dtype=fp8e4nv, out_dtype=bf16, HEAD_DIM=128" in str(ex)
+    assert "the FP8 forward" in str(ex) and "fp8e4nv, head dim 96" in str(ex)
+    with pytest.raises(KernelNotFound, match="attn_fwd_fp8 with dtype=fp8e4nv, out_dtype=fp16"):
+        explain(dtype="fp8e4nv", head_dim=128, seqlen_q=64, causal=True, out_dtype="fp16", arch="sm90", library=lib)
+    with pytest.raises(UnsupportedError, match="FP8 attention is an inference forward without dropout, backward"):
+        explain(dtype="fp8e4nv", head_dim=128, seqlen_q=64, dropout=True, backward=True, arch="sm90", library=lib)
+    with pytest.raises(UnsupportedError, match="sm90 multiplies float8_e4m3fn, but q, k, v are float8_e4m3fnuz"):
+        explain(dtype="fp8e4b8", head_dim=128, seqlen_q=64, arch="sm90", library=lib)
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernel under the interpreter.
 # ---------------------------------------------------------------------------------------------
