@@ -183,6 +183,7 @@ CASES = {
     "dense_bshd_head_dim_40_fp16_out": {"layout": "bshd", "D": 40, "out_dtype": "fp16", "descale": "float"},
     "varlen_window_per_head_descales": {"varlen": ((5, 9), (17, 31), (1, 1), (23, 0)), "window": (4, 2),
                                         "Hq": 4, "Hk": 2},
+    "torch_op_and_its_fake": {"api": "torch", "causal": True, "Hq": 4, "Hk": 2},
     # e4m3fnuz (gfx942) does not run under Triton 3.6's interpreter ("fail to convert fp8e4b8 to ir
     # type"): its variants are compiled above and launched in tests/runtime/test_differential_hip.py.
 }
@@ -253,6 +254,8 @@ def _run_case(name: str) -> dict:
             worst = max(worst, (got - ref).abs().max().item() - bound)
         errors["out"] = worst
         return {"name": name, "failed": "" if worst <= 0 else f"error past the bound by {worst}", "errors": errors}
+    if case.get("api") == "torch":
+        return _torch_op_case(name, case, lib, fp8, hq, hk, d)
     b, sq, sk = 2, case.get("Sq", 17), case.get("Sk", 23)
     shape = (lambda s, h: (b, s, h, d)) if case.get("layout") == "bshd" else (lambda s, h: (b, h, s, d))
     q8 = (torch.randn(shape(sq, hq)) * 2).to(fp8)
@@ -282,6 +285,46 @@ def _run_case(name: str) -> dict:
     failed = "" if errors["out"] <= bound and errors["mean"] <= 0.02 * vs.abs().max().item() else \
         f"max {errors['out']} (bound {bound}), mean {errors['mean']}"
     return {"name": name, "failed": failed, "errors": errors}
+
+
+def _torch_op_case(name: str, case: dict, lib: object, fp8: object, hq: int, hk: int, d: int) -> dict:
+    """ops.torch.attention on fp8: the operator's result eagerly, the custom op's under a function
+    mode, and its fake implementation's shapes and dtypes."""
+    import aotriton_rt
+    from aotriton_rt.ops import torch as op_torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+
+    q8, k8, v8 = ((torch.randn(2, h, 21, d) * 2).to(fp8) for h in (hq, hk, hk))
+    dsc = [torch.rand(2, hk) + 0.25 for _ in range(3)]
+    kw = dict(causal=True, q_descale=dsc[0], k_descale=dsc[1], v_descale=0.5, out_dtype="fp16", library=lib)
+    want = aotriton_rt.attention(q8, k8, v8, **kw)
+    got = op_torch.attention(q8, k8, v8, return_lse=True, **kw)
+
+    class Watching(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    op_torch.register_library(lib)
+    with Watching():
+        through_op = op_torch.attention(q8, k8, v8, return_lse=True, **kw)
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(x) for x in (q8, k8, v8))
+        fake = op_torch.attention(fq, fk, fv, return_lse=True, **{**kw, "q_descale": 2.0, "k_descale": None})
+    failed = []
+    for label, pair in (("eager", got), ("custom op", through_op)):
+        if not (torch.equal(pair[0], want[0]) and torch.equal(pair[1], want[1])):
+            failed.append(f"{label} differs from aotriton_rt.attention")
+    if fake[0].shape != want[0].shape or fake[0].dtype != torch.float16 or fake[1].shape != want[1].shape:
+        failed.append(f"fake: {fake[0].shape} {fake[0].dtype}, {fake[1].shape}")
+    leaf = torch.ones(2, hk, requires_grad=True)
+    try:
+        op_torch.attention(q8, k8, v8, q_descale=leaf, library=lib)
+        failed.append("a descale that requires grad was taken")
+    except aotriton_rt.UnsupportedError as e:
+        if "FP8 attention is inference only" not in str(e):
+            failed.append(str(e))
+    return {"name": name, "failed": "; ".join(failed), "errors": {"out": 0.0}}
 
 
 @pytest.fixture(scope="module")
