@@ -290,10 +290,11 @@ def _run_case(name: str) -> dict:
 def _torch_op_case(name: str, case: dict, lib: object, fp8: object, hq: int, hk: int, d: int) -> dict:
     """ops.torch.attention on fp8: the operator's result eagerly, the custom op's under a function
     mode, and its fake implementation's shapes and dtypes."""
-    import aotriton_rt
-    from aotriton_rt.ops import torch as op_torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.overrides import TorchFunctionMode
+
+    import aotriton_rt
+    from aotriton_rt.ops import torch as op_torch
 
     q8, k8, v8 = ((torch.randn(2, h, 21, d) * 2).to(fp8) for h in (hq, hk, hk))
     dsc = [torch.rand(2, hk) + 0.25 for _ in range(3)]
