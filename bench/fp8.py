@@ -45,13 +45,15 @@ def _configs(lib: Any, q8: Any, k8: Any, v8: Any, causal: bool, fp8: dict) -> di
                                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                                  layout="bhsd", **fp8)
     spec = op.spec_of(p, "bf16", p.causal_mode)
+    ks = op.kernels_of(lib)
+    transpose = op.transpose_handle(ks, op.choose(ks, p.call(0), spec, "sm90"), "sm90")
     runs = {}
     for v in lib.variants_of(op.FWD_FP8):
         if all(v.spec.get(k) == val for k, val in spec.items()):
             c = v.config
             handle = lib.kernel(op.FWD_FP8, **spec, **c.constexprs, num_warps=c.num_warps, num_stages=c.num_stages)
             runs[f"fp8 config #{c.index}"] = (lambda h=handle: op._launch(p, h, spec, "bf16", descales, None, None,
-                                                                          None, None)[0])
+                                                                          None, None, transpose)[0])
     return runs
 
 

@@ -44,6 +44,7 @@ from ..ops.attention.family import (
     contiguous_kernel_strides,
     contiguous_strides,
     forward_arguments,
+    kernel_strides,
     lse_strides,
     scalar_arguments,
 )
@@ -599,12 +600,19 @@ def _fp8_forward(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, descales: tuple, 
     if _empty(f):
         zeros = jnp.zeros(tuple(q.shape[:-1]) + (f.head_dim_v,), out_jnp)
         return zeros, jnp.full(f.lse_shape(), -jnp.inf, jnp.float32)
-    qp, kp, vp = _pad(q, width), _pad(k, width), _pad(v, width)
+    qp, kp = _pad(q, width), _pad(k, width)
     padded_out = tuple(q.shape[:-1]) + (width,)
     lay, vl = o.layout, f.varlen
-    arrays = {"q": qp, "k": kp, "v": vp, "out": Out(padded_out, out_jnp), "lse": Out(f.lse_shape(), jnp.float32),
+    # V^T as the eager path's pre-pass writes it (XLA transposes here): (B, Hkv, width, cols).
+    axes = (1, 2, 0) if vl else (0, 1, 3, 2) if lay == "bhsd" else (0, 2, 3, 1)
+    vt = jnp.transpose(_pad(v, width), axes)
+    shape = _fp8.vt_shape(f.batch, f.heads_k, width, f.rows_k, vl)
+    vt = jnp.pad(vt, [(0, 0)] * (vt.ndim - 1) + [(0, shape[-1] - vt.shape[-1])])
+    full = (1,) + shape if vl else shape
+    vt_strides = kernel_strides(full[:3], contiguous_strides(full)[:3])
+    arrays = {"q": qp, "k": kp, "v": vt, "out": Out(padded_out, out_jnp), "lse": Out(f.lse_shape(), jnp.float32),
               "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
-    strides = {"q": _strides(qp.shape, lay, vl), "k": _strides(kp.shape, lay, vl), "v": _strides(vp.shape, lay, vl),
+    strides = {"q": _strides(qp.shape, lay, vl), "k": _strides(kp.shape, lay, vl), "v": vt_strides,
                "out": _strides(padded_out, lay, vl)}
     for name, (_, arr), d in zip(("q_descale", "k_descale", "v_descale"), checked, ds):
         arrays[name] = arr
@@ -612,6 +620,7 @@ def _fp8_forward(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, descales: tuple, 
         strides[name] = (0, 0) if d.info is None else tuple(
             0 if e <= 1 else s for e, s in zip(d.info.shape, contiguous_strides(d.info.shape)))
     values = forward_arguments(arrays, strides, lse_strides(f.lse_shape(), vl), dict(f.scalars))
+    values["stride_vd"] = vt_strides[2]
     out, lse = _launch(handle, o, values)[:2]
     return (out[..., :f.head_dim_v] if width != f.head_dim_v else out), lse
 

@@ -15,10 +15,13 @@ Everything else follows ``attn_fwd`` (attention.py's module docs): addressing, v
 mask modes 0/1/2 with ``causal_align`` and windows, GQA, the natural-log LSE, the causal
 programs' pairing of query blocks. No bias, dropout, softcap or ALiBi.
 
-V is read ``(keys, dim)`` with the head dim contiguous, like Q and K. Hopper's FP8 wgmma wants both
-operands K-major in shared memory (for P·V: V^T, keys contiguous); Triton 3.6 meets that by storing
-each V tile into a transposed shared layout from registers (byte-wide shared stores, where a
-K-major V^T would take 16-byte ones): docs/attention.md, "FP8".
+V is read transposed, ``V^T[z, h, d, n]`` with the keys contiguous (``stride_vd`` between head-dim
+rows; the rows past the head dim zero): Hopper's FP8 wgmma reads both operands K-major from shared
+memory, for P·V that is V^T. Fed a row-major V tile, Triton 3.6 still emits the FP8 wgmma but
+transposes each tile through registers into shared memory with byte-wide stores, which made the
+forward 2.7x slower on the H200. The operator transposes the caller's V with
+``attn_fp8_v_transpose`` first (one read and one write of V, ~3% of a long forward):
+docs/attention.md, "FP8 forward (inference)".
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ import triton.language as tl
 
 # The head dims compiled (others run zero-padded on the next) and the dtypes, by the runtime's
 # names (aotriton_rt.ops.attention.family: FP8_HEAD_DIMS, FP8_DTYPES, FP8_OUT_DTYPES, FP8_ARCH_DTYPES).
-from aotriton_rt.ops.attention.family import FP8_ARCH_DTYPES, FP8_DTYPES, FP8_HEAD_DIMS, FP8_OUT_DTYPES, FWD_FP8  # noqa: E402
+from aotriton_rt.ops.attention.family import (  # noqa: E402
+    FP8_ARCH_DTYPES,
+    FP8_DTYPES,
+    FP8_HEAD_DIMS,
+    FP8_OUT_DTYPES,
+    FP8_V_TRANSPOSE,
+    FWD_FP8,
+)
 from builder.kernels.attention import LN2, LOG2E, _causal_order, _sequence, _span, _window  # noqa: F401
 
 
@@ -39,7 +49,6 @@ def _fp8_block(acc, l_i, m_i, q, start_n, k_ptrs, v_ptrs, offs_m, offs_n, offs_d
     """Online-softmax update of (acc, l_i, m_i) by the key block at start_n (attention.py's
     ``_fwd_block`` without bias, dropout, softcap or ALiBi; P rounded to V's fp8 type)."""
     BLOCK_DK: tl.constexpr = q.shape[1]
-    BLOCK_DV: tl.constexpr = acc.shape[1]
     cols = start_n + offs_n
     if MASKED:
         kmask = cols[None, :] < seqlen_k
@@ -70,13 +79,9 @@ def _fp8_block(acc, l_i, m_i, q, start_n, k_ptrs, v_ptrs, offs_m, offs_n, offs_d
         alpha = tl.math.exp2(m_i - m_new)
     l_ij = tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    # V^T's rows past the head dim are zeros (attn_fp8_v_transpose writes the bucket's width).
     if MASKED:
-        vmask = cols[:, None] < seqlen_k
-        if HEAD_DIM_V != BLOCK_DV:
-            vmask = vmask & (offs_dv[None, :] < HEAD_DIM_V)
-        v = tl.load(v_ptrs, mask=vmask, other=0.0)
-    elif HEAD_DIM_V != BLOCK_DV:
-        v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+        v = tl.load(v_ptrs, mask=cols[:, None] < seqlen_k, other=0.0)
     else:
         v = tl.load(v_ptrs)
     acc = tl.dot(p.to(v.dtype), v, acc)
@@ -85,23 +90,24 @@ def _fp8_block(acc, l_i, m_i, q, start_n, k_ptrs, v_ptrs, offs_m, offs_n, offs_d
 
 
 @triton.jit
-def _fp8_blocks(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vn, start, end,
+def _fp8_blocks(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vd, start, end,
                 offs_m, offs_n, offs_dk, offs_dv, seqlen_k, diag, left, right, qk_scale,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     k_ptrs = K_base + offs_n[None, :] * stride_kn + offs_dk[:, None] + start * stride_kn
-    v_ptrs = V_base + offs_n[:, None] * stride_vn + offs_dv[None, :] + start * stride_vn
+    # A (keys, dim) tile of V^T (keys contiguous): what the FP8 wgmma reads K-major.
+    v_ptrs = V_base + offs_n[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd + start
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = _fp8_block(acc, l_i, m_i, q, start_n, k_ptrs, v_ptrs, offs_m, offs_n, offs_dk, offs_dv,
                                    seqlen_k, diag, left, right, qk_scale, MASKED, CAUSAL, HEAD_DIM, HEAD_DIM_V)
         k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        v_ptrs += BLOCK_N
     return acc, l_i, m_i
 
 
 @triton.jit
-def _fp8_tile(pid_m, Q_head, O_head, L_head, K_base, V_base, stride_qm, stride_kn, stride_vn, stride_om,
+def _fp8_tile(pid_m, Q_head, O_head, L_head, K_base, V_base, stride_qm, stride_kn, stride_vd, stride_om,
               len_q, len_k, qk_scale, v_scale, window_left, window_right, causal_align,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, CAUSAL: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -135,13 +141,13 @@ def _fp8_tile(pid_m, Q_head, O_head, L_head, K_base, V_base, stride_qm, stride_k
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if CAUSAL != 0:
-        acc, l_i, m_i = _fp8_blocks(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vn, lo, f1,
+        acc, l_i, m_i = _fp8_blocks(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vd, lo, f1,
                                     offs_m, offs_n, offs_dk, offs_dv, len_k, diag, left, right, qk_scale,
                                     True, CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_N)
-    acc, l_i, m_i = _fp8_blocks(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vn, f2, hi,
+    acc, l_i, m_i = _fp8_blocks(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vd, f2, hi,
                                 offs_m, offs_n, offs_dk, offs_dv, len_k, diag, left, right, qk_scale,
                                 True, CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_N)
-    acc, l_i, m_i = _fp8_blocks(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vn, f1, f2,
+    acc, l_i, m_i = _fp8_blocks(acc, l_i, m_i, q, K_base, V_base, stride_kn, stride_vd, f1, f2,
                                 offs_m, offs_n, offs_dk, offs_dv, len_k, diag, left, right, qk_scale,
                                 False, CAUSAL, HEAD_DIM, HEAD_DIM_V, BLOCK_N)
 
@@ -163,7 +169,7 @@ def attn_fwd_fp8(
     Q, K, V, Out, LSE, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
-    stride_vz, stride_vh, stride_vn,
+    stride_vz, stride_vh, stride_vd,
     stride_oz, stride_oh, stride_om,
     stride_lz, stride_lh,
     stride_qdz, stride_qdh, stride_kdz, stride_kdh, stride_vdz, stride_vdh,
@@ -175,8 +181,10 @@ def attn_fwd_fp8(
     """FP8 attention forward: Out = softmax(dq·dk · Q K^T * sm_scale, masked) (dv · V), its LSE.
 
     ``dq``, ``dk``, ``dv``: the descale factors of the program's sequence and key/value head (module
-    docs). Grid, addressing, masks and LSE as ``attn_fwd`` (causal programs compute query blocks p
-    and n-1-p of their head). Out is fp16 or bf16 (the ``out_dtype`` axis).
+    docs). Grid, addressing of Q, K, Out, masks and LSE as ``attn_fwd`` (causal programs compute
+    query blocks p and n-1-p of their head). V is V^T from :func:`attn_fp8_v_transpose`: element
+    (key n, dim d) at ``V + b*stride_vz + h*stride_vh + d*stride_vd + n`` (``n`` the packed row
+    under VARLEN), ``HEAD_DIM_V`` rows. Out is fp16 or bf16 (the ``out_dtype`` axis).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -200,7 +208,7 @@ def attn_fwd_fp8(
 
     Q_head = Q + off_bz * stride_qz + off_h.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
     K_base = K + off_bz * stride_kz + hk64 * stride_kh + k_start.to(tl.int64) * stride_kn
-    V_base = V + off_bz * stride_vz + hk64 * stride_vh + k_start.to(tl.int64) * stride_vn
+    V_base = V + off_bz * stride_vz + hk64 * stride_vh + k_start.to(tl.int64)
     O_head = Out + off_bz * stride_oz + off_h.to(tl.int64) * stride_oh + q_start.to(tl.int64) * stride_om
     L_head = LSE + b64 * stride_lz + off_h.to(tl.int64) * stride_lh + q_start
 
@@ -210,12 +218,29 @@ def attn_fwd_fp8(
         tiles = (pid_m <= last).to(tl.int32) + (pid_m < last).to(tl.int32)
         for t in range(0, tiles):
             _fp8_tile(pid_m + t * (last - pid_m), Q_head, O_head, L_head, K_base, V_base,
-                      stride_qm, stride_kn, stride_vn, stride_om, len_q, len_k, qk_scale, dv,
+                      stride_qm, stride_kn, stride_vd, stride_om, len_q, len_k, qk_scale, dv,
                       window_left, window_right, causal_align, HEAD_DIM, HEAD_DIM_V, CAUSAL, BLOCK_M, BLOCK_N)
     else:
         _fp8_tile(pid_m, Q_head, O_head, L_head, K_base, V_base,
-                  stride_qm, stride_kn, stride_vn, stride_om, len_q, len_k, qk_scale, dv,
+                  stride_qm, stride_kn, stride_vd, stride_om, len_q, len_k, qk_scale, dv,
                   window_left, window_right, causal_align, HEAD_DIM, HEAD_DIM_V, CAUSAL, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def attn_fp8_v_transpose(V, VT, stride_vz, stride_vh, stride_vn, stride_tz, stride_th, stride_td,
+                         batch, heads, rows, cols, head_dim, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``VT[z, h, d, n] = V[z, h, n, d]``: V^T for :func:`attn_fwd_fp8`, zero at ``d >= head_dim``
+    (up to ``HEAD_DIM``) and at ``rows <= n < cols``. Grid: (cdiv(cols, BLOCK_N), batch * heads, 1)."""
+    pid_n = tl.program_id(0)
+    pid_zh = tl.program_id(1)
+    off_z = (pid_zh // heads).to(tl.int64)
+    off_h = (pid_zh % heads).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    src = V + off_z * stride_vz + off_h * stride_vh + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :]
+    x = tl.load(src, mask=(offs_n[:, None] < rows) & (offs_d[None, :] < head_dim), other=0.0)
+    dst = VT + off_z * stride_tz + off_h * stride_th + offs_d[:, None].to(tl.int64) * stride_td + offs_n[None, :]
+    tl.store(dst, tl.trans(x), mask=offs_n[None, :] < cols)
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,3 +309,24 @@ KERNELS = [KernelDecl(
     set_configs={"default": 1, "gputest": 1},
     checks=_FP8_CHECKS,
 )]
+
+
+def _transpose_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
+    options = _hip_options(target, 2) if target.backend == "hip" else {}
+    return (ConfigDecl(constexprs={"BLOCK_N": 64}, num_warps=4, num_stages=1, options=options),)
+
+
+_T_SIG = signature_of(attn_fp8_v_transpose, {"V": "*{dtype}", "VT": "*{dtype}"})
+_T_DIV = divisibility_of(_T_SIG, aligned=("v", "t"))
+KERNELS.append(KernelDecl(
+    name=FP8_V_TRANSPOSE,
+    fn=attn_fp8_v_transpose,
+    signature=_T_SIG,
+    axes={"dtype": FP8_DTYPES, "HEAD_DIM": FP8_HEAD_DIMS},
+    configs=_transpose_configs,
+    grid=("cdiv(cols, BLOCK_N)", "batch * heads", "1"),
+    divisibility=_T_DIV,
+    exclude=fp8_excluded,
+    sets={"default": in_fp8_default_set, "gputest": in_fp8_gputest_set},
+    checks=("batch * heads <= 65535", "head_dim <= HEAD_DIM") + stride_checks(_T_DIV),
+))

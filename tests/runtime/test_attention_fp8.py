@@ -117,6 +117,10 @@ def test_fp8_variants_are_declared_per_target_format_and_set() -> None:
     default = expand(decl, parse_targets("sm90,gfx942,gfx950"), "default", triton.__version__)
     assert {(j.spec["HEAD_DIM"], j.spec["out_dtype"]) for j in default} == {(128, "bf16")}
     assert len(default) == 12
+    pre = expand(load_kernels()["attn_fp8_v_transpose"], parse_targets("sm80,sm90,gfx942,gfx950"), "default",
+                 triton.__version__)
+    assert {(j.target.arch, j.spec["dtype"], j.spec["HEAD_DIM"]) for j in pre} == {
+        ("sm90", "fp8e4nv", 128), ("gfx950", "fp8e4nv", 128), ("gfx942", "fp8e4b8", 128)}
 
 
 @pytest.mark.parametrize("arch", ["sm90", "gfx942", "gfx950"])
@@ -159,11 +163,12 @@ def test_explain_names_the_fp8_variant_and_refuses_what_it_lacks(tmp_path: Path)
     spec = {"dtype": "fp8e4nv", "out_dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 1, "VARLEN": 0}
     (tmp_path / "catalog.json").write_text(json.dumps({
         "schema": "aotriton-rt.catalog", "schema_version": 2, "triton_version": "3.6.0",
-        "variants": [_synthetic_variant("attn_fwd_fp8", spec, i) for i in (0, 1)]}))
+        "variants": [*(_synthetic_variant("attn_fwd_fp8", spec, i) for i in (0, 1)),
+                     _synthetic_variant("attn_fp8_v_transpose", {"dtype": "fp8e4nv", "HEAD_DIM": 128})]}))
     lib = aotriton_rt.Library(tmp_path)
     ex = explain(dtype="fp8e4nv", head_dim=96, seqlen_q=4096, causal=True, align="bottom_right", arch="sm90",
                  library=lib)
-    assert [k.kernel for k in ex.kernels] == ["attn_fwd_fp8"] and ex.kernels[0].spec == spec
+    assert [k.kernel for k in ex.kernels] == ["attn_fp8_v_transpose", "attn_fwd_fp8"] and ex.kernels[1].spec == spec
     assert "attn_fwd_fp8[dtype=fp8e4nv, out_dtype=bf16, HEAD_DIM=128" in str(ex)
     assert "the FP8 forward" in str(ex) and "fp8e4nv, head dim 96" in str(ex)
     with pytest.raises(KernelNotFound, match="attn_fwd_fp8 with dtype=fp8e4nv, out_dtype=fp16"):

@@ -189,7 +189,7 @@ def _explain_fp8(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | No
                  causal: bool, align: str, varlen: bool, arch: str | None, out_dtype: str, library: Any,
                  unsupported: dict[str, bool]) -> Explanation:
     """:func:`explain` of an FP8 forward (``dtype`` an e4m3 format)."""
-    from .fp8 import explain_choice, out_dtype_of
+    from .fp8 import FP8_V_TRANSPOSE, explain_choice, out_dtype_of, transpose_spec
 
     asked = [name for name, flag in unsupported.items() if flag]
     if asked:
@@ -199,7 +199,11 @@ def _explain_fp8(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | No
     call = replace(base, dtype=dtype)
     ks = kernels_of(library)
     arch = _arch_of(ks, arch)
-    return Explanation(call, arch, [_pick(ks, explain_choice(ks, call, out_dtype_of(out_dtype), arch), call, arch)])
+    forward = explain_choice(ks, call, out_dtype_of(out_dtype), arch)
+    spec = transpose_spec(forward)
+    pre = KernelChoice(FP8_V_TRANSPOSE, FP8_V_TRANSPOSE, spec, "V^T for the FP8 forward's P·V (keys contiguous)",
+                       Choice(FP8_V_TRANSPOSE, 0), dict(spec))
+    return Explanation(call, arch, [_pick(ks, pre, call, arch), _pick(ks, forward, call, arch)])
 
 
 def sinks_choice(call: AttentionCall, backward: bool) -> KernelChoice:

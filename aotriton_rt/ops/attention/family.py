@@ -31,7 +31,8 @@ __all__ = [
     "ALIBI_ARG", "ALIGN", "ALIGN_ARG", "ALIGNED_FACTS", "ALIGNED_SIBLINGS", "ARCH_BACKWARDS", "ARCH_FORWARDS",
     "AttentionCall",
     "BACKWARD_KERNEL_RULES", "BIAS_ALIGN", "CONVERT", "DKDV", "DKDV_KERNEL_RULES", "DKDV_SM90", "DKDV_SM90_A16", "DQ",
-    "DQ_KERNEL_RULES", "DQ_SM90", "DTYPES", "FP8_ARCH_DTYPES", "FP8_DTYPES", "FP8_HEAD_DIMS", "FP8_OUT_DTYPES", "FWD",
+    "DQ_KERNEL_RULES", "DQ_SM90", "DTYPES", "FP8_ARCH_DTYPES", "FP8_DTYPES", "FP8_HEAD_DIMS", "FP8_OUT_DTYPES",
+    "FP8_V_TRANSPOSE", "FWD",
     "FWD_FP8", "FWD_SM90", "HEAD_DIM_BUCKETS", "KERNEL_RULES", "MODE_RULES", "PRE",
     "SCALARS", "SOFTCAP_ARG", "UNEQUAL_HEAD_DIMS", "align_arg", "backward_arguments", "bhs", "bias_row_width",
     "bias_strides", "bucket",
@@ -63,6 +64,8 @@ DQ_SM90 = "attn_bwd_dq_sm90"
 #: e4m3fnuz: each target compiles the one its matrix units take), output dtypes and head dims
 #: (a call's head dim runs zero-padded on the next of these).
 FWD_FP8 = "attn_fwd_fp8"
+#: Its V^T pre-pass: the caller's V, (keys, dim), transposed for the FP8 forward (keys contiguous).
+FP8_V_TRANSPOSE = "attn_fp8_v_transpose"
 FP8_DTYPES = ("fp8e4nv", "fp8e4b8")
 FP8_OUT_DTYPES = ("bf16", "fp16")
 FP8_HEAD_DIMS = (64, 128, 256)

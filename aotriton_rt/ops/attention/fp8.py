@@ -25,9 +25,12 @@ from .family import (
     FP8_DTYPES,
     FP8_HEAD_DIMS,
     FP8_OUT_DTYPES,
+    FP8_V_TRANSPOSE,
     FWD_FP8,
     AttentionCall,
+    bhs,
     forward_arguments,
+    kernel_strides,
 )
 from .framework import arrays_for
 from .problem import Problem, prepare, same_device
@@ -156,6 +159,30 @@ def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> K
                          f"{remedy(FWD_FP8, [arch])}")
 
 
+def transpose_spec(chosen: KernelChoice) -> dict[str, Any]:
+    """The V^T pre-pass's spec for a chosen forward."""
+    return {"dtype": chosen.spec["dtype"], "HEAD_DIM": chosen.spec["HEAD_DIM_V"]}
+
+
+def transpose_handle(ks: Any, chosen: KernelChoice, arch: str) -> Any:
+    """The V^T pre-pass's handle, or KernelNotFound naming the build that adds it."""
+    from ...select import remedy
+
+    spec = transpose_spec(chosen)
+    if not ks.available(FP8_V_TRANSPOSE, spec, ()):
+        raise KernelNotFound(f"FP8 attention needs {FP8_V_TRANSPOSE} with "
+                             f"{', '.join(f'{k}={v}' for k, v in spec.items())} on {arch}, which these images lack; "
+                             f"{remedy(FP8_V_TRANSPOSE, [arch])}")
+    return ks.lib.kernel(FP8_V_TRANSPOSE, **spec)
+
+
+def vt_shape(batch: int, heads_k: int, width: int, rows: int, varlen: bool) -> tuple[int, ...]:
+    """V^T's shape: ``(B, Hkv, width, cols)``, or ``(Hkv, width, cols)`` for packed keys, with
+    ``cols`` the key rows rounded up to 16 (the forward's 16-element stride promise)."""
+    cols = -(-max(rows, 1) // 16) * 16
+    return (heads_k, width, cols) if varlen else (batch, heads_k, width, cols)
+
+
 def forward(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, scale: Any, cu_seqlens_q: Any,
             cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any, layout: str, out: Any, lse: Any,
             q_descale: Any, k_descale: Any, v_descale: Any, out_dtype: Any, library: Any) -> tuple:
@@ -172,13 +199,14 @@ def forward(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, sca
     lse_i = check_output(lse, "lse", p.lse_shape(), "fp32", p)
     ks = kernels_of(library)
     call = p.call(0)
-    chosen = choose(ks, call, spec_of(p, od, p.causal_mode), ks.device_arch(max(p.device, 0)))
+    arch = ks.device_arch(max(p.device, 0))
+    chosen = choose(ks, call, spec_of(p, od, p.causal_mode), arch)
     handle = ks.lib.kernel(chosen.kernel, **chosen.params)
-    return _launch(p, handle, chosen.spec, od, descales, out, out_i, lse, lse_i)
+    return _launch(p, handle, chosen.spec, od, descales, out, out_i, lse, lse_i, transpose_handle(ks, chosen, arch))
 
 
 def _launch(p: Problem, handle: Any, spec: dict[str, Any], od: str, descales: tuple, out: Any, out_i: Any,
-            lse: Any, lse_i: Any) -> tuple:
+            lse: Any, lse_i: Any, transpose: Any) -> tuple:
     xp = arrays_for(p.qi.framework)
     q, k, v = xp.convert(p.q, p.qi), xp.convert(p.k, p.ki), xp.convert(p.v, p.vi)
     width = spec["HEAD_DIM"]
@@ -192,9 +220,9 @@ def _launch(p: Problem, handle: Any, spec: dict[str, Any], od: str, descales: tu
         return o.finish(), lse_out.finish()
     qo = operand(xp, q, p.qi, p.layout, p.varlen, width)
     ko = operand(xp, k, p.ki, p.layout, p.varlen, width)
-    vo = operand(xp, v, p.vi, p.layout, p.varlen, width)
-    arrays = {"q": qo.array, "k": ko.array, "v": vo.array, "out": o.array, "lse": lse_out.array}
-    strides = {"q": qo.strides, "k": ko.strides, "v": vo.strides, "out": o.strides}
+    vt, vt_strides = _transposed_v(xp, p, v, width, transpose)
+    arrays = {"q": qo.array, "k": ko.array, "v": vt, "out": o.array, "lse": lse_out.array}
+    strides = {"q": qo.strides, "k": ko.strides, "v": vt_strides, "out": o.strides}
     for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
         arrays[name] = xp.convert(d.array, d.info) if d.info is not None else xp.full((1,), d.value, "fp32", q)
         strides[name] = d.strides
@@ -202,8 +230,27 @@ def _launch(p: Problem, handle: Any, spec: dict[str, Any], od: str, descales: tu
         arrays["cu_seqlens_q"] = xp.convert(p.cu_q, p.cu_qi)
         arrays["cu_seqlens_k"] = xp.convert(p.cu_k, p.cu_ki)
     values = forward_arguments(arrays, strides, lse_out.strides, p.scalars())
+    values["stride_vd"] = vt_strides[2]
     handle(*[values[name] for name in handle.arg_names])
     return o.finish(), lse_out.finish()
+
+
+def _transposed_v(xp: Any, p: Problem, v: Any, width: int, transpose: Any) -> tuple[Any, tuple[int, int, int]]:
+    """V^T for the forward (:func:`vt_shape`, fresh and contiguous) and its (batch, head, dim)
+    strides, written by the pre-pass from V read in place (or, for a head dim below the bucket or
+    misaligned rows, its zero-padded copy: the pre-pass reads 16-byte aligned rows)."""
+    vo = operand(xp, v, p.vi, p.layout, p.varlen, width)
+    (batch, heads, rows), _ = bhs(p.vi.shape, p.vi.strides, p.layout, p.varlen)
+    shape = vt_shape(p.batch, p.heads_k, width, rows, p.varlen)
+    vt = xp.empty(shape, p.dtype, v)
+    full = (1,) + shape if p.varlen else shape
+    cs = (full[1] * full[2] * full[3], full[2] * full[3], full[3])
+    strides = kernel_strides((full[0], full[1], full[2]), cs)
+    values = {"V": vo.array, "VT": vt, "stride_vz": vo.strides[0], "stride_vh": vo.strides[1],
+              "stride_vn": vo.strides[2], "stride_tz": strides[0], "stride_th": strides[1], "stride_td": strides[2],
+              "batch": batch, "heads": heads, "rows": rows, "cols": full[3], "head_dim": width}
+    transpose(*[values[name] for name in transpose.arg_names])
+    return vt, strides
 
 
 def explain_choice(ks: Any, call: AttentionCall, out_dtype: str, arch: str) -> KernelChoice:
@@ -214,4 +261,5 @@ def explain_choice(ks: Any, call: AttentionCall, out_dtype: str, arch: str) -> K
     return choose(ks, call, spec, arch)
 
 
-__all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "check_descale", "forward", "is_fp8", "out_dtype_of"]
+__all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "FP8_V_TRANSPOSE", "check_descale", "forward", "is_fp8", "out_dtype_of",
+           "transpose_spec"]
