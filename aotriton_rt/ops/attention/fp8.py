@@ -248,7 +248,7 @@ def _transposed_v(xp: Any, p: Problem, v: Any, width: int, transpose: Any) -> tu
     strides = kernel_strides((full[0], full[1], full[2]), cs)
     values = {"V": vo.array, "VT": vt, "stride_vz": vo.strides[0], "stride_vh": vo.strides[1],
               "stride_vn": vo.strides[2], "stride_tz": strides[0], "stride_th": strides[1], "stride_td": strides[2],
-              "batch": batch, "heads": heads, "rows": rows, "cols": full[3], "head_dim": width}
+              "batch": batch, "heads": heads, "rows": rows, "cols": full[3]}
     transpose(*[values[name] for name in transpose.arg_names])
     return vt, strides
 
