@@ -152,7 +152,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
                           seqlen_q=args.seqlen, seqlen_k=args.seqlen_k, causal=args.causal, align=args.align,
                           bias=args.bias, dropout=args.dropout, varlen=args.varlen, alibi=args.alibi,
                           softcap=args.softcap, sinks=args.sinks, backward=backward,
-                          deterministic=args.deterministic, arch=args.arch, library=lib))
+                          deterministic=args.deterministic, arch=args.arch, out_dtype=args.out_dtype,
+                          library=lib))
         except NoDevice:
             if args.arch:
                 raise
@@ -295,7 +296,9 @@ def parser() -> argparse.ArgumentParser:
                                     "(--seqlen query rows, --seqlen-k keys; fp8 caches with --kv-dtype), their "
                                     "configs and split count. Launches nothing; with --arch no GPU is needed.")
     ex.add_argument("op", choices=["attention", "decode"], help="the operator")
-    ex.add_argument("--dtype", default="fp16", help="fp16, bf16 or fp32 (default fp16)")
+    ex.add_argument("--dtype", default="fp16", help="fp16, bf16 or fp32 (default fp16); for attention also "
+                                                    "fp8e4nv or fp8e4b8: the FP8 inference forward")
+    ex.add_argument("--out-dtype", default="bf16", help="the FP8 forward's output dtype, bf16 or fp16 (default bf16)")
     ex.add_argument("--head-dim", type=int, default=128, help="q·k head dim (default 128)")
     ex.add_argument("--head-dim-v", type=int, default=None, help="v head dim (default: --head-dim)")
     ex.add_argument("--seqlen", type=int, required=True, help="query length")

@@ -13,7 +13,8 @@ Example::
 
 from __future__ import annotations
 
-from .attention import attention, attention_backward, attention_forward
+from .attention import attention, attention_backward, attention_forward, attention_fp8
 from .kernels import JaxKernel, Out, Update, kernel
 
-__all__ = ["JaxKernel", "Out", "Update", "attention", "attention_backward", "attention_forward", "kernel"]
+__all__ = ["JaxKernel", "Out", "Update", "attention", "attention_backward", "attention_forward", "attention_fp8",
+           "kernel"]

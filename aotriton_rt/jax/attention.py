@@ -44,6 +44,7 @@ from ..ops.attention.family import (
     contiguous_kernel_strides,
     contiguous_strides,
     forward_arguments,
+    kernel_strides,
     lse_strides,
     scalar_arguments,
 )
@@ -51,7 +52,8 @@ from ..ops.attention.sinks import check_sinks
 from . import sinks as _sinks
 from .kernels import JaxKernel, Out, Update
 
-_TRITON = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "int8": "i8",
+_TRITON = {"float8_e4m3fn": "fp8e4nv", "float8_e4m3fnuz": "fp8e4b8", "float16": "fp16", "bfloat16": "bf16",
+           "float32": "fp32", "float64": "fp64", "int8": "i8",
            "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "uint32": "u32", "bool": "i1"}
 
 
@@ -526,7 +528,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
               offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
               max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
               deterministic: bool = False, scheme: str | None = None, sinks: Any = None,
-              softcap: float | None = None, alibi_slopes: Any = None, library: Any = None,
+              softcap: float | None = None, alibi_slopes: Any = None, q_descale: Any = None,
+              k_descale: Any = None, v_descale: Any = None, out_dtype: Any = None, library: Any = None,
               arch: str | None = None) -> Any:
     """Differentiable attention on JAX arrays: ``out`` of :func:`aotriton_rt.attention`, with a
     ``jax.custom_vjp`` running the operator's backward kernels (gradients for q, k, v, bias and
@@ -536,13 +539,141 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
     batch: one launch per kernel; varlen calls under vmap run once per mapped element).
     Options are static Python values; see :func:`aotriton_rt.attention` for their meaning and
     ``docs/jax.md`` for what differs from the eager path. ``alibi_slopes`` (ALiBi) is an fp32 array
-    ``(Hq,)`` or ``(B, Hq)``, traced like q, and gets a zero gradient.
+    ``(Hq,)`` or ``(B, Hq)``, traced like q, and gets a zero gradient. FP8 q, k, v (with
+    ``q_descale``/``k_descale``/``v_descale``, ``out_dtype``) run :func:`attention_fp8`: forward only.
 
     Example::
 
         loss = lambda q, k, v: aotriton_rt.jax.attention(q, k, v, causal=True).sum()
         dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     """
+    if "float8" in jnp.dtype(q.dtype).name or any(x is not None for x in (q_descale, k_descale, v_descale,
+                                                                            out_dtype)):
+        from ..ops.attention.fp8 import refuse_options
+
+        if "float8" not in jnp.dtype(q.dtype).name:
+            raise ArgumentError(f"q_descale, k_descale, v_descale and out_dtype apply to FP8 attention (e4m3 q, k, "
+                                f"v); q has dtype {jnp.dtype(q.dtype).name}")
+        refuse_options(bias=bias, dropout_p=dropout_p, sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes)
+        return attention_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                             out_dtype=out_dtype, causal=causal, window=window, align=align, scale=scale,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                             max_seqlen_k=max_seqlen_k, layout=layout, library=library, arch=arch)
     o = _options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout,
                  deterministic, scheme, library, arch, cu_seqlens_q, cu_seqlens_k, softcap)
     return _differentiable(o)(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 inference forward.
+# ---------------------------------------------------------------------------------------------
+
+def _descale_operand(d: Any, name: str) -> tuple[Any, Any]:
+    """(what the eager validator reads, the array launched): a float stays a float (a one-element
+    array at launch), an array is traced like q."""
+    if d is None or (isinstance(d, (int, float)) and not isinstance(d, bool)):
+        return d, jnp.full((1,), 1.0 if d is None else float(d), jnp.float32)
+    if not (hasattr(d, "shape") and hasattr(d, "dtype")):
+        raise ArgumentError(f"{name} must be a float or an fp32 array of shape (batch, key/value heads), got "
+                            f"{type(d).__name__}")
+    return _Standin(d, name), d
+
+
+def _fp8_forward(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, descales: tuple, out_dtype: str,
+                 o: _Options) -> tuple[Any, Any]:
+    from ..ops.attention import fp8 as _fp8
+    from ..ops.attention.dispatch import kernels_of
+
+    cq = _standin(cu_q, "cu_seqlens_q")
+    ck = cq if o.same_cu else _standin(cu_k, "cu_seqlens_k")
+    checked = [_descale_operand(d, n) for d, n in zip(descales, ("q_descale", "k_descale", "v_descale"))]
+    p, ds = _fp8.prepare_fp8(_Standin(q, "q"), _Standin(k, "k"), _Standin(v, "v"), causal=o.causal,
+                             window=o.window, align=o.align, scale=o.scale, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                             max_seqlen_q=o.max_seqlen_q, max_seqlen_k=o.max_seqlen_k, layout=o.layout,
+                             q_descale=checked[0][0], k_descale=checked[1][0], v_descale=checked[2][0])
+    ks = kernels_of(o.library)
+    chosen = _fp8.choose(ks, p.call(0), _fp8.spec_of(p, out_dtype, p.causal_mode), o.arch or ks.device_arch(0))
+    handle = ks.lib.kernel(chosen.kernel, **chosen.params)
+    f = _facts(q, k, v, cu_q, o)
+    width = chosen.spec["HEAD_DIM"]
+    out_jnp = jnp.float16 if out_dtype == "fp16" else jnp.bfloat16
+    if _empty(f):
+        zeros = jnp.zeros(tuple(q.shape[:-1]) + (f.head_dim_v,), out_jnp)
+        return zeros, jnp.full(f.lse_shape(), -jnp.inf, jnp.float32)
+    qp, kp = _pad(q, width), _pad(k, width)
+    padded_out = tuple(q.shape[:-1]) + (width,)
+    lay, vl = o.layout, f.varlen
+    # V^T as the eager path's pre-pass writes it (XLA transposes here): (B, Hkv, width, cols).
+    axes = (1, 2, 0) if vl else (0, 1, 3, 2) if lay == "bhsd" else (0, 2, 3, 1)
+    vt = jnp.transpose(_pad(v, width), axes)
+    shape = _fp8.vt_shape(f.batch, f.heads_k, width, f.rows_k, vl)
+    vt = jnp.pad(vt, [(0, 0)] * (vt.ndim - 1) + [(0, shape[-1] - vt.shape[-1])])
+    full = (1,) + shape if vl else shape
+    vt_strides = kernel_strides(full[:3], contiguous_strides(full)[:3])
+    arrays = {"q": qp, "k": kp, "v": vt, "out": Out(padded_out, out_jnp), "lse": Out(f.lse_shape(), jnp.float32),
+              "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    strides = {"q": _strides(qp.shape, lay, vl), "k": _strides(kp.shape, lay, vl), "v": vt_strides,
+               "out": _strides(padded_out, lay, vl)}
+    for name, (_, arr), d in zip(("q_descale", "k_descale", "v_descale"), checked, ds):
+        arrays[name] = arr
+        # A traced (B, Hkv) array is contiguous: strides (Hkv, 1), 0 over an axis of one.
+        strides[name] = (0, 0) if d.info is None else tuple(
+            0 if e <= 1 else s for e, s in zip(d.info.shape, contiguous_strides(d.info.shape)))
+    values = forward_arguments(arrays, strides, lse_strides(f.lse_shape(), vl), dict(f.scalars))
+    values["stride_vd"] = vt_strides[2]
+    out, lse = _launch(handle, o, values)[:2]
+    return (out[..., :f.head_dim_v] if width != f.head_dim_v else out), lse
+
+
+def _is_array(d: Any) -> bool:
+    return d is not None and not (isinstance(d, (int, float)) and not isinstance(d, bool))
+
+
+def _inference_only(o: _Options, descales: tuple, out_dtype: str) -> Any:
+    """The forward as a ``jax.custom_vjp`` whose backward refuses: descale arrays are its
+    arguments (traced), floats stay static."""
+    static = tuple(None if _is_array(d) else d for d in descales)
+
+    @jax.custom_vjp
+    def run(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, arrays: tuple) -> Any:
+        given = tuple(a if a is not None else s for a, s in zip(arrays, static))
+        return _fp8_forward(q, k, v, cu_q, cu_k, given, out_dtype, o)[0]
+
+    def fwd(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, arrays: tuple) -> tuple:
+        return run(q, k, v, cu_q, cu_k, arrays), None
+
+    def bwd(res: Any, g: Any) -> tuple:
+        from ..errors import UnsupportedError
+
+        raise UnsupportedError("FP8 attention is inference only (no backward): jax.grad through an FP8 "
+                               "aotriton_rt.jax attention is not supported; differentiate a bf16/fp16 call")
+
+    run.defvjp(fwd, bwd)
+    return lambda q, k, v, cu_q, cu_k: run(q, k, v, cu_q, cu_k, tuple(d if _is_array(d) else None for d in descales))
+
+
+def attention_fp8(q: Any, k: Any, v: Any, *, q_descale: Any = None, k_descale: Any = None, v_descale: Any = None,
+                  out_dtype: Any = None, causal: bool = False, window: tuple[int, int] | None = None,
+                  align: str = "top_left", scale: float | None = None, cu_seqlens_q: Any = None,
+                  cu_seqlens_k: Any = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                  layout: str = "bhsd", return_lse: bool = False, library: Any = None,
+                  arch: str | None = None) -> Any:
+    """FP8 inference attention on JAX arrays (``jnp.float8_e4m3fn``, or ``float8_e4m3fnuz`` on
+    gfx942): :func:`aotriton_rt.attention`'s FP8 forward under ``jax.jit``. ``q_descale``,
+    ``k_descale``, ``v_descale``: Python floats (static) or fp32 arrays ``(B, Hkv)`` (traced);
+    ``out_dtype``: bf16 (default) or fp16. Returns ``out``, or ``(out, lse)`` with ``return_lse``.
+    Forward only: ``jax.grad`` through it raises ``UnsupportedError`` while tracing.
+
+    Example::
+
+        out = jax.jit(lambda q, k, v, d: aotriton_rt.jax.attention_fp8(q, k, v, q_descale=d, k_descale=d,
+                                                                       v_descale=d, causal=True))(q8, k8, v8, d)
+    """
+    from ..ops.attention.fp8 import out_dtype_of
+
+    o = _options(causal, window, align, 0.0, None, 0, scale, max_seqlen_q, max_seqlen_k, layout, False, None,
+                 library, arch, cu_seqlens_q, cu_seqlens_k)
+    od = out_dtype_of(out_dtype)
+    if return_lse:
+        return _fp8_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, (q_descale, k_descale, v_descale), od, o)
+    return _inference_only(o, (q_descale, k_descale, v_descale), od)(q, k, v, cu_seqlens_q, cu_seqlens_k)

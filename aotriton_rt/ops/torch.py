@@ -1,7 +1,8 @@
 """Attention for torch: ``torch.library`` custom ops with fake implementations, and autograd.
 
-Importing this module imports torch and registers two operators, ``aotriton_rt::attention_fwd``
-and ``aotriton_rt::attention_bwd`` (``torch.ops.aotriton_rt.*``), with shape-only fake
+Importing this module imports torch and registers three operators, ``aotriton_rt::attention_fwd``,
+``aotriton_rt::attention_bwd`` and ``aotriton_rt::attention_fp8_fwd`` (``torch.ops.aotriton_rt.*``;
+the last, FP8 inference, has no autograd formula), with shape-only fake
 implementations (so they trace under ``torch.compile`` and ``FakeTensorMode``) and an autograd
 formula (so ``loss.backward()`` works). :func:`attention` is the entry point::
 
@@ -37,7 +38,9 @@ from .attention import backward_plan as _core_backward_plan
 from .attention import plan as _core_plan
 from .attention import sinks as _core_sinks
 
-__all__ = ["attention", "attention_bwd", "attention_fwd", "register_library"]
+__all__ = ["attention", "attention_bwd", "attention_fp8_fwd", "attention_fwd", "register_library"]
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 #: Library objects that are not Libraries, by the key :func:`register_library` gave them (kept
 #: for the process: a traced graph may call with the key at any time).
@@ -175,6 +178,55 @@ def _attention_fwd_fake(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, si
     else:
         mask = q.new_empty((q.shape[0], lse.shape[1], _seqlen(q, layout), _seqlen(k, layout)), dtype=torch.int8)
     return out, lse, mask
+
+
+@torch.library.custom_op("aotriton_rt::attention_fp8_fwd", mutates_args=())
+def attention_fp8_fwd(q: Tensor, k: Tensor, v: Tensor, q_descale: Tensor | None, k_descale: Tensor | None,
+                      v_descale: Tensor | None, q_scale: float, k_scale: float, v_scale: float,
+                      cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+                      causal: bool, window_left: int, window_right: int, align: str, scale: float, layout: str,
+                      out_dtype: str, library: int) -> tuple[Tensor, Tensor]:
+    """FP8 forward (inference, no autograd formula): (out, lse). A descale tensor None stands for
+    its float ``*_scale`` (one factor per tensor)."""
+    varlen = cu_seqlens_q is not None
+    return _core.attention(
+        q, k, v, causal=causal, window=_window(window_left, window_right), align=align, scale=scale,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
+        max_seqlen_k=max_seqlen_k if varlen else None, layout=layout,
+        q_descale=q_scale if q_descale is None else q_descale, k_descale=k_scale if k_descale is None else k_descale,
+        v_descale=v_scale if v_descale is None else v_descale, out_dtype=out_dtype, library=_library(library))
+
+
+@attention_fp8_fwd.register_fake
+def _attention_fp8_fwd_fake(q: Tensor, k: Tensor, v: Tensor, q_descale: Tensor | None, k_descale: Tensor | None,
+                            v_descale: Tensor | None, q_scale: float, k_scale: float, v_scale: float,
+                            cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int,
+                            max_seqlen_k: int, causal: bool, window_left: int, window_right: int, align: str,
+                            scale: float, layout: str, out_dtype: str, library: int) -> tuple[Tensor, Tensor]:
+    dtype = torch.float16 if out_dtype == "fp16" else torch.bfloat16
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=dtype)
+    return out, q.new_empty(_lse_shape(q, layout, cu_seqlens_q is not None), dtype=torch.float32)
+
+
+def _attention_fp8(q: Tensor, k: Tensor, v: Tensor, descales: tuple, out_dtype: Any, cu_q: Tensor | None,
+                   cu_k: Tensor | None, max_q: int | None, max_k: int | None, causal: bool, left: int, right: int,
+                   align: str, scale: float, layout: str, library: Any) -> tuple[Tensor, Tensor]:
+    """:func:`attention` on fp8 q, k, v: the operator directly, or the inference custom op under
+    a compiler or a mode."""
+    from .attention import fp8 as _fp8
+
+    _fp8.refuse_grad(q, k, v, *descales)
+    od = _fp8.out_dtype_of(out_dtype)
+    if _eager(q, k, v, cu_q, cu_k, *(d for d in descales if isinstance(d, Tensor))) != _OP:
+        return _core.attention(q, k, v, causal=causal, window=_window(left, right), align=align, scale=scale,
+                               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                               layout=layout, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+                               out_dtype=od, library=library)
+    tensors = [d if isinstance(d, Tensor) else None for d in descales]
+    floats = [1.0 if d is None or isinstance(d, Tensor) else float(d) for d in descales]
+    return attention_fp8_fwd(q, k, v, *tensors, *floats, cu_q, cu_k, -1 if max_q is None else max_q,
+                             -1 if max_k is None else max_k, causal, left, right, align, float(scale), layout, od,
+                             _library_key(library))
 
 
 @torch.library.custom_op("aotriton_rt::attention_bwd", mutates_args=())
@@ -353,7 +405,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
               cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               layout: str = "bhsd", deterministic: bool = False, return_lse: bool = False,
               return_mask: bool = False, sinks: Tensor | None = None, softcap: float | None = None,
-              alibi_slopes: Tensor | None = None, library: Any = None) -> Tensor | tuple[Tensor, ...]:
+              alibi_slopes: Tensor | None = None, q_descale: Tensor | float | None = None,
+              k_descale: Tensor | float | None = None, v_descale: Tensor | float | None = None,
+              out_dtype: Any = None, library: Any = None) -> Tensor | tuple[Tensor, ...]:
     """Differentiable attention on torch tensors (works under ``torch.compile``).
 
     Options as :func:`aotriton_rt.ops.attention.attention`; gradients flow to q, k, v, bias
@@ -361,7 +415,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
     logit softcap (gradients included). ``alibi_slopes``: ALiBi's fp32 slopes, ``(Hq,)`` or
     ``(B, Hq)`` (a constant: no gradient flows to them, as in FlashAttention-2). ``seed``/``offset``:
     the dropout Philox pair, drawn from torch's generator when ``seed`` is None.
-    ``deterministic=True``: the backward runs the bit-reproducible scheme.
+    ``deterministic=True``: the backward runs the bit-reproducible scheme. FP8 q, k, v
+    (``q_descale``/``k_descale``/``v_descale``, ``out_dtype``: see there) run the FP8 inference
+    forward: no gradient (an input that requires one is refused), no bias, dropout, sinks,
+    softcap or ALiBi.
 
     Returns:
         ``out``; ``(out, lse)`` with ``return_lse``; the dropout keep-mask appended with
@@ -390,6 +447,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
         raise ArgumentError(f"seed and offset must be in [0, 2**64), got seed={seed}, offset={offset}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    if q.dtype in _FP8 or q_descale is not None or k_descale is not None or v_descale is not None or \
+            out_dtype is not None:
+        from .attention import fp8 as _fp8
+
+        if q.dtype not in _FP8:
+            raise ArgumentError(f"q_descale, k_descale, v_descale and out_dtype apply to FP8 attention (e4m3 q, k, v); "
+                                f"q has dtype {q.dtype}")
+        _fp8.refuse_options(bias=bias, dropout_p=dropout_p, return_mask=return_mask, sinks=sinks, softcap=softcap,
+                            alibi_slopes=alibi_slopes)
+        out, lse = _attention_fp8(q, k, v, (q_descale, k_descale, v_descale), out_dtype, cu_seqlens_q, cu_seqlens_k,
+                                  max_seqlen_q, max_seqlen_k, causal, left, right, align, float(scale), layout,
+                                  library)
+        return (out, lse) if return_lse else out
     route = _eager(q, k, v, bias, sinks, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     if route != _OP and type(causal) is bool and type(return_mask) is bool and type(deterministic) is bool:
         # No mode or compiler watching: the op's own body directly (the same plans; the

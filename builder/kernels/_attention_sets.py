@@ -229,3 +229,26 @@ def in_sm90_gluon_atomic_set(spec: dict, target: object) -> bool:
             and spec.get("HEAD_DIM_V", head_dim) == head_dim
             and not spec.get("VARLEN", 0)
             and spec.get("DQ_ATOMIC", 1) == 1)
+
+
+#: Head dims of the FP8 forward in the gputest set (both output dtypes, mask modes 0 and 1, dense
+#: and packed).
+GPUTEST_FP8_HEAD_DIMS = (64, 128)
+#: Head dims of the FP8 forward in the default set: 128 (Llama-class models), bf16 output. Its 12
+#: variants and 3 V^T pre-pass ones (sm90, gfx942, gfx950) cost about 1-2 CPU seconds each
+#: (docs/performance.md).
+DEFAULT_FP8_HEAD_DIMS = (128,)
+
+
+def in_fp8_default_set(spec: dict, target: object) -> bool:
+    """The FP8 forward's default variants: bf16 output, head dims ``DEFAULT_FP8_HEAD_DIMS``, no
+    mask or mode 1, dense and packed; and its V^T pre-pass at those head dims."""
+    return (spec.get("HEAD_DIM") in DEFAULT_FP8_HEAD_DIMS and spec.get("out_dtype", "bf16") == "bf16"
+            and spec.get("CAUSAL", 0) in DEFAULT_CAUSAL)
+
+
+def in_fp8_gputest_set(spec: dict, target: object) -> bool:
+    """The FP8 forward's variants in the GPU test matrix (tests/runtime/test_attention_fp8_gpu.py):
+    head dims ``GPUTEST_FP8_HEAD_DIMS``, bf16 and fp16 output, mask modes 0 and 1, dense and packed
+    (and the V^T pre-pass at those head dims)."""
+    return spec.get("HEAD_DIM") in GPUTEST_FP8_HEAD_DIMS and spec.get("CAUSAL", 0) in (0, 1)

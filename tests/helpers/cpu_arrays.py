@@ -16,7 +16,7 @@ def cpu_describer(fallback: Callable[[Any, str], Any],
     from aotriton_rt import interop
 
     names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-             torch.int64: "i64", torch.int8: "i8"}
+             torch.int64: "i64", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8"}
 
     def describe(obj: Any, name: str) -> Any:
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":

@@ -79,7 +79,7 @@ class InterpretedKernel:
         from aotriton_rt.arguments import compile_expr
 
         dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "i8": torch.int8,
-                  "i32": torch.int32}
+                  "i32": torch.int32, "fp8e4nv": torch.float8_e4m3fn, "fp8e4b8": torch.float8_e4m3fnuz}
         values = dict(zip(self.arg_names, args, strict=True))
         for name, value in values.items():
             t = self.signature[name]

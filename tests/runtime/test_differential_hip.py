@@ -78,6 +78,10 @@ def test_aotriton_launches_every_default_hip_kernel_as_tritons_own_launcher_does
     assert {"add", "softmax", "layernorm", "rmsnorm", "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dq",
             "attn_bwd_dkdv"} <= kernels
     assert differences(hip_sample_images, arch, jit, aot) == []
+    if arch in ("gfx942", "gfx950"):  # the FP8 forward (default set), in each arch's e4m3 format
+        fp8 = [v for v in catalog.variants if v.target.arch == arch and v.kernel == "attn_fwd_fp8"]
+        assert fp8 and all(v.key in jit and v.key in aot for v in fp8), arch
+        assert {v.spec["dtype"] for v in fp8} == {"fp8e4b8" if arch == "gfx942" else "fp8e4nv"}
     if arch == "gfx942":  # the feature variants were launched and compared too
         for axis, value in (("SOFTCAP", 1), ("ALIBI", 1), ("HEAD_DIM", 512)):
             launched = {v.kernel for v in catalog.variants if v.target.arch == arch and v.spec.get(axis) == value

@@ -747,3 +747,58 @@ def test_sinks_lower_for_rocm_and_under_vmap(attn_lib, tmp_path, monkeypatch) ->
     fwd = next(x for x in attn_lib.variants if x.kernel == "attn_fwd" and x.target.arch == "sm90")
     assert _scalars(calls_of(low)[0], fwd)["batch"] == 6
     assert tuple(jax.tree.leaves(low.out_info)[3].shape) == (3, 4)
+
+
+# -- FP8 attention ------------------------------------------------------------------------------
+
+BUILD_FP8 = """
+import sys
+from pathlib import Path
+from builder import registry
+from builder.build import build
+from builder.targets import parse_targets
+
+if __name__ == "__main__":
+    spec = {"dtype": "fp8e4nv", "out_dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 1, "VARLEN": 0}
+    jobs = [j for j in registry.expand(registry.load_kernels()["attn_fwd_fp8"], parse_targets("sm90"), "full", "3.6.0")
+            if dict(j.spec) == spec and j.config_index == 0]
+    assert len(jobs) == 1, [j.label for j in jobs]
+    build(jobs, Path(sys.argv[1]), workers=1, timeout=900, keep_going=False, triton_version="3.6.0", quiet=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def fp8_lib(tmp_path_factory) -> aotriton_rt.Library:
+    """A real FP8 forward image: OCP e4m3, fp16 out, D=64, mask mode 1 (sm90)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("fp8")
+    subprocess.run([sys.executable, "-c", BUILD_FP8, str(out)], cwd=Path(__file__).resolve().parents[2], check=True)
+    return aotriton_rt.Library(out)
+
+
+def test_fp8_attention_lowers_to_the_fp8_forward_with_its_descales_and_refuses_grad(fp8_lib) -> None:
+    q8 = jax.ShapeDtypeStruct((2, 4, 200, 64), jnp.float8_e4m3fn)
+    k8 = jax.ShapeDtypeStruct((2, 2, 333, 64), jnp.float8_e4m3fn)
+    dsc = jax.ShapeDtypeStruct((2, 2), jnp.float32)
+
+    def f(q, k, v, d):
+        return aj.attention(q, k, v, causal=True, align="bottom_right", q_descale=d, k_descale=0.5, v_descale=2.0,
+                            out_dtype="fp16", library=fp8_lib, arch="sm90")
+    low = lower(f, q8, k8, k8, dsc)
+    call = kernel_call_of(low)
+    assert call["name"] == "attn_fwd_fp8"
+    variant = next(v for v in fp8_lib.variants if v.kernel == "attn_fwd_fp8")
+    s = _scalars(call, variant)
+    assert s["q_descale"] == s["k_descale"] == s["v_descale"] == "buffer"
+    assert (s["stride_qdz"], s["stride_qdh"], s["stride_kdz"], s["stride_kdh"]) == (2, 1, 0, 0)
+    assert (s["num_heads_q"], s["num_heads_k"], s["seqlen_q"], s["seqlen_k"], s["causal_align"]) == (4, 2, 200, 333, 1)
+    assert [(tuple(o.shape), o.dtype) for o in jax.tree.leaves(low.out_info)] == [((2, 4, 200, 64), jnp.float16)]
+    with pytest.raises(UnsupportedError, match="FP8 attention is inference only"):
+        lower(jax.grad(lambda q, k, v, d: f(q, k, v, d).astype(jnp.float32).sum()), q8, k8, k8, dsc)
+    with pytest.raises(UnsupportedError, match="does not take softcap="):
+        lower(lambda q, k, v: aj.attention(q, k, v, softcap=30.0, library=fp8_lib, arch="sm90"), q8, k8, k8)
+    with pytest.raises(ArgumentError, match=r"q_descale must have shape \(2, 2\)"):
+        lower(lambda q, k, v, d: aj.attention(q, k, v, q_descale=d, library=fp8_lib, arch="sm90"), q8, k8, k8,
+              jax.ShapeDtypeStruct((2, 4), jnp.float32))

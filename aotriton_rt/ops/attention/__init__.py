@@ -65,6 +65,7 @@ from ...errors import ArgumentError
 from ...tuning import select_config, select_mode
 from . import backward_plan as _backward_plan
 from . import express as _express
+from . import fp8 as _fp8
 from . import plan as _plan
 from . import sinks as _sinks
 from .dispatch import backward_params, config_params, forward_params
@@ -97,11 +98,13 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
               offset: int = 0, scale: float | None = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
               max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, layout: str = "bhsd",
               out: Any = None, lse: Any = None, return_mask: bool = False, sinks: Any = None,
-              softcap: float | None = None, alibi_slopes: Any = None, library: Any = None) -> tuple:
+              softcap: float | None = None, alibi_slopes: Any = None, q_descale: Any = None, k_descale: Any = None,
+              v_descale: Any = None, out_dtype: Any = None, library: Any = None) -> tuple:
     """Scaled dot-product attention forward: ``softmax(q kᵀ · scale + bias, masked) v`` and its logsumexp.
 
     Arguments:
-        q, k, v: GPU arrays of one dtype (fp16, bf16 or fp32), ``(B, H, S, D)`` for
+        q, k, v: GPU arrays of one dtype (fp16, bf16, fp32, or e4m3 for FP8 inference: see
+            ``q_descale``), ``(B, H, S, D)`` for
             ``layout="bhsd"``, ``(B, S, H, D)`` for ``"bshd"``, or packed ``(total, H, D)`` with
             ``cu_seqlens_*``. k/v may have fewer heads than q (GQA/MQA: a divisor); v's head dim
             may differ from q's. Head dims 1..512 (257..512: fp16/bf16 on sm90, gfx90a, gfx942 and
@@ -129,6 +132,13 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
             ``scale`` (queries and keys aligned bottom-right, per sequence under varlen, whatever
             ``align`` says of the mask). Not with ``bias`` or ``softcap``; the backward takes the
             same slopes (they get no gradient).
+        q_descale, k_descale, v_descale: FP8 inference (q, k, v in e4m3: ``float8_e4m3fn`` on sm90
+            and gfx950, ``float8_e4m3fnuz`` on gfx942): FlashAttention-3's descale factors, the real
+            value being the fp8 value times the factor; fp32 GPU arrays ``(B, Hkv)`` or Python
+            floats (one per tensor); default 1. The softmax probabilities are rounded to e4m3 for
+            P·V (docs/attention.md, "FP8"). With fp8 inputs: no bias, dropout, sinks, softcap,
+            ALiBi or backward.
+        out_dtype: the FP8 forward's output dtype, bf16 (default) or fp16.
         library: a :class:`aotriton_rt.Library`; default :func:`aotriton_rt.default_library`.
 
     Returns:
@@ -144,6 +154,14 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
 
         out, lse = attention(q, k, v, causal=True, dropout_p=0.1, seed=1234)
     """
+    if _fp8.is_fp8(q) or q_descale is not None or k_descale is not None or v_descale is not None or \
+            out_dtype is not None:
+        return _fp8_forward(q, k, v, causal=causal, window=window, align=align, bias=bias, dropout_p=dropout_p,
+                            scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, layout=layout, out=out, lse=lse,
+                            return_mask=return_mask, sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
+                            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype,
+                            library=library)
     try:
         result = _plan.forward(q, k, v, causal, window, align, bias, dropout_p, seed, offset, scale, cu_seqlens_q,
                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, out, lse, return_mask, library,
@@ -152,6 +170,22 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("attention", "use aotriton_rt.jax.attention there (docs/jax.md)", q=q, k=k, v=v,
                                    bias=bias, alibi_slopes=alibi_slopes)
+        raise
+
+
+def _fp8_forward(q: Any, k: Any, v: Any, *, bias: Any, dropout_p: Any, return_mask: Any, sinks: Any, softcap: Any,
+                 alibi_slopes: Any, **options: Any) -> tuple:
+    """:func:`attention` on fp8 q, k, v (:mod:`.fp8`)."""
+    try:
+        if not _fp8.is_fp8(q):
+            qd = getattr(q, "dtype", None)
+            raise ArgumentError(f"q_descale, k_descale, v_descale and out_dtype apply to FP8 attention (e4m3 q, k, v); "
+                                f"q has dtype {qd}")
+        _fp8.refuse_options(bias=bias, dropout_p=dropout_p, return_mask=return_mask, sinks=sinks, softcap=softcap,
+                            alibi_slopes=alibi_slopes)
+        return _fp8.forward(q, k, v, **options)
+    except Exception:  # an error path only: say so when the arrays are JAX tracers
+        interop.refuse_jax_tracers("attention", "use aotriton_rt.jax.attention there (docs/jax.md)", q=q, k=k, v=v)
         raise
 
 

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from ...arch import target_arch
 from ...errors import DriverError, KernelNotFound, UnsupportedError
 from ...tuning import Choice, explain_config, select_kernel, seqlen_bin
-from .family import (  # noqa: F401 - DTYPES and bucket: explain reads them here
+from .family import (  # noqa: F401 - DTYPES, FP8_DTYPES and bucket: explain reads them here
     ALIBI_ARG,
     ALIGN_ARG,
     ALIGNED_FACTS,
@@ -33,6 +33,7 @@ from .family import (  # noqa: F401 - DTYPES and bucket: explain reads them here
     DKDV,
     DQ,
     DTYPES,
+    FP8_DTYPES,
     FWD,
     KERNEL_RULES,
     MODE_RULES,

@@ -18,6 +18,7 @@ from ...errors import ArgumentError, KernelNotFound, NoDevice, UnsupportedError
 from ...tuning import Choice
 from .dispatch import (
     DTYPES,
+    FP8_DTYPES,
     AttentionCall,
     KernelChoice,
     bucket,
@@ -104,11 +105,13 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
             causal: bool = False, align: str = "top_left", bias: bool = False, dropout: bool = False,
             varlen: bool = False, alibi: bool = False, softcap: bool = False, sinks: bool = False,
             backward: bool = False, deterministic: bool = False, scheme: str | None = None, arch: str | None = None,
-            library: Any = None) -> Explanation:
+            out_dtype: str = "bf16", library: Any = None) -> Explanation:
     """Which variants and configs an attention call with these facts runs, and why.
 
     Arguments:
-        dtype: "fp16", "bf16" or "fp32".
+        dtype: "fp16", "bf16" or "fp32"; or an e4m3 format, "fp8e4nv" (``float8_e4m3fn``) or
+            "fp8e4b8" (``float8_e4m3fnuz``), for the FP8 inference forward (``out_dtype``: its
+            output, "bf16" or "fp16"; no bias, dropout, ALiBi, softcap, sinks or backward).
         head_dim, head_dim_v: q·k and v head dims (``head_dim_v`` defaults to ``head_dim``).
         seqlen_q, seqlen_k: the lengths (``seqlen_k`` defaults to ``seqlen_q``); with varlen, the maxima.
         causal, align, bias, dropout, varlen: as for :func:`aotriton_rt.attention` (bias/dropout: present or not).
@@ -143,19 +146,17 @@ def explain(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None = 
     """
     if scheme not in (None, "split", "atomic"):
         raise ArgumentError(f"scheme must be None, 'split' or 'atomic', got {scheme!r}")
+    if dtype in FP8_DTYPES:
+        return _explain_fp8(dtype=dtype, head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                            head_dim_v=head_dim_v, causal=causal, align=align, varlen=varlen, arch=arch,
+                            out_dtype=out_dtype, library=library, unsupported={
+                                "bias": bias, "dropout": dropout, "alibi": alibi, "softcap": softcap, "sinks": sinks,
+                                "backward": backward})
     call = call_of(dtype=dtype, head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim_v=head_dim_v,
                    causal=causal, align=align, bias=bias, dropout=dropout, varlen=varlen, alibi=alibi,
                    softcap=softcap)
     ks = kernels_of(library)
-    built = sorted({a for _, a in ks.lib.targets()})
-    if arch is None:
-        try:
-            arch = ks.device_arch(0)
-        except NoDevice:
-            raise NoDevice(f"no GPU found on this machine to take the arch from; pass arch={built[0]!r} (the "
-                           f"images hold: {', '.join(built)})") from None
-    elif arch not in built:
-        raise ArgumentError(f"arch {arch!r} has no images here; built: {', '.join(built) or 'none'}")
+    arch = _arch_of(ks, arch)
     if not isinstance(sinks, bool):
         raise ArgumentError(f"sinks must be True or False (whether the call passes it), got {sinks!r}")
     if not backward:
@@ -178,6 +179,41 @@ def _takes_sinks(ks: Any, pick: KernelPick, arch: str) -> bool:
 
     return any(v.key == pick.variant_key and any(a.name == SINKS_ARG for a in v.args)
                for v in ks.lib.variants_of(pick.kernel))
+
+
+def _arch_of(ks: Any, arch: str | None) -> str:
+    """``arch``, checked against the images' archs; without one, the arch device 0 runs."""
+    built = sorted({a for _, a in ks.lib.targets()})
+    if arch is None:
+        try:
+            return ks.device_arch(0)
+        except NoDevice:
+            raise NoDevice(f"no GPU found on this machine to take the arch from; pass arch={built[0]!r} (the "
+                           f"images hold: {', '.join(built)})") from None
+    if arch not in built:
+        raise ArgumentError(f"arch {arch!r} has no images here; built: {', '.join(built) or 'none'}")
+    return arch
+
+
+def _explain_fp8(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | None, head_dim_v: int | None,
+                 causal: bool, align: str, varlen: bool, arch: str | None, out_dtype: str, library: Any,
+                 unsupported: dict[str, bool]) -> Explanation:
+    """:func:`explain` of an FP8 forward (``dtype`` an e4m3 format)."""
+    from .fp8 import FP8_V_TRANSPOSE, explain_choice, out_dtype_of, transpose_spec
+
+    asked = [name for name, flag in unsupported.items() if flag]
+    if asked:
+        raise UnsupportedError(f"FP8 attention is an inference forward without {', '.join(asked)}")
+    base = call_of(dtype="bf16", head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim_v=head_dim_v,
+                   causal=causal, align=align, varlen=varlen)
+    call = replace(base, dtype=dtype)
+    ks = kernels_of(library)
+    arch = _arch_of(ks, arch)
+    forward = explain_choice(ks, call, out_dtype_of(out_dtype), arch)
+    spec = transpose_spec(forward)
+    pre = KernelChoice(FP8_V_TRANSPOSE, FP8_V_TRANSPOSE, spec, "V^T for the FP8 forward's P·V (keys contiguous)",
+                       Choice(FP8_V_TRANSPOSE, 0), dict(spec))
+    return Explanation(call, arch, [_pick(ks, pre, call, arch), _pick(ks, forward, call, arch)])
 
 
 def sinks_choice(call: AttentionCall, backward: bool) -> KernelChoice:

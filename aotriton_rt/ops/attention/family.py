@@ -31,7 +31,8 @@ __all__ = [
     "ALIBI_ARG", "ALIGN", "ALIGN_ARG", "ALIGNED_FACTS", "ALIGNED_SIBLINGS", "ARCH_BACKWARDS", "ARCH_FORWARDS",
     "AttentionCall",
     "BACKWARD_KERNEL_RULES", "BIAS_ALIGN", "CONVERT", "DKDV", "DKDV_KERNEL_RULES", "DKDV_SM90", "DKDV_SM90_A16", "DQ",
-    "DQ_KERNEL_RULES", "DQ_SM90", "DTYPES", "FWD", "FWD_SM90", "HEAD_DIM_BUCKETS", "KERNEL_RULES", "MODE_RULES", "PRE",
+    "DQ_KERNEL_RULES", "DQ_SM90", "DTYPES", "FP8_ARCH_DTYPES", "FP8_DTYPES", "FP8_HEAD_DIMS", "FP8_OUT_DTYPES",
+    "FP8_V_TRANSPOSE", "FWD", "FWD_FP8", "FWD_SM90", "HEAD_DIM_BUCKETS", "KERNEL_RULES", "MODE_RULES", "PRE",
     "SCALARS", "SINKS_ARG", "SOFTCAP_ARG", "UNEQUAL_HEAD_DIMS", "USE_SINKS_ARG", "WIDE_ARCHS", "WIDE_DTYPES",
     "WIDE_HEAD_DIM", "align_arg", "backward_arguments", "bhs", "bias_row_width",
     "bias_strides", "bucket",
@@ -68,6 +69,18 @@ FWD_SM90 = "attn_fwd_sm90"
 DKDV_SM90 = "attn_bwd_dkdv_sm90"
 DKDV_SM90_A16 = "attn_bwd_dkdv_sm90_a16"
 DQ_SM90 = "attn_bwd_dq_sm90"
+#: The FP8 (e4m3) inference forward (builder/kernels/attention_fp8.py): its input dtypes (OCP e4m3,
+#: e4m3fnuz: each target compiles the one its matrix units take), output dtypes and head dims
+#: (a call's head dim runs zero-padded on the next of these).
+FWD_FP8 = "attn_fwd_fp8"
+#: Its V^T pre-pass: the caller's V, (keys, dim), transposed for the FP8 forward (keys contiguous).
+FP8_V_TRANSPOSE = "attn_fp8_v_transpose"
+FP8_DTYPES = ("fp8e4nv", "fp8e4b8")
+FP8_OUT_DTYPES = ("bf16", "fp16")
+FP8_HEAD_DIMS = (64, 128, 256)
+#: The e4m3 format each arch's matrix units take: OCP e4m3 (``fp8e4nv``, torch's ``float8_e4m3fn``)
+#: on sm90 and gfx950, e4m3fnuz (``fp8e4b8``, ``float8_e4m3fnuz``) on gfx942.
+FP8_ARCH_DTYPES = {"sm90": "fp8e4nv", "gfx950": "fp8e4nv", "gfx942": "fp8e4b8"}
 
 #: Per-architecture forwards: same arguments, mask modes, LSE and results as ``attn_fwd`` for the
 #: specs they are compiled for (builder/kernels/attention_sm90.py: fp16/bf16, head dim 64/128, no
@@ -294,8 +307,10 @@ def named(prefix: str, row: str, strides: Sequence[int]) -> dict[str, int]:
 SCALARS = ("batch", "num_heads_q", "num_heads_k", "seqlen_q", "seqlen_k", "sm_scale", "dropout_p", "philox_seed",
            "philox_offset", "window_left", "window_right", ALIGN_ARG, SOFTCAP_ARG)
 _NONE = (0, 0, 0)
-_FORWARD_ARRAYS = frozenset(("q", "k", "v", "out", "lse", "mask", "bias", "cu_seqlens_q", "cu_seqlens_k", "alibi"))
-_FORWARD_STRIDES = frozenset(("q", "k", "v", "out", "mask", "bias", "alibi"))
+_DESCALES = ("q_descale", "k_descale", "v_descale")
+_FORWARD_ARRAYS = frozenset(("q", "k", "v", "out", "lse", "mask", "bias", "cu_seqlens_q", "cu_seqlens_k", "alibi",
+                             *_DESCALES))
+_FORWARD_STRIDES = frozenset(("q", "k", "v", "out", "mask", "bias", "alibi", *_DESCALES))
 _BACKWARD_ARRAYS = frozenset(("dout", "q", "k", "v", "out", "lse", "bias", "cu_seqlens_q", "cu_seqlens_k", "dq",
                               "dk", "dv", "delta", "dqacc", "dbias", "alibi"))
 _BACKWARD_STRIDES = frozenset(("dout", "q", "k", "v", "out", "dq", "dk", "dv", "bias", "dbias", "dqacc", "alibi"))
@@ -332,10 +347,10 @@ def forward_arguments(arrays: Mapping[str, Any], strides: Mapping[str, Sequence[
         arrays: ``q k v out lse`` and, where the call has them, ``mask`` (the dropout mask
             returned), ``bias``, ``cu_seqlens_q``/``cu_seqlens_k``, ``alibi`` (the ALiBi slopes):
             whatever the caller launches with (arrays, a plan's open slots, JAX buffers); absent
-            ones are null.
+            ones are null. The FP8 forward also takes ``q_descale``/``k_descale``/``v_descale``.
         strides: (batch, head, row) kernel strides of ``q k v out`` and of ``mask``/``bias`` when
             given (absent: zeros); ``alibi``: ``(batch stride,)`` of the slopes, 0 when the batch
-            shares them (absent: 0).
+            shares them (absent: 0); the descales: their ``(batch, head)`` strides (absent: 0).
         lse_strides: ``(stride_lz, stride_lh)`` of the LSE array.
         scalars: :func:`scalar_arguments`, possibly with some values replaced by a caller's slots.
 
@@ -356,7 +371,17 @@ def forward_arguments(arrays: Mapping[str, Any], strides: Mapping[str, Sequence[
             **named("q", "m", strides["q"]), **named("k", "n", strides["k"]), **named("v", "n", strides["v"]),
             **named("o", "m", strides["out"]), **named("b", "m", s("bias", _NONE)),
             **named("dm", "m", s("mask", _NONE)), "stride_lz": lse_strides[0], "stride_lh": lse_strides[1],
-            ALIBI_ARG: a("alibi"), "stride_az": s("alibi", _NONE)[0], SINKS_ARG: None, USE_SINKS_ARG: 0, **scalars}
+            ALIBI_ARG: a("alibi"), "stride_az": s("alibi", _NONE)[0], SINKS_ARG: None, USE_SINKS_ARG: 0,
+            **_descales(a, s), **scalars}
+
+
+def _descales(a: Any, s: Any) -> dict[str, Any]:
+    """The FP8 forward's descale factors (``q_descale`` at ``stride_qdz``/``stride_qdh``, ...)."""
+    values = {}
+    for name in _DESCALES:
+        z, h = s(name, (0, 0))
+        values.update({name: a(name), f"stride_{name[0]}dz": z, f"stride_{name[0]}dh": h})
+    return values
 
 
 def backward_arguments(arrays: Mapping[str, Any], strides: Mapping[str, Sequence[int]], lse_strides: Sequence[int],

@@ -18,7 +18,8 @@ class TorchArrays:
 
         self.torch = torch
         self.dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
-                       "i8": torch.int8, "i32": torch.int32}
+                       "i8": torch.int8, "i32": torch.int32, "fp8e4nv": torch.float8_e4m3fn,
+                       "fp8e4b8": torch.float8_e4m3fnuz}
 
     def convert(self, obj: Any, info: interop.ArrayInfo) -> Any:
         torch = self.torch

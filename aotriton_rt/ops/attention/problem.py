@@ -17,7 +17,7 @@ from typing import Any
 
 from ... import interop
 from ...errors import ArgumentError, UnsupportedError
-from .family import DTYPES, HEAD_DIM_BUCKETS, AttentionCall, bhs, lse_strides, scalar_arguments
+from .family import DTYPES, FP8_DTYPES, HEAD_DIM_BUCKETS, AttentionCall, bhs, lse_strides, scalar_arguments
 from .framework import arrays_for
 
 GRID_Y = 65535  # batch * heads is the grid's y extent
@@ -224,13 +224,21 @@ def check_alibi(p: Problem, slopes: Any, infos: Sequence[tuple[str, interop.Arra
 
 def prepare(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, bias: Any, dropout_p: Any,
              seed: Any, offset: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
-             max_seqlen_k: Any, layout: str, softcap: Any = None, alibi_slopes: Any = None) -> Problem:
+             max_seqlen_k: Any, layout: str, softcap: Any = None, alibi_slopes: Any = None, fp8: bool = False
+             ) -> Problem:
     if layout not in LAYOUTS:
         raise ArgumentError(f"layout must be 'bhsd' (batch, heads, seqlen, head_dim) or 'bshd' (batch, seqlen, "
                             f"heads, head_dim), got {layout!r}")
     qi, ki, vi = _describe(q, "q"), _describe(k, "k"), _describe(v, "v")
-    if qi.dtype not in DTYPES:
-        raise UnsupportedError(f"q has dtype {qi.dtype}; attention supports {', '.join(DTYPES)}")
+    if fp8 and qi.dtype not in FP8_DTYPES:
+        raise ArgumentError(f"q has dtype {qi.dtype}; FP8 attention takes e4m3 q, k, v ({', '.join(FP8_DTYPES)})")
+    if not fp8 and qi.dtype in FP8_DTYPES:
+        raise UnsupportedError(f"q has dtype {qi.dtype}: FP8 attention is an inference forward only "
+                               f"(aotriton_rt.attention with fp8 q, k, v); no backward, bias, dropout, softcap or "
+                               f"ALiBi with fp8 inputs")
+    if not fp8 and qi.dtype not in DTYPES:
+        raise UnsupportedError(f"q has dtype {qi.dtype}; attention supports {', '.join(DTYPES)} (and "
+                               f"{', '.join(FP8_DTYPES)} forwards)")
     for name, info in (("k", ki), ("v", vi)):
         if info.dtype != qi.dtype:
             raise ArgumentError(f"{name} has dtype {info.dtype} but q has {qi.dtype}; q, k, v (and bias) must "
