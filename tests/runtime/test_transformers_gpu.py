@@ -48,6 +48,12 @@ MODELS = {
                        {"num_key_value_heads": 2, "head_dim": 256, "sliding_window": 16, "attn_logit_softcapping": 50.0,
                         "final_logit_softcapping": None,
                         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    # Gemma 2 27B's attention (head dim 128, cap 50): the default images serve its inference; its
+    # training (the softcap backward) runs on the gputest images (test_gemma2_trains_on_...).
+    "gemma2_softcap_d128": ("Gemma2Config", "Gemma2ForCausalLM",
+                            {"num_key_value_heads": 2, "head_dim": 128, "num_attention_heads": 2,
+                             "sliding_window": 16, "attn_logit_softcapping": 50.0, "final_logit_softcapping": None,
+                             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     # Without dropout: the comparison needs equal computations (the default images hold no dropout).
     "bert": ("BertConfig", "BertForMaskedLM", {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}),
 }
@@ -56,9 +62,9 @@ LENGTHS = (37, 120, 5, 77)  # left-padded prompts
 
 
 #: The reference attention where SDPA cannot serve a model.
-REFERENCE = {"gpt_oss_sinks": "eager", "gemma2_softcap": "eager"}
-#: Models the default images serve for inference only (no head-dim-256 backward): logits and generation.
-INFERENCE_ONLY = ("gemma2_softcap",)
+REFERENCE = {"gpt_oss_sinks": "eager", "gemma2_softcap": "eager", "gemma2_softcap_d128": "eager"}
+#: Models the default images serve for inference only (no softcap backward): logits and generation.
+INFERENCE_ONLY = ("gemma2_softcap", "gemma2_softcap_d128")
 
 
 def _models(name: str, attn: str) -> tuple[Any, Any, Any]:
@@ -98,7 +104,26 @@ def _err(a: Any, b: Any) -> float:
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_padded_logits_and_gradients_are_as_close_to_fp32_as_sdpa(name_registered: str, name: str) -> None:
-    ref, sdpa, ours = _models(name, name_registered)
+    _check_padded(name, name_registered, gradients=name not in INFERENCE_ONLY)
+
+
+def test_gemma2_trains_on_the_softcap_backward_of_the_gputest_images(gpu_images) -> None:
+    """Gemma 2 27B's attention (head dim 128, cap 50, a window on alternate layers) in training:
+    logits and loss gradients of a left-padded batch as close to fp32 as bf16 eager attention,
+    on the gputest images' softcap backward (the default images hold its forward only)."""
+    import aotriton_rt
+    import aotriton_rt.integrations.transformers as hf
+
+    try:
+        _check_padded("gemma2_softcap_d128", hf.register(library=aotriton_rt.Library(gpu_images)), gradients=True)
+    finally:
+        hf.register(library=None)
+
+
+def _check_padded(name: str, attn: str, gradients: bool) -> None:
+    """Logits on the real tokens of a left-padded batch (and with ``gradients`` the loss's
+    gradients) as close to the fp32 reference as bf16 SDPA's (eager: :data:`REFERENCE`)."""
+    ref, sdpa, ours = _models(name, attn)
     ids, mask = _batch()
     real = mask.bool()
     with torch.no_grad():
@@ -106,8 +131,8 @@ def test_padded_logits_and_gradients_are_as_close_to_fp32_as_sdpa(name_registere
         base = _err(sdpa(ids, attention_mask=mask).logits[real], want)
         got = _err(ours(ids, attention_mask=mask).logits[real], want)
     assert got <= 2 * base + 1e-2, f"logits: ours {got:.3g} from fp32, bf16 SDPA {base:.3g}"
-    if name in INFERENCE_ONLY:
-        return  # gradients: the default images hold no head-dim-256 backward
+    if not gradients:
+        return
     labels = ids.masked_fill(mask == 0, -100)
     grads = []
     for model in (ref, sdpa, ours):
