@@ -157,10 +157,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         except NoDevice:
             if args.arch:
                 raise
-            built = sorted({a for _, a in lib.targets()})
-            print(f"error: no GPU found on this machine to take the arch from; pass --arch {built[0]} (the "
-                  f"images hold: {', '.join(built)})", file=sys.stderr)
-            return EXIT_ERROR
+            return _pass_arch(lib)
     return 0
 
 
@@ -176,11 +173,16 @@ def _explain_decode(args: argparse.Namespace, lib: Any) -> int:
     except NoDevice:
         if args.arch:
             raise
-        built = sorted({a for _, a in lib.targets()})
-        print(f"error: no GPU found on this machine to take the arch from; pass --arch {built[0]} (the "
-              f"images hold: {', '.join(built)})", file=sys.stderr)
-        return EXIT_ERROR
+        return _pass_arch(lib)
     return 0
+
+
+def _pass_arch(lib: Any) -> int:
+    """Say that explain needs ``--arch`` on a machine without a GPU, naming the images' archs."""
+    built = sorted({a for _, a in lib.targets()})
+    print(f"error: no GPU found on this machine to take the arch from; pass --arch {built[0]} (the "
+          f"images hold: {', '.join(built)})", file=sys.stderr)
+    return EXIT_ERROR
 
 
 def _tuning_line(lib) -> str:
