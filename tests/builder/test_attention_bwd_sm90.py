@@ -170,7 +170,8 @@ def test_gputest_holds_the_rest_of_each_gluon_atomic_backward_but_not_the_portab
         assert tuple(sorted({"dtype": s["dtype"], "HEAD_DIM": s["HEAD_DIM"], "VARLEN": 0}.items())) in convert
     sm80 = parse_targets("sm80")
     assert specs("attn_bwd_dq_convert", sm80) <= convert and specs("attn_bwd_preprocess", sm80) < pre
-    assert specs("attn_bwd_dkdv") == specs("attn_bwd_dkdv", sm80)
+    # The same portable dK/dV as on sm80 but the head dim 512 bucket, which sm80 does not compile.
+    assert {s for s in specs("attn_bwd_dkdv") if dict(s)["HEAD_DIM"] != 512} == specs("attn_bwd_dkdv", sm80)
 
 
 def test_the_gluon_dq_serves_the_gluon_dkdvs_gputest_specs() -> None:
