@@ -296,7 +296,8 @@ HEAD_DIMS = (64, 128)
 #: (BLOCK_N, STAGES, PINGPONG) per head dim, the expected fastest first (unmeasured). BLOCK_M is
 #: 128 (two 64-row consumers). Shared memory: 2 x 64 rows of Q plus STAGES K and V^T blocks; in
 #: e4m3 a D=128, 128-key stage is 32 KB (half the bf16 kernel's), so four stages take 144 KB.
-#: 128-key blocks: V^T's TMA box is BLOCK_N bytes wide, and a 128-byte swizzle takes at most 128.
+#: 128-key blocks: 256-key ones compiled (Triton splits V^T's 256-byte-wide TMA box) but ptxas put
+#: 190-850 stores a thread into local memory, and at D=128 fenced every wgmma on its own.
 TILES = {128: ((128, 4, 1), (128, 4, 0), (128, 3, 1)),
          64: ((128, 4, 1), (128, 4, 0))}
 #: Registers per thread of each consumer warp group (setmaxnreg); the loader warp takes 24.
