@@ -18,9 +18,9 @@ pytest.importorskip("triton")
 pytest.importorskip("elftools")
 
 #: (head dim, mask mode, output dtype, config index): the largest tile without a mask (the one
-#: variant whose ptxas keeps a register in local memory around the loops), and a D=64 causal one
-#: without ping-pong.
-BUILT = ((128, 0, "bf16", 0), (64, 1, "fp16", 1))
+#: variant whose ptxas keeps a register in local memory around the loops), a D=64 causal one
+#: without ping-pong, and a persistent D=128 bottom-right one.
+BUILT = ((128, 0, "bf16", 0), (64, 1, "fp16", 1), (128, 2, "bf16", 3))
 
 
 def _kernels():
@@ -47,7 +47,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _variants(built: Path) -> list:
     from aotriton_rt.catalog import Catalog
 
-    return sorted(Catalog.load(built / "catalog.json").variants, key=lambda v: -v.spec["HEAD_DIM"])
+    order = {(d, c, o, i): n for n, (d, c, o, i) in enumerate(BUILT)}
+    return sorted(Catalog.load(built / "catalog.json").variants, key=lambda v: order[
+        (v.spec["HEAD_DIM"], v.spec["CAUSAL"], v.spec["out_dtype"], v.config.index)])
 
 
 def test_the_fp8_gluon_variants_compile_and_their_binaries_prove_the_catalog_layout(built: Path) -> None:
@@ -67,6 +69,7 @@ def test_the_fp8_gluon_variants_compile_and_their_binaries_prove_the_catalog_lay
         d = variant.spec["HEAD_DIM"]
         # Two 64-row Q tiles and STAGES K and V^T blocks, one byte an element, and the barriers.
         assert 2 * 64 * d + c["STAGES"] * 2 * c["BLOCK_N"] * d <= variant.shared <= 232448
+    assert [v.config.constexprs["PERSISTENT"] for v in _variants(built)] == [0, 0, 132]
 
 
 @pytest.mark.parametrize("which", range(len(BUILT)))

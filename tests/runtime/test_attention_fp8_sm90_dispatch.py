@@ -155,3 +155,9 @@ def test_the_gluon_fp8_forward_takes_attn_fwd_fp8s_arguments_and_is_built_for_sm
     assert {(j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.spec["out_dtype"]) for j in gputest} == {
         (d, c, o) for d, c, o, _ in specs}
     assert expand(gluon, targets, "default", triton.__version__) == []  # unmeasured: not in the default set
+    # Each spec's whole config table, one-tile configs first and the persistent ones last (their
+    # indices are what tuning rules will name).
+    for j in gputest:
+        table = [c.constexprs["PERSISTENT"] for c in gluon.configs_for(j.spec, j.target)]
+        assert table == sorted(table) and table[-2:] == [132, 132] and table[0] == 0
+    assert len(gputest) == len(full) == 6 * 5 + 6 * 4

@@ -11,6 +11,11 @@ NaN-filled buffers: rows past each sequence, columns past the head dim, and V^T'
 ``seqlen_k`` (which the pre-pass would zero; TMA's bounds keep this kernel from reading them).
 Outputs are views of NaN-filled buffers whose padding must stay NaN.
 
+The persistent configs (``PERSISTENT`` > 0: a grid of at most 132 programs looping over query
+tiles) also run problems around their grid size: fewer tiles than programs, exactly 132, 133,
+hundreds with an odd count and heads whose tile count is odd, GQA, seqlen_q above and below
+seqlen_k, with descales that differ per (batch, key/value head), which each tile reads anew.
+
 Through the operator: the dispatch runs it for dense calls (``explain`` says so) and its results
 agree with the portable ``attn_fwd_fp8`` on the same inputs.
 
@@ -165,6 +170,32 @@ def test_every_gluon_fp8_variant_matches_fp32_of_the_dequantised_inputs(lib: Any
                 failure = _run_case(lib, v, PROBLEMS[problem], align, per_head)
                 if failure:
                     failures.append(failure)
+    assert not failures, "\n".join(failures)
+
+
+# (B, Sq, Sk, window_left, window_right, heads_q, heads_k) around the persistent grid of 132 programs.
+PERSISTENT_PROBLEMS = {
+    "one_tile": (1, 40, 300, -1, -1, 1, 1),
+    "fewer_tiles_than_programs": (2, 500, 700, -1, -1, 3, 1),
+    "tiles_132": (3, 512, 512, -1, -1, 11, 11),
+    "tiles_133": (7, 128, 200, -1, -1, 19, 19),
+    "odd_tiles_gqa_window": (5, 1100, 1050, 200, 30, 9, 3),
+    "more_queries_gqa": (3, 1300, 900, -1, -1, 8, 2),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(PERSISTENT_PROBLEMS))
+def test_persistent_gluon_fp8_variants_compute_every_tile_of_ragged_problems(lib: Any, problem: str) -> None:
+    persistent = [v for v in lib.variants_of(GLUON) if v.config.constexprs.get("PERSISTENT", 0) > 0]
+    assert {v.spec["HEAD_DIM"] for v in persistent} == {64, 128}, "gputest holds persistent configs at 64 and 128"
+    failures = []
+    for v in persistent:
+        if v.spec["CAUSAL"] == 0 and PERSISTENT_PROBLEMS[problem][3] >= 0:
+            continue  # windows are a band: mask modes 1 and 2
+        for align in ((0, 1) if v.spec["CAUSAL"] == 1 else (0,)):
+            failure = _run_case(lib, v, PERSISTENT_PROBLEMS[problem], align, per_head=True)
+            if failure:
+                failures.append(failure)
     assert not failures, "\n".join(failures)
 
 
