@@ -1,6 +1,6 @@
 """The FP8 attention forward under compute-sanitizer (not collected by pytest).
 
-    AOTRITON_RT_IMAGES=DIR compute-sanitizer --tool memcheck --error-exitcode 9 \\
+    PYTHONPATH=. AOTRITON_RT_IMAGES=DIR compute-sanitizer --tool memcheck --error-exitcode 9 \\
         python tests/helpers/memcheck_fp8.py
 
 DIR holds the gputest set's FP8 kernels (`python -m builder build --set gputest --kernels
