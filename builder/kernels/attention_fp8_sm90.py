@@ -20,15 +20,18 @@ two consumers take turns issuing. What FP8 changes:
 - P is rounded to e4m3 in registers (round to nearest, as ``attn_fwd_fp8``'s ``p.to(v.dtype)``)
   and converted to the register A-operand layout of the P·V wgmma (``DotOperandLayout`` with
   ``k_width`` 4: four bytes per 32-bit register). The accumulator layout of S holds a thread's
-  scores in pairs of columns, the 8-bit A operand in runs of four: the conversion is the byte
-  permute FlashAttention-3 writes by hand, which Triton derives (warp shuffles, no shared memory).
-- The descale factors of the program's (sequence, key/value head) are read once: ``q_descale *
-  k_descale`` scales the scores, ``v_descale`` the output.
+  scores in pairs of columns, the 8-bit A operand in runs of four. FlashAttention-3 reorders
+  them with byte permutes; Triton's conversion here takes byte permutes and warp shuffles
+  (``PRMT``, ``SHFL.IDX``), no shared memory.
+- The descale factors of a tile's (sequence, key/value head) are read once per tile: ``q_descale
+  * k_descale`` scales the scores, ``v_descale`` the output.
 
 Key blocks are visited as in ``attn_fwd_sm90``: the masked ones (band edges, the sequence end)
 first, the unmasked run last. TMA fills what lies past a tensor's extent with zeros: Q rows past
 ``seqlen_q`` and keys past ``seqlen_k`` are never read from memory (the keys' scores are masked).
 The three TMA descriptors are made in the kernel (128 bytes each, the runtime's global scratch).
+PERSISTENT configs run ``attn_fwd_sm90``'s persistent schedule (programs looping over query tiles,
+the slot ring and the consumers' turns carried from tile to tile).
 """
 
 from __future__ import annotations
