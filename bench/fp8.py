@@ -4,11 +4,14 @@
 
 Rows: head dim 128, B4 H32 N4096 by default, no mask and causal. Contenders (each a CUDA graph of
 10 forwards, their order shuffled every round): ``aotriton_rt fp8`` (e4m3 q, k, v with per-head
-descales, bf16 out), ``aotriton_rt bf16`` (the same call in bf16: the images' choice of forward,
-the Gluon one on sm90 where they hold it), ``SDPA cuDNN`` (bf16) and, where torch takes fp8
-inputs in ``scaled_dot_product_attention``, ``SDPA fp8`` (else a line says why not). Times are
-medians with their [min-max] over the rounds; TFLOP/s count 4·B·H·N²·D (halved when causal).
-``--configs`` also times each FP8 config the images hold for the call (the operator launches #0).
+descales, bf16 out: the images' choice of FP8 forward, sm90's Gluon ``attn_fwd_fp8_sm90`` where
+they hold it; a line names the kernel), ``aotriton_rt fp8 portable`` (the same call on the portable
+``attn_fwd_fp8``, when the Gluon one is what the images chose), ``aotriton_rt bf16`` (the same call
+in bf16: the images' choice of forward, the Gluon one on sm90 where they hold it), ``SDPA cuDNN``
+(bf16) and, where torch takes fp8 inputs in ``scaled_dot_product_attention``, ``SDPA fp8`` (else a
+line says why not). Times are medians with their [min-max] over the rounds; TFLOP/s count
+4·B·H·N²·D (halved when causal). ``--configs`` also times each config of both FP8 forwards the
+images hold for the call (the operator launches #0).
 
 Accuracy (B1 H4 N4096 D128, the same shapes' inputs): max and mean absolute error of each
 contender's output against fp32 attention of the dequantised fp8 inputs, in units of max|v|.
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 import aotriton_rt
+from aotriton_rt.ops.attention.family import FWD_FP8_SM90
 from bench.gpu_common import _sdpa_backend, graphed, timed_rounds
 
 
@@ -37,8 +41,26 @@ def _quantised(x: Any, heads_k: int) -> tuple[Any, Any]:
     return (x.float() / per_head).to(torch.float8_e4m3fn), scale
 
 
+GLUON = FWD_FP8_SM90
+
+
+def _portable(lib: Any) -> Any:
+    """``lib`` without sm90's Gluon FP8 forward: FP8 calls run ``attn_fwd_fp8``."""
+    from builder.tune import without_kernel
+
+    return without_kernel(lib, GLUON)
+
+
+def _fp8_kernel(lib: Any, N: int, D: int, causal: bool) -> str:
+    """The FP8 forward the images run for the benchmark's call."""
+    from aotriton_rt.ops.attention import explain
+
+    return explain(dtype="fp8e4nv", head_dim=D, seqlen_q=N, causal=causal, library=lib).kernels[-1].kernel
+
+
 def _configs(lib: Any, q8: Any, k8: Any, v8: Any, causal: bool, fp8: dict) -> dict[str, Any]:
-    """``fp8 config #i``: the FP8 forward on each config the images hold for this call."""
+    """``fp8 config #i`` (``attn_fwd_fp8``) and ``fp8 gluon config #i`` (``attn_fwd_fp8_sm90``): each
+    config of the two FP8 forwards the images hold for this call."""
     from aotriton_rt.ops.attention import fp8 as op
 
     p, descales = op.prepare_fp8(q8, k8, v8, causal=causal, window=None, align="top_left", scale=None,
@@ -48,12 +70,13 @@ def _configs(lib: Any, q8: Any, k8: Any, v8: Any, causal: bool, fp8: dict) -> di
     ks = op.kernels_of(lib)
     transpose = op.transpose_handle(ks, op.choose(ks, p.call(0), spec, "sm90"), "sm90")
     runs = {}
-    for v in lib.variants_of(op.FWD_FP8):
-        if all(v.spec.get(k) == val for k, val in spec.items()):
-            c = v.config
-            handle = lib.kernel(op.FWD_FP8, **spec, **c.constexprs, num_warps=c.num_warps, num_stages=c.num_stages)
-            runs[f"fp8 config #{c.index}"] = (lambda h=handle: op._launch(p, h, spec, "bf16", descales, None, None,
-                                                                          None, None, transpose)[0])
+    for kernel, label in ((op.FWD_FP8, "fp8 config"), (GLUON, "fp8 gluon config")):
+        for v in lib.variants_of(kernel):
+            if all(v.spec.get(k) == val for k, val in spec.items()):
+                c = v.config
+                handle = lib.kernel(kernel, **spec, **c.constexprs, num_warps=c.num_warps, num_stages=c.num_stages)
+                runs[f"{label} #{c.index}"] = (lambda h=handle: op._launch(p, h, spec, "bf16", descales, None, None,
+                                                                           None, None, transpose)[0])
     return runs
 
 
@@ -64,10 +87,12 @@ def _contenders(lib: Any, B: int, H: int, N: int, D: int, causal: bool, gen: Any
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     (q8, dq), (k8, dk), (v8, dv) = (_quantised(x, H) for x in (q, k, v))
     fp8 = dict(q_descale=dq, k_descale=dk, v_descale=dv)
-    runs = {
-        "aotriton_rt fp8": lambda: aotriton_rt.attention(q8, k8, v8, causal=causal, library=lib, **fp8)[0],
-        "aotriton_rt bf16": lambda: aotriton_rt.attention(q, k, v, causal=causal, library=lib)[0],
-    }
+    runs = {"aotriton_rt fp8": lambda: aotriton_rt.attention(q8, k8, v8, causal=causal, library=lib, **fp8)[0]}
+    if _fp8_kernel(lib, N, D, causal) == GLUON:
+        portable = _portable(lib)
+        runs["aotriton_rt fp8 portable"] = lambda: aotriton_rt.attention(q8, k8, v8, causal=causal, library=portable,
+                                                                         **fp8)[0]
+    runs["aotriton_rt bf16"] = lambda: aotriton_rt.attention(q, k, v, causal=causal, library=lib)[0]
 
     def cudnn() -> Any:
         with sdpa_kernel(_sdpa_backend("cudnn")):
@@ -105,6 +130,9 @@ def _accuracy(lib: Any, causal: bool, gen: Any) -> dict[str, dict[str, float]]:
     outs = {"aotriton_rt fp8": aotriton_rt.attention(q8, k8, v8, causal=causal, q_descale=dq, k_descale=dk,
                                                       v_descale=dv, library=lib)[0],
             "aotriton_rt bf16": aotriton_rt.attention(qb, kb, vb, causal=causal, library=lib)[0]}
+    if _fp8_kernel(lib, N, D, causal) == GLUON:
+        outs["aotriton_rt fp8 portable"] = aotriton_rt.attention(q8, k8, v8, causal=causal, q_descale=dq,
+                                                                 k_descale=dk, v_descale=dv, library=_portable(lib))[0]
     with sdpa_kernel(_sdpa_backend("cudnn")):
         outs["SDPA cuDNN"] = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
     result = {}
@@ -133,6 +161,7 @@ def main() -> None:
     for causal in (False, True):
         row = "causal" if causal else "no mask"
         runs, notes = _contenders(lib, B, H, N, D, causal, gen, args.configs)
+        notes["aotriton_rt fp8"] = f"runs {_fp8_kernel(lib, N, D, causal)}"
         for name, why in notes.items():
             print(f"  {row}: {name}: {why}")
         graphs = graphed(runs, 10)
@@ -144,7 +173,7 @@ def main() -> None:
             med = statistics.median(times)
             entry[name] = {"ms": med, "min": min(times), "max": max(times), "tflops": flops / med / 1e9,
                            "graph": name in graph}
-            print(f"  {row:8s} {name:18s} {med:8.3f} ms [{min(times):.3f}-{max(times):.3f}] "
+            print(f"  {row:8s} {name:24s} {med:8.3f} ms [{min(times):.3f}-{max(times):.3f}] "
                   f"{flops / med / 1e9:7.1f} TFLOP/s", flush=True)
         ours = graph.get("aotriton_rt fp8") or eager["aotriton_rt fp8"]
         for peer in runs:
@@ -153,13 +182,13 @@ def main() -> None:
                 ratios = [t / o for t, o in zip(theirs, ours)]
                 entry[f"fp8 speedup over {peer}"] = {"median": statistics.median(ratios), "min": min(ratios),
                                                      "max": max(ratios)}
-                print(f"  {row:8s} fp8 over {peer:18s} x{statistics.median(ratios):.3f} "
+                print(f"  {row:8s} fp8 over {peer:24s} x{statistics.median(ratios):.3f} "
                       f"[{min(ratios):.3f}-{max(ratios):.3f}]")
         results["rows"][row] = {**entry, "notes": notes}
         acc = _accuracy(lib, causal, gen)
         results["accuracy"][row] = acc
         for name, a in acc.items():
-            print(f"  {row:8s} accuracy {name:18s} max {a['max_abs']:.3e} ({a['max_over_vmax']:.2e} max|v|) "
+            print(f"  {row:8s} accuracy {name:24s} max {a['max_abs']:.3e} ({a['max_over_vmax']:.2e} max|v|) "
                   f"mean {a['mean_abs']:.3e} ({a['mean_over_vmax']:.2e} max|v|)")
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -111,6 +111,16 @@ def without_mask_mode(lib: Library, mode: int) -> Library:
     return view
 
 
+def without_kernel(lib: Library, kernel: str) -> Library:
+    """A view of ``lib`` that serves none of ``kernel``'s variants, e.g. ``without_kernel(lib,
+    "attn_fwd_fp8_sm90")``: FP8 calls then run the portable ``attn_fwd_fp8``, which no tuning
+    rule chooses over the arch's own FP8 forward."""
+    hidden = lib._hide if isinstance(lib, WithoutVariants) else None
+    view = lib._view(lib.tuning, type(lib) if hidden else WithoutVariants)
+    view._hide = lambda v: v.kernel == kernel or (hidden is not None and hidden(v))
+    return view
+
+
 def forced_split(lib: Library, dkdv: str, dq: str) -> Library:
     """A view of ``lib`` whose split attention backwards run ``dkdv`` (one of :data:`DKDV_KERNELS`)
     and ``dq`` (one of :data:`DQ_KERNELS`) wherever the images hold them for the call's spec, e.g.

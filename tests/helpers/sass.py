@@ -20,6 +20,11 @@ def sass_ops(cubin: bytes) -> dict[str, int]:
     return ops
 
 
+def sass_listing(cubin: bytes) -> str:
+    """The nvdisasm listing of ``cubin`` (whole instructions, operands included)."""
+    return _listing(cubin)
+
+
 def _listing(cubin: bytes) -> str:
     import triton
 
@@ -41,8 +46,9 @@ def loop_spills(cubin: bytes) -> int:
     """Local-memory instructions (``STL``/``LDL``) inside the innermost loops that issue wgmma.
 
     A loop is a conditional backward branch's range of the listing; the innermost wgmma loops are
-    those holding an ``HGMMA`` and no smaller such range (the key loops of an attention kernel; an outer tile
-    loop holds them). A spill there costs every iteration; one outside them, once per tile."""
+    those holding an ``HGMMA`` (``QGMMA`` for FP8) and no smaller such range (the key loops of an
+    attention kernel; an outer tile loop holds them). A spill there costs every iteration; one
+    outside them, once per tile."""
     return listing_loop_spills(_listing(cubin))
 
 
@@ -52,7 +58,7 @@ def listing_loop_spills(listing: str) -> int:
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
     ranges = [(labels[m.group(1)], i) for i, line in enumerate(lines)
               if (m := _BRANCH.search(line)) and labels.get(m.group(1), i + 1) <= i]
-    wgmma = {i for i, line in enumerate(lines) if "HGMMA" in line}
+    wgmma = {i for i, line in enumerate(lines) if "HGMMA" in line or "QGMMA" in line}
     loops = [(a, b) for a, b in ranges if any(a <= i <= b for i in wgmma)]
     innermost = [(a, b) for a, b in loops
                  if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)]

@@ -12,6 +12,8 @@ from P, plus probabilities below e4m3's smallest subnormal (2^-9 of the row maxi
 Cases: head dims 64 and 128 (and 80, padded onto 128), bf16 and fp16 output, no mask, causal in
 both alignments and a window, odd lengths with Sq < Sk and Sq > Sk (rows that see no key), GQA
 and MQA, descales per (batch, head) and per tensor, packed sequences with NaN rows past the pack.
+The dense cases run on the FP8 forward the images choose (sm90's Gluon ``attn_fwd_fp8_sm90`` where
+they hold it) and, where that is the Gluon one, on the portable ``attn_fwd_fp8`` too.
 """
 
 from __future__ import annotations
@@ -99,10 +101,17 @@ def _check(got: Any, ref: Any, v: Any, name: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("portable", [False, True], ids=["images_choice", "portable"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fp8_forward_matches_fp32_of_the_dequantised_inputs(lib: Any, name: str) -> None:
+def test_fp8_forward_matches_fp32_of_the_dequantised_inputs(lib: Any, name: str, portable: bool) -> None:
     import aotriton_rt
 
+    if portable:
+        if not lib.variants_of("attn_fwd_fp8_sm90"):
+            pytest.skip("the images' choice is the portable FP8 forward already")
+        from builder.tune import without_kernel
+
+        lib = without_kernel(lib, "attn_fwd_fp8_sm90")
     c = CASES[name]
     torch.manual_seed(0)
     fp8 = _fp8()

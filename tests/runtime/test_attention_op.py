@@ -113,12 +113,13 @@ class InterpretedKernel:
 
 
 def dispatch_arch_kernels() -> tuple[str, ...]:
-    """The per-architecture Gluon kernels the dispatcher may pick (forwards and backward kernels, and
-    their aligned-length siblings)."""
-    from aotriton_rt.ops.attention.family import ALIGNED_SIBLINGS, ARCH_BACKWARDS, ARCH_FORWARDS
+    """The per-architecture Gluon kernels the dispatcher may pick (forwards, the FP8 forward and
+    backward kernels, and their aligned-length siblings)."""
+    from aotriton_rt.ops.attention.family import ALIGNED_SIBLINGS, ARCH_BACKWARDS, ARCH_FORWARDS, ARCH_FP8_FORWARDS
 
-    return tuple(dict.fromkeys((*ARCH_FORWARDS.values(), *(n for own in ARCH_BACKWARDS.values()
-                                                            for n in own.values()), *ALIGNED_SIBLINGS.values())))
+    return tuple(dict.fromkeys((*ARCH_FORWARDS.values(), *ARCH_FP8_FORWARDS.values(),
+                                *(n for own in ARCH_BACKWARDS.values() for n in own.values()),
+                                *ALIGNED_SIBLINGS.values())))
 
 
 class InterpretedLibrary:

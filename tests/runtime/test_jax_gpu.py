@@ -156,6 +156,8 @@ def test_every_catalog_kernel_is_callable_under_jit(lib: Any, aj: Any) -> None:
             from builder.tune import forced_forward
 
             _attention_case(aj, forced_forward(lib, v.kernel), v.spec, expect_kernel=v.kernel)
+        elif v.kernel in _FP8_FORWARDS:
+            _fp8_case(aj, lib, v.kernel, v.spec)
         elif v.kernel == "attn_decode":
             _decode_case(aj, lib, v.spec)  # with attn_decode_append and attn_decode_combine
         elif v.kernel in _HELPER_CASES:
@@ -167,13 +169,16 @@ def test_every_catalog_kernel_is_callable_under_jit(lib: Any, aj: Any) -> None:
 
 _PLAIN_KERNELS = ("add", "softmax", "layernorm", "rmsnorm")
 _ARCH_FORWARDS = ("attn_fwd_sm90",)
+_FP8_FORWARDS = ("attn_fwd_fp8", "attn_fwd_fp8_sm90")
 # Launched by the cases above: the backward by _attention_case (on sm90 through the Gluon dK/dV and
 # dQ where the images hold the call's spec), append and combine by _decode_case. The Gluon dK/dV's
 # aligned-length sibling serves lengths that are multiples of 16, which those cases avoid: its GPU
 # test is tests/runtime/test_attention_bwd_sm90_gpu.py (the JAX path passes the same LSE strides).
 _COVERED_BY_OTHERS = ("attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_dq_convert",
                       "attn_bwd_dkdv_sm90", "attn_bwd_dkdv_sm90_a16", "attn_bwd_dq_sm90", "attn_decode_append",
-                      "attn_decode_combine")
+                      "attn_decode_combine",
+                      # Under jit XLA writes the FP8 forward's V^T; the eager FP8 tests run the pre-pass.
+                      "attn_fp8_v_transpose")
 
 
 # -- the eager paths' helper kernels (the decode route's packing, attention sinks), each on its own --
@@ -303,6 +308,68 @@ def _sinks_case(aj: Any, lib: Any, spec: dict) -> None:  # attn_sinks (spec with
 
 _HELPER_CASES = {"attn_decode_lengths": _lengths_case, "attn_decode_pack": _pack_case,
                  "attn_decode_poison": _poison_case, "attn_sinks": _sinks_case, "attn_sinks_bwd": _sinks_case}
+
+
+def _fp8_case(aj: Any, lib: Any, kernel: str, spec: dict) -> None:
+    """One FP8 forward spec under jit on ``kernel`` (the portable one with sm90's Gluon kernel hidden),
+    against fp32 attention of the dequantised inputs, within the P-in-e4m3 bound of
+    tests/runtime/test_attention_fp8_gpu.py."""
+    from aotriton_rt.ops.attention import explain
+    from builder.tune import without_kernel
+
+    view = without_kernel(lib, "attn_fwd_fp8_sm90") if kernel == "attn_fwd_fp8" else lib
+    causal = spec["CAUSAL"]
+    opts: dict[str, Any] = {}
+    if causal:
+        opts.update(causal=True, align="top_left" if causal == 1 else "bottom_right")
+    b, hq, hk, d = 2, 4, 2, spec["HEAD_DIM"]
+    lens = [(150, 180), (50, 120)] if spec["VARLEN"] else [(200, 333)] * b if causal else [(257, 257)] * b
+    fp8 = jnp.float8_e4m3fn if spec["dtype"] == "fp8e4nv" else jnp.float8_e4m3fnuz
+    keys = jax.random.split(jax.random.PRNGKey(11), 4)
+    rows_q, rows_k = (sum(a for a, _ in lens), sum(c for _, c in lens)) if spec["VARLEN"] else lens[0]
+    if spec["VARLEN"]:
+        shape_q, shape_k = (rows_q, hq, d), (rows_k, hk, d)
+    else:
+        shape_q, shape_k = (b, hq, rows_q, d), (b, hk, rows_k, d)
+    q, k, v = ((jax.random.normal(key, shape, jnp.float32) * 40).astype(fp8)
+               for key, shape in zip(keys, (shape_q, shape_k, shape_k)))
+    dq, dk, dv = (jax.random.uniform(key, (b, hk), jnp.float32, 0.005, 0.025) for key in jax.random.split(keys[3], 3))
+    if spec["VARLEN"]:
+        cu = [np.cumsum([0] + [x[i] for x in lens]).astype(np.int32) for i in (0, 1)]
+        opts.update(cu_seqlens_q=jnp.asarray(cu[0]), cu_seqlens_k=jnp.asarray(cu[1]),
+                    max_seqlen_q=max(a for a, _ in lens), max_seqlen_k=max(c for _, c in lens))
+    ran = explain(dtype=spec["dtype"], head_dim=d, seqlen_q=lens[0][0], seqlen_k=lens[0][1], causal=bool(causal),
+                  align=opts.get("align", "top_left"), varlen=bool(spec["VARLEN"]), out_dtype=spec["out_dtype"],
+                  library=view).kernels[-1]
+    assert ran.kernel == kernel, f"{kernel} {spec}: the call runs {ran.kernel}"
+    out = jax.jit(lambda q, k, v, dq, dk, dv: aj.attention_fp8(q, k, v, q_descale=dq, k_descale=dk, v_descale=dv,
+                                                               out_dtype=spec["out_dtype"], library=view, **opts))(
+        q, k, v, dq, dk, dv)
+    qf, kf, vf, out = (_np(x).astype(np.float32) for x in (q, k, v, out))
+    worst = 0.0
+    for i, (sq, sk) in enumerate(lens):
+        if spec["VARLEN"]:
+            part = [x[c[i]:c[i + 1]].transpose(1, 0, 2) for x, c in ((qf, cu[0]), (kf, cu[1]), (vf, cu[1]))]
+            got = out[cu[0][i]:cu[0][i + 1]].transpose(1, 0, 2)
+        else:
+            part, got = [qf[i], kf[i], vf[i]], out[i]
+        scales = [np.asarray(x)[i] for x in (dq, dk, dv)]
+        qs = part[0] * np.repeat(scales[0], hq // hk)[:, None, None]
+        ks, vs = (x * s[:, None, None] for x, s in zip(part[1:], scales[1:]))
+        ks, vs = (np.repeat(x, hq // hk, 0) for x in (ks, vs))
+        s_ = qs @ ks.transpose(0, 2, 1) * d ** -0.5
+        if causal:
+            diag = sk - sq if causal == 2 else 0
+            rel = np.arange(sk)[None, :] - np.arange(sq)[:, None] - diag
+            s_ = np.where(rel <= 0, s_, -np.inf)
+        m = s_.max(-1, keepdims=True)
+        p = np.exp(s_ - np.where(np.isfinite(m), m, 0.0))
+        ref = (p / np.maximum(p.sum(-1, keepdims=True), 1e-30)) @ vs
+        vmax = np.abs(vs).max()
+        err = np.abs(got - ref)
+        assert err.max() <= vmax / 16 + np.abs(ref).max() / 128 and err.mean() <= vmax / 256, (kernel, spec, i)
+        worst = max(worst, float(err.max() / vmax))
+    SUMMARY.append({"case": f"{kernel} {spec}", "max_err_over_vmax": f"{worst:.1e}"})
 
 
 def _decode_case(aj: Any, lib: Any, spec: dict) -> None:

@@ -29,10 +29,11 @@ from ...tuning import DKDV_KERNEL_RULES, DQ_KERNEL_RULES, KERNEL_RULES, MODE_RUL
 
 __all__ = [
     "ALIBI_ARG", "ALIGN", "ALIGN_ARG", "ALIGNED_FACTS", "ALIGNED_SIBLINGS", "ARCH_BACKWARDS", "ARCH_FORWARDS",
-    "AttentionCall",
+    "ARCH_FP8_FORWARDS", "AttentionCall",
     "BACKWARD_KERNEL_RULES", "BIAS_ALIGN", "CONVERT", "DKDV", "DKDV_KERNEL_RULES", "DKDV_SM90", "DKDV_SM90_A16", "DQ",
     "DQ_KERNEL_RULES", "DQ_SM90", "DTYPES", "FP8_ARCH_DTYPES", "FP8_DTYPES", "FP8_HEAD_DIMS", "FP8_OUT_DTYPES",
-    "FP8_V_TRANSPOSE", "FWD", "FWD_FP8", "FWD_SM90", "HEAD_DIM_BUCKETS", "KERNEL_RULES", "MODE_RULES", "PRE",
+    "FP8_V_TRANSPOSE", "FWD", "FWD_FP8", "FWD_FP8_SM90", "FWD_SM90", "HEAD_DIM_BUCKETS", "KERNEL_RULES", "MODE_RULES",
+    "PRE",
     "SCALARS", "SINKS_ARG", "SOFTCAP_ARG", "UNEQUAL_HEAD_DIMS", "USE_SINKS_ARG", "WIDE_ARCHS", "WIDE_DTYPES",
     "WIDE_HEAD_DIM", "align_arg", "backward_arguments", "bhs", "bias_row_width",
     "bias_strides", "bucket",
@@ -81,6 +82,13 @@ FP8_HEAD_DIMS = (64, 128, 256)
 #: The e4m3 format each arch's matrix units take: OCP e4m3 (``fp8e4nv``, torch's ``float8_e4m3fn``)
 #: on sm90 and gfx950, e4m3fnuz (``fp8e4b8``, ``float8_e4m3fnuz``) on gfx942.
 FP8_ARCH_DTYPES = {"sm90": "fp8e4nv", "gfx950": "fp8e4nv", "gfx942": "fp8e4b8"}
+#: sm90's own FP8 forward (builder/kernels/attention_fp8_sm90.py, Gluon): ``attn_fwd_fp8``'s
+#: arguments, axes and results for fixed lengths at head dims 64 and 128.
+FWD_FP8_SM90 = "attn_fwd_fp8_sm90"
+#: Per-architecture FP8 forwards standing in for ``attn_fwd_fp8``: preferred on their arch where
+#: the images hold the call's spec (:func:`aotriton_rt.ops.attention.fp8.choose`); no tuning
+#: table names them yet.
+ARCH_FP8_FORWARDS = {"sm90": FWD_FP8_SM90}
 
 #: Per-architecture forwards: same arguments, mask modes, LSE and results as ``attn_fwd`` for the
 #: specs they are compiled for (builder/kernels/attention_sm90.py: fp16/bf16, head dim 64/128, no

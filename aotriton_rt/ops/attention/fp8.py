@@ -4,7 +4,8 @@ q, k and v in e4m3 with FlashAttention-3's descale factors (the real value is th
 the factor of its sequence and key/value head); the output in bf16 or fp16. The kernel
 (``attn_fwd_fp8``, builder/kernels/attention_fp8.py) folds ``q_descale * k_descale`` into the
 softmax scale and ``v_descale`` into the output, and rounds the softmax probabilities to e4m3 for
-the P·V product (docs/attention.md, "FP8"). Every call runs the general path (no cached plan):
+the P·V product (docs/attention.md, "FP8"); on sm90 its Gluon stand-in ``attn_fwd_fp8_sm90``
+computes the same where the images hold it. Every call runs the general path (no cached plan):
 validate, choose the variant, pad what the kernel cannot read in place, launch.
 """
 
@@ -21,6 +22,7 @@ from . import problem as _problem
 from .arrays import Output, lse_output, operand
 from .dispatch import KernelChoice, _causal_modes, kernels_of
 from .family import (
+    ARCH_FP8_FORWARDS,
     FP8_ARCH_DTYPES,
     FP8_DTYPES,
     FP8_HEAD_DIMS,
@@ -138,8 +140,12 @@ def spec_of(p: Problem, out_dtype: str, mode: int) -> dict[str, Any]:
 
 
 def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> KernelChoice:
-    """The FP8 forward's variant for a call (mask mode 2 before 1 for bottom-right calls, as the
-    bf16 forward), or KernelNotFound naming the build that adds it."""
+    """The FP8 forward's kernel and variant for a call (mask mode 2 before 1 for bottom-right
+    calls, as the bf16 forward), or KernelNotFound naming the build that adds it.
+
+    The arch's own FP8 forward (:data:`.family.ARCH_FP8_FORWARDS`, sm90's ``attn_fwd_fp8_sm90``)
+    runs the spec where the images hold it; ``attn_fwd_fp8`` otherwise (packed sequences, head dim
+    256, other archs, images without it). Both take the same arguments and the same V^T."""
     from ...select import remedy
 
     want = FP8_ARCH_DTYPES.get(arch)
@@ -149,11 +155,19 @@ def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> K
         got = TORCH_NAMES[p_spec["dtype"]]
         raise UnsupportedError(f"{arch} multiplies {TORCH_NAMES[want]}, but q, k, v are {got}; "
                                f"convert them (e.g. x.to(torch.{TORCH_NAMES[want]})) with their descale factors")
+    own = ARCH_FP8_FORWARDS.get(arch)
     candidates = [{**p_spec, "CAUSAL": m} for m in _causal_modes(call)]
     for c in candidates:
         args = ("causal_align",) if c["CAUSAL"] == 1 and call.causal == 2 and not call.causal_equivalent else ()
+        if own is not None and ks.available(own, c, args):
+            why = (f"{arch}'s own FP8 forward (Gluon: TMA, warp-specialised wgmma), preferred where the images hold "
+                   "it for this spec")
+            return KernelChoice(FWD_FP8, own, c, why, Choice(own, 0), dict(c))
         if ks.available(FWD_FP8, c, args):
-            return KernelChoice(FWD_FP8, FWD_FP8, c, "the FP8 forward (fp8 q, k, v)", Choice(FWD_FP8, 0), dict(c))
+            why = "the FP8 forward (fp8 q, k, v)"
+            if own is not None:
+                why += f"; {arch}'s own FP8 forward is not in these images for this spec"
+            return KernelChoice(FWD_FP8, FWD_FP8, c, why, Choice(FWD_FP8, 0), dict(c))
     spec = ", ".join(f"{k}={v}" for k, v in candidates[-1].items())
     raise KernelNotFound(f"FP8 attention needs {FWD_FP8} with {spec} on {arch}, which these images lack; "
                          f"{remedy(FWD_FP8, [arch])}")

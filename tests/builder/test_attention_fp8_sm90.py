@@ -1,0 +1,97 @@
+"""The Gluon sm90 FP8 forward (builder/kernels/attention_fp8_sm90.py) through the builder, on the CPU.
+
+It compiles for sm90 with the builder's own path, its binaries prove the catalog's argument
+layout, and their SASS shows what the kernel is for: both products on FP8 wgmma (``QGMMA`` with
+e4m3 operands, P·V's A operand from registers), kept asynchronous by ptxas (several per fence),
+and no local-memory traffic in the key loops.
+"""
+
+from __future__ import annotations
+
+import lzma
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("elftools")
+
+#: (head dim, mask mode, output dtype, config index): the largest tile without a mask (the one
+#: variant whose ptxas keeps a register in local memory around the loops), a D=64 causal one
+#: without ping-pong, and a persistent D=128 bottom-right one.
+BUILT = ((128, 0, "bf16", 0), (64, 1, "fp16", 1), (128, 2, "bf16", 3))
+
+
+def _kernels():
+    from builder.registry import load_kernels
+
+    return load_kernels()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from builder.build import build
+    from builder.registry import expand
+    from builder.targets import parse_targets
+
+    jobs = [j for j in expand(_kernels()["attn_fwd_fp8_sm90"], parse_targets("sm90"), "full", "3.6.0")
+            if (j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.spec["out_dtype"], j.config_index) in BUILT]
+    assert len(jobs) == len(BUILT)
+    out = tmp_path_factory.mktemp("fp8_gluon")
+    summary = build(jobs, out, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
+    assert summary.failed == [] and summary.compiled == len(BUILT)
+    return out
+
+
+def _variants(built: Path) -> list:
+    from aotriton_rt.catalog import Catalog
+
+    order = {(d, c, o, i): n for n, (d, c, o, i) in enumerate(BUILT)}
+    return sorted(Catalog.load(built / "catalog.json").variants, key=lambda v: order[
+        (v.spec["HEAD_DIM"], v.spec["CAUSAL"], v.spec["out_dtype"], v.config.index)])
+
+
+def test_the_fp8_gluon_variants_compile_and_their_binaries_prove_the_catalog_layout(built: Path) -> None:
+    from builder.build import prove_folder
+
+    assert prove_folder(built) == len(BUILT)
+    portable = [n for n, t in _kernels()["attn_fwd_fp8"].signature.items() if t != "constexpr"]
+    for variant in _variants(built):
+        assert variant.kernel == "attn_fwd_fp8_sm90" and variant.target.arch == "sm90"
+        # Two consumer warp groups and the loader's group (its one warp padded to a group).
+        assert variant.num_warps == 12 and variant.config.num_warps == 4
+        # Three device-side TMA descriptors (Q, K, V^T), 128 bytes each, in the runtime's global scratch.
+        assert variant.scratch["global_size"] == 3 * 128 and variant.scratch["global_align"] == 128
+        # attn_fwd_fp8's argument list: the operator's argument values fit unchanged.
+        assert [a.name for a in variant.args] == portable
+        c = variant.config.constexprs
+        d = variant.spec["HEAD_DIM"]
+        # Two 64-row Q tiles and STAGES K and V^T blocks, one byte an element, and the barriers.
+        assert 2 * 64 * d + c["STAGES"] * 2 * c["BLOCK_N"] * d <= variant.shared <= 232448
+    assert [v.config.constexprs["PERSISTENT"] for v in _variants(built)] == [0, 0, 132]
+
+
+@pytest.mark.parametrize("which", range(len(BUILT)))
+def test_both_products_are_asynchronous_e4m3_wgmma_with_p_in_registers_and_no_spills_in_the_loops(
+        built: Path, which: int) -> None:
+    """ptxas serializes wgmma (a fence and a wait around each instruction) when it cannot prove
+    in-flight operand registers safe, a silent 2x loss; P stays in registers across its P·V here."""
+    from tests.helpers.sass import listing_loop_spills, sass_listing, sass_ops
+
+    variant = _variants(built)[which]
+    raw = lzma.decompress((built / variant.image.path).read_bytes())
+    ops, listing = sass_ops(raw), sass_listing(raw)
+    qgmma = sum(n for op, n in ops.items() if op.startswith("QGMMA"))
+    assert not any(op.startswith("HGMMA") for op in ops), "a product left FP8"
+    assert len(re.findall(r"QGMMA\.64x\d+x32\.F32\.E4M3\.E4M3 ", listing)) == qgmma > 0
+    d, block_n = variant.spec["HEAD_DIM"], variant.config.constexprs["BLOCK_N"]
+    # Per consumer, three issue sites of each product (prologue or epilogue, masked loop, unmasked
+    # loop), each of D/32 (Q.K^T) or BLOCK_N/32 (P.V) k-steps of 32; two consumers.
+    assert qgmma == 2 * 3 * (d + block_n) // 32
+    # P.V's A operand is P in registers: `QGMMA ... Racc, Rp, gdesc[...]` (Q.K^T reads both from
+    # shared memory: `Racc, gdesc[...]`).
+    assert len(re.findall(r"QGMMA\.\S+ R\d+, R\d+, gdesc", listing)) == 2 * 3 * block_n // 32
+    fences = ops.get("WARPGROUP.ARRIVE", 0)
+    assert qgmma >= min(d, block_n) // 32 * fences > 0, f"wgmma serialized by ptxas: {qgmma} QGMMA, {fences} fences"
+    assert listing_loop_spills(listing) == 0, "local memory in the key loops"
