@@ -17,6 +17,27 @@ PORTABLE = "attn_fwd_fp8"
 DENSE = {"dtype": "fp8e4nv", "out_dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "VARLEN": 0}
 
 
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon FP8 forward runs only with its switch on (off by default)."""
+    monkeypatch.setenv("AOTRITON_RT_FP8_SM90", "1")
+
+
+def test_without_its_switch_the_portable_fp8_forward_runs_and_explain_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aotriton_rt.ops.attention import explain
+
+    lib = _library(tmp_path / "gluon", gluon=True)
+    for value in (None, "0", "yes"):
+        if value is None:
+            monkeypatch.delenv("AOTRITON_RT_FP8_SM90")
+        else:
+            monkeypatch.setenv("AOTRITON_RT_FP8_SM90", value)
+        ex = explain(dtype="fp8e4nv", head_dim=128, seqlen_q=4096, arch="sm90", library=lib)
+        assert ex.kernels[1].kernel == PORTABLE
+        assert "runs only with AOTRITON_RT_FP8_SM90=1 (not yet checked on hardware)" in ex.kernels[1].kernel_reason
+
+
 def _library(folder: Path, gluon: bool) -> Any:
     """Synthetic sm90 images (never launched): the portable FP8 forward at D=128, bf16 out, modes
     0 and 1, dense and packed, with its V^T pre-pass; with ``gluon``, the Gluon forward's dense D=128

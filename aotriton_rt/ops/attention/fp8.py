@@ -12,6 +12,7 @@ validate, choose the variant, pad what the kernel cannot read in place, launch.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,9 @@ from .family import (
 from .framework import arrays_for
 from .problem import Problem, prepare, same_device
 
+#: The environment variable that lets the arch's own FP8 forward (:data:`.family.ARCH_FP8_FORWARDS`)
+#: run: "1" turns it on. Off by default until it has been checked against a reference on hardware.
+ARCH_FP8_SWITCH = "AOTRITON_RT_FP8_SM90"
 #: torch's names of the e4m3 formats, for messages.
 TORCH_NAMES = {"fp8e4nv": "float8_e4m3fn", "fp8e4b8": "float8_e4m3fnuz"}
 _OUT_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
@@ -144,8 +148,10 @@ def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> K
     calls, as the bf16 forward), or KernelNotFound naming the build that adds it.
 
     The arch's own FP8 forward (:data:`.family.ARCH_FP8_FORWARDS`, sm90's ``attn_fwd_fp8_sm90``)
-    runs the spec where the images hold it; ``attn_fwd_fp8`` otherwise (packed sequences, head dim
-    256, other archs, images without it). Both take the same arguments and the same V^T."""
+    runs the spec where the images hold it and :data:`ARCH_FP8_SWITCH` is ``1`` in the environment
+    (off by default: it has not been checked against a reference on hardware yet); ``attn_fwd_fp8``
+    otherwise (packed sequences, head dim 256, other archs, images without it). Both take the same
+    arguments and the same V^T."""
     from ...select import remedy
 
     want = FP8_ARCH_DTYPES.get(arch)
@@ -156,6 +162,9 @@ def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> K
         raise UnsupportedError(f"{arch} multiplies {TORCH_NAMES[want]}, but q, k, v are {got}; "
                                f"convert them (e.g. x.to(torch.{TORCH_NAMES[want]})) with their descale factors")
     own = ARCH_FP8_FORWARDS.get(arch)
+    off = own is not None and os.environ.get(ARCH_FP8_SWITCH) != "1"
+    if off:
+        own = None
     candidates = [{**p_spec, "CAUSAL": m} for m in _causal_modes(call)]
     for c in candidates:
         args = ("causal_align",) if c["CAUSAL"] == 1 and call.causal == 2 and not call.causal_equivalent else ()
@@ -165,7 +174,9 @@ def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> K
             return KernelChoice(FWD_FP8, own, c, why, Choice(own, 0), dict(c))
         if ks.available(FWD_FP8, c, args):
             why = "the FP8 forward (fp8 q, k, v)"
-            if own is not None:
+            if off:
+                why += f"; {arch}'s own FP8 forward runs only with {ARCH_FP8_SWITCH}=1 (not yet checked on hardware)"
+            elif own is not None:
                 why += f"; {arch}'s own FP8 forward is not in these images for this spec"
             return KernelChoice(FWD_FP8, FWD_FP8, c, why, Choice(FWD_FP8, 0), dict(c))
     spec = ", ".join(f"{k}={v}" for k, v in candidates[-1].items())
