@@ -615,8 +615,8 @@ def test_the_torch_ops_carry_tensor_and_float_scales(monkeypatch: pytest.MonkeyP
             torch_decode.decode_attention(q, k, k, cache_seqlens=lens, k_scale=bad, v_scale=1.0)
     half = torch.randn(2, 64, 2, 64).half()  # opcheck's schema test does arithmetic torch lacks for fp8 on CPU
     torch.library.opcheck(torch_decode.decode_attention_op,
-                          (q, half, half, lens, -1, None, None, None, heads, None, 0.0, 0.5, True, -1, 0, 0.125, 0.0,
-                           0, -1, "bshd", "bshd", 0),
+                          (q, half, half, lens, -1, None, None, None, None, heads, None, 0.0, 0.5, True, -1, 0, 0.125,
+                           0.0, 0, -1, "bshd", "bshd", 0),
                           test_utils=("test_schema", "test_faketensor"))
 
 
