@@ -23,9 +23,10 @@ from typing import Any
 import pytest
 
 import aotriton_rt
+from aotriton_rt import ArgumentError, KernelNotFound, UnsupportedError
 from aotriton_rt.ops import decode as op
 from tests.helpers.interpreter import patch_interpreter, report_cases, run_sharded
-from tests.runtime.test_decode_op import LAUNCHES
+from tests.runtime.test_decode_op import LAUNCHES, Dev, _dec
 
 #: Interpreter cases (defaults in run_case). ``alibi``: "head" ``(Hq,)`` or "batch" ``(B, Hq)``
 #: slopes; ``sinks``: True (a logit per head, head ``minus_inf`` at -inf); ``old``: the images'
@@ -315,6 +316,245 @@ def test_decode_with_alibi_and_sinks_runs_the_real_kernels_and_matches_fp64(inte
     result = interpreted[name]
     assert not result["failed"], f"{name}: {result['failed']}"
     assert any(k.startswith("out") for k in result["errors"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Without the interpreter: refusals, launch arguments, older images, explain, the torch op.
+# ---------------------------------------------------------------------------------------------
+
+REFUSALS = [
+    ("slopes_fp16", {"alibi_slopes": Dev(8, dtype="fp16")}, ArgumentError,
+     r"alibi_slopes must be float32, got fp16; convert it, e\.g\. slopes\.float\(\)"),
+    ("slopes_shape", {"alibi_slopes": Dev(3, 8, dtype="fp32")}, ArgumentError,
+     r"alibi_slopes must have shape \(8,\) \(a slope per query head\) or \(2, 8\) \(per sequence and query "
+     r"head\), got \(3, 8\)"),
+    ("slopes_strided_heads", {"alibi_slopes": Dev(2, 8, dtype="fp32", strides=(1, 2))}, ArgumentError,
+     r"alibi_slopes must be contiguous along the heads \(stride 1\), got stride 2"),
+    ("slopes_with_softcap", {"alibi_slopes": Dev(8, dtype="fp32"), "softcap": 30.0}, UnsupportedError,
+     r"alibi_slopes with softcap= is not compiled \(no model combines them\); drop one"),
+    ("slopes_with_a_zero_scale", {"alibi_slopes": Dev(8, dtype="fp32"), "scale": 0.0}, ArgumentError,
+     r"alibi_slopes needs a non-zero scale"),
+    ("sinks_shape", {"sinks": Dev(4, dtype="fp32")}, ArgumentError,
+     r"sinks must have shape \(8,\): one logit per query head, got \(4,\)"),
+    ("sinks_dtype", {"sinks": Dev(8, dtype="i32")}, ArgumentError, r"sinks must be fp16, bf16 or fp32, got i32"),
+]
+
+
+@pytest.mark.parametrize("case", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_decode_refuses_malformed_slopes_and_sinks_before_any_launch(case: tuple) -> None:
+    kw, exc, match = case
+    with pytest.raises(exc, match=match):
+        _dec(**kw)
+
+
+def _recording(monkeypatch: pytest.MonkeyPatch, old: bool = False) -> Any:
+    """CPU torch tensors stand for device 0 arrays; the kernels record their launches (first calls
+    by handle, repeated ones prepared). ``old``: images whose decode and combine kernels predate
+    the ALiBi and sinks arguments (neither their variants nor their handles have them)."""
+    from aotriton_rt import interop
+    from aotriton_rt.ops.decode import validate
+    from tests.helpers.cpu_arrays import cpu_describer
+    from tests.runtime.test_decode_op import _AddressHandle, _Library
+
+    monkeypatch.setattr(validate, "_describe", cpu_describer(validate._describe))
+    real = interop.describe
+    cpu = cpu_describer(lambda obj, name: real(obj))
+    monkeypatch.setattr(interop, "describe", lambda obj, **kw: cpu(obj, ""))
+    monkeypatch.setattr(validate, "_host_lengths", lambda obj: None)
+    monkeypatch.setattr(interop, "stream_getter", lambda framework: (lambda device: 0x77))
+    lib = _Library()
+    listed = lib.variants_of
+
+    def kernel(name: str, **params: Any) -> Any:
+        handle = _AddressHandle(lib.decls[name], params)
+        if old and name in ("attn_decode", "attn_decode_combine"):
+            handle.arg_names = [n for n in handle.arg_names if n not in NEW_ARGS]
+        return handle
+
+    def variants_of(name: str) -> list:
+        found = listed(name)
+        for v in found if old and name in ("attn_decode", "attn_decode_combine") else ():
+            v.args = [a for a in v.args if a.name not in NEW_ARGS]
+        return found
+
+    monkeypatch.setattr(lib, "kernel", kernel)
+    monkeypatch.setattr(lib, "variants_of", variants_of)
+    op._kernels_of(lib).launches.clear()
+    LAUNCHES.clear()
+    return lib
+
+
+def _arrays(paged: bool) -> dict:
+    import torch
+
+    q = torch.randn(2, 1, 8, 64).half()
+    if paged:
+        k = torch.randn(8, 16, 2, 64).half()
+        table = torch.arange(8, dtype=torch.int32).reshape(2, 4)
+    else:
+        k, table = torch.randn(2, 64, 2, 64).half(), None
+    return {"q": q, "k_cache": k, "v_cache": torch.randn_like(k), "block_table": table,
+            "cache_seqlens": torch.tensor([37, 60], dtype=torch.int32)}
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_slopes_and_sinks_reach_the_kernels_on_first_and_repeated_calls(monkeypatch: pytest.MonkeyPatch,
+                                                                       paged: bool, splits: int) -> None:
+    import torch
+
+    lib = _recording(monkeypatch)
+    a = _arrays(paged)
+    slopes = [torch.rand(2, 8), torch.rand(2, 8)]  # per sequence: batch stride 8
+    sinks = torch.randn(8)
+    for s in slopes:
+        op.decode_attention(**a, alibi_slopes=s, sinks=sinks, num_splits=splits, causal=True, check=False,
+                            library=lib)
+    decode = [(how, args) for how, name, args in LAUNCHES if name == "attn_decode"]
+    assert [how for how, _ in decode] == ["call", "prepared"]
+    for (_, args), s in zip(decode, slopes):
+        assert (args["alibi_slopes"], args["stride_az"], args["use_alibi"]) == (s.data_ptr(), 8, 1)
+        assert (args["Sinks"], args["use_sinks"]) == (sinks.data_ptr(), 1)
+    combine = [args for _, name, args in LAUNCHES if name == "attn_decode_combine"]
+    assert len(combine) == (2 if splits > 1 else 0)
+    assert all((args["Sinks"], args["use_sinks"]) == (sinks.data_ptr(), 1) for args in combine)
+    assert "attn_sinks" not in [name for _, name, _ in LAUNCHES]  # joined by the kernels: no pass
+    # Without either: their switches off, nothing read; another plan (the key has both arrays).
+    LAUNCHES.clear()
+    op.decode_attention(**a, num_splits=splits, causal=True, check=False, library=lib)
+    (args,) = [args for _, name, args in LAUNCHES if name == "attn_decode"]
+    assert (args["alibi_slopes"], args["use_alibi"], args["Sinks"], args["use_sinks"]) == (0, 0, 0, 0)
+    assert len(op._kernels_of(lib).launches) == 2
+
+
+def test_fp16_sinks_are_passed_as_fp32_and_slopes_per_head_have_no_batch_stride(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    lib = _recording(monkeypatch)
+    a = _arrays(False)
+    sinks, slopes = torch.randn(8).half(), torch.rand(8)
+    for _ in range(2):
+        op.decode_attention(**a, alibi_slopes=slopes, sinks=sinks, num_splits=1, check=False, library=lib)
+    decode = [args for _, name, args in LAUNCHES if name == "attn_decode"]
+    assert len(decode) == 2
+    for args in decode:
+        assert args["stride_az"] == 0 and args["alibi_slopes"] == slopes.data_ptr()
+        assert args["Sinks"] not in (0, sinks.data_ptr())  # a converted fp32 copy, made per call
+
+
+def test_images_before_the_arguments_refuse_slopes_and_run_the_sinks_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    lib = _recording(monkeypatch, old=True)
+    a = _arrays(True)
+    refusal = (r"alibi_slopes needs attn_decode with ALiBi arguments \(alibi_slopes, stride_az, use_alibi\); these "
+               r"images were built before them \(dtype=fp16, HEAD_DIM=64, PAGED=1, PADDED_D=0, KV_DTYPE=fp16\): "
+               r"rebuild them \(`python -m builder build --kernels attn_decode,attn_decode_combine`\)")
+    for _ in range(2):  # refused again: a refused call keeps no plan
+        with pytest.raises(KernelNotFound, match=refusal):
+            op.decode_attention(**a, alibi_slopes=torch.rand(8), check=False, library=lib)
+    assert not LAUNCHES and not op._kernels_of(lib).launches
+    sinks = torch.randn(8)
+    for _ in range(2):
+        op.decode_attention(**a, sinks=sinks, num_splits=2, check=False, library=lib)
+    ran = [(how, name) for how, name, _ in LAUNCHES]
+    assert ran == [("call", "attn_decode"), ("call", "attn_decode_combine"), ("call", "attn_sinks"),
+                   ("prepared", "attn_decode"), ("prepared", "attn_decode_combine"), ("call", "attn_sinks")], ran
+
+
+def test_the_express_route_takes_slopes_only_where_the_decode_kernel_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from aotriton_rt.ops.decode import route_options
+
+    q, k = torch.randn(2, 8, 1, 64).half(), torch.randn(2, 2, 300, 64).half()
+    call = {"causal": True, "window": None, "align": "bottom_right", "bias": None, "dropout_p": 0.0, "scale": None,
+            "cu_seqlens_q": None, "cu_seqlens_k": None, "layout": "bhsd", "out": None, "lse": None,
+            "return_mask": False}
+    slopes = torch.rand(2, 8)
+    current = _recording(monkeypatch)
+    opts = route_options(q, k, k, **call, library=current, alibi_slopes=slopes)
+    assert opts is not None and "alibi_slopes" not in opts  # an array: passed per call
+    assert route_options(q, k, k, **call, library=current, alibi_slopes=slopes.half()) is None  # attention() refuses
+    old = _recording(monkeypatch, old=True)
+    assert route_options(q, k, k, **call, library=old, alibi_slopes=slopes) is None  # the ALIBI=1 forward serves it
+    assert route_options(q, k, k, **call, library=old) is not None
+
+
+def test_explain_decode_says_who_joins_the_sinks_and_asks_for_alibi_variants(tmp_path: Any) -> None:
+    """``explain decode`` over synthetic sm90 catalogs: with sinks, the decode kernel's epilogue
+    (one split) or the combine (several) joins them; on images built before the arguments the
+    attn_sinks pass does, and an ALiBi call is refused naming what it needs."""
+    import subprocess
+
+    from aotriton_rt.ops.decode.explain import explain
+    from tests.helpers.interpreter import ROOT
+    from tests.runtime.test_attention_op import _synthetic_variant
+    from tests.runtime.test_decode_fp8 import _catalog
+
+    base = {"dtype": "bf16", "HEAD_DIM": 128}
+    decode = {**base, "PAGED": 0, "PADDED_D": 0, "KV_DTYPE": "bf16"}
+    combine = {**base, "PADDED_D": 0}
+    sinks = [_synthetic_variant("attn_sinks", {"dtype": "bf16", "ALIGNED": a}) for a in (0, 1)]
+    new = _catalog(tmp_path / "new", [_synthetic_variant("attn_decode", decode),
+                                      _synthetic_variant("attn_decode_combine", combine)])
+    old = _catalog(tmp_path / "old", [_synthetic_variant("attn_decode", decode, without=NEW_ARGS),
+                                      _synthetic_variant("attn_decode_combine", combine, without=NEW_ARGS), *sinks])
+    one = str(explain(dtype="bf16", head_dim=128, seqlen_k=8192, batch=64, sinks=True, alibi=True, arch="sm90",
+                      library=new))
+    assert one.splitlines()[0].endswith("8192 keys, ALiBi slopes, sinks"), one
+    assert "1 split(s)" in one and one.splitlines()[1].endswith("joins the attention sinks in its epilogue"), one
+    split = str(explain(dtype="bf16", head_dim=128, seqlen_k=8192, batch=2, sinks=True, arch="sm90", library=new))
+    assert "13 split(s)" in split and split.splitlines()[-1].endswith("merges the 13 splits and joins the attention "
+                                                                      "sinks"), split
+    before = str(explain(dtype="bf16", head_dim=128, seqlen_k=8192, batch=2, sinks=True, arch="sm90", library=old))
+    assert before.splitlines()[-1].startswith("  attn_sinks[dtype=bf16, ALIGNED=1] config #0"), before
+    assert before.splitlines()[-1].endswith("joins the attention sinks to (out, lse): the decode variants predate "
+                                            "them"), before
+    with pytest.raises(KernelNotFound, match=r"needs attn_decode with dtype=bf16, HEAD_DIM=128, PAGED=0, PADDED_D=0, "
+                                             r"KV_DTYPE=bf16 taking alibi_slopes, use_alibi on sm90"):
+        explain(dtype="bf16", head_dim=128, seqlen_k=8192, alibi=True, arch="sm90", library=old)
+    with pytest.raises(UnsupportedError, match=r"alibi_slopes with softcap= is not compiled"):
+        explain(dtype="bf16", head_dim=128, seqlen_k=8192, alibi=True, softcap=True, arch="sm90", library=new)
+    cli = subprocess.run([sys.executable, "-m", "aotriton_rt", "explain", "decode", "--images", str(tmp_path / "new"),
+                          "--arch", "sm90", "--dtype", "bf16", "--seqlen", "1", "--seqlen-k", "8192", "--batch", "64",
+                          "--alibi", "--sinks"], capture_output=True, text=True, cwd=ROOT,
+                         env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.strip() == one
+
+
+def test_the_torch_ops_take_the_slopes_after_the_sinks_and_refuse_them_with_a_softcap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from aotriton_rt.ops import torch_decode
+
+    for name in ("decode_attention", "decode_attention_append"):
+        schema = str(getattr(torch.ops.aotriton_rt, name).default._schema)
+        assert "Tensor? sinks, Tensor? alibi_slopes, Tensor? k_scale" in schema, schema
+    seen: list = []
+
+    def operator(q: Any, k: Any, v: Any, **kw: Any) -> tuple:
+        seen.append((kw["alibi_slopes"], kw["sinks"], kw["k_new"] is not None))
+        b, s, h, _ = q.shape
+        return q * 2, torch.zeros(b, h, s)
+
+    monkeypatch.setattr(torch_decode._core, "decode_attention", operator)
+    q, k = torch.randn(2, 1, 8, 64).half(), torch.randn(2, 64, 2, 64).half()
+    kn = torch.randn(2, 1, 2, 64).half()
+    lens = torch.tensor([3, 40], dtype=torch.int32)
+    slopes, sinks = torch.rand(8), torch.randn(8)
+    torch_decode.decode_attention(q, k, k, cache_seqlens=lens, alibi_slopes=slopes, sinks=sinks)
+    torch_decode.decode_attention(q, k, k, cache_seqlens=lens, k_new=kn, v_new=kn, alibi_slopes=slopes)
+    assert [(a is slopes, s is sinks, new) for a, s, new in seen] == [(True, True, False), (True, False, True)]
+    with pytest.raises(UnsupportedError, match=r"alibi_slopes with softcap= is not compiled"):
+        torch_decode.decode_attention(q, k, k, cache_seqlens=lens, alibi_slopes=slopes, softcap=30.0)
+    torch.library.opcheck(torch_decode.decode_attention_op,
+                          (q, k, k, lens, -1, None, None, sinks, slopes, None, None, 0.0, 0.0, True, -1, 0, 0.125, 0.0,
+                           0, -1, "bshd", "bshd", 0),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 if __name__ == "__main__":
