@@ -205,7 +205,8 @@ def _raw_with_terms(qk, rel, qk_scale, softcap, alibi_raw):
     """Raw scores ``qk`` with the run-time terms, in the units the caller's ``* qk_scale`` takes
     to log2 units: the logit softcap (``softcap > 0``, :func:`_softcapped`) and the ALiBi term
     ``alibi_raw * |rel|`` (``alibi_raw``: the rows' ``-slope * LOG2E / qk_scale``, zeros without
-    ALiBi: the term is then an exact 0). A call never has both (the runtime refuses it)."""
+    ALiBi: the term is then an exact 0), in FlashAttention-2's order; the runtime refuses calls
+    with both."""
     qk = tl.where(softcap > 0, _softcapped(qk, qk_scale, softcap), qk)
     return qk + alibi_raw[:, None] * tl.abs(rel).to(tl.float32)
 
@@ -1037,9 +1038,9 @@ _SHAPE_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0", "seqlen_q
                  "batch * num_heads_k <= 65535")
 _PAGE_CHECKS = ("page_size >= 16", "page_size % 16 == 0", "num_pages >= 1", "capacity >= 0")
 # The logit softcap: 0 (none) or positive (NaN fails both), and a cap divides by the scale; so
-# does ALiBi's factor in raw score units, and the kernel adds one term or the other.
-_SOFTCAP_CHECKS = ("softcap >= 0", "softcap == 0 or sm_scale != 0", "use_alibi == 0 or sm_scale != 0",
-                   "use_alibi == 0 or softcap == 0")
+# does ALiBi's factor in raw score units. (With both, the kernel caps, then adds ALiBi's term:
+# FlashAttention-2's order; the runtime refuses such calls, as aotriton_rt.attention does.)
+_SOFTCAP_CHECKS = ("softcap >= 0", "softcap == 0 or sm_scale != 0", "use_alibi == 0 or sm_scale != 0")
 _SETS = {"default": in_decode_default_set, "gputest": in_decode_gputest_set}
 
 
