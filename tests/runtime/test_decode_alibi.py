@@ -6,7 +6,9 @@
   joined to each row's softmax with no value): slopes per head and per sequence, GQA tiles (each
   row its own head's slope), contiguous and paged caches with small pages, one split and several
   (merged by the combine kernel, which joins the sink), windows, left padding, a chunk of 16
-  query rows, appends; a sink of -inf leaves its head's rows bit for bit as without sinks; ALiBi
+  query rows, appends; 128-row chunks through the variable-length forward's ALiBi variant (left
+  padded) or, without one, on the decode kernels; a sink of -inf leaves its head's rows bit for
+  bit as without sinks; ALiBi
   and sinks together; the ``attn_sinks`` pass for images whose kernels predate the arguments;
   ``aotriton_rt.attention``'s route to the decode kernels with slopes and sinks (no pass), and to
   the ALiBi forward where the decode kernels predate the slopes.
@@ -58,6 +60,14 @@ CASES: dict[str, dict] = {
                                                           "Hk": 2},
     "repeated_call_with_new_slopes_and_sinks_takes_the_plan": {"sinks": True, "alibi": "head", "splits": 2,
                                                                "repeat": True},
+    # A chunk of 128 rows: through the variable-length forward (its ALIBI=1 variant, which joins the
+    # sinks too), or on the decode kernels where the images' forward has no ALiBi.
+    "alibi_and_sinks_128_rows_left_padded_through_the_varlen_forward": {
+        "alibi": "batch", "sinks": True, "Sq": 128, "Hq": 2, "Hk": 1, "paged": 16, "new": 5, "causal": True,
+        "lens": (150, 30), "leftpad": (40, 3), "cap": 160, "routed": True},
+    "alibi_128_rows_on_the_decode_kernels_without_an_alibi_forward": {
+        "alibi": "head", "sinks": True, "Sq": 128, "Hq": 2, "Hk": 1, "causal": True, "lens": (0, 30), "new": 128,
+        "cap": 160, "splits": 2, "routed": False, "no_alibi_forward": True},
     # aotriton_rt.attention with 3 query rows: the decode kernels serve ALiBi and sinks (no pass);
     # images whose decode kernels predate the slopes leave the call to the ALIBI=1 forward.
     "attention_routes_alibi_and_sinks_to_the_decode_kernels": {"api": "attention", "alibi": "batch", "sinks": True},
@@ -85,10 +95,10 @@ class _OldHandle:
         self.inner(*[full[n] for n in self.inner.arg_names])
 
 
-def _library(old: bool) -> Any:
+def _library(old: bool, no_alibi_forward: bool = False) -> Any:
     from tests.runtime.test_decode_op import _Library
 
-    lib = _Library()
+    lib = _Library((lambda name, spec: not (name == "attn_fwd" and spec.get("ALIBI"))) if no_alibi_forward else None)
     if old:
         made, listed = lib.kernel, lib.variants_of
 
@@ -177,7 +187,8 @@ def run_case(name: str, case: dict) -> dict:
     slopes, sinks = _slopes(c, B, Hq, gen), _sinks(c, Hq, gen)
     LAUNCHES.clear()
     BLOCK_N[0] = c.get("block_n", 16)
-    lib = _library(c.get("old", False))
+    lib = _library(c.get("old", False), c.get("no_alibi_forward", False))
+    _FORWARD_SPECS.clear()
     kw = {"cache_seqlens": seqlens, "block_table": table, "causal": c["causal"], "window": c["window"],
           "num_splits": c["splits"], "cache_leftpad": leftpad, "library": lib}
     out, lse = op.decode_attention(q, k_cache, v_cache, k_new=k_new, v_new=v_new, alibi_slopes=slopes, sinks=sinks,
@@ -189,6 +200,11 @@ def run_case(name: str, case: dict) -> dict:
         failed.append(f"launches {launched}: the attn_sinks pass {'expected' if c.get('old') else 'ran'}")
     if c["splits"] is not None and ("attn_decode_combine" in launched) != (c["splits"] > 1):
         failed.append(f"launches {launched} for {c['splits']} splits")
+    if "routed" in c:
+        if c["routed"] != ("attn_decode_pack" in launched):
+            failed.append(f"launches {launched}: the variable-length route {'not ' if c['routed'] else ''}expected")
+        if c["routed"] and [spec.get("ALIBI") for _, spec in _FORWARD_SPECS] != [1]:
+            failed.append(f"the variable-length forward ran as {_FORWARD_SPECS}, expected ALIBI=1")
     tol = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 4e-2}[c["dtype"]]
     left, right = c["window"] if c["window"] else (-1, -1)
     if c["causal"]:
