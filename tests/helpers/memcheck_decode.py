@@ -9,7 +9,8 @@ one block, several; a block table whose unused entries point far outside the cac
 taller than one block, sliding windows, forced splits (merged by the combine kernel; on sm90
 the chain's PDL launches), head dims 64, 80 and 128, fp32, fp8 caches (per-head, per-sequence
 and float scales, appends quantised into them; float8_e4m3fnuz on gfx942, float8_e4m3fn
-elsewhere, on GPUs whose images hold them), the attention() route, and hostile
+elsewhere, on GPUs whose images hold them), ALiBi slopes (per head and per sequence) and sinks
+(joined in the epilogue and by the combine, a head at -inf), the attention() route, and hostile
 inputs: pages past the cache (10**6 in a 3-column table), negative entries, lengths past the
 capacity, negative or near the int32 limit, appends through them, with and without the debug
 check. Without it the kernels must stay in bounds (memcheck: no error), answer NaN for the
