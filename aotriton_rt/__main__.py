@@ -169,7 +169,7 @@ def _explain_decode(args: argparse.Namespace, lib: Any) -> int:
         print(explain(dtype=args.dtype, head_dim=args.head_dim, seqlen_q=args.seqlen,
                       seqlen_k=args.seqlen_k or args.seqlen, batch=args.batch, heads_q=args.heads_q,
                       heads_k=args.heads_k, kv_dtype=args.kv_dtype, paged=args.paged, append=args.append,
-                      arch=args.arch, library=lib))
+                      softcap=args.softcap, alibi=args.alibi, sinks=args.sinks, arch=args.arch, library=lib))
     except NoDevice:
         if args.arch:
             raise

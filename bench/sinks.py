@@ -1,6 +1,6 @@
-"""What attention sinks (and the logit softcap) cost: the same calls with and without, alternating.
+"""What attention sinks (and the logit softcap, ALiBi) cost: the same calls with and without, alternating.
 
-    python -m bench.sinks [--images DIR] [--rounds 5] [--softcap [--baseline DIR]]
+    python -m bench.sinks [--images DIR] [--rounds 5] [--softcap | --decode] [--baseline DIR]
 
 Rows (bf16, gpt-oss's attention: head dim 64, 64 query / 8 KV heads): prefill forwards, causal
 and with gpt-oss's 128-key window, dense; the forward + backward of a training step; decode
@@ -11,6 +11,10 @@ with a 4096-key window: the 2B/9B forward (head dim 256, 16/8 heads), the 27B fo
 128, 32/16 heads), the 27B training step (forward + backward) and its decode steps against
 contiguous caches (the decode kernels' run-time cap); with ``--baseline DIR`` also the uncapped
 decode steps on these images against DIR's (images built before the cap was an argument).
+``--decode``: decode steps (bf16, head dim 128, 32/8 heads; contiguous caches, and a paged one of
+16-row pages) with and without sinks (joined by the decode kernels: one split in the epilogue,
+several in the combine), ALiBi slopes and both; with ``--baseline DIR`` also these images against
+DIR's (images built before the arguments: the ``attn_sinks`` pass) with sinks and without either.
 """
 
 from __future__ import annotations
@@ -100,34 +104,69 @@ def _softcap_rows(lib: Any, gen: Any, base: Any = None) -> dict[str, dict[str, A
     return rows
 
 
+def _decode_rows(lib: Any, gen: Any, base: Any = None) -> dict[str, dict[str, Any]]:
+    """Decode steps with and without sinks, ALiBi slopes and both ("sinks" is the "with" side)."""
+    rows: dict[str, dict[str, Any]] = {}
+    hq, hk, d = 32, 8, 128
+    sinks = torch.randn(hq, device="cuda", generator=gen)
+    for B, S, page in ((1, 8192, None), (8, 4096, None), (8, 4096, 16), (32, 2048, None)):
+        q = torch.randn(B, 1, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+        table = None
+        if page:
+            kc, vc = (torch.randn(B * S // page, page, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                      for _ in range(2))
+            table = torch.randperm(B * S // page, device="cuda", generator=gen).int().reshape(B, S // page)
+        else:
+            kc, vc = (torch.randn(B, S, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / hq) for h in range(hq)], device="cuda")
+
+        def dec(s: Any = None, a: Any = None, images: Any = lib, q: Any = q, kc: Any = kc, vc: Any = vc,
+                lens: Any = lens, table: Any = table) -> Any:
+            return aotriton_rt.decode_attention(q, kc, vc, cache_seqlens=lens, block_table=table, sinks=s,
+                                                alibi_slopes=a, library=images)[0]
+        name = f"decode B={B} {S}" + (f" paged {page}" if page else "")
+        rows[f"{name} sinks"] = {"plain": lambda d=dec: d(), "sinks": lambda d=dec: d(sinks)}
+        rows[f"{name} alibi"] = {"plain": lambda d=dec: d(), "sinks": lambda d=dec, a=slopes: d(None, a)}
+        rows[f"{name} both"] = {"plain": lambda d=dec: d(), "sinks": lambda d=dec, a=slopes: d(sinks, a)}
+        if base is not None:  # the joined sinks against the pass; plain calls' cost of the new arguments
+            rows[f"{name} sinks vs base"] = {"plain": lambda d=dec: d(sinks, None, base),
+                                             "sinks": lambda d=dec: d(sinks)}
+            rows[f"{name} plain vs base"] = {"plain": lambda d=dec: d(None, None, base), "sinks": lambda d=dec: d()}
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--images", default=os.environ.get("AOTRITON_RT_IMAGES"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--softcap", action="store_true", help="the softcap's rows instead of the sinks'")
+    ap.add_argument("--decode", action="store_true", help="decode steps with sinks, ALiBi slopes and both")
     ap.add_argument("--baseline", default=None,
-                    help="with --softcap: also time uncapped decode steps on these images against DIR's")
+                    help="with --softcap or --decode: also time decode steps on these images against DIR's")
     args = ap.parse_args()
     lib = aotriton_rt.Library(args.images) if args.images else aotriton_rt.default_library()
     base = aotriton_rt.Library(args.baseline) if args.baseline else None
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = _softcap_rows(lib, gen, base) if args.softcap else _rows(lib, gen)
-    what = "SOFTCAP (bf16, Gemma 2's heads, cap 50" if args.softcap else f"SINKS (bf16, D={D}, {HQ}/{HK} heads"
+    rows = (_softcap_rows(lib, gen, base) if args.softcap else _decode_rows(lib, gen, base) if args.decode
+            else _rows(lib, gen))
+    what = ("SOFTCAP (bf16, Gemma 2's heads, cap 50" if args.softcap else
+            "DECODE SINKS / ALIBI (bf16, D=128, 32/8 heads" if args.decode else f"SINKS (bf16, D={D}, {HQ}/{HK} heads")
     print(f"{what}; time with / without, per round: median [min-max]; aim <= 1.05)")
-    print(f"{'row':34s} | {'without us':>10s} {'with us':>9s} | {'graph x':>7s} {'[min-max]':>11s} | {'eager x':>7s}")
+    print(f"{'row':40s} | {'without us':>10s} {'with us':>9s} | {'graph x':>7s} {'[min-max]':>11s} | {'eager x':>7s}")
     for name, pair in rows.items():
         training = name.startswith("forward+backward")
         try:
             pair["sinks"]()
         except aotriton_rt.KernelNotFound as e:  # the default images hold no softcap backward
-            print(f"{name:34s} | skipped: these images lack a kernel it needs ({str(e).splitlines()[0]})")
+            print(f"{name:40s} | skipped: these images lack a kernel it needs ({str(e).splitlines()[0]})")
             continue
         graphs = {} if training else graphed(pair, 10)
         eager, graph = timed_rounds(pair, graphs, args.rounds)
         times = graph if set(graphs) == set(pair) else eager
         ratios = [a / b for a, b in zip(times["sinks"], times["plain"])]
         eager_ratio = statistics.median(a / b for a, b in zip(eager["sinks"], eager["plain"]))
-        print(f"{name:34s} | {1e3 * statistics.median(times['plain']):10.1f} "
+        print(f"{name:40s} | {1e3 * statistics.median(times['plain']):10.1f} "
               f"{1e3 * statistics.median(times['sinks']):9.1f} | {statistics.median(ratios):7.3f} "
               f"[{min(ratios):.3f}-{max(ratios):.3f}] | {eager_ratio:7.3f}" + ("  (eager)" if training else ""),
               flush=True)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import decode as _core
-from .attention.problem import check_softcap
+from .attention.problem import ALIBI_WITH_SOFTCAP, check_softcap
 from .torch import _library, _library_key
 
 __all__ = ["decode_attention", "decode_attention_op", "decode_attention_append_op"]
@@ -37,7 +37,7 @@ def _call(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | N
           causal: bool, window_left: int, window_right: int, scale: float, softcap: float, num_splits: int,
           max_seqlen_k: int, layout: str, cache_layout: str, library: int, sinks: Tensor | None = None,
           k_scale: Tensor | None = None, v_scale: Tensor | None = None, k_scale_value: float = 0.0,
-          v_scale_value: float = 0.0) -> tuple[Tensor, Tensor]:
+          v_scale_value: float = 0.0, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
     lens: Any = cache_seqlens if cache_seqlens is not None else (cache_len if cache_len >= 0 else None)
     window = None if window_left == -1 and window_right == -1 else (window_left, window_right)
     return _core.decode_attention(
@@ -45,7 +45,7 @@ def _call(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | N
         v_new=v_new, causal=causal, window=window, scale=scale, softcap=softcap, num_splits=num_splits or None,
         max_seqlen_k=None if max_seqlen_k < 0 else max_seqlen_k, layout=layout, cache_layout=cache_layout,
         sinks=sinks, k_scale=_scale(k_scale, k_scale_value), v_scale=_scale(v_scale, v_scale_value),
-        library=_library(library))
+        alibi_slopes=alibi_slopes, library=_library(library))
 
 
 def _scale(tensor: Tensor | None, value: float) -> Tensor | float | None:
@@ -61,25 +61,26 @@ def _fake(q: Tensor, layout: str) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("aotriton_rt::decode_attention", mutates_args=())
 def decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
                         block_table: Tensor | None, cache_leftpad: Tensor | None, sinks: Tensor | None,
-                        k_scale: Tensor | None, v_scale: Tensor | None, k_scale_value: float, v_scale_value: float,
-                        causal: bool,
+                        alibi_slopes: Tensor | None, k_scale: Tensor | None, v_scale: Tensor | None,
+                        k_scale_value: float, v_scale_value: float, causal: bool,
                         window_left: int, window_right: int, scale: float, softcap: float, num_splits: int,
                         max_seqlen_k: int, layout: str, cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
     """(out, lse) of q against the caches (nothing appended). ``cache_len`` is a host length
     for every sequence (-1: use ``cache_seqlens``, or the whole cache when that is None);
     ``cache_leftpad``: each sequence's first cache row (None: 0); ``sinks``: attention sinks;
+    ``alibi_slopes``: ALiBi slopes (fp32 ``(Hq,)`` or ``(B, Hq)``; None: none);
     ``softcap``: the logit softcap (0.0: none); ``k_scale``/``v_scale`` (tensors) or
     ``k_scale_value``/``v_scale_value`` (floats, 0.0: none): an fp8 cache's scales."""
     return _call(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, cache_leftpad, None, None, causal,
                  window_left, window_right, scale, softcap, num_splits, max_seqlen_k, layout, cache_layout, library,
-                 sinks, k_scale, v_scale, k_scale_value, v_scale_value)
+                 sinks, k_scale, v_scale, k_scale_value, v_scale_value, alibi_slopes)
 
 
 @decode_attention_op.register_fake
 def _decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
                  block_table: Tensor | None, cache_leftpad: Tensor | None, sinks: Tensor | None,
-                 k_scale: Tensor | None, v_scale: Tensor | None, k_scale_value: float, v_scale_value: float,
-                 causal: bool,
+                 alibi_slopes: Tensor | None, k_scale: Tensor | None, v_scale: Tensor | None, k_scale_value: float,
+                 v_scale_value: float, causal: bool,
                  window_left: int, window_right: int, scale: float, softcap: float, num_splits: int,
                  max_seqlen_k: int, layout: str, cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
     return _fake(q, layout)
@@ -88,7 +89,8 @@ def _decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
 @torch.library.custom_op("aotriton_rt::decode_attention_append", mutates_args=("k_cache", "v_cache"))
 def decode_attention_append_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None,
                                cache_len: int, block_table: Tensor | None, cache_leftpad: Tensor | None,
-                               sinks: Tensor | None, k_scale: Tensor | None, v_scale: Tensor | None,
+                               sinks: Tensor | None, alibi_slopes: Tensor | None, k_scale: Tensor | None,
+                               v_scale: Tensor | None,
                                k_scale_value: float, v_scale_value: float, k_new: Tensor, v_new: Tensor, causal: bool,
                                window_left: int,
                                window_right: int, scale: float, softcap: float, num_splits: int, max_seqlen_k: int,
@@ -97,16 +99,16 @@ def decode_attention_append_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cach
     cache: ``value / scale``, saturated, rounded to nearest)."""
     return _call(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, cache_leftpad, k_new, v_new, causal,
                  window_left, window_right, scale, softcap, num_splits, max_seqlen_k, layout, cache_layout, library,
-                 sinks, k_scale, v_scale, k_scale_value, v_scale_value)
+                 sinks, k_scale, v_scale, k_scale_value, v_scale_value, alibi_slopes)
 
 
 @decode_attention_append_op.register_fake
 def _append_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor | None, cache_len: int,
                  block_table: Tensor | None, cache_leftpad: Tensor | None, sinks: Tensor | None,
-                 k_scale: Tensor | None, v_scale: Tensor | None, k_scale_value: float, v_scale_value: float,
-                 k_new: Tensor, v_new: Tensor, causal: bool, window_left: int, window_right: int, scale: float,
-                 softcap: float, num_splits: int, max_seqlen_k: int, layout: str, cache_layout: str, library: int
-                 ) -> tuple[Tensor, Tensor]:
+                 alibi_slopes: Tensor | None, k_scale: Tensor | None, v_scale: Tensor | None, k_scale_value: float,
+                 v_scale_value: float, k_new: Tensor, v_new: Tensor, causal: bool, window_left: int,
+                 window_right: int, scale: float, softcap: float, num_splits: int, max_seqlen_k: int, layout: str,
+                 cache_layout: str, library: int) -> tuple[Tensor, Tensor]:
     return _fake(q, layout)
 
 
@@ -116,7 +118,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
                      softcap: float = 0.0, num_splits: int | None = None, max_seqlen_k: int | None = None,
                      layout: str = "bshd", cache_layout: str = "bshd", cache_leftpad: Tensor | None = None,
                      return_lse: bool = False, sinks: Tensor | None = None, k_scale: Tensor | float | None = None,
-                     v_scale: Tensor | float | None = None, library: Any = None) -> Tensor | tuple[Tensor, Tensor]:
+                     v_scale: Tensor | float | None = None, alibi_slopes: Tensor | None = None,
+                     library: Any = None) -> Tensor | tuple[Tensor, Tensor]:
     """Decode attention on torch tensors through the custom ops (see
     :func:`aotriton_rt.ops.decode.decode_attention` for the arguments).
 
@@ -146,16 +149,20 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cache_seqle
         scale = q.shape[-1] ** -0.5
     # Checked here, as the operator would: the op's schema takes a plain float (0.0: none).
     softcap = check_softcap(softcap, scale)
+    if alibi_slopes is not None and softcap:
+        from ..errors import UnsupportedError
+
+        raise UnsupportedError(ALIBI_WITH_SOFTCAP)
     (k_tensor, k_value), (v_tensor, v_value) = _split_scale(k_scale, "k_scale"), _split_scale(v_scale, "v_scale")
     scales = (k_tensor, v_tensor, k_value, v_value)
     common = (causal, left, right, float(scale), softcap, int(num_splits or 0),
               -1 if max_seqlen_k is None else max_seqlen_k, layout, cache_layout, _library_key(library))
     if k_new is None and v_new is None:
         out, lse = decode_attention_op(q, k_cache, v_cache, cache_seqlens, cache_len, block_table, cache_leftpad,
-                                       sinks, *scales, *common)
+                                       sinks, alibi_slopes, *scales, *common)
     else:
         out, lse = decode_attention_append_op(q, k_cache, v_cache, cache_seqlens, cache_len, block_table,
-                                              cache_leftpad, sinks, *scales, k_new, v_new, *common)
+                                              cache_leftpad, sinks, alibi_slopes, *scales, k_new, v_new, *common)
     return (out, lse) if return_lse else out
 
 

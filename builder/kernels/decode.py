@@ -40,6 +40,19 @@ block, 462 against 458; in the paged kernel's 16-row-chunk loop 32 more, 668 aga
 per-chunk load masks kept in registers across the branch). The shared-memory ring and the
 16-byte K/V copies are those of the kernel without it (tests/builder/test_decode_paged_offsets.py).
 
+ALiBi (FlashAttention-2's ``alibi_slopes``): with the run-time ``use_alibi != 0`` each score gets
+``-slope * |i + len_k - seqlen_q - j|``, the slope of the row's own query head (a tile's rows are
+GQA heads times query rows), fp32 at ``alibi_slopes[b * stride_az + h]``. It shares the softcap's
+uniform branch (:func:`_raw_with_terms`; a branch of its own was if-converted into every block:
+31 more instructions in the sm90 contiguous loop), so calls with neither skip both: bf16 D=128
+sm90 loops of 475, 464 and 638 instructions per key block (contiguous, whole-page, 16-row
+chunks) against 465, 462 and 668 without the argument; the branch holds 90 (the cap's 66 and
+ALiBi's absolute value, conversion and FMA per score).
+
+Sinks (gpt-oss): with ``use_sinks != 0`` a logit per query head joins each row's softmax with
+no value. One split joins it in ``attn_decode``'s epilogue, several in ``attn_decode_combine``
+after the merge (the partials stay without it); a sink of -inf leaves a row bit for bit as it is.
+
 Head dims: ``HEAD_DIM`` is a compiled bucket. ``PADDED_D=0`` variants read rows of exactly
 ``HEAD_DIM`` elements with 16-byte aligned addresses and strides (16-byte vector loads: the fast
 path). ``PADDED_D=1`` variants take any ``head_dim`` in ``[1, HEAD_DIM]`` at run time and mask
@@ -76,6 +89,7 @@ from builder.kernels.attention import (
     LOG2E,
     SHARED_LIMIT,
     _softcapped,
+    _with_sink,
     divisibility_of,
     next_power_of_2,
     signature_of,
@@ -187,8 +201,19 @@ def _block_offsets(start_n, offs_n, start_b, len_k, bt_row, page_size, num_pages
 
 
 @triton.jit
+def _raw_with_terms(qk, rel, qk_scale, softcap, alibi_raw):
+    """Raw scores ``qk`` with the run-time terms, in the units the caller's ``* qk_scale`` takes
+    to log2 units: the logit softcap (``softcap > 0``, :func:`_softcapped`) and the ALiBi term
+    ``alibi_raw * |rel|`` (``alibi_raw``: the rows' ``-slope * LOG2E / qk_scale``, zeros without
+    ALiBi: the term is then an exact 0), in FlashAttention-2's order; the runtime refuses calls
+    with both."""
+    qk = tl.where(softcap > 0, _softcapped(qk, qk_scale, softcap), qk)
+    return qk + alibi_raw[:, None] * tl.abs(rel).to(tl.float32)
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, start_b, len_k, qi, diag, left, right,
-            qk_scale, softcap,
+            qk_scale, softcap, alibi_raw, use_alibi,
             page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
             HEAD_DIM: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
             PREC: tl.constexpr, V_T: tl.constexpr):
@@ -197,7 +222,10 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, sta
     entries' sign words (negative once one was out of range). Rows before ``start_b`` (a left
     padding) and from ``len_k`` on are neither loaded nor seen. ``softcap > 0``: scores become
     ``softcap * tanh(q.k * sm_scale / softcap)`` before the masks (the forward's ``_softcapped``;
-    a uniform branch per key block, so one binary serves calls with and without a cap)."""
+    a uniform branch per key block, so one binary serves calls with and without a cap).
+    ``use_alibi != 0``: each score gets ``alibi_raw * |j - i - diag|`` (``alibi_raw``: its row's
+    factor, :func:`_alibi_rows`), FlashAttention-2's ALiBi term with query row i at key position
+    ``i + diag``; the two terms share one uniform branch per key block (:func:`_raw_with_terms`)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         col_ok = (cols >= start_b) & (cols < len_k)
@@ -222,10 +250,12 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, sta
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         qk = tl.dot(q, k, input_precision=PREC)
-        if softcap > 0:
-            qk = _softcapped(qk, qk_scale, softcap)
         rel = cols[None, :] - qi[:, None] - diag
         visible = (rel >= -left) & (rel <= right) & col_ok[None, :]
+        # One uniform branch for both run-time score terms: a branch of its own, ALiBi's few
+        # instructions per score were if-converted into every block (31 more per sm90 block).
+        if (softcap > 0) | (use_alibi != 0):
+            qk = _raw_with_terms(qk, rel, qk_scale, softcap, alibi_raw)
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # Rows that have seen no visible key keep m = -inf and subtract 0 (no NaN).
@@ -323,6 +353,19 @@ def _sequence_start(CacheStart, off_b, len_k, capacity):
 
 
 @triton.jit
+def _alibi_rows(alibi_slopes, stride_az, use_alibi, off_b, heads, row_ok, qk_scale, BLOCK_M: tl.constexpr):
+    """ALiBi's factor of each tile row in raw score units, ``-slope * LOG2E / qk_scale`` (the key
+    loop multiplies raw scores by ``qk_scale`` into log2 units), from the fp32 slope of the row's
+    query head ``heads`` in sequence off_b, ``alibi_slopes[off_b * stride_az + head]``; loaded once
+    per program. Zeros when ``use_alibi`` is 0 (the slopes are then not read: any address)."""
+    alibi_raw = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if use_alibi != 0:
+        slopes = alibi_slopes + off_b.to(tl.int64) * stride_az
+        alibi_raw = tl.load(slopes + heads, mask=row_ok, other=0.0) * (-LOG2E / qk_scale)
+    return alibi_raw
+
+
+@triton.jit
 def _record_fault(Faults, fault):
     """OR ``fault`` (0 or FAULT_* bits) into the flag: one atomic, predicated off when 0."""
     tl.atomic_or(Faults, fault, mask=fault != 0, sem="relaxed")
@@ -340,6 +383,7 @@ def attn_decode(
     stride_ksz, stride_ksh, stride_vsz, stride_vsh,
     batch, num_heads_q, num_heads_k, seqlen_q, seqlen_new, capacity, num_pages, page_size, num_splits,
     sm_scale, window_left, window_right, head_dim, softcap, k_scale, v_scale,
+    alibi_slopes, stride_az, use_alibi, Sinks, use_sinks,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0, V_TRANSPOSED: tl.constexpr = 0,
 ):
@@ -359,6 +403,12 @@ def attn_decode(
     takes it; ``softcap > 0`` needs ``sm_scale != 0``, checked at launch).
     ``KScale``/``VScale``, ``k_scale``/``v_scale``: an fp8 cache's dequantisation scales (see
     :func:`_kv_scales`); variants with a cache of q's own type never read them.
+    ``use_alibi != 0``: FlashAttention-2's ALiBi, each scaled score gets ``-slope * |i + len_k -
+    seqlen_q - j|`` with ``slope = alibi_slopes[b*stride_az + h]`` (fp32, h the row's query head;
+    ``stride_az`` 0 shares one ``(Hq,)`` vector across the batch); 0: the slopes are not read.
+    ``use_sinks != 0``: attention sinks, ``Sinks[h]`` (fp32, one logit per query head) joins each
+    row's softmax with no value, and LSE includes it; with one split here, in the epilogue, with
+    several in attn_decode_combine (the partials stay without it). 0: ``Sinks`` is not read.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     # An fp8 cache's V read as (D, keys) and transposed after widening (config #4 on sm90).
@@ -421,6 +471,8 @@ def attn_decode(
                         v_scale, K.dtype.element_ty != Q.dtype.element_ty)
     # The program's KV head is fixed: its K scale folds into the score scale once.
     qk_scale = sm_scale * ks * LOG2E
+    # ALiBi's term in raw score units (slopes need sm_scale != 0: checked at launch).
+    alibi_raw = _alibi_rows(alibi_slopes, stride_az, use_alibi, off_b, heads, row_ok, qk_scale, BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -430,26 +482,33 @@ def attn_decode(
         # smaller or odd pages: one per 16-row chunk. A uniform branch, both loops in the binary.
         if page_size % BLOCK_N == 0:
             acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end,
-                                              start_b, len_k, qi, diag, left, right, qk_scale, softcap, page_size,
-                                              num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d,
-                                              head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 1, PREC, V_T)
+                                              start_b, len_k, qi, diag, left, right, qk_scale, softcap, alibi_raw,
+                                              use_alibi, page_size, num_pages, stride_kz, stride_kn, stride_vz,
+                                              stride_vn, offs_n, offs_d, head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 1,
+                                              PREC, V_T)
         else:
             acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end,
-                                              start_b, len_k, qi, diag, left, right, qk_scale, softcap, page_size,
-                                              num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d,
-                                              head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 2, PREC, V_T)
+                                              start_b, len_k, qi, diag, left, right, qk_scale, softcap, alibi_raw,
+                                              use_alibi, page_size, num_pages, stride_kz, stride_kn, stride_vz,
+                                              stride_vn, offs_n, offs_d, head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 2,
+                                              PREC, V_T)
     else:
         acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, start_b,
-                                          len_k, qi, diag, left, right, qk_scale, softcap, page_size, num_pages,
-                                          stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
-                                          HEAD_DIM, PADDED_D, BLOCK_N, 0, PREC, V_T)
+                                          len_k, qi, diag, left, right, qk_scale, softcap, alibi_raw, use_alibi,
+                                          page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n,
+                                          offs_d, head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 0, PREC, V_T)
 
     _successor_may_launch(PDL)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
     if K.dtype.element_ty != Q.dtype.element_ty:
         acc = acc * vs  # linear: split partials scaled alike merge unchanged
-    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+    if (use_sinks != 0) & (num_splits == 1):  # several splits: the combine joins the sink
+        sink2 = tl.load(Sinks + heads, mask=row_ok, other=float("-inf")) * LOG2E
+        factor, lse2 = _with_sink(tl.full([BLOCK_M], 1.0, tl.float32), lse2, sink2)
+        acc = acc * factor[:, None]
+    lse = lse2 * LN2
     # A faulting sequence answers NaN (never a plausible number); the flag says why.
     fault = fault | tl.where(page_sign < 0, FAULT_PAGE, 0)
     acc = tl.where(fault != 0, float("nan"), acc)
@@ -469,17 +528,32 @@ def attn_decode(
 
 
 @triton.jit
+def _joined(lse, sink):
+    """(the output factor, the logsumexp) of a row of natural-log logsumexp ``lse`` joined by a
+    sink logit ``sink``: ``exp(lse - lse')`` and ``lse' = logaddexp(lse, sink)``. A row that saw
+    no key (``lse`` -inf) gets factor 0 and the sink's logit; a sink of -inf leaves the row bit
+    for bit as it was (factor exactly 1, ``lse' = lse + log(1)``); NaN stays NaN."""
+    top = tl.maximum(lse, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)  # both -inf: no key and a sink of -inf
+    new = top + tl.log(tl.exp(lse - top) + tl.exp(sink - top))
+    factor = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - new))
+    return factor, new
+
+
+@triton.jit
 def attn_decode_combine(
     Out, LSE, PartO, PartL,
     stride_oz, stride_oh, stride_om,
     stride_lz, stride_lh,
-    batch, num_heads_q, num_heads_k, seqlen_q, num_splits, head_dim,
+    batch, num_heads_q, num_heads_k, seqlen_q, num_splits, head_dim, Sinks, use_sinks,
     HEAD_DIM: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Merge attn_decode's split partials: out = sum_s exp(lse_s - lse) * out_s.
 
     Grid: (group * seqlen_q, batch * num_heads_k, 1), one program per output row. Splits that saw
-    no key have lse -inf and weigh 0; a row no split saw outputs 0 and lse -inf.
+    no key have lse -inf and weigh 0; a row no split saw outputs 0 and lse -inf. ``use_sinks !=
+    0``: the row's head's sink logit ``Sinks[h]`` (fp32) joins the merged row (:func:`_joined`;
+    a row no split saw keeps 0 and takes the sink's logit); 0: ``Sinks`` is not read.
     """
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
     row = tl.program_id(0)
@@ -518,6 +592,9 @@ def attn_decode_combine(
     _successor_may_launch(PDL)
     out = tl.sum(acc, 0) / safe
     lse = tl.where(total == 0.0, float("-inf"), m_sub + tl.log(safe))
+    if use_sinks != 0:
+        factor, lse = _joined(lse, tl.load(Sinks + head))
+        out = out * factor
     o_ptrs = Out + off_b.to(tl.int64) * stride_oz + head.to(tl.int64) * stride_oh + qi.to(tl.int64) * stride_om + offs_d
     if PADDED_D:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_d < head_dim)
@@ -903,13 +980,13 @@ _SCALES = {"KScale": "*fp32", "VScale": "*fp32"}
 _DECODE_SIG = {**signature_of(attn_decode, {
     "Q": "*{dtype}", "K": "*{KV_DTYPE}", "V": "*{KV_DTYPE}", "Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
     "PartL": "*fp32", "BlockTable": "*i32", "CacheSeqlens": "*i32", "CacheStart": "*i32",
-    "Faults": "*i32", **_SCALES}), "k_scale": "fp32", "v_scale": "fp32"}
+    "Faults": "*i32", **_SCALES, "alibi_slopes": "*fp32", "Sinks": "*fp32"}), "k_scale": "fp32", "v_scale": "fp32"}
 # Lengths, block tables and scales may be any int32 / fp32 views (e.g. a slice of a longer array).
 _INDEX_POINTERS = ("BlockTable", "CacheSeqlens", "CacheStart", "Faults", *_SCALES)
 _DECODE_DIV = {**{n: d for n, d in divisibility_of(_DECODE_SIG, aligned=("q", "k", "v", "o")).items()
                   if n not in _INDEX_POINTERS}, "page_size": 16}
 _COMBINE_SIG = signature_of(attn_decode_combine, {"Out": "*{dtype}", "LSE": "*fp32", "PartO": "*fp32",
-                                                  "PartL": "*fp32"})
+                                                  "PartL": "*fp32", "Sinks": "*fp32"})
 _COMBINE_DIV = divisibility_of(_COMBINE_SIG, aligned=("o",))
 _APPEND_SIG = {**signature_of(attn_decode_append, {
     "KNew": "*{dtype}", "VNew": "*{dtype}", "K": "*{KV_DTYPE}", "V": "*{KV_DTYPE}", "BlockTable": "*i32",
@@ -960,8 +1037,10 @@ _SHAPE_CHECKS = ("num_heads_k >= 1", "num_heads_q % num_heads_k == 0", "seqlen_q
                  f"seqlen_q <= {MAX_SEQLEN_Q}", f"num_heads_q // num_heads_k * seqlen_q <= {MAX_GROUP_ROWS}",
                  "batch * num_heads_k <= 65535")
 _PAGE_CHECKS = ("page_size >= 16", "page_size % 16 == 0", "num_pages >= 1", "capacity >= 0")
-# The logit softcap: 0 (none) or positive (NaN fails both), and a cap divides by the scale.
-_SOFTCAP_CHECKS = ("softcap >= 0", "softcap == 0 or sm_scale != 0")
+# The logit softcap: 0 (none) or positive (NaN fails both), and a cap divides by the scale; so
+# does ALiBi's factor in raw score units. (With both, the kernel caps, then adds ALiBi's term:
+# FlashAttention-2's order; the runtime refuses such calls, as aotriton_rt.attention does.)
+_SOFTCAP_CHECKS = ("softcap >= 0", "softcap == 0 or sm_scale != 0", "use_alibi == 0 or sm_scale != 0")
 _SETS = {"default": in_decode_default_set, "gputest": in_decode_gputest_set}
 
 

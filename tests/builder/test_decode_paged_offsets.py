@@ -6,7 +6,8 @@ is 16 rows on: an add and a compare); a signed ``//`` and ``%`` per chunk made e
 sequences per block, 204 more instructions in the loop than a block inside one page (658
 against 454), then 157 (602 against 445); the fault flag's check of each table entry (an add
 and an OR of a sign word per entry, tested once after the loop) makes it 177 (618 against 441);
-the logit softcap's branch (skipped without a cap) 206 (668 against 462). The results are pinned under the interpreter
+the logit softcap's branch (skipped without a cap) 206 (668 against 462); that branch holding
+ALiBi's term too, 174 (638 against 464). The results are pinned under the interpreter
 (tests/runtime/test_decode_op.py: pages of 16, 32, 48 and 80 rows in blocks of 64) and on the
 GPU (tests/runtime/test_decode_gpu.py).
 """
@@ -47,7 +48,7 @@ def _sass(raw: bytes) -> str:
 def _loops(sass: str) -> list[tuple[collections.Counter, collections.Counter]]:
     """Opcode counts of each loop (a backward branch's body) that runs a tensor-core dot: (the
     instructions every key block runs, those a forward branch inside the loop may skip: the
-    logit softcap's, which only calls with a cap run)."""
+    logit softcap's and ALiBi's, which only calls with a cap or slopes run)."""
     ins: list[str] = []
     labels: dict[str, int] = {}
     for line in sass.splitlines():
@@ -84,15 +85,33 @@ def test_a_chunked_key_block_costs_one_unsigned_division_not_two_signed_ones_per
         assert loop["IABS"] == 0, "a signed division (|x| and a sign fix-up) is left in the key loop"
         assert loop["MUFU.RCP"] <= 1 and loop["IMAD.HI.U32"] + loop["IMAD.HI"] <= 3, loop
         assert loop["LDGSTS.E.BYPASS.128"] == 16  # the K and V tiles: 16-byte copies either way
-        # The softcap, skipped without a cap: per score a thread holds (a 16x64 tile over 128
-        # threads: 8) one exp2 and one fast division, nothing else of the loop's.
-        assert cap["MUFU.EX2"] == cap["MUFU.RCP"] == 8 and sum(cap.values()) <= 80, cap
+        # The softcap and ALiBi, skipped without either: per score a thread holds (a 16x64 tile
+        # over 128 threads: 8) one exp2 and one fast division, and ALiBi's absolute value,
+        # conversion and FMA; nothing else of the loop's.
+        assert cap["MUFU.EX2"] == cap["MUFU.RCP"] == 8 and sum(cap.values()) <= 96, cap
+        assert cap["IABS"] == cap["I2FP.F32.S32"] == 8, cap
         assert not any(op.startswith(("HMMA", "LDGSTS", "BAR")) for op in cap), cap
     assert chunked["LDGSTS.E"] == 4 and whole["LDGSTS.E"] == 1  # four page ids per block, or one
-    # The softcap's branch costs the chunked loop 32 instructions (predicate moves: its per-chunk
-    # load masks kept across the branch), the whole-page one 4: 206 more against 178 before it.
+    # The softcap's branch cost the chunked loop 32 instructions (predicate moves: its per-chunk
+    # load masks kept across the branch), the whole-page one 4: 206 more against 178 before it;
+    # with ALiBi's term in the branch 174 (638 against 464).
     extra = sum(chunked.values()) - sum(whole.values())
     assert extra <= 215, f"the chunked loop runs {extra} more instructions per block than the whole-page one"
+    assert sum(whole.values()) <= 470 and sum(chunked.values()) <= 645, (sum(whole.values()), sum(chunked.values()))
+
+
+def test_alibi_shares_the_softcaps_branch_so_a_plain_contiguous_block_skips_it() -> None:
+    """The contiguous binary: ALiBi's term behind a branch of its own was if-converted into every
+    key block (31 more instructions: absolute value, conversion, predicated FMA per score, 496
+    against 465); in the softcap's branch a block without either runs 475."""
+    (job,) = [j for j in expand(load_kernels()["attn_decode"], parse_targets("sm90"), "default", "3.6.0")
+              if j.spec == {"dtype": "bf16", "HEAD_DIM": 128, "PAGED": 0, "PADDED_D": 0, "KV_DTYPE": "bf16"}
+              and j.config_index == 0]
+    ((loop, terms),) = _loops(_sass(compile_job(job)[1]))
+    assert loop["IABS"] == 0 and loop["I2FP.F32.S32"] == 0, loop
+    assert terms["IABS"] == 8 and terms["MUFU.EX2"] == 8, terms
+    assert loop["LDGSTS.E.BYPASS.128"] == 16
+    assert sum(loop.values()) <= 480, sum(loop.values())
 
 
 def test_an_fp8_cache_keeps_the_chunk_walk_and_its_copies_in_both_paged_loops() -> None:

@@ -9,7 +9,8 @@ one block, several; a block table whose unused entries point far outside the cac
 taller than one block, sliding windows, forced splits (merged by the combine kernel; on sm90
 the chain's PDL launches), head dims 64, 80 and 128, fp32, fp8 caches (per-head, per-sequence
 and float scales, appends quantised into them; float8_e4m3fnuz on gfx942, float8_e4m3fn
-elsewhere, on GPUs whose images hold them), the attention() route, and hostile
+elsewhere, on GPUs whose images hold them), ALiBi slopes (per head and per sequence) and sinks
+(joined in the epilogue and by the combine, a head at -inf), the attention() route, and hostile
 inputs: pages past the cache (10**6 in a 3-column table), negative entries, lengths past the
 capacity, negative or near the int32 limit, appends through them, with and without the debug
 check. Without it the kernels must stay in bounds (memcheck: no error), answer NaN for the
@@ -74,6 +75,11 @@ def run(name, b=3, hq=8, hk=2, sq=1, d=64, dtype=torch.float16, page=None, lens=
             return
         k, v, scales = to_fp8(k, v, b, hk, fp8)
         opts = {**opts, **scales}
+    alibi, with_sinks = opts.pop("alibi", None), opts.pop("sinks", False)
+    if alibi:  # slopes per query head, or per sequence and query head
+        opts["alibi_slopes"] = torch.rand(hq, device=dev) if alibi == "head" else torch.rand(b, hq, device=dev)
+    if with_sinks:  # one head at -inf: joined as nothing
+        opts["sinks"] = torch.randn(hq, device=dev).index_fill_(0, torch.tensor([hq - 1], device=dev), float("-inf"))
     q = torch.randn(b, sq, hq, d, device=dev, dtype=dtype)
     kn = torch.randn(b, new, hk, d, device=dev, dtype=dtype) if new else None
     vn = torch.randn_like(kn) if new else None
@@ -102,9 +108,10 @@ def case(name, fn, *args, **kwargs):
 BIG = 10**6
 
 
-def hostile(name, paged, lens, new=0, changes=None, bits=0, splits=1):
+def hostile(name, paged, lens, new=0, changes=None, bits=0, splits=1, terms=False):
     """Sequence 1 is hostile. check=True: refused naming the array; check=False: in bounds (the
-    sanitizer says), NaN for sequence 1, finite elsewhere, flag == bits."""
+    sanitizer says), NaN for sequence 1, finite elsewhere, flag == bits. ``terms``: with ALiBi
+    slopes per sequence and sinks (the faulting sequence still answers NaN)."""
     read_faults(library=lib)
     if paged:  # 9 pages of 16 rows, a 3-column table
         k = torch.randn(9, 16, 2, 64, device=dev, dtype=torch.float16)
@@ -120,6 +127,8 @@ def hostile(name, paged, lens, new=0, changes=None, bits=0, splits=1):
     lens_d = torch.tensor(lens, dtype=torch.int32, device=dev)
     args = {"cache_seqlens": lens_d, "block_table": table, "k_new": kn, "v_new": vn, "num_splits": splits,
             "library": lib}
+    if terms:
+        args.update(alibi_slopes=torch.rand(3, 8, device=dev), sinks=torch.randn(8, device=dev))
     want = "block_table[1," if bits == FAULT_PAGE else "cache_seqlens[1]"
     try:
         decode_attention(q, k, v, check=True, **args)
@@ -177,6 +186,20 @@ case("softcap, paged 16, splits, window", run, page=16, sq=2, lens=(200, 3, 64),
      num_splits=3, softcap=30.0)
 case("softcap, head dim 128 bf16 contiguous, append", run, d=128, dtype=torch.bfloat16, lens=(500, 0, 2), new=2,
      softcap=50.0)
+case("alibi per head, paged 16, splits, window", run, page=16, sq=2, lens=(200, 3, 64), causal=True,
+     window=(31, 0), num_splits=3, alibi="head")
+case("alibi per sequence, head dim 128 bf16 contiguous, append, one split", run, d=128, dtype=torch.bfloat16,
+     lens=(500, 0, 2), new=2, alibi="batch", num_splits=1)
+case("alibi, 16-row chunk, group 4, paged 48", run, sq=16, page=48, lens=(70, 20, 16), causal=True, alibi="batch",
+     num_splits=2)
+case("sinks in the epilogue, paged 64, one split", run, d=128, dtype=torch.bfloat16, page=64, lens=(700, 63, 0),
+     sinks=True, num_splits=1)
+case("sinks in the combine, seven splits, alibi", run, d=128, dtype=torch.bfloat16, page=256, lens=(3000, 1, 255),
+     hq=32, hk=8, num_splits=7, sinks=True, alibi="head")
+case("sinks, fp8 cache, per-head scales, splits", run, d=128, dtype=torch.bfloat16, lens=(900, 0, 37), fp8="head",
+     num_splits=4, sinks=True)
+case("alibi and sinks, 160-row run", run, d=128, dtype=torch.bfloat16, page=16, lens=(300, 0, 5), sq=160, hq=16,
+     hk=4, causal=True, alibi="batch", sinks=True)
 
 
 def clamped(name):
@@ -227,6 +250,8 @@ for splits in (1, 3):
          new=2, bits=FAULT_LENGTH, splits=splits)
     case(f"hostile: contiguous negative length, splits {splits}", hostile, False, [40, -1, 5], bits=FAULT_LENGTH,
          splits=splits)
+    case(f"hostile: page 10**6 with alibi and sinks, splits {splits}", hostile, True, [40, 30, 5],
+         changes={(1, 1): BIG}, bits=FAULT_PAGE, splits=splits, terms=True)
 for paged_cache in (True, False):
     for rows in (0, 5):
         case(f"host lengths past capacity refused, at capacity run ({'paged' if paged_cache else 'contiguous'}, "

@@ -31,6 +31,11 @@ CASES: dict[str, dict] = {
     "contiguous_append_saturates": {"new": 2, "lens": (20, 0, 61), "scales": "head", "big": True},
     "window_left_padding_softcap_bf16": {"dtype": "bf16", "window": (20, 0), "Sq": 2, "leftpad": (5, 0, 30),
                                          "softcap": 2.0, "scales": "tensor", "splits": 2},
+    # Sinks joined by the split combine (one head's at -inf), and by the epilogue with ALiBi slopes.
+    "paged_16_sinks_in_the_combine_bf16": {"sinks": True, "dtype": "bf16", "paged": 16, "block_n": 64, "new": 1,
+                                           "lens": (37, 1, 70), "scales": "batch_head", "causal": True, "splits": 2},
+    "contiguous_sinks_and_alibi_one_split": {"sinks": True, "alibi": True, "splits": 1, "Sq": 2, "causal": True,
+                                             "scales": "head"},
     "masked_head_dim_48_on_the_64_bucket": {"D": 48, "Hq": 4, "Hk": 1, "scales": "head", "paged": 16,
                                             "new": 1, "lens": (15, 33, 2)},
     "repeated_call_takes_the_cached_plan_with_new_scales": {"scales": "head", "repeat": True, "splits": 2},
@@ -132,8 +137,15 @@ def run_case(name: str, case: dict) -> dict:
 
         lib.kernel = kernel
     softcap = c.get("softcap", 0.0)
+    sinks = slopes = None
+    if c.get("sinks"):
+        sinks = torch.randn(Hq, generator=gen) * 2
+        sinks[Hq - 1] = float("-inf")
+    if c.get("alibi"):
+        slopes = torch.rand(Hq, generator=gen) * 0.3 + 0.05
     kw = {"cache_seqlens": seqlens, "block_table": table, "causal": c["causal"], "window": c["window"],
-          "num_splits": c["splits"], "softcap": softcap, "cache_leftpad": starts, "library": lib}
+          "num_splits": c["splits"], "softcap": softcap, "cache_leftpad": starts, "sinks": sinks,
+          "alibi_slopes": slopes, "library": lib}
     out, lse = op.decode_attention(q, k_cache, v_cache, k_new=k_new, v_new=v_new, k_scale=arg(ks), v_scale=arg(vs),
                                    check=True, **kw)
     errors: dict[str, float] = {}
@@ -158,7 +170,8 @@ def run_case(name: str, case: dict) -> dict:
         deq_k = stored_k[b].double() * ks[b][None, :, None].double()
         deq_v = stored_v[b].double() * vs[b][None, :, None].double()
         start = c["leftpad"][b] if c.get("leftpad") else 0
-        ref, ref_lse = fp64_reference(q[b], deq_k, deq_v, Hq // Hk, scale, left, right, start, softcap)
+        ref, ref_lse = fp64_reference(q[b], deq_k, deq_v, Hq // Hk, scale, left, right, start, softcap, slopes,
+                                      sinks)
         got = out[b].double()
         err = (got - ref).abs().max().item() if total[b] > start else got.abs().max().item()
         errors[f"out{b}"] = err
@@ -191,17 +204,22 @@ def run_case(name: str, case: dict) -> dict:
             if row != [FP8_MAX, -FP8_MAX]:
                 failed.append(f"out-of-range values were stored as {row}, not saturated to +-448")
     kernels = [n for n, _ in LAUNCHES]
-    if "attn_decode" not in kernels or (new and "attn_decode_append" not in kernels):
+    if "attn_decode" not in kernels or (new and "attn_decode_append" not in kernels) or "attn_sinks" in kernels:
         failed.append(f"launches {kernels}")
     return {"errors": errors, "failed": failed, "launches": LAUNCHES[:]}
 
 
 def _main(names: list[str]) -> None:
+    from aotriton_rt import interop
+    from tests.helpers.cpu_arrays import cpu_describer
     from tests.runtime.test_decode_op import _install_cpu
 
     patch_interpreter()
     _install_cpu()
     _install_fp8_names()
+    real = interop.describe  # the sinks' own look at their array
+    cpu = cpu_describer(lambda obj, name: real(obj))
+    interop.describe = lambda obj, **kw: cpu(obj, "")
     report_cases(names, lambda name: run_quantisation(name) if name == QUANTISATION else run_case(name, CASES[name]))
 
 
@@ -590,8 +608,8 @@ def test_the_torch_ops_carry_tensor_and_float_scales(monkeypatch: pytest.MonkeyP
 
     for name in ("decode_attention", "decode_attention_append"):
         schema = str(getattr(torch.ops.aotriton_rt, name).default._schema)
-        assert ("Tensor? sinks, Tensor? k_scale, Tensor? v_scale, float k_scale_value, float v_scale_value"
-                in schema), schema
+        assert ("Tensor? sinks, Tensor? alibi_slopes, Tensor? k_scale, Tensor? v_scale, float k_scale_value, "
+                "float v_scale_value" in schema), schema
     seen: list = []
 
     def operator(q: Any, k: Any, v: Any, **kw: Any) -> tuple:
@@ -615,8 +633,8 @@ def test_the_torch_ops_carry_tensor_and_float_scales(monkeypatch: pytest.MonkeyP
             torch_decode.decode_attention(q, k, k, cache_seqlens=lens, k_scale=bad, v_scale=1.0)
     half = torch.randn(2, 64, 2, 64).half()  # opcheck's schema test does arithmetic torch lacks for fp8 on CPU
     torch.library.opcheck(torch_decode.decode_attention_op,
-                          (q, half, half, lens, -1, None, None, None, heads, None, 0.0, 0.5, True, -1, 0, 0.125, 0.0,
-                           0, -1, "bshd", "bshd", 0),
+                          (q, half, half, lens, -1, None, None, None, None, heads, None, 0.0, 0.5, True, -1, 0, 0.125,
+                           0.0, 0, -1, "bshd", "bshd", 0),
                           test_utils=("test_schema", "test_faketensor"))
 
 

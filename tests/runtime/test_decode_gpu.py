@@ -423,10 +423,11 @@ def test_custom_op_passes_opcheck(lib: aotriton_rt.Library) -> None:
     c = _cache([100, 37], 0, 2, 64, torch.float16, 16, gen)
     q = torch.randn(2, 1, 8, 64, device="cuda", generator=gen, dtype=torch.float16)
     sinks = torch.randn(8, device="cuda", generator=gen)
-    for s, softcap in ((None, 0.0), (sinks, 0.0), (None, 30.0)):
-        torch.library.opcheck(decode_attention_op, (q, c["k"], c["v"], c["lens"], -1, c["table"], None, s, None, None,
-                                                    0.0, 0.0, True, -1, 0, 0.125, softcap, 0, -1, "bshd", "bshd",
-                                                    _library_key(lib)),
+    slopes = torch.rand(8, device="cuda", generator=gen)
+    for s, a, softcap in ((None, None, 0.0), (sinks, None, 0.0), (None, None, 30.0), (sinks, slopes, 0.0)):
+        torch.library.opcheck(decode_attention_op, (q, c["k"], c["v"], c["lens"], -1, c["table"], None, s, a, None,
+                                                    None, 0.0, 0.0, True, -1, 0, 0.125, softcap, 0, -1, "bshd",
+                                                    "bshd", _library_key(lib)),
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 

@@ -208,12 +208,14 @@ def _install_cpu() -> None:
 
 
 def fp64_reference(q: Any, keys: Any, vals: Any, group: int, scale: float, left: int, right: int,
-                   start: int = 0, softcap: float = 0.0) -> tuple[Any, Any]:
+                   start: int = 0, softcap: float = 0.0, alibi: Any = None, sinks: Any = None) -> tuple[Any, Any]:
     """One sequence's decode attention in fp64: q ``(Sq, Hq, D)`` against its cache rows ``keys``
     / ``vals`` ``(n, Hk, D)``, of which rows from ``start`` on are its keys; the queries are the
     last ``Sq`` rows (bottom-right), ``left``/``right`` the window (-1: unbounded); ``softcap``
-    (0: none) makes the scores ``softcap * tanh(s / softcap)`` before the mask. Returns
-    ``(out (Sq, Hq, D), lse (Hq, Sq))``: rows that see no key give 0 and -inf."""
+    (0: none) makes the scores ``softcap * tanh(s / softcap)`` before the mask; ``alibi`` (None or
+    the ``(Hq,)`` slopes) adds ``-slope * |i + n - Sq - j|``; ``sinks`` (None or ``(Hq,)`` logits)
+    joins each row's softmax with no value (gpt-oss). Returns ``(out (Sq, Hq, D), lse (Hq, Sq))``:
+    rows that see no key give 0 and -inf (with a sink: 0 and the sink's logit)."""
     import torch
 
     sq, n = q.shape[0], keys.shape[0]
@@ -223,6 +225,8 @@ def fp64_reference(q: Any, keys: Any, vals: Any, group: int, scale: float, left:
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     rel = torch.arange(start, n)[None, :] - torch.arange(sq)[:, None] - (n - sq)
+    if alibi is not None:
+        s = s - alibi.double()[:, None, None] * rel.abs().double()[None]
     vis = torch.ones(sq, n - start, dtype=torch.bool)
     if left >= 0:
         vis &= rel >= -left
@@ -232,7 +236,12 @@ def fp64_reference(q: Any, keys: Any, vals: Any, group: int, scale: float, left:
     row_ok = vis.any(-1)
     s_safe = torch.where(row_ok[:, None], s, 0.0)
     ref = ((torch.softmax(s_safe, -1) * row_ok[:, None]) @ vv).transpose(0, 1)
-    return ref, torch.where(row_ok, torch.logsumexp(s_safe, -1), float("-inf"))
+    lse = torch.where(row_ok, torch.logsumexp(s_safe, -1), float("-inf"))
+    if sinks is not None:
+        joined = torch.logaddexp(lse, sinks.double()[:, None])  # (Hq, Sq)
+        factor = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - joined))
+        return ref * factor.transpose(0, 1)[..., None], joined
+    return ref, lse
 
 
 def run_case(name: str, case: dict) -> dict:
@@ -1060,6 +1069,6 @@ def test_the_torch_ops_take_the_softcap_after_the_scale_and_pass_it_to_the_opera
     with pytest.raises(ArgumentError, match=r"softcap needs a non-zero scale"):
         torch_decode.decode_attention(q, k, k, cache_seqlens=lens, scale=0.0, softcap=30.0)
     torch.library.opcheck(torch_decode.decode_attention_op,
-                          (q, k, k, lens, -1, None, None, None, None, None, 0.0, 0.0, True, -1, 0, 0.125, 30.0, 0, -1,
-                           "bshd", "bshd", 0),
+                          (q, k, k, lens, -1, None, None, None, None, None, None, 0.0, 0.0, True, -1, 0, 0.125, 30.0,
+                           0, -1, "bshd", "bshd", 0),
                           test_utils=("test_schema", "test_faketensor"))

@@ -198,9 +198,11 @@ EXPRESS: Any = None
 
 
 class _DecodeForward:
-    """A call the decode kernels serve (:func:`aotriton_rt.ops.decode.route_options`)."""
+    """A call the decode kernels serve (:func:`aotriton_rt.ops.decode.route_options`), ALiBi
+    slopes and sinks passed per call: the decode operator joins the sinks itself (in its kernels
+    where they take them, else by the ``attn_sinks`` pass)."""
 
-    fuses_sinks = False
+    fuses_sinks = True
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
@@ -209,11 +211,12 @@ class _DecodeForward:
     def run(self, q: Any, k: Any, v: Any, bias: Any, cu_q: Any, cu_k: Any, alibi: Any, out: Any, lse: Any,
             ptrs: tuple, seed: Any, offset: Any, sinks: Any = None) -> tuple:
         launch = self.launch
-        # This plan's key pins all the decode plan depends on (the library, and so its tuning rules).
+        # This plan's key pins all the decode plan depends on (the library, and so its tuning
+        # rules; the slopes' and sinks' signatures).
         if launch is not None:
-            return launch.run_fast(q, k, v, None, None, None, None, None)
-        result = EXPRESS.decode_attention(q, k, v, **self.options)
-        self.launch = EXPRESS.cached_launch(q, k, v, **self.options)
+            return launch.run_fast(q, k, v, None, None, None, None, None, None, None, None, alibi, sinks)
+        result = EXPRESS.decode_attention(q, k, v, alibi_slopes=alibi, sinks=sinks, **self.options)
+        self.launch = EXPRESS.cached_launch(q, k, v, alibi_slopes=alibi, sinks=sinks, **self.options)
         return result
 
 
@@ -414,12 +417,13 @@ def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, ou
     call = p.call(2 if return_mask else 1 if p.dropout_p else 0)
     # THE routing point for other kernel families: 1..16 query rows without bias, dropout or
     # preallocated outputs run on the split-KV decode kernels when the images hold them (their
-    # out/lse equal the prefill's, so the backward is unchanged; a softcap goes along where the
-    # images' decode kernel takes it, ALiBi slopes never). A family returns its own plan object
-    # (anything with this `run`) before the attn_fwd dispatch below.
-    if p.rows_q <= 16 and EXPRESS is not None and p.alibi_info is None:
+    # out/lse equal the prefill's, so the backward is unchanged; a softcap or ALiBi slopes go
+    # along where the images' decode kernel takes them, sinks always: the decode operator joins
+    # them). A family returns its own plan object (anything with this `run`) before the attn_fwd
+    # dispatch below.
+    if p.rows_q <= 16 and EXPRESS is not None:
         opts = EXPRESS.route_options(q, k, v, out=out, lse=lse, return_mask=return_mask, library=library,
-                                     softcap=p.softcap,
+                                     softcap=p.softcap, alibi_slopes=p.alibi,
                                      **{n: options[n] for n in ("causal", "window", "align", "bias", "dropout_p",
                                                                 "scale", "cu_seqlens_q", "cu_seqlens_k", "layout")})
         if opts is not None:

@@ -204,22 +204,30 @@ def check_alibi(p: Problem, slopes: Any, infos: Sequence[tuple[str, interop.Arra
         raise UnsupportedError("alibi_slopes with bias= is not compiled: the ALiBi kernels take no bias tensor; "
                                "add the ALiBi term to the bias instead (-slope * |i + seqlen_k - seqlen_q - j|), or "
                                "drop one")
-    if p.softcap:
+    stride = alibi_stride(ai, p.batch, p.heads_q, p.softcap)
+    same_device(list(infos) + [("alibi_slopes", ai)])
+    p.alibi, p.alibi_info, p.alibi_stride = slopes, ai, stride
+
+
+def alibi_stride(ai: interop.ArrayInfo, batch: int, heads_q: int, softcap: float) -> int:
+    """The batch stride of ALiBi slopes ``ai`` (0: one ``(Hq,)`` vector shared by the batch);
+    ArgumentError unless fp32 of shape ``(Hq,)`` or ``(B, Hq)``, contiguous along the heads;
+    UnsupportedError with a softcap. Shared by the attention and decode operators."""
+    if softcap:
         raise UnsupportedError(ALIBI_WITH_SOFTCAP)
     if ai.dtype != "fp32":
         raise ArgumentError(f"alibi_slopes must be float32, got {ai.dtype}; convert it, e.g. slopes.float()")
     shape = tuple(ai.shape)
-    if shape not in ((p.heads_q,), (p.batch, p.heads_q)):
-        raise ArgumentError(f"alibi_slopes must have shape ({p.heads_q},) (a slope per query head) or "
-                            f"({p.batch}, {p.heads_q}) (per sequence and query head), got {shape}")
-    if p.heads_q > 1 and ai.strides[-1] != 1:
+    if shape not in ((heads_q,), (batch, heads_q)):
+        raise ArgumentError(f"alibi_slopes must have shape ({heads_q},) (a slope per query head) or "
+                            f"({batch}, {heads_q}) (per sequence and query head), got {shape}")
+    if heads_q > 1 and ai.strides[-1] != 1:
         raise ArgumentError(f"alibi_slopes must be contiguous along the heads (stride 1), got stride "
                             f"{ai.strides[-1]}; pass slopes.contiguous()")
-    stride = ai.strides[0] if len(shape) == 2 and p.batch > 1 else 0
+    stride = ai.strides[0] if len(shape) == 2 and batch > 1 else 0
     if stride < 0:
         raise ArgumentError(f"alibi_slopes has a negative batch stride {stride}; pass slopes.contiguous()")
-    same_device(list(infos) + [("alibi_slopes", ai)])
-    p.alibi, p.alibi_info, p.alibi_stride = slopes, ai, stride
+    return stride
 
 
 def prepare(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, bias: Any, dropout_p: Any,

@@ -45,6 +45,16 @@ q·k * scale`` become ``c * tanh(s / c)`` before the masks and the softmax, as
 images built before it existed refuse a capped call with :class:`KernelNotFound` (a call
 without a cap runs on them as before).
 
+**ALiBi.** ``alibi_slopes`` (fp32 ``(Hq,)`` or ``(B, Hq)``, FlashAttention-2's): every score
+gets ``-slope * |i + len_k - Sq - j|``, query row ``i`` sitting at key position ``i + len_k - Sq``
+(the queries are the sequence's last rows), ``slope`` that of the row's query head. A run-time
+argument of every decode variant; not with a softcap (refused as :func:`aotriton_rt.attention`
+refuses it); images built before it refuse such a call with :class:`KernelNotFound`.
+
+**Sinks.** ``sinks`` (one logit per query head): joined by the decode kernels where they take
+them (one split: the decode kernel's epilogue; several: the combine's, after the merge), else
+by the ``attn_sinks`` pass over ``(out, lse)`` (images built before the arguments).
+
 **Splits.** One program per (GQA group tile, split, batch x KV head); the keys each tile's
 query rows may see (a causal tile of a long run: only those up to its rows) are cut into
 ``num_splits`` runs, whose partials ``attn_decode_combine`` merges (a second launch). Long
@@ -97,7 +107,7 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
                      softcap: float = 0.0, num_splits: int | None = None, max_seqlen_k: int | None = None,
                      layout: str = "bshd", cache_layout: str = "bshd", out: Any = None, check: bool | None = None,
                      cache_leftpad: Any = None, sinks: Any = None, k_scale: Any = None, v_scale: Any = None,
-                     library: Any = None) -> tuple[Any, Any]:
+                     alibi_slopes: Any = None, library: Any = None) -> tuple[Any, Any]:
     """Attention of query rows per sequence against a (contiguous or paged) KV cache.
 
     Arguments:
@@ -127,8 +137,10 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             read; masks stay aligned to the end. Needs ``0 <= cache_leftpad[b] <= cache_seqlens[b]``.
         check: read lengths, starts and block table back and check them before launch, and the fault
             flag after (default: ``AOTRITON_RT_DEBUG``).
-        sinks: attention sinks, one logit per query head (``(Hq,)``, as for
+        sinks: attention sinks, one logit per query head (``(Hq,)``, fp16, bf16 or fp32, as for
             :func:`aotriton_rt.attention`): out and lse are the sinks'.
+        alibi_slopes: FlashAttention-2's ALiBi slopes, fp32 ``(Hq,)`` or ``(B, Hq)``: scores get
+            ``-slope * |i + len_k - Sq - j|`` (query row ``i``, key ``j``). Not with ``softcap``.
         k_scale, v_scale: an fp8 cache's scales (required with one, refused without): a real
             key is the stored value times its scale. A float > 0 (one per cache), or a float32
             array on q's device of shape ``()`` or ``(1,)`` (one), ``(Hkv,)`` (per KV head) or
@@ -146,39 +158,34 @@ def decode_attention(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any =
             size that is not a multiple of 16, more than :data:`MAX_SEQLEN_Q` query rows (or
             :data:`MAX_GROUP_ROWS` per KV head), a softcap that is negative, not finite, or
             with a zero scale, an fp8 cache without scales or scales without one, scales of the
-            wrong shape, dtype or device; nothing has run.
+            wrong shape, dtype or device, ALiBi slopes or sinks of the wrong shape, dtype or
+            device, ALiBi slopes with a zero scale; nothing has run.
         UnsupportedError: a head dim past 256, sizes past the grid, an fp8 cache with fp32
-            queries or of another fp8 format.
+            queries or of another fp8 format, ALiBi slopes with a softcap.
         FaultError: with ``check``, the fault flag was set (see :func:`read_faults`).
         KernelNotFound: the images lack the decode kernels for this dtype / head dim / cache
-            type (fp8 variants are built for the targets named above), or (with ``softcap``)
-            were built before the decode kernel took the cap.
+            type (fp8 variants are built for the targets named above), or (with ``softcap`` or
+            ``alibi_slopes``) were built before the decode kernel took the argument.
 
     Example::
 
         out, lse = decode_attention(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
                                     k_new=k, v_new=v, causal=True)
     """
-    result = _decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, window, scale,
-                     softcap, num_splits, max_seqlen_k, layout, cache_layout, out, check, cache_leftpad, library,
-                     k_scale, v_scale)
-    if sinks is not None:
-        from ..attention.sinks import apply_sinks
-
-        heads_q = interop.describe(q).shape[2 if layout == "bshd" else 1]
-        apply_sinks(result[0], result[1], sinks, heads_q=heads_q, layout=layout, library=library)
-    return result
+    return _decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, window, scale,
+                   softcap, num_splits, max_seqlen_k, layout, cache_layout, out, check, cache_leftpad, library,
+                   k_scale, v_scale, alibi_slopes, sinks)
 
 
 def _decode(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
             causal: bool, window: Any, scale: Any, softcap: Any, num_splits: Any, max_seqlen_k: Any, layout: str,
             cache_layout: str, out: Any, check: Any, cache_leftpad: Any, library: Any, k_scale: Any = None,
-            v_scale: Any = None) -> tuple[Any, Any]:
-    """:func:`decode_attention` without sinks."""
+            v_scale: Any = None, alibi_slopes: Any = None, sinks: Any = None) -> tuple[Any, Any]:
+    """:func:`decode_attention`'s body."""
     debug = _debug(check)
     key = None if debug else _torch_key(q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, k_new, v_new,
                                         out, causal, window, scale, num_splits, max_seqlen_k, layout, cache_layout,
-                                        softcap, scales=(k_scale, v_scale))
+                                        softcap, scales=(k_scale, v_scale, alibi_slopes, sinks))
     ks = None
     if key is not None:
         try:
@@ -189,14 +196,15 @@ def _decode(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table:
         if launch is not None:
             if launch.fast is not None:
                 return launch.run_fast(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out,
-                                       cache_leftpad, k_scale, v_scale)
+                                       cache_leftpad, k_scale, v_scale, alibi_slopes, sinks)
             return launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out,
-                              cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale)
+                              cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale,
+                              alibi_slopes=alibi_slopes, sinks=sinks)
     try:
         p, infos = _plan(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                          v_new=v_new, causal=causal, window=window, scale=scale, max_seqlen_k=max_seqlen_k,
                          layout=layout, cache_layout=cache_layout, cache_leftpad=cache_leftpad, softcap=softcap,
-                         k_scale=k_scale, v_scale=v_scale)
+                         k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes, sinks=sinks)
     except Exception:  # an error path only: say so when the arrays are JAX tracers
         interop.refuse_jax_tracers("decode_attention", "it has no JAX version: call it outside jax.jit, on "
                                    "concrete arrays", q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
@@ -221,7 +229,7 @@ def _decode(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table:
     if key is not None and not launch.q_copy:
         launch.ks.keep_launch(key, launch)
     result = launch.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out, infos, cache_leftpad,
-                        k_scale, v_scale)
+                        k_scale, v_scale, alibi_slopes, sinks)
     if debug:
         raise_faults(launch.ks, p.device)
     return result
@@ -231,15 +239,16 @@ def _decode(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table:
 
 def cached_launch(q: Any, k_cache: Any, v_cache: Any, *, causal: bool = False, window: Any = None,
                   scale: Any = None, softcap: Any = 0.0, layout: str = "bshd", cache_layout: str = "bshd",
-                  library: Any = None) -> Any:
+                  alibi_slopes: Any = None, sinks: Any = None, library: Any = None) -> Any:
     """The launch plan a :func:`decode_attention` call with these arguments (no lengths, table,
     append or ``out``) made and cached, when it runs repeated calls with integer addresses; else None.
 
     For the attention operator's plans, whose own key already pins everything this plan depends
-    on: they keep it and call ``run_fast(q, k, v, None, None, None, None, None)`` directly.
+    on: they keep it and call ``run_fast(q, k, v, None, None, None, None, None, None, None,
+    None, alibi_slopes, sinks)`` directly.
     """
     key = _torch_key(q, k_cache, v_cache, None, None, None, None, None, None, causal, window, scale, None, None,
-                     layout, cache_layout, softcap)
+                     layout, cache_layout, softcap, scales=(None, None, alibi_slopes, sinks))
     launch = _kernels_of(library).launch_of(key)
     return launch if launch is not None and launch.fast is not None else None
 
@@ -248,7 +257,7 @@ def _torch_key(q: Any, k: Any, v: Any, lens: Any, starts: Any, table: Any, kn: A
                *options: Any, scales: tuple = (None, None)) -> tuple | None:
     """A key for the library's launch cache (``_Kernels.launches``) when every array is a torch
     tensor (else None: full checks). ``scales``: an fp8 cache's (k_scale, v_scale), floats
-    (their values, typed: a plan bakes them in) or tensors."""
+    (their values, typed: a plan bakes them in) or tensors, then the ALiBi slopes and the sinks."""
     if type(q).__name__ != "Tensor" or type(q).__module__ != "torch":
         return None
     # Options typed: causal=1 or num_splits=True must not find the plan of True or 1 and skip
@@ -280,7 +289,8 @@ def decode_kernels(q: Any, k_cache: Any, v_cache: Any, *, library: Any = None, *
                  window=options.pop("window", None), scale=options.pop("scale", None),
                  max_seqlen_k=options.pop("max_seqlen_k", None), layout=options.pop("layout", "bshd"),
                  cache_layout=options.pop("cache_layout", "bshd"), softcap=options.pop("softcap", None),
-                 k_scale=options.pop("k_scale", None), v_scale=options.pop("v_scale", None))
+                 k_scale=options.pop("k_scale", None), v_scale=options.pop("v_scale", None),
+                 alibi_slopes=options.pop("alibi_slopes", None), sinks=options.pop("sinks", None))
     if options:
         raise ArgumentError(f"unknown option(s) {', '.join(sorted(options))}")
     ks = _kernels_of(library)
@@ -298,7 +308,8 @@ def decode_kernels(q: Any, k_cache: Any, v_cache: Any, *, library: Any = None, *
 
 def route_from_attention(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: Any, bias: Any,
                          dropout_p: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, layout: Any, out: Any,
-                         lse: Any, return_mask: Any, library: Any, softcap: Any = None) -> tuple[Any, Any] | None:
+                         lse: Any, return_mask: Any, library: Any, softcap: Any = None, alibi_slopes: Any = None,
+                         sinks: Any = None) -> tuple[Any, Any] | None:
     """``(out, lse)`` from the decode kernels when an ``attention()`` call can run there, else None.
 
     :func:`route_options` decides; the attention operator's plans call it once per call
@@ -306,18 +317,20 @@ def route_from_attention(q: Any, k: Any, v: Any, *, causal: Any, window: Any, al
     """
     opts = route_options(q, k, v, causal=causal, window=window, align=align, bias=bias, dropout_p=dropout_p,
                          scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, layout=layout, out=out,
-                         lse=lse, return_mask=return_mask, library=library, softcap=softcap)
+                         lse=lse, return_mask=return_mask, library=library, softcap=softcap,
+                         alibi_slopes=alibi_slopes)
     if opts is None:
         return None
     try:
-        return decode_attention(q, k, v, **opts)
+        return decode_attention(q, k, v, alibi_slopes=alibi_slopes, sinks=sinks, **opts)
     except (ArgumentError, UnsupportedError, KernelNotFound):
         return None
 
 
 def route_options(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: Any, bias: Any,
                   dropout_p: Any, scale: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, layout: Any, out: Any,
-                  lse: Any, return_mask: Any, library: Any, softcap: Any = None) -> dict[str, Any] | None:
+                  lse: Any, return_mask: Any, library: Any, softcap: Any = None,
+                  alibi_slopes: Any = None) -> dict[str, Any] | None:
     """The :func:`decode_attention` options of an ``attention()`` call that can run there, else None.
 
     Taken: dense (no cu_seqlens) forward calls with 1..:data:`ROUTED_SEQLEN_Q` query rows (longer
@@ -326,7 +339,8 @@ def route_options(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: An
     decode variants (as is or masked, :mod:`.variants`) the images hold, K/V readable in place,
     and a mask the decode kernels express: none, or causal/window aligned bottom-right
     (or top-left with equal lengths, where the alignments coincide). A logit ``softcap`` goes
-    along when the images' decode kernel takes it (else None: images built before it). The
+    along when the images' decode kernel takes it (else None: images built before it); so do
+    ALiBi slopes (passed per call, not among the options: an array). The
     results equal the prefill kernel's (same ``out`` layout, ``lse`` fp32 ``(B, Hq, Sq)``), so
     the backward is unchanged. Anything else, any refusal, or images without the decode kernels:
     None, and ``attention()`` runs as before (its own validation reports malformed calls).
@@ -358,7 +372,7 @@ def route_options(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: An
         # The decode call's own validation: a call it refuses (shapes, strides) stays with attention().
         p, _ = _plan(q, k, v, cache_seqlens=None, block_table=None, k_new=None, v_new=None, causal=causal is True,
                      window=window, scale=scale, max_seqlen_k=None, layout=layout, cache_layout=layout,
-                     softcap=softcap)
+                     softcap=softcap, alibi_slopes=alibi_slopes)
         try:
             ks = _kernels_of(library)
             spec, _ = ks.choose(p, p.aligned)

@@ -9,7 +9,7 @@ from typing import Any
 
 from ... import interop
 from ...errors import ArgumentError, KernelNotFound
-from ..attention.family import SOFTCAP_ARG, named
+from ..attention.family import ALIBI_ARG, SINKS_ARG, SOFTCAP_ARG, USE_SINKS_ARG, named
 from ..attention.framework import arrays_for
 from . import validate
 from .faults import fault_flag, fault_flags, shared_ones, shared_zeros
@@ -143,10 +143,21 @@ class _Kernels:
         return hit
 
 
+#: The decode kernel's ALiBi switch (with :data:`ALIBI_ARG` and its batch stride ``stride_az``).
+USE_ALIBI_ARG = "use_alibi"
+
+
 def decode_args(p: DecodePlan) -> tuple[str, ...]:
     """The run-time arguments ``attn_decode`` must take to serve ``p``: ``softcap`` for a
-    softcapped call (images built before the argument existed have variants without it)."""
-    return (SOFTCAP_ARG,) if p.softcap else ()
+    softcapped call, the ALiBi slopes for an ALiBi one (images built before an argument existed
+    have variants without it). Sinks are not asked for: variants without them join the sinks by
+    the ``attn_sinks`` pass instead."""
+    return ((SOFTCAP_ARG,) if p.softcap else ()) + ((ALIBI_ARG, USE_ALIBI_ARG) if p.alibi else ())
+
+
+def takes_sinks(handle: Any) -> bool:
+    """Whether a decode or combine handle joins sinks itself (``Sinks``/``use_sinks`` arguments)."""
+    return handle is not None and SINKS_ARG in handle.arg_names
 
 
 def _kernels_of(library: Any) -> _Kernels:
@@ -245,7 +256,7 @@ _MAX_CONSTANT_LENS = 4096
 
 #: The array arguments of the decode kernels, in the order run_fast gathers their addresses.
 _POINTERS = ("Q", "K", "V", "Out", "LSE", "BlockTable", "CacheSeqlens", "KNew", "VNew", "PartO", "PartL",
-             "Faults", "CacheStart", "KScale", "VScale")
+             "Faults", "CacheStart", "KScale", "VScale", ALIBI_ARG, SINKS_ARG)
 #: Arguments of decode kernels in images built before the fused split merge was removed: always
 #: null (those kernels then leave the merge to attn_decode_combine, as the current ones do).
 _RETIRED = {"Counters": None}
@@ -307,6 +318,7 @@ class _Launch:
                      "capacity": p.capacity, "num_pages": p.num_pages, "page_size": p.page_size, "sm_scale": p.scale,
                      "window_left": p.window_left, "window_right": p.window_right, "num_splits": num_splits,
                      "head_dim": p.head_dim, SOFTCAP_ARG: p.softcap, **_scale_args(p),
+                     "stride_az": p.alibi_stride, USE_ALIBI_ARG: int(p.alibi), USE_SINKS_ARG: 0,
                      **named("q", "m", p.q_strides), **named("k", "n", p.k_strides),
                      **named("v", "n", p.v_strides), **named("o", "m", o_strides),
                      **named("kn", "m", p.kn_strides), **named("vn", "m", p.vn_strides),
@@ -317,6 +329,21 @@ class _Launch:
             raise KernelNotFound(f"softcap={p.softcap} needs attn_decode with a softcap argument; these images were "
                                  f"built before it ({', '.join(f'{k}={v}' for k, v in paged.items())}): rebuild "
                                  f"them (`python -m builder build --kernels attn_decode`)")
+        if p.alibi and not self.varlen and USE_ALIBI_ARG not in self.decode.arg_names:
+            # Never a silent answer without the term: the variant would ignore the slopes.
+            shown = ", ".join(f"{k}={v}" for k, v in paged.items())
+            raise KernelNotFound(f"alibi_slopes needs attn_decode with ALiBi arguments (alibi_slopes, stride_az, "
+                                 f"use_alibi); these images were built before them ({shown}): rebuild them "
+                                 f"(`python -m builder build --kernels attn_decode,attn_decode_combine`)")
+        # Sinks: joined by the kernels where they take them (one split: attn_decode's epilogue;
+        # several: attn_decode_combine's), by the variable-length forward on its route, else by
+        # the attn_sinks pass over (out, lse) after the launches (images built before them).
+        self.sinks_pass = False
+        if p.sinks:
+            fused = takes_sinks(self.decode) and (self.combine is None or takes_sinks(self.combine))
+            if fused and not self.varlen:
+                self.base[USE_SINKS_ARG] = 1
+            self.sinks_pass = not fused and not self.varlen
         if self.varlen:
             self.lengths = ks.handle(LENGTHS, {}, 0, p.device, why)
             self.pack = ks.handle(PACK, shared(paged), 0, p.device, why)
@@ -365,7 +392,8 @@ class _Launch:
         return prepared
 
     def run_fast(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
-                 out: Any, cache_leftpad: Any = None, k_scale: Any = None, v_scale: Any = None) -> tuple[Any, Any]:
+                 out: Any, cache_leftpad: Any = None, k_scale: Any = None, v_scale: Any = None,
+                 alibi_slopes: Any = None, sinks: Any = None) -> tuple[Any, Any]:
         """A repeated torch call: allocate, fill the address slots, launch (no per-call checks)."""
         torch, p, dev = self.torch, self.p, q.device
         o = out if out is not None else torch.empty(self.q_shape, dtype=self.tdtype, device=dev)
@@ -392,13 +420,32 @@ class _Launch:
                      k_new.data_ptr() if k_new is not None else 0, v_new.data_ptr() if v_new is not None else 0,
                      part_o, part_l, (self.flag if self.flag is not None else self._flag(q)).data_ptr(),
                      self.starts(q, cache_leftpad, cache_seqlens).data_ptr(),
-                     *self._scale_addresses(q, k_scale, v_scale))
+                     *self._scale_addresses(q, k_scale, v_scale),
+                     alibi_slopes.data_ptr() if alibi_slopes is not None else 0,
+                     s32.data_ptr() if (s32 := self.sinks_fp32(sinks)) is not None else 0)
         for launch, template, slots in self.fast:
             args = list(template)
             for i, j in slots:
                 args[i] = addresses[j]
             launch(stream, tuple(args))
+        if self.sinks_pass:
+            self._sinks_pass(o, lse, sinks)
         return o, lse
+
+    def sinks_fp32(self, sinks: Any) -> Any:
+        """The sinks as the kernels read them, fp32 (fp16/bf16 ones converted: a new array of Hq
+        values, ordered on the stream before its reuse by the framework's allocator); None when
+        the kernels do not read them."""
+        if sinks is None or not self.base[USE_SINKS_ARG]:
+            return None
+        return sinks if self.p.sinks == "fp32" else self.xp.as_fp32(sinks)
+
+    def _sinks_pass(self, o: Any, lse: Any, sinks: Any) -> None:
+        """The sinks joined to ``(o, lse)`` by the ``attn_sinks`` pass (decode variants built before
+        they took them)."""
+        from ..attention.sinks import apply_sinks
+
+        apply_sinks(o, lse, sinks, heads_q=self.p.heads_q, layout=self.layout, library=self.ks.lib)
 
     def _constant_lens(self, q: Any, cache_seqlens: Any) -> Any:
         """The lengths array of a "full"/"int" fast call: one per (device, batch, length) for the
@@ -498,7 +545,7 @@ class _Launch:
 
     def run(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any,
             infos: dict | None = None, cache_leftpad: Any = None, k_scale: Any = None,
-            v_scale: Any = None) -> tuple[Any, Any]:
+            v_scale: Any = None, alibi_slopes: Any = None, sinks: Any = None) -> tuple[Any, Any]:
         xp, p = self.xp, self.p
         if infos is not None:  # first call: any framework, converted once
             q, k, v = (xp.convert(a, infos[n]) for a, n in ((q, "q"), (k, "k_cache"), (v, "v_cache")))
@@ -511,6 +558,10 @@ class _Launch:
                 k_new, v_new = xp.convert(k_new, infos["k_new"]), xp.convert(v_new, infos["v_new"])
             if out is not None:
                 out = xp.convert(out, infos["out"])
+            if alibi_slopes is not None:
+                alibi_slopes = xp.convert(alibi_slopes, infos["alibi_slopes"])
+            if sinks is not None:
+                sinks = xp.convert(sinks, infos["sinks"])
         lse = xp.empty(self.lse_shape, "fp32", q)
         if p.batch == 0 or p.heads_q == 0:
             return (out if out is not None else xp.empty(self.q_shape, p.dtype, q)), lse
@@ -520,25 +571,31 @@ class _Launch:
                   "CacheSeqlens": self.seqlens(q, cache_seqlens, infos),
                   "CacheStart": self.starts(q, cache_leftpad, cache_seqlens, infos), "KNew": k_new, "VNew": v_new,
                   "PartO": None, "PartL": None, "Faults": self.flag if self.flag is not None else self._flag(q),
-                  **dict(zip(("KScale", "VScale"), self.scale_arrays(q, k_scale, v_scale, infos))), **_RETIRED}
+                  **dict(zip(("KScale", "VScale"), self.scale_arrays(q, k_scale, v_scale, infos))),
+                  ALIBI_ARG: alibi_slopes, SINKS_ARG: self.sinks_fp32(sinks), **_RETIRED}
         if self.append is not None:
             self.append(*[values[n] for n in self.append.arg_names])
         if self.varlen:
-            return self._run_varlen(q, values, lse)
+            return self._run_varlen(q, values, lse, alibi_slopes, sinks)
         if self.combine is not None:
             values["PartO"] = xp.empty((self.part_rows, self.bucket), "fp32", q)
             values["PartL"] = xp.empty((self.part_rows,), "fp32", q)
         self.decode(*[values[n] for n in self.decode.arg_names])
         if self.combine is not None:
             self.combine(*[values[n] for n in self.combine.arg_names])
+        if self.sinks_pass:
+            self._sinks_pass(o, lse, sinks)
         return o, lse
 
 
-    def _run_varlen(self, q: Any, values: dict, lse: Any) -> tuple[Any, Any]:
+    def _run_varlen(self, q: Any, values: dict, lse: Any, alibi_slopes: Any = None,
+                    sinks: Any = None) -> tuple[Any, Any]:
         """A long query run through the variable-length forward: each sequence's live cache rows
         packed (``attn_decode_lengths``, ``attn_decode_pack``), the forward on them aligned
-        bottom-right with the call's mask, then NaN for every sequence whose lengths or table
-        entries were out of range (``attn_decode_poison``): the decode kernels' answers."""
+        bottom-right with the call's mask (ALiBi's positions too: a sequence's packed keys start
+        at its first live row, which shifts query and key positions alike; sinks joined by it),
+        then NaN for every sequence whose lengths or table entries were out of range
+        (``attn_decode_poison``): the decode kernels' answers."""
         from ..attention.plan import forward
 
         xp, p = self.xp, self.p
@@ -557,7 +614,7 @@ class _Launch:
         # forward take its direct plan (the general one, which out= needs, costs ~100 µs more).
         packed, lse_packed = forward(q.reshape(B * Sq, Hq, D), ko, vo, causal, window, "bottom_right", None, 0.0,
                                      None, 0, p.scale, values["CuQ"], values["CuK"], Sq, p.capacity, "bhsd", None,
-                                     None, False, self.ks.lib, p.softcap or None)
+                                     None, False, self.ks.lib, p.softcap or None, alibi_slopes, sinks)
         o = packed.reshape(self.q_shape)
         per_sequence = lse_packed.reshape(Hq, B, Sq)
         if xp.framework == "torch":
@@ -578,7 +635,8 @@ def _varlen_route(p: DecodePlan, ks: _Kernels, spec: dict, layout: str, infos: d
     """Whether a call runs through the variable-length forward (:meth:`_Launch._run_varlen`): a
     long query run at a compiled head dim, ``bshd`` arrays whose rows pack as they lie, packed
     K/V within :data:`MAX_SCRATCH_BYTES`, and images that hold every kernel of the route (for a
-    softcapped call, a forward compiled with the cap: ``SOFTCAP=1`` taking ``softcap``)."""
+    softcapped call, a forward compiled with the cap: ``SOFTCAP=1`` taking ``softcap``; for an
+    ALiBi call, ``ALIBI=1`` taking the slopes)."""
     if p.fp8:
         return False  # the packing kernels copy caches of q's type only
     if p.seqlen_q < VARLEN_SEQLEN_Q or spec.get("PADDED_D") or spec["HEAD_DIM"] != p.head_dim or layout != "bshd":
@@ -597,10 +655,11 @@ def _varlen_route(p: DecodePlan, ks: _Kernels, spec: dict, layout: str, infos: d
     # the SOFTCAP=1 or ALIBI=1 variants, which refuse this call); images built before one have none.
     from ..attention.dispatch import held_axis
 
-    late = {"SOFTCAP": int(bool(p.softcap)), "ALIBI": 0}
+    late = {"SOFTCAP": int(bool(p.softcap)), "ALIBI": int(p.alibi)}
     forward.update({axis: value for axis, value in late.items() if value or held_axis(ks.has, "attn_fwd", axis)})
+    args = ((SOFTCAP_ARG,) if p.softcap else ()) + ((ALIBI_ARG,) if p.alibi else ())
     return (ks.has(LENGTHS, {}) and ks.has(PACK, shared(with_paged(spec, p.paged))) and ks.has(POISON, shared(spec))
-            and ks.has("attn_fwd", forward, (SOFTCAP_ARG,) if p.softcap else ()))
+            and ks.has("attn_fwd", forward, args))
 
 
 def _scale_args(p: DecodePlan) -> dict[str, Any]:

@@ -10,7 +10,8 @@ from typing import Any
 
 from ... import interop
 from ...errors import ArgumentError, UnsupportedError
-from ..attention.problem import _describe, check_softcap, window_sides  # shared with the attention operator
+from ..attention.problem import _describe, alibi_stride, check_softcap, window_sides  # shared with attention
+from ..attention.sinks import check_sinks
 
 DECODE = "attn_decode"
 COMBINE = "attn_decode_combine"
@@ -94,6 +95,11 @@ class DecodePlan:
     kv_dtype: str = ""
     #: An fp8 cache's scales (:class:`KVScales`); None for a cache of q's type.
     scales: KVScales | None = None
+    #: ALiBi slopes given (fp32 ``(Hq,)`` or ``(B, Hq)``), and their batch stride (0: shared).
+    alibi: bool = False
+    alibi_stride: int = 0
+    #: The attention sinks' dtype ("fp16", "bf16" or "fp32"; the kernels read fp32), "" without.
+    sinks: str = ""
 
     def __post_init__(self) -> None:
         if not self.kv_dtype:
@@ -231,7 +237,7 @@ def _check_scales(k_scale: Any, v_scale: Any, fp8: bool, kv_dtype: str, batch: i
 def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any,
           causal: bool, window: Any, scale: Any, max_seqlen_k: Any, layout: str, cache_layout: str,
           cache_leftpad: Any = None, softcap: Any = None, k_scale: Any = None,
-          v_scale: Any = None) -> tuple[DecodePlan, dict[str, Any]]:
+          v_scale: Any = None, alibi_slopes: Any = None, sinks: Any = None) -> tuple[DecodePlan, dict[str, Any]]:
     if layout not in _LAYOUTS:
         raise ArgumentError(f"layout must be 'bshd' (batch, seqlen, heads, head_dim) or 'bhsd', got {layout!r}")
     if cache_layout not in _LAYOUTS:
@@ -367,6 +373,14 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ArgumentError(f"scale must be a finite number, got {scale!r}")
     softcap = check_softcap(softcap, scale)
+    slopes_stride = 0
+    if alibi_slopes is not None:
+        ai = _describe(alibi_slopes, "alibi_slopes")
+        slopes_stride = alibi_stride(ai, batch, heads_q, softcap)
+        if scale == 0:
+            raise ArgumentError("alibi_slopes needs a non-zero scale (the kernels add the term in units of the "
+                                "scaled scores)")
+        infos["alibi_slopes"] = ai
     device = -1
     for name, info in infos.items():
         if info.device < 0:
@@ -376,9 +390,12 @@ def _plan(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table
         elif info.device != device:
             raise ArgumentError(f"{name} is on device {info.device} but q is on device {device}; every array must "
                                 f"be on one GPU")
+    if sinks is not None:
+        infos["sinks"] = check_sinks(sinks, heads_q, device)
     plan = DecodePlan(qi.dtype, d, batch, heads_q, heads_k, seqlen_q, seqlen_new, capacity, paged, page_size,
                       num_pages, hint, q_strides, k_strides, v_strides, kn_strides, vn_strides, bt_stride, left, right,
-                      float(scale), device, q_copy, aligned, softcap, kv_dtype, scales)
+                      float(scale), device, q_copy, aligned, softcap, kv_dtype, scales, alibi_slopes is not None,
+                      slopes_stride, infos["sinks"].dtype if sinks is not None else "")
     return plan, infos
 
 
