@@ -2,7 +2,11 @@
 
 Each worker is a process started with ``spawn`` (a clean Triton) that compiles one job at a time
 (:func:`builder.compile.run_job`). A job that runs past its timeout has its worker killed and
-replaced; a worker that dies is reported for the job it held. The Ray executor
+replaced; a worker that dies is reported for the job it held. A job whose compile fails in a
+worker that has compiled before is compiled once more in a fresh worker, and only that answer
+counts: Triton's compiler can carry state from one compile to the next in a process (3.6's AMD
+fp8 conversions failed an assertion in long-lived workers and passed in fresh ones), and a real
+error fails twice. The Ray executor
 (:mod:`builder.cluster`) offers the same :meth:`LocalPool.run`.
 """
 
@@ -50,6 +54,8 @@ class LocalPool:
         (``timeout`` seconds from when a worker takes it)."""
         pending = list(reversed(jobs))
         busy: dict = {}  # conn -> (proc, job, started)
+        used: set = set()  # workers (their pipes) that have compiled a job
+        retried: set[str] = set()
         try:
             while pending or busy:
                 while pending and len(busy) < self.n:
@@ -68,6 +74,16 @@ class LocalPool:
                         status, payload = "error", f"worker died (exit code {proc.exitcode})"
                         proc.join()
                     else:
+                        if status != "ok" and conn in used and job.key not in retried:
+                            # Again in a fresh worker; this one, its state suspect, is retired.
+                            retried.add(job.key)
+                            conn.send(None)
+                            proc.join(timeout=5)
+                            fresh, fresh_conn = self._spawn()
+                            fresh_conn.send(job)
+                            busy[fresh_conn] = (fresh, job, time.monotonic())
+                            continue
+                        used.add(conn)
                         self.idle.append((proc, conn))
                     done(job, status, payload)
                 now = time.monotonic()
