@@ -17,7 +17,6 @@ Images: ``AOTRITON_RT_TEST_IMAGES`` (``python -m builder build --set gputest --t
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -26,7 +25,7 @@ torch = pytest.importorskip("torch")
 
 import aotriton_rt  # noqa: E402
 from aotriton_rt.ops import decode as dec  # noqa: E402
-from tests.runtime.test_decode_gpu import EPS, _cache, _close  # noqa: E402
+from tests.runtime.test_decode_gpu import EPS, _cache, _close, _reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -38,48 +37,11 @@ def lib(decode_lib: aotriton_rt.Library) -> aotriton_rt.Library:
     return decode_lib
 
 
-def _reference(q: Any, keys: list, vals: list, causal: bool, window: Any, dtype: Any, slopes: Any = None,
-               sinks: Any = None) -> tuple[Any, Any]:
-    """(out (B, Sq, Hq, D), lse (B, Hq, Sq)) in ``dtype``; ``slopes`` ``(Hq,)`` or ``(B, Hq)``,
-    ``sinks`` ``(Hq,)``; rows that see no key: 0 and -inf (with a sink: its logit)."""
-    outs, lses = [], []
-    B, Sq, Hq, D = q.shape
-    left, right = window if window else (-1, -1)
-    if causal:
-        right = 0
-    for b in range(B):
-        n = keys[b].shape[0]
-        group = Hq // keys[b].shape[1]
-        kk = keys[b].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
-        vv = vals[b].to(dtype).transpose(0, 1).repeat_interleave(group, 0)
-        s = q[b].to(dtype).transpose(0, 1) @ kk.transpose(-1, -2) / math.sqrt(D)
-        rel = torch.arange(n, device=q.device)[None, :] - torch.arange(Sq, device=q.device)[:, None] - (n - Sq)
-        if slopes is not None:
-            per_seq = slopes if slopes.dim() == 1 else slopes[b]
-            s = s - per_seq.to(dtype)[:, None, None] * rel.abs().to(dtype)[None]
-        vis = torch.ones_like(rel, dtype=torch.bool)
-        if left >= 0:
-            vis &= rel >= -left
-        if right >= 0:
-            vis &= rel <= right
-        s = s.masked_fill(~vis, float("-inf"))
-        seen = vis.any(-1)
-        p = torch.softmax(torch.where(seen[:, None], s, 0.0), -1) * seen[:, None]
-        out = (p @ vv).transpose(0, 1)
-        lse = torch.where(seen, torch.logsumexp(torch.where(seen[:, None], s, 0.0), -1), float("-inf"))
-        if sinks is not None:
-            joined = torch.logaddexp(lse, sinks.to(dtype)[:, None])
-            out = out * torch.where(lse == float("-inf"), 0.0, torch.exp(lse - joined)).transpose(0, 1)[..., None]
-            lse = joined
-        outs.append(out)
-        lses.append(lse)
-    return torch.stack(outs), torch.stack(lses)
-
-
 def _check(out: Any, lse: Any, q: Any, c: dict, causal: bool, window: Any, dtype_name: str, slopes: Any,
            sinks: Any) -> None:
-    ref_hi, lse_hi = _reference(q, c["keys"], c["vals"], causal, window, torch.float32, slopes, sinks)
-    ref_lo, lse_lo = _reference(q, c["keys"], c["vals"], causal, window, DTYPES[dtype_name], slopes, sinks)
+    ref_hi, lse_hi = _reference(q, c["keys"], c["vals"], causal, window, torch.float32, slopes=slopes, sinks=sinks)
+    ref_lo, lse_lo = _reference(q, c["keys"], c["vals"], causal, window, DTYPES[dtype_name], slopes=slopes,
+                                sinks=sinks)
     _close("out", out, ref_hi, ref_lo, EPS[dtype_name])
     _close("lse", lse, lse_hi, lse_lo, EPS[dtype_name])
 
@@ -93,7 +55,7 @@ def _slopes(kind: str, B: int, Hq: int, gen: Any) -> Any:
 
 
 def _bent(q: Any, c: dict, causal: bool, window: Any, slopes: Any) -> None:
-    with_slopes, _ = _reference(q, c["keys"], c["vals"], causal, window, torch.float32, slopes)
+    with_slopes, _ = _reference(q, c["keys"], c["vals"], causal, window, torch.float32, slopes=slopes)
     plain, _ = _reference(q, c["keys"], c["vals"], causal, window, torch.float32)
     assert (with_slopes - plain).abs().max().item() > 0.1, "the slopes do not bend these scores"
 

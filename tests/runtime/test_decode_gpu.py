@@ -34,10 +34,12 @@ def lib(decode_lib: aotriton_rt.Library) -> aotriton_rt.Library:
     return decode_lib
 
 
-def _reference(q: Any, keys: list, vals: list, causal: bool, window: Any, dtype: Any, softcap: float = 0.0
-               ) -> tuple[Any, Any]:
+def _reference(q: Any, keys: list, vals: list, causal: bool, window: Any, dtype: Any, softcap: float = 0.0,
+               slopes: Any = None, sinks: Any = None) -> tuple[Any, Any]:
     """(out (B, Sq, Hq, D), lse (B, Hq, Sq)) per sequence in ``dtype``; keys[b]: (n, Hk, D);
-    ``softcap`` (0: none) makes the scaled scores ``softcap * tanh(s / softcap)`` before the mask."""
+    ``softcap`` (0: none) makes the scaled scores ``softcap * tanh(s / softcap)`` before the mask;
+    ALiBi ``slopes`` ``(Hq,)`` or ``(B, Hq)``; ``sinks`` ``(Hq,)``. Rows that see no key: 0 and -inf
+    (with a sink: its logit)."""
     outs, lses = [], []
     B, Sq, Hq, D = q.shape
     left, right = window if window else (-1, -1)
@@ -52,6 +54,9 @@ def _reference(q: Any, keys: list, vals: list, causal: bool, window: Any, dtype:
         if softcap:
             s = softcap * torch.tanh(s / softcap)
         rel = torch.arange(n, device=q.device)[None, :] - torch.arange(Sq, device=q.device)[:, None] - (n - Sq)
+        if slopes is not None:
+            per_seq = slopes if slopes.dim() == 1 else slopes[b]
+            s = s - per_seq.to(dtype)[:, None, None] * rel.abs().to(dtype)[None]
         vis = torch.ones_like(rel, dtype=torch.bool)
         if left >= 0:
             vis &= rel >= -left
@@ -60,8 +65,14 @@ def _reference(q: Any, keys: list, vals: list, causal: bool, window: Any, dtype:
         s = s.masked_fill(~vis, float("-inf"))
         seen = vis.any(-1)
         p = torch.softmax(torch.where(seen[:, None], s, 0.0), -1) * seen[:, None]
-        outs.append((p @ vv).transpose(0, 1))
-        lses.append(torch.where(seen, torch.logsumexp(torch.where(seen[:, None], s, 0.0), -1), float("-inf")))
+        out = (p @ vv).transpose(0, 1)
+        lse = torch.where(seen, torch.logsumexp(torch.where(seen[:, None], s, 0.0), -1), float("-inf"))
+        if sinks is not None:
+            joined = torch.logaddexp(lse, sinks.to(dtype)[:, None])
+            out = out * torch.where(lse == float("-inf"), 0.0, torch.exp(lse - joined)).transpose(0, 1)[..., None]
+            lse = joined
+        outs.append(out)
+        lses.append(lse)
     return torch.stack(outs), torch.stack(lses)
 
 
