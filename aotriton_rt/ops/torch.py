@@ -349,11 +349,6 @@ def _forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: T
     return key, result
 
 
-def lse_heads(lse: Tensor, varlen: bool) -> int:
-    """The query heads of a forward's logsumexp: ``(B, Hq, Sq)``, or ``(Hq, total)`` varlen."""
-    return lse.shape[0] if varlen else lse.shape[1]
-
-
 class _EagerAttention(torch.autograd.Function):
     """The custom op's forward and backward for eager autograd, without the dispatcher.
 
@@ -393,7 +388,7 @@ class _EagerAttention(torch.autograd.Function):
             softcap=o["softcap"] or None, alibi_slopes=alibi)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[4]:
-            dsinks = _core_sinks.sinks_grad(dout, out, lse, sinks, heads_q=lse_heads(lse, cu_q is not None),
+            dsinks = _core_sinks.sinks_grad(dout, out, lse, sinks, heads_q=_core_sinks.lse_heads(lse, cu_q is not None),
                                             layout=o["layout"], cu_seqlens_q=cu_q, max_seqlen_q=o["max_seqlen_q"],
                                             library=o["library"])
         return dq, dk, dv, dbias if bias_grad else None, dsinks, None, None, None, None

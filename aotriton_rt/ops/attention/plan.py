@@ -288,7 +288,7 @@ class _DirectForward:
             mask = alloc.xp.zeros(self.mask_shape, "i8", q)
         s32 = None
         if self.sinks_info is not None:
-            s32 = sinks if self.sinks_info.dtype == "fp32" else _sinks_fp32(alloc.xp, sinks, self.sinks_info)
+            s32 = sinks if self.sinks_info.dtype == "fp32" else _sinks.fp32(alloc.xp, sinks, self.sinks_info)
         if self.fast:
             src = (*ptrs, o.data_ptr(), lse_out.data_ptr(), 0 if mask is None else mask.data_ptr(), seed, offset,
                    0 if s32 is None else s32.data_ptr())
@@ -301,11 +301,6 @@ class _DirectForward:
                 s32 = xp.convert(s32, self.sinks_info)
             self.launches[0]((*arrays, o, lse_out, mask, seed, offset, s32), 0)
         return (o, lse_out, mask) if self.mask_shape is not None else (o, lse_out)
-
-
-def _sinks_fp32(xp: Any, sinks: Any, info: Any) -> Any:
-    """The sinks as an fp32 array of the framework (a new one: Hq values)."""
-    return xp.as_fp32(xp.convert(sinks, info))
 
 
 def _add_alibi(p: Problem, arrays: dict[str, Any], strides: dict[str, Any], slot: Any) -> None:
@@ -394,15 +389,9 @@ def forward_keyed(q: Any, k: Any, v: Any, causal: Any, window: Any, align: Any, 
     result = plan.run(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse,
                       (pq, pk, pv, pb, pcq, pck, pa), seed, offset, sinks)
     if sinks is not None and not plan.fuses_sinks:
-        _sinks.apply_sinks(result[0], result[1], sinks, heads_q=_heads_q(result[1], cu_seqlens_q is not None),
+        _sinks.apply_sinks(result[0], result[1], sinks, heads_q=_sinks.lse_heads(result[1], cu_seqlens_q is not None),
                            layout=layout, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, library=library)
     return key, result
-
-
-def _heads_q(lse: Any, varlen: bool) -> int:
-    """The query heads of a forward's logsumexp: ``(B, Hq, Sq)``, or ``(Hq, total)`` varlen."""
-    shape = lse.shape
-    return shape[0] if varlen else shape[1]
 
 
 def _build_forward(library: Any, q: Any, k: Any, v: Any, *, return_mask: Any, out: Any, lse: Any, sinks: Any = None,

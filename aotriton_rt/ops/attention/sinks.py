@@ -59,8 +59,14 @@ def _lse_rows(info: interop.ArrayInfo, varlen: bool) -> tuple[int, int]:
     return (0, st[0]) if varlen else (st[0], st[1])
 
 
-def _fp32(xp: Any, sinks: Any, info: interop.ArrayInfo) -> Any:
+def fp32(xp: Any, sinks: Any, info: interop.ArrayInfo) -> Any:
+    """The sinks as an fp32 array of the framework ``xp`` (a new one of Hq values, unless fp32)."""
     return xp.as_fp32(xp.convert(sinks, info))
+
+
+def lse_heads(lse: Any, varlen: bool) -> int:
+    """The query heads of a forward's logsumexp: ``(B, Hq, Sq)``, or ``(Hq, total)`` varlen."""
+    return lse.shape[0] if varlen else lse.shape[1]
 
 
 def _sequences(xp: Any, rows: int, cu_seqlens_q: Any, max_seqlen_q: int | None) -> tuple[int, int]:
@@ -92,7 +98,7 @@ def apply_sinks(out: Any, lse: Any, sinks: Any, *, heads_q: int, layout: str, cu
     lz, lh = _lse_rows(li, varlen)
     seqs = max(interop.describe(cu_seqlens_q).shape[0] - 1, 0) if varlen else 0
     xp = arrays_for(oi.framework)
-    s32 = _fp32(xp, sinks, si)
+    s32 = fp32(xp, sinks, si)
     head_dim = oi.shape[-1]
     handle = (library or default_library()).kernel(SINKS, dtype=oi.dtype,
                                                     ALIGNED=int(aligned(oi.dtype, oi.ptr, (oz, oh, om, head_dim))))
@@ -119,7 +125,7 @@ def sinks_grad(dout: Any, out: Any, lse: Any, sinks: Any, *, heads_q: int, layou
         batch, rows = _sequences(xp, total, cu_seqlens_q, max_seqlen_q)
     if batch * heads * rows == 0:
         return xp.zeros((heads_q,), si.dtype, like)
-    s32 = _fp32(xp, sinks, si)
+    s32 = fp32(xp, sinks, si)
     handle = (library or default_library()).kernel(SINKS_BWD, dtype=oi.dtype)
     block_m = handle.variant(max(oi.device, 0)).config.constexprs["BLOCK_M"]
     partial = xp.empty((-(-rows // block_m), batch, heads), "fp32", like)
