@@ -28,7 +28,7 @@ import aotriton_rt
 from aotriton_rt import ArgumentError, KernelNotFound, UnsupportedError
 from aotriton_rt.ops import decode as op
 from tests.helpers.interpreter import patch_interpreter, report_cases, run_sharded
-from tests.runtime.test_decode_op import LAUNCHES, Dev, _dec
+from tests.runtime.test_decode_op import LAUNCHES, Dev, _dec, _decode_arrays
 
 #: Interpreter cases (defaults in run_case). ``alibi``: "head" ``(Hq,)`` or "batch" ``(B, Hq)``
 #: slopes; ``sinks``: True (a logit per head, head ``minus_inf`` at -inf); ``old``: the images'
@@ -400,19 +400,6 @@ def _recording(monkeypatch: pytest.MonkeyPatch, old: bool = False) -> Any:
     return lib
 
 
-def _arrays(paged: bool) -> dict:
-    import torch
-
-    q = torch.randn(2, 1, 8, 64).half()
-    if paged:
-        k = torch.randn(8, 16, 2, 64).half()
-        table = torch.arange(8, dtype=torch.int32).reshape(2, 4)
-    else:
-        k, table = torch.randn(2, 64, 2, 64).half(), None
-    return {"q": q, "k_cache": k, "v_cache": torch.randn_like(k), "block_table": table,
-            "cache_seqlens": torch.tensor([37, 60], dtype=torch.int32)}
-
-
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_slopes_and_sinks_reach_the_kernels_on_first_and_repeated_calls(monkeypatch: pytest.MonkeyPatch,
@@ -420,7 +407,7 @@ def test_slopes_and_sinks_reach_the_kernels_on_first_and_repeated_calls(monkeypa
     import torch
 
     lib = _recording(monkeypatch)
-    a = _arrays(paged)
+    a = _decode_arrays(paged)
     slopes = [torch.rand(2, 8), torch.rand(2, 8)]  # per sequence: batch stride 8
     sinks = torch.randn(8)
     for s in slopes:
@@ -448,7 +435,7 @@ def test_fp16_sinks_are_passed_as_fp32_and_slopes_per_head_have_no_batch_stride(
     import torch
 
     lib = _recording(monkeypatch)
-    a = _arrays(False)
+    a = _decode_arrays(False)
     sinks, slopes = torch.randn(8).half(), torch.rand(8)
     for _ in range(2):
         op.decode_attention(**a, alibi_slopes=slopes, sinks=sinks, num_splits=1, check=False, library=lib)
@@ -463,7 +450,7 @@ def test_images_before_the_arguments_refuse_slopes_and_run_the_sinks_pass(monkey
     import torch
 
     lib = _recording(monkeypatch, old=True)
-    a = _arrays(True)
+    a = _decode_arrays(True)
     refusal = (r"alibi_slopes needs attn_decode with ALiBi arguments \(alibi_slopes, stride_az, use_alibi\); these "
                r"images were built before them \(dtype=fp16, HEAD_DIM=64, PAGED=1, PADDED_D=0, KV_DTYPE=fp16\): "
                r"rebuild them \(`python -m builder build --kernels attn_decode,attn_decode_combine`\)")
