@@ -14,7 +14,9 @@ with the dK/dV and dQ kernels forced through ``builder.tune`` views:
   Gluon dQ ``attn_bwd_dq_sm90`` at its config j (every config held);
 - ``g#i+atom``: the atomic scheme (``scheme="atomic"``: preprocess zeroing DQacc, the Gluon dK/dV
   with ``DQ_ATOMIC=1`` at its config i adding dQ = dS·K into DQacc, the convert kernel): five
-  matmuls a tile instead of seven, FA3's scheme;
+  matmuls a tile instead of seven, FA3's scheme (the configs with ``DQ_TMA=1``, #4-#6 at D=128
+  and #2/#3 at D=64, add each dQ tile with one TMA reduce-add from shared memory, the others with
+  per-thread fp32 reductions);
 - ``port+atom``: the same scheme on the portable ``attn_bwd_dkdv`` (``DQ_ATOMIC=1``), where the
   images hold it (gputest: fp16 D=64, bf16 D=128 causal);
 - ``cudnn``: torch SDPA's cuDNN backward with inputs that require grad (what training runs).

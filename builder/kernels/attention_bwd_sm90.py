@@ -49,8 +49,10 @@ so one descriptor serves every query head of the GQA group.
 
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -166,6 +168,34 @@ def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv
         tma.async_copy_global_to_shared(do_desc, [g, start_m, 0], ready.index(s), do_dst)
 
 
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory tile ``src`` into the global tensor at ``coord`` with one TMA
+    reduce-add (``cp.reduce.async.bulk.tensor ... .add``: the L2 does the adds, elements outside
+    the descriptor's shape are skipped), issued by one thread and committed as a bulk group:
+    ``tma.store_wait`` waits for its read of ``src``. Triton 3.6's Gluon has the operation
+    (``ttng.async_tma_reduce``) but no Python wrapper for it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _reduce_dq(desc, buf, dq, g, start_m, col, WAIT: gl.constexpr):
+    """Add a dQ tile into DQacc through shared memory: store it to ``buf``, then one TMA reduce-add
+    of rows start_m.. of group head g, columns col.. (rows past the sequence are skipped by the
+    descriptor's shape). WAIT: first wait until the previous tile's reductions have read their
+    buffers (issued a whole tile of matmuls ago, so normally done)."""
+    if WAIT:
+        tma.store_wait(0)
+    buf.store(dq)
+    # Each thread's generic-proxy stores before the async proxy reads them; the barrier pass puts
+    # the partition's barrier between these stores and the one thread that issues the copy.
+    fence_async_shared()
+    BLOCK_M: gl.constexpr = buf.shape[0]
+    COLS: gl.constexpr = buf.shape[1]
+    _tma_reduce_add(desc, [g, start_m, col], buf._reinterpret(gl.float32, [1, BLOCK_M, COLS], desc.layout))
+
+
 @gluon.jit
 def _add_dq(ptrs, dq, q_rows, dq_cols, len_q, MASKED: gl.constexpr):
     """Add a dQ tile into DQacc (fp32 reductions: the result is unused, so ptxas issues no wait)."""
@@ -178,9 +208,9 @@ def _add_dq(ptrs, dq, q_rows, dq_cols, len_q, MASKED: gl.constexpr):
 @gluon.jit
 def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head, cols, qcols,
           len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head, stride_dqam, dq_rows, dq_cols,
-          sm_scale, C: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-          DQ_ATOMIC: gl.constexpr, DQ_SHARE: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
-          dq_layout: gl.constexpr):
+          sm_scale, dq_smem, dqa_desc, g, C: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+          STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr,
+          s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr):
     """dK, dV of one consumer after query tile ``it`` (first query start_m) of the loader's order;
     with DQ_ATOMIC also this consumer's share of the tile's dQ (dS·K over its 64 keys, scaled),
     added into DQacc."""
@@ -254,7 +284,10 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
                                k_smem.index(1).slice(C * CHUNK, CHUNK, dim=1), dq, is_async=True)
             dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
             mbarrier.arrive(free.index(s), count=1)
-            _add_dq(row_ptrs + C * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
+            if DQ_TMA:
+                _reduce_dq(dqa_desc, dq_smem.index(C), dq * sm_scale, g, start_m, C * CHUNK, True)
+            else:
+                _add_dq(row_ptrs + C * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
         else:
             # dQ's share of this consumer's 64 keys, dS·K_C, in CHUNK-column pieces: the first
             # runs beside dV's and dK's matmuls, the others one at a time (each 32 fp32 registers
@@ -265,11 +298,18 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
             dq = warpgroup_mma(ds_t, k.slice(0, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
             dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
             mbarrier.arrive(free.index(s), count=1)
-            _add_dq(row_ptrs, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
-            for i in gl.static_range(1, BLOCK_D // CHUNK):
+            NCHUNK: gl.constexpr = BLOCK_D // CHUNK
+            if DQ_TMA:
+                _reduce_dq(dqa_desc, dq_smem.index(C * NCHUNK), dq * sm_scale, g, start_m, 0, True)
+            else:
+                _add_dq(row_ptrs, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
+            for i in gl.static_range(1, NCHUNK):
                 dq = warpgroup_mma(ds_t, k.slice(i * CHUNK, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq,))
-                _add_dq(row_ptrs + i * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
+                if DQ_TMA:
+                    _reduce_dq(dqa_desc, dq_smem.index(C * NCHUNK + i), dq * sm_scale, g, start_m, i * CHUNK, False)
+                else:
+                    _add_dq(row_ptrs + i * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
     else:
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(free.index(s), count=1)
@@ -277,12 +317,12 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, kv_bar, ready, free,
-              LSE, Delta, DK, DV, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn,
+def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, ready,
+              free, LSE, Delta, DK, DV, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn,
               stride_dqaz, stride_dqah, stride_dqam,
               start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n,
               CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-              DQ_SHARE: gl.constexpr, DQ_COLS: gl.constexpr):
+              DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr, DQ_COLS: gl.constexpr):
     """Consumer warp group c: keys start_n + c*HALF ..., every query tile of every group head."""
     HALF: gl.constexpr = k_smem.shape[1]
     BLOCK_D: gl.constexpr = k_smem.shape[2]
@@ -318,15 +358,18 @@ def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar,
             start_m = _query_block(j, lo, f1, f2, n1, n2, BLOCK_M)
             dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
                            cols, qcols, len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head,
-                           stride_dqam, dq_rows, dq_cols, sm_scale, c, True, CAUSAL, STAGES, DQ_ATOMIC, DQ_SHARE,
-                           s_layout, a_layout, dq_layout)
+                           stride_dqam, dq_rows, dq_cols, sm_scale, dq_smem, dqa_desc, g, c, True, CAUSAL,
+                           STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout)
         for j in range(masked, n):
             start_m = f1 + (j - masked) * BLOCK_M
             dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
                            cols, qcols, len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head,
-                           stride_dqam, dq_rows, dq_cols, sm_scale, c, False, CAUSAL, STAGES, DQ_ATOMIC, DQ_SHARE,
-                           s_layout, a_layout, dq_layout)
+                           stride_dqam, dq_rows, dq_cols, sm_scale, dq_smem, dqa_desc, g, c, False, CAUSAL,
+                           STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout)
 
+    if DQ_TMA:
+        # The shared-memory tiles must stay until the last reductions have read them.
+        tma.store_wait(0)
     k_rows = start_n + c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
     d_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
     keep = (k_rows < len_k)[:, None] & (d_cols >= 0)[None, :]
@@ -355,7 +398,7 @@ def attn_bwd_dkdv_sm90(
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
     DQ_ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_SHARE: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr,
 ):
     """dK, dV of one key block of one key/value head, summed over its GQA query heads (see
     attn_bwd_dkdv); with DQ_ATOMIC also this block's share of dQ (scaled, fp32) added into DQacc.
@@ -369,6 +412,8 @@ def attn_bwd_dkdv_sm90(
     per thread of the consumer warp groups (the loader warp gets 24). DQ_SHARE (DQ_ATOMIC, head
     dim 128): 0 each consumer adds its keys' dQ over the whole head dim, 1 each adds half of the
     head dim over both consumers' keys (FA3's split: half the atomic adds, a barrier a tile).
+    DQ_TMA (DQ_ATOMIC): 0 the adds are per-thread fp32 reductions from registers; 1 each dQ tile
+    goes to shared memory and into DQacc with one TMA reduce-add (FA3's path).
     """
     gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0,
                      "attn_bwd_dkdv_sm90: no bias, dropout or varlen")
@@ -379,6 +424,7 @@ def attn_bwd_dkdv_sm90(
     BLOCK_D: gl.constexpr = HEAD_DIM
     dtype: gl.constexpr = Q.dtype.element_ty
     gl.static_assert(BLOCK_D % DQ_CHUNK == 0, "attn_bwd_dkdv_sm90: head dim a multiple of dQ's chunk")
+    gl.static_assert(DQ_TMA == 0 or DQ_ATOMIC == 1, "attn_bwd_dkdv_sm90: DQ_TMA reduces an atomic dQ")
     gl.static_assert(DQ_SHARE == 0 or (DQ_ATOMIC == 1 and BLOCK_D == 2 * DQ_CHUNK),
                      "attn_bwd_dkdv_sm90: DQ_SHARE splits an atomic dQ tile of head dim 128 between the consumers")
     if DQ_SHARE:
@@ -449,16 +495,31 @@ def attn_bwd_dkdv_sm90(
     else:
         ds_smem = k_smem  # unused
         ds_bar = ready  # unused
+    if DQ_TMA:
+        # Each consumer's dQ tiles (fp32, DQ_COLS columns: one with DQ_SHARE, a chunk per
+        # DQ_CHUNK columns without), staged for the TMA reduce-add into DQacc, whose 3-D
+        # (group head, row, dim) descriptor serves every query head of the group.
+        NBUF: gl.constexpr = 1 if DQ_SHARE else BLOCK_D // DQ_COLS
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
+        dq3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, DQ_COLS], gl.float32)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * NBUF, BLOCK_M, DQ_COLS], dq_layout)
+        DQA_group = DQacc + off_b.to(gl.int64) * stride_dqaz + (off_hk * group).to(gl.int64) * stride_dqah
+        dqa_desc = tma.make_tensor_descriptor(DQA_group, shape=[group, len_q, HEAD_DIM],
+                                              strides=[stride_dqah, stride_dqam, 1],
+                                              block_shape=[1, BLOCK_M, DQ_COLS], layout=dq3_layout)
+    else:
+        dq_smem = k_smem  # unused
+        dqa_desc = q_desc  # unused
 
     gl.warp_specialize([
-        (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, kv_bar, ready, free, LSE, Delta, DK_head,
-                     DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn, stride_dqaz,
-                     stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2,
-                     n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_COLS)),
-        (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, kv_bar, ready, free, LSE, Delta, DK_head,
-                     DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn, stride_dqaz,
-                     stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2,
-                     n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_COLS)),
+        (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, ready, free,
+                     LSE, Delta, DK_head, DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn,
+                     stride_dvn, stride_dqaz, stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag, left,
+                     right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, DQ_COLS)),
+        (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, ready, free,
+                     LSE, Delta, DK_head, DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn,
+                     stride_dvn, stride_dqaz, stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag, left,
+                     right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, DQ_COLS)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free,
                    start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -492,19 +553,29 @@ CONSUMER_REGS = 240
 #: of the dQ tile's columns over both consumers' keys (D/2 = 64 columns, one wgmma N tile; at
 #: D=64 a 32-column slice of a 128-byte swizzled K row is not a whole swizzle atom).
 DQ_SHARE_D = (128,)
+#: (BLOCK_M, STAGES) of the DQ_TMA=1 configs per (head dim, DQ_SHARE): the fp32 dQ tiles staged
+#: for the reduce-add take 32 KB (D=64; D=128 with DQ_SHARE) or 64 KB (D=128, two 64-column chunks
+#: per consumer), so at D=128 only the tiles whose shared memory stays within sm90's 227 KB.
+DQ_TMA_TILES = {(128, 1): ((64, 2), (64, 3)), (128, 0): ((64, 2),), (64, 0): ((64, 3), (64, 2))}
 
 
 def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """The tile table for a head dim, and for the atomic scheme at head dim 128 (``DQ_SHARE_D``)
     each tile again with DQ_SHARE=1 (FA3's split of the dQ tile between the consumers). The
     per-consumer dQ (DQ_SHARE=0) comes first: the simpler scheme, the one the runtime launches
-    untuned. num_warps is the default partition's (consumer 0); the compiled kernel runs 12 warps
-    (two consumer groups and the loader's group), which the catalog records from the binary."""
-    shares = (0, 1) if spec.get("DQ_ATOMIC") and spec["HEAD_DIM"] in DQ_SHARE_D else (0,)
+    untuned. The atomic scheme's tiles then come again with DQ_TMA=1 (dQ through shared memory and
+    a TMA reduce-add; ``DQ_TMA_TILES``), after them so the earlier configs keep their numbers.
+    num_warps is the default partition's (consumer 0); the compiled kernel runs 12 warps (two
+    consumer groups and the loader's group), which the catalog records from the binary."""
+    atomic = bool(spec.get("DQ_ATOMIC"))
+    shares = (0, 1) if atomic and spec["HEAD_DIM"] in DQ_SHARE_D else (0,)
+    combos = [(share, 0, bm, st) for share in shares for bm, st in TILES[spec["HEAD_DIM"]]]
+    if atomic:
+        combos += [(share, 1, bm, st) for share in shares for bm, st in DQ_TMA_TILES[(spec["HEAD_DIM"], share)]]
     return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": 128, "USE_TMA": 1, "STAGES": st,
-                                        "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": share},
+                                        "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": share, "DQ_TMA": tma_},
                             num_warps=4, num_stages=1, backends=("cuda",))
-                 for share in shares for bm, st in TILES[spec["HEAD_DIM"]])
+                 for share, tma_, bm, st in combos)
 
 
 def _excluded(spec: dict, target: object) -> str | None:

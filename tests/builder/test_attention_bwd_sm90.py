@@ -31,17 +31,26 @@ BASE = {"BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "DQ_ATOMIC": 0, "SOFTCAP": 0, "ALI
 ATOMIC = {**BASE, "DQ_ATOMIC": 1}
 #: The variants compiled here: D=128 bottom-right causal (the training shape), D=128 top-left
 #: (window arguments), D=64 without a mask; then the atomic scheme's at D=128 top-left (BUILT[1]'s
-#: twin) and D=64 bottom-right, and at D=128 without a mask FA3's split of the dQ tile (DQ_SHARE=1,
-#: config #2).
+#: twin) and D=64 bottom-right, at D=128 without a mask FA3's split of the dQ tile (DQ_SHARE=1,
+#: config #2); then the atomic scheme with its dQ tiles reduced through TMA (DQ_TMA=1): FA3's split
+#: (bf16 D=128 no mask, config #5), per consumer at D=64 (top-left, config #2) and at D=128 in two
+#: chunks (BUILT[0]'s twin, config #4).
 BUILT = ({"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2, **BASE},
          {"dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 1, **BASE},
          {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 0, **BASE},
          {"dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 1, **ATOMIC},
          {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 2, **ATOMIC},
-         {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 0, **ATOMIC})
+         {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 0, **ATOMIC},
+         {"dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 0, **ATOMIC},
+         {"dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 1, **ATOMIC},
+         {"dtype": "fp16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "CAUSAL": 2, **ATOMIC})
 SPLIT_BUILT = BUILT[:3]
 #: BUILT's index of the DQ_SHARE=1 variant.
 SHARED = 5
+#: BUILT's indices of the DQ_TMA=1 variants: {index: (config, DQ_SHARE)}.
+TMA = {6: (5, 1), 7: (2, 0), 8: (4, 0)}
+#: BUILT's atomic variants whose dQ is added by per-thread fp32 reductions.
+ATOMIC_ADDS = (3, 4, SHARED)
 DQ_NAME = "attn_bwd_dq_sm90"
 DQ_BASE = {k: v for k, v in BASE.items() if k != "DQ_ATOMIC"}
 #: The split scheme's three for the dQ kernel (mode 1: the run-time alignment and window arguments).
@@ -77,9 +86,11 @@ class Gluon:
 #: once LSE and Delta are loaded just before their use; 88-101 when they were held across the
 #: waits). The atomic scheme at D=128 also holds a 64 x 64 dQ chunk (32 registers): measured 69-80
 #: stores, 77-92 loads, 9-18 reloads a query tile; DQ_SHARE=1 99-104 and 85-87, 16-26 reloads a
-#: tile (a whole 64 x 128 dQ tile spilled 107 and serialized every wgmma). The dQ kernel's config
+#: tile (a whole 64 x 128 dQ tile spilled 107 and serialized every wgmma); through TMA (no per-thread
+#: pointers) DQ_SHARE=1 58 stores and 31 loads. The dQ kernel's config
 #: #0 tiles fit the consumers' registers (measured: none at either head dim). More means a regression.
-KERNELS = (Gluon(NAME, "attn_bwd_dkdv", DQ_BASE, (0, 1), BUILT, {SHARED: 2}, "BLOCK_N", "BLOCK_M", 2,
+KERNELS = (Gluon(NAME, "attn_bwd_dkdv", DQ_BASE, (0, 1), BUILT, {SHARED: 2, **{i: c for i, (c, _) in TMA.items()}},
+                 "BLOCK_N", "BLOCK_M", 2,
                  {(64, 0): 0, (128, 0): 48, (64, 1): 0, (128, 1): 112}),
            Gluon(DQ_NAME, "attn_bwd_dq", DQ_BASE, (), DQ_BUILT, {}, "BLOCK_M", "BLOCK_N", 1,
                  {(64, 0): 0, (128, 0): 0}))
@@ -211,14 +222,20 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
     decl = _kernels()[gluon.name]
     for spec in gluon.built:
         configs = decl.configs_for(spec, KNOWN["sm90"])
-        shares = [c.constexprs.get("DQ_SHARE", 0) for c in configs]
-        # The atomic scheme at D=128 runs each tile with each dQ split, the per-consumer one first.
+        ways = [(c.constexprs.get("DQ_SHARE", 0), c.constexprs.get("DQ_TMA", 0)) for c in configs]
+        # The atomic scheme runs each tile with each dQ split (at D=128), the per-consumer one first,
+        # then the same through TMA (D=128 per consumer: its two 64 KB chunk buffers fit one tile).
         if spec.get("DQ_ATOMIC") and spec["HEAD_DIM"] == 128:
-            assert shares == [0, 0, 1, 1]
+            assert ways == [(0, 0), (0, 0), (1, 0), (1, 0), (0, 1), (1, 1), (1, 1)]
+        elif spec.get("DQ_ATOMIC"):
+            assert ways == [(0, 0), (0, 0), (0, 1), (0, 1)]
         else:
-            assert 1 <= len(configs) <= 3 and set(shares) == {0}
+            assert 1 <= len(configs) <= 3 and set(ways) == {(0, 0)}
         if gluon.schemes and spec == BUILT[SHARED]:
             assert configs[gluon.config(spec)].constexprs["DQ_SHARE"] == 1
+        if gluon.schemes and spec in BUILT[min(TMA):]:
+            share = TMA[BUILT.index(spec)][1]
+            assert ways[gluon.config(spec)] == (share, 1)
         for c in configs:
             assert c.constexprs[gluon.owned] == 128 and c.constexprs["USE_TMA"] == 1
             assert c.constexprs[gluon.streamed] in (64, 128)
@@ -233,7 +250,10 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
             def tiles(cs):
                 return [(c.constexprs["BLOCK_M"], c.constexprs["STAGES"]) for c in cs]
 
-            assert tiles(configs) == tiles(split) * len(set(shares))
+            plain = [c for c in configs if not c.constexprs["DQ_TMA"]]
+            assert tiles(plain) == tiles(split) * len({w[0] for w in ways})
+            # The TMA configs' tiles are split ones too, their shared memory within sm90's.
+            assert set(tiles(configs)) == set(tiles(split))
 
 
 _BUILT_FOLDERS: dict[str, Path] = {}
@@ -284,8 +304,10 @@ def test_sm90_gluon_variants_compile_and_their_binaries_prove_the_catalog_layout
         assert variant.kernel == gluon.name and variant.target.arch == "sm90"
         # Two consumer warp groups and the loader's group (its one warp padded to a group).
         assert variant.num_warps == 12 and variant.config.num_warps == 4
-        # Four device-side TMA descriptors (Q, dO, K, V), 128 bytes each, in the runtime's global scratch.
-        assert variant.scratch["global_size"] == 4 * 128 and variant.scratch["global_align"] == 128
+        # Four device-side TMA descriptors (Q, dO, K, V), 128 bytes each, in the runtime's global
+        # scratch; a fifth (DQacc) with DQ_TMA.
+        tma_descs = 4 + variant.config.constexprs.get("DQ_TMA", 0)
+        assert variant.scratch["global_size"] == tma_descs * 128 and variant.scratch["global_align"] == 128
         assert [a.name for a in variant.args] == portable_args
         assert variant.shared <= 232448
         assert variant.config.index == gluon.config(variant.spec)
@@ -299,6 +321,13 @@ def test_the_atomic_dkdv_adds_its_ds_tiles_to_the_split_ones_shared_memory(built
     assert BUILT[1] == dict(split) and shared[atomic] - shared[split] >= 2 * 64 * 64 * 2
     # BUILT[SHARED]'s config #2 has BUILT[1]'s config #0 tile (64 queries, 2 stages).
     assert shared[tuple(sorted(BUILT[SHARED].items()))] - shared[split] >= 4 * 64 * 64 * 2
+    # Through TMA, also the fp32 dQ tiles (64 x 64 each): one per consumer with DQ_SHARE, else one
+    # per 64-column chunk (BUILT[8] is BUILT[0] with DQ_ATOMIC=1, config #4: the same tile).
+    share_tma = shared[tuple(sorted(BUILT[6].items()))]
+    assert share_tma - shared[split] >= 4 * 64 * 64 * 2 + 2 * 64 * 64 * 4
+    chunked = shared[tuple(sorted(BUILT[8].items()))] - shared[tuple(sorted(BUILT[0].items()))]
+    assert chunked >= 2 * 64 * 64 * 2 + 4 * 64 * 64 * 4
+    assert max(shared.values()) <= 232448
 
 
 def test_a_catalog_that_lies_about_the_gluon_binary_fails_the_abi_proof(compiled: Path) -> None:
@@ -351,7 +380,7 @@ def _ptx(built: Path, spec: dict) -> str:
     return lzma.decompress((built / _variant(built, spec).ptx.path).read_bytes()).decode()
 
 
-@pytest.mark.parametrize("index", range(len(SPLIT_BUILT), len(BUILT)))
+@pytest.mark.parametrize("index", ATOMIC_ADDS)
 def test_the_atomic_dkdv_adds_dq_with_vectorised_fp32_reductions_and_the_split_one_adds_none(built: Path,
                                                                                              index: int) -> None:
     """Each consumer thread adds its 64 x D/128 share of a dQ tile (D/256 with DQ_SHARE: half the
@@ -368,8 +397,33 @@ def test_the_atomic_dkdv_adds_dq_with_vectorised_fp32_reductions_and_the_split_o
         assert not any(op.startswith("ATOMG.E.ADD") for op in _ops(built, spec))
 
 
-def test_the_atomic_dkdv_computes_dk_and_dv_with_the_split_ones_arithmetic(built: Path) -> None:
-    """BUILT[3] is BUILT[1] with DQ_ATOMIC=1 (same tile, same query-tile order): its PTX has the
+@pytest.mark.parametrize("index", sorted(TMA))
+def test_the_tma_dkdv_reduces_each_dq_tile_with_one_tma_reduce_add_and_no_thread_atomics(built: Path,
+                                                                                         index: int) -> None:
+    """DQ_TMA=1: each consumer stores its dQ tile (or each 64-column chunk of it) to shared memory
+    and one thread adds it into DQacc with a 3-D TMA reduce-add (``cp.reduce.async.bulk.tensor``,
+    ptxas: ``UTMAREDG.3D.ADD``), in the masked and the unmasked copy of the loop, for both
+    consumers; no per-thread fp32 atomics remain, and each consumer waits for its reductions' reads
+    (``cp.async.bulk.wait_group.read``) before it rewrites the tiles and before it exits."""
+    spec = BUILT[index]
+    chunks = 1 if TMA[index][1] else spec["HEAD_DIM"] // 64
+    ops = _ops(built, spec)
+    assert ops.get("UTMAREDG.3D.ADD") == 2 * 2 * chunks
+    assert not any(op.startswith("ATOMG.E.ADD") for op in ops)
+    ptx = _ptx(built, spec)
+    reduces = re.findall(r"\bcp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add\b", ptx)
+    assert len(reduces) == 2 * 2 * chunks
+    assert not re.search(r"\batom\.global\.[\w.]*add\.(v\d\.)?f32", ptx)
+    # Unpredicated (the descriptors' set-up has its own, predicated ones): per consumer one in each
+    # copy of the loop (before the tile's first store) and one before it exits.
+    assert len(re.findall(r"^\s*cp\.async\.bulk\.wait_group\.read\s+0;", ptx, re.M)) == 2 * 3
+
+
+@pytest.mark.parametrize(("split_index", "atomic_index"), [(1, 3), (0, 8)], ids=["adds", "tma"])
+def test_the_atomic_dkdv_computes_dk_and_dv_with_the_split_ones_arithmetic(built: Path, split_index: int,
+                                                                           atomic_index: int) -> None:
+    """BUILT[3] is BUILT[1] with DQ_ATOMIC=1, BUILT[8] BUILT[0] with DQ_ATOMIC=1 and its dQ through TMA
+    (same tiles, same query-tile order): each one's PTX has the
     split one's floating-point instructions, count for count, plus dQ's scaling (one mul.f32 per
     dQ element a thread adds) and nothing else; and the split one's wgmmas, plus dQ's. Every
     multiply-add is an explicit ``fma.rn`` (no ``mul.f32`` feeds an ``add``/``sub.f32``), so ptxas
@@ -382,12 +436,12 @@ def test_the_atomic_dkdv_computes_dk_and_dv_with_the_split_ones_arithmetic(built
         return Counter({op: n for op, n in found.items() if re.search(r"\.(f32|f16x2|bf16x2|f16|bf16)$", op)
                         and not op.startswith(("atom", "ld", "st", "wgmma"))})
 
-    split, atomic = ops(BUILT[1], False), ops(BUILT[3], False)
+    split, atomic = ops(BUILT[split_index], False), ops(BUILT[atomic_index], False)
     assert split["fma.rn.f32"] > 0 and split["mul.f32"] > 0
-    per_thread = 64 * BUILT[3]["HEAD_DIM"] // 128
+    per_thread = 64 * BUILT[atomic_index]["HEAD_DIM"] // 128
     assert atomic - split == Counter({"mul.f32": 2 * 2 * per_thread}) and not split - atomic
-    assert not ops(BUILT[1], True) - ops(BUILT[3], True)
-    for spec in (BUILT[1], BUILT[3]):
+    assert not ops(BUILT[split_index], True) - ops(BUILT[atomic_index], True)
+    for spec in (BUILT[split_index], BUILT[atomic_index]):
         ptx = _ptx(built, spec)
         products = set(re.findall(r"^\s*mul\.f32\s+(%r\d+),", ptx, re.M))
         sums = re.findall(r"^\s*(?:add|sub)\.f32\s+%r\d+,\s*(%r\d+),\s*(%r\d+);", ptx, re.M)
