@@ -269,6 +269,28 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, sta
 
 
 @triton.jit
+def _fp16_rows(q):
+    """bf16 query rows in fp16 for an fp8 cache's dots, with each row's factor: ``(q * f in
+    fp16, f)``, f a power of two that puts the row's largest ``|value|`` in [2**13, 2**14).
+
+    Every e4m3 value is an fp16 (and a bf16), so with q in fp16 the cache widens with one
+    ``cvt.rn.f16x2.e4m3x2`` per pair where bf16 needs that and a conversion per value (fp16 to
+    bf16: 192 of sm90's ~990 instructions per 64-key block). bf16's range is fp32's, fp16's ends
+    at 65504: the factor brings each row into it. Scaled by a power of two, every value of the row
+    down to ``2**-27`` of its largest is an fp16 exactly (8 significant bits fit in 11), the
+    products and their fp32 sums are the bf16 ones times f, and the caller's score scale divided
+    by f (exact) gives the same scores bit for bit; P then rounds to fp16, finer than bf16. Values
+    below ``2**-27`` of their row's largest become fp16 subnormals or zero (their share of any
+    score is below that). All-zero and subnormal-only rows take f = 2**127, rows holding an inf
+    or NaN f = 2**-115 (which keeps them inf or NaN)."""
+    a = tl.max(tl.abs(q.to(tl.float32)), 1)
+    biased = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF  # a's exponent + 127: 0 zero/subnormal, 255 inf/NaN
+    f_biased = tl.minimum(tl.maximum(127 + 13 + 127 - biased, 1), 254)
+    f = (f_biased << 23).to(tl.float32, bitcast=True)
+    return (q.to(tl.float32) * f[:, None]).to(tl.float16), f
+
+
+@triton.jit
 def _kv_scales(KScale, VScale, off_b, off_hk, stride_ksz, stride_ksh, stride_vsz, stride_vsh, k_scale, v_scale,
                FP8: tl.constexpr):
     """(K scale, V scale), fp32, of sequence off_b's KV head off_hk in an fp8 cache: a real value
@@ -471,8 +493,16 @@ def attn_decode(
                         v_scale, K.dtype.element_ty != Q.dtype.element_ty)
     # The program's KV head is fixed: its K scale folds into the score scale once.
     qk_scale = sm_scale * ks * LOG2E
-    # ALiBi's term in raw score units (slopes need sm_scale != 0: checked at launch).
-    alibi_raw = _alibi_rows(alibi_slopes, stride_az, use_alibi, off_b, heads, row_ok, qk_scale, BLOCK_M)
+    if (K.dtype.element_ty != Q.dtype.element_ty) and (Q.dtype.element_ty == tl.bfloat16):
+        # An fp8 cache under bf16 queries: the dots run in fp16 (_fp16_rows), the score scale
+        # per row, (BLOCK_M,) here and (BLOCK_M, 1) in the key loop.
+        q, row_factor = _fp16_rows(q)
+        qk_scale = qk_scale / row_factor
+        alibi_raw = _alibi_rows(alibi_slopes, stride_az, use_alibi, off_b, heads, row_ok, qk_scale, BLOCK_M)
+        qk_scale = qk_scale[:, None]
+    else:
+        # ALiBi's term in raw score units (slopes need sm_scale != 0: checked at launch).
+        alibi_raw = _alibi_rows(alibi_slopes, stride_az, use_alibi, off_b, heads, row_ok, qk_scale, BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

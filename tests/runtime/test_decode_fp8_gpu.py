@@ -190,6 +190,26 @@ def test_the_append_stores_what_torch_quantises_saturated_with_nan_and_infinitie
 
 
 @pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
+def test_bf16_query_rows_past_fp16s_range_match_on_an_fp8_cache(lib: aotriton_rt.Library, fp8: Any,
+                                                                 page: Any) -> None:
+    """Under bf16 queries an fp8 cache's dots run in fp16, each query row scaled into fp16's range:
+    rows of one GQA group at 1e6, 1e-30, 3e4 and 1 times N(0, 1) (past fp16's 65504 and below its
+    subnormals) match the reference, with and without splits."""
+    gen = torch.Generator(device="cuda").manual_seed(23 + (page or 0))
+    c = fp8_cache(LENS, 1, 8, 128, torch.bfloat16, page, gen, fp8, "head")
+    rows = torch.tensor([1e6, 1e-30, 3e4, 1.0], device="cuda").repeat(8)  # by query head
+    q = torch.randn(len(LENS), 1, 32, 128, device="cuda", generator=gen) * rows[None, None, :, None]
+    q = q.to(torch.bfloat16)
+    for splits in (None, 3):
+        kc, vc = c["k"].clone(), c["v"].clone()
+        out, lse = dec.decode_attention(q, kc, vc, cache_seqlens=c["lens"], block_table=c["table"], k_new=c["k_new"],
+                                        v_new=c["v_new"], k_scale=c["k_scale"], v_scale=c["v_scale"], causal=True,
+                                        num_splits=splits, check=True, library=lib)
+        assert torch.isfinite(out).all()
+        _check(out, lse, q, c, True, None, "bf16")
+
+
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
 def test_left_padding_a_window_and_a_softcap_on_an_fp8_cache(lib: aotriton_rt.Library, fp8: Any, page: Any) -> None:
     gen = torch.Generator(device="cuda").manual_seed(5)
     lens = [700, 90, 41]
