@@ -75,6 +75,12 @@ def _heavy_first(num_blocks, num_bh):
     head's key blocks first to last inside a group (the first key blocks see the most queries), so
     the light blocks end the grid and the heads in flight keep their Q/dO in L2."""
     lin = gl.program_id(1).to(gl.int64) * num_blocks + gl.program_id(0)
+    return _heavy_first_of(lin, num_blocks, num_bh)
+
+
+@gluon.jit
+def _heavy_first_of(lin, num_blocks, num_bh):
+    """_heavy_first's (key block, batch*head) of the lin-th work unit in launch order."""
     heads = gl.maximum(GROUP_PROGRAMS // num_blocks, 1)
     per_group = heads * num_blocks
     group = lin // per_group
@@ -145,27 +151,86 @@ def _visited(a0, A_BLOCK: gl.constexpr, len_b, diag, left, right, B_BLOCK: gl.co
 def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free,
             start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """Loader warp: both consumers' K and V rows, then Q and dO of every visited tile of every head."""
+    _load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_bar, ready, free,
+               0, 0, 0, 0, start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M, STAGES, 0)
+
+
+@gluon.jit
+def _loader_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_free, ready,
+                       free, units, num_blocks, num_heads_k, batch, group, len_q, diag, left, right,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Loader warp of a persistent program: _loader's work for each of its units in turn, the ring
+    of Q/dO slots running on across units."""
+    t = 0
+    u = 0
+    for unit in range(gl.program_id(0), units, gl.num_programs(0)):
+        off_b, off_hk, start_n = _unit(unit, num_blocks, num_heads_k, batch, BLOCK_N, CAUSAL)
+        lo, f1, f2, n1, n2, n = _visited(start_n, BLOCK_N, len_q, -diag, right, left, BLOCK_M, CAUSAL)
+        t = _load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_free, ready,
+                       free, t, u, off_b, off_hk, start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M, STAGES, 1)
+        u += 1
+
+
+@gluon.jit
+def _unit(unit, num_blocks, num_heads_k, batch, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(batch, KV head, first key) of a persistent program's work unit: the non-persistent grid's
+    programs in launch order (heavy key blocks first under a causal mask)."""
+    if CAUSAL != 0:
+        pid_n, pid_bh = _heavy_first_of(unit.to(gl.int64), num_blocks, batch * num_heads_k)
+    else:
+        pid_n = unit % num_blocks
+        pid_bh = unit // num_blocks
+    return pid_bh // num_heads_k, pid_bh % num_heads_k, pid_n * BLOCK_N
+
+
+@gluon.jit
+def _load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_free, ready, free,
+               t0, u, off_b, off_hk, start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M: gl.constexpr,
+               STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One unit's loads: both consumers' K and V rows (after the consumers released the previous
+    unit's, PERSISTENT), then Q and dO of every visited tile of every head of the group, into the
+    ring's slots t0, t0 + 1, ... Descriptors are 3-D (group head, row, dim) at the group's first
+    head, or with PERSISTENT 4-D (batch, head, row, dim) over the whole tensors (at batch off_b and
+    KV head off_hk, query heads off_hk * group ...). Returns the ring position after the unit."""
     HALF: gl.constexpr = k_smem.shape[1]
     BLOCK_D: gl.constexpr = k_smem.shape[2]
+    if PERSISTENT:
+        # A fresh barrier counts as having completed the phase before its first.
+        mbarrier.wait(kv_free, (u & 1) ^ 1)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [start_n + c * HALF, 0], kv_bar, k_smem.index(c))
-        tma.async_copy_global_to_shared(v_desc, [start_n + c * HALF, 0], kv_bar, v_smem.index(c))
+        if PERSISTENT:
+            k_dst = k_smem.index(c)._reinterpret(k_smem.dtype, [1, 1, HALF, BLOCK_D], k_desc.layout)
+            v_dst = v_smem.index(c)._reinterpret(v_smem.dtype, [1, 1, HALF, BLOCK_D], v_desc.layout)
+            tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, start_n + c * HALF, 0], kv_bar, k_dst)
+            tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, start_n + c * HALF, 0], kv_bar, v_dst)
+        else:
+            tma.async_copy_global_to_shared(k_desc, [start_n + c * HALF, 0], kv_bar, k_smem.index(c))
+            tma.async_copy_global_to_shared(v_desc, [start_n + c * HALF, 0], kv_bar, v_smem.index(c))
     total = group * n
-    for it in range(total):
-        g = it // n
-        j = it - g * n
+    for i in range(total):
+        it = t0 + i
+        g = i // n
+        j = i - g * n
         s = it % STAGES
         # A fresh barrier counts as having completed the phase before its first: the first pass
         # over the ring does not wait.
         mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)
         start_m = _query_block(j, lo, f1, f2, n1, n2, BLOCK_M)
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        # The 3-D (head, row, dim) view of the slot, for the 3-D descriptors.
-        q_dst = q_smem.index(s)._reinterpret(q_smem.dtype, [1, BLOCK_M, BLOCK_D], q_desc.layout)
-        do_dst = do_smem.index(s)._reinterpret(do_smem.dtype, [1, BLOCK_M, BLOCK_D], do_desc.layout)
-        tma.async_copy_global_to_shared(q_desc, [g, start_m, 0], ready.index(s), q_dst)
-        tma.async_copy_global_to_shared(do_desc, [g, start_m, 0], ready.index(s), do_dst)
+        if PERSISTENT:
+            # The 4-D (batch, head, row, dim) view of the slot, for the 4-D descriptors.
+            q_dst = q_smem.index(s)._reinterpret(q_smem.dtype, [1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
+            do_dst = do_smem.index(s)._reinterpret(do_smem.dtype, [1, 1, BLOCK_M, BLOCK_D], do_desc.layout)
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_hk * group + g, start_m, 0], ready.index(s), q_dst)
+            tma.async_copy_global_to_shared(do_desc, [off_b, off_hk * group + g, start_m, 0], ready.index(s), do_dst)
+        else:
+            # The 3-D (head, row, dim) view of the slot, for the 3-D descriptors.
+            q_dst = q_smem.index(s)._reinterpret(q_smem.dtype, [1, BLOCK_M, BLOCK_D], q_desc.layout)
+            do_dst = do_smem.index(s)._reinterpret(do_smem.dtype, [1, BLOCK_M, BLOCK_D], do_desc.layout)
+            tma.async_copy_global_to_shared(q_desc, [g, start_m, 0], ready.index(s), q_dst)
+            tma.async_copy_global_to_shared(do_desc, [g, start_m, 0], ready.index(s), do_dst)
+    return t0 + total
 
 
 @builtin
@@ -180,11 +245,12 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _reduce_dq(desc, buf, dq, g, start_m, col, WAIT: gl.constexpr):
+def _reduce_dq(desc, buf, dq, qb, qh, start_m, col, WAIT: gl.constexpr, PERSISTENT: gl.constexpr):
     """Add a dQ tile into DQacc through shared memory: store it to ``buf``, then one TMA reduce-add
-    of rows start_m.. of group head g, columns col.. (rows past the sequence are skipped by the
-    descriptor's shape). WAIT: first wait until the previous tile's reductions have read their
-    buffers (issued a whole tile of matmuls ago, so normally done)."""
+    of rows start_m.. of head qh (of the group: the 3-D descriptor; of batch qb: PERSISTENT's 4-D
+    one), columns col.. (rows past the sequence are skipped by the descriptor's shape). WAIT:
+    first wait until the previous tile's reductions have read their buffers (issued a whole tile
+    of matmuls ago, so normally done)."""
     if WAIT:
         tma.store_wait(0)
     buf.store(dq)
@@ -193,7 +259,10 @@ def _reduce_dq(desc, buf, dq, g, start_m, col, WAIT: gl.constexpr):
     fence_async_shared()
     BLOCK_M: gl.constexpr = buf.shape[0]
     COLS: gl.constexpr = buf.shape[1]
-    _tma_reduce_add(desc, [g, start_m, col], buf._reinterpret(gl.float32, [1, BLOCK_M, COLS], desc.layout))
+    if PERSISTENT:
+        _tma_reduce_add(desc, [qb, qh, start_m, col], buf._reinterpret(gl.float32, [1, 1, BLOCK_M, COLS], desc.layout))
+    else:
+        _tma_reduce_add(desc, [qh, start_m, col], buf._reinterpret(gl.float32, [1, BLOCK_M, COLS], desc.layout))
 
 
 @gluon.jit
@@ -208,9 +277,9 @@ def _add_dq(ptrs, dq, q_rows, dq_cols, len_q, MASKED: gl.constexpr):
 @gluon.jit
 def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head, cols, qcols,
           len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head, stride_dqam, dq_rows, dq_cols,
-          sm_scale, dq_smem, dqa_desc, g, C: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+          sm_scale, dq_smem, dqa_desc, qb, qh, C: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
           STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr,
-          s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr):
+          s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr, PERSISTENT: gl.constexpr):
     """dK, dV of one consumer after query tile ``it`` (first query start_m) of the loader's order;
     with DQ_ATOMIC also this consumer's share of the tile's dQ (dS·K over its 64 keys, scaled),
     added into DQacc."""
@@ -285,7 +354,7 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
             dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
             mbarrier.arrive(free.index(s), count=1)
             if DQ_TMA:
-                _reduce_dq(dqa_desc, dq_smem.index(C), dq * sm_scale, g, start_m, C * CHUNK, True)
+                _reduce_dq(dqa_desc, dq_smem.index(C), dq * sm_scale, qb, qh, start_m, C * CHUNK, True, PERSISTENT)
             else:
                 _add_dq(row_ptrs + C * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
         else:
@@ -300,14 +369,15 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
             mbarrier.arrive(free.index(s), count=1)
             NCHUNK: gl.constexpr = BLOCK_D // CHUNK
             if DQ_TMA:
-                _reduce_dq(dqa_desc, dq_smem.index(C * NCHUNK), dq * sm_scale, g, start_m, 0, True)
+                _reduce_dq(dqa_desc, dq_smem.index(C * NCHUNK), dq * sm_scale, qb, qh, start_m, 0, True, PERSISTENT)
             else:
                 _add_dq(row_ptrs, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
             for i in gl.static_range(1, NCHUNK):
                 dq = warpgroup_mma(ds_t, k.slice(i * CHUNK, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq,))
                 if DQ_TMA:
-                    _reduce_dq(dqa_desc, dq_smem.index(C * NCHUNK + i), dq * sm_scale, g, start_m, i * CHUNK, False)
+                    _reduce_dq(dqa_desc, dq_smem.index(C * NCHUNK + i), dq * sm_scale, qb, qh, start_m, i * CHUNK,
+                               False, PERSISTENT)
                 else:
                     _add_dq(row_ptrs + i * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
     else:
@@ -324,6 +394,50 @@ def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar,
               CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr,
               DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr, DQ_COLS: gl.constexpr):
     """Consumer warp group c: keys start_n + c*HALF ..., every query tile of every group head."""
+    _consume_unit(c, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, kv_bar, ready,
+                  free, LSE, Delta, DK, DV, DQacc, 0, 0, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn,
+                  stride_dvn, stride_dqaz, stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag, left,
+                  right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, DQ_COLS, 0)
+
+
+@gluon.jit
+def _consumer_persistent(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar,
+                         kv_free, ready, free, LSE, Delta, DK, DV, DQacc, units, num_blocks, num_heads_k, batch,
+                         group, stride_lz, stride_lh, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh,
+                         stride_dvn, stride_dqaz, stride_dqah, stride_dqam, len_q, len_k, sm_scale, diag, left,
+                         right, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr,
+                         DQ_COLS: gl.constexpr):
+    """Consumer warp group c of a persistent program: _consumer's work for each of its units in
+    the loader's order, the ring position running on across units."""
+    t = 0
+    u = 0
+    for unit in range(gl.program_id(0), units, gl.num_programs(0)):
+        off_b, off_hk, start_n = _unit(unit, num_blocks, num_heads_k, batch, BLOCK_N, CAUSAL)
+        lo, f1, f2, n1, n2, n = _visited(start_n, BLOCK_N, len_q, -diag, right, left, BLOCK_M, CAUSAL)
+        DK_head = DK + off_b.to(gl.int64) * stride_dkz + off_hk.to(gl.int64) * stride_dkh
+        DV_head = DV + off_b.to(gl.int64) * stride_dvz + off_hk.to(gl.int64) * stride_dvh
+        t = _consume_unit(c, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, kv_free,
+                          ready, free, LSE, Delta, DK_head, DV_head, DQacc, t, u, off_b, off_hk, group, stride_lz,
+                          stride_lh, stride_dkn, stride_dvn, stride_dqaz, stride_dqah, stride_dqam, start_n, len_q,
+                          len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES,
+                          DQ_ATOMIC, DQ_SHARE, DQ_TMA, DQ_COLS, 1)
+        u += 1
+    if DQ_TMA:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _consume_unit(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar,
+                  kv_free, ready, free, LSE, Delta, DK, DV, DQacc, t0, u, off_b, off_hk, group, stride_lz, stride_lh,
+                  stride_dkn, stride_dvn, stride_dqaz, stride_dqah, stride_dqam,
+                  start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+                  DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr, DQ_COLS: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One unit of consumer warp group c: keys start_n + c*HALF ..., every query tile of every
+    group head, from the ring's slot t0 on (K and V in phase ``u & 1`` of kv_bar); DK and DV
+    point at the unit's (batch, KV head). With PERSISTENT it releases K and V (kv_free) once its
+    last matmul is done. Returns the ring position after the unit."""
     HALF: gl.constexpr = k_smem.shape[1]
     BLOCK_D: gl.constexpr = k_smem.shape[2]
     dtype: gl.constexpr = k_smem.dtype
@@ -345,37 +459,56 @@ def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar,
                                                         instr_shape=[16, DQ_COLS, 16])
     dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     dq_cols = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
-    # Always wait: the loader's K/V copies must land before the program may exit.
-    mbarrier.wait(kv_bar, 0)
+    # Always wait: the loader's K/V copies must land before the program may exit (or reload them).
+    mbarrier.wait(kv_bar, u & 1)
     masked = n1 + n2
     for g in range(group):
         off_h = off_hk * group + g
         L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
         D_head = Delta + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
         DQA_head = DQacc + off_b.to(gl.int64) * stride_dqaz + off_h.to(gl.int64) * stride_dqah
-        base = g * n
+        if PERSISTENT:
+            qh = off_h  # the 4-D descriptors' head
+        else:
+            qh = g  # the 3-D descriptors' group head
+        base = t0 + g * n
         for j in range(0, masked):
             start_m = _query_block(j, lo, f1, f2, n1, n2, BLOCK_M)
             dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
                            cols, qcols, len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head,
-                           stride_dqam, dq_rows, dq_cols, sm_scale, dq_smem, dqa_desc, g, c, True, CAUSAL,
-                           STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout)
+                           stride_dqam, dq_rows, dq_cols, sm_scale, dq_smem, dqa_desc, off_b, qh, c, True, CAUSAL,
+                           STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout, PERSISTENT)
         for j in range(masked, n):
             start_m = f1 + (j - masked) * BLOCK_M
             dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
                            cols, qcols, len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head,
-                           stride_dqam, dq_rows, dq_cols, sm_scale, dq_smem, dqa_desc, g, c, False, CAUSAL,
-                           STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout)
-
-    if DQ_TMA:
-        # The shared-memory tiles must stay until the last reductions have read them.
+                           stride_dqam, dq_rows, dq_cols, sm_scale, dq_smem, dqa_desc, off_b, qh, c, False, CAUSAL,
+                           STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout, PERSISTENT)
+    if PERSISTENT:
+        # Every matmul reading K and V was waited for in its tile: the loader may refill them.
+        mbarrier.arrive(kv_free, count=1)
+    elif DQ_TMA:
+        # The shared-memory tiles must stay until the last reductions have read them (PERSISTENT:
+        # after the last unit).
         tma.store_wait(0)
+
     k_rows = start_n + c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
     d_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
     keep = (k_rows < len_k)[:, None] & (d_cols >= 0)[None, :]
     rows64 = k_rows.to(gl.int64)[:, None]
     gl.store(DK + rows64 * stride_dkn + d_cols[None, :], (dk * sm_scale).to(dtype), mask=keep)
     gl.store(DV + rows64 * stride_dvn + d_cols[None, :], dv.to(dtype), mask=keep)
+    return t0 + group * n
+
+
+@gluon.jit
+def _whole(T, batch, heads, rows, dim, stride_z, stride_h, stride_m, BLOCK_ROWS: gl.constexpr,
+           BLOCK_COLS: gl.constexpr):
+    """A 4-D (batch, head, row, dim) TMA descriptor over the whole tensor T (rows of ``dim``
+    contiguous elements), blocks of BLOCK_ROWS x BLOCK_COLS of one head."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_ROWS, BLOCK_COLS], T.dtype.element_ty)
+    return tma.make_tensor_descriptor(T, shape=[batch, heads, rows, dim], strides=[stride_z, stride_h, stride_m, 1],
+                                      block_shape=[1, 1, BLOCK_ROWS, BLOCK_COLS], layout=layout)
 
 
 @gluon.jit
@@ -399,11 +532,16 @@ def attn_bwd_dkdv_sm90(
     DQ_ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):
     """dK, dV of one key block of one key/value head, summed over its GQA query heads (see
     attn_bwd_dkdv); with DQ_ATOMIC also this block's share of dQ (scaled, fp32) added into DQacc.
 
-    Grid: (cdiv(seqlen_k, BLOCK_N), batch * num_heads_k, 1). Bias, DBias, cu_seqlens_* and the
+    Grid: (cdiv(seqlen_k, BLOCK_N), batch * num_heads_k, 1); with PERSISTENT > 0 (min(units,
+    PERSISTENT), 1, 1), a unit being one such program's key block, which each program takes in
+    turn (every PERSISTENT-th in the non-persistent grid's launch order): the descriptors are
+    made once, 4-D over the whole tensors, and the loader fetches the next unit's K and V as soon
+    as both consumers are done with the last one's. Bias, DBias, cu_seqlens_* and the
     dropout arguments are accepted (attn_bwd_dkdv's argument list) and ignored: BIAS, DROPOUT,
     VARLEN, SOFTCAP and ALIBI are 0 (DQacc too without DQ_ATOMIC; with it BLOCK_M is 64, one consumer's keys, so dQ's
     tile has dK's shape). HEAD_DIM == HEAD_DIM_V, a power of two (64 or 128). USE_TMA is 1
@@ -432,43 +570,54 @@ def attn_bwd_dkdv_sm90(
     else:
         DQ_COLS: gl.constexpr = DQ_CHUNK
 
-    if CAUSAL != 0:
-        pid_n, pid_bh = _heavy_first(gl.num_programs(0), batch * num_heads_k)
-    else:
-        pid_n = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-    off_b = pid_bh // num_heads_k
-    off_hk = pid_bh % num_heads_k
-    group = num_heads_q // num_heads_k
-    start_n = pid_n * BLOCK_N
     len_q = seqlen_q
     len_k = seqlen_k
-
-    Q_group = Q + off_b.to(gl.int64) * stride_qz + (off_hk * group).to(gl.int64) * stride_qh
-    DO_group = DO + off_b.to(gl.int64) * stride_doz + (off_hk * group).to(gl.int64) * stride_doh
-    K_head = K + off_b.to(gl.int64) * stride_kz + off_hk.to(gl.int64) * stride_kh
-    V_head = V + off_b.to(gl.int64) * stride_vz + off_hk.to(gl.int64) * stride_vh
-    DK_head = DK + off_b.to(gl.int64) * stride_dkz + off_hk.to(gl.int64) * stride_dkh
-    DV_head = DV + off_b.to(gl.int64) * stride_dvz + off_hk.to(gl.int64) * stride_dvh
-
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
-    tile3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_D], dtype)
-    q_desc = tma.make_tensor_descriptor(Q_group, shape=[group, len_q, HEAD_DIM], strides=[stride_qh, stride_qm, 1],
-                                        block_shape=[1, BLOCK_M, BLOCK_D], layout=tile3_layout)
-    do_desc = tma.make_tensor_descriptor(DO_group, shape=[group, len_q, HEAD_DIM],
-                                         strides=[stride_doh, stride_dom, 1],
-                                         block_shape=[1, BLOCK_M, BLOCK_D], layout=tile3_layout)
-    k_desc = tma.make_tensor_descriptor(K_head, shape=[len_k, HEAD_DIM], strides=[stride_kn, 1],
-                                        block_shape=[HALF, BLOCK_D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V_head, shape=[len_k, HEAD_DIM], strides=[stride_vn, 1],
-                                        block_shape=[HALF, BLOCK_D], layout=kv_layout)
+    if PERSISTENT:
+        group = num_heads_q // num_heads_k
+        # 4-D (batch, head, row, dim) descriptors over the whole tensors, made once per program.
+        q_desc = _whole(Q, batch, num_heads_q, len_q, HEAD_DIM, stride_qz, stride_qh, stride_qm, BLOCK_M, BLOCK_D)
+        do_desc = _whole(DO, batch, num_heads_q, len_q, HEAD_DIM, stride_doz, stride_doh, stride_dom, BLOCK_M,
+                         BLOCK_D)
+        k_desc = _whole(K, batch, num_heads_k, len_k, HEAD_DIM, stride_kz, stride_kh, stride_kn, HALF, BLOCK_D)
+        v_desc = _whole(V, batch, num_heads_k, len_k, HEAD_DIM, stride_vz, stride_vh, stride_vn, HALF, BLOCK_D)
+    else:
+        if CAUSAL != 0:
+            pid_n, pid_bh = _heavy_first(gl.num_programs(0), batch * num_heads_k)
+        else:
+            pid_n = gl.program_id(0)
+            pid_bh = gl.program_id(1)
+        off_b = pid_bh // num_heads_k
+        off_hk = pid_bh % num_heads_k
+        group = num_heads_q // num_heads_k
+        start_n = pid_n * BLOCK_N
 
-    # The band seen from the key block (attn_bwd_dkdv's _span with the axes swapped: rows i with
+        Q_group = Q + off_b.to(gl.int64) * stride_qz + (off_hk * group).to(gl.int64) * stride_qh
+        DO_group = DO + off_b.to(gl.int64) * stride_doz + (off_hk * group).to(gl.int64) * stride_doh
+        K_head = K + off_b.to(gl.int64) * stride_kz + off_hk.to(gl.int64) * stride_kh
+        V_head = V + off_b.to(gl.int64) * stride_vz + off_hk.to(gl.int64) * stride_vh
+        DK_head = DK + off_b.to(gl.int64) * stride_dkz + off_hk.to(gl.int64) * stride_dkh
+        DV_head = DV + off_b.to(gl.int64) * stride_dvz + off_hk.to(gl.int64) * stride_dvh
+
+        tile3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D], dtype)
+        q_desc = tma.make_tensor_descriptor(Q_group, shape=[group, len_q, HEAD_DIM],
+                                            strides=[stride_qh, stride_qm, 1],
+                                            block_shape=[1, BLOCK_M, BLOCK_D], layout=tile3_layout)
+        do_desc = tma.make_tensor_descriptor(DO_group, shape=[group, len_q, HEAD_DIM],
+                                             strides=[stride_doh, stride_dom, 1],
+                                             block_shape=[1, BLOCK_M, BLOCK_D], layout=tile3_layout)
+        k_desc = tma.make_tensor_descriptor(K_head, shape=[len_k, HEAD_DIM], strides=[stride_kn, 1],
+                                            block_shape=[HALF, BLOCK_D], layout=kv_layout)
+        v_desc = tma.make_tensor_descriptor(V_head, shape=[len_k, HEAD_DIM], strides=[stride_vn, 1],
+                                            block_shape=[HALF, BLOCK_D], layout=kv_layout)
+
+    # The band seen from a key block (attn_bwd_dkdv's _span with the axes swapped: rows i with
     # j - diag - right <= i <= j - diag + left): query tiles [lo, f1) and [f2, hi) need a mask,
     # [f1, f2) do not.
     diag, left, right = _window(len_q, len_k, window_left, window_right, causal_align, CAUSAL)
-    lo, f1, f2, n1, n2, n = _visited(start_n, BLOCK_N, len_q, -diag, right, left, BLOCK_M, CAUSAL)
+    if PERSISTENT == 0:
+        lo, f1, f2, n1, n2, n = _visited(start_n, BLOCK_N, len_q, -diag, right, left, BLOCK_M, CAUSAL)
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], tile_layout)
@@ -497,32 +646,64 @@ def attn_bwd_dkdv_sm90(
         ds_bar = ready  # unused
     if DQ_TMA:
         # Each consumer's dQ tiles (fp32, DQ_COLS columns: one with DQ_SHARE, a chunk per
-        # DQ_CHUNK columns without), staged for the TMA reduce-add into DQacc, whose 3-D
-        # (group head, row, dim) descriptor serves every query head of the group.
+        # DQ_CHUNK columns without), staged for the TMA reduce-add into DQacc, whose descriptor
+        # serves every query head of the group: 3-D (group head, row, dim) at the group's first
+        # head, or with PERSISTENT 4-D (batch, head, row, dim) over the whole tensor.
         NBUF: gl.constexpr = 1 if DQ_SHARE else BLOCK_D // DQ_COLS
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
-        dq3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, DQ_COLS], gl.float32)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2 * NBUF, BLOCK_M, DQ_COLS], dq_layout)
-        DQA_group = DQacc + off_b.to(gl.int64) * stride_dqaz + (off_hk * group).to(gl.int64) * stride_dqah
-        dqa_desc = tma.make_tensor_descriptor(DQA_group, shape=[group, len_q, HEAD_DIM],
-                                              strides=[stride_dqah, stride_dqam, 1],
-                                              block_shape=[1, BLOCK_M, DQ_COLS], layout=dq3_layout)
+        if PERSISTENT:
+            dqa_desc = _whole(DQacc, batch, num_heads_q, len_q, HEAD_DIM, stride_dqaz, stride_dqah, stride_dqam,
+                              BLOCK_M, DQ_COLS)
+        else:
+            dq3_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, DQ_COLS], gl.float32)
+            DQA_group = DQacc + off_b.to(gl.int64) * stride_dqaz + (off_hk * group).to(gl.int64) * stride_dqah
+            dqa_desc = tma.make_tensor_descriptor(DQA_group, shape=[group, len_q, HEAD_DIM],
+                                                  strides=[stride_dqah, stride_dqam, 1],
+                                                  block_shape=[1, BLOCK_M, DQ_COLS], layout=dq3_layout)
     else:
         dq_smem = k_smem  # unused
         dqa_desc = q_desc  # unused
 
-    gl.warp_specialize([
-        (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, ready, free,
-                     LSE, Delta, DK_head, DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn,
-                     stride_dvn, stride_dqaz, stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag, left,
-                     right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, DQ_COLS)),
-        (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, ready, free,
-                     LSE, Delta, DK_head, DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn,
-                     stride_dvn, stride_dqaz, stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag, left,
-                     right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, DQ_COLS)),
-        (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free,
-                   start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if PERSISTENT:
+        # Both consumers arrive once they are done with a unit's K and V; the loader waits for
+        # that before it loads the next unit's.
+        kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_free, count=2)
+        num_blocks = gl.cdiv(len_k, BLOCK_N)
+        units = num_blocks * batch * num_heads_k
+        gl.warp_specialize([
+            (_consumer_persistent, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar,
+                                    kv_free, ready, free, LSE, Delta, DK, DV, DQacc, units, num_blocks, num_heads_k,
+                                    batch, group, stride_lz, stride_lh, stride_dkz, stride_dkh, stride_dkn,
+                                    stride_dvz, stride_dvh, stride_dvn, stride_dqaz, stride_dqah, stride_dqam, len_q,
+                                    len_k, sm_scale, diag, left, right, CAUSAL, BLOCK_M, BLOCK_N, STAGES, DQ_ATOMIC,
+                                    DQ_SHARE, DQ_TMA, DQ_COLS)),
+            (_consumer_persistent, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar,
+                                    kv_free, ready, free, LSE, Delta, DK, DV, DQacc, units, num_blocks, num_heads_k,
+                                    batch, group, stride_lz, stride_lh, stride_dkz, stride_dkh, stride_dkn,
+                                    stride_dvz, stride_dvh, stride_dvn, stride_dqaz, stride_dqah, stride_dqam, len_q,
+                                    len_k, sm_scale, diag, left, right, CAUSAL, BLOCK_M, BLOCK_N, STAGES, DQ_ATOMIC,
+                                    DQ_SHARE, DQ_TMA, DQ_COLS)),
+            (_loader_persistent, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_free,
+                                  ready, free, units, num_blocks, num_heads_k, batch, group, len_q, diag, left,
+                                  right, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, ready, free,
+                         LSE, Delta, DK_head, DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn,
+                         stride_dvn, stride_dqaz, stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag,
+                         left, right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA,
+                         DQ_COLS)),
+            (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, ready, free,
+                         LSE, Delta, DK_head, DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn,
+                         stride_dvn, stride_dqaz, stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag,
+                         left, right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA,
+                         DQ_COLS)),
+            (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free,
+                       start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # --------------------------------------------------------------------------------------------
@@ -557,6 +738,9 @@ DQ_SHARE_D = (128,)
 #: for the reduce-add take 32 KB (D=64; D=128 with DQ_SHARE) or 64 KB (D=128, two 64-column chunks
 #: per consumer), so at D=128 only the tiles whose shared memory stays within sm90's 227 KB.
 DQ_TMA_TILES = {(128, 1): ((64, 2), (64, 3)), (128, 0): ((64, 2),), (64, 0): ((64, 3), (64, 2))}
+#: Programs of a persistent config (PERSISTENT): one per SM of an H100 SXM or H200 (132), each
+#: one CTA (the kernel's shared memory holds one per SM).
+PERSISTENT_PROGRAMS = 132
 
 
 def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
@@ -564,18 +748,26 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     each tile again with DQ_SHARE=1 (FA3's split of the dQ tile between the consumers). The
     per-consumer dQ (DQ_SHARE=0) comes first: the simpler scheme, the one the runtime launches
     untuned. The atomic scheme's tiles then come again with DQ_TMA=1 (dQ through shared memory and
-    a TMA reduce-add; ``DQ_TMA_TILES``), after them so the earlier configs keep their numbers.
-    num_warps is the default partition's (consumer 0); the compiled kernel runs 12 warps (two
-    consumer groups and the loader's group), which the catalog records from the binary."""
+    a TMA reduce-add; ``DQ_TMA_TILES``), then the persistent configs (``PERSISTENT_PROGRAMS``
+    programs looping over the key blocks): the first tile of the split scheme, or of the atomic
+    one's TMA configs (both dQ splits at D=128); each group after the earlier ones, so that their
+    numbers keep their meaning. num_warps is the default partition's (consumer 0); the compiled
+    kernel runs 12 warps (two consumer groups and the loader's group), which the catalog records
+    from the binary."""
     atomic = bool(spec.get("DQ_ATOMIC"))
     shares = (0, 1) if atomic and spec["HEAD_DIM"] in DQ_SHARE_D else (0,)
-    combos = [(share, 0, bm, st) for share in shares for bm, st in TILES[spec["HEAD_DIM"]]]
+    tiles = TILES[spec["HEAD_DIM"]]
+    combos = [(share, 0, bm, st, 0) for share in shares for bm, st in tiles]
     if atomic:
-        combos += [(share, 1, bm, st) for share in shares for bm, st in DQ_TMA_TILES[(spec["HEAD_DIM"], share)]]
+        combos += [(share, 1, bm, st, 0) for share in shares for bm, st in DQ_TMA_TILES[(spec["HEAD_DIM"], share)]]
+        combos += [(share, 1, *DQ_TMA_TILES[(spec["HEAD_DIM"], share)][0], PERSISTENT_PROGRAMS) for share in shares]
+    else:
+        combos += [(0, 0, *tiles[0], PERSISTENT_PROGRAMS)]
     return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": 128, "USE_TMA": 1, "STAGES": st,
-                                        "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": share, "DQ_TMA": tma_},
+                                        "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": share, "DQ_TMA": tma_,
+                                        "PERSISTENT": programs},
                             num_warps=4, num_stages=1, backends=("cuda",))
-                 for share, tma_, bm, st in combos)
+                 for share, tma_, bm, st, programs in combos)
 
 
 def _excluded(spec: dict, target: object) -> str | None:
@@ -599,6 +791,12 @@ _DIV = divisibility_of(_SIG, aligned=("q", "k", "v", "do", "dk", "dv", "dqa"), b
 _CHECKS = GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1", "seqlen_q >= 1",
                                        "seqlen_k >= 1")
 
+#: attn_bwd_dkdv's grid with PERSISTENT 0: (cdiv(seqlen_k, BLOCK_N), batch * num_heads_k, 1);
+#: otherwise one dimension of min(units, PERSISTENT) programs, a unit being one such key block.
+GRID = ("cdiv(seqlen_k, BLOCK_N) * (1 - min(PERSISTENT, 1))"
+        " + min(cdiv(seqlen_k, BLOCK_N) * batch * num_heads_k, PERSISTENT)",
+        "batch * num_heads_k * (1 - min(PERSISTENT, 1)) + min(PERSISTENT, 1)", "1")
+
 KERNEL = KernelDecl(
     name=DKDV_SM90,
     fn=attn_bwd_dkdv_sm90,
@@ -606,7 +804,7 @@ KERNEL = KernelDecl(
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
           "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "DQ_ATOMIC": (0, 1), "SOFTCAP": (0,), "ALIBI": (0,)},
     configs=sm90_dkdv_configs,
-    grid=("cdiv(seqlen_k, BLOCK_N)", "batch * num_heads_k", "1"),
+    grid=GRID,
     divisibility=_DIV,
     exclude=_excluded,
     sets={"default": in_default_backward_set, "gputest": in_gputest_set},

@@ -208,7 +208,15 @@ def test_its_runtime_arguments_grid_and_checks_are_the_portable_kernels(gluon: G
 
     assert runtime(own) == runtime(portable) and ("causal_align", "i32") in runtime(own)
     assert dict(own.divisibility) == dict(portable.divisibility)
-    assert own.grid == portable.grid
+    # The portable kernel's grid, and for the dK/dV's persistent configs one dimension of
+    # min(units, PERSISTENT) programs (a unit: one key block of one KV head).
+    for B, Hk, N in ((4, 32, 4096), (16, 8, 1000), (1, 1, 1), (2, 3, 129)):
+        call = {"batch": B, "num_heads_k": Hk, "num_heads_q": Hk, "seqlen_q": N, "seqlen_k": N}
+        expect = portable.grid_of(BLOCK_N=128, BLOCK_M=64, **call)
+        assert own.grid_of(BLOCK_N=128, BLOCK_M=64, PERSISTENT=0, **call) == expect
+        if "PERSISTENT" in own.grid[0]:
+            units = expect[0] * expect[1]
+            assert own.grid_of(BLOCK_N=128, BLOCK_M=64, PERSISTENT=132, **call) == (min(units, 132), 1, 1)
     # The portable kernel's checks hold too (the Gluon one adds non-empty extents for TMA).
     assert set(portable.checks_for({})) <= set(own.checks)
     assert "causal_align == 0 or causal_align == 1" in own.checks
@@ -216,26 +224,32 @@ def test_its_runtime_arguments_grid_and_checks_are_the_portable_kernels(gluon: G
 
 
 def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: Gluon) -> None:
-    from builder.kernels.attention_bwd_sm90 import CONSUMER_REGS
+    from builder.kernels.attention_bwd_sm90 import CONSUMER_REGS, PERSISTENT_PROGRAMS
     from builder.targets import KNOWN
 
     decl = _kernels()[gluon.name]
     for spec in gluon.built:
         configs = decl.configs_for(spec, KNOWN["sm90"])
-        ways = [(c.constexprs.get("DQ_SHARE", 0), c.constexprs.get("DQ_TMA", 0)) for c in configs]
+        ways = [(c.constexprs.get("DQ_SHARE", 0), c.constexprs.get("DQ_TMA", 0), c.constexprs.get("PERSISTENT", 0))
+                for c in configs]
         # The atomic scheme runs each tile with each dQ split (at D=128), the per-consumer one first,
-        # then the same through TMA (D=128 per consumer: its two 64 KB chunk buffers fit one tile).
-        if spec.get("DQ_ATOMIC") and spec["HEAD_DIM"] == 128:
-            assert ways == [(0, 0), (0, 0), (1, 0), (1, 0), (0, 1), (1, 1), (1, 1)]
-        elif spec.get("DQ_ATOMIC"):
-            assert ways == [(0, 0), (0, 0), (0, 1), (0, 1)]
+        # then the same through TMA (D=128 per consumer: its two 64 KB chunk buffers fit one tile),
+        # then persistent with TMA; the split scheme its tiles, then persistent.
+        P = PERSISTENT_PROGRAMS
+        if gluon.schemes and spec.get("DQ_ATOMIC") and spec["HEAD_DIM"] == 128:
+            assert ways == [(0, 0, 0), (0, 0, 0), (1, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (1, 1, 0), (0, 1, P),
+                            (1, 1, P)]
+        elif gluon.schemes and spec.get("DQ_ATOMIC"):
+            assert ways == [(0, 0, 0), (0, 0, 0), (0, 1, 0), (0, 1, 0), (0, 1, P)]
+        elif gluon.schemes:
+            assert ways == [(0, 0, 0), (0, 0, 0), (0, 0, P)]
         else:
-            assert 1 <= len(configs) <= 3 and set(ways) == {(0, 0)}
+            assert 1 <= len(configs) <= 3 and set(ways) == {(0, 0, 0)}
         if gluon.schemes and spec == BUILT[SHARED]:
             assert configs[gluon.config(spec)].constexprs["DQ_SHARE"] == 1
         if gluon.schemes and spec in BUILT[min(TMA):]:
             share = TMA[BUILT.index(spec)][1]
-            assert ways[gluon.config(spec)] == (share, 1)
+            assert ways[gluon.config(spec)] == (share, 1, 0)
         for c in configs:
             assert c.constexprs[gluon.owned] == 128 and c.constexprs["USE_TMA"] == 1
             assert c.constexprs[gluon.streamed] in (64, 128)
@@ -251,7 +265,7 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
                 return [(c.constexprs["BLOCK_M"], c.constexprs["STAGES"]) for c in cs]
 
             plain = [c for c in configs if not c.constexprs["DQ_TMA"]]
-            assert tiles(plain) == tiles(split) * len({w[0] for w in ways})
+            assert tiles(plain) == tiles(split)[:2] * len({w[0] for w in ways})
             # The TMA configs' tiles are split ones too, their shared memory within sm90's.
             assert set(tiles(configs)) == set(tiles(split))
 
@@ -527,6 +541,97 @@ def test_the_aligned_siblings_unmasked_tiles_are_shorter_and_read_lse_and_delta_
     assert all(a <= b for a, b in zip(unmasked(mine), unmasked(theirs))), (unmasked(mine), unmasked(theirs))
     ops = _ops(aligned_built, BUILT[0])
     assert ops.get("STL", 0) <= ALIGNED_SPILLS and ops.get("LDL", 0) <= ALIGNED_SPILLS
+
+
+# ------------------------------------------------------------------------------------------------
+# Persistent configs (PERSISTENT > 0): PERSISTENT_PROGRAMS programs, each looping over key blocks.
+# ------------------------------------------------------------------------------------------------
+
+#: (kernel, spec, config, most spill stores or loads, most of them inside the wgmma loops): the
+#: split training shape's persistent config (#2), FA3's scheme at D=128 (TMA dQ, DQ_SHARE=1,
+#: #8) and at D=64 (#4). Measured: 80/96 and 14 inside the loops, 81/59 and 52, 20/34 and 0 (the
+#: unit loop's own values beside the non-persistent kernel's loop invariants). More means a regression.
+PERSISTENT_BUILT = ((NAME, BUILT[0], 2, 100, 16), (NAME, BUILT[6], 8, 100, 56),
+                    (NAME, {**BUILT[7], "CAUSAL": 2}, 4, 40, 0))
+
+
+@pytest.fixture(scope="module")
+def persistent_built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from builder.build import build
+    from builder.registry import expand
+    from builder.targets import parse_targets
+
+    jobs = [j for name, spec, index, _, _ in PERSISTENT_BUILT
+            for j in expand(_kernels()[name], parse_targets("sm90"), "full", "3.6.0")
+            if j.spec == spec and j.config_index == index]
+    assert len(jobs) == len(PERSISTENT_BUILT)
+    out = tmp_path_factory.mktemp("dkdv-persistent")
+    summary = build(jobs, out, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
+    assert summary.failed == [] and summary.compiled == len(PERSISTENT_BUILT)
+    return out
+
+
+def test_persistent_dkdv_binaries_prove_the_catalog_and_its_grid_is_one_program_per_sm(
+        persistent_built: Path) -> None:
+    """The catalog's grid rule, as the runtime evaluates it, launches min(units, 132) programs (a
+    unit: one 128-key block of one KV head); the descriptors are 4-D over the whole tensors (made
+    once per program: four, five with DQ_TMA, as the non-persistent kernel's)."""
+    from aotriton_rt.arguments import Packer
+    from builder.build import prove_folder
+    from builder.kernels.attention_bwd_sm90 import PERSISTENT_PROGRAMS
+    from tests.helpers.sass import sass_ops
+
+    assert prove_folder(persistent_built) == len(PERSISTENT_BUILT)
+    for variant in _variants(persistent_built):
+        assert variant.config.constexprs["PERSISTENT"] == PERSISTENT_PROGRAMS == 132
+        assert variant.num_warps == 12 and variant.shared <= 232448
+        tma_descs = 4 + variant.config.constexprs["DQ_TMA"]
+        assert variant.scratch["global_size"] == tma_descs * 128
+        packer = Packer(variant)
+        values = {a.name: 0 for a in variant.args}
+
+        def grid(B, Hk, N, packer=packer, values=values):
+            values.update(batch=B, num_heads_q=Hk * 4, num_heads_k=Hk, seqlen_q=N, seqlen_k=N)
+            return packer.grid_for([values[n] for n in packer.names])
+
+        assert grid(16, 8, 1024) == (132, 1, 1) and grid(4, 32, 4096) == (132, 1, 1)
+        assert grid(1, 2, 300) == (6, 1, 1) and grid(1, 1, 1) == (1, 1, 1)
+        ops = sass_ops(lzma.decompress((persistent_built / variant.image.path).read_bytes()))
+        assert ops.get("UTMALDG.4D", 0) > 0 and not ops.get("UTMALDG.3D") and not ops.get("UTMALDG.2D")
+        if variant.config.constexprs["DQ_TMA"]:
+            assert ops.get("UTMAREDG.4D.ADD") == 2 * 2 * (1 if variant.config.constexprs["DQ_SHARE"]
+                                                          else variant.spec["HEAD_DIM"] // 64)
+
+
+@pytest.mark.parametrize("index", range(len(PERSISTENT_BUILT)))
+def test_persistent_dkdv_keeps_its_wgmmas_asynchronous_and_spills_little(persistent_built: Path, index: int) -> None:
+    """As the non-persistent kernel: at least 4 HGMMA per warpgroup fence, the same matmuls per
+    tile; spills within PERSISTENT_BUILT's bounds, inside and outside the wgmma loops."""
+    from tests.helpers.sass import listing_loop_spills, sass_listing, sass_ops
+
+    _, spec, _, most, in_loops = PERSISTENT_BUILT[index]
+    raw = lzma.decompress((persistent_built / _variant(persistent_built, spec).image.path).read_bytes())
+    ops = sass_ops(raw)
+    hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
+    fences = ops.get("WARPGROUP.ARRIVE", 0)
+    assert fences > 0 and hgmma >= 4 * fences, (hgmma, fences)
+    dq = spec["HEAD_DIM"] // 16 if spec.get("DQ_ATOMIC") else 0
+    assert hgmma == 2 * 2 * (2 * spec["HEAD_DIM"] // 16 + 2 * 64 // 16 + dq)
+    assert ops.get("STL", 0) <= most and ops.get("LDL", 0) <= most, (ops.get("STL"), ops.get("LDL"))
+    assert listing_loop_spills(sass_listing(raw)) <= in_loops
+
+
+def test_persistent_units_visit_every_key_block_of_every_head_once() -> None:
+    """A persistent program takes units pid, pid + P, ...: over any program count every unit
+    once; without a mask unit u is key block u % blocks of (batch * KV head) u // blocks, the
+    non-persistent grid's order (the causal order is _heavy_first's, the non-persistent grid's)."""
+    for blocks, bh in ((1, 1), (8, 512), (3, 7), (33, 2)):
+        units = blocks * bh
+        for programs in (1, 5, 132, 1000):
+            taken = [u for pid in range(min(units, programs)) for u in range(pid, units, programs)]
+            assert sorted(taken) == list(range(units))
+        assert sorted((u % blocks, u // blocks) for u in range(units)) == [(n, b) for n in range(blocks)
+                                                                          for b in range(bh)]
 
 
 if __name__ == "__main__":
