@@ -34,28 +34,98 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from builder.kernels.attention_bwd_sm90 import LOG2E, _heavy_first, _query_block, _visited, _window
+from builder.kernels.attention_bwd_sm90 import (
+    LOG2E,
+    _heavy_first,
+    _heavy_first_of,
+    _query_block,
+    _visited,
+    _whole,
+    _window,
+)
 
 
 @gluon.jit
 def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, free,
                start_m, lo, f1, f2, n1, n2, n, STAGES: gl.constexpr):
     """Loader warp: both consumers' Q and dO rows, then K and V of every visited key tile."""
+    _dq_load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_bar, ready, free,
+                  0, 0, 0, 0, 0, start_m, lo, f1, f2, n1, n2, n, STAGES, 0)
+
+
+@gluon.jit
+def _dq_loader_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready,
+                          free, units, num_blocks, num_heads_q, num_heads_k, batch, len_k, diag, left, right,
+                          BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Loader warp of a persistent program: _dq_loader's work for each of its units in turn, the
+    ring of K/V slots running on across units."""
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    t = 0
+    u = 0
+    for unit in range(gl.program_id(0), units, gl.num_programs(0)):
+        off_b, off_h, start_m = _dq_unit(unit, num_blocks, num_heads_q, batch, BLOCK_M, CAUSAL)
+        lo, f1, f2, n1, n2, n = _visited(start_m, BLOCK_M, len_k, diag, left, right, BLOCK_N, CAUSAL)
+        t = _dq_load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready,
+                          free, t, u, off_b, off_h, off_h // (num_heads_q // num_heads_k), start_m, lo, f1, f2, n1,
+                          n2, n, STAGES, 1)
+        u += 1
+
+
+@gluon.jit
+def _dq_unit(unit, num_blocks, num_heads_q, batch, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(batch, query head, first query) of a persistent program's work unit: the non-persistent
+    grid's programs in launch order (heavy, i.e. last, query blocks first under a causal mask)."""
+    if CAUSAL != 0:
+        idx, pid_bh = _heavy_first_of(unit.to(gl.int64), num_blocks, batch * num_heads_q)
+        pid_m = num_blocks - 1 - idx
+    else:
+        pid_m = unit % num_blocks
+        pid_bh = unit // num_blocks
+    return pid_bh // num_heads_q, pid_bh % num_heads_q, pid_m * BLOCK_M
+
+
+@gluon.jit
+def _dq_load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, free,
+                  t0, u, off_b, off_h, off_hk, start_m, lo, f1, f2, n1, n2, n, STAGES: gl.constexpr,
+                  PERSISTENT: gl.constexpr):
+    """One unit's loads: both consumers' Q and dO rows (after the consumers released the previous
+    unit's, PERSISTENT), then K and V of every visited key tile into the ring's slots t0, t0 + 1,
+    ... Descriptors are 2-D at the head, or with PERSISTENT 4-D (batch, head, row, dim) over the
+    whole tensors (batch off_b, query head off_h, KV head off_hk). Returns the ring position after
+    the unit."""
     HALF: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
+    BLOCK_D: gl.constexpr = k_smem.shape[2]
+    if PERSISTENT:
+        # A fresh barrier counts as having completed the phase before its first.
+        mbarrier.wait(q_free, (u & 1) ^ 1)
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
     for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [start_m + c * HALF, 0], q_bar, q_smem.index(c))
-        tma.async_copy_global_to_shared(do_desc, [start_m + c * HALF, 0], q_bar, do_smem.index(c))
-    for it in range(n):
+        if PERSISTENT:
+            q_dst = q_smem.index(c)._reinterpret(q_smem.dtype, [1, 1, HALF, BLOCK_D], q_desc.layout)
+            do_dst = do_smem.index(c)._reinterpret(do_smem.dtype, [1, 1, HALF, BLOCK_D], do_desc.layout)
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * HALF, 0], q_bar, q_dst)
+            tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m + c * HALF, 0], q_bar, do_dst)
+        else:
+            tma.async_copy_global_to_shared(q_desc, [start_m + c * HALF, 0], q_bar, q_smem.index(c))
+            tma.async_copy_global_to_shared(do_desc, [start_m + c * HALF, 0], q_bar, do_smem.index(c))
+    for i in range(n):
+        it = t0 + i
         s = it % STAGES
         # A fresh barrier counts as having completed the phase before its first: the first pass
         # over the ring does not wait.
         mbarrier.wait(free.index(s), ((it // STAGES) & 1) ^ 1)
-        start_n = _query_block(it, lo, f1, f2, n1, n2, BLOCK_N)
+        start_n = _query_block(i, lo, f1, f2, n1, n2, BLOCK_N)
         mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start_n, 0], ready.index(s), k_smem.index(s))
-        tma.async_copy_global_to_shared(v_desc, [start_n, 0], ready.index(s), v_smem.index(s))
+        if PERSISTENT:
+            k_dst = k_smem.index(s)._reinterpret(k_smem.dtype, [1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+            v_dst = v_smem.index(s)._reinterpret(v_smem.dtype, [1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
+            tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, start_n, 0], ready.index(s), k_dst)
+            tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, start_n, 0], ready.index(s), v_dst)
+        else:
+            tma.async_copy_global_to_shared(k_desc, [start_n, 0], ready.index(s), k_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, [start_n, 0], ready.index(s), v_smem.index(s))
+    return t0 + n
 
 
 @gluon.jit
@@ -96,6 +166,40 @@ def _dq_consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, ready,
                  stride_dqm, start_m, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n,
                  CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     """Consumer warp group c: queries start_m + c*HALF ..., every visited key tile."""
+    _dq_consume_unit(c, q_smem, do_smem, k_smem, v_smem, q_bar, q_bar, ready, free, L_head, D_head, DQ_head,
+                     stride_dqm, 0, 0, start_m, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                     CAUSAL, STAGES, 0)
+
+
+@gluon.jit
+def _dq_consumer_persistent(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, free, LSE, Delta,
+                            DQ, units, num_blocks, num_heads_q, batch, stride_lz, stride_lh, stride_dqz, stride_dqh,
+                            stride_dqm, len_q, len_k, sm_scale, diag, left, right, BLOCK_M: gl.constexpr,
+                            CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer warp group c of a persistent program: _dq_consumer's work for each of its units in
+    the loader's order, the ring position running on across units."""
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    t = 0
+    u = 0
+    for unit in range(gl.program_id(0), units, gl.num_programs(0)):
+        off_b, off_h, start_m = _dq_unit(unit, num_blocks, num_heads_q, batch, BLOCK_M, CAUSAL)
+        lo, f1, f2, n1, n2, n = _visited(start_m, BLOCK_M, len_k, diag, left, right, BLOCK_N, CAUSAL)
+        L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+        D_head = Delta + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+        DQ_head = DQ + off_b.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh
+        t = _dq_consume_unit(c, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, free, L_head, D_head,
+                             DQ_head, stride_dqm, t, u, start_m, len_q, len_k, sm_scale, diag, left, right, lo, f1,
+                             f2, n1, n2, n, CAUSAL, STAGES, 1)
+        u += 1
+
+
+@gluon.jit
+def _dq_consume_unit(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, free, L_head, D_head,
+                     DQ_head, stride_dqm, t0, u, start_m, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1,
+                     n2, n, CAUSAL: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One unit of consumer warp group c: queries start_m + c*HALF ..., every visited key tile from
+    the ring's slot t0 on (Q and dO in phase ``u & 1`` of q_bar). With PERSISTENT it releases Q
+    and dO (q_free) once its last matmul is done. Returns the ring position after the unit."""
     HALF: gl.constexpr = q_smem.shape[1]
     BLOCK_D: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -116,23 +220,27 @@ def _dq_consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, ready,
     qk_scale = sm_scale * LOG2E
     q = q_smem.index(c)
     do = do_smem.index(c)
-    # Always wait: the loader's Q/dO copies must land before the program may exit.
-    mbarrier.wait(q_bar, 0)
+    # Always wait: the loader's Q/dO copies must land before the program may exit (or reload them).
+    mbarrier.wait(q_bar, u & 1)
     masked = n1 + n2
     for j in range(0, masked):
         start_n = _query_block(j, lo, f1, f2, n1, n2, BLOCK_N)
-        dq = _dq_tile(j, start_n, dq, q, do, k_smem, v_smem, ready, free, lse, delta, rows, kcols, len_k, diag,
-                      left, right, qk_scale, True, CAUSAL, STAGES, s_layout, a_layout)
+        dq = _dq_tile(t0 + j, start_n, dq, q, do, k_smem, v_smem, ready, free, lse, delta, rows, kcols, len_k,
+                      diag, left, right, qk_scale, True, CAUSAL, STAGES, s_layout, a_layout)
     for j in range(masked, n):
         start_n = f1 + (j - masked) * BLOCK_N
-        dq = _dq_tile(j, start_n, dq, q, do, k_smem, v_smem, ready, free, lse, delta, rows, kcols, len_k, diag,
-                      left, right, qk_scale, False, CAUSAL, STAGES, s_layout, a_layout)
+        dq = _dq_tile(t0 + j, start_n, dq, q, do, k_smem, v_smem, ready, free, lse, delta, rows, kcols, len_k,
+                      diag, left, right, qk_scale, False, CAUSAL, STAGES, s_layout, a_layout)
+    if PERSISTENT:
+        # Every matmul reading Q and dO was waited for in its tile: the loader may refill them.
+        mbarrier.arrive(q_free, count=1)
 
     q_rows = start_m + c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
     d_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, acc_layout))
     keep = (q_rows < len_q)[:, None] & (d_cols >= 0)[None, :]
     ptrs = DQ_head + q_rows.to(gl.int64)[:, None] * stride_dqm + d_cols[None, :]
     gl.store(ptrs, (dq * sm_scale).to(DQ_head.dtype.element_ty), mask=keep)
+    return t0 + n
 
 
 @gluon.jit
@@ -151,11 +259,15 @@ def attn_bwd_dq_sm90(
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
     """dQ of one query block of one query head (see attn_bwd_dq).
 
-    Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1). Bias, cu_seqlens_* and the dropout
+    Grid: (cdiv(seqlen_q, BLOCK_M), batch * num_heads_q, 1); with PERSISTENT > 0 (min(units,
+    PERSISTENT), 1, 1), a unit being one such program's query block, which each program takes in
+    turn (every PERSISTENT-th in the non-persistent grid's launch order): the descriptors are
+    made once, 4-D over the whole tensors, and the loader fetches the next unit's Q and dO as soon
+    as both consumers are done with the last one's. Bias, cu_seqlens_* and the dropout
     arguments are accepted (attn_bwd_dq's argument list) and ignored: BIAS, DROPOUT, VARLEN, SOFTCAP
     and ALIBI are 0. causal_align aligns mask mode 1's band (0 top-left, 1 bottom-right). HEAD_DIM == HEAD_DIM_V
     (64 or 128). USE_TMA is 1 (K and V always come through TMA). BLOCK_M is two consumers' 64
@@ -169,43 +281,51 @@ def attn_bwd_dq_sm90(
     BLOCK_D: gl.constexpr = HEAD_DIM
     dtype: gl.constexpr = Q.dtype.element_ty
 
-    if CAUSAL != 0:
-        # attn_bwd_dkdv_sm90's heavy-first order, reversed along the blocks: here the last query
-        # blocks see the most keys.
-        idx, pid_bh = _heavy_first(gl.num_programs(0), batch * num_heads_q)
-        pid_m = gl.num_programs(0) - 1 - idx
-    else:
-        pid_m = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-    off_b = pid_bh // num_heads_q
-    off_h = pid_bh % num_heads_q
-    off_hk = off_h // (num_heads_q // num_heads_k)
-    start_m = pid_m * BLOCK_M
     len_q = seqlen_q
     len_k = seqlen_k
-
-    Q_head = Q + off_b.to(gl.int64) * stride_qz + off_h.to(gl.int64) * stride_qh
-    DO_head = DO + off_b.to(gl.int64) * stride_doz + off_h.to(gl.int64) * stride_doh
-    DQ_head = DQ + off_b.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh
-    K_head = K + off_b.to(gl.int64) * stride_kz + off_hk.to(gl.int64) * stride_kh
-    V_head = V + off_b.to(gl.int64) * stride_vz + off_hk.to(gl.int64) * stride_vh
-    L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
-    D_head = Delta + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
-
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
-    q_desc = tma.make_tensor_descriptor(Q_head, shape=[len_q, HEAD_DIM], strides=[stride_qm, 1],
-                                        block_shape=[HALF, BLOCK_D], layout=q_layout)
-    do_desc = tma.make_tensor_descriptor(DO_head, shape=[len_q, HEAD_DIM], strides=[stride_dom, 1],
-                                         block_shape=[HALF, BLOCK_D], layout=q_layout)
-    k_desc = tma.make_tensor_descriptor(K_head, shape=[len_k, HEAD_DIM], strides=[stride_kn, 1],
-                                        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V_head, shape=[len_k, HEAD_DIM], strides=[stride_vn, 1],
-                                        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+    if PERSISTENT:
+        # 4-D (batch, head, row, dim) descriptors over the whole tensors, made once per program.
+        q_desc = _whole(Q, batch, num_heads_q, len_q, HEAD_DIM, stride_qz, stride_qh, stride_qm, HALF, BLOCK_D)
+        do_desc = _whole(DO, batch, num_heads_q, len_q, HEAD_DIM, stride_doz, stride_doh, stride_dom, HALF, BLOCK_D)
+        k_desc = _whole(K, batch, num_heads_k, len_k, HEAD_DIM, stride_kz, stride_kh, stride_kn, BLOCK_N, BLOCK_D)
+        v_desc = _whole(V, batch, num_heads_k, len_k, HEAD_DIM, stride_vz, stride_vh, stride_vn, BLOCK_N, BLOCK_D)
+    else:
+        if CAUSAL != 0:
+            # attn_bwd_dkdv_sm90's heavy-first order, reversed along the blocks: here the last query
+            # blocks see the most keys.
+            idx, pid_bh = _heavy_first(gl.num_programs(0), batch * num_heads_q)
+            pid_m = gl.num_programs(0) - 1 - idx
+        else:
+            pid_m = gl.program_id(0)
+            pid_bh = gl.program_id(1)
+        off_b = pid_bh // num_heads_q
+        off_h = pid_bh % num_heads_q
+        off_hk = off_h // (num_heads_q // num_heads_k)
+        start_m = pid_m * BLOCK_M
+
+        Q_head = Q + off_b.to(gl.int64) * stride_qz + off_h.to(gl.int64) * stride_qh
+        DO_head = DO + off_b.to(gl.int64) * stride_doz + off_h.to(gl.int64) * stride_doh
+        DQ_head = DQ + off_b.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh
+        K_head = K + off_b.to(gl.int64) * stride_kz + off_hk.to(gl.int64) * stride_kh
+        V_head = V + off_b.to(gl.int64) * stride_vz + off_hk.to(gl.int64) * stride_vh
+        L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+        D_head = Delta + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+
+        q_desc = tma.make_tensor_descriptor(Q_head, shape=[len_q, HEAD_DIM], strides=[stride_qm, 1],
+                                            block_shape=[HALF, BLOCK_D], layout=q_layout)
+        do_desc = tma.make_tensor_descriptor(DO_head, shape=[len_q, HEAD_DIM], strides=[stride_dom, 1],
+                                             block_shape=[HALF, BLOCK_D], layout=q_layout)
+        k_desc = tma.make_tensor_descriptor(K_head, shape=[len_k, HEAD_DIM], strides=[stride_kn, 1],
+                                            block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+        v_desc = tma.make_tensor_descriptor(V_head, shape=[len_k, HEAD_DIM], strides=[stride_vn, 1],
+                                            block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
 
     # Key tiles [lo, f1) and [f2, hi) need a mask, [f1, f2) do not (attn_bwd_dq's _span).
     diag, left, right = _window(len_q, len_k, window_left, window_right, causal_align, CAUSAL)
-    lo, f1, f2, n1, n2, n = _visited(start_m, BLOCK_M, len_k, diag, left, right, BLOCK_N, CAUSAL)
+    if PERSISTENT == 0:
+        lo, f1, f2, n1, n2, n = _visited(start_m, BLOCK_M, len_k, diag, left, right, BLOCK_N, CAUSAL)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], q_layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, HALF, BLOCK_D], q_layout)
@@ -219,14 +339,37 @@ def attn_bwd_dq_sm90(
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(free.index(s), count=2)
 
-    gl.warp_specialize([
-        (_dq_consumer, (0, q_smem, do_smem, k_smem, v_smem, q_bar, ready, free, L_head, D_head, DQ_head, stride_dqm,
-                        start_m, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n, CAUSAL, STAGES)),
-        (_dq_consumer, (1, q_smem, do_smem, k_smem, v_smem, q_bar, ready, free, L_head, D_head, DQ_head, stride_dqm,
-                        start_m, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n, CAUSAL, STAGES)),
-        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, free,
-                      start_m, lo, f1, f2, n1, n2, n, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if PERSISTENT:
+        # Both consumers arrive once they are done with a unit's Q and dO; the loader waits for
+        # that before it loads the next unit's.
+        q_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_free, count=2)
+        num_blocks = gl.cdiv(len_q, BLOCK_M)
+        units = num_blocks * batch * num_heads_q
+        gl.warp_specialize([
+            (_dq_consumer_persistent, (0, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, free, LSE, Delta, DQ,
+                                       units, num_blocks, num_heads_q, batch, stride_lz, stride_lh, stride_dqz,
+                                       stride_dqh, stride_dqm, len_q, len_k, sm_scale, diag, left, right, BLOCK_M,
+                                       CAUSAL, STAGES)),
+            (_dq_consumer_persistent, (1, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready, free, LSE, Delta, DQ,
+                                       units, num_blocks, num_heads_q, batch, stride_lz, stride_lh, stride_dqz,
+                                       stride_dqh, stride_dqm, len_q, len_k, sm_scale, diag, left, right, BLOCK_M,
+                                       CAUSAL, STAGES)),
+            (_dq_loader_persistent, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free,
+                                     ready, free, units, num_blocks, num_heads_q, num_heads_k, batch, len_k, diag,
+                                     left, right, BLOCK_M, STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_dq_consumer, (0, q_smem, do_smem, k_smem, v_smem, q_bar, ready, free, L_head, D_head, DQ_head,
+                            stride_dqm, start_m, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                            CAUSAL, STAGES)),
+            (_dq_consumer, (1, q_smem, do_smem, k_smem, v_smem, q_bar, ready, free, L_head, D_head, DQ_head,
+                            stride_dqm, start_m, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n,
+                            CAUSAL, STAGES)),
+            (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, free,
+                          start_m, lo, f1, f2, n1, n2, n, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,7 +380,7 @@ from aotriton_rt.ops.attention.family import DQ_SM90  # noqa: E402
 from builder.kernels._attention_sets import in_default_backward_set  # noqa: E402
 from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
 from builder.kernels.attention_bwd import _GRAD_PTRS  # noqa: E402
-from builder.kernels.attention_bwd_sm90 import CONSUMER_REGS, HEAD_DIMS, in_gputest_set  # noqa: E402
+from builder.kernels.attention_bwd_sm90 import CONSUMER_REGS, HEAD_DIMS, PERSISTENT_PROGRAMS, in_gputest_set  # noqa: E402
 from builder.kernels.attention_bwd_sm90 import _excluded as _dkdv_excluded  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
 
@@ -254,13 +397,16 @@ TILES = {128: ((64, 2), (64, 3), (128, 2)), 64: ((128, 2), (64, 3), (128, 3))}
 
 
 def sm90_dq_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
-    """The tile table for a head dim. num_warps is the default partition's (consumer 0); the
-    compiled kernel runs 12 warps (two consumer groups and the loader's group), which the catalog
-    records from the binary."""
+    """The tile table for a head dim, then its first tile persistent (``PERSISTENT_PROGRAMS``
+    programs looping over the query blocks; after the others, so their numbers keep their
+    meaning). num_warps is the default partition's (consumer 0); the compiled kernel runs 12
+    warps (two consumer groups and the loader's group), which the catalog records from the binary."""
+    tiles = TILES[spec["HEAD_DIM"]]
+    rows = [(*t, 0) for t in tiles] + [(*tiles[0], PERSISTENT_PROGRAMS)]
     return tuple(ConfigDecl(constexprs={"BLOCK_M": 128, "BLOCK_N": bn, "USE_TMA": 1, "STAGES": st,
-                                        "CONSUMER_REGS": CONSUMER_REGS},
+                                        "CONSUMER_REGS": CONSUMER_REGS, "PERSISTENT": programs},
                             num_warps=4, num_stages=1, backends=("cuda",))
-                 for bn, st in TILES[spec["HEAD_DIM"]])
+                 for bn, st, programs in rows)
 
 
 def _excluded(spec: dict, target: object) -> str | None:
@@ -278,7 +424,10 @@ KERNEL = KernelDecl(
     axes={"dtype": ("fp16", "bf16"), "HEAD_DIM": HEAD_DIMS, "HEAD_DIM_V": HEAD_DIMS, "CAUSAL": (0, 1, 2),
           "BIAS": (0,), "DROPOUT": (0,), "VARLEN": (0,), "SOFTCAP": (0,), "ALIBI": (0,)},
     configs=sm90_dq_configs,
-    grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
+    # attn_bwd_dq's grid with PERSISTENT 0; otherwise min(units, PERSISTENT) programs.
+    grid=("cdiv(seqlen_q, BLOCK_M) * (1 - min(PERSISTENT, 1))"
+          " + min(cdiv(seqlen_q, BLOCK_M) * batch * num_heads_q, PERSISTENT)",
+          "batch * num_heads_q * (1 - min(PERSISTENT, 1)) + min(PERSISTENT, 1)", "1"),
     divisibility=_DIV,
     exclude=_excluded,
     sets={"default": in_default_backward_set, "gputest": in_gputest_set},

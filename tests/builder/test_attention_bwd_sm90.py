@@ -243,8 +243,11 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
             assert ways == [(0, 0, 0), (0, 0, 0), (0, 1, 0), (0, 1, 0), (0, 1, P)]
         elif gluon.schemes:
             assert ways == [(0, 0, 0), (0, 0, 0), (0, 0, P)]
-        else:
-            assert 1 <= len(configs) <= 3 and set(ways) == {(0, 0, 0)}
+        else:  # the dQ kernel: its tiles, then the first one persistent
+            assert ways == [(0, 0, 0)] * (len(configs) - 1) + [(0, 0, P)] and 2 <= len(configs) <= 4
+            first, last = configs[0].constexprs, configs[-1].constexprs
+            assert {k: v for k, v in first.items() if k != "PERSISTENT"} == {
+                k: v for k, v in last.items() if k != "PERSISTENT"}
         if gluon.schemes and spec == BUILT[SHARED]:
             assert configs[gluon.config(spec)].constexprs["DQ_SHARE"] == 1
         if gluon.schemes and spec in BUILT[min(TMA):]:
@@ -548,11 +551,13 @@ def test_the_aligned_siblings_unmasked_tiles_are_shorter_and_read_lse_and_delta_
 # ------------------------------------------------------------------------------------------------
 
 #: (kernel, spec, config, most spill stores or loads, most of them inside the wgmma loops): the
-#: split training shape's persistent config (#2), FA3's scheme at D=128 (TMA dQ, DQ_SHARE=1,
-#: #8) and at D=64 (#4). Measured: 80/96 and 14 inside the loops, 81/59 and 52, 20/34 and 0 (the
-#: unit loop's own values beside the non-persistent kernel's loop invariants). More means a regression.
+#: dK/dV's persistent configs of the split training shape (#2), FA3's scheme at D=128 (TMA dQ,
+#: DQ_SHARE=1, #8) and at D=64 (#4), and the dQ kernel's (#3) at D=128 and 64. Measured: 80/96 and
+#: 14 inside the loops, 81/59 and 52, 20/34 and 0 (the unit loop's own values beside the
+#: non-persistent kernel's loop invariants); dQ 17/33 and 0, none. More means a regression.
 PERSISTENT_BUILT = ((NAME, BUILT[0], 2, 100, 16), (NAME, BUILT[6], 8, 100, 56),
-                    (NAME, {**BUILT[7], "CAUSAL": 2}, 4, 40, 0))
+                    (NAME, {**BUILT[7], "CAUSAL": 2}, 4, 40, 0),
+                    (DQ_NAME, DQ_BUILT[1], 3, 40, 0), (DQ_NAME, DQ_BUILT[2], 3, 0, 0))
 
 
 @pytest.fixture(scope="module")
@@ -565,16 +570,17 @@ def persistent_built(tmp_path_factory: pytest.TempPathFactory) -> Path:
             for j in expand(_kernels()[name], parse_targets("sm90"), "full", "3.6.0")
             if j.spec == spec and j.config_index == index]
     assert len(jobs) == len(PERSISTENT_BUILT)
-    out = tmp_path_factory.mktemp("dkdv-persistent")
+    out = tmp_path_factory.mktemp("bwd-persistent")
     summary = build(jobs, out, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
     assert summary.failed == [] and summary.compiled == len(PERSISTENT_BUILT)
     return out
 
 
-def test_persistent_dkdv_binaries_prove_the_catalog_and_its_grid_is_one_program_per_sm(
+def test_persistent_binaries_prove_the_catalog_and_their_grid_is_one_program_per_sm(
         persistent_built: Path) -> None:
     """The catalog's grid rule, as the runtime evaluates it, launches min(units, 132) programs (a
-    unit: one 128-key block of one KV head); the descriptors are 4-D over the whole tensors (made
+    unit: one non-persistent program's block, of 128 keys of one KV head for the dK/dV, of 128
+    queries of one query head for the dQ); the descriptors are 4-D over the whole tensors (made
     once per program: four, five with DQ_TMA, as the non-persistent kernel's)."""
     from aotriton_rt.arguments import Packer
     from builder.build import prove_folder
@@ -585,7 +591,7 @@ def test_persistent_dkdv_binaries_prove_the_catalog_and_its_grid_is_one_program_
     for variant in _variants(persistent_built):
         assert variant.config.constexprs["PERSISTENT"] == PERSISTENT_PROGRAMS == 132
         assert variant.num_warps == 12 and variant.shared <= 232448
-        tma_descs = 4 + variant.config.constexprs["DQ_TMA"]
+        tma_descs = 4 + variant.config.constexprs.get("DQ_TMA", 0)
         assert variant.scratch["global_size"] == tma_descs * 128
         packer = Packer(variant)
         values = {a.name: 0 for a in variant.args}
@@ -594,29 +600,35 @@ def test_persistent_dkdv_binaries_prove_the_catalog_and_its_grid_is_one_program_
             values.update(batch=B, num_heads_q=Hk * 4, num_heads_k=Hk, seqlen_q=N, seqlen_k=N)
             return packer.grid_for([values[n] for n in packer.names])
 
+        # Units: 128-key blocks of each KV head (dK/dV), 128-query blocks of each query head (dQ).
+        heads = 1 if variant.kernel == NAME else 4
         assert grid(16, 8, 1024) == (132, 1, 1) and grid(4, 32, 4096) == (132, 1, 1)
-        assert grid(1, 2, 300) == (6, 1, 1) and grid(1, 1, 1) == (1, 1, 1)
+        assert grid(1, 2, 300) == (6 * heads, 1, 1) and grid(1, 1, 1) == (heads, 1, 1)
         ops = sass_ops(lzma.decompress((persistent_built / variant.image.path).read_bytes()))
         assert ops.get("UTMALDG.4D", 0) > 0 and not ops.get("UTMALDG.3D") and not ops.get("UTMALDG.2D")
-        if variant.config.constexprs["DQ_TMA"]:
+        if variant.config.constexprs.get("DQ_TMA"):
             assert ops.get("UTMAREDG.4D.ADD") == 2 * 2 * (1 if variant.config.constexprs["DQ_SHARE"]
                                                           else variant.spec["HEAD_DIM"] // 64)
 
 
 @pytest.mark.parametrize("index", range(len(PERSISTENT_BUILT)))
-def test_persistent_dkdv_keeps_its_wgmmas_asynchronous_and_spills_little(persistent_built: Path, index: int) -> None:
+def test_persistent_configs_keep_their_wgmmas_asynchronous_and_spill_little(persistent_built: Path,
+                                                                              index: int) -> None:
     """As the non-persistent kernel: at least 4 HGMMA per warpgroup fence, the same matmuls per
     tile; spills within PERSISTENT_BUILT's bounds, inside and outside the wgmma loops."""
     from tests.helpers.sass import listing_loop_spills, sass_listing, sass_ops
 
-    _, spec, _, most, in_loops = PERSISTENT_BUILT[index]
-    raw = lzma.decompress((persistent_built / _variant(persistent_built, spec).image.path).read_bytes())
+    name, spec, _, most, in_loops = PERSISTENT_BUILT[index]
+    (gluon,) = [g for g in KERNELS if g.name == name]
+    (variant,) = [v for v in _variants(persistent_built) if v.kernel == name and v.spec == spec]
+    raw = lzma.decompress((persistent_built / variant.image.path).read_bytes())
     ops = sass_ops(raw)
     hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
     fences = ops.get("WARPGROUP.ARRIVE", 0)
     assert fences > 0 and hgmma >= 4 * fences, (hgmma, fences)
+    streamed = variant.config.constexprs[gluon.streamed]
     dq = spec["HEAD_DIM"] // 16 if spec.get("DQ_ATOMIC") else 0
-    assert hgmma == 2 * 2 * (2 * spec["HEAD_DIM"] // 16 + 2 * 64 // 16 + dq)
+    assert hgmma == 2 * 2 * (2 * spec["HEAD_DIM"] // 16 + gluon.accumulators * streamed // 16 + dq)
     assert ops.get("STL", 0) <= most and ops.get("LDL", 0) <= most, (ops.get("STL"), ops.get("LDL"))
     assert listing_loop_spills(sass_listing(raw)) <= in_loops
 
