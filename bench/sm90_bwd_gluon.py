@@ -12,6 +12,7 @@ with the dK/dV and dQ kernels forced through ``builder.tune`` views:
   JSON's ``launched`` says which);
 - ``g#0+g#j``: the Gluon dK/dV at config 0 (the one the runtime launches untuned) beside the
   Gluon dQ ``attn_bwd_dq_sm90`` at its config j (every config held);
+- ``g#p+g#q``: both Gluon kernels at their persistent configs (``PERSISTENT`` > 0), where held;
 - ``g#i+atom``: the atomic scheme (``scheme="atomic"``: preprocess zeroing DQacc, the Gluon dK/dV
   with ``DQ_ATOMIC=1`` at its config i adding dQ = dS·K into DQacc, the convert kernel): five
   matmuls a tile instead of seven, FA3's scheme (the configs with ``DQ_TMA=1``, #4-#6 at D=128
@@ -68,7 +69,9 @@ ATOMIC = {"deterministic": False, "scheme": "atomic"}
 #: The all-portable contender, the baseline of the "x portable" column.
 BASELINE = "port+port"
 # (dtype, head dim, mask mode, B, H, N): the training shapes (mode 2: causal, equal lengths).
-SHAPES = tuple((dt, d, c, 4, 32, 4096) for d in (128, 64) for c in (0, 2) for dt in ("fp16", "bf16"))
+SHAPES = (tuple((dt, d, c, 4, 32, 4096) for d in (128, 64) for c in (0, 2) for dt in ("fp16", "bf16"))
+          # Short sequences (many small units: where the persistent configs are meant to help).
+          + tuple((dt, 128, c, 16, 32, 1024) for c in (0, 2) for dt in ("fp16", "bf16")))
 # Agreement of a Gluon contender's dq, dk, dv with the portable kernels': max |diff| / max |portable| below this.
 AGREE = {"fp16": 2e-2, "bf16": 5e-2}
 
@@ -108,6 +111,15 @@ def gluon_configs(lib, shape, kernel: str = GLUON, atomic: int = 0) -> list[int]
     return []
 
 
+def persistent_configs(lib, shape, kernel: str, atomic: int = 0) -> list[int]:
+    """Of :func:`gluon_configs`, the persistent ones (constexpr ``PERSISTENT`` > 0)."""
+    dtype, d, causal = shape[:3]
+    held = set(gluon_configs(lib, shape, kernel, atomic))
+    return sorted({v.config.index for v in lib.variants_of(kernel) if v.config.index in held
+                   and v.spec["dtype"] == dtype and v.spec["HEAD_DIM"] == d and v.spec.get("DQ_ATOMIC", 0) == atomic
+                   and getattr(v.config, "constexprs", {}).get("PERSISTENT", 0)})
+
+
 def portable_atomic(lib, shape) -> bool:
     """Whether the images hold the portable atomic dK/dV for ``shape``'s spec."""
     dtype, d, causal = shape[:3]
@@ -132,6 +144,11 @@ def contender_views(lib, shape) -> dict:
         for j in gluon_configs(lib, shape, GLUON_DQ):
             view = forced_split(forced_config(forced_config(lib, GLUON, dkdv[0]), GLUON_DQ, j), GLUON, GLUON_DQ)
             views[f"g#{dkdv[0]}+g#{j}"] = (view, ((GLUON, dkdv[0]), (GLUON_DQ, j)), SPLIT)
+    # Both split kernels persistent (their pairing with the untuned other is above).
+    for i in persistent_configs(lib, shape, GLUON):
+        for j in persistent_configs(lib, shape, GLUON_DQ):
+            view = forced_split(forced_config(forced_config(lib, GLUON, i), GLUON_DQ, j), GLUON, GLUON_DQ)
+            views[f"g#{i}+g#{j}"] = (view, ((GLUON, i), (GLUON_DQ, j)), SPLIT)
     for i in gluon_configs(lib, shape, atomic=1):
         views[f"g#{i}+atom"] = (forced_config(lib, GLUON, i), ((GLUON, i), (CONVERT, None)), ATOMIC)
     if portable_atomic(lib, shape):

@@ -16,9 +16,12 @@ def bench():
 
 
 def test_it_times_the_issues_training_shapes(bench) -> None:
-    assert len(bench.SHAPES) == 8
-    assert {s[:3] for s in bench.SHAPES} == {(dt, d, c) for dt in ("fp16", "bf16") for d in (64, 128) for c in (0, 2)}
-    assert {s[3:] for s in bench.SHAPES} == {(4, 32, 4096)}
+    assert len(bench.SHAPES) == 12
+    long, short = bench.SHAPES[:8], bench.SHAPES[8:]
+    assert {s[:3] for s in long} == {(dt, d, c) for dt in ("fp16", "bf16") for d in (64, 128) for c in (0, 2)}
+    assert {s[3:] for s in long} == {(4, 32, 4096)}
+    assert {s[:3] for s in short} == {(dt, 128, c) for dt in ("fp16", "bf16") for c in (0, 2)}
+    assert {s[3:] for s in short} == {(16, 32, 1024)}
     assert bench.shapes_of("0,3") == [bench.SHAPES[0], bench.SHAPES[3]]
 
 
@@ -69,7 +72,8 @@ def test_the_summary_gives_ratios_to_cudnn_and_the_portable_backward_and_the_bes
 
 
 class _Variant:
-    def __init__(self, kernel: str, dtype: str, d: int, causal: int, index: int, atomic: int | None = None) -> None:
+    def __init__(self, kernel: str, dtype: str, d: int, causal: int, index: int, atomic: int | None = None,
+                 persistent: int = 0) -> None:
         from types import SimpleNamespace
 
         self.kernel = kernel
@@ -77,7 +81,7 @@ class _Variant:
         self.spec = {"dtype": dtype, "HEAD_DIM": d, "CAUSAL": causal}
         if atomic is not None:
             self.spec.update({"BIAS": 0, "DROPOUT": 0, "VARLEN": 0, "DQ_ATOMIC": atomic})
-        self.config = SimpleNamespace(index=index)
+        self.config = SimpleNamespace(index=index, constexprs={"PERSISTENT": persistent})
 
 
 class _Lib:
@@ -108,6 +112,12 @@ def test_the_contenders_pair_each_gluon_dkdv_config_with_the_portable_dq_and_con
         "g#0+g#0": ((bench.GLUON, 0), (bench.GLUON_DQ, 0)),
         "g#0+g#1": ((bench.GLUON, 0), (bench.GLUON_DQ, 1)),
         "g#0+g#2": ((bench.GLUON, 0), (bench.GLUON_DQ, 2))}
+    # With persistent configs of both kernels held, they also run together.
+    more = held + [_Variant(bench.GLUON, "fp16", 128, 0, 2, persistent=132),
+                   _Variant(bench.GLUON_DQ, "fp16", 128, 0, 3, persistent=132)]
+    both = bench.contender_views(_Lib(more), shape)
+    assert both["g#2+g#3"][1] == ((bench.GLUON, 2), (bench.GLUON_DQ, 3))
+    assert set(both) - set(views) == {"g#2+port", "g#0+g#3", "g#2+g#3"}
     table = views["g#0+g#1"][0].tuning
     assert table["attn_bwd_dkdv_kernel"] == [{"kernel": bench.GLUON}]
     assert table["attn_bwd_dq_kernel"] == [{"kernel": bench.GLUON_DQ}]
