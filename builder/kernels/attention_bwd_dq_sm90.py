@@ -434,5 +434,8 @@ KERNEL = KernelDecl(
     set_configs={"default": 1},
     # attn_bwd_dq's checks, and TMA descriptors need a non-empty extent in every dimension.
     checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1", "seqlen_q >= 1",
-                                         "seqlen_k >= 1") + stride_checks(_DIV),
+                                         "seqlen_k >= 1",
+                                         # A persistent program numbers the query blocks in 32 bits.
+                                         "cdiv(seqlen_q, BLOCK_M) * batch * num_heads_q <= 1073741824")
+    + stride_checks(_DIV),
 )

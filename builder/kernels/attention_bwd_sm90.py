@@ -789,7 +789,9 @@ _SIG = signature_of(attn_bwd_dkdv_sm90, _GRAD_PTRS)
 _DIV = divisibility_of(_SIG, aligned=("q", "k", "v", "do", "dk", "dv", "dqa"), bias=("b", "db"))
 # attn_bwd_dkdv's checks, and TMA descriptors need a non-empty extent in every dimension.
 _CHECKS = GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_k <= 65535", "dropout_p < 1", "seqlen_q >= 1",
-                                       "seqlen_k >= 1")
+                                       "seqlen_k >= 1",
+                                       # A persistent program numbers the key blocks in 32 bits.
+                                       "cdiv(seqlen_k, BLOCK_N) * batch * num_heads_k <= 1073741824")
 
 #: attn_bwd_dkdv's grid with PERSISTENT 0: (cdiv(seqlen_k, BLOCK_N), batch * num_heads_k, 1);
 #: otherwise one dimension of min(units, PERSISTENT) programs, a unit being one such key block.

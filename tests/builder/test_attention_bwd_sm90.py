@@ -583,6 +583,7 @@ def test_persistent_binaries_prove_the_catalog_and_their_grid_is_one_program_per
     queries of one query head for the dQ); the descriptors are 4-D over the whole tensors (made
     once per program: four, five with DQ_TMA, as the non-persistent kernel's)."""
     from aotriton_rt.arguments import Packer
+    from aotriton_rt.errors import ArgumentError
     from builder.build import prove_folder
     from builder.kernels.attention_bwd_sm90 import PERSISTENT_PROGRAMS
     from tests.helpers.sass import sass_ops
@@ -604,6 +605,10 @@ def test_persistent_binaries_prove_the_catalog_and_their_grid_is_one_program_per
         heads = 1 if variant.kernel == NAME else 4
         assert grid(16, 8, 1024) == (132, 1, 1) and grid(4, 32, 4096) == (132, 1, 1)
         assert grid(1, 2, 300) == (6 * heads, 1, 1) and grid(1, 1, 1) == (heads, 1, 1)
+        # The programs number the units in 32 bits: a call with more than 2**30 is refused.
+        values.update(batch=1024, num_heads_q=32, num_heads_k=32, seqlen_q=2**22 + 128, seqlen_k=2**22 + 128)
+        with pytest.raises(ArgumentError, match=r"<= 1073741824"):
+            packer.run_checks([values[n] for n in packer.names])
         ops = sass_ops(lzma.decompress((persistent_built / variant.image.path).read_bytes()))
         assert ops.get("UTMALDG.4D", 0) > 0 and not ops.get("UTMALDG.3D") and not ops.get("UTMALDG.2D")
         if variant.config.constexprs.get("DQ_TMA"):
