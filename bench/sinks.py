@@ -10,7 +10,9 @@ in a shuffled order every round; the ratio is per round, with sinks over without
 with a 4096-key window: the 2B/9B forward (head dim 256, 16/8 heads), the 27B forward (head dim
 128, 32/16 heads), the 27B training step (forward + backward) and its decode steps against
 contiguous caches (the decode kernels' run-time cap); with ``--baseline DIR`` also the uncapped
-decode steps on these images against DIR's (images built before the cap was an argument).
+decode steps on these images against DIR's (images built before the cap was an argument). Where
+the images hold sm90's EXP2_SPLIT configs (gputest, full), the 27B forward also with half its
+exp2 on the FMA pipe (config #9) against its twin without (#7) and against the uncapped call.
 ``--decode``: decode steps (bf16, head dim 128, 32/8 heads; contiguous caches, and a paged one of
 16-row pages) with and without sinks (joined by the decode kernels: one split in the epilogue,
 several in the combine), ALiBi slopes and both; with ``--baseline DIR`` also these images against
@@ -28,7 +30,9 @@ import torch
 
 import aotriton_rt
 from aotriton_rt.ops import torch as op_torch
+from aotriton_rt.ops.attention.family import FWD_SM90
 from bench.gpu_common import graphed, timed_rounds
+from builder import tune
 
 HQ, HK, D = 64, 8, 64
 
@@ -67,6 +71,16 @@ def _rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
     return rows
 
 
+#: attn_fwd_sm90's D=128 persistent config without ping-pong, and its EXP2_SPLIT twin (softcap specs).
+SPLIT_TWIN, SPLIT_CONFIG = 7, 9
+
+
+def _has_exp2_split(lib: Any) -> bool:
+    """Whether the images hold sm90's D=128 softcapped forward at its EXP2_SPLIT config."""
+    return any(v.spec.get("SOFTCAP") and v.spec["HEAD_DIM"] == 128 and v.config.index == SPLIT_CONFIG
+               and v.config.constexprs.get("EXP2_SPLIT") for v in lib.variants_of(FWD_SM90))
+
+
 def _softcap_rows(lib: Any, gen: Any, base: Any = None) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for d, hq, hk in ((256, 16, 8), (128, 32, 16)):
@@ -79,6 +93,16 @@ def _softcap_rows(lib: Any, gen: Any, base: Any = None) -> dict[str, dict[str, A
                                                  library=lib, **kw)[0]
                 rows[f"D={d} forward {B}x{S} {mask}"] = {"plain": lambda c=call: c(None),
                                                          "sinks": lambda c=call: c(50.0)}
+                if d == 128 and _has_exp2_split(lib):
+                    # sm90's Gluon forward with half the exp2 on the FMA pipe (EXP2_SPLIT) against
+                    # the same config without it, and against the call without a cap.
+                    def forced(index: int, q: Any = q, k: Any = k, v: Any = v, kw: dict = kw) -> Any:
+                        return aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", softcap=50.0,
+                                                     library=tune.forced_config(lib, FWD_SM90, index), **kw)[0]
+                    rows[f"D=128 forward {B}x{S} {mask} split vs #{SPLIT_TWIN}"] = {
+                        "plain": lambda f=forced: f(SPLIT_TWIN), "sinks": lambda f=forced: f(SPLIT_CONFIG)}
+                    rows[f"D=128 forward {B}x{S} {mask} split vs no cap"] = {
+                        "plain": lambda c=call: c(None), "sinks": lambda f=forced: f(SPLIT_CONFIG)}
     B, S = 2, 4096
     q = torch.randn(B, S, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     k, v = (torch.randn(B, S, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()

@@ -93,6 +93,44 @@ def _tanh_approx(x):
                                      pack=1)
 
 
+#: 2**f on [-1/2, 1/2], degree 4 (relative error below 5e-6, 100 times finer than an fp16 P's
+#: rounding): _exp2_fma's polynomial, fitted for minimax relative error.
+EXP2_POLY: gl.constexpr = gl.constexpr((0.9999996423721313, 0.6931247115135193, 0.24023675918579102,
+                                        0.0558929406106472, 0.00960532296448946))
+#: 1.5 * 2**23: x + ROUNDER rounds x to an integer held in the sum's low mantissa bits.
+ROUNDER: gl.constexpr = gl.constexpr(12582912.0)
+
+
+@gluon.jit
+def _exp2_fma(x):
+    """2**x for finite x <= 0 on the FMA and integer pipes, no special-function operation: x =
+    k + f with k = round(x) (the ROUNDER addition), 2**f by EXP2_POLY, k added to its exponent
+    bits. x is clamped to -125 (a result of 2**-125 or more where the exact one underflows toward
+    0, so only for scores far below their row's maximum). Half the softcapped forward's exp2 go
+    here: with the tanh, two special-function operations a score made that unit the bound
+    (FlashAttention-4 balances the units the same way)."""
+    x = gl.maximum(x, -125.0)
+    t = x + ROUNDER
+    f = x - (t - ROUNDER)
+    p = f * EXP2_POLY[4] + EXP2_POLY[3]
+    p = p * f + EXP2_POLY[2]
+    p = p * f + EXP2_POLY[1]
+    p = p * f + EXP2_POLY[0]
+    # k << 23 is t's bit pattern shifted by 23: ROUNDER's own bits vanish mod 2**32.
+    bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _exp2_split(x):
+    """exp2 of a score tile, the even columns with the special-function unit, the odd ones with
+    _exp2_fma (each thread holds column pairs, so the split moves no data)."""
+    BM: gl.constexpr = x.shape[0]
+    BN: gl.constexpr = x.shape[1]
+    a, b = gl.split(gl.reshape(x, [BM, BN // 2, 2]))
+    return gl.reshape(gl.join(gl.exp2(a), _exp2_fma(b)), [BM, BN])
+
+
 @gluon.jit
 def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale, cap_c, cap_k,
              MASKED: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr):
@@ -102,7 +140,8 @@ def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale
     every block through the masked path, see attn_fwd_sm90). Rows that have seen no visible key
     keep m = -inf and subtract 0 (no NaN); their p stays 0. SOFTCAP: the raw scores are softcapped
     first, ``cap_c * tanh(s * cap_k)`` with the hardware tanh (one special-function operation per
-    score where attn_fwd's _softcapped takes two: the exp2 of p makes the unit the bound).
+    score where attn_fwd's _softcapped takes two: the exp2 of p makes the unit the bound); SOFTCAP
+    2 also computes half of an unmasked block's exp2 on the FMA pipe (_exp2_split).
     """
     if SOFTCAP:
         s_acc = cap_c * _tanh_approx(s_acc * cap_k)
@@ -122,7 +161,11 @@ def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale
         alpha = gl.exp2(m_i - m_sub)
     else:
         m_new = gl.maximum(m_i, gl.max(s_acc, 1) * qk_scale)
-        p = gl.exp2(s_acc * qk_scale - m_new[:, None])
+        if SOFTCAP == 2:
+            # Every score is finite here (a masked block's -inf never takes this path).
+            p = gl.convert_layout(_exp2_split(s_acc * qk_scale - m_new[:, None]), s_acc.type.layout)
+        else:
+            p = gl.exp2(s_acc * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
     return p, m_new, alpha
 
@@ -541,7 +584,7 @@ def attn_fwd_sm90(
     CAUSAL: gl.constexpr, BIAS: gl.constexpr, DROPOUT: gl.constexpr, VARLEN: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr,
-    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, EXP2_SPLIT: gl.constexpr = 0,
 ):
     """Attention forward (see attn_fwd): Out = softmax(Q K^T * sm_scale, masked) V and its logsumexp.
 
@@ -554,8 +597,12 @@ def attn_fwd_sm90(
     WARP_SPECIALIZE 0: no loader warp and one consumer of BLOCK_M rows (4 warps) that issues its
     own TMA loads (a fallback, and small enough for two programs per SM with short key blocks).
     SOFTCAP: attn_fwd's logit softcap on the raw scores (``softcap > 0``, ``sm_scale != 0``).
+    EXP2_SPLIT (SOFTCAP): unmasked blocks compute half their exp2 on the FMA pipe (_exp2_split).
     ``Sinks``/``use_sinks``: attn_fwd's attention sinks, joined in the epilogue.
     """
+    gl.static_assert(EXP2_SPLIT == 0 or SOFTCAP == 1, "attn_fwd_sm90: EXP2_SPLIT balances a softcap's units")
+    # The softcap mode the partitions see: 0 none, 1 softcap, 2 softcap with EXP2_SPLIT.
+    CAP: gl.constexpr = SOFTCAP * (1 + EXP2_SPLIT)
     gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0, "attn_fwd_sm90: no bias, dropout or varlen")
     gl.static_assert(ALIBI == 0, "attn_fwd_sm90: no ALiBi")
     gl.static_assert(HEAD_DIM == HEAD_DIM_V, "attn_fwd_sm90: equal q.k and v head dims")
@@ -584,7 +631,7 @@ def attn_fwd_sm90(
                              stride_vz, stride_vh, stride_vn, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
                              batch, num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right, softcap,
                              Sinks, use_sinks, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMER_REGS,
-                             SOFTCAP)
+                             CAP)
     else:
         pid_m = gl.program_id(0)
         if CAUSAL != 0:
@@ -638,11 +685,11 @@ def attn_fwd_sm90(
                 (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
                              stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
                              q_desc, k_desc, v_desc, cap_c, cap_k, sink2, CAUSAL, BLOCK_N, STAGES,
-                             PINGPONG, False, SOFTCAP)),
+                             PINGPONG, False, CAP)),
                 (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
                              stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
                              q_desc, k_desc, v_desc, cap_c, cap_k, sink2, CAUSAL, BLOCK_N, STAGES,
-                             PINGPONG, False, SOFTCAP)),
+                             PINGPONG, False, CAP)),
                 (_loader, (k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free,
                            start_m, lo, f1, f2, n1, n2, n, BLOCK_N, STAGES)),
             ], [4, 1], [CONSUMER_REGS, 24])
@@ -650,7 +697,7 @@ def attn_fwd_sm90(
             _consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
                       stride_om, start_m, len_q, len_k, qk_scale, diag, left, right, lo, f1, f2, n1, n2, n,
                       q_desc, k_desc, v_desc, cap_c, cap_k, sink2, CAUSAL, BLOCK_N, STAGES, 0, True,
-                      SOFTCAP)
+                      CAP)
 
 
 # --------------------------------------------------------------------------------------------
@@ -701,16 +748,19 @@ CONSUMER_REGS = 240
 
 
 def sm90_fwd_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
-    """The tile table for a head dim, then its persistent configs.
+    """The tile table for a head dim, then its persistent configs; for softcap specs then the
+    persistent configs again with EXP2_SPLIT (half the unmasked blocks' exp2 on the FMA pipe).
     num_warps is the default partition's (consumer 0); the compiled kernel runs 12 warps (two
     consumer groups and the loader's group), which the catalog records from the binary."""
     d = spec["HEAD_DIM"]
-    rows = [(*t, 0) for t in TILES[d]] + [(*t, PERSISTENT_PROGRAMS) for t in PERSISTENT_TILES[d]]
+    rows = [(*t, 0, 0) for t in TILES[d]] + [(*t, PERSISTENT_PROGRAMS, 0) for t in PERSISTENT_TILES[d]]
+    if spec.get("SOFTCAP"):
+        rows += [(*t, PERSISTENT_PROGRAMS, 1) for t in PERSISTENT_TILES[d]]
     return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": st, "PINGPONG": pp,
                                         "WARP_SPECIALIZE": ws, "CONSUMER_REGS": CONSUMER_REGS,
-                                        "PERSISTENT": programs},
+                                        "PERSISTENT": programs, "EXP2_SPLIT": split},
                             num_warps=4, num_stages=1, backends=("cuda",))
-                 for bm, bn, st, pp, ws, programs in rows)
+                 for bm, bn, st, pp, ws, programs, split in rows)
 
 
 def _excluded(spec: dict, target: object) -> str | None:
