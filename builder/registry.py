@@ -217,8 +217,9 @@ def expand(kernel: KernelDecl, targets: Sequence[Target], build_set: str, triton
                 continue
             signature = _resolve_signature(kernel, spec)
             _check_types(kernel, signature)
+            defaults = _constexpr_defaults(kernel)
             for index, config in _kept_configs(kernel, build_set, spec, target):
-                constexprs = {n: spec[n] if n in spec else config.constexprs.get(n)
+                constexprs = {n: spec[n] if n in spec else config.constexprs.get(n, defaults.get(n))
                               for n, t in signature.items() if t == "constexpr"}
                 missing = [n for n, v in constexprs.items() if v is None]
                 if missing:
@@ -229,6 +230,14 @@ def expand(kernel: KernelDecl, targets: Sequence[Target], build_set: str, triton
                           divisibility, tuple(kernel.grid), kernel.checks_for(spec), package)
                 jobs.append(_with_key(job, source_key, triton_version))
     return jobs
+
+
+def _constexpr_defaults(kernel: KernelDecl) -> dict[str, Any]:
+    """The kernel function's constexpr parameters that have a default value, by name: a config
+    may leave such a parameter out (a lever named only by the configs that turn it on keeps the
+    others' parameters, which the tuning database's rules check, as they were measured)."""
+    return {p.name: p.default for p in getattr(kernel.fn, "params", ())
+            if getattr(p, "is_constexpr", False) and getattr(p, "has_default", False)}
 
 
 def _kept_configs(kernel: KernelDecl, build_set: str, spec: dict, target: Target) -> list[tuple[int, ConfigDecl]]:

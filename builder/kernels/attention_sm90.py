@@ -756,9 +756,11 @@ def sm90_fwd_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     rows = [(*t, 0, 0) for t in TILES[d]] + [(*t, PERSISTENT_PROGRAMS, 0) for t in PERSISTENT_TILES[d]]
     if spec.get("SOFTCAP"):
         rows += [(*t, PERSISTENT_PROGRAMS, 1) for t in PERSISTENT_TILES[d]]
+    # EXP2_SPLIT is named only where it is 1 (the kernel's default is 0): the other configs keep
+    # the parameters the tuning database measured them with (its rules check them).
     return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": bn, "STAGES": st, "PINGPONG": pp,
                                         "WARP_SPECIALIZE": ws, "CONSUMER_REGS": CONSUMER_REGS,
-                                        "PERSISTENT": programs, "EXP2_SPLIT": split},
+                                        "PERSISTENT": programs, **({"EXP2_SPLIT": 1} if split else {})},
                             num_warps=4, num_stages=1, backends=("cuda",))
                  for bm, bn, st, pp, ws, programs, split in rows)
 
