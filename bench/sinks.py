@@ -12,7 +12,9 @@ with a 4096-key window: the 2B/9B forward (head dim 256, 16/8 heads), the 27B fo
 contiguous caches (the decode kernels' run-time cap); with ``--baseline DIR`` also the uncapped
 decode steps on these images against DIR's (images built before the cap was an argument). Where
 the images hold sm90's EXP2_SPLIT configs (gputest, full), the 27B forward also with half its
-exp2 on the FMA pipe (config #9) against its twin without (#7) and against the uncapped call.
+exp2 on the FMA pipe (config #9) against its twin without (#7) and against the uncapped call,
+and the 2B/9B forward with the hardware tanh (the portable kernel's FAST_TANH config #2) against
+its config #0 and against the uncapped call.
 ``--decode``: decode steps (bf16, head dim 128, 32/8 heads; contiguous caches, and a paged one of
 16-row pages) with and without sinks (joined by the decode kernels: one split in the epilogue,
 several in the combine), ALiBi slopes and both; with ``--baseline DIR`` also these images against
@@ -30,7 +32,7 @@ import torch
 
 import aotriton_rt
 from aotriton_rt.ops import torch as op_torch
-from aotriton_rt.ops.attention.family import FWD_SM90
+from aotriton_rt.ops.attention.family import FWD, FWD_SM90
 from bench.gpu_common import graphed, timed_rounds
 from builder import tune
 
@@ -81,6 +83,17 @@ def _has_exp2_split(lib: Any) -> bool:
                and v.config.constexprs.get("EXP2_SPLIT") for v in lib.variants_of(FWD_SM90))
 
 
+#: attn_fwd's sm90 D=256 config #0 with FAST_TANH (the hardware tanh; softcap specs on CUDA).
+FAST_TANH_CONFIG = 2
+
+
+def _has_fast_tanh(lib: Any) -> bool:
+    """Whether the images hold sm90's D=256 softcapped portable forward with the hardware tanh."""
+    return any(v.spec.get("SOFTCAP") and v.spec["HEAD_DIM"] == 256 and v.target.arch == "sm90"
+               and v.config.index == FAST_TANH_CONFIG and v.config.constexprs.get("FAST_TANH")
+               for v in lib.variants_of(FWD))
+
+
 def _softcap_rows(lib: Any, gen: Any, base: Any = None) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for d, hq, hk in ((256, 16, 8), (128, 32, 16)):
@@ -93,6 +106,16 @@ def _softcap_rows(lib: Any, gen: Any, base: Any = None) -> dict[str, dict[str, A
                                                  library=lib, **kw)[0]
                 rows[f"D={d} forward {B}x{S} {mask}"] = {"plain": lambda c=call: c(None),
                                                          "sinks": lambda c=call: c(50.0)}
+                if d == 256 and _has_fast_tanh(lib):
+                    # The portable forward with the hardware tanh (FAST_TANH, its config #2) against
+                    # config #0 (the exact tanh), and against the call without a cap.
+                    def tanh(index: int, q: Any = q, k: Any = k, v: Any = v, kw: dict = kw) -> Any:
+                        return aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", softcap=50.0,
+                                                     library=tune.forced_config(lib, FWD, index), **kw)[0]
+                    rows[f"D=256 forward {B}x{S} {mask} hw tanh vs #0"] = {
+                        "plain": lambda f=tanh: f(0), "sinks": lambda f=tanh: f(FAST_TANH_CONFIG)}
+                    rows[f"D=256 forward {B}x{S} {mask} hw tanh vs no cap"] = {
+                        "plain": lambda c=call: c(None), "sinks": lambda f=tanh: f(FAST_TANH_CONFIG)}
                 if d == 128 and _has_exp2_split(lib):
                     # sm90's Gluon forward with half the exp2 on the FMA pipe (EXP2_SPLIT) against
                     # the same config without it, and against the call without a cap.

@@ -236,8 +236,13 @@ def _constexpr_defaults(kernel: KernelDecl) -> dict[str, Any]:
     """The kernel function's constexpr parameters that have a default value, by name: a config
     may leave such a parameter out (a lever named only by the configs that turn it on keeps the
     others' parameters, which the tuning database's rules check, as they were measured)."""
-    return {p.name: p.default for p in getattr(kernel.fn, "params", ())
-            if getattr(p, "is_constexpr", False) and getattr(p, "has_default", False)}
+    import inspect
+
+    fn = kernel.fn
+    while hasattr(fn, "fn"):  # a JIT (or interpreted) function's Python function
+        fn = fn.fn
+    return {name: p.default for name, p in inspect.signature(fn).parameters.items()
+            if kernel.signature.get(name) == "constexpr" and p.default is not inspect.Parameter.empty}
 
 
 def _kept_configs(kernel: KernelDecl, build_set: str, spec: dict, target: Target) -> list[tuple[int, ConfigDecl]]:

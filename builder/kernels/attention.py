@@ -176,6 +176,16 @@ def _softcapped(qk, qk_scale, softcap):
 
 
 @triton.jit
+def _softcapped_fast(qk, qk_scale, softcap):
+    """_softcapped with the hardware tanh (``tanh.approx.f32``, CUDA only; relative error at most
+    2^-10.99, as sm90's Gluon forward and FlashAttention-2 and -3 cap logits): one special-function
+    operation a score where the exact form takes two (an exp2 and a division's reciprocal)."""
+    t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [qk * (qk_scale / (softcap * LOG2E))],
+                                  dtype=tl.float32, is_pure=True, pack=1)
+    return t * (softcap * LOG2E / qk_scale)
+
+
+@triton.jit
 def _alibi_factor(alibi_slopes, stride_az, off_b, off_h, ALIBI: tl.constexpr):
     """``-slope * LOG2E`` of query head off_h of sequence off_b: the factor of :func:`_alibi` in the
     kernels' log2 units (scores are multiplied by ``sm_scale * LOG2E`` before exp2). Slopes are fp32,
@@ -234,7 +244,9 @@ def _fwd_block(
     else:
         k = tl.load(k_ptrs)
     qk = tl.dot(q, k, input_precision=PREC)
-    if SOFTCAP:
+    if SOFTCAP == 2:  # FAST_TANH (CUDA configs only)
+        qk = _softcapped_fast(qk, qk_scale, softcap)
+    elif SOFTCAP:
         qk = _softcapped(qk, qk_scale, softcap)
     if MASKED and CAUSAL == 0 and BIAS == 0 and ALIBI == 0:
         # Only the sequence end masks: one FMA per score applies the scale and a per-key -inf.
@@ -491,7 +503,7 @@ def attn_fwd(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     CAUSAL: tl.constexpr, BIAS: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FAST_TANH: tl.constexpr = 0,
 ):
     """Attention forward: Out = softmax(Q K^T * sm_scale + Bias, masked) V and its logsumexp.
 
@@ -517,8 +529,12 @@ def attn_fwd(
     0 shares the slopes across the batch); ALIBI=0 variants ignore both arguments. ``use_sinks``
     != 0: attention sinks (gpt-oss), ``Sinks[h]`` (fp32, one logit per query head) joins every
     row's softmax denominator with no value, and LSE includes it (what ``attn_sinks`` makes of
-    the output without them); 0: ``Sinks`` is not read (any address).
+    the output without them); 0: ``Sinks`` is not read (any address). FAST_TANH (SOFTCAP, CUDA
+    configs only): the cap's tanh from the hardware (``_softcapped_fast``).
     """
+    tl.static_assert(FAST_TANH == 0 or SOFTCAP == 1, "attn_fwd: FAST_TANH is a softcap's tanh")
+    # The softcap mode the key blocks see: 0 none, 1 the exact tanh, 2 the hardware one.
+    CAP: tl.constexpr = SOFTCAP * (1 + FAST_TANH)
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
     BLOCK_DK: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
     BLOCK_DV: tl.constexpr = triton.next_power_of_2(HEAD_DIM_V)
@@ -583,7 +599,7 @@ def attn_fwd(
                     k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
                     len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
                     causal_align, bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-                    BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, False, softcap, SOFTCAP, alibi_k, ALIBI, sink2)
+                    BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, False, softcap, CAP, alibi_k, ALIBI, sink2)
         else:
             # Two inlined tiles: each tile's TMA store buffer can share memory with its K/V ring.
             for t in tl.static_range(2):
@@ -599,14 +615,14 @@ def attn_fwd(
                         k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
                         len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right,
                         causal_align, bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-                        BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, True, softcap, SOFTCAP, alibi_k, ALIBI, sink2)
+                        BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, True, softcap, CAP, alibi_k, ALIBI, sink2)
     else:
         _fwd_tile(
             pid_m, Q_head, O_head, L_head, K_base, V_base, B_base, DM_base,
             k_desc, v_desc, stride_qm, stride_kn, stride_vn, stride_om, stride_bm, stride_dmm,
             len_q, len_k, sm_scale, dropout_p, philox_seed, philox_offset, window_left, window_right, causal_align,
             bh, HEAD_DIM, HEAD_DIM_V, BLOCK_DK, BLOCK_DV, CAUSAL, BIAS, DROPOUT, PREC,
-            BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, not WARP_SPEC, softcap, SOFTCAP, alibi_k, ALIBI, sink2)
+            BLOCK_M, BLOCK_N, USE_TMA, WARP_SPEC, not WARP_SPEC, softcap, CAP, alibi_k, ALIBI, sink2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -763,6 +779,17 @@ def _sm90_fwd_configs(spec: dict, d: int) -> tuple[ConfigDecl, ...]:
     return (_cfg(128, 64, 4, 2, tma=1), _cfg(128, 128, 8, 3, tma=1), _cfg(128, 64, 8, 3))
 
 
+def _fast_tanh_twins(spec: dict, configs: tuple[ConfigDecl, ...]) -> tuple[ConfigDecl, ...]:
+    """``configs``, then for a softcap spec each again with FAST_TANH=1 (the hardware tanh, CUDA
+    only). FAST_TANH is named only in those (the kernel's default is 0): the others keep the
+    parameters the tuning database measured."""
+    if not spec.get("SOFTCAP"):
+        return configs
+    return configs + tuple(ConfigDecl(constexprs={**c.constexprs, "FAST_TANH": 1}, num_warps=c.num_warps,
+                                      num_stages=c.num_stages, options=c.options, backends=c.backends)
+                           for c in configs)
+
+
 def fwd_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """Forward tuning table by target and head dim; index 0 is what the operator launches.
 
@@ -776,9 +803,9 @@ def fwd_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
             bm, bn, w, s = (64, 32, 4, 2) if d <= 64 else (32, 32, 4, 2) if d <= 128 else (32, 16, 4, 1)
             return (_cfg(bm, bn, w, s),)
         if target.arch == "sm90":
-            return _sm90_fwd_configs(spec, d)
+            return _fast_tanh_twins(spec, _sm90_fwd_configs(spec, d))
         bm, bn, w, s = (128, 64, 4, 3) if d <= 64 else (128, 64, 8, 2) if d <= 128 else (64, 32, 4, 2)
-        return (_cfg(bm, bn, w, s),)
+        return _fast_tanh_twins(spec, (_cfg(bm, bn, w, s),))
     rdna = target.arch.startswith("gfx1")
     if fp32:
         bm, bn, w = (64, 32, 4) if d <= 64 else (32, 32, 4) if d <= 128 else (32, 16, 4)

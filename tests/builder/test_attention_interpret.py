@@ -566,7 +566,9 @@ def test_bench_argument_lists_match_the_kernels() -> None:
         cfg = {"fwd": ("BLOCK_M", "BLOCK_N", "USE_TMA", "WARP_SPEC"), "pre": ("BLOCK_M",), "prea": ("BLOCK_M",),
                "conv": ("BLOCK_M",)}.get(name, ("BLOCK_M", "BLOCK_N", "USE_TMA"))
         supplied = len(p.args(name, mock=True)) + len(p.flags(name)) + len(cfg)
-        assert supplied == len(fn.arg_names), f"{name}: {supplied} arguments for {len(fn.arg_names)}"
+        # A lever's constexpr with a default (FAST_TANH) may be left to it.
+        required = sum(1 for param in fn.params if not param.has_default)
+        assert required <= supplied <= len(fn.arg_names), f"{name}: {supplied} arguments for {len(fn.arg_names)}"
 
 
 if __name__ == "__main__":

@@ -66,3 +66,51 @@ def test_head_dim_512_configs_fit_each_target() -> None:
     assert configs[("attn_bwd_dkdv", "gfx950")] == configs[("attn_bwd_dkdv", "gfx90a")] == (16, 32, 4, 1, 0)
     assert configs[("attn_bwd_dq", "gfx942")] == configs[("attn_bwd_dq", "gfx950")] == (32, 32, 4, 1, 0)
     assert configs[("attn_bwd_dq", "gfx90a")] == (32, 16, 4, 1, 0)
+
+
+def test_cuda_softcap_forwards_get_hardware_tanh_twins_outside_the_default_set() -> None:
+    """attn_fwd's softcap specs on CUDA: each config again with FAST_TANH=1 (named only there, so
+    the others keep their measured parameters), in gputest and full; HIP and uncapped specs get
+    none, and the default set keeps config #0 (the exact tanh)."""
+    from builder.kernels.attention import fwd_configs
+    from builder.registry import expand, load_kernels
+    from builder.targets import parse_targets
+
+    spec = {"dtype": "bf16", "HEAD_DIM": 256, "HEAD_DIM_V": 256, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
+            "SOFTCAP": 1, "ALIBI": 0}
+    targets = parse_targets("sm80,sm90,gfx942")
+    for target in targets:
+        capped, plain = fwd_configs(spec, target), fwd_configs({**spec, "SOFTCAP": 0}, target)
+        if target.backend == "cuda":
+            assert len(capped) == 2 * len(plain)
+            assert all("FAST_TANH" not in c.constexprs for c in capped[:len(plain)])
+            for exact, fast in zip(capped[:len(plain)], capped[len(plain):]):
+                assert fast.constexprs == {**exact.constexprs, "FAST_TANH": 1}
+                assert (fast.num_warps, fast.num_stages) == (exact.num_warps, exact.num_stages)
+        else:
+            assert capped == plain
+    kernel = load_kernels()["attn_fwd"]
+    default = expand(kernel, targets, "default", "3.6.0")
+    assert not any(j.constexprs["FAST_TANH"] for j in default)
+    fast = [j for j in expand(kernel, targets, "gputest", "3.6.0") if j.constexprs["FAST_TANH"]]
+    assert fast and all(j.spec["SOFTCAP"] and j.target.backend == "cuda" for j in fast)
+
+
+def test_the_hardware_tanh_twin_takes_one_special_function_operation_a_score_off_the_forward() -> None:
+    """The sm90 D=256 softcapped forward (the 2B/9B Gemma 2 shape, portable kernel): its FAST_TANH
+    twin caps with MUFU.TANH and drops the exact tanh's exp2 and reciprocal (two operations a
+    score become one), with fewer instructions in all; the exact variant has no MUFU.TANH."""
+    from builder.compile import compile_job
+    from builder.registry import expand, load_kernels
+    from builder.targets import parse_targets
+    from tests.helpers.sass import sass_ops
+
+    spec = {"dtype": "bf16", "HEAD_DIM": 256, "HEAD_DIM_V": 256, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
+            "SOFTCAP": 1, "ALIBI": 0}
+    jobs = {j.config_index: j for j in expand(load_kernels()["attn_fwd"], parse_targets("sm90"), "full", "3.6.0")
+            if j.spec == spec}
+    exact, fast = (sass_ops(compile_job(jobs[i])[1]) for i in (0, len(jobs) // 2))
+    assert "MUFU.TANH" not in exact and fast["MUFU.TANH"] >= 64
+    assert exact["MUFU.EX2"] - fast["MUFU.EX2"] >= fast["MUFU.TANH"] - 16
+    assert exact["MUFU.RCP"] - fast.get("MUFU.RCP", 0) >= fast["MUFU.TANH"] - 16
+    assert sum(fast.values()) < sum(exact.values())

@@ -36,3 +36,22 @@ def test_the_split_rows_need_the_softcapped_d128_split_config_and_name_the_kerne
     # The default images: no split config; D=64 or uncapped variants do not count.
     assert not sinks._has_exp2_split(_Lib([_variant(128, 1, 7, 0), _variant(64, 1, sinks.SPLIT_CONFIG, 1),
                                           _variant(128, 0, sinks.SPLIT_CONFIG, 0)]))
+
+
+def test_the_hardware_tanh_rows_name_the_portable_kernels_d256_twin() -> None:
+    from bench import sinks
+    from builder.kernels.attention import fwd_configs
+    from builder.targets import KNOWN
+
+    spec = {"dtype": "bf16", "HEAD_DIM": 256, "HEAD_DIM_V": 256, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
+            "SOFTCAP": 1, "ALIBI": 0}
+    configs = fwd_configs(spec, KNOWN["sm90"])
+    assert configs[sinks.FAST_TANH_CONFIG].constexprs == {**configs[0].constexprs, "FAST_TANH": 1}
+    held = SimpleNamespace(spec={"HEAD_DIM": 256, "SOFTCAP": 1}, target=SimpleNamespace(arch="sm90"),
+                           config=SimpleNamespace(index=sinks.FAST_TANH_CONFIG, constexprs={"FAST_TANH": 1}))
+
+    class Lib:
+        def variants_of(self, kernel: str) -> list:
+            return [held] if kernel == "attn_fwd" else []
+
+    assert sinks._has_fast_tanh(Lib()) and not sinks._has_fast_tanh(_Lib([]))

@@ -109,13 +109,14 @@ class _Handle:
     """A kernel handle that launches the Triton source like a compiled variant (checks, grid)."""
 
     def __init__(self, decl: Any, spec: dict) -> None:
-        from builder.registry import _divisibility, _resolve_signature
+        from builder.registry import _constexpr_defaults, _divisibility, _resolve_signature
         from builder.targets import KNOWN
 
         self.decl, self.spec = decl, spec
         config = decl.configs_for(spec, KNOWN["sm90"])[0]
-        self.constexprs = {n: spec.get(n, config.constexprs.get(n)) for n, t in decl.signature.items()
-                           if t == "constexpr"}
+        defaults = _constexpr_defaults(decl)
+        self.constexprs = {n: spec.get(n, config.constexprs.get(n, defaults.get(n)))
+                           for n, t in decl.signature.items() if t == "constexpr"}
         if "BLOCK_N" in self.constexprs:
             self.constexprs["BLOCK_N"] = BLOCK_N[0]  # 16 by default: short sequences span several blocks
         if "PDL" in self.constexprs:
