@@ -177,7 +177,7 @@ def launch_both(images: Path, arch: str, jit_log: Path, aot_log: Path) -> list[s
     """Launch every ``arch`` variant of the catalog at ``images`` through Triton's JIT (records
     to ``jit_log``) and through aotriton-rt (``aot_log``); returns the keys in launch order."""
     from aotriton_rt.catalog import Catalog
-    from builder.registry import load_kernels
+    from builder.registry import _constexpr_defaults, load_kernels
 
     catalog = Catalog.load(images)
     variants = [v for v in catalog.variants if v.target.arch == arch]
@@ -193,7 +193,8 @@ def launch_both(images: Path, arch: str, jit_log: Path, aot_log: Path) -> list[s
         named = {a.name: x for a, x in zip(v.args, values)}
         grid = evaluate_grid(v.grid, {**named, **v.params})
         call = [FakeTensor(x, a.type) if a.is_pointer else x for a, x in zip(v.args, values)]
-        constexprs = dict(v.params)
+        # A config may leave out a constexpr whose parameter has a default (the builder takes it).
+        constexprs = {**_constexpr_defaults(kernels[v.kernel]), **v.params}
         fn = kernels[v.kernel].fn
         constexprs = {k: c for k, c in constexprs.items() if k in fn.arg_names}
         options = {"num_warps": v.config.num_warps, "num_stages": v.config.num_stages, **v.config.options}
