@@ -780,10 +780,10 @@ def _sm90_fwd_configs(spec: dict, d: int) -> tuple[ConfigDecl, ...]:
 
 
 def _fast_tanh_twins(spec: dict, configs: tuple[ConfigDecl, ...]) -> tuple[ConfigDecl, ...]:
-    """``configs``, then for a softcap spec each again with FAST_TANH=1 (the hardware tanh, CUDA
-    only). FAST_TANH is named only in those (the kernel's default is 0): the others keep the
+    """``configs``, then for a softcap spec up to head dim 256 each again with FAST_TANH=1 (the
+    hardware tanh, CUDA only). FAST_TANH is named only in those (the kernel's default is 0): the others keep the
     parameters the tuning database measured."""
-    if not spec.get("SOFTCAP"):
+    if not spec.get("SOFTCAP") or block_d(spec) > 256:  # the 512 bucket: no capped model uses it
         return configs
     return configs + tuple(ConfigDecl(constexprs={**c.constexprs, "FAST_TANH": 1}, num_warps=c.num_warps,
                                       num_stages=c.num_stages, options=c.options, backends=c.backends)

@@ -63,8 +63,8 @@ def _dq_loader_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sm
     t = 0
     u = 0
     for unit in range(gl.program_id(0), units, gl.num_programs(0)):
-        off_b, off_h, start_m = _dq_unit(unit, num_blocks, num_heads_q, batch, BLOCK_M, CAUSAL)
-        lo, f1, f2, n1, n2, n = _visited(start_m, BLOCK_M, len_k, diag, left, right, BLOCK_N, CAUSAL)
+        off_b, off_h, start_m, lo, f1, f2, n1, n2, n = _dq_unit(unit, num_blocks, num_heads_q, batch, len_k, diag,
+                                                                left, right, BLOCK_M, BLOCK_N, CAUSAL)
         t = _dq_load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, q_free, ready,
                           free, t, u, off_b, off_h, off_h // (num_heads_q // num_heads_k), start_m, lo, f1, f2, n1,
                           n2, n, STAGES, 1)
@@ -72,16 +72,20 @@ def _dq_loader_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_sm
 
 
 @gluon.jit
-def _dq_unit(unit, num_blocks, num_heads_q, batch, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(batch, query head, first query) of a persistent program's work unit: the non-persistent
-    grid's programs in launch order (heavy, i.e. last, query blocks first under a causal mask)."""
+def _dq_unit(unit, num_blocks, num_heads_q, batch, len_k, diag, left, right, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(batch, query head, first query, and the key tiles it visits as _visited gives them) of a
+    persistent program's work unit: the non-persistent grid's programs in launch order (heavy,
+    i.e. last, query blocks first under a causal mask)."""
     if CAUSAL != 0:
         idx, pid_bh = _heavy_first_of(unit.to(gl.int64), num_blocks, batch * num_heads_q)
         pid_m = num_blocks - 1 - idx
     else:
         pid_m = unit % num_blocks
         pid_bh = unit // num_blocks
-    return pid_bh // num_heads_q, pid_bh % num_heads_q, pid_m * BLOCK_M
+    start_m = pid_m * BLOCK_M
+    lo, f1, f2, n1, n2, n = _visited(start_m, BLOCK_M, len_k, diag, left, right, BLOCK_N, CAUSAL)
+    return pid_bh // num_heads_q, pid_bh % num_heads_q, start_m, lo, f1, f2, n1, n2, n
 
 
 @gluon.jit
@@ -182,8 +186,8 @@ def _dq_consumer_persistent(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_
     t = 0
     u = 0
     for unit in range(gl.program_id(0), units, gl.num_programs(0)):
-        off_b, off_h, start_m = _dq_unit(unit, num_blocks, num_heads_q, batch, BLOCK_M, CAUSAL)
-        lo, f1, f2, n1, n2, n = _visited(start_m, BLOCK_M, len_k, diag, left, right, BLOCK_N, CAUSAL)
+        off_b, off_h, start_m, lo, f1, f2, n1, n2, n = _dq_unit(unit, num_blocks, num_heads_q, batch, len_k, diag,
+                                                                left, right, BLOCK_M, BLOCK_N, CAUSAL)
         L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
         D_head = Delta + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
         DQ_head = DQ + off_b.to(gl.int64) * stride_dqz + off_h.to(gl.int64) * stride_dqh

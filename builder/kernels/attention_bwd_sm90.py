@@ -164,23 +164,27 @@ def _loader_persistent(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem,
     t = 0
     u = 0
     for unit in range(gl.program_id(0), units, gl.num_programs(0)):
-        off_b, off_hk, start_n = _unit(unit, num_blocks, num_heads_k, batch, BLOCK_N, CAUSAL)
-        lo, f1, f2, n1, n2, n = _visited(start_n, BLOCK_N, len_q, -diag, right, left, BLOCK_M, CAUSAL)
+        off_b, off_hk, start_n, lo, f1, f2, n1, n2, n = _unit(unit, num_blocks, num_heads_k, batch, len_q, diag,
+                                                              left, right, BLOCK_M, BLOCK_N, CAUSAL)
         t = _load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_free, ready,
                        free, t, u, off_b, off_hk, start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M, STAGES, 1)
         u += 1
 
 
 @gluon.jit
-def _unit(unit, num_blocks, num_heads_k, batch, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(batch, KV head, first key) of a persistent program's work unit: the non-persistent grid's
-    programs in launch order (heavy key blocks first under a causal mask)."""
+def _unit(unit, num_blocks, num_heads_k, batch, len_q, diag, left, right, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(batch, KV head, first key, and the query tiles it visits as _visited gives them) of a
+    persistent program's work unit: the non-persistent grid's programs in launch order (heavy key
+    blocks first under a causal mask)."""
     if CAUSAL != 0:
         pid_n, pid_bh = _heavy_first_of(unit.to(gl.int64), num_blocks, batch * num_heads_k)
     else:
         pid_n = unit % num_blocks
         pid_bh = unit // num_blocks
-    return pid_bh // num_heads_k, pid_bh % num_heads_k, pid_n * BLOCK_N
+    start_n = pid_n * BLOCK_N
+    lo, f1, f2, n1, n2, n = _visited(start_n, BLOCK_N, len_q, -diag, right, left, BLOCK_M, CAUSAL)
+    return pid_bh // num_heads_k, pid_bh % num_heads_k, start_n, lo, f1, f2, n1, n2, n
 
 
 @gluon.jit
@@ -413,8 +417,8 @@ def _consumer_persistent(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_sm
     t = 0
     u = 0
     for unit in range(gl.program_id(0), units, gl.num_programs(0)):
-        off_b, off_hk, start_n = _unit(unit, num_blocks, num_heads_k, batch, BLOCK_N, CAUSAL)
-        lo, f1, f2, n1, n2, n = _visited(start_n, BLOCK_N, len_q, -diag, right, left, BLOCK_M, CAUSAL)
+        off_b, off_hk, start_n, lo, f1, f2, n1, n2, n = _unit(unit, num_blocks, num_heads_k, batch, len_q, diag,
+                                                              left, right, BLOCK_M, BLOCK_N, CAUSAL)
         DK_head = DK + off_b.to(gl.int64) * stride_dkz + off_hk.to(gl.int64) * stride_dkh
         DV_head = DV + off_b.to(gl.int64) * stride_dvz + off_hk.to(gl.int64) * stride_dvh
         t = _consume_unit(c, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, kv_free,
