@@ -206,6 +206,7 @@ def expand(kernel: KernelDecl, targets: Sequence[Target], build_set: str, triton
     """Every job of ``kernel`` for ``targets`` in ``build_set`` ("default" or "full")."""
     source_key = source_key or kernel.fn.cache_key
     axis_names = list(kernel.axes)
+    defaults = _constexpr_defaults(kernel)
     jobs = []
     for target in targets:
         for values in itertools.product(*(kernel.axes[a] for a in axis_names)):
@@ -217,7 +218,6 @@ def expand(kernel: KernelDecl, targets: Sequence[Target], build_set: str, triton
                 continue
             signature = _resolve_signature(kernel, spec)
             _check_types(kernel, signature)
-            defaults = _constexpr_defaults(kernel)
             for index, config in _kept_configs(kernel, build_set, spec, target):
                 constexprs = {n: spec[n] if n in spec else config.constexprs.get(n, defaults.get(n))
                               for n, t in signature.items() if t == "constexpr"}

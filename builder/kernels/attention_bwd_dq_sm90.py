@@ -38,6 +38,7 @@ from builder.kernels.attention_bwd_sm90 import (
     LOG2E,
     _heavy_first,
     _heavy_first_of,
+    _load_owned,
     _query_block,
     _visited,
     _whole,
@@ -97,22 +98,12 @@ def _dq_load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
     ... Descriptors are 2-D at the head, or with PERSISTENT 4-D (batch, head, row, dim) over the
     whole tensors (batch off_b, query head off_h, KV head off_hk). Returns the ring position after
     the unit."""
-    HALF: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     BLOCK_D: gl.constexpr = k_smem.shape[2]
     if PERSISTENT:
         # A fresh barrier counts as having completed the phase before its first.
         mbarrier.wait(q_free, (u & 1) ^ 1)
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
-    for c in gl.static_range(2):
-        if PERSISTENT:
-            q_dst = q_smem.index(c)._reinterpret(q_smem.dtype, [1, 1, HALF, BLOCK_D], q_desc.layout)
-            do_dst = do_smem.index(c)._reinterpret(do_smem.dtype, [1, 1, HALF, BLOCK_D], do_desc.layout)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * HALF, 0], q_bar, q_dst)
-            tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m + c * HALF, 0], q_bar, do_dst)
-        else:
-            tma.async_copy_global_to_shared(q_desc, [start_m + c * HALF, 0], q_bar, q_smem.index(c))
-            tma.async_copy_global_to_shared(do_desc, [start_m + c * HALF, 0], q_bar, do_smem.index(c))
+    _load_owned(q_desc, do_desc, q_smem, do_smem, q_bar, off_b, off_h, start_m, PERSISTENT)
     for i in range(n):
         it = t0 + i
         s = it % STAGES

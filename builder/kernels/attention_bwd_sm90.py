@@ -188,6 +188,26 @@ def _unit(unit, num_blocks, num_heads_k, batch, len_q, diag, left, right, BLOCK_
 
 
 @gluon.jit
+def _load_owned(a_desc, b_desc, a_smem, b_smem, bar, off_b, off_h, start, PERSISTENT: gl.constexpr):
+    """The two tiles a program owns for its whole unit (K and V of its keys here; Q and dO of its
+    queries in the dQ kernel), each consumer's half (a_smem/b_smem index c: rows start + c*HALF ..)
+    into shared memory, completing ``bar``: through 2-D descriptors at the head, or with
+    PERSISTENT 4-D (batch, head, row, dim) ones at batch off_b and head off_h."""
+    HALF: gl.constexpr = a_smem.shape[1]
+    BLOCK_D: gl.constexpr = a_smem.shape[2]
+    mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
+    for c in gl.static_range(2):
+        if PERSISTENT:
+            a_dst = a_smem.index(c)._reinterpret(a_smem.dtype, [1, 1, HALF, BLOCK_D], a_desc.layout)
+            b_dst = b_smem.index(c)._reinterpret(b_smem.dtype, [1, 1, HALF, BLOCK_D], b_desc.layout)
+            tma.async_copy_global_to_shared(a_desc, [off_b, off_h, start + c * HALF, 0], bar, a_dst)
+            tma.async_copy_global_to_shared(b_desc, [off_b, off_h, start + c * HALF, 0], bar, b_dst)
+        else:
+            tma.async_copy_global_to_shared(a_desc, [start + c * HALF, 0], bar, a_smem.index(c))
+            tma.async_copy_global_to_shared(b_desc, [start + c * HALF, 0], bar, b_smem.index(c))
+
+
+@gluon.jit
 def _load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_free, ready, free,
                t0, u, off_b, off_hk, start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M: gl.constexpr,
                STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
@@ -196,21 +216,11 @@ def _load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
     ring's slots t0, t0 + 1, ... Descriptors are 3-D (group head, row, dim) at the group's first
     head, or with PERSISTENT 4-D (batch, head, row, dim) over the whole tensors (at batch off_b and
     KV head off_hk, query heads off_hk * group ...). Returns the ring position after the unit."""
-    HALF: gl.constexpr = k_smem.shape[1]
     BLOCK_D: gl.constexpr = k_smem.shape[2]
     if PERSISTENT:
         # A fresh barrier counts as having completed the phase before its first.
         mbarrier.wait(kv_free, (u & 1) ^ 1)
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    for c in gl.static_range(2):
-        if PERSISTENT:
-            k_dst = k_smem.index(c)._reinterpret(k_smem.dtype, [1, 1, HALF, BLOCK_D], k_desc.layout)
-            v_dst = v_smem.index(c)._reinterpret(v_smem.dtype, [1, 1, HALF, BLOCK_D], v_desc.layout)
-            tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, start_n + c * HALF, 0], kv_bar, k_dst)
-            tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, start_n + c * HALF, 0], kv_bar, v_dst)
-        else:
-            tma.async_copy_global_to_shared(k_desc, [start_n + c * HALF, 0], kv_bar, k_smem.index(c))
-            tma.async_copy_global_to_shared(v_desc, [start_n + c * HALF, 0], kv_bar, v_smem.index(c))
+    _load_owned(k_desc, v_desc, k_smem, v_smem, kv_bar, off_b, off_hk, start_n, PERSISTENT)
     total = group * n
     for i in range(total):
         it = t0 + i
