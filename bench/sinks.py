@@ -73,25 +73,18 @@ def _rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
     return rows
 
 
-#: attn_fwd_sm90's D=128 persistent config without ping-pong, and its EXP2_SPLIT twin (softcap specs).
-SPLIT_TWIN, SPLIT_CONFIG = 7, 9
+#: The softcap levers the images may hold as configs of their own, on sm90: (head dim, kernel,
+#: its config without the lever, the same config with it, the lever's constexpr, the rows' word):
+#: the portable forward's hardware tanh (FAST_TANH) at head dim 256, the Gluon forward's exp2 half
+#: on the FMA pipe (EXP2_SPLIT; config #7, persistent without ping-pong) at 128.
+CAP_LEVERS = ((256, FWD, 0, 2, "FAST_TANH", "hw tanh"), (128, FWD_SM90, 7, 9, "EXP2_SPLIT", "split"))
 
 
-def _has_exp2_split(lib: Any) -> bool:
-    """Whether the images hold sm90's D=128 softcapped forward at its EXP2_SPLIT config."""
-    return any(v.spec.get("SOFTCAP") and v.spec["HEAD_DIM"] == 128 and v.config.index == SPLIT_CONFIG
-               and v.config.constexprs.get("EXP2_SPLIT") for v in lib.variants_of(FWD_SM90))
-
-
-#: attn_fwd's sm90 D=256 config #0 with FAST_TANH (the hardware tanh; softcap specs on CUDA).
-FAST_TANH_CONFIG = 2
-
-
-def _has_fast_tanh(lib: Any) -> bool:
-    """Whether the images hold sm90's D=256 softcapped portable forward with the hardware tanh."""
-    return any(v.spec.get("SOFTCAP") and v.spec["HEAD_DIM"] == 256 and v.target.arch == "sm90"
-               and v.config.index == FAST_TANH_CONFIG and v.config.constexprs.get("FAST_TANH")
-               for v in lib.variants_of(FWD))
+def _holds(lib: Any, kernel: str, head_dim: int, index: int, flag: str) -> bool:
+    """Whether the images hold sm90's softcapped ``kernel`` at ``head_dim`` in config ``index``
+    with the constexpr ``flag`` on."""
+    return any(v.spec.get("SOFTCAP") and v.spec["HEAD_DIM"] == head_dim and v.target.arch == "sm90"
+               and v.config.index == index and v.config.constexprs.get(flag) for v in lib.variants_of(kernel))
 
 
 def _softcap_rows(lib: Any, gen: Any, base: Any = None) -> dict[str, dict[str, Any]]:
@@ -101,31 +94,22 @@ def _softcap_rows(lib: Any, gen: Any, base: Any = None) -> dict[str, dict[str, A
             q = torch.randn(B, S, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
             k, v = (torch.randn(B, S, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
             for mask, kw in (("causal", {"causal": True}), ("window 4096", {"window": (4095, 0)})):
-                def call(cap: Any, q: Any = q, k: Any = k, v: Any = v, kw: dict = kw) -> Any:
+                def call(cap: Any, images: Any = lib, q: Any = q, k: Any = k, v: Any = v, kw: dict = kw) -> Any:
                     return aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", softcap=cap,
-                                                 library=lib, **kw)[0]
+                                                 library=images, **kw)[0]
                 rows[f"D={d} forward {B}x{S} {mask}"] = {"plain": lambda c=call: c(None),
                                                          "sinks": lambda c=call: c(50.0)}
-                if d == 256 and _has_fast_tanh(lib):
-                    # The portable forward with the hardware tanh (FAST_TANH, its config #2) against
-                    # config #0 (the exact tanh), and against the call without a cap.
-                    def tanh(index: int, q: Any = q, k: Any = k, v: Any = v, kw: dict = kw) -> Any:
-                        return aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", softcap=50.0,
-                                                     library=tune.forced_config(lib, FWD, index), **kw)[0]
-                    rows[f"D=256 forward {B}x{S} {mask} hw tanh vs #0"] = {
-                        "plain": lambda f=tanh: f(0), "sinks": lambda f=tanh: f(FAST_TANH_CONFIG)}
-                    rows[f"D=256 forward {B}x{S} {mask} hw tanh vs no cap"] = {
-                        "plain": lambda c=call: c(None), "sinks": lambda f=tanh: f(FAST_TANH_CONFIG)}
-                if d == 128 and _has_exp2_split(lib):
-                    # sm90's Gluon forward with half the exp2 on the FMA pipe (EXP2_SPLIT) against
-                    # the same config without it, and against the call without a cap.
-                    def forced(index: int, q: Any = q, k: Any = k, v: Any = v, kw: dict = kw) -> Any:
-                        return aotriton_rt.attention(q, k, v, layout="bshd", align="bottom_right", softcap=50.0,
-                                                     library=tune.forced_config(lib, FWD_SM90, index), **kw)[0]
-                    rows[f"D=128 forward {B}x{S} {mask} split vs #{SPLIT_TWIN}"] = {
-                        "plain": lambda f=forced: f(SPLIT_TWIN), "sinks": lambda f=forced: f(SPLIT_CONFIG)}
-                    rows[f"D=128 forward {B}x{S} {mask} split vs no cap"] = {
-                        "plain": lambda c=call: c(None), "sinks": lambda f=forced: f(SPLIT_CONFIG)}
+                for head_dim, kernel, twin, lever, flag, word in CAP_LEVERS:
+                    if d != head_dim or not _holds(lib, kernel, d, lever, flag):
+                        continue
+                    # The capped call on the lever's config against its twin without the lever,
+                    # and against the call without a cap.
+                    def forced(index: int, c: Any = call, kernel: str = kernel) -> Any:
+                        return c(50.0, tune.forced_config(lib, kernel, index))
+                    rows[f"D={d} forward {B}x{S} {mask} {word} vs #{twin}"] = {
+                        "plain": lambda f=forced, i=twin: f(i), "sinks": lambda f=forced, i=lever: f(i)}
+                    rows[f"D={d} forward {B}x{S} {mask} {word} vs no cap"] = {
+                        "plain": lambda c=call: c(None), "sinks": lambda f=forced, i=lever: f(i)}
     B, S = 2, 4096
     q = torch.randn(B, S, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     k, v = (torch.randn(B, S, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()

@@ -34,6 +34,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import aotriton_rt  # noqa: E402
+from tests.runtime.test_attention_sm90_gpu import _reference  # noqa: E402  (fp32 inputs: the same maths)
 
 pytestmark = pytest.mark.gpu
 # The Gluon FP8 forward runs only with its switch on (off by default until checked on hardware).
@@ -83,23 +84,6 @@ def _transposed(v: Any) -> Any:
     vt = full[:, :, :D, :]
     vt[..., :n].copy_(v.transpose(-1, -2))
     return vt
-
-
-def _reference(q, k, v, causal: int, left: int, right: int, scale: float, align: int) -> tuple[Any, Any]:
-    Sq, Sk = q.shape[2], k.shape[2]
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        diag = Sk - Sq if causal == 2 or align else 0
-        rel = torch.arange(Sk, device="cuda")[None, :] - torch.arange(Sq, device="cuda")[:, None] - diag
-        visible = torch.ones_like(rel, dtype=torch.bool)
-        if left >= 0:
-            visible &= rel >= -left
-        visible &= rel <= (right if right >= 0 else Sq + Sk)
-        s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    return torch.softmax(s, -1).nan_to_num(0.0) @ v, lse
 
 
 def _run_case(lib: Any, v: Any, problem: tuple, align: int, per_head: bool) -> str | None:
