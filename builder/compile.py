@@ -39,8 +39,10 @@ def xz(data: bytes) -> bytes:
 
 
 def compile_env() -> dict[str, str]:
-    """Environment for reproducible compiles: no line info (it embeds absolute source paths)."""
-    return {"TRITON_DISABLE_LINE_INFO": "1", "TRITON_ALWAYS_COMPILE": "0"}
+    """Environment for reproducible compiles: no line info (it embeds absolute source paths), and
+    floating-point contraction (a*b+c as one FMA) on, which Triton 3.6 does by default and Triton
+    3.9 does only while this variable says so (3.10 turns it off otherwise)."""
+    return {"TRITON_DISABLE_LINE_INFO": "1", "TRITON_ALWAYS_COMPILE": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
 
 
 @cache

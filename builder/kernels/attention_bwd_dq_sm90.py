@@ -34,6 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from builder.kernels._gluon import reinterpret, tma_load
 from builder.kernels.attention_bwd_sm90 import (
     LOG2E,
     _heavy_first,
@@ -113,13 +114,13 @@ def _dq_load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
         start_n = _query_block(i, lo, f1, f2, n1, n2, BLOCK_N)
         mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         if PERSISTENT:
-            k_dst = k_smem.index(s)._reinterpret(k_smem.dtype, [1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
-            v_dst = v_smem.index(s)._reinterpret(v_smem.dtype, [1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
-            tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, start_n, 0], ready.index(s), k_dst)
-            tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, start_n, 0], ready.index(s), v_dst)
+            k_dst = reinterpret(k_smem.index(s), k_smem.dtype, [1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+            v_dst = reinterpret(v_smem.index(s), v_smem.dtype, [1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
+            tma_load(k_desc, [off_b, off_hk, start_n, 0], ready.index(s), k_dst)
+            tma_load(v_desc, [off_b, off_hk, start_n, 0], ready.index(s), v_dst)
         else:
-            tma.async_copy_global_to_shared(k_desc, [start_n, 0], ready.index(s), k_smem.index(s))
-            tma.async_copy_global_to_shared(v_desc, [start_n, 0], ready.index(s), v_smem.index(s))
+            tma_load(k_desc, [start_n, 0], ready.index(s), k_smem.index(s))
+            tma_load(v_desc, [start_n, 0], ready.index(s), v_smem.index(s))
     return t0 + n
 
 

@@ -49,10 +49,8 @@ so one descriptor serves every query head of the GQA group.
 
 from __future__ import annotations
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -60,6 +58,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+from builder.kernels._gluon import reinterpret, tma_load, tma_reduce_add
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 #: Programs per scheduling group under a causal mask (attention.py's CAUSAL_GROUP_PROGRAMS).
@@ -198,13 +198,13 @@ def _load_owned(a_desc, b_desc, a_smem, b_smem, bar, off_b, off_h, start, PERSIS
     mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
     for c in gl.static_range(2):
         if PERSISTENT:
-            a_dst = a_smem.index(c)._reinterpret(a_smem.dtype, [1, 1, HALF, BLOCK_D], a_desc.layout)
-            b_dst = b_smem.index(c)._reinterpret(b_smem.dtype, [1, 1, HALF, BLOCK_D], b_desc.layout)
-            tma.async_copy_global_to_shared(a_desc, [off_b, off_h, start + c * HALF, 0], bar, a_dst)
-            tma.async_copy_global_to_shared(b_desc, [off_b, off_h, start + c * HALF, 0], bar, b_dst)
+            a_dst = reinterpret(a_smem.index(c), a_smem.dtype, [1, 1, HALF, BLOCK_D], a_desc.layout)
+            b_dst = reinterpret(b_smem.index(c), b_smem.dtype, [1, 1, HALF, BLOCK_D], b_desc.layout)
+            tma_load(a_desc, [off_b, off_h, start + c * HALF, 0], bar, a_dst)
+            tma_load(b_desc, [off_b, off_h, start + c * HALF, 0], bar, b_dst)
         else:
-            tma.async_copy_global_to_shared(a_desc, [start + c * HALF, 0], bar, a_smem.index(c))
-            tma.async_copy_global_to_shared(b_desc, [start + c * HALF, 0], bar, b_smem.index(c))
+            tma_load(a_desc, [start + c * HALF, 0], bar, a_smem.index(c))
+            tma_load(b_desc, [start + c * HALF, 0], bar, b_smem.index(c))
 
 
 @gluon.jit
@@ -234,28 +234,17 @@ def _load_unit(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
         mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         if PERSISTENT:
             # The 4-D (batch, head, row, dim) view of the slot, for the 4-D descriptors.
-            q_dst = q_smem.index(s)._reinterpret(q_smem.dtype, [1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
-            do_dst = do_smem.index(s)._reinterpret(do_smem.dtype, [1, 1, BLOCK_M, BLOCK_D], do_desc.layout)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_hk * group + g, start_m, 0], ready.index(s), q_dst)
-            tma.async_copy_global_to_shared(do_desc, [off_b, off_hk * group + g, start_m, 0], ready.index(s), do_dst)
+            q_dst = reinterpret(q_smem.index(s), q_smem.dtype, [1, 1, BLOCK_M, BLOCK_D], q_desc.layout)
+            do_dst = reinterpret(do_smem.index(s), do_smem.dtype, [1, 1, BLOCK_M, BLOCK_D], do_desc.layout)
+            tma_load(q_desc, [off_b, off_hk * group + g, start_m, 0], ready.index(s), q_dst)
+            tma_load(do_desc, [off_b, off_hk * group + g, start_m, 0], ready.index(s), do_dst)
         else:
             # The 3-D (head, row, dim) view of the slot, for the 3-D descriptors.
-            q_dst = q_smem.index(s)._reinterpret(q_smem.dtype, [1, BLOCK_M, BLOCK_D], q_desc.layout)
-            do_dst = do_smem.index(s)._reinterpret(do_smem.dtype, [1, BLOCK_M, BLOCK_D], do_desc.layout)
-            tma.async_copy_global_to_shared(q_desc, [g, start_m, 0], ready.index(s), q_dst)
-            tma.async_copy_global_to_shared(do_desc, [g, start_m, 0], ready.index(s), do_dst)
+            q_dst = reinterpret(q_smem.index(s), q_smem.dtype, [1, BLOCK_M, BLOCK_D], q_desc.layout)
+            do_dst = reinterpret(do_smem.index(s), do_smem.dtype, [1, BLOCK_M, BLOCK_D], do_desc.layout)
+            tma_load(q_desc, [g, start_m, 0], ready.index(s), q_dst)
+            tma_load(do_desc, [g, start_m, 0], ready.index(s), do_dst)
     return t0 + total
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """Add the shared-memory tile ``src`` into the global tensor at ``coord`` with one TMA
-    reduce-add (``cp.reduce.async.bulk.tensor ... .add``: the L2 does the adds, elements outside
-    the descriptor's shape are skipped), issued by one thread and committed as a bulk group:
-    ``tma.store_wait`` waits for its read of ``src``. Triton 3.6's Gluon has the operation
-    (``ttng.async_tma_reduce``) but no Python wrapper for it."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -274,9 +263,9 @@ def _reduce_dq(desc, buf, dq, qb, qh, start_m, col, WAIT: gl.constexpr, PERSISTE
     BLOCK_M: gl.constexpr = buf.shape[0]
     COLS: gl.constexpr = buf.shape[1]
     if PERSISTENT:
-        _tma_reduce_add(desc, [qb, qh, start_m, col], buf._reinterpret(gl.float32, [1, 1, BLOCK_M, COLS], desc.layout))
+        tma_reduce_add(desc, [qb, qh, start_m, col], reinterpret(buf, gl.float32, [1, 1, BLOCK_M, COLS], desc.layout))
     else:
-        _tma_reduce_add(desc, [qh, start_m, col], buf._reinterpret(gl.float32, [1, BLOCK_M, COLS], desc.layout))
+        tma_reduce_add(desc, [qh, start_m, col], reinterpret(buf, gl.float32, [1, BLOCK_M, COLS], desc.layout))
 
 
 @gluon.jit

@@ -31,6 +31,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from builder.kernels._gluon import reinterpret, tma_load
+
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
@@ -51,7 +53,7 @@ def _loader(k_desc, v_desc, q_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
     HALF: gl.constexpr = q_smem.shape[1]
     for c in gl.static_range(2):
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [start_m + c * HALF, 0], q_bar.index(c), q_smem.index(c))
+        tma_load(q_desc, [start_m + c * HALF, 0], q_bar.index(c), q_smem.index(c))
     for idx in range(n):
         _load_block(idx, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, lo, f1, f2, n1, n2,
                     BLOCK_N, STAGES)
@@ -67,9 +69,9 @@ def _load_block(idx, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, 
     mbarrier.wait(kv_free.index(s), ((idx // STAGES) & 1) ^ 1)
     start_n = _key_block(idx, lo, f1, f2, n1, n2, BLOCK_N)
     mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(s), k_smem.index(s))
+    tma_load(k_desc, [start_n, 0], k_ready.index(s), k_smem.index(s))
     mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(s), v_smem.index(s))
+    tma_load(v_desc, [start_n, 0], v_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
@@ -205,7 +207,7 @@ def _consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     HALF: gl.constexpr = q_smem.shape[1]
     if INLINE:
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [start_m + c * HALF, 0], q_bar.index(c), q_smem.index(c))
+        tma_load(q_desc, [start_m + c * HALF, 0], q_bar.index(c), q_smem.index(c))
         for j in range(0, gl.minimum(n, STAGES)):
             _load_block(j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, lo, f1, f2, n1, n2,
                         BLOCK_N, STAGES)
@@ -444,19 +446,19 @@ def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_
             # The j-th use of the slot; a fresh barrier counts the phase before its first as done.
             mbarrier.wait(q_free.index(c), (j & 1) ^ 1)
             mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-            q_dst = q_smem.index(c)._reinterpret(dtype, [1, 1, HALF, BLOCK_D], q_desc.layout)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * HALF, 0], q_bar.index(c), q_dst)
+            q_dst = reinterpret(q_smem.index(c), dtype, [1, 1, HALF, BLOCK_D], q_desc.layout)
+            tma_load(q_desc, [off_b, off_h, start_m + c * HALF, 0], q_bar.index(c), q_dst)
         for idx in range(n):
             it = ring + idx
             s = it % STAGES
             mbarrier.wait(kv_free.index(s), ((it // STAGES) & 1) ^ 1)
             start_n = _key_block(idx, lo, f1, f2, n1, n2, BLOCK_N)
-            k_dst = k_smem.index(s)._reinterpret(dtype, [1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
-            v_dst = v_smem.index(s)._reinterpret(dtype, [1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
+            k_dst = reinterpret(k_smem.index(s), dtype, [1, 1, BLOCK_N, BLOCK_D], k_desc.layout)
+            v_dst = reinterpret(v_smem.index(s), dtype, [1, 1, BLOCK_N, BLOCK_D], v_desc.layout)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, start_n, 0], k_ready.index(s), k_dst)
+            tma_load(k_desc, [off_b, off_hk, start_n, 0], k_ready.index(s), k_dst)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, start_n, 0], v_ready.index(s), v_dst)
+            tma_load(v_desc, [off_b, off_hk, start_n, 0], v_ready.index(s), v_dst)
         ring += n
 
 
