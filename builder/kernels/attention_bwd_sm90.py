@@ -38,6 +38,14 @@ dV made ptxas serialize every wgmma. Each thread adds pairs of adjacent columns
 every dQ element takes two adds per key block (FA3 splits the dQ tile between its warp groups after
 a barrier and reduces through TMA; Gluon in Triton 3.6 has no TMA reduce).
 
+With ``OVERLAP=1`` (split scheme) each consumer issues a tile's dV and dK matmuls behind the next
+tile's Sᵀ and dPᵀ (``_consume_overlapped``): they run while that tile's Pᵀ and dSᵀ are computed,
+and a tile's Q/dO slot is released one tile later. ptxas serializes every wgmma of the kernel if
+the next tile's 16-bit operands are written while the previous ones are still read (C7513: they
+are converted after the wait) or if registers run out (C7512: at D=128 with 64-query tiles, dK,
+dV, the operands in flight and the next Sᵀ and dPᵀ need more than 240; the D=128 overlap configs
+take 32-query tiles).
+
 Query tiles are visited in ``attn_bwd_dkdv``'s split: the tiles on the band's edges and the
 sequence end (masked) first, then the unmasked run, so the hot loop carries no mask code; that
 order repeats for each query head of the group.
@@ -278,6 +286,37 @@ def _add_dq(ptrs, dq, q_rows, dq_cols, len_q, MASKED: gl.constexpr):
 
 
 @gluon.jit
+def _p_ds(sT, dpT, rows, cols, L_head, D_head, len_q, diag, left, right, qk_scale, MASKED: gl.constexpr,
+          CAUSAL: gl.constexpr, LATER: gl.constexpr):
+    """P^T and dS^T (fp32) of a tile from its S^T and dP^T matmuls, still running: waits for
+    each just before its use. ``rows``: the tile's query indices (along its columns); LATER: the
+    matmul groups issued after dP^T that may keep running (OVERLAP's dV and dK of the previous
+    tile)."""
+    # LSE and Delta are read while the matmuls run, each just before its use: with dK, dV, S^T and
+    # dP^T in registers there is no room to hold them (16 registers each) across a wait.
+    if MASKED:
+        lse = gl.load(L_head + rows, mask=rows < len_q, other=float("inf"))
+    else:
+        lse = gl.load(L_head + rows)
+    # Rows that saw no key stored -inf: +inf here makes their probabilities 0, not NaN.
+    lse = gl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    # Groups retire in order: LATER + 1 outstanding means S^T is done while dP^T may still run.
+    sT = warpgroup_mma_wait(LATER + 1, deps=(sT,))
+    pT = gl.exp2(sT * qk_scale - lse[None, :])
+    if MASKED:
+        visible = (rows < len_q)[None, :]
+        if CAUSAL != 0:
+            rel = cols[:, None] - rows[None, :] - diag
+            visible = visible & (rel >= -left) & (rel <= right)
+        pT = gl.where(visible, pT, 0.0)
+        delta = gl.load(D_head + rows, mask=rows < len_q, other=0.0)
+    else:
+        delta = gl.load(D_head + rows)
+    dpT = warpgroup_mma_wait(LATER, deps=(dpT,))
+    return pT, pT * (dpT - delta[None, :])
+
+
+@gluon.jit
 def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head, cols, qcols,
           len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head, stride_dqam, dq_rows, dq_cols,
           sm_scale, dq_smem, dqa_desc, qb, qh, C: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
@@ -295,29 +334,8 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
     sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
     dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
-    # LSE and Delta are read while the matmuls run, each just before its use: with dK, dV, S^T and
-    # dP^T in registers there is no room to hold them (16 registers each) across a wait.
-    rows = start_m + qcols  # query indices, along the tile's columns (tiles are transposed)
-    if MASKED:
-        lse = gl.load(L_head + rows, mask=rows < len_q, other=float("inf"))
-    else:
-        lse = gl.load(L_head + rows)
-    # Rows that saw no key stored -inf: +inf here makes their probabilities 0, not NaN.
-    lse = gl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
-    # Groups retire in order: one outstanding means S^T is done while dP^T may still run.
-    sT = warpgroup_mma_wait(1, deps=(sT,))
-    pT = gl.exp2(sT * qk_scale - lse[None, :])
-    if MASKED:
-        visible = (rows < len_q)[None, :]
-        if CAUSAL != 0:
-            rel = cols[:, None] - rows[None, :] - diag
-            visible = visible & (rel >= -left) & (rel <= right)
-        pT = gl.where(visible, pT, 0.0)
-        delta = gl.load(D_head + rows, mask=rows < len_q, other=0.0)
-    else:
-        delta = gl.load(D_head + rows)
-    dpT = warpgroup_mma_wait(0, deps=(dpT,))
-    dsT = pT * (dpT - delta[None, :])
+    pT, dsT = _p_ds(sT, dpT, start_m + qcols, cols, L_head, D_head, len_q, diag, left, right, qk_scale, MASKED,
+                    CAUSAL, 0)
     p_op = gl.convert_layout(pT.to(q.dtype), a_layout)
     ds16 = dsT.to(q.dtype)
     ds_op = gl.convert_layout(ds16, a_layout)
@@ -390,17 +408,104 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
 
 
 @gluon.jit
+def _tile_overlapped(it, start_m, dk, dv, p_op, ds_op, k, v, q_smem, do_smem, ready, free, L_head, D_head, cols,
+                     qcols, len_q, diag, left, right, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                     STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr, FIRST: gl.constexpr):
+    """OVERLAP's step: query tile ``it``'s S^T and dP^T matmuls, then (unless FIRST) the previous
+    tile's dV and dK matmuls from its P^T and dS^T operands ``p_op``, ``ds_op``, which run while this
+    tile's P^T and dS^T are computed; then the previous tile's Q/dO slot is released. Returns dK,
+    dV and this tile's operands."""
+    s = it % STAGES
+    q = q_smem.index(s)
+    do = do_smem.index(s)
+    HALF: gl.constexpr = k.shape[0]
+    BLOCK_M: gl.constexpr = q.shape[0]
+    zero = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+    if FIRST:
+        pT, dsT = _p_ds(sT, dpT, start_m + qcols, cols, L_head, D_head, len_q, diag, left, right, qk_scale, MASKED,
+                        CAUSAL, 0)
+    else:
+        prev = (it - 1) % STAGES
+        dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
+        pT, dsT = _p_ds(sT, dpT, start_m + qcols, cols, L_head, D_head, len_q, diag, left, right, qk_scale, MASKED,
+                        CAUSAL, 2)
+    if not FIRST:
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        mbarrier.arrive(free.index(prev), count=1)
+    # Only now: the new operands take the registers of the ones the matmuls just read (written
+    # while those run, ptxas serializes every wgmma of the kernel: C7513).
+    p_next = gl.convert_layout(pT.to(q.dtype), a_layout)
+    ds_next = gl.convert_layout(dsT.to(q.dtype), a_layout)
+    return dk, dv, p_next, ds_next
+
+
+@gluon.jit
+def _consume_overlapped(dk, dv, k, v, q_smem, do_smem, ready, free, LSE, Delta, t0, off_b, off_hk, group, stride_lz,
+                        stride_lh, cols, qcols, len_q, diag, left, right, qk_scale, lo, f1, f2, n1, n2, n,
+                        CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+                        a_layout: gl.constexpr):
+    """OVERLAP=1 (split scheme): every query tile of every group head in the loader's order, as
+    _tile computes them, with each tile's dV and dK matmuls issued behind the next tile's S^T and
+    dP^T (_tile_overlapped; the last tile's after the loops). A Q/dO slot is held one tile longer,
+    so the ring needs three slots to keep one tile loaded ahead."""
+    masked = n1 + n2
+    if group * n > 0:
+        # The order's first tile (group head 0): its S^T and dP^T only.
+        L_head = LSE + off_b.to(gl.int64) * stride_lz + (off_hk * group).to(gl.int64) * stride_lh
+        D_head = Delta + off_b.to(gl.int64) * stride_lz + (off_hk * group).to(gl.int64) * stride_lh
+        if masked > 0:
+            dk, dv, p_op, ds_op = _tile_overlapped(t0, _query_block(0, lo, f1, f2, n1, n2, BLOCK_M), dk, dv, 0, 0,
+                                                   k, v, q_smem, do_smem, ready, free, L_head, D_head, cols, qcols,
+                                                   len_q, diag, left, right, qk_scale, True, CAUSAL, STAGES,
+                                                   s_layout, a_layout, True)
+        else:
+            dk, dv, p_op, ds_op = _tile_overlapped(t0, f1, dk, dv, 0, 0, k, v, q_smem, do_smem, ready, free, L_head,
+                                                   D_head, cols, qcols, len_q, diag, left, right, qk_scale, False,
+                                                   CAUSAL, STAGES, s_layout, a_layout, True)
+        for g in range(group):
+            off_h = off_hk * group + g
+            L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+            D_head = Delta + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+            base = t0 + g * n
+            # Group head 0 starts after the tile taken above (the first masked one, else the first unmasked).
+            first_masked = ((g == 0) & (masked > 0)).to(gl.int32)
+            first_unmasked = masked + ((g == 0) & (masked == 0)).to(gl.int32)
+            for j in range(first_masked, masked):
+                dk, dv, p_op, ds_op = _tile_overlapped(base + j, _query_block(j, lo, f1, f2, n1, n2, BLOCK_M), dk, dv,
+                                                       p_op, ds_op, k, v, q_smem, do_smem, ready, free, L_head,
+                                                       D_head, cols, qcols, len_q, diag, left, right, qk_scale, True,
+                                                       CAUSAL, STAGES, s_layout, a_layout, False)
+            for j in range(first_unmasked, n):
+                dk, dv, p_op, ds_op = _tile_overlapped(base + j, f1 + (j - masked) * BLOCK_M, dk, dv, p_op, ds_op,
+                                                       k, v, q_smem, do_smem, ready, free, L_head, D_head, cols,
+                                                       qcols, len_q, diag, left, right, qk_scale, False, CAUSAL,
+                                                       STAGES, s_layout, a_layout, False)
+        # The last tile's dV and dK.
+        last = t0 + group * n - 1
+        dv = warpgroup_mma(p_op, do_smem.index(last % STAGES), dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_smem.index(last % STAGES), dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        mbarrier.arrive(free.index(last % STAGES), count=1)
+    return dk, dv
+
+
+@gluon.jit
 def _consumer(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, ready,
               free, LSE, Delta, DK, DV, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn, stride_dvn,
               stride_dqaz, stride_dqah, stride_dqam,
               start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n,
               CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-              DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr, DQ_COLS: gl.constexpr):
+              DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr, DQ_COLS: gl.constexpr, OVERLAP: gl.constexpr):
     """Consumer warp group c: keys start_n + c*HALF ..., every query tile of every group head."""
     _consume_unit(c, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, kv_bar, ready,
                   free, LSE, Delta, DK, DV, DQacc, 0, 0, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn,
                   stride_dvn, stride_dqaz, stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag, left,
-                  right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, DQ_COLS, 0)
+                  right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, DQ_COLS, 0,
+                  OVERLAP)
 
 
 @gluon.jit
@@ -410,7 +515,7 @@ def _consumer_persistent(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_sm
                          stride_dvn, stride_dqaz, stride_dqah, stride_dqam, len_q, len_k, sm_scale, diag, left,
                          right, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr,
-                         DQ_COLS: gl.constexpr):
+                         DQ_COLS: gl.constexpr, OVERLAP: gl.constexpr):
     """Consumer warp group c of a persistent program: _consumer's work for each of its units in
     the loader's order, the ring position running on across units."""
     t = 0
@@ -424,7 +529,7 @@ def _consumer_persistent(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_sm
                           ready, free, LSE, Delta, DK_head, DV_head, DQacc, t, u, off_b, off_hk, group, stride_lz,
                           stride_lh, stride_dkn, stride_dvn, stride_dqaz, stride_dqah, stride_dqam, start_n, len_q,
                           len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES,
-                          DQ_ATOMIC, DQ_SHARE, DQ_TMA, DQ_COLS, 1)
+                          DQ_ATOMIC, DQ_SHARE, DQ_TMA, DQ_COLS, 1, OVERLAP)
         u += 1
     if DQ_TMA:
         tma.store_wait(0)
@@ -436,7 +541,8 @@ def _consume_unit(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_
                   stride_dkn, stride_dvn, stride_dqaz, stride_dqah, stride_dqam,
                   start_n, len_q, len_k, sm_scale, diag, left, right, lo, f1, f2, n1, n2, n,
                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                  DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr, DQ_COLS: gl.constexpr, PERSISTENT: gl.constexpr):
+                  DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr, DQ_COLS: gl.constexpr, PERSISTENT: gl.constexpr,
+                  OVERLAP: gl.constexpr):
     """One unit of consumer warp group c: keys start_n + c*HALF ..., every query tile of every
     group head, from the ring's slot t0 on (K and V in phase ``u & 1`` of kv_bar); DK and DV
     point at the unit's (batch, KV head). With PERSISTENT it releases K and V (kv_free) once its
@@ -465,28 +571,33 @@ def _consume_unit(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_
     # Always wait: the loader's K/V copies must land before the program may exit (or reload them).
     mbarrier.wait(kv_bar, u & 1)
     masked = n1 + n2
-    for g in range(group):
-        off_h = off_hk * group + g
-        L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
-        D_head = Delta + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
-        DQA_head = DQacc + off_b.to(gl.int64) * stride_dqaz + off_h.to(gl.int64) * stride_dqah
-        if PERSISTENT:
-            qh = off_h  # the 4-D descriptors' head
-        else:
-            qh = g  # the 3-D descriptors' group head
-        base = t0 + g * n
-        for j in range(0, masked):
-            start_m = _query_block(j, lo, f1, f2, n1, n2, BLOCK_M)
-            dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
-                           cols, qcols, len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head,
-                           stride_dqam, dq_rows, dq_cols, sm_scale, dq_smem, dqa_desc, off_b, qh, c, True, CAUSAL,
-                           STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout, PERSISTENT)
-        for j in range(masked, n):
-            start_m = f1 + (j - masked) * BLOCK_M
-            dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
-                           cols, qcols, len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head,
-                           stride_dqam, dq_rows, dq_cols, sm_scale, dq_smem, dqa_desc, off_b, qh, c, False, CAUSAL,
-                           STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout, PERSISTENT)
+    if OVERLAP:
+        dk, dv = _consume_overlapped(dk, dv, k, v, q_smem, do_smem, ready, free, LSE, Delta, t0, off_b, off_hk, group,
+                                     stride_lz, stride_lh, cols, qcols, len_q, diag, left, right, qk_scale, lo, f1,
+                                     f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, s_layout, a_layout)
+    else:
+        for g in range(group):
+            off_h = off_hk * group + g
+            L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+            D_head = Delta + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
+            DQA_head = DQacc + off_b.to(gl.int64) * stride_dqaz + off_h.to(gl.int64) * stride_dqah
+            if PERSISTENT:
+                qh = off_h  # the 4-D descriptors' head
+            else:
+                qh = g  # the 3-D descriptors' group head
+            base = t0 + g * n
+            for j in range(0, masked):
+                start_m = _query_block(j, lo, f1, f2, n1, n2, BLOCK_M)
+                dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
+                               cols, qcols, len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head,
+                               stride_dqam, dq_rows, dq_cols, sm_scale, dq_smem, dqa_desc, off_b, qh, c, True, CAUSAL,
+                               STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout, PERSISTENT)
+            for j in range(masked, n):
+                start_m = f1 + (j - masked) * BLOCK_M
+                dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
+                               cols, qcols, len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head,
+                               stride_dqam, dq_rows, dq_cols, sm_scale, dq_smem, dqa_desc, off_b, qh, c, False, CAUSAL,
+                               STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout, PERSISTENT)
     if PERSISTENT:
         # Every matmul reading K and V was waited for in its tile: the loader may refill them.
         mbarrier.arrive(kv_free, count=1)
@@ -535,7 +646,7 @@ def attn_bwd_dkdv_sm90(
     DQ_ATOMIC: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, USE_TMA: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr,
-    PERSISTENT: gl.constexpr,
+    PERSISTENT: gl.constexpr, OVERLAP: gl.constexpr = 0,
 ):
     """dK, dV of one key block of one key/value head, summed over its GQA query heads (see
     attn_bwd_dkdv); with DQ_ATOMIC also this block's share of dQ (scaled, fp32) added into DQacc.
@@ -554,7 +665,9 @@ def attn_bwd_dkdv_sm90(
     dim 128): 0 each consumer adds its keys' dQ over the whole head dim, 1 each adds half of the
     head dim over both consumers' keys (FA3's split: half the atomic adds, a barrier a tile).
     DQ_TMA (DQ_ATOMIC): 0 the adds are per-thread fp32 reductions from registers; 1 each dQ tile
-    goes to shared memory and into DQacc with one TMA reduce-add (FA3's path).
+    goes to shared memory and into DQacc with one TMA reduce-add (FA3's path). OVERLAP (split
+    scheme): 1 issues each query tile's dV and dK matmuls behind the next tile's S^T and dP^T, so
+    they run while that tile's P^T and dS^T are computed (_consume_overlapped).
     """
     gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0,
                      "attn_bwd_dkdv_sm90: no bias, dropout or varlen")
@@ -566,6 +679,7 @@ def attn_bwd_dkdv_sm90(
     dtype: gl.constexpr = Q.dtype.element_ty
     gl.static_assert(BLOCK_D % DQ_CHUNK == 0, "attn_bwd_dkdv_sm90: head dim a multiple of dQ's chunk")
     gl.static_assert(DQ_TMA == 0 or DQ_ATOMIC == 1, "attn_bwd_dkdv_sm90: DQ_TMA reduces an atomic dQ")
+    gl.static_assert(OVERLAP == 0 or DQ_ATOMIC == 0, "attn_bwd_dkdv_sm90: OVERLAP is the split scheme's")
     gl.static_assert(DQ_SHARE == 0 or (DQ_ATOMIC == 1 and BLOCK_D == 2 * DQ_CHUNK),
                      "attn_bwd_dkdv_sm90: DQ_SHARE splits an atomic dQ tile of head dim 128 between the consumers")
     if DQ_SHARE:
@@ -681,13 +795,13 @@ def attn_bwd_dkdv_sm90(
                                     batch, group, stride_lz, stride_lh, stride_dkz, stride_dkh, stride_dkn,
                                     stride_dvz, stride_dvh, stride_dvn, stride_dqaz, stride_dqah, stride_dqam, len_q,
                                     len_k, sm_scale, diag, left, right, CAUSAL, BLOCK_M, BLOCK_N, STAGES, DQ_ATOMIC,
-                                    DQ_SHARE, DQ_TMA, DQ_COLS)),
+                                    DQ_SHARE, DQ_TMA, DQ_COLS, OVERLAP)),
             (_consumer_persistent, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar,
                                     kv_free, ready, free, LSE, Delta, DK, DV, DQacc, units, num_blocks, num_heads_k,
                                     batch, group, stride_lz, stride_lh, stride_dkz, stride_dkh, stride_dkn,
                                     stride_dvz, stride_dvh, stride_dvn, stride_dqaz, stride_dqah, stride_dqam, len_q,
                                     len_k, sm_scale, diag, left, right, CAUSAL, BLOCK_M, BLOCK_N, STAGES, DQ_ATOMIC,
-                                    DQ_SHARE, DQ_TMA, DQ_COLS)),
+                                    DQ_SHARE, DQ_TMA, DQ_COLS, OVERLAP)),
             (_loader_persistent, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, kv_free,
                                   ready, free, units, num_blocks, num_heads_k, batch, group, len_q, diag, left,
                                   right, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
@@ -698,12 +812,12 @@ def attn_bwd_dkdv_sm90(
                          LSE, Delta, DK_head, DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn,
                          stride_dvn, stride_dqaz, stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag,
                          left, right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA,
-                         DQ_COLS)),
+                         DQ_COLS, OVERLAP)),
             (_consumer, (1, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_bar, dq_smem, dqa_desc, kv_bar, ready, free,
                          LSE, Delta, DK_head, DV_head, DQacc, off_b, off_hk, group, stride_lz, stride_lh, stride_dkn,
                          stride_dvn, stride_dqaz, stride_dqah, stride_dqam, start_n, len_q, len_k, sm_scale, diag,
                          left, right, lo, f1, f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA,
-                         DQ_COLS)),
+                         DQ_COLS, OVERLAP)),
             (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, free,
                        start_n, group, lo, f1, f2, n1, n2, n, BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -744,6 +858,10 @@ DQ_TMA_TILES = {(128, 1): ((64, 2), (64, 3)), (128, 0): ((64, 2),), (64, 0): ((6
 #: Programs of a persistent config (PERSISTENT): one per SM of an H100 SXM or H200 (132), each
 #: one CTA (the kernel's shared memory holds one per SM).
 PERSISTENT_PROGRAMS = 132
+#: Q/dO slots of the OVERLAP=1 configs (split scheme; one plain, one persistent, after the others):
+#: a tile's slot is released one tile later, so three keep one tile loaded ahead.
+OVERLAP_STAGES = 3
+OVERLAP_BLOCK_M = {64: 64, 128: 32}
 
 
 def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
@@ -753,8 +871,9 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     untuned. The atomic scheme's tiles then come again with DQ_TMA=1 (dQ through shared memory and
     a TMA reduce-add; ``DQ_TMA_TILES``), then the persistent configs (``PERSISTENT_PROGRAMS``
     programs looping over the key blocks): the first tile of the split scheme, or of the atomic
-    one's TMA configs (both dQ splits at D=128); each group after the earlier ones, so that their
-    numbers keep their meaning. num_warps is the default partition's (consumer 0); the compiled
+    one's TMA configs (both dQ splits at D=128); for the split scheme then OVERLAP=1, plain and
+    persistent (``OVERLAP_STAGES``); each group after the earlier ones, so that their numbers
+    keep their meaning. num_warps is the default partition's (consumer 0); the compiled
     kernel runs 12 warps (two consumer groups and the loader's group), which the catalog records
     from the binary."""
     atomic = bool(spec.get("DQ_ATOMIC"))
@@ -766,11 +885,19 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
         combos += [(share, 1, *DQ_TMA_TILES[(spec["HEAD_DIM"], share)][0], PERSISTENT_PROGRAMS) for share in shares]
     else:
         combos += [(0, 0, *tiles[0], PERSISTENT_PROGRAMS)]
-    return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": 128, "USE_TMA": 1, "STAGES": st,
-                                        "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": share, "DQ_TMA": tma_,
-                                        "PERSISTENT": programs},
-                            num_warps=4, num_stages=1, backends=("cuda",))
-                 for share, tma_, bm, st, programs in combos)
+    configs = [ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": 128, "USE_TMA": 1, "STAGES": st,
+                                      "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": share, "DQ_TMA": tma_,
+                                      "PERSISTENT": programs},
+                          num_warps=4, num_stages=1, backends=("cuda",))
+               for share, tma_, bm, st, programs in combos]
+    if not atomic:
+        configs += [ConfigDecl(constexprs={"BLOCK_M": OVERLAP_BLOCK_M[spec["HEAD_DIM"]], "BLOCK_N": 128, "USE_TMA": 1,
+                                           "STAGES": OVERLAP_STAGES,
+                                           "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": 0, "DQ_TMA": 0,
+                                           "PERSISTENT": programs, "OVERLAP": 1},
+                               num_warps=4, num_stages=1, backends=("cuda",))
+                    for programs in (0, PERSISTENT_PROGRAMS)]
+    return tuple(configs)
 
 
 def _excluded(spec: dict, target: object) -> str | None:

@@ -234,7 +234,7 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
                 for c in configs]
         # The atomic scheme runs each tile with each dQ split (at D=128), the per-consumer one first,
         # then the same through TMA (D=128 per consumer: its two 64 KB chunk buffers fit one tile),
-        # then persistent with TMA; the split scheme its tiles, then persistent.
+        # then persistent with TMA; the split scheme its tiles, then persistent, then OVERLAP.
         P = PERSISTENT_PROGRAMS
         if gluon.schemes and spec.get("DQ_ATOMIC") and spec["HEAD_DIM"] == 128:
             assert ways == [(0, 0, 0), (0, 0, 0), (1, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (1, 1, 0), (0, 1, P),
@@ -242,7 +242,9 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
         elif gluon.schemes and spec.get("DQ_ATOMIC"):
             assert ways == [(0, 0, 0), (0, 0, 0), (0, 1, 0), (0, 1, 0), (0, 1, P)]
         elif gluon.schemes:
-            assert ways == [(0, 0, 0), (0, 0, 0), (0, 0, P)]
+            # Then the two OVERLAP=1 configs, plain and persistent.
+            assert ways == [(0, 0, 0), (0, 0, 0), (0, 0, P), (0, 0, 0), (0, 0, P)]
+            assert [c.constexprs.get("OVERLAP", 0) for c in configs] == [0, 0, 0, 1, 1]
         else:  # the dQ kernel: its tiles, then the first one persistent
             assert ways == [(0, 0, 0)] * (len(configs) - 1) + [(0, 0, P)] and 2 <= len(configs) <= 4
             first, last = configs[0].constexprs, configs[-1].constexprs
@@ -255,7 +257,7 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
             assert ways[gluon.config(spec)] == (share, 1, 0)
         for c in configs:
             assert c.constexprs[gluon.owned] == 128 and c.constexprs["USE_TMA"] == 1
-            assert c.constexprs[gluon.streamed] in (64, 128)
+            assert c.constexprs[gluon.streamed] in ((32, 64) if c.constexprs.get("OVERLAP") else (64, 128))
             assert c.constexprs["CONSUMER_REGS"] == CONSUMER_REGS and c.backends == ("cuda",)
             if spec.get("DQ_ATOMIC"):
                 assert c.constexprs["BLOCK_M"] == 64  # the atomic dQ tile has dK's shape
@@ -268,6 +270,7 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
                 return [(c.constexprs["BLOCK_M"], c.constexprs["STAGES"]) for c in cs]
 
             plain = [c for c in configs if not c.constexprs["DQ_TMA"]]
+            split = [c for c in split if not c.constexprs.get("OVERLAP")]
             assert tiles(plain) == tiles(split)[:2] * len({w[0] for w in ways})
             # The TMA configs' tiles are split ones too, their shared memory within sm90's.
             assert set(tiles(configs)) == set(tiles(split))
@@ -649,6 +652,64 @@ def test_persistent_units_visit_every_key_block_of_every_head_once() -> None:
             assert sorted(taken) == list(range(units))
         assert sorted((u % blocks, u // blocks) for u in range(units)) == [(n, b) for n in range(blocks)
                                                                           for b in range(bh)]
+
+
+
+# ------------------------------------------------------------------------------------------------
+# OVERLAP=1 (split scheme): a tile's dV and dK matmuls behind the next tile's S^T and dP^T.
+# ------------------------------------------------------------------------------------------------
+
+#: (spec, config, BLOCK_M, most spill stores or loads): the split scheme's OVERLAP configs (#3
+#: plain, #4 persistent) at D=64 (64-query tiles) and D=128 (32-query tiles: with 64, dK and dV,
+#: the previous tile's operands in flight and this tile's S^T and dP^T need more registers than a
+#: consumer has and ptxas serializes every wgmma, C7512). Measured: D=64 3/3 and 35/64, D=128
+#: 15/16 and 46/77, none inside the wgmma loops. More means a regression.
+OVERLAP_BUILT = (({**BUILT[0], "dtype": "bf16", "CAUSAL": 1}, 3, 32, 24), ({**BUILT[0], "CAUSAL": 2}, 4, 32, 100),
+                 ({**BUILT[2], "CAUSAL": 1}, 3, 64, 16), (BUILT[2], 4, 64, 80))
+
+
+@pytest.fixture(scope="module")
+def overlap_built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from builder.build import build
+    from builder.registry import expand
+    from builder.targets import parse_targets
+
+    jobs = [j for spec, index, _, _ in OVERLAP_BUILT
+            for j in expand(_kernels()[NAME], parse_targets("sm90"), "full", "3.6.0")
+            if j.spec == spec and j.config_index == index]
+    assert len(jobs) == len(OVERLAP_BUILT)
+    out = tmp_path_factory.mktemp("bwd-overlap")
+    summary = build(jobs, out, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
+    assert summary.failed == [] and summary.compiled == len(OVERLAP_BUILT)
+    return out
+
+
+@pytest.mark.parametrize("index", range(len(OVERLAP_BUILT)))
+def test_overlap_configs_keep_their_wgmmas_asynchronous_and_spill_nothing_in_the_loops(overlap_built: Path,
+                                                                                      index: int) -> None:
+    """The ABI proof holds; the four matmuls of a step are issued before its waits (at least 4 HGMMA
+    per warpgroup fence: a serialized kernel fences each one); per consumer the loops' steps (S^T,
+    dP^T: D/16 k-steps each; dV, dK of the previous tile: BLOCK_M/16 each) in a masked and an
+    unmasked copy, the first tile's S^T and dP^T (masked and not) and the last tile's dV and dK;
+    spills within OVERLAP_BUILT's bounds, none inside the wgmma loops."""
+    from builder.build import prove_folder
+    from tests.helpers.sass import listing_loop_spills, sass_listing, sass_ops
+
+    assert prove_folder(overlap_built) == len(OVERLAP_BUILT)
+    spec, config, block_m, most = OVERLAP_BUILT[index]
+    (variant,) = [v for v in _variants(overlap_built) if v.spec == spec and v.config.index == config]
+    assert variant.config.constexprs["OVERLAP"] == 1 and variant.config.constexprs["BLOCK_M"] == block_m
+    assert variant.config.constexprs["STAGES"] == 3 and variant.num_warps == 12
+    raw = lzma.decompress((overlap_built / variant.image.path).read_bytes())
+    ops = sass_ops(raw)
+    hgmma = sum(n for op, n in ops.items() if op.startswith("HGMMA"))
+    fences = ops.get("WARPGROUP.ARRIVE", 0)
+    assert fences > 0 and hgmma >= 4 * fences, f"wgmma serialized by ptxas: {hgmma} HGMMA, {fences} fences"
+    d = spec["HEAD_DIM"]
+    step = 2 * d // 16 + 2 * block_m // 16
+    assert hgmma == 2 * (2 * step + 2 * (2 * d // 16) + 2 * block_m // 16)
+    assert ops.get("STL", 0) <= most and ops.get("LDL", 0) <= most, (ops.get("STL"), ops.get("LDL"))
+    assert listing_loop_spills(sass_listing(raw)) == 0
 
 
 if __name__ == "__main__":
