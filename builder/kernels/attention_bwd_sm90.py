@@ -43,8 +43,10 @@ tile's Sᵀ and dPᵀ (``_consume_overlapped``): they run while that tile's Pᵀ
 and a tile's Q/dO slot is released one tile later. ptxas serializes every wgmma of the kernel if
 the next tile's 16-bit operands are written while the previous ones are still read (C7513: they
 are converted after the wait) or if registers run out (C7512: at D=128 with 64-query tiles, dK,
-dV, the operands in flight and the next Sᵀ and dPᵀ need more than 240; the D=128 overlap configs
-take 32-query tiles).
+dV, the operands in flight and the next Sᵀ and dPᵀ need more than 240; the D=128 ``OVERLAP=1``
+configs take 32-query tiles). ``OVERLAP=2`` keeps 64-query tiles and frees those registers
+instead: Pᵀ and dSᵀ go to shared memory (a pair of buffers per consumer and tile parity, written
+while the previous tile's matmuls read the other pair) and dV's and dK's matmuls read them there.
 
 Query tiles are visited in ``attn_bwd_dkdv``'s split: the tiles on the band's edges and the
 sequence end (masked) first, then the unmasked run, so the hot loop carries no mask code; that
@@ -409,12 +411,15 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
 
 @gluon.jit
 def _tile_overlapped(it, start_m, dk, dv, p_op, ds_op, k, v, q_smem, do_smem, ready, free, L_head, D_head, cols,
-                     qcols, len_q, diag, left, right, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                     STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr, FIRST: gl.constexpr):
+                     qcols, len_q, diag, left, right, qk_scale, op_smem, C: gl.constexpr, MASKED: gl.constexpr,
+                     CAUSAL: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
+                     FIRST: gl.constexpr, OPS_SMEM: gl.constexpr):
     """OVERLAP's step: query tile ``it``'s S^T and dP^T matmuls, then (unless FIRST) the previous
-    tile's dV and dK matmuls from its P^T and dS^T operands ``p_op``, ``ds_op``, which run while this
-    tile's P^T and dS^T are computed; then the previous tile's Q/dO slot is released. Returns dK,
-    dV and this tile's operands."""
+    tile's dV and dK matmuls from its P^T and dS^T operands, which run while this tile's P^T and
+    dS^T are computed; then the previous tile's Q/dO slot is released. The operands: registers
+    ``p_op``, ``ds_op`` (returned for the next step), or with OPS_SMEM consumer C's buffers of the
+    tile's parity in ``op_smem`` (4 C + 2 parity: P^T, then dS^T). Returns dK, dV and this tile's
+    register operands (0 with OPS_SMEM)."""
     s = it % STAGES
     q = q_smem.index(s)
     do = do_smem.index(s)
@@ -429,17 +434,32 @@ def _tile_overlapped(it, start_m, dk, dv, p_op, ds_op, k, v, q_smem, do_smem, re
                         CAUSAL, 0)
     else:
         prev = (it - 1) % STAGES
-        dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
-        dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
+        if OPS_SMEM:
+            b = 4 * C + 2 * ((it - 1) % 2)
+            dv = warpgroup_mma(op_smem.index(b), do_smem.index(prev), dv, is_async=True)
+            dk = warpgroup_mma(op_smem.index(b + 1), q_smem.index(prev), dk, is_async=True)
+        else:
+            dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
+            dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
         pT, dsT = _p_ds(sT, dpT, start_m + qcols, cols, L_head, D_head, len_q, diag, left, right, qk_scale, MASKED,
                         CAUSAL, 2)
+    if OPS_SMEM:
+        # This tile's operands into the other parity's buffers (last read by tile it-2's matmuls,
+        # waited for), while the previous tile's matmuls still run.
+        b = 4 * C + 2 * (it % 2)
+        op_smem.index(b).store(pT.to(q.dtype))
+        op_smem.index(b + 1).store(dsT.to(q.dtype))
+        fence_async_shared()
+        p_next = 0
+        ds_next = 0
     if not FIRST:
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(free.index(prev), count=1)
-    # Only now: the new operands take the registers of the ones the matmuls just read (written
-    # while those run, ptxas serializes every wgmma of the kernel: C7513).
-    p_next = gl.convert_layout(pT.to(q.dtype), a_layout)
-    ds_next = gl.convert_layout(dsT.to(q.dtype), a_layout)
+    if not OPS_SMEM:
+        # Only now: the new operands take the registers of the ones the matmuls just read (written
+        # while those run, ptxas serializes every wgmma of the kernel: C7513).
+        p_next = gl.convert_layout(pT.to(q.dtype), a_layout)
+        ds_next = gl.convert_layout(dsT.to(q.dtype), a_layout)
     return dk, dv, p_next, ds_next
 
 
@@ -447,7 +467,7 @@ def _tile_overlapped(it, start_m, dk, dv, p_op, ds_op, k, v, q_smem, do_smem, re
 def _consume_overlapped(dk, dv, k, v, q_smem, do_smem, ready, free, LSE, Delta, t0, off_b, off_hk, group, stride_lz,
                         stride_lh, cols, qcols, len_q, diag, left, right, qk_scale, lo, f1, f2, n1, n2, n,
                         CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
-                        a_layout: gl.constexpr):
+                        a_layout: gl.constexpr, op_smem, C: gl.constexpr, OPS_SMEM: gl.constexpr):
     """OVERLAP=1 (split scheme): every query tile of every group head in the loader's order, as
     _tile computes them, with each tile's dV and dK matmuls issued behind the next tile's S^T and
     dP^T (_tile_overlapped; the last tile's after the loops). A Q/dO slot is held one tile longer,
@@ -460,12 +480,12 @@ def _consume_overlapped(dk, dv, k, v, q_smem, do_smem, ready, free, LSE, Delta, 
         if masked > 0:
             dk, dv, p_op, ds_op = _tile_overlapped(t0, _query_block(0, lo, f1, f2, n1, n2, BLOCK_M), dk, dv, 0, 0,
                                                    k, v, q_smem, do_smem, ready, free, L_head, D_head, cols, qcols,
-                                                   len_q, diag, left, right, qk_scale, True, CAUSAL, STAGES,
-                                                   s_layout, a_layout, True)
+                                                   len_q, diag, left, right, qk_scale, op_smem, C, True, CAUSAL,
+                                                   STAGES, s_layout, a_layout, True, OPS_SMEM)
         else:
             dk, dv, p_op, ds_op = _tile_overlapped(t0, f1, dk, dv, 0, 0, k, v, q_smem, do_smem, ready, free, L_head,
-                                                   D_head, cols, qcols, len_q, diag, left, right, qk_scale, False,
-                                                   CAUSAL, STAGES, s_layout, a_layout, True)
+                                                   D_head, cols, qcols, len_q, diag, left, right, qk_scale, op_smem, C,
+                                                   False, CAUSAL, STAGES, s_layout, a_layout, True, OPS_SMEM)
         for g in range(group):
             off_h = off_hk * group + g
             L_head = LSE + off_b.to(gl.int64) * stride_lz + off_h.to(gl.int64) * stride_lh
@@ -477,17 +497,23 @@ def _consume_overlapped(dk, dv, k, v, q_smem, do_smem, ready, free, LSE, Delta, 
             for j in range(first_masked, masked):
                 dk, dv, p_op, ds_op = _tile_overlapped(base + j, _query_block(j, lo, f1, f2, n1, n2, BLOCK_M), dk, dv,
                                                        p_op, ds_op, k, v, q_smem, do_smem, ready, free, L_head,
-                                                       D_head, cols, qcols, len_q, diag, left, right, qk_scale, True,
-                                                       CAUSAL, STAGES, s_layout, a_layout, False)
+                                                       D_head, cols, qcols, len_q, diag, left, right, qk_scale, op_smem,
+                                                       C, True, CAUSAL, STAGES, s_layout, a_layout, False,
+                                                       OPS_SMEM)
             for j in range(first_unmasked, n):
                 dk, dv, p_op, ds_op = _tile_overlapped(base + j, f1 + (j - masked) * BLOCK_M, dk, dv, p_op, ds_op,
                                                        k, v, q_smem, do_smem, ready, free, L_head, D_head, cols,
-                                                       qcols, len_q, diag, left, right, qk_scale, False, CAUSAL,
-                                                       STAGES, s_layout, a_layout, False)
+                                                       qcols, len_q, diag, left, right, qk_scale, op_smem, C, False,
+                                                       CAUSAL, STAGES, s_layout, a_layout, False, OPS_SMEM)
         # The last tile's dV and dK.
         last = t0 + group * n - 1
-        dv = warpgroup_mma(p_op, do_smem.index(last % STAGES), dv, is_async=True)
-        dk = warpgroup_mma(ds_op, q_smem.index(last % STAGES), dk, is_async=True)
+        if OPS_SMEM:
+            b = 4 * C + 2 * (last % 2)
+            dv = warpgroup_mma(op_smem.index(b), do_smem.index(last % STAGES), dv, is_async=True)
+            dk = warpgroup_mma(op_smem.index(b + 1), q_smem.index(last % STAGES), dk, is_async=True)
+        else:
+            dv = warpgroup_mma(p_op, do_smem.index(last % STAGES), dv, is_async=True)
+            dk = warpgroup_mma(ds_op, q_smem.index(last % STAGES), dk, is_async=True)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(free.index(last % STAGES), count=1)
     return dk, dv
@@ -574,7 +600,8 @@ def _consume_unit(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_
     if OVERLAP:
         dk, dv = _consume_overlapped(dk, dv, k, v, q_smem, do_smem, ready, free, LSE, Delta, t0, off_b, off_hk, group,
                                      stride_lz, stride_lh, cols, qcols, len_q, diag, left, right, qk_scale, lo, f1,
-                                     f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, s_layout, a_layout)
+                                     f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, s_layout, a_layout, ds_smem, c,
+                                     OVERLAP == 2)
     else:
         for g in range(group):
             off_h = off_hk * group + g
@@ -667,7 +694,8 @@ def attn_bwd_dkdv_sm90(
     DQ_TMA (DQ_ATOMIC): 0 the adds are per-thread fp32 reductions from registers; 1 each dQ tile
     goes to shared memory and into DQacc with one TMA reduce-add (FA3's path). OVERLAP (split
     scheme): 1 issues each query tile's dV and dK matmuls behind the next tile's S^T and dP^T, so
-    they run while that tile's P^T and dS^T are computed (_consume_overlapped).
+    they run while that tile's P^T and dS^T are computed (_consume_overlapped), their A operands
+    in registers; 2 the same with the A operands in shared memory.
     """
     gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0,
                      "attn_bwd_dkdv_sm90: no bias, dropout or varlen")
@@ -758,6 +786,12 @@ def attn_bwd_dkdv_sm90(
                 mbarrier.init(ds_bar.index(b), count=2)
         else:
             ds_bar = ready  # unused
+    elif OVERLAP == 2:
+        # Each consumer's P^T and dS^T tiles, the A operands of dV's and dK's matmuls, one pair
+        # per tile parity.
+        op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [8, HALF, BLOCK_M], op_layout)
+        ds_bar = ready  # unused
     else:
         ds_smem = k_smem  # unused
         ds_bar = ready  # unused
@@ -858,8 +892,10 @@ DQ_TMA_TILES = {(128, 1): ((64, 2), (64, 3)), (128, 0): ((64, 2),), (64, 0): ((6
 #: Programs of a persistent config (PERSISTENT): one per SM of an H100 SXM or H200 (132), each
 #: one CTA (the kernel's shared memory holds one per SM).
 PERSISTENT_PROGRAMS = 132
-#: Q/dO slots of the OVERLAP=1 configs (split scheme; one plain, one persistent, after the others):
-#: a tile's slot is released one tile later, so three keep one tile loaded ahead.
+#: Q/dO slots of the OVERLAP configs (split scheme; OVERLAP=1 plain and persistent, then OVERLAP=2
+#: the same, after the others): a tile's slot is released one tile later, so three keep one tile
+#: loaded ahead. OVERLAP=1's query tile per head dim (registers, see the module docs); OVERLAP=2
+#: takes 64 at both (its operand buffers: 64 KB at D=128, 229,760 bytes of shared memory in all).
 OVERLAP_STAGES = 3
 OVERLAP_BLOCK_M = {64: 64, 128: 32}
 
@@ -871,8 +907,8 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     untuned. The atomic scheme's tiles then come again with DQ_TMA=1 (dQ through shared memory and
     a TMA reduce-add; ``DQ_TMA_TILES``), then the persistent configs (``PERSISTENT_PROGRAMS``
     programs looping over the key blocks): the first tile of the split scheme, or of the atomic
-    one's TMA configs (both dQ splits at D=128); for the split scheme then OVERLAP=1, plain and
-    persistent (``OVERLAP_STAGES``); each group after the earlier ones, so that their numbers
+    one's TMA configs (both dQ splits at D=128); for the split scheme then OVERLAP=1 and
+    OVERLAP=2, each plain and persistent (``OVERLAP_STAGES``); each group after the earlier ones, so that their numbers
     keep their meaning. num_warps is the default partition's (consumer 0); the compiled
     kernel runs 12 warps (two consumer groups and the loader's group), which the catalog records
     from the binary."""
@@ -895,6 +931,11 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
                                            "STAGES": OVERLAP_STAGES,
                                            "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": 0, "DQ_TMA": 0,
                                            "PERSISTENT": programs, "OVERLAP": 1},
+                               num_warps=4, num_stages=1, backends=("cuda",))
+                    for programs in (0, PERSISTENT_PROGRAMS)]
+        configs += [ConfigDecl(constexprs={"BLOCK_M": 64, "BLOCK_N": 128, "USE_TMA": 1, "STAGES": OVERLAP_STAGES,
+                                           "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": 0, "DQ_TMA": 0,
+                                           "PERSISTENT": programs, "OVERLAP": 2},
                                num_warps=4, num_stages=1, backends=("cuda",))
                     for programs in (0, PERSISTENT_PROGRAMS)]
     return tuple(configs)

@@ -242,9 +242,9 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
         elif gluon.schemes and spec.get("DQ_ATOMIC"):
             assert ways == [(0, 0, 0), (0, 0, 0), (0, 1, 0), (0, 1, 0), (0, 1, P)]
         elif gluon.schemes:
-            # Then the two OVERLAP=1 configs, plain and persistent.
-            assert ways == [(0, 0, 0), (0, 0, 0), (0, 0, P), (0, 0, 0), (0, 0, P)]
-            assert [c.constexprs.get("OVERLAP", 0) for c in configs] == [0, 0, 0, 1, 1]
+            # Then the OVERLAP=1 and OVERLAP=2 configs, each plain and persistent.
+            assert ways == [(0, 0, 0), (0, 0, 0), (0, 0, P), (0, 0, 0), (0, 0, P), (0, 0, 0), (0, 0, P)]
+            assert [c.constexprs.get("OVERLAP", 0) for c in configs] == [0, 0, 0, 1, 1, 2, 2]
         else:  # the dQ kernel: its tiles, then the first one persistent
             assert ways == [(0, 0, 0)] * (len(configs) - 1) + [(0, 0, P)] and 2 <= len(configs) <= 4
             first, last = configs[0].constexprs, configs[-1].constexprs
@@ -257,7 +257,7 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
             assert ways[gluon.config(spec)] == (share, 1, 0)
         for c in configs:
             assert c.constexprs[gluon.owned] == 128 and c.constexprs["USE_TMA"] == 1
-            assert c.constexprs[gluon.streamed] in ((32, 64) if c.constexprs.get("OVERLAP") else (64, 128))
+            assert c.constexprs[gluon.streamed] in ((32, 64) if c.constexprs.get("OVERLAP") == 1 else (64, 128))
             assert c.constexprs["CONSUMER_REGS"] == CONSUMER_REGS and c.backends == ("cuda",)
             if spec.get("DQ_ATOMIC"):
                 assert c.constexprs["BLOCK_M"] == 64  # the atomic dQ tile has dK's shape
@@ -659,13 +659,19 @@ def test_persistent_units_visit_every_key_block_of_every_head_once() -> None:
 # OVERLAP=1 (split scheme): a tile's dV and dK matmuls behind the next tile's S^T and dP^T.
 # ------------------------------------------------------------------------------------------------
 
-#: (spec, config, BLOCK_M, most spill stores or loads): the split scheme's OVERLAP configs (#3
-#: plain, #4 persistent) at D=64 (64-query tiles) and D=128 (32-query tiles: with 64, dK and dV,
-#: the previous tile's operands in flight and this tile's S^T and dP^T need more registers than a
-#: consumer has and ptxas serializes every wgmma, C7512). Measured: D=64 3/3 and 35/64, D=128
-#: 15/16 and 46/77, none inside the wgmma loops. More means a regression.
-OVERLAP_BUILT = (({**BUILT[0], "dtype": "bf16", "CAUSAL": 1}, 3, 32, 24), ({**BUILT[0], "CAUSAL": 2}, 4, 32, 100),
-                 ({**BUILT[2], "CAUSAL": 1}, 3, 64, 16), (BUILT[2], 4, 64, 80))
+#: (spec, config, OVERLAP, BLOCK_M, most spill stores or loads, most inside the wgmma loops): the
+#: split scheme's OVERLAP configs. OVERLAP=1 (operands in registers; #3 plain, #4 persistent) at
+#: D=64 (64-query tiles) and D=128 (32-query tiles: with 64, dK and dV, the previous tile's operands
+#: in flight and this tile's S^T and dP^T need more registers than a consumer has and ptxas
+#: serializes every wgmma, C7512); OVERLAP=2 (operands in shared memory, 64-query tiles; #5, #6).
+#: Measured: OVERLAP=1 D=64 3/3 and 35/64, D=128 15/16 and 46/77, none inside the loops; OVERLAP=2
+#: D=64 none, D=128 83/117 with 57 inside the loops (12-13 reloads a tile), persistent D=64 19/40.
+#: More means a regression.
+_BF16_D128_MODE1 = {**BUILT[0], "dtype": "bf16", "CAUSAL": 1}
+OVERLAP_BUILT = ((_BF16_D128_MODE1, 3, 1, 32, 24, 0), ({**BUILT[0], "CAUSAL": 2}, 4, 1, 32, 100, 0),
+                 ({**BUILT[2], "CAUSAL": 1}, 3, 1, 64, 16, 0), (BUILT[2], 4, 1, 64, 80, 0),
+                 (_BF16_D128_MODE1, 5, 2, 64, 130, 64), ({**BUILT[2], "CAUSAL": 1}, 5, 2, 64, 0, 0),
+                 (BUILT[2], 6, 2, 64, 48, 0))
 
 
 @pytest.fixture(scope="module")
@@ -674,7 +680,7 @@ def overlap_built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from builder.registry import expand
     from builder.targets import parse_targets
 
-    jobs = [j for spec, index, _, _ in OVERLAP_BUILT
+    jobs = [j for spec, index, *_ in OVERLAP_BUILT
             for j in expand(_kernels()[NAME], parse_targets("sm90"), "full", "3.6.0")
             if j.spec == spec and j.config_index == index]
     assert len(jobs) == len(OVERLAP_BUILT)
@@ -685,20 +691,19 @@ def overlap_built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("index", range(len(OVERLAP_BUILT)))
-def test_overlap_configs_keep_their_wgmmas_asynchronous_and_spill_nothing_in_the_loops(overlap_built: Path,
-                                                                                      index: int) -> None:
+def test_overlap_configs_keep_their_wgmmas_asynchronous_and_spill_little(overlap_built: Path, index: int) -> None:
     """The ABI proof holds; the four matmuls of a step are issued before its waits (at least 4 HGMMA
     per warpgroup fence: a serialized kernel fences each one); per consumer the loops' steps (S^T,
     dP^T: D/16 k-steps each; dV, dK of the previous tile: BLOCK_M/16 each) in a masked and an
     unmasked copy, the first tile's S^T and dP^T (masked and not) and the last tile's dV and dK;
-    spills within OVERLAP_BUILT's bounds, none inside the wgmma loops."""
+    spills within OVERLAP_BUILT's bounds, inside and outside the wgmma loops."""
     from builder.build import prove_folder
     from tests.helpers.sass import listing_loop_spills, sass_listing, sass_ops
 
     assert prove_folder(overlap_built) == len(OVERLAP_BUILT)
-    spec, config, block_m, most = OVERLAP_BUILT[index]
+    spec, config, overlap, block_m, most, in_loops = OVERLAP_BUILT[index]
     (variant,) = [v for v in _variants(overlap_built) if v.spec == spec and v.config.index == config]
-    assert variant.config.constexprs["OVERLAP"] == 1 and variant.config.constexprs["BLOCK_M"] == block_m
+    assert variant.config.constexprs["OVERLAP"] == overlap and variant.config.constexprs["BLOCK_M"] == block_m
     assert variant.config.constexprs["STAGES"] == 3 and variant.num_warps == 12
     raw = lzma.decompress((overlap_built / variant.image.path).read_bytes())
     ops = sass_ops(raw)
@@ -709,7 +714,11 @@ def test_overlap_configs_keep_their_wgmmas_asynchronous_and_spill_nothing_in_the
     step = 2 * d // 16 + 2 * block_m // 16
     assert hgmma == 2 * (2 * step + 2 * (2 * d // 16) + 2 * block_m // 16)
     assert ops.get("STL", 0) <= most and ops.get("LDL", 0) <= most, (ops.get("STL"), ops.get("LDL"))
-    assert listing_loop_spills(sass_listing(raw)) == 0
+    assert listing_loop_spills(sass_listing(raw)) <= in_loops
+    # dV's and dK's A operands: registers with OVERLAP=1 (HGMMA Rd, Ra, gdesc[...]), shared-memory
+    # descriptors with OVERLAP=2 (every HGMMA reads both operands through gdesc).
+    from_registers = len(re.findall(r"HGMMA\.\S+ R\d+, R\d+, gdesc", sass_listing(raw)))
+    assert from_registers == (2 * (2 * 2 * block_m // 16 + 2 * block_m // 16) if overlap == 1 else 0)
 
 
 if __name__ == "__main__":
