@@ -44,9 +44,9 @@ and a tile's Q/dO slot is released one tile later. ptxas serializes every wgmma 
 the next tile's 16-bit operands are written while the previous ones are still read (C7513: they
 are converted after the wait) or if registers run out (C7512: at D=128 with 64-query tiles, dK,
 dV, the operands in flight and the next Sᵀ and dPᵀ need more than 240; the D=128 ``OVERLAP=1``
-configs take 32-query tiles). ``OVERLAP=2`` keeps 64-query tiles and frees those registers
-instead: Pᵀ and dSᵀ go to shared memory (a pair of buffers per consumer and tile parity, written
-while the previous tile's matmuls read the other pair) and dV's and dK's matmuls read them there.
+configs take 32-query tiles). ``OVERLAP=2`` frees those registers instead: Pᵀ and dSᵀ go to shared
+memory (a pair of buffers per consumer and tile parity, written while the previous tile's matmuls
+read the other pair) and dV's and dK's matmuls read them there; at D=64 only (``OVERLAP_SMEM_D``).
 
 Query tiles are visited in ``attn_bwd_dkdv``'s split: the tiles on the band's edges and the
 sequence end (masked) first, then the unmasked run, so the hot loop carries no mask code; that
@@ -895,9 +895,13 @@ PERSISTENT_PROGRAMS = 132
 #: Q/dO slots of the OVERLAP configs (split scheme; OVERLAP=1 plain and persistent, then OVERLAP=2
 #: the same, after the others): a tile's slot is released one tile later, so three keep one tile
 #: loaded ahead. OVERLAP=1's query tile per head dim (registers, see the module docs); OVERLAP=2
-#: takes 64 at both (its operand buffers: 64 KB at D=128, 229,760 bytes of shared memory in all).
+#: takes 64 (its operand buffers: 32 KB at D=64).
 OVERLAP_STAGES = 3
 OVERLAP_BLOCK_M = {64: 64, 128: 32}
+#: Head dims with OVERLAP=2 configs. At D=128 (64-query tiles, 229,760 bytes of shared memory) the
+#: ptxas of CUDA 12.8 and 12.9 (Triton 3.6's and 3.9's) dies with a segmentation fault on some specs'
+#: one-tile variant (CUDA 13.0's compiles them), and the rest reload 12-13 spilled values a tile.
+OVERLAP_SMEM_D = (64,)
 
 
 def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
@@ -907,11 +911,11 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     untuned. The atomic scheme's tiles then come again with DQ_TMA=1 (dQ through shared memory and
     a TMA reduce-add; ``DQ_TMA_TILES``), then the persistent configs (``PERSISTENT_PROGRAMS``
     programs looping over the key blocks): the first tile of the split scheme, or of the atomic
-    one's TMA configs (both dQ splits at D=128); for the split scheme then OVERLAP=1 and
-    OVERLAP=2, each plain and persistent (``OVERLAP_STAGES``); each group after the earlier ones, so that their numbers
-    keep their meaning. num_warps is the default partition's (consumer 0); the compiled
-    kernel runs 12 warps (two consumer groups and the loader's group), which the catalog records
-    from the binary."""
+    one's TMA configs (both dQ splits at D=128); for the split scheme then OVERLAP=1 and (at
+    ``OVERLAP_SMEM_D``) OVERLAP=2, each plain and persistent (``OVERLAP_STAGES``); each group after
+    the earlier ones, so that their numbers keep their meaning. num_warps is the default
+    partition's (consumer 0); the compiled kernel runs 12 warps (two consumer groups and the
+    loader's group), which the catalog records from the binary."""
     atomic = bool(spec.get("DQ_ATOMIC"))
     shares = (0, 1) if atomic and spec["HEAD_DIM"] in DQ_SHARE_D else (0,)
     tiles = TILES[spec["HEAD_DIM"]]
@@ -937,7 +941,7 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
                                            "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": 0, "DQ_TMA": 0,
                                            "PERSISTENT": programs, "OVERLAP": 2},
                                num_warps=4, num_stages=1, backends=("cuda",))
-                    for programs in (0, PERSISTENT_PROGRAMS)]
+                    for programs in (0, PERSISTENT_PROGRAMS) if spec["HEAD_DIM"] in OVERLAP_SMEM_D]
     return tuple(configs)
 
 
