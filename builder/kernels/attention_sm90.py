@@ -135,7 +135,7 @@ def _exp2_split(x):
 
 @gluon.jit
 def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale, cap_c, cap_k,
-             MASKED: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr):
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr = False):
     """(p, new row maximum, rescale factor) of one S block; m is in log2 units (scaled scores).
 
     Unmasked blocks fold the scale into the exponent (needs qk_scale >= 0: a negative scale sends
@@ -143,7 +143,8 @@ def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale
     keep m = -inf and subtract 0 (no NaN); their p stays 0. SOFTCAP: the raw scores are softcapped
     first, ``cap_c * tanh(s * cap_k)`` with the hardware tanh (one special-function operation per
     score where attn_fwd's _softcapped takes two: the exp2 of p makes the unit the bound); SOFTCAP
-    2 also computes half of an unmasked block's exp2 on the FMA pipe (_exp2_split).
+    2 also computes half of an unmasked block's exp2 on the FMA pipe (_exp2_split), as SPLIT does
+    without a softcap (the FP8 forward).
     """
     if SOFTCAP:
         s_acc = cap_c * _tanh_approx(s_acc * cap_k)
@@ -163,7 +164,7 @@ def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale
         alpha = gl.exp2(m_i - m_sub)
     else:
         m_new = gl.maximum(m_i, gl.max(s_acc, 1) * qk_scale)
-        if SOFTCAP == 2:
+        if SOFTCAP == 2 or SPLIT:
             # Every score is finite here (a masked block's -inf never takes this path).
             p = gl.convert_layout(_exp2_split(s_acc * qk_scale - m_new[:, None]), s_acc.type.layout)
         else:

@@ -19,8 +19,11 @@ pytest.importorskip("elftools")
 
 #: (head dim, mask mode, output dtype, config index): the largest tile without a mask (the one
 #: variant whose ptxas keeps a register in local memory around the loops), a D=64 causal one
-#: without ping-pong, and a persistent D=128 bottom-right one.
-BUILT = ((128, 0, "bf16", 0), (64, 1, "fp16", 1), (128, 2, "bf16", 3))
+#: without ping-pong, a persistent D=128 bottom-right one, and the first one again with
+#: EXP2_SPLIT (#5 at D=128: the tile table's five, then the split twins of #0 and #3).
+BUILT = ((128, 0, "bf16", 0), (64, 1, "fp16", 1), (128, 2, "bf16", 3), (128, 0, "bf16", 5))
+#: BUILT's index of the EXP2_SPLIT variant and of its twin.
+SPLIT, TWIN = 3, 0
 
 
 def _kernels():
@@ -69,7 +72,7 @@ def test_the_fp8_gluon_variants_compile_and_their_binaries_prove_the_catalog_lay
         d = variant.spec["HEAD_DIM"]
         # Two 64-row Q tiles and STAGES K and V^T blocks, one byte an element, and the barriers.
         assert 2 * 64 * d + c["STAGES"] * 2 * c["BLOCK_N"] * d <= variant.shared <= 232448
-    assert [v.config.constexprs["PERSISTENT"] for v in _variants(built)] == [0, 0, 132]
+    assert [v.config.constexprs["PERSISTENT"] for v in _variants(built)] == [0, 0, 132, 0]
 
 
 @pytest.mark.parametrize("which", range(len(BUILT)))
@@ -95,3 +98,22 @@ def test_both_products_are_asynchronous_e4m3_wgmma_with_p_in_registers_and_no_sp
     fences = ops.get("WARPGROUP.ARRIVE", 0)
     assert qgmma >= min(d, block_n) // 32 * fences > 0, f"wgmma serialized by ptxas: {qgmma} QGMMA, {fences} fences"
     assert listing_loop_spills(listing) == 0, "local memory in the key loops"
+
+
+def test_the_exp2_split_config_takes_a_quarter_of_the_unmasked_blocks_exp2_off_the_special_function_unit(
+        built: Path) -> None:
+    """With FP8 matmuls a key block's exp2 on the special-function unit takes about as long as its
+    matmuls: EXP2_SPLIT computes half of an unmasked block's P with attn_fwd_sm90's polynomial
+    (FMA and integer pipes). Per consumer thread that block's P is 64 x BLOCK_N / 128 values, so
+    the unmasked loop of each of the two consumers loses BLOCK_N / 4 ``MUFU.EX2``; the twin config
+    is otherwise the same (and the masked loop, the prologue and the epilogue are unchanged)."""
+    from tests.helpers.sass import sass_ops
+
+    variants = _variants(built)
+    split, twin = variants[SPLIT], variants[TWIN]
+    assert split.config.constexprs == {**twin.config.constexprs, "EXP2_SPLIT": 1}
+    ops = [sass_ops(lzma.decompress((built / v.image.path).read_bytes())) for v in (split, twin)]
+    block_n = split.config.constexprs["BLOCK_N"]
+    assert ops[0]["MUFU.EX2"] == ops[1]["MUFU.EX2"] - 2 * block_n // 4
+    # The polynomial: four more FMAs a value at least (degree 4, Horner).
+    assert ops[0].get("FFMA", 0) >= ops[1].get("FFMA", 0) + 2 * 4 * block_n // 4

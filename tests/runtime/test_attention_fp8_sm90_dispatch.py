@@ -176,9 +176,14 @@ def test_the_gluon_fp8_forward_takes_attn_fwd_fp8s_arguments_and_is_built_for_sm
     assert {(j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.spec["out_dtype"]) for j in gputest} == {
         (d, c, o) for d, c, o, _ in specs}
     assert expand(gluon, targets, "default", triton.__version__) == []  # unmeasured: not in the default set
-    # Each spec's whole config table, one-tile configs first and the persistent ones last (their
-    # indices are what tuning rules will name).
+    # Each spec's whole config table: one-tile configs first, then the persistent ones (their
+    # indices are what tuning rules will name), then the first of each again with EXP2_SPLIT,
+    # which only those two configs name.
     for j in gputest:
-        table = [c.constexprs["PERSISTENT"] for c in gluon.configs_for(j.spec, j.target)]
+        configs = gluon.configs_for(j.spec, j.target)
+        table = [c.constexprs["PERSISTENT"] for c in configs[:-2]]
         assert table == sorted(table) and table[-2:] == [132, 132] and table[0] == 0
-    assert len(gputest) == len(full) == 6 * 5 + 6 * 4
+        split = [{k: v for k, v in c.constexprs.items() if k != "EXP2_SPLIT"} for c in configs[-2:]]
+        assert split == [configs[0].constexprs, configs[table.index(132)].constexprs]
+        assert [c.constexprs.get("EXP2_SPLIT") for c in configs] == [None] * len(table) + [1, 1]
+    assert len(gputest) == len(full) == 6 * 7 + 6 * 6
