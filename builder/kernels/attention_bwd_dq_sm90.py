@@ -39,6 +39,7 @@ from builder.kernels.attention_bwd_sm90 import (
     LOG2E,
     _heavy_first,
     _heavy_first_of,
+    _issue_pair,
     _load_owned,
     _query_block,
     _visited,
@@ -131,13 +132,7 @@ def _dq_tile(it, start_n, dq, q, do, k_smem, v_smem, ready, free, lse, delta, ro
     """dQ of one consumer after key tile ``it`` (first key start_n) of the loader's order."""
     s = it % STAGES
     k = k_smem.index(s)
-    v = v_smem.index(s)
-    HALF: gl.constexpr = q.shape[0]
-    BLOCK_N: gl.constexpr = k.shape[0]
-    zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    qk = warpgroup_mma(q, k.permute((1, 0)), zero, use_acc=False, is_async=True)
-    dp = warpgroup_mma(do, v.permute((1, 0)), zero, use_acc=False, is_async=True)
+    qk, dp = _issue_pair(it, q, do, k_smem, v_smem, ready, STAGES, s_layout)
     # Groups retire in order: one outstanding means S is done while dP may still run.
     qk = warpgroup_mma_wait(1, deps=(qk,))
     p = gl.exp2(qk * qk_scale - lse[:, None])

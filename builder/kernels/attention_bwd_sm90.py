@@ -319,6 +319,23 @@ def _p_ds(sT, dpT, rows, cols, L_head, D_head, len_q, diag, left, right, qk_scal
 
 
 @gluon.jit
+def _issue_pair(it, a0, a1, b0_smem, b1_smem, ready, STAGES: gl.constexpr, layout: gl.constexpr):
+    """A0·B0ᵀ and A1·B1ᵀ of streamed tile ``it`` (B0, B1 in its ring slot), issued as asynchronous
+    wgmma once the loader has filled the slot: the dK/dV kernel's Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, the
+    dQ kernel's S = Q·Kᵀ and dP = dO·Vᵀ."""
+    s = it % STAGES
+    b0 = b0_smem.index(s)
+    b1 = b1_smem.index(s)
+    M: gl.constexpr = a0.shape[0]
+    N: gl.constexpr = b0.shape[0]
+    zero = gl.zeros([M, N], gl.float32, layout)
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    c0 = warpgroup_mma(a0, b0.permute((1, 0)), zero, use_acc=False, is_async=True)
+    c1 = warpgroup_mma(a1, b1.permute((1, 0)), zero, use_acc=False, is_async=True)
+    return c0, c1
+
+
+@gluon.jit
 def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head, cols, qcols,
           len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head, stride_dqam, dq_rows, dq_cols,
           sm_scale, dq_smem, dqa_desc, qb, qh, C: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
@@ -330,12 +347,8 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
     s = it % STAGES
     q = q_smem.index(s)
     do = do_smem.index(s)
-    HALF: gl.constexpr = k.shape[0]
     BLOCK_M: gl.constexpr = q.shape[0]
-    zero = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
-    dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+    sT, dpT = _issue_pair(it, k, v, q_smem, do_smem, ready, STAGES, s_layout)
     pT, dsT = _p_ds(sT, dpT, start_m + qcols, cols, L_head, D_head, len_q, diag, left, right, qk_scale, MASKED,
                     CAUSAL, 0)
     p_op = gl.convert_layout(pT.to(q.dtype), a_layout)
@@ -420,15 +433,8 @@ def _tile_overlapped(it, start_m, dk, dv, p_op, ds_op, k, v, q_smem, do_smem, re
     ``p_op``, ``ds_op`` (returned for the next step), or with OPS_SMEM consumer C's buffers of the
     tile's parity in ``op_smem`` (4 C + 2 parity: P^T, then dS^T). Returns dK, dV and this tile's
     register operands (0 with OPS_SMEM)."""
-    s = it % STAGES
-    q = q_smem.index(s)
-    do = do_smem.index(s)
-    HALF: gl.constexpr = k.shape[0]
-    BLOCK_M: gl.constexpr = q.shape[0]
-    zero = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
-    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    sT = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
-    dpT = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dtype: gl.constexpr = q_smem.dtype
+    sT, dpT = _issue_pair(it, k, v, q_smem, do_smem, ready, STAGES, s_layout)
     if FIRST:
         pT, dsT = _p_ds(sT, dpT, start_m + qcols, cols, L_head, D_head, len_q, diag, left, right, qk_scale, MASKED,
                         CAUSAL, 0)
@@ -447,8 +453,8 @@ def _tile_overlapped(it, start_m, dk, dv, p_op, ds_op, k, v, q_smem, do_smem, re
         # This tile's operands into the other parity's buffers (last read by tile it-2's matmuls,
         # waited for), while the previous tile's matmuls still run.
         b = 4 * C + 2 * (it % 2)
-        op_smem.index(b).store(pT.to(q.dtype))
-        op_smem.index(b + 1).store(dsT.to(q.dtype))
+        op_smem.index(b).store(pT.to(dtype))
+        op_smem.index(b + 1).store(dsT.to(dtype))
         fence_async_shared()
         p_next = 0
         ds_next = 0
@@ -458,8 +464,8 @@ def _tile_overlapped(it, start_m, dk, dv, p_op, ds_op, k, v, q_smem, do_smem, re
     if not OPS_SMEM:
         # Only now: the new operands take the registers of the ones the matmuls just read (written
         # while those run, ptxas serializes every wgmma of the kernel: C7513).
-        p_next = gl.convert_layout(pT.to(q.dtype), a_layout)
-        ds_next = gl.convert_layout(dsT.to(q.dtype), a_layout)
+        p_next = gl.convert_layout(pT.to(dtype), a_layout)
+        ds_next = gl.convert_layout(dsT.to(dtype), a_layout)
     return dk, dv, p_next, ds_next
 
 

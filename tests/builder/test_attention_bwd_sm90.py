@@ -564,20 +564,24 @@ PERSISTENT_BUILT = ((NAME, BUILT[0], 2, 100, 16), (NAME, BUILT[6], 8, 100, 56),
                     (DQ_NAME, DQ_BUILT[1], 3, 40, 0), (DQ_NAME, DQ_BUILT[2], 3, 0, 0))
 
 
-@pytest.fixture(scope="module")
-def persistent_built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _build_listed(listed: list[tuple[str, dict, int]], folder: Path) -> Path:
+    """Each (kernel, spec, config index) of ``listed``, built for sm90 by the builder into ``folder``."""
     from builder.build import build
     from builder.registry import expand
     from builder.targets import parse_targets
 
-    jobs = [j for name, spec, index, _, _ in PERSISTENT_BUILT
-            for j in expand(_kernels()[name], parse_targets("sm90"), "full", "3.6.0")
+    jobs = [j for name, spec, index in listed for j in expand(_kernels()[name], parse_targets("sm90"), "full", "3.6.0")
             if j.spec == spec and j.config_index == index]
-    assert len(jobs) == len(PERSISTENT_BUILT)
-    out = tmp_path_factory.mktemp("bwd-persistent")
-    summary = build(jobs, out, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
-    assert summary.failed == [] and summary.compiled == len(PERSISTENT_BUILT)
-    return out
+    assert len(jobs) == len(listed)
+    summary = build(jobs, folder, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
+    assert summary.failed == [] and summary.compiled == len(listed)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def persistent_built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build_listed([(name, spec, index) for name, spec, index, _, _ in PERSISTENT_BUILT],
+                         tmp_path_factory.mktemp("bwd-persistent"))
 
 
 def test_persistent_binaries_prove_the_catalog_and_their_grid_is_one_program_per_sm(
@@ -676,18 +680,8 @@ OVERLAP_BUILT = ((_BF16_D128_MODE1, 3, 1, 32, 24, 0), ({**BUILT[0], "CAUSAL": 2}
 
 @pytest.fixture(scope="module")
 def overlap_built(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from builder.build import build
-    from builder.registry import expand
-    from builder.targets import parse_targets
-
-    jobs = [j for spec, index, *_ in OVERLAP_BUILT
-            for j in expand(_kernels()[NAME], parse_targets("sm90"), "full", "3.6.0")
-            if j.spec == spec and j.config_index == index]
-    assert len(jobs) == len(OVERLAP_BUILT)
-    out = tmp_path_factory.mktemp("bwd-overlap")
-    summary = build(jobs, out, workers=1, timeout=600, keep_going=False, triton_version="3.6.0", quiet=True)
-    assert summary.failed == [] and summary.compiled == len(OVERLAP_BUILT)
-    return out
+    return _build_listed([(NAME, spec, index) for spec, index, *_ in OVERLAP_BUILT],
+                         tmp_path_factory.mktemp("bwd-overlap"))
 
 
 @pytest.mark.parametrize("index", range(len(OVERLAP_BUILT)))
