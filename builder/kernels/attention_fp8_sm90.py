@@ -156,7 +156,7 @@ def _fp8_attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready,
         s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
         start0 = _key_block(0, lo, f1, f2, n1, n2, BLOCK_N)
         p32, m_i, alpha = _softmax(s_acc, m_i, start0, rows, cols, len_k, diag, left, right, qk_scale,
-                                   qk_scale, qk_scale, True, CAUSAL, False)
+                                   qk_scale, qk_scale, True, CAUSAL, False, False)
         l_i = gl.sum(p32, 1)
         p = gl.convert_layout(p32.to(fp8), p_layout)
 

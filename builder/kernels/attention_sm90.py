@@ -135,16 +135,16 @@ def _exp2_split(x):
 
 @gluon.jit
 def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale, cap_c, cap_k,
-             MASKED: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr = False):
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr):
     """(p, new row maximum, rescale factor) of one S block; m is in log2 units (scaled scores).
 
     Unmasked blocks fold the scale into the exponent (needs qk_scale >= 0: a negative scale sends
     every block through the masked path, see attn_fwd_sm90). Rows that have seen no visible key
     keep m = -inf and subtract 0 (no NaN); their p stays 0. SOFTCAP: the raw scores are softcapped
     first, ``cap_c * tanh(s * cap_k)`` with the hardware tanh (one special-function operation per
-    score where attn_fwd's _softcapped takes two: the exp2 of p makes the unit the bound); SOFTCAP
-    2 also computes half of an unmasked block's exp2 on the FMA pipe (_exp2_split), as SPLIT does
-    without a softcap (the FP8 forward).
+    score where attn_fwd's _softcapped takes two: the exp2 of p makes the unit the bound). SPLIT:
+    half of an unmasked block's exp2 on the FMA pipe (_exp2_split; the softcapped forward's
+    EXP2_SPLIT configs, the FP8 forward's).
     """
     if SOFTCAP:
         s_acc = cap_c * _tanh_approx(s_acc * cap_k)
@@ -164,7 +164,7 @@ def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale
         alpha = gl.exp2(m_i - m_sub)
     else:
         m_new = gl.maximum(m_i, gl.max(s_acc, 1) * qk_scale)
-        if SOFTCAP == 2 or SPLIT:
+        if SPLIT:
             # Every score is finite here (a masked block's -inf never takes this path).
             p = gl.convert_layout(_exp2_split(s_acc * qk_scale - m_new[:, None]), s_acc.type.layout)
         else:
@@ -271,7 +271,7 @@ def _attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_r
         s_acc = warpgroup_mma_wait(0, deps=(s_acc,))
         start0 = _key_block(0, lo, f1, f2, n1, n2, BLOCK_N)
         p32, m_i, alpha = _softmax(s_acc, m_i, start0, rows, cols, len_k, diag, left, right, qk_scale,
-                                   cap_c, cap_k, True, CAUSAL, SOFTCAP)
+                                   cap_c, cap_k, True, CAUSAL, SOFTCAP, SOFTCAP == 2)
         l_i = gl.sum(p32, 1)
         p = gl.convert_layout(p32.to(dtype), p_layout)
 
@@ -340,7 +340,7 @@ def _step(idx, c: gl.constexpr, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_
     s_acc = warpgroup_mma_wait(1, deps=(s_acc,))
     start_n = _key_block(idx, lo, f1, f2, n1, n2, BLOCK_N)
     p32, m_i, alpha = _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale,
-                               cap_c, cap_k, MASKED, CAUSAL, SOFTCAP)
+                               cap_c, cap_k, MASKED, CAUSAL, SOFTCAP, SOFTCAP == 2)
     l_i = l_i * alpha + gl.sum(p32, 1)
     p = gl.convert_layout(p32.to(p.dtype), p_layout)
     acc = warpgroup_mma_wait(0, deps=(acc,))
