@@ -423,6 +423,22 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
 
 
 @gluon.jit
+def _issue_dkdv(it, dk, dv, p_op, ds_op, q_smem, do_smem, op_smem, C: gl.constexpr, STAGES: gl.constexpr,
+                OPS_SMEM: gl.constexpr):
+    """Tile ``it``'s dV += P^T·dO and dK += dS^T·Q as asynchronous wgmma (OVERLAP): the operands
+    ``p_op``, ``ds_op`` in registers, or with OPS_SMEM consumer C's buffers of the tile's parity."""
+    s = it % STAGES
+    if OPS_SMEM:
+        b = 4 * C + 2 * (it % 2)
+        dv = warpgroup_mma(op_smem.index(b), do_smem.index(s), dv, is_async=True)
+        dk = warpgroup_mma(op_smem.index(b + 1), q_smem.index(s), dk, is_async=True)
+    else:
+        dv = warpgroup_mma(p_op, do_smem.index(s), dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_smem.index(s), dk, is_async=True)
+    return dk, dv
+
+
+@gluon.jit
 def _tile_overlapped(it, start_m, dk, dv, p_op, ds_op, k, v, q_smem, do_smem, ready, free, L_head, D_head, cols,
                      qcols, len_q, diag, left, right, qk_scale, op_smem, C: gl.constexpr, MASKED: gl.constexpr,
                      CAUSAL: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
@@ -439,14 +455,7 @@ def _tile_overlapped(it, start_m, dk, dv, p_op, ds_op, k, v, q_smem, do_smem, re
         pT, dsT = _p_ds(sT, dpT, start_m + qcols, cols, L_head, D_head, len_q, diag, left, right, qk_scale, MASKED,
                         CAUSAL, 0)
     else:
-        prev = (it - 1) % STAGES
-        if OPS_SMEM:
-            b = 4 * C + 2 * ((it - 1) % 2)
-            dv = warpgroup_mma(op_smem.index(b), do_smem.index(prev), dv, is_async=True)
-            dk = warpgroup_mma(op_smem.index(b + 1), q_smem.index(prev), dk, is_async=True)
-        else:
-            dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
-            dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
+        dk, dv = _issue_dkdv(it - 1, dk, dv, p_op, ds_op, q_smem, do_smem, op_smem, C, STAGES, OPS_SMEM)
         pT, dsT = _p_ds(sT, dpT, start_m + qcols, cols, L_head, D_head, len_q, diag, left, right, qk_scale, MASKED,
                         CAUSAL, 2)
     if OPS_SMEM:
@@ -460,7 +469,7 @@ def _tile_overlapped(it, start_m, dk, dv, p_op, ds_op, k, v, q_smem, do_smem, re
         ds_next = 0
     if not FIRST:
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-        mbarrier.arrive(free.index(prev), count=1)
+        mbarrier.arrive(free.index((it - 1) % STAGES), count=1)
     if not OPS_SMEM:
         # Only now: the new operands take the registers of the ones the matmuls just read (written
         # while those run, ptxas serializes every wgmma of the kernel: C7513).
@@ -513,13 +522,7 @@ def _consume_overlapped(dk, dv, k, v, q_smem, do_smem, ready, free, LSE, Delta, 
                                                        CAUSAL, STAGES, s_layout, a_layout, False, OPS_SMEM)
         # The last tile's dV and dK.
         last = t0 + group * n - 1
-        if OPS_SMEM:
-            b = 4 * C + 2 * (last % 2)
-            dv = warpgroup_mma(op_smem.index(b), do_smem.index(last % STAGES), dv, is_async=True)
-            dk = warpgroup_mma(op_smem.index(b + 1), q_smem.index(last % STAGES), dk, is_async=True)
-        else:
-            dv = warpgroup_mma(p_op, do_smem.index(last % STAGES), dv, is_async=True)
-            dk = warpgroup_mma(ds_op, q_smem.index(last % STAGES), dk, is_async=True)
+        dk, dv = _issue_dkdv(last, dk, dv, p_op, ds_op, q_smem, do_smem, op_smem, C, STAGES, OPS_SMEM)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(free.index(last % STAGES), count=1)
     return dk, dv
@@ -931,24 +934,18 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
         combos += [(share, 1, *DQ_TMA_TILES[(spec["HEAD_DIM"], share)][0], PERSISTENT_PROGRAMS) for share in shares]
     else:
         combos += [(0, 0, *tiles[0], PERSISTENT_PROGRAMS)]
-    configs = [ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": 128, "USE_TMA": 1, "STAGES": st,
-                                      "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": share, "DQ_TMA": tma_,
-                                      "PERSISTENT": programs},
-                          num_warps=4, num_stages=1, backends=("cuda",))
-               for share, tma_, bm, st, programs in combos]
+    combos = [(*c, 0) for c in combos]
     if not atomic:
-        configs += [ConfigDecl(constexprs={"BLOCK_M": OVERLAP_BLOCK_M[spec["HEAD_DIM"]], "BLOCK_N": 128, "USE_TMA": 1,
-                                           "STAGES": OVERLAP_STAGES,
-                                           "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": 0, "DQ_TMA": 0,
-                                           "PERSISTENT": programs, "OVERLAP": 1},
-                               num_warps=4, num_stages=1, backends=("cuda",))
-                    for programs in (0, PERSISTENT_PROGRAMS)]
-        configs += [ConfigDecl(constexprs={"BLOCK_M": 64, "BLOCK_N": 128, "USE_TMA": 1, "STAGES": OVERLAP_STAGES,
-                                           "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": 0, "DQ_TMA": 0,
-                                           "PERSISTENT": programs, "OVERLAP": 2},
-                               num_warps=4, num_stages=1, backends=("cuda",))
-                    for programs in (0, PERSISTENT_PROGRAMS) if spec["HEAD_DIM"] in OVERLAP_SMEM_D]
-    return tuple(configs)
+        overlaps = (1, 2) if spec["HEAD_DIM"] in OVERLAP_SMEM_D else (1,)
+        combos += [(0, 0, OVERLAP_BLOCK_M[spec["HEAD_DIM"]] if overlap == 1 else 64, OVERLAP_STAGES, programs, overlap)
+                   for overlap in overlaps for programs in (0, PERSISTENT_PROGRAMS)]
+    # OVERLAP is named only where it is set (the kernel's default is 0): the other configs keep the
+    # parameters the tuning database measured them with (its rules check them).
+    return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": 128, "USE_TMA": 1, "STAGES": st,
+                                        "CONSUMER_REGS": CONSUMER_REGS, "DQ_SHARE": share, "DQ_TMA": tma_,
+                                        "PERSISTENT": programs, **({"OVERLAP": overlap} if overlap else {})},
+                            num_warps=4, num_stages=1, backends=("cuda",))
+                 for share, tma_, bm, st, programs, overlap in combos)
 
 
 def _excluded(spec: dict, target: object) -> str | None:
