@@ -219,8 +219,7 @@ def expand(kernel: KernelDecl, targets: Sequence[Target], build_set: str, triton
             signature = _resolve_signature(kernel, spec)
             _check_types(kernel, signature)
             for index, config in _kept_configs(kernel, build_set, spec, target):
-                constexprs = {n: spec[n] if n in spec else config.constexprs.get(n, defaults.get(n))
-                              for n, t in signature.items() if t == "constexpr"}
+                constexprs = constexprs_of(signature, spec, config, defaults)
                 missing = [n for n, v in constexprs.items() if v is None]
                 if missing:
                     raise ValueError(f"kernel {kernel.name}: constexpr {', '.join(missing)} has no "
@@ -230,6 +229,15 @@ def expand(kernel: KernelDecl, targets: Sequence[Target], build_set: str, triton
                           divisibility, tuple(kernel.grid), kernel.checks_for(spec), package)
                 jobs.append(_with_key(job, source_key, triton_version))
     return jobs
+
+
+def constexprs_of(signature: Mapping[str, str], spec: Mapping[str, Any], config: ConfigDecl,
+                  defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """A job's constexpr values by name, in signature order: the spec's axis, else the config's
+    value, else the kernel function's default (``defaults``, from :func:`_constexpr_defaults`);
+    None where none of them has one."""
+    return {n: spec[n] if n in spec else config.constexprs.get(n, defaults.get(n))
+            for n, t in signature.items() if t == "constexpr"}
 
 
 def _constexpr_defaults(kernel: KernelDecl) -> dict[str, Any]:

@@ -54,7 +54,7 @@ class InterpretedKernel:
     """
 
     def __init__(self, lib: InterpretedLibrary, name: str, params: dict) -> None:
-        from builder.registry import _constexpr_defaults, _divisibility, _resolve_signature
+        from builder.registry import _constexpr_defaults, _divisibility, _resolve_signature, constexprs_of
         from builder.targets import KNOWN
 
         self.lib, self.name = lib, name
@@ -65,9 +65,7 @@ class InterpretedKernel:
             raise KernelNotFound(f"{name}: missing axes {missing}, unknown params {unknown}")
         self.spec = dict(params)
         config = decl.configs_for(self.spec, KNOWN["sm90"])[0]
-        defaults = _constexpr_defaults(decl)
-        self.constexprs = {n: self.spec[n] if n in self.spec else config.constexprs.get(n, defaults.get(n))
-                           for n, t in decl.signature.items() if t == "constexpr"}
+        self.constexprs = constexprs_of(decl.signature, self.spec, config, _constexpr_defaults(decl))
         self.constexprs.update({k: 16 for k in ("BLOCK_M", "BLOCK_N") if k in self.constexprs})
         self.constexprs.update({k: 0 for k in ("USE_TMA", "WARP_SPEC") if k in self.constexprs})
         self.signature = _resolve_signature(decl, self.spec)

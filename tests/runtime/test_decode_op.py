@@ -109,14 +109,12 @@ class _Handle:
     """A kernel handle that launches the Triton source like a compiled variant (checks, grid)."""
 
     def __init__(self, decl: Any, spec: dict) -> None:
-        from builder.registry import _constexpr_defaults, _divisibility, _resolve_signature
+        from builder.registry import _constexpr_defaults, _divisibility, _resolve_signature, constexprs_of
         from builder.targets import KNOWN
 
         self.decl, self.spec = decl, spec
         config = decl.configs_for(spec, KNOWN["sm90"])[0]
-        defaults = _constexpr_defaults(decl)
-        self.constexprs = {n: spec.get(n, config.constexprs.get(n, defaults.get(n)))
-                           for n, t in decl.signature.items() if t == "constexpr"}
+        self.constexprs = constexprs_of(decl.signature, spec, config, _constexpr_defaults(decl))
         if "BLOCK_N" in self.constexprs:
             self.constexprs["BLOCK_N"] = BLOCK_N[0]  # 16 by default: short sequences span several blocks
         if "PDL" in self.constexprs:
