@@ -2,10 +2,12 @@
 the runtime, into a tuning database (:mod:`builder.tuning` owns its format and decisions).
 
 For each kernel asked (default: ``attn_fwd`` and each arch's own forward, ``attn_fwd_sm90``, as the
-family declares them, then ``attn_bwd_dkdv``, ``attn_bwd_dq``; any kernel that an attention forward or
-deterministic backward call launches on this arch), each combination of
+family declares them, then the portable and each arch's own dK/dV and dQ kernels; any kernel that
+an attention forward or backward call launches on this arch), each combination of
 dtype, head dim and causal mask asked, and each sequence-length bin (powers of two), it finds the
-spec the operator dispatches for that call and every config the image folder holds for it on this
+spec the operator dispatches for that call (:func:`launched_specs`: each kernel forced, so an arch
+kernel the images route elsewhere is still tuned; a dK/dV kernel once per scheme, the atomic one's
+``DQ_ATOMIC=1`` spec apart) and every config the image folder holds for it on this
 GPU's arch. Kernels with one config are skipped. Each config is then run *by the runtime*: the
 ordinary ``aotriton_rt.attention`` / ``attention_backward`` call on a library view whose tuning
 table forces that config (:func:`forced_config`, a ``Library.with_tuning`` view), so what is timed
@@ -18,7 +20,8 @@ scheme the backward runs: per combination and bin, every distinct *whole* backwa
 can run for the call (:func:`backward_contenders`: split or atomic scheme, the arch's own or the
 portable dK/dV kernel, the arch's own or the portable dQ kernel), each through
 ``attention_backward`` on a view forcing it (preprocess, dK/dV, dQ or convert: the kernels share
-the L2 and the choice is about their sum), checked against the first and timed the same way. Its
+the L2 and the choice is about their sum), each part at the config that won its bin above (every
+kernel's entries are measured first), checked against the first and timed the same way. Its
 entries decide the ``attn_bwd_mode``, ``attn_bwd_dkdv_kernel`` and ``attn_bwd_dq_kernel`` rules
 (:func:`builder.tuning.backward_decisions`); a mode rule is never asked by a deterministic call.
 
@@ -68,10 +71,11 @@ DQ_KERNELS = (DQ, *dict.fromkeys(own[DQ] for own in ARCH_BACKWARDS.values() if D
 BACKWARD = tuning.BACKWARD
 #: The backward's schemes, in contender order (the split one, the default, first).
 SCHEMES = ("split", "atomic")
-#: What ``tune`` measures by default: every forward, the portable backward kernels' configs, the backward.
-TUNABLE = (*FORWARDS, DKDV, DQ, BACKWARD)
-#: What ``--quick`` measures: which forward serves each bin (and its configs), and which backward.
-QUICK = (*FORWARDS, BACKWARD)
+#: What ``tune`` measures by default: every forward's and backward kernel's configs, then the backward.
+TUNABLE = (*FORWARDS, *DKDV_KERNELS, *DQ_KERNELS, BACKWARD)
+#: What ``--quick`` measures: which forward serves each bin (and its configs), the arch's own backward
+#: kernels' configs, and which backward.
+QUICK = (*FORWARDS, *DKDV_KERNELS[1:], *DQ_KERNELS[1:], BACKWARD)
 DEFAULT_BINS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_BINS = (1024, 2048, 4096, 8192, 16384)
 
@@ -270,60 +274,85 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
             clock: Any = None) -> list[tuning.Entry]:
     """Every entry of the database (GPU; see the module docs). ``device``/``clock``: where the inputs
     live and what times the calls (:class:`builder.gputime.CudaClock` by default); tests pass CPU ones."""
-    from aotriton_rt.errors import KernelNotFound
-    from aotriton_rt.ops.attention import explain
-
-    views: dict[tuple[str, int], Library] = {}
+    views: dict[tuple[str, int, str], Library] = {}
     entries: list[tuning.Entry] = []
     timing = {"rounds": rounds, "seed": seed, "flush_l2": flush_l2, "device": device, "clock": clock}
     for dtype, d, causal in itertools.product(dtypes, head_dims, causals):
         mask = "causal" if causal else "full"
+        # Each kernel's configs first, so the whole backwards below run every part at its winner.
+        chosen: list[tuning.Entry] = []
+        launched = launched_specs(lib, arch, dtype, d, causal)
+        for kernel in kernels:
+            if kernel == BACKWARD:
+                continue
+            if not any(k == kernel for k, _ in launched):
+                log(f"{kernel}: not launched by {dtype} D{d} {mask} calls on {arch}")
+                continue
+            for (_, scheme), (spec, backward) in ((key, v) for key, v in launched.items() if key[0] == kernel):
+                configs = configs_of(lib, kernel, spec, arch)
+                label = f"{kernel} {dtype} D{d} {mask}" + (f" {scheme}" if scheme == "atomic" else "")
+                if len(configs) < 2:
+                    log(f"{label}: {len(configs)} config built, nothing to choose")
+                    continue
+                for index, _ in configs:
+                    views.setdefault((kernel, index, scheme), lib.with_tuning(
+                        {**config_rules(kernel, index), **({MODE_RULES: [{"mode": scheme}]} if backward else {})}))
+                contenders = [(index, params, views[(kernel, index, scheme)]) for index, params in configs]
+                for n in bins:
+                    entry = _measure_bin(lib, kernel, backward, spec, contenders, dtype, d, causal,
+                                         shape_of(n, heads, tokens), deterministic=scheme != "atomic", **timing,
+                                         log=lambda m, where=f"{label} N{n}": log(f"  {where}: config {m}"))
+                    chosen.append(entry)
+                    _log_entry(log, f"{label} N{n}", entry)
+        entries += chosen
         if BACKWARD in kernels:
-            spec, contenders = backward_contenders(lib, arch, dtype, d, causal)
+            rules = tuning.decide(chosen, arch, "tune")
+            base = lib.with_tuning({k: [{f: v for f, v in r.items() if f != "expect"} for r in rs]
+                                    for k, rs in rules.items() if k not in tuning.DECISIONS}) if rules else lib
+            spec, contenders = backward_contenders(base, arch, dtype, d, causal)
             label = f"{BACKWARD} {dtype} D{d} {mask}"
             if len(contenders) < 2:
                 log(f"{label}: {len(contenders)} whole backward the images can run, nothing to choose")
             for n in bins if len(contenders) >= 2 else ():
-                entry = _measure_bin(lib, BACKWARD, True, spec, contenders, dtype, d, causal,
+                entry = _measure_bin(base, BACKWARD, True, spec, contenders, dtype, d, causal,
                                      shape_of(n, heads, tokens), deterministic=False, **timing,
                                      log=lambda m, where=f"{label} N{n}": log(f"  {where}: contender {m}"))
                 entries.append(entry)
                 _log_entry(log, f"{label} N{n}", entry, lambda t: f"{contender_name(t.params)} ")
-        # The kernels a forward and a (deterministic) backward call launch, with their specs.
-        launched = {}
-        # Every forward kernel that could serve the call (the portable one and the arch's own), then
-        # the backward.
-        asks = [(False, forced_forward(lib, f)) for f in FORWARDS] + [(True, lib)]
-        for backward, view in asks:
-            try:
-                picks = explain(dtype=dtype, head_dim=d, seqlen_q=1024, causal=causal, backward=backward, arch=arch,
-                                deterministic=True, library=view).kernels
-            except KernelNotFound:  # e.g. images without the backward: its kernels are not asked for
-                continue
-            # An aligned sibling's configs are its family's (one config table, the family's rules).
-            launched.update({family_of(pick.kernel): (pick.spec, backward) for pick in picks})
-        for kernel in kernels:
-            if kernel == BACKWARD:
-                continue
-            if kernel not in launched:
-                log(f"{kernel}: not launched by {dtype} D{d} {mask} calls on {arch}")
-                continue
-            spec, backward = launched[kernel]
-            configs = configs_of(lib, kernel, spec, arch)
-            label = f"{kernel} {dtype} D{d} {mask}"
-            if len(configs) < 2:
-                log(f"{label}: {len(configs)} config built, nothing to choose")
-                continue
-            for index, _ in configs:
-                views.setdefault((kernel, index), forced_config(lib, kernel, index))
-            contenders = [(index, params, views[(kernel, index)]) for index, params in configs]
-            for n in bins:
-                entry = _measure_bin(lib, kernel, backward, spec, contenders, dtype, d, causal,
-                                     shape_of(n, heads, tokens), deterministic=True, **timing,
-                                     log=lambda m, where=f"{label} N{n}": log(f"  {where}: config {m}"))
-                entries.append(entry)
-                _log_entry(log, f"{label} N{n}", entry)
     return entries
+
+
+def launched_specs(lib: Library, arch: str, dtype: str, d: int,
+                   causal: bool) -> dict[tuple[str, str], tuple[dict, bool]]:
+    """``(kernel family, scheme) -> (spec, backward)`` for every kernel whose configs a call of this
+    dtype, head dim and mask could run on ``arch``: each forward (the portable one and the arch's
+    own, each forced), the split backward's parts as the images route them and with the arch's own
+    dK/dV and dQ forced (so their configs are tuned where the rules send the call elsewhere), and
+    each dK/dV kernel of the atomic scheme (``DQ_ATOMIC=1``, scheme ``"atomic"``; ``"split"`` for
+    the rest), where the images hold it at this head dim."""
+    from aotriton_rt.errors import KernelNotFound
+    from aotriton_rt.ops.attention import explain
+
+    own = ARCH_BACKWARDS.get(arch, {})
+    split = [lib, forced_split(lib, own.get(DKDV, DKDV), own.get(DQ, DQ))] if own else [lib]
+    asks = ([(False, "split", forced_forward(lib, f)) for f in FORWARDS] + [(True, "split", v) for v in split]
+            + [(True, "atomic", lib.with_tuning({MODE_RULES: [{"mode": "atomic"}], DKDV_KERNEL_RULES: [{"kernel": k}]}))
+               for k in DKDV_KERNELS])
+    launched: dict[tuple[str, str], tuple[dict, bool]] = {}
+    for backward, scheme, view in asks:
+        try:
+            ex = explain(dtype=dtype, head_dim=d, seqlen_q=1024, causal=causal, backward=backward, arch=arch,
+                         deterministic=scheme == "split", library=view)
+        except KernelNotFound:  # e.g. images without the backward: its kernels are not asked for
+            continue
+        if backward and ex.scheme != scheme:
+            continue  # the images lack this scheme for the call
+        for pick in ex.kernels:
+            if scheme == "atomic" and (pick.role != DKDV or pick.spec.get("HEAD_DIM") != d):
+                continue  # only the atomic dK/dV's configs differ; a wider head dim's never wins
+            # An aligned sibling's configs are its family's (one config table, the family's rules).
+            launched.setdefault((family_of(pick.kernel), scheme), (dict(pick.spec), backward))
+    return launched
 
 
 def _log_entry(log, label: str, entry: tuning.Entry, name=lambda timing: "") -> None:

@@ -242,3 +242,66 @@ def test_a_view_without_mask_mode_2_runs_bottom_right_calls_on_mode_1_and_its_tu
     assert (forced.params["CAUSAL"], forced.candidates[0].config.index) == (1, 1)
     assert {c.spec["CAUSAL"] for c in forward(view).candidates} == {1}  # its handles hold no mode 2 either
     assert len(lib.variants_of("attn_fwd")) == 4
+
+
+def test_tune_times_the_arch_backward_configs_of_both_schemes_then_whole_backwards_at_their_winners(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon dK/dV's configs are timed for the split scheme and, separately, for the atomic one
+    (their DQ_ATOMIC=1 spec), the Gluon dQ's where the images route the call to the portable dQ; the
+    whole backwards are then timed with each part at the config that won its bin."""
+    torch = pytest.importorskip("torch")
+    pre = {k: BASE[k] for k in ("dtype", "HEAD_DIM", "HEAD_DIM_V", "VARLEN")}
+    variants = [_synthetic_variant("attn_fwd", CALL), _synthetic_variant("attn_bwd_dq", CALL),
+                _synthetic_variant("attn_bwd_dq_convert", {"dtype": "fp16", "HEAD_DIM": 128, "VARLEN": 0})]
+    variants += [_synthetic_variant("attn_bwd_dq_sm90", CALL, i) for i in (0, 1)]
+    for atomic in (0, 1):
+        variants += [_synthetic_variant("attn_bwd_dkdv_sm90", {**CALL, "DQ_ATOMIC": atomic}, i) for i in (0, 1)]
+        variants.append(_synthetic_variant("attn_bwd_preprocess", {**pre, "DQ_ATOMIC": atomic}))
+    tuning_table = {"attn_bwd_dq_kernel": [{"arch": "sm90", "kernel": "attn_bwd_dq"}]}
+    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                       "triton_version": "3.6.0", "tuning": tuning_table,
+                                                       "variants": variants}))
+    lib = aotriton_rt.Library(tmp_path)
+    # ms per part by (kernel, DQ_ATOMIC or None, config): config 1 is faster everywhere.
+    part_ms = {("attn_bwd_dkdv_sm90", 0, 0): 1.0, ("attn_bwd_dkdv_sm90", 0, 1): 0.6,
+               ("attn_bwd_dkdv_sm90", 1, 0): 0.9, ("attn_bwd_dkdv_sm90", 1, 1): 0.3,
+               ("attn_bwd_dq_sm90", None, 0): 0.5, ("attn_bwd_dq_sm90", None, 1): 0.4,
+               ("attn_bwd_dq", None, 0): 0.45, ("attn_bwd_dq_convert", None, 0): 0.05}
+    ran: list[tuple] = []
+
+    def backward(do, q, k, v, out, lse, *, causal, deterministic, library):
+        from aotriton_rt.ops import attention as op
+        from tests.runtime.test_attention_op import qkv
+
+        b, h, n, d = q.shape
+        handles = op.attention_kernels(*qkv(B=b, H=h, S=n, D=d), causal=causal, backward=True,
+                                       deterministic=deterministic, library=library)
+        dkdv = handles["attn_bwd_dkdv"]
+        last = handles["attn_bwd_dq_convert" if "attn_bwd_dq_convert" in handles else "attn_bwd_dq"]
+        ran[:] = [(dkdv.name, dkdv.params["DQ_ATOMIC"], dkdv.candidates[0].config.index),
+                  (last.name, None, last.candidates[0].config.index)]
+        return q.float(), k.float(), v.float(), None
+
+    class Clock:
+        def calls(self, fn, n: int, flush: bool) -> list[float]:
+            fn()
+            return [sum(part_ms[p] for p in ran)] * n
+
+        def sync(self) -> None:
+            pass
+
+    monkeypatch.setattr(aotriton_rt, "attention", lambda q, k, v, *, causal, library: (q, torch.zeros(q.shape[:3])))
+    monkeypatch.setattr(aotriton_rt, "attention_backward", backward)
+    logged: list[str] = []
+    entries = measure(lib, "sm90", ["attn_bwd_dkdv_sm90", "attn_bwd_dq_sm90", "attn_bwd"], ["fp16"], [128], [False],
+                      [1024], heads=2, tokens=1, rounds=2, device="cpu", clock=Clock(), log=logged.append)
+    assert [(e.kernel, e.spec.get("DQ_ATOMIC")) for e in entries] == [
+        ("attn_bwd_dkdv_sm90", 0), ("attn_bwd_dkdv_sm90", 1), ("attn_bwd_dq_sm90", None), ("attn_bwd", None)]
+    assert [tuning.winner(e.timings).index for e in entries[:3]] == [1, 1, 1]
+    whole = {contender_name(t.params): t.us for t in entries[3].timings}
+    # Every whole backward at the winners: dK/dV #1 (0.6 split, 0.3 atomic), dQ #1 (0.4).
+    assert whole == {"split:dkdv_sm90+dq_sm90": 1000.0, "split:dkdv_sm90+dq": 1050.0,
+                     "atomic:dkdv_sm90+dq_convert": 350.0}
+    rules = tuning.database(entries, arch="sm90", machine={"gpu": "test"}, method={})["rules"]
+    assert sorted((r["spec"].get("DQ_ATOMIC"), r["config"]) for r in rules["attn_bwd_dkdv_sm90"]) == [(0, 1), (1, 1)]
+    assert [r["mode"] for r in rules["attn_bwd_mode"]] == ["atomic"]
