@@ -36,6 +36,7 @@ backward, the other kernels fixed at their own choice, which ranks the configs t
     python -m builder tune --images .gpu-images --out bwd.json --quick --kernels attn_bwd   # the backward's choice
     python -m builder tune --images .gpu-images --out builder/tuning_db/sm90.json
     python -m builder tune --recompute tuning.json --tolerance 0.02 --out tuning.json   # no GPU
+    python -m builder tune --merge builder/tuning_db/sm90.json bwd.json --out builder/tuning_db/sm90.json  # no GPU
 """
 
 from __future__ import annotations
@@ -429,6 +430,31 @@ def _summary(db: dict) -> list[str]:
     return [f"{k}  {' '.join(v)}" for k, v in sorted(rows.items())]
 
 
+def merged(paths: Sequence[str | Path], tolerance: float = tuning.DEFAULT_TOLERANCE) -> dict:
+    """One database from ``paths`` (databases of one arch, e.g. the checked-in one, then a run that
+    tuned only the backward): a later file's entries replace every entry of the kernels it measured,
+    so no kernel mixes bins of two runs. The machine and method are the last file's.
+
+    Raises:
+        TuningError: no file given, or files of different arches.
+    """
+    if not paths:
+        raise tuning.TuningError("--merge needs at least one database")
+    by_kernel: dict[str, list[tuning.Entry]] = {}
+    dbs = [(str(p), tuning.load(p)) for p in paths]
+    arches = {db["arch"] for _, db in dbs}
+    if len(arches) != 1:
+        raise tuning.TuningError(f"--merge: databases of different arches ({', '.join(sorted(arches))})")
+    for where, db in dbs:
+        fresh: dict[str, list[tuning.Entry]] = {}
+        for e in tuning.entries_of(db, where):
+            fresh.setdefault(e.kernel, []).append(e)
+        by_kernel.update(fresh)
+    last = dbs[-1][1]
+    return tuning.database([e for es in by_kernel.values() for e in es], arch=arches.pop(),
+                           machine=last.get("machine", {}), method=last.get("method", {}), tolerance=tolerance)
+
+
 def main(args: argparse.Namespace) -> int:
     """The ``tune`` command (see :func:`add_cli`)."""
     import json
@@ -442,6 +468,8 @@ def main(args: argparse.Namespace) -> int:
         entries = tuning.entries_of(old, args.recompute)
         db = tuning.database(entries, arch=old["arch"], machine=old.get("machine", {}), method=old.get("method", {}),
                              tolerance=args.tolerance)
+    elif args.merge:
+        db = merged(args.merge, args.tolerance)
     else:
         import torch
 
@@ -511,4 +539,6 @@ def add_cli(sub: Any) -> None:
                    "1024..16384, 3 rounds")
     t.add_argument("--recompute", metavar="FILE", help="no GPU: decide the rules again from FILE's measurements "
                    "(e.g. with another --tolerance)")
+    t.add_argument("--merge", metavar="FILE", nargs="+", help="no GPU: one database from several of one arch, each "
+                   "file's entries replacing the earlier files' entries of every kernel it measured")
     t.set_defaults(func=main)

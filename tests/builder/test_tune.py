@@ -305,3 +305,26 @@ def test_tune_times_the_arch_backward_configs_of_both_schemes_then_whole_backwar
     rules = tuning.database(entries, arch="sm90", machine={"gpu": "test"}, method={})["rules"]
     assert sorted((r["spec"].get("DQ_ATOMIC"), r["config"]) for r in rules["attn_bwd_dkdv_sm90"]) == [(0, 1), (1, 1)]
     assert [r["mode"] for r in rules["attn_bwd_mode"]] == ["atomic"]
+
+
+def test_merge_replaces_every_entry_of_the_kernels_a_later_database_measured(tmp_path: Path) -> None:
+    from builder.tune import merged
+
+    def entry(kernel: str, n: int, fast: int) -> tuning.Entry:
+        timings = tuple(tuning.Timing(i, {"BLOCK_M": 64}, 10.0 if i == fast else 20.0, None, "") for i in (0, 1))
+        return tuning.Entry(kernel, {**BASE, "CAUSAL": 0}, n, {"batch": 1, "heads": 2, "seqlen_q": n,
+                                                                "seqlen_k": n}, timings)
+
+    old = tuning.database([entry("attn_fwd", 1024, 1), entry("attn_bwd_dq", 1024, 0), entry("attn_bwd_dq", 2048, 0)],
+                          arch="sm90", machine={"gpu": "old"}, method={"rounds": 3})
+    new = tuning.database([entry("attn_bwd_dq", 4096, 1)], arch="sm90", machine={"gpu": "new"}, method={"rounds": 5})
+    (tmp_path / "old.json").write_bytes(tuning.dumps(old))
+    (tmp_path / "new.json").write_bytes(tuning.dumps(new))
+    db = merged([tmp_path / "old.json", tmp_path / "new.json"])
+    assert [(e["kernel"], e["bin"]) for e in db["entries"]] == [("attn_bwd_dq", 4096), ("attn_fwd", 1024)]
+    assert [r["config"] for r in db["rules"]["attn_bwd_dq"]] == [1] and db["machine"] == {"gpu": "new"}
+    assert db["method"]["rounds"] == 5
+    hip = tuning.database([entry("attn_bwd_dq", 4096, 1)], arch="gfx942", machine={}, method={})
+    (tmp_path / "hip.json").write_bytes(tuning.dumps(hip))
+    with pytest.raises(tuning.TuningError, match="different arches"):
+        merged([tmp_path / "old.json", tmp_path / "hip.json"])
