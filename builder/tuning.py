@@ -45,8 +45,9 @@ of that target; ``python -m builder build --tuning-db FILE`` names others (docs/
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -422,6 +423,31 @@ def _with_mode_one_twins(kernel: str, rules: Sequence[Mapping[str, Any]]) -> lis
 def checked_in(archs: Iterable[str], folder: Path = CHECKED_IN) -> list[Path]:
     """The checked-in databases of these archs that exist, in arch order."""
     return [folder / f"{a}.json" for a in sorted(set(archs)) if (folder / f"{a}.json").is_file()]
+
+
+@functools.cache
+def _checked_in_rules(arch: str) -> dict[str, list]:
+    """The rules of the checked-in database of ``arch`` ({} where there is none)."""
+    paths = checked_in({arch})
+    return dict(load(paths[0])["rules"]) if paths else {}
+
+
+def tuned_configs(family: str, first: int = 1) -> Callable[[Mapping[str, Any], Any], tuple[int, ...]]:
+    """A ``KernelDecl.set_configs`` entry: the first ``first`` configs (#0 is what an untuned call
+    runs) and every config that a rule of the checked-in database of the target's arch picks for
+    kernel ``family`` at the spec (a mode-2 rule's pick also at mode 1, as :func:`fold` applies
+    it), so a set built with it holds the configs the database dispatches and its rules fold.
+    An index past the spec's configs (a database older than the config table) is dropped by the
+    registry; :func:`fold` then notes the rule it cannot fold."""
+    def keep(spec: Mapping[str, Any], target: Any) -> tuple[int, ...]:
+        arch = getattr(target, "arch", None)
+        rules = _checked_in_rules(arch).get(family, []) if isinstance(arch, str) else []
+        keys = {_spec_key(s) for s in _measured_specs(spec)}
+        picks = {r["config"] for _, r, _ in _with_mode_one_twins(family, rules)
+                 if r.get("arch") == arch and _spec_key(r.get("spec", {})) in keys}
+        return tuple(sorted(set(range(first)) | picks))
+    keep.from_database = True  # type: ignore[attr-defined]
+    return keep
 
 
 def choice_built(table: str, arch: Any, spec: Mapping[str, Any], specs: set[tuple[str, str, str]]) -> bool:

@@ -374,6 +374,7 @@ from builder.kernels.attention_bwd import _GRAD_PTRS  # noqa: E402
 from builder.kernels.attention_bwd_sm90 import CONSUMER_REGS, HEAD_DIMS, PERSISTENT_PROGRAMS, in_gputest_set  # noqa: E402
 from builder.kernels.attention_bwd_sm90 import _excluded as _dkdv_excluded  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
+from builder.tuning import tuned_configs  # noqa: E402
 
 #: (BLOCK_N, STAGES) per head dim, the expected fastest first (unmeasured). BLOCK_M is always 128
 #: (two consumers of 64 queries). ptxas on the CPU (fp16, CONSUMER_REGS 240): 64-key tiles spill
@@ -422,7 +423,7 @@ KERNEL = KernelDecl(
     divisibility=_DIV,
     exclude=_excluded,
     sets={"default": in_default_backward_set, "gputest": in_gputest_set},
-    set_configs={"default": 1},
+    set_configs={"default": tuned_configs(DQ_SM90)},
     # attn_bwd_dq's checks, and TMA descriptors need a non-empty extent in every dimension.
     checks=GQA_CHECKS + ALIGN_CHECKS + ("batch * num_heads_q <= 65535", "dropout_p < 1", "seqlen_q >= 1",
                                          "seqlen_k >= 1",

@@ -876,6 +876,7 @@ from builder.kernels._attention_sets import in_gputest_set as _in_bwd_gputest_se
 from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
 from builder.kernels.attention_bwd import _GRAD_PTRS  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
+from builder.tuning import tuned_configs  # noqa: E402
 
 #: Head dims compiled: the ones the H200 backward benchmarks measure (docs/performance.md); one
 #: tuple with the set that adds the atomic scheme's preprocess/convert kernels for them.
@@ -988,7 +989,7 @@ KERNEL = KernelDecl(
     divisibility=_DIV,
     exclude=_excluded,
     sets={"default": in_default_backward_set, "gputest": in_gputest_set},
-    set_configs={"default": 1},
+    set_configs={"default": tuned_configs(DKDV_SM90)},
     checks=_CHECKS + stride_checks(_DIV),
 )
 
@@ -1022,7 +1023,7 @@ ALIGNED_KERNEL = KernelDecl(
     divisibility=_DIV_A16,
     exclude=_excluded,
     sets={"default": in_default_backward_set, "gputest": in_aligned_gputest_set},
-    set_configs={"default": 1},
+    set_configs={"default": tuned_configs(DKDV_SM90)},
     checks=_CHECKS + stride_checks(_DIV_A16),
 )
 KERNELS = [ALIGNED_KERNEL]

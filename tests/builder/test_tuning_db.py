@@ -549,3 +549,24 @@ def test_the_checked_in_database_sends_n1024_d128_where_each_builds_own_configs_
     # Config #0 of each: the one-tile Gluon 718.8 us vs attn_fwd's 128x128 799.4 us full; causal
     # 526.3 us vs attn_fwd's 128x64 481.6 us.
     assert [kernel(default, c) for c in (0, 1)] == [("attn_fwd_sm90", 0), ("attn_fwd", 0)]
+
+
+def test_a_set_built_with_tuned_configs_holds_every_config_the_database_picks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from builder.registry import _kept_configs, load_kernels
+    from builder.targets import KNOWN
+
+    spec = {"dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V": 128, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
+            "DQ_ATOMIC": 0}
+    rules = {"attn_bwd_dkdv_sm90": [
+        {"arch": "sm90", "spec": {**spec, "CAUSAL": 2}, "seqlen_k": [None, None], "config": 3, "expect": {}},
+        {"arch": "sm90", "spec": {**spec, "CAUSAL": 0}, "seqlen_k": [None, 2047], "config": 4, "expect": {}},
+        {"arch": "sm90", "spec": {**spec, "CAUSAL": 0}, "seqlen_k": [2048, None], "config": 99, "expect": {}}]}
+    monkeypatch.setattr(tuning, "_checked_in_rules", lambda arch: rules if arch == "sm90" else {})
+    kernel = load_kernels()["attn_bwd_dkdv_sm90"]
+    built = {"SOFTCAP": 0, "ALIBI": 0}  # a built spec carries the axes added after the database
+    kept = {c: [i for i, _ in _kept_configs(kernel, "default", {**spec, **built, "CAUSAL": c}, KNOWN["sm90"])]
+            for c in (0, 1, 2)}
+    # Mode 1 runs mode 2's pick; #99 (past the config table) is left out, not an error.
+    assert kept == {0: [0, 4], 1: [0, 3], 2: [0, 3]}
+    assert tuning.tuned_configs("attn_bwd_dkdv_sm90")({**spec, "CAUSAL": 0}, KNOWN["sm80"]) == (0,)
