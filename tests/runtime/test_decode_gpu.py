@@ -253,8 +253,8 @@ def _chain_reads_its_predecessors_writes(lib: aotriton_rt.Library, page: Any) ->
     lens = [3000, 0, 1, 1500]
     c = _cache(lens, 1, Hk, D, torch.bfloat16, page, gen)
     for name in ("attn_decode", "attn_decode_combine", "attn_decode_append"):
-        spec = {"dtype": "bf16", "HEAD_DIM": D, **({"PAGED": int(bool(page))} if name != "attn_decode_combine"
-                                                   else {}), "PADDED_D": 0}
+        cache = {"PAGED": int(bool(page)), "KV_DTYPE": "bf16"} if name != "attn_decode_combine" else {}
+        spec = {"dtype": "bf16", "HEAD_DIM": D, **cache, "PADDED_D": 0}
         assert lib.kernel(name, **spec).variant(0).pdl == _pdl_expected(), name
     base_q = torch.randn(B, 1, Hq, D, device="cuda", generator=gen).to(torch.bfloat16)
     sign = torch.ones((), device="cuda", dtype=torch.bfloat16)

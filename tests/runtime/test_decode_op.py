@@ -1071,3 +1071,64 @@ def test_the_torch_ops_take_the_softcap_after_the_scale_and_pass_it_to_the_opera
                           (q, k, k, lens, -1, None, None, None, None, None, None, 0.0, 0.0, True, -1, 0, 0.125, 30.0,
                            0, -1, "bshd", "bshd", 0),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_every_array_a_prepared_launch_reads_is_alive_when_it_is_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repeated call's temporaries (the split partials, the fp32 copy of fp16 sinks) are held until
+    their launches are enqueued: one freed earlier goes back to the allocator, whose next allocation
+    in the same call then shares its memory (on the H200 the fp32 sinks landed in the partials the
+    decode kernel wrote: a CUDA graph replayed outputs twice the reference)."""
+    import weakref
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from aotriton_rt import interop
+    from aotriton_rt.ops.decode import validate
+
+    names = {torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
+
+    def describe(obj: Any, name: str = "") -> Any:  # CPU tensors stand for device 0 arrays
+        return interop.ArrayInfo(obj.data_ptr(), 0, names[obj.dtype], tuple(obj.shape), tuple(obj.stride()), "torch")
+
+    monkeypatch.setattr(validate, "_describe", describe)
+    monkeypatch.setattr(interop, "describe", lambda obj, **kw: describe(obj))
+    monkeypatch.setattr(validate, "_host_lengths", lambda obj: None)
+    monkeypatch.setattr(interop, "stream_getter", lambda framework: (lambda device: 0x77))
+    made: dict[int, list] = {}  # address -> weak references to the tensors made there
+
+    class Track(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel():
+                made.setdefault(out.data_ptr(), []).append(weakref.ref(out))
+            return out
+
+    dead: list[tuple[str, str]] = []
+
+    class Checked(_AddressHandle):
+        def prepare(self, device: int, values: list, *, pdl: bool = True) -> Any:
+            def launch(stream: int, args: tuple) -> None:
+                for arg, value in zip(self.arg_names, args, strict=True):
+                    refs = made.get(value) if isinstance(value, int) and value else None
+                    if refs and all(r() is None for r in refs):
+                        dead.append((self.decl.name, arg))
+                LAUNCHES.append(("prepared", self.decl.name, dict(zip(self.arg_names, args, strict=True))))
+            return launch
+
+    lib = _Library()
+    monkeypatch.setattr(lib, "kernel", lambda name, **params: Checked(lib.decls[name], params))
+    q = torch.randn(2, 1, 8, 64).half()
+    k = torch.randn(2, 256, 2, 64).half()
+    v = torch.randn_like(k)
+    lens = torch.tensor([37, 60], dtype=torch.int32)
+    sinks = torch.randn(8).half()  # converted to fp32 on every call
+    op._kernels_of(lib).launches.clear()
+    LAUNCHES.clear()
+    with Track():
+        for _ in range(3):
+            op.decode_attention(q, k, v, cache_seqlens=lens, num_splits=3, sinks=sinks, check=False, library=lib)
+    prepared = [(name, args) for how, name, args in LAUNCHES if how == "prepared"]
+    assert {name for name, _ in prepared} == {"attn_decode", "attn_decode_combine"}
+    assert all(args["Sinks"] for name, args in prepared if name == "attn_decode_combine")
+    assert not dead, f"launched with the address of an array already freed: {dead}"

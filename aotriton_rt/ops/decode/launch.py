@@ -409,25 +409,31 @@ class _Launch:
             if lens is None:
                 lens = self._constant_lens(q, cache_seqlens)
         stream = self.stream(p.device)
-        if self.combine is not None:  # one allocation: the partial outputs, then their logsumexps
-            part_o = torch.empty((self.part_rows * (self.bucket + 1),), dtype=torch.float32, device=dev).data_ptr()
-            part_l = part_o + self.part_rows * self.bucket * 4
-        else:
-            part_o = part_l = 0
+        # Every array whose address a launch reads is held by a name here until the launches are
+        # enqueued: one freed earlier (a temporary's data_ptr()) goes back to the allocator, whose
+        # next allocation in this call (the fp32 sinks, the starts) would then share its memory.
+        part = (torch.empty((self.part_rows * (self.bucket + 1),), dtype=torch.float32, device=dev)
+                if self.combine is not None else None)  # one allocation: the partial outputs, then their logsumexps
+        part_o = part.data_ptr() if part is not None else 0
+        part_l = part_o + self.part_rows * self.bucket * 4 if part is not None else 0
+        flag = self.flag if self.flag is not None else self._flag(q)
+        starts = self.starts(q, cache_leftpad, cache_seqlens)
+        ones = self.scale_ones(q) if self._reads_ones() else None
+        s32 = self.sinks_fp32(sinks)
         # In _POINTERS order.
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                      block_table.data_ptr() if block_table is not None else 0, lens.data_ptr(),
                      k_new.data_ptr() if k_new is not None else 0, v_new.data_ptr() if v_new is not None else 0,
-                     part_o, part_l, (self.flag if self.flag is not None else self._flag(q)).data_ptr(),
-                     self.starts(q, cache_leftpad, cache_seqlens).data_ptr(),
-                     *self._scale_addresses(q, k_scale, v_scale),
+                     part_o, part_l, flag.data_ptr(), starts.data_ptr(),
+                     *self._scale_addresses(k_scale, v_scale, ones),
                      alibi_slopes.data_ptr() if alibi_slopes is not None else 0,
-                     s32.data_ptr() if (s32 := self.sinks_fp32(sinks)) is not None else 0)
+                     s32.data_ptr() if s32 is not None else 0)
         for launch, template, slots in self.fast:
             args = list(template)
             for i, j in slots:
                 args[i] = addresses[j]
             launch(stream, tuple(args))
+        del part, flag, starts, ones, s32  # enqueued: their reuse is ordered after these launches
         if self.sinks_pass:
             self._sinks_pass(o, lse, sinks)
         return o, lse
@@ -466,14 +472,20 @@ class _Launch:
         self.lens = lens
         return lens
 
-    def _scale_addresses(self, q: Any, k_scale: Any, v_scale: Any) -> tuple[int, int]:
-        """The fast path's KScale and VScale: the arrays' addresses, the library's 1.0 for floats,
-        0 for a cache of q's type (never read)."""
+    def _reads_ones(self) -> bool:
+        """Whether a scale given as a float is read from the library's 1.0 (:meth:`scale_ones`)."""
+        s = self.p.scales
+        return s is not None and not (s.k_array and s.v_array)
+
+    def _scale_addresses(self, k_scale: Any, v_scale: Any, ones: Any) -> tuple[int, int]:
+        """The fast path's KScale and VScale: the arrays' addresses, ``ones`` (the library's 1.0,
+        held by the caller until its launches are enqueued) for floats, 0 for a cache of q's type
+        (never read)."""
         s = self.p.scales
         if s is None:
             return 0, 0
-        ones = 0 if s.k_array and s.v_array else self.scale_ones(q).data_ptr()
-        return (k_scale.data_ptr() if s.k_array else ones, v_scale.data_ptr() if s.v_array else ones)
+        one = ones.data_ptr() if ones is not None else 0
+        return (k_scale.data_ptr() if s.k_array else one, v_scale.data_ptr() if s.v_array else one)
 
     def scale_ones(self, like: Any) -> Any:
         """The fp32 1.0 a scale given as a float is read from (its value is the kernel's
