@@ -902,9 +902,11 @@ DQ_TMA_TILES = {(128, 1): ((64, 2), (64, 3)), (128, 0): ((64, 2),), (64, 0): ((6
 #: Programs of a persistent config (PERSISTENT): one per SM of an H100 SXM or H200 (132), each
 #: one CTA (the kernel's shared memory holds one per SM).
 PERSISTENT_PROGRAMS = 132
-#: Q/dO slots of the OVERLAP configs (split scheme; OVERLAP=1 plain and persistent, then OVERLAP=2
-#: the same, after the others): a tile's slot is released one tile later, so three keep one tile
-#: loaded ahead. OVERLAP=1's query tile per head dim (registers, see the module docs); OVERLAP=2
+#: Q/dO slots of the OVERLAP configs (split scheme, one tile a program: OVERLAP=1, then OVERLAP=2,
+#: after the others): a tile's slot is released one tile later, so three keep one tile loaded
+#: ahead. No OVERLAP config is persistent: on the H200 the persistent ones returned wrong dK/dV
+#: (relative error 0.4-68 against the portable kernels) and faulted at some shapes, while each
+#: half alone (persistent, or OVERLAP one tile a program) matched the fp32 reference. OVERLAP=1's query tile per head dim (registers, see the module docs); OVERLAP=2
 #: takes 64 (its operand buffers: 32 KB at D=64).
 OVERLAP_STAGES = 3
 OVERLAP_BLOCK_M = {64: 64, 128: 32}
@@ -922,7 +924,7 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     a TMA reduce-add; ``DQ_TMA_TILES``), then the persistent configs (``PERSISTENT_PROGRAMS``
     programs looping over the key blocks): the first tile of the split scheme, or of the atomic
     one's TMA configs (both dQ splits at D=128); for the split scheme then OVERLAP=1 and (at
-    ``OVERLAP_SMEM_D``) OVERLAP=2, each plain and persistent (``OVERLAP_STAGES``); each group after
+    ``OVERLAP_SMEM_D``) OVERLAP=2, one tile a program (``OVERLAP_STAGES``); each group after
     the earlier ones, so that their numbers keep their meaning. num_warps is the default
     partition's (consumer 0); the compiled kernel runs 12 warps (two consumer groups and the
     loader's group), which the catalog records from the binary."""
@@ -939,7 +941,7 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     if not atomic:
         overlaps = (1, 2) if spec["HEAD_DIM"] in OVERLAP_SMEM_D else (1,)
         combos += [(0, 0, OVERLAP_BLOCK_M[spec["HEAD_DIM"]] if overlap == 1 else 64, OVERLAP_STAGES, programs, overlap)
-                   for overlap in overlaps for programs in (0, PERSISTENT_PROGRAMS)]
+                   for overlap in overlaps for programs in (0,)]
     # OVERLAP is named only where it is set (the kernel's default is 0): the other configs keep the
     # parameters the tuning database measured them with (its rules check them).
     return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": 128, "USE_TMA": 1, "STAGES": st,

@@ -242,9 +242,10 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
         elif gluon.schemes and spec.get("DQ_ATOMIC"):
             assert ways == [(0, 0, 0), (0, 0, 0), (0, 1, 0), (0, 1, 0), (0, 1, P)]
         elif gluon.schemes:
-            # Then the OVERLAP=1 and (at D=64) OVERLAP=2 configs, each plain and persistent.
-            overlaps = [0, 0, 0, 1, 1] + ([2, 2] if spec["HEAD_DIM"] == 64 else [])
-            assert ways == [(0, 0, 0), (0, 0, 0), (0, 0, P)] + [(0, 0, 0), (0, 0, P)] * (len(overlaps) // 2 - 1)
+            # Then the OVERLAP=1 and (at D=64) OVERLAP=2 configs, one tile a program (persistent
+            # ones returned wrong gradients on the H200).
+            overlaps = [0, 0, 0, 1] + ([2] if spec["HEAD_DIM"] == 64 else [])
+            assert ways == [(0, 0, 0), (0, 0, 0), (0, 0, P)] + [(0, 0, 0)] * (len(overlaps) - 3)
             assert [c.constexprs.get("OVERLAP", 0) for c in configs] == overlaps
         else:  # the dQ kernel: its tiles, then the first one persistent
             assert ways == [(0, 0, 0)] * (len(configs) - 1) + [(0, 0, P)] and 2 <= len(configs) <= 4
@@ -665,17 +666,15 @@ def test_persistent_units_visit_every_key_block_of_every_head_once() -> None:
 # ------------------------------------------------------------------------------------------------
 
 #: (spec, config, OVERLAP, BLOCK_M, most spill stores or loads, most inside the wgmma loops): the
-#: split scheme's OVERLAP configs. OVERLAP=1 (operands in registers; #3 plain, #4 persistent) at
+#: split scheme's OVERLAP configs, one tile a program. OVERLAP=1 (operands in registers; #3) at
 #: D=64 (64-query tiles) and D=128 (32-query tiles: with 64, dK and dV, the previous tile's operands
 #: in flight and this tile's S^T and dP^T need more registers than a consumer has and ptxas
-#: serializes every wgmma, C7512); OVERLAP=2 (operands in shared memory, D=64 only; #5, #6).
-#: Measured: OVERLAP=1 D=64 3/3 and 35/64, D=128 15/16 and 46/77, none inside the loops; OVERLAP=2
-#: D=64 none, persistent 19/40. More means a regression.
+#: serializes every wgmma, C7512); OVERLAP=2 (operands in shared memory, D=64 only; #4).
+#: Measured: OVERLAP=1 D=64 3/3, D=128 15/16, none inside the loops; OVERLAP=2 D=64 none. More
+#: means a regression.
 _BF16_D128_MODE1 = {**BUILT[0], "dtype": "bf16", "CAUSAL": 1}
-OVERLAP_BUILT = ((_BF16_D128_MODE1, 3, 1, 32, 24, 0), ({**BUILT[0], "CAUSAL": 2}, 4, 1, 32, 100, 0),
-                 ({**BUILT[2], "CAUSAL": 1}, 3, 1, 64, 16, 0), (BUILT[2], 4, 1, 64, 80, 0),
-                 ({**BUILT[2], "CAUSAL": 1}, 5, 2, 64, 0, 0),
-                 (BUILT[2], 6, 2, 64, 48, 0))
+OVERLAP_BUILT = ((_BF16_D128_MODE1, 3, 1, 32, 24, 0), ({**BUILT[0], "CAUSAL": 2}, 3, 1, 32, 24, 0),
+                 ({**BUILT[2], "CAUSAL": 1}, 3, 1, 64, 16, 0), ({**BUILT[2], "CAUSAL": 1}, 4, 2, 64, 0, 0))
 
 
 @pytest.fixture(scope="module")
