@@ -159,6 +159,8 @@ def test_every_catalog_kernel_is_callable_under_jit(lib: Any, aj: Any) -> None:
             _attention_case(aj, forced_forward(lib, v.kernel), v.spec, expect_kernel=v.kernel)
         elif v.kernel in _FP8_FORWARDS:
             _fp8_case(aj, lib, v.kernel, v.spec)
+        elif v.kernel == "attn_decode" and v.spec.get("KV_DTYPE", v.spec["dtype"]) != v.spec["dtype"]:
+            continue  # fp8 caches: their scales and raw-kernel calls are tests/runtime/test_decode_fp8_gpu.py's
         elif v.kernel == "attn_decode":
             _decode_case(aj, lib, v.spec)  # with attn_decode_append and attn_decode_combine
         elif v.kernel in _HELPER_CASES:
@@ -418,8 +420,10 @@ def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
               "capacity": capacity, "num_pages": num_pages, "page_size": page, "sm_scale": d ** -0.5,
               "window_left": -1, "window_right": 0, "num_splits": splits, "head_dim": d}
     params = {"dtype": spec["dtype"], "HEAD_DIM": bucket, **({"PADDED_D": padded} if "PADDED_D" in spec else {})}
-    append = aj.kernel("attn_decode_append", library=lib, **params, PAGED=paged)
-    decode = aj.kernel("attn_decode", library=lib, **params, PAGED=paged)
+    # Caches of q's type (images built before the fp8 caches have no KV_DTYPE axis).
+    cache = {"PAGED": paged, **({"KV_DTYPE": spec["KV_DTYPE"]} if "KV_DTYPE" in spec else {})}
+    append = aj.kernel("attn_decode_append", library=lib, **params, **cache)
+    decode = aj.kernel("attn_decode", library=lib, **params, **cache)
     combine = aj.kernel("attn_decode_combine", library=lib, **params)
 
     def call(kernel: Any, **arrays: Any) -> Any:
