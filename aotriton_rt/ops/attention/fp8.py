@@ -149,7 +149,8 @@ def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> K
 
     The arch's own FP8 forward (:data:`.family.ARCH_FP8_FORWARDS`, sm90's ``attn_fwd_fp8_sm90``)
     runs the spec where the images hold it and :data:`ARCH_FP8_SWITCH` is ``1`` in the environment
-    (off by default: it has not been checked against a reference on hardware yet); ``attn_fwd_fp8``
+    (off by default: it matches the fp32 reference on the H200 but runs slower there than the portable
+    kernel, docs/performance.md "FP8 forward"); ``attn_fwd_fp8``
     otherwise (packed sequences, head dim 256, other archs, images without it). Both take the same
     arguments and the same V^T."""
     from ...select import remedy
@@ -175,7 +176,7 @@ def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> K
         if ks.available(FWD_FP8, c, args):
             why = "the FP8 forward (fp8 q, k, v)"
             if off:
-                why += f"; {arch}'s own FP8 forward runs only with {ARCH_FP8_SWITCH}=1 (not yet checked on hardware)"
+                why += f"; {arch}'s own FP8 forward runs only with {ARCH_FP8_SWITCH}=1 (slower on the H200)"
             elif own is not None:
                 why += f"; {arch}'s own FP8 forward is not in these images for this spec"
             return KernelChoice(FWD_FP8, FWD_FP8, c, why, Choice(FWD_FP8, 0), dict(c))
