@@ -906,8 +906,9 @@ PERSISTENT_PROGRAMS = 132
 #: after the others): a tile's slot is released one tile later, so three keep one tile loaded
 #: ahead. No OVERLAP config is persistent: on the H200 the persistent ones returned wrong dK/dV
 #: (relative error 0.4-68 against the portable kernels) and faulted at some shapes, while each
-#: half alone (persistent, or OVERLAP one tile a program) matched the fp32 reference. OVERLAP=1's query tile per head dim (registers, see the module docs); OVERLAP=2
-#: takes 64 (its operand buffers: 32 KB at D=64).
+#: half alone (persistent, or OVERLAP one tile a program) matched the fp32 reference. OVERLAP=1's
+#: query tile per head dim (registers, see the module docs); OVERLAP=2 takes 64 (its operand
+#: buffers: 32 KB at D=64).
 OVERLAP_STAGES = 3
 OVERLAP_BLOCK_M = {64: 64, 128: 32}
 #: Head dims with OVERLAP=2 configs. At D=128 (64-query tiles, 229,760 bytes of shared memory) the
