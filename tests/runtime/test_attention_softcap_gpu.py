@@ -217,3 +217,44 @@ def test_saturated_scores_give_the_capped_softmax(gpu_images: Any) -> None:
     for name, got, want in zip("qkv", grads, _grads(q, k, v, dout, 1.0, -1, -1)):
         assert torch.isfinite(got).all(), f"d{name}"
         assert (got.float() - want).abs().max() <= 2 * TOL[torch.float16] * want.abs().max().clamp_min(1.0), f"d{name}"
+
+
+def test_every_softcap_forward_config_of_the_gputest_images(gpu_images: Any) -> None:
+    """Each softcapped forward variant the gputest images hold on this GPU, forced through its
+    config (the hardware-tanh FAST_TANH and the FMA-pipe EXP2_SPLIT ones among them, which no rule
+    selects yet), against the reference: causal and windowed, bf16, at the variant's head dim."""
+    import aotriton_rt
+    from aotriton_rt.arch import target_arch
+    from aotriton_rt.ops.attention import attention_kernels
+    from builder.tune import forced_config, without_mask_mode
+
+    lib = aotriton_rt.Library(gpu_images)
+    arch = target_arch(lib, torch.cuda.current_device())
+    found = sorted({(v.kernel, v.spec["HEAD_DIM"], v.spec["CAUSAL"], v.config.index) for v in lib.variants
+                    if v.target.arch == arch and v.spec.get("SOFTCAP") and v.spec["dtype"] == "bf16"
+                    and v.kernel in ("attn_fwd", "attn_fwd_sm90") and v.spec["HEAD_DIM"] == v.spec["HEAD_DIM_V"]
+                    and not v.spec.get("VARLEN") and not v.spec.get("BIAS") and not v.spec.get("DROPOUT")
+                    and v.spec["CAUSAL"] in (1, 2)})
+    assert found, "the gputest images hold no softcapped forward for this GPU"
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    failures, ran_cases = [], 0
+    for kernel, d, mode, index in found:
+        q, k, v = (torch.randn(1, 333, h, d, device="cuda", generator=gen).mul(4).to(torch.bfloat16) for h in (4, 2, 2))
+        view = forced_config(lib, kernel, index)
+        if mode == 1:  # mode 2 would serve these equal-length calls
+            view = without_mask_mode(view, 2)
+        for window in (None, (100, 0)):
+            kw = {"window": window} if window else {"causal": True}
+            align = "bottom_right" if mode == 2 else "top_left"
+            ran = attention_kernels(q, k, v, layout="bshd", align=align, softcap=CAP, library=view, **kw)["attn_fwd"]
+            if (ran.name, ran.candidates[0].config.index) != (kernel, index):
+                continue  # e.g. a mode-1 variant where mode 2 serves bottom-right calls
+            out, _ = aotriton_rt.attention(q, k, v, layout="bshd", align=align, softcap=CAP, library=view, **kw)
+            left, right = window if window else (-1, 0)
+            ref = _reference(*(t.float().transpose(1, 2) for t in (q, k, v)), CAP, left, right).transpose(1, 2)
+            err = _rel(out, ref)
+            ran_cases += 1
+            if not err <= TOL[torch.bfloat16]:
+                failures.append(f"{kernel} D{d} mode {mode} #{index} {'window' if window else 'causal'}: {err:.3g}")
+    assert ran_cases >= len(found), f"{ran_cases} cases ran for {len(found)} variants"
+    assert not failures, "\n".join(failures)
