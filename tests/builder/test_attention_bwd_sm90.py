@@ -147,13 +147,20 @@ def test_gputest_and_default_hold_every_served_spec(gluon: Gluon) -> None:
     if gluon.schemes:
         assert ({split_twin(j) for j in gputest if j.spec["DQ_ATOMIC"]}
                 == {split_twin(j) for j in gputest if not j.spec["DQ_ATOMIC"]})
-    # The default set: config #0 of the split scheme, on sm90, for every fixed-length spec whose
-    # portable backward the default set holds (varlen and the atomic scheme stay portable).
+    # The default set: config #0 of the split scheme and each config the checked-in tuning database
+    # picks for the spec, on sm90, for every fixed-length spec whose portable backward the default
+    # set holds (varlen and the atomic scheme stay portable).
+    from builder.tuning import tuned_configs
+
     default = expand(_kernels()[gluon.name], targets, "default", "3.6.0")
     portable_default = {_key(j) for j in expand(_kernels()[gluon.portable], targets, "default", "3.6.0")
                         if j.target.arch == "sm90" and not j.spec.get("VARLEN") and not j.spec.get("DQ_ATOMIC")
                         and j.spec["HEAD_DIM"] in (64, 128)}
-    assert default and {(j.target.arch, j.config_index) for j in default} == {("sm90", 0)}
+    assert default and {j.target.arch for j in default} == {"sm90"}
+    family = gluon.name.removesuffix("_a16")
+    for spec in {_key(j) for j in default}:
+        held = sorted(j.config_index for j in default if _key(j) == spec)
+        assert held == list(tuned_configs(family)(dict(spec), parse_targets("sm90")[0])) and held[0] == 0
     assert not any(j.spec.get("DQ_ATOMIC") for j in default)
     assert {_key(j) for j in default} == portable_default
     assert {j.spec["CAUSAL"] for j in default} == {0, 1}
