@@ -35,6 +35,7 @@ backward, the other kernels fixed at their own choice, which ranks the configs t
     python -m builder tune --images .gpu-images --out tuning.json --quick     # estimated ~1 min on an H200
     python -m builder tune --images .gpu-images --out bwd.json --quick --kernels attn_bwd   # the backward's choice
     python -m builder tune --images .gpu-images --out builder/tuning_db/sm90.json
+    python -m builder tune --images .gpu-images --out cap.json --softcap 50 --head-dims 128,256  # the capped forwards
     python -m builder tune --recompute tuning.json --tolerance 0.02 --out tuning.json   # no GPU
     python -m builder tune --merge builder/tuning_db/sm90.json bwd.json --out builder/tuning_db/sm90.json  # no GPU
 """
@@ -272,17 +273,23 @@ def _same(a: Any, b: Any) -> bool:
 def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], head_dims: Sequence[int],
             causals: Sequence[bool], bins: Sequence[int], *, heads: int = 32, tokens: int = 1 << 19,
             rounds: int = 5, seed: int = 0, flush_l2: bool = False, log=print, device: str = "cuda",
-            clock: Any = None) -> list[tuning.Entry]:
+            clock: Any = None, softcap: float | None = None) -> list[tuning.Entry]:
     """Every entry of the database (GPU; see the module docs). ``device``/``clock``: where the inputs
-    live and what times the calls (:class:`builder.gputime.CudaClock` by default); tests pass CPU ones."""
+    live and what times the calls (:class:`builder.gputime.CudaClock` by default); tests pass CPU ones.
+    ``softcap``: the forwards' softcapped specs instead, every call with that cap (the backward's
+    kernels and :data:`BACKWARD` are refused: their softcap specs run the portable kernels only)."""
+    if softcap is not None and any(k not in FORWARDS for k in kernels):
+        raise tuning.TuningError(f"softcap tunes the forwards ({', '.join(FORWARDS)}); asked also "
+                                 f"{', '.join(k for k in kernels if k not in FORWARDS)}")
     views: dict[tuple[str, int, str], Library] = {}
     entries: list[tuning.Entry] = []
-    timing = {"rounds": rounds, "seed": seed, "flush_l2": flush_l2, "device": device, "clock": clock}
+    timing = {"rounds": rounds, "seed": seed, "flush_l2": flush_l2, "device": device, "clock": clock,
+              "softcap": softcap}
     for dtype, d, causal in itertools.product(dtypes, head_dims, causals):
         mask = "causal" if causal else "full"
         # Each kernel's configs first, so the whole backwards below run every part at its winner.
         chosen: list[tuning.Entry] = []
-        launched = launched_specs(lib, arch, dtype, d, causal)
+        launched = launched_specs(lib, arch, dtype, d, causal, softcap is not None)
         for kernel in kernels:
             if kernel == BACKWARD:
                 continue
@@ -323,26 +330,30 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
     return entries
 
 
-def launched_specs(lib: Library, arch: str, dtype: str, d: int,
-                   causal: bool) -> dict[tuple[str, str], tuple[dict, bool]]:
+def launched_specs(lib: Library, arch: str, dtype: str, d: int, causal: bool,
+                   softcap: bool = False) -> dict[tuple[str, str], tuple[dict, bool]]:
     """``(kernel family, scheme) -> (spec, backward)`` for every kernel whose configs a call of this
     dtype, head dim and mask could run on ``arch``: each forward (the portable one and the arch's
     own, each forced), the split backward's parts as the images route them and with the arch's own
     dK/dV and dQ forced (so their configs are tuned where the rules send the call elsewhere), and
     each dK/dV kernel of the atomic scheme (``DQ_ATOMIC=1``, scheme ``"atomic"``; ``"split"`` for
-    the rest), where the images hold it at this head dim."""
+    the rest), where the images hold it at this head dim. ``softcap``: the forwards' softcapped
+    specs only."""
     from aotriton_rt.errors import KernelNotFound
     from aotriton_rt.ops.attention import explain
 
     own = ARCH_BACKWARDS.get(arch, {})
     split = [lib, forced_split(lib, own.get(DKDV, DKDV), own.get(DQ, DQ))] if own else [lib]
-    asks = ([(False, "split", forced_forward(lib, f)) for f in FORWARDS] + [(True, "split", v) for v in split]
-            + [(True, "atomic", lib.with_tuning({MODE_RULES: [{"mode": "atomic"}], DKDV_KERNEL_RULES: [{"kernel": k}]}))
-               for k in DKDV_KERNELS])
+    asks = [(False, "split", forced_forward(lib, f)) for f in FORWARDS]
+    if not softcap:
+        asks += ([(True, "split", v) for v in split]
+                 + [(True, "atomic", lib.with_tuning({MODE_RULES: [{"mode": "atomic"}],
+                                                      DKDV_KERNEL_RULES: [{"kernel": k}]})) for k in DKDV_KERNELS])
     launched: dict[tuple[str, str], tuple[dict, bool]] = {}
     for backward, scheme, view in asks:
         try:
             ex = explain(dtype=dtype, head_dim=d, seqlen_q=1024, causal=causal, backward=backward, arch=arch,
+                         softcap=softcap,
                          deterministic=scheme == "split", library=view)
         except KernelNotFound:  # e.g. images without the backward: its kernels are not asked for
             continue
@@ -366,7 +377,8 @@ def _log_entry(log, label: str, entry: tuning.Entry, name=lambda timing: "") -> 
 
 def _measure_bin(lib: Any, kernel: str, backward: bool, spec: dict, contenders: list[tuple[int, dict, Any]],
                  dtype: str, d: int, causal: bool, shape: dict[str, int], *, deterministic: bool, rounds: int,
-                 seed: int, flush_l2: bool, log, device: str = "cuda", clock: Any = None) -> tuning.Entry:
+                 seed: int, flush_l2: bool, log, device: str = "cuda", clock: Any = None,
+                 softcap: float | None = None) -> tuning.Entry:
     """One entry: every contender ``(index, params, view)`` (a config of ``kernel``/``spec``, or a whole
     backward) run through the operator on its view, checked against the first, then timed
     together (:func:`builder.gputime.time_rounds`)."""
@@ -382,11 +394,12 @@ def _measure_bin(lib: Any, kernel: str, backward: bool, spec: dict, contenders: 
     # (B, N, H, D) memory seen as (B, H, N, D): the layout models hold, read in place.
     q, k, v, do = (torch.randn(b, n, h, d, device=device, dtype=tdtype, generator=gen).transpose(1, 2)
                    for _ in range(4))
-    out, lse = aotriton_rt.attention(q, k, v, causal=causal, library=lib)
+    cap = {"softcap": softcap} if softcap is not None else {}
+    out, lse = aotriton_rt.attention(q, k, v, causal=causal, library=lib, **cap)
 
     def call(view: Any) -> Any:
         if not backward:
-            return aotriton_rt.attention(q, k, v, causal=causal, library=view)
+            return aotriton_rt.attention(q, k, v, causal=causal, library=view, **cap)
         return aotriton_rt.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=deterministic,
                                               library=view)
 
@@ -478,7 +491,7 @@ def main(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise tuning.TuningError("tune needs a GPU (torch sees none); --recompute works without one")
-        asked = args.kernels or ",".join(QUICK if args.quick else TUNABLE)
+        asked = args.kernels or ",".join(FORWARDS if args.softcap is not None else QUICK if args.quick else TUNABLE)
         kernels = [k.strip() for k in asked.split(",")]
         bins = parse_bins(args.bins) if args.bins else (QUICK_BINS if args.quick else DEFAULT_BINS)
         rounds = args.rounds or (3 if args.quick else 5)
@@ -492,13 +505,14 @@ def main(args: argparse.Namespace) -> int:
               f"{', '.join(map(str, bins))}, {rounds} rounds", flush=True)
         entries = measure(lib, arch, kernels, dtypes, head_dims, causals, bins, heads=args.heads,
                           tokens=args.tokens, rounds=rounds, seed=args.seed, flush_l2=args.flush_l2,
-                          log=lambda m: print(m, flush=True))
+                          log=lambda m: print(m, flush=True), softcap=args.softcap)
         if not entries:
             raise tuning.TuningError(f"nothing to tune: no kernel of {', '.join(kernels)} has two configs (nor the "
                                      f"backward two kernels or schemes) built for these calls on {arch} in "
                                      f"{', '.join(map(str, lib.found.folders))}")
         method = {"rounds": rounds, "seed": args.seed, "order": "shuffle", "heads": args.heads, "tokens": args.tokens,
-                  "flush_l2": args.flush_l2, "timing": "CUDA events per call, median per round, median of rounds"}
+                  "flush_l2": args.flush_l2, "timing": "CUDA events per call, median per round, median of rounds",
+                  **({"softcap": args.softcap} if args.softcap is not None else {})}
         db = tuning.database(entries, arch=arch, machine=machine, method=method, tolerance=args.tolerance)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, tuning.dumps(db))
@@ -535,6 +549,9 @@ def add_cli(sub: Any) -> None:
     t.add_argument("--tolerance", type=float, default=tuning.DEFAULT_TOLERANCE,
                    help="a config beats a lower index only when faster by more than this fraction")
     t.add_argument("--flush-l2", action="store_true", help="zero a 2x-L2 buffer before every timed call")
+    t.add_argument("--softcap", type=float, default=None, metavar="CAP",
+                   help=f"the forwards' softcapped specs, every call capped at CAP (with --kernels "
+                   f"{','.join(FORWARDS)} only)")
     t.add_argument("--quick", action="store_true", help=f"the forward kernels and {BACKWARD} only, 5 bins "
                    "1024..16384, 3 rounds")
     t.add_argument("--recompute", metavar="FILE", help="no GPU: decide the rules again from FILE's measurements "

@@ -432,15 +432,19 @@ def _checked_in_rules(arch: str) -> dict[str, list]:
     return dict(load(paths[0])["rules"]) if paths else {}
 
 
-def tuned_configs(family: str, first: int = 1) -> Callable[[Mapping[str, Any], Any], tuple[int, ...]]:
+def tuned_configs(family: str, first: int = 1, when: Callable[[Mapping[str, Any]], bool] | None = None
+                  ) -> Callable[[Mapping[str, Any], Any], tuple[int, ...]]:
     """A ``KernelDecl.set_configs`` entry: the first ``first`` configs (#0 is what an untuned call
     runs) and every config that a rule of the checked-in database of the target's arch picks for
     kernel ``family`` at the spec (a mode-2 rule's pick also at mode 1, as :func:`fold` applies
-    it), so a set built with it holds the configs the database dispatches and its rules fold.
+    it), so a set built with it holds the configs the database dispatches and its rules fold;
+    with ``when``, only for the specs it accepts (the first configs alone for the others).
     An index past the spec's configs (a database older than the config table) is dropped by the
     registry; :func:`fold` then notes the rule it cannot fold."""
     def keep(spec: Mapping[str, Any], target: Any) -> tuple[int, ...]:
         arch = getattr(target, "arch", None)
+        if when is not None and not when(spec):
+            return tuple(range(first))
         rules = _checked_in_rules(arch).get(family, []) if isinstance(arch, str) else []
         keys = {_spec_key(s) for s in _measured_specs(spec)}
         picks = {r["config"] for _, r, _ in _with_mode_one_twins(family, rules)

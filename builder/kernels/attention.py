@@ -632,6 +632,7 @@ def attn_fwd(
 from aotriton_rt.ops.attention.family import WIDE_ARCHS, WIDE_DTYPES, WIDE_HEAD_DIM, wide_compiled  # noqa: E402
 from builder.kernels._attention_sets import in_bwd_sweep_set, in_default_set, in_gputest_set  # noqa: E402
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernels
+from builder.tuning import tuned_configs  # noqa: E402
 
 # Strides of tensors whose rows are 16-element aligned in every contiguous BHSD / BSHD layout
 # with a bucketed head dim (every bucket is a multiple of 16): declaring it lets Triton emit
@@ -858,8 +859,10 @@ KERNELS = [KernelDecl(
     exclude=fwd_excluded,
     sets={"default": in_default_set, "gputest": in_gputest_set, "bwdsweep": in_bwd_sweep_set},
     # sm90's alternates (bench candidates, no catalog rule picks them) only in gputest and full:
-    # each would add a compile to the quickstart for no speed. The backward's sweep needs the
-    # forward's outputs only.
-    set_configs={"default": 1, "bwdsweep": 1, "gputest": _gputest_configs},
+    # each would add a compile to the quickstart for no speed; a softcapped spec (Gemma 2's) also
+    # holds the configs the tuning database picks for it (`builder tune --softcap`: the hardware
+    # tanh). The backward's sweep needs the forward's outputs only.
+    set_configs={"default": tuned_configs(FWD, when=lambda spec: bool(spec.get("SOFTCAP"))), "bwdsweep": 1,
+                 "gputest": _gputest_configs},
     checks=fwd_checks,
 )]

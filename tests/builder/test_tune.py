@@ -328,3 +328,52 @@ def test_merge_replaces_every_entry_of_the_kernels_a_later_database_measured(tmp
     (tmp_path / "hip.json").write_bytes(tuning.dumps(hip))
     with pytest.raises(tuning.TuningError, match="different arches"):
         merged([tmp_path / "old.json", tmp_path / "hip.json"])
+
+
+def test_softcap_tunes_the_capped_forward_specs_and_the_default_set_keeps_their_winner(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--softcap``: every forward call capped, the entries and rules of the SOFTCAP=1 spec (the
+    hardware-tanh config #2 winning here), which the forward's default set then holds; the
+    backward's kernels are refused (their softcap specs run the portable kernels only)."""
+    torch = pytest.importorskip("torch")
+    from builder.registry import _kept_configs, load_kernels
+    from builder.targets import KNOWN
+
+    capped = {**BASE, "dtype": "bf16", "HEAD_DIM": 256, "HEAD_DIM_V": 256, "CAUSAL": 2, "SOFTCAP": 1, "ALIBI": 0}
+    variants = [_synthetic_variant("attn_fwd", capped, i) for i in range(4)]
+    (tmp_path / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
+                                                       "triton_version": "3.6.0", "tuning": {},
+                                                       "variants": variants}))
+    lib = aotriton_rt.Library(tmp_path)
+    ms = {0: 1.0, 1: 1.1, 2: 0.89, 3: 0.95}
+    seen = []
+
+    class Capped(Operator):
+        def __call__(self, q, k, v, *, causal, library, softcap=None):
+            seen.append(softcap)
+            rules = library.tuning.get("attn_fwd")
+            self.config = rules[0]["config"] if rules else 0
+            return q.float(), torch.zeros(q.shape[:3])
+
+    op = Capped()
+    monkeypatch.setattr(aotriton_rt, "attention", op)
+
+    class CapClock(Clock):
+        def calls(self, fn, n: int, flush: bool) -> list[float]:
+            fn()
+            return [ms[self.op.config]] * n
+
+    entries = measure(lib, "sm90", ["attn_fwd"], ["bf16"], [256], [True], [1024], heads=2, tokens=1, rounds=2,
+                      device="cpu", clock=CapClock(op), log=lambda m: None, softcap=50.0)
+    assert set(seen) == {50.0}
+    assert [(e.kernel, e.spec["SOFTCAP"], tuning.winner(e.timings).index) for e in entries] == [("attn_fwd", 1, 2)]
+    rules = tuning.database(entries, arch="sm90", machine={"gpu": "test"}, method={})["rules"]
+    monkeypatch.setattr(tuning, "_checked_in_rules", lambda arch: rules if arch == "sm90" else {})
+    fwd = load_kernels()["attn_fwd"]
+    for mode in (1, 2):  # the mode-2 measurement serves mode 1 too
+        kept = [i for i, _ in _kept_configs(fwd, "default", {**capped, "CAUSAL": mode}, KNOWN["sm90"])]
+        assert kept == [0, 2]
+    assert [i for i, _ in _kept_configs(fwd, "default", {**capped, "SOFTCAP": 0}, KNOWN["sm90"])] == [0]
+    with pytest.raises(tuning.TuningError, match="softcap tunes the forwards"):
+        measure(lib, "sm90", ["attn_fwd", "attn_bwd"], ["bf16"], [256], [True], [1024], softcap=50.0)
+
