@@ -293,10 +293,11 @@ def measure(lib: Any, arch: str, kernels: Sequence[str], dtypes: Sequence[str], 
         for kernel in kernels:
             if kernel == BACKWARD:
                 continue
-            if not any(k == kernel for k, _ in launched):
+            mine = [(scheme, spec, backward) for (k, scheme), (spec, backward) in launched.items() if k == kernel]
+            if not mine:
                 log(f"{kernel}: not launched by {dtype} D{d} {mask} calls on {arch}")
                 continue
-            for (_, scheme), (spec, backward) in ((key, v) for key, v in launched.items() if key[0] == kernel):
+            for scheme, spec, backward in mine:
                 configs = configs_of(lib, kernel, spec, arch)
                 label = f"{kernel} {dtype} D{d} {mask}" + (f" {scheme}" if scheme == "atomic" else "")
                 if len(configs) < 2:
