@@ -43,6 +43,7 @@ backward, the other kernels fixed at their own choice, which ranks the configs t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -446,26 +447,33 @@ def _summary(db: dict) -> list[str]:
 
 def merged(paths: Sequence[str | Path], tolerance: float = tuning.DEFAULT_TOLERANCE) -> dict:
     """One database from ``paths`` (databases of one arch, e.g. the checked-in one, then a run that
-    tuned only the backward): a later file's entries replace every entry of the kernels it measured,
-    so no kernel mixes bins of two runs. The machine and method are the last file's.
+    tuned only the backward or only the softcapped forwards): a later file's entries replace every
+    entry of the (kernel, spec) pairs it measured, so no spec mixes bins of two runs, and the specs it
+    did not measure keep theirs. The machine and method are the last file's; an entry measured on
+    another GPU says so in its ``source`` (and so do the rules decided from it).
 
     Raises:
         TuningError: no file given, or files of different arches.
     """
     if not paths:
         raise tuning.TuningError("--merge needs at least one database")
-    by_kernel: dict[str, list[tuning.Entry]] = {}
+    by_spec: dict[tuple, list[tuning.Entry]] = {}
     dbs = [(str(p), tuning.load(p)) for p in paths]
     arches = {db["arch"] for _, db in dbs}
     if len(arches) != 1:
         raise tuning.TuningError(f"--merge: databases of different arches ({', '.join(sorted(arches))})")
-    for where, db in dbs:
-        fresh: dict[str, list[tuning.Entry]] = {}
-        for e in tuning.entries_of(db, where):
-            fresh.setdefault(e.kernel, []).append(e)
-        by_kernel.update(fresh)
     last = dbs[-1][1]
-    return tuning.database([e for es in by_kernel.values() for e in es], arch=arches.pop(),
+    gpu = last.get("machine", {}).get("gpu")
+    for where, db in dbs:
+        other = db.get("machine", {}).get("gpu")
+        note = f"python -m builder tune on {other}"[:tuning.MAX_SOURCE] if other != gpu else ""
+        fresh: dict[tuple, list[tuning.Entry]] = {}
+        for e in tuning.entries_of(db, where):
+            if note and not e.source:
+                e = dataclasses.replace(e, source=note)
+            fresh.setdefault((e.kernel, tuple(sorted(e.spec.items()))), []).append(e)
+        by_spec.update(fresh)
+    return tuning.database([e for es in by_spec.values() for e in es], arch=arches.pop(),
                            machine=last.get("machine", {}), method=last.get("method", {}), tolerance=tolerance)
 
 

@@ -99,7 +99,7 @@ CHECKED_IN = Path(__file__).resolve().parent / "tuning_db"
 DEFAULT_TOLERANCE = 0.01
 _MAX_BYTES = 16 << 20
 _MAX_ENTRIES = 100_000
-_MAX_SOURCE = 200
+MAX_SOURCE = 200
 
 
 class TuningError(ValueError):
@@ -336,8 +336,8 @@ def entries_of(db: Mapping[str, Any], where: str = "<memory>") -> list[Entry]:
                                    tuple(t["spread"]) if t.get("spread") else None, t.get("note", ""))
                             for t in e["configs"])
             src = e.get("source", "")
-            if not isinstance(src, str) or len(src) > _MAX_SOURCE or not src.isprintable():
-                raise TypeError(f"source must be a printable string of at most {_MAX_SOURCE} characters")
+            if not isinstance(src, str) or len(src) > MAX_SOURCE or not src.isprintable():
+                raise TypeError(f"source must be a printable string of at most {MAX_SOURCE} characters")
             out.append(Entry(str(e["kernel"]), dict(e["spec"]), int(e["bin"]), dict(e["shape"]), timings, src))
         except (KeyError, TypeError, ValueError) as exc:
             raise TuningError(f"{where}: entries[{i}] is malformed ({type(exc).__name__}: {exc})") from None

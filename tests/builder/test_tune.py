@@ -307,23 +307,32 @@ def test_tune_times_the_arch_backward_configs_of_both_schemes_then_whole_backwar
     assert [r["mode"] for r in rules["attn_bwd_mode"]] == ["atomic"]
 
 
-def test_merge_replaces_every_entry_of_the_kernels_a_later_database_measured(tmp_path: Path) -> None:
+def test_merge_replaces_the_entries_of_the_specs_a_later_database_measured(tmp_path: Path) -> None:
     from builder.tune import merged
 
-    def entry(kernel: str, n: int, fast: int) -> tuning.Entry:
+    def entry(kernel: str, n: int, fast: int, **spec: int) -> tuning.Entry:
         timings = tuple(tuning.Timing(i, {"BLOCK_M": 64}, 10.0 if i == fast else 20.0, None, "") for i in (0, 1))
-        return tuning.Entry(kernel, {**BASE, "CAUSAL": 0}, n, {"batch": 1, "heads": 2, "seqlen_q": n,
-                                                                "seqlen_k": n}, timings)
+        return tuning.Entry(kernel, {**BASE, "CAUSAL": 0, **spec}, n, {"batch": 1, "heads": 2, "seqlen_q": n,
+                                                                        "seqlen_k": n}, timings)
 
-    old = tuning.database([entry("attn_fwd", 1024, 1), entry("attn_bwd_dq", 1024, 0), entry("attn_bwd_dq", 2048, 0)],
+    old = tuning.database([entry("attn_fwd", 1024, 1), entry("attn_bwd_dq", 1024, 0), entry("attn_bwd_dq", 2048, 0),
+                           entry("attn_bwd_dq", 1024, 0, CAUSAL=1)],
                           arch="sm90", machine={"gpu": "old"}, method={"rounds": 3})
     new = tuning.database([entry("attn_bwd_dq", 4096, 1)], arch="sm90", machine={"gpu": "new"}, method={"rounds": 5})
     (tmp_path / "old.json").write_bytes(tuning.dumps(old))
     (tmp_path / "new.json").write_bytes(tuning.dumps(new))
     db = merged([tmp_path / "old.json", tmp_path / "new.json"])
-    assert [(e["kernel"], e["bin"]) for e in db["entries"]] == [("attn_bwd_dq", 4096), ("attn_fwd", 1024)]
-    assert [r["config"] for r in db["rules"]["attn_bwd_dq"]] == [1] and db["machine"] == {"gpu": "new"}
-    assert db["method"]["rounds"] == 5
+    # The non-causal dQ's bins are the new run's alone; the causal dQ it did not measure stays.
+    assert sorted((e["kernel"], e["spec"]["CAUSAL"], e["bin"]) for e in db["entries"]) == [
+        ("attn_bwd_dq", 0, 4096), ("attn_bwd_dq", 1, 1024), ("attn_fwd", 0, 1024)]
+    assert sorted((r["spec"]["CAUSAL"], r["config"]) for r in db["rules"]["attn_bwd_dq"]) == [(0, 1), (1, 0)]
+    assert db["machine"] == {"gpu": "new"} and db["method"]["rounds"] == 5
+    # What the old GPU measured says so, in its entries and in the rules decided from them.
+    kept = {(e["kernel"], e["spec"]["CAUSAL"]): e.get("source", "") for e in db["entries"]}
+    assert kept == {("attn_bwd_dq", 0): "", ("attn_bwd_dq", 1): "python -m builder tune on old",
+                    ("attn_fwd", 0): "python -m builder tune on old"}
+    causal = next(r for r in db["rules"]["attn_bwd_dq"] if r["spec"]["CAUSAL"] == 1)
+    assert "python -m builder tune on old" in causal["source"]
     hip = tuning.database([entry("attn_bwd_dq", 4096, 1)], arch="gfx942", machine={}, method={})
     (tmp_path / "hip.json").write_bytes(tuning.dumps(hip))
     with pytest.raises(tuning.TuningError, match="different arches"):
