@@ -418,7 +418,11 @@ def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
               "stride_lz": hq * sq, "stride_lh": sq, "stride_btz": blocks if paged else 0,
               "batch": b, "num_heads_q": hq, "num_heads_k": hk, "seqlen_q": sq, "seqlen_new": sq,
               "capacity": capacity, "num_pages": num_pages, "page_size": page, "sm_scale": d ** -0.5,
-              "window_left": -1, "window_right": 0, "num_splits": splits, "head_dim": d}
+              "window_left": -1, "window_right": 0, "num_splits": splits, "head_dim": d,
+              # No softcap, ALiBi or sinks; a cache of q's type reads no scales (one 1.0 stands in).
+              "softcap": 0.0, "stride_az": 0, "use_alibi": 0, "use_sinks": 0, "k_scale": 1.0, "v_scale": 1.0,
+              "stride_ksz": 0, "stride_ksh": 0, "stride_vsz": 0, "stride_vsh": 0}
+    unused = {n: jnp.ones((1,), jnp.float32) for n in ("KScale", "VScale", "alibi_slopes", "Sinks")}
     params = {"dtype": spec["dtype"], "HEAD_DIM": bucket, **({"PADDED_D": padded} if "PADDED_D" in spec else {})}
     # Caches of q's type (images built before the fp8 caches have no KV_DTYPE axis).
     cache = {"PAGED": paged, **({"KV_DTYPE": spec["KV_DTYPE"]} if "KV_DTYPE" in spec else {})}
@@ -427,7 +431,8 @@ def _decode_case(aj: Any, lib: Any, spec: dict) -> None:
     combine = aj.kernel("attn_decode_combine", library=lib, **params)
 
     def call(kernel: Any, **arrays: Any) -> Any:
-        return kernel(*[arrays[n] if n in arrays else values[n] for n in kernel.arg_names])
+        given = {**unused, **values, **arrays}
+        return kernel(*[given[n] for n in kernel.arg_names])
 
     def step(q: Any, kc: Any, vc: Any, kn: Any, vn: Any, lens: Any, table: Any, faults: Any) -> tuple:
         # Faults: the int32 flag both kernels OR a bit into on an out-of-range length or page.
