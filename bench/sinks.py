@@ -13,8 +13,8 @@ contiguous caches (the decode kernels' run-time cap); with ``--baseline DIR`` al
 decode steps on these images against DIR's (images built before the cap was an argument). Where
 the images hold sm90's EXP2_SPLIT configs (gputest, full), the 27B forward also with half its
 exp2 on the FMA pipe (config #9) against its twin without (#7) and against the uncapped call,
-and the 2B/9B forward with the hardware tanh (the portable kernel's FAST_TANH config #2) against
-its config #0 and against the uncapped call.
+and the 2B/9B forward with the hardware tanh (the portable kernel's FAST_TANH config #3) against
+its twin without (#1, the TMA-load config) and against the uncapped call.
 ``--decode``: decode steps (bf16, head dim 128, 32/8 heads; contiguous caches, and a paged one of
 16-row pages) with and without sinks (joined by the decode kernels: one split in the epilogue,
 several in the combine), ALiBi slopes and both; with ``--baseline DIR`` also these images against
@@ -75,9 +75,10 @@ def _rows(lib: Any, gen: Any) -> dict[str, dict[str, Any]]:
 
 #: The softcap levers the images may hold as configs of their own, on sm90: (head dim, kernel,
 #: its config without the lever, the same config with it, the lever's constexpr, the rows' word):
-#: the portable forward's hardware tanh (FAST_TANH) at head dim 256, the Gluon forward's exp2 half
-#: on the FMA pipe (EXP2_SPLIT; config #7, persistent without ping-pong) at 128.
-CAP_LEVERS = ((256, FWD, 0, 2, "FAST_TANH", "hw tanh"), (128, FWD_SM90, 7, 9, "EXP2_SPLIT", "split"))
+#: the portable forward's hardware tanh (FAST_TANH; config #3, the twin of #1, the tuning database's
+#: pick for Gemma 2's capped causal calls) at head dim 256, the Gluon forward's exp2 half on the FMA
+#: pipe (EXP2_SPLIT; config #9, the twin of #7, persistent without ping-pong) at 128.
+CAP_LEVERS = ((256, FWD, 1, 3, "FAST_TANH", "hw tanh"), (128, FWD_SM90, 7, 9, "EXP2_SPLIT", "split"))
 
 
 def _holds(lib: Any, kernel: str, head_dim: int, index: int, flag: str) -> bool:

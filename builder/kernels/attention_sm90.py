@@ -719,6 +719,7 @@ from builder.kernels.attention import (  # noqa: E402
     stride_checks,
 )
 from builder.registry import ConfigDecl, KernelDecl  # noqa: E402 - declarations follow the kernel
+from builder.tuning import tuned_configs  # noqa: E402
 
 #: Head dims compiled: the ones whose portable sm90 forward trails cuDNN most (docs/performance.md).
 HEAD_DIMS = (64, 128)
@@ -807,9 +808,15 @@ def default_configs(spec: dict, target: object = None) -> tuple[int, ...]:
     ping-pong, #7 without: 0.87-0.88x cuDNN at N=1024 against #0's 0.60-0.68x, and the database's
     pick at most D=128 lengths); at D=64 the persistent config with ping-pong only (#4: the
     database's pick at nearly every D=64 length, 3-25% faster than attn_fwd; the one-tile configs
-    were slower than attn_fwd there). docs/performance.md, "Attention forward and backward"."""
+    were slower than attn_fwd there). docs/performance.md, "Attention forward and backward".
+    A softcapped spec (Gemma 2's) also holds the configs the tuning database picks for it."""
     first = len(TILES[spec["HEAD_DIM"]])
-    return (0, first, first + 1) if spec["HEAD_DIM"] == 128 else (first,)
+    base = (0, first, first + 1) if spec["HEAD_DIM"] == 128 else (first,)
+    return tuple(sorted(set(base) | set(_softcap_picks(spec, target))))
+
+
+_softcap_picks = tuned_configs(FWD_SM90, first=0, when=lambda spec: bool(spec.get("SOFTCAP")))
+default_configs.from_database = True  # type: ignore[attr-defined]  # a stale database's picks are dropped
 
 
 #: One program per (query tile, batch * head) with PERSISTENT 0; otherwise one dimension of

@@ -46,11 +46,11 @@ def test_the_hardware_tanh_rows_name_the_portable_kernels_d256_twin() -> None:
     from builder.targets import KNOWN
 
     ((d, kernel, twin_index, tanh_index, flag, _),) = [lever for lever in sinks.CAP_LEVERS if lever[4] == "FAST_TANH"]
-    assert (d, kernel, twin_index) == (256, "attn_fwd", 0)
+    assert (d, kernel, twin_index) == (256, "attn_fwd", 1)
     spec = {"dtype": "bf16", "HEAD_DIM": 256, "HEAD_DIM_V": 256, "CAUSAL": 1, "BIAS": 0, "DROPOUT": 0, "VARLEN": 0,
             "SOFTCAP": 1, "ALIBI": 0}
     configs = fwd_configs(spec, KNOWN["sm90"])
-    assert configs[tanh_index].constexprs == {**configs[0].constexprs, "FAST_TANH": 1}
+    assert configs[tanh_index].constexprs == {**configs[twin_index].constexprs, "FAST_TANH": 1}
     held = _Lib({kernel: [_variant(256, 1, tanh_index, {"FAST_TANH": 1})]})
     assert sinks._holds(held, kernel, 256, tanh_index, flag)
     assert not sinks._holds(_Lib({}), kernel, 256, tanh_index, flag)
