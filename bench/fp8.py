@@ -70,15 +70,17 @@ def _configs(lib: Any, q8: Any, k8: Any, v8: Any, causal: bool, fp8: dict) -> di
                                  layout="bhsd", **fp8)
     spec = op.spec_of(p, "bf16", p.causal_mode)
     ks = op.kernels_of(lib)
-    transpose = op.transpose_handle(ks, op.choose(ks, p.call(0), spec, "sm90"), "sm90")
+    chosen = op.choose(ks, p.call(0), spec, "sm90")
     runs = {}
     for kernel, label in ((op.FWD_FP8, "fp8 config"), (GLUON, "fp8 gluon config")):
         for v in lib.variants_of(kernel):
             if all(v.spec.get(k) == val for k, val in spec.items()):
                 c = v.config
                 handle = lib.kernel(kernel, **spec, **c.constexprs, num_warps=c.num_warps, num_stages=c.num_stages)
-                runs[f"{label} #{c.index}"] = (lambda h=handle: op._launch(p, h, spec, "bf16", descales, None, None,
-                                                                           None, None, transpose)[0])
+                # Each config with the V^T key order it reads (the Gluon one's KEY_ORDER).
+                transpose = op.transpose_handle(ks, chosen, "sm90", op.key_order(handle))
+                runs[f"{label} #{c.index}"] = (lambda h=handle, t=transpose: op._launch(
+                    p, h, spec, "bf16", descales, None, None, None, None, t)[0])
     return runs
 
 

@@ -593,7 +593,7 @@ def _fp8_forward(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, descales: tuple, 
                              q_descale=checked[0][0], k_descale=checked[1][0], v_descale=checked[2][0])
     ks = kernels_of(o.library)
     chosen = _fp8.choose(ks, p.call(0), _fp8.spec_of(p, out_dtype, p.causal_mode), o.arch or ks.device_arch(0))
-    handle = ks.lib.kernel(chosen.kernel, **chosen.params)
+    handle, order = _fp8.forward_handle(ks, chosen)
     f = _facts(q, k, v, cu_q, o)
     width = chosen.spec["HEAD_DIM"]
     out_jnp = jnp.float16 if out_dtype == "fp16" else jnp.bfloat16
@@ -608,6 +608,8 @@ def _fp8_forward(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, descales: tuple, 
     vt = jnp.transpose(_pad(v, width), axes)
     shape = _fp8.vt_shape(f.batch, f.heads_k, width, f.rows_k, vl)
     vt = jnp.pad(vt, [(0, 0)] * (vt.ndim - 1) + [(0, shape[-1] - vt.shape[-1])])
+    if order:  # the keys in the order the forward reads them (attn_fp8_v_transpose's KEY_ORDER=1)
+        vt = jnp.take(vt, jnp.asarray(_fp8.key_permutation(shape[-1]), jnp.int32), axis=-1)
     full = (1,) + shape if vl else shape
     vt_strides = kernel_strides(full[:3], contiguous_strides(full)[:3])
     arrays = {"q": qp, "k": kp, "v": vt, "out": Out(padded_out, out_jnp), "lse": Out(f.lse_shape(), jnp.float32),

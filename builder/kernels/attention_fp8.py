@@ -239,19 +239,34 @@ def attn_fwd_fp8(
 
 
 @triton.jit
+def wgmma_key_order(n):
+    """The key stored at V^T column ``n`` in ``KEY_ORDER=1`` (see :func:`attn_fp8_v_transpose`):
+    within each 32-key group, column ``16h + 4q + 2j + e`` holds key ``16h + 8j + 2q + e``."""
+    return (n & ~31) | (n & 17) | ((n & 12) >> 1) | ((n & 2) << 2)
+
+
+@triton.jit
 def attn_fp8_v_transpose(V, VT, stride_vz, stride_vh, stride_vn, stride_tz, stride_th, stride_td,
-                         batch, heads, rows, cols, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+                         batch, heads, rows, cols, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                         KEY_ORDER: tl.constexpr = 0):
     """``VT[z, h, d, n] = V[z, h, n, d]``: V^T for :func:`attn_fwd_fp8`, zero at ``rows <= n < cols``.
     V's rows are ``HEAD_DIM`` wide (the operator zero-pads a narrower head dim first). Grid:
-    (cdiv(cols, BLOCK_N), batch * heads, 1)."""
+    (cdiv(cols, BLOCK_N), batch * heads, 1).
+
+    ``KEY_ORDER=1`` (for sm90's Gluon FP8 forward; ``cols`` a multiple of 32): column ``n`` holds
+    key :func:`wgmma_key_order` (n) instead, a permutation within each group of 32 keys. The
+    forward's P·V sums over keys, so any order of them gives the same product as long as P's
+    columns follow it; in this one the e4m3 probabilities a thread holds after the Q·K^T wgmma are
+    already where the P·V wgmma's register operand wants them (no byte shuffles between threads)."""
     pid_n = tl.program_id(0)
     pid_zh = tl.program_id(1)
     off_z = (pid_zh // heads).to(tl.int64)
     off_h = (pid_zh % heads).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    keys = wgmma_key_order(offs_n) if KEY_ORDER == 1 else offs_n
     offs_d = tl.arange(0, HEAD_DIM)
-    src = V + off_z * stride_vz + off_h * stride_vh + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :]
-    x = tl.load(src, mask=offs_n[:, None] < rows, other=0.0)
+    src = V + off_z * stride_vz + off_h * stride_vh + keys[:, None].to(tl.int64) * stride_vn + offs_d[None, :]
+    x = tl.load(src, mask=keys[:, None] < rows, other=0.0)
     dst = VT + off_z * stride_tz + off_h * stride_th + offs_d[:, None].to(tl.int64) * stride_td + offs_n[None, :]
     tl.store(dst, tl.trans(x), mask=offs_n[None, :] < cols)
 
@@ -329,8 +344,13 @@ KERNELS = [KernelDecl(
 
 
 def _transpose_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
+    """#0 the keys in order (the portable forward's V^T); on sm90 #1 in the Gluon FP8 forward's
+    register order (``KEY_ORDER=1``), which the runtime asks for by name."""
     options = _hip_options(target, 2) if target.backend == "hip" else {}
-    return (ConfigDecl(constexprs={"BLOCK_N": 64}, num_warps=4, num_stages=1, options=options),)
+    natural = ConfigDecl(constexprs={"BLOCK_N": 64, "KEY_ORDER": 0}, num_warps=4, num_stages=1, options=options)
+    if getattr(target, "arch", None) != "sm90":
+        return (natural,)
+    return (natural, ConfigDecl(constexprs={"BLOCK_N": 64, "KEY_ORDER": 1}, num_warps=4, num_stages=1))
 
 
 _T_SIG = signature_of(attn_fp8_v_transpose, {"V": "*{dtype}", "VT": "*{dtype}"})
@@ -345,5 +365,7 @@ KERNELS.append(KernelDecl(
     divisibility=_T_DIV,
     exclude=fp8_excluded,
     sets={"default": in_fp8_default_set, "gputest": in_fp8_gputest_set},
-    checks=("batch * heads <= 65535",) + stride_checks(_T_DIV),
+    # The default images run the portable FP8 forward only: keys in order.
+    set_configs={"default": 1},
+    checks=("batch * heads <= 65535", "KEY_ORDER == 0 or cols % 32 == 0") + stride_checks(_T_DIV),
 ))

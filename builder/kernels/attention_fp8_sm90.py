@@ -18,11 +18,14 @@ two consumers take turns issuing. What FP8 changes:
   Q·Kᵀ, and V^T's tile ``[D, BLOCK_N]`` (keys contiguous) permuted is the K-major B of P·V. This
   is why the operator runs ``attn_fp8_v_transpose`` first, as for the portable kernel.
 - P is rounded to e4m3 in registers (round to nearest, as ``attn_fwd_fp8``'s ``p.to(v.dtype)``)
-  and converted to the register A-operand layout of the P·V wgmma (``DotOperandLayout`` with
-  ``k_width`` 4: four bytes per 32-bit register). The accumulator layout of S holds a thread's
-  scores in pairs of columns, the 8-bit A operand in runs of four. FlashAttention-3 reorders
-  them with byte permutes; Triton's conversion here takes byte permutes and warp shuffles
-  (``PRMT``, ``SHFL.IDX``), no shared memory.
+  and used as the register A operand of the P·V wgmma (``DotOperandLayout`` with ``k_width`` 4:
+  four bytes per 32-bit register). The accumulator layout of S holds a thread's scores in pairs
+  of columns, the 8-bit A operand in runs of four. In keys' order that takes byte permutes and
+  warp shuffles (``PRMT``, ``SHFL.IDX``: 156 PRMT, 24 SHFL and 64 LOP3 a key block per thread at
+  D=128, against 475 instructions for the whole bf16 block). With ``KEY_ORDER=1`` (every config
+  but the last) the P·V product takes the keys of each 32-key group in the order in which a
+  thread already holds them, and ``attn_fp8_v_transpose`` writes V^T's columns in that order, so
+  the conversion moves nothing (``_p_operand``; the sum over keys is the same in any order).
 - The descale factors of a tile's (sequence, key/value head) are read once per tile: ``q_descale
   * k_descale`` scales the scores, ``v_descale`` the output.
 
@@ -69,10 +72,55 @@ def _fp8_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, 
 
 
 @gluon.jit
+def _p_operand(p, fp8: gl.constexpr, p_layout: gl.constexpr, KEY_ORDER: gl.constexpr):
+    """The P·V wgmma's register operand from the P a step carries (:func:`_p_carried`).
+    KEY_ORDER=1: P (fp32, the accumulator layout of Q·K^T) with its columns taken in
+    attn_fp8_v_transpose's key order (column ``16h + 4q + 2j + e`` of the result is key
+    ``16h + 8j + 2q + e`` of P), which puts each probability where the thread that computed it
+    must hand it to the wgmma: the layout conversion moves nothing (checked when the kernel
+    compiles), and each register's four e4m3 bytes come from two paired conversions. It is
+    rounded here, just before the wgmma that reads it, because P carried from one step to the
+    next in e4m3 is held a byte a register and packed again at the wgmma (2 of every 3
+    instructions the conversion took). KEY_ORDER=0: P already e4m3 in the operand layout."""
+    if KEY_ORDER == 1:
+        HALF: gl.constexpr = p.shape[0]
+        BLOCK_N: gl.constexpr = p.shape[1]
+        p = gl.permute(p.reshape(HALF, BLOCK_N // 32, 2, 2, 4, 2), 0, 1, 2, 4, 3, 5).reshape(HALF, BLOCK_N)
+        p = gl.convert_layout(p, p_layout, assert_trivial=True)
+        # Four probabilities a register, rounded to nearest (as p.to(fp8)): two cvt's of a pair each.
+        gl.static_assert(fp8 == gl.float8e4nv, "attn_fwd_fp8_sm90: KEY_ORDER=1 packs OCP e4m3")
+        p = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    return p
+
+
+@gluon.jit
+def _p_carried(p32, fp8: gl.constexpr, p_layout: gl.constexpr, KEY_ORDER: gl.constexpr):
+    """The softmax's P (fp32) as a step carries it to the next step's P·V: as it is in KEY_ORDER=1
+    (:func:`_p_operand` rounds it there), else rounded to e4m3 and moved into the operand layout
+    (byte permutes and warp shuffles)."""
+    p = p32
+    if KEY_ORDER == 0:
+        p = gl.convert_layout(p32.to(fp8), p_layout)
+    return p
+
+
+@gluon.jit
+def _vt_keys(len_k, KEY_ORDER: gl.constexpr):
+    """V^T's columns the forward reads: the keys, rounded up to 32 in KEY_ORDER=1 (a key's column
+    may lie past seqlen_k within its group of 32; the pre-pass writes zeros past the keys)."""
+    if KEY_ORDER == 1:
+        return (len_k + 31) // 32 * 32
+    return len_k
+
+
+@gluon.jit
 def _fp8_step(idx, c: gl.constexpr, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn, s_zero,
               rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2, ring, turns,
               MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              PINGPONG: gl.constexpr, SPLIT: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr):
+              PINGPONG: gl.constexpr, SPLIT: gl.constexpr, p_layout: gl.constexpr, o_layout: gl.constexpr,
+              KEY_ORDER: gl.constexpr):
     """One pipelined key block idx >= 1 of consumer c: issue S_idx = Q·K_idx^T and O += P_{idx-1}·V_{idx-1},
     softmax S_idx while P·V runs, then rescale O and free slot idx-1. ring: the ring position of
     the tile's block 0; turns: the consumer's matmul groups before the tile."""
@@ -85,7 +133,7 @@ def _fp8_step(idx, c: gl.constexpr, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready
     mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
     s_acc = warpgroup_mma(q, k, s_zero, use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(prev), ((it - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p, v, acc, is_async=True)
+    acc = warpgroup_mma(_p_operand(p, q.dtype, p_layout, KEY_ORDER), v, acc, is_async=True)
     _pass_turn(turn, c, PINGPONG)
     # Groups retire in order: one outstanding means S_idx is done and P.V may still run.
     s_acc = warpgroup_mma_wait(1, deps=(s_acc,))
@@ -93,7 +141,7 @@ def _fp8_step(idx, c: gl.constexpr, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready
     p32, m_i, alpha = _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale,
                                qk_scale, qk_scale, MASKED, CAUSAL, False, SPLIT)
     l_i = l_i * alpha + gl.sum(p32, 1)
-    p = gl.convert_layout(p32.to(p.dtype), p_layout)
+    p = _p_carried(p32, q.dtype, p_layout, KEY_ORDER)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(kv_free.index(prev), count=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -105,11 +153,11 @@ def _fp8_consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_rea
                   O_head, L_head, stride_om, start_m, len_q, len_k, qk_scale, v_scale, diag, left, right,
                   lo, f1, f2, n1, n2, n,
                   CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                  SPLIT: gl.constexpr):
+                  SPLIT: gl.constexpr, KEY_ORDER: gl.constexpr):
     """Consumer warp group c of a one-tile program (see _fp8_attend)."""
     _fp8_attend(c, q_smem, k_smem, v_smem, q_bar, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
                 stride_om, start_m, len_q, len_k, qk_scale, v_scale, diag, left, right, lo, f1, f2, n1, n2, n,
-                0, 0, 0, CAUSAL, BLOCK_N, STAGES, PINGPONG, SPLIT, False)
+                0, 0, 0, CAUSAL, BLOCK_N, STAGES, PINGPONG, SPLIT, False, KEY_ORDER)
 
 
 @gluon.jit
@@ -117,7 +165,7 @@ def _fp8_attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready,
                 O_head, L_head, stride_om, start_m, len_q, len_k, qk_scale, v_scale, diag, left, right,
                 lo, f1, f2, n1, n2, n, ring, turns, q_phase,
                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                SPLIT: gl.constexpr, RELEASE_Q: gl.constexpr):
+                SPLIT: gl.constexpr, RELEASE_Q: gl.constexpr, KEY_ORDER: gl.constexpr):
     """Consumer warp group c's part of one query tile: rows ``start_m + c * HALF ...``, its n key
     blocks from ring position ``ring`` on (after ``turns`` matmul groups), then O (times
     ``v_scale``) and LSE of its rows stored. The tile's Q is the q_phase-th load into its Q slot;
@@ -145,7 +193,10 @@ def _fp8_attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready,
     mbarrier.wait(q_bar.index(c), q_phase & 1)
 
     # Prologue: S_0 and its softmax; P_0 waits for the loop's first P.V.
-    p = gl.zeros([HALF, BLOCK_N], fp8, p_layout)
+    if KEY_ORDER == 1:
+        p = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+    else:
+        p = gl.zeros([HALF, BLOCK_N], fp8, p_layout)
     if n > 0:
         s0 = ring % STAGES
         k0 = k_smem.index(s0).permute((1, 0))
@@ -158,18 +209,20 @@ def _fp8_attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready,
         p32, m_i, alpha = _softmax(s_acc, m_i, start0, rows, cols, len_k, diag, left, right, qk_scale,
                                    qk_scale, qk_scale, True, CAUSAL, False, False)
         l_i = gl.sum(p32, 1)
-        p = gl.convert_layout(p32.to(fp8), p_layout)
+        p = _p_carried(p32, fp8, p_layout, KEY_ORDER)
 
     # Steady state, masked blocks then unmasked ones.
     masked_end = gl.maximum(n1 + n2, 1)
     for idx in range(1, masked_end):
         acc, p, l_i, m_i = _fp8_step(idx, c, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn,
                                      s_zero, rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
-                                     ring, turns, True, CAUSAL, BLOCK_N, STAGES, PINGPONG, SPLIT, p_layout, o_layout)
+                                     ring, turns, True, CAUSAL, BLOCK_N, STAGES, PINGPONG, SPLIT, p_layout, o_layout,
+                                     KEY_ORDER)
     for idx in range(masked_end, n):
         acc, p, l_i, m_i = _fp8_step(idx, c, acc, p, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_free, turn,
                                      s_zero, rows, cols, len_k, diag, left, right, qk_scale, lo, f1, f2, n1, n2,
-                                     ring, turns, False, CAUSAL, BLOCK_N, STAGES, PINGPONG, SPLIT, p_layout, o_layout)
+                                     ring, turns, False, CAUSAL, BLOCK_N, STAGES, PINGPONG, SPLIT, p_layout, o_layout,
+                                     KEY_ORDER)
     if RELEASE_Q:
         # Every Q.K^T of the tile has retired (each step waits for its S): Q's slot may be refilled.
         mbarrier.arrive(q_free.index(c), count=1)
@@ -180,7 +233,7 @@ def _fp8_attend(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_free, k_ready,
         v = v_smem.index(s).permute((1, 0))
         _take_turn(turn, turns + n, c, PINGPONG)
         mbarrier.wait(v_ready.index(s), (last // STAGES) & 1)
-        acc = warpgroup_mma(p, v, acc, is_async=True)
+        acc = warpgroup_mma(_p_operand(p, fp8, p_layout, KEY_ORDER), v, acc, is_async=True)
         _pass_turn(turn, c, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(kv_free.index(s), count=1)
@@ -266,7 +319,8 @@ def _fp8_persistent_consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_f
                              q_descale, k_descale, v_descale, stride_qdz, stride_qdh, stride_kdz, stride_kdh,
                              stride_vdz, stride_vdh, num_m, tiles, num_heads_q, group, len_q, len_k, diag, left, right,
                              sm_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                             STAGES: gl.constexpr, PINGPONG: gl.constexpr, SPLIT: gl.constexpr, PAIRS: gl.constexpr):
+                             STAGES: gl.constexpr, PINGPONG: gl.constexpr, SPLIT: gl.constexpr, PAIRS: gl.constexpr,
+                             KEY_ORDER: gl.constexpr):
     """Consumer warp group c of a persistent program: the loader's tiles in the same order, each
     with the one-tile consumer's pipeline and epilogue (_fp8_attend), ring position and ping-pong
     turns carried from tile to tile."""
@@ -288,7 +342,7 @@ def _fp8_persistent_consumer(c: gl.constexpr, q_smem, k_smem, v_smem, q_bar, q_f
         lo, f1, f2, n1, n2, n = _band(start_m, len_k, diag, left, right, qk_scale, CAUSAL, BLOCK_M, BLOCK_N)
         _fp8_attend(c, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn, O_head, L_head,
                     stride_om, start_m, len_q, len_k, qk_scale, dv, diag, left, right, lo, f1, f2, n1, n2, n,
-                    ring, turns, j, CAUSAL, BLOCK_N, STAGES, PINGPONG, SPLIT, True)
+                    ring, turns, j, CAUSAL, BLOCK_N, STAGES, PINGPONG, SPLIT, True, KEY_ORDER)
         ring += n
         turns += gl.where(n > 0, n + 1, 0)
 
@@ -301,7 +355,7 @@ def _attn_fwd_fp8_persistent(Q, K, V, Out, LSE, q_descale, k_descale, v_descale,
                              batch, num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right,
                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                             SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                             SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, KEY_ORDER: gl.constexpr):
     """attn_fwd_fp8_sm90 with PERSISTENT: programs loop over (query block, batch * head) tiles."""
     HALF: gl.constexpr = BLOCK_M // 2
     BLOCK_D: gl.constexpr = HEAD_DIM
@@ -323,7 +377,7 @@ def _attn_fwd_fp8_persistent(Q, K, V, Out, LSE, q_descale, k_descale, v_descale,
     k_desc = tma.make_tensor_descriptor(K, shape=[batch, num_heads_k, len_k, HEAD_DIM],
                                         strides=[stride_kz, stride_kh, stride_kn, 1],
                                         block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=k4_layout)
-    v_desc = tma.make_tensor_descriptor(V, shape=[batch, num_heads_k, HEAD_DIM, len_k],
+    v_desc = tma.make_tensor_descriptor(V, shape=[batch, num_heads_k, HEAD_DIM, _vt_keys(len_k, KEY_ORDER)],
                                         strides=[stride_vz, stride_vh, stride_vd, 1],
                                         block_shape=[1, 1, BLOCK_D, BLOCK_N], layout=v4_layout)
 
@@ -351,12 +405,12 @@ def _attn_fwd_fp8_persistent(Q, K, V, Out, LSE, q_descale, k_descale, v_descale,
                                     LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, q_descale, k_descale,
                                     v_descale, stride_qdz, stride_qdh, stride_kdz, stride_kdh, stride_vdz, stride_vdh,
                                     num_m, tiles, num_heads_q, group, len_q, len_k, diag, left, right, sm_scale,
-                                    CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, SPLIT, PAIRS)),
+                                    CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, SPLIT, PAIRS, KEY_ORDER)),
         (_fp8_persistent_consumer, (1, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready, kv_free, turn, Out,
                                     LSE, stride_oz, stride_oh, stride_om, stride_lz, stride_lh, q_descale, k_descale,
                                     v_descale, stride_qdz, stride_qdh, stride_kdz, stride_kdh, stride_vdz, stride_vdh,
                                     num_m, tiles, num_heads_q, group, len_q, len_k, diag, left, right, sm_scale,
-                                    CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, SPLIT, PAIRS)),
+                                    CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, SPLIT, PAIRS, KEY_ORDER)),
         (_fp8_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_free, k_ready, v_ready,
                                   kv_free, q_descale, k_descale, stride_qdz, stride_qdh, stride_kdz, stride_kdh,
                                   num_m, tiles, num_heads_q, group, len_k, diag, left, right, sm_scale,
@@ -378,6 +432,7 @@ def attn_fwd_fp8_sm90(
     HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr, EXP2_SPLIT: gl.constexpr = 0,
+    KEY_ORDER: gl.constexpr = 0,
 ):
     """FP8 attention forward (see attn_fwd_fp8): Out = softmax(dq·dk · Q K^T * sm_scale, masked) (dv · V).
 
@@ -416,14 +471,16 @@ def attn_fwd_fp8_sm90(
                                  stride_vz, stride_vh, stride_vd, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
                                  stride_qdz, stride_qdh, stride_kdz, stride_kdh, stride_vdz, stride_vdh,
                                  batch, num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right,
-                                 HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, EXP2_SPLIT, CONSUMER_REGS)
+                                 HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, EXP2_SPLIT, CONSUMER_REGS,
+                                 KEY_ORDER)
     else:
         _attn_fwd_fp8_tile(Q, K, V, Out, LSE, q_descale, k_descale, v_descale,
                            stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
                            stride_vz, stride_vh, stride_vd, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
                            stride_qdz, stride_qdh, stride_kdz, stride_kdh, stride_vdz, stride_vdh,
                            num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right,
-                           HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, EXP2_SPLIT, CONSUMER_REGS)
+                           HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, PINGPONG, EXP2_SPLIT, CONSUMER_REGS,
+                           KEY_ORDER)
 
 
 @gluon.jit
@@ -434,7 +491,7 @@ def _attn_fwd_fp8_tile(Q, K, V, Out, LSE, q_descale, k_descale, v_descale,
                        num_heads_q, num_heads_k, len_q, len_k, sm_scale, diag, left, right,
                        HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                       SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                       SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr, KEY_ORDER: gl.constexpr):
     """attn_fwd_fp8_sm90 without PERSISTENT: one program per (query tile, batch * head)."""
     HALF: gl.constexpr = BLOCK_M // 2
     BLOCK_D: gl.constexpr = HEAD_DIM
@@ -467,8 +524,8 @@ def _attn_fwd_fp8_tile(Q, K, V, Out, LSE, q_descale, k_descale, v_descale,
                                         block_shape=[HALF, BLOCK_D], layout=q_layout)
     k_desc = tma.make_tensor_descriptor(K_base, shape=[len_k, HEAD_DIM], strides=[stride_kn, 1],
                                         block_shape=[BLOCK_N, BLOCK_D], layout=k_layout)
-    # V^T: HEAD_DIM rows of keys; columns past seqlen_k read as zeros.
-    v_desc = tma.make_tensor_descriptor(V_base, shape=[HEAD_DIM, len_k], strides=[stride_vd, 1],
+    # V^T: HEAD_DIM rows of keys; columns past seqlen_k (past its 32-key group in KEY_ORDER=1) read as zeros.
+    v_desc = tma.make_tensor_descriptor(V_base, shape=[HEAD_DIM, _vt_keys(len_k, KEY_ORDER)], strides=[stride_vd, 1],
                                         block_shape=[BLOCK_D, BLOCK_N], layout=v_layout)
 
     # _band's last argument only decides by its sign whether the unmasked path may run.
@@ -493,10 +550,10 @@ def _attn_fwd_fp8_tile(Q, K, V, Out, LSE, q_descale, k_descale, v_descale,
     gl.warp_specialize([
         (_fp8_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
                          stride_om, start_m, len_q, len_k, qk_scale, dv, diag, left, right, lo, f1, f2, n1, n2, n,
-                         CAUSAL, BLOCK_N, STAGES, PINGPONG, SPLIT)),
+                         CAUSAL, BLOCK_N, STAGES, PINGPONG, SPLIT, KEY_ORDER)),
         (_fp8_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free, turn, O_head, L_head,
                          stride_om, start_m, len_q, len_k, qk_scale, dv, diag, left, right, lo, f1, f2, n1, n2, n,
-                         CAUSAL, BLOCK_N, STAGES, PINGPONG, SPLIT)),
+                         CAUSAL, BLOCK_N, STAGES, PINGPONG, SPLIT, KEY_ORDER)),
         (_fp8_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_free,
                        start_m, lo, f1, f2, n1, n2, n, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -531,18 +588,21 @@ CONSUMER_REGS = 240
 
 def fp8_sm90_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     """The tile table of the spec's head dim, then its first one-tile and first persistent rows
-    again with EXP2_SPLIT (half of an unmasked block's exp2 on the FMA pipe). num_warps is the
-    default partition's (consumer 0); the compiled kernel runs 12 warps (two consumer groups and
-    the loader's group), which the catalog records from the binary."""
+    again with EXP2_SPLIT (half of an unmasked block's exp2 on the FMA pipe), then the first row
+    with the keys in order (``KEY_ORDER=0``: P moved into the P·V operand by byte permutes and warp
+    shuffles, as before the key order; the others read ``attn_fp8_v_transpose``'s KEY_ORDER=1 V^T).
+    num_warps is the default partition's (consumer 0); the compiled kernel runs 12 warps (two
+    consumer groups and the loader's group), which the catalog records from the binary."""
     tiles = TILES[spec["HEAD_DIM"]]
     # EXP2_SPLIT is named only where it is 1 (the kernel's default is 0): the other configs keep
     # the parameters their tuning measurements name.
     split = [t for t in tiles if t[3] == 0][:1] + [t for t in tiles if t[3] != 0][:1]
+    rows = [(0, 1, t) for t in tiles] + [(1, 1, t) for t in split] + [(0, 0, tiles[0])]
     return tuple(ConfigDecl(constexprs={"BLOCK_M": 128, "BLOCK_N": bn, "STAGES": st, "PINGPONG": pp,
                                         "CONSUMER_REGS": CONSUMER_REGS, "PERSISTENT": programs,
-                                        **({"EXP2_SPLIT": 1} if twin else {})},
+                                        **({"EXP2_SPLIT": 1} if twin else {}), "KEY_ORDER": order},
                             num_warps=4, num_stages=1, backends=("cuda",))
-                 for twin, (bn, st, pp, programs) in [(0, t) for t in tiles] + [(1, t) for t in split])
+                 for twin, order, (bn, st, pp, programs) in rows)
 
 
 def _excluded(spec: dict, target: object) -> str | None:
@@ -565,12 +625,13 @@ def in_gputest_set(spec: dict, target: object) -> bool:
 GRID = GRID_SM90
 
 _SIG = _PORTABLE[0].signature | {n: "constexpr" for n in ("STAGES", "PINGPONG", "CONSUMER_REGS", "PERSISTENT",
-                                                          "EXP2_SPLIT")}
+                                                          "EXP2_SPLIT", "KEY_ORDER")}
 _SIG = {n: _SIG[n] for n in attn_fwd_fp8_sm90.arg_names}
 # TMA descriptors need a non-empty extent in every dimension; a persistent program numbers the
-# tiles in 32 bits.
+# tiles in 32 bits; in KEY_ORDER=1 V^T's rows hold the keys rounded up to 32.
 _CHECKS = _PORTABLE[0].checks + ("seqlen_q >= 1", "seqlen_k >= 1",
-                                 "cdiv(seqlen_q, BLOCK_M) * batch * num_heads_q <= 1073741824")
+                                 "cdiv(seqlen_q, BLOCK_M) * batch * num_heads_q <= 1073741824",
+                                 "KEY_ORDER == 0 or stride_vd >= cdiv(seqlen_k, 32) * 32")
 
 KERNEL = KernelDecl(
     name=FWD_FP8_SM90,

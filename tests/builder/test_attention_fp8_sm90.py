@@ -17,13 +17,14 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("elftools")
 
-#: (head dim, mask mode, output dtype, config index): the largest tile without a mask (the one
-#: variant whose ptxas keeps a register in local memory around the loops), a D=64 causal one
-#: without ping-pong, a persistent D=128 bottom-right one, and the first one again with
-#: EXP2_SPLIT (#5 at D=128: the tile table's five, then the split twins of #0 and #3).
-BUILT = ((128, 0, "bf16", 0), (64, 1, "fp16", 1), (128, 2, "bf16", 3), (128, 0, "bf16", 5))
-#: BUILT's index of the EXP2_SPLIT variant and of its twin.
-SPLIT, TWIN = 3, 0
+#: (head dim, mask mode, output dtype, config index): the largest tile without a mask, a D=64
+#: causal one without ping-pong, a persistent D=128 bottom-right one, the first one again with
+#: EXP2_SPLIT (#5 at D=128: the tile table's five, then the split twins of #0 and #3) and with the
+#: keys in order (#7, KEY_ORDER=0: the one variant whose ptxas keeps a register in local memory
+#: around the loops).
+BUILT = ((128, 0, "bf16", 0), (64, 1, "fp16", 1), (128, 2, "bf16", 3), (128, 0, "bf16", 5), (128, 0, "bf16", 7))
+#: BUILT's index of the EXP2_SPLIT variant and of its twin, and of the keys-in-order twin.
+SPLIT, TWIN, IN_ORDER = 3, 0, 4
 
 
 def _kernels():
@@ -72,7 +73,7 @@ def test_the_fp8_gluon_variants_compile_and_their_binaries_prove_the_catalog_lay
         d = variant.spec["HEAD_DIM"]
         # Two 64-row Q tiles and STAGES K and V^T blocks, one byte an element, and the barriers.
         assert 2 * 64 * d + c["STAGES"] * 2 * c["BLOCK_N"] * d <= variant.shared <= 232448
-    assert [v.config.constexprs["PERSISTENT"] for v in _variants(built)] == [0, 0, 132, 0]
+    assert [v.config.constexprs["PERSISTENT"] for v in _variants(built)] == [0, 0, 132, 0, 0]
 
 
 @pytest.mark.parametrize("which", range(len(BUILT)))
@@ -117,3 +118,22 @@ def test_the_exp2_split_config_takes_a_quarter_of_the_unmasked_blocks_exp2_off_t
     assert ops[0]["MUFU.EX2"] == ops[1]["MUFU.EX2"] - 2 * block_n // 4
     # The polynomial: four more FMAs a value at least (degree 4, Horner).
     assert ops[0].get("FFMA", 0) >= ops[1].get("FFMA", 0) + 2 * 4 * block_n // 4
+
+
+def test_the_key_order_hands_p_to_the_pv_wgmma_without_shuffles_or_byte_repacking(built: Path) -> None:
+    """KEY_ORDER=1 (every config but the last): P's e4m3 bytes are already in the registers of the
+    threads whose P·V operand takes them, so the kernel has no ``SHFL.IDX`` (the keys-in-order twin
+    moves P with them; ``SHFL.BFLY`` are the row maxima and sums, in both), and P rounded just before
+    its wgmma is packed by its conversions instead of a byte at a time (``PRMT``, ``LOP3``)."""
+    from tests.helpers.sass import sass_ops
+
+    variants = _variants(built)
+    ordered, in_order = variants[TWIN], variants[IN_ORDER]
+    assert ordered.config.constexprs == {**in_order.config.constexprs, "KEY_ORDER": 1}
+    ops = [sass_ops(lzma.decompress((built / v.image.path).read_bytes())) for v in (ordered, in_order)]
+    assert ops[0].get("SHFL.IDX", 0) == 0 < ops[1].get("SHFL.IDX", 0)
+    assert ops[0]["SHFL.BFLY"] == ops[1]["SHFL.BFLY"]
+    assert sum(n for op, n in ops[0].items() if op.startswith("PRMT")) * 5 < sum(
+        n for op, n in ops[1].items() if op.startswith("PRMT"))
+    assert sum(n for op, n in ops[0].items() if op.startswith("F2FP")) == sum(
+        n for op, n in ops[1].items() if op.startswith("F2FP"))

@@ -49,6 +49,8 @@ def _library(folder: Path, gluon: bool) -> Any:
     variants.append(_synthetic_variant("attn_fp8_v_transpose", {"dtype": "fp8e4nv", "HEAD_DIM": 128}))
     if gluon:
         variants += [_synthetic_variant(GLUON, {**DENSE, "CAUSAL": c}) for c in (0, 1, 2)]
+        # The V^T in the Gluon forward's key order (its configs but the last read it).
+        variants.append(_synthetic_variant("attn_fp8_v_transpose", {"dtype": "fp8e4nv", "HEAD_DIM": 128}, index=1))
     folder.mkdir()
     (folder / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
                                                      "triton_version": "3.6.0", "variants": variants}))
@@ -62,6 +64,9 @@ def test_an_sm90_fp8_call_runs_the_gluon_forward_where_the_images_hold_it(tmp_pa
     ex = explain(dtype="fp8e4nv", head_dim=128, seqlen_q=4096, arch="sm90", library=lib)
     assert [k.kernel for k in ex.kernels] == ["attn_fp8_v_transpose", GLUON]
     assert ex.kernels[1].spec == {**DENSE, "CAUSAL": 0}
+    # V^T with each 32 keys in the Gluon forward's register order.
+    assert ex.kernels[0].spec == {"dtype": "fp8e4nv", "HEAD_DIM": 128, "KEY_ORDER": 1}
+    assert "register order" in ex.kernels[0].kernel_reason
     assert ex.kernels[1].kernel_reason.startswith("sm90's own FP8 forward (Gluon")
     assert f"{GLUON}[dtype=fp8e4nv, out_dtype=bf16, HEAD_DIM=128" in str(ex)
     # A bottom-right call of unequal lengths: mode 2 first, which only the Gluon kernel holds here.
@@ -79,6 +84,7 @@ def test_packed_sequences_and_images_without_it_run_the_portable_fp8_forward(tmp
     lib = _library(tmp_path / "gluon", gluon=True)
     packed = explain(dtype="fp8e4nv", head_dim=128, seqlen_q=4096, varlen=True, arch="sm90", library=lib)
     assert packed.kernels[1].kernel == PORTABLE and packed.kernels[1].spec == {**DENSE, "CAUSAL": 0, "VARLEN": 1}
+    assert packed.kernels[0].spec == {"dtype": "fp8e4nv", "HEAD_DIM": 128}  # the keys in order
     assert packed.kernels[1].kernel_reason == ("the FP8 forward (fp8 q, k, v); sm90's own FP8 forward is not in "
                                                "these images for this spec")
     without = _library(tmp_path / "portable", gluon=False)
@@ -178,12 +184,13 @@ def test_the_gluon_fp8_forward_takes_attn_fwd_fp8s_arguments_and_is_built_for_sm
     assert expand(gluon, targets, "default", triton.__version__) == []  # unmeasured: not in the default set
     # Each spec's whole config table: one-tile configs first, then the persistent ones (their
     # indices are what tuning rules will name), then the first of each again with EXP2_SPLIT,
-    # which only those two configs name.
+    # which only those two configs name, then the first again with the keys in order (KEY_ORDER=0).
     for j in gputest:
         configs = gluon.configs_for(j.spec, j.target)
-        table = [c.constexprs["PERSISTENT"] for c in configs[:-2]]
+        table = [c.constexprs["PERSISTENT"] for c in configs[:-3]]
         assert table == sorted(table) and table[-2:] == [132, 132] and table[0] == 0
-        split = [{k: v for k, v in c.constexprs.items() if k != "EXP2_SPLIT"} for c in configs[-2:]]
+        split = [{k: v for k, v in c.constexprs.items() if k != "EXP2_SPLIT"} for c in configs[-3:-1]]
         assert split == [configs[0].constexprs, configs[table.index(132)].constexprs]
-        assert [c.constexprs.get("EXP2_SPLIT") for c in configs] == [None] * len(table) + [1, 1]
-    assert len(gputest) == len(full) == 6 * 7 + 6 * 6
+        assert [c.constexprs.get("EXP2_SPLIT") for c in configs] == [None] * len(table) + [1, 1, None]
+        assert configs[-1].constexprs == {**configs[0].constexprs, "KEY_ORDER": 0}
+    assert len(gputest) == len(full) == 6 * 8 + 6 * 7

@@ -210,10 +210,23 @@ def _explain_fp8(*, dtype: str, head_dim: int, seqlen_q: int, seqlen_k: int | No
     ks = kernels_of(library)
     arch = _arch_of(ks, arch)
     forward = explain_choice(ks, call, out_dtype_of(out_dtype), arch)
-    spec = transpose_spec(forward)
-    pre = KernelChoice(FP8_V_TRANSPOSE, FP8_V_TRANSPOSE, spec, "V^T for the FP8 forward's P·V (keys contiguous)",
-                       Choice(FP8_V_TRANSPOSE, 0), dict(spec))
+    order = _fp8_key_order(ks, forward)
+    spec = transpose_spec(forward, order)
+    why = "V^T for the FP8 forward's P·V (keys contiguous" + (", each 32 in the forward's register order)" if order
+                                                               else ")")
+    pre = KernelChoice(FP8_V_TRANSPOSE, FP8_V_TRANSPOSE, spec, why, Choice(FP8_V_TRANSPOSE, 0), dict(spec))
     return Explanation(call, arch, [_pick(ks, pre, call, arch), _pick(ks, forward, call, arch)])
+
+
+def _fp8_key_order(ks: Any, forward: KernelChoice) -> int:
+    """The key order of V^T that the explained FP8 forward reads (0 where the images lack it:
+    the explanation then says what is missing)."""
+    from .fp8 import forward_handle
+
+    try:
+        return forward_handle(ks, forward)[1]
+    except KernelNotFound:
+        return 0
 
 
 def sinks_choice(call: AttentionCall, backward: bool) -> KernelChoice:

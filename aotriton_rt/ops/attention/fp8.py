@@ -185,16 +185,49 @@ def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> K
                          f"{remedy(FWD_FP8, [arch])}")
 
 
-def transpose_spec(chosen: KernelChoice) -> dict[str, Any]:
-    """The V^T pre-pass's spec for a chosen forward."""
-    return {"dtype": chosen.spec["dtype"], "HEAD_DIM": chosen.spec["HEAD_DIM_V"]}
+def transpose_spec(chosen: KernelChoice, order: int = 0) -> dict[str, Any]:
+    """The V^T pre-pass's spec for a chosen forward, whose variants read V^T's keys in ``order``
+    (:func:`key_order`)."""
+    spec = {"dtype": chosen.spec["dtype"], "HEAD_DIM": chosen.spec["HEAD_DIM_V"]}
+    return {**spec, "KEY_ORDER": 1} if order else spec
 
 
-def transpose_handle(ks: Any, chosen: KernelChoice, arch: str) -> Any:
-    """The V^T pre-pass's handle, or KernelNotFound naming the build that adds it."""
+def key_order(handle: Any) -> int:
+    """The order in which the variants of a forward's ``handle`` read V^T's keys: 1 for sm90's
+    Gluon forward (``KEY_ORDER=1``: attn_fp8_v_transpose's register order), 0 for the others and
+    for variants without the parameter. A handle whose candidates disagree is refused (a lookup
+    that does not name the config: see :func:`forward_handle`)."""
+    orders = {v.params.get("KEY_ORDER", 0) for v in getattr(handle, "candidates", ())}
+    if len(orders) > 1:
+        raise KernelNotFound(f"{handle.name}: its variants read V^T in different key orders; name KEY_ORDER")
+    return orders.pop() if orders else 0
+
+
+def key_permutation(cols: int) -> list[int]:
+    """The key each V^T column holds in ``KEY_ORDER=1`` (``cols`` a multiple of 32): within each
+    group of 32, column ``16h + 4q + 2j + e`` holds key ``16h + 8j + 2q + e`` (the builder's
+    ``wgmma_key_order``, for callers that transpose V themselves)."""
+    return [(n & ~31) | (n & 17) | ((n & 12) >> 1) | ((n & 2) << 2) for n in range(cols)]
+
+
+def forward_handle(ks: Any, chosen: KernelChoice) -> tuple[Any, int]:
+    """The chosen FP8 forward's handle and the key order its V^T must have. A spec's configs may
+    read V^T in different orders (the Gluon forward keeps one config in keys' order to compare):
+    the handle is then pinned to the order of the config it launches (the lowest index)."""
+    handle = ks.lib.kernel(chosen.kernel, **chosen.params)
+    candidates = getattr(handle, "candidates", ())
+    if len({v.params.get("KEY_ORDER", 0) for v in candidates}) > 1:
+        first = min(candidates, key=lambda v: v.config.index)
+        handle = ks.lib.kernel(chosen.kernel, **chosen.params, KEY_ORDER=first.params["KEY_ORDER"])
+    return handle, key_order(handle)
+
+
+def transpose_handle(ks: Any, chosen: KernelChoice, arch: str, order: int = 0) -> Any:
+    """The V^T pre-pass's handle for a forward reading V^T's keys in ``order`` (:func:`key_order`), or
+    KernelNotFound naming the build that adds it."""
     from ...select import remedy
 
-    spec = transpose_spec(chosen)
+    spec = transpose_spec(chosen, order)
     if not ks.available(FP8_V_TRANSPOSE, spec, ()):
         raise KernelNotFound(f"FP8 attention needs {FP8_V_TRANSPOSE} with "
                              f"{', '.join(f'{k}={v}' for k, v in spec.items())} on {arch}, which these images lack; "
@@ -204,8 +237,9 @@ def transpose_handle(ks: Any, chosen: KernelChoice, arch: str) -> Any:
 
 def vt_shape(batch: int, heads_k: int, width: int, rows: int, varlen: bool) -> tuple[int, ...]:
     """V^T's shape: ``(B, Hkv, width, cols)``, or ``(Hkv, width, cols)`` for packed keys, with
-    ``cols`` the key rows rounded up to 16 (the forward's 16-element stride promise)."""
-    cols = -(-max(rows, 1) // 16) * 16
+    ``cols`` the key rows rounded up to 32 (the forward's 16-element stride promise, and whole
+    groups of 32 keys for the Gluon forward's key order)."""
+    cols = -(-max(rows, 1) // 32) * 32
     return (heads_k, width, cols) if varlen else (batch, heads_k, width, cols)
 
 
@@ -227,8 +261,9 @@ def forward(q: Any, k: Any, v: Any, *, causal: Any, window: Any, align: str, sca
     call = p.call(0)
     arch = ks.device_arch(max(p.device, 0))
     chosen = choose(ks, call, spec_of(p, od, p.causal_mode), arch)
-    handle = ks.lib.kernel(chosen.kernel, **chosen.params)
-    return _launch(p, handle, chosen.spec, od, descales, out, out_i, lse, lse_i, transpose_handle(ks, chosen, arch))
+    handle, order = forward_handle(ks, chosen)
+    return _launch(p, handle, chosen.spec, od, descales, out, out_i, lse, lse_i,
+                   transpose_handle(ks, chosen, arch, order))
 
 
 def _launch(p: Problem, handle: Any, spec: dict[str, Any], od: str, descales: tuple, out: Any, out_i: Any,
@@ -287,5 +322,5 @@ def explain_choice(ks: Any, call: AttentionCall, out_dtype: str, arch: str) -> K
     return choose(ks, call, spec, arch)
 
 
-__all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "FP8_V_TRANSPOSE", "check_descale", "forward", "is_fp8", "out_dtype_of",
-           "transpose_spec"]
+__all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "FP8_V_TRANSPOSE", "check_descale", "forward", "forward_handle",
+           "is_fp8", "key_order", "key_permutation", "out_dtype_of", "transpose_spec"]
