@@ -8,7 +8,8 @@ descales per (batch, key/value head) and per tensor. The reference is fp32 atten
 dequantised inputs, with the error bounds of tests/runtime/test_attention_fp8_gpu.py (P rounded
 to e4m3: ``max <= 2^-4 max|v| + 2^-7 max|ref|``, ``mean <= 2^-8 max|v|``). Inputs live in
 NaN-filled buffers: rows past each sequence, columns past the head dim, and V^T's key columns past
-``seqlen_k`` (which the pre-pass would zero; TMA's bounds keep this kernel from reading them).
+``seqlen_k`` (which the pre-pass would zero; TMA's bounds keep this kernel from reading them), past
+``seqlen_k`` rounded up to 32 for the configs that read V^T in their key order (``KEY_ORDER=1``).
 Outputs are views of NaN-filled buffers whose padding must stay NaN.
 
 The persistent configs (``PERSISTENT`` > 0: a grid of at most 132 programs looping over query
@@ -75,14 +76,25 @@ def _padded(B: int, n: int, H: int, D: int, gen: Any) -> tuple[Any, Any, Any]:
     return full, view.transpose(1, 2), data.float().transpose(1, 2)
 
 
-def _transposed(v: Any) -> Any:
+def _transposed(v: Any, order: int) -> Any:
     """V^T of a (B, H, n, D) fp8 view: (B, H, D, n) with the keys contiguous, inside a buffer whose
-    rows are 16-element multiples and NaN past n (and NaN rows between heads)."""
+    rows are 16-element multiples and NaN past n (and NaN rows between heads). ``order`` 1: as the
+    pre-pass writes it for a KEY_ORDER=1 variant: each 32 keys in the forward's register order and
+    zeros from n to the next multiple of 32 (which such a variant reads), NaN past that."""
+    from aotriton_rt.ops.attention.fp8 import key_permutation
+
     B, H, n, D = v.shape
     cols = -(-n // 16) * 16 + 32
     full = torch.full((B, H, D + 8, cols), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     vt = full[:, :, :D, :]
-    vt[..., :n].copy_(v.transpose(-1, -2))
+    if order == 0:
+        vt[..., :n].copy_(v.transpose(-1, -2))
+        return vt
+    r32 = -(-n // 32) * 32
+    keys = torch.zeros(B, H, D, r32, device="cuda").to(torch.float8_e4m3fn)
+    keys[..., :n].copy_(v.transpose(-1, -2))
+    perm = torch.tensor(key_permutation(r32), device="cuda")
+    vt[..., :r32].view(torch.uint8).copy_(keys.view(torch.uint8).index_select(-1, perm))  # bytes: no fp8 gather
     return vt
 
 
@@ -98,7 +110,7 @@ def _run_case(lib: Any, v: Any, problem: tuple, align: int, per_head: bool) -> s
     _, q8, q = _padded(B, Sq, Hq, D, gen)
     _, k8, k = _padded(B, Sk, Hk, D, gen)
     _, v8, vf = _padded(B, Sk, Hk, D, gen)
-    vt = _transposed(v8)
+    vt = _transposed(v8, v.config.constexprs.get("KEY_ORDER", 0))
     if per_head:
         descales = [torch.rand(B, Hk, device="cuda", generator=gen) * 0.02 + 0.005 for _ in range(3)]
         strides = [d.stride() for d in descales]
