@@ -760,9 +760,10 @@ from builder.targets import parse_targets
 
 if __name__ == "__main__":
     spec = {"dtype": "fp8e4nv", "out_dtype": "fp16", "HEAD_DIM": 64, "HEAD_DIM_V": 64, "CAUSAL": 1, "VARLEN": 0}
-    jobs = [j for j in registry.expand(registry.load_kernels()["attn_fwd_fp8"], parse_targets("sm90"), "full", "3.6.0")
+    kernels = registry.load_kernels()
+    jobs = [j for name in sys.argv[2:] for j in registry.expand(kernels[name], parse_targets("sm90"), "full", "3.6.0")
             if dict(j.spec) == spec and j.config_index == 0]
-    assert len(jobs) == 1, [j.label for j in jobs]
+    assert len(jobs) == len(sys.argv[2:]), [j.label for j in jobs]
     build(jobs, Path(sys.argv[1]), workers=1, timeout=900, keep_going=False, triton_version="3.6.0", quiet=True)
 """
 
@@ -774,8 +775,57 @@ def fp8_lib(tmp_path_factory) -> aotriton_rt.Library:
     import sys
 
     out = tmp_path_factory.mktemp("fp8")
-    subprocess.run([sys.executable, "-c", BUILD_FP8, str(out)], cwd=Path(__file__).resolve().parents[2], check=True)
+    subprocess.run([sys.executable, "-c", BUILD_FP8, str(out), "attn_fwd_fp8"], cwd=Path(__file__).resolve().parents[2],
+                   check=True)
     return aotriton_rt.Library(out)
+
+
+@pytest.fixture(scope="module")
+def fp8_gluon_lib(tmp_path_factory) -> aotriton_rt.Library:
+    """Both FP8 forwards of the same spec as fp8_lib: the portable one and sm90's Gluon one (config
+    #0, which reads V^T with each 32 keys in its register order)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("fp8_gluon")
+    subprocess.run([sys.executable, "-c", BUILD_FP8, str(out), "attn_fwd_fp8", "attn_fwd_fp8_sm90"],
+                   cwd=Path(__file__).resolve().parents[2], check=True)
+    return aotriton_rt.Library(out)
+
+
+def test_fp8_attention_on_the_gluon_forward_hands_it_v_transposed_in_its_key_order(
+        fp8_gluon_lib, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon FP8 forward reads V^T with each 32 keys in its register order and the keys rounded
+    up to 32: XLA's transpose of V is gathered into that order (the eager path's pre-pass writes it)."""
+    from aotriton_rt.ops.attention.fp8 import key_permutation
+
+    monkeypatch.setenv("AOTRITON_RT_FP8_SM90", "1")
+    q8 = jax.ShapeDtypeStruct((2, 4, 200, 64), jnp.float8_e4m3fn)
+    k8 = jax.ShapeDtypeStruct((2, 2, 333, 64), jnp.float8_e4m3fn)
+    low = lower(lambda q, k, v: aj.attention(q, k, v, causal=True, out_dtype="fp16", library=fp8_gluon_lib,
+                                             arch="sm90"), q8, k8, k8)
+    call = kernel_call_of(low)
+    assert call["name"] == "attn_fwd_fp8_sm90"
+    variant = next(v for v in fp8_gluon_lib.variants if v.kernel == "attn_fwd_fp8_sm90")
+    assert variant.config.constexprs["KEY_ORDER"] == 1
+    s = _scalars(call, variant)
+    assert s["stride_vd"] == 352 and s["seqlen_k"] == 333  # 333 keys rounded up to 32
+    # The V^T it is handed, computed by XLA on the CPU (the kernel's launch replaced by a function
+    # that returns its V argument): V^T's columns in key_permutation's order, zeros past the keys.
+    import importlib
+
+    import numpy as np
+
+    jax_attention = importlib.import_module("aotriton_rt.jax.attention")  # the module (the package exports a function)
+    monkeypatch.setattr(jax_attention, "_launch", lambda handle, o, values: (values["V"], None))
+    v = jax.random.normal(jax.random.key(0), (2, 2, 333, 64)).astype(jnp.float8_e4m3fn)
+    got = np.asarray(jax.jit(lambda q, k, v: aj.attention(q, k, v, causal=True, out_dtype="fp16",
+                                                          library=fp8_gluon_lib, arch="sm90"))(v[:, :, :200], v, v)
+                     .astype(jnp.float32))
+    natural = np.zeros((2, 2, 64, 352), np.float32)
+    natural[..., :333] = np.swapaxes(np.asarray(v.astype(jnp.float32)), -1, -2)
+    assert got.shape == (2, 2, 64, 352)
+    np.testing.assert_array_equal(got, natural[..., key_permutation(352)])
 
 
 def test_fp8_attention_lowers_to_the_fp8_forward_with_its_descales_and_refuses_grad(fp8_lib) -> None:
