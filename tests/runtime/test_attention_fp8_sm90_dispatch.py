@@ -94,16 +94,21 @@ def test_packed_sequences_and_images_without_it_run_the_portable_fp8_forward(tmp
 
 
 class _Recorded:
-    """A forward handle that records the argument values it is launched with (nothing runs)."""
+    """A forward handle that records the argument values it is launched with (nothing runs); the
+    Gluon forward's one candidate variant reads V^T in its key order (KEY_ORDER=1), as config #0 does."""
 
     def __init__(self, lib: Any, name: str, params: dict) -> None:
         from builder.registry import _resolve_signature
 
-        self.lib, self.name = lib, name
-        self.arg_names = [n for n, t in _resolve_signature(lib.decls[name], params).items() if t != "constexpr"]
+        self.lib, self.name, self.params = lib, name, params
+        spec = {k: v for k, v in params.items() if k != "KEY_ORDER"}
+        self.arg_names = [n for n, t in _resolve_signature(lib.decls[name], spec).items() if t != "constexpr"]
+        if name == GLUON:
+            self.candidates = [type("Variant", (), {"params": {**params, "KEY_ORDER": 1}})()]
 
     def __call__(self, *args: Any, stream: Any = None) -> None:
         self.lib.recorded.append((self.name, dict(zip(self.arg_names, args, strict=True))))
+        self.lib.params.append((self.name, self.params))
 
 
 def _recording_library(held: tuple[str, ...]) -> Any:
@@ -116,9 +121,11 @@ def _recording_library(held: tuple[str, ...]) -> Any:
             super().__init__(missing=tuple(n for n in (GLUON, PORTABLE) if n not in held))
             self.missing = tuple(n for n in self.missing if n not in held)
             self.recorded: list[tuple[str, dict]] = []
+            self.params: list[tuple[str, dict]] = []
 
         def kernel(self, name: str, **params: Any) -> Any:
-            super().kernel(name, **params)  # KernelNotFound where the images lack it
+            # KernelNotFound where the images lack it (the interpreted pre-pass has no KEY_ORDER axis).
+            super().kernel(name, **{k: v for k, v in params.items() if k != "KEY_ORDER"})
             return _Recorded(self, name, params)
 
     return Recording()
@@ -139,12 +146,15 @@ def test_the_operator_launches_the_gluon_forward_with_the_portable_ones_argument
     q = torch.randn(2, 4, 37, 64).to(torch.float8_e4m3fn)
     k, v = (torch.randn(2, 2, 53, 64).to(torch.float8_e4m3fn) for _ in range(2))
     descales = {"q_descale": torch.rand(2, 2) + 0.5, "k_descale": 0.25, "v_descale": torch.rand(2, 2) + 0.5}
-    launched = {}
+    launched, pre = {}, {}
     for held in ((GLUON, PORTABLE), (PORTABLE,)):
         lib = _recording_library(held)
         aotriton_rt.attention(q, k, v, causal=True, align="bottom_right", window=(17, 0), library=lib, **descales)
         ((name, values),) = [(n, v) for n, v in lib.recorded if n != "attn_fp8_v_transpose"]
         launched[name] = values
+        ((_, pre[name]),) = [(n, p) for n, p in lib.params if n == "attn_fp8_v_transpose"]
+    # The pre-pass in the order of the forward launched: the Gluon one's register order, else keys in order.
+    assert pre[GLUON].get("KEY_ORDER") == 1 and "KEY_ORDER" not in pre[PORTABLE]
     assert set(launched) == {GLUON, PORTABLE}
     gluon, portable = launched[GLUON], launched[PORTABLE]
     assert list(gluon) == list(portable)  # the same arguments, in the same order
@@ -155,7 +165,7 @@ def test_the_operator_launches_the_gluon_forward_with_the_portable_ones_argument
 
     assert plain(gluon) == plain(portable)
     assert (gluon["seqlen_q"], gluon["seqlen_k"], gluon["window_left"], gluon["causal_align"]) == (37, 53, 17, 1)
-    assert gluon["V"].shape == (2, 2, 64, 64)  # V^T: (B, Hkv, D bucket, keys rounded up to 16)
+    assert gluon["V"].shape == (2, 2, 64, 64)  # V^T: (B, Hkv, D bucket, 53 keys rounded up to 32)
 
 
 def test_the_gluon_fp8_forward_takes_attn_fwd_fp8s_arguments_and_is_built_for_sm90_gputest_and_full() -> None:
