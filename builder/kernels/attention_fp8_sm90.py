@@ -85,6 +85,8 @@ def _p_operand(p, fp8: gl.constexpr, p_layout: gl.constexpr, KEY_ORDER: gl.const
     if KEY_ORDER == 1:
         HALF: gl.constexpr = p.shape[0]
         BLOCK_N: gl.constexpr = p.shape[1]
+        # Every visited block starts at a multiple of BLOCK_N (_band), so its groups of 32 keys are V^T's.
+        gl.static_assert(BLOCK_N % 32 == 0, "attn_fwd_fp8_sm90: KEY_ORDER=1 takes keys in groups of 32")
         p = gl.permute(p.reshape(HALF, BLOCK_N // 32, 2, 2, 4, 2), 0, 1, 2, 4, 3, 5).reshape(HALF, BLOCK_N)
         p = gl.convert_layout(p, p_layout, assert_trivial=True)
         # Four probabilities a register, rounded to nearest (as p.to(fp8)): two cvt's of a pair each.
