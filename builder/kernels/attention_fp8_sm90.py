@@ -80,8 +80,8 @@ def _p_operand(p, fp8: gl.constexpr, p_layout: gl.constexpr, KEY_ORDER: gl.const
     must hand it to the wgmma: the layout conversion moves nothing (checked when the kernel
     compiles), and each register's four e4m3 bytes come from two paired conversions. It is
     rounded here, just before the wgmma that reads it, because P carried from one step to the
-    next in e4m3 is held a byte a register and packed again at the wgmma (2 of every 3
-    instructions the conversion took). KEY_ORDER=0: P already e4m3 in the operand layout."""
+    next in e4m3 is held a byte a register and packed again at the wgmma (112 PRMT and 64 LOP3 a
+    key block per thread at D=128). KEY_ORDER=0: P already e4m3 in the operand layout."""
     if KEY_ORDER == 1:
         HALF: gl.constexpr = p.shape[0]
         BLOCK_N: gl.constexpr = p.shape[1]
