@@ -561,10 +561,10 @@ def add_cli(sub: Any) -> None:
     t.add_argument("--softcap", type=float, default=None, metavar="CAP",
                    help=f"the forwards' softcapped specs, every call capped at CAP (with --kernels "
                    f"{','.join(FORWARDS)} only)")
-    t.add_argument("--quick", action="store_true", help=f"the forward kernels and {BACKWARD} only, 5 bins "
-                   "1024..16384, 3 rounds")
+    t.add_argument("--quick", action="store_true", help=f"the forward kernels, the arch's own backward kernels and "
+                   f"{BACKWARD} only, 5 bins 1024..16384, 3 rounds")
     t.add_argument("--recompute", metavar="FILE", help="no GPU: decide the rules again from FILE's measurements "
                    "(e.g. with another --tolerance)")
     t.add_argument("--merge", metavar="FILE", nargs="+", help="no GPU: one database from several of one arch, each "
-                   "file's entries replacing the earlier files' entries of every kernel it measured")
+                   "file's entries replacing the earlier files' entries of every (kernel, spec) it measured")
     t.set_defaults(func=main)

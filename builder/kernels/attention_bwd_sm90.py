@@ -941,8 +941,8 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     combos = [(*c, 0) for c in combos]
     if not atomic:
         overlaps = (1, 2) if spec["HEAD_DIM"] in OVERLAP_SMEM_D else (1,)
-        combos += [(0, 0, OVERLAP_BLOCK_M[spec["HEAD_DIM"]] if overlap == 1 else 64, OVERLAP_STAGES, programs, overlap)
-                   for overlap in overlaps for programs in (0,)]
+        combos += [(0, 0, OVERLAP_BLOCK_M[spec["HEAD_DIM"]] if overlap == 1 else 64, OVERLAP_STAGES, 0, overlap)
+                   for overlap in overlaps]
     # OVERLAP is named only where it is set (the kernel's default is 0): the other configs keep the
     # parameters the tuning database measured them with (its rules check them).
     return tuple(ConfigDecl(constexprs={"BLOCK_M": bm, "BLOCK_N": 128, "USE_TMA": 1, "STAGES": st,

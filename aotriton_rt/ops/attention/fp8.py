@@ -197,10 +197,15 @@ def key_order(handle: Any) -> int:
     Gluon forward (``KEY_ORDER=1``: attn_fp8_v_transpose's register order), 0 for the others and
     for variants without the parameter. A handle whose candidates disagree is refused (a lookup
     that does not name the config: see :func:`forward_handle`)."""
-    orders = {v.params.get("KEY_ORDER", 0) for v in getattr(handle, "candidates", ())}
+    orders = _orders(handle)
     if len(orders) > 1:
         raise KernelNotFound(f"{handle.name}: its variants read V^T in different key orders; name KEY_ORDER")
     return orders.pop() if orders else 0
+
+
+def _orders(handle: Any) -> set[int]:
+    """The V^T key orders of a handle's candidate variants (``KEY_ORDER``, 0 where absent)."""
+    return {v.params.get("KEY_ORDER", 0) for v in getattr(handle, "candidates", ())}
 
 
 def key_permutation(cols: int) -> list[int]:
@@ -215,9 +220,8 @@ def forward_handle(ks: Any, chosen: KernelChoice) -> tuple[Any, int]:
     read V^T in different orders (the Gluon forward keeps one config in keys' order to compare):
     the handle is then pinned to the order of the config it launches (the lowest index)."""
     handle = ks.lib.kernel(chosen.kernel, **chosen.params)
-    candidates = getattr(handle, "candidates", ())
-    if len({v.params.get("KEY_ORDER", 0) for v in candidates}) > 1:
-        first = min(candidates, key=lambda v: v.config.index)
+    if len(_orders(handle)) > 1:
+        first = min(handle.candidates, key=lambda v: v.config.index)
         handle = ks.lib.kernel(chosen.kernel, **chosen.params, KEY_ORDER=first.params["KEY_ORDER"])
     return handle, key_order(handle)
 
