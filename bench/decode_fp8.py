@@ -8,8 +8,9 @@ Contenders, in a shuffled order every round (bench/gpu_common.py's ``timed_round
 - ``fp8``: the same rows quantised to e4m3 (``float8_e4m3fn``; ``float8_e4m3fnuz`` on gfx942)
   with one scale per KV head (``k_scale``/``v_scale`` of shape ``(Hkv,)``);
 - ``p16:bf16``, ``p16:fp8`` (``--page``, first size only): the same caches in shuffled pages;
-- ``fp8#4``, ``p16:fp8#4``: with sm90's config #4 forced (V read as ``(D, keys)`` and transposed
-  after widening), where the images hold it (gputest, full).
+- ``fp8#4``, ``fp8#5`` (and ``p16:`` ones): with sm90's config #4 or #5 forced (configs #0 and #2
+  with V read in 4-byte words and widened before its dot), where the images hold them (gputest,
+  full). The runtime's own choice is #2 from 212 (sequence, KV head) pairs on, else #0.
 
 Each is timed from a CUDA graph of 10 calls (and eagerly). Reported: medians over ``--rounds``
 rounds with their spread ((max-min)/median), the K/V bandwidth (bytes read / time) as % of
@@ -48,14 +49,18 @@ def _error(out: Any, q: Any, k: Any, v: Any) -> float:
     return (out[0].float() - ref).abs().max().item()
 
 
-def _transposed_view(lib: Any) -> Any:
-    """A view of ``lib`` launching the fp8 decode variants' config #4, or None without it."""
-    held = any(v.config.index == 4 and v.spec.get("KV_DTYPE", "").startswith("fp8")
+#: sm90's fp8-only decode configs the table forces besides the runtime's own choice.
+WIDENED = (4, 5)
+
+
+def _forced_view(lib: Any, config: int) -> Any:
+    """A view of ``lib`` launching the fp8 decode variants' config ``config``, or None without it."""
+    held = any(v.config.index == config and v.spec.get("KV_DTYPE", "").startswith("fp8")
                for v in lib.variants_of("attn_decode"))
     if not held:
         return None
-    return lib.with_tuning({"attn_decode": [{"config": 4, "splits": {"waves": 2, "min_blocks": 4,
-                                                                      "max_splits": 64}}]})
+    return lib.with_tuning({"attn_decode": [{"config": config, "splits": {"waves": 2, "min_blocks": 4,
+                                                                           "max_splits": 64}}]})
 
 
 def _contender(lib: Any, q: Any, lens: Any, k: Any, v: Any, table: Any, kw: dict) -> Any:
@@ -88,14 +93,14 @@ def fp8_table(args: Any, lib: Any) -> list[dict]:
                     caches[f"p{size}:{name}"] = (kp, vp, table.cuda(), kw)
 
         fns = {name: _contender(lib, q, lens, *c) for name, c in caches.items()}
-        transposed = _transposed_view(lib)
-        if transposed is not None:
-            fns.update({f"{name}#4": _contender(transposed, q, lens, *c)
-                        for name, c in caches.items() if "fp8" in name})
+        for config in WIDENED:
+            forced = _forced_view(lib, config)
+            if forced is not None:
+                fns.update({f"{name}#{config}": _contender(forced, q, lens, *c)
+                            for name, c in caches.items() if "fp8" in name})
         deq = (k8.float() * ks[None, None, :, None], v8.float() * vs[None, None, :, None])
-        errors = {"bf16": _error(fns["bf16"](), q, kc, vc), "fp8": _error(fns["fp8"](), q, *deq)}
-        if "fp8#4" in fns:
-            errors["fp8#4"] = _error(fns["fp8#4"](), q, *deq)
+        errors = {"bf16": _error(fns["bf16"](), q, kc, vc)}
+        errors.update({n: _error(fns[n](), q, *deq) for n in fns if n.startswith("fp8")})
         graphs = graphed(fns, 10)
         eager, graph = timed_rounds(fns, graphs, args.rounds)
         times = {n: graph[n] if n in graphs else eager[n] for n in fns}
@@ -106,7 +111,7 @@ def fp8_table(args: Any, lib: Any) -> list[dict]:
                                        "bw_pct": 100 * kv_bytes / (statistics.median(runs) * 1e-3) / (
                                            args.peak_tbs * 1e12)}
         for base in ("", f"p{args.page[0]}:" if args.page else None):
-            for tag in ("", "#4"):
+            for tag in ("", *(f"#{c}" for c in WIDENED)):
                 if base is None or f"{base}fp8{tag}" not in times:
                     continue
                 ratios = [a / b for a, b in zip(times[f"{base}bf16"], times[f"{base}fp8{tag}"])]

@@ -211,12 +211,49 @@ def _raw_with_terms(qk, rel, qk_scale, softcap, alibi_raw):
     return qk + alibi_raw[:, None] * tl.abs(rel).to(tl.float32)
 
 
+#: PTX: a 32-bit word of four e4m3 bytes to four fp16 values, byte i (from the least
+#: significant) to value i: ``cvt.rn.f16x2.e4m3x2`` widens a pair, its low byte to the low half.
+#: (tests/helpers/interpreter.py runs it under the interpreter by these semantics.)
+E4M3X4_TO_F16 = tl.constexpr(
+    "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+    "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
+
+
+@triton.jit
+def _widened_rows(X_head, off, ok, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp16 ``(BLOCK_N, BLOCK_D)``: the e4m3 rows at byte offsets ``off`` from ``X_head`` (zeros
+    where ``ok`` is false and past HEAD_DIM), read as 32-bit words and widened four bytes at a
+    time in registers.
+
+    Why: the P.V dot sums over keys, so each thread's operand registers hold pairs of keys for one
+    column, a whole row (HEAD_DIM bytes) apart in a ``(keys, D)`` cache. Handed an fp8 tile, the
+    compiler gathers those bytes one load at a time from shared memory (64 per thread per 64-key
+    block at D=128, with as many moves to pair them); widened first, the tile reaches the dot as
+    a bf16 cache's does, through ``ldmatrix.trans`` of 16-bit values. The words and the join are
+    what keep the compiler from moving the widening past the layout change: a word holds four
+    columns of one key, which no dot operand layout keeps in one thread. Rows must start at
+    4-byte multiples (PADDED_D=0 variants promise 16)."""
+    tl.static_assert(HEAD_DIM % 4 == 0, "attn_decode: V_WIDENED reads whole 4-byte words")
+    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
+    offs_w = tl.arange(0, BLOCK_D // 4)
+    words = (X_head + off[:, None]).to(tl.pointer_type(tl.int32), bitcast=True) + offs_w[None, :]
+    if HEAD_DIM == BLOCK_D:
+        w = tl.load(words, mask=ok[:, None], other=0)
+    else:
+        w = tl.load(words, mask=ok[:, None] & (offs_w < HEAD_DIM // 4)[None, :], other=0)
+    h0, h1, h2, h3 = tl.inline_asm_elementwise(E4M3X4_TO_F16, "=h,=h,=h,=h,r", [w],
+                                               dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                               is_pure=True, pack=1)
+    # (keys, words, 2, 2) -> column 4 * word + 2 * i + j holds byte 2 * i + j of its word.
+    return tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (BLOCK_N, BLOCK_D))
+
+
 @triton.jit
 def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, start_b, len_k, qi, diag, left, right,
             qk_scale, softcap, alibi_raw, use_alibi,
             page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n, offs_d, head_dim,
             HEAD_DIM: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-            PREC: tl.constexpr, V_T: tl.constexpr):
+            PREC: tl.constexpr, V_WORDS: tl.constexpr):
     """Online softmax of the tile's query rows over key blocks ``start..end`` (see _block_offsets
     for MODE); returns the updated (acc, l_i, m_i, page_sign): ``page_sign`` ORed with the table
     entries' sign words (negative once one was out of range). Rows before ``start_b`` (a left
@@ -235,13 +272,9 @@ def _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, sta
         # K as (dim, keys): loads run along the contiguous head dim.
         k = tl.load(K_head + k_off[None, :] + offs_d[:, None],
                     mask=_and_dim(col_ok[None, :], offs_d, head_dim, HEAD_DIM, PADDED_D, 0), other=0.0)
-        if V_T:
-            # The P.V dot wants pairs of keys per thread, which an fp8 V in (keys, D) rows holds a
-            # byte apart: read it as K is read, 16-byte pieces along D, and transpose the widened
-            # tile (through shared memory as 16-bit values, ldmatrix.trans) instead.
-            vt = tl.load(V_head + v_off[None, :] + offs_d[:, None],
-                         mask=_and_dim(col_ok[None, :], offs_d, head_dim, HEAD_DIM, PADDED_D, 0), other=0.0)
-            v = tl.trans(vt.to(q.dtype))
+        if V_WORDS:
+            # An fp8 V widened before the P.V dot sees it (see _widened_rows).
+            v = _widened_rows(V_head, v_off, col_ok, HEAD_DIM, BLOCK_N)
         else:
             v = tl.load(V_head + v_off[:, None] + offs_d[None, :],
                         mask=_and_dim(col_ok[:, None], offs_d, head_dim, HEAD_DIM, PADDED_D, 1), other=0.0)
@@ -407,7 +440,7 @@ def attn_decode(
     sm_scale, window_left, window_right, head_dim, softcap, k_scale, v_scale,
     alibi_slopes, stride_az, use_alibi, Sinks, use_sinks,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PADDED_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0, V_TRANSPOSED: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0, V_WIDENED: tl.constexpr = 0,
 ):
     """Split-KV attention of seqlen_q query rows per sequence against its KV cache.
 
@@ -431,10 +464,14 @@ def attn_decode(
     ``use_sinks != 0``: attention sinks, ``Sinks[h]`` (fp32, one logit per query head) joins each
     row's softmax with no value, and LSE includes it; with one split here, in the epilogue, with
     several in attn_decode_combine (the partials stay without it). 0: ``Sinks`` is not read.
+    ``V_WIDENED`` (CUDA, an fp8 cache with whole rows): V is read in 4-byte words and widened in
+    registers before the P.V dot (:func:`_widened_rows`); without it the dot's operand is gathered
+    byte by byte from shared memory.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
-    # An fp8 cache's V read as (D, keys) and transposed after widening (config #4 on sm90).
-    V_T: tl.constexpr = V_TRANSPOSED and K.dtype.element_ty != Q.dtype.element_ty
+    # An fp8 cache's V widened from 4-byte words (configs #4 and #5 on sm90), where its rows are
+    # whole (PADDED_D=0 promises 16-byte aligned rows and strides; a masked head dim reads as is).
+    V_WORDS: tl.constexpr = V_WIDENED and K.dtype.element_ty != Q.dtype.element_ty and not PADDED_D
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -515,18 +552,18 @@ def attn_decode(
                                               start_b, len_k, qi, diag, left, right, qk_scale, softcap, alibi_raw,
                                               use_alibi, page_size, num_pages, stride_kz, stride_kn, stride_vz,
                                               stride_vn, offs_n, offs_d, head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 1,
-                                              PREC, V_T)
+                                              PREC, V_WORDS)
         else:
             acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end,
                                               start_b, len_k, qi, diag, left, right, qk_scale, softcap, alibi_raw,
                                               use_alibi, page_size, num_pages, stride_kz, stride_kn, stride_vz,
                                               stride_vn, offs_n, offs_d, head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 2,
-                                              PREC, V_T)
+                                              PREC, V_WORDS)
     else:
         acc, l_i, m_i, page_sign = _attend(acc, l_i, m_i, page_sign, q, K_head, V_head, bt_row, start, end, start_b,
                                           len_k, qi, diag, left, right, qk_scale, softcap, alibi_raw, use_alibi,
                                           page_size, num_pages, stride_kz, stride_kn, stride_vz, stride_vn, offs_n,
-                                          offs_d, head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 0, PREC, V_T)
+                                          offs_d, head_dim, HEAD_DIM, PADDED_D, BLOCK_N, 0, PREC, V_WORDS)
 
     _successor_may_launch(PDL)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -911,9 +948,9 @@ def _pdl(constexprs: dict, target: object, options: dict | None = None) -> dict:
 
 
 def _cfg(target: object, bm: int, bn: int, warps: int, stages: int, options: dict | None = None,
-         v_transposed: int = 0) -> ConfigDecl:
+         v_widened: int = 0) -> ConfigDecl:
     return ConfigDecl(num_warps=warps, num_stages=stages,
-                      **_pdl({"BLOCK_M": bm, "BLOCK_N": bn, "V_TRANSPOSED": v_transposed}, target, options))
+                      **_pdl({"BLOCK_M": bm, "BLOCK_N": bn, "V_WIDENED": v_widened}, target, options))
 
 
 def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
@@ -949,10 +986,12 @@ def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
                  _cfg(target, 16, 2 * bn, 8, _stages(2, spec, target)),
                  _cfg(target, 16, bn, 4, _stages(4, spec, target)),
                  _cfg(target, 128 if wide else 64, bn, 8 if wide else 4, _stages(3 if wide else 2, spec, target)))
-        if spec.get("KV_DTYPE", spec["dtype"]) != spec["dtype"]:
-            # #4: config #0 with an fp8 V read as (D, keys) and transposed after widening
-            # (docs/attention.md, "FP8 KV caches": fewer shared loads, more permutes).
-            found += (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target), v_transposed=1),)
+        if spec.get("KV_DTYPE", spec["dtype"]) != spec["dtype"] and not spec.get("PADDED_D"):
+            # #4, #5: configs #0 and #2 with an fp8 V widened from 4-byte words before its dot
+            # (docs/attention.md, "FP8 KV caches": no byte loads from shared memory); whole rows
+            # only (a masked head dim promises no 4-byte alignment).
+            found += (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target), v_widened=1),
+                      _cfg(target, 16, bn, 4, _stages(4, spec, target), v_widened=1))
         return found
     return (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),)
 

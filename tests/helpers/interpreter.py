@@ -66,7 +66,8 @@ def report_cases(names: list[str], run: Callable[[str], dict]) -> None:
 
 
 def patch_interpreter() -> None:
-    """Work around three Triton 3.6 interpreter defects; call in the child before running kernels.
+    """Work around three Triton 3.6 interpreter defects and run the one inline assembly the decode
+    kernel has (:func:`_widen_e4m3_words`); call in the child before running kernels.
 
     It turns scalars into 1-element arrays and calls int() on them when a loop bound is a
     run-time value (numpy >= 2.4 refuses int() of a 1-d array), and its tl.dot multiplies bf16
@@ -99,6 +100,36 @@ def patch_interpreter() -> None:
 
     builder.create_dot = dot
     _convert_fp8_through_torch(builder)
+    _widen_e4m3_words(builder)
+
+
+def _widen_e4m3_words(builder: type) -> None:
+    """``builder.kernels.decode.E4M3X4_TO_F16`` by its PTX semantics: byte i of each 32-bit word
+    (from the least significant: the lowest address, as the GPU's little-endian loads put it) to
+    fp16 output i. Any other assembly still raises, as the interpreter does."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from builder.kernels.decode import E4M3X4_TO_F16
+
+    class Results:
+        def __init__(self, handles: list) -> None:
+            self.handles = handles
+
+        def get_result(self, i: int):  # noqa: ANN202 - interpreter internals
+            return self.handles[i]
+
+    def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):  # noqa: ANN001, ANN202
+        if asm != E4M3X4_TO_F16.value or pack != 1 or len(values) != 1 or values[0].dtype.scalar != tl.int32:
+            raise NotImplementedError(f"inline assembly under the interpreter: {asm!r}")
+        words = np.ascontiguousarray(values[0].data, dtype=np.int32)
+        raw = torch.from_numpy(words.reshape(-1).view("<u1").copy())
+        wide = raw.view(torch.float8_e4m3fn).to(torch.float16).view(*words.shape, 4).numpy()
+        return Results([interpreter.TensorHandle(np.ascontiguousarray(wide[..., i]), tl.float16) for i in range(4)])
+
+    builder.create_inline_asm = create_inline_asm
 
 
 def _convert_fp8_through_torch(builder: type) -> None:

@@ -9,7 +9,8 @@ one block, several; a block table whose unused entries point far outside the cac
 taller than one block, sliding windows, forced splits (merged by the combine kernel; on sm90
 the chain's PDL launches), head dims 64, 80 and 128, fp32, fp8 caches (per-head, per-sequence
 and float scales, appends quantised into them; float8_e4m3fnuz on gfx942, float8_e4m3fn
-elsewhere, on GPUs whose images hold them), ALiBi slopes (per head and per sequence) and sinks
+elsewhere, on GPUs whose images hold them; on sm90 also configs #4 and #5 forced, which read V in
+4-byte words), ALiBi slopes (per head and per sequence) and sinks
 (joined in the epilogue and by the combine, a head at -inf), the attention() route, and hostile
 inputs: pages past the cache (10**6 in a 3-column table), negative entries, lengths past the
 capacity, negative or near the int32 limit, appends through them, with and without the debug
@@ -61,7 +62,14 @@ def paged(lens, page, hk, d, dtype, spare=3):
     return k, torch.randn_like(k), table.to(dev)
 
 
-def run(name, b=3, hq=8, hk=2, sq=1, d=64, dtype=torch.float16, page=None, lens=(37, 0, 1), new=0, fp8=None, **opts):
+def forced(config):
+    """The images with ``config`` forced on every decode call."""
+    return lib.with_tuning({"attn_decode": [{"config": config, "splits": {"waves": 2, "min_blocks": 1,
+                                                                           "max_splits": 64}}]})
+
+
+def run(name, b=3, hq=8, hk=2, sq=1, d=64, dtype=torch.float16, page=None, lens=(37, 0, 1), new=0, fp8=None,
+        config=None, **opts):
     lens_new = [n + new for n in lens]
     if page:
         k, v, table = paged(lens_new, page, hk, d, dtype)
@@ -75,6 +83,13 @@ def run(name, b=3, hq=8, hk=2, sq=1, d=64, dtype=torch.float16, page=None, lens=
             return
         k, v, scales = to_fp8(k, v, b, hk, fp8)
         opts = {**opts, **scales}
+    images = lib
+    if config is not None:
+        held = {x.config.index for x in lib.variants_of("attn_decode") if x.spec.get("KV_DTYPE", "").startswith("fp8")}
+        if config not in held:
+            print(f"skip {name}: the images hold no fp8 decode config #{config}", flush=True)
+            return
+        images = forced(config)
     alibi, with_sinks = opts.pop("alibi", None), opts.pop("sinks", False)
     if alibi:  # slopes per query head, or per sequence and query head
         opts["alibi_slopes"] = torch.rand(hq, device=dev) if alibi == "head" else torch.rand(b, hq, device=dev)
@@ -84,11 +99,11 @@ def run(name, b=3, hq=8, hk=2, sq=1, d=64, dtype=torch.float16, page=None, lens=
     kn = torch.randn(b, new, hk, d, device=dev, dtype=dtype) if new else None
     vn = torch.randn_like(kn) if new else None
     seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    out, lse = decode_attention(q, k, v, cache_seqlens=seqlens, block_table=table, k_new=kn, v_new=vn, library=lib,
-                                **opts)
+    out, lse = decode_attention(q, k, v, cache_seqlens=seqlens, block_table=table, k_new=kn, v_new=vn,
+                                library=images, **opts)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), name
-    assert read_faults(library=lib) == 0, f"{name}: fault flag set on valid inputs"
+    assert read_faults(library=images) == 0, f"{name}: fault flag set on valid inputs"
 
 
 RESULTS = []
@@ -230,6 +245,12 @@ case("fp8 cache, masked head dim 96, paged 48, window", run, d=96, dtype=torch.f
      new=1, sq=2, causal=True, window=(31, 0), fp8="head", num_splits=3)
 case("fp8 cache, 160-row run on the decode kernels", run, d=128, dtype=torch.bfloat16, page=16, lens=(300, 0, 5),
      sq=160, new=0, hq=16, hk=4, causal=True, fp8="head")
+for config in (4, 5):  # V read in 4-byte words
+    case(f"fp8 cache, config #{config}, paged 16, per-sequence scales, append across pages", run, d=128,
+         dtype=torch.bfloat16, page=16, lens=(47, 15, 0), new=3, sq=3, causal=True, fp8="batch_head", num_splits=2,
+         config=config)
+    case(f"fp8 cache, config #{config}, contiguous, fp16, head dim 64, window", run, lens=(301, 1, 77), new=1,
+         fp8="head", window=(40, 0), causal=True, config=config)
 case("lengths past the block table are clamped", clamped)
 case("attention() route", attention_route)
 for splits in (1, 3):

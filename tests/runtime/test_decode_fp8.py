@@ -39,12 +39,15 @@ CASES: dict[str, dict] = {
     "masked_head_dim_48_on_the_64_bucket": {"D": 48, "Hq": 4, "Hk": 1, "scales": "head", "paged": 16,
                                             "new": 1, "lens": (15, 33, 2)},
     "repeated_call_takes_the_cached_plan_with_new_scales": {"scales": "head", "repeat": True, "splits": 2},
-    # sm90's config #4: V read as (D, keys) and transposed after widening.
-    "v_transposed_paged_16_gqa_append_bf16": {"v_t": True, "dtype": "bf16", "paged": 16, "block_n": 64, "new": 2,
-                                              "Hq": 8, "Hk": 2, "lens": (37, 1, 70), "scales": "batch_head",
-                                              "causal": True, "splits": 2},
-    "v_transposed_masked_head_dim_48_window": {"v_t": True, "D": 48, "window": (20, 0), "Sq": 2,
-                                               "scales": "float"},
+    # sm90's configs #4/#5: V read in 4-byte words and widened before its dot (the inline
+    # assembly run by tests/helpers/interpreter.py); a masked head dim reads V as is.
+    "v_widened_paged_16_gqa_append_bf16": {"v_w": True, "dtype": "bf16", "paged": 16, "block_n": 64, "new": 2,
+                                           "Hq": 8, "Hk": 2, "lens": (37, 1, 70), "scales": "batch_head",
+                                           "causal": True, "splits": 2},
+    "v_widened_contiguous_window_sinks_odd_lengths": {"v_w": True, "window": (20, 0), "Sq": 2, "lens": (45, 3, 77),
+                                                      "sinks": True, "scales": "float", "block_n": 64},
+    "v_widened_masked_head_dim_48_window": {"v_w": True, "D": 48, "window": (20, 0), "Sq": 2,
+                                            "scales": "float"},
     # bf16 queries (dots in fp16, each row scaled into fp16's range) whose rows in one tile span
     # 1e-30..1e6: past fp16's 65504 and below its smallest subnormal.
     "bf16_query_rows_past_fp16_range_gqa_splits": {"dtype": "bf16", "Hq": 4, "Hk": 1, "Sq": 2, "splits": 2,
@@ -134,13 +137,13 @@ def run_case(name: str, case: dict) -> dict:
     LAUNCHES.clear()
     BLOCK_N[0] = c.get("block_n", 16)
     lib = _Library()
-    if c.get("v_t"):
+    if c.get("v_w"):
         made = lib.kernel
 
         def kernel(name: str, **params: Any) -> Any:
             handle = made(name, **params)
-            if "V_TRANSPOSED" in handle.constexprs:
-                handle.constexprs["V_TRANSPOSED"] = 1
+            if "V_WIDENED" in handle.constexprs:
+                handle.constexprs["V_WIDENED"] = 1
             return handle
 
         lib.kernel = kernel
@@ -595,29 +598,44 @@ def test_an_fp8_cache_under_bf16_queries_runs_both_dots_in_fp16(paged: int) -> N
     assert found["bf16"][0] == {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}
 
 
-def test_sm90_config_4_reads_an_fp8_v_along_the_head_dim_and_transposes_it_widened() -> None:
-    """Config #4 (gputest and full only): V arrives in 16-byte loads along D like K, is widened in
-    registers and reaches the P.V dot through ``ldmatrix.trans`` of 16-bit values (no byte loads
-    from shared memory); caches of q's type have no config #4."""
+@pytest.mark.parametrize("paged", [0, 1])
+def test_sm90_configs_4_and_5_widen_an_fp8_v_from_words_before_its_dot(paged: int) -> None:
+    """Configs #4 and #5 (gputest and full) are #0 and #2 with V read in 4-byte words and widened
+    in registers: V arrives in 16-byte copies like K and reaches the P.V dot through
+    ``ldmatrix.trans`` of 16-bit values, where #0 gathers it byte by byte from shared memory
+    (``ld.shared.b8``, 64 per thread per 64-key block); caches of q's type have neither."""
     import lzma
+    import re
 
     from builder.compile import compile_job_with_ptx
     from builder.registry import expand, load_kernels
     from builder.targets import parse_targets
 
     decl = load_kernels()["attn_decode"]
-    spec = {"dtype": "fp16", "HEAD_DIM": 128, "PAGED": 0, "PADDED_D": 0, "KV_DTYPE": "fp8e4nv"}
+    spec = {"dtype": "fp16", "HEAD_DIM": 128, "PAGED": paged, "PADDED_D": 0, "KV_DTYPE": "fp8e4nv"}
     jobs = {j.config_index: j for j in expand(decl, parse_targets("sm90"), "gputest", "3.6.0") if j.spec == spec}
-    assert sorted(jobs) == [0, 1, 2, 3, 4] and jobs[4].constexprs["V_TRANSPOSED"] == 1
-    assert jobs[0].constexprs["V_TRANSPOSED"] == 0
+    assert sorted(jobs) == [0, 1, 2, 3, 4, 5]
+    assert [jobs[i].constexprs["V_WIDENED"] for i in range(6)] == [0, 0, 0, 0, 1, 1]
+    for twin, base in ((4, 0), (5, 2)):  # the same tile and pipeline as its twin
+        assert jobs[twin].config.num_stages == jobs[base].config.num_stages
+        assert {k: v for k, v in jobs[twin].constexprs.items() if k != "V_WIDENED"} == \
+            {k: v for k, v in jobs[base].constexprs.items() if k != "V_WIDENED"}
     default = {j.config_index for j in expand(decl, parse_targets("sm90"), "default", "3.6.0") if j.spec == spec}
     assert default == {0, 3}
     plain = {j.config_index for j in expand(decl, parse_targets("sm90"), "gputest", "3.6.0")
              if j.spec == {**spec, "KV_DTYPE": "fp16"}}
     assert plain == {0, 1, 2, 3}
-    ptx = lzma.decompress(compile_job_with_ptx(jobs[4])[3]).decode()
-    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "ld.shared.b8" not in ptx
-    assert ptx.count("ld.global.v4.b32") >= 12
+
+    def ptx_of(i: int) -> str:
+        return lzma.decompress(compile_job_with_ptx(jobs[i])[3]).decode()
+
+    assert len(re.findall(r"ld\.shared\.b8", ptx_of(0))) >= 64
+    for i in (4, 5):
+        ptx = ptx_of(i)
+        assert "ld.shared.b8" not in ptx
+        assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") >= 8
+        assert "cp.async.ca.shared.global" not in ptx or paged  # contiguous: only 16-byte copies
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") >= 64
 
 
 @pytest.mark.parametrize("arch,kv", [("gfx942", "fp8e4b8"), ("gfx950", "fp8e4nv")])

@@ -241,6 +241,34 @@ def test_a_masked_head_dim_reads_the_fp8_cache_in_place(lib: aotriton_rt.Library
     _appended_bytes_match(c, c["k"], c["v"])
 
 
+@pytest.mark.parametrize("config", range(6))
+@pytest.mark.parametrize("page", [None, 16, 64], ids=["contiguous", "paged16", "paged64"])
+def test_every_sm90_fp8_decode_config_matches_the_reference(lib: aotriton_rt.Library, fp8: Any, page: Any,
+                                                            config: int) -> None:
+    """Each config forced, #4/#5 included (V read in 4-byte words and widened before its dot):
+    bf16 and fp16 queries, D 64 and 128, GQA 4, odd lengths, appended rows, splits and a window."""
+    held = {v.config.index for v in lib.variants_of("attn_decode") if v.spec.get("KV_DTYPE") == "fp8e4nv"}
+    if config not in held:
+        pytest.skip(f"the images hold fp8 decode configs {sorted(held)} only")
+    forced = lib.with_tuning({"attn_decode": [{"config": config, "splits": {"waves": 2, "min_blocks": 1,
+                                                                             "max_splits": 64}}]})
+    for dtype_name, D in (("bf16", 128), ("fp16", 64)):
+        dtype = DTYPES[dtype_name]
+        gen = torch.Generator(device="cuda").manual_seed(config * 7 + D + (page or 0))
+        c = fp8_cache(LENS, 1, 8, D, dtype, page, gen, fp8, "batch_head")
+        q = torch.randn(len(LENS), 1, 32, D, device="cuda", generator=gen).to(dtype)
+        for splits, causal, window in ((None, True, None), (2, False, (255, 0))):
+            kc, vc = c["k"].clone(), c["v"].clone()
+            out, lse = dec.decode_attention(q, kc, vc, cache_seqlens=c["lens"], block_table=c["table"],
+                                            k_new=c["k_new"], v_new=c["v_new"], k_scale=c["k_scale"],
+                                            v_scale=c["v_scale"], causal=causal, window=window, num_splits=splits,
+                                            check=True, library=forced)
+            _check(out, lse, q, c, causal, window, dtype_name)
+            _appended_bytes_match(c, kc, vc)
+    plans = list(dec._kernels_of(forced).launches.values())
+    assert plans and all(plan.decode.params.get("V_WIDENED", 0) == int(config >= 4) for plan in plans)
+
+
 def test_a_run_of_160_rows_stays_on_the_decode_kernels_and_matches(lib: aotriton_rt.Library, fp8: Any) -> None:
     """The variable-length route packs caches of q's type only: an fp8 cache's long run takes the
     decode kernels' prefill tile."""
