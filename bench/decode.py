@@ -61,7 +61,8 @@ contender, checked once per shape before timing.
 
 ``--fp8``: fp8 (e4m3) KV caches with per-head scales against bf16 ones (bench/decode_fp8.py):
 per ``--fp8-shapes BxS`` (default 32x8192 64x8192), contiguous and paged (the first ``--page``),
-alternating every round; medians, spreads and the per-round fp8 speedup, median [min-max].
+alternating every round; medians, spreads and the per-round fp8 speedup, median [min-max];
+with ``--baseline DIR`` each contender also on DIR's images in the same rounds (``base:``).
 Images: AOTRITON_RT_IMAGES (or the default library). Writes JSON under $OUT when set.
 ``--pdl``: the decode chain's PDL policies side by side in one process (sm90): each default
 contender (``ours``, ``p64``, ...) also as ``ours@on`` (PDL wherever compiled in) and ``ours@off``
@@ -468,6 +469,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fp8", action="store_true",
                     help="fp8 (e4m3) KV caches against bf16 ones instead of the kernel table")
     ap.add_argument("--fp8-shapes", nargs="+", default=list(FP8_SHAPES), help="BxS pairs of the --fp8 table")
+    ap.add_argument("--baseline", default=None,
+                    help="--fp8: a second image folder whose contenders run in the same rounds as 'base:...' "
+                         "(e.g. images built by another Triton release)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.gqa is None:
@@ -489,7 +493,8 @@ def main() -> None:
         result["prefill"] = {"rows": prefill_table(args, lib)}
         prefill_summary(result["prefill"]["rows"])
     if args.fp8:
-        result["fp8"] = {"rows": fp8_table(args, lib)}
+        base = aotriton_rt.Library(args.baseline) if args.baseline else None
+        result["fp8"] = {"rows": fp8_table(args, lib, base)}
         fp8_summary(result["fp8"]["rows"])
     if not (args.llama or args.prefill or args.fp8):
         rows = kernel_table(args, lib)

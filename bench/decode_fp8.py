@@ -12,6 +12,8 @@ Contenders, in a shuffled order every round (bench/gpu_common.py's ``timed_round
   with V read in 4-byte words and widened before its dot), where the images hold them (gputest,
   full). The runtime's own choice is #2 from 212 (sequence, KV head) pairs on, else #0.
 
+With ``--baseline DIR`` every contender runs again on the images of ``DIR`` in the same rounds,
+tagged ``base:`` (e.g. images built by another Triton release; the speedups stay per library).
 Each is timed from a CUDA graph of 10 calls (and eagerly). Reported: medians over ``--rounds``
 rounds with their spread ((max-min)/median), the K/V bandwidth (bytes read / time) as % of
 ``--peak-tbs``, and per round the fp8 time over the bf16 time as a speedup, median [min-max]
@@ -67,7 +69,7 @@ def _contender(lib: Any, q: Any, lens: Any, k: Any, v: Any, table: Any, kw: dict
     return lambda: dec.decode_attention(q, k, v, cache_seqlens=lens, block_table=table, library=lib, **kw)[0]
 
 
-def fp8_table(args: Any, lib: Any) -> list[dict]:
+def fp8_table(args: Any, lib: Any, base: Any = None) -> list[dict]:
     rows = []
     fp8 = fp8_type()
     top = torch.finfo(fp8).max
@@ -92,15 +94,19 @@ def fp8_table(args: Any, lib: Any) -> list[dict]:
                         kp, vp = kp.view(fp8), vp.view(fp8)
                     caches[f"p{size}:{name}"] = (kp, vp, table.cuda(), kw)
 
-        fns = {name: _contender(lib, q, lens, *c) for name, c in caches.items()}
-        for config in WIDENED:
-            forced = _forced_view(lib, config)
-            if forced is not None:
-                fns.update({f"{name}#{config}": _contender(forced, q, lens, *c)
-                            for name, c in caches.items() if "fp8" in name})
+        fns = {}
+        for prefix, images in (("", lib), ("base:", base)):
+            if images is None:
+                continue
+            fns.update({prefix + name: _contender(images, q, lens, *c) for name, c in caches.items()})
+            for config in WIDENED:
+                forced = _forced_view(images, config)
+                if forced is not None:
+                    fns.update({f"{prefix}{name}#{config}": _contender(forced, q, lens, *c)
+                                for name, c in caches.items() if "fp8" in name})
         deq = (k8.float() * ks[None, None, :, None], v8.float() * vs[None, None, :, None])
-        errors = {"bf16": _error(fns["bf16"](), q, kc, vc)}
-        errors.update({n: _error(fns[n](), q, *deq) for n in fns if n.startswith("fp8")})
+        errors = {n: _error(fns[n](), q, kc, vc) if n.endswith("bf16") else _error(fns[n](), q, *deq)
+                  for n in fns if ":" not in n.removeprefix("base:")}
         graphs = graphed(fns, 10)
         eager, graph = timed_rounds(fns, graphs, args.rounds)
         times = {n: graph[n] if n in graphs else eager[n] for n in fns}
@@ -110,13 +116,19 @@ def fp8_table(args: Any, lib: Any) -> list[dict]:
             row["contenders"][name] = {**_stats(runs), "graph": name in graphs,
                                        "bw_pct": 100 * kv_bytes / (statistics.median(runs) * 1e-3) / (
                                            args.peak_tbs * 1e12)}
-        for base in ("", f"p{args.page[0]}:" if args.page else None):
-            for tag in ("", *(f"#{c}" for c in WIDENED)):
-                if base is None or f"{base}fp8{tag}" not in times:
-                    continue
-                ratios = [a / b for a, b in zip(times[f"{base}bf16"], times[f"{base}fp8{tag}"])]
-                row.setdefault("speedup", {})[(base.rstrip(":") or "contiguous") + tag] = {
-                    "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        for images in ("", "base:"):
+            for cache in ("", f"p{args.page[0]}:" if args.page else None):
+                for tag in ("", *(f"#{c}" for c in WIDENED)):
+                    if cache is None or f"{images}{cache}fp8{tag}" not in times:
+                        continue
+                    ratios = [a / b for a, b in zip(times[f"{images}{cache}bf16"], times[f"{images}{cache}fp8{tag}"])]
+                    row.setdefault("speedup", {})[images + (cache.rstrip(":") or "contiguous") + tag] = {
+                        "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        if base is not None:  # each contender on these images over the same on the baseline's
+            for name in [n for n in times if not n.startswith("base:") and f"base:{n}" in times]:
+                ratios = [b / a for a, b in zip(times[name], times[f"base:{name}"])]
+                row.setdefault("over_base", {})[name] = {"median": statistics.median(ratios), "min": min(ratios),
+                                                         "max": max(ratios)}
         rows.append(row)
         _print_row(row)
     return rows
@@ -130,6 +142,9 @@ def _print_row(row: dict) -> None:
               f"{st['bw_pct']:5.1f}% of peak{'' if st['graph'] else '  (eager)'}")
     for cache, x in row.get("speedup", {}).items():
         print(f"  fp8 speedup over bf16 ({cache}): {x['median']:.2f}x [{x['min']:.2f}-{x['max']:.2f}] (aim >= 1.7)",
+              flush=True)
+    for name, x in row.get("over_base", {}).items():
+        print(f"  {name} against the baseline images: {x['median']:.3f}x as fast [{x['min']:.3f}-{x['max']:.3f}]",
               flush=True)
 
 

@@ -247,9 +247,12 @@ def test_the_fp8_mode_parses_its_shapes_and_reports_the_speedup_per_round(bench,
     stats = {"median_us": 100.0, "spread": 0.02, "bw_pct": 80.0, "graph": True}
     row = {"B": 32, "S": 8192, "hq": 32, "hkv": 8, "d": 128, "errors": {"bf16": 1e-3, "fp8": 2e-3},
            "contenders": {"bf16": stats, "fp8": {**stats, "median_us": 55.0}},
-           "speedup": {"contiguous": {"median": 1.82, "min": 1.75, "max": 1.9}}}
+           "speedup": {"contiguous": {"median": 1.82, "min": 1.75, "max": 1.9}},
+           "over_base": {"fp8#4": {"median": 1.1, "min": 1.05, "max": 1.2}}}
     fp8._print_row(row)
     fp8.fp8_summary([row])
     text = capsys.readouterr().out
     assert "fp8 speedup over bf16 (contiguous): 1.82x [1.75-1.90] (aim >= 1.7)" in text
+    assert "fp8#4 against the baseline images: 1.100x as fast [1.050-1.200]" in text
+    assert bench.parse_args(["--fp8", "--baseline", "/x"]).baseline == "/x"
     assert "worst median speedup: 1.82x" in text
