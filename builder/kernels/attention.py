@@ -177,12 +177,13 @@ def _softcapped(qk, qk_scale, softcap):
 
 @triton.jit
 def _softcapped_fast(qk, qk_scale, softcap):
-    """_softcapped with the hardware tanh (``tanh.approx.f32``, CUDA only; relative error at most
-    2^-10.99, as sm90's Gluon forward and FlashAttention-2 and -3 cap logits): one special-function
-    operation a score where the exact form takes two (an exp2 and a division's reciprocal)."""
-    t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [qk * (qk_scale / (softcap * LOG2E))],
-                                  dtype=tl.float32, is_pure=True, pack=1)
-    return t * (softcap * LOG2E / qk_scale)
+    """``tanh(q.k * sm_scale / softcap)`` with the hardware tanh (``tanh.approx.f32``, CUDA only;
+    relative error at most 2^-10.99, as sm90's Gluon forward and FlashAttention-2 and -3 cap
+    logits): one special-function operation a score where :func:`_softcapped` takes two (an exp2
+    and a division's reciprocal). Unlike _softcapped it leaves the cap to the caller's scale:
+    ``softcap * LOG2E`` in qk_scale's place takes it to log2 units (one multiply a score less)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [qk * (qk_scale / (softcap * LOG2E))],
+                                     dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -246,6 +247,7 @@ def _fwd_block(
     qk = tl.dot(q, k, input_precision=PREC)
     if SOFTCAP == 2:  # FAST_TANH (CUDA configs only)
         qk = _softcapped_fast(qk, qk_scale, softcap)
+        qk_scale = softcap * LOG2E
     elif SOFTCAP:
         qk = _softcapped(qk, qk_scale, softcap)
     if MASKED and CAUSAL == 0 and BIAS == 0 and ALIBI == 0:

@@ -76,10 +76,12 @@ def _load_block(idx, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, 
 
 @gluon.jit
 def _cap_constants(softcap, qk_scale, SOFTCAP: gl.constexpr):
-    """(cap_c, cap_k) of _softmax's softcap: ``softcap * LOG2E / qk_scale`` (raw-score units) and
-    ``qk_scale / (softcap * LOG2E)`` (``sm_scale / softcap``); (0, 0) without SOFTCAP (never read then)."""
+    """(cap_c, cap_k) of _softmax's softcap: ``softcap * LOG2E`` (the scale that takes the tanh to
+    log2 units: ``softcap * tanh(.)`` in raw-score units times ``qk_scale`` is ``tanh(.) * softcap
+    * sm_scale * LOG2E / sm_scale``) and ``qk_scale / (softcap * LOG2E)`` (``sm_scale / softcap``);
+    (0, 0) without SOFTCAP (never read then)."""
     if SOFTCAP:
-        cap_c = softcap * LOG2E / qk_scale
+        cap_c = softcap * LOG2E
         cap_k = qk_scale / (softcap * LOG2E)
     else:
         cap_c = qk_scale * 0.0
@@ -95,10 +97,12 @@ def _tanh_approx(x):
                                      pack=1)
 
 
-#: 2**f on [-1/2, 1/2], degree 4 (relative error below 5e-6, 100 times finer than an fp16 P's
-#: rounding): _exp2_fma's polynomial, fitted for minimax relative error.
-EXP2_POLY: gl.constexpr = gl.constexpr((0.9999996423721313, 0.6931247115135193, 0.24023675918579102,
-                                        0.0558929406106472, 0.00960532296448946))
+#: 2**f on [-1/2, 1/2], degree 3, fitted for minimax relative error (Remez): below 7.5e-5, a
+#: third of an fp16 P's rounding (2**-12) and a 26th of a bf16 P's, which every P is rounded to
+#: before its matmul. Degree 4 (2.6e-6) took one more multiply-add per exp2 on a pipe the split
+#: already loads.
+EXP2_POLY: gl.constexpr = gl.constexpr((0.9999280571937561, 0.6932609677314758, 0.2426111251115799,
+                                        0.0551716685295105))
 #: 1.5 * 2**23: x + ROUNDER rounds x to an integer held in the sum's low mantissa bits.
 ROUNDER: gl.constexpr = gl.constexpr(12582912.0)
 
@@ -114,8 +118,7 @@ def _exp2_fma(x):
     x = gl.maximum(x, -125.0)
     t = x + ROUNDER
     f = x - (t - ROUNDER)
-    p = f * EXP2_POLY[4] + EXP2_POLY[3]
-    p = p * f + EXP2_POLY[2]
+    p = f * EXP2_POLY[3] + EXP2_POLY[2]
     p = p * f + EXP2_POLY[1]
     p = p * f + EXP2_POLY[0]
     # k << 23 is t's bit pattern shifted by 23: ROUNDER's own bits vanish mod 2**32.
@@ -141,13 +144,16 @@ def _softmax(s_acc, m_i, start_n, rows, cols, len_k, diag, left, right, qk_scale
     Unmasked blocks fold the scale into the exponent (needs qk_scale >= 0: a negative scale sends
     every block through the masked path, see attn_fwd_sm90). Rows that have seen no visible key
     keep m = -inf and subtract 0 (no NaN); their p stays 0. SOFTCAP: the raw scores are softcapped
-    first, ``cap_c * tanh(s * cap_k)`` with the hardware tanh (one special-function operation per
-    score where attn_fwd's _softcapped takes two: the exp2 of p makes the unit the bound). SPLIT:
+    first, ``tanh(s * cap_k)`` with the hardware tanh (one special-function operation per score
+    where attn_fwd's _softcapped takes two: the exp2 of p makes the unit the bound), and ``cap_c``
+    takes them to log2 units in qk_scale's place (the cap's own multiply folded into the
+    softmax's multiply-add: one instruction a score less). SPLIT:
     half of an unmasked block's exp2 on the FMA pipe (_exp2_split; the softcapped forward's
     EXP2_SPLIT configs, the FP8 forward's).
     """
     if SOFTCAP:
-        s_acc = cap_c * _tanh_approx(s_acc * cap_k)
+        s_acc = _tanh_approx(s_acc * cap_k)
+        qk_scale = cap_c
     if MASKED:
         qk = s_acc * qk_scale
         keys = start_n + cols

@@ -523,17 +523,16 @@ def _exp2_fma_in_numpy(x):
     t = x + f32(ROUNDER.value)
     f = x - (t - f32(ROUNDER.value))
     c = [f32(v) for v in EXP2_POLY.value]
-    p = f * c[4] + c[3]
-    p = p * f + c[2]
+    p = f * c[3] + c[2]
     p = p * f + c[1]
     p = p * f + c[0]
     bits = p.view(np.int32) + (t.view(np.int32) << np.int32(23))
     return bits.view(f32)
 
 
-def test_exp2_on_the_fma_pipe_is_within_5e_6_of_exp2_down_to_its_clamp() -> None:
-    """_exp2_fma (EXP2_SPLIT's half of the exp2): relative error below 5e-6 (100 times below an
-    fp16 P's rounding) for every x in [-125, 0] (dense grid, integers and half-integers, where the
+def test_exp2_on_the_fma_pipe_is_within_8e_5_of_exp2_down_to_its_clamp() -> None:
+    """_exp2_fma (EXP2_SPLIT's half of the exp2): relative error below 8e-5 (a third of an fp16
+    P's rounding, 2**-12, which every P takes before its matmul) for every x in [-125, 0] (dense grid, integers and half-integers, where the
     rounding to k = round(x) changes side); below the clamp a result of 2**-125..2**-124 where
     the true one is smaller (a score that far below its row's maximum adds nothing to the sum)."""
     import numpy as np
@@ -543,7 +542,7 @@ def test_exp2_on_the_fma_pipe_is_within_5e_6_of_exp2_down_to_its_clamp() -> None
                          np.arange(-125, 0, dtype=np.float64) + 0.5 - 1e-6])
     got = _exp2_fma_in_numpy(xs).astype(np.float64)
     want = np.exp2(xs.astype(np.float32).astype(np.float64))
-    assert np.all(np.isfinite(got)) and np.max(np.abs(got / want - 1)) < 5e-6
+    assert np.all(np.isfinite(got)) and np.max(np.abs(got / want - 1)) < 8e-5
     low = _exp2_fma_in_numpy(np.array([-126.0, -200.0, -1e30]))
     assert np.all((low >= 2.0**-125.5) & (low <= 2.0**-124.5))
 
