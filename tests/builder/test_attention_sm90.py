@@ -532,9 +532,10 @@ def _exp2_fma_in_numpy(x):
 
 def test_exp2_on_the_fma_pipe_is_within_8e_5_of_exp2_down_to_its_clamp() -> None:
     """_exp2_fma (EXP2_SPLIT's half of the exp2): relative error below 8e-5 (a third of an fp16
-    P's rounding, 2**-12, which every P takes before its matmul) for every x in [-125, 0] (dense grid, integers and half-integers, where the
-    rounding to k = round(x) changes side); below the clamp a result of 2**-125..2**-124 where
-    the true one is smaller (a score that far below its row's maximum adds nothing to the sum)."""
+    P's rounding, 2**-12, which every P takes before its matmul) for every x in [-125, 0] (dense
+    grid, integers and half-integers, where the rounding to k = round(x) changes side); below the
+    clamp a result of 2**-125..2**-124 where the true one is smaller (a score that far below its
+    row's maximum adds nothing to the sum)."""
     import numpy as np
 
     xs = np.concatenate([np.linspace(-125.0, 0.0, 2_000_001, dtype=np.float64),

@@ -640,6 +640,19 @@ def test_a_catalog_rule_can_pick_a_config_from_a_work_size_on_and_per_cache_kind
     assert split_rule([{"min_rows": 256, "config": 3}, {}], "sm90", rows=256) == (SplitRule(2, 4, 64), 3)
 
 
+def test_a_catalog_rule_can_pick_a_config_for_fp8_caches_only() -> None:
+    """fp8 caches have configs of their own (sm90's #4/#5): a rule keyed ``fp8`` leaves caches of
+    q's type on the next rule."""
+    rules = [{"arch": "sm90", "min_batch_heads": 212, "fp8": True, "config": 5},
+             {"arch": "sm90", "min_batch_heads": 212, "config": 2}, {"fp8": False, "config": 1}, {}]
+    assert split_rule(rules, "sm90", batch_heads=256, fp8=True)[1] == 5
+    assert split_rule(rules, "sm90", batch_heads=256)[1] == 2
+    assert split_rule(rules, "sm90", batch_heads=8)[1] == 1
+    assert split_rule(rules, "sm90", batch_heads=8, fp8=True)[1] == 0
+    with pytest.raises(CatalogError, match=r"\[0\]\.fp8 must be true or false, got 'yes'"):
+        split_rule([{"fp8": "yes"}], "sm90", fp8=True)
+
+
 def test_the_build_puts_the_decode_split_rule_of_each_target_in_the_catalog(tmp_path: Path) -> None:
     from aotriton_rt.catalog import Catalog
     from builder import registry

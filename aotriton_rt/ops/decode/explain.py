@@ -123,7 +123,8 @@ def explain(*, dtype: str, head_dim: int, seqlen_k: int, seqlen_q: int = 1, batc
 
     spec, why = choose(dtype, head_dim, True, paged, has, kv, held_cache_axis(held))
     group_rows = heads_q // heads_k * seqlen_q
-    rule, config = split_rule(ks.rules, arch, batch_heads=batch * heads_k, paged=paged, rows=group_rows)
+    rule, config = split_rule(ks.rules, arch, batch_heads=batch * heads_k, paged=paged, rows=group_rows,
+                              fp8=kv != dtype)
     cache = f"{kv} cache" + (", dequantised with k_scale/v_scale" if kv != dtype else "")
     terms = [t for t, on in (("softcap", softcap), ("ALiBi slopes", alibi), ("sinks", sinks)) if on]
     facts = (f"{dtype} q, {cache}, head dim {head_dim}, {'paged' if paged else 'contiguous'}, batch {batch}, "

@@ -292,7 +292,7 @@ class _Launch:
         self.q_copy = p.q_copy or (not spec.get("PADDED_D") and not _aligned(infos["q"], p.q_strides))
         arch = ks.device_arch(p.device)
         rule, config = split_rule(ks.rules, arch, batch_heads=p.batch * p.heads_k, paged=p.paged,
-                                  rows=p.group_rows)
+                                  rows=p.group_rows, fp8=p.fp8)
         paged = with_paged(spec, p.paged)
         self.decode = ks.handle(DECODE, paged, config, p.device, why)
         self.append = ks.handle(APPEND, paged, 0, p.device, why) if p.seqlen_new else None

@@ -59,15 +59,17 @@ def _bounded(obj: dict, key: str, lo: int, hi: int, where: str, shown: str | Non
     return value
 
 
-def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = False, rows: int = 1
-               ) -> tuple[SplitRule, int]:
+def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = False, rows: int = 1,
+               fp8: bool = False) -> tuple[SplitRule, int]:
     """(split rule, config index) from catalog ``tuning["attn_decode"]`` rules for ``arch``.
 
     Rules are objects, the first that matches wins: ``arch`` (optional) the target,
     ``min_batch_heads`` (optional) at least that many (sequence, KV head) pairs in the call
     (``batch_heads``: the work size before splitting), ``min_rows`` (optional) at least that many
     query rows per (sequence, KV head) pair (``rows``: the GQA group times the query rows; a
-    prefill-sized run takes a larger tile), ``paged`` (optional) the cache kind.
+    prefill-sized run takes a larger tile), ``paged`` (optional) the cache kind, ``fp8``
+    (optional) whether the cache is fp8 (its own configs, e.g. sm90's #4/#5, which caches of q's
+    type do not have).
     ``splits`` (optional) overrides fields of the default rule, ``config`` (optional) picks a
     tuning config. A ``combine`` key (the removed fused split merge's switch) is refused.
     """
@@ -90,7 +92,11 @@ def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = Fal
         kind = rule.get("paged")
         if kind is not None and not isinstance(kind, bool):
             raise CatalogError(f"{where}.paged must be true or false, got {kind!r}")
-        if batch_heads < least or rows < least_rows or (kind is not None and kind != bool(paged)):
+        quantised = rule.get("fp8")
+        if quantised is not None and not isinstance(quantised, bool):
+            raise CatalogError(f"{where}.fp8 must be true or false, got {quantised!r}")
+        if batch_heads < least or rows < least_rows or (kind is not None and kind != bool(paged)) or \
+                (quantised is not None and quantised != bool(fp8)):
             continue
         splits = rule.get("splits", {})
         if not isinstance(splits, dict) or set(splits) - {"waves", "min_blocks", "max_splits"}:
