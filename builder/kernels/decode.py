@@ -989,9 +989,12 @@ def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
         if spec.get("KV_DTYPE", spec["dtype"]) != spec["dtype"] and not spec.get("PADDED_D"):
             # #4, #5: configs #0 and #2 with an fp8 V widened from 4-byte words before its dot
             # (docs/attention.md, "FP8 KV caches": no byte loads from shared memory); whole rows
-            # only (a masked head dim promises no 4-byte alignment).
+            # only (a masked head dim promises no 4-byte alignment). #6: six stages, the bytes in
+            # flight of a bf16 cache's #2 at half the bytes a key (the same 102 KB of shared memory:
+            # still two programs per SM).
             found += (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target), v_widened=1),
-                      _cfg(target, 16, bn, 4, _stages(4, spec, target), v_widened=1))
+                      _cfg(target, 16, bn, 4, _stages(4, spec, target), v_widened=1),
+                      _cfg(target, 16, bn, 4, _stages(6, spec, target), v_widened=1))
         return found
     return (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),)
 

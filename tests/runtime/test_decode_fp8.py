@@ -599,11 +599,12 @@ def test_an_fp8_cache_under_bf16_queries_runs_both_dots_in_fp16(paged: int) -> N
 
 
 @pytest.mark.parametrize("paged", [0, 1])
-def test_sm90_configs_4_and_5_widen_an_fp8_v_from_words_before_its_dot(paged: int) -> None:
+def test_sm90_configs_4_to_6_widen_an_fp8_v_from_words_before_its_dot(paged: int) -> None:
     """Configs #4 and #5 (gputest and full) are #0 and #2 with V read in 4-byte words and widened
     in registers: V arrives in 16-byte copies like K and reaches the P.V dot through
     ``ldmatrix.trans`` of 16-bit values, where #0 gathers it byte by byte from shared memory
-    (``ld.shared.b8``, 64 per thread per 64-key block); caches of q's type have neither."""
+    (``ld.shared.b8``, 64 per thread per 64-key block); #6 is #5 with a deeper ring. Caches of q's
+    type have none of them."""
     import lzma
     import re
 
@@ -614,8 +615,9 @@ def test_sm90_configs_4_and_5_widen_an_fp8_v_from_words_before_its_dot(paged: in
     decl = load_kernels()["attn_decode"]
     spec = {"dtype": "fp16", "HEAD_DIM": 128, "PAGED": paged, "PADDED_D": 0, "KV_DTYPE": "fp8e4nv"}
     jobs = {j.config_index: j for j in expand(decl, parse_targets("sm90"), "gputest", "3.6.0") if j.spec == spec}
-    assert sorted(jobs) == [0, 1, 2, 3, 4, 5]
-    assert [jobs[i].constexprs["V_WIDENED"] for i in range(6)] == [0, 0, 0, 0, 1, 1]
+    assert sorted(jobs) == [0, 1, 2, 3, 4, 5, 6]
+    assert [jobs[i].constexprs["V_WIDENED"] for i in range(7)] == [0, 0, 0, 0, 1, 1, 1]
+    assert jobs[6].config.num_stages > jobs[5].config.num_stages  # #6: the deeper ring
     for twin, base in ((4, 0), (5, 2)):  # the same tile and pipeline as its twin
         assert jobs[twin].config.num_stages == jobs[base].config.num_stages
         assert {k: v for k, v in jobs[twin].constexprs.items() if k != "V_WIDENED"} == \
@@ -630,7 +632,7 @@ def test_sm90_configs_4_and_5_widen_an_fp8_v_from_words_before_its_dot(paged: in
         return lzma.decompress(compile_job_with_ptx(jobs[i])[3]).decode()
 
     assert len(re.findall(r"ld\.shared\.b8", ptx_of(0))) >= 64
-    for i in (4, 5):
+    for i in (4, 5, 6):
         ptx = ptx_of(i)
         assert "ld.shared.b8" not in ptx
         assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") >= 8
