@@ -469,7 +469,7 @@ def attn_decode(
     byte by byte from shared memory.
     """
     PREC: tl.constexpr = "ieee" if Q.dtype.element_ty == tl.float32 else None
-    # An fp8 cache's V widened from 4-byte words (configs #4 and #5 on sm90), where its rows are
+    # An fp8 cache's V widened from 4-byte words (configs #4-#6 on sm90), where its rows are
     # whole (PADDED_D=0 promises 16-byte aligned rows and strides; a masked head dim reads as is).
     V_WORDS: tl.constexpr = V_WIDENED and K.dtype.element_ty != Q.dtype.element_ty and not PADDED_D
     BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_DIM)
@@ -989,9 +989,9 @@ def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
         if spec.get("KV_DTYPE", spec["dtype"]) != spec["dtype"] and not spec.get("PADDED_D"):
             # #4, #5: configs #0 and #2 with an fp8 V widened from 4-byte words before its dot
             # (docs/attention.md, "FP8 KV caches": no byte loads from shared memory); whole rows
-            # only (a masked head dim promises no 4-byte alignment). #6: six stages, the bytes in
-            # flight of a bf16 cache's #2 at half the bytes a key (the same 102 KB of shared memory:
-            # still two programs per SM).
+            # only (a masked head dim promises no 4-byte alignment). #6: #5 with six stages, 80 KB
+            # of K/V in flight (a bf16 cache's #2: 96 KB; fp8's #2: 48 KB) in the same 102 KB of
+            # shared memory as bf16's #2, still two programs per SM.
             found += (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target), v_widened=1),
                       _cfg(target, 16, bn, 4, _stages(4, spec, target), v_widened=1),
                       _cfg(target, 16, bn, 4, _stages(6, spec, target), v_widened=1))
