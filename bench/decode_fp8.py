@@ -8,10 +8,10 @@ Contenders, in a shuffled order every round (bench/gpu_common.py's ``timed_round
 - ``fp8``: the same rows quantised to e4m3 (``float8_e4m3fn``; ``float8_e4m3fnuz`` on gfx942)
   with one scale per KV head (``k_scale``/``v_scale`` of shape ``(Hkv,)``);
 - ``p16:bf16``, ``p16:fp8`` (``--page``, first size only): the same caches in shuffled pages;
-- ``fp8#4``, ``fp8#5``, ``fp8#6`` (and ``p16:`` ones): with sm90's config #4, #5 or #6 forced
-  (configs #0 and #2 with V read in 4-byte words and widened before its dot; #6 with six stages),
-  where the images hold them (gputest, full). The runtime's own choice is #2 from 212 (sequence,
-  KV head) pairs on, else #0.
+- ``fp8#4`` ... ``fp8#8`` (and ``p16:`` ones): with one of sm90's configs #4-#8 forced (configs
+  #0 and #2 with V read in 4-byte words and widened before its dot; #6 with six stages; #7 and #8
+  with 128-key blocks, 4 and 8 warps), where the images hold them (gputest, full). The runtime's
+  own choice is #2 from 212 (sequence, KV head) pairs on, else #0.
 
 With ``--baseline DIR`` every contender runs again on the images of ``DIR`` in the same rounds,
 tagged ``base:`` (e.g. images built by another Triton release; the speedups stay per library).
@@ -53,7 +53,7 @@ def _error(out: Any, q: Any, k: Any, v: Any) -> float:
 
 
 #: sm90's fp8-only decode configs the table forces besides the runtime's own choice.
-WIDENED = (4, 5, 6)
+WIDENED = (4, 5, 6, 7, 8)
 
 
 def _forced_view(lib: Any, config: int) -> Any:

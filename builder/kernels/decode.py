@@ -991,10 +991,14 @@ def decode_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
             # (docs/attention.md, "FP8 KV caches": no byte loads from shared memory); whole rows
             # only (a masked head dim promises no 4-byte alignment). #6: #5 with six stages, 80 KB
             # of K/V in flight (a bf16 cache's #2: 96 KB; fp8's #2: 48 KB) in the same 102 KB of
-            # shared memory as bf16's #2, still two programs per SM.
+            # shared memory as bf16's #2, still two programs per SM. #7, #8: 128-key blocks (three
+            # stages, 4 and 8 warps): the per-block work (row maxima, barriers, loop control) over
+            # twice the keys, 617 instructions a 64 keys with 4 warps where #4 takes 711.
             found += (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target), v_widened=1),
                       _cfg(target, 16, bn, 4, _stages(4, spec, target), v_widened=1),
-                      _cfg(target, 16, bn, 4, _stages(6, spec, target), v_widened=1))
+                      _cfg(target, 16, bn, 4, _stages(6, spec, target), v_widened=1),
+                      _cfg(target, 16, 2 * bn, 4, _stages(3, spec, target), v_widened=1),
+                      _cfg(target, 16, 2 * bn, 8, _stages(3, spec, target), v_widened=1))
         return found
     return (_cfg(target, 16, bn, 4, _stages(two_per_sm, spec, target)),)
 

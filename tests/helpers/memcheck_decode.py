@@ -9,7 +9,7 @@ one block, several; a block table whose unused entries point far outside the cac
 taller than one block, sliding windows, forced splits (merged by the combine kernel; on sm90
 the chain's PDL launches), head dims 64, 80 and 128, fp32, fp8 caches (per-head, per-sequence
 and float scales, appends quantised into them; float8_e4m3fnuz on gfx942, float8_e4m3fn
-elsewhere, on GPUs whose images hold them; on sm90 also configs #4 and #6 forced, which read V in
+elsewhere, on GPUs whose images hold them; on sm90 also configs #4, #6 and #7 forced, which read V in
 4-byte words), ALiBi slopes (per head and per sequence) and sinks
 (joined in the epilogue and by the combine, a head at -inf), the attention() route, and hostile
 inputs: pages past the cache (10**6 in a 3-column table), negative entries, lengths past the
@@ -245,7 +245,7 @@ case("fp8 cache, masked head dim 96, paged 48, window", run, d=96, dtype=torch.f
      new=1, sq=2, causal=True, window=(31, 0), fp8="head", num_splits=3)
 case("fp8 cache, 160-row run on the decode kernels", run, d=128, dtype=torch.bfloat16, page=16, lens=(300, 0, 5),
      sq=160, new=0, hq=16, hk=4, causal=True, fp8="head")
-for config in (4, 6):  # V read in 4-byte words (#6: #5's deeper ring)
+for config in (4, 6, 7):  # V read in 4-byte words (#6: #5's deeper ring; #7: 128-key blocks)
     case(f"fp8 cache, config #{config}, paged 16, per-sequence scales, append across pages", run, d=128,
          dtype=torch.bfloat16, page=16, lens=(47, 15, 0), new=3, sq=3, causal=True, fp8="batch_head", num_splits=2,
          config=config)

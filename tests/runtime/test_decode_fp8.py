@@ -48,6 +48,8 @@ CASES: dict[str, dict] = {
                                                       "sinks": True, "scales": "float", "block_n": 64},
     "v_widened_masked_head_dim_48_window": {"v_w": True, "D": 48, "window": (20, 0), "Sq": 2,
                                             "scales": "float"},
+    "v_widened_128_key_blocks_paged_48_splits": {"v_w": True, "block_n": 128, "paged": 48, "lens": (130, 2, 257),
+                                                 "scales": "head", "causal": True, "splits": 2},
     # bf16 queries (dots in fp16, each row scaled into fp16's range) whose rows in one tile span
     # 1e-30..1e6: past fp16's 65504 and below its smallest subnormal.
     "bf16_query_rows_past_fp16_range_gqa_splits": {"dtype": "bf16", "Hq": 4, "Hk": 1, "Sq": 2, "splits": 2,
@@ -599,12 +601,12 @@ def test_an_fp8_cache_under_bf16_queries_runs_both_dots_in_fp16(paged: int) -> N
 
 
 @pytest.mark.parametrize("paged", [0, 1])
-def test_sm90_configs_4_to_6_widen_an_fp8_v_from_words_before_its_dot(paged: int) -> None:
+def test_sm90_configs_4_to_8_widen_an_fp8_v_from_words_before_its_dot(paged: int) -> None:
     """Configs #4 and #5 (gputest and full) are #0 and #2 with V read in 4-byte words and widened
     in registers: V arrives in 16-byte copies like K and reaches the P.V dot through
     ``ldmatrix.trans`` of 16-bit values, where #0 gathers it byte by byte from shared memory
-    (``ld.shared.b8``, 64 per thread per 64-key block); #6 is #5 with a deeper ring. Caches of q's
-    type have none of them."""
+    (``ld.shared.b8``, 64 per thread per 64-key block); #6 is #5 with a deeper ring, #7 and #8
+    take 128-key blocks (4 and 8 warps). Caches of q's type have none of them."""
     import lzma
     import re
 
@@ -615,9 +617,10 @@ def test_sm90_configs_4_to_6_widen_an_fp8_v_from_words_before_its_dot(paged: int
     decl = load_kernels()["attn_decode"]
     spec = {"dtype": "fp16", "HEAD_DIM": 128, "PAGED": paged, "PADDED_D": 0, "KV_DTYPE": "fp8e4nv"}
     jobs = {j.config_index: j for j in expand(decl, parse_targets("sm90"), "gputest", "3.6.0") if j.spec == spec}
-    assert sorted(jobs) == [0, 1, 2, 3, 4, 5, 6]
-    assert [jobs[i].constexprs["V_WIDENED"] for i in range(7)] == [0, 0, 0, 0, 1, 1, 1]
+    assert sorted(jobs) == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert [jobs[i].constexprs["V_WIDENED"] for i in range(9)] == [0, 0, 0, 0, 1, 1, 1, 1, 1]
     assert jobs[6].config.num_stages > jobs[5].config.num_stages  # #6: the deeper ring
+    assert [(jobs[i].constexprs["BLOCK_N"], jobs[i].config.num_warps) for i in (7, 8)] == [(128, 4), (128, 8)]
     for twin, base in ((4, 0), (5, 2)):  # the same tile and pipeline as its twin
         assert jobs[twin].config.num_stages == jobs[base].config.num_stages
         assert {k: v for k, v in jobs[twin].constexprs.items() if k != "V_WIDENED"} == \
@@ -632,7 +635,7 @@ def test_sm90_configs_4_to_6_widen_an_fp8_v_from_words_before_its_dot(paged: int
         return lzma.decompress(compile_job_with_ptx(jobs[i])[3]).decode()
 
     assert len(re.findall(r"ld\.shared\.b8", ptx_of(0))) >= 64
-    for i in (4, 5, 6):
+    for i in (4, 5, 6, 7, 8):
         ptx = ptx_of(i)
         assert "ld.shared.b8" not in ptx
         assert ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") >= 8

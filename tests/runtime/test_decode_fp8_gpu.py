@@ -241,11 +241,11 @@ def test_a_masked_head_dim_reads_the_fp8_cache_in_place(lib: aotriton_rt.Library
     _appended_bytes_match(c, c["k"], c["v"])
 
 
-@pytest.mark.parametrize("config", range(7))
+@pytest.mark.parametrize("config", range(9))
 @pytest.mark.parametrize("page", [None, 16, 64], ids=["contiguous", "paged16", "paged64"])
 def test_every_sm90_fp8_decode_config_matches_the_reference(lib: aotriton_rt.Library, fp8: Any, page: Any,
                                                             config: int) -> None:
-    """Each config forced, #4-#6 included (V read in 4-byte words and widened before its dot):
+    """Each config forced, #4-#8 included (V read in 4-byte words and widened before its dot):
     bf16 and fp16 queries, D 64 and 128, GQA 4, odd lengths, appended rows, splits and a window."""
     held = {v.config.index for v in lib.variants_of("attn_decode") if v.spec.get("KV_DTYPE") == "fp8e4nv"}
     if config not in held:

@@ -68,7 +68,7 @@ def split_rule(rules: Any, arch: str, *, batch_heads: int = 1, paged: bool = Fal
     (``batch_heads``: the work size before splitting), ``min_rows`` (optional) at least that many
     query rows per (sequence, KV head) pair (``rows``: the GQA group times the query rows; a
     prefill-sized run takes a larger tile), ``paged`` (optional) the cache kind, ``fp8``
-    (optional) whether the cache is fp8 (its own configs, e.g. sm90's #4-#6, which caches of q's
+    (optional) whether the cache is fp8 (its own configs, e.g. sm90's #4-#8, which caches of q's
     type do not have).
     ``splits`` (optional) overrides fields of the default rule, ``config`` (optional) picks a
     tuning config. A ``combine`` key (the removed fused split merge's switch) is refused.
