@@ -18,27 +18,27 @@ DENSE = {"dtype": "fp8e4nv", "out_dtype": "bf16", "HEAD_DIM": 128, "HEAD_DIM_V":
 
 
 @pytest.fixture(autouse=True)
-def switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Gluon FP8 forward runs only with its switch on (off by default)."""
-    monkeypatch.setenv("AOTRITON_RT_FP8_SM90", "1")
+def switch_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon FP8 forward runs by default: no switch in the environment."""
+    monkeypatch.delenv("AOTRITON_RT_FP8_SM90", raising=False)
 
 
-def test_without_its_switch_the_portable_fp8_forward_runs_and_explain_says_why(
+def test_its_switch_at_0_runs_the_portable_fp8_forward_and_explain_says_why(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from aotriton_rt.ops.attention import explain
 
     lib = _library(tmp_path / "gluon", gluon=True)
-    for value in (None, "0", "yes"):
+    for value, kernel in ((None, GLUON), ("1", GLUON), ("yes", GLUON), ("0", PORTABLE)):
         if value is None:
-            monkeypatch.delenv("AOTRITON_RT_FP8_SM90")
+            monkeypatch.delenv("AOTRITON_RT_FP8_SM90", raising=False)
         else:
             monkeypatch.setenv("AOTRITON_RT_FP8_SM90", value)
         ex = explain(dtype="fp8e4nv", head_dim=128, seqlen_q=4096, arch="sm90", library=lib)
-        assert ex.kernels[1].kernel == PORTABLE
-        assert "runs only with AOTRITON_RT_FP8_SM90=1 (slower on the H200)" in ex.kernels[1].kernel_reason
+        assert ex.kernels[1].kernel == kernel, value
+    assert "own FP8 forward is off (AOTRITON_RT_FP8_SM90=0)" in ex.kernels[1].kernel_reason
 
 
-def _library(folder: Path, gluon: bool) -> Any:
+def _library(folder: Path, gluon: bool, configs: tuple[int, ...] = (0,), tuning: dict | None = None) -> Any:
     """Synthetic sm90 images (never launched): the portable FP8 forward at D=128, bf16 out, modes
     0 and 1, dense and packed, with its V^T pre-pass; with ``gluon``, the Gluon forward's dense D=128
     variants of every mask mode too."""
@@ -48,12 +48,13 @@ def _library(folder: Path, gluon: bool) -> Any:
     variants = [_synthetic_variant(PORTABLE, {**DENSE, "CAUSAL": c, "VARLEN": v}) for c in (0, 1) for v in (0, 1)]
     variants.append(_synthetic_variant("attn_fp8_v_transpose", {"dtype": "fp8e4nv", "HEAD_DIM": 128}))
     if gluon:
-        variants += [_synthetic_variant(GLUON, {**DENSE, "CAUSAL": c}) for c in (0, 1, 2)]
+        variants += [_synthetic_variant(GLUON, {**DENSE, "CAUSAL": c}, index=i) for c in (0, 1, 2) for i in configs]
         # The V^T in the Gluon forward's key order (its configs but the last read it).
         variants.append(_synthetic_variant("attn_fp8_v_transpose", {"dtype": "fp8e4nv", "HEAD_DIM": 128}, index=1))
     folder.mkdir()
     (folder / "catalog.json").write_text(json.dumps({"schema": "aotriton-rt.catalog", "schema_version": 2,
-                                                     "triton_version": "3.6.0", "variants": variants}))
+                                                     "triton_version": "3.6.0", "variants": variants,
+                                                     **({"tuning": tuning} if tuning else {})}))
     return aotriton_rt.Library(folder)
 
 
@@ -76,6 +77,27 @@ def test_an_sm90_fp8_call_runs_the_gluon_forward_where_the_images_hold_it(tmp_pa
     # Head dims below 128 run zero-padded on the 128 bucket, on the Gluon kernel too.
     assert explain(dtype="fp8e4nv", head_dim=96, seqlen_q=64, causal=True, arch="sm90",
                    library=lib).kernels[1].kernel == GLUON
+
+
+def test_the_catalogs_rule_names_the_gluon_forwards_config_and_its_v_transpose_order(tmp_path: Path) -> None:
+    from aotriton_rt.ops.attention import explain
+    from builder.kernels.attention_fp8_sm90 import FASTEST, fp8_sm90_tuning
+    from builder.targets import KNOWN
+
+    rules = [{"arch": "sm90", **r} for r in fp8_sm90_tuning(KNOWN["sm90"])]
+    assert [(r["spec"], r["config"]) for r in rules] == [({"HEAD_DIM": 128}, FASTEST[128])]
+    assert fp8_sm90_tuning(KNOWN["sm80"]) == []
+    lib = _library(tmp_path / "tuned", gluon=True, configs=(0, FASTEST[128]), tuning={GLUON: rules})
+    for causal in (False, True):
+        ex = explain(dtype="fp8e4nv", head_dim=128, seqlen_q=4096, causal=causal, arch="sm90", library=lib)
+        chosen = ex.kernels[1]
+        assert chosen.kernel == GLUON and chosen.config == FASTEST[128] and chosen.tuned
+        assert chosen.params["PERSISTENT"] == 132 and chosen.params["PINGPONG"] == 1
+        assert ex.kernels[0].spec["KEY_ORDER"] == 1
+    # Without the rule config #0 runs (the lowest config built).
+    plain = _library(tmp_path / "untuned", gluon=True, configs=(0, FASTEST[128]))
+    chosen = explain(dtype="fp8e4nv", head_dim=128, seqlen_q=4096, arch="sm90", library=plain).kernels[1]
+    assert chosen.config == 0 and not chosen.tuned
 
 
 def test_packed_sequences_and_images_without_it_run_the_portable_fp8_forward(tmp_path: Path) -> None:
@@ -191,7 +213,10 @@ def test_the_gluon_fp8_forward_takes_attn_fwd_fp8s_arguments_and_is_built_for_sm
     gputest = expand(gluon, targets, "gputest", triton.__version__)
     assert {(j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.spec["out_dtype"]) for j in gputest} == {
         (d, c, o) for d, c, o, _ in specs}
-    assert expand(gluon, targets, "default", triton.__version__) == []  # unmeasured: not in the default set
+    # The default set: D=128, bf16 out, modes 0 and 1, in the config the catalog's rule names.
+    default = expand(gluon, targets, "default", triton.__version__)
+    assert sorted((j.target.arch, j.spec["HEAD_DIM"], j.spec["CAUSAL"], j.spec["out_dtype"], j.config_index)
+                  for j in default) == [("sm90", 128, c, "bf16", 3) for c in (0, 1)]
     # Each spec's whole config table: one-tile configs first, then the persistent ones (their
     # indices are what tuning rules will name), then the first of each again with EXP2_SPLIT,
     # which only those two configs name, then the first again with the keys in order (KEY_ORDER=0).

@@ -265,8 +265,12 @@ def test_every_sm90_fp8_decode_config_matches_the_reference(lib: aotriton_rt.Lib
                                             check=True, library=forced)
             _check(out, lse, q, c, causal, window, dtype_name)
             _appended_bytes_match(c, kc, vc)
-    plans = list(dec._kernels_of(forced).launches.values())
-    assert plans and all(plan.decode.params.get("V_WIDENED", 0) == int(config >= 4) for plan in plans)
+    # The handles the calls launched, by config: the forced one's first sm90 variant is that config.
+    decodes = {key[2]: h for key, h in dec._kernels_of(forced).handles.items() if key[0] == "attn_decode"}
+    assert config in decodes, f"config {config} never launched: {sorted(decodes)}"
+    launched = min((v for v in decodes[config].candidates if v.target.arch == "sm90"), key=lambda v: v.config.index)
+    assert launched.config.index == config
+    assert launched.params.get("V_WIDENED", 0) == int(config >= 4)
 
 
 def test_a_run_of_160_rows_stays_on_the_decode_kernels_and_matches(lib: aotriton_rt.Library, fp8: Any) -> None:

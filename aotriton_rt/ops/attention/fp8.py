@@ -18,10 +18,10 @@ from typing import Any
 
 from ... import interop
 from ...errors import ArgumentError, KernelNotFound, UnsupportedError
-from ...tuning import Choice
+from ...tuning import Choice, explain_config
 from . import problem as _problem
 from .arrays import Output, lse_output, operand
-from .dispatch import KernelChoice, _causal_modes, kernels_of
+from .dispatch import KernelChoice, _causal_modes, config_params, kernels_of
 from .family import (
     ARCH_FP8_FORWARDS,
     FP8_ARCH_DTYPES,
@@ -38,8 +38,9 @@ from .family import (
 from .framework import arrays_for
 from .problem import Problem, prepare, same_device
 
-#: The environment variable that lets the arch's own FP8 forward (:data:`.family.ARCH_FP8_FORWARDS`)
-#: run: "1" turns it on. Off by default until it has been checked against a reference on hardware.
+#: The environment variable that turns the arch's own FP8 forward (:data:`.family.ARCH_FP8_FORWARDS`)
+#: off: "0" runs the portable ``attn_fwd_fp8`` instead (on by default: checked against the fp32
+#: reference and under memcheck on Hopper, and 5-8% faster than the portable kernel there).
 ARCH_FP8_SWITCH = "AOTRITON_RT_FP8_SM90"
 #: torch's names of the e4m3 formats, for messages.
 TORCH_NAMES = {"fp8e4nv": "float8_e4m3fn", "fp8e4b8": "float8_e4m3fnuz"}
@@ -148,11 +149,10 @@ def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> K
     calls, as the bf16 forward), or KernelNotFound naming the build that adds it.
 
     The arch's own FP8 forward (:data:`.family.ARCH_FP8_FORWARDS`, sm90's ``attn_fwd_fp8_sm90``)
-    runs the spec where the images hold it and :data:`ARCH_FP8_SWITCH` is ``1`` in the environment
-    (off by default: it matches the fp32 reference on the H200 but runs slower there than the portable
-    kernel, docs/performance.md "FP8 forward"); ``attn_fwd_fp8``
-    otherwise (packed sequences, head dim 256, other archs, images without it). Both take the same
-    arguments and the same V^T."""
+    runs the spec where the images hold it, in the config its tuning rules name (the catalog's
+    ``tuning["attn_fwd_fp8_sm90"]``, else #0), unless :data:`ARCH_FP8_SWITCH` is ``0`` in the
+    environment; ``attn_fwd_fp8`` otherwise (packed sequences, head dim 256, other archs, images
+    without it). Both take the same arguments and the same V^T (in the key order of the config)."""
     from ...select import remedy
 
     want = FP8_ARCH_DTYPES.get(arch)
@@ -163,7 +163,7 @@ def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> K
         raise UnsupportedError(f"{arch} multiplies {TORCH_NAMES[want]}, but q, k, v are {got}; "
                                f"convert them (e.g. x.to(torch.{TORCH_NAMES[want]})) with their descale factors")
     own = ARCH_FP8_FORWARDS.get(arch)
-    off = own is not None and os.environ.get(ARCH_FP8_SWITCH) != "1"
+    off = own is not None and os.environ.get(ARCH_FP8_SWITCH) == "0"
     if off:
         own = None
     candidates = [{**p_spec, "CAUSAL": m} for m in _causal_modes(call)]
@@ -172,11 +172,17 @@ def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> K
         if own is not None and ks.available(own, c, args):
             why = (f"{arch}'s own FP8 forward (Gluon: TMA, warp-specialised wgmma), preferred where the images hold "
                    "it for this spec")
-            return KernelChoice(FWD_FP8, own, c, why, Choice(own, 0), dict(c))
+            rules = ks.tuning.get(own)
+            config = explain_config(rules, kernel=own, spec=c, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
+                                    arch=arch) if rules else Choice(own, 0)
+            params = dict(c)
+            if config.config:
+                params.update(config_params(ks.lib.variants_of(own), own, c, config.config, arch))
+            return KernelChoice(FWD_FP8, own, c, why, config, params)
         if ks.available(FWD_FP8, c, args):
             why = "the FP8 forward (fp8 q, k, v)"
             if off:
-                why += f"; {arch}'s own FP8 forward runs only with {ARCH_FP8_SWITCH}=1 (slower on the H200)"
+                why += f"; {arch}'s own FP8 forward is off ({ARCH_FP8_SWITCH}=0)"
             elif own is not None:
                 why += f"; {arch}'s own FP8 forward is not in these images for this spec"
             return KernelChoice(FWD_FP8, FWD_FP8, c, why, Choice(FWD_FP8, 0), dict(c))
