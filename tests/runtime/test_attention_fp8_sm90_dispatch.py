@@ -81,11 +81,15 @@ def test_an_sm90_fp8_call_runs_the_gluon_forward_where_the_images_hold_it(tmp_pa
 
 def test_the_catalogs_rule_names_the_gluon_forwards_config_and_its_v_transpose_order(tmp_path: Path) -> None:
     from aotriton_rt.ops.attention import explain
-    from builder.kernels.attention_fp8_sm90 import FASTEST, fp8_sm90_tuning
+    from builder.kernels.attention_fp8_sm90 import FASTEST, fp8_sm90_configs, fp8_sm90_tuning
     from builder.targets import KNOWN
 
     rules = [{"arch": "sm90", **r} for r in fp8_sm90_tuning(KNOWN["sm90"])]
-    assert [(r["spec"], r["config"]) for r in rules] == [({"HEAD_DIM": 128}, FASTEST[128])]
+    assert [(r["spec"], r["config"]) for r in rules] == [({"HEAD_DIM": 128}, 3), ({"HEAD_DIM": 64}, 2)]
+    # Each names the persistent ping-pong tile of its head dim's table.
+    for d, i in FASTEST.items():
+        picked = fp8_sm90_configs({"HEAD_DIM": d}, KNOWN["sm90"])[i].constexprs
+        assert (picked["PERSISTENT"], picked["PINGPONG"], picked["KEY_ORDER"]) == (132, 1, 1)
     assert fp8_sm90_tuning(KNOWN["sm80"]) == []
     lib = _library(tmp_path / "tuned", gluon=True, configs=(0, FASTEST[128]), tuning={GLUON: rules})
     for causal in (False, True):
