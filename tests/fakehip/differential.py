@@ -48,7 +48,8 @@ STREAM = 0x5000
 # take causal_align 0 or 1 (1: a non-zero word, so a misplaced one shows), the sinks kernels a
 # varlen flag of 0 or 1.
 _FIXED_INTS = {"batch": 5, "num_heads_q": 9, "num_heads_k": 3, "seqlen_q": 3, "seqlen_new": 2, "page_size": 32,
-               "num_pages": 7, "capacity": 96, "num_splits": 4, "causal_align": 1, "varlen": 1, "seqs": 3}
+               "num_pages": 7, "capacity": 96, "num_splits": 4, "causal_align": 1, "varlen": 1, "seqs": 3,
+               "cols": 96}  # V^T columns: whole groups of 32 keys (the key-ordered pre-pass refuses others)
 _FIXED_FLOATS = {"dropout_p": 0.25, "sm_scale": 0.125}
 _INT_BASE = {"i8": 0, "i16": 0, "i32": 0, "u8": 0, "u16": 0, "u32": 0, "i64": 1 << 32, "u64": 1 << 63}
 
@@ -72,6 +73,14 @@ def argument_values(args: Sequence[Any], params: Mapping[str, Any]) -> list[Any]
             step = a.divisibility if a.divisibility > 1 else 2
             values.append(_INT_BASE[a.type] + step * (3 + 2 * i) + (1 if a.divisibility <= 1 else 0))
     return values
+
+
+def _jit_infers(a: Any, value: Any) -> bool:
+    """Whether Triton's JIT, given ``value`` for the scalar ``a``, specializes it with the builder's
+    divisibility hint: 16 exactly where the value is an int divisible by 16 (floats: never)."""
+    if not isinstance(value, int):
+        return a.divisibility == 1
+    return a.divisibility == (16 if value % 16 == 0 else 1)
 
 
 def evaluate_grid(rule: Sequence[str], values: Mapping[str, Any]) -> tuple[int, int, int]:
@@ -199,13 +208,15 @@ def launch_both(images: Path, arch: str, jit_log: Path, aot_log: Path) -> list[s
         constexprs = {k: c for k, c in constexprs.items() if k in fn.arg_names}
         options = {"num_warps": v.config.num_warps, "num_stages": v.config.num_stages, **v.config.options}
         _mark(jit_log, v.key)
-        if all(a.divisibility == 16 if a.is_pointer else a.divisibility in (1, 16) for a in v.args):
+        if all(a.divisibility == 16 if a.is_pointer else _jit_infers(a, x) for a, x in zip(v.args, values)):
             fn[grid](*call, **constexprs, **options)
         else:
             # The JIT only ever infers divisibility 16 (and every fake pointer here is aligned);
             # a variant built with another hint (8 for bias strides, none for index arrays that
-            # may be any int32 view) goes through triton.compile with the builder's own hints
-            # instead, then Triton's own loader and launcher, exactly as a JIT launch would.
+            # may be any int32 view), or a fixed value the JIT would read as divisible by 16 where
+            # the builder promised nothing (``cols``), goes through triton.compile with the
+            # builder's own hints instead, then Triton's own loader and launcher, exactly as a JIT
+            # launch would.
             _compiled(fn, v, constexprs, options)[grid](*_in_order(fn, v, call, constexprs), stream=STREAM)
 
     import aotriton_rt
