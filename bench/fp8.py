@@ -41,8 +41,6 @@ def _quantised(x: Any, heads_k: int) -> tuple[Any, Any]:
     return (x.float() / per_head).to(torch.float8_e4m3fn), scale
 
 
-# The Gluon FP8 forward runs only with its switch on (off by default until checked on hardware).
-os.environ.setdefault("AOTRITON_RT_FP8_SM90", "1")
 GLUON = FWD_FP8_SM90
 
 

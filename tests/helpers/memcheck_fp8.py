@@ -21,8 +21,8 @@ import aotriton_rt
 from aotriton_rt.ops.attention import explain
 from builder.tune import without_kernel
 
-# The Gluon FP8 forward runs only with its switch on (off by default until checked on hardware).
-os.environ.setdefault("AOTRITON_RT_FP8_SM90", "1")
+# The Gluon FP8 forward runs by default; kept on here even where the environment turns it off ("0").
+os.environ["AOTRITON_RT_FP8_SM90"] = "1"
 GLUON = "attn_fwd_fp8_sm90"
 held = aotriton_rt.Library(os.environ["AOTRITON_RT_IMAGES"])
 # The portable kernel first, then (where the images hold it) the Gluon one.

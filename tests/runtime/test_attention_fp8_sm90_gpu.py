@@ -38,8 +38,8 @@ import aotriton_rt  # noqa: E402
 from tests.runtime.test_attention_sm90_gpu import _reference  # noqa: E402  (fp32 inputs: the same maths)
 
 pytestmark = pytest.mark.gpu
-# The Gluon FP8 forward runs only with its switch on (off by default until checked on hardware).
-os.environ.setdefault("AOTRITON_RT_FP8_SM90", "1")
+# The Gluon FP8 forward runs by default; kept on here even where the environment turns it off ("0").
+os.environ["AOTRITON_RT_FP8_SM90"] = "1"
 
 GLUON = "attn_fwd_fp8_sm90"
 OUT = {"bf16": torch.bfloat16, "fp16": torch.float16}
