@@ -455,15 +455,22 @@ def choose_kernel(ks: LibraryKernels, call: AttentionCall, role: str, spec: dict
     config rules of its family (an aligned sibling's configs follow its family's). A callable
     ``arch`` is asked only where a rule names an arch or a tuned config must be found."""
     route = forward_kernel(ks, call, spec, arch) if role == FWD else backward_kernel(ks, call, role, spec, arch)
-    family = family_of(route.kernel)
+    config, params = tuned_config(ks, call, family_of(route.kernel), route.kernel, spec, arch)
+    return KernelChoice(role, route.kernel, dict(spec), route.reason, config, params)
+
+
+def tuned_config(ks: LibraryKernels, call: AttentionCall, family: str, kernel: str, spec: dict[str, Any],
+                 arch: str | Callable[[], str]) -> tuple[Choice, dict[str, Any]]:
+    """What the tuning rules of ``family`` ask for ``kernel``/``spec`` in this call, and the
+    parameters the library is asked for: the spec, plus that config's constexprs, warps and stages
+    where it is not 0 and the images hold it on ``arch`` (otherwise the lowest config built runs)."""
     rules = ks.tuning.get(family)
     config = explain_config(rules, kernel=family, spec=spec, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
                             arch=arch) if rules else Choice(family, 0)
     params = dict(spec)
     if config.config:
-        params.update(config_params(ks.lib.variants_of(route.kernel), route.kernel, spec, config.config,
-                                    _resolved(arch)))
-    return KernelChoice(role, route.kernel, dict(spec), route.reason, config, params)
+        params.update(config_params(ks.lib.variants_of(kernel), kernel, spec, config.config, _resolved(arch)))
+    return config, params
 
 
 def choose_forward(ks: LibraryKernels, call: AttentionCall, arch: str | Callable[[], str]) -> KernelChoice:

@@ -18,10 +18,10 @@ from typing import Any
 
 from ... import interop
 from ...errors import ArgumentError, KernelNotFound, UnsupportedError
-from ...tuning import Choice, explain_config
+from ...tuning import Choice
 from . import problem as _problem
 from .arrays import Output, lse_output, operand
-from .dispatch import KernelChoice, _causal_modes, config_params, kernels_of
+from .dispatch import KernelChoice, _causal_modes, kernels_of, tuned_config
 from .family import (
     ARCH_FP8_FORWARDS,
     FP8_ARCH_DTYPES,
@@ -172,12 +172,7 @@ def choose(ks: Any, call: AttentionCall, p_spec: dict[str, Any], arch: str) -> K
         if own is not None and ks.available(own, c, args):
             why = (f"{arch}'s own FP8 forward (Gluon: TMA, warp-specialised wgmma), preferred where the images hold "
                    "it for this spec")
-            rules = ks.tuning.get(own)
-            config = explain_config(rules, kernel=own, spec=c, seqlen_q=call.seqlen_q, seqlen_k=call.seqlen_k,
-                                    arch=arch) if rules else Choice(own, 0)
-            params = dict(c)
-            if config.config:
-                params.update(config_params(ks.lib.variants_of(own), own, c, config.config, arch))
+            config, params = tuned_config(ks, call, own, own, c, arch)
             return KernelChoice(FWD_FP8, own, c, why, config, params)
         if ks.available(FWD_FP8, c, args):
             why = "the FP8 forward (fp8 q, k, v)"
