@@ -38,6 +38,11 @@ dV made ptxas serialize every wgmma. Each thread adds pairs of adjacent columns
 every dQ element takes two adds per key block (FA3 splits the dQ tile between its warp groups after
 a barrier and reduces through TMA; Gluon in Triton 3.6 has no TMA reduce).
 
+With ``DQ_ATOMIC=1`` and ``OVERLAP=1`` the atomic scheme takes FA3's order: dV's matmul, then dQ's
+(its first chunk), then dK's, which runs while the dQ tile is staged and added (the wait before
+the adds leaves only dK's group in flight); without it dV's and dK's matmuls are issued together
+and every matmul of the tile is waited for before dQ is added.
+
 With ``OVERLAP=1`` (split scheme) each consumer issues a tile's dV and dK matmuls behind the next
 tile's Sᵀ and dPᵀ (``_consume_overlapped``): they run while that tile's Pᵀ and dSᵀ are computed,
 and a tile's Q/dO slot is released one tile later. ptxas serializes every wgmma of the kernel if
@@ -340,10 +345,12 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
           len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head, stride_dqam, dq_rows, dq_cols,
           sm_scale, dq_smem, dqa_desc, qb, qh, C: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
           STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr, DQ_SHARE: gl.constexpr, DQ_TMA: gl.constexpr,
-          s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr, PERSISTENT: gl.constexpr):
+          s_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr, PERSISTENT: gl.constexpr,
+          DQ_LATE: gl.constexpr):
     """dK, dV of one consumer after query tile ``it`` (first query start_m) of the loader's order;
     with DQ_ATOMIC also this consumer's share of the tile's dQ (dS·K over its 64 keys, scaled),
-    added into DQacc."""
+    added into DQacc. DQ_LATE (DQ_ATOMIC): dK's matmul is issued after dQ's first one and runs
+    while that dQ tile is added (FA3's order), instead of beside dV's before it."""
     s = it % STAGES
     q = q_smem.index(s)
     do = do_smem.index(s)
@@ -371,7 +378,8 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
             ds_smem.index(C).store(ds16)
         fence_async_shared()
     dv = warpgroup_mma(p_op, do, dv, is_async=True)
-    dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+    if not DQ_LATE:
+        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
     if DQ_ATOMIC:
         CHUNK: gl.constexpr = dq_cols.shape[0]
         q_rows = start_m + dq_rows
@@ -387,12 +395,20 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
                                dq_zero, use_acc=False, is_async=True)
             dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)),
                                k_smem.index(1).slice(C * CHUNK, CHUNK, dim=1), dq, is_async=True)
-            dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
-            mbarrier.arrive(free.index(s), count=1)
+            if DQ_LATE:
+                # Groups retire in order: dV's and dQ's are done, dK's runs on while dQ is added.
+                dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+                dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
+            else:
+                dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+                mbarrier.arrive(free.index(s), count=1)
             if DQ_TMA:
                 _reduce_dq(dqa_desc, dq_smem.index(C), dq * sm_scale, qb, qh, start_m, C * CHUNK, True, PERSISTENT)
             else:
                 _add_dq(row_ptrs + C * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
+            if DQ_LATE:
+                dk = warpgroup_mma_wait(0, deps=(dk,))
+                mbarrier.arrive(free.index(s), count=1)
         else:
             # dQ's share of this consumer's 64 keys, dS·K_C, in CHUNK-column pieces: the first
             # runs beside dV's and dK's matmuls, the others one at a time (each 32 fp32 registers
@@ -401,13 +417,21 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
             BLOCK_D: gl.constexpr = k.shape[1]
             ds_t = ds_smem.index(C).permute((1, 0))
             dq = warpgroup_mma(ds_t, k.slice(0, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
-            dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
-            mbarrier.arrive(free.index(s), count=1)
+            if DQ_LATE:
+                dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+                dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
+            else:
+                dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+                mbarrier.arrive(free.index(s), count=1)
             NCHUNK: gl.constexpr = BLOCK_D // CHUNK
             if DQ_TMA:
                 _reduce_dq(dqa_desc, dq_smem.index(C * NCHUNK), dq * sm_scale, qb, qh, start_m, 0, True, PERSISTENT)
             else:
                 _add_dq(row_ptrs, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
+            if DQ_LATE:
+                # The next chunks' matmuls would retire after dK's: wait for it here.
+                dk = warpgroup_mma_wait(0, deps=(dk,))
+                mbarrier.arrive(free.index(s), count=1)
             for i in gl.static_range(1, NCHUNK):
                 dq = warpgroup_mma(ds_t, k.slice(i * CHUNK, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq,))
@@ -606,7 +630,7 @@ def _consume_unit(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_
     # Always wait: the loader's K/V copies must land before the program may exit (or reload them).
     mbarrier.wait(kv_bar, u & 1)
     masked = n1 + n2
-    if OVERLAP:
+    if OVERLAP and not DQ_ATOMIC:
         dk, dv = _consume_overlapped(dk, dv, k, v, q_smem, do_smem, ready, free, LSE, Delta, t0, off_b, off_hk, group,
                                      stride_lz, stride_lh, cols, qcols, len_q, diag, left, right, qk_scale, lo, f1,
                                      f2, n1, n2, n, CAUSAL, BLOCK_M, STAGES, s_layout, a_layout, ds_smem, c,
@@ -627,13 +651,15 @@ def _consume_unit(c: gl.constexpr, q_smem, do_smem, k_smem, v_smem, ds_smem, ds_
                 dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
                                cols, qcols, len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head,
                                stride_dqam, dq_rows, dq_cols, sm_scale, dq_smem, dqa_desc, off_b, qh, c, True, CAUSAL,
-                               STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout, PERSISTENT)
+                               STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout, PERSISTENT,
+                               DQ_ATOMIC * OVERLAP)
             for j in range(masked, n):
                 start_m = f1 + (j - masked) * BLOCK_M
                 dk, dv = _tile(base + j, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_head,
                                cols, qcols, len_q, diag, left, right, qk_scale, k_smem, ds_smem, ds_bar, DQA_head,
                                stride_dqam, dq_rows, dq_cols, sm_scale, dq_smem, dqa_desc, off_b, qh, c, False, CAUSAL,
-                               STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout, PERSISTENT)
+                               STAGES, DQ_ATOMIC, DQ_SHARE, DQ_TMA, s_layout, a_layout, dq_layout, PERSISTENT,
+                               DQ_ATOMIC * OVERLAP)
     if PERSISTENT:
         # Every matmul reading K and V was waited for in its tile: the loader may refill them.
         mbarrier.arrive(kv_free, count=1)
@@ -704,7 +730,8 @@ def attn_bwd_dkdv_sm90(
     goes to shared memory and into DQacc with one TMA reduce-add (FA3's path). OVERLAP (split
     scheme): 1 issues each query tile's dV and dK matmuls behind the next tile's S^T and dP^T, so
     they run while that tile's P^T and dS^T are computed (_consume_overlapped), their A operands
-    in registers; 2 the same with the A operands in shared memory.
+    in registers; 2 the same with the A operands in shared memory. OVERLAP (atomic scheme): 1
+    issues dK's matmul after dQ's, running while dQ is added (FA3's order).
     """
     gl.static_assert(BIAS == 0 and DROPOUT == 0 and VARLEN == 0,
                      "attn_bwd_dkdv_sm90: no bias, dropout or varlen")
@@ -716,7 +743,8 @@ def attn_bwd_dkdv_sm90(
     dtype: gl.constexpr = Q.dtype.element_ty
     gl.static_assert(BLOCK_D % DQ_CHUNK == 0, "attn_bwd_dkdv_sm90: head dim a multiple of dQ's chunk")
     gl.static_assert(DQ_TMA == 0 or DQ_ATOMIC == 1, "attn_bwd_dkdv_sm90: DQ_TMA reduces an atomic dQ")
-    gl.static_assert(OVERLAP == 0 or DQ_ATOMIC == 0, "attn_bwd_dkdv_sm90: OVERLAP is the split scheme's")
+    gl.static_assert(OVERLAP == 0 or DQ_ATOMIC == 0 or OVERLAP == 1,
+                     "attn_bwd_dkdv_sm90: OVERLAP=2 is the split scheme's")
     gl.static_assert(DQ_SHARE == 0 or (DQ_ATOMIC == 1 and BLOCK_D == 2 * DQ_CHUNK),
                      "attn_bwd_dkdv_sm90: DQ_SHARE splits an atomic dQ tile of head dim 128 between the consumers")
     if DQ_SHARE:
@@ -939,6 +967,11 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
     else:
         combos += [(0, 0, *tiles[0], PERSISTENT_PROGRAMS)]
     combos = [(*c, 0) for c in combos]
+    if atomic:
+        # OVERLAP=1 (FA3's order: dK's matmul behind dQ's, running while dQ is added), one tile a
+        # program and persistent, on the TMA configs' first tile.
+        combos += [(share, 1, *DQ_TMA_TILES[(spec["HEAD_DIM"], share)][0], programs, 1)
+                   for share in shares for programs in (0, PERSISTENT_PROGRAMS)]
     if not atomic:
         overlaps = (1, 2) if spec["HEAD_DIM"] in OVERLAP_SMEM_D else (1,)
         combos += [(0, 0, OVERLAP_BLOCK_M[spec["HEAD_DIM"]] if overlap == 1 else 64, OVERLAP_STAGES, 0, overlap)
@@ -1004,28 +1037,25 @@ KERNEL = KernelDecl(
 _DIV_A16 = {**_DIV, **{n: 16 for n in ALIGNED_FACTS}}
 
 
-def in_aligned_gputest_set(spec: dict, target: object) -> bool:
-    """The split scheme's specs of :func:`in_gputest_set` (the atomic scheme has no aligned sibling)."""
-    return not spec["DQ_ATOMIC"] and in_gputest_set(spec, target)
 
 
 #: The aligned-length sibling: the same Gluon function, arguments, grid and configs, compiled with
-#: ``ALIGNED_FACTS`` divisible by 16, for the split scheme only (``DQ_ATOMIC=0``, the default
-#: backward). The runtime runs it in place of ``attn_bwd_dkdv_sm90`` where the call's lengths and
-#: LSE strides are multiples of 16 and the images hold it for the spec (its tuning rules are the
-#: family's: aotriton_rt/ops/attention/family.py, ``ALIGNED_SIBLINGS``); a ragged call keeps the
-#: plain kernel. A separate kernel name because one kernel's variants share their argument
-#: declarations (aotriton_rt/launch.py). In every set; ``default`` keeps config #0.
+#: ``ALIGNED_FACTS`` divisible by 16, for both schemes. The runtime runs it in place of
+#: ``attn_bwd_dkdv_sm90`` where the call's lengths and LSE strides are multiples of 16 and the
+#: images hold it for the spec (its tuning rules are the family's:
+#: aotriton_rt/ops/attention/family.py, ``ALIGNED_SIBLINGS``); a ragged call keeps the plain
+#: kernel. A separate kernel name because one kernel's variants share their argument declarations
+#: (aotriton_rt/launch.py). In every set that holds the plain kernel, with the same configs.
 ALIGNED_KERNEL = KernelDecl(
     name=ALIGNED_SIBLINGS[DKDV_SM90],
     fn=attn_bwd_dkdv_sm90,
     signature=_SIG,
-    axes={**KERNEL.axes, "DQ_ATOMIC": (0,)},
+    axes=KERNEL.axes,
     configs=sm90_dkdv_configs,
     grid=KERNEL.grid,
     divisibility=_DIV_A16,
     exclude=_excluded,
-    sets={"default": in_default_backward_set, "gputest": in_aligned_gputest_set},
+    sets={"default": in_default_backward_set, "gputest": in_gputest_set},
     set_configs={"default": tuned_configs(DKDV_SM90)},
     checks=_CHECKS + stride_checks(_DIV_A16),
 )

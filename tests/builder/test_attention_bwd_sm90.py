@@ -241,13 +241,17 @@ def test_its_configs_keep_the_constexprs_the_grid_and_the_operator_read(gluon: G
                 for c in configs]
         # The atomic scheme runs each tile with each dQ split (at D=128), the per-consumer one first,
         # then the same through TMA (D=128 per consumer: its two 64 KB chunk buffers fit one tile),
-        # then persistent with TMA; the split scheme its tiles, then persistent, then OVERLAP.
+        # then persistent with TMA, then OVERLAP=1 (dK's matmul behind dQ's) one tile a program and
+        # persistent for each split; the split scheme its tiles, then persistent, then OVERLAP.
         P = PERSISTENT_PROGRAMS
+        overlap = [c.constexprs.get("OVERLAP", 0) for c in configs]
         if gluon.schemes and spec.get("DQ_ATOMIC") and spec["HEAD_DIM"] == 128:
             assert ways == [(0, 0, 0), (0, 0, 0), (1, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (1, 1, 0), (0, 1, P),
-                            (1, 1, P)]
+                            (1, 1, P), (0, 1, 0), (0, 1, P), (1, 1, 0), (1, 1, P)]
+            assert overlap == [0] * 9 + [1] * 4
         elif gluon.schemes and spec.get("DQ_ATOMIC"):
-            assert ways == [(0, 0, 0), (0, 0, 0), (0, 1, 0), (0, 1, 0), (0, 1, P)]
+            assert ways == [(0, 0, 0), (0, 0, 0), (0, 1, 0), (0, 1, 0), (0, 1, P), (0, 1, 0), (0, 1, P)]
+            assert overlap == [0] * 5 + [1] * 2
         elif gluon.schemes:
             # Then the OVERLAP=1 and (at D=64) OVERLAP=2 configs, one tile a program (persistent
             # ones returned wrong gradients on the H200).

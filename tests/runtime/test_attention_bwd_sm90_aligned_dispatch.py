@@ -67,15 +67,17 @@ def test_the_registry_declares_the_aligned_sibling_as_its_family_but_for_the_len
         return {(tuple(sorted(j.spec.items())), j.config_index, j.target.arch): j
                 for j in expand(kernels[name], targets, build_set, "3.6.0")}
 
-    # The split scheme's variants of the family, spec for spec and config for config, on sm90 only.
+    # The family's variants (both schemes), spec for spec and config for config, on sm90 only.
     for build_set in ("gputest", "full", "default"):
         mine, family = jobs(ALIGNED, build_set), jobs(NAME, build_set)
-        assert mine and set(mine) == {k for k in family if dict(k[0])["DQ_ATOMIC"] == 0}, build_set
+        assert mine and set(mine) == set(family), build_set
         assert all(j.config == family[k].config and j.key != family[k].key for k, j in mine.items())
         assert all(j.divisibility["seqlen_k"] == 16 for j in mine.values())
-    # Four configs a spec at D=128 (two tiles, the persistent one, the OVERLAP=1 one), five at D=64
-    # (and the OVERLAP=2 one); as many specs of each head dim.
-    assert len(jobs(ALIGNED, "gputest")) == 5 * (4 + 5) and len(jobs(ALIGNED, "full")) == 6 * (4 + 5)
+    # The split scheme: four configs a spec at D=128 (two tiles, the persistent one, the OVERLAP=1
+    # one), five at D=64 (and the OVERLAP=2 one); the atomic scheme 13 at D=128 and 7 at D=64; as
+    # many specs of each head dim and scheme.
+    assert len(jobs(ALIGNED, "gputest")) == 5 * (4 + 5 + 13 + 7)
+    assert len(jobs(ALIGNED, "full")) == 6 * (4 + 5 + 13 + 7)
     # The default set: the family's (config #0 and the tuned ones) of the two dtypes, head dims 64
     # and 128, mask modes 0 and 1.
     assert {(k[0], k[1]) for k in jobs(ALIGNED, "default")} == {
