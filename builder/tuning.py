@@ -458,9 +458,13 @@ def choice_built(table: str, arch: Any, spec: Mapping[str, Any], specs: set[tupl
     """Whether a build holding ``specs`` ((kernel, arch, spec key) of its jobs) can make the choice a
     rule of decision table ``table`` (:data:`DECISIONS`) makes for ``spec`` on ``arch``: for a
     kernel choice, the portable kernel and the arch's own for that spec; for the backward's scheme,
-    the dK/dV kernel of both schemes (``DQ_ATOMIC`` 0 and 1) for the call's spec."""
+    a dK/dV kernel of each scheme (``DQ_ATOMIC`` 0 and 1) for the call's spec, the portable one or
+    the arch's own (the dispatch runs either; the gputest and default sets hold the atomic scheme
+    on sm90 through the arch's kernel alone)."""
     if table == MODE_RULES:
-        return all((DKDV, arch, _spec_key({**spec, "DQ_ATOMIC": atomic})) in specs for atomic in (0, 1))
+        kernels = (DKDV, *dict.fromkeys(own[DKDV] for a, own in ARCH_BACKWARDS.items() if a == arch and DKDV in own))
+        return all(any((k, arch, _spec_key({**spec, "DQ_ATOMIC": atomic})) in specs for k in kernels)
+                   for atomic in (0, 1))
     portable, owns = KERNEL_CHOICES[table]
     key = _spec_key(spec)
     return (portable, arch, key) in specs and (owns.get(arch), arch, key) in specs
@@ -469,7 +473,7 @@ def choice_built(table: str, arch: Any, spec: Mapping[str, Any], specs: set[tupl
 def decision_kernels(table: str) -> tuple[str, ...]:
     """The kernels a build must hold for a decision table's rules to fold (:func:`choice_built`)."""
     if table == MODE_RULES:
-        return (DKDV,)
+        return (DKDV, *dict.fromkeys(own[DKDV] for own in ARCH_BACKWARDS.values() if DKDV in own))
     portable, owns = KERNEL_CHOICES[table]
     return (portable, *dict.fromkeys(owns.values()))
 

@@ -44,7 +44,8 @@ def in_default_set(spec: dict, target: object) -> bool:
     ``DEFAULT_VARLEN_HEAD_DIMS``; dropout (without the returned mask) for the (head dim, mask)
     pairs of ``DEFAULT_DROPOUT``. Not in it (build ``--set full``): fp32, other head-dim buckets
     (calls at those dims run zero-padded on the next compiled one), bias, varlen at other head
-    dims, dropout elsewhere, the returned dropout mask, the atomic-dQ backward, ALiBi (the set is at
+    dims, dropout elsewhere, the returned dropout mask, the atomic-dQ backward (but sm90's Gluon one,
+    :func:`in_default_sm90_atomic_set`), ALiBi (the set is at
     its build-time budget: docs/performance.md)."""
     if spec.get("ALIBI", 0):
         return False
@@ -228,6 +229,24 @@ def in_sm90_gluon_atomic_set(spec: dict, target: object) -> bool:
             and head_dim in SM90_GLUON_BWD_HEAD_DIMS
             and spec.get("HEAD_DIM_V", head_dim) == head_dim
             and not spec.get("VARLEN", 0)
+            and spec.get("DQ_ATOMIC", 1) == 1)
+
+
+def in_default_sm90_atomic_set(spec: dict, target: object) -> bool:
+    """The atomic-dQ backward's default variants on sm90: preprocess (``DQ_ATOMIC=1``), the Gluon
+    dK/dV and its aligned sibling (``DQ_ATOMIC=1``: config #0 and the tuned ones) and the convert
+    kernel for the default backward's fixed-length specs (fp16/bf16, head dims
+    ``DEFAULT_BACKWARD_HEAD_DIMS``, no mask or mode 1), so that the tuning database's scheme rules
+    (the atomic scheme where it beats the split one) hold for the images pip users get; not the
+    portable atomic dK/dV (the dispatch runs the Gluon one on sm90)."""
+    head_dim = spec.get("HEAD_DIM")
+    return (getattr(target, "arch", None) == "sm90"
+            and spec.get("dtype") in ("fp16", "bf16")
+            and head_dim in DEFAULT_BACKWARD_HEAD_DIMS and head_dim in SM90_GLUON_BWD_HEAD_DIMS
+            and spec.get("HEAD_DIM_V", head_dim) == head_dim
+            and spec.get("CAUSAL", 0) in DEFAULT_CAUSAL
+            and not spec.get("VARLEN", 0) and not spec.get("BIAS", 0) and not spec.get("DROPOUT", 0)
+            and not spec.get("SOFTCAP", 0) and not spec.get("ALIBI", 0)
             and spec.get("DQ_ATOMIC", 1) == 1)
 
 

@@ -147,9 +147,9 @@ def test_gputest_and_default_hold_every_served_spec(gluon: Gluon) -> None:
     if gluon.schemes:
         assert ({split_twin(j) for j in gputest if j.spec["DQ_ATOMIC"]}
                 == {split_twin(j) for j in gputest if not j.spec["DQ_ATOMIC"]})
-    # The default set: config #0 of the split scheme and each config the checked-in tuning database
-    # picks for the spec, on sm90, for every fixed-length spec whose portable backward the default
-    # set holds (varlen and the atomic scheme stay portable).
+    # The default set: config #0 and each config the checked-in tuning database picks for the spec,
+    # on sm90, for every fixed-length spec whose portable backward the default set holds, in both
+    # schemes (the dK/dV kernel's atomic specs: the split ones' twins; varlen stays portable).
     from builder.tuning import tuned_configs
 
     default = expand(_kernels()[gluon.name], targets, "default", "3.6.0")
@@ -161,8 +161,12 @@ def test_gputest_and_default_hold_every_served_spec(gluon: Gluon) -> None:
     for spec in {_key(j) for j in default}:
         held = sorted(j.config_index for j in default if _key(j) == spec)
         assert held == list(tuned_configs(family)(dict(spec), parse_targets("sm90")[0])) and held[0] == 0
-    assert not any(j.spec.get("DQ_ATOMIC") for j in default)
-    assert {_key(j) for j in default} == portable_default
+    if gluon.schemes:
+        assert ({split_twin(j) for j in default if j.spec["DQ_ATOMIC"]}
+                == {split_twin(j) for j in default if not j.spec["DQ_ATOMIC"]})
+    else:
+        assert not any(j.spec.get("DQ_ATOMIC") for j in default)
+    assert {split_twin(j) for j in default} == portable_default
     assert {j.spec["CAUSAL"] for j in default} == {0, 1}
 
 

@@ -413,9 +413,11 @@ def test_fold_keeps_backward_decisions_only_where_the_build_can_make_them() -> N
     db = tuning.database(entries, arch="sm90", machine={"gpu": "H200"}, method={})
     assert len(db["rules"]["attn_bwd_mode"]) == 2
     table, notes = tuning.fold([("sm90.json", db)], _backward_jobs())
-    assert notes == ["sm90.json: 8 rules folded (2 of them mode-2 rules applied to CAUSAL=1), 0 dropped"]
-    # The atomic scheme at mode 2 (gputest holds its dK/dV with DQ_ATOMIC=1) but not at mode 1.
-    assert [(r["spec"]["CAUSAL"], r["mode"]) for r in table["attn_bwd_mode"]] == [(0, "atomic"), (2, "atomic")]
+    assert notes == ["sm90.json: 9 rules folded (3 of them mode-2 rules applied to CAUSAL=1), 0 dropped"]
+    # The atomic scheme at every mode: gputest holds the Gluon dK/dV with DQ_ATOMIC=1 at each (the
+    # portable atomic one at mode 2 only), and the dispatch runs either.
+    assert [(r["spec"]["CAUSAL"], r["mode"]) for r in table["attn_bwd_mode"]] == [
+        (0, "atomic"), (2, "atomic"), (1, "atomic")]
     assert [(r["spec"]["CAUSAL"], r["kernel"]) for r in table["attn_bwd_dq_kernel"]] == [
         (0, "attn_bwd_dq"), (2, "attn_bwd_dq"), (1, "attn_bwd_dq")]
     assert [r["spec"]["CAUSAL"] for r in table["attn_bwd_dkdv_kernel"]] == [0, 2, 1]
@@ -423,12 +425,15 @@ def test_fold_keeps_backward_decisions_only_where_the_build_can_make_them() -> N
     # Without the Gluon kernels there is no kernel choice to make, and without the atomic dK/dV no scheme.
     portable = tuning.fold([("sm90.json", db)], _backward_jobs(("attn_bwd_dkdv", "attn_bwd_dq")))[0]
     assert set(portable) == {"attn_bwd_mode"}
-    # The default set holds the Gluon kernels at modes 0 and 1 (the mode-2 rule applies to mode 1)
-    # but not the atomic scheme: the kernel choice is folded, no scheme.
+    # The default set holds the Gluon kernels at modes 0 and 1 (the mode-2 rule applies to mode 1),
+    # the dK/dV one in both schemes: the kernel choices and the scheme are folded.
     default = tuning.fold([("sm90.json", db)], _backward_jobs(("attn_bwd_dq", OWN_DQ), "default"))[0]
     assert [(r["spec"]["CAUSAL"], r["kernel"]) for r in default.pop("attn_bwd_dq_kernel")] == [
         (0, "attn_bwd_dq"), (1, "attn_bwd_dq")]
     assert default == {}
+    default = tuning.fold([("sm90.json", db)], _backward_jobs(("attn_bwd_dkdv", OWN_DKDV), "default"))[0]
+    assert [(r["spec"]["CAUSAL"], r["mode"]) for r in default["attn_bwd_mode"]] == [(0, "atomic"), (1, "atomic")]
+    assert not any(j.spec.get("DQ_ATOMIC") for j in _backward_jobs(("attn_bwd_dkdv",), "default"))
 
 
 def test_an_entry_measured_by_a_benchmark_says_so_in_its_rules_and_survives_recompute(tmp_path: Path) -> None:

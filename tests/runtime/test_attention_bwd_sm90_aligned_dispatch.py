@@ -79,10 +79,9 @@ def test_the_registry_declares_the_aligned_sibling_as_its_family_but_for_the_len
     assert len(jobs(ALIGNED, "gputest")) == 5 * (4 + 5 + 13 + 7)
     assert len(jobs(ALIGNED, "full")) == 6 * (4 + 5 + 13 + 7)
     # The default set: the family's (config #0 and the tuned ones) of the two dtypes, head dims 64
-    # and 128, mask modes 0 and 1.
-    assert {(k[0], k[1]) for k in jobs(ALIGNED, "default")} == {
-        (k[0], k[1]) for k in jobs(NAME, "default") if dict(k[0])["DQ_ATOMIC"] == 0}
-    assert len({k[0] for k in jobs(ALIGNED, "default")}) == 8 and {0} <= {k[1] for k in jobs(ALIGNED, "default")}
+    # and 128, mask modes 0 and 1, both schemes.
+    assert {(k[0], k[1]) for k in jobs(ALIGNED, "default")} == {(k[0], k[1]) for k in jobs(NAME, "default")}
+    assert len({k[0] for k in jobs(ALIGNED, "default")}) == 16 and {0} <= {k[1] for k in jobs(ALIGNED, "default")}
 
 
 def test_an_aligned_call_runs_the_sibling_and_a_ragged_one_the_plain_kernel(tmp_path: Path) -> None:
