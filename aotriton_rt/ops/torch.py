@@ -410,7 +410,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
     logit softcap (gradients included). ``alibi_slopes``: ALiBi's fp32 slopes, ``(Hq,)`` or
     ``(B, Hq)`` (a constant: no gradient flows to them, as in FlashAttention-2). ``seed``/``offset``:
     the dropout Philox pair, drawn from torch's generator when ``seed`` is None.
-    ``deterministic=True``: the backward runs the bit-reproducible scheme. FP8 q, k, v
+    ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``): the backward runs
+    the bit-reproducible scheme. FP8 q, k, v
     (``q_descale``/``k_descale``/``v_descale``, ``out_dtype``: see there) run the FP8 inference
     forward: no gradient (an input that requires one is refused), no bias, dropout, sinks,
     softcap or ALiBi.
@@ -442,6 +443,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
         raise ArgumentError(f"seed and offset must be in [0, 2**64), got seed={seed}, offset={offset}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    # torch.use_deterministic_algorithms(True) asks every op for reproducible results: the backward
+    # then keeps the split scheme, whatever a tuning rule says (the atomic one sums dQ in the order
+    # its additions land).
+    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
     if q.dtype in _FP8 or q_descale is not None or k_descale is not None or v_descale is not None or \
             out_dtype is not None:
         from .attention import fp8 as _fp8

@@ -364,6 +364,28 @@ def test_the_torch_wrapper_runs_the_plan_directly_unless_a_mode_needs_the_op(
     assert through_op == [1]
 
 
+def test_torch_deterministic_algorithms_make_the_backward_deterministic(
+        lib: RecordingLibrary, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With torch.use_deterministic_algorithms(True) the wrapper asks for the reproducible
+    backward (a tuning rule may otherwise pick the atomic scheme, whose dQ is not)."""
+    from aotriton_rt.ops import torch as op_torch
+
+    seen = []
+    real = op_torch._EagerAttention.apply
+    monkeypatch.setattr(op_torch._EagerAttention, "apply",
+                        lambda *a: seen.append(a[-1]["deterministic"]) or real(*a))
+    leaves = [t.clone().requires_grad_() for t in qkv()]
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        op_torch.attention(*leaves, causal=True, library=lib)
+        torch.use_deterministic_algorithms(True)
+        op_torch.attention(*leaves, causal=True, library=lib)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    op_torch.attention(*leaves, causal=True, deterministic=True, library=lib)
+    assert seen == [False, True, True]
+
+
 # ---------------------------------------------------------------------------------------------
 # The integer-address flavour (torch tensors on a device, compiled handles), driven on the CPU.
 # ---------------------------------------------------------------------------------------------
