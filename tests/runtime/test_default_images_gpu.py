@@ -2,9 +2,9 @@
 
 Every forward and backward spec the default catalog holds for this GPU's arch runs through the
 public API (the operator's own dispatch, tuning rules included) on ragged GQA problems, against
-an fp32 reference; every decode spec runs against a cache with per-sequence lengths. A spec the
-catalog lacks is not tried here: what the default set covers is README.md's table, checked by
-tests/runtime/test_readme_default_set.py.
+an fp32 reference (sm90's atomic-dQ backward asked for by name); every decode spec runs against a
+cache with per-sequence lengths. A spec the catalog lacks is not tried here: what the default set
+covers is README.md's table, checked by tests/runtime/test_readme_default_set.py.
 
 Images: ``AOTRITON_RT_DEFAULT_IMAGES`` (a folder built with ``python -m builder build --set
 default --targets <arch>``); without it the set is built here for this GPU's arch.
@@ -72,6 +72,40 @@ def test_every_default_attention_spec_matches_an_fp32_reference_forward_and_back
             gerr = ((got.float() - want).abs().max() / want.abs().max()).item()
             if not gerr <= 3e-2:
                 failures.append(f"backward {spec} {name}: relative error {gerr:.3g}")
+    assert not failures, "\n".join(failures)
+
+
+def test_every_default_atomic_backward_spec_matches_an_fp32_reference(default_lib) -> None:
+    """sm90's atomic-dQ backward, which the default images hold for the tuning database's scheme
+    rules (they pick it at long sequences, too long for an fp32 reference here): every spec,
+    asked for with ``scheme="atomic"`` on a ragged GQA problem, runs the atomic kernels and
+    matches the reference."""
+    from aotriton_rt.ops.attention import attention_kernels
+
+    specs = [s for s in _specs(default_lib, ("attn_bwd_dkdv_sm90",)) if s["DQ_ATOMIC"]]
+    if not specs:
+        pytest.skip("the default images hold no atomic-dQ backward for this GPU (sm90 only)")
+    failures = []
+    for spec in specs:
+        d, dtype, causal = spec["HEAD_DIM"], DTYPES[spec["dtype"]], bool(spec["CAUSAL"])
+        gen = torch.Generator(device="cuda").manual_seed(d + 1)
+        q, k, v = (torch.randn(2, h, n, d, device="cuda", dtype=dtype, generator=gen)
+                   for h, n in ((4, 301), (2, 333), (2, 333)))
+        handles = attention_kernels(q, k, v, causal=causal, backward=True, scheme="atomic", library=default_lib)
+        ran = handles["attn_bwd_dkdv"].variant(torch.cuda.current_device()).spec.get("DQ_ATOMIC", 0)
+        if ran != 1:
+            failures.append(f"atomic {spec}: the dK/dV launched has DQ_ATOMIC={ran}")
+            continue
+        out, lse = aotriton_rt.attention(q, k, v, causal=causal, library=default_lib)
+        dout = torch.randn_like(out)
+        grads = aotriton_rt.attention_backward(dout, q, k, v, out, lse, causal=causal, scheme="atomic",
+                                               library=default_lib)
+        qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+        _reference(qr, kr, vr, causal).backward(dout.float())
+        for name, got, want in zip(("dq", "dk", "dv"), grads[:3], (qr.grad, kr.grad, vr.grad)):
+            gerr = ((got.float() - want).abs().max() / want.abs().max()).item()
+            if not gerr <= 3e-2:
+                failures.append(f"atomic backward {spec} {name}: relative error {gerr:.3g}")
     assert not failures, "\n".join(failures)
 
 
