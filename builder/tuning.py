@@ -462,8 +462,8 @@ def choice_built(table: str, arch: Any, spec: Mapping[str, Any], specs: set[tupl
     the arch's own (the dispatch runs either; the gputest and default sets hold the atomic scheme
     on sm90 through the arch's kernel alone)."""
     if table == MODE_RULES:
-        kernels = (DKDV, *dict.fromkeys(own[DKDV] for a, own in ARCH_BACKWARDS.items() if a == arch and DKDV in own))
-        return all(any((k, arch, _spec_key({**spec, "DQ_ATOMIC": atomic})) in specs for k in kernels)
+        portable, owns = KERNEL_CHOICES[DKDV_KERNEL_RULES]
+        return all(any((k, arch, _spec_key({**spec, "DQ_ATOMIC": atomic})) in specs for k in (portable, owns.get(arch)))
                    for atomic in (0, 1))
     portable, owns = KERNEL_CHOICES[table]
     key = _spec_key(spec)
@@ -471,10 +471,9 @@ def choice_built(table: str, arch: Any, spec: Mapping[str, Any], specs: set[tupl
 
 
 def decision_kernels(table: str) -> tuple[str, ...]:
-    """The kernels a build must hold for a decision table's rules to fold (:func:`choice_built`)."""
-    if table == MODE_RULES:
-        return (DKDV, *dict.fromkeys(own[DKDV] for own in ARCH_BACKWARDS.values() if DKDV in own))
-    portable, owns = KERNEL_CHOICES[table]
+    """The kernels a build must hold for a decision table's rules to fold (:func:`choice_built`): a
+    scheme rule needs the dK/dV kernels, as the dK/dV kernel choice does."""
+    portable, owns = KERNEL_CHOICES[DKDV_KERNEL_RULES if table == MODE_RULES else table]
     return (portable, *dict.fromkeys(owns.values()))
 
 

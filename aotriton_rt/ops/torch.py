@@ -446,7 +446,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window: 
     # torch.use_deterministic_algorithms(True) asks every op for reproducible results: the backward
     # then keeps the split scheme, whatever a tuning rule says (the atomic one sums dQ in the order
     # its additions land).
-    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    if not deterministic and torch.are_deterministic_algorithms_enabled():
+        deterministic = True
     if q.dtype in _FP8 or q_descale is not None or k_descale is not None or v_descale is not None or \
             out_dtype is not None:
         from .attention import fp8 as _fp8

@@ -233,21 +233,18 @@ def in_sm90_gluon_atomic_set(spec: dict, target: object) -> bool:
 
 
 def in_default_sm90_atomic_set(spec: dict, target: object) -> bool:
-    """The atomic-dQ backward's default variants on sm90: preprocess (``DQ_ATOMIC=1``), the Gluon
-    dK/dV and its aligned sibling (``DQ_ATOMIC=1``: config #0 and the tuned ones) and the convert
-    kernel for the default backward's fixed-length specs (fp16/bf16, head dims
-    ``DEFAULT_BACKWARD_HEAD_DIMS``, no mask or mode 1), so that the tuning database's scheme rules
-    (the atomic scheme where it beats the split one) hold for the images pip users get; not the
-    portable atomic dK/dV (the dispatch runs the Gluon one on sm90)."""
-    head_dim = spec.get("HEAD_DIM")
-    return (getattr(target, "arch", None) == "sm90"
-            and spec.get("dtype") in ("fp16", "bf16")
-            and head_dim in DEFAULT_BACKWARD_HEAD_DIMS and head_dim in SM90_GLUON_BWD_HEAD_DIMS
-            and spec.get("HEAD_DIM_V", head_dim) == head_dim
-            and spec.get("CAUSAL", 0) in DEFAULT_CAUSAL
-            and not spec.get("VARLEN", 0) and not spec.get("BIAS", 0) and not spec.get("DROPOUT", 0)
-            and not spec.get("SOFTCAP", 0) and not spec.get("ALIBI", 0)
-            and spec.get("DQ_ATOMIC", 1) == 1)
+    """The atomic-dQ backward's default variants on sm90: the atomic twins (``DQ_ATOMIC=1``) of the
+    default backward's specs that :func:`in_sm90_gluon_atomic_set` gives the Gluon dK/dV (and its
+    aligned sibling), the preprocess and the convert kernel, so that the tuning database's scheme
+    rules (the atomic scheme where it beats the split one) hold for the images pip users get; not
+    the portable atomic dK/dV (the dispatch runs the Gluon one on sm90)."""
+    return in_sm90_gluon_atomic_set(spec, target) and in_default_backward_set({**spec, "DQ_ATOMIC": 0}, target)
+
+
+def in_default_backward_schemes_set(spec: dict, target: object) -> bool:
+    """The default set's variants of a kernel that both backward schemes run (the preprocess, sm90's
+    Gluon dK/dV): :func:`in_default_backward_set`'s, and on sm90 :func:`in_default_sm90_atomic_set`'s."""
+    return in_default_backward_set(spec, target) or in_default_sm90_atomic_set(spec, target)
 
 
 #: Head dims of the FP8 forward in the gputest set (both output dtypes, mask modes 0 and 1, dense

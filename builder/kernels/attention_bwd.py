@@ -15,6 +15,7 @@ import triton.language as tl
 
 from builder.kernels._attention_sets import (
     in_bwd_sweep_set,
+    in_default_backward_schemes_set,
     in_default_backward_set,
     in_default_sm90_atomic_set,
     in_gputest_set,
@@ -734,9 +735,7 @@ KERNELS = [
         grid=("cdiv(seqlen_q, BLOCK_M)", "batch * num_heads_q", "1"),
         divisibility=_PRE_DIV,
         exclude=_bwd_head_dim_excluded,
-        sets={"default": lambda spec, target: (in_default_backward_set(spec, target)
-                                               or in_default_sm90_atomic_set(spec, target)),
-              "bwdsweep": in_bwd_sweep_set,
+        sets={"default": in_default_backward_schemes_set, "bwdsweep": in_bwd_sweep_set,
               "gputest": lambda spec, target: in_gputest_set(spec, target) or in_sm90_gluon_atomic_set(spec, target)},
         checks=("batch * num_heads_q <= 65535",) + stride_checks(_PRE_DIV),
     ),

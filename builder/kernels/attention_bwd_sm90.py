@@ -899,11 +899,7 @@ def attn_bwd_dkdv_sm90(
 # --------------------------------------------------------------------------------------------
 
 from aotriton_rt.ops.attention.family import ALIGNED_FACTS, ALIGNED_SIBLINGS, DKDV_SM90  # noqa: E402
-from builder.kernels._attention_sets import (  # noqa: E402
-    SM90_GLUON_BWD_HEAD_DIMS,
-    in_default_backward_set,
-    in_default_sm90_atomic_set,
-)
+from builder.kernels._attention_sets import SM90_GLUON_BWD_HEAD_DIMS, in_default_backward_schemes_set  # noqa: E402
 from builder.kernels._attention_sets import in_gputest_set as _in_bwd_gputest_set  # noqa: E402
 from builder.kernels.attention import ALIGN_CHECKS, GQA_CHECKS, divisibility_of, signature_of, stride_checks  # noqa: E402
 from builder.kernels.attention_bwd import _GRAD_PTRS  # noqa: E402
@@ -989,12 +985,6 @@ def sm90_dkdv_configs(spec: dict, target: object) -> tuple[ConfigDecl, ...]:
                  for share, tma_, bm, st, programs, overlap in combos)
 
 
-def _in_default_set(spec: dict, target: object) -> bool:
-    """The default backward's specs in both schemes: the split one's, and on sm90 the atomic one's
-    (:func:`builder.kernels._attention_sets.in_default_sm90_atomic_set`)."""
-    return in_default_backward_set(spec, target) or in_default_sm90_atomic_set(spec, target)
-
-
 def _excluded(spec: dict, target: object) -> str | None:
     if target.backend != "cuda" or target.arch != "sm90":
         return f"{target.arch}: a Gluon kernel for sm90 only (other targets run attn_bwd_dkdv)"
@@ -1034,7 +1024,7 @@ KERNEL = KernelDecl(
     grid=GRID,
     divisibility=_DIV,
     exclude=_excluded,
-    sets={"default": _in_default_set, "gputest": in_gputest_set},
+    sets={"default": in_default_backward_schemes_set, "gputest": in_gputest_set},
     set_configs={"default": tuned_configs(DKDV_SM90)},
     checks=_CHECKS + stride_checks(_DIV),
 )
@@ -1065,7 +1055,7 @@ ALIGNED_KERNEL = KernelDecl(
     grid=KERNEL.grid,
     divisibility=_DIV_A16,
     exclude=_excluded,
-    sets={"default": _in_default_set, "gputest": in_gputest_set},
+    sets={"default": in_default_backward_schemes_set, "gputest": in_gputest_set},
     set_configs={"default": tuned_configs(DKDV_SM90)},
     checks=_CHECKS + stride_checks(_DIV_A16),
 )
