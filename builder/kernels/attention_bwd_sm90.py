@@ -395,20 +395,9 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
                                dq_zero, use_acc=False, is_async=True)
             dq = warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)),
                                k_smem.index(1).slice(C * CHUNK, CHUNK, dim=1), dq, is_async=True)
-            if DQ_LATE:
-                # Groups retire in order: dV's and dQ's are done, dK's runs on while dQ is added.
-                dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-                dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
-            else:
-                dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
-                mbarrier.arrive(free.index(s), count=1)
-            if DQ_TMA:
-                _reduce_dq(dqa_desc, dq_smem.index(C), dq * sm_scale, qb, qh, start_m, C * CHUNK, True, PERSISTENT)
-            else:
-                _add_dq(row_ptrs + C * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
-            if DQ_LATE:
-                dk = warpgroup_mma_wait(0, deps=(dk,))
-                mbarrier.arrive(free.index(s), count=1)
+            NCHUNK: gl.constexpr = 1
+            col = C * CHUNK
+            buf = C
         else:
             # dQ's share of this consumer's 64 keys, dS·K_C, in CHUNK-column pieces: the first
             # runs beside dV's and dK's matmuls, the others one at a time (each 32 fp32 registers
@@ -417,29 +406,32 @@ def _tile(it, start_m, dk, dv, k, v, q_smem, do_smem, ready, free, L_head, D_hea
             BLOCK_D: gl.constexpr = k.shape[1]
             ds_t = ds_smem.index(C).permute((1, 0))
             dq = warpgroup_mma(ds_t, k.slice(0, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
-            if DQ_LATE:
-                dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-                dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
-            else:
-                dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
-                mbarrier.arrive(free.index(s), count=1)
             NCHUNK: gl.constexpr = BLOCK_D // CHUNK
+            col = 0
+            buf = C * NCHUNK
+        if DQ_LATE:
+            # Groups retire in order: dV's and dQ's are done, dK's runs on while dQ is added.
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
+        else:
+            dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+            mbarrier.arrive(free.index(s), count=1)
+        if DQ_TMA:
+            _reduce_dq(dqa_desc, dq_smem.index(buf), dq * sm_scale, qb, qh, start_m, col, True, PERSISTENT)
+        else:
+            _add_dq(row_ptrs + col, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
+        if DQ_LATE:
+            # The next chunks' matmuls would retire after dK's: wait for it here.
+            dk = warpgroup_mma_wait(0, deps=(dk,))
+            mbarrier.arrive(free.index(s), count=1)
+        for i in gl.static_range(1, NCHUNK):
+            dq = warpgroup_mma(ds_t, k.slice(i * CHUNK, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq,))
             if DQ_TMA:
-                _reduce_dq(dqa_desc, dq_smem.index(C * NCHUNK), dq * sm_scale, qb, qh, start_m, 0, True, PERSISTENT)
+                _reduce_dq(dqa_desc, dq_smem.index(C * NCHUNK + i), dq * sm_scale, qb, qh, start_m, i * CHUNK, False,
+                           PERSISTENT)
             else:
-                _add_dq(row_ptrs, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
-            if DQ_LATE:
-                # The next chunks' matmuls would retire after dK's: wait for it here.
-                dk = warpgroup_mma_wait(0, deps=(dk,))
-                mbarrier.arrive(free.index(s), count=1)
-            for i in gl.static_range(1, NCHUNK):
-                dq = warpgroup_mma(ds_t, k.slice(i * CHUNK, CHUNK, dim=1), dq_zero, use_acc=False, is_async=True)
-                dq = warpgroup_mma_wait(0, deps=(dq,))
-                if DQ_TMA:
-                    _reduce_dq(dqa_desc, dq_smem.index(C * NCHUNK + i), dq * sm_scale, qb, qh, start_m, i * CHUNK,
-                               False, PERSISTENT)
-                else:
-                    _add_dq(row_ptrs + i * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
+                _add_dq(row_ptrs + i * CHUNK, dq * sm_scale, q_rows, dq_cols, len_q, MASKED)
     else:
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(free.index(s), count=1)
