@@ -6,6 +6,7 @@ through :func:`run_job`. Only this module and the kernel files import triton.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import lzma
@@ -43,6 +44,34 @@ def compile_env() -> dict[str, str]:
     floating-point contraction (a*b+c as one FMA) on, which Triton 3.6 does by default and Triton
     3.9 does only while this variable says so (3.10 turns it off otherwise)."""
     return {"TRITON_DISABLE_LINE_INFO": "1", "TRITON_ALWAYS_COMPILE": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+
+
+#: Linux's personality flag that starts the programs a process executes without address-space
+#: layout randomisation (``setarch -R``).
+ADDR_NO_RANDOMIZE = 0x0040000
+
+
+@cache
+def fixed_layout_for_compilers() -> bool:
+    """Make the compilers this process runs from now on (ptxas) start without address-space layout
+    randomisation; return whether they will.
+
+    ptxas (CUDA 12.8, Triton 3.6's) schedules some kernels differently from run to run: the
+    same PTX of an sm90 Gluon backward variant assembled to one of two binaries, about half the
+    time each, and always to the same one with randomisation off, whatever the paths and
+    environment. The flag is inherited across ``exec`` and changes nothing in this process's own
+    layout. Best effort: a seccomp profile (Docker's default) may refuse the call, and then
+    such variants may differ between builds; everything still compiles."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        current = libc.personality(ctypes.c_ulong(0xFFFFFFFF))  # query
+        if current == -1:
+            return False
+        if current & ADDR_NO_RANDOMIZE:
+            return True
+        return libc.personality(ctypes.c_ulong(current | ADDR_NO_RANDOMIZE)) != -1
+    except (OSError, AttributeError):  # no personality(2): not Linux
+        return False
 
 
 @cache
@@ -106,6 +135,7 @@ def compile_job_with_ptx(job: Job) -> tuple[Variant, bytes, bytes, bytes | None]
     ROCm call reads the HSACO itself from a file path.
     """
     os.environ.update(compile_env())
+    fixed_layout_for_compilers()
     import triton
 
     from .abi import HIDDEN_ARGS, natural_layout

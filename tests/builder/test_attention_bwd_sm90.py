@@ -729,5 +729,43 @@ def test_overlap_configs_keep_their_wgmmas_asynchronous_and_spill_little(overlap
     assert from_registers == (2 * (2 * 2 * block_m // 16 + 2 * block_m // 16) if overlap == 1 else 0)
 
 
+#: A child that turns the builder's compiler setting on, then assembles the PTX (argv[2]) with ptxas
+#: (argv[1]) as Triton does with line info off, argv[3] times, printing each binary's sha256.
+_ASSEMBLE = """
+import hashlib, subprocess, sys, tempfile
+from builder.compile import fixed_layout_for_compilers
+if not fixed_layout_for_compilers():
+    print("refused")
+    sys.exit()
+with tempfile.TemporaryDirectory() as tmp:
+    for i in range(int(sys.argv[3])):
+        out = f"{tmp}/{i}.o"
+        subprocess.run([sys.argv[1], "-lineinfo", "-suppress-debug-info", "-v", "--gpu-name=sm_90a", sys.argv[2],
+                        "-o", out], check=True, capture_output=True)
+        print(hashlib.sha256(open(out, "rb").read()).hexdigest())
+"""
+
+
+def test_the_builder_assembles_a_kernel_that_ptxas_schedules_two_ways_the_same_way_every_time(
+        overlap_built: Path, tmp_path: Path) -> None:
+    """ptxas (CUDA 12.8) assembles the PTX of the bf16 D=128 causal OVERLAP=1 variant to one of two
+    binaries, about half the time each, depending on where address-space randomisation put its
+    heap; the builder starts its compilers with randomisation off (builder/compile.py), so six more
+    assemblies of the catalog's PTX under that setting are the image's bytes."""
+    import subprocess
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    spec, config, *_ = OVERLAP_BUILT[0]
+    (variant,) = [v for v in _variants(overlap_built) if v.spec == spec and v.config.index == config]
+    ptx = tmp_path / "kernel.ptx"
+    ptx.write_bytes(lzma.decompress((overlap_built / variant.ptx.path).read_bytes()))
+    run = subprocess.run([sys.executable, "-c", _ASSEMBLE, get_ptxas(90).path, str(ptx), "6"], check=True,
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    if run.stdout.strip() == "refused":
+        pytest.skip("this machine refuses personality(ADDR_NO_RANDOMIZE) (a seccomp profile)")
+    assert run.stdout.split() == [variant.image.raw_sha256] * 6
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
