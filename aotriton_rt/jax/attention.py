@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,24 @@ class _Options:
                 "max_seqlen_k": self.max_seqlen_k, "layout": self.layout, "softcap": self.softcap}
 
 
+#: XLA's flags that ask every op for run-to-run reproducible results (the first implies the second).
+XLA_DETERMINISM_FLAGS = ("xla_gpu_deterministic_ops", "xla_gpu_exclude_nondeterministic_ops")
+
+
+def xla_asks_determinism(flags: str | None = None) -> bool:
+    """Whether ``XLA_FLAGS`` (or ``flags``) turns on one of :data:`XLA_DETERMINISM_FLAGS`: a bare
+    ``--flag``, ``--flag=true`` or ``--flag=1``; the last mention of a flag wins, as in XLA. The
+    backward then runs the reproducible split scheme, as with ``deterministic=True``, since XLA
+    cannot see which scheme our custom calls take."""
+    flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+    state: dict[str, bool] = {}
+    for token in flags.split():
+        name, _, value = token.removeprefix("--").partition("=")
+        if token.startswith("--") and name in XLA_DETERMINISM_FLAGS:
+            state[name] = value.lower() in ("", "true", "1")
+    return any(state.values())
+
+
 def _options(causal: Any, window: Any, align: Any, dropout_p: Any, seed: Any, offset: Any, scale: Any,
              max_seqlen_q: Any, max_seqlen_k: Any, layout: Any, deterministic: Any, scheme: Any, library: Any,
              arch: Any, cu_q: Any, cu_k: Any, softcap: Any = None) -> _Options:
@@ -120,6 +139,7 @@ def _options(causal: Any, window: Any, align: Any, dropout_p: Any, seed: Any, of
                             "under jax.jit the lengths cannot be read from the device")
     if isinstance(window, list):
         window = tuple(window)
+    deterministic = bool(deterministic) or xla_asks_determinism()
     return _Options(causal, window, align, dropout_p, seed, offset, scale, max_seqlen_q, max_seqlen_k, layout,
                     deterministic, scheme, library, arch, cu_q is not None and cu_q is cu_k, softcap)
 

@@ -1135,8 +1135,9 @@ def test_backward_refuses_malformed_calls_before_any_launch(kw: dict, match: str
 
 
 def test_backward_refuses_an_atomic_scheme_that_must_be_deterministic() -> None:
-    with pytest.raises(UnsupportedError, match=r"scheme='atomic' sums dq with atomics and is not deterministic; "
-                                               r"drop deterministic=True or use scheme='split'"):
+    with pytest.raises(UnsupportedError, match=r"scheme='atomic' sums dq with atomics and is not deterministic, "
+                                               r"but reproducible results were asked for \(deterministic=True, .*; "
+                                               r"use scheme='split' or leave scheme unset"):
         _bwd(scheme="atomic", deterministic=True)
 
 

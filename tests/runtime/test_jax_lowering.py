@@ -305,9 +305,13 @@ if __name__ == "__main__":
     want = {("attn_fwd", "sm90"): fwd, ("attn_fwd", "gfx942"): fwd,
             ("attn_bwd_preprocess", "sm90"): {**base, "VARLEN": 0, "DQ_ATOMIC": 0},
             ("attn_bwd_dkdv", "sm90"): {**base, **mask, "BIAS": 0, "DQ_ATOMIC": 0, "SOFTCAP": 0, "ALIBI": 0},
-            ("attn_bwd_dq", "sm90"): {**base, **mask, "BIAS": 0, "SOFTCAP": 0, "ALIBI": 0}}
+            ("attn_bwd_dq", "sm90"): {**base, **mask, "BIAS": 0, "SOFTCAP": 0, "ALIBI": 0},
+            # The atomic scheme's three (preprocess zeroing DQacc, dK/dV adding dQ, the cast).
+            ("attn_bwd_preprocess", "sm90", 1): {**base, "VARLEN": 0, "DQ_ATOMIC": 1},
+            ("attn_bwd_dkdv", "sm90", 1): {**base, **mask, "BIAS": 0, "DQ_ATOMIC": 1, "SOFTCAP": 0, "ALIBI": 0},
+            ("attn_bwd_dq_convert", "sm90"): {"dtype": "bf16", "HEAD_DIM": 64, "VARLEN": 0}}
     kernels = registry.load_kernels()
-    jobs = [j for (name, arch), spec in want.items()
+    jobs = [j for (name, arch, *_), spec in want.items()
             for j in registry.expand(kernels[name], parse_targets(arch), "full", "3.6.0")
             if dict(j.spec) == spec and j.config_index == 0]
     assert len(jobs) == len(want), [j.label for j in jobs]
@@ -318,7 +322,7 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def attn_lib(tmp_path_factory) -> aotriton_rt.Library:
     """Real attention images: bf16 D=64 causal (mask mode 1, which a bottom-right call runs with
-    causal_align 1) forward and split backward (sm90), forward (gfx942)."""
+    causal_align 1) forward and both backward schemes (sm90), forward (gfx942)."""
     import subprocess
     import sys
 
@@ -381,6 +385,40 @@ def test_grad_of_attention_under_jit_lowers_to_the_forward_and_the_split_backwar
     assert calls[0]["grid"] == list(Packer(fwd).grid_for([s[a.name] if not a.is_pointer else 0 for a in fwd.args]))
     assert calls[0]["grid"][0] >= -(-200 // block_m) // 2 and calls[0]["grid"][1] == 2 * 4
     assert "tensor<2x4x200xf32>" in hlo  # lse declared fp32 (B, H, Sq)
+
+
+ATOMIC = ["attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq_convert"]
+
+
+@pytest.mark.parametrize(("flags", "determinism"), [
+    ("", False), ("--xla_gpu_deterministic_ops=true", True), ("--xla_gpu_exclude_nondeterministic_ops", True),
+    ("--xla_gpu_autotune_level=0 --xla_gpu_exclude_nondeterministic_ops=1", True),
+    ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", False),
+    ("--xla_gpu_deterministic_ops=false", False), ("--xla_gpu_deterministic_ops_extra=true", False)])
+def test_xlas_determinism_flags_make_the_backward_reproducible(attn_lib, monkeypatch, flags: str,
+                                                               determinism: bool) -> None:
+    """XLA_FLAGS asking XLA for reproducible ops (the last mention of a flag wins) count as
+    deterministic=True: the backward keeps the split scheme (the tuning rules' atomic one is never
+    asked), and an explicit scheme="atomic" is refused while tracing, naming the flags; without them
+    it lowers to the atomic kernels."""
+    from aotriton_rt.errors import UnsupportedError
+    from aotriton_rt.jax.attention import xla_asks_determinism
+
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert xla_asks_determinism() is determinism
+
+    def loss(q, k, v):  # a new function each time: no trace is reused across flag settings
+        out = aj.attention(q, k, v, causal=True, align="bottom_right", scheme="atomic", library=attn_lib,
+                           arch="sm90")
+        return out.astype(jnp.float32).sum()
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    if determinism:
+        with pytest.raises(UnsupportedError, match=r"not deterministic, but reproducible results were asked for "
+                                                   r"\(.*XLA's --xla_gpu_deterministic_ops"):
+            lower(grad, QA, KA, KA)
+    else:
+        assert [c["name"] for c in calls_of(lower(grad, QA, KA, KA))] == ATOMIC
 
 
 def test_vmap_of_attention_folds_the_mapped_axis_into_the_batch(attn_lib) -> None:
@@ -493,8 +531,8 @@ def feature_lib(attn_lib, tmp_path_factory) -> aotriton_rt.Library:
                             "SOFTCAP": (0, 1), "ALIBI": (0, 1)}}
     variants = []
     for v in cat["variants"]:
-        if v["target"]["arch"] != "sm90":
-            continue
+        if v["target"]["arch"] != "sm90" or v["kernel"] not in axes or v["spec"].get("DQ_ATOMIC"):
+            continue  # the split scheme's kernels only
         names = list(axes[v["kernel"]])
         for d, values in itertools.product((64, 80), itertools.product(*axes[v["kernel"]].values())):
             spec = dict(zip(names, values))

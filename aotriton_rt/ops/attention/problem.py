@@ -391,8 +391,10 @@ def check_scheme(scheme: Any, deterministic: bool) -> None:
     if scheme not in (None, "split", "atomic"):
         raise ArgumentError(f"scheme must be None, 'split' or 'atomic', got {scheme!r}")
     if scheme == "atomic" and deterministic:
-        raise UnsupportedError("scheme='atomic' sums dq with atomics and is not deterministic; "
-                               "drop deterministic=True or use scheme='split'")
+        raise UnsupportedError("scheme='atomic' sums dq with atomics and is not deterministic, but reproducible "
+                               "results were asked for (deterministic=True, torch.use_deterministic_algorithms(True) "
+                               "or XLA's --xla_gpu_deterministic_ops / --xla_gpu_exclude_nondeterministic_ops); "
+                               "use scheme='split' or leave scheme unset")
 
 
 
