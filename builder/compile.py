@@ -12,6 +12,7 @@ import hashlib
 import lzma
 import os
 import resource
+import sys
 import time
 import traceback
 from functools import cache
@@ -62,6 +63,8 @@ def fixed_layout_for_compilers() -> bool:
     environment. The flag is inherited across ``exec`` and changes nothing in this process's own
     layout. Best effort: a seccomp profile (Docker's default) may refuse the call, and then
     such variants may differ between builds; everything still compiles."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         current = libc.personality(ctypes.c_ulong(0xFFFFFFFF))  # query
@@ -70,7 +73,7 @@ def fixed_layout_for_compilers() -> bool:
         if current & ADDR_NO_RANDOMIZE:
             return True
         return libc.personality(ctypes.c_ulong(current | ADDR_NO_RANDOMIZE)) != -1
-    except (OSError, AttributeError):  # no personality(2): not Linux
+    except (OSError, AttributeError):  # a libc without personality(2)
         return False
 
 

@@ -518,3 +518,16 @@ def test_timings_record_the_cpu_seconds_and_sizes_of_each_compiled_variant(tmp_p
     # A rebuild compiles nothing, so it appends nothing.
     _build(jobs, tmp_path / "images", workers=1, timings=timings)
     assert len(timings.read_text().splitlines()) == len(records)
+
+
+def test_compilers_keep_their_randomised_layout_off_linux(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The no-randomisation switch for ptxas is Linux's personality(2): elsewhere it does nothing
+    and says so (the build goes on)."""
+    from builder import compile as compile_mod
+
+    compile_mod.fixed_layout_for_compilers.cache_clear()
+    monkeypatch.setattr(compile_mod.sys, "platform", "darwin")
+    try:
+        assert compile_mod.fixed_layout_for_compilers() is False
+    finally:
+        compile_mod.fixed_layout_for_compilers.cache_clear()
